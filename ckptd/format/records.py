@@ -1,0 +1,151 @@
+"""Item records: what one rank stores, as plain data that crosses process boundaries.
+
+A record describes one stored item (a tensor chunk or a ShardedObject's bytes) and, once written,
+where its bytes are. Records travel from ranks to the coordinator as msgpack maps (never pickle),
+and the coordinator turns all of them into the DCP ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from ..errors import ProtocolError, ShardingError
+from ..mapping import ShardedObject, ShardedTensor
+
+TENSOR = "tensor"
+BYTES = "bytes"
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+        "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+        "uint16", "uint32", "uint64",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if _DTYPES.get(name) != dtype:
+        raise ShardingError(f"dtype {dtype} is not supported by the checkpoint format")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype name {name!r}") from None
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One stored item. Storage fields are empty until the item is written."""
+
+    fqn: str
+    kind: str  # TENSOR or BYTES
+    rank: int
+    dtype: str = ""
+    global_shape: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    relative_path: str = ""
+    file_offset: int = -1
+    length: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        """Raw tensor bytes of the chunk (0 for byte items)."""
+        if self.kind != TENSOR:
+            return 0
+        return math.prod(self.sizes) * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+
+    def stored_at(self, relative_path: str, file_offset: int, length: int) -> "ItemRecord":
+        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length)
+
+    def where(self) -> str:
+        if self.kind == TENSOR:
+            return f"'{self.fqn}' chunk at offsets {self.offsets} (rank {self.rank})"
+        return f"'{self.fqn}' (rank {self.rank})"
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("global_shape", "offsets", "sizes"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "ItemRecord":
+        try:
+            rec = cls(
+                fqn=str(d["fqn"]),
+                kind=str(d["kind"]),
+                rank=int(d["rank"]),
+                dtype=str(d.get("dtype", "")),
+                global_shape=tuple(int(x) for x in d.get("global_shape", ())),
+                offsets=tuple(int(x) for x in d.get("offsets", ())),
+                sizes=tuple(int(x) for x in d.get("sizes", ())),
+                relative_path=str(d.get("relative_path", "")),
+                file_offset=int(d.get("file_offset", -1)),
+                length=int(d.get("length", -1)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed item record: {exc!r}") from exc
+        if rec.kind not in (TENSOR, BYTES):
+            raise ProtocolError(f"malformed item record: unknown kind {rec.kind!r}")
+        if rec.kind == TENSOR:
+            dtype_from_name(rec.dtype)
+            if not len(rec.global_shape) == len(rec.offsets) == len(rec.sizes):
+                raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
+        return rec
+
+
+def storage_layout(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(global_shape, offsets, sizes)`` under which a ShardedTensor is stored.
+
+    Regular tensors are stored as themselves. A flattened shard (``flattened_range``) is stored
+    the way Megatron-Core stored distributed-optimizer state in torch_dist: the global tensor
+    becomes a grid of flattened local chunks, shape ``axis_fragmentations + (chunk_numel,)``, and
+    the shard is the slice ``flattened_range`` of its grid cell.
+    """
+    if sh.flattened_range is None:
+        return sh.global_shape, sh.global_offset, sh.chunk_shape()
+    fragments = tuple(sh.axis_fragmentations or ())
+    chunk = sh.chunk_shape()
+    for axis, (off, size) in enumerate(zip(sh.global_offset, chunk)):
+        if size == 0 or off % size:
+            raise ShardingError(
+                f"ShardedTensor '{sh.key}': flattened shard's chunk offset {off} on axis {axis} "
+                f"is not a multiple of its chunk size {size}; flattened shards need a regular grid"
+            )
+    cell = tuple(off // size for off, size in zip(sh.global_offset, chunk))
+    numel = math.prod(chunk)
+    fr = sh.flattened_range
+    return (
+        fragments + (numel,),
+        cell + (fr.start,),
+        (1,) * len(cell) + (fr.stop - fr.start,),
+    )
+
+
+def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
+    gshape, offsets, sizes = storage_layout(sh)
+    return ItemRecord(
+        fqn=sh.key,
+        kind=TENSOR,
+        rank=rank,
+        dtype=dtype_name(sh.dtype),
+        global_shape=gshape,
+        offsets=offsets,
+        sizes=sizes,
+    )
+
+
+def object_record(sh: ShardedObject, rank: int) -> ItemRecord:
+    return ItemRecord(fqn=sh.unique_key, kind=BYTES, rank=rank)

@@ -1,0 +1,119 @@
+"""Global checks of all ranks' item records before anything becomes visible.
+
+Runs where every rank's records meet: rank 0 of a synchronous save, or the coordinator of an
+asynchronous one. Errors name the key and the ranks involved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from ..errors import ShardingError
+from .records import BYTES, TENSOR, ItemRecord
+
+# Above this many chunks per tensor, a sweep along axis 0 replaces the all-pairs overlap check.
+_PAIRWISE_LIMIT = 64
+
+
+def _overlap(a: ItemRecord, b: ItemRecord) -> bool:
+    return all(
+        ao < bo + bs and bo < ao + as_
+        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    )
+
+
+def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
+    seen: dict[tuple[int, ...], ItemRecord] = {}
+    for c in chunks:
+        if c.offsets in seen:
+            other = seen[c.offsets]
+            raise ShardingError(
+                f"tensor '{fqn}': ranks {other.rank} and {c.rank} both store the chunk at offsets "
+                f"{c.offsets}. Give all but one of them replica_id != 0, or fix their offsets."
+            )
+        seen[c.offsets] = c
+    ordered = sorted((c for c in chunks if math.prod(c.sizes)), key=lambda c: c.offsets[:1])
+    for i, a in enumerate(ordered):
+        end0 = a.offsets[0] + a.sizes[0] if a.offsets else 0
+        for b in ordered[i + 1 :]:
+            if b.offsets and b.offsets[0] >= end0:
+                break
+            if _overlap(a, b):
+                raise ShardingError(
+                    f"tensor '{fqn}': the chunk of rank {a.rank} (offsets {a.offsets}, sizes "
+                    f"{a.sizes}) overlaps the chunk of rank {b.rank} (offsets {b.offsets}, sizes "
+                    f"{b.sizes}). Each element must be stored by exactly one main replica."
+                )
+
+
+def validate_records(records: list[ItemRecord]) -> None:
+    """Raise ShardingError unless the records describe a complete, consistent checkpoint.
+
+    Checks: each key has one kind, one dtype and one global shape on every rank; chunks lie in
+    bounds; no two chunks overlap; chunks cover the whole tensor (no gap); ShardedObject keys are
+    stored once.
+    """
+    by_key: dict[str, list[ItemRecord]] = defaultdict(list)
+    for r in records:
+        by_key[r.fqn].append(r)
+    for fqn, items in by_key.items():
+        kinds = {r.kind for r in items}
+        if len(kinds) > 1:
+            ranks = sorted({r.rank for r in items})
+            raise ShardingError(
+                f"key '{fqn}' is a tensor on some ranks and an object on others (ranks {ranks}); "
+                "use distinct keys"
+            )
+        if BYTES in kinds:
+            if len(items) > 1:
+                raise ShardingError(
+                    f"ShardedObject '{fqn}' is stored by ranks {sorted(r.rank for r in items)}; "
+                    "give all but one of them replica_id != 0"
+                )
+            continue
+        _validate_tensor(fqn, items)
+
+
+def _validate_tensor(fqn: str, items: list[ItemRecord]) -> None:
+    first = items[0]
+    for r in items[1:]:
+        if r.global_shape != first.global_shape:
+            raise ShardingError(
+                f"tensor '{fqn}': rank {first.rank} declares global shape {first.global_shape} but "
+                f"rank {r.rank} declares {r.global_shape}; all ranks must agree"
+            )
+        if r.dtype != first.dtype:
+            raise ShardingError(
+                f"tensor '{fqn}': rank {first.rank} stores {first.dtype} but rank {r.rank} stores "
+                f"{r.dtype}; all ranks must use one dtype"
+            )
+    for r in items:
+        for axis, (o, s, g) in enumerate(zip(r.offsets, r.sizes, r.global_shape)):
+            if o < 0 or s < 0 or o + s > g:
+                raise ShardingError(
+                    f"tensor '{fqn}': the chunk of rank {r.rank} spans [{o}, {o + s}) on axis "
+                    f"{axis}, outside the global shape {r.global_shape}"
+                )
+    _check_no_overlap(fqn, items)
+    covered = sum(math.prod(r.sizes) for r in items)
+    total = math.prod(first.global_shape)
+    if covered != total:
+        ranks = sorted({r.rank for r in items})
+        raise ShardingError(
+            f"tensor '{fqn}': the main replicas (replica_id 0) on ranks {ranks} cover {covered} of "
+            f"{total} elements of global shape {first.global_shape}; some chunk is missing. Check "
+            "the offsets, and that every chunk has a rank with replica_id 0."
+        )
+
+
+def check_local_duplicates(records: list[ItemRecord], rank: int) -> None:
+    """Cheap rank-local check run before any collective: one item per key and offset."""
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for r in records:
+        ident = (r.fqn, r.offsets if r.kind == TENSOR else ())
+        if ident in seen:
+            raise ShardingError(
+                f"rank {rank} stores {r.where()} twice; give the duplicate replica_id != 0"
+            )
+        seen.add(ident)

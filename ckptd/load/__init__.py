@@ -1,0 +1,1 @@
+"""Load planning (chunk intersection) and execution."""
