@@ -8,16 +8,25 @@ from .api import (
     load_tensors_metadata,
     save,
 )
+from .client import Checkpointer, SaveHandle, SaveStatus
+from .config import CkptdConfig
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptdError,
     CorruptCheckpointError,
+    DaemonError,
     LoadMismatchError,
+    SaveFailedError,
+    SaveSkippedError,
+    SaveTimeoutError,
     ShardingError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
+from .keymap import Fuse, Rename, Split
+from .load.execute import LoadStats
+from .load.strict import StrictHandling
 from .mapping import (
     LocalNonPersistentObject,
     ShardedObject,
@@ -31,6 +40,14 @@ __version__ = "0.1.0"
 __all__ = [
     "save",
     "load",
+    "Checkpointer",
+    "SaveHandle",
+    "SaveStatus",
+    "CkptdConfig",
+    "SaveFailedError",
+    "SaveSkippedError",
+    "SaveTimeoutError",
+    "DaemonError",
     "load_common_state_dict",
     "load_plain_tensors",
     "load_sharded_metadata",
@@ -40,6 +57,11 @@ __all__ = [
     "ShardedTensorFactory",
     "LocalNonPersistentObject",
     "is_main_replica",
+    "StrictHandling",
+    "Rename",
+    "Fuse",
+    "Split",
+    "LoadStats",
     "CkptdError",
     "ShardingError",
     "CheckpointExistsError",

@@ -16,53 +16,108 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from .dist import DistContext
-from .errors import CheckpointExistsError, ShardingError
+from .errors import CheckpointExistsError, SaveFailedError, ShardingError
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.durable import Opener, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
-from .format.items import PlannedItem, plan_object, plan_tensor, write_data_file
-from .format.layout import DCP_METADATA, METADATA_JSON, data_file_name, read_backend_metadata
-from .format.reader import DataFiles, load_object_bytes, read_common
-from .format.records import ItemRecord, storage_layout
+from .format.items import PlannedItem, plan_object, plan_tensor_items, write_data_file
+from .format.layout import (
+    COMMON_PT,
+    DCP_METADATA,
+    METADATA_JSON,
+    data_file_name,
+    read_backend_metadata,
+)
+from .format.reader import read_common
+from .format.records import ItemRecord
 from .format.validate import check_local_duplicates, validate_records
-from .load.execute import execute
-from .load.plan import ReadPlan, missing_key_error
-from .load.plan import plan_tensor as plan_tensor_read
+from .keymap import Rule
+from .load.execute import LoadStats
+from .load.loader import LoadRequest, run_load
+from .load.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
-from .state_dict import Path as SdPath
-from .state_dict import SplitStateDict, assemble, split_state_dict
+from .state_dict import SplitStateDict, path_str, split_state_dict
 
 log = logging.getLogger(__name__)
 
 
 def plan_save(split: SplitStateDict, rank: int) -> list[PlannedItem]:
-    """Items this rank stores: main replicas only, in state-dict order."""
+    """Items this rank stores: main replicas only, in state-dict order.
+
+    Raises ShardingError (naming key and rank) for data that cannot be saved: a ShardedTensor
+    without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
+    """
     items: list[PlannedItem] = []
     for path, sh in split.sharded.items():
-        if not is_main_replica(sh.replica_id):
-            continue
         if isinstance(sh, ShardedTensor):
-            if sh.data is None:
-                raise ShardingError(f"ShardedTensor '{sh.key}' at {path} has no data to save")
-            items.append(plan_tensor(sh, rank))
-        else:
+            _check_tensor_data(sh, path, rank)
+            if is_main_replica(sh.replica_id):
+                items.extend(plan_tensor_items(sh, rank))
+        elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
     check_local_duplicates([i.record for i in items], rank)
     return items
 
 
+def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
+    where = f"ShardedTensor '{sh.key}' at {path_str(path)} (rank {rank})"
+    if sh.data is None:
+        raise ShardingError(f"{where} has no data to save; pass the tensor as data")
+    if not isinstance(sh.data, torch.Tensor):
+        raise ShardingError(
+            f"{where}: data is a {type(sh.data).__name__}, not a torch.Tensor; wrap non-tensor "
+            "values in ShardedObject or leave them as common state"
+        )
+    if sh.data.device.type == "meta":
+        raise ShardingError(f"{where}: data is a meta tensor (no values); materialize it first")
+    try:
+        sh.validate_metadata_integrity()
+    except ShardingError as exc:
+        raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
+
+
 def check_save_target(checkpoint_dir: Path) -> None:
+    """Raise unless ``checkpoint_dir`` can receive a new checkpoint (absent, or a directory
+    holding no checkpoint)."""
+    if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        raise CheckpointExistsError(
+            f"{checkpoint_dir} exists and is not a directory; save to a new directory"
+        )
     for marker in (METADATA_JSON, DCP_METADATA):
         if (checkpoint_dir / marker).exists():
             raise CheckpointExistsError(
                 f"{checkpoint_dir} already holds a checkpoint ({marker} exists); ckptd never "
                 "overwrites one. Save to a new directory, or delete the old one first."
             )
+
+
+def _remove_partial(root: Path, ctx: DistContext, created_root: bool) -> None:
+    """Undo a failed save's files: each rank its data file; rank 0 every rank's data file (all
+    writes have ended once a collective step failed) and the metadata files.
+
+    Only called while ``metadata.json`` is absent: the directory never held a checkpoint, so
+    nothing but this save's own files is removed.
+    """
+    names = [data_file_name(ctx.rank)]
+    if ctx.rank == 0:
+        names = [data_file_name(r) for r in range(ctx.world_size)]
+        names += [COMMON_PT, DCP_METADATA, COMMON_PT + ".tmp", DCP_METADATA + ".tmp",
+                  METADATA_JSON + ".tmp"]
+    for name in names:
+        try:
+            (root / name).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove %s after a failed save: %s", root / name, exc)
+    if ctx.rank == 0 and created_root:
+        try:
+            root.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 def save(
@@ -72,29 +127,40 @@ def save(
     process_group: Any = None,
     opener: Opener = default_opener,
     fsync: bool = True,
+    checksums: bool = True,
 ) -> None:
     """Save a sharded state dict into ``checkpoint_dir`` (created if needed; must hold no checkpoint).
 
     Call on every rank of ``process_group`` (default: the world, or a single process when
     torch.distributed is not initialized). Blocks until the checkpoint is complete and durable.
+    ``checksums`` records a CRC-32 of every stored item in ``.metadata`` (checked by
+    ``ckptd verify``); it is computed while writing, overlapped with the file I/O.
+
+    Errors are raised on every rank (a ckptd exception naming key, rank and file). Bad input is
+    detected before anything is written; if writing fails, the files of this save are removed
+    again, so ``checkpoint_dir`` never holds a partial checkpoint.
     """
     ctx = DistContext.current(process_group)
     root = Path(checkpoint_dir)
-    split = split_state_dict(sharded_state_dict)
     prepared: list[PlannedItem] = []
+    common: list[bytes] = []
 
     def prepare() -> list[dict]:
+        split = split_state_dict(sharded_state_dict)
         if ctx.rank == 0:
             check_save_target(root)
+            common.append(serialize_common(split.common))
         items_ = plan_save(split, ctx.rank)
         prepared.extend(items_)
         return [i.record.to_wire() for i in items_]
 
     planned = ctx.agree("checkpoint planning", prepare)
+    created_root = [False]
 
     def validate() -> None:
         if ctx.rank == 0:
             validate_records([ItemRecord.from_wire(r) for rank_recs in planned for r in rank_recs])
+            created_root[0] = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
 
     ctx.agree("checkpoint validation", validate)
@@ -102,20 +168,37 @@ def save(
     def write() -> list[dict]:
         if not prepared:
             return []
-        stored = write_data_file(root, data_file_name(ctx.rank), prepared, opener, fsync)
+        name = data_file_name(ctx.rank)
+        try:
+            stored = write_data_file(root, name, prepared, opener, fsync, checksums)
+        except OSError as exc:
+            raise SaveFailedError(
+                f"rank {ctx.rank} could not write {root / name}: {exc}. Nothing was committed "
+                "and this save's files were removed; fix the storage (space, permissions) and "
+                "save again"
+            ) from exc
         return [r.to_wire() for r in stored]
-
-    stored_by_rank = ctx.agree("writing data files", write)
-    common_bytes = serialize_common(split.common) if ctx.rank == 0 else b""
 
     def commit() -> None:
         if ctx.rank == 0:
             records = [ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs]
-            finalize(root, records, common_bytes, opener, fsync)
-            if fsync:
-                fsync_dir(root.parent if root.parent != root else root)
+            try:
+                finalize(root, records, common[0], opener, fsync)
+                if fsync:
+                    fsync_dir(root.parent if root.parent != root else root)
+            except OSError as exc:
+                raise SaveFailedError(
+                    f"rank 0 could not write the metadata of {root}: {exc}. Nothing was "
+                    "committed and this save's files were removed; fix the storage and save again"
+                ) from exc
 
-    ctx.agree("checkpoint finalization", commit)
+    try:
+        stored_by_rank = ctx.agree("writing data files", write)
+        ctx.agree("checkpoint finalization", commit)
+    except Exception:
+        if not (root / METADATA_JSON).exists():
+            _remove_partial(root, ctx, created_root[0])
+        raise
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
 
 
@@ -129,60 +212,51 @@ def load(
     checkpoint_dir: str | os.PathLike,
     *,
     allow_unsafe_pickle: bool = False,
-) -> dict[str, Any]:
+    strict: StrictHandling | str | bool = StrictHandling.ASSUME_OK_UNEXPECTED,
+    key_mapping: Sequence[Rule] | None = None,
+    process_group: Any = None,
+    stats: LoadStats | None = None,
+) -> Any:
     """Load the entries described by ``sharded_state_dict`` and return a plain state dict.
 
     The result starts from the stored common state; ShardedTensors are filled (in their ``data``
     tensors when given, so loading is in place), ShardedObjects and factories are resolved, and
-    LocalNonPersistentObjects are unwrapped. Works with any world size and any chunking whose
-    global shapes match the checkpoint. ``allow_unsafe_pickle`` permits arbitrary objects in
-    ``common.pt``/ShardedObjects (only for trusted checkpoints).
+    LocalNonPersistentObjects are unwrapped. Any parallel layout loads any checkpoint: each
+    requested chunk (N-D or ``flattened_range``) is assembled from the stored chunks that overlap
+    it, reading only those byte ranges. ``allow_shape_mismatch`` tensors are zero-padded /
+    truncated where the global shapes differ.
+
+    ``strict`` (a :class:`StrictHandling` or its value string) decides what happens to requested
+    keys the checkpoint lacks (default: raise) and stored keys nobody requested; the ``return_*``
+    modes return ``(state_dict, missing_keys, unexpected_keys)``, and the ``*_all`` modes exchange
+    requested keys over ``process_group`` (call on every rank). ``key_mapping`` is a list of
+    :mod:`ckptd.keymap` rules (rename / fuse / split) applied to the checkpoint's keys before
+    resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is filled with what was read.
+    ``allow_unsafe_pickle`` permits arbitrary objects in ``common.pt``/ShardedObjects (only for
+    trusted checkpoints). No daemon and no collective is needed (except for ``*_all``).
     """
     index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
-    split = split_state_dict(sharded_state_dict)
-    common = read_common(checkpoint_dir, allow_unsafe_pickle)
-    loaded: dict[SdPath, Any] = {}
-    plan = ReadPlan()
-    pending: list[tuple[SdPath, ShardedTensor, torch.Tensor, torch.Tensor]] = []
-    objects: list[tuple[SdPath, ShardedObject]] = []
-    for path, sh in split.sharded.items():
-        if isinstance(sh, ShardedObject):
-            objects.append((path, sh))
-            continue
-        if sh.data is None:
-            sh.init_data("cpu")
-        _, _, sizes = storage_layout(sh)
-        data = sh.data
-        direct = data.device.type == "cpu" and data.is_contiguous()
-        target = data.view(sizes) if direct else torch.empty(sizes, dtype=sh.dtype)
-        plan_tensor_read(plan, sh, target, index)
-        pending.append((path, sh, data, target))
-    execute(plan, checkpoint_dir)
-    for path, sh, data, target in pending:
-        if target.data_ptr() != data.data_ptr() or target.device != data.device:
-            data.copy_(target.view(data.shape))
-        loaded[path] = data
-    if objects:
-        with DataFiles(checkpoint_dir) as files:
-            for path, sh in objects:
-                stored = index.objects.get(sh.unique_key)
-                if stored is None:
-                    raise missing_key_error(sh.unique_key, sorted(index.objects), "ShardedObject")
-                what = f"ShardedObject '{sh.unique_key}'"
-                raw = files.read(stored.relative_path, stored.file_offset, stored.length, what)
-                loaded[path] = load_object_bytes(raw, f"{what} in {stored.relative_path}", allow_unsafe_pickle)
-    return assemble(split, common, loaded)
+    return run_load(index, LoadRequest(
+        sharded_state_dict, checkpoint_dir, allow_unsafe_pickle, strict, key_mapping,
+        process_group, stats,
+    ))
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
-    """Only the common (non-sharded) state, saved by rank 0."""
+    """Only the common (non-sharded) state, saved by rank 0 (``common.pt``).
+
+    For a plain torch DCP checkpoint (no ``common.pt``), its non-tensor items, nested as saved.
+    """
     read_backend_metadata(checkpoint_dir)
     return read_common(checkpoint_dir, allow_unsafe_pickle)
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor]:
     """Every stored tensor as a data-less ShardedTensor covering the whole global tensor."""
-    index = _open_checkpoint(checkpoint_dir, False)
+    return _tensor_templates(_open_checkpoint(checkpoint_dir, False))
+
+
+def _tensor_templates(index: CheckpointIndex) -> dict[str, ShardedTensor]:
     return {
         key: ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.dtype, device="meta")).without_data()
         for key, t in sorted(index.tensors.items())
@@ -190,9 +264,13 @@ def load_tensors_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
 
 
 def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor | ShardedObject]:
-    """Tensors (as in :func:`load_tensors_metadata`) plus data-less ShardedObjects by unique key."""
-    out: dict[str, ShardedTensor | ShardedObject] = dict(load_tensors_metadata(checkpoint_dir))
-    index = read_index(checkpoint_dir)
+    """Tensors (as in :func:`load_tensors_metadata`) plus data-less ShardedObjects by unique key.
+
+    Byte items of a plain torch DCP checkpoint that are not ShardedObject shards are common
+    state (see :func:`load_common_state_dict`), not listed here.
+    """
+    index = _open_checkpoint(checkpoint_dir, False)
+    out: dict[str, ShardedTensor | ShardedObject] = dict(_tensor_templates(index))
     for unique_key in sorted(index.objects):
         try:
             obj = ShardedObject.empty_from_unique_key(unique_key)

@@ -44,7 +44,8 @@ class CheckpointExistsError(CkptdError):
 
 
 class SaveFailedError(CkptdError):
-    """An asynchronous save did not commit. The message lists the reason of every failed party."""
+    """A save did not commit (synchronous: writing failed; asynchronous: any party failed). The
+    message lists the reason of every failed party."""
 
 
 class SaveSkippedError(SaveFailedError):
@@ -61,3 +62,7 @@ class ProtocolError(CkptdError):
 
 class StagingError(CkptdError):
     """Shared-memory staging failed (pool exhausted, segment missing, size mismatch)."""
+
+
+class SaveTimeoutError(CkptdError, TimeoutError):
+    """Waiting for an asynchronous save timed out; the save may still commit later."""

@@ -32,14 +32,15 @@ def _map(x: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
     return fn(path, x)
 
 
-def iter_leaves(x: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
-    """Yield ``(path, leaf)`` for every non-container value."""
+def iter_leaves(x: Any, path: Path = (), *, into_tuples: bool = False) -> Iterator[tuple[Path, Any]]:
+    """Yield ``(path, leaf)`` for every non-container value (dicts, lists, and with
+    ``into_tuples`` also tuples, are containers)."""
     if isinstance(x, dict):
         for k, v in x.items():
-            yield from iter_leaves(v, path + (k,))
-    elif isinstance(x, list):
+            yield from iter_leaves(v, path + (k,), into_tuples=into_tuples)
+    elif isinstance(x, list) or (into_tuples and isinstance(x, tuple)):
         for i, v in enumerate(x):
-            yield from iter_leaves(v, path + (i,))
+            yield from iter_leaves(v, path + (i,), into_tuples=into_tuples)
     else:
         yield path, x
 

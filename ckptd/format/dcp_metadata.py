@@ -8,6 +8,7 @@ Megatron-Core ckptd writes the same object. Reading uses an allow-list unpickler
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 from collections import defaultdict
@@ -28,10 +29,21 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
 from .durable import Opener, atomic_write, default_opener
-from .layout import DCP_METADATA
+from .layout import COMMON_PT, DCP_METADATA, METADATA_JSON
 from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
 
+log = logging.getLogger(__name__)
+
 DCP_VERSION = "1.0.0"
+
+# Extra attribute of the pickled DCP ``Metadata`` holding ckptd's checksums. torch DCP and
+# Megatron-Core unpickle the object and ignore attributes they do not know, and keeping the
+# checksums in ``.metadata`` binds them atomically to the offsets they describe (one file, one
+# rename). Value: {"version": 1, "algorithm": "crc32",
+#                  "items": {(fqn, offsets): crc}  (offsets () for byte items),
+#                  "files": {"common.pt": crc}}.
+CHECKSUMS_ATTR = "ckptd_checksums"
+CHECKSUMS_VERSION = 1
 
 _ALLOWED_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -53,6 +65,11 @@ _ALLOWED_CLASSES = {
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "slice"),
+    # torch DCP's FileSystemWriter records its checkpoint_id (a path) in StorageMeta.
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -78,6 +95,7 @@ class StoredChunk:
     relative_path: str
     file_offset: int
     length: int
+    crc32: int | None = None  # recorded at save time by ckptd; None for other writers
 
 
 @dataclass
@@ -94,6 +112,7 @@ class StoredObject:
     relative_path: str
     file_offset: int
     length: int
+    crc32: int | None = None
 
 
 @dataclass
@@ -103,10 +122,20 @@ class CheckpointIndex:
     tensors: dict[str, StoredTensor]
     objects: dict[str, StoredObject]
     raw: Metadata
+    common_crc32: int | None = None  # CRC-32 of common.pt, when ckptd recorded it
+
+    @property
+    def has_checksums(self) -> bool:
+        return hasattr(self.raw, CHECKSUMS_ATTR)
 
 
-def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None) -> Metadata:
-    """Turn all ranks' stored records into the DCP Metadata (chunk lists in offset order)."""
+def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
+                   common_crc32: int | None = None) -> Metadata:
+    """Turn all ranks' stored records into the DCP Metadata (chunk lists in offset order).
+
+    Item checksums (``ItemRecord.crc32``) and ``common_crc32`` are kept in the extra attribute
+    :data:`CHECKSUMS_ATTR`, which DCP and Megatron-Core ignore.
+    """
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     chunks: dict[str, list[ItemRecord]] = defaultdict(list)
@@ -127,13 +156,49 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None) 
             storage[MetadataIndex(fqn, r.offsets, i)] = _StorageInfo(
                 r.relative_path, r.file_offset, r.length
             )
-    return Metadata(
+    md = Metadata(
         state_dict_metadata=dict(sorted(state.items())),
         planner_data={fqn: (fqn,) for fqn in sorted(state)},
         storage_data=storage,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id),
         version=DCP_VERSION,
     )
+    item_crcs = {
+        (r.fqn, tuple(r.offsets) if r.kind == TENSOR else ()): r.crc32
+        for r in records
+        if r.crc32 is not None
+    }
+    if item_crcs or common_crc32 is not None:
+        setattr(md, CHECKSUMS_ATTR, {
+            "version": CHECKSUMS_VERSION,
+            "algorithm": "crc32",
+            "items": item_crcs,
+            "files": {} if common_crc32 is None else {COMMON_PT: common_crc32},
+        })
+    return md
+
+
+def _checksums(md: Metadata, where: Path | str) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int]]:
+    """``(item crcs, file crcs)`` from :data:`CHECKSUMS_ATTR`; empty when not recorded."""
+    raw = getattr(md, CHECKSUMS_ATTR, None)
+    if raw is None:
+        return {}, {}
+    version = raw.get("version") if isinstance(raw, dict) else None
+    algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
+    if version != CHECKSUMS_VERSION or algorithm != "crc32":
+        # A newer writer's table: the checkpoint still loads, only without checksums.
+        log.warning("%s: checksum table of unknown version %r / algorithm %r; checksums ignored",
+                    where, version, algorithm)
+        return {}, {}
+    try:
+        items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
+        files = {str(k): int(v) for k, v in raw.get("files", {}).items()}
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: the checksum table ({CHECKSUMS_ATTR}) is malformed ({exc!r}); the file is "
+            "damaged. Load an earlier checkpoint."
+        ) from exc
+    return items, files
 
 
 def write_metadata(directory: str | os.PathLike, metadata: Metadata,
@@ -147,6 +212,13 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
     try:
         raw_bytes = path.read_bytes()
     except FileNotFoundError:
+        if (Path(directory) / METADATA_JSON).is_file():
+            # metadata.json is written after .metadata: the checkpoint was complete once.
+            raise CorruptCheckpointError(
+                f"{path} is missing although {METADATA_JSON} marks {directory} as a complete "
+                "checkpoint; the chunk index is lost. Restore the file, or load an earlier "
+                "checkpoint."
+            ) from None
         raise CheckpointNotFoundError(
             f"{path} is missing: {directory} has no DCP metadata, so it is not a complete "
             "checkpoint (an interrupted save leaves no .metadata). Load an earlier checkpoint."
@@ -166,6 +238,7 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
 
 
 def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
+    item_crcs, file_crcs = _checksums(md, where)
     storage = md.storage_data or {}
     by_fqn: dict[str, dict[tuple[int, ...] | None, _StorageInfo]] = defaultdict(dict)
     for idx, info in storage.items():
@@ -188,24 +261,26 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                         f"{info.transform_descriptors}, which ckptd does not read"
                     )
                 st.chunks.append(StoredChunk(tuple(ch.offsets), tuple(ch.sizes),
-                                             info.relative_path, info.offset, info.length))
+                                             info.relative_path, info.offset, info.length,
+                                             item_crcs.get((fqn, tuple(ch.offsets)))))
             tensors[fqn] = st
         elif isinstance(entry, BytesStorageMetadata):
             info = infos.get(None)
             if info is None:
                 raise CorruptCheckpointError(f"{where}: object '{fqn}' has no storage entry")
-            objects[fqn] = StoredObject(fqn, info.relative_path, info.offset, info.length)
-    return CheckpointIndex(tensors, objects, md)
+            objects[fqn] = StoredObject(fqn, info.relative_path, info.offset, info.length,
+                                        item_crcs.get((fqn, ())))
+    return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT))
 
 
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
         ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype), t.shape, c.offsets, c.sizes,
-                   c.relative_path, c.file_offset, c.length)
+                   c.relative_path, c.file_offset, c.length, crc32=c.crc32)
         for t in index.tensors.values()
         for c in t.chunks
     ]
     out += [ItemRecord(o.fqn, BYTES, -1, relative_path=o.relative_path, file_offset=o.file_offset,
-                       length=o.length) for o in index.objects.values()]
+                       length=o.length, crc32=o.crc32) for o in index.objects.values()]
     return out

@@ -7,24 +7,22 @@ has it holds a complete checkpoint.
 
 from __future__ import annotations
 
-import io
 import os
+import zlib
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .dcp_metadata import build_metadata, write_metadata
 from .durable import Opener, atomic_write_bytes, default_opener
 from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes
+from .pickled import serialize_pickled
 from .records import ItemRecord
 from .validate import validate_records
 
 
 def serialize_common(common: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(common, buf)
-    return buf.getvalue()
+    """``common.pt``'s bytes (tensors compacted, unpicklable values named; see .pickled)."""
+    return serialize_pickled(common, "common state")
 
 
 def finalize(
@@ -33,10 +31,17 @@ def finalize(
     common_bytes: bytes,
     opener: Opener = default_opener,
     fsync: bool = True,
+    checkpoint_id: str | None = None,
 ) -> None:
-    """Validate all records and write the metadata files that make ``directory`` a checkpoint."""
+    """Validate all records and write the metadata files that make ``directory`` a checkpoint.
+
+    ``checkpoint_id`` (recorded in ``.metadata``) defaults to ``directory``; an asynchronous commit
+    passes the final name, since it finalizes in ``<step>.tmp`` and renames afterwards.
+    """
     validate_records(records)
     directory = Path(directory)
     atomic_write_bytes(directory / COMMON_PT, common_bytes, opener, fsync)
-    write_metadata(directory, build_metadata(records, str(directory)), opener, fsync)
+    metadata = build_metadata(records, str(directory) if checkpoint_id is None else checkpoint_id,
+                              common_crc32=zlib.crc32(common_bytes))
+    write_metadata(directory, metadata, opener, fsync)
     atomic_write_bytes(directory / METADATA_JSON, backend_metadata_bytes(), opener, fsync)

@@ -58,7 +58,10 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         if (root / DCP_METADATA).is_file():
             # A plain torch DCP checkpoint: same sharded format, no common state.
             return dict(BACKEND_METADATA)
-        hint = ""
+        hint = (
+            " Pass the directory of one checkpoint (it holds metadata.json and .metadata, as "
+            "ckptd, Megatron-Core and torch DCP write them)."
+        )
         if root.name.endswith(".tmp"):
             hint = " It is an uncommitted (.tmp) save, which is never loaded."
         raise CheckpointNotFoundError(

@@ -5,13 +5,17 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafePickleError
-from .layout import COMMON_PT
+from .layout import COMMON_PT, METADATA_JSON
+
+if TYPE_CHECKING:
+    from .dcp_metadata import CheckpointIndex
 
 
 class DataFiles:
@@ -47,6 +51,11 @@ class DataFiles:
             self._open[relative_path] = (f, os.fstat(f.fileno()).st_size)
         return self._open[relative_path]
 
+    def fileno_and_size(self, relative_path: str) -> tuple[int, int]:
+        """OS file descriptor (for positional reads) and size of an open data file."""
+        f, size = self._file(relative_path)
+        return f.fileno(), size
+
     def read(self, relative_path: str, offset: int, length: int, what: str) -> bytes:
         f, size = self._file(relative_path)
         if offset < 0 or length < 0 or offset + length > size:
@@ -79,9 +88,14 @@ def unpickle_torch(data: bytes | BinaryIO, what: str, allow_unsafe_pickle: bool)
     except pickle.UnpicklingError as exc:
         if allow_unsafe_pickle:
             raise CorruptCheckpointError(f"{what} cannot be decoded ({exc})") from exc
+        # torch's message is a page of advice; keep the name of the refused global.
+        found = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(exc))
+        culprit = found.group(1) if found else "objects"
         raise UnsafePickleError(
-            f"{what} contains objects outside torch's weights-only allow-list ({exc}). If you "
-            "trust this checkpoint, pass allow_unsafe_pickle=True to load it."
+            f"{what} contains {culprit}, which is outside torch's weights-only allow-list, so "
+            "loading it could run arbitrary code. If you trust this checkpoint, pass "
+            "allow_unsafe_pickle=True (or allow-list the class with "
+            "torch.serialization.add_safe_globals)."
         ) from exc
     except Exception as exc:
         raise CorruptCheckpointError(f"{what} cannot be decoded ({exc!r}); the file is damaged") from exc
@@ -95,10 +109,52 @@ def load_object_bytes(data: bytes, what: str, allow_unsafe_pickle: bool) -> Any:
     raise CorruptCheckpointError(f"{what} does not hold a one-element list as Megatron-Core writes")
 
 
-def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) -> Any:
-    """The common state dict (``common.pt``); an empty dict for a plain DCP checkpoint."""
-    path = Path(directory) / COMMON_PT
-    if not path.exists():
-        return {}
-    with open(path, "rb") as f:
-        return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
+def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False,
+                index: "CheckpointIndex | None" = None) -> Any:
+    """The common (non-sharded) state: ``common.pt``, saved by rank 0.
+
+    A plain torch DCP checkpoint (no ``metadata.json``) has no ``common.pt``; its common state is
+    its non-tensor (byte) items that are not ShardedObject shards, nested again along DCP's
+    ``planner_data`` (``{"step": 5, "opt": {"lr": 0.1}}`` saved by DCP loads as it was saved).
+    """
+    root = Path(directory)
+    path = root / COMMON_PT
+    if path.exists():
+        with open(path, "rb") as f:
+            return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
+    if (root / METADATA_JSON).is_file():
+        raise CorruptCheckpointError(
+            f"{path} is missing, but {root / METADATA_JSON} says the checkpoint has one; the "
+            "checkpoint is damaged. Restore the file, or load an earlier checkpoint."
+        )
+    return _dcp_common(root, allow_unsafe_pickle, index)
+
+
+def _planner_path(planner_data: Any, fqn: str) -> tuple:
+    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
+    if isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) for p in path):
+        return tuple(path)
+    return (fqn,)
+
+
+def _dcp_common(root: Path, allow_unsafe_pickle: bool, index: "CheckpointIndex | None") -> Any:
+    from ..errors import ShardingError
+    from ..mapping import ShardedObject
+    from ..state_dict import set_path
+    from .dcp_metadata import read_index
+
+    if index is None:
+        index = read_index(root, allow_unsafe_pickle)
+    planner_data = getattr(index.raw, "planner_data", None)
+    out: dict = {}
+    with DataFiles(root) as files:
+        for fqn, obj in sorted(index.objects.items()):
+            try:
+                ShardedObject.empty_from_unique_key(fqn)
+                continue  # a ShardedObject shard, loaded by request
+            except ShardingError:
+                pass
+            what = f"DCP item '{fqn}' in {root / obj.relative_path}"
+            raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
+            set_path(out, _planner_path(planner_data, fqn), unpickle_torch(raw, what, allow_unsafe_pickle))
+    return out

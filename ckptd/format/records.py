@@ -58,6 +58,9 @@ class ItemRecord:
     relative_path: str = ""
     file_offset: int = -1
     length: int = -1
+    # zlib CRC-32 of the item's stored bytes (file[file_offset : file_offset + length]), computed
+    # while writing; None when not recorded (checksums off, or written by torch DCP/megatron-core).
+    crc32: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -66,8 +69,10 @@ class ItemRecord:
             return 0
         return math.prod(self.sizes) * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
 
-    def stored_at(self, relative_path: str, file_offset: int, length: int) -> "ItemRecord":
-        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length)
+    def stored_at(self, relative_path: str, file_offset: int, length: int,
+                  crc32: int | None = None) -> "ItemRecord":
+        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length,
+                       crc32=crc32)
 
     def where(self) -> str:
         if self.kind == TENSOR:
@@ -94,6 +99,7 @@ class ItemRecord:
                 relative_path=str(d.get("relative_path", "")),
                 file_offset=int(d.get("file_offset", -1)),
                 length=int(d.get("length", -1)),
+                crc32=None if d.get("crc32") is None else int(d["crc32"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed item record: {exc!r}") from exc
@@ -106,13 +112,44 @@ class ItemRecord:
         return rec
 
 
-def storage_layout(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """``(global_shape, offsets, sizes)`` under which a ShardedTensor is stored.
+def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
+    """``(global_shape, offsets, sizes, flat_start)`` of each item a ShardedTensor is stored as.
 
-    Regular tensors are stored as themselves. A flattened shard (``flattened_range``) is stored
-    the way Megatron-Core stored distributed-optimizer state in torch_dist: the global tensor
-    becomes a grid of flattened local chunks, shape ``axis_fragmentations + (chunk_numel,)``, and
-    the shard is the slice ``flattened_range`` of its grid cell.
+    An N-D shard is one item: its chunk. A flattened shard (``flattened_range``, distributed
+    optimizer) is stored as the N-D boxes of the global tensor its flat range covers (at most
+    ``2 * ndim - 1``: a partial leading row, a block of whole rows, a partial trailing row,
+    recursively), so the checkpoint holds the tensor in its real global shape: any layout, flat or
+    N-D, loads it (also torch DCP and Megatron-Core, which reject flattened ranges), and no
+    regular grid is needed. ``flat_start`` is the piece's first element within ``sh.data``.
+    """
+    if sh.flattened_range is None:
+        return [(sh.global_shape, sh.global_offset, sh.chunk_shape(), 0)]
+    from ..load.geometry import flat_range_boxes
+
+    start = sh.flattened_range.start
+    return [
+        (sh.global_shape, tuple(g + o for g, o in zip(sh.global_offset, off)), sizes, flat - start)
+        for off, sizes, flat in flat_range_boxes(sh.chunk_shape(), start, sh.flattened_range.stop)
+    ]
+
+
+def tensor_records(sh: ShardedTensor, rank: int) -> list[ItemRecord]:
+    """One record per stored item of ``sh`` (see :func:`storage_pieces`)."""
+    dtype = dtype_name(sh.dtype)
+    return [
+        ItemRecord(fqn=sh.key, kind=TENSOR, rank=rank, dtype=dtype, global_shape=g, offsets=o, sizes=s)
+        for g, o, s, _ in storage_pieces(sh)
+    ]
+
+
+def storage_layout(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(global_shape, offsets, sizes)`` of the *legacy* single-item layout of a ShardedTensor.
+
+    Regular tensors are stored as themselves. For a flattened shard this is the way Megatron-Core
+    (< 0.14) stored distributed-optimizer state in torch_dist: the global tensor becomes a grid of
+    flattened local chunks, shape ``axis_fragmentations + (chunk_numel,)``, and the shard is the
+    slice ``flattened_range`` of its grid cell. ckptd now writes flattened shards as N-D pieces
+    (:func:`storage_pieces`); the loader still reads this grid layout (ckptd.load.view).
     """
     if sh.flattened_range is None:
         return sh.global_shape, sh.global_offset, sh.chunk_shape()

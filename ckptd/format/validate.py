@@ -6,6 +6,7 @@ asynchronous one. Errors name the key and the ranks involved.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 
@@ -100,11 +101,30 @@ def _validate_tensor(fqn: str, items: list[ItemRecord]) -> None:
     total = math.prod(first.global_shape)
     if covered != total:
         ranks = sorted({r.rank for r in items})
+        hole = _uncovered_element(items)
+        where = f" (element {hole} is stored by no rank)" if hole is not None else ""
         raise ShardingError(
             f"tensor '{fqn}': the main replicas (replica_id 0) on ranks {ranks} cover {covered} of "
-            f"{total} elements of global shape {first.global_shape}; some chunk is missing. Check "
-            "the offsets, and that every chunk has a rank with replica_id 0."
+            f"{total} elements of global shape {first.global_shape}{where}; some chunk is missing. "
+            "Check the offsets, and that every chunk has a rank with replica_id 0."
         )
+
+
+def _uncovered_element(items: list[ItemRecord], limit: int = 4096) -> tuple[int, ...] | None:
+    """An element no chunk covers, for the error message (None if too costly to find).
+
+    The first uncovered element in row-major order has, on every axis, coordinate 0 or the end
+    of some chunk, so only those candidates are tried.
+    """
+    shape = items[0].global_shape
+    axes = [sorted({0} | {o + s for r in items for o, s in [(r.offsets[a], r.sizes[a])] if o + s < n})
+            for a, n in enumerate(shape)]
+    if any(n == 0 for n in shape) or math.prod(len(c) for c in axes) > limit:
+        return None
+    for point in itertools.product(*axes):
+        if not any(all(o <= p < o + s for p, o, s in zip(point, r.offsets, r.sizes)) for r in items):
+            return point
+    return None
 
 
 def check_local_duplicates(records: list[ItemRecord], rank: int) -> None:

@@ -1,0 +1,82 @@
+"""Building real checkpoints (and roots of them) for the verify / CLI tests, in one process.
+
+A "two-rank" checkpoint is written the way ``ckptd.save`` writes one on two ranks: each rank's
+items go through ``write_data_file`` into its own ``__<rank>_0.distcp``, then ``finalize`` writes
+``common.pt``, ``.metadata`` and ``metadata.json``. Only the process group is left out.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ckptd.format.finalize import finalize, serialize_common
+from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
+from ckptd.format.layout import data_file_name
+from ckptd.mapping import ShardedObject, ShardedTensor
+
+WORLD = 2
+
+
+def reference_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layer.weight": torch.randn(8, 6, generator=g),
+        "layer.bias": torch.randn(6, generator=g),
+        "embedding": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+    }
+
+
+def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, step: int = 7) -> dict[str, torch.Tensor]:
+    """Write a two-rank checkpoint into ``directory``; returns the full reference tensors.
+
+    ``layer.weight`` is split by rows across the ranks (two chunks, two files), ``layer.bias`` and
+    ``embedding`` are stored by rank 0 / rank 1, and each rank stores one ShardedObject shard.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ref = reference_tensors()
+    records = []
+    for rank in range(WORLD):
+        rows = ref["layer.weight"].shape[0] // WORLD
+        shards = [ShardedTensor.from_rank_offsets("layer.weight", ref["layer.weight"][rank * rows:(rank + 1) * rows],
+                                                  (0, rank, WORLD))]
+        if rank == 0:
+            shards.append(ShardedTensor.from_rank_offsets("layer.bias", ref["layer.bias"]))
+        else:
+            shards.append(ShardedTensor.from_rank_offsets("embedding", ref["embedding"]))
+        items = [i for sh in shards for i in plan_tensor_items(sh, rank)]
+        items.append(plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)), rank))
+        records += write_data_file(directory, data_file_name(rank), items, fsync=False, checksums=checksums)
+    finalize(directory, records, serialize_common({"iteration": step, "note": "test"}), fsync=False)
+    return ref
+
+
+def make_root(root: str | os.PathLike, steps: list[int], latest: int | None) -> Path:
+    """A Checkpointer-style root with committed ``iter_<step>`` checkpoints and a tracker."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        make_checkpoint(root / f"iter_{step:07d}", step=step)
+    if latest is not None:
+        (root / "latest").write_text(f"iter_{latest:07d}\n")
+    return root
+
+
+def make_partial(root: Path, step: int, age_s: float) -> Path:
+    """An ``iter_<step>.tmp`` directory (an abandoned save) whose files were last written ``age_s`` ago."""
+    path = root / f"iter_{step:07d}.tmp"
+    path.mkdir()
+    (path / data_file_name(0)).write_bytes(b"\0" * 4096)
+    when = os.path.getmtime(path) - age_s
+    for p in (path / data_file_name(0), path):
+        os.utime(p, (when, when))
+    return path
+
+
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))

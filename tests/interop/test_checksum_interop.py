@@ -1,0 +1,81 @@
+"""Checksummed ckptd checkpoints still load with Megatron-Core and torch DCP, and ``verify``
+accepts Megatron-Core's own checkpoints (which carry no checksums).
+
+One real subprocess (a one-rank gloo group: Megatron-Core needs a process group, and its save
+starts a multiprocessing Manager, which a daemonic worker of tests.multiproc may not) does the
+Megatron-Core and DCP jobs; the checks of the results run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+from ckptd.verify import NOTE, verify_checkpoint
+from tests.checkpoints import WORLD, make_checkpoint, reference_tensors
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def megatron_jobs(ckptd_dir: str, megatron_dir: str, result_file: str) -> None:
+    """Entry point of the subprocess."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ref = reference_tensors()
+    # 1. Megatron-Core loads the ckptd checkpoint (which has a checksum table in .metadata).
+    request = {k: mdc.ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in ref.items()}
+    for r in range(WORLD):
+        request[f"rng{r}"] = ShardedObject("rng", None, (WORLD,), (r,))
+    loaded = mdc.load(request, ckptd_dir)
+    # 2. torch DCP loads it too (its own reader, its own unpickling of .metadata).
+    plain = {k: torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(plain, checkpoint_id=ckptd_dir)
+    # 3. Megatron-Core writes a checkpoint of its own (CPU: two CUDA calls patched out).
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    own = {k: mdc.ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in ref.items()}
+    own["rng"] = ShardedObject("rng", {"seed": 1}, (1,), (0,))
+    own["iteration"] = 3
+    mdc.save(own, megatron_dir)
+    dist.destroy_process_group()
+    Path(result_file).write_text(json.dumps({
+        "megatron": {k: bool(torch.equal(loaded[k], v)) for k, v in ref.items()},
+        "objects": [loaded[f"rng{r}"] for r in range(WORLD)],
+        "common": loaded.get("iteration"),
+        "dcp": {k: bool(torch.equal(plain[k], v)) for k, v in ref.items()},
+    }))
+
+
+@pytest.mark.timeout(180)
+def test_checksums_are_invisible_to_megatron_core_and_dcp(tmp_path: Path):
+    make_checkpoint(tmp_path / "ckptd", step=11)
+    assert getattr(pickle.loads((tmp_path / "ckptd" / ".metadata").read_bytes()), CHECKSUMS_ATTR)["items"]
+    (tmp_path / "megatron").mkdir()
+    code = ("from tests.interop.test_checksum_interop import megatron_jobs; "
+            f"megatron_jobs({str(tmp_path / 'ckptd')!r}, {str(tmp_path / 'megatron')!r}, "
+            f"{str(tmp_path / 'result.json')!r})")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert all(res["megatron"].values()) and all(res["dcp"].values()), res
+    assert res["objects"] == [{"rank": r, "seed": 1234 + r} for r in range(WORLD)]
+    assert res["common"] == 11
+    # ckptd verify on Megatron-Core's checkpoint: sound, items decode, the missing checksums noted.
+    report = verify_checkpoint(tmp_path / "megatron", deep=True)
+    assert report.ok, report.findings
+    assert report.items_without_checksum == report.items == 4 and report.items_decoded == 4
+    assert any(f.severity == NOTE and "no recorded checksum" in f.message for f in report.findings)

@@ -1,0 +1,185 @@
+"""Damaged, foreign or mismatched checkpoints at load: a ckptd error naming the file / key and the
+fix, and no code from the checkpoint runs unless the caller allows unsafe pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+    ShardedObject,
+    ShardedTensor,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+from tests.unit.test_save_errors import snapshot
+
+ST = ShardedTensor
+X = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+
+class Opaque:
+    """An arbitrary class: outside torch's weights-only allow-list."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class Hostile:
+    """Unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def request(**overrides) -> dict:
+    return {"x": ST.from_rank_offsets("x", torch.empty(4, 6)), **overrides}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path):
+    """A checkpoint; after the test, any file the test did not damage on purpose is unchanged."""
+    path = tmp_path / "c"
+    ckptd.save({"x": ST.from_rank_offsets("x", X.clone()), "o": ShardedObject("o", {"a": 1}, (1,), (0,)),
+                "step": 3}, path)
+    yield path
+
+
+def _data_file(path: Path) -> Path:
+    return path / "__0_0.distcp"
+
+
+def test_intact_checkpoint_loads(ckpt: Path):
+    before = snapshot(ckpt)
+    out = ckptd.load(request(o=ShardedObject("o", None, (1,), (0,))), ckpt)
+    assert torch.equal(out["x"], X) and out["o"] == {"a": 1} and out["step"] == 3
+    assert snapshot(ckpt) == before  # loading never writes
+
+
+def test_missing_data_file(ckpt: Path):
+    _data_file(ckpt).unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is missing.*earlier checkpoint"):
+        ckptd.load(request(), ckpt)
+
+
+def test_truncated_data_file(ckpt: Path):
+    data = _data_file(ckpt).read_bytes()
+    _data_file(ckpt).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is truncated.*'x'"):
+        ckptd.load(request(), ckpt)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        ckptd.load_plain_tensors(ckpt)
+
+
+def test_missing_dcp_metadata(ckpt: Path):
+    (ckpt / ".metadata").unlink()
+    for fn in (lambda: ckptd.load(request(), ckpt), lambda: ckptd.load_tensors_metadata(ckpt)):
+        with pytest.raises(CorruptCheckpointError, match=r"\.metadata is missing.*metadata\.json"):
+            fn()
+
+
+def test_missing_common_pt(ckpt: Path):
+    (ckpt / "common.pt").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"common\.pt is missing"):
+        ckptd.load_common_state_dict(ckpt)
+
+
+@pytest.mark.parametrize("meta", [
+    {"sharded_backend": "zarr", "sharded_backend_version": 1},
+    {"sharded_backend": "torch_dist", "sharded_backend_version": 99},
+    {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "yaml"},
+])
+def test_unknown_backend(ckpt: Path, meta: dict):
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(UnsupportedFormatError, match="metadata.json.*not supported"):
+        ckptd.load(request(), ckpt)
+
+
+def test_metadata_json_not_json(ckpt: Path):
+    (ckpt / "metadata.json").write_text("{not json")
+    with pytest.raises(UnsupportedFormatError, match="not valid JSON"):
+        ckptd.load_common_state_dict(ckpt)
+
+
+def test_keys_that_do_not_exist(ckpt: Path):
+    with pytest.raises(LoadMismatchError, match=r"'x_' is not in the checkpoint.*\['x'\].*key_mapping"):
+        ckptd.load({"x": ST.from_rank_offsets("x_", torch.empty(4, 6))}, ckpt)
+    with pytest.raises(LoadMismatchError, match=r"ShardedObject 'o/shard_1_2' is not in the checkpoint"):
+        ckptd.load(request(o=ShardedObject("o", None, (2,), (1,))), ckpt)
+
+
+def test_dtype_and_shape_mismatch(ckpt: Path):
+    with pytest.raises(LoadMismatchError, match=r"'x'.*stores torch.float32 but torch.bfloat16.*cast"):
+        ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(4, 6, dtype=torch.bfloat16))}, ckpt)
+    with pytest.raises(LoadMismatchError, match=r"'x'.*global shape \(4, 6\).*\(4, 8\).*allow_shape_mismatch"):
+        ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(4, 4), (1, 0, 2))}, ckpt)
+    with pytest.raises(LoadMismatchError, match=r"'x'.*\(4, 6\).*\(24,\)"):
+        ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(24))}, ckpt)
+
+
+def test_directories_that_are_not_checkpoints(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "iter_0000010.tmp").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = {
+        "empty": "metadata.json is missing.*Pass the directory of one checkpoint",
+        "iter_0000010.tmp": "uncommitted",
+        "file": "not a directory",
+        "absent": "not a directory",
+    }
+    for name, pattern in cases.items():
+        for fn in (ckptd.load_common_state_dict, ckptd.load_tensors_metadata, ckptd.load_sharded_metadata,
+                   ckptd.load_plain_tensors, lambda p: ckptd.load(request(), p)):
+            with pytest.raises(CheckpointNotFoundError, match=pattern):
+                fn(tmp_path / name)
+
+
+def test_common_state_with_arbitrary_objects_needs_allow_unsafe_pickle(tmp_path: Path):
+    path = tmp_path / "c"
+    ckptd.save({"x": ST.from_rank_offsets("x", X.clone()), "args": Opaque(7),
+                "o": ShardedObject("o", Opaque(8), (1,), (0,))}, path)
+    with pytest.raises(UnsafePickleError, match=r"common.pt contains tests.unit.test_load_errors.Opaque.*allow_unsafe_pickle=True"):
+        ckptd.load_common_state_dict(path)
+    with pytest.raises(UnsafePickleError, match="allow_unsafe_pickle=True"):
+        ckptd.load(request(), path)
+    assert ckptd.load_common_state_dict(path, allow_unsafe_pickle=True)["args"].value == 7
+    out = ckptd.load(request(o=ShardedObject("o", None, (1,), (0,))), path, allow_unsafe_pickle=True)
+    assert out["args"].value == 7 and out["o"].value == 8 and torch.equal(out["x"], X)
+
+
+def test_sharded_object_with_arbitrary_object_needs_allow_unsafe_pickle(tmp_path: Path):
+    path = tmp_path / "c"
+    ckptd.save({"o": ShardedObject("o", Opaque(8), (1,), (0,))}, path)
+    with pytest.raises(UnsafePickleError, match="o/shard_0_1.*allow_unsafe_pickle=True"):
+        ckptd.load({"o": ShardedObject("o", None, (1,), (0,))}, path)
+
+
+def test_hostile_dcp_metadata_is_refused(ckpt: Path, tmp_path: Path):
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    for fn in (lambda: ckptd.load(request(), ckpt), lambda: ckptd.load_tensors_metadata(ckpt),
+               lambda: ckptd.load_sharded_metadata(ckpt), lambda: ckptd.load_plain_tensors(ckpt)):
+        with pytest.raises(UnsafePickleError, match=r"\.metadata references posix\.system.*refusing"):
+            fn()
+    assert not marker.exists()
+
+
+def test_garbage_dcp_metadata(ckpt: Path):
+    (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata cannot be decoded"):
+        ckptd.load(request(), ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(CorruptCheckpointError, match="does not hold a DCP Metadata"):
+        ckptd.load(request(), ckpt)
