@@ -1,24 +1,320 @@
-"""Executing a read plan: each stored chunk is read once, in file order, and fanned out."""
+"""Executing a read plan: only the needed byte ranges, straight into the destinations.
+
+For each stored item (in file order) the raw element bytes are located inside its
+``torch.save`` stream (:mod:`.rawitem`); then every copy takes one of two paths:
+
+- *direct* (one contiguous run, or runs >= ``direct_min_bytes``): positional vectored reads
+  (``preadv``) land each run in its destination tensor; small gaps between runs in the file are
+  read into a throw-away sink so that one system call covers many runs. A same-layout load is
+  one read per chunk, into the caller's tensor.
+- *strided* (many short runs, e.g. a column block of a row-major chunk): the copy is cut into
+  slabs spanning from the first to the last needed element; each slab is mapped read-only
+  (``mmap``, only the touched pages are read, unmapped right after) and copied with one strided
+  tensor copy. Without mmap (``use_mmap=False`` or a filesystem that refuses it) each slab is
+  read with ``preadv`` into a scratch buffer of at most ``window_bytes``.
+
+Items that are not plain contiguous tensor streams fall back to ``torch.load`` of the item.
+Extra memory is thus bounded by one slab (plus whole fallback items), whatever the tensor sizes.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import math
+import mmap
 import os
+from dataclasses import dataclass
+
+import torch
 
 from ..errors import CorruptCheckpointError
 from ..format.reader import DataFiles, load_tensor_bytes
-from .plan import ReadPlan
+from .geometry import Shape, count_runs, enumerate_runs, run_length, strides
+from .plan import CopyOp, ItemReads, ReadPlan
+from .rawitem import RawLayout, locate
+
+log = logging.getLogger("ckptd.load")
+
+_MADV_POPULATE_READ = 22 if os.uname().sysname == "Linux" else None  # Linux >= 5.14
+_DENSE_FRACTION = 0.9
+
+try:
+    _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 1024
 
 
-def execute(plan: ReadPlan, directory: str | os.PathLike) -> None:
-    with DataFiles(directory) as files:
-        for (rel, offset), (chunk, what, copies) in sorted(plan.reads.items()):
-            data = files.read(rel, offset, chunk.length, what)
-            source = load_tensor_bytes(data, what, rel)
-            del data
-            if tuple(source.shape) != tuple(chunk.sizes) or source.dtype != copies[0].target.dtype:
+@dataclass
+class ExecOptions:
+    """Tuning knobs of plan execution."""
+
+    direct_min_bytes: int = 256 * 1024
+    gap_fill_bytes: int = 16 * 1024
+    window_bytes: int = 16 * 1024 * 1024
+    use_mmap: bool = True
+    map_window_bytes: int = 64 * 1024 * 1024
+    max_enumerated_runs: int = 1 << 16
+
+
+@dataclass
+class LoadStats:
+    """What one load did (filled by :func:`execute`; pass ``stats=`` to ``ckptd.load``)."""
+
+    items: int = 0
+    raw_items: int = 0
+    fallback_items: int = 0
+    bytes_copied: int = 0  # elements delivered to destinations, in bytes
+    bytes_read: int = 0  # bytes read from data files (headers, gaps and fallbacks included)
+    read_calls: int = 0
+    bytes_mapped: int = 0  # span of strided copies served from a read-only mapping
+    peak_scratch_bytes: int = 0
+
+    def merge(self, other: "LoadStats") -> None:
+        for name in ("items", "raw_items", "fallback_items", "bytes_copied", "bytes_read", "read_calls",
+                     "bytes_mapped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, other.peak_scratch_bytes)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview of a contiguous CPU tensor's elements (no copy)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class _Executor:
+    def __init__(self, files: DataFiles, opts: ExecOptions, stats: LoadStats) -> None:
+        self.files = files
+        self.opts = opts
+        self.stats = stats
+        self._views: dict[int, memoryview] = {}
+        self._sink = memoryview(bytearray(opts.gap_fill_bytes))
+        self._scratch: torch.Tensor | None = None
+        self._use_mmap = opts.use_mmap
+
+    # --- reading -------------------------------------------------------------------------
+    def _pread(self, fd: int, offset: int, n: int) -> bytes:
+        self.stats.read_calls += 1
+        self.stats.bytes_read += n
+        data = os.pread(fd, n, offset)
+        if len(data) != n:
+            raise CorruptCheckpointError(f"short read at offset {offset} ({len(data)} of {n} bytes)")
+        return data
+
+    def _preadv(self, fd: int, buffers: list[memoryview], offset: int, what: str) -> None:
+        total = sum(len(b) for b in buffers)
+        done = 0
+        while done < total:
+            self.stats.read_calls += 1
+            n = os.preadv(fd, buffers, offset + done)
+            if n <= 0:
                 raise CorruptCheckpointError(
-                    f"{what} in {rel} is {source.dtype} {tuple(source.shape)} but the metadata "
-                    f"says {copies[0].target.dtype} {chunk.sizes}; the checkpoint is damaged"
+                    f"{what}: the data file ended early (read {done} of {total} bytes at offset "
+                    f"{offset}); the checkpoint is truncated. Load an earlier checkpoint."
                 )
-            for c in copies:
-                c.target[c.dst].copy_(source[c.src])
+            done += n
+            if done < total:  # partial read: drop what is filled, continue with the rest
+                while buffers and n >= len(buffers[0]):
+                    n -= len(buffers[0])
+                    buffers = buffers[1:]
+                if n:
+                    buffers = [buffers[0][n:]] + buffers[1:]
+        self.stats.bytes_read += total
+
+    def _dst_view(self, t: torch.Tensor) -> memoryview:
+        key = id(t)
+        mv = self._views.get(key)
+        if mv is None:
+            mv = self._views[key] = byte_view(t)
+        return mv
+
+    def _scratch_bytes(self, n: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(max(n, 1), dtype=torch.uint8)
+            self.stats.peak_scratch_bytes = max(self.stats.peak_scratch_bytes, self._scratch.numel())
+        return self._scratch[:n]
+
+    # --- one item ------------------------------------------------------------------------
+    def run_item(self, entry: ItemReads) -> None:
+        item = entry.item
+        fd, size = self.files.fileno_and_size(item.relative_path)
+        where = f"{entry.what} in {self.files.directory / item.relative_path}"
+        if item.file_offset < 0 or item.length < 0 or item.file_offset + item.length > size:
+            raise CorruptCheckpointError(
+                f"data file {self.files.directory / item.relative_path} is truncated: {entry.what} "
+                f"needs bytes [{item.file_offset}, {item.file_offset + item.length}) but the file "
+                f"has {size}. Load an earlier checkpoint."
+            )
+        self.stats.items += 1
+        before = self.stats.bytes_read
+
+        def read(off: int, n: int) -> bytes:
+            return self._pread(fd, off, n)
+
+        layout = locate(read, item.file_offset, item.length, entry.dtype, item.shape)
+        esize = torch.empty((), dtype=entry.dtype).element_size()
+        if layout is None or layout.nbytes != math.prod(item.shape) * esize:
+            self.stats.bytes_read = before  # the probe's bytes are re-read whole below
+            self._fallback(entry, where)
+            return
+        self.stats.raw_items += 1
+        for op in entry.copies:
+            self.stats.bytes_copied += math.prod(op.sizes) * esize
+            self._copy_raw(fd, layout, esize, op, where)
+
+    def _fallback(self, entry: ItemReads, where: str) -> None:
+        item = entry.item
+        self.stats.fallback_items += 1
+        data = self.files.read(item.relative_path, item.file_offset, item.length, entry.what)
+        self.stats.read_calls += 1
+        self.stats.bytes_read += len(data)
+        source = load_tensor_bytes(data, entry.what, item.relative_path)
+        del data
+        if tuple(source.shape) != tuple(item.shape) or source.dtype != entry.dtype:
+            raise CorruptCheckpointError(
+                f"{where} is {source.dtype} {tuple(source.shape)} but the metadata says "
+                f"{entry.dtype} {item.shape}; the checkpoint is damaged"
+            )
+        flat = source.reshape(-1)
+        for op in entry.copies:
+            array = flat[op.elem_offset : op.elem_offset + math.prod(op.array_shape)].view(op.array_shape)
+            src = tuple(slice(o, o + s) for o, s in zip(op.src_origin, op.sizes))
+            dst = tuple(slice(o, o + s) for o, s in zip(op.dst_offsets, op.sizes))
+            op.dst[dst].copy_(array[src])
+            self.stats.bytes_copied += math.prod(op.sizes) * source.element_size()
+
+    def _copy_raw(self, fd: int, layout: RawLayout, esize: int, op: CopyOp, what: str) -> None:
+        if op.sizes and math.prod(op.sizes) == 0:
+            return
+        if not op.sizes:  # a 0-d tensor: one element
+            self._direct(fd, layout, esize, op, what)
+            return
+        dst_shape = tuple(op.dst.shape)
+        run_bytes = run_length(op.sizes, op.array_shape, dst_shape) * esize
+        nruns = count_runs(op.sizes, op.array_shape, dst_shape)
+        if nruns == 1 or (run_bytes >= self.opts.direct_min_bytes and nruns <= self.opts.max_enumerated_runs):
+            self._direct(fd, layout, esize, op, what)
+        else:
+            self._windowed(fd, layout, esize, op, what)
+
+    def _direct(self, fd: int, layout: RawLayout, esize: int, op: CopyOp, what: str) -> None:
+        runs = enumerate_runs(op.array_shape, op.src_origin, tuple(op.dst.shape), op.dst_offsets, op.sizes)
+        base = layout.data_offset + op.elem_offset * esize
+        run_bytes = runs.length * esize
+        dst = self._dst_view(op.dst)
+        batch: list[memoryview] = []
+        batch_start = expected = 0
+        for s, d in zip(runs.src_starts, runs.dst_starts):
+            file_off = base + s * esize
+            piece = dst[d * esize : d * esize + run_bytes]
+            gap = file_off - expected
+            if batch and gap == 0 and len(batch) < _IOV_MAX:
+                batch.append(piece)
+            elif batch and 0 < gap <= len(self._sink) and len(batch) + 1 < _IOV_MAX:
+                batch.append(self._sink[:gap])
+                batch.append(piece)
+            else:
+                if batch:
+                    self._preadv(fd, batch, batch_start, what)
+                batch = [piece]
+                batch_start = file_off
+            expected = file_off + run_bytes
+        if batch:
+            self._preadv(fd, batch, batch_start, what)
+
+    def _windowed(self, fd: int, layout: RawLayout, esize: int, op: CopyOp, what: str) -> None:
+        base = layout.data_offset + op.elem_offset * esize
+        window = self.opts.map_window_bytes if self._use_mmap else self.opts.window_bytes
+        self._slabs(fd, base, esize, op, (), window, what)
+
+    def _slabs(self, fd: int, base: int, esize: int, op: CopyOp, prefix: tuple[int, ...],
+               window: int, what: str) -> None:
+        """Copy the box with its first ``len(prefix)`` axes fixed, in slabs along the next axis."""
+        a = len(prefix)
+        shape = op.array_shape
+        nd = len(shape)
+        # Axes of extent 1 are fixed right away, so a slab is as tight as the box allows.
+        while a < nd - 1 and op.sizes[a] == 1:
+            prefix = prefix + (0,)
+            a += 1
+        st = strides(shape)
+        row_bytes = st[a] * esize
+        if row_bytes > window and a < nd - 1:
+            for i in range(op.sizes[a]):
+                self._slabs(fd, base, esize, op, prefix + (i,), window, what)
+            return
+        per = max(1, window // max(row_bytes, 1))
+        lead = sum((op.src_origin[j] + prefix[j]) * st[j] for j in range(a))
+        dst_lead = tuple(op.dst_offsets[j] + prefix[j] for j in range(a))
+        inner_dst = tuple(slice(op.dst_offsets[j], op.dst_offsets[j] + op.sizes[j]) for j in range(a + 1, nd))
+        # A slab spans from its first needed element to its last one; the box is a strided view.
+        first = sum(op.src_origin[j] * st[j] for j in range(a + 1, nd))
+        last = sum((op.src_origin[j] + op.sizes[j] - 1) * st[j] for j in range(a + 1, nd)) + 1
+        box_strides = st[a:]
+        # Dense: (nearly) every page of the span holds needed elements, so mapping all of its
+        # pages up front reads nothing extra. Sparse spans fault in only the pages they touch.
+        page = mmap.PAGESIZE
+        run = (last - first) * esize
+        dense = row_bytes <= page or (run + page) >= _DENSE_FRACTION * row_bytes
+        for i0 in range(0, op.sizes[a], per):
+            k = min(per, op.sizes[a] - i0)
+            row0 = lead + (op.src_origin[a] + i0) * st[a]
+            n_elems = (k - 1) * st[a] + last - first
+            start = base + (row0 + first) * esize
+            box = (k,) + tuple(op.sizes[a + 1 :])
+            dst = op.dst[dst_lead + (slice(op.dst_offsets[a] + i0, op.dst_offsets[a] + i0 + k),) + inner_dst]
+            if self._use_mmap and self._copy_mapped(fd, start, n_elems * esize, box, box_strides, dst,
+                                                    dense):
+                continue
+            buf = self._scratch_bytes(n_elems * esize)
+            self._preadv(fd, [byte_view(buf)], start, what)
+            dst.copy_(buf.view(op.dst.dtype).as_strided(box, box_strides, 0))
+
+    def _copy_mapped(self, fd: int, start: int, nbytes: int, box: Shape, box_strides: Shape,
+                     dst: torch.Tensor, populate: bool) -> bool:
+        """Strided copy straight out of a private read-only mapping of ``[start, +nbytes)``.
+
+        Only the pages holding needed elements are touched (so only those are read from the
+        file), and the mapping is dropped right after the copy. Returns False if the file cannot
+        be mapped (the caller then reads with pread).
+        """
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, nbytes + (start - aligned), flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+        except (OSError, ValueError):
+            self._use_mmap = False  # e.g. a filesystem without mmap: pread from now on
+            return False
+        try:
+            self.stats.bytes_mapped += nbytes
+            if populate and _MADV_POPULATE_READ is not None:
+                try:  # map every page in one call instead of one fault per few pages
+                    mm.madvise(_MADV_POPULATE_READ)
+                except OSError:
+                    pass  # older kernels: the copy faults the pages in instead
+            flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start - aligned)
+            src = flat.view(dst.dtype).as_strided(box, box_strides, 0)
+            dst.copy_(src)
+            del src, flat
+        finally:
+            mm.close()
+        return True
+
+
+def execute(plan: ReadPlan, directory: str | os.PathLike, *, options: ExecOptions | None = None,
+            stats: LoadStats | None = None) -> LoadStats:
+    """Run ``plan`` against the data files of ``directory``; returns (and fills) ``stats``."""
+    stats = stats if stats is not None else LoadStats()
+    opts = options or ExecOptions()
+    with DataFiles(directory) as files:
+        ex = _Executor(files, opts, stats)
+        for key in sorted(plan.items):
+            ex.run_item(plan.items[key])
+    log.debug("load executed: %s", stats)
+    return stats
+
+
+__all__ = ["execute", "ExecOptions", "LoadStats", "byte_view"]

@@ -1,7 +1,10 @@
-"""Planning a load: intersect each requested chunk with the stored chunks.
+"""Planning a load: requested boxes intersected with the checkpoint's sources, grouped by item.
 
-Every requested element is either read from exactly one stored chunk or, for
-``allow_shape_mismatch`` tensors, lies outside the stored global shape and is zero-filled.
+Each requested ShardedTensor becomes one or more *targets*: contiguous destination tensors with
+a box in global coordinates (one for an N-D shard; up to ``2 * ndim - 1`` for a flattened shard,
+one per contiguous piece of its flat range). Every requested element is either read from exactly
+one source or, for ``allow_shape_mismatch`` tensors, lies outside the stored global shape and is
+zero-filled (Megatron-Core's padding / truncation semantics).
 """
 
 from __future__ import annotations
@@ -13,92 +16,144 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptCheckpointError, LoadMismatchError
-from ..format.dcp_metadata import CheckpointIndex, StoredChunk, StoredTensor
-from ..format.records import storage_layout
 from ..mapping import ShardedTensor
+from .geometry import Shape, flat_range_boxes, intersect
+from .view import CheckpointView, ItemRef, VirtualTensor, is_legacy_grid, translate_legacy_grid
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+@dataclass(frozen=True)
+class Target:
+    """A contiguous CPU destination ``tensor`` for the global box ``(offsets, sizes)``."""
+
+    tensor: torch.Tensor
+    offsets: Shape
+    sizes: Shape
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """Copy box ``sizes`` at ``src_origin`` of a source array into ``dst`` at ``dst_offsets``."""
+
+    array_shape: Shape
+    elem_offset: int
+    src_origin: Shape
+    sizes: Shape
+    dst: torch.Tensor
+    dst_offsets: Shape
 
 
 @dataclass
-class Copy:
-    """Copy ``source[src]`` of a stored chunk into ``target[dst]``."""
-
-    target: torch.Tensor
-    src: tuple[slice, ...]
-    dst: tuple[slice, ...]
+class ItemReads:
+    item: ItemRef
+    dtype: torch.dtype
+    what: str
+    copies: list[CopyOp] = field(default_factory=list)
 
 
 @dataclass
 class ReadPlan:
-    """Stored chunks to read (keyed by file location) and the copies each one feeds."""
+    """Stored items to read (keyed by file location) and the copies each one feeds."""
 
-    reads: dict[tuple[str, int], tuple[StoredChunk, str, list[Copy]]] = field(default_factory=dict)
+    items: dict[tuple[str, int], ItemReads] = field(default_factory=dict)
 
-    def add(self, chunk: StoredChunk, what: str, copy: Copy) -> None:
-        key = (chunk.relative_path, chunk.file_offset)
-        if key not in self.reads:
-            self.reads[key] = (chunk, what, [])
-        self.reads[key][2].append(copy)
+    def add(self, item: ItemRef, dtype: torch.dtype, what: str, op: CopyOp) -> None:
+        entry = self.items.get(item.key)
+        if entry is None:
+            entry = self.items[item.key] = ItemReads(item, dtype, what)
+        entry.copies.append(op)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.length for c, _, _ in self.reads.values())
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+        """Bytes the plan copies into destinations."""
+        return sum(
+            math.prod(op.sizes) * op.dst.element_size()
+            for e in self.items.values()
+            for op in e.copies
+        )
 
 
 def missing_key_error(key: str, known: list[str], what: str = "tensor") -> LoadMismatchError:
     close = difflib.get_close_matches(key, known, n=3)
     hint = f" Did you mean {close}?" if close else f" The checkpoint has {len(known)} such keys."
-    return LoadMismatchError(f"{what} '{key}' is not in the checkpoint.{hint}")
+    return LoadMismatchError(
+        f"{what} '{key}' is not in the checkpoint.{hint} Map it with key_mapping=[...], or pass "
+        "strict='log_all' (or another non-raising mode) to skip it."
+    )
 
 
-def check_compatible(sh: ShardedTensor, stored: StoredTensor) -> None:
-    gshape, _, _ = storage_layout(sh)
-    if stored.dtype != sh.dtype:
-        raise LoadMismatchError(
-            f"tensor '{sh.key}': the checkpoint stores {stored.dtype} but {sh.dtype} was "
-            "requested; request the stored dtype and cast after loading"
-        )
-    if len(gshape) != len(stored.shape) or (gshape != stored.shape and not sh.allow_shape_mismatch):
-        raise LoadMismatchError(
-            f"tensor '{sh.key}': the checkpoint stores global shape {stored.shape} but "
-            f"{gshape} was requested; fix the model config or set allow_shape_mismatch=True to "
-            "pad/truncate"
-        )
+def targets_for(sh: ShardedTensor, data: torch.Tensor) -> list[Target]:
+    """Destination boxes of a request; ``data`` is its contiguous CPU buffer (flat or chunk-shaped)."""
+    chunk = sh.chunk_shape()
+    if sh.flattened_range is None:
+        return [Target(data.view(chunk), sh.global_offset, chunk)]
+    start = sh.flattened_range.start
+    out = []
+    for off, sizes, flat in flat_range_boxes(chunk, start, sh.flattened_range.stop):
+        n = math.prod(sizes)
+        out.append(Target(data[flat - start : flat - start + n].view(sizes),
+                          tuple(g + o for g, o in zip(sh.global_offset, off)), sizes))
+    return out
 
 
-def plan_tensor(plan: ReadPlan, sh: ShardedTensor, target: torch.Tensor, index: CheckpointIndex) -> None:
-    """Add the reads that fill ``target`` (a tensor shaped like the stored chunk box of ``sh``)."""
-    stored = index.tensors.get(sh.key)
-    if stored is None:
-        raise missing_key_error(sh.key, sorted(index.tensors))
-    check_compatible(sh, stored)
-    _, offsets, sizes = storage_layout(sh)
-    want: Box = (offsets, sizes)
-    inside = _intersect(want, ((0,) * len(sizes), stored.shape))
-    needed = math.prod(inside[1]) if inside else 0
-    if needed < math.prod(sizes):
-        target.zero_()  # the part outside the stored shape (allow_shape_mismatch) is padding
-    covered = 0
-    for chunk in stored.chunks:
-        box = _intersect(want, (chunk.offsets, chunk.sizes))
-        if box is None:
-            continue
-        covered += math.prod(box[1])
-        src = tuple(slice(l - c, l - c + s) for l, s, c in zip(box[0], box[1], chunk.offsets))
-        dst = tuple(slice(l - o, l - o + s) for l, s, o in zip(box[0], box[1], offsets))
-        plan.add(chunk, f"tensor '{sh.key}' chunk {chunk.offsets}", Copy(target, src, dst))
-    if covered != needed:
-        raise CorruptCheckpointError(
-            f"tensor '{sh.key}': the stored chunks cover {covered} of the {needed} requested "
-            f"elements at offsets {offsets} sizes {sizes} (overlapping or missing chunks); the "
-            "checkpoint metadata is inconsistent"
-        )
+class Planner:
+    """Builds a ReadPlan from requests against one CheckpointView (the caller runs it)."""
+
+    def __init__(self, view: CheckpointView) -> None:
+        self.view = view
+        self.plan = ReadPlan()
+        self._translated: dict[tuple[str, Shape], VirtualTensor] = {}
+
+    def resolve(self, sh: ShardedTensor) -> VirtualTensor:
+        stored = self.view.tensors.get(sh.key)
+        if stored is None:
+            raise missing_key_error(sh.key, sorted(self.view.tensors))
+        if stored.dtype != sh.dtype:
+            raise LoadMismatchError(
+                f"tensor '{sh.key}': the checkpoint stores {stored.dtype} but {sh.dtype} was "
+                "requested; request the stored dtype and cast after loading"
+            )
+        gshape = sh.global_shape
+        if stored.shape != gshape and is_legacy_grid(stored, gshape):
+            cache_key = (sh.key, gshape)
+            if cache_key not in self._translated:
+                self._translated[cache_key] = translate_legacy_grid(stored, gshape)
+            stored = self._translated[cache_key]
+        if len(gshape) != len(stored.shape) or (gshape != stored.shape and not sh.allow_shape_mismatch):
+            where = f" ({stored.origin})" if stored.origin else ""
+            raise LoadMismatchError(
+                f"tensor '{sh.key}': the checkpoint stores global shape {stored.shape}{where} but "
+                f"{gshape} was requested; fix the model config, or set allow_shape_mismatch=True "
+                "to zero-pad / truncate along the differing axes"
+            )
+        return stored
+
+    def add(self, sh: ShardedTensor, data: torch.Tensor) -> None:
+        """Plan the reads that fill ``data`` (contiguous CPU, flat or chunk-shaped) for ``sh``."""
+        stored = self.resolve(sh)
+        for t in targets_for(sh, data):
+            self._add_target(sh, stored, t)
+
+    def _add_target(self, sh: ShardedTensor, stored: VirtualTensor, t: Target) -> None:
+        inside = intersect(t.offsets, t.sizes, (0,) * len(t.sizes), stored.shape)
+        needed = math.prod(inside[1]) if inside else 0
+        if needed < math.prod(t.sizes):
+            t.tensor.zero_()  # outside the stored shape: padding (allow_shape_mismatch)
+        covered = 0
+        what = f"tensor '{sh.key}'"
+        for src, off, sizes in stored.overlapping(t.offsets, t.sizes):
+            covered += math.prod(sizes)
+            self.plan.add(src.item, stored.dtype, what, CopyOp(
+                array_shape=src.array_shape,
+                elem_offset=src.elem_offset,
+                src_origin=tuple(o + a - b for o, a, b in zip(src.origin, off, src.offsets)),
+                sizes=sizes,
+                dst=t.tensor,
+                dst_offsets=tuple(a - b for a, b in zip(off, t.offsets)),
+            ))
+        if covered != needed:
+            raise CorruptCheckpointError(
+                f"tensor '{sh.key}'{f' ({stored.origin})' if stored.origin else ''}: the stored "
+                f"chunks cover {covered} of the {needed} requested elements at offsets "
+                f"{t.offsets} sizes {t.sizes} (overlapping or missing chunks); the checkpoint "
+                "metadata is inconsistent"
+            )

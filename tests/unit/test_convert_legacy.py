@@ -1,0 +1,239 @@
+"""Megatron legacy tree -> torch_dist -> any layout / one consolidated file.
+
+The legacy tree is built here the way Megatron-LM's ``save_checkpoint`` writes one
+(``iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` with ``args``, ``iteration``, local
+TP shards, locally numbered layers and experts, RNG states), from known full tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptd
+from ckptd.convert import SplitRule, consolidate, convert_legacy
+from ckptd.errors import CheckpointExistsError, CheckpointNotFoundError, ShardingError, UnsafePickleError
+
+H, V, F, L, NE = 8, 12, 6, 4, 4  # hidden, vocab, ffn, layers, experts
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reference(experts: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    ref = {"embedding.word_embeddings.weight": r(V, H)}
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        ref[p + "input_layernorm.weight"] = r(H)
+        ref[p + "self_attention.linear_qkv.weight"] = r(3 * H, H)
+        ref[p + "self_attention.linear_qkv.bias"] = r(3 * H)
+        ref[p + "self_attention.linear_proj.weight"] = r(H, H)
+        ref[p + "self_attention.linear_proj.bias"] = r(H)
+        ref[p + "mlp.linear_fc1.weight"] = r(2 * F, H)  # SwiGLU: [gate; up]
+        ref[p + "mlp.linear_fc2.weight"] = r(H, F)
+        if experts:
+            for e in range(NE):
+                ref[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = r(2 * F, H)
+                ref[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = r(H, F)
+    ref["decoder.final_layernorm.weight"] = r(H)
+    ref["output_layer.weight"] = r(V, H)
+    return ref
+
+
+def _tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    if tp == 1:
+        return t.clone()
+    if key.endswith("linear_fc1.weight"):
+        gate, up = t.chunk(2, 0)
+        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]]).clone()
+    axis = None
+    if any(s in key for s in ("word_embeddings", "output_layer", "linear_qkv", "linear_fc1")):
+        axis = 0
+    elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        axis = 1
+    return t.clone() if axis is None else t.chunk(tp, axis)[rank].clone()
+
+
+def write_legacy_tree(root: Path, ref: dict[str, torch.Tensor], tp: int, pp: int, ep: int,
+                      numpy_rng: bool = True) -> Path:
+    """Write ``ref`` as Megatron-LM's legacy ``torch`` format would at TP x PP x EP."""
+    it = root / "iter_0000100"
+    per_stage = L // pp
+    per_ep = NE // ep
+    for t in range(tp):
+        for p in range(pp):
+            for e in range(ep):
+                model: dict[str, object] = {}
+                for key, full in ref.items():
+                    if key.startswith("embedding.") and p != 0:
+                        continue
+                    if key.startswith(("decoder.final_layernorm", "output_layer")) and p != pp - 1:
+                        continue
+                    local_key = key
+                    if ".layers." in key:
+                        layer = int(key.split(".")[2])
+                        if layer // per_stage != p:
+                            continue
+                        local_key = key.replace(f"layers.{layer}.", f"layers.{layer % per_stage}.", 1)
+                        if ".local_experts." in key:
+                            expert = int(key.split("local_experts.")[1].split(".")[0])
+                            if expert // per_ep != e:
+                                continue
+                            local_key = local_key.replace(f"local_experts.{expert}.",
+                                                          f"local_experts.{expert % per_ep}.")
+                    model[local_key] = _tp_shard(key, full, tp, t)
+                model["decoder.layers.0.self_attention.core_attention._extra_state"] = io.BytesIO(b"te")
+                rng = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
+                if numpy_rng:
+                    rng["np_rng_state"] = np.random.get_state()
+                sd = {
+                    "args": argparse.Namespace(
+                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        expert_model_parallel_size=ep, num_layers=L, swiglu=True, lr=1e-3,
+                    ),
+                    "checkpoint_version": 3.0,
+                    "iteration": 100,
+                    "model": model,
+                    "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
+                    "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 100},
+                    "rng_state": [rng],
+                }
+                name = f"mp_rank_{t:02d}"
+                if pp > 1:
+                    name += f"_{p:03d}"
+                if ep > 1:
+                    name += f"_{e:03d}"
+                (it / name).mkdir(parents=True)
+                torch.save(sd, it / name / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+    return it
+
+
+def test_legacy_tp2_pp2_converts_and_reshards(tmp_path):
+    ref = reference(experts=False)
+    write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=2, ep=1)
+    with pytest.raises(UnsafePickleError, match="allow_unsafe_pickle"):
+        convert_legacy(tmp_path / "legacy", tmp_path / "dist0", fsync=False)
+    seen: list[tuple[int, int, str]] = []
+    report = convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True,
+                            progress=lambda d, t, label: seen.append((d, t, label)), fsync=False)
+    assert report.tensors == len(ref) and report.iteration == 100
+    assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] > 0 and len(seen) == 3
+    assert any("_extra_state" in k for k in report.skipped)
+
+    plain = ckptd.load_plain_tensors(tmp_path / "dist")
+    assert sorted(plain) == sorted(ref)
+    for k, v in ref.items():
+        assert torch.equal(plain[k], v), k
+    common = ckptd.load_common_state_dict(tmp_path / "dist")
+    assert common["iteration"] == 100 and common["args"]["tensor_model_parallel_size"] == 2
+    assert common["converted_from"] == {"format": "megatron-legacy", "tp": 2, "pp": 2, "ep": 1}
+
+    # Load at TP=4 (four ranks' requests in one process): columns and rows split differently.
+    for rank in range(4):
+        req = {
+            "qkv": ckptd.ShardedTensor.from_rank_offsets(
+                "decoder.layers.3.self_attention.linear_qkv.weight", torch.empty(3 * H // 4, H), (0, rank, 4)),
+            "proj": ckptd.ShardedTensor.from_rank_offsets(
+                "decoder.layers.2.self_attention.linear_proj.weight", torch.empty(H, H // 4), (1, rank, 4)),
+        }
+        out = ckptd.load(req, tmp_path / "dist")
+        assert torch.equal(out["qkv"], ref["decoder.layers.3.self_attention.linear_qkv.weight"].chunk(4, 0)[rank])
+        assert torch.equal(out["proj"], ref["decoder.layers.2.self_attention.linear_proj.weight"].chunk(4, 1)[rank])
+
+    consolidate(tmp_path / "dist", tmp_path / "model.pt", fsync=False)
+    whole = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(whole) == sorted(ref) and all(torch.equal(whole[k], ref[k]) for k in ref)
+    with pytest.raises(CheckpointExistsError):
+        convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+
+
+def test_legacy_experts_and_stacked_layers(tmp_path):
+    ref = reference(experts=True)
+    it = write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=1, ep=2, numpy_rng=False)
+    assert (it / "mp_rank_01_001").is_dir()  # two numbers: TP + EP (args say PP=1, EP=2)
+    convert_legacy(it, tmp_path / "dist", stack_layers=True, fsync=False)  # safe: no numpy inside
+    plain = ckptd.load_plain_tensors(tmp_path / "dist")
+    stacked = plain["decoder.layers.mlp.experts.local_experts.3.linear_fc2.weight"]
+    assert stacked.shape == (L, H, F)
+    for i in range(L):
+        assert torch.equal(stacked[i], ref[f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc2.weight"])
+        assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][i], ref[f"decoder.layers.{i}.mlp.linear_fc1.weight"])
+    assert torch.equal(plain["output_layer.weight"], ref["output_layer.weight"])
+
+
+def test_legacy_bad_inputs(tmp_path):
+    ref = reference(experts=False)
+    ref["decoder.layers.0.extra.weight"] = torch.randn(4, 4)  # split on TP, but no rule knows it
+    it = write_legacy_tree(tmp_path / "legacy", ref, tp=1, pp=1, ep=1, numpy_rng=False)
+    # TP=1 converts without rules; now fake a TP=2 tree whose unknown tensor differs per rank.
+    tp2 = tmp_path / "tp2" / "iter_0000100"
+    for t in range(2):
+        sd = torch.load(it / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+        sd["model"] = {"decoder.layers.0.extra.weight": torch.full((2, 4), float(t))}
+        (tp2 / f"mp_rank_{t:02d}").mkdir(parents=True)
+        torch.save(sd, tp2 / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    with pytest.raises(ShardingError, match=r"extra\.weight.*no split rule"):
+        convert_legacy(tp2, tmp_path / "out1", fsync=False)
+    convert_legacy(tp2, tmp_path / "out2", rules=[SplitRule.parse(r"extra\.weight$=0")], fsync=False)
+    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "out2")["decoder.layers.0.extra.weight"],
+                       torch.cat([torch.zeros(2, 4), torch.ones(2, 4)]))
+    (tp2 / "mp_rank_01" / "model_optim_rng.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no model_optim_rng.pt"):
+        convert_legacy(tp2, tmp_path / "out3", fsync=False)
+    with pytest.raises(CheckpointNotFoundError, match="no mp_rank"):
+        convert_legacy(tmp_path, tmp_path / "out4", fsync=False)
+
+
+@pytest.mark.timeout(120)
+def test_cli_is_quiet_off_tty(tmp_path):
+    """The tool end to end, as a subprocess whose stderr is not a terminal: no progress bar."""
+    ref = reference(experts=False)
+    write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=1, ep=1, numpy_rng=False)
+    tool = str(ROOT / "tools" / "convert_legacy.py")
+    run = subprocess.run([sys.executable, tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"),
+                          "--no-fsync"], capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == "" and f"converted {len(ref)} tensors" in run.stdout
+    run = subprocess.run([sys.executable, tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
+                         capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert run.returncode == 2 and "already holds a checkpoint" in run.stderr
+
+
+def test_progress_draws_only_on_tty(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from convert_legacy import ConvertProgress
+    finally:
+        sys.path.pop(0)
+
+    class Stream(io.StringIO):
+        def __init__(self, tty: bool) -> None:
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    write_legacy_tree(tmp_path / "legacy", reference(experts=False), tp=1, pp=2, ep=1, numpy_rng=False)
+    for tty in (True, False):
+        s = Stream(tty)
+        bar = ConvertProgress(s)
+        convert_legacy(tmp_path / "legacy", tmp_path / f"dist{tty}", progress=bar, fsync=False)
+        bar.close()
+        text = s.getvalue()
+        if tty:
+            assert "\r" in text and "100.0%" in text and "mp_rank_00_001" in text and text.endswith("\n")
+        else:
+            assert text == ""
