@@ -46,12 +46,15 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, env: dict, queue
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              env: dict[str, str] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
+    """``daemon=False`` lets ranks start processes of their own (Megatron-Core's save forks
+    writer processes and starts a multiprocessing Manager); they are still killed on timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, queue, args), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, queue, args),
+                    daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,371 @@
+"""Asynchronous, crash-consistent saves of sharded state dicts into a checkpoint root.
+
+Typical use, on every rank (torchrun or a single process; no collective is used)::
+
+    with ckptd.Checkpointer("/ckpts/run1") as ckpt:     # connects to (or starts) the node daemon
+        ckpt.load(sharded_state_dict)                    # resume from the last committed step
+        for it in ...:
+            ...
+            h = ckpt.save(sharded_state_dict, step=it)   # returns once the shards are staged
+            ...                                          # training may mutate its tensors now
+        h.wait()                                         # committed, or raises why not
+
+Order of one :meth:`Checkpointer.save` on a rank:
+
+1. deliver pending notifications; raise an earlier save's failure nobody observed yet;
+2. plan the items (local checks only) and lay them out in a staging slot;
+3. allocate the shared-memory pool on the first save (and grow it if a save outgrows it),
+   registering it with the daemon, which owns it from then on;
+4. take a free slot; if none is free, ``on_full="wait"`` waits for the daemon to free one,
+   ``on_full="skip"`` skips this step (the daemon tells the coordinator, which aborts the step on
+   every rank, so no partial checkpoint commits);
+5. copy into the slot (DMA on a side stream for CUDA tensors), send ``SAVE``, wait for
+   ``SAVE_ACK``, return the :class:`SaveHandle`.
+
+The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
+Not thread-safe: use a Checkpointer from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ..api import load as sync_load
+from ..api import plan_save
+from ..catalog import STEP_PREFIX, read_tracker, step_dir_name
+from ..config import CkptdConfig
+from ..control.endpoints import Endpoints, JobEnv, load_token
+from ..control.protocol import (
+    Bye,
+    Codec,
+    Message,
+    PoolOk,
+    RegisterPool,
+    Save,
+    SaveAck,
+    Skip,
+    SlotFree,
+    Status,
+    StatusReply,
+    StepAborted,
+    StepCommitted,
+)
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptdError,
+    DaemonError,
+    SaveFailedError,
+    SaveSkippedError,
+)
+from ..format.finalize import serialize_common
+from ..staging.pool import StagingPool, place, slot_size_for
+from ..state_dict import split_state_dict
+from .handle import SaveHandle, SaveStatus
+from .link import DaemonLink, DaemonLostError
+
+log = logging.getLogger(__name__)
+_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+
+class Checkpointer:
+    """Asynchronous saves into ``root`` through this node's ckptd daemon (see the module docstring).
+
+    ``config`` defaults to :meth:`CkptdConfig.from_env`; an auto-started daemon gets the same
+    settings. The rank's place in the job comes from torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT), else a single process.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, config: CkptdConfig | None = None,
+                 env: JobEnv | None = None) -> None:
+        self.config = config if config is not None else CkptdConfig.from_env()
+        self.env = env if env is not None else JobEnv.detect()
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
+        if (self.env.nnodes > 1 and not self.config.job_token
+                and self.env.master_addr not in ("127.0.0.1", "localhost", "::1")):
+            raise CkptdError(
+                "a job spanning machines needs a shared secret: set CKPTD_JOB_TOKEN to the same "
+                "random string on every node (the daemons authenticate every message with it)"
+            )
+        codec = Codec(self.endpoints.job, load_token(self.endpoints, self.config), self.config.max_message_nbytes)
+        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
+        self._pool: StagingPool | None = None
+        self._pending: dict[int, SaveHandle] = {}
+        self._unobserved: list[SaveHandle] = []
+        self._closed = False
+        try:
+            self._link.connect()
+        except BaseException:
+            self._link.close()
+            raise
+
+    # --- public API -------------------------------------------------------------------------
+    def save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
+        """Stage this rank's shards of ``step`` and hand them to the daemon (see module docstring).
+
+        Returns once the bytes are in shared memory and the daemon acknowledged the request.
+        Raises at once for local problems (bad state dict, step already committed, daemon
+        unreachable); failures found later surface on the handle.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self._pump_quietly()
+        self._raise_unobserved()
+        if step < 0:
+            raise CkptdError(f"step must be >= 0, got {step}")
+        if step in self._pending:
+            raise CkptdError(f"step {step} is already being saved; wait for its handle first")
+        final = self.root / step_dir_name(step)
+        if final.exists():
+            raise CheckpointExistsError(f"{final} is committed already; save under a new step")
+        split = split_state_dict(sharded_state_dict)
+        items = plan_save(split, self.env.rank)
+        common = serialize_common(split.common) if self.env.rank == 0 else None
+        placements, nbytes = place(items)
+        self._ensure_connected()
+        pool = self._ensure_pool(nbytes)
+        slot = self._acquire_slot(pool, step)
+        if slot is None:
+            return self._skip(step, t0)
+        pool.stage(slot, items, placements)
+        wire = [{"record": it.record.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
+                for it, p in zip(items, placements)]
+        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common)
+        try:
+            self._link.request(msg, SaveAck)
+        except DaemonLostError as exc:
+            self._daemon_lost(str(exc))
+            raise
+        except DaemonError:
+            pool.free.append(slot)  # refused: the daemon never took the slot
+            raise
+        handle = SaveHandle(self, step, final, time.perf_counter() - t0)
+        self._pending[step] = handle
+        log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
+        return handle
+
+    def latest(self) -> int | None:
+        """The newest committed step, as the root's ``latest`` tracker names it (None: none yet)."""
+        _, name, _ = read_tracker(self.root)
+        m = _STEP_NAME.match(name or "")
+        return int(m.group(1)) if m else None
+
+    def checkpoint_dir(self, step: int | None = None) -> Path:
+        """Directory of ``step`` (default: the latest committed one)."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
+        return self.root / step_dir_name(step)
+
+    def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
+        """:func:`ckptd.load` from ``step`` (default: the last committed checkpoint)."""
+        return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
+
+    @property
+    def pending(self) -> list[SaveHandle]:
+        self._pump_quietly()
+        return sorted(self._pending.values(), key=lambda h: h.step)
+
+    def wait_all(self, timeout_s: float | None = None) -> None:
+        """Wait for every pending save; raise the first failure (after all finished)."""
+        first: SaveFailedError | None = None
+        for h in self.pending:
+            try:
+                h.wait(timeout_s)
+            except SaveSkippedError:
+                pass
+            except SaveFailedError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def status(self) -> dict[str, Any]:
+        """The node daemon's status (pools, writes in flight, pending steps, coordinator)."""
+        self._check_open()
+        self._ensure_connected()
+        return self._link.request(Status(), StatusReply).info
+
+    def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
+        """Wait for pending saves (``wait``), say BYE (the daemon frees our pool), disconnect.
+
+        An auto-started daemon exits by itself once no rank is connected and nothing is in
+        flight for ``idle_exit_s``. Raises the first failure of a save nobody waited for.
+        """
+        if self._closed:
+            return
+        try:
+            if wait and self._pending and self._link.connected:
+                try:
+                    self.wait_all(self.config.close_timeout_s if timeout_s is None else timeout_s)
+                except SaveFailedError:
+                    pass  # recorded on the handle; raised below if nobody observed it
+        finally:
+            self._closed = True
+            self._disconnect()
+        self._raise_unobserved()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close(wait=False)
+            except CkptdError as exc:
+                log.warning("while closing after an error: %s", exc)
+
+    # --- internals -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptdError("this Checkpointer is closed")
+
+    def _disconnect(self) -> None:
+        owned_by_daemon = False
+        if self._link.connected:
+            try:
+                self._link.send(Bye(self.env.rank))
+                owned_by_daemon = True
+            except DaemonError:
+                pass
+        if self._pool is not None:
+            self._pool.close(unlink=not owned_by_daemon)
+            self._pool = None
+        for h in list(self._pending.values()):
+            self._fail(h, "the Checkpointer was closed before the step committed")
+        self._link.close(linger_ms=1000)  # the BYE leaves before the socket goes
+
+    def _ensure_connected(self) -> None:
+        if self._link.connected and self._link.alive():
+            return
+        if self._link.connected:
+            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
+        old = self._link.instance
+        self._link.connect()
+        if old is not None and old != self._link.instance:
+            log.warning("rank %d: node daemon restarted (%s -> %s)", self.env.rank, old, self._link.instance)
+
+    def _daemon_lost(self, reason: str) -> None:
+        """Fail every pending save and drop the pool: nobody owns it any more."""
+        self._link.close_socket()
+        for h in list(self._pending.values()):
+            self._fail(h, f"{reason} before step {h.step} committed")
+        if self._pool is not None:
+            self._pool.close(unlink=True)
+            self._pool = None
+
+    def _ensure_pool(self, nbytes: int) -> StagingPool:
+        pool = self._pool
+        if pool is not None and nbytes <= pool.slot_nbytes:
+            return pool
+        slot_nbytes = slot_size_for(nbytes, self.config.pool_headroom)
+        if pool is not None:
+            log.warning("rank %d: save needs %d bytes, staging slots hold %d; allocating a larger pool",
+                        self.env.rank, nbytes, pool.slot_nbytes)
+            self._pool = None
+            pool.close(unlink=False)  # the daemon owns it and retires it once its writes finish
+        new = StagingPool.create(self.endpoints.shm_prefix, self.env.rank, self.config.pool_slots,
+                                 slot_nbytes, self.config.pin_memory)
+        try:
+            self._link.request(RegisterPool(self.env.rank, new.generation, slot_nbytes, new.names), PoolOk)
+        except BaseException:
+            new.close(unlink=True)  # the daemon never took it over
+            raise
+        self._pool = new
+        return new
+
+    def _acquire_slot(self, pool: StagingPool, step: int) -> int | None:
+        if not pool.free:
+            if self.config.on_full == "skip":
+                return None
+            t0 = time.monotonic()
+            deadline = t0 + self.config.slot_wait_timeout_s
+            while not pool.free:
+                if time.monotonic() > deadline:
+                    raise DaemonError(
+                        f"rank {self.env.rank}: no staging slot freed within "
+                        f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
+                    )
+                try:
+                    self._link.pump(0.05)
+                except DaemonLostError as exc:
+                    self._daemon_lost(str(exc))
+                    raise
+                if self._pool is not pool:
+                    raise DaemonError("the staging pool was dropped while waiting for a slot")
+            log.info("rank %d: waited %.3f s for a free staging slot (step %d)", self.env.rank,
+                     time.monotonic() - t0, step)
+        return pool.free.pop(0)
+
+    def _skip(self, step: int, t0: float) -> SaveHandle:
+        reason = (f"all {self.config.pool_slots} staging slots of rank {self.env.rank} were still "
+                  "being persisted (on_full='skip')")
+        log.warning("step %d skipped: %s", step, reason)
+        self._link.request(Skip(step, self.env.rank, self.env.world_size, reason), SaveAck)
+        handle = SaveHandle(self, step, self.root / step_dir_name(step), time.perf_counter() - t0)
+        handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
+        return handle
+
+    def _on_notify(self, msg: Message) -> None:
+        if isinstance(msg, SlotFree):
+            pool = self._pool
+            if pool is not None and msg.generation == pool.generation and msg.slot not in pool.free:
+                pool.free.append(msg.slot)
+        elif isinstance(msg, StepCommitted):
+            h = self._pending.pop(msg.step, None)
+            if h is not None:
+                h._resolve(SaveStatus.COMMITTED)
+                log.info("rank %d: step %d committed as %s", self.env.rank, msg.step, msg.name)
+        elif isinstance(msg, StepAborted):
+            h = self._pending.get(msg.step)
+            if h is not None:
+                self._fail(h, msg.reason)
+        else:
+            log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
+
+    def _fail(self, h: SaveHandle, reason: str) -> None:
+        self._pending.pop(h.step, None)
+        h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} was not committed: {reason}"))
+        self._unobserved.append(h)
+        log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)
+
+    def _raise_unobserved(self) -> None:
+        failed = [h for h in self._unobserved if not h._observed]
+        self._unobserved.clear()
+        if failed:
+            for h in failed:
+                h._observed = True
+            detail = "; ".join(str(h.error) for h in failed)
+            raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
+
+    def _pump_quietly(self) -> None:
+        if not self._link.connected:
+            return
+        try:
+            self._link.pump(0.0)
+        except DaemonLostError as exc:
+            self._daemon_lost(str(exc))
+
+    def _wait_for(self, h: SaveHandle, timeout_s: float | None) -> None:
+        timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while h.status is SaveStatus.PENDING:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if not self._link.connected:
+                self._fail(h, "the node daemon connection was lost")
+                return
+            try:
+                self._link.pump(min(remaining, 0.2))
+            except DaemonLostError as exc:
+                self._daemon_lost(str(exc))

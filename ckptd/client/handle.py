@@ -1,0 +1,80 @@
+"""The handle an asynchronous save returns: poll it, wait for it, read its outcome."""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+
+class SaveStatus(str, enum.Enum):
+    PENDING = "pending"  # handed to the daemon, not committed yet
+    COMMITTED = "committed"  # durable, and named by the tracker unless a newer step is
+    ABORTED = "aborted"  # failed somewhere (reason in ``error``); nothing of it is visible
+    SKIPPED = "skipped"  # dropped by the on_full="skip" policy before staging
+
+
+class SaveHandle:
+    """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
+
+    def __init__(self, owner: "Checkpointer", step: int, path: Path, stall_s: float) -> None:
+        self._owner = owner
+        self.step = step
+        self.path = path  # the committed directory (exists once COMMITTED)
+        self.stall_s = stall_s  # how long save() blocked the caller
+        self.status = SaveStatus.PENDING
+        self.error: SaveFailedError | None = None
+        self.finished_s: float | None = None
+        self._observed = False
+        self._started_s = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, status={self.status.value})"
+
+    @property
+    def committed(self) -> bool:
+        return self.status is SaveStatus.COMMITTED
+
+    @property
+    def skipped(self) -> bool:
+        return self.status is SaveStatus.SKIPPED
+
+    def done(self) -> bool:
+        """True once the save committed, failed or was skipped (never blocks)."""
+        if self.status is SaveStatus.PENDING:
+            self._owner._pump_quietly()
+        return self.status is not SaveStatus.PENDING
+
+    def wait(self, timeout_s: float | None = None) -> Path:
+        """Block until committed and return the checkpoint directory; raise the save's error.
+
+        Raises :class:`SaveFailedError` (with every known reason) if the save aborted,
+        :class:`SaveSkippedError` if it was skipped, :class:`SaveTimeoutError` after ``timeout_s``
+        (default: the config's ``commit_timeout_s`` plus a margin) while still pending.
+        """
+        self._owner._wait_for(self, timeout_s)
+        self._observed = True
+        if self.status is SaveStatus.COMMITTED:
+            return self.path
+        if self.error is not None:
+            raise self.error
+        raise SaveTimeoutError(f"step {self.step} did not commit within the wait timeout; it may "
+                               "still commit later (check handle.done() or Checkpointer.latest())")
+
+    def _resolve(self, status: SaveStatus, error: SaveFailedError | None = None) -> None:
+        if self.status is not SaveStatus.PENDING:
+            return
+        self.status = status
+        self.error = error
+        self.finished_s = time.monotonic() - self._started_s
+        if status is SaveStatus.SKIPPED:
+            self._observed = True  # the policy's choice, logged: not an error to re-raise later
+
+
+__all__ = ["SaveHandle", "SaveStatus", "SaveFailedError", "SaveSkippedError"]

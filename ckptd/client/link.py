@@ -1,0 +1,184 @@
+"""A rank's connection to its node daemon: auto-start, handshake, requests with timeouts, liveness.
+
+Order of use (by the Checkpointer, on the training thread only; not thread-safe):
+
+1. :meth:`DaemonLink.connect`: if no daemon holds the job's pid-file lock, local rank 0 launches
+   ``ckptd daemon --detach`` and every rank waits (``daemon_start_timeout_s``) for one; then the
+   ``HELLO`` -> ``WELCOME`` handshake (protocol version, job token, daemon instance);
+2. :meth:`request`: send one request and wait for its reply; notifications arriving meanwhile
+   (``SLOT_FREE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
+3. :meth:`pump`: deliver notifications without a request (``handle.done()``/``wait()``);
+4. every wait polls in short intervals and checks that the daemon still holds its lock: a dead
+   daemon raises :class:`DaemonLostError` at once instead of a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, TypeVar
+
+import zmq
+
+from ..config import CkptdConfig
+from ..control.channel import Endpoint, make_socket
+from ..control.endpoints import Endpoints, JobEnv
+from ..control.protocol import Codec, ErrorReply, Hello, Message, Ping, Pong, Welcome
+from ..daemon.main import daemon_alive, daemon_pid
+from ..errors import DaemonError
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+_POLL_MS = 50
+
+
+class DaemonLostError(DaemonError):
+    """The node daemon died (or was replaced) while this rank depended on it."""
+
+
+class DaemonLink:
+    def __init__(self, ep: Endpoints, env: JobEnv, config: CkptdConfig, codec: Codec,
+                 on_notify: Callable[[Message], None]) -> None:
+        self.ep = ep
+        self.env = env
+        self.config = config
+        self.codec = codec
+        self.on_notify = on_notify
+        self.ctx = zmq.Context()
+        self.endpoint: Endpoint | None = None
+        self.instance: str | None = None
+        self.daemon_pid: int | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.endpoint is not None
+
+    # --- connecting ------------------------------------------------------------------------
+    def connect(self) -> Welcome:
+        """Ensure a daemon runs (starting it on local rank 0) and complete the handshake."""
+        deadline = time.monotonic() + self.config.daemon_start_timeout_s
+        launched = False
+        while not daemon_alive(self.ep.pid_path):
+            if self.env.local_rank == 0 and not launched:
+                self._launch(deadline)
+                launched = True
+                continue
+            if time.monotonic() > deadline:
+                raise DaemonError(
+                    f"no ckptd daemon for {self.ep.root} node {self.ep.node} appeared within "
+                    f"{self.config.daemon_start_timeout_s:.0f} s (local rank 0 starts it; see "
+                    f"{self.ep.log_path})"
+                )
+            time.sleep(0.05)
+        self._open_socket()
+        welcome = self.request(
+            Hello("rank", self.env.rank, self.ep.node, self.env.world_size, os.getpid(), str(self.ep.root)),
+            Welcome,
+        )
+        self.instance = welcome.instance
+        self.daemon_pid = welcome.pid
+        log.info("rank %d connected to daemon %s (pid %d)", self.env.rank, welcome.instance, welcome.pid)
+        return welcome
+
+    def _launch(self, deadline: float) -> None:
+        cmd = [
+            sys.executable, "-m", "ckptd.cli", "daemon", "--detach", "--exit-when-idle",
+            "--root", str(self.ep.root), "--job", self.ep.job, "--node", str(self.ep.node),
+            "--nnodes", str(self.env.nnodes), "--coordinator-connect", self.ep.coordinator_connect,
+            "--coordinator-bind", self.ep.coordinator_bind,
+        ]
+        env = {**os.environ, **self.config.to_env()}
+        env["CKPTD_JOB_ID"] = self.ep.job
+        log.info("rank %d: starting the node daemon: %s", self.env.rank, " ".join(cmd))
+        try:
+            proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=max(1.0, deadline - time.monotonic()), close_fds=True)
+        except subprocess.TimeoutExpired:
+            raise DaemonError(f"starting the ckptd daemon timed out; see {self.ep.log_path}") from None
+        if proc.returncode != 0:
+            raise DaemonError(f"the ckptd daemon did not start (exit {proc.returncode}): "
+                              f"{proc.stderr.strip()[-2000:]}")
+
+    def _open_socket(self) -> None:
+        self.close_socket()
+        ident = f"r{self.env.rank}-{os.getpid()}-{time.monotonic_ns() % 10**9}".encode()
+        sock = make_socket(self.ctx, zmq.DEALER, self.codec, identity=ident)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
+        sock.connect(self.ep.ipc_address)
+        self.endpoint = Endpoint(sock, self.codec, f"rank{self.env.rank}")
+
+    def close_socket(self, linger_ms: int = 0) -> None:
+        if self.endpoint is not None:
+            self.endpoint.sock.close(linger=linger_ms)
+            self.endpoint = None
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets a last message (BYE) leave first."""
+        self.close_socket(linger_ms)
+        self.ctx.term()
+
+    # --- talking -------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """The daemon we handshook with still runs (holds the lock, same pid)."""
+        if not daemon_alive(self.ep.pid_path):
+            return False
+        pid = daemon_pid(self.ep.pid_path)
+        return self.daemon_pid is None or pid is None or pid == self.daemon_pid
+
+    def send(self, msg: Message) -> None:
+        if self.endpoint is None:
+            raise DaemonLostError("not connected to the node daemon")
+        if not self.endpoint.send(msg):
+            raise DaemonError(f"could not send {msg.TYPE.name} to the node daemon within "
+                              f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}")
+
+    def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None) -> M:
+        """Send ``msg``, wait for a ``reply_type`` answer; an ``ERROR`` answer raises DaemonError."""
+        self.send(msg)
+        deadline = time.monotonic() + (self.config.request_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            reply = self._next(deadline)
+            if reply is None:
+                raise DaemonError(
+                    f"the node daemon did not answer {msg.TYPE.name} within "
+                    f"{self.config.request_timeout_s:.0f} s (CKPTD_REQUEST_TIMEOUT_S); see {self.ep.log_path}"
+                )
+            if isinstance(reply, reply_type):
+                return reply
+            if isinstance(reply, ErrorReply):
+                raise DaemonError(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
+            self.on_notify(reply)
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Wait up to ``timeout_s`` for a notification, then deliver all that are here."""
+        msg = self._next(time.monotonic() + timeout_s)
+        while msg is not None:
+            self.on_notify(msg)
+            msg = self._next(0.0)
+
+    def _next(self, deadline: float) -> Message | None:
+        """The next valid message before ``deadline``, or None; raises if the daemon died."""
+        ep = self.endpoint
+        if ep is None:
+            raise DaemonLostError("not connected to the node daemon")
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if ep.sock.poll(max(0, min(_POLL_MS, int(remaining_ms))), zmq.POLLIN):
+                _, msg = ep.recv()
+                if msg is not None:
+                    return msg
+                continue
+            if not self.alive():
+                pid = self.daemon_pid
+                self.close_socket()
+                raise DaemonLostError(f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} "
+                                      f"died; see {self.ep.log_path}")
+            if remaining_ms <= 0:
+                return None
+
+    def ping(self) -> Pong:
+        return self.request(Ping(time.monotonic_ns()), Pong)

@@ -1,0 +1,130 @@
+"""Every tunable of asynchronous saving, in one frozen dataclass, overridable from the environment.
+
+``CkptdConfig.from_env()`` is the only place that reads ``CKPTD_*`` variables: each field ``x``
+is overridden by ``CKPTD_X`` (upper case), parsed as the field's type. A Checkpointer passes its
+config to the daemon it auto-starts through :meth:`CkptdConfig.to_env`, so both sides agree.
+
+Timeouts are in seconds and bound every wait in the control plane: no call waits forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .errors import CkptdError
+
+ENV_PREFIX = "CKPTD_"
+ON_FULL_POLICIES = ("wait", "skip")
+
+
+@dataclass(frozen=True)
+class CkptdConfig:
+    """Knobs of the Checkpointer, the node daemon and the coordinator.
+
+    Staging: ``pool_slots`` shared-memory slots per rank (each sized from the first save plus
+    ``pool_headroom`` of it); ``on_full`` decides what a save does when every slot is still being
+    persisted: ``"wait"`` (default) or ``"skip"`` (logged, reported on the handle, and the step is
+    aborted on every rank). ``pin_memory`` registers the pool with CUDA (when CUDA is available).
+
+    Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
+    :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
+    deleted only after a newer one committed; ``megatron_tracker`` also writes Megatron-LM's
+    ``latest_checkpointed_iteration.txt`` next to ``latest``.
+    """
+
+    # staging
+    pool_slots: int = 2
+    pool_headroom: float = 0.01
+    on_full: str = "wait"
+    pin_memory: bool = True
+    # persisting
+    writer_threads: int = 2
+    fsync: bool = True
+    checksums: bool = True
+    keep_last: int = 0
+    megatron_tracker: bool = True
+    daemon_nice: int = 0
+    # control plane
+    runtime_dir: str = ""  # default: $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-<uid>
+    job_id: str = ""  # default: derived from the checkpoint root's real path
+    job_token: str = ""  # default: a random token kept in <runtime_dir>/<job>.token (0600)
+    coordinator_host: str = ""  # default: MASTER_ADDR, else 127.0.0.1
+    coordinator_port: int = 0  # default: MASTER_PORT + 1 for multi-node jobs, else ephemeral
+    max_message_nbytes: int = 64 << 20
+    # timeouts (seconds)
+    request_timeout_s: float = 30.0
+    daemon_start_timeout_s: float = 60.0
+    slot_wait_timeout_s: float = 600.0
+    commit_timeout_s: float = 600.0
+    coordinator_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    idle_exit_s: float = 60.0
+    shutdown_grace_s: float = 30.0
+    close_timeout_s: float = 600.0
+    # fault injection for tests: seconds slept before each data file is written
+    debug_write_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.on_full not in ON_FULL_POLICIES:
+            raise CkptdError(f"config on_full={self.on_full!r}: choose one of {ON_FULL_POLICIES}")
+        if self.pool_slots < 1:
+            raise CkptdError(f"config pool_slots={self.pool_slots}: need at least 1 slot")
+        if self.writer_threads < 1:
+            raise CkptdError(f"config writer_threads={self.writer_threads}: need at least 1")
+        if self.keep_last < 0:
+            raise CkptdError(f"config keep_last={self.keep_last}: use 0 to keep all, or K >= 1")
+        if self.pool_headroom < 0:
+            raise CkptdError(f"config pool_headroom={self.pool_headroom}: must be >= 0")
+        for f in fields(self):
+            if f.name.endswith("_s") and getattr(self, f.name) < 0:
+                raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "CkptdConfig":
+        """Defaults, then ``CKPTD_<FIELD>`` variables, then keyword ``overrides`` (highest)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f.name, f.type, raw)
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise CkptdError(f"unknown config fields {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "CkptdConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """``CKPTD_*`` variables that make :meth:`from_env` rebuild this config elsewhere."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[ENV_PREFIX + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return out
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
+    try:
+        if t == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise CkptdError(
+            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}"
+        ) from None

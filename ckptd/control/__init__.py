@@ -1,0 +1,1 @@
+"""The ZeroMQ control plane: message protocol, authenticated codec, sockets, endpoints."""

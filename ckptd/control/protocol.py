@@ -1,0 +1,336 @@
+"""The control-plane protocol: typed messages, msgpack on the wire, authenticated with the job token.
+
+Parties: *rank* (a Checkpointer in a training process), *daemon* (one per node), *coordinator*
+(one per job, inside node 0's daemon). Ranks talk to their node's daemon over ``ipc://`` (DEALER
+-> ROUTER); daemons talk to the coordinator over ``tcp://`` (DEALER -> ROUTER).
+
+Order of calls for one save of step ``s`` (who sends each message):
+
+1. rank -> daemon ``HELLO`` -> ``WELCOME`` once per connection (handshake: protocol version,
+   job, daemon instance; a new instance means the daemon restarted and unacknowledged saves
+   are lost). ``PING`` -> ``PONG`` checks liveness at any time.
+2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per pool: from then on the daemon owns the
+   shared-memory segments (and unlinks them).
+3. rank copies its shards into a free slot, then rank -> daemon ``SAVE`` -> ``SAVE_ACK``; the
+   daemon now owns the slot's bytes and ``save()`` returns. When no slot is free and the policy
+   is ``skip``, rank -> daemon ``SKIP`` -> ``SAVE_ACK`` instead (the step then aborts everywhere).
+4. daemon writes ``__<rank>_0.distcp`` into ``<step>.tmp/``, fsyncs it, then daemon -> rank
+   ``SLOT_FREE`` and daemon -> coordinator ``WRITTEN`` (stored records; rank 0 adds the common
+   state). A failed write sends ``FAILED`` instead.
+5. coordinator, once every rank of the world wrote: validates coverage, writes the metadata
+   files, renames ``<step>.tmp`` -> ``<step>``, fsyncs, replaces the tracker, then
+   coordinator -> daemons ``STEP_COMMITTED``; on any failure or timeout ``STEP_ABORTED`` (reason).
+6. daemon -> ranks that saved step ``s``: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
+7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its pool once idle).
+
+``STATUS`` -> ``STATUS_REPLY`` and ``SHUTDOWN`` -> ``SHUTDOWN_ACK`` serve tools and tests. Any
+request can be answered with ``ERROR`` (reason).
+
+Wire format: two frames, ``body`` (a msgpack map ``{"v": version, "t": type, "job": job id,
+"f": {fields}}``) and ``mac`` (HMAC-SHA256 of ``body`` under the job token). A receiver checks the
+size limit and the MAC before it unpacks anything, then the version, job, type and every field's
+type; anything else is rejected with :class:`ProtocolError` (never pickle, never eval).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from ..errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAC_NBYTES = 32
+
+
+class MsgType(enum.IntEnum):
+    PING = 1
+    PONG = 2
+    HELLO = 3
+    WELCOME = 4
+    ERROR = 5
+    REGISTER_POOL = 10
+    POOL_OK = 11
+    SAVE = 12
+    SAVE_ACK = 13
+    SKIP = 14
+    SLOT_FREE = 15
+    BYE = 16
+    STEP_COMMITTED = 20
+    STEP_ABORTED = 21
+    WRITTEN = 30
+    FAILED = 31
+    STATUS = 40
+    STATUS_REPLY = 41
+    SHUTDOWN = 42
+    SHUTDOWN_ACK = 43
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[MsgType]
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    TYPE: ClassVar[MsgType] = MsgType.PING
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    TYPE: ClassVar[MsgType] = MsgType.PONG
+    nonce: int
+    instance: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """rank -> daemon (role "rank") or daemon -> coordinator (role "node")."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    role: str
+    rank: int
+    node: int
+    world_size: int
+    pid: int
+    root: str
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WELCOME
+    instance: str
+    pid: int
+    node: int
+    root: str
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    reason: str
+    step: int | None
+
+
+@dataclass(frozen=True)
+class RegisterPool(Message):
+    """rank -> daemon: segment names (created by the rank, 0600) of ``slot_nbytes`` bytes each."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER_POOL
+    rank: int
+    generation: str
+    slot_nbytes: int
+    names: list[str]
+
+
+@dataclass(frozen=True)
+class PoolOk(Message):
+    TYPE: ClassVar[MsgType] = MsgType.POOL_OK
+    generation: str
+
+
+@dataclass(frozen=True)
+class Save(Message):
+    """rank -> daemon. ``items``: ``{"record": ItemRecord wire map, "offset": int, "nbytes": int}``
+    in write order; ``common`` is the serialized common state (global rank 0 only)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SAVE
+    step: int
+    rank: int
+    world_size: int
+    generation: str
+    slot: int
+    items: list[dict]
+    common: bytes | None
+
+
+@dataclass(frozen=True)
+class Skip(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SKIP
+    step: int
+    rank: int
+    world_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SaveAck(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SAVE_ACK
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class SlotFree(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SLOT_FREE
+    generation: str
+    slot: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepCommitted(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STEP_COMMITTED
+    step: int
+    name: str
+
+
+@dataclass(frozen=True)
+class StepAborted(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STEP_ABORTED
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Written(Message):
+    """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WRITTEN
+    step: int
+    rank: int
+    world_size: int
+    node: int
+    records: list[dict]
+    common: bytes | None
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    TYPE: ClassVar[MsgType] = MsgType.FAILED
+    step: int
+    rank: int
+    world_size: int
+    node: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
+    info: dict
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class ShutdownAck(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN_ACK
+
+
+REGISTRY: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Ping, Pong, Hello, Welcome, ErrorReply, RegisterPool, PoolOk, Save, Skip, SaveAck,
+                SlotFree, Bye, StepCommitted, StepAborted, Written, Failed, Status, StatusReply,
+                Shutdown, ShutdownAck)
+}
+_HINTS: dict[type[Message], dict[str, Any]] = {
+    cls: typing.get_type_hints(cls) for cls in REGISTRY.values()
+}
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is bytes:
+        return isinstance(value, bytes)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item_tp) for v in value)
+    if tp is list:
+        return isinstance(value, list)
+    return False
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Encodes and authenticates messages of one job; decoding rejects anything unexpected."""
+
+    job: str
+    token: bytes
+    max_nbytes: int = 64 << 20
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self.token, body, hashlib.sha256).digest()
+
+    def encode(self, msg: Message) -> list[bytes]:
+        body = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": self.job, "f": asdict(msg)},
+            use_bin_type=True,
+        )
+        if len(body) > self.max_nbytes:
+            raise ProtocolError(
+                f"{msg.TYPE.name} message of {len(body)} bytes exceeds the limit of "
+                f"{self.max_nbytes} bytes; raise CKPTD_MAX_MESSAGE_NBYTES or save less common state"
+            )
+        return [body, self._mac(body)]
+
+    def decode(self, frames: list[bytes]) -> Message:
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames (body, mac), got {len(frames)}")
+        body, mac = frames
+        if len(body) > self.max_nbytes:
+            raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {self.max_nbytes}")
+        if len(mac) != MAC_NBYTES or not hmac.compare_digest(mac, self._mac(body)):
+            raise ProtocolError("message authentication failed (wrong job token or tampered message)")
+        try:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            raise ProtocolError(f"undecodable message body: {exc!r}") from None
+        if not isinstance(obj, dict) or set(obj) != {"v", "t", "job", "f"}:
+            raise ProtocolError("message is not a {v, t, job, f} map")
+        if obj["v"] != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}; "
+                                "run the same ckptd version on every process of the job")
+        if obj["job"] != self.job:
+            raise ProtocolError(f"message for job {obj['job']!r}, this is job {self.job!r}")
+        cls = REGISTRY.get(obj["t"]) if isinstance(obj["t"], int) else None
+        if cls is None:
+            raise ProtocolError(f"unknown message type {obj['t']!r}")
+        values = obj["f"]
+        hints = _HINTS[cls]
+        names = [f.name for f in fields(cls)]
+        if not isinstance(values, dict) or set(values) != set(names):
+            got = sorted(values) if isinstance(values, dict) else type(values).__name__
+            raise ProtocolError(f"{cls.TYPE.name}: fields {got}, expected {sorted(names)}")
+        for name in names:
+            if not _matches(values[name], hints[name]):
+                raise ProtocolError(f"{cls.TYPE.name}: field {name!r} has type "
+                                    f"{type(values[name]).__name__}, expected {hints[name]}")
+        return cls(**values)

@@ -1,0 +1,74 @@
+"""``ckptd daemon``: run a node daemon (foreground, or ``--detach`` as the Checkpointer does)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+DESCRIPTION = """\
+Run the ckptd node daemon of one job (checkpoint root) and node. It receives the ranks' staged
+saves over ipc://, writes their data files, and on node 0 also runs the job's coordinator, which
+commits each checkpoint (rename iter_<step>.tmp -> iter_<step>, then the 'latest' tracker).
+
+Normally a Checkpointer starts it (detached) when absent. Settings come from CKPTD_* environment
+variables (see ckptd.config); SIGTERM stops it in order (in-flight saves get
+CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
+
+exit status: 0 stopped normally (or --detach: serving / already running); 1 error;
+3 another daemon of this job and node is running."""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("daemon", help="run the node daemon of a checkpoint root",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", required=True, help="checkpoint root the job saves into")
+    p.add_argument("--node", type=int, default=None, help="node id (default: GROUP_RANK, else 0)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="nodes in the job (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)")
+    p.add_argument("--job", default=None, help="job id (default: CKPTD_JOB_ID, else a hash of the root)")
+    p.add_argument("--coordinator", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the job's coordinator here (default: on node 0)")
+    p.add_argument("--coordinator-connect", default=None, metavar="tcp://HOST:PORT",
+                   help="where node daemons reach the coordinator (default: from MASTER_ADDR/PORT)")
+    p.add_argument("--coordinator-bind", default=None, metavar="tcp://HOST:PORT",
+                   help="where the coordinator listens (default: derived like --coordinator-connect)")
+    p.add_argument("--exit-when-idle", action="store_true",
+                   help="exit after CKPTD_IDLE_EXIT_S with no ranks and no work (auto-started daemons)")
+    p.add_argument("--detach", action="store_true",
+                   help="fork into the background; exit 0 once it serves (or one already runs)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from ..config import CkptdConfig
+    from ..control.endpoints import Endpoints, JobEnv
+    from ..errors import CkptdError
+    from .main import detach_and_run, run_daemon
+
+    try:
+        config = CkptdConfig.from_env()
+        if args.job:
+            config = config.replace(job_id=args.job)
+        env = JobEnv.detect()
+        if args.node is not None or args.nnodes is not None:
+            nnodes = args.nnodes if args.nnodes is not None else env.nnodes
+            node = args.node if args.node is not None else 0
+            env = replace(env, node=node, local_world_size=1, world_size=nnodes, rank=node, local_rank=0)
+        ep = Endpoints.for_job(args.root, env, config)
+        if args.coordinator_connect or args.coordinator_bind:
+            ep = replace(ep, coordinator_connect=args.coordinator_connect or ep.coordinator_connect,
+                         coordinator_bind=args.coordinator_bind or ep.coordinator_bind)
+    except CkptdError as exc:
+        print(f"ckptd daemon: error: {exc}", file=sys.stderr)
+        return 2
+    coordinator = ep.node == 0 if args.coordinator is None else args.coordinator
+    if args.detach:
+        return detach_and_run(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
+                              nnodes=env.nnodes, timeout_s=config.daemon_start_timeout_s)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
+                      nnodes=env.nnodes)

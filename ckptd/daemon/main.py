@@ -1,0 +1,205 @@
+"""Starting and stopping a node daemon: pid-file lock, crash leftovers, signals, detaching.
+
+Order of :func:`run_daemon`:
+
+1. take the ``flock`` of ``<job>-n<node>.pid`` (another live daemon of this job and node holds
+   it: exit with :data:`EXIT_BUSY`), write our pid into it;
+2. clean up after a crashed predecessor: unlink the job's/node's ``/dev/shm`` segments, and on
+   node 0 (the coordinator) every ``iter_*.tmp`` of the root (nothing can be in flight: a new
+   coordinator knows no steps);
+3. bind the sockets, report readiness (``--detach``), serve until SIGTERM/SIGINT, ``SHUTDOWN``
+   or (auto-started daemons) idleness;
+4. orderly cleanup: in-flight writes and commits get ``shutdown_grace_s`` to finish, then every
+   owned segment is unlinked and the socket and pid files are removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..config import CkptdConfig
+from ..control.endpoints import Endpoints, ensure_private_dir, load_token
+from ..staging.segment import unlink_segments
+from .commit import remove_all_tmp, tmp_steps
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_BUSY = 3  # another daemon of this job and node is running
+
+
+class PidLock:
+    """An exclusive ``flock`` on the pid file, held for the daemon's lifetime."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, retry_s: float = 1.0) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                # A client's liveness probe holds the lock for microseconds; a daemon for good.
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.02)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.fsync(fd)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: nobody reuses a stale file
+            os.close(self.fd)
+            self.fd = None
+
+
+def daemon_alive(pid_path: Path) -> bool:
+    """True while a daemon holds the pid-file lock (a precise test: no stale pids)."""
+    try:
+        fd = os.open(pid_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing releases our probe lock
+    return False
+
+
+def daemon_pid(pid_path: Path) -> int | None:
+    try:
+        return int(pid_path.read_text().strip() or "0") or None
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
+               nnodes: int = 1, ready: Callable[[str], None] = lambda _msg: None) -> int:
+    """Run a node daemon in this process until it is stopped; returns the exit status."""
+    from .node import NodeDaemon  # torch/zmq imports only in the daemon process
+
+    ensure_private_dir(ep.runtime_dir)
+    lock = PidLock(ep.pid_path)
+    if not lock.acquire():
+        ready("busy")
+        log.info("a daemon for %s node %d is running already", ep.root, ep.node)
+        return EXIT_BUSY
+    daemon = None
+    try:
+        if config.daemon_nice > 0:
+            os.nice(config.daemon_nice)
+        token = load_token(ep, config)
+        stale = unlink_segments(ep.shm_prefix)
+        if stale:
+            log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
+        adopt: list[int] = []
+        if coordinator:
+            ep.root.mkdir(parents=True, exist_ok=True)
+            if nnodes == 1:
+                tmp = remove_all_tmp(ep.root)
+                if tmp:
+                    log.warning("removed uncommitted saves left by a crash: %s", tmp)
+            else:
+                # Other nodes may be writing these right now: adopt them as steps in flight.
+                adopt = tmp_steps(ep.root)
+        daemon = NodeDaemon(ep, config, token, coordinator=coordinator, exit_when_idle=exit_when_idle,
+                            adopt_steps=adopt)
+
+        def on_signal(signum: int, _frame: object) -> None:
+            daemon.wake()  # type: ignore[union-attr]
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        ready("ready")
+        daemon.run()
+        return EXIT_OK
+    except Exception as exc:
+        log.exception("daemon failed")
+        ready(f"error: {type(exc).__name__}: {exc}")
+        return EXIT_ERROR
+    finally:
+        if daemon is not None:
+            daemon.close()
+        unlink_segments(ep.shm_prefix)
+        lock.release()
+        log.info("daemon exited")
+
+
+def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
+                   nnodes: int, timeout_s: float) -> int:
+    """Fork a daemon into its own session; return once it is serving (0), busy (0) or failed (1).
+
+    The parent's exit status tells the launching rank whether a daemon is up, without racing on
+    sockets: the child reports over a pipe after binding its sockets.
+    """
+    ensure_private_dir(ep.runtime_dir)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            logf = os.open(ep.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(logf, 1)
+            os.dup2(logf, 2)
+            if os.fork() != 0:  # the grandchild runs the daemon; it is reparented at once
+                os._exit(0)
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                                format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+
+            def ready(msg: str) -> None:
+                try:
+                    os.write(w, (msg + "\n").encode())
+                except OSError:
+                    pass
+
+            code = run_daemon(ep, config, coordinator=coordinator, exit_when_idle=exit_when_idle,
+                              nnodes=nnodes, ready=ready)
+        except BaseException:  # noqa: BLE001 - a forked child must never return into the caller
+            logging.getLogger(__name__).exception("daemon child failed")
+            code = EXIT_ERROR
+        os._exit(code)
+    os.close(w)
+    os.waitpid(pid, 0)
+    import select
+
+    msg = b""
+    deadline = time.monotonic() + timeout_s
+    while not msg.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([r], [], [], remaining)[0]:
+            break
+        chunk = os.read(r, 4096)
+        if not chunk:
+            break
+        msg += chunk
+    os.close(r)
+    text = msg.decode(errors="replace").strip()
+    if text in ("ready", "busy"):
+        return EXIT_OK
+    print(f"ckptd daemon: {text or 'did not report readiness in time'}; see {ep.log_path}", file=sys.stderr)
+    return EXIT_ERROR

@@ -1,0 +1,435 @@
+"""The node daemon: one per job and node, serving its ranks and reporting to the coordinator.
+
+Single-threaded around a zmq poller (ranks' ``ipc://`` ROUTER, the upstream DEALER to the
+coordinator, the coordinator's ROUTER on node 0, and the completion pipe of the worker threads).
+What it does per save, in order (see :mod:`ckptd.control.protocol` for the messages):
+
+1. ``SAVE`` from a rank: check pool, slot and records, mark the slot busy, create
+   ``<step>.tmp/``, queue the write, answer ``SAVE_ACK`` (the daemon now owns the bytes);
+2. a writer thread writes ``__<rank>_0.distcp`` from the slot (zero-copy views) and fsyncs it;
+3. back in the loop: ``SLOT_FREE`` to the rank, ``WRITTEN`` (or ``FAILED``) to the coordinator;
+4. ``STEP_COMMITTED`` / ``STEP_ABORTED`` from the coordinator is forwarded to the step's ranks.
+
+Everything keeps working when the ranks die after step 1: the bytes are in segments the daemon
+owns. Liveness: ranks' pids are checked every heartbeat (a dead rank's pool is released when its
+writes finish); the coordinator is pinged while steps await it, and a silent or restarted
+coordinator aborts those steps with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import zmq
+
+from ..config import CkptdConfig
+from ..control.channel import Endpoint, make_socket
+from ..control.endpoints import Endpoints
+from ..control.protocol import (
+    Bye,
+    Codec,
+    ErrorReply,
+    Failed,
+    Hello,
+    Message,
+    Ping,
+    PoolOk,
+    Pong,
+    RegisterPool,
+    Save,
+    SaveAck,
+    Shutdown,
+    ShutdownAck,
+    Skip,
+    SlotFree,
+    Status,
+    StatusReply,
+    StepAborted,
+    StepCommitted,
+    Welcome,
+    Written,
+)
+from ..errors import CkptdError, ProtocolError, StagingError
+from ..format.durable import default_opener
+from ..format.records import ItemRecord
+from ..staging.pool import Placement
+from .commit import tmp_dir
+from .coordinator import Coordinator
+from .pools import PoolTable
+from .workers import Completions, Done, WorkerPools, WriteRequest, delayed_opener, write_rank_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Client:
+    rank: int
+    pid: int
+    create_time: float | None
+
+
+@dataclass
+class PendingStep:
+    """A step this node wrote for, awaiting the coordinator's verdict."""
+
+    notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
+    sent_to: str | None = None  # coordinator instance known when WRITTEN/FAILED went out
+    waiting_since: float | None = None  # when the first report went upstream
+
+
+class NodeDaemon:
+    def __init__(self, ep: Endpoints, config: CkptdConfig, token: bytes, *, coordinator: bool,
+                 exit_when_idle: bool, adopt_steps: list[int] = ()) -> None:  # type: ignore[assignment]
+        self.ep = ep
+        self.config = config
+        self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.exit_when_idle = exit_when_idle
+        self.codec = Codec(ep.job, token, config.max_message_nbytes)
+        self.ctx = zmq.Context()
+        self.completions = Completions()
+        self.workers = WorkerPools(config.writer_threads, self.completions)
+        self.pools = PoolTable(ep.shm_prefix)
+        self.opener = delayed_opener(config.debug_write_delay_s) if config.debug_write_delay_s else default_opener
+        self.clients: dict[bytes, Client] = {}
+        self.steps: dict[int, PendingStep] = defaultdict(PendingStep)
+        self.outbox: list[tuple[float, Message, int]] = []  # (first try, message, step)
+        # FAILED reports of steps aborted here because the coordinator vanished: a restarted
+        # coordinator learns them (and removes the step's tmp dir) once it is reachable.
+        self.late: list[tuple[float, Message]] = []
+        self.coordinator: Coordinator | None = None
+        self.coordinator_instance: str | None = None
+        self.last_pong_s = time.monotonic()
+        self.last_ping_s = 0.0
+        self.last_check_s = 0.0
+        self.idle_since_s: float | None = time.monotonic()
+        self.stopping_since: float | None = None
+        self.stop_reason = ""
+
+        old_umask = os.umask(0o077)
+        try:
+            ep.socket_path.unlink(missing_ok=True)
+            self.ranks = Endpoint(make_socket(self.ctx, zmq.ROUTER, self.codec), self.codec, "daemon")
+            self.ranks.sock.bind(ep.ipc_address)
+        finally:
+            os.umask(old_umask)
+        upstream_addr = ep.coordinator_connect
+        if coordinator:
+            self.coordinator = Coordinator(self.ctx, self.codec, ep.coordinator_bind, ep.root, config,
+                                           self.workers, self.instance, adopt_steps)
+            upstream_addr = self.coordinator.address
+        up = make_socket(self.ctx, zmq.DEALER, self.codec, identity=f"node{ep.node}-{self.instance}".encode())
+        up.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
+        up.connect(upstream_addr)
+        self.upstream = Endpoint(up, self.codec, "upstream")
+        self.poller = zmq.Poller()
+        self.poller.register(self.ranks.sock, zmq.POLLIN)
+        self.poller.register(self.upstream.sock, zmq.POLLIN)
+        if self.coordinator is not None:
+            self.poller.register(self.coordinator.ep.sock, zmq.POLLIN)
+        self.poller.register(self.completions.fd, zmq.POLLIN)
+        log.info("daemon %s for %s node %d: ranks on %s, coordinator %s", self.instance, ep.root,
+                 ep.node, ep.ipc_address, upstream_addr)
+
+    # --- loop -----------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            self.stop_reason = reason
+            log.info("daemon stopping: %s", reason)
+
+    def wake(self) -> None:
+        """Async-signal-safe: make the poller return (used by signal handlers)."""
+        self.completions.post_signal()
+
+    def run(self) -> None:
+        tick_ms = max(10, int(min(self.config.heartbeat_s, 0.25) * 1000))
+        while True:
+            events = dict(self.poller.poll(tick_ms))
+            if self.ranks.sock in events:
+                self._drain_ranks()
+            if self.upstream.sock in events:
+                self._drain_upstream()
+            if self.coordinator is not None and self.coordinator.ep.sock in events:
+                self.coordinator.on_readable()
+            if self.completions.fd in events:
+                for done in self.completions.drain():
+                    self._on_done(done)
+            if self.completions.signalled():
+                self.request_stop("signal")
+            now = time.monotonic()
+            self._tick(now)
+            if self._should_exit(now):
+                return
+
+    def _busy(self) -> bool:
+        return bool(self.workers.in_flight or self.steps or self.outbox
+                    or (self.coordinator is not None and self.coordinator.busy))
+
+    def _should_exit(self, now: float) -> bool:
+        if self.stopping_since is not None:
+            if not self._busy():
+                return True
+            if now - self.stopping_since > self.config.shutdown_grace_s:
+                log.warning("shutdown grace of %.0f s over with work in flight; aborting it",
+                            self.config.shutdown_grace_s)
+                self._abort_pending("the node daemon shut down before the step committed")
+                return True
+            return False
+        if self.exit_when_idle:
+            if self.clients or self._busy():
+                self.idle_since_s = None
+            elif self.idle_since_s is None:
+                self.idle_since_s = now
+            elif now - self.idle_since_s >= self.config.idle_exit_s:
+                self.request_stop(f"idle for {self.config.idle_exit_s:.0f} s with no ranks connected")
+                return True
+        return False
+
+    def close(self) -> None:
+        """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
+        self.workers.shutdown()
+        for done in self.completions.drain():
+            self._on_done(done)
+        self.pools.release_all()
+        self.ranks.close()
+        self.upstream.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        self.ctx.term()
+        self.completions.close()
+        self.ep.socket_path.unlink(missing_ok=True)
+
+    # --- ranks ------------------------------------------------------------------------------
+    def _drain_ranks(self) -> None:
+        while True:
+            try:
+                identity, msg = self.ranks.recv()
+            except zmq.Again:
+                return
+            if msg is None or identity is None:
+                continue
+            try:
+                self._on_rank(identity, msg)
+            except (CkptdError, OSError) as exc:
+                step = getattr(msg, "step", None)
+                log.warning("%s from %r failed: %s", msg.TYPE.name, identity, exc)
+                self.ranks.send(ErrorReply(str(exc), step), identity, block=False)
+
+    def _on_rank(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Ping):
+            self.ranks.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
+        elif isinstance(msg, Hello):
+            if os.path.realpath(msg.root) != str(self.ep.root):
+                raise ProtocolError(f"this daemon serves {self.ep.root}, not {msg.root}")
+            self.clients[identity] = Client(msg.rank, msg.pid, _create_time(msg.pid))
+            self.ranks.send(Welcome(self.instance, os.getpid(), self.ep.node, str(self.ep.root)), identity)
+        elif isinstance(msg, RegisterPool):
+            self._client(identity)
+            self.pools.register(msg.rank, msg.generation, msg.slot_nbytes, msg.names, identity)
+            self.ranks.send(PoolOk(msg.generation), identity)
+        elif isinstance(msg, Save):
+            self._client(identity)
+            self._on_save(identity, msg)
+        elif isinstance(msg, Skip):
+            self._client(identity)
+            self._send_up(Failed(msg.step, msg.rank, msg.world_size, self.ep.node,
+                                 f"skipped the save: {msg.reason}"), msg.step)
+            self.ranks.send(SaveAck(msg.step, msg.rank), identity)
+        elif isinstance(msg, Bye):
+            self.clients.pop(identity, None)
+            self.pools.retire_owner(identity)
+        elif isinstance(msg, Status):
+            self.ranks.send(StatusReply(self.status()), identity)
+        elif isinstance(msg, Shutdown):
+            self.ranks.send(ShutdownAck(), identity)
+            self.request_stop("SHUTDOWN requested")
+        else:
+            raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
+
+    def _client(self, identity: bytes) -> Client:
+        c = self.clients.get(identity)
+        if c is None:
+            raise ProtocolError("no HELLO from this connection; reconnect")
+        return c
+
+    def _on_save(self, identity: bytes, msg: Save) -> None:
+        if self.stopping_since is not None:
+            raise CkptdError(f"the node daemon is shutting down ({self.stop_reason}); retry the save")
+        pool = self.pools.get(msg.rank, msg.generation)
+        if not 0 <= msg.slot < len(pool.segments):
+            raise StagingError(f"rank {msg.rank}: slot {msg.slot} does not exist")
+        if msg.slot in pool.busy:
+            raise StagingError(f"rank {msg.rank}: slot {msg.slot} is still being written")
+        records, placements = [], []
+        for it in msg.items:
+            if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
+                raise ProtocolError("SAVE item must be {record, offset, nbytes}")
+            rec = ItemRecord.from_wire(it["record"])
+            off, n = it["offset"], it["nbytes"]
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
+                    and off + n <= pool.slot_nbytes):
+                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} lies outside the slot")
+            if rec.rank != msg.rank:
+                raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
+            if rec.kind == "tensor" and rec.nbytes != n:
+                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
+            records.append(rec)
+            placements.append(Placement(off, n))
+        req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
+        directory = tmp_dir(self.ep.root, msg.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        pool.busy.add(msg.slot)
+        seg = pool.segments[msg.slot]
+        cfg = self.config
+        key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common)
+        self.workers.write(key, lambda: write_rank_file(directory, seg, req, self.opener, cfg.fsync,
+                                                        cfg.checksums))
+        self.steps[msg.step].notify.add(identity)
+        self.ranks.send(SaveAck(msg.step, msg.rank), identity)
+        log.info("step %d rank %d: %d items queued from slot %d", msg.step, msg.rank, len(records), msg.slot)
+
+    # --- worker results -------------------------------------------------------------------
+    def _on_done(self, done: Done) -> None:
+        self.workers.finished()
+        if self.coordinator is not None and self.coordinator.on_done(done):
+            return
+        if done.kind != "write":
+            return
+        step, rank, world_size, generation, slot, identity, common = done.key
+        pool = self.pools.pools.get((rank, generation))
+        if pool is not None:
+            pool.busy.discard(slot)
+            self.pools.collect()
+        self.ranks.send(SlotFree(generation, slot, step), identity, block=False)
+        if done.error is None:
+            records = [r.to_wire() for r in done.result]
+            self._send_up(Written(step, rank, world_size, self.ep.node, records, common), step)
+        else:
+            self._send_up(Failed(step, rank, world_size, self.ep.node,
+                                 f"writing its data file failed: {done.error}"), step)
+
+    # --- coordinator ----------------------------------------------------------------------
+    def _send_up(self, msg: Message, step: int) -> None:
+        st = self.steps[step]
+        if st.waiting_since is None:
+            st.waiting_since = time.monotonic()
+        if self.upstream.send(msg, block=False):
+            st.sent_to = st.sent_to or self.coordinator_instance
+        else:
+            self.outbox.append((time.monotonic(), msg, step))
+
+    def _drain_upstream(self) -> None:
+        while True:
+            try:
+                _, msg = self.upstream.recv()
+            except zmq.Again:
+                return
+            if msg is None:
+                continue
+            if isinstance(msg, Pong):
+                self.last_pong_s = time.monotonic()
+                if self.coordinator_instance != msg.instance:
+                    if self.coordinator_instance is not None:
+                        log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, msg.instance)
+                    self.coordinator_instance = msg.instance
+                    self._abort_pending("the coordinator restarted before the step committed",
+                                        keep_instance=msg.instance)
+            elif isinstance(msg, (StepCommitted, StepAborted)):
+                self._resolve(msg.step, msg)
+            elif isinstance(msg, ErrorReply):
+                log.warning("coordinator error: %s", msg.reason)
+            else:
+                log.warning("unexpected %s from the coordinator", msg.TYPE.name)
+
+    def _resolve(self, step: int, outcome: Message) -> None:
+        st = self.steps.pop(step, None)
+        self.outbox = [o for o in self.outbox if o[2] != step]
+        if st is None:
+            return
+        for identity in st.notify:
+            self.ranks.send(outcome, identity, block=False)
+
+    def _abort_pending(self, reason: str, keep_instance: str | None = None) -> None:
+        for step, st in list(self.steps.items()):
+            if st.waiting_since is None:
+                continue  # still writing here; it reports once done
+            if keep_instance is not None and st.sent_to in (None, keep_instance):
+                continue
+            log.warning("step %d aborted locally: %s", step, reason)
+            self._resolve(step, StepAborted(step, reason))
+            self.late.append((time.monotonic(), Failed(step, -1, 0, self.ep.node, reason)))
+
+    def _tick(self, now: float) -> None:
+        cfg = self.config
+        if self.coordinator is not None:
+            self.coordinator.tick(now)
+        waiting = [st for st in self.steps.values() if st.waiting_since is not None]
+        if waiting or self.outbox:
+            if now - self.last_ping_s >= cfg.heartbeat_s:
+                self.last_ping_s = now
+                self.upstream.send(Ping(int(now * 1000)), block=False)
+            oldest = min([st.waiting_since for st in waiting] + [o[0] for o in self.outbox])  # type: ignore[type-var]
+            silent_s = now - max(self.last_pong_s, oldest)
+            if silent_s > cfg.coordinator_timeout_s:
+                self.outbox.clear()
+                self._abort_pending(f"the coordinator at {self.ep.coordinator_connect} did not answer "
+                                    f"for {silent_s:.0f} s (node 0's daemon may have died)")
+        else:
+            self.last_pong_s = now
+        if self.late:
+            self.late = [(t, m) for t, m in self.late if now - t < cfg.commit_timeout_s
+                         and not self.upstream.send(m, block=False)]
+        if self.outbox:
+            retry, self.outbox = self.outbox, []
+            for first, msg, step in retry:
+                if self.upstream.send(msg, block=False):
+                    self.steps[step].sent_to = self.coordinator_instance
+                else:
+                    self.outbox.append((first, msg, step))
+        if now - self.last_check_s >= cfg.heartbeat_s:
+            self.last_check_s = now
+            for identity, c in list(self.clients.items()):
+                if not _alive(c.pid, c.create_time):
+                    log.info("rank %d (pid %d) is gone; its pool is released once idle", c.rank, c.pid)
+                    del self.clients[identity]
+                    self.pools.retire_owner(identity)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "node": self.ep.node,
+            "root": str(self.ep.root),
+            "job": self.ep.job,
+            "clients": [{"rank": c.rank, "pid": c.pid} for c in self.clients.values()],
+            "pools": self.pools.summary(),
+            "jobs_in_flight": self.workers.in_flight,
+            "pending_steps": sorted(self.steps),
+            "rejected_messages": self.ranks.rejected + self.upstream.rejected,
+            "coordinator": self.coordinator.status() if self.coordinator is not None else None,
+            "stopping": self.stopping_since is not None,
+        }
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, create_time: float | None) -> bool:
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(p.create_time() - create_time) < 1e-3
+    except psutil.Error:
+        return False

@@ -1,0 +1,94 @@
+"""The daemon's view of its ranks' staging pools: attached segments and which slots are busy.
+
+A pool registered by a rank belongs to the daemon: it is unmapped and unlinked here once it is
+*retired* (its rank closed, died, or registered a newer pool) and no write still reads from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..errors import StagingError
+from ..staging.segment import ShmSegment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DaemonPool:
+    rank: int
+    generation: str
+    slot_nbytes: int
+    segments: list[ShmSegment]
+    owner: bytes  # the registering client's socket identity
+    busy: set[int] = field(default_factory=set)
+    retired: bool = False
+
+
+class PoolTable:
+    def __init__(self, shm_prefix: str) -> None:
+        self.shm_prefix = shm_prefix
+        self.pools: dict[tuple[int, str], DaemonPool] = {}
+
+    def register(self, rank: int, generation: str, slot_nbytes: int, names: list[str],
+                 owner: bytes) -> DaemonPool:
+        """Attach a rank's new segments; older pools of that rank retire."""
+        expected = f"{self.shm_prefix}r{rank}-{generation}-s"
+        if not names or any(n != f"{expected}{i}" for i, n in enumerate(names)):
+            raise StagingError(f"rank {rank}: segment names {names[:2]}... do not follow "
+                               f"{expected}<i>; they belong to another job or node")
+        if (rank, generation) in self.pools:
+            raise StagingError(f"rank {rank}: pool {generation} is registered already")
+        segments: list[ShmSegment] = []
+        try:
+            for n in names:
+                segments.append(ShmSegment.attach(n, slot_nbytes))
+        except StagingError:
+            for s in segments:
+                s.close()
+            raise
+        for pool in self.pools.values():
+            if pool.rank == rank:
+                pool.retired = True
+        pool = DaemonPool(rank, generation, slot_nbytes, segments, owner)
+        self.pools[(rank, generation)] = pool
+        self.collect()
+        return pool
+
+    def get(self, rank: int, generation: str) -> DaemonPool:
+        pool = self.pools.get((rank, generation))
+        if pool is None or pool.retired:
+            raise StagingError(f"rank {rank}: no live staging pool {generation} here (the daemon may "
+                               "have restarted); the Checkpointer registers a new pool")
+        return pool
+
+    def retire_owner(self, owner: bytes) -> None:
+        for pool in self.pools.values():
+            if pool.owner == owner:
+                pool.retired = True
+        self.collect()
+
+    def collect(self) -> None:
+        """Unlink retired pools that no write uses any more."""
+        for key, pool in list(self.pools.items()):
+            if pool.retired and not pool.busy:
+                self._release(pool)
+                del self.pools[key]
+
+    def _release(self, pool: DaemonPool) -> None:
+        for seg in pool.segments:
+            seg.close()
+            seg.unlink()
+        log.info("released staging pool %s of rank %d (%d slots)", pool.generation, pool.rank,
+                 len(pool.segments))
+
+    def release_all(self) -> None:
+        for pool in self.pools.values():
+            self._release(pool)
+        self.pools.clear()
+
+    def summary(self) -> list[dict]:
+        return [{"rank": p.rank, "generation": p.generation, "slots": len(p.segments),
+                 "slot_nbytes": p.slot_nbytes, "busy": sorted(p.busy), "retired": p.retired}
+                for p in self.pools.values()]

@@ -1,0 +1,174 @@
+"""Background work of a daemon: data-file writers and the commit thread, reporting to the loop.
+
+The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
+each finished job posts a :class:`Done` into :class:`Completions`, whose pipe wakes the poller,
+and the loop handles it. Worker threads never touch sockets or daemon state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import torch
+
+from ..format.durable import Opener, default_opener
+from ..format.items import PlannedItem, write_data_file
+from ..format.layout import data_file_name
+from ..format.records import TENSOR, ItemRecord, dtype_from_name
+from ..staging.pool import Placement, slot_view
+from ..staging.segment import ShmSegment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Done:
+    """A finished background job: ``kind`` names the handler, ``error`` is None on success."""
+
+    kind: str
+    key: Any
+    result: Any = None
+    error: str | None = None
+
+
+class Completions:
+    """A thread-safe queue whose read end (:attr:`fd`) a zmq poller can watch."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Done]" = queue.Queue()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+
+        self._signalled = False
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def post_signal(self) -> None:
+        """Async-signal-safe wake-up (no locks): for signal handlers."""
+        self._signalled = True
+        try:
+            os.write(self._w, b"s")
+        except BlockingIOError:
+            pass
+
+    def signalled(self) -> bool:
+        return self._signalled
+
+    def post(self, done: Done) -> None:
+        self._q.put(done)
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def drain(self) -> list[Done]:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:
+    """Fault injection for tests: sleep before opening each file for writing."""
+
+    def opener(path: str, mode: str) -> BinaryIO:
+        if "w" in mode:
+            time.sleep(delay_s)
+        return base(path, mode)
+
+    return opener
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """One rank's save as the daemon received it: records plus where each payload sits in the slot."""
+
+    step: int
+    rank: int
+    records: list[ItemRecord]
+    placements: list[Placement]
+    common: bytes | None
+
+
+def planned_items(seg: ShmSegment, req: WriteRequest) -> list[PlannedItem]:
+    """Items whose payloads are views of the shared-memory slot (zero-copy)."""
+    if seg.base is None:
+        raise RuntimeError(f"segment {seg.name} is not mapped")
+    out = []
+    for rec, p in zip(req.records, req.placements):
+        if rec.kind == TENSOR:
+            payload: torch.Tensor | memoryview = slot_view(seg.base, p, dtype_from_name(rec.dtype), tuple(rec.sizes))
+        else:
+            payload = seg.view(p.offset, p.nbytes)
+        out.append(PlannedItem(rec, payload))  # type: ignore[arg-type]
+    return out
+
+
+def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener: Opener, fsync: bool,
+                    checksums: bool) -> list[ItemRecord]:
+    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns stored records."""
+    items = planned_items(seg, req)
+    t0 = time.perf_counter()
+    try:
+        stored = write_data_file(directory, data_file_name(req.rank), items, opener, fsync, checksums)
+    finally:
+        del items
+    nbytes = sum(p.nbytes for p in req.placements)
+    dt = time.perf_counter() - t0
+    log.info("step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)", req.step, req.rank, nbytes, dt,
+             nbytes / max(dt, 1e-9) / 1e9)
+    return stored
+
+
+class WorkerPools:
+    """``writer_threads`` data-file writers and one commit thread, reporting into ``completions``."""
+
+    def __init__(self, writer_threads: int, completions: Completions) -> None:
+        self.completions = completions
+        self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="ckptd-writer")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-commit")
+        self.in_flight = 0
+
+    def _run(self, kind: str, key: Any, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to the loop, which aborts the step
+            log.warning("%s %r failed: %s: %s", kind, key, type(exc).__name__, exc)
+            self.completions.post(Done(kind, key, error=f"{type(exc).__name__}: {exc}"))
+        else:
+            self.completions.post(Done(kind, key, result))
+
+    def write(self, key: Any, fn: Callable[[], Any]) -> None:
+        self.in_flight += 1
+        self._writers.submit(self._run, "write", key, fn)
+
+    def commit(self, key: Any, fn: Callable[[], Any]) -> None:
+        self.in_flight += 1
+        self._committer.submit(self._run, "commit", key, fn)
+
+    def finished(self) -> None:
+        self.in_flight -= 1
+
+    def shutdown(self) -> None:
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        self._committer.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,121 @@
+"""Garbage collection of a checkpoint root: old committed checkpoints and abandoned saves.
+
+Order of one collection (any process may run it; it needs no daemon):
+
+1. :func:`plan_gc` (pure): from a :class:`~ckptd.catalog.RootCatalog`, keep the newest ``keep``
+   committed checkpoints and always the one the tracker names; remove older committed ones,
+   ``*.tmp`` directories whose last write is older than ``grace_s`` (a save in flight keeps
+   writing, so it stays younger than the grace period), and ``*.deleting`` leftovers.
+2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
+   the root), then deletes it. A crash midway therefore never leaves a half-deleted directory
+   under a committed name, and a save still writing into a ``.tmp`` that is collected by mistake
+   fails its commit rename instead of committing a partial checkpoint.
+
+The tracker is never modified. When it cannot be trusted (unreadable, or naming a missing or
+incomplete checkpoint) nothing committed is removed: what a restart would load is unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .catalog import DELETING_SUFFIX, TMP_SUFFIX, CheckpointEntry, EntryState, RootCatalog
+from .errors import CkptdError
+from .format.durable import fsync_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Removal:
+    entry: CheckpointEntry
+    reason: str
+
+
+@dataclass
+class GcPlan:
+    root: Path
+    remove: list[Removal] = field(default_factory=list)
+    kept: list[tuple[CheckpointEntry, str]] = field(default_factory=list)  # (entry, why kept)
+    refused: str | None = None  # why committed checkpoints are not collected at all
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.entry.usage.nbytes for r in self.remove)
+
+
+def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S,
+            now: float | None = None) -> GcPlan:
+    """Decide what a collection removes (see the module docstring); touches nothing."""
+    if keep < 1:
+        raise CkptdError(f"gc: keep must be >= 1, got {keep}")
+    if grace_s < 0:
+        raise CkptdError(f"gc: grace_s must be >= 0, got {grace_s}")
+    now = time.time() if now is None else now
+    plan = GcPlan(cat.root)
+    if cat.tracker_problem is not None:
+        plan.refused = (f"{cat.tracker_problem}; committed checkpoints are left alone until the "
+                        "tracker is fixed")
+    committed = sorted(cat.committed, key=lambda e: e.step, reverse=True)
+    for rank, e in enumerate(committed):
+        if e.is_latest:
+            plan.kept.append((e, "named by the tracker"))
+        elif rank < keep:
+            plan.kept.append((e, f"among the newest {keep}"))
+        elif plan.refused is not None:
+            plan.kept.append((e, "tracker cannot be trusted"))
+        else:
+            plan.remove.append(Removal(e, f"committed, older than the newest {keep}"))
+    for e in cat.entries:
+        if e.state is EntryState.PARTIAL:
+            age_s = now - e.usage.newest_mtime
+            if age_s >= grace_s:
+                plan.remove.append(Removal(e, f"abandoned save, last written {age_s:.0f} s ago "
+                                              f"(grace {grace_s:.0f} s)"))
+            else:
+                plan.kept.append((e, f"save may be in flight: last written {age_s:.0f} s ago, "
+                                     f"grace {grace_s:.0f} s"))
+        elif e.state is EntryState.DELETING:
+            plan.remove.append(Removal(e, "left over by an interrupted gc"))
+        elif e.state is EntryState.INCOMPLETE:
+            plan.kept.append((e, "committed name without metadata.json: inspect it by hand"))
+    plan.remove.sort(key=lambda r: (r.entry.step, r.entry.name))
+    return plan
+
+
+def remove_entry(entry: CheckpointEntry) -> None:
+    """Rename ``entry`` to ``*.deleting`` (made durable), then delete it."""
+    path = entry.path
+    if entry.state is not EntryState.DELETING:
+        doomed = path.with_name(path.name.removesuffix(TMP_SUFFIX) + DELETING_SUFFIX)
+        if doomed.exists():
+            shutil.rmtree(doomed)  # an earlier interrupted removal of the same step
+        os.rename(path, doomed)
+        fsync_dir(path.parent)
+        path = doomed
+    shutil.rmtree(path)
+
+
+def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
+    """Carry out ``plan``; returns each removal with None or the error that stopped it.
+
+    One failed removal does not stop the others; the caller reports every failure.
+    """
+    done: list[tuple[Removal, str | None]] = []
+    for removal in plan.remove:
+        try:
+            remove_entry(removal.entry)
+        except OSError as exc:
+            log.warning("gc: could not remove %s: %s", removal.entry.path, exc)
+            done.append((removal, f"{type(exc).__name__}: {exc}"))
+        else:
+            log.info("gc: removed %s (%s)", removal.entry.path, removal.reason)
+            done.append((removal, None))
+    return done

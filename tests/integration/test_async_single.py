@@ -1,0 +1,91 @@
+"""A single process without torch.distributed: backpressure (skip, wait), retention, pool growth,
+and an auto-started daemon that exits by itself and leaves nothing behind. Real daemon, real files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedObject, ShardedTensor
+from ckptd.control.endpoints import JobEnv
+
+
+def _sd(w: torch.Tensor, step: int) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", w), "meta": ShardedObject("meta", {"s": step}, (1,), (0,)),
+            "iteration": step}
+
+
+def _loaded(ckpt: ckptd.Checkpointer, shape: tuple[int, ...], step: int | None = None) -> dict:
+    return ckpt.load(_sd(torch.zeros(shape), -1), step=step)
+
+
+@pytest.mark.timeout(120)
+def test_single_process_backpressure_retention_and_clean_exit(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert JobEnv.detect() == JobEnv()
+    root = tmp_path / "run"
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=runtime, pool_slots=1, on_full="skip", keep_last=2, debug_write_delay_s=0.5,
+        idle_exit_s=3.0, heartbeat_s=0.2,
+    )
+    w = torch.randn(64, 32)
+    ref = {}
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        daemon_pid = ckpt.status()["pid"]
+        ref[1] = w.clone()
+        h1 = ckpt.save(_sd(w, 1), step=1)
+        w.add_(1)
+        h2 = ckpt.save(_sd(w, 2), step=2)  # the only slot is still being written: skipped
+        assert h2.skipped and h2.done()
+        with pytest.raises(ckptd.SaveSkippedError, match="staging slots of rank 0 were still being persisted"):
+            h2.wait()
+        assert h1.wait(timeout_s=30) == root / "iter_0000001"
+        assert ckpt.latest() == 1 and not (root / "iter_0000002.tmp").exists()
+        with pytest.raises(ckptd.CheckpointExistsError):
+            ckpt.save(_sd(w, 1), step=1)
+
+    # on_full="wait": back-to-back saves queue behind the single slot, all commit, in order.
+    with ckptd.Checkpointer(root, config=cfg.replace(on_full="wait")) as ckpt:
+        handles = []
+        for step in (3, 4, 5):
+            w.add_(1)
+            ref[step] = w.clone()
+            handles.append(ckpt.save(_sd(w, step), step=step))
+            w.fill_(float("nan"))  # training overwrites everything right away
+            w.copy_(ref[step])
+        ckpt.wait_all(timeout_s=60)
+        assert [h.committed for h in handles] == [True] * 3
+        assert ckpt.latest() == 5
+        for step in (4, 5):
+            out = _loaded(ckpt, (64, 32), step)
+            assert torch.equal(out["w"], ref[step]) and out["meta"] == {"s": step} and out["iteration"] == step
+        # Retention (keep_last=2) removed the older ones only after newer ones had committed.
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000005"]
+        # A bigger state than the pool was sized for: the pool grows, the save commits.
+        big = torch.randn(256, 64)
+        ckpt.save(_sd(big, 6), step=6).wait(timeout_s=30)
+        assert torch.equal(_loaded(ckpt, (256, 64))["w"], big)
+        assert ckpt.status()["pid"] == daemon_pid  # one daemon served both Checkpointers
+
+    # The auto-started daemon exits once idle; nothing is left behind.
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(daemon_pid) and psutil.Process(daemon_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the idle daemon did not exit"
+        time.sleep(0.1)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("ckptd-")]
+    assert not [n for n in left if ckpt.endpoints.job in n]
+    assert sorted(os.listdir(runtime)) == sorted([f"{ckpt.endpoints.job}.token", f"{ckpt.endpoints.stem}.log"])
+    assert (root / "latest").read_text().strip() == "iter_0000006"
+    Path(runtime, f"{ckpt.endpoints.stem}.log").unlink()
+    Path(runtime, f"{ckpt.endpoints.job}.token").unlink()
+    os.rmdir(runtime)

@@ -1,0 +1,102 @@
+"""The control-plane codec and the config: what is accepted, what is rejected, and why."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgpack
+import pytest
+
+from ckptd.config import CkptdConfig
+from ckptd.control.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    Hello,
+    MsgType,
+    Ping,
+    REGISTRY,
+    Save,
+    StatusReply,
+    Written,
+)
+from ckptd.errors import CkptdError, ProtocolError
+
+TOKEN = b"t" * 64
+codec = Codec("job1", TOKEN, max_nbytes=1 << 16)
+
+
+def _frames(obj: object, token: bytes = TOKEN) -> list[bytes]:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return [body, hmac.new(token, body, hashlib.sha256).digest()]
+
+
+def test_every_message_type_round_trips():
+    samples = [
+        Ping(7),
+        Hello("rank", 3, 1, 4, 1234, "/ckpts/run1"),
+        Save(100, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01"),
+        Save(100, 3, 4, "abcd", 1, [], None),
+        Written(100, 3, 4, 1, [{"fqn": "w"}], None),
+        StatusReply({"pools": [], "x": 1.5}),
+    ]
+    for msg in samples:
+        assert codec.decode(codec.encode(msg)) == msg
+    assert len(REGISTRY) == len(MsgType) and all(REGISTRY[t].TYPE is t for t in MsgType)
+
+
+@pytest.mark.parametrize("frames, why", [
+    ([b"only-one"], "expected 2 frames"),
+    ([b"a", b"b", b"c"], "expected 2 frames"),
+    ([b"\x93\x01", b"short-mac"], "authentication failed"),
+    (_frames({"v": 1, "t": 1, "job": "job1", "f": {"nonce": 1}}, token=b"x" * 64), "authentication failed"),
+    (_frames([1, 2, 3]), "not a {v, t, job, f} map"),
+    (_frames({"v": PROTOCOL_VERSION + 1, "t": 1, "job": "job1", "f": {"nonce": 1}}), "protocol version"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job2", "f": {"nonce": 1}}), "for job 'job2'"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 999, "job": "job1", "f": {}}), "unknown message type"),
+    (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "unknown message type"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {}}), "fields [], expected ['nonce']"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1, "x": 2}}), "fields"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": "1"}}), "'nonce' has type str"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}), "'nonce' has type bool"),
+    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1",
+              "f": {"step": 1, "rank": 0, "world_size": 1, "generation": "g", "slot": 0,
+                    "items": [1, 2], "common": None}}), "'items' has type list"),
+    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1}})[0][:-1:] and
+     [b"\xc1", hmac.new(TOKEN, b"\xc1", hashlib.sha256).digest()], "undecodable"),
+])
+def test_malformed_or_unauthenticated_messages_are_rejected(frames, why):
+    with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]").replace("{", r"\{").replace("}", r"\}")):
+        codec.decode(frames)
+
+
+def test_size_limit_applies_before_anything_is_unpacked():
+    big = Save(1, 0, 1, "g", 0, [], b"x" * (1 << 16))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        codec.encode(big)
+    roomy = Codec("job1", TOKEN, max_nbytes=1 << 20)
+    frames = roomy.encode(big)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        codec.decode(frames)
+
+
+def test_no_pickle_on_the_wire():
+    body = codec.encode(Hello("rank", 0, 0, 1, 1, "/r"))[0]
+    assert b"\x80\x04" not in body and b"\x80\x05" not in body  # no pickle protocol headers
+    assert msgpack.unpackb(body)["t"] == int(MsgType.HELLO)
+
+
+def test_config_env_overrides_in_one_place():
+    env = {"CKPTD_POOL_SLOTS": "3", "CKPTD_ON_FULL": "skip", "CKPTD_FSYNC": "0",
+           "CKPTD_COMMIT_TIMEOUT_S": "12.5", "OTHER": "x"}
+    cfg = CkptdConfig.from_env(env, keep_last=4)
+    assert (cfg.pool_slots, cfg.on_full, cfg.fsync, cfg.commit_timeout_s, cfg.keep_last) == (3, "skip", False, 12.5, 4)
+    assert CkptdConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(CkptdError, match="CKPTD_POOL_SLOTS='many' is not a valid int"):
+        CkptdConfig.from_env({"CKPTD_POOL_SLOTS": "many"})
+    with pytest.raises(CkptdError, match="on_full='drop'"):
+        CkptdConfig(on_full="drop")
+    with pytest.raises(CkptdError, match="unknown config fields"):
+        CkptdConfig.from_env({}, pool_size=3)
+    with pytest.raises(Exception):
+        cfg.pool_slots = 5  # type: ignore[misc]  # frozen

@@ -1,0 +1,122 @@
+"""Shared-memory segments and slot pools, on real /dev/shm segments (no processes)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedObject, ShardedTensor
+from ckptd.api import plan_save
+from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.workers import WriteRequest, planned_items, write_rank_file
+from ckptd.errors import StagingError
+from ckptd.format.finalize import finalize, serialize_common
+from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place, slot_size_for
+from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
+from ckptd.state_dict import split_state_dict
+
+
+@pytest.fixture
+def prefix():
+    p = f"ckptd-unit{secrets.token_hex(3)}-n0-"
+    yield p
+    leaked = unlink_segments(p)
+    assert not leaked, f"test leaked segments {leaked}"
+
+
+def test_segment_is_private_prefaulted_and_survives_its_creator_closing(prefix):
+    seg = ShmSegment.create(prefix + "a", 1 << 20)
+    st = os.stat(SHM_DIR / seg.name)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_blocks * 512 >= 1 << 20
+    seg.base[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    seg.close()  # the creator unmaps: the bytes stay until someone unlinks
+    other = ShmSegment.attach(prefix + "a", 1 << 20)
+    assert other.base[:4].tolist() == [1, 2, 3, 4]
+    with pytest.raises(StagingError, match="has 1048576 bytes, expected 4096"):
+        ShmSegment.attach(prefix + "a", 4096)
+    with pytest.raises(StagingError, match="already exists"):
+        ShmSegment.create(prefix + "a", 4096)
+    other.close()
+    assert list_segments(prefix) == [prefix + "a"]
+    assert unlink_segments(prefix) == [prefix + "a"] and list_segments(prefix) == []
+
+
+def test_attach_refuses_foreign_permissions(prefix):
+    path = SHM_DIR / (prefix + "open")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    os.chmod(path, 0o644)
+    try:
+        with pytest.raises(StagingError, match="not a private"):
+            ShmSegment.attach(prefix + "open", 4096)
+    finally:
+        path.unlink()
+
+
+def _state(step: int, for_load: bool = False) -> dict:
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6) + step
+    flat = torch.arange(10, dtype=torch.bfloat16) + step
+    opt = (ShardedTensor.from_rank_offsets("opt", flat.reshape(2, 5)) if for_load else
+           ShardedTensor.from_rank_offsets_flat("opt", flat, (2, 5), flattened_range=slice(0, 10)))
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", w),
+        "opt": opt,  # a distributed-optimizer style flattened shard, stored as N-D pieces
+        "empty": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
+        "i8": ShardedTensor.from_rank_offsets("i8", torch.tensor([-1, 2, 3], dtype=torch.int8)),
+        "obj": ShardedObject("obj", {"step": step, "blob": b"x" * 100}, (1,), (0,)),
+        "iteration": step,
+    }
+
+
+def test_staged_slot_writes_a_loadable_checkpoint_independent_of_later_mutation(prefix, tmp_path):
+    split = split_state_dict(_state(5))
+    items = plan_save(split, 0)
+    placements, nbytes = place(items)
+    assert all(p.offset % ALIGN_NBYTES == 0 for p in placements)
+    pool = StagingPool.create(prefix, 0, nslots=2, slot_nbytes=slot_size_for(nbytes, 0.01), pin=True)
+    table = PoolTable(prefix)
+    try:
+        assert not pool.pinned  # no CUDA here: staging is a plain memcpy
+        pool.stage(0, items, placements)
+        split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
+        # The daemon side: attach by name, write the rank file from views of the slot.
+        dpool = table.register(0, pool.generation, pool.slot_nbytes, pool.names, b"id")
+        req = WriteRequest(5, 0, [i.record for i in items], placements, None)
+        assert all(isinstance(p.payload, (torch.Tensor, memoryview)) for p in planned_items(dpool.segments[0], req))
+        stored = write_rank_file(tmp_path, dpool.segments[0], req, open, fsync=False, checksums=True)
+        finalize(tmp_path, stored, serialize_common(split.common))
+        loaded = ckptd.load(_state(0, for_load=True), tmp_path)
+        ref = _state(5, for_load=True)
+        for k in ("w", "opt", "empty", "i8"):
+            assert torch.equal(loaded[k], ref[k].data), k
+        assert loaded["obj"] == {"step": 5, "blob": b"x" * 100} and loaded["iteration"] == 5
+        # A second rank's pool with a foreign name is refused; re-registering retires the old.
+        with pytest.raises(StagingError, match="do not follow"):
+            table.register(1, "zz", pool.slot_nbytes, [prefix + "r9-zz-s0"], b"id")
+        dpool.busy.add(1)
+        table.retire_owner(b"id")
+        assert list_segments(prefix)  # slot 1 is still being written: kept
+        dpool.busy.clear()
+        table.collect()
+        assert list_segments(prefix) == []  # the daemon unlinked what it owned
+    finally:
+        pool.close(unlink=True)
+        table.release_all()
+
+
+def test_stage_refuses_an_oversized_save(prefix):
+    items = plan_save(split_state_dict(_state(1)), 0)
+    placements, nbytes = place(items)
+    pool = StagingPool.create(prefix, 0, nslots=1, slot_nbytes=256, pin=False)
+    try:
+        with pytest.raises(StagingError, match="slot holds 256"):
+            pool.stage(0, items, placements)
+    finally:
+        pool.close(unlink=True)
+    assert slot_size_for(nbytes, 0.0) % 4096 == 0 and slot_size_for(nbytes, 0.01) >= nbytes + (1 << 20)
