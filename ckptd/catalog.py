@@ -1,0 +1,207 @@
+"""What a checkpoint root holds: committed, partial and half-deleted checkpoints, and the tracker.
+
+A *root* is where an asynchronous Checkpointer saves a series of checkpoints::
+
+    <root>/
+      latest               tracker: name of the newest committed checkpoint, replaced atomically
+      iter_0000100/        committed (the final name appears only after the commit)
+      iter_0000200.tmp/    in flight, or abandoned by a crash: never loaded
+      iter_0000050.deleting/  being removed by gc (renamed first, so never mistaken as committed)
+
+A single checkpoint directory (written by ``ckptd.save``, torch DCP or Megatron-Core) holds
+``metadata.json``, ``common.pt``, ``.metadata`` and ``__<rank>_<n>.distcp`` files.
+:func:`resolve_target` tells the two apart for the command-line tools.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointNotFoundError
+from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
+
+TRACKER_FILE = "latest"
+STEP_PREFIX = "iter_"
+TMP_SUFFIX = ".tmp"
+DELETING_SUFFIX = ".deleting"
+_STEP_DIR = re.compile(r"^iter_(\d+)(\.tmp|\.deleting)?$")
+
+
+def step_dir_name(step: int) -> str:
+    """The committed directory name of ``step``: ``iter_0000100``."""
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+class EntryState(str, enum.Enum):
+    COMMITTED = "committed"  # final name and metadata.json (or a DCP .metadata): loadable
+    INCOMPLETE = "incomplete"  # final name but no marker: damaged or written by hand
+    PARTIAL = "partial"  # *.tmp: in flight or abandoned
+    DELETING = "deleting"  # *.deleting: a gc run was interrupted
+
+
+@dataclass(frozen=True)
+class DirUsage:
+    nbytes: int
+    files: int
+    newest_mtime: float  # of the directory and everything in it: the last write activity
+
+
+def dir_usage(path: Path) -> DirUsage:
+    """Bytes, file count and newest mtime under ``path`` (files vanishing meanwhile are skipped)."""
+    nbytes = files = 0
+    try:
+        newest = path.stat().st_mtime
+    except FileNotFoundError:
+        return DirUsage(0, 0, 0.0)
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            nbytes += st.st_size
+            files += 1
+            newest = max(newest, st.st_mtime)
+    return DirUsage(nbytes, files, newest)
+
+
+@dataclass
+class CheckpointEntry:
+    name: str
+    path: Path
+    step: int
+    state: EntryState
+    usage: DirUsage
+    is_latest: bool = False
+
+
+@dataclass
+class RootCatalog:
+    """Every step directory of a root, in step order, plus what the tracker says."""
+
+    root: Path
+    entries: list[CheckpointEntry] = field(default_factory=list)
+    tracker_exists: bool = False
+    latest_name: str | None = None
+    # Why the tracker cannot be trusted (unreadable, names a missing or uncommitted checkpoint).
+    tracker_problem: str | None = None
+    others: list[str] = field(default_factory=list)  # unrelated names in the root
+
+    @property
+    def committed(self) -> list[CheckpointEntry]:
+        return [e for e in self.entries if e.state is EntryState.COMMITTED]
+
+    def latest(self) -> CheckpointEntry | None:
+        """The entry the tracker names, when it names a committed checkpoint."""
+        for e in self.entries:
+            if e.is_latest and e.state is EntryState.COMMITTED:
+                return e
+        return None
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """True when ``path`` has a checkpoint marker (``metadata.json`` or a DCP ``.metadata``)."""
+    return (path / METADATA_JSON).is_file() or (path / DCP_METADATA).is_file()
+
+
+def looks_like_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint, possibly damaged: a marker, ``common.pt`` or any data file."""
+    if is_checkpoint_dir(path) or (path / COMMON_PT).is_file():
+        return True
+    try:
+        return any(n.endswith(DATA_SUFFIX) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
+    """``(exists, name, problem)`` of ``root/latest``; ``name`` is a single directory name."""
+    path = root / TRACKER_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return False, None, None
+    except OSError as exc:
+        return True, None, f"tracker {path} cannot be read ({exc})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return True, None, f"tracker {path} is not UTF-8 text; it is damaged"
+    if not name or "/" in name or name in (".", "..") or "\n" in name:
+        return True, None, f"tracker {path} holds {raw[:80]!r}, not a checkpoint directory name"
+    return True, name, None
+
+
+def scan_root(root: str | os.PathLike) -> RootCatalog:
+    """List ``root``: step directories with state, size and age, and the tracker's target."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root} is not a directory")
+    cat = RootCatalog(root)
+    cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
+    for name in sorted(os.listdir(root)):
+        path = root / name
+        m = _STEP_DIR.match(name)
+        if m is None or not path.is_dir():
+            if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + "."):
+                cat.others.append(name)
+            continue
+        if m.group(2) == TMP_SUFFIX:
+            state = EntryState.PARTIAL
+        elif m.group(2) == DELETING_SUFFIX:
+            state = EntryState.DELETING
+        else:
+            state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
+        cat.entries.append(CheckpointEntry(name, path, int(m.group(1)), state, dir_usage(path),
+                                           is_latest=name == cat.latest_name))
+    cat.entries.sort(key=lambda e: (e.step, e.name))
+    if cat.latest_name is not None and cat.tracker_problem is None:
+        target = root / cat.latest_name
+        if not target.is_dir():
+            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which does "
+                                   "not exist; restore it or rewrite the tracker")
+        elif not is_checkpoint_dir(target):
+            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is "
+                                   f"not a complete checkpoint ({METADATA_JSON} is missing)")
+        elif _STEP_DIR.match(cat.latest_name) is None:
+            # A committed checkpoint outside the iter_ naming: still list it, it is what loads.
+            cat.entries.append(CheckpointEntry(cat.latest_name, target, -1, EntryState.COMMITTED,
+                                               dir_usage(target), is_latest=True))
+            if cat.latest_name in cat.others:
+                cat.others.remove(cat.latest_name)
+    return cat
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a path given on the command line is: one checkpoint, or a root of several."""
+
+    path: Path
+    is_root: bool
+
+
+def resolve_target(path: str | os.PathLike) -> Target:
+    """Classify ``path``; raise CheckpointNotFoundError when it is neither kind.
+
+    A directory with a checkpoint marker, ``common.pt`` or data files is a checkpoint (maybe a
+    damaged one); one with a tracker or ``iter_*`` directories is a root.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(
+            f"{path} is a file; pass a checkpoint directory or a checkpoint root directory"
+        )
+    if looks_like_checkpoint_dir(path):
+        return Target(path, is_root=False)
+    if (path / TRACKER_FILE).exists() or any(_STEP_DIR.match(n) for n in os.listdir(path)):
+        return Target(path, is_root=True)
+    raise CheckpointNotFoundError(
+        f"{path} is neither a checkpoint (no {METADATA_JSON}, {DCP_METADATA} or data files) nor a "
+        f"checkpoint root (no '{TRACKER_FILE}' tracker or {STEP_PREFIX}* directories)"
+    )

@@ -1,0 +1,43 @@
+"""The offline commands of the ``ckptd`` CLI: ls, inspect, verify, gc, tune.
+
+Each module exposes ``register(subparsers)`` (adds its subparser, sets ``func=run``) and
+``run(args) -> int`` (the exit status: 0 ok, 1 damage or failure, 2 usage error). ``ckptd.cli``
+wires them in with::
+
+    for command in commands.ALL:
+        command.register(subparsers)
+
+``python -m ckptd.commands <command> ...`` runs them without the rest of the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from . import gc, inspect, ls, tune, verify
+
+ALL = [ls, inspect, verify, gc, tune]
+
+
+def build_parser(prog: str = "ckptd") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="ckptd offline checkpoint tools")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in ALL:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ckptd") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+__all__ = ["ALL", "build_parser", "main"]

@@ -1,0 +1,413 @@
+"""End-to-end verification of a checkpoint on disk (``ckptd verify``).
+
+:func:`verify_checkpoint` checks, in this order, and keeps going after a failure so that one run
+reports every problem it can see:
+
+1. ``metadata.json`` names a supported backend (absent: a plain torch DCP checkpoint, which is
+   only fine when no ckptd checksums and no ``common.pt`` say otherwise).
+2. ``.metadata`` decodes (allow-list unpickler) into a chunk index.
+3. Global coverage: per tensor one dtype and shape, chunks in bounds, no overlap, no gap
+   (:func:`ckptd.format.validate.validate_records`); ShardedObject keys stored once.
+4. Every data file named by ``.metadata`` exists, lies inside the checkpoint and is long enough
+   for every item; no two items share bytes.
+5. Every item's bytes match the CRC-32 recorded at save time (when recorded: ckptd writes them,
+   torch DCP and Megatron-Core do not; the report says how many items had none).
+6. ``deep``: every item decodes (``torch.load``, weights-only) as a tensor of the recorded
+   shape and dtype, or as a ShardedObject's one-element list.
+7. ``common.pt`` matches its recorded CRC-32 and decodes weights-only.
+
+Items are read in bounded blocks (a deep check reads one whole item at a time). Nothing is
+written. Findings carry the file, item, byte offset and length involved.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections import defaultdict
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .catalog import RootCatalog
+from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError
+from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
+from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, read_backend_metadata
+from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
+from .format.records import TENSOR, ItemRecord, dtype_from_name
+from .format.validate import validate_records
+
+ERROR = "error"
+WARNING = "warning"
+NOTE = "note"
+
+_BLOCK_BYTES = 16 << 20
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class ProgressSink(Protocol):
+    """Receives verification progress (e.g. :class:`ckptd.progress.Progress`)."""
+
+    def set_total(self, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+@dataclass
+class Finding:
+    """One result of a check: an error (damage), a warning, or a note."""
+
+    severity: str
+    check: str  # backend, metadata, coverage, file, range, checksum, decode, common, tracker
+    message: str
+    file: str | None = None
+    item: str | None = None
+    offset: int | None = None
+    length: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class VerifyReport:
+    """Everything :func:`verify_checkpoint` found in one checkpoint directory."""
+
+    checkpoint: str
+    deep: bool
+    findings: list[Finding] = field(default_factory=list)
+    tensors: int = 0
+    objects: int = 0
+    items: int = 0
+    data_files: int = 0
+    bytes_read: int = 0
+    items_checksummed: int = 0
+    items_without_checksum: int = 0
+    items_decoded: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == ERROR for f in self.findings)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == ERROR]
+
+    def add(self, severity: str, check: str, message: str, **where: Any) -> None:
+        self.findings.append(Finding(severity, check, message, **where))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "findings"}
+        d["ok"] = self.ok
+        d["findings"] = [f.to_dict() for f in self.findings]
+        return d
+
+
+def _item_name(r: ItemRecord) -> str:
+    return f"{r.fqn} chunk {tuple(r.offsets)}" if r.kind == TENSOR else r.fqn
+
+
+def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
+    """Records from ``.metadata`` carry no rank; the data file name ``__<rank>_<n>`` has it."""
+    out = []
+    for r in records:
+        m = _DATA_FILE.match(r.relative_path)
+        out.append(ItemRecord(**{**asdict(r), "rank": int(m.group(1)) if m else -1}))
+    return out
+
+
+def _check_backend(directory: Path, report: VerifyReport) -> bool:
+    """Step 1; returns whether ``metadata.json`` exists."""
+    if not (directory / METADATA_JSON).is_file():
+        return False
+    try:
+        read_backend_metadata(directory)
+    except CkptdError as exc:
+        report.add(ERROR, "backend", str(exc), file=METADATA_JSON)
+    return True
+
+
+def _check_marker_absence(directory: Path, index: CheckpointIndex | None, report: VerifyReport) -> None:
+    if index is not None and index.has_checksums:
+        report.add(ERROR, "backend", f"{METADATA_JSON} is missing but .metadata holds ckptd checksums: "
+                   "the checkpoint was written by ckptd and its commit marker is gone", file=METADATA_JSON)
+    elif (directory / COMMON_PT).is_file():
+        report.add(ERROR, "backend", f"{METADATA_JSON} is missing but {COMMON_PT} exists: a "
+                   "ckptd/Megatron-Core checkpoint without its commit marker (interrupted save?)",
+                   file=METADATA_JSON)
+    elif index is not None:
+        report.add(NOTE, "backend", f"no {METADATA_JSON}: a plain torch DCP checkpoint (no common state)")
+
+
+def _check_coverage(records: list[ItemRecord], report: VerifyReport) -> None:
+    by_key: dict[str, list[ItemRecord]] = defaultdict(list)
+    for r in records:
+        by_key[r.fqn].append(r)
+    for fqn, group in sorted(by_key.items()):
+        try:
+            validate_records(group)
+        except CkptdError as exc:
+            report.add(ERROR, "coverage", str(exc), item=fqn)
+
+
+def _check_files(directory: Path, records: list[ItemRecord], report: VerifyReport) -> dict[str, int]:
+    """Step 4; returns the size of every data file that exists and is safe to open."""
+    sizes: dict[str, int] = {}
+    by_file: dict[str, list[ItemRecord]] = defaultdict(list)
+    for r in records:
+        by_file[r.relative_path].append(r)
+    report.data_files = len(by_file)
+    for rel, items in sorted(by_file.items()):
+        if not rel or os.sep in rel or (os.altsep and os.altsep in rel) or rel.startswith(".."):
+            report.add(ERROR, "file", f".metadata names data file {rel!r} outside the checkpoint "
+                       f"directory (for {len(items)} items)", file=rel)
+            continue
+        try:
+            sizes[rel] = (directory / rel).stat().st_size
+        except FileNotFoundError:
+            first = min(items, key=lambda r: r.file_offset)
+            report.add(ERROR, "file", f"data file {rel} is missing; {len(items)} items are stored in "
+                       f"it (first: {_item_name(first)})", file=rel)
+            continue
+        size = sizes[rel]
+        prev: ItemRecord | None = None
+        for r in sorted(items, key=lambda r: (r.file_offset, r.length)):
+            end = r.file_offset + r.length
+            if r.file_offset < 0 or r.length < 0:
+                report.add(ERROR, "range", f"{_item_name(r)} has an invalid byte range "
+                           f"(offset {r.file_offset}, length {r.length}) in .metadata",
+                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+            elif end > size:
+                report.add(ERROR, "range", f"data file {rel} is truncated: {_item_name(r)} needs bytes "
+                           f"[{r.file_offset}, {end}) but the file has {size} bytes",
+                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+            if prev is not None and r.file_offset < prev.file_offset + prev.length:
+                report.add(ERROR, "range", f"{_item_name(prev)} and {_item_name(r)} share bytes of {rel} "
+                           f"(from offset {r.file_offset}); .metadata is inconsistent",
+                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+            prev = r
+    on_disk = {n for n in os.listdir(directory) if n.endswith(DATA_SUFFIX)}
+    for extra in sorted(on_disk - set(by_file)):
+        report.add(WARNING, "file", f"data file {extra} is not referenced by .metadata "
+                   "(left over by another save?)", file=extra)
+    return sizes
+
+
+def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None,
+               prefetch: Executor) -> tuple[int, bytes | None]:
+    """CRC-32 of one item's bytes, and the bytes themselves when ``keep``.
+
+    The next block is read on ``prefetch`` while this thread checksums the current one (both
+    release the GIL), so reading and checksumming overlap.
+    """
+    crc = 0
+    parts: list[bytes] = []
+    pos, end = r.file_offset, r.file_offset + r.length
+    pending = prefetch.submit(os.pread, fd, min(_BLOCK_BYTES, end - pos), pos) if pos < end else None
+    while pending is not None:
+        block = pending.result()
+        if not block:
+            raise OSError(f"unexpected end of file at offset {pos}")
+        nxt = pos + len(block)
+        pending = prefetch.submit(os.pread, fd, min(_BLOCK_BYTES, end - nxt), nxt) if nxt < end else None
+        crc = zlib.crc32(block, crc)
+        if keep:
+            parts.append(block)
+        pos = nxt
+        if progress is not None:
+            progress.advance(len(block))
+    return crc, (b"".join(parts) if keep else None)
+
+
+def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, report: VerifyReport) -> None:
+    where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
+    what = f"item {_item_name(r)}"
+    try:
+        if r.kind == TENSOR:
+            t = load_tensor_bytes(data, what, r.relative_path)
+            want_dtype = dtype_from_name(r.dtype)
+            if tuple(t.shape) != tuple(r.sizes) or t.dtype != want_dtype:
+                report.add(ERROR, "decode", f"{what} in {r.relative_path} decodes as {t.dtype} "
+                           f"{tuple(t.shape)}, but .metadata records {want_dtype} {tuple(r.sizes)}", **where)
+                return
+        else:
+            load_object_bytes(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
+    except UnsafePickleError as exc:
+        report.add(WARNING, "decode", f"{what} not decoded: {exc}", **where)
+        return
+    except CkptdError as exc:
+        report.add(ERROR, "decode", str(exc), **where)
+        return
+    report.items_decoded += 1
+
+
+def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, int], deep: bool,
+                 allow_unsafe_pickle: bool, report: VerifyReport, progress: ProgressSink | None) -> None:
+    """Steps 5 and 6, file by file in offset order (sequential reads)."""
+    readable = [r for r in records
+                if r.relative_path in sizes and r.file_offset >= 0 and r.length >= 0
+                and r.file_offset + r.length <= sizes[r.relative_path]]
+    if progress is not None:
+        progress.set_total(sum(r.length for r in readable))
+    readable.sort(key=lambda r: (r.relative_path, r.file_offset))
+    fds: dict[str, int] = {}
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-verify-read")
+    try:
+        for r in readable:
+            if r.relative_path not in fds:
+                fds[r.relative_path] = os.open(directory / r.relative_path, os.O_RDONLY)
+            where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
+            try:
+                crc, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch)
+            except OSError as exc:
+                report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
+                continue
+            report.bytes_read += r.length
+            if r.crc32 is None:
+                report.items_without_checksum += 1
+            else:
+                report.items_checksummed += 1
+                if crc != r.crc32:
+                    report.add(ERROR, "checksum",
+                               f"{_item_name(r)}: bytes [{r.file_offset}, {r.file_offset + r.length}) "
+                               f"of {r.relative_path} have CRC-32 {crc:#010x}, but {r.crc32:#010x} was "
+                               "recorded at save time; the item is damaged", **where)
+                    continue  # decoding damaged bytes would only add a second error
+            if deep and data is not None:
+                _decode_item(r, data, allow_unsafe_pickle, report)
+    finally:
+        prefetch.shutdown(wait=True)
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _check_common(directory: Path, index: CheckpointIndex | None, has_marker: bool,
+                  allow_unsafe_pickle: bool, report: VerifyReport) -> None:
+    path = directory / COMMON_PT
+    if not path.is_file():
+        if has_marker:
+            report.add(ERROR, "common", f"{COMMON_PT} is missing; every ckptd/Megatron-Core checkpoint "
+                       "has one", file=COMMON_PT)
+        return
+    data = path.read_bytes()
+    report.bytes_read += len(data)
+    recorded = index.common_crc32 if index is not None else None
+    if recorded is not None:
+        crc = zlib.crc32(data)
+        if crc != recorded:
+            report.add(ERROR, "common", f"{COMMON_PT} ({len(data)} bytes) has CRC-32 {crc:#010x}, but "
+                       f"{recorded:#010x} was recorded at save time; the file is damaged",
+                       file=COMMON_PT, offset=0, length=len(data))
+            return
+    try:
+        unpickle_torch(data, f"common state {path}", allow_unsafe_pickle)
+    except UnsafePickleError as exc:
+        report.add(WARNING, "common", f"{COMMON_PT} not decoded: {exc}", file=COMMON_PT)
+    except CkptdError as exc:
+        report.add(ERROR, "common", str(exc), file=COMMON_PT, offset=0, length=len(data))
+
+
+def verify_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    deep: bool = False,
+    allow_unsafe_pickle: bool = False,
+    progress: ProgressSink | None = None,
+) -> VerifyReport:
+    """Check one checkpoint directory end to end (see the module docstring for the checks).
+
+    Raises CheckpointNotFoundError only when ``checkpoint_dir`` is not a directory; every kind of
+    damage is returned as an error :class:`Finding` (``report.ok`` is False).
+    """
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"{directory} is not a directory")
+    report = VerifyReport(str(directory), deep)
+    has_marker = _check_backend(directory, report)
+    index: CheckpointIndex | None = None
+    try:
+        index = read_index(directory, allow_unsafe_pickle)
+    except CkptdError as exc:
+        report.add(ERROR, "metadata", str(exc), file=DCP_METADATA)
+    if not has_marker:
+        _check_marker_absence(directory, index, report)
+    records: list[ItemRecord] | None = None
+    if index is not None:
+        try:
+            records = _with_file_ranks(records_from_index(index))
+        except CkptdError as exc:
+            report.add(ERROR, "metadata", f"{DCP_METADATA}: {exc}", file=DCP_METADATA)
+    if index is not None and records is not None:
+        report.tensors, report.objects, report.items = len(index.tensors), len(index.objects), len(records)
+        _check_coverage(records, report)
+        sizes = _check_files(directory, records, report)
+        _check_items(directory, records, sizes, deep, allow_unsafe_pickle, report, progress)
+        if report.items_without_checksum:
+            report.add(NOTE, "checksum", f"{report.items_without_checksum} of {report.items} items have no "
+                       "recorded checksum (written by torch DCP, Megatron-Core, or with checksums off): "
+                       "only their presence and length were checked"
+                       + ("" if deep else "; --deep also decodes them"))
+    _check_common(directory, index, has_marker, allow_unsafe_pickle, report)
+    return report
+
+
+@dataclass
+class RootVerifyReport:
+    """Verification of a root: the tracker, and the checkpoints chosen from it."""
+
+    root: str
+    reports: list[VerifyReport] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == ERROR for f in self.findings) and all(r.ok for r in self.reports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "ok": self.ok, "findings": [f.to_dict() for f in self.findings],
+                "checkpoints": [r.to_dict() for r in self.reports]}
+
+
+def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Path], list[Finding]]:
+    """The checkpoints of a root to verify: the tracker's (or every committed one), plus findings.
+
+    Without a tracker the newest committed checkpoint is chosen (and a note says so).
+    """
+    findings: list[Finding] = []
+    if cat.tracker_problem is not None:
+        findings.append(Finding(ERROR, "tracker", cat.tracker_problem, file="latest"))
+    if all_checkpoints:
+        chosen = [e.path for e in cat.committed]
+    elif (latest := cat.latest()) is not None:
+        chosen = [latest.path]
+    elif not cat.tracker_exists and cat.committed:
+        chosen = [cat.committed[-1].path]
+        findings.append(Finding(NOTE, "tracker", f"no 'latest' tracker in {cat.root}; verifying the "
+                                f"newest committed checkpoint {cat.committed[-1].name}"))
+    else:
+        chosen = []
+    if not chosen and cat.tracker_problem is None:
+        findings.append(Finding(ERROR, "tracker", f"{cat.root} holds no committed checkpoint"))
+    return chosen, findings
+
+
+def verify_root(cat: RootCatalog, *, all_checkpoints: bool = False, deep: bool = False,
+                allow_unsafe_pickle: bool = False,
+                progress_for: Any = None) -> RootVerifyReport:
+    """Verify the tracker's checkpoint (or all committed ones) of a scanned root.
+
+    ``progress_for(path)`` may return a context-managed :class:`ProgressSink` per checkpoint.
+    """
+    chosen, findings = select_for_verify(cat, all_checkpoints)
+    out = RootVerifyReport(str(cat.root), findings=findings)
+    for path in chosen:
+        if progress_for is None:
+            out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle))
+        else:
+            with progress_for(path) as bar:
+                out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle,
+                                                     progress=bar))
+    return out
+

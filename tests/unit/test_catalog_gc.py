@@ -1,0 +1,115 @@
+"""Scanning a checkpoint root and garbage-collecting it (library level, real directories)."""
+
+import time
+
+import pytest
+
+from ckptd.catalog import EntryState, resolve_target, scan_root, step_dir_name
+from ckptd.errors import CheckpointNotFoundError, CkptdError
+from ckptd.retention import apply_gc, plan_gc
+from tests.checkpoints import make_checkpoint, make_partial, make_root
+
+
+def test_scan_root_states_sizes_and_latest(tmp_path):
+    root = make_root(tmp_path / "r", [100, 200, 300], latest=200)
+    make_partial(root, 400, age_s=10)
+    (root / "iter_0000050").mkdir()  # committed name, no marker
+    (root / "iter_0000020.deleting").mkdir()
+    (root / "notes.txt").write_text("hi")
+    cat = scan_root(root)
+    assert [(e.name, e.step, e.state) for e in cat.entries] == [
+        ("iter_0000020.deleting", 20, EntryState.DELETING),
+        ("iter_0000050", 50, EntryState.INCOMPLETE),
+        ("iter_0000100", 100, EntryState.COMMITTED),
+        ("iter_0000200", 200, EntryState.COMMITTED),
+        ("iter_0000300", 300, EntryState.COMMITTED),
+        ("iter_0000400.tmp", 400, EntryState.PARTIAL),
+    ]
+    assert cat.latest().name == "iter_0000200" and cat.tracker_problem is None
+    assert cat.others == ["notes.txt"]
+    full = cat.latest()
+    assert full.usage.files == 5 and full.usage.nbytes == sum(p.stat().st_size for p in full.path.iterdir())
+    assert step_dir_name(100) == "iter_0000100"
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("iter_0000999\n", "does not exist"),
+    ("iter_0000050\n", "not a complete checkpoint"),
+    ("../etc\n", "not a checkpoint directory name"),
+])
+def test_untrustworthy_tracker(tmp_path, content, problem):
+    root = make_root(tmp_path / "r", [100], latest=None)
+    (root / "iter_0000050").mkdir()
+    (root / "latest").write_text(content)
+    cat = scan_root(root)
+    assert problem in cat.tracker_problem and cat.latest() is None
+
+
+def test_resolve_target(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    root = make_root(tmp_path / "r", [], latest=None)
+    make_partial(root, 1, age_s=0)
+    assert not resolve_target(tmp_path / "c").is_root
+    assert resolve_target(root).is_root
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for bad, msg in (("nope", "does not exist"), ("empty", "neither a checkpoint"), ("file", "is a file")):
+        with pytest.raises(CheckpointNotFoundError, match=msg):
+            resolve_target(tmp_path / bad)
+
+
+def test_gc_keeps_newest_and_latest_and_young_partials(tmp_path):
+    root = make_root(tmp_path / "r", [100, 200, 300, 400], latest=200)  # latest is not the newest
+    make_partial(root, 500, age_s=5)
+    make_partial(root, 90, age_s=7200)
+    (root / "iter_0000010.deleting").mkdir()
+    plan = plan_gc(scan_root(root), keep=1, grace_s=600)
+    assert [r.entry.name for r in plan.remove] == ["iter_0000010.deleting", "iter_0000090.tmp", "iter_0000100",
+                                                   "iter_0000300"]
+    kept = {e.name: why for e, why in plan.kept}
+    assert kept == {"iter_0000400": "among the newest 1", "iter_0000200": "named by the tracker",
+                    "iter_0000500.tmp": kept["iter_0000500.tmp"]}
+    assert "in flight" in kept["iter_0000500.tmp"]
+    assert plan.nbytes > 0 and plan.refused is None
+    results = apply_gc(plan)
+    assert [err for _, err in results] == [None] * 4
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000200", "iter_0000400", "iter_0000500.tmp", "latest"]
+
+
+def test_gc_renames_before_deleting(tmp_path, monkeypatch):
+    root = make_root(tmp_path / "r", [100, 200], latest=200)
+    import ckptd.retention as retention
+
+    seen = []
+    real_rmtree = retention.shutil.rmtree
+
+    def rmtree(path, *a, **k):
+        seen.append(sorted(p.name for p in root.iterdir()))
+        raise PermissionError(13, "simulated", str(path))
+
+    monkeypatch.setattr(retention.shutil, "rmtree", rmtree)
+    [(removal, err)] = apply_gc(plan_gc(scan_root(root), keep=1))
+    assert removal.entry.name == "iter_0000100" and "simulated" in err
+    # The committed name was gone before any byte was deleted; a later gc finishes the job.
+    assert seen == [["iter_0000100.deleting", "iter_0000200", "latest"]]
+    monkeypatch.setattr(retention.shutil, "rmtree", real_rmtree)
+    [(removal, err)] = apply_gc(plan_gc(scan_root(root), keep=1))
+    assert removal.entry.state is EntryState.DELETING and err is None
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000200", "latest"]
+
+
+def test_gc_refuses_committed_removal_with_a_dangling_tracker(tmp_path):
+    root = make_root(tmp_path / "r", [100, 200, 300], latest=None)
+    (root / "latest").write_text("iter_0000999\n")
+    make_partial(root, 400, age_s=7200)
+    plan = plan_gc(scan_root(root), keep=1, grace_s=60)
+    assert "does not exist" in plan.refused
+    assert [r.entry.name for r in plan.remove] == ["iter_0000400.tmp"]
+
+
+def test_gc_without_tracker_and_bad_arguments(tmp_path):
+    root = make_root(tmp_path / "r", [100, 200], latest=None)
+    plan = plan_gc(scan_root(root), keep=1, now=time.time())
+    assert [r.entry.name for r in plan.remove] == ["iter_0000100"] and plan.refused is None
+    with pytest.raises(CkptdError, match="keep must be >= 1"):
+        plan_gc(scan_root(root), keep=0)

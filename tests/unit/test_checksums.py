@@ -1,0 +1,128 @@
+"""Per-item CRC-32 checksums: computed while writing, kept in .metadata, read back into the index."""
+
+import io
+import pickle
+import zlib
+
+import msgpack
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptd
+from ckptd.errors import CorruptCheckpointError
+from ckptd.format.dcp_metadata import CHECKSUMS_ATTR, build_metadata, read_index, records_from_index, write_metadata
+from ckptd.format.items import Crc32Writer, PlannedItem, plan_object, write_data_file
+from ckptd.format.records import BYTES, TENSOR, ItemRecord
+from ckptd.mapping import ShardedObject
+from tests.checkpoints import make_checkpoint
+
+
+def _items() -> list[PlannedItem]:
+    big = torch.randn(1 << 19)  # 2 MiB: checksummed on the helper thread while it is written
+    strided = torch.arange(48, dtype=torch.int64).reshape(6, 8)[:, ::2]  # non-contiguous: copied
+    view = torch.arange(100, dtype=torch.float16)[10:30]  # a slice of a larger storage
+    out = []
+    for i, t in enumerate((big, strided, view)):
+        rec = ItemRecord(f"t{i}", TENSOR, 0, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                         (0,) * t.dim(), tuple(t.shape))
+        out.append(PlannedItem(rec, t))
+    out.append(plan_object(ShardedObject("obj", {"a": [1, 2]}, (1,), (0,)), 0))
+    return out
+
+
+def test_crc_covers_exactly_each_items_bytes_and_changes_no_byte(tmp_path):
+    items = _items()
+    on = write_data_file(tmp_path, "on.distcp", items, fsync=False, checksums=True)
+    off = write_data_file(tmp_path, "off.distcp", items, fsync=False, checksums=False)
+    data = (tmp_path / "on.distcp").read_bytes()
+    assert data == (tmp_path / "off.distcp").read_bytes()
+    for rec in on:
+        assert rec.crc32 == zlib.crc32(data[rec.file_offset : rec.file_offset + rec.length]), rec.fqn
+    assert [r.crc32 for r in off] == [None] * len(items)
+    assert [(r.file_offset, r.length) for r in on] == [(r.file_offset, r.length) for r in off]
+    # The items still decode as DCP would read them.
+    first = on[0]
+    t = torch.load(io.BytesIO(data[first.file_offset : first.file_offset + first.length]), weights_only=True)
+    assert torch.equal(t, items[0].payload)
+
+
+def test_crc_writer_take_splits_items():
+    w = Crc32Writer(io.BytesIO())
+    w.write(b"abc")
+    assert w.take() == zlib.crc32(b"abc")
+    w.write(memoryview(b"de"))
+    w.write(b"f")
+    assert w.take() == zlib.crc32(b"def")
+
+
+def test_record_wire_format_keeps_crc_and_reads_old_records():
+    rec = ItemRecord("w", TENSOR, 3, "float32", (4,), (0,), (4,), "__3_0.distcp", 0, 100, crc32=0xDEADBEEF)
+    wire = msgpack.unpackb(msgpack.packb(rec.to_wire()))
+    assert ItemRecord.from_wire(wire) == rec
+    old = {k: v for k, v in rec.to_wire().items() if k != "crc32"}  # a record from before checksums
+    assert ItemRecord.from_wire(old).crc32 is None
+    assert ItemRecord.from_wire(rec.stored_at("f", 1, 2).to_wire()).crc32 is None
+
+
+def test_checksums_land_in_metadata_and_index(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    raw = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    table = getattr(raw, CHECKSUMS_ATTR)
+    assert table["algorithm"] == "crc32" and table["version"] == 1
+    assert table["files"]["common.pt"] == zlib.crc32((tmp_path / "c" / "common.pt").read_bytes())
+    index = read_index(tmp_path / "c")
+    assert index.has_checksums and index.common_crc32 == table["files"]["common.pt"]
+    records = records_from_index(index)
+    assert len(records) == len(table["items"]) == 6
+    for r in records:
+        data = (tmp_path / "c" / r.relative_path).read_bytes()[r.file_offset : r.file_offset + r.length]
+        assert r.crc32 == zlib.crc32(data), r.fqn
+        key = (r.fqn, tuple(r.offsets) if r.kind == TENSOR else ())
+        assert table["items"][key] == r.crc32
+
+
+def test_no_checksums_means_no_table(tmp_path):
+    recs = [ItemRecord("o", BYTES, 0, relative_path="__0_0.distcp", file_offset=0, length=3)]
+    assert not hasattr(build_metadata(recs), CHECKSUMS_ATTR)
+    make_checkpoint(tmp_path / "c", checksums=False)
+    index = read_index(tmp_path / "c")
+    assert all(r.crc32 is None for r in records_from_index(index))
+    assert index.common_crc32 is not None  # common.pt is always checksummed (cheap, written whole)
+
+
+def test_malformed_checksum_table_is_a_corrupt_checkpoint(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    md = read_index(tmp_path / "c").raw
+    setattr(md, CHECKSUMS_ATTR, {"version": 1, "algorithm": "crc32", "items": [1, 2]})
+    write_metadata(tmp_path / "c", md, fsync=False)
+    with pytest.raises(CorruptCheckpointError, match="checksum table"):
+        read_index(tmp_path / "c")
+
+
+def test_checksum_table_of_a_newer_version_is_ignored(tmp_path):
+    ref = make_checkpoint(tmp_path / "c")
+    md = read_index(tmp_path / "c").raw
+    setattr(md, CHECKSUMS_ATTR, {"version": 2, "algorithm": "xxh3", "items": {}})
+    write_metadata(tmp_path / "c", md, fsync=False)
+    index = read_index(tmp_path / "c")
+    assert index.common_crc32 is None and all(r.crc32 is None for r in records_from_index(index))
+    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["layer.bias"], ref["layer.bias"])
+
+
+def test_torch_dcp_loads_a_checkpoint_with_checksums(tmp_path):
+    ref = make_checkpoint(tmp_path / "c")
+    out = {k: torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    for k, v in ref.items():
+        assert torch.equal(out[k], v), k
+    # and ckptd itself, with and without checksums recorded
+    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["layer.weight"], ref["layer.weight"])
+
+
+def test_sync_save_switch(tmp_path):
+    x = torch.randn(3, 3)
+    ckptd.save({"x": ckptd.ShardedTensor.from_rank_offsets("x", x)}, tmp_path / "a", checksums=False)
+    ckptd.save({"x": ckptd.ShardedTensor.from_rank_offsets("x", x)}, tmp_path / "b")
+    assert read_index(tmp_path / "a").tensors["x"].chunks[0].crc32 is None
+    assert read_index(tmp_path / "b").tensors["x"].chunks[0].crc32 is not None

@@ -1,0 +1,201 @@
+"""ckptd.verify on real checkpoints, sound and damaged in every way verify promises to catch."""
+
+import argparse
+import dataclasses
+import io
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptd
+from ckptd.format.dcp_metadata import build_metadata, read_index, records_from_index, write_metadata
+from ckptd.format.records import TENSOR
+from ckptd.verify import ERROR, NOTE, WARNING, verify_checkpoint
+from tests.checkpoints import flip_bit, make_checkpoint, reference_tensors
+
+
+def _errors(report):
+    return [f for f in report.findings if f.severity == ERROR]
+
+
+def _record(directory, fqn, offsets=None):
+    for r in records_from_index(read_index(directory)):
+        if r.fqn == fqn and (offsets is None or tuple(r.offsets) == offsets):
+            return r
+    raise KeyError(fqn)
+
+
+def test_sound_checkpoint_passes_every_check(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    report = verify_checkpoint(tmp_path / "c", deep=True)
+    assert report.ok, report.findings
+    assert report.findings == []
+    assert (report.tensors, report.objects, report.items, report.data_files) == (3, 2, 6, 2)
+    assert report.items_checksummed == 6 and report.items_decoded == 6
+    data_bytes = sum(os.path.getsize(tmp_path / "c" / f"__{r}_0.distcp") for r in (0, 1))
+    assert report.bytes_read == data_bytes + os.path.getsize(tmp_path / "c" / "common.pt")
+    assert report.to_dict()["ok"] is True
+
+
+def test_bit_flip_in_tensor_data_is_a_checksum_error_naming_the_item(tmp_path):
+    ref = make_checkpoint(tmp_path / "c")
+    rec = _record(tmp_path / "c", "layer.weight", (4, 0))  # rank 1's half
+    path = tmp_path / "c" / rec.relative_path
+    raw = ref["layer.weight"][4:].numpy().tobytes()
+    at = path.read_bytes().find(raw, rec.file_offset)
+    assert rec.file_offset < at < rec.file_offset + rec.length
+    flip_bit(path, at + 5, bit=3)
+    report = verify_checkpoint(tmp_path / "c")
+    [err] = _errors(report)
+    assert err.check == "checksum"
+    assert (err.file, err.item, err.offset, err.length) == (
+        "__1_0.distcp", "layer.weight chunk (4, 0)", rec.file_offset, rec.length)
+    assert f"{rec.crc32:#010x}" in err.message and "damaged" in err.message
+    # Without checksums the flipped element decodes fine: only the checksum can see it.
+    item = path.read_bytes()[rec.file_offset : rec.file_offset + rec.length]
+    assert torch.load(io.BytesIO(item), weights_only=True).shape == (4, 6)
+
+
+def test_truncated_data_file(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    last = max((r for r in records_from_index(read_index(tmp_path / "c")) if r.relative_path == "__0_0.distcp"),
+               key=lambda r: r.file_offset)
+    path = tmp_path / "c" / "__0_0.distcp"
+    os.truncate(path, path.stat().st_size - 10)
+    report = verify_checkpoint(tmp_path / "c", deep=True)
+    [err] = _errors(report)
+    assert err.check == "range" and err.file == "__0_0.distcp" and err.item == "rng/shard_0_2"
+    assert err.offset == last.file_offset and "truncated" in err.message
+    assert f"[{last.file_offset}, {last.file_offset + last.length})" in err.message
+    assert report.items_decoded == 5  # the other items were still checked
+
+
+def test_missing_data_file(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "__1_0.distcp").unlink()
+    report = verify_checkpoint(tmp_path / "c")
+    [err] = _errors(report)
+    assert err.check == "file" and err.file == "__1_0.distcp" and "missing" in err.message
+    assert "3 items" in err.message
+    assert report.items_checksummed == 3  # rank 0's items
+
+
+def test_deleted_dcp_metadata(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / ".metadata").unlink()
+    report = verify_checkpoint(tmp_path / "c")
+    [err] = _errors(report)
+    assert err.check == "metadata" and err.file == ".metadata" and "missing" in err.message
+
+
+def test_undecodable_dcp_metadata(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    path = tmp_path / "c" / ".metadata"
+    path.write_bytes(path.read_bytes()[:40])
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "metadata" and "cannot be decoded" in err.message
+
+
+def test_corrupted_common_pt(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    path = tmp_path / "c" / "common.pt"
+    flip_bit(path, path.stat().st_size // 2)
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "common" and err.file == "common.pt" and "CRC-32" in err.message
+    path.unlink()
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "common" and "missing" in err.message
+
+
+def test_missing_commit_marker_of_a_ckptd_checkpoint(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "metadata.json").unlink()
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "backend" and "metadata.json is missing" in err.message
+    (tmp_path / "c" / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "backend" and "zarr" in err.message
+
+
+def test_without_checksums_only_deep_sees_a_damaged_item(tmp_path):
+    make_checkpoint(tmp_path / "c", checksums=False)
+    rec = _record(tmp_path / "c", "layer.bias")
+    flip_bit(tmp_path / "c" / rec.relative_path, rec.file_offset + 1)  # inside the zip header ("PK..")
+    shallow = verify_checkpoint(tmp_path / "c")
+    assert shallow.ok and shallow.items_without_checksum == 6
+    [note] = [f for f in shallow.findings if f.severity == NOTE]
+    assert "6 of 6 items have no recorded checksum" in note.message and "--deep" in note.message
+    deep = verify_checkpoint(tmp_path / "c", deep=True)
+    [err] = _errors(deep)
+    assert err.check == "decode" and err.item == "layer.bias chunk (0,)" and err.offset == rec.file_offset
+
+
+def test_coverage_gap_and_overlap_name_key_and_ranks(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    records = records_from_index(read_index(tmp_path / "c"))
+    gap = [r for r in records if not (r.fqn == "layer.weight" and r.offsets == (4, 0))]
+    write_metadata(tmp_path / "c", build_metadata(gap), fsync=False)
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "coverage" and err.item == "layer.weight" and "cover 24 of 48" in err.message
+    moved = [dataclasses.replace(r, offsets=(2, 0)) if r.offsets == (4, 0) else r for r in records]
+    write_metadata(tmp_path / "c", build_metadata(moved), fsync=False)
+    errs = _errors(verify_checkpoint(tmp_path / "c"))
+    assert any(e.check == "coverage" and "rank 0" in e.message and "rank 1" in e.message for e in errs), errs
+
+
+def test_items_sharing_bytes_and_paths_outside(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    records = records_from_index(read_index(tmp_path / "c"))
+    bias = next(r for r in records if r.fqn == "layer.bias")
+    bad = [r.stored_at(r.relative_path, bias.file_offset + 8, r.length, r.crc32) if r.fqn == "rng/shard_0_2" else r
+           for r in records]
+    bad = [r.stored_at("../evil.distcp", 0, r.length, r.crc32) if r.fqn == "embedding" else r for r in bad]
+    write_metadata(tmp_path / "c", build_metadata(bad), fsync=False)
+    errs = _errors(verify_checkpoint(tmp_path / "c"))
+    checks = {(e.check, e.file) for e in errs}
+    assert ("range", "__0_0.distcp") in checks  # rng shard overlaps layer.bias
+    assert ("file", "../evil.distcp") in checks
+    assert any(e.check == "checksum" and e.item == "rng/shard_0_2" for e in errs)
+
+
+def test_plain_torch_dcp_checkpoint_is_sound_with_notes(tmp_path):
+    ref = reference_tensors()
+    dcp.save(ref, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    report = verify_checkpoint(tmp_path / "d", deep=True)
+    assert report.ok, report.findings
+    assert report.items_without_checksum == report.items == 3 and report.items_decoded == 3
+    notes = [f.message for f in report.findings if f.severity == NOTE]
+    assert any("plain torch DCP" in n for n in notes) and any("no recorded checksum" in n for n in notes)
+
+
+def test_objects_needing_unsafe_pickle_are_warnings_not_damage(tmp_path):
+    ns = argparse.Namespace(lr=0.1)
+    sd = {"x": ckptd.ShardedTensor.from_rank_offsets("x", torch.ones(2)),
+          "o": ckptd.ShardedObject("args", ns, (1,), (0,)), "args": ns}
+    ckptd.save(sd, tmp_path / "c", fsync=False)
+    report = verify_checkpoint(tmp_path / "c", deep=True)
+    assert report.ok
+    warnings = {f.check for f in report.findings if f.severity == WARNING}
+    assert warnings == {"decode", "common"}
+    trusted = verify_checkpoint(tmp_path / "c", deep=True, allow_unsafe_pickle=True)
+    assert trusted.ok and trusted.findings == [] and trusted.items_decoded == 2
+
+
+def test_progress_sink_sees_every_byte(tmp_path):
+    make_checkpoint(tmp_path / "c")
+
+    class Sink:
+        total = done = 0
+
+        def set_total(self, n):
+            self.total = n
+
+        def advance(self, n):
+            self.done += n
+
+    sink = Sink()
+    verify_checkpoint(tmp_path / "c", progress=sink)
+    records = records_from_index(read_index(tmp_path / "c"))
+    assert sink.total == sink.done == sum(r.length for r in records)
+    assert all(r.kind != TENSOR or r.crc32 is not None for r in records)
