@@ -28,6 +28,7 @@ TRACKER_FILE = "latest"
 STEP_PREFIX = "iter_"
 TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
+PART_SUFFIX = ".part"  # a data file being written inside a *.tmp directory
 _STEP_DIR = re.compile(r"^iter_(\d+)(\.tmp|\.deleting)?$")
 
 

@@ -7,6 +7,9 @@ the source.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class CkptdError(Exception):
     """Base class of every error ckptd raises on purpose."""
@@ -66,3 +69,30 @@ class StagingError(CkptdError):
 
 class SaveTimeoutError(CkptdError, TimeoutError):
     """Waiting for an asynchronous save timed out; the save may still commit later."""
+
+
+class StorageError(CkptdError):
+    """Writing checkpoint files failed: a full disk, missing permissions, a read-only or failing
+    filesystem. Nothing of the save became visible; earlier checkpoints are untouched."""
+
+    @classmethod
+    def from_oserror(cls, exc: OSError, path: str | os.PathLike) -> "StorageError":
+        """``<path>: <strerror> (<ERRNO>); <what to do>`` for the OSError of writing ``path``."""
+        where = exc.filename if exc.filename is not None else path
+        name = errno.errorcode.get(exc.errno or 0, "unknown errno")
+        hint = _STORAGE_HINTS.get(exc.errno or 0, "check the storage (dmesg, the filesystem's health)")
+        return cls(f"{where}: {exc.strerror or exc} ({name}); {hint}")
+
+
+_STORAGE_HINTS = {
+    errno.ENOSPC: "the filesystem is full: free space on it or keep fewer checkpoints "
+                  "(CKPTD_KEEP_LAST), then save again",
+    errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then save again",
+    errno.EACCES: f"permission denied for uid {os.getuid()}: make the checkpoint root writable for "
+                  "the daemon's user",
+    errno.EPERM: f"operation not permitted for uid {os.getuid()}: make the checkpoint root writable "
+                 "for the daemon's user",
+    errno.EROFS: "the filesystem is mounted read-only: remount it read-write or save to another root",
+    errno.ENOENT: "the save's directory was removed meanwhile (its step was aborted, or `ckptd gc` "
+                  "removed it as abandoned)",
+}

@@ -5,9 +5,15 @@ Order of :func:`commit_step` (runs on the coordinator's commit thread, one step 
 1. ``finalize``: validate global coverage of all ranks' records (errors name key and ranks),
    write ``common.pt``, ``.metadata`` and ``metadata.json`` in ``<step>.tmp/`` (each tmp + fsync +
    rename, directory fsynced);
-2. rename ``<step>.tmp`` -> ``<step>`` and fsync the root: the checkpoint is committed;
+2. rename ``<step>.tmp`` -> ``<step>`` and fsync the root (after removing ``*.part`` files of
+   writers killed by an earlier attempt of the step). For a crash this is the point of no return:
+   should the coordinator die now, its successor finishes the commit at its start
+   (:func:`finish_interrupted_commit`); a coordinator that lives undoes it if step 3 fails;
 3. replace the ``latest`` tracker atomically (only forward: a step older than the tracker's
-   leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise;
+   leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise (its
+   failure is only logged). If ``latest`` cannot be written (disk full...), the directory is
+   renamed back to ``<step>.tmp`` and the commit fails: a step counts as committed once the
+   tracker can name it, and its ranks must never be told otherwise;
 4. retention: keep the newest ``keep_last`` committed checkpoints (and always the tracker's),
    removing older ones via ``*.deleting`` (:mod:`ckptd.retention`).
 
@@ -24,11 +30,21 @@ import re
 import shutil
 from pathlib import Path
 
-from ..catalog import STEP_PREFIX, TMP_SUFFIX, TRACKER_FILE, read_tracker, scan_root, step_dir_name
+from ..catalog import (
+    PART_SUFFIX,
+    STEP_PREFIX,
+    TMP_SUFFIX,
+    TRACKER_FILE,
+    is_checkpoint_dir,
+    read_tracker,
+    scan_root,
+    step_dir_name,
+)
 from ..errors import CheckpointExistsError, CkptdError
 from ..format.durable import atomic_write_bytes, default_opener, fsync_dir, Opener
 from ..format.finalize import finalize
 from ..format.records import ItemRecord
+from ..recovery import structural_problem
 from ..retention import apply_gc, plan_gc
 
 log = logging.getLogger(__name__)
@@ -58,20 +74,87 @@ def commit_step(root: Path, step: int, records: list[ItemRecord], common: bytes,
                                     "new step, or delete the old checkpoint first.")
     if not tmp.is_dir():
         raise CkptdError(f"{tmp} vanished before the commit (removed by gc or by hand?)")
+    _remove_partial_files(tmp)
     finalize(tmp, records, common, opener, fsync, checkpoint_id=str(final))
     os.rename(tmp, final)
-    if fsync:
-        fsync_dir(root)
-    current = tracker_step(root)
-    if current is None or step >= current:
-        atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), opener, fsync)
-        if megatron_tracker:
-            atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), opener, fsync)
-    else:
+    try:
+        if fsync:
+            fsync_dir(root)
+        current = tracker_step(root)
+        if current is not None and not is_checkpoint_dir(root / step_dir_name(current)):
+            # A tracker naming a missing or incomplete checkpoint must not pin `latest` forever.
+            log.warning("the tracker of %s names step %d, which is not a committed checkpoint; "
+                        "replacing it", root, current)
+            current = None
+        if current is None or step >= current:
+            atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), opener, fsync)
+    except BaseException:
+        if tracker_step(root) != step:
+            _undo_rename(final, tmp, fsync)
+            raise
+        log.exception("committed %s, but making the tracker durable failed", name)
+        current = None
+    if current is not None and step < current:
         log.info("committed %s; the tracker stays at the newer step %d", name, current)
+    elif megatron_tracker:
+        try:
+            atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), opener, fsync)
+        except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
+            log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
     if keep_last > 0:
         _apply_retention(root, keep_last)
     return name
+
+
+def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool) -> str | None:
+    """Coordinator start: point the tracker at a checkpoint whose commit a crash interrupted.
+
+    A coordinator that dies between step 2 (the rename) and step 3 (the tracker) of
+    :func:`commit_step` leaves a complete, durable checkpoint newer than the tracker. Its successor
+    finishes that commit (the rename is the point of no return), so the job resumes from it and its
+    step number is not left blocked. Only when the tracker is absent or names an older, sound
+    checkpoint; the candidate must pass the structural check. Returns the name now tracked.
+    """
+    current = tracker_step(root)
+    if current is None and (root / TRACKER_FILE).exists():
+        return None  # an unreadable tracker: resolve_latest falls back, the next commit replaces it
+    if current is not None and not is_checkpoint_dir(root / step_dir_name(current)):
+        return None
+    newer = sorted((int(m.group(1)) for n in os.listdir(root) if (m := _STEP_NAME.match(n))
+                    and (current is None or int(m.group(1)) > current)), reverse=True)
+    for step in newer:
+        name = step_dir_name(step)
+        if not is_checkpoint_dir(root / name) or structural_problem(root / name) is not None:
+            continue
+        atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), default_opener, fsync)
+        if megatron_tracker:
+            atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), default_opener, fsync)
+        return name
+    return None
+
+
+def _undo_rename(final: Path, tmp: Path, fsync: bool) -> None:
+    """Take a checkpoint whose tracker update failed back to ``<step>.tmp``: it is not committed
+    until ``latest`` can name it, and its ranks are told it aborted (the caller re-raises)."""
+    try:
+        os.rename(final, tmp)
+        if fsync:
+            fsync_dir(final.parent)
+    except OSError as exc:
+        log.error("the tracker update of %s failed and %s could not be renamed back (%s); it is "
+                  "complete but not named by the tracker", final, final, exc)
+
+
+def _remove_partial_files(tmp: Path) -> None:
+    """Drop ``*.part`` files of writers killed mid-write (by an earlier attempt of this step): every
+    data file this commit needs is complete under its final name, and the rest is junk."""
+    for name in os.listdir(tmp):
+        if name.endswith(PART_SUFFIX):
+            try:
+                os.unlink(tmp / name)
+            except FileNotFoundError:
+                pass
+            log.info("removed %s, left by an interrupted write", tmp / name)
 
 
 def _apply_retention(root: Path, keep_last: int) -> None:

@@ -10,7 +10,14 @@ node 0's included, connect with DEALER sockets). Each step is a small state mach
 COMMITTED and ABORTED are announced to every node daemon (``STEP_COMMITTED`` / ``STEP_ABORTED``
 with the reason); an aborted step's ``<step>.tmp`` is removed, earlier checkpoints are untouched.
 Commits run one at a time on the commit thread, in the order steps complete. Messages about a
-finished step (a late WRITTEN after an abort, say) are answered with its outcome again.
+finished step (a late FAILED after an abort, say) are answered with its outcome again, and any
+``<step>.tmp`` they may have re-created is removed.
+
+An aborted step may be saved again (a job restarted from an older checkpoint reaches that step
+once more): a WRITTEN for it starts a new attempt, because node daemons never report a write as
+WRITTEN once its step was decided (a late write is reported as FAILED). Only within
+:data:`_ABORT_QUARANTINE_HEARTBEATS` heartbeats of the abort is a WRITTEN still taken for one of
+the old attempt that crossed the abort on the wire.
 """
 
 from __future__ import annotations
@@ -40,15 +47,18 @@ from ..control.protocol import (
     StepCommitted,
     Written,
 )
-from ..errors import ProtocolError
+from ..errors import ProtocolError, StorageError
+from ..format.durable import default_opener
 from ..format.finalize import serialize_common
 from ..format.records import ItemRecord
 from .commit import commit_step, remove_tmp
+from .faults import fault_opener
 from .workers import Done, WorkerPools
 
 log = logging.getLogger(__name__)
 
 _FINISHED_MEMORY = 1024
+_ABORT_QUARANTINE_HEARTBEATS = 3
 
 
 class Phase(str, enum.Enum):
@@ -77,6 +87,8 @@ class Coordinator:
         self.config = config
         self.workers = workers
         self.instance = instance
+        # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
+        self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec)
         host_port = bind.removeprefix("tcp://")
         if host_port.endswith(":0"):
@@ -87,6 +99,7 @@ class Coordinator:
         self.nodes: dict[bytes, int] = {}
         self.steps: dict[int, StepState] = {}
         self.finished: OrderedDict[int, Message] = OrderedDict()
+        self.finished_at: dict[int, float] = {}  # monotonic time each finished step was decided
         now = time.monotonic()
         for step in adopt_steps:
             # Another node may still be writing it (it may even commit); if it does not complete
@@ -108,7 +121,13 @@ class Coordinator:
                 return
             if msg is None or identity is None:
                 continue
-            self._dispatch(identity, msg)
+            try:
+                self._dispatch(identity, msg)
+            except Exception as exc:  # noqa: BLE001 - one node's odd report must not stop the coordinator
+                log.exception("coordinator: %s from %r could not be handled", msg.TYPE.name, identity)
+                self.ep.send(ErrorReply(f"the coordinator could not handle {msg.TYPE.name}: "
+                                        f"{type(exc).__name__}: {exc}", getattr(msg, "step", None)),
+                             identity, block=False)
 
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Ping):
@@ -119,7 +138,7 @@ class Coordinator:
             self._on_written(identity, msg)
         elif isinstance(msg, Failed):
             self.nodes[identity] = msg.node
-            st = self._step_for(identity, msg.step, msg.world_size)
+            st = self._step_for(identity, msg.step, msg.world_size, new_attempt=False)
             if st is not None:
                 st.reporters.add(identity)
                 who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
@@ -130,15 +149,24 @@ class Coordinator:
             log.warning("coordinator: unexpected %s from %r", msg.TYPE.name, identity)
             self.ep.send(ErrorReply(f"the coordinator does not accept {msg.TYPE.name}", None), identity)
 
-    def _step_for(self, identity: bytes, step: int, world_size: int) -> StepState | None:
-        """The live state of ``step`` (created on first report); None when it already finished."""
+    def _step_for(self, identity: bytes, step: int, world_size: int, new_attempt: bool) -> StepState | None:
+        """The live state of ``step`` (created on first report); None when it already finished.
+
+        ``new_attempt``: the report is a WRITTEN, which may start a new attempt of an aborted step.
+        """
         if step in self.finished:
             outcome = self.finished[step]
-            self.ep.send(outcome, identity)
-            if isinstance(outcome, StepAborted):
-                # A writer that finished after the abort may have re-created the tmp dir.
+            age_s = time.monotonic() - self.finished_at.get(step, 0.0)
+            if (new_attempt and isinstance(outcome, StepAborted)
+                    and age_s > _ABORT_QUARANTINE_HEARTBEATS * self.config.heartbeat_s):
+                log.info("step %d: saved again after its abort (%s); new attempt", step, outcome.reason)
+                del self.finished[step]
+                self.finished_at.pop(step, None)
+            else:
+                self.ep.send(outcome, identity)
+                # A late writer may have re-created the tmp dir; the step is decided, so it is junk.
                 self.workers.commit(("cleanup", step), lambda: remove_tmp(self.root, step))
-            return None
+                return None
         st = self.steps.get(step)
         if st is None:
             st = self.steps[step] = StepState(step, world_size, time.monotonic())
@@ -151,7 +179,7 @@ class Coordinator:
         return st
 
     def _on_written(self, identity: bytes, msg: Written) -> None:
-        st = self._step_for(identity, msg.step, msg.world_size)
+        st = self._step_for(identity, msg.step, msg.world_size, new_attempt=True)
         if st is None:
             return
         st.reporters.add(identity)
@@ -186,7 +214,11 @@ class Coordinator:
         def run() -> str:
             try:
                 return commit_step(self.root, st.step, records, common, fsync=cfg.fsync,
-                                   keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker)
+                                   keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
+                                   opener=self.opener)
+            except OSError as exc:
+                remove_tmp(self.root, st.step)
+                raise StorageError.from_oserror(exc, self.root) from exc
             except BaseException:
                 remove_tmp(self.root, st.step)
                 raise
@@ -225,8 +257,10 @@ class Coordinator:
     def _finish(self, st: StepState, outcome: Message) -> None:
         self.steps.pop(st.step, None)
         self.finished[st.step] = outcome
+        self.finished_at[st.step] = time.monotonic()
         while len(self.finished) > _FINISHED_MEMORY:
-            self.finished.popitem(last=False)
+            old, _ = self.finished.popitem(last=False)
+            self.finished_at.pop(old, None)
         for identity in set(self.nodes) | st.reporters:
             self.ep.send(outcome, identity, block=False)
 
@@ -234,8 +268,9 @@ class Coordinator:
         for st in list(self.steps.values()):
             if st.phase is Phase.COLLECTING and now - st.started_s > self.config.commit_timeout_s:
                 missing = sorted(set(range(st.world_size)) - set(st.records))
-                self._abort(st, f"ranks {missing} did not report within {self.config.commit_timeout_s:.0f} s "
-                                "(CKPTD_COMMIT_TIMEOUT_S); their trainer or node daemon may have died")
+                self._abort(st, f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
+                                "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
+                                "their storage is too slow (raise the timeout if so)")
 
     def status(self) -> dict[str, Any]:
         return {

@@ -7,18 +7,22 @@ and the loop handles it. Worker threads never touch sockets or daemon state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import torch
 
-from ..format.durable import Opener, default_opener
+from ..catalog import PART_SUFFIX
+from ..errors import StorageError
+from ..format.durable import Opener
 from ..format.items import PlannedItem, write_data_file
 from ..format.layout import data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_from_name
@@ -88,17 +92,6 @@ class Completions:
         os.close(self._w)
 
 
-def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:
-    """Fault injection for tests: sleep before opening each file for writing."""
-
-    def opener(path: str, mode: str) -> BinaryIO:
-        if "w" in mode:
-            time.sleep(delay_s)
-        return base(path, mode)
-
-    return opener
-
-
 @dataclass(frozen=True)
 class WriteRequest:
     """One rank's save as the daemon received it: records plus where each payload sits in the slot."""
@@ -126,13 +119,41 @@ def planned_items(seg: ShmSegment, req: WriteRequest) -> list[PlannedItem]:
 
 def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener: Opener, fsync: bool,
                     checksums: bool) -> list[ItemRecord]:
-    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns stored records."""
-    items = planned_items(seg, req)
+    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns stored records.
+
+    The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*.
+    A write that outlives its step (aborted, then committed by a newer attempt) therefore never
+    rewrites a file of a committed checkpoint: once ``<step>.tmp`` was renamed, the final rename
+    fails instead. The directory is created here, on the writer thread, so that a directory the
+    daemon may not write (permissions, read-only or full filesystem) fails this save on its handle.
+    """
+    name = data_file_name(req.rank)
+    part = f"{name}.{secrets.token_hex(4)}{PART_SUFFIX}"
     t0 = time.perf_counter()
     try:
-        stored = write_data_file(directory, data_file_name(req.rank), items, opener, fsync, checksums)
+        directory.mkdir(parents=True, exist_ok=True)
+        # Held so that the .part file can be removed wherever the directory was renamed to meanwhile.
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise StorageError.from_oserror(exc, directory) from exc
+    items = planned_items(seg, req)
+    try:
+        stored = write_data_file(directory, part, items, opener, fsync, checksums)
+        os.rename(directory / part, directory / name)
+        if fsync:
+            os.fsync(dir_fd)  # the new name is durable before WRITTEN goes out
+    except BaseException as exc:
+        try:
+            os.unlink(part, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError):
+            raise StorageError.from_oserror(exc, directory / part) from exc
+        raise
     finally:
         del items
+        os.close(dir_fd)
+    stored = [dataclasses.replace(r, relative_path=name) for r in stored]
     nbytes = sum(p.nbytes for p in req.placements)
     dt = time.perf_counter() - t0
     log.info("step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)", req.step, req.rank, nbytes, dt,

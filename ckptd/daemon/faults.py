@@ -1,0 +1,159 @@
+"""Test hooks only: file openers that slow down or fail the daemon's writes on purpose.
+
+Fault tests need real resource failures (a full disk, a read-only or forbidden directory, a slow
+disk) at a chosen moment, inside a real daemon, and they need the failure to go away again. Two
+:class:`~ckptd.config.CkptdConfig` knobs enable them; both are off by default and production code
+never sets them:
+
+- ``debug_write_delay_s``: sleep that long before opening each file for writing;
+- ``debug_fault_file``: a path that is read again at *every* open, so a test switches faults on
+  and off while the daemon runs by writing or deleting that file. Each non-empty line is one rule:
+
+  ``delay <seconds>``
+      sleep before opening a file for writing (a slow disk);
+  ``fail <ERRNO> [after_nbytes] [glob]``
+      files whose name matches ``glob`` (default ``*``) fail with ``OSError(ERRNO)``: at open when
+      ``after_nbytes`` is 0 or absent, else once more than ``after_nbytes`` bytes were written to
+      the file (the bytes up to the limit are written, as a filling disk does). ``ERRNO`` is a
+      name from :mod:`errno` (``ENOSPC``, ``EACCES``, ``EROFS``, ``EIO``, ``EDQUOT``...).
+
+A missing or empty fault file means no fault. The raised errors are ordinary ``OSError``s with the
+real ``strerror`` and file name, so everything downstream handles them exactly like real ones;
+each injection is logged as such at WARNING so a daemon log never hides that a fault was staged.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CkptdError
+from ..format.durable import Opener, default_opener
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailRule:
+    errno_code: int
+    after_nbytes: int
+    glob: str
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    delay_s: float = 0.0
+    failures: tuple[FailRule, ...] = ()
+
+    def failure_for(self, name: str) -> FailRule | None:
+        return next((r for r in self.failures if fnmatch.fnmatch(name, r.glob)), None)
+
+
+def parse_fault_spec(text: str, source: str = "fault file") -> FaultPlan:
+    """Parse the rules of a fault file (see the module docstring); raise CkptdError on a bad line."""
+    delay, failures = 0.0, []
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        try:
+            if words[0] == "delay" and len(words) == 2:
+                delay += float(words[1])
+                continue
+            if words[0] == "fail" and 2 <= len(words) <= 4:
+                code = getattr(errno, words[1])
+                after = int(words[2]) if len(words) > 2 else 0
+                if not isinstance(code, int) or after < 0:
+                    raise ValueError(line)
+                failures.append(FailRule(code, after, words[3] if len(words) > 3 else "*"))
+                continue
+        except (AttributeError, ValueError):
+            pass
+        raise CkptdError(f"{source} line {n}: {line!r} is not 'delay <seconds>' or "
+                         "'fail <ERRNO> [after_nbytes] [glob]'")
+    return FaultPlan(delay, tuple(failures))
+
+
+def read_fault_plan(path: str) -> FaultPlan:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return FaultPlan()
+    return parse_fault_spec(text, path)
+
+
+class FailingFile:
+    """A write-through wrapper that raises ``OSError(code)`` once ``limit`` bytes were written."""
+
+    def __init__(self, f: BinaryIO, path: str, code: int, limit: int) -> None:
+        self._f = f
+        self._path = path
+        self._code = code
+        self._left = limit
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes > self._left:
+            if self._left > 0:
+                self._f.write(view[: self._left])
+            self._left = 0
+            log.warning("injected fault: %s while writing %s", errno.errorcode[self._code], self._path)
+            raise OSError(self._code, os.strerror(self._code), self._path)
+        self._left -= view.nbytes
+        return self._f.write(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "FailingFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
+    """An opener applying the rules of ``fault_file`` as they are at each open."""
+
+    def opener(path: str, mode: str) -> BinaryIO:
+        if "w" not in mode and "a" not in mode:
+            return base(path, mode)
+        plan = read_fault_plan(fault_file)
+        if plan.delay_s:
+            time.sleep(plan.delay_s)
+        rule = plan.failure_for(os.path.basename(path))
+        if rule is None:
+            return base(path, mode)
+        if rule.after_nbytes == 0:
+            log.warning("injected fault: %s opening %s", errno.errorcode[rule.errno_code], path)
+            raise OSError(rule.errno_code, os.strerror(rule.errno_code), path)
+        return FailingFile(base(path, mode), path, rule.errno_code, rule.after_nbytes)  # type: ignore[return-value]
+
+    return opener
+
+
+def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:
+    """Sleep ``delay_s`` before opening each file for writing."""
+
+    def opener(path: str, mode: str) -> BinaryIO:
+        if "w" in mode:
+            time.sleep(delay_s)
+        return base(path, mode)
+
+    return opener
+
+
+def debug_opener(delay_s: float, fault_file: str) -> Opener:
+    """The daemon's file opener: :func:`default_opener` unless a test hook is configured."""
+    opener = default_opener
+    if fault_file:
+        opener = fault_opener(fault_file, opener)
+    if delay_s:
+        opener = delayed_opener(delay_s, opener)
+    return opener

@@ -1,0 +1,89 @@
+"""Which checkpoint of a root a job resumes from, even when the ``latest`` tracker is damaged.
+
+:func:`resolve_latest` (used by :meth:`ckptd.Checkpointer.latest` and ``load``) decides, in order:
+
+1. the tracker names a committed checkpoint that passes a structural check (``metadata.json``,
+   a decodable ``.metadata``, every data file present and long enough, ``common.pt`` intact):
+   that one, silently (the normal case);
+2. otherwise (tracker missing, unreadable, naming a missing, incomplete or damaged directory):
+   the newest committed ``iter_*`` checkpoint that passes the same check, with a logged WARNING
+   saying why the tracker was not followed;
+3. no such checkpoint: ``None`` when the root never held a checkpoint (a fresh start), else
+   :class:`~ckptd.errors.CorruptCheckpointError`: silently starting from scratch would throw away
+   the training a damaged root still records.
+
+``*.tmp`` and ``*.deleting`` directories are never candidates. The structural check reads a few
+small files, never the tensor data; ``ckptd verify`` checks every byte against its checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .catalog import TRACKER_FILE, CheckpointEntry, EntryState, scan_root
+from .errors import CorruptCheckpointError
+from .verify import verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LatestChoice:
+    """The checkpoint to resume from, and why the tracker was not followed (None: it was)."""
+
+    entry: CheckpointEntry
+    fallback_reason: str | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self.entry.step if self.entry.step >= 0 else None
+
+
+def structural_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None."""
+    report = verify_checkpoint(path, read_items=False)
+    if report.ok:
+        return None
+    errors = report.errors
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{errors[0].message.rstrip('.')}{more}"
+
+
+def resolve_latest(root: str | os.PathLike) -> LatestChoice | None:
+    """The checkpoint of ``root`` to resume from (see the module docstring)."""
+    cat = scan_root(root)
+    tracker = Path(root) / TRACKER_FILE
+    named = cat.latest()
+    if named is not None:
+        problem = structural_problem(named.path)
+        if problem is None:
+            return LatestChoice(named)
+        why = f"tracker {tracker} names {named.name}, which is damaged: {problem}"
+    elif cat.tracker_problem is not None:
+        why = cat.tracker_problem
+    elif cat.tracker_exists:
+        why = f"tracker {tracker} names {cat.latest_name!r}, which is not a committed checkpoint"
+    else:
+        why = f"{root} has no tracker file '{TRACKER_FILE}'"
+    candidates = [e for e in cat.committed if e.step >= 0 and not (named is not None and e.path == named.path)]
+    rejected: list[str] = []
+    for entry in sorted(candidates, key=lambda e: e.step, reverse=True):
+        problem = structural_problem(entry.path)
+        if problem is None:
+            msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"
+            if rejected:
+                msg += f" (skipped damaged newer ones: {'; '.join(rejected)})"
+            log.warning("%s", msg)
+            return LatestChoice(entry, msg)
+        rejected.append(f"{entry.name}: {problem}")
+    if not cat.tracker_exists and not any(e.state is EntryState.INCOMPLETE for e in cat.entries) and not rejected:
+        return None  # nothing was ever committed here: a fresh start
+    detail = f"; damaged: {'; '.join(rejected)}" if rejected else ""
+    raise CorruptCheckpointError(
+        f"{why}, and no other committed checkpoint in {root} is loadable{detail}. Restore the "
+        f"checkpoint from a backup, or move the damaged directories and '{TRACKER_FILE}' away to "
+        "start from scratch."
+    )

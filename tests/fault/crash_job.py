@@ -1,0 +1,219 @@
+"""The training job of the crash matrix: what one rank does, and the state it saves.
+
+A job is ``ranks`` trainer processes spread over ``nodes`` simulated nodes (distinct GROUP_RANKs on
+this machine, each with its own node daemon, node 0's hosting the coordinator). Every rank saves a
+small sharded state whose every value is a function of the step, so any checkpoint can be checked
+bit for bit without remembering what was saved. Each rank appends what it observes to its own
+event file *as it happens* (one ``O_APPEND`` write per line, so a SIGKILL never leaves half a
+line): ``saved``, ``committed``, ``aborted``, ``save_error``, ``resumed``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ckptd
+from ckptd import ShardedObject, ShardedTensor
+from ckptd.config import CkptdConfig
+from ckptd.control.endpoints import Endpoints, JobEnv
+
+ROWS_PER_RANK, COLS = 4, 32
+BIG_ROWS_PER_RANK, BIG_COLS = 32, 256  # 32 KiB per rank: writes take real time
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a rank process needs (picklable: it crosses into forkserver children)."""
+
+    root: str
+    events: str  # directory of the per-rank event files
+    ranks: int
+    nodes: int
+    env: dict[str, str]  # CKPTD_* knobs shared by ranks and the daemons they start
+    steps: int = 12  # saves per phase-1 rank
+    interval_s: float = 0.08  # training time between saves
+    restart_steps: int = 2  # saves after a restart, each of which must commit
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks // self.nodes
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables for ``rank``, plus the job's CKPTD_* knobs."""
+        return {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks),
+                "LOCAL_RANK": str(rank % self.per_node), "LOCAL_WORLD_SIZE": str(self.per_node),
+                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": "127.0.0.1"}
+
+    def endpoints(self, node: int) -> Endpoints:
+        job = JobEnv(rank=node * self.per_node, local_rank=0, world_size=self.ranks,
+                     local_world_size=self.per_node, node=node, master_addr="127.0.0.1", master_port=0)
+        return Endpoints.for_job(self.root, job, CkptdConfig.from_env(self.env))
+
+
+# --- the state: every value derived from the step ------------------------------------------------
+def full_tensors(step: int, world: int) -> dict[str, torch.Tensor]:
+    w = torch.arange(world * ROWS_PER_RANK * COLS, dtype=torch.float32).reshape(-1, COLS) * 0.25 + step * 1000
+    b = (torch.arange(8 * world, dtype=torch.float32) / 8 + step).to(torch.bfloat16)
+    e = torch.arange(15, dtype=torch.int64).reshape(3, 5) * (step + 1)
+    g = torch.Generator().manual_seed(step)
+    big = torch.randn(world * BIG_ROWS_PER_RANK, BIG_COLS, generator=g)
+    return {"w": w, "b": b, "e": e, "big": big}
+
+
+def _rows(name: str) -> int:
+    return {"w": ROWS_PER_RANK, "b": 8, "big": BIG_ROWS_PER_RANK}[name]
+
+
+def rank_state(rank: int, world: int, step: int) -> dict[str, torch.Tensor]:
+    """This rank's live tensors at ``step`` (fresh copies: training mutates them in place)."""
+    full = full_tensors(step, world)
+    out = {k: full[k][rank * _rows(k):(rank + 1) * _rows(k)].clone() for k in ("w", "b", "big")}
+    out["e"] = full["e"].clone()
+    return out
+
+
+def sharded(state: dict[str, torch.Tensor], rank: int, world: int, step: int) -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", state["w"], (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", state["b"], (0, rank, world)),
+        "big": ShardedTensor.from_rank_offsets("big", state["big"], (0, rank, world)),
+        "e": ShardedTensor.from_rank_offsets("e", state["e"], replica_id=rank),
+        "o": ShardedObject("o", {"rank": rank, "step": step}, (world,), (rank,)),
+        "iteration": step,
+    }
+
+
+def load_request(rank: int, world: int) -> dict[str, Any]:
+    st = rank_state(rank, world, 0)
+    for t in st.values():
+        t.fill_(-7)
+    return sharded(st, rank, world, -1)
+
+
+def mismatch(loaded: dict[str, Any], rank: int, world: int, step: int) -> str | None:
+    """None when ``loaded`` holds exactly rank ``rank``'s state of ``step``; else what differs."""
+    want = rank_state(rank, world, step)
+    for k, t in want.items():
+        got = loaded.get(k)
+        if not isinstance(got, torch.Tensor) or got.dtype != t.dtype or not torch.equal(got, t):
+            return f"tensor {k!r} of rank {rank} differs from step {step}'s"
+    if loaded.get("o") != {"rank": rank, "step": step}:
+        return f"object 'o' of rank {rank} is {loaded.get('o')!r}, not step {step}'s"
+    if loaded.get("iteration") != step:
+        return f"common 'iteration' is {loaded.get('iteration')!r}, not {step}"
+    return None
+
+
+# --- event files ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Event:
+    phase: str
+    rank: int
+    ev: str  # saved | committed | aborted | save_error | resumed | finished
+    step: int | None = None
+    detail: str = ""
+    t: float = 0.0
+
+
+class EventLog:
+    def __init__(self, directory: str, phase: str, rank: int) -> None:
+        self.phase, self.rank = phase, rank
+        path = Path(directory) / f"{phase}.r{rank}.jsonl"
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def add(self, ev: str, step: int | None = None, detail: str = "") -> None:
+        line = json.dumps(asdict(Event(self.phase, self.rank, ev, step, detail[:500], time.time()))) + "\n"
+        os.write(self.fd, line.encode())
+
+
+def read_events(directory: str | os.PathLike) -> list[Event]:
+    out = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.append(Event(**json.loads(line)))
+    return out
+
+
+# --- one rank ----------------------------------------------------------------------------------
+def _poll(handles: dict[int, ckptd.SaveHandle], log: EventLog) -> None:
+    """Record every save that finished since the last poll (and observe its failure)."""
+    for step, h in list(handles.items()):
+        if not h.done():
+            continue
+        del handles[step]
+        if h.committed:
+            log.add("committed", step)
+            continue
+        try:
+            h.wait(0)
+        except ckptd.CkptdError as exc:
+            log.add("aborted", step, str(exc))
+
+
+def _barrier(spec: JobSpec, phase: str, rank: int, timeout_s: float = 90.0) -> None:
+    """Wait until every rank got here. Real jobs synchronize through their collectives, so no rank
+    saves before every rank's Checkpointer is up (node 0's local rank 0 starts the coordinator)."""
+    marks = Path(spec.events)
+    (marks / f"ready.{phase}.r{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(marks.glob(f"ready.{phase}.r*"))) < spec.ranks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: not every rank started within {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def trainer(rank: int, spec: JobSpec, phase: str) -> None:
+    """A rank: resume from the latest checkpoint (checked bit-exact), then save periodically.
+
+    Every rank waits for all others before its first save, as collectives make a real job do.
+    Phase ``"run"`` saves steps 1..spec.steps and is SIGKILLed by the harness at some point.
+    Phase ``"restart"`` resumes, saves ``restart_steps`` new steps and waits for each to commit.
+    """
+    os.environ.update(spec.rank_env(rank))
+    logging.basicConfig(filename=str(Path(spec.events) / f"{phase}.r{rank}.log"), level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    log = EventLog(spec.events, phase, rank)
+    world = spec.ranks
+    ckpt = ckptd.Checkpointer(spec.root)
+    latest = ckpt.latest()
+    if latest is not None:
+        path = ckpt.checkpoint_dir(latest)
+        loaded = ckpt.load(load_request(rank, world))
+        bad = mismatch(loaded, rank, world, latest)
+        log.add("resumed", latest, json.dumps({"path": str(path), "mismatch": bad}))
+    _barrier(spec, phase, rank)
+    # A little training before the first save: node daemons learn a just-restarted coordinator
+    # at their next ping (every heartbeat); a report sent before that would be aborted.
+    time.sleep(3 * float(spec.env["CKPTD_HEARTBEAT_S"]))
+    first = 1 if phase == "run" else (latest or 0) + 1
+    count = spec.steps if phase == "run" else spec.restart_steps
+    handles: dict[int, ckptd.SaveHandle] = {}
+    for step in range(first, first + count):
+        state = rank_state(rank, world, step)
+        try:
+            handles[step] = ckpt.save(sharded(state, rank, world, step), step=step)
+            log.add("saved", step)
+        except ckptd.CkptdError as exc:
+            log.add("save_error", step, f"{type(exc).__name__}: {exc}")
+        for t in state.values():  # training goes on: the staged copy must not change
+            t.fill_(-1)
+        _poll(handles, log)
+        time.sleep(spec.interval_s)
+    deadline = time.monotonic() + 60
+    while handles and time.monotonic() < deadline:
+        _poll(handles, log)
+        time.sleep(0.02)
+    try:
+        ckpt.close(wait=False)
+    except ckptd.SaveFailedError as exc:  # pending saves of a daemon that died meanwhile
+        log.add("aborted", None, str(exc))
+    log.add("finished", None, json.dumps({"unresolved": sorted(handles)}))

@@ -1,0 +1,416 @@
+"""One crash-matrix trial: run a job, SIGKILL one process at a random moment, restart, check.
+
+Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files):
+
+1. *run*: start every rank (:func:`tests.fault.crash_job.trainer`); their local rank 0s start the
+   node daemons. Once every rank saved once, wait a random moment and SIGKILL the victim: a
+   trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator).
+   The survivors train on a little longer (daemons get restarted by the next save), then the
+   harness SIGKILLs every trainer, as a launcher tears a failed job down.
+2. wait until the surviving daemons finished everything in flight (commits or aborts);
+3. *restart*: start every rank again; each resumes from ``Checkpointer.latest()`` and checks the
+   loaded state bit for bit, saves new steps and waits until each committed;
+4. stop the daemons and check the root (:func:`check_root`): every step any rank saw COMMITTED is
+   loadable bit-exact unless retention removed it legitimately, the tracker's checkpoint loads
+   bit-exact, no partial checkpoint is visible, ``ckptd verify`` passes on every committed one,
+   and no shared memory or daemon process is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.context import BaseContext
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import zmq
+
+import ckptd
+from ckptd.catalog import EntryState, scan_root, step_dir_name
+from ckptd.cli import main as ckptd_cli
+from ckptd.config import CkptdConfig
+from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.endpoints import Endpoints, load_token
+from ckptd.control.protocol import Codec, Status, StatusReply
+from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.recovery import resolve_latest
+from ckptd.staging.segment import list_segments, unlink_segments
+from tests.fault import crash_job as cj
+
+VICTIMS = ("rank", "node", "coordinator")
+KEEP_LAST = 3
+# Every rank waits for all others before its first save (crash_job._barrier), so the commit does
+# not wait for a node daemon being started; these only bound how long survivors wait for the dead.
+COMMIT_TIMEOUT_S = 2.5
+COORDINATOR_TIMEOUT_S = 3.0
+# A launcher takes seconds to restart a failed job; at least the coordinator's quarantine of
+# reports about a just-aborted step (3 heartbeats, see ckptd.daemon.coordinator).
+RESTART_DELAY_S = 0.5
+
+
+def process_context() -> BaseContext:
+    """Forkserver children with torch and ckptd preloaded: a rank starts in milliseconds."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckptd", "tests.fault.crash_job"])
+    return ctx
+
+
+def stop_process_context() -> None:
+    """Stop the forkserver process (it would otherwise live as long as this interpreter)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # noqa: SLF001 - no public API for this
+    if stop is not None:
+        stop()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it exited meanwhile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    victim: str
+    victim_detail: str = ""
+    kill_at_s: float = 0.0
+    commits: int = 0  # distinct steps some rank saw COMMITTED (both phases)
+    aborted: int = 0  # distinct steps some rank saw fail
+    recovered: bool = False  # every restarted rank resumed bit-exact and its new saves committed
+    corrupt: list[str] = field(default_factory=list)
+    lost_committed: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.recovered and not self.corrupt and not self.lost_committed and not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+# --- daemons ---------------------------------------------------------------------------------
+def daemon_status(ep: Endpoints, config: CkptdConfig, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """A live daemon's STATUS (None when none answers)."""
+    if not daemon_alive(ep.pid_path):
+        return None
+    codec = Codec(ep.job, load_token(ep, config), config.max_message_nbytes)
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.DEALER, codec, identity=f"crash-{os.getpid()}-{time.monotonic_ns()}".encode())
+        sock.connect(ep.ipc_address)
+        end = Endpoint(sock, codec, "crash-harness")
+        end.send(Status(), block=False)
+        if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            _, reply = end.recv()
+            if isinstance(reply, StatusReply):
+                return reply.info
+        return None
+    finally:
+        ctx.destroy(linger=0)
+
+
+def quiesce(spec: cj.JobSpec, timeout_s: float) -> str | None:
+    """Wait until no live daemon has a write, commit or step in flight; None, or what is stuck."""
+    config = CkptdConfig.from_env(spec.env)
+    deadline = time.monotonic() + timeout_s
+    busy = "?"
+    while time.monotonic() < deadline:
+        busy = ""
+        for node in range(spec.nodes):
+            info = daemon_status(spec.endpoints(node), config)
+            if info is None:
+                continue
+            coord = (info.get("coordinator") or {}).get("steps") or {}
+            if info["jobs_in_flight"] or info["pending_steps"] or coord:
+                busy += f" node {node}: writes {info['jobs_in_flight']}, pending {info['pending_steps']}, " \
+                        f"coordinator {sorted(coord)};"
+        if not busy:
+            return None
+        time.sleep(0.1)
+    return f"daemons still busy after {timeout_s:.0f} s:{busy}"
+
+
+def live_daemon_pids(spec: cj.JobSpec) -> dict[int, int]:
+    out = {}
+    for node in range(spec.nodes):
+        ep = spec.endpoints(node)
+        pid = daemon_pid(ep.pid_path) if daemon_alive(ep.pid_path) else None
+        if pid:
+            out[node] = pid
+    return out
+
+
+def stop_daemons(spec: cj.JobSpec, timeout_s: float = 20.0) -> list[str]:
+    """SIGTERM every daemon of the job until none is left; returns problems.
+
+    A daemon launched by a trainer that was killed meanwhile may still be starting (importing
+    torch); it takes the pid-file lock only once the running one released it, so this repeats
+    until no daemon process of the job is left. SIGKILL after ``timeout_s``.
+    """
+    job = spec.endpoints(0).job
+    signalled: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while job_processes(job):
+        for pid in live_daemon_pids(spec).values():
+            if pid not in signalled:
+                _kill(pid, signal.SIGTERM)
+                signalled.add(pid)
+        if time.monotonic() > deadline:
+            stuck = job_processes(job)
+            for pid in stuck:
+                _kill(pid, signal.SIGKILL)
+            return [f"daemon processes {stuck} still ran {timeout_s:.0f} s after SIGTERM"]
+        time.sleep(0.05)
+    return []
+
+
+def job_processes(job: str) -> list[int]:
+    """Daemon processes of ``job`` still running (the daemon's command line names the job)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ckptd.cli" in cmd and job in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
+# --- checks ------------------------------------------------------------------------------------
+def _verify_all(root: Path) -> dict[str, Any]:
+    """``ckptd verify ROOT --all --json``, run in this process (the command's own code path)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = ckptd_cli(["verify", str(root), "--all", "--json"])
+    report = json.loads(out.getvalue())
+    report["rc"] = rc
+    return report
+
+
+def check_checkpoint(path: Path, step: int, world: int) -> str | None:
+    """None when ``path`` holds exactly the job's state of ``step`` for every rank."""
+    full = cj.full_tensors(step, world)
+    plain = ckptd.load_plain_tensors(path)
+    for k, t in full.items():
+        if k not in plain or plain[k].dtype != t.dtype or not torch.equal(plain[k], t):
+            return f"{path.name}: tensor {k!r} differs from step {step}'s values"
+    for rank in range(world):
+        bad = cj.mismatch(ckptd.load(cj.load_request(rank, world), path), rank, world, step)
+        if bad:
+            return f"{path.name}: {bad}"
+    return None
+
+
+def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
+    root = Path(spec.root)
+    committed = sorted({e.step for e in events if e.ev == "committed" and e.step is not None})
+    result.commits = len(committed)
+    result.aborted = len({e.step for e in events if e.ev == "aborted" and e.step is not None})
+    cat = scan_root(root)
+    on_disk = {e.step: e for e in cat.entries if e.state is EntryState.COMMITTED and e.step >= 0}
+    for e in cat.entries:
+        if e.state is EntryState.INCOMPLETE:
+            result.corrupt.append(f"{e.name}: a final checkpoint name without its commit marker")
+    verify = _verify_all(root) if cat.committed else {"rc": 0}
+    if verify["rc"] != 0:
+        bad = [f"{c['checkpoint']}: {[f['message'] for f in c['findings'] if f['severity'] == 'error']}"
+               for c in verify["checkpoints"] if not c["ok"]]
+        result.corrupt.append(f"ckptd verify exited {verify['rc']}: {bad or verify['findings']}")
+    for step, entry in sorted(on_disk.items()):
+        bad = check_checkpoint(entry.path, step, spec.ranks)
+        if bad:
+            result.corrupt.append(bad)
+    for step in committed:
+        if step in on_disk:
+            continue
+        newer = [s for s in on_disk if s > step]
+        if len(newer) < KEEP_LAST:  # retention keeps the newest KEEP_LAST: this one was lost
+            result.lost_committed.append(f"step {step} was reported COMMITTED but {step_dir_name(step)} "
+                                         f"is gone (only {len(newer)} newer checkpoints exist)")
+    choice = resolve_latest(root)
+    if choice is None:
+        if committed:
+            result.lost_committed.append("the root has no loadable latest checkpoint")
+        return
+    if choice.fallback_reason is not None:
+        result.corrupt.append(f"the tracker is not valid: {choice.fallback_reason}")
+    if committed and (choice.step or -1) < committed[-1]:
+        result.lost_committed.append(f"the tracker names step {choice.step}, older than the committed "
+                                     f"step {committed[-1]}")
+
+
+def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
+    """Each restarted rank resumed from a committed, bit-exact checkpoint and its saves committed."""
+    before = [e.step for e in events if e.phase == "run" and e.ev == "committed" and e.step is not None]
+    newest_before = max(before, default=None)
+    ok = True
+    for rank in range(spec.ranks):
+        mine = [e for e in events if e.phase == "restart" and e.rank == rank]
+        resumed = [e for e in mine if e.ev == "resumed"]
+        if newest_before is not None and not resumed:
+            result.lost_committed.append(f"restarted rank {rank} found no checkpoint to resume from")
+            ok = False
+        for e in resumed:
+            info = json.loads(e.detail)
+            if info["mismatch"]:
+                result.corrupt.append(f"restarted rank {rank} loaded step {e.step}: {info['mismatch']}")
+            if info["path"].endswith(".tmp") or Path(info["path"]).name != step_dir_name(e.step or 0):
+                result.corrupt.append(f"restarted rank {rank} loaded {info['path']}")
+            if newest_before is not None and (e.step or 0) < newest_before:
+                result.lost_committed.append(f"rank {rank} resumed from step {e.step}, older than the "
+                                             f"committed step {newest_before}")
+        saved = {e.step for e in mine if e.ev == "saved"}
+        done = {e.step for e in mine if e.ev == "committed"}
+        if len(saved) != spec.restart_steps or saved != done:
+            errors = [f"{e.ev} {e.step}: {e.detail}" for e in mine if e.ev in ("save_error", "aborted")]
+            result.problems.append(f"restarted rank {rank}: saved {sorted(saved)}, committed {sorted(done)} "
+                                   f"{errors}")
+            ok = False
+    result.recovered = ok
+
+
+# --- the trial ---------------------------------------------------------------------------------
+def job_spec(workdir: Path, runtime: Path, ranks: int, nodes: int, rng: random.Random) -> cj.JobSpec:
+    env = {
+        "CKPTD_RUNTIME_DIR": str(runtime),
+        "CKPTD_COORDINATOR_PORT": str(free_port()),
+        "CKPTD_HEARTBEAT_S": "0.1",
+        "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
+        "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
+        "CKPTD_REQUEST_TIMEOUT_S": "10",
+        "CKPTD_SLOT_WAIT_TIMEOUT_S": "20",
+        "CKPTD_DAEMON_START_TIMEOUT_S": "40",
+        "CKPTD_IDLE_EXIT_S": "120",
+        "CKPTD_SHUTDOWN_GRACE_S": "5",
+        "CKPTD_KEEP_LAST": str(KEEP_LAST),
+        # Writes take a random while, so that kills land inside writes and commits.
+        "CKPTD_DEBUG_WRITE_DELAY_S": f"{rng.uniform(0.0, 0.12):.3f}",
+    }
+    events = workdir / "events"
+    events.mkdir(parents=True)
+    return cj.JobSpec(str(workdir / "ckpts"), str(events), ranks, nodes, env)
+
+
+def _start(ctx: BaseContext, spec: cj.JobSpec, phase: str) -> list[Any]:
+    procs = [ctx.Process(target=cj.trainer, args=(r, spec, phase), daemon=True) for r in range(spec.ranks)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _wait_for(cond: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[Any], rng: random.Random) -> str:
+    if victim == "rank":
+        rank = rng.randrange(spec.ranks)
+        _kill(procs[rank].pid, signal.SIGKILL)
+        return f"rank {rank} (pid {procs[rank].pid})"
+    node = 0 if victim == "coordinator" else rng.randrange(1, spec.nodes)
+    ep = spec.endpoints(node)
+    # A daemon that is being restarted right now has no pid yet: wait for it.
+    _wait_for(lambda: daemon_alive(ep.pid_path) and daemon_pid(ep.pid_path), 20)
+    pid = daemon_pid(ep.pid_path)
+    if pid:
+        _kill(pid, signal.SIGKILL)
+    return f"node {node} daemon (pid {pid})"
+
+
+def run_trial(seed: int, ctx: BaseContext, *, ranks: int = 2, nodes: int = 2, victim: str | None = None,
+              workdir: str | os.PathLike | None = None, keep: bool = False) -> TrialResult:
+    """One trial (see the module docstring); ``victim`` None picks one at random."""
+    if ranks % nodes:
+        raise ValueError(f"{ranks} ranks do not split evenly over {nodes} nodes")
+    rng = random.Random(seed)
+    kinds = [v for v in VICTIMS if v != "node" or nodes > 1]
+    victim = victim if victim is not None else rng.choice(kinds)
+    if victim not in kinds:
+        raise ValueError(f"victim {victim!r} needs more nodes; choose from {kinds}")
+    t0 = time.monotonic()
+    base = Path(tempfile.mkdtemp(prefix=f"crash{seed}-", dir=workdir))
+    runtime = Path(tempfile.mkdtemp(prefix="ckc", dir="/tmp"))  # short: ipc paths are limited
+    spec = job_spec(base, runtime, ranks, nodes, rng)
+    result = TrialResult(seed, victim)
+    procs: list[Any] = []
+    job = spec.endpoints(0).job
+    try:
+        procs = _start(ctx, spec, "run")
+        started = _wait_for(lambda: all(
+            any(e.ev == "saved" and e.rank == r for e in cj.read_events(spec.events)) for r in range(ranks)), 60)
+        if not started:
+            result.problems.append("the job did not start saving within 60 s")
+        result.kill_at_s = rng.uniform(0.0, spec.steps * spec.interval_s * 0.8)
+        time.sleep(result.kill_at_s)
+        result.victim_detail = _kill_victim(spec, victim, procs, rng)
+        time.sleep(rng.uniform(0.2, 1.0))  # survivors train on, then the launcher tears the job down
+        for p in procs:
+            if p.is_alive():
+                _kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        stuck = quiesce(spec, COMMIT_TIMEOUT_S + COORDINATOR_TIMEOUT_S + 10)
+        if stuck:
+            result.problems.append(stuck)
+        time.sleep(RESTART_DELAY_S)
+        procs = _start(ctx, spec, "restart")
+        for p in procs:
+            p.join(120)
+        for r, p in enumerate(procs):
+            if p.exitcode != 0:
+                result.problems.append(f"restarted rank {r} exited with {p.exitcode}; see {spec.events}")
+        result.problems += stop_daemons(spec)
+        events = cj.read_events(spec.events)
+        check_restart(spec, events, result)
+        check_root(spec, events, result)
+        left = list_segments(f"ckptd-{job}-")
+        if left:
+            result.problems.append(f"shared-memory segments left behind: {left}")
+        if job_processes(job):
+            result.problems.append(f"daemon processes left behind: {job_processes(job)}")
+    except Exception as exc:  # noqa: BLE001 - a harness failure fails the trial, with the reason
+        result.problems.append(f"harness error: {type(exc).__name__}: {exc}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for pid in job_processes(job):
+            _kill(pid, signal.SIGKILL)
+        unlink_segments(f"ckptd-{job}-")
+        if not result.ok:
+            for log_file in runtime.glob("*.log"):
+                shutil.copy(log_file, base / f"daemon-{log_file.name}")
+        shutil.rmtree(runtime, ignore_errors=True)
+        if not keep and result.ok:
+            shutil.rmtree(base, ignore_errors=True)
+        elif not result.ok:
+            result.problems.append(f"(trial files kept in {base})")
+    result.duration_s = time.monotonic() - t0
+    return result

@@ -1,0 +1,133 @@
+"""A one-rank job for the fault tests: a real Checkpointer in the test process and its real daemon.
+
+:func:`single_job` yields a :class:`SingleJob` whose daemon reads its fault rules from
+``job.fault_file`` (see :mod:`ckptd.daemon.faults`) at every file it opens, so a test switches a
+disk fault on and off while everything runs. On exit the daemon is stopped and the test fails if
+it left shared memory, socket or pid files, or a process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import torch
+
+import ckptd
+from ckptd import ShardedObject, ShardedTensor
+from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.staging.segment import list_segments
+from ckptd.verify import verify_checkpoint
+
+HEARTBEAT_S = 0.1
+# The coordinator takes reports about a step it aborted less than 3 heartbeats ago for stragglers
+# of that attempt; a retry of the same step waits this long (see ckptd.daemon.coordinator).
+RETRY_AFTER_S = 4 * HEARTBEAT_S
+
+
+def values(step: int) -> torch.Tensor:
+    return torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) + step * 0.5
+
+
+def state_dict(step: int, w: torch.Tensor | None = None) -> dict[str, Any]:
+    w = values(step) if w is None else w
+    return {"w": ShardedTensor.from_rank_offsets("w", w), "o": ShardedObject("o", {"step": step}, (1,), (0,)),
+            "iteration": step}
+
+
+def loads_bit_exact(ckpt: ckptd.Checkpointer, step: int) -> None:
+    out = ckpt.load(state_dict(-1, torch.zeros(64, 48)), step=step)
+    assert torch.equal(out["w"], values(step)) and out["o"] == {"step": step} and out["iteration"] == step
+    report = verify_checkpoint(ckpt.checkpoint_dir(step), deep=True)
+    assert report.ok, report.findings
+
+
+def tmp_leftovers(root: Path) -> list[str]:
+    """Partial saves still in the root: ``*.tmp`` directories and ``.part`` files anywhere."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith((".tmp", ".part"))
+                  and p.name != "latest.tmp")
+
+
+def wait_until(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)
+
+
+@dataclass
+class SingleJob:
+    root: Path
+    runtime: Path
+    fault_file: Path
+    config: ckptd.CkptdConfig
+    ckpt: ckptd.Checkpointer
+
+    def fault(self, rules: str) -> None:
+        """Switch the daemon's disk faults to ``rules`` ('' clears them)."""
+        if rules:
+            self.fault_file.write_text(rules + "\n")
+        else:
+            self.fault_file.unlink(missing_ok=True)
+
+    def committed(self, step: int, timeout_s: float = 30) -> None:
+        """Save ``step`` and require that it commits and loads bit-exact."""
+        h = self.ckpt.save(state_dict(step), step=step)
+        assert h.wait(timeout_s=timeout_s) == self.root / f"iter_{step:07d}"
+        loads_bit_exact(self.ckpt, step)
+
+    def failed(self, step: int, timeout_s: float = 30) -> str:
+        """Save ``step``, require that it fails on its handle; return the error, once the step's
+        partial files are gone."""
+        h = self.ckpt.save(state_dict(step), step=step)
+        try:
+            h.wait(timeout_s=timeout_s)
+        except ckptd.SaveFailedError as exc:
+            assert h.status is ckptd.SaveStatus.ABORTED
+            wait_until(lambda: not tmp_leftovers(self.root), 10, f"{tmp_leftovers(self.root)} to be removed")
+            assert not (self.root / f"iter_{step:07d}").exists()
+            return str(exc)
+        raise AssertionError(f"step {step} committed despite the fault")
+
+
+def stop_daemon(pid_path: Path, timeout_s: float = 30) -> None:
+    if not daemon_alive(pid_path):
+        return
+    pid = daemon_pid(pid_path)
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                   timeout_s, f"daemon {pid} to exit")
+
+
+@contextlib.contextmanager
+def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[SingleJob]:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    root = Path(config.pop("root", tmp_path / "ckpts"))
+    runtime = Path(tempfile.mkdtemp(prefix="ckf", dir="/tmp"))
+    fault_file = tmp_path / "faults"
+    settings = dict(runtime_dir=str(runtime), heartbeat_s=HEARTBEAT_S, idle_exit_s=60.0,
+                    debug_fault_file=str(fault_file), commit_timeout_s=10.0, request_timeout_s=20.0)
+    settings.update(config)
+    cfg = ckptd.CkptdConfig.from_env({}, **settings)
+    ckpt = ckptd.Checkpointer(root, config=cfg)
+    ep = ckpt.endpoints
+    try:
+        yield SingleJob(root, runtime, fault_file, cfg, ckpt)
+        ckpt.close()
+    finally:
+        ckpt.close(wait=False)
+        stop_daemon(ep.pid_path)
+        left = list_segments(ep.shm_prefix)
+        files = [p.name for p in (ep.socket_path, ep.pid_path) if p.exists()]
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert not left and not files, (left, files)

@@ -1,0 +1,87 @@
+"""Guarantee 1, the order of durable steps of one save (daemon write + coordinator commit), recorded
+from the real code: every file is fsynced before the rename that publishes it, its directory is
+fsynced after, the checkpoint directory gets its final name only after all of that, and the
+``latest`` tracker names it only after the root directory was fsynced."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+from ckptd import ShardedTensor
+from ckptd.daemon import commit as commit_mod
+from ckptd.daemon.commit import commit_step, tmp_dir
+from ckptd.daemon.workers import WriteRequest, write_rank_file
+from ckptd.format.finalize import serialize_common
+from ckptd.format.items import plan_tensor_items
+from ckptd.staging.pool import place
+from ckptd.staging.segment import ShmSegment
+
+
+def _path_of(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, monkeypatch):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    events: list[tuple[str, str, str]] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", _path_of(fd), ""))
+        real_fsync(fd)
+
+    def rename(src, dst, *a, **k) -> None:
+        real_rename(src, dst, *a, **k)
+        events.append(("rename", str(src), str(dst)))
+
+    def replace(src, dst, *a, **k) -> None:
+        real_replace(src, dst, *a, **k)
+        events.append(("rename", str(src), str(dst)))
+
+    sh = ShardedTensor.from_rank_offsets("w", torch.arange(64.0))
+    items = plan_tensor_items(sh, 0)
+    placements, nbytes = place(items)
+    seg = ShmSegment.create(f"ckptd-test-{secrets.token_hex(4)}", nbytes)
+    try:
+        seg.base[: nbytes].copy_(items[0].payload.view(torch.uint8))
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", rename)
+        monkeypatch.setattr(os, "replace", replace)
+        stored = write_rank_file(tmp_dir(root, 5), seg, WriteRequest(5, 0, [items[0].record], placements, None),
+                                 open, fsync=True, checksums=True)
+        commit_step(root, 5, stored, serialize_common({"iteration": 5}), fsync=True, keep_last=0,
+                    megatron_tracker=True)
+    finally:
+        monkeypatch.undo()
+        seg.close()
+        seg.unlink()
+
+    tmp, final = str(tmp_dir(root, 5)), str(root / "iter_0000005")
+    index = {e: i for i, e in enumerate(events)}
+    renames = [e for e in events if e[0] == "rename"]
+    publish = next(e for e in renames if e[1:] == (tmp, final))
+    for e in renames:
+        src, dst = e[1], e[2]
+        if e is publish:
+            continue
+        # The renamed file's own bytes were fsynced (under its temporary name) before the rename,
+        # and its directory afterwards, before the checkpoint (or the tracker) is named anywhere.
+        assert any(f == ("fsync", src, "") and index[f] < index[e] for f in events), (e, events)
+        parent = str(Path(dst).parent)
+        after = [f for f in events[index[e] + 1:] if f == ("fsync", parent, "")]
+        assert after, f"{parent} was not fsynced after {e}"
+        if parent == tmp:
+            assert index[after[0]] < index[publish]
+    inside = [e for e in renames if Path(e[2]).parent == Path(tmp)]
+    assert [Path(e[2]).name for e in inside] == ["__0_0.distcp", "common.pt", ".metadata", "metadata.json"]
+    # The final name appears last inside the save, the root is fsynced, then the trackers move.
+    root_sync = next(i for i, e in enumerate(events) if e == ("fsync", str(root), "") and i > index[publish])
+    trackers = [e for e in renames if Path(e[2]).parent == root and e is not publish]
+    assert [Path(e[2]).name for e in trackers] == ["latest", commit_mod.MEGATRON_TRACKER]
+    assert all(index[e] > root_sync for e in trackers)
+    assert (root / "latest").read_text() == "iter_0000005\n"

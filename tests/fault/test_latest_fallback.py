@@ -1,0 +1,105 @@
+"""Guarantee 2's fallback: when the ``latest`` tracker is missing, unreadable or names a missing,
+incomplete or damaged checkpoint, ``resolve_latest`` (hence ``Checkpointer.latest()`` and
+``load()``) takes the newest valid committed checkpoint and logs a warning; ``*.tmp`` saves are
+never candidates; a root whose checkpoints are all damaged raises instead of starting over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from ckptd.errors import CorruptCheckpointError
+from ckptd.recovery import resolve_latest
+from tests.checkpoints import make_checkpoint, make_root
+from tests.fault.single_job import loads_bit_exact, single_job, state_dict
+
+
+def _chosen(root, caplog) -> tuple[int | None, str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptd.recovery"):
+        choice = resolve_latest(root)
+    return (None if choice is None else choice.step), caplog.text
+
+
+def test_a_sound_tracker_is_followed_silently(tmp_path, caplog):
+    root = make_root(tmp_path / "r", [1, 2, 3], latest=2)  # the tracker decides, not the newest name
+    assert _chosen(root, caplog) == (2, "")
+
+
+@pytest.mark.parametrize("damage, why, expected", [
+    (lambda r: (r / "latest").write_text("iter_0000009\n"), "does not exist", 3),
+    (lambda r: (r / "latest").write_bytes(b"\xff\xfe\x00garbage"), "not UTF-8", 3),
+    (lambda r: (r / "latest").write_text("../../etc\n"), "not a checkpoint directory name", 3),
+    (lambda r: ((r / "latest").unlink(), (r / "latest").mkdir()), "cannot be read", 3),
+    (lambda r: (r / "latest").unlink(), "no tracker file", 3),
+    (lambda r: (r / "iter_0000003" / "metadata.json").unlink(), "commit marker is gone", 2),
+    (lambda r: os.truncate(r / "iter_0000003" / "__1_0.distcp", 10), "truncated", 2),
+    (lambda r: (r / "iter_0000003" / "__0_0.distcp").unlink(), "missing", 2),
+    (lambda r: (r / "iter_0000003" / ".metadata").write_bytes(b"\x80\x04junk"), "cannot be decoded", 2),
+    (lambda r: (r / "iter_0000003" / "common.pt").unlink(), "common.pt is missing", 2),
+])
+def test_a_bad_tracker_falls_back_to_the_newest_valid_checkpoint(tmp_path, caplog, damage, why, expected):
+    root = make_root(tmp_path / "r", [1, 2, 3], latest=3)
+    damage(root)
+    step, log = _chosen(root, caplog)
+    assert step == expected and why in log and "resuming from the newest valid committed checkpoint" in log, log
+
+
+def test_damaged_newer_checkpoints_are_skipped_and_named(tmp_path, caplog):
+    root = make_root(tmp_path / "r", [1, 2, 3, 4], latest=4)
+    os.truncate(root / "iter_0000004" / "__0_0.distcp", 0)
+    (root / "iter_0000003" / "common.pt").unlink()
+    step, log = _chosen(root, caplog)
+    assert step == 2 and "skipped damaged newer ones: iter_0000003" in log, log
+
+
+def test_partial_saves_are_never_candidates(tmp_path, caplog):
+    root = tmp_path / "r"
+    make_checkpoint(root / "iter_0000009.tmp")  # complete-looking, but never committed
+    assert _chosen(root, caplog) == (None, "")  # a fresh start: nothing was ever committed
+    make_root(root, [1], latest=None)
+    step, log = _chosen(root, caplog)
+    assert step == 1 and "no tracker file" in log
+
+
+def test_nothing_loadable_raises_instead_of_starting_over(tmp_path):
+    root = make_root(tmp_path / "r", [1, 2], latest=2)
+    for step in (1, 2):
+        (root / f"iter_{step:07d}" / ".metadata").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"no other committed checkpoint .* is loadable.*"
+                                                     r"iter_0000001: .*\.metadata is missing.*Restore the checkpoint"):
+        resolve_latest(root)
+    shutil.rmtree(root / "iter_0000001")
+    shutil.rmtree(root / "iter_0000002")
+    with pytest.raises(CorruptCheckpointError, match="names 'iter_0000002'"):
+        resolve_latest(root)  # the tracker says something was committed: never silently start over
+
+
+@pytest.mark.timeout(60)
+def test_checkpointer_latest_and_load_fall_back_then_the_next_commit_repairs_the_tracker(
+        tmp_path, monkeypatch, caplog):
+    with single_job(tmp_path, monkeypatch) as job:
+        job.committed(1)
+        job.committed(2)
+        (job.root / "latest").write_text("iter_0000099\n")  # names a checkpoint that does not exist
+        with caplog.at_level(logging.WARNING, logger="ckptd.recovery"):
+            assert job.ckpt.latest() == 2
+            loads_bit_exact(job.ckpt, job.ckpt.latest())
+        assert "iter_0000099" in caplog.text and "resuming from" in caplog.text
+        os.truncate(job.root / "iter_0000002" / "__0_0.distcp", 100)  # now the newest is damaged too
+        assert job.ckpt.latest() == 1
+        out = job.ckpt.load(state_dict(-1, torch.zeros(64, 48)))
+        assert out["iteration"] == 1 and not str(job.ckpt.checkpoint_dir()).endswith(".tmp")
+        # The next commit replaces the tracker that names a missing checkpoint.
+        job.committed(3)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ckptd.recovery"):
+            assert job.ckpt.latest() == 3
+        assert caplog.text == ""
+        assert (job.root / "latest").read_text().strip() == "iter_0000003"
+

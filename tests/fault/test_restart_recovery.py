@@ -1,0 +1,143 @@
+"""Guarantee 3 with real daemon processes: a new daemon cleans up after a crashed one (its job's
+orphaned shared-memory segments and ``*.tmp`` saves, nothing else; a commit interrupted after its
+rename is finished), a stale socket or pid file does not keep it from starting, and a second
+daemon for the same node and job exits with 3.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.config import CkptdConfig
+from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
+from ckptd.daemon.main import EXIT_BUSY, daemon_alive, daemon_pid
+from ckptd.staging.segment import SHM_DIR, ShmSegment
+from tests.checkpoints import make_root
+from tests.multiproc import free_port
+
+
+def _env(runtime: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.update(CKPTD_RUNTIME_DIR=str(runtime), CKPTD_HEARTBEAT_S="0.1", CKPTD_IDLE_EXIT_S="60", **extra)
+    return env
+
+
+def _daemon(env: dict[str, str], root: Path, *args: str, detach: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ckptd.cli", "daemon", "--root", str(root), *args]
+    return subprocess.run(cmd + (["--detach"] if detach else []), env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _orphan_segment(name: str) -> Path:
+    ShmSegment.create(name, 4096).close()  # created and never unlinked: what a crash leaves
+    return SHM_DIR / name
+
+
+def _stop(ep: Endpoints) -> None:
+    pid = daemon_pid(ep.pid_path) if daemon_alive(ep.pid_path) else None
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"daemon {pid} ignored SIGTERM"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp_path):
+    root = tmp_path / "ckpts"
+    make_root(root, [5, 6], latest=5)  # iter_6: complete, renamed, but the tracker was not updated
+    runtime = Path(tempfile.mkdtemp(prefix="ckr", dir="/tmp"))
+    env = _env(runtime)
+    ep = Endpoints.for_job(root, JobEnv(), CkptdConfig.from_env(env))
+    ensure_private_dir(runtime)
+    mine = _orphan_segment(f"{ep.shm_prefix}r0-crashed-s0")
+    foreign = _orphan_segment(f"ckptd-{ep.job}-n1-r0-crashed-s0")  # another node's: not ours to remove
+    partial = root / "iter_0000007.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp.1a2b3c4d.part").write_bytes(b"half a data file")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(ep.socket_path))  # a socket file whose server is gone
+    stale.close()
+    ep.pid_path.write_text("1\n")  # a pid file naming a live, unrelated process, and not locked
+    try:
+        started = _daemon(env, root)
+        assert started.returncode == 0, started.stderr
+        assert daemon_alive(ep.pid_path) and daemon_pid(ep.pid_path) not in (None, 1)
+        pid = daemon_pid(ep.pid_path)
+        assert not mine.exists() and foreign.exists()
+        assert not partial.exists() and (root / "iter_0000005" / "metadata.json").exists()
+        # The commit a crash interrupted after its rename is finished: the job resumes from it.
+        assert (root / "latest").read_text() == "iter_0000006\n"
+        log = ep.log_path.read_text()
+        assert "shared-memory segments left by a crashed daemon" in log and "uncommitted saves" in log
+        assert "a crash had interrupted its commit" in log
+
+        # A second daemon of this job and node exits with 3; the first one goes on.
+        second = _daemon(env, root, detach=False)
+        assert second.returncode == EXIT_BUSY, (second.returncode, second.stderr)
+        assert daemon_pid(ep.pid_path) == pid and daemon_alive(ep.pid_path)
+
+        # It serves a real Checkpointer (whose socket replaced the stale one).
+        cfg = CkptdConfig.from_env(env)
+        w = torch.arange(12.0)
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            assert ckpt.status()["pid"] == pid
+            ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=8).wait(timeout_s=30)
+        assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000008")["w"], w)
+        _stop(ep)
+        assert not ep.socket_path.exists() and not ep.pid_path.exists()
+    finally:
+        _stop(ep)
+        foreign.unlink(missing_ok=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    runtime = Path(tempfile.mkdtemp(prefix="ckr", dir="/tmp"))
+    env = _env(runtime, CKPTD_COORDINATOR_PORT=str(free_port()), CKPTD_COMMIT_TIMEOUT_S="1")
+    cfg = CkptdConfig.from_env(env)
+    eps = [Endpoints.for_job(root, JobEnv(rank=n, world_size=2, node=n, local_world_size=1), cfg) for n in (0, 1)]
+    ensure_private_dir(runtime)
+    segments = [_orphan_segment(f"{ep.shm_prefix}r{ep.node}-crashed-s0") for ep in eps]
+    partial = root / "iter_0000003.tmp"
+    partial.mkdir()
+    (partial / "__1_0.distcp").write_bytes(b"written by node 1 before the crash")
+    try:
+        # Node 1 first: it may clean only its own segments, and never the job's saves.
+        assert _daemon(env, root, "--node", "1", "--nnodes", "2").returncode == 0
+        assert not segments[1].exists() and segments[0].exists() and partial.exists()
+        # The coordinator cannot know whether another node still writes into iter_3.tmp: it adopts
+        # the step, and once nobody completed it within the commit timeout, aborts and removes it.
+        assert _daemon(env, root, "--node", "0", "--nnodes", "2").returncode == 0
+        assert not segments[0].exists()
+        deadline = time.monotonic() + 20
+        while partial.exists():
+            assert time.monotonic() < deadline, "the adopted, abandoned save was never removed"
+            time.sleep(0.05)
+        assert "step 3 aborted" in eps[0].log_path.read_text()
+    finally:
+        for ep in eps:
+            _stop(ep)
+        for seg in segments:
+            seg.unlink(missing_ok=True)
+        shutil.rmtree(runtime, ignore_errors=True)
