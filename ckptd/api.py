@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -65,6 +65,14 @@ def plan_save(split: SplitStateDict, rank: int) -> list[PlannedItem]:
 
 
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
+    data = sh.data
+    if type(data) is torch.Tensor and data.device.type != "meta":
+        # The common case, without building the error text (a save checks every item).
+        try:
+            sh.validate_metadata_integrity()
+        except ShardingError as exc:
+            raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
+        return
     where = f"ShardedTensor '{sh.key}' at {path_str(path)} (rank {rank})"
     if sh.data is None:
         raise ShardingError(f"{where} has no data to save; pass the tensor as data")
@@ -280,15 +288,39 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
     return out
 
 
-def load_plain_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every stored tensor, whole, as a plain CPU tensor (no sharding; for inspection/conversion)."""
-    templates = load_tensors_metadata(checkpoint_dir)
-    request: dict[str, Any] = {}
+def load_plain_tensors(checkpoint_dir: str | os.PathLike, *,
+                       progress: Callable[[int], None] | None = None,
+                       batch_nbytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+    """Every stored tensor, whole, as a plain CPU tensor (no sharding; for inspection/conversion).
+
+    Tensors are read in batches of about ``batch_nbytes``; ``progress(nbytes)`` is called after
+    each batch (a CLI hands down a progress bar's ``advance``).
+    """
+    index = _open_checkpoint(checkpoint_dir, False)
+    templates = _tensor_templates(index)
+    out: dict[str, torch.Tensor] = {}
+    batch: dict[str, Any] = {}
+    pending = 0
+
+    def flush() -> None:
+        nonlocal pending
+        if batch:
+            loaded = run_load(index, LoadRequest(batch, checkpoint_dir, False, StrictHandling.ASSUME_OK_UNEXPECTED,
+                                                 None, None, None))
+            out.update((k, loaded[k]) for k in batch)
+            if progress is not None:
+                progress(pending)
+        batch.clear()
+        pending = 0
+
     for key, sh in templates.items():
         sh.init_data("cpu")
-        request[key] = sh
-    loaded = load(request, checkpoint_dir)
-    return {k: loaded[k] for k in templates}
+        batch[key] = sh
+        pending += sh.data.nbytes
+        if pending >= batch_nbytes:
+            flush()
+    flush()
+    return {k: out[k] for k in templates}
 
 
 __all__ = [

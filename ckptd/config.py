@@ -47,6 +47,10 @@ class CkptdConfig:
     keep_last: int = 0
     megatron_tracker: bool = True
     daemon_nice: int = 0
+    policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)
+    mtbf_s: float = 0.0  # the job's mean time between failures, for policy="auto"
+    restart_s: float = 0.0  # time to restart and reload after a failure, for policy="auto"
+    metrics_port: int = 0  # >0: the node daemon serves Prometheus text on 127.0.0.1:<port>/metrics
     # control plane
     runtime_dir: str = ""  # default: $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-<uid>
     job_id: str = ""  # default: derived from the checkpoint root's real path
@@ -64,12 +68,15 @@ class CkptdConfig:
     idle_exit_s: float = 60.0
     shutdown_grace_s: float = 30.0
     close_timeout_s: float = 600.0
-    # fault injection for tests: seconds slept before each data file is written
-    debug_write_delay_s: float = 0.0
+    # Test hooks (fault injection, see ckptd.daemon.faults); never set them in production.
+    debug_write_delay_s: float = 0.0  # seconds slept before the daemon opens each file for writing
+    debug_fault_file: str = ""  # file of fault rules ("fail ENOSPC 4096", "delay 2"), re-read per open
 
     def __post_init__(self) -> None:
         if self.on_full not in ON_FULL_POLICIES:
             raise CkptdError(f"config on_full={self.on_full!r}: choose one of {ON_FULL_POLICIES}")
+        if self.policy not in ("manual", "auto"):
+            raise CkptdError(f"config policy={self.policy!r}: choose 'manual' or 'auto'")
         if self.pool_slots < 1:
             raise CkptdError(f"config pool_slots={self.pool_slots}: need at least 1 slot")
         if self.writer_threads < 1:

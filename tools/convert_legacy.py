@@ -1,104 +1,14 @@
-"""Checkpoint converter.
+"""Checkpoint converter: the same as ``ckptd convert`` (see ``ckptd convert --help``).
 
-    # Megatron legacy tree (mp_rank_XX[_YYY[_ZZZ]]/model_optim_rng.pt) -> torch_dist
-    python tools/convert_legacy.py to-dist /ckpts/legacy /ckpts/iter_0000100 \
-        [--split 'REGEX=AXIS' | 'REGEX=replicated' | 'REGEX=glu:AXIS' ...] \
-        [--expert-parallel | --no-expert-parallel] [--glu | --no-glu] [--stack-layers] \
-        [--allow-unsafe-pickle]
-
-    # torch_dist -> one consolidated state dict file
+    python tools/convert_legacy.py to-dist /ckpts/legacy /ckpts/iter_0000100 [--split REGEX=AXIS ...]
     python tools/convert_legacy.py consolidate /ckpts/iter_0000100 model.pt [--with-common]
-
-A progress bar is drawn on stderr when it is a terminal; otherwise the tool is quiet apart from
-a one-line summary on stdout. Exit status: 0 on success, 2 on a ckptd error (message on stderr).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import TextIO
 
-from ckptd.convert import SplitRule, consolidate, convert_legacy
-from ckptd.errors import CkptdError
-from ckptd.progress import Progress
-
-
-class ConvertProgress:
-    """Adapts the converter's ``(done, total, label)`` callback to :class:`ckptd.progress.Progress`
-    (drawn on stderr when it is a terminal, silent otherwise)."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream
-        self.bar: Progress | None = None
-
-    def __call__(self, done: int, total: int, label: str) -> None:
-        if self.bar is None:
-            self.bar = Progress(total, "to-dist", stream=self.stream)
-        self.bar.set_total(total)
-        self.bar.label = f"to-dist {label}"
-        self.bar.advance(done - self.bar.done)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    to_dist = sub.add_parser("to-dist", help="Megatron legacy tree -> torch_dist")
-    to_dist.add_argument("src", help="legacy checkpoint root or iter_* directory")
-    to_dist.add_argument("dst", help="output torch_dist checkpoint directory (must hold no checkpoint)")
-    to_dist.add_argument("--split", action="append", default=[], metavar="REGEX=AXIS",
-                         help="TP split rule (before the built-in Megatron rules); repeatable")
-    to_dist.add_argument("--no-default-rules", action="store_true", help="use only --split rules")
-    ep = to_dist.add_mutually_exclusive_group()
-    ep.add_argument("--expert-parallel", dest="ep", action="store_true", default=None,
-                    help="two-number rank dirs are TP+EP (default: ask the checkpoint's args)")
-    ep.add_argument("--no-expert-parallel", dest="ep", action="store_false")
-    glu = to_dist.add_mutually_exclusive_group()
-    glu.add_argument("--glu", dest="glu", action="store_true", default=None,
-                     help="linear_fc1 shards are [gate; up] halves (default: args.swiglu)")
-    glu.add_argument("--no-glu", dest="glu", action="store_false")
-    to_dist.add_argument("--stack-layers", action="store_true",
-                         help="Megatron-Core default naming: decoder.layers.<name> with a layer axis")
-    to_dist.add_argument("--allow-unsafe-pickle", action="store_true",
-                         help="unpickle arbitrary objects (numpy RNG states...); trusted files only")
-    to_dist.add_argument("--no-fsync", action="store_true", help="skip fsync (tests, scratch space)")
-    cons = sub.add_parser("consolidate", help="torch_dist -> one state dict file")
-    cons.add_argument("checkpoint")
-    cons.add_argument("out")
-    cons.add_argument("--with-common", action="store_true",
-                      help='write {"state_dict": ..., "common": ...} instead of the bare tensors')
-    cons.add_argument("--allow-unsafe-pickle", action="store_true")
-    cons.add_argument("--no-fsync", action="store_true")
-    args = parser.parse_args(argv)
-    bar = ConvertProgress()
-    try:
-        if args.command == "to-dist":
-            report = convert_legacy(
-                args.src, args.dst, rules=[SplitRule.parse(s) for s in args.split],
-                use_default_rules=not args.no_default_rules, allow_unsafe_pickle=args.allow_unsafe_pickle,
-                expert_parallel=args.ep, glu=args.glu, stack_layers=args.stack_layers,
-                progress=bar, fsync=not args.no_fsync,
-            )
-            bar.close()
-            print(f"converted {report.tensors} tensors ({report.chunks} chunks, "
-                  f"{report.nbytes / 2**20:.1f} MiB, iteration {report.iteration}) into {args.dst}"
-                  + (f"; skipped non-tensor entries: {report.skipped}" if report.skipped else ""))
-        else:
-            out = consolidate(args.checkpoint, args.out, include_common=args.with_common,
-                              allow_unsafe_pickle=args.allow_unsafe_pickle, fsync=not args.no_fsync)
-            n = len(out["state_dict"] if args.with_common else out)
-            print(f"wrote {n} tensors into {args.out}")
-    except CkptdError as exc:
-        bar.close()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    bar.close()
-    return 0
-
+from ckptd.commands import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["convert", *sys.argv[1:]]))

@@ -195,14 +195,24 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL this job at that step")
     ap.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
     ap.add_argument("--loss-log", default=None, help="append 'step loss' JSON lines here (rank 0)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: CUDA (NCCL) when available, else CPU (gloo)")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     lay = make_layout(args.tp)
-    model = DemoModel(args.vocab, args.hidden, args.ffn, args.layers, lay)
+    # Built on the CPU (the same weights on every layout and device), then moved.
+    model = DemoModel(args.vocab, args.hidden, args.ffn, args.layers, lay).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     init_optimizer_state(model, opt)
 
@@ -220,7 +230,7 @@ def main() -> None:
                 log.info("resumed from committed step %d", start)
         handles = []
         for step in range(start + 1, args.steps + 1):
-            tokens, targets = batch(step, lay, args.vocab, args.batch, args.seq)
+            tokens, targets = (t.to(device) for t in batch(step, lay, args.vocab, args.batch, args.seq))
             loss = F.cross_entropy(model(tokens).reshape(-1, args.vocab), targets.reshape(-1))
             opt.zero_grad(set_to_none=False)
             loss.backward()

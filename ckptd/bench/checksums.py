@@ -4,7 +4,7 @@ Prints the raw speed of ``zlib.crc32``, the persist throughput of one rank's dat
 checksums on and off (same items, same directory, alternating runs so page-cache and disk state
 affect both alike) with their ratio, and the throughput of ``verify_checkpoint`` (checksums, and
 ``deep`` decoding) on the written checkpoint (page-cache hot).
-Run: ``python tools/bench_checksums.py [--gib 1] [--fsync] [--dir /dev/shm]``.
+Run: ``ckptd bench checksums [--gib 1] [--fsync] [--dir /dev/shm]``.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ def make_items(total_bytes: int, item_bytes: int) -> list[PlannedItem]:
     return items
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ckptd bench checksums", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="bytes per data file, GiB")
     ap.add_argument("--item-mib", type=int, default=64, help="size of one tensor item, MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fsync", action="store_true", help="fsync the data file (default: page cache)")
     ap.add_argument("--dir", default=None, help="directory to write into (default: a temp dir)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     total = int(args.gib * (1 << 30))
     print(f"zlib.crc32: {crc_speed_gbps(256 << 20):.2f} GB/s (zlib {zlib.ZLIB_RUNTIME_VERSION})")
     items = make_items(total, args.item_mib << 20)
@@ -90,7 +90,8 @@ def main() -> None:
           f"median {statistics.median(times[True]) / statistics.median(times[False]):.2f}")
     print(f"verify_checkpoint (best of {args.repeats}): checksums {total / verify_s[False] / 1e9:.2f} GB/s, "
           f"deep {total / verify_s[True] / 1e9:.2f} GB/s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Load throughput: ckptd same-layout vs resharding vs torch DCP, side by side on the same files.
 
-    python tools/bench_load.py [--hidden 2048] [--layers 2] [--vocab 32000] [--dtype float32]
+    ckptd bench load [--hidden 2048] [--layers 2] [--vocab 32000] [--dtype float32]
                                [--repeats 5] [--dir /path/on/the/disk/to/test] [--check]
 
 Builds a GPT-like model state (embedding and output layer split on the vocabulary, QKV and FC1
@@ -106,8 +106,74 @@ def write_checkpoint(directory: Path, spec: dict, data: dict, tp: int) -> None:
     finalize(directory, records, serialize_common({"iteration": 1}), fsync=False)
 
 
+RESHARD_LAYOUTS = ("tp1", "tp4", "tp3-uneven", "tp2dp2-flat")
+
+
+def measure_loads(spec: dict, dtype: torch.dtype, root: Path, total: int, repeats: int,
+                  reshard_layouts: tuple[str, ...] = RESHARD_LAYOUTS) -> tuple[list, dict, dict]:
+    """Load the ``tp1`` and ``tp2`` checkpoints under ``root`` (see :func:`write_checkpoint`) in
+    every case, round robin, ``repeats`` times; warm page cache, preallocated targets.
+
+    Returns ``(cases, best, last_stats)``: the cases as ``(checkpoint, name, fn, stats key)``,
+    the best ``(GB/s, seconds)`` of each case by name, and the LoadStats of ckptd's cases.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    builders: dict[str, Callable[[], list[dict[str, ShardedTensor]]]] = {
+        "tp1": lambda: [nd_request(spec, dtype, 1, 0)],
+        "tp2": lambda: [nd_request(spec, dtype, 2, r) for r in range(2)],
+        "tp4": lambda: [nd_request(spec, dtype, 4, r) for r in range(4)],
+        "tp3-uneven": lambda: [nd_request(spec, dtype, 3, r) for r in range(3)],
+        "tp2dp2-flat": lambda: [flat_request(spec, dtype, 2, 2, r) for r in range(4)],
+    }
+    layouts = {name: builders[name]() for name in dict.fromkeys(("tp1", "tp2") + tuple(reshard_layouts))}
+    last_stats: dict[str, LoadStats] = {}
+
+    def ckptd_load(ckpt: str, layout: str) -> Callable[[], int]:
+        def run() -> int:
+            stats = LoadStats()
+            for req in layouts[layout]:  # every rank's load, one after the other
+                ckptd.load(req, root / ckpt, stats=stats)
+            last_stats[f"{ckpt}:{layout}"] = stats
+            return stats.bytes_copied
+        return run
+
+    full = {k: torch.zeros(shape, dtype=dtype) for k, (shape, _) in spec.items()}
+
+    def dcp_load(ckpt: str) -> Callable[[], int]:
+        def run() -> int:
+            dcp.load(full, checkpoint_id=str(root / ckpt), no_dist=True)
+            return total
+        return run
+
+    for layout in layouts.values():  # touch every target page once: allocation is not loading
+        for req in layout:
+            for sh in req.values():
+                sh.data.fill_(0)
+    ckptd_load("tp2", "tp2")()  # warm the page cache
+    ckptd_load("tp1", "tp1")()
+
+    cases: list[tuple[str, str, Callable[[], int], str | None]] = [
+        ("tp1", "ckptd same layout (tp1)", ckptd_load("tp1", "tp1"), "tp1:tp1"),
+        ("tp1", "torch DCP load (tp1)", dcp_load("tp1"), None),
+        ("tp2", "ckptd same layout (tp2)", ckptd_load("tp2", "tp2"), "tp2:tp2"),
+    ]
+    for layout in reshard_layouts:
+        cases.append(("tp2", f"ckptd reshard -> {layout}", ckptd_load("tp2", layout), f"tp2:{layout}"))
+    cases.append(("tp2", "torch DCP load (-> tp1)", dcp_load("tp2"), None))
+    # Round robin over the cases, best run of each: background load hits all cases alike.
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(repeats):
+        for _, name, fn, _ in cases:
+            t0 = time.perf_counter()
+            nbytes = fn()
+            dt = time.perf_counter() - t0
+            best[name] = max(best.get(name, (0.0, 0.0)), (nbytes / dt / 1e9, dt))
+    return cases, best, last_stats
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="ckptd bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -117,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
-    import torch.distributed.checkpoint as dcp
-
     dtype = getattr(torch, args.dtype)
     spec = model_spec(args.hidden, args.layers, args.vocab)
     gen = torch.Generator().manual_seed(0)
@@ -131,55 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {len(spec)} tensors, {total / 2**30:.2f} GiB {args.dtype}; checkpoints in {root}")
         print(f"torch {torch.__version__}, {args.repeats} rounds over all cases (best of each), warm page cache\n")
 
-        layouts: dict[str, list[dict[str, ShardedTensor]]] = {
-            "tp1": [nd_request(spec, dtype, 1, 0)],
-            "tp2": [nd_request(spec, dtype, 2, r) for r in range(2)],
-            "tp4": [nd_request(spec, dtype, 4, r) for r in range(4)],
-            "tp3-uneven": [nd_request(spec, dtype, 3, r) for r in range(3)],
-            "tp2dp2-flat": [flat_request(spec, dtype, 2, 2, r) for r in range(4)],
-        }
-        last_stats: dict[str, LoadStats] = {}
-
-        def ckptd_load(ckpt: str, layout: str) -> Callable[[], int]:
-            def run() -> int:
-                stats = LoadStats()
-                for req in layouts[layout]:  # every rank's load, one after the other
-                    ckptd.load(req, root / ckpt, stats=stats)
-                last_stats[f"{ckpt}:{layout}"] = stats
-                return stats.bytes_copied
-            return run
-
-        full = {k: torch.zeros(shape, dtype=dtype) for k, (shape, _) in spec.items()}
-
-        def dcp_load(ckpt: str) -> Callable[[], int]:
-            def run() -> int:
-                dcp.load(full, checkpoint_id=str(root / ckpt), no_dist=True)
-                return total
-            return run
-
-        for layout in layouts.values():  # touch every target page once: allocation is not loading
-            for req in layout:
-                for sh in req.values():
-                    sh.data.fill_(0)
-        ckptd_load("tp2", "tp2")()  # warm the page cache
-        ckptd_load("tp1", "tp1")()
-
-        cases: list[tuple[str, str, Callable[[], int], str | None]] = [
-            ("tp1", "ckptd same layout (tp1)", ckptd_load("tp1", "tp1"), "tp1:tp1"),
-            ("tp1", "torch DCP load (tp1)", dcp_load("tp1"), None),
-            ("tp2", "ckptd same layout (tp2)", ckptd_load("tp2", "tp2"), "tp2:tp2"),
-        ]
-        for layout in ("tp1", "tp4", "tp3-uneven", "tp2dp2-flat"):
-            cases.append(("tp2", f"ckptd reshard -> {layout}", ckptd_load("tp2", layout), f"tp2:{layout}"))
-        cases.append(("tp2", "torch DCP load (-> tp1)", dcp_load("tp2"), None))
-        # Round robin over the cases, best run of each: background load hits all cases alike.
-        best: dict[str, tuple[float, float]] = {}
-        for _ in range(args.repeats):
-            for _, name, fn, _ in cases:
-                t0 = time.perf_counter()
-                nbytes = fn()
-                dt = time.perf_counter() - t0
-                best[name] = max(best.get(name, (0.0, 0.0)), (nbytes / dt / 1e9, dt))
+        cases, best, last_stats = measure_loads(spec, dtype, root, total, args.repeats)
         rows = [(ckpt, name, *best[name], last_stats.get(key) if key else None) for ckpt, name, _, key in cases]
         rate = {name: best[name][0] for _, name, _, _ in cases}
         same1, dcp1 = rate["ckptd same layout (tp1)"], rate["torch DCP load (tp1)"]

@@ -1,6 +1,6 @@
 """Asynchronous saves: training stall and time to commit, ckptd vs torch DCP, in one run.
 
-    python tools/bench_async.py [--ranks 2] [--state-gib 4] [--tensor-mib 64] [--repeats 3]
+    ckptd bench save [--ranks 2] [--state-gib 4] [--tensor-mib 64] [--repeats 3]
                                 [--dir /path/on/the/disk/to/test] [--pool-saves 50]
                                 [--pool-state-gib 0.25] [--check]
 
@@ -262,7 +262,7 @@ def _report(res: dict, args: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="ckptd bench save", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--state-gib", type=float, default=4.0)
     p.add_argument("--tensor-mib", type=float, default=64.0)

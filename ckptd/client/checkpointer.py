@@ -37,7 +37,7 @@ from typing import Any
 
 from ..api import load as sync_load
 from ..api import plan_save
-from ..catalog import STEP_PREFIX, read_tracker, step_dir_name
+from ..catalog import STEP_PREFIX, step_dir_name
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.protocol import (
@@ -64,9 +64,13 @@ from ..errors import (
     SaveSkippedError,
 )
 from ..format.finalize import serialize_common
+from ..recovery import resolve_latest
 from ..staging.pool import StagingPool, place, slot_size_for
 from ..state_dict import split_state_dict
+from .gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
+from .policy import AutoInterval
+from .stats import SaveRecord, SaveStats
 from .link import DaemonLink, DaemonLostError
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,9 @@ class Checkpointer:
         self._pool: StagingPool | None = None
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
+        self._stats = SaveStats()
+        self._policy = (AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
+                        if self.config.policy == "auto" else None)
         self._closed = False
         try:
             self._link.connect()
@@ -114,6 +121,10 @@ class Checkpointer:
         Raises at once for local problems (bad state dict, step already committed, daemon
         unreachable); failures found later surface on the handle.
         """
+        with gc_paused():  # its per-item temporaries must not set off full collections
+            return self._save(sharded_state_dict, step)
+
+    def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
         t0 = time.perf_counter()
         self._pump_quietly()
@@ -131,9 +142,11 @@ class Checkpointer:
         placements, nbytes = place(items)
         self._ensure_connected()
         pool = self._ensure_pool(nbytes)
+        t_slot = time.perf_counter()
         slot = self._acquire_slot(pool, step)
+        queue_wait_s = time.perf_counter() - t_slot
         if slot is None:
-            return self._skip(step, t0)
+            return self._skip(step, t0, nbytes)
         pool.stage(slot, items, placements)
         wire = [{"record": it.record.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
                 for it, p in zip(items, placements)]
@@ -146,16 +159,37 @@ class Checkpointer:
         except DaemonError:
             pool.free.append(slot)  # refused: the daemon never took the slot
             raise
-        handle = SaveHandle(self, step, final, time.perf_counter() - t0)
+        handle = self._new_handle(step, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
+        if self._policy is not None:
+            if self._stats.committed == 0:
+                handle.wait()  # policy="auto" measures one commit latency before it can plan
+            self._policy.after_save(step, self.stats())
         return handle
 
+    def due(self, step: int) -> bool:
+        """policy="auto": whether to save at ``step``; call it once per training step on every rank.
+
+        True on the first call; afterwards every ``interval`` steps, where the interval is the
+        Young/Daly optimum for the measured stall, commit latency and step time and the configured
+        ``mtbf_s`` (see :mod:`ckptd.client.policy`). With ``policy="manual"`` it raises.
+        """
+        if self._policy is None:
+            raise CkptdError("Checkpointer.due() needs policy='auto' (CkptdConfig(policy='auto', "
+                             "mtbf_s=...) or CKPTD_POLICY=auto CKPTD_MTBF_S=...)")
+        return self._policy.due(step)
+
     def latest(self) -> int | None:
-        """The newest committed step, as the root's ``latest`` tracker names it (None: none yet)."""
-        _, name, _ = read_tracker(self.root)
-        m = _STEP_NAME.match(name or "")
-        return int(m.group(1)) if m else None
+        """The newest committed step, as the root's ``latest`` tracker names it (None: none yet).
+
+        When the tracker is missing, unreadable or names a missing, incomplete or damaged
+        checkpoint, this is the newest valid committed step instead, and a warning is logged
+        (see :func:`ckptd.recovery.resolve_latest`, which raises CorruptCheckpointError when
+        checkpoints exist but none is loadable).
+        """
+        choice = resolve_latest(self.root)
+        return None if choice is None else choice.step
 
     def checkpoint_dir(self, step: int | None = None) -> Path:
         """Directory of ``step`` (default: the latest committed one)."""
@@ -186,6 +220,13 @@ class Checkpointer:
                 first = first or exc
         if first is not None:
             raise first
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's save measurements: counters, last/mean/max of stall, slot wait, persist
+        and commit latency over the recent saves, and those saves (see :mod:`ckptd.client.stats`).
+        Delivers pending notifications first, so finished saves are counted."""
+        self._pump_quietly()
+        return self._stats.as_dict()
 
     def status(self) -> dict[str, Any]:
         """The node daemon's status (pools, writes in flight, pending steps, coordinator)."""
@@ -306,12 +347,17 @@ class Checkpointer:
                      time.monotonic() - t0, step)
         return pool.free.pop(0)
 
-    def _skip(self, step: int, t0: float) -> SaveHandle:
+    def _new_handle(self, step: int, path: Path, t0: float, nbytes: int, queue_wait_s: float) -> SaveHandle:
+        record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
+        self._stats.add(record)
+        return SaveHandle(self, step, path, record, self._stats)
+
+    def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
         reason = (f"all {self.config.pool_slots} staging slots of rank {self.env.rank} were still "
                   "being persisted (on_full='skip')")
         log.warning("step %d skipped: %s", step, reason)
         self._link.request(Skip(step, self.env.rank, self.env.world_size, reason), SaveAck)
-        handle = SaveHandle(self, step, self.root / step_dir_name(step), time.perf_counter() - t0)
+        handle = self._new_handle(step, self.root / step_dir_name(step), t0, 0, 0.0)
         handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 
@@ -320,11 +366,18 @@ class Checkpointer:
             pool = self._pool
             if pool is not None and msg.generation == pool.generation and msg.slot not in pool.free:
                 pool.free.append(msg.slot)
+            h = self._pending.get(msg.step)
+            if h is not None:
+                h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
             if h is not None:
                 h._resolve(SaveStatus.COMMITTED)
-                log.info("rank %d: step %d committed as %s", self.env.rank, msg.step, msg.name)
+                r = h.record
+                log.info("rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "
+                         "committed %.3f s after save() returned", self.env.rank, msg.step, msg.name,
+                         r.nbytes, r.stall_s, "?" if r.persist_s is None else f"{r.persist_s:.3f}",
+                         r.commit_latency_s or 0.0)
         elif isinstance(msg, StepAborted):
             h = self._pending.get(msg.step)
             if h is not None:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
 
+from .stats import SaveRecord, SaveStats
+
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
@@ -23,11 +25,14 @@ class SaveStatus(str, enum.Enum):
 class SaveHandle:
     """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
 
-    def __init__(self, owner: "Checkpointer", step: int, path: Path, stall_s: float) -> None:
+    def __init__(self, owner: "Checkpointer", step: int, path: Path, record: SaveRecord,
+                 stats: SaveStats) -> None:
         self._owner = owner
+        self._stats = stats
         self.step = step
         self.path = path  # the committed directory (exists once COMMITTED)
-        self.stall_s = stall_s  # how long save() blocked the caller
+        self.record = record  # this save's measurements (bytes, stall, persist, commit latency)
+        self.stall_s = record.stall_s  # how long save() blocked the caller
         self.status = SaveStatus.PENDING
         self.error: SaveFailedError | None = None
         self.finished_s: float | None = None
@@ -73,6 +78,9 @@ class SaveHandle:
         self.status = status
         self.error = error
         self.finished_s = time.monotonic() - self._started_s
+        if status is SaveStatus.COMMITTED:
+            self.record.commit_latency_s = self.finished_s
+        self._stats.finished(self.record, status.value)
         if status is SaveStatus.SKIPPED:
             self._observed = True  # the policy's choice, logged: not an error to re-raise later
 

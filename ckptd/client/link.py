@@ -61,11 +61,13 @@ class DaemonLink:
     def connect(self) -> Welcome:
         """Ensure a daemon runs (starting it on local rank 0) and complete the handshake."""
         deadline = time.monotonic() + self.config.daemon_start_timeout_s
-        launched = False
         while not daemon_alive(self.ep.pid_path):
-            if self.env.local_rank == 0 and not launched:
+            if self.env.local_rank == 0:
+                # _launch returns once a daemon served; if none is alive now it exited again
+                # (e.g. idle, or crashed), so launching again is right until the deadline.
                 self._launch(deadline)
-                launched = True
+                if time.monotonic() > deadline:
+                    break
                 continue
             if time.monotonic() > deadline:
                 raise DaemonError(
@@ -75,6 +77,9 @@ class DaemonLink:
                 )
             time.sleep(0.05)
         self._open_socket()
+        # Forget the previous daemon's pid: while it is set, a slow WELCOME from its successor
+        # would make alive() report the new daemon as dead.
+        self.daemon_pid = None
         welcome = self.request(
             Hello("rank", self.env.rank, self.ep.node, self.env.world_size, os.getpid(), str(self.ep.root)),
             Welcome,

@@ -1,4 +1,5 @@
-"""The offline commands of the ``ckptd`` CLI: ls, inspect, verify, gc, tune.
+"""The tool commands of the ``ckptd`` CLI: status, ls, inspect, verify, convert, bench,
+gc, tune.
 
 Each module exposes ``register(subparsers)`` (adds its subparser, sets ``func=run``) and
 ``run(args) -> int`` (the exit status: 0 ok, 1 damage or failure, 2 usage error). ``ckptd.cli``
@@ -17,9 +18,9 @@ import logging
 import sys
 from typing import Sequence
 
-from . import gc, inspect, ls, tune, verify
+from . import bench, convert, gc, inspect, ls, status, tune, verify
 
-ALL = [ls, inspect, verify, gc, tune]
+ALL = [status, ls, inspect, verify, convert, bench, gc, tune]
 
 
 def build_parser(prog: str = "ckptd") -> argparse.ArgumentParser:

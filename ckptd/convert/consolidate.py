@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,16 +16,17 @@ log = logging.getLogger("ckptd.convert")
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, *,
                 include_common: bool = False, allow_unsafe_pickle: bool = False,
-                fsync: bool = True) -> dict[str, Any]:
+                fsync: bool = True, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write every tensor of the checkpoint, whole, into ``out_file`` (atomically).
 
     The file holds ``{key: tensor}`` (load it with ``torch.load(..., weights_only=True)`` and
     ``model.load_state_dict``), or ``{"state_dict": {...}, "common": common state}`` with
-    ``include_common``. Needs memory for the whole model. Returns what was written.
+    ``include_common``. Needs memory for the whole model. ``progress(nbytes)`` is called as
+    tensor bytes are read. Returns what was written.
     """
     from ..api import load_common_state_dict, load_plain_tensors
 
-    tensors = load_plain_tensors(checkpoint_dir)
+    tensors = load_plain_tensors(checkpoint_dir, progress=progress)
     payload: dict[str, Any] = tensors
     if include_common:
         payload = {

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import CkptdConfig
 
 DESCRIPTION = """\
 Run the ckptd node daemon of one job (checkpoint root) and node. It receives the ranks' staged
@@ -16,13 +19,18 @@ Normally a Checkpointer starts it (detached) when absent. Settings come from CKP
 variables (see ckptd.config); SIGTERM stops it in order (in-flight saves get
 CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
 
-exit status: 0 stopped normally (or --detach: serving / already running); 1 error;
-3 another daemon of this job and node is running."""
+`ckptd daemon stop --root R` asks every daemon of the root's job on this machine to shut down
+the same way and waits for them (SIGTERM to one that does not answer).
+
+exit status: 0 stopped normally (or --detach: serving / already running; stop: all stopped);
+1 error (stop: a daemon did not stop in time); 3 another daemon of this job and node is running."""
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("daemon", help="run the node daemon of a checkpoint root",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", nargs="?", choices=("run", "stop"), default="run",
+                   help="run a daemon (default), or stop the running ones of --root")
     p.add_argument("--root", required=True, help="checkpoint root the job saves into")
     p.add_argument("--node", type=int, default=None, help="node id (default: GROUP_RANK, else 0)")
     p.add_argument("--nnodes", type=int, default=None,
@@ -53,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         config = CkptdConfig.from_env()
         if args.job:
             config = config.replace(job_id=args.job)
+        if args.action == "stop":
+            return _stop(args.root, config)
         env = JobEnv.detect()
         if args.node is not None or args.nnodes is not None:
             nnodes = args.nnodes if args.nnodes is not None else env.nnodes
@@ -72,3 +82,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
                       nnodes=env.nnodes)
+
+
+def _stop(root: str, config: "CkptdConfig") -> int:
+    from ..client.admin import local_daemons, stop_daemon
+
+    daemons = local_daemons(root, config)
+    if not daemons:
+        print(f"no ckptd daemon of {root} runs on this machine")
+        return 0
+    failed = []
+    for d in daemons:
+        if stop_daemon(d, config, timeout_s=config.shutdown_grace_s + 10):
+            print(f"stopped the daemon of node {d.node} (pid {d.pid})")
+        else:
+            failed.append(d.node)
+    if failed:
+        print(f"ckptd daemon: error: the daemons of nodes {failed} did not stop; see their logs in "
+              f"{daemons[0].endpoints.runtime_dir}", file=sys.stderr)
+        return 1
+    return 0

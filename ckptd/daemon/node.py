@@ -12,8 +12,10 @@ What it does per save, in order (see :mod:`ckptd.control.protocol` for the messa
 
 Everything keeps working when the ranks die after step 1: the bytes are in segments the daemon
 owns. Liveness: ranks' pids are checked every heartbeat (a dead rank's pool is released when its
-writes finish); the coordinator is pinged while steps await it, and a silent or restarted
-coordinator aborts those steps with the reason.
+writes finish); the coordinator is pinged every heartbeat, also while idle (so that the first
+report after a coordinator restart is not taken for one its predecessor lost), and a silent or
+restarted coordinator aborts the steps awaiting it with the reason. A write that finishes after its
+step was decided is reported as FAILED, never WRITTEN: it must not count for a later attempt.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import psutil
@@ -57,13 +60,14 @@ from ..control.protocol import (
     Written,
 )
 from ..errors import CkptdError, ProtocolError, StagingError
-from ..format.durable import default_opener
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
 from .commit import tmp_dir
 from .coordinator import Coordinator
+from .metrics import DaemonMetrics, serve_metrics
 from .pools import PoolTable
-from .workers import Completions, Done, WorkerPools, WriteRequest, delayed_opener, write_rank_file
+from .faults import debug_opener
+from .workers import Completions, Done, WorkerPools, WriteRequest, write_rank_file
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +98,12 @@ class NodeDaemon:
         self.codec = Codec(ep.job, token, config.max_message_nbytes)
         self.ctx = zmq.Context()
         self.completions = Completions()
+        self.metrics = DaemonMetrics()
+        self.metrics_server: ThreadingHTTPServer | None = None
+        self.status_cache: dict[str, Any] = {}
         self.workers = WorkerPools(config.writer_threads, self.completions)
         self.pools = PoolTable(ep.shm_prefix)
-        self.opener = delayed_opener(config.debug_write_delay_s) if config.debug_write_delay_s else default_opener
+        self.opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file)
         self.clients: dict[bytes, Client] = {}
         self.steps: dict[int, PendingStep] = defaultdict(PendingStep)
         self.outbox: list[tuple[float, Message, int]] = []  # (first try, message, step)
@@ -109,6 +116,7 @@ class NodeDaemon:
         self.last_ping_s = 0.0
         self.last_check_s = 0.0
         self.idle_since_s: float | None = time.monotonic()
+        self.served_a_rank = False
         self.stopping_since: float | None = None
         self.stop_reason = ""
 
@@ -136,6 +144,15 @@ class NodeDaemon:
         self.poller.register(self.completions.fd, zmq.POLLIN)
         log.info("daemon %s for %s node %d: ranks on %s, coordinator %s", self.instance, ep.root,
                  ep.node, ep.ipc_address, upstream_addr)
+        if config.metrics_port:
+            # The HTTP thread reads only this cache, which the loop refreshes: no shared state.
+            self.status_cache = self.status()
+            try:
+                self.metrics_server = serve_metrics(config.metrics_port, lambda: self.status_cache)
+                log.info("serving Prometheus metrics on http://127.0.0.1:%d/metrics", config.metrics_port)
+            except OSError as exc:  # metrics are optional: never fail the checkpoints for them
+                log.warning("cannot serve metrics on port %d (%s); CKPTD_METRICS_PORT ignored",
+                            config.metrics_port, exc)
 
     # --- loop -----------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -183,17 +200,23 @@ class NodeDaemon:
                 return True
             return False
         if self.exit_when_idle:
+            # Until a first rank connects, the rank that launched us may still be starting up.
+            idle_exit_s = self.config.idle_exit_s if self.served_a_rank else max(
+                self.config.idle_exit_s, self.config.daemon_start_timeout_s)
             if self.clients or self._busy():
                 self.idle_since_s = None
             elif self.idle_since_s is None:
                 self.idle_since_s = now
-            elif now - self.idle_since_s >= self.config.idle_exit_s:
-                self.request_stop(f"idle for {self.config.idle_exit_s:.0f} s with no ranks connected")
+            elif now - self.idle_since_s >= idle_exit_s:
+                self.request_stop(f"idle for {idle_exit_s:.0f} s with no ranks connected")
                 return True
         return False
 
     def close(self) -> None:
         """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         self.workers.shutdown()
         for done in self.completions.drain():
             self._on_done(done)
@@ -221,6 +244,11 @@ class NodeDaemon:
                 step = getattr(msg, "step", None)
                 log.warning("%s from %r failed: %s", msg.TYPE.name, identity, exc)
                 self.ranks.send(ErrorReply(str(exc), step), identity, block=False)
+            except Exception as exc:  # noqa: BLE001 - one peer's odd request must not stop the daemon
+                log.exception("%s from %r could not be handled", msg.TYPE.name, identity)
+                self.ranks.send(ErrorReply(f"the node daemon could not handle {msg.TYPE.name}: "
+                                           f"{type(exc).__name__}: {exc}", getattr(msg, "step", None)),
+                                identity, block=False)
 
     def _on_rank(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Ping):
@@ -229,6 +257,7 @@ class NodeDaemon:
             if os.path.realpath(msg.root) != str(self.ep.root):
                 raise ProtocolError(f"this daemon serves {self.ep.root}, not {msg.root}")
             self.clients[identity] = Client(msg.rank, msg.pid, _create_time(msg.pid))
+            self.served_a_rank = True
             self.ranks.send(Welcome(self.instance, os.getpid(), self.ep.node, str(self.ep.root)), identity)
         elif isinstance(msg, RegisterPool):
             self._client(identity)
@@ -283,14 +312,21 @@ class NodeDaemon:
             records.append(rec)
             placements.append(Placement(off, n))
         req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
-        directory = tmp_dir(self.ep.root, msg.step)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = tmp_dir(self.ep.root, msg.step)  # created by the writer (its errors fail the save)
         pool.busy.add(msg.slot)
         seg = pool.segments[msg.slot]
         cfg = self.config
-        key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common)
-        self.workers.write(key, lambda: write_rank_file(directory, seg, req, self.opener, cfg.fsync,
-                                                        cfg.checksums))
+        nbytes = sum(p.nbytes for p in placements)
+        queued_s = time.monotonic()
+        key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common, nbytes)
+
+        def job() -> tuple[list[ItemRecord], float, float]:
+            started_s = time.monotonic()
+            stored = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums)
+            return stored, started_s - queued_s, time.monotonic() - started_s
+
+        self.metrics.save_received(msg.step)
+        self.workers.write(key, job)
         self.steps[msg.step].notify.add(identity)
         self.ranks.send(SaveAck(msg.step, msg.rank), identity)
         log.info("step %d rank %d: %d items queued from slot %d", msg.step, msg.rank, len(records), msg.slot)
@@ -302,18 +338,24 @@ class NodeDaemon:
             return
         if done.kind != "write":
             return
-        step, rank, world_size, generation, slot, identity, common = done.key
+        step, rank, world_size, generation, slot, identity, common, nbytes = done.key
         pool = self.pools.pools.get((rank, generation))
         if pool is not None:
             pool.busy.discard(slot)
             self.pools.collect()
-        self.ranks.send(SlotFree(generation, slot, step), identity, block=False)
-        if done.error is None:
-            records = [r.to_wire() for r in done.result]
+        stored, queue_s, write_s = done.result if done.error is None else ([], 0.0, 0.0)
+        self.metrics.write_finished(step, nbytes, write_s, queue_s, ok=done.error is None)
+        self.ranks.send(SlotFree(generation, slot, step, write_s, queue_s), identity, block=False)
+        live = step in self.steps and identity in self.steps[step].notify
+        if done.error is None and live:
+            records = [r.to_wire() for r in stored]
             self._send_up(Written(step, rank, world_size, self.ep.node, records, common), step)
         else:
-            self._send_up(Failed(step, rank, world_size, self.ep.node,
-                                 f"writing its data file failed: {done.error}"), step)
+            # A write that finished after its step was decided must not count for a later attempt
+            # of that step (a restarted job saving it again): report it as failed, never WRITTEN.
+            why = (f"writing its data file failed: {done.error}" if done.error is not None
+                   else "its data file was written after the step had been decided (late write)")
+            self._send_up(Failed(step, rank, world_size, self.ep.node, why), step)
 
     # --- coordinator ----------------------------------------------------------------------
     def _send_up(self, msg: Message, step: int) -> None:
@@ -339,7 +381,9 @@ class NodeDaemon:
                     if self.coordinator_instance is not None:
                         log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, msg.instance)
                     self.coordinator_instance = msg.instance
-                    self._abort_pending("the coordinator restarted before the step committed",
+                    self._abort_pending("the coordinator restarted before confirming the step (had "
+                                        "its commit already renamed the checkpoint, the restarted "
+                                        "coordinator completes it)",
                                         keep_instance=msg.instance)
             elif isinstance(msg, (StepCommitted, StepAborted)):
                 self._resolve(msg.step, msg)
@@ -353,6 +397,7 @@ class NodeDaemon:
         self.outbox = [o for o in self.outbox if o[2] != step]
         if st is None:
             return
+        self.metrics.resolved(step, committed=isinstance(outcome, StepCommitted))
         for identity in st.notify:
             self.ranks.send(outcome, identity, block=False)
 
@@ -368,13 +413,16 @@ class NodeDaemon:
 
     def _tick(self, now: float) -> None:
         cfg = self.config
+        if self.metrics_server is not None:
+            self.status_cache = self.status()
         if self.coordinator is not None:
             self.coordinator.tick(now)
         waiting = [st for st in self.steps.values() if st.waiting_since is not None]
+        if now - self.last_ping_s >= cfg.heartbeat_s:
+            # Also while idle: a restarted coordinator's instance is known before the next report.
+            self.last_ping_s = now
+            self.upstream.send(Ping(int(now * 1000)), block=False)
         if waiting or self.outbox:
-            if now - self.last_ping_s >= cfg.heartbeat_s:
-                self.last_ping_s = now
-                self.upstream.send(Ping(int(now * 1000)), block=False)
             oldest = min([st.waiting_since for st in waiting] + [o[0] for o in self.outbox])  # type: ignore[type-var]
             silent_s = now - max(self.last_pong_s, oldest)
             if silent_s > cfg.coordinator_timeout_s:
@@ -415,6 +463,7 @@ class NodeDaemon:
             "rejected_messages": self.ranks.rejected + self.upstream.rejected,
             "coordinator": self.coordinator.status() if self.coordinator is not None else None,
             "stopping": self.stopping_since is not None,
+            "metrics": self.metrics.snapshot(),
         }
 
 

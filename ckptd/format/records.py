@@ -8,7 +8,7 @@ and the coordinator turns all of them into the DCP ``.metadata``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -30,9 +30,12 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if _DTYPES.get(name) != dtype:
+    name = _NAMES.get(dtype)
+    if name is None:
         raise ShardingError(f"dtype {dtype} is not supported by the checkpoint format")
     return name
 
@@ -67,7 +70,10 @@ class ItemRecord:
         """Raw tensor bytes of the chunk (0 for byte items)."""
         if self.kind != TENSOR:
             return 0
-        return math.prod(self.sizes) * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+        itemsize = _ITEMSIZE.get(self.dtype)
+        if itemsize is None:
+            dtype_from_name(self.dtype)  # raises ProtocolError for an unknown name
+        return math.prod(self.sizes) * itemsize
 
     def stored_at(self, relative_path: str, file_offset: int, length: int,
                   crc32: int | None = None) -> "ItemRecord":
@@ -80,7 +86,8 @@ class ItemRecord:
         return f"'{self.fqn}' (rank {self.rank})"
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Field by field (what asdict() gives, ~10x faster: a save sends one per item).
+        d = {name: getattr(self, name) for name in _RECORD_FIELDS}
         for k in ("global_shape", "offsets", "sizes"):
             d[k] = list(d[k])
         return d
@@ -93,9 +100,9 @@ class ItemRecord:
                 kind=str(d["kind"]),
                 rank=int(d["rank"]),
                 dtype=str(d.get("dtype", "")),
-                global_shape=tuple(int(x) for x in d.get("global_shape", ())),
-                offsets=tuple(int(x) for x in d.get("offsets", ())),
-                sizes=tuple(int(x) for x in d.get("sizes", ())),
+                global_shape=tuple(map(int, d.get("global_shape", ()))),
+                offsets=tuple(map(int, d.get("offsets", ()))),
+                sizes=tuple(map(int, d.get("sizes", ()))),
                 relative_path=str(d.get("relative_path", "")),
                 file_offset=int(d.get("file_offset", -1)),
                 length=int(d.get("length", -1)),
@@ -110,6 +117,10 @@ class ItemRecord:
             if not len(rec.global_shape) == len(rec.offsets) == len(rec.sizes):
                 raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
         return rec
+
+
+_RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ItemRecord))
+_ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for name, dt in _DTYPES.items()}
 
 
 def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:

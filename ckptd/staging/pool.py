@@ -32,6 +32,17 @@ ALIGN_NBYTES = 64
 _PAGE = 4096
 
 
+# CPU tensors smaller than this are staged with one memmove; larger ones with torch's copy_,
+# which may use several threads.
+MEMMOVE_MAX_NBYTES = 1 << 20
+
+
+def _plain_cpu_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are exactly its ``numel * element_size`` bytes at ``data_ptr()``."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+
+
 @dataclass(frozen=True)
 class Placement:
     offset: int
@@ -134,9 +145,15 @@ class StagingPool:
             raise StagingError(f"rank {self.rank}: save needs {last.offset + last.nbytes} bytes, "
                                f"slot holds {self.slot_nbytes}")
         pending_streams = []
+        base_ptr = base.data_ptr()
         for item, p in zip(items, placements):
             src = item.payload
             if isinstance(src, torch.Tensor):
+                if p.nbytes < MEMMOVE_MAX_NBYTES and _plain_cpu_bytes(src):
+                    # One memmove (GIL released): a view plus copy_ costs ~10 us per item, which
+                    # dominates the copy of a small tensor (10,000 of them: 0.1 s).
+                    ctypes.memmove(base_ptr + p.offset, src.data_ptr(), p.nbytes)
+                    continue
                 dst = slot_view(base, p, src.dtype, src.shape)
                 if src.device.type == "cuda":
                     stream = self._side_stream(src.device)

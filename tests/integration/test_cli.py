@@ -47,11 +47,16 @@ def _flip_item(directory: Path, fqn: str) -> dict:
 
 
 def test_help_everywhere(capsys):
-    for name in ("ls", "inspect", "verify", "gc", "tune"):
+    from ckptd.cli import build_parser
+
+    parser = build_parser()
+    names = set(parser._subparsers._group_actions[0].choices)  # every registered command
+    assert names == {"daemon", "status", "ls", "inspect", "verify", "convert", "bench", "gc", "tune"}
+    for name in sorted(names):
         with pytest.raises(SystemExit) as exc:
-            cli(capsys, name, "--help")
+            parser.parse_args([name, "--help"])
         assert exc.value.code == 0
-        assert "exit status" in capsys.readouterr().out
+        assert "exit status" in capsys.readouterr().out, name
 
 
 def test_ls(tmp_path, capsys):
@@ -75,6 +80,31 @@ def test_ls(tmp_path, capsys):
     (root / "latest").write_text("iter_0000900\n")
     rc, _, err = cli(capsys, "ls", root)
     assert rc == 1 and "iter_0000900" in err and "does not exist" in err
+
+
+def test_convert_consolidate(tmp_path, capsys):
+    import torch
+
+    ref = make_checkpoint(tmp_path / "ck")
+    rc, out, err = cli(capsys, "convert", "consolidate", tmp_path / "ck", tmp_path / "model.pt", "--no-fsync")
+    assert rc == 0 and err == "" and f"wrote {len(ref)} tensors" in out
+    got = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    calls: list[int] = []  # what a progress bar is fed: bytes per batch, adding up to the total
+    from ckptd import load_plain_tensors
+
+    batched = load_plain_tensors(tmp_path / "ck", progress=calls.append, batch_nbytes=1)
+    assert len(calls) == len(ref) and sum(calls) == sum(t.nbytes for t in ref.values())
+    assert all(torch.equal(batched[k], ref[k]) for k in ref)
+    rc, _, err = cli(capsys, "convert", "consolidate", tmp_path / "nothing", tmp_path / "m2.pt")
+    assert rc == 1 and "ckptd convert: error:" in err and not (tmp_path / "m2.pt").exists()
+
+
+def test_bench_checksums_runs_and_cleans_up(tmp_path, capsys):
+    rc, out, _ = cli(capsys, "bench", "checksums", "--gib", "0.01", "--item-mib", "2", "--repeats", "1",
+                     "--dir", tmp_path)
+    assert rc == 0 and "time ratio on/off" in out and "verify_checkpoint" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_inspect(tmp_path, capsys):

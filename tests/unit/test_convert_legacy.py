@@ -208,15 +208,11 @@ def test_cli_is_quiet_off_tty(tmp_path):
     assert run.stderr == "" and f"converted {len(ref)} tensors" in run.stdout
     run = subprocess.run([sys.executable, tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
                          capture_output=True, text=True, timeout=100, cwd=ROOT)
-    assert run.returncode == 2 and "already holds a checkpoint" in run.stderr
+    assert run.returncode == 1 and "already holds a checkpoint" in run.stderr
 
 
 def test_progress_draws_only_on_tty(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from convert_legacy import ConvertProgress
-    finally:
-        sys.path.pop(0)
+    from ckptd.commands.convert import ConvertProgress
 
     class Stream(io.StringIO):
         def __init__(self, tty: bool) -> None:

@@ -1,0 +1,88 @@
+"""``policy="auto"``: choose the save interval from measured costs while training (CheckFreq-style).
+
+Order of calls, on every rank, once per training step::
+
+    if ckpt.due(step):                  # measures the step time; True on the first call
+        ckpt.save(state, step=step)     # after it returns the interval is recomputed
+
+After each save the interval is recomputed with :func:`ckptd.tune.recommend` from this rank's
+measured stall (mean over recent saves), persist/commit latency (mean of committed saves) and
+step time (median of recent steps), the configured MTBF and restart time. Every rank must save at
+the same steps, so the new interval is agreed on with one ``all_reduce(MAX)`` over the default
+process group (the longest any rank asks for). The first save's commit latency is not known yet
+when it returns, so that save is waited for once (a one-time stall of one persist).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable
+
+from ..errors import CkptdError
+from ..tune import Recommendation, TuneInputs, recommend
+
+log = logging.getLogger(__name__)
+
+
+def agree_max(value: int) -> int:
+    """The largest ``value`` over all ranks (torch.distributed), or ``value`` in a single process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+class AutoInterval:
+    def __init__(self, mtbf_s: float, restart_s: float, world_size: int,
+                 agree: Callable[[int], int] = agree_max) -> None:
+        if mtbf_s <= 0:
+            raise CkptdError(f"policy='auto' needs the job's mean time between failures: set "
+                             f"mtbf_s > 0 (CKPTD_MTBF_S), got {mtbf_s}")
+        if world_size > 1 and agree is agree_max:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise CkptdError("policy='auto' with several ranks needs torch.distributed initialized "
+                                 "(the ranks agree on the interval with one all_reduce per save)")
+        self.mtbf_s = mtbf_s
+        self.restart_s = restart_s
+        self.agree = agree
+        self.step_times_s: deque[float] = deque(maxlen=50)
+        self.last_call_s: float | None = None
+        self.next_step: int | None = None
+        self.interval_steps: int | None = None
+        self.inputs: TuneInputs | None = None  # what the current interval was computed from
+        self.recommendation: Recommendation | None = None
+
+    def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if self.last_call_s is not None:
+            self.step_times_s.append(now - self.last_call_s)
+        self.last_call_s = now
+        return self.next_step is None or step >= self.next_step
+
+    def after_save(self, step: int, stats: dict[str, Any]) -> None:
+        """Recompute and agree on the next save step (every rank calls this at the same step)."""
+        stall = (stats.get("stall_s") or {}).get("mean")
+        commit = (stats.get("commit_latency_s") or {}).get("mean")
+        if stall is None or commit is None or not self.step_times_s:
+            interval = 1  # no step time measured yet (saved on the first due()): measure one more
+        else:
+            self.inputs = TuneInputs(stall_s=stall, persist_s=commit, mtbf_s=self.mtbf_s,
+                                     step_s=statistics.median(self.step_times_s), restart_s=self.restart_s)
+            self.recommendation = recommend(self.inputs)
+            interval = self.recommendation.interval_steps or 1
+        agreed = self.agree(interval)
+        if agreed != self.interval_steps:
+            log.info("policy=auto: saving every %d steps from step %d%s", agreed, step,
+                     "" if self.recommendation is None else f" ({self.recommendation.interval_s:.1f} s)")
+        self.interval_steps = agreed
+        self.next_step = step + agreed

@@ -1,0 +1,39 @@
+"""``ckptd bench {all,save,load,checksums} ...``: the benchmarks of :mod:`ckptd.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from ._common import add_parser
+
+DESCRIPTION = """\
+Measure ckptd against torch DCP on this machine, in one run, and print ratios:
+
+  ckptd bench all        the whole suite on one state: stall, time to durable and persist GiB/s of
+                         ckptd, DCP save and async_save (THREAD, PROCESS); load; training-loop
+                         overhead; many small tensors; stall vs ranks; memory; reference limits
+  ckptd bench save       stall per save and time to commit vs DCP save / async_save (PROCESS),
+                         warm memcpy bandwidth, pool memory over repeated saves
+  ckptd bench load       same-layout and resharded load throughput vs DCP load
+  ckptd bench checksums  what per-item CRC32 costs on the persist path
+
+Arguments after the benchmark's name go to it (ckptd bench save --help lists them).
+
+exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
+
+BENCHMARKS = ("all", "save", "load", "checksums")
+MODULES = {"all": "suite"}  # benchmark name -> module of ckptd.bench, where they differ
+
+
+def register(subparsers: Any) -> None:
+    p = add_parser(subparsers, "bench", "benchmark ckptd against torch DCP (ratios, same run)", DESCRIPTION)
+    p.add_argument("benchmark", choices=BENCHMARKS)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"ckptd.bench.{MODULES.get(args.benchmark, args.benchmark)}")
+    return int(module.main(args.args) or 0)

@@ -1,0 +1,99 @@
+"""``ckptd status ROOT``: health of the root's node daemons on this machine, queues and throughput."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._common import EXIT_FAILURE, EXIT_OK, add_parser, emit_json, format_bytes, guarded, table
+
+DESCRIPTION = """\
+Ask every live ckptd daemon of ROOT's job on this machine for its status: connected ranks,
+staging pools, data-file writes in flight, steps awaiting the coordinator, and measurements
+(bytes written, write throughput, persist and commit latency of recent steps). Node 0's daemon
+also reports its coordinator's steps. --prometheus prints the Prometheus text format (the same
+a daemon serves on CKPTD_METRICS_PORT).
+
+exit status: 0 at least one daemon answered; 1 none runs, or one did not answer."""
+
+
+def register(subparsers: Any) -> None:
+    p = add_parser(subparsers, "status", "health, queues and throughput of a root's daemons", DESCRIPTION)
+    p.add_argument("root", metavar="ROOT", help="checkpoint root the job saves into")
+    p.add_argument("--job", default=None, help="job id, if the job set CKPTD_JOB_ID")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the raw status replies as JSON")
+    out.add_argument("--prometheus", action="store_true", help="print Prometheus text format")
+    p.set_defaults(func=run)
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}s"
+
+
+def _print(info: dict[str, Any]) -> None:
+    m = info.get("metrics", {})
+    rate = m.get("write_bytes_per_s")
+    print(f"node {info['node']}: daemon pid {info['pid']} ({info['instance']}), up {m.get('uptime_s', 0):.0f}s"
+          + ("  [stopping]" if info.get("stopping") else ""))
+    print(f"  ranks connected: {sorted(c['rank'] for c in info['clients']) or 'none'}; "
+          f"writes in flight: {info['jobs_in_flight']}; steps awaiting commit: {info['pending_steps'] or 'none'}")
+    print(f"  saves received {m.get('saves_received', 0)}, committed {m.get('steps_committed', 0)}, "
+          f"aborted {m.get('steps_aborted', 0)}; written {format_bytes(m.get('bytes_written', 0))}"
+          + (f" at {format_bytes(rate)}/s" if rate else "")
+          + f"; rejected messages {info.get('rejected_messages', 0)}")
+    pools = info.get("pools", [])
+    if pools:
+        rows = [(p["rank"], p["slots"], format_bytes(p["slot_nbytes"]), len(p["busy"]),
+                 "retired" if p["retired"] else "") for p in pools]
+        print("  " + table(("RANK", "SLOTS", "SLOT SIZE", "BUSY", ""), rows, right=(0, 1, 2, 3)).replace("\n", "\n  "))
+    recent = m.get("recent_steps", [])[-5:]
+    if recent:
+        rows = [(s["step"], s["outcome"], s["ranks"], format_bytes(s["nbytes"]), _seconds(s["queue_s"]),
+                 _seconds(s["persist_s"]), _seconds(s["commit_s"])) for s in recent]
+        print("  " + table(("STEP", "OUTCOME", "RANKS", "BYTES", "QUEUE", "PERSIST", "COMMIT"), rows,
+                           right=(0, 2, 3, 4, 5, 6)).replace("\n", "\n  "))
+    coord = info.get("coordinator")
+    if coord is not None:
+        steps = coord.get("steps", {})
+        print(f"  coordinator {coord['address']}: nodes {coord['nodes']}; steps in progress: "
+              + (", ".join(f"{s} {v['phase']} ({len(v['written'])}/{v['world_size']} written)"
+                           for s, v in steps.items()) or "none"))
+
+
+@guarded("status")
+def run(args: argparse.Namespace) -> int:
+    from ..client.admin import daemon_status, local_daemons
+    from ..config import CkptdConfig
+    from ..daemon.metrics import prometheus_text
+    from ..errors import DaemonError
+
+    config = CkptdConfig.from_env()
+    if args.job:
+        config = config.replace(job_id=args.job)
+    daemons = local_daemons(args.root, config)
+    if not daemons:
+        if args.json:
+            emit_json({"root": args.root, "daemons": []})
+        else:
+            print(f"no ckptd daemon of {args.root} runs on this machine")
+        return EXIT_FAILURE
+    replies: list[dict[str, Any]] = []
+    failed = False
+    for d in daemons:
+        try:
+            replies.append(daemon_status(d, config))
+        except DaemonError as exc:
+            failed = True
+            replies.append({"node": d.node, "pid": d.pid, "error": str(exc)})
+    if args.json:
+        emit_json({"root": args.root, "daemons": replies})
+    elif args.prometheus:
+        print(prometheus_text([r for r in replies if "error" not in r]), end="")
+    else:
+        for r in replies:
+            if "error" in r:
+                print(f"node {r['node']}: daemon pid {r['pid']} did not answer: {r['error']}")
+            else:
+                _print(r)
+    return EXIT_FAILURE if failed else EXIT_OK

@@ -1,0 +1,135 @@
+"""Operating a live daemon: per-save stats, `ckptd status` (text, JSON, Prometheus), the metrics
+endpoint, `ckptd daemon stop`, and policy="auto". Real daemon, real sockets, real files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.control.endpoints import JobEnv
+from ckptd.tune import recommend
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True,
+                          text=True, timeout=90, cwd=REPO)
+
+
+@pytest.fixture
+def single(monkeypatch, tmp_path):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    runtime = tempfile.mkdtemp(prefix="cko", dir="/tmp")
+    env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
+    yield tmp_path / "run", runtime, env
+    _ckptd(env, "daemon", "stop", "--root", str(tmp_path / "run"))
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_stats_status_metrics_and_stop(single):
+    root, runtime, env = single
+    port = _free_port()
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, metrics_port=port)
+    w = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        for step in (1, 2, 3):
+            h = ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=step)
+            h.wait(60)
+        stats = ckpt.stats()
+        assert (stats["saves"], stats["committed"], stats["aborted"], stats["pending"]) == (3, 3, 0, 0)
+        assert stats["staged_nbytes"] == 3 * w.nbytes
+        for rec in stats["recent"]:
+            assert rec["status"] == "committed" and rec["nbytes"] == w.nbytes
+            assert 0 < rec["stall_s"] and 0 <= rec["queue_wait_s"] <= rec["stall_s"]
+            # The daemon starts writing before save() returns, so persist may exceed the latency.
+            assert rec["persist_s"] > 0 and rec["commit_latency_s"] > 0
+        assert stats["stall_s"]["max"] == max(r["stall_s"] for r in stats["recent"])
+
+        run = _ckptd(env, "status", str(root), "--json")
+        assert run.returncode == 0, run.stderr
+        (info,) = json.loads(run.stdout)["daemons"]
+        m = info["metrics"]
+        assert info["clients"] == [{"rank": 0, "pid": os.getpid()}]
+        assert (m["saves_received"], m["writes_ok"], m["steps_committed"]) == (3, 3, 3)
+        assert m["bytes_written"] == 3 * w.nbytes and m["last_committed"]["step"] == 3
+        assert [s["outcome"] for s in m["recent_steps"]] == ["committed"] * 3
+
+        run = _ckptd(env, "status", str(root))
+        assert run.returncode == 0 and "saves received 3, committed 3" in run.stdout
+        run = _ckptd(env, "status", str(root), "--prometheus")
+        assert run.returncode == 0 and "ckptd_steps_committed_total{" in run.stdout
+        served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in served.splitlines() if not line.startswith("#"))
+        key = next(k for k in samples if k.startswith("ckptd_written_bytes_total"))
+        assert float(samples[key]) == 3 * w.nbytes
+        assert served.count("# TYPE ckptd_writes_total counter") == 1
+
+    run = _ckptd(env, "daemon", "stop", "--root", str(root))
+    assert run.returncode == 0 and "stopped the daemon of node 0" in run.stdout
+    run = _ckptd(env, "status", str(root))
+    assert run.returncode == 1 and "no ckptd daemon" in run.stdout
+    job = info["job"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptd-{job}-")]
+    assert _ckptd(env, "daemon", "stop", "--root", str(root)).returncode == 0  # nothing to stop
+
+
+@pytest.mark.timeout(120)
+def test_policy_auto_applies_the_young_daly_interval(single):
+    root, runtime, _ = single
+    mtbf_s = 6.0
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, policy="auto", mtbf_s=mtbf_s, restart_s=0.5)
+    w = torch.ones(1 << 16)
+    saved: list[tuple[int, int]] = []  # (step, interval in effect after it)
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        for step in range(80):
+            time.sleep(0.01)  # the "training step"
+            if ckpt.due(step):
+                ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=step)
+                saved.append((step, ckpt._policy.interval_steps))
+        ckpt.wait_all(60)
+        policy = ckpt._policy
+    # The first call saves and is waited for; with no step time yet the next step saves too.
+    assert saved[:2] == [(0, 1), (1, saved[1][1])] and len(saved) >= 3
+    # Every later save happens exactly when the interval chosen at the previous save says.
+    for (a, interval), (b, _) in zip(saved, saved[1:]):
+        assert b == a + interval
+    inp, rec = policy.inputs, policy.recommendation
+    assert (inp.mtbf_s, inp.restart_s) == (mtbf_s, 0.5) and 0.009 < inp.step_s < 0.2
+    assert rec == recommend(inp) and rec.interval_steps == saved[-1][1]
+    # Young's formula on the measured stall, never below the commit latency.
+    assert rec.young_s == pytest.approx(math.sqrt(2 * inp.stall_s * mtbf_s))
+    assert rec.interval_s >= inp.persist_s and rec.interval_steps == math.ceil(max(rec.daly_s, inp.persist_s) / inp.step_s)
+
+
+def test_due_needs_policy_auto(single):
+    root, runtime, _ = single
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime)
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        with pytest.raises(ckptd.CkptdError, match="policy='auto'"):
+            ckpt.due(0)
+    with pytest.raises(ckptd.CkptdError, match="mtbf_s"):
+        ckptd.Checkpointer(root, config=cfg.replace(policy="auto"), env=JobEnv())
