@@ -212,5 +212,5 @@ def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exi
     text = msg.decode(errors="replace").strip()
     if text in ("ready", "busy"):
         return EXIT_OK
-    print(f"ckptd daemon: {text or 'did not report readiness in time'}; see {ep.log_path}", file=sys.stderr)
+    log.error("the detached daemon %s; see %s", text or "did not report readiness in time", ep.log_path)
     return EXIT_ERROR

@@ -1,0 +1,187 @@
+"""Peak memory of a benchmark's processes, sampled from outside while it runs.
+
+A :class:`MemorySampler` thread in the launching process reads ``/proc/<pid>/status`` of every
+process of the benchmark every ``interval_s`` and keeps, per *phase* (a name the benchmark's rank 0
+writes into a file) and per *role*, the peak of:
+
+- ``rss``: resident set size (``VmRSS``);
+- ``shm``: the part of it that is shared memory (``RssShmem``: staging pools, DCP's shared stager);
+- ``private``: ``rss - shm`` (``RssAnon + RssFile``: heap, libraries, Python modules);
+
+plus the node's ``/dev/shm`` use above what it was when sampling started (``statvfs``, so the
+segments of every process count, whoever maps them).
+
+Roles: ``trainer`` (the rank processes, the maximum over ranks), ``dcp_bg`` (their children: torch
+DCP's checkpoint process), ``daemon`` (ckptd node daemons: found by their pid files, or as a
+rank's child running ``ckptd.cli daemon`` while it starts).
+
+It also adds up the CPU time (user + system) each role used during each phase (``cpu_s``, summed
+over the role's processes), and the node's busy CPU time (``node_cpu_s``, every process and the
+kernel's threads, other users' too): what the work of a checkpointer costs the node's cores.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import psutil
+
+_FIELDS = {"VmRSS": "rss", "RssShmem": "shm"}
+
+
+def proc_memory(pid: int) -> dict[str, int] | None:
+    """``rss``, ``shm`` and ``private`` bytes of ``pid`` (None when it is gone)."""
+    out = {"rss": 0, "shm": 0}
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                key, _, value = line.partition(b":")
+                name = _FIELDS.get(key.decode(errors="replace"))
+                if name is not None:
+                    out[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return None
+    out["private"] = out["rss"] - out["shm"]
+    return out
+
+
+def shm_used_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def daemon_pids(runtime_dir: Path) -> list[int]:
+    """Pids written in the ``*.pid`` files of a (private) runtime directory."""
+    pids = []
+    try:
+        names = os.listdir(runtime_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.endswith(".pid"):
+            try:
+                pids.append(int((runtime_dir / name).read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return pids
+
+
+class MemorySampler:
+    """Samples the benchmark's processes in a thread; :meth:`peaks` returns what it saw."""
+
+    def __init__(self, runtime_dir: Path, phase_file: Path, interval_s: float = 0.05) -> None:
+        self.runtime_dir = runtime_dir
+        self.phase_file = phase_file
+        self.interval_s = interval_s
+        self._trainers: Callable[[], Iterable[int]] = lambda: ()
+        self._peaks: dict[str, dict[str, int]] = {}
+        self._cpu: dict[str, dict[str, float]] = {}  # phase -> role -> CPU seconds
+        self._cpu_seen: dict[int, float] = {}  # pid -> its CPU seconds at the previous sample
+        self._node_busy: float | None = None
+        self._daemon_cmd: dict[int, bool] = {}
+        self._shm0 = shm_used_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-memory", daemon=True)
+
+    def start(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def watch(self, trainers: Callable[[], Iterable[int]]) -> None:
+        """Sample these rank processes (and their children) from now on."""
+        self._trainers = trainers
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {phase: dict(v) for phase, v in self._peaks.items()}
+        for phase, roles in self._cpu.items():
+            out.setdefault(phase, {}).update({f"{role}_cpu_s": round(v, 3) for role, v in roles.items()})
+        return out
+
+    def _phase(self) -> str:
+        try:
+            return self.phase_file.read_text().strip() or "setup"
+        except OSError:
+            return "setup"
+
+    def _bump(self, phase: str, key: str, value: int) -> None:
+        for name in (phase, "all"):
+            d = self._peaks.setdefault(name, {})
+            if value > d.get(key, 0):
+                d[key] = value
+
+    def sample(self) -> None:
+        phase = self._phase()
+        trainers = list(self._trainers())
+        roles: list[tuple[str, int]] = [("trainer", p) for p in trainers]
+        daemons = set(daemon_pids(self.runtime_dir))
+        for pid in trainers:
+            try:
+                children = psutil.Process(pid).children(recursive=True)
+            except psutil.Error:
+                continue
+            for c in children:
+                if self._is_ckptd_daemon(c):
+                    daemons.add(c.pid)  # a daemon a rank is starting, before its pid file exists
+                else:
+                    roles.append(("dcp_bg", c.pid))
+        roles = [(r, p) for r, p in roles if p not in daemons] + [("daemon", p) for p in daemons]
+        for role, pid in roles:
+            mem = proc_memory(pid)
+            if mem is None:
+                continue
+            for key, value in mem.items():
+                self._bump(phase, f"{role}_{key}", value)
+            self._add_cpu(phase, role, pid)
+        self._bump(phase, "node_shm", max(0, shm_used_bytes() - self._shm0))
+        self._add_node_cpu(phase)
+
+    def _is_ckptd_daemon(self, proc: psutil.Process) -> bool:
+        found = self._daemon_cmd.get(proc.pid)
+        if found is None:
+            try:
+                cmd = proc.cmdline()
+            except psutil.Error:
+                return False
+            found = self._daemon_cmd[proc.pid] = "ckptd.cli" in cmd and "daemon" in cmd
+        return found
+
+    def _add_node_cpu(self, phase: str) -> None:
+        """Busy CPU time of the whole node (``/proc/stat``) since the previous sample: it includes
+        the kernel's own threads (page-cache writeback, reclaim), which no process is charged."""
+        try:
+            with open("/proc/stat", "rb") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return
+        busy = (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+        if self._node_busy is not None:
+            for name in (phase, "all"):
+                roles = self._cpu.setdefault(name, {})
+                roles["node"] = roles.get("node", 0.0) + busy - self._node_busy
+        self._node_busy = busy
+
+    def _add_cpu(self, phase: str, role: str, pid: int) -> None:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            return
+        now = t.user + t.system
+        # A process first seen now started since the previous sample: count all of its time.
+        used = now - self._cpu_seen.get(pid, 0.0)
+        self._cpu_seen[pid] = now
+        for name in (phase, "all"):
+            roles = self._cpu.setdefault(name, {})
+            roles[role] = roles.get(role, 0.0) + used
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,384 @@
+"""What each rank process of ``ckptd bench all`` runs: states, saves, reference limits.
+
+One *job* is ``ranks`` spawned processes in one gloo group (used by torch DCP and for the
+benchmark's own barriers and maxima; ckptd's saves use no collective). A job runs the *parts*
+its spec lists, in order, and rank 0 writes the results as JSON:
+
+- ``memcpy``: every rank copies its state into warm buffers at once (the floor of any staging);
+- ``save``: repeated saves of the state by each method (ckptd, DCP ``save``, DCP ``async_save``
+  THREAD and PROCESS), each waited for before the next; with ``write_ref`` a sequential
+  write + fsync of the same bytes follows every ckptd save (the reference its persist is held to,
+  measured under the same disk conditions);
+- ``small``: the same for a state of many small tensors (ckptd and DCP async PROCESS);
+- ``train``: the CPU training loop of :mod:`.suite_train`.
+
+Timings are the slowest rank's. Every method's first save is a warm-up, reported apart (ckptd
+allocates its pool then, DCP PROCESS starts its checkpoint process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+GIB = 1 << 30
+DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process")
+
+
+class Rank:
+    """This process's place in the job, and the collectives the benchmark itself uses."""
+
+    def __init__(self, rank: int, world: int, spec: dict[str, Any]) -> None:
+        self.rank, self.world, self.spec = rank, world, spec
+        self.phase_file = Path(spec["phase_file"])
+        self._step = 0
+        # One checkpoint root (so one daemon) per job; its Checkpointers are opened per part.
+        self.ckptd_root = Path(spec["dir"]) / "ckptd"
+
+    def next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def phase(self, name: str) -> None:
+        """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier)."""
+        self.barrier()
+        if self.rank == 0:
+            tmp = self.phase_file.with_suffix(".tmp")
+            tmp.write_text(name)
+            os.replace(tmp, self.phase_file)
+
+    def rm_steps(self) -> None:
+        """Remove the committed checkpoints of the job's ckptd root."""
+        self.barrier()
+        if self.rank == 0:
+            for d in self.ckptd_root.glob("iter_*"):
+                shutil.rmtree(d, ignore_errors=True)
+        self.barrier()
+
+    def rm(self, path: Path) -> None:
+        self.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self.barrier()
+
+
+def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None) -> dict[str, torch.Tensor]:
+    """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors).
+
+    Filled with a constant per tensor: contents do not matter to a file write, and filling is
+    ~10 x faster than random numbers at these sizes.
+    """
+    n = count if count is not None else max(1, nbytes // max(4, tensor_nbytes))
+    numel = max(1, nbytes // n // 4)
+    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32).fill_(rank + i * 1e-3) for i in range(n)}
+
+
+def state_nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def sharded(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from ckptd import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
+
+
+# --- reference limits -------------------------------------------------------------------------
+def memcpy_s(r: Rank, state: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    """Best time of all ranks copying their state into warm buffers at once."""
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():  # fault the destination pages in
+        dst[k].copy_(v)
+    times = []
+    for _ in range(repeats):
+        r.barrier()
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        times.append(r.max(time.perf_counter() - t0))
+    return min(times)
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+REF_VARIANTS = {"1 stream": (1, False), "N streams": (0, False), "1 stream, early writeback": (1, True)}
+
+
+def write_fsync_s(directory: Path, nbytes: int, streams: int, writeback: bool = False,
+                  chunk_nbytes: int = 64 << 20) -> float:
+    """Sequential write of ``nbytes`` from a warm buffer in ``chunk_nbytes`` writes, split over
+    ``streams`` files written by as many threads, each fsynced; the files are removed again.
+    ``writeback``: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` after every chunk, so the disk
+    starts while the rest is written (what ckptd's writer does)."""
+    sync_file_range = _libc_sync_file_range() if writeback else None
+    buf = memoryview(torch.ones(chunk_nbytes // 4).numpy()).cast("B")
+    per = nbytes // streams
+    paths = [directory / f"write-ref-{i}.bin" for i in range(streams)]
+
+    def one(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            left, off = per, 0
+            while left > 0:
+                n = os.write(fd, buf[: min(left, chunk_nbytes)])
+                if sync_file_range is not None:
+                    sync_file_range(fd, off, n, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, no wait
+                left, off = left - n, off + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    for p in paths:
+        p.unlink(missing_ok=True)
+    return dt
+
+
+def write_ref(r: Rank, nbytes: int, streams: int, writeback: bool) -> float | None:
+    """Rank 0 writes ``nbytes`` (the node's bytes) while the other ranks wait; GiB/s."""
+    r.barrier()
+    gibps = None
+    if r.rank == 0:
+        gibps = nbytes / write_fsync_s(Path(r.spec["dir"]), nbytes, streams, writeback) / GIB
+    r.barrier()
+    return gibps
+
+
+# --- saves --------------------------------------------------------------------------------------
+def _summary(rows: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
+    """Median and max of the repeated saves (the first row is the warm-up)."""
+    first, rows = rows[0], rows[1:] or rows[:1]
+    out: dict[str, Any] = {"bytes": nbytes, "saves": rows, "first_stall_s": first["stall_s"]}
+    for key in rows[0]:
+        vals = [row[key] for row in rows if row.get(key) is not None]
+        if vals:
+            out[f"{key}_median"] = statistics.median(vals)
+            out[f"{key}_max"] = max(vals)
+    out["persist_gibps"] = nbytes / GIB / out["persist_s_median"] if out.get("persist_s_median") else None
+    return out
+
+
+def checkpointer(r: Rank) -> Any:
+    """A Checkpointer of the job's root (the job id names its shared-memory segments)."""
+    import ckptd
+
+    return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"]))
+
+
+def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
+               ref_streams: int | None = None) -> dict[str, Any]:
+    """ckptd saves; with ``ref_streams`` (the daemon's writer threads), reference writes of the
+    node's bytes after each one (:data:`REF_VARIANTS`; ``N`` streams = ``ref_streams``)."""
+    nbytes = int(r.sum(state_nbytes(state)))
+    rows, refs = [], []
+
+    def reference() -> None:
+        refs.append({name: write_ref(r, nbytes, streams or ref_streams, wb)
+                     for name, (streams, wb) in REF_VARIANTS.items()})
+
+    with checkpointer(r) as ckpt:
+        pid = ckpt.status()["pid"]
+        for i in range(repeats + 1):
+            # The reference writes go after the save, or before it every other time: whichever
+            # runs second reuses the page-cache pages the first freed (cheaper, on a VM much so).
+            if ref_streams and i % 2 == 0 and i:
+                reference()
+            sd = sharded(state)
+            r.barrier()
+            t0 = time.perf_counter()
+            h = ckpt.save(sd, step=r.next_step())
+            stall = time.perf_counter() - t0
+            h.wait()
+            durable = time.perf_counter() - t0
+            rec = h.record
+            window = (rec.write_queue_s or 0.0) + (rec.persist_s or 0.0)
+            rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable), "persist_s": r.max(window),
+                         "daemon_write_s": r.max(rec.persist_s or 0.0)})
+            r.rm(h.path)
+            if ref_streams and i % 2 == 1:
+                reference()
+    out = _summary(rows, nbytes)
+    out["daemon_pid"] = pid
+    if refs:
+        out["write_ref"] = refs
+    return out
+
+
+def _dcp_stager(kind: str) -> Any:
+    """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
+    buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
+    staged tensors reach its checkpoint process without another copy."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=kind == "dcp_async_process",
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    ctype = AsyncCheckpointerType.PROCESS if kind == "dcp_async_process" else AsyncCheckpointerType.THREAD
+    fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype, async_stager=stager)
+    return getattr(fut, "upload_completion", fut)
+
+
+def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    nbytes = int(r.sum(state_nbytes(state)))
+    stager = None if kind == "dcp_save" else _dcp_stager(kind)
+    rows = []
+    try:
+        for i in range(repeats + 1):
+            d = Path(r.spec["dir"]) / f"{kind}_{i}"
+            r.barrier()
+            t0 = time.perf_counter()
+            if stager is None:
+                dcp.save(state, checkpoint_id=str(d))
+                stall = durable = time.perf_counter() - t0
+                stall, durable = r.max(stall), r.max(durable)
+                rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
+            else:
+                fut = dcp_async(state, d, kind, stager)
+                stall = time.perf_counter() - t0
+                fut.result()
+                durable = time.perf_counter() - t0
+                stall, durable = r.max(stall), r.max(durable)
+                rows.append({"stall_s": stall, "durable_s": durable, "persist_s": max(durable - stall, 1e-9)})
+            r.rm(d)
+    finally:
+        if stager is not None:
+            stager.close()
+    return _summary(rows, nbytes)
+
+
+def run_saves(r: Rank, state: dict[str, torch.Tensor], methods: list[str], repeats: int, label: str,
+              ref_streams: int | None = None) -> dict[str, Any]:
+    out = {}
+    for method in methods:
+        r.phase(f"{label}:{method}")
+        if method == "ckptd":
+            out[method] = save_ckptd(r, state, repeats, ref_streams)
+        else:
+            out[method] = save_dcp(r, state, method, repeats)
+    return out
+
+
+def stop_dcp_process() -> None:
+    """End DCP's checkpoint process now rather than at interpreter exit (private API; best effort)."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as m
+
+        proc, m._CHECKPOINT_PROCESS = m._CHECKPOINT_PROCESS, None
+        if proc is not None:
+            proc.__del__()
+    except Exception:  # noqa: BLE001 - the process is a daemon child: it dies with us anyway
+        pass
+
+
+# --- the job ------------------------------------------------------------------------------------
+def _profiled(r: Rank, fn: Callable[[], Any], name: str) -> Any:
+    """Run ``fn``; with ``--profile`` rank 0 writes a cProfile summary of it."""
+    prof_dir = r.spec.get("profile_dir")
+    if not prof_dir or r.rank != 0:
+        return fn()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+        Path(prof_dir, f"{name}.txt").write_text(s.getvalue())
+
+
+def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+    """Entry point of a spawned rank (see the module docstring)."""
+    warnings.filterwarnings("ignore")
+    # This rank's output (and that of DCP's checkpoint process, which inherits it) goes to a log.
+    log = os.open(Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    r = Rank(rank, world, spec)
+    res: dict[str, Any] = {"ranks": world}
+    try:
+        parts = spec["parts"]
+        if {"memcpy", "save", "train"} & set(parts):
+            r.phase("setup")
+            state = make_state(rank, spec["state_bytes"] // world, spec["tensor_bytes"])
+            res["state_bytes"] = int(r.sum(state_nbytes(state)))
+            res["tensors"] = int(r.sum(len(state)))
+            if "memcpy" in parts:
+                r.phase("memcpy")
+                res["memcpy_s"] = memcpy_s(r, state)
+            if "save" in parts:
+                refs = spec.get("ref_streams")
+                res["save"] = _profiled(r, lambda: run_saves(r, state, spec["methods"], spec["repeats"], "save",
+                                                             refs), "save")
+            if "train" in parts:
+                from .suite_train import run_training
+
+                persist = res.get("save", {}).get("ckptd", {}).get("durable_s_median")
+                res["train"] = run_training(r, state, spec, persist)
+            del state
+        if "small" in parts:
+            r.phase("setup")
+            small = make_state(rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world))
+            res["small_state_bytes"] = int(r.sum(state_nbytes(small)))
+            res["small_tensors"] = int(r.sum(len(small)))
+            res["small"] = _profiled(r, lambda: run_saves(r, small, spec["small_methods"], spec["repeats"], "small"),
+                                     "small")
+            del small
+        r.phase("done")
+        stop_dcp_process()
+        if rank == 0:
+            Path(spec["out_file"]).write_text(json.dumps(res))
+        r.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,190 @@
+"""Targets of ``ckptd bench all`` (ratios from one run) and its table.
+
+The targets (issue 8), each a ratio of two figures measured in the same run:
+
+- ``train_overhead``: ckptd's training-loop overhead <= 1/3 of DCP async PROCESS's;
+- ``persist_vs_write``: ckptd's persist throughput >= 90 % of a sequential write + fsync of the
+  same bytes next to it (the variant with the best median of: 1 stream, ``writer_threads``
+  streams, 1 stream with early writeback), median of the per-save ratios;
+- ``small_stall``: stall with many small tensors <= 1/4 of DCP async PROCESS's;
+- ``stall_flat``: ckptd's stall at the most ranks <= 1.25 x its stall at the fewest, at constant
+  bytes per rank (the stall / memcpy ratio is shown too: a node with fewer cores than ranks
+  slows every copy, ckptd's or not);
+- ``daemon_memory``: the daemon's peak RSS beyond the shared pool (``RSS - RssShmem``) <= 256 MiB.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _target(name: str, text: str, value: float | None, limit: float, higher_is_better: bool = False,
+            detail: str = "") -> dict[str, Any]:
+    ok = None if value is None else (value >= limit if higher_is_better else value <= limit)
+    return {"name": name, "text": text, "value": value, "limit": limit,
+            "op": ">=" if higher_is_better else "<=", "ok": ok, "detail": detail}
+
+
+def best_reference(ck: dict[str, Any]) -> str | None:
+    """The reference write variant with the highest median GiB/s (the disk's best sequential mode)."""
+    refs = ck.get("write_ref") or []
+    if not refs:
+        return None
+    return max(refs[0], key=lambda v: statistics.median(r[v] for r in refs if r.get(v)))
+
+
+def persist_ratios(ck: dict[str, Any]) -> list[float]:
+    """Per save: ckptd's persist GiB/s over the best reference variant's GiB/s measured next to it
+    (same round, so the same disk conditions; one variant for all rounds, so no max of noisy
+    samples inflates the reference)."""
+    variant = best_reference(ck)
+    out = []
+    for row, ref in zip(ck.get("saves", []), ck.get("write_ref", [])):
+        if variant and ref.get(variant) and row.get("persist_s"):
+            out.append(ck["bytes"] / GIB / row["persist_s"] / ref[variant])
+    return out
+
+
+def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
+    main = res.get("main", {})
+    out = []
+    tr = main.get("train")
+    if tr and "ckptd" in tr and "dcp_async_process" in tr:
+        ck, dcp = tr["ckptd"]["overhead"], tr["dcp_async_process"]["overhead"]
+        value = ck / dcp if dcp > 0 else (0.0 if ck <= 0 else float("inf"))
+        out.append(_target("train_overhead", "training-loop overhead / DCP async PROCESS's", value, 1 / 3,
+                           detail=f"ckptd {ck:+.1%}, DCP {dcp:+.1%} of {tr['none']['loop_s']:.2f} s"))
+    ck = main.get("save", {}).get("ckptd")
+    if ck:
+        ratios = persist_ratios(ck)
+        out.append(_target("persist_vs_write", "persist GiB/s / sequential write+fsync GiB/s",
+                           statistics.median(ratios) if ratios else None, 0.9, True,
+                           detail=f"reference: {best_reference(ck)}; per save: "
+                           + ", ".join(f"{r:.2f}" for r in ratios)))
+    small = main.get("small")
+    if small and "ckptd" in small and "dcp_async_process" in small:
+        a, b = small["ckptd"]["stall_s_median"], small["dcp_async_process"]["stall_s_median"]
+        out.append(_target("small_stall", f"{main.get('small_tensors')} small tensors: stall / DCP async's",
+                           a / b, 0.25, detail=f"{a:.3f} s vs {b:.3f} s"))
+    sc = res.get("scaling") or []
+    if len(sc) > 1:
+        lo, hi = sc[0], sc[-1]
+        curve = ", ".join(f"{p['ranks']}: {p['stall_s_median']:.3f} s" for p in sc)
+        norm = ", ".join(f"{p['ranks']}: {p['stall_s_median'] / p['memcpy_s']:.2f}" for p in sc)
+        out.append(_target("stall_flat", f"stall at {hi['ranks']} ranks / at {lo['ranks']}",
+                           hi["stall_s_median"] / lo["stall_s_median"], 1.25,
+                           detail=f"stall {curve}; stall/memcpy {norm}"))
+    daemon = res.get("memory", {}).get("all", {}).get("daemon_private")
+    if daemon is not None:
+        out.append(_target("daemon_memory", "daemon peak RSS beyond the pool, MiB", daemon / MIB, 256.0))
+    return out
+
+
+# --- table ------------------------------------------------------------------------------------
+_NAMES = {"ckptd": "ckptd", "dcp_save": "DCP save", "dcp_async_thread": "DCP async THREAD",
+          "dcp_async_process": "DCP async PROCESS", "none": "no checkpointing"}
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _save_table(saves: dict[str, Any]) -> list[str]:
+    lines = [f"  {'method':<19}{'stall med':>10}{'stall max':>10}{'first':>9}{'durable med':>13}{'persist GiB/s':>15}"]
+    for m, s in saves.items():
+        lines.append(f"  {_NAMES.get(m, m):<19}{_f(s.get('stall_s_median')):>10}{_f(s.get('stall_s_max')):>10}"
+                     f"{_f(s.get('first_stall_s')):>9}{_f(s.get('durable_s_median')):>13}"
+                     f"{_f(s.get('persist_gibps'), '.2f'):>15}")
+    return lines
+
+
+def render(res: dict[str, Any]) -> str:
+    c, main, m = res["config"], res.get("main", {}), res.get("machine", {})
+    L: list[str] = []
+    gib = main.get("state_bytes", 0) / GIB
+    L.append(f"ckptd bench all: {c['ranks']} ranks, {gib:.2f} GiB state in {main.get('tensors')} tensors "
+             f"of {c['tensor_mib']:g} MiB; {c['repeats']} saves per method after one warm-up")
+    L.append(f"  machine: {m.get('cpus')} cpus, {m.get('mem_gib', 0):.0f} GiB, torch {m.get('torch')}; "
+             f"dir {c.get('dir')}: {m.get('filesystem')}")
+    if "memcpy_s" in main:
+        L.append("reference limits (same run):")
+        L.append(f"  warm memcpy of the state, all ranks at once: {main['memcpy_s']:.3f} s = "
+                 f"{main['state_bytes'] / GIB / main['memcpy_s']:.2f} GiB/s")
+        refs = main.get("save", {}).get("ckptd", {}).get("write_ref", [])
+        if refs:
+            L.append("  sequential write + fsync of the node's bytes after each ckptd save, GiB/s:")
+            for variant in refs[0]:
+                vals = [r[variant] for r in refs if r.get(variant)]
+                L.append(f"    {variant + ':':<28}" + ", ".join(f"{v:.2f}" for v in vals)
+                         + f" (median {statistics.median(vals):.2f})")
+    if "save" in main:
+        L.append(f"saves ({gib:.2f} GiB; seconds; ckptd durable = committed, persist = daemon write+fsync "
+                 "window; DCP persist = durable - stall):")
+        L += _save_table(main["save"])
+    if "small" in main:
+        L.append(f"many small tensors ({main['small_tensors']} tensors, {main['small_state_bytes'] / GIB:.2f} GiB):")
+        L += _save_table(main["small"])
+    tr = main.get("train")
+    if tr:
+        L.append(f"training loop: matmul n={tr['matmul_n']} ({tr['step_s'] * 1e3:.0f} ms/step, target "
+                 f"{tr['target_step_s'] * 1e3:.0f}), a save every {tr['every']} steps, {tr['saves']} saves "
+                 "per run; runs in the order A-B-C-C-B-A, means:")
+        L.append(f"  {'mode':<19}{'steps/s':>9}{'overhead':>10}{'stall med':>11}{'stall max':>11}  loop s (runs)"
+                 f"{'bg CPU s':>10}")
+        mem = res.get("memory", {})
+        for mode in ("none", "dcp_async_process", "ckptd"):
+            if mode not in tr:
+                continue
+            x = tr[mode]
+            ph = mem.get(f"train:{mode}", {})
+            bg = ph.get("dcp_bg_cpu_s", 0.0) + ph.get("daemon_cpu_s", 0.0)
+            L.append(f"  {_NAMES[mode]:<19}{x['steps_per_s']:>9.2f}{x['overhead']:>+10.1%}"
+                     f"{_f(x.get('stall_s_median')):>11}{_f(x.get('stall_s_max')):>11}  "
+                     f"{x['loop_s']:.2f} ({', '.join(f'{v:.2f}' for v in x['runs_s'])}){bg:>10.2f}")
+    sc = res.get("scaling")
+    if sc:
+        L.append("ckptd stall vs ranks per node (constant bytes per rank):")
+        L.append(f"  {'ranks':>5}{'MiB/rank':>10}{'stall med':>11}{'stall max':>11}{'memcpy':>9}{'stall/memcpy':>14}"
+                 f"{'durable':>9}")
+        for p in sc:
+            L.append(f"  {p['ranks']:>5}{p['bytes_per_rank'] / MIB:>10.0f}{p['stall_s_median']:>11.3f}"
+                     f"{p['stall_s_max']:>11.3f}{p['memcpy_s']:>9.3f}{p['stall_s_median'] / p['memcpy_s']:>14.2f}"
+                     f"{p['durable_s_median']:>9.3f}")
+    ld = res.get("load")
+    if ld:
+        rs = ", ".join(f"-> {k} {v:.2f}" for k, v in ld["ckptd_reshard_gibps"].items())
+        L.append(f"load (GiB/s, warm page cache, {ld['bytes'] / GIB:.2f} GiB model saved at TP=2, hidden {ld['hidden']}):")
+        L.append(f"  ckptd same layout {ld['ckptd_same_layout_gibps']:.2f}; ckptd resharded {rs}; "
+                 f"DCP load (-> full tensors) {ld['dcp_load_gibps']:.2f}")
+        L.append(f"  TP=1 checkpoint, same request: ckptd {ld['ckptd_same_layout_tp1_gibps']:.2f}, "
+                 f"DCP {ld['dcp_same_layout_tp1_gibps']:.2f}")
+    mem = res.get("memory", {})
+    if mem:
+        L.append("peak memory, MiB (trainer: max over ranks; shm = RssShmem; node shm: /dev/shm growth):")
+        cols = ("trainer_rss", "trainer_shm", "dcp_bg_rss", "dcp_bg_shm", "daemon_rss", "daemon_shm",
+                "daemon_private", "node_shm")
+        L.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cols))
+        for phase, v in mem.items():
+            if phase in ("setup", "done"):
+                continue
+            L.append(f"  {phase:<28}" + "".join(f"{v[k] / MIB:>15.0f}" if k in v else f"{'-':>15}" for k in cols))
+        L.append("CPU seconds used per phase (all processes of a role; node: the whole machine's busy time, "
+                 "kernel threads included):")
+        cpu_cols = ("trainer_cpu_s", "dcp_bg_cpu_s", "daemon_cpu_s", "node_cpu_s")
+        L.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cpu_cols))
+        for phase, v in mem.items():
+            if phase not in ("setup", "done") and any(k in v for k in cpu_cols):
+                L.append(f"  {phase:<28}" + "".join(f"{v[k]:>15.2f}" if k in v else f"{'-':>15}" for k in cpu_cols))
+    L.append("targets (ratios from this run):")
+    for t in res.get("targets", []):
+        status = {True: "ok  ", False: "MISS", None: "n/a "}[t["ok"]]
+        val = "-" if t["value"] is None else f"{t['value']:.3f}"
+        L.append(f"  {status} {t['text']} = {val} (target {t['op']} {t['limit']:.3g}); {t['detail']}")
+    cl = res.get("cleanup", {})
+    left = [k for k in ("daemons_not_stopped", "daemons_alive", "shm_left") if cl.get(k)]
+    L.append("cleanup: " + ("everything removed" if not left and cl.get("dir_removed") else f"LEFT OVER {cl}"))
+    return "\n".join(L)

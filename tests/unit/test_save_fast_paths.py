@@ -1,0 +1,115 @@
+"""The save path's fast paths (issue 8) produce exactly what the straightforward code did.
+
+- control messages and item records: field-by-field encoding, the same msgpack bytes as asdict();
+- staging: small CPU tensors staged by one memmove, every other tensor by copy_: the same bytes;
+- data files: early writeback (sync_file_range while writing) changes no byte of the file;
+- Checkpointer.save pauses the cyclic GC and restores it, also when the save raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import secrets
+from dataclasses import asdict
+
+import msgpack
+import pytest
+import torch
+
+from ckptd.client.gcpause import gc_paused
+from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
+from ckptd.format import items as items_mod
+from ckptd.format.records import TENSOR, ItemRecord
+from ckptd.staging.pool import MEMMOVE_MAX_NBYTES, StagingPool, place, slot_size_for, slot_view
+from ckptd.staging.segment import unlink_segments
+
+
+def _old_wire(rec: ItemRecord) -> dict:
+    d = asdict(rec)
+    for k in ("global_shape", "offsets", "sizes"):
+        d[k] = list(d[k])
+    return d
+
+
+def test_records_and_messages_encode_to_the_same_bytes_as_before():
+    rec = ItemRecord("w", TENSOR, 1, "bfloat16", (4, 6), (2, 0), (2, 6), "__1_0.distcp", 128, 96, 7)
+    assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
+    assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
+    codec = Codec("job", b"k" * 32)
+    for msg in (Save(3, 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common"),
+                StatusReply({"nested": [rec, {"t": (1, 2)}]})):  # a dataclass inside a field, too
+        old = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)},
+                            use_bin_type=True)
+        assert codec.encode(msg)[0] == old
+
+
+def test_staging_fast_path_copies_the_same_bytes_as_copy():
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(MEMMOVE_MAX_NBYTES // 4 + 5, generator=gen)
+    base = torch.randn(64, 64, generator=gen)
+    c = torch.randn(8, dtype=torch.complex64, generator=gen)
+    payloads = [
+        torch.randn(7, 3, generator=gen),                 # small, contiguous: memmove
+        base[3:9],                                        # a view with a storage offset: memmove
+        base.t()[:5],                                     # not contiguous: copy_
+        c.conj(),                                         # conjugate bit: copy_ resolves it
+        -torch.randn(4, dtype=torch.complex64, generator=gen).conj().imag,  # negative bit view
+        torch.randn(10, generator=gen).to(torch.bfloat16),
+        torch.empty(0),
+        big,                                              # large: copy_
+        torch.nn.Parameter(torch.randn(3, generator=gen)),
+    ]
+    items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
+    placements, nbytes = place(items)
+    prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
+    pool = StagingPool.create(prefix, 0, 1, slot_size_for(nbytes, 0.0), pin=False)
+    try:
+        pool.stage(0, items, placements)
+        base_t = pool.segments[0].base
+        for p, pl in zip(payloads, placements):
+            got = slot_view(base_t, pl, p.dtype, p.shape)
+            assert torch.equal(got, p.detach().resolve_conj().resolve_neg())
+    finally:
+        pool.close(unlink=True)
+        assert not unlink_segments(prefix)
+
+
+def test_early_writeback_writes_the_same_file(tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    recs_items = []
+    for i in range(5):
+        t = torch.randn(1000 + i, generator=gen)
+        rec = ItemRecord(f"t{i}", TENSOR, 0, "float32", (t.numel(),), (0,), (t.numel(),))
+        recs_items.append(items_mod.PlannedItem(rec, t))
+    plain = items_mod.write_data_file(tmp_path, "plain", recs_items, fsync=False)
+    calls = []
+    real = items_mod._SYNC_FILE_RANGE
+    if real is None:
+        pytest.skip("no sync_file_range on this system")
+
+    def spy(fd, off, n, flags):
+        calls.append((off, n))
+        return real(fd, off, n, flags)
+
+    monkeypatch.setattr(items_mod, "_SYNC_FILE_RANGE", spy)
+    monkeypatch.setattr(items_mod, "WRITEBACK_NBYTES", 1)  # after every item
+    synced = items_mod.write_data_file(tmp_path, "synced", recs_items, fsync=True)
+    assert len(calls) == 5 and calls[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))
+    assert (tmp_path / "plain").read_bytes() == (tmp_path / "synced").read_bytes()
+    assert [(r.file_offset, r.length, r.crc32) for r in plain] == [(r.file_offset, r.length, r.crc32) for r in synced]
+
+
+def test_gc_paused_restores_the_collector():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("a failed save")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()
