@@ -36,16 +36,15 @@ from typing import Any
 
 import psutil
 import torch
-import zmq
 
 import ckptd
 from ckptd.catalog import EntryState, scan_root, step_dir_name
 from ckptd.cli import main as ckptd_cli
+from ckptd.client import admin
 from ckptd.config import CkptdConfig
-from ckptd.control.channel import Endpoint, make_socket
-from ckptd.control.endpoints import Endpoints, load_token
-from ckptd.control.protocol import Codec, Status, StatusReply
+from ckptd.control.endpoints import Endpoints
 from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.errors import DaemonError
 from ckptd.recovery import resolve_latest
 from ckptd.staging.segment import list_segments, unlink_segments
 from tests.fault import crash_job as cj
@@ -117,20 +116,10 @@ def daemon_status(ep: Endpoints, config: CkptdConfig, timeout_s: float = 5.0) ->
     """A live daemon's STATUS (None when none answers)."""
     if not daemon_alive(ep.pid_path):
         return None
-    codec = Codec(ep.job, load_token(ep, config), config.max_message_nbytes)
-    ctx = zmq.Context()
     try:
-        sock = make_socket(ctx, zmq.DEALER, codec, identity=f"crash-{os.getpid()}-{time.monotonic_ns()}".encode())
-        sock.connect(ep.ipc_address)
-        end = Endpoint(sock, codec, "crash-harness")
-        end.send(Status(), block=False)
-        if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            _, reply = end.recv()
-            if isinstance(reply, StatusReply):
-                return reply.info
+        return admin.daemon_status(admin.LocalDaemon(ep.node, ep, daemon_pid(ep.pid_path)), config, timeout_s)
+    except DaemonError:
         return None
-    finally:
-        ctx.destroy(linger=0)
 
 
 def quiesce(spec: cj.JobSpec, timeout_s: float) -> str | None:
