@@ -23,6 +23,7 @@ import torch
 from .dist import DistContext
 from .errors import CheckpointExistsError, SaveFailedError, ShardingError
 from .format.dcp_metadata import CheckpointIndex, read_index
+from .format.direct import open_data_file
 from .format.durable import Opener, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
 from .format.items import PlannedItem, plan_object, plan_tensor_items, write_data_file
@@ -133,7 +134,7 @@ def save(
     checkpoint_dir: str | os.PathLike,
     *,
     process_group: Any = None,
-    opener: Opener = default_opener,
+    opener: Opener | None = None,
     fsync: bool = True,
     checksums: bool = True,
 ) -> None:
@@ -178,7 +179,7 @@ def save(
             return []
         name = data_file_name(ctx.rank)
         try:
-            stored = write_data_file(root, name, prepared, opener, fsync, checksums)
+            stored = write_data_file(root, name, prepared, opener or open_data_file, fsync, checksums)
         except OSError as exc:
             raise SaveFailedError(
                 f"rank {ctx.rank} could not write {root / name}: {exc}. Nothing was committed "
@@ -191,7 +192,7 @@ def save(
         if ctx.rank == 0:
             records = [ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs]
             try:
-                finalize(root, records, common[0], opener, fsync)
+                finalize(root, records, common[0], opener or default_opener, fsync)
                 if fsync:
                     fsync_dir(root.parent if root.parent != root else root)
             except OSError as exc:

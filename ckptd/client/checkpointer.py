@@ -69,6 +69,7 @@ from ..staging.pool import StagingPool, place, slot_size_for
 from ..state_dict import split_state_dict
 from .gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
+from .layout import LayoutCache
 from .policy import AutoInterval
 from .stats import SaveRecord, SaveStats
 from .link import DaemonLink, DaemonLostError
@@ -101,6 +102,7 @@ class Checkpointer:
         codec = Codec(self.endpoints.job, load_token(self.endpoints, self.config), self.config.max_message_nbytes)
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
         self._pool: StagingPool | None = None
+        self._layout = LayoutCache()
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
         self._stats = SaveStats()
@@ -148,9 +150,8 @@ class Checkpointer:
         if slot is None:
             return self._skip(step, t0, nbytes)
         pool.stage(slot, items, placements)
-        wire = [{"record": it.record.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
-                for it, p in zip(items, placements)]
-        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common)
+        wire, layout = self._layout.items_for(pool.generation, items, placements)
+        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout)
         try:
             self._link.request(msg, SaveAck)
         except DaemonLostError as exc:
@@ -158,6 +159,7 @@ class Checkpointer:
             raise
         except DaemonError:
             pool.free.append(slot)  # refused: the daemon never took the slot
+            self._layout.forget()
             raise
         handle = self._new_handle(step, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle

@@ -46,7 +46,7 @@ import msgpack
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAC_NBYTES = 32
 
 
@@ -141,7 +141,11 @@ class PoolOk(Message):
 @dataclass(frozen=True)
 class Save(Message):
     """rank -> daemon. ``items``: ``{"record": ItemRecord wire map, "offset": int, "nbytes": int}``
-    in write order; ``common`` is the serialized common state (global rank 0 only)."""
+    in write order; ``common`` is the serialized common state (global rank 0 only).
+
+    ``layout``: an id the rank gives this item list ("" for none). The daemon keeps the last
+    layout per pool; a later SAVE with the same id and no ``items`` reuses it (same records at
+    the same slot offsets: the rank's state kept its structure)."""
 
     TYPE: ClassVar[MsgType] = MsgType.SAVE
     step: int
@@ -151,6 +155,7 @@ class Save(Message):
     slot: int
     items: list[dict]
     common: bytes | None
+    layout: str
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,9 @@ def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:
     return opener
 
 
-def debug_opener(delay_s: float, fault_file: str) -> Opener:
-    """The daemon's file opener: :func:`default_opener` unless a test hook is configured."""
-    opener = default_opener
+def debug_opener(delay_s: float, fault_file: str, base: Opener = default_opener) -> Opener:
+    """The daemon's file opener: ``base`` unless a test hook is configured."""
+    opener = base
     if fault_file:
         opener = fault_opener(fault_file, opener)
     if delay_s:

@@ -60,6 +60,7 @@ from ..control.protocol import (
     Written,
 )
 from ..errors import CkptdError, ProtocolError, StagingError
+from ..format.direct import open_data_file
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
 from .commit import tmp_dir
@@ -103,7 +104,7 @@ class NodeDaemon:
         self.status_cache: dict[str, Any] = {}
         self.workers = WorkerPools(config.writer_threads, self.completions)
         self.pools = PoolTable(ep.shm_prefix)
-        self.opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file)
+        self.opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file)
         self.clients: dict[bytes, Client] = {}
         self.steps: dict[int, PendingStep] = defaultdict(PendingStep)
         self.outbox: list[tuple[float, Message, int]] = []  # (first try, message, step)
@@ -296,21 +297,15 @@ class NodeDaemon:
             raise StagingError(f"rank {msg.rank}: slot {msg.slot} does not exist")
         if msg.slot in pool.busy:
             raise StagingError(f"rank {msg.rank}: slot {msg.slot} is still being written")
-        records, placements = [], []
-        for it in msg.items:
-            if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
-                raise ProtocolError("SAVE item must be {record, offset, nbytes}")
-            rec = ItemRecord.from_wire(it["record"])
-            off, n = it["offset"], it["nbytes"]
-            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
-                    and off + n <= pool.slot_nbytes):
-                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} lies outside the slot")
-            if rec.rank != msg.rank:
-                raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
-            if rec.kind == "tensor" and rec.nbytes != n:
-                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
-            records.append(rec)
-            placements.append(Placement(off, n))
+        if msg.layout and not msg.items:
+            if pool.layout is None or pool.layout[0] != msg.layout:
+                raise ProtocolError(f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
+                                    "daemon does not hold; send the items")
+            _, records, placements = pool.layout
+        else:
+            records, placements = self._decode_items(msg, pool.slot_nbytes)
+            if msg.layout:
+                pool.layout = (msg.layout, records, placements)
         req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
         directory = tmp_dir(self.ep.root, msg.step)  # created by the writer (its errors fail the save)
         pool.busy.add(msg.slot)
@@ -330,6 +325,26 @@ class NodeDaemon:
         self.steps[msg.step].notify.add(identity)
         self.ranks.send(SaveAck(msg.step, msg.rank), identity)
         log.info("step %d rank %d: %d items queued from slot %d", msg.step, msg.rank, len(records), msg.slot)
+
+    @staticmethod
+    def _decode_items(msg: Save, slot_nbytes: int) -> tuple[list[ItemRecord], list[Placement]]:
+        """Records and slot placements of a SAVE's items, each checked against the slot."""
+        records, placements = [], []
+        for it in msg.items:
+            if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
+                raise ProtocolError("SAVE item must be {record, offset, nbytes}")
+            rec = ItemRecord.from_wire(it["record"])
+            off, n = it["offset"], it["nbytes"]
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
+                    and off + n <= slot_nbytes):
+                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} lies outside the slot")
+            if rec.rank != msg.rank:
+                raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
+            if rec.kind == "tensor" and rec.nbytes != n:
+                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
+            records.append(rec)
+            placements.append(Placement(off, n))
+        return records, placements
 
     # --- worker results -------------------------------------------------------------------
     def _on_done(self, done: Done) -> None:

@@ -10,6 +10,8 @@ import logging
 from dataclasses import dataclass, field
 
 from ..errors import StagingError
+from ..format.records import ItemRecord
+from ..staging.pool import Placement
 from ..staging.segment import ShmSegment
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,10 @@ class DaemonPool:
     owner: bytes  # the registering client's socket identity
     busy: set[int] = field(default_factory=set)
     retired: bool = False
+    # The item layout of the rank's last SAVE that named one: ``(layout id, records, placements)``.
+    # A rank whose state keeps its structure from save to save sends only the id (see
+    # ckptd.client.layout), so neither side re-encodes, re-decodes or re-checks 10,000 records.
+    layout: tuple[str, list[ItemRecord], list[Placement]] | None = None
 
 
 class PoolTable:

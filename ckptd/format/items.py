@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ShardingError
 from ..mapping import ShardedObject, ShardedTensor
-from .durable import Opener, default_opener
+from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
+from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
 from .records import (
     ItemRecord,
@@ -84,47 +85,103 @@ def plan_object(sh: ShardedObject, rank: int) -> PlannedItem:
 _OVERLAP_MIN_BYTES = 1 << 20
 
 
-class Crc32Writer:
-    """A write-through file wrapper that folds every written byte into a running CRC-32.
+class ItemSink:
+    """The stream each item is serialized into: places it in the file and checksums its bytes.
 
-    ``torch.save`` streams an item through ``write`` (small headers plus the raw storage as one
-    memoryview), so the checksum is computed over exactly the bytes written, without reading the
-    file back. :meth:`take` returns the CRC of everything written since the previous call (one
-    item) and starts the next one. With an ``executor`` (one worker), large buffers are
-    checksummed on it while this thread writes them: both ``zlib.crc32`` and the file write
-    release the GIL, so the CRC (~2 GB/s) overlaps the I/O instead of adding to it.
+    ``torch.save`` streams an item through :meth:`write` (small zip headers, then the raw storage
+    as one buffer, then the zip trailer). Call :meth:`begin` before and :meth:`end` after each item;
+    ``end`` returns where the item landed and the CRC-32 of exactly its bytes (``None`` without
+    checksums), computed as they are written, without reading the file back.
+
+    On a file with an ``O_DIRECT`` path (:class:`~ckptd.format.direct.DirectFile`), an item's
+    headers are held back until its first large buffer arrives; the item then starts after a
+    few zero bytes chosen so that the buffer's address and its file offset agree modulo the
+    direct-I/O alignment, and the bulk of it bypasses the page cache. Readers locate items by
+    ``(offset, length)`` from ``.metadata``, so the gaps are invisible to them (torch DCP and
+    Megatron-Core included).
+
+    With a ``crc_executor`` (one worker), large buffers are checksummed on it while this thread
+    writes them: ``zlib.crc32`` and the file write both release the GIL.
     """
 
-    def __init__(self, f: Any, executor: Executor | None = None) -> None:
+    def __init__(self, f: Any, checksums: bool, crc_executor: Executor | None = None) -> None:
         self._f = f
+        self._checksums = checksums
+        self._executor = crc_executor
+        self._align = int(getattr(f, "direct_alignment", 0) or 0)
         self._crc = 0
-        self._executor = executor
+        self._start = -1
+        self._held: bytearray | None = None
+
+    def begin(self) -> None:
+        self._crc = 0
+        self._start = -1
+        self._held = bytearray() if self._align else None
+        if self._held is None:
+            self._start = self._f.tell()
 
     def write(self, data: Any) -> int:
-        if self._executor is not None and memoryview(data).nbytes >= _OVERLAP_MIN_BYTES:
-            # ``data`` (often a view of the tensor's storage) stays valid until we return.
-            pending = self._executor.submit(zlib.crc32, data, self._crc)
+        view = memoryview(data).cast("B")
+        if self._held is not None:
+            if view.nbytes < DIRECT_MIN_NBYTES:
+                self._held += view
+                self._fold(view)
+                return view.nbytes
+            self._place(buffer_address(view))
+        if self._checksums and self._executor is not None and view.nbytes >= _OVERLAP_MIN_BYTES:
+            # ``view`` (often the staging slot or the tensor's storage) stays valid until we return.
+            pending = self._executor.submit(zlib.crc32, view, self._crc)
             try:
-                n = self._f.write(data)
+                self._f.write(view)
             finally:
                 self._crc = pending.result()
-            return n
-        n = self._f.write(data)
-        self._crc = zlib.crc32(data, self._crc)
-        return n
+        else:
+            self._f.write(view)
+            self._fold(view)
+        return view.nbytes
+
+    def _fold(self, view: memoryview) -> None:
+        if self._checksums:
+            self._crc = zlib.crc32(view, self._crc)
+
+    def _place(self, address: int) -> None:
+        """Start the held-back item where ``address`` lands aligned, and write its headers."""
+        held, self._held = self._held, None
+        pos = self._f.tell()
+        start = pos + (address - pos - len(held)) % self._align
+        if start != pos:
+            self._f.skip_to(start)
+        self._start = start
+        self._f.write(held)
 
     def tell(self) -> int:
-        return self._f.tell()
+        return self._f.tell() + (len(self._held) if self._held is not None else 0)
 
     def flush(self) -> None:
-        self._f.flush()
+        """Called by torch.save after each item; the file is flushed once, at its end."""
 
-    def fileno(self) -> int:
-        return self._f.fileno()
+    def end(self) -> tuple[int, int, int | None]:
+        """``(offset, length, crc32)`` of the item written since :meth:`begin`."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._start = self._f.tell()
+            self._f.write(held)
+        return self._start, self._f.tell() - self._start, self._crc if self._checksums else None
 
-    def take(self) -> int:
-        crc, self._crc = self._crc, 0
-        return crc
+
+def omit_zip_crc32() -> None:
+    """Make ``torch.save`` in this process write its zip entries without a CRC-32.
+
+    For the daemon process only (it changes torch's process-wide serialization config). torch
+    computes a CRC-32 of every record it writes, a second pass over every tensor byte besides
+    ckptd's own per-item CRC-32 (:class:`ItemSink`, ~10% of the daemon's CPU each). torch.load,
+    torch DCP and Megatron-Core do not check zip CRCs (torch itself writes them as 0 under this
+    setting); ``ckptd verify`` checks ckptd's. Call it only where ckptd's checksums are on, so the
+    bytes stay covered by one checksum.
+    """
+    from torch.utils.serialization import config
+
+    config.save.compute_crc32 = False
 
 
 def write_item(f: Any, payload: torch.Tensor | bytes) -> None:
@@ -139,19 +196,19 @@ def write_data_file(
     directory: str | os.PathLike,
     file_name: str,
     items: list[PlannedItem],
-    opener: Opener = default_opener,
+    opener: Opener = open_data_file,
     fsync: bool = True,
     checksums: bool = True,
 ) -> list[ItemRecord]:
     """Write ``items`` into ``directory/file_name``, fsync it, and return the stored records.
 
     With ``checksums`` each record carries the CRC-32 of its item's bytes (``ItemRecord.crc32``),
-    computed as the bytes are written (see :class:`Crc32Writer`); ``ckptd verify`` checks them.
+    computed as the bytes are written (see :class:`ItemSink`); ``ckptd verify`` checks them.
     """
     if checksums:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32") as executor:
-            return _write_data_file(directory, file_name, items, opener, fsync, executor)
-    return _write_data_file(directory, file_name, items, opener, fsync, None)
+            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor)
+    return _write_data_file(directory, file_name, items, opener, fsync, checksums, None)
 
 
 def _write_data_file(
@@ -160,32 +217,32 @@ def _write_data_file(
     items: list[PlannedItem],
     opener: Opener,
     fsync: bool,
+    checksums: bool,
     crc_executor: Executor | None,
 ) -> list[ItemRecord]:
     path = os.path.join(directory, file_name)
     stored: list[ItemRecord] = []
     with opener(path, "wb") as raw:
         keeper = _OSErrorKeeper(raw)
-        f: Any = keeper if crc_executor is None else Crc32Writer(keeper, crc_executor)
+        sink = ItemSink(keeper, checksums, crc_executor)
         writeback = _Writeback(raw) if fsync else None
         for item in items:
-            start = f.tell()
+            sink.begin()
             try:
-                write_item(f, item.payload)
+                write_item(sink, item.payload)
+                start, length, crc = sink.end()
             except RuntimeError:
                 # torch.save reports a failed write of its stream as "RuntimeError: [enforce fail
                 # at inline_container.cc] unexpected pos"; the OSError (disk full...) is the news.
                 if keeper.error is not None:
                     raise keeper.error from None
                 raise
-            end = f.tell()
-            crc = f.take() if isinstance(f, Crc32Writer) else None
-            stored.append(item.record.stored_at(file_name, start, end - start, crc))
+            stored.append(item.record.stored_at(file_name, start, length, crc))
             if writeback is not None:
-                writeback.written(end)
-        f.flush()
+                writeback.written(start + length)
+        raw.flush()
         if fsync:
-            os.fsync(f.fileno())
+            os.fsync(raw.fileno())
     return stored
 
 
@@ -248,11 +305,5 @@ class _OSErrorKeeper:
             self.error = self.error or exc
             raise
 
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def fileno(self) -> int:
-        return self._f.fileno()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)

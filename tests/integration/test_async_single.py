@@ -89,3 +89,50 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, monkeypa
     Path(runtime, f"{ckpt.endpoints.stem}.log").unlink()
     Path(runtime, f"{ckpt.endpoints.job}.token").unlink()
     os.rmdir(runtime)
+
+
+@pytest.mark.timeout(120)
+def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch):
+    """Saves of the same structure send the item list once; a changed structure sends it again;
+    a layout the daemon does not hold is refused with a clear error and the next save recovers."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    sent: list[int] = []
+    tensors = {f"t{i}": torch.randn(3, 5) for i in range(50)}
+
+    def state(ts: dict, step: int) -> dict:
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()} | {"iteration": step}
+
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        items_for = ckpt._layout.items_for
+
+        def spy(*args):
+            wire, layout = items_for(*args)
+            sent.append(len(wire))
+            return wire, layout
+
+        monkeypatch.setattr(ckpt._layout, "items_for", spy)
+        ref = {}
+        for step in (1, 2, 3):
+            for t in tensors.values():
+                t.add_(1)
+            ref[step] = {k: v.clone() for k, v in tensors.items()}
+            ckpt.save(state(tensors, step), step=step)
+        ckpt.wait_all(timeout_s=60)
+        assert sent == [50, 0, 0]
+        for step in (2, 3):
+            out = ckpt.load(state({k: torch.zeros(3, 5) for k in tensors}, -1), step=step)
+            assert all(torch.equal(out[k], ref[step][k]) for k in tensors)
+
+        ckpt._layout.layout_id = "not-sent"  # the daemon never saw this id
+        with pytest.raises(ckptd.CkptdError, match="does not hold"):
+            ckpt.save(state(tensors, 4), step=4)
+        ckpt.save(state(tensors, 5), step=5).wait(timeout_s=30)  # sent in full again
+        tensors["extra"] = torch.arange(7.0)
+        ckpt.save(state(tensors, 6), step=6).wait(timeout_s=30)
+        assert sent[3:] == [0, 50, 51]
+        out = ckpt.load(state({k: torch.zeros_like(v) for k, v in tensors.items()}, -1), step=6)
+        assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+        assert ckpt.latest() == 6

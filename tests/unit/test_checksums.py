@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import ckptd
 from ckptd.errors import CorruptCheckpointError
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR, build_metadata, read_index, records_from_index, write_metadata
-from ckptd.format.items import Crc32Writer, PlannedItem, plan_object, write_data_file
+from ckptd.format.items import PlannedItem, plan_object, write_data_file
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
 from ckptd.mapping import ShardedObject
 from tests.checkpoints import make_checkpoint
@@ -45,15 +45,6 @@ def test_crc_covers_exactly_each_items_bytes_and_changes_no_byte(tmp_path):
     first = on[0]
     t = torch.load(io.BytesIO(data[first.file_offset : first.file_offset + first.length]), weights_only=True)
     assert torch.equal(t, items[0].payload)
-
-
-def test_crc_writer_take_splits_items():
-    w = Crc32Writer(io.BytesIO())
-    w.write(b"abc")
-    assert w.take() == zlib.crc32(b"abc")
-    w.write(memoryview(b"de"))
-    w.write(b"f")
-    assert w.take() == zlib.crc32(b"def")
 
 
 def test_record_wire_format_keeps_crc_and_reads_old_records():
