@@ -18,6 +18,7 @@ from .errors import CkptdError
 
 ENV_PREFIX = "CKPTD_"
 ON_FULL_POLICIES = ("wait", "skip")
+SNAPSHOT_MODES = ("auto", "copy")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class CkptdConfig:
     ``pool_headroom`` of it); ``on_full`` decides what a save does when every slot is still being
     persisted: ``"wait"`` (default) or ``"skip"`` (logged, reported on the handle, and the step is
     aborted on every rank). ``pin_memory`` registers the pool with CUDA (when CUDA is available).
+    ``snapshot`` says who copies the shards into the slot: with ``"auto"`` (default), when every
+    shard is plain CPU memory, a forked copy-on-write child does while training goes on
+    (ckptd.staging.fork; ``save()`` stalls for the fork only), otherwise (CUDA tensors: a
+    device-to-host copy) the trainer inside ``save()``; with ``"copy"`` always the trainer.
 
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
@@ -40,6 +45,7 @@ class CkptdConfig:
     pool_headroom: float = 0.01
     on_full: str = "wait"
     pin_memory: bool = True
+    snapshot: str = "auto"  # "auto": fork when every shard is plain CPU memory; "copy": never fork
     # persisting
     writer_threads: int = 2
     fsync: bool = True
@@ -62,6 +68,7 @@ class CkptdConfig:
     request_timeout_s: float = 30.0
     daemon_start_timeout_s: float = 60.0
     slot_wait_timeout_s: float = 600.0
+    snapshot_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
     coordinator_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
@@ -75,6 +82,8 @@ class CkptdConfig:
     def __post_init__(self) -> None:
         if self.on_full not in ON_FULL_POLICIES:
             raise CkptdError(f"config on_full={self.on_full!r}: choose one of {ON_FULL_POLICIES}")
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise CkptdError(f"config snapshot={self.snapshot!r}: choose one of {SNAPSHOT_MODES}")
         if self.policy not in ("manual", "auto"):
             raise CkptdError(f"config policy={self.policy!r}: choose 'manual' or 'auto'")
         if self.pool_slots < 1:

@@ -2,7 +2,7 @@
 
     ckptd bench all [--ranks 2] [--state-gib 4] [--tensor-mib 64] [--small-tensors 10000]
                     [--small-gib 1] [--repeats 3] [--scale-ranks 1,2,4] [--scale-gib-per-rank G]
-                    [--load-gib G] [--train-every 4] [--train-saves 3] [--dir D] [--json] [--check]
+                    [--load-gib G] [--train-every 4] [--train-saves 3] [--train-update 1] [--dir D] [--json] [--check]
 
 Runs, each rank a spawned process (one gloo group) and ``--state-gib / --ranks`` of float32
 tensors of ``--tensor-mib`` per rank (see :mod:`.suite_rank` and :mod:`.suite_train`):
@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from .memory import MemorySampler, daemon_pids
@@ -105,6 +106,7 @@ class Suite:
             "tensor_bytes": int(a.tensor_mib * MIB), "methods": a.methods,
             "small_methods": [m for m in a.methods if m in ("ckptd", "dcp_async_process")], "small_tensors": a.small_tensors,
             "small_bytes": int(a.small_gib * GIB), "train_every": a.train_every, "train_saves": a.train_saves,
+            "train_update": a.train_update,
             "ref_streams": None, "profile_dir": a.profile,
         }
         spec.update(extra)
@@ -249,7 +251,8 @@ def _machine(directory: Path) -> dict[str, Any]:
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     from ckptd import CkptdConfig
 
-    writer_threads = CkptdConfig.from_env().writer_threads
+    cfg = CkptdConfig.from_env()
+    writer_threads = cfg.writer_threads
     res: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("json",)}}
     with Suite(args) as suite:
         res["machine"] = _machine(suite.dir)
@@ -260,7 +263,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             streams = max(1, min(args.ranks, writer_threads))
             main = suite.run_job(args.ranks, suite.spec("main", args.ranks, parts, ref_streams=streams))
             res["main"] = main
-            per_rank = int((args.scale_gib_per_rank or args.state_gib / args.ranks) * GIB)
+            per_rank = _scale_bytes_per_rank(args, cfg.pool_slots)
             scaling = []
             for n in args.scale_ranks:
                 if n == args.ranks and per_rank * n == int(args.state_gib * GIB):
@@ -282,6 +285,23 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             res["cleanup"] = suite.cleanup()
     res["targets"] = evaluate(res)
     return res
+
+
+def _scale_bytes_per_rank(args: argparse.Namespace, pool_slots: int) -> int:
+    """Bytes per rank of the scaling curve: as asked, else the main job's, capped to fit in RAM.
+
+    Each rank holds its state plus ``pool_slots`` staging slots of it in shared memory; at the
+    largest rank count that must stay within 60% of the machine's memory (the rest: the page
+    cache, DCP's and the daemon's own memory), or the kernel kills a rank.
+    """
+    if args.scale_gib_per_rank:
+        return int(args.scale_gib_per_rank * GIB)
+    want = int(args.state_gib / args.ranks * GIB)
+    fit = int(psutil.virtual_memory().total * 0.6 / (max(args.scale_ranks) * (pool_slots + 1)))
+    if fit < want:
+        _log(f"scaling curve: {fit / GIB:.2f} GiB per rank (the main job's {want / GIB:.2f} GiB would "
+             f"not fit {max(args.scale_ranks)} ranks in memory; --scale-gib-per-rank sets it)")
+    return min(want, fit)
 
 
 def _ranks_list(text: str) -> list[int]:
@@ -311,11 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, after one warm-up (default 3)")
     p.add_argument("--scale-ranks", type=_ranks_list, default=[1, 2, 4], help="rank counts of the scaling curve")
     p.add_argument("--scale-gib-per-rank", type=float, default=None,
-                   help="bytes per rank of the scaling curve (default: the main job's)")
+                   help="bytes per rank of the scaling curve (default: the main job's, capped to fit in memory)")
     p.add_argument("--load-gib", type=float, default=None,
                    help="model size of the load part (default min(1, state); 0: skip)")
     p.add_argument("--train-every", type=int, default=4, help="training loop: save every K steps (default 4)")
     p.add_argument("--train-saves", type=int, default=3, help="training loop: timed saves (0: skip; default 3)")
+    p.add_argument("--train-update", type=float, default=1.0,
+                   help="training loop: fraction of the saved state each step rewrites in place, as an "
+                        "optimizer step does (default 1: all of it; 0: the state is only read)")
     p.add_argument("--methods", type=_methods, default=["ckptd", *DCP_METHODS],
                    help="save methods to compare (default: ckptd,dcp_save,dcp_async_thread,dcp_async_process)")
     p.add_argument("--dir", default=None, help="checkpoint filesystem to test (a temp dir is made inside)")

@@ -2,7 +2,9 @@
 
 Each rank runs ``steps`` identical steps (one float32 matmul of an ``n x n`` matrix on one thread,
 ``n`` calibrated so that ``every`` steps take about as long as one save takes to become durable,
-i.e. the shortest interval at which saves do not queue), saving its state every ``every`` steps:
+i.e. the shortest interval at which saves do not queue, then an in-place update of
+``--train-update`` of the saved state, as an optimizer step rewrites the parameters and its
+moments: what a copy-on-write snapshot pays for), saving its state every ``every`` steps:
 
 - ``none``: no checkpointing (the baseline);
 - ``ckptd``: ``Checkpointer.save`` (``on_full="wait"``: a save waits for a free slot);
@@ -53,8 +55,19 @@ def calibrate(r: Rank, target_s: float) -> tuple[int, float]:
     return n, r.max(_step_s(n, 3))
 
 
+def _updated(state: dict[str, torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """The tensors (or leading parts of them) a step rewrites: ``fraction`` of the state's bytes."""
+    out = []
+    for t in state.values():
+        n = int(t.numel() * fraction)
+        if n:
+            out.append(t.view(-1)[:n])
+    return out
+
+
 def _loop(r: Rank, mode: str, state: dict[str, torch.Tensor], n: int, every: int, saves: int) -> dict[str, Any]:
     steps = every * saves
+    update = _updated(state, r.spec.get("train_update", 0.0))
     a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
     base = Path(r.spec["dir"]) / f"train-{mode}"
     stalls: list[float] = []
@@ -91,6 +104,8 @@ def _loop(r: Rank, mode: str, state: dict[str, torch.Tensor], n: int, every: int
             if mode != "none" and step % every == 0:
                 save(step)
             _step(a, b, out)
+            for t in update:
+                t.neg_()  # memory-bound like an optimizer update; values stay finite
         loop_s = time.perf_counter() - t0
         finish()
     finally:
@@ -119,7 +134,7 @@ def run_training(r: Rank, state: dict[str, torch.Tensor], spec: dict[str, Any],
     target = (persist_s or 1.0) / every
     n, step_s = calibrate(r, target)
     out: dict[str, Any] = {"every": every, "saves": saves, "matmul_n": n, "step_s": step_s,
-                           "target_step_s": target}
+                           "target_step_s": target, "update_fraction": spec.get("train_update", 0.0)}
     modes = [m for m in MODES if m == "none" or m in spec["methods"]]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # A-B-C-C-B-A: each mode meets early and late conditions alike (page cache, memory a VM

@@ -19,8 +19,11 @@ Order of one :meth:`Checkpointer.save` on a rank:
 4. take a free slot; if none is free, ``on_full="wait"`` waits for the daemon to free one,
    ``on_full="skip"`` skips this step (the daemon tells the coordinator, which aborts the step on
    every rank, so no partial checkpoint commits);
-5. copy into the slot (DMA on a side stream for CUDA tensors), send ``SAVE``, wait for
-   ``SAVE_ACK``, return the :class:`SaveHandle`.
+5. snapshot into the slot: with ``snapshot="auto"`` and plain CPU shards, ``fork()`` a
+   copy-on-write child that copies them while training goes on (:mod:`ckptd.staging.fork`);
+   otherwise copy here (DMA on a side stream for CUDA tensors);
+6. send ``SAVE``, wait for ``SAVE_ACK``, return the :class:`SaveHandle`. The daemon writes once
+   the bytes are complete (the child exited and sealed the slot).
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
 Not thread-safe: use a Checkpointer from one thread.
@@ -65,6 +68,7 @@ from ..errors import (
 )
 from ..format.finalize import serialize_common
 from ..recovery import resolve_latest
+from ..staging.fork import SEAL_ROOM_NBYTES, reap, snapshot_into
 from ..staging.pool import StagingPool, place, slot_size_for
 from ..state_dict import split_state_dict
 from .gcpause import gc_paused
@@ -103,6 +107,7 @@ class Checkpointer:
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
+        self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
         self._stats = SaveStats()
@@ -143,24 +148,32 @@ class Checkpointer:
         common = serialize_common(split.common) if self.env.rank == 0 else None
         placements, nbytes = place(items)
         self._ensure_connected()
-        pool = self._ensure_pool(nbytes)
+        pool = self._ensure_pool(nbytes + SEAL_ROOM_NBYTES)
         t_slot = time.perf_counter()
         slot = self._acquire_slot(pool, step)
         queue_wait_s = time.perf_counter() - t_slot
         if slot is None:
             return self._skip(step, t0, nbytes)
-        pool.stage(slot, items, placements)
+        snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
         wire, layout = self._layout.items_for(pool.generation, items, placements)
-        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout)
+        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout,
+                   snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
         try:
             self._link.request(msg, SaveAck)
         except DaemonLostError as exc:
+            if snap is not None:
+                self._children.append(snap.pid)
             self._daemon_lost(str(exc))
             raise
         except DaemonError:
+            if snap is not None:
+                reap([snap.pid], block=True)  # the slot is free again only once the child is done
             pool.free.append(slot)  # refused: the daemon never took the slot
             self._layout.forget()
             raise
+        if snap is not None:
+            # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
+            self._children.append(snap.pid)
         handle = self._new_handle(step, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
@@ -253,6 +266,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._disconnect()
+            self._children = reap(self._children, block=True)
         self._raise_unobserved()
 
     def __enter__(self) -> "Checkpointer":
@@ -403,6 +417,8 @@ class Checkpointer:
             raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
 
     def _pump_quietly(self) -> None:
+        if self._children:
+            self._children = reap(self._children, block=False)
         if not self._link.connected:
             return
         try:

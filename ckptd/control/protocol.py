@@ -145,7 +145,11 @@ class Save(Message):
 
     ``layout``: an id the rank gives this item list ("" for none). The daemon keeps the last
     layout per pool; a later SAVE with the same id and no ``items`` reuses it (same records at
-    the same slot offsets: the rank's state kept its structure)."""
+    the same slot offsets: the rank's state kept its structure).
+
+    ``snapshot_pid`` > 0: the shards are still being copied into the slot by that forked child
+    of the rank (ckptd.staging.fork), which writes ``seal`` at ``seal_offset`` when it is done;
+    the daemon waits for it before writing. 0: the bytes are in the slot already."""
 
     TYPE: ClassVar[MsgType] = MsgType.SAVE
     step: int
@@ -156,6 +160,9 @@ class Save(Message):
     items: list[dict]
     common: bytes | None
     layout: str
+    snapshot_pid: int
+    seal: bytes
+    seal_offset: int
 
 
 @dataclass(frozen=True)

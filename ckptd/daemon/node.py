@@ -67,6 +67,7 @@ from .commit import tmp_dir
 from .coordinator import Coordinator
 from .metrics import DaemonMetrics, serve_metrics
 from .pools import PoolTable
+from .snapshot import SnapshotWait
 from .faults import debug_opener
 from .workers import Completions, Done, WorkerPools, WriteRequest, write_rank_file
 
@@ -306,6 +307,10 @@ class NodeDaemon:
             records, placements = self._decode_items(msg, pool.slot_nbytes)
             if msg.layout:
                 pool.layout = (msg.layout, records, placements)
+        snapshot = None
+        if msg.snapshot_pid:
+            snapshot = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset,
+                                         pool.slot_nbytes)
         req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
         directory = tmp_dir(self.ep.root, msg.step)  # created by the writer (its errors fail the save)
         pool.busy.add(msg.slot)
@@ -316,6 +321,8 @@ class NodeDaemon:
         key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common, nbytes)
 
         def job() -> tuple[list[ItemRecord], float, float]:
+            if snapshot is not None:
+                snapshot.wait(seg, cfg.snapshot_timeout_s)
             started_s = time.monotonic()
             stored = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums)
             return stored, started_s - queued_s, time.monotonic() - started_s

@@ -1,0 +1,89 @@
+"""Waiting for a rank's snapshot child (ckptd.staging.fork) before writing its slot.
+
+A SAVE whose shards are copied by a forked child names the child's pid and the seal it writes
+after its last copy. The daemon opens a pidfd for the child when the SAVE arrives (the rank reaps
+the child only after the SAVE was acknowledged, so the pid cannot have been reused by then); the
+writer thread waits for the child to exit, then checks the seal. No seal: the child died before
+it finished, and the save fails with that reason instead of persisting half-copied shards.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from dataclasses import dataclass
+
+from ..errors import StagingError
+from ..staging.fork import SEAL_NBYTES
+from ..staging.segment import ShmSegment
+
+# Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
+_POLL_S = 0.005
+
+
+@dataclass
+class SnapshotWait:
+    rank: int
+    pid: int
+    seal: bytes
+    seal_offset: int
+    pidfd: int = -1
+
+    @classmethod
+    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int, slot_nbytes: int) -> "SnapshotWait":
+        if pid <= 1 or len(seal) != SEAL_NBYTES or not 0 <= seal_offset <= slot_nbytes - SEAL_NBYTES:
+            raise StagingError(f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
+                               f"at {seal_offset} of a {slot_nbytes}-byte slot)")
+        wait = cls(rank, pid, seal, seal_offset)
+        try:
+            wait.pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pass  # exited and reaped already (its trainer died): the seal tells whether it finished
+        except (AttributeError, OSError):
+            wait.pidfd = -2  # no pidfd support: poll /proc
+        return wait
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+        self.pidfd = -1
+
+    def wait(self, seg: ShmSegment, timeout_s: float) -> None:
+        """Return once the child exited having sealed the slot; raise StagingError otherwise."""
+        try:
+            if not self._wait_exit(timeout_s):
+                raise StagingError(
+                    f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
+                    f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
+        finally:
+            self.close()
+        if bytes(seg.view(self.seal_offset, SEAL_NBYTES)) != self.seal:
+            raise StagingError(
+                f"rank {self.rank}: snapshot process {self.pid} exited before it had copied every "
+                "shard (killed, or out of memory?); this save is not persisted. Later saves retry; "
+                "CKPTD_SNAPSHOT=copy stages inside save() instead")
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        if self.pidfd >= 0:
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(timeout_s * 1000))
+        if self.pidfd == -1:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while _alive(self.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
