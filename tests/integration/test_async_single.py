@@ -55,7 +55,8 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, monkeypa
             ckpt.save(_sd(w, 1), step=1)
 
     # on_full="wait": back-to-back saves queue behind the single slot, all commit, in order.
-    with ckptd.Checkpointer(root, config=cfg.replace(on_full="wait")) as ckpt:
+    # (Staged by the trainer itself: snapshot="copy"; the other tests fork.)
+    with ckptd.Checkpointer(root, config=cfg.replace(on_full="wait", snapshot="copy")) as ckpt:
         handles = []
         for step in (3, 4, 5):
             w.add_(1)

@@ -35,8 +35,8 @@ def test_every_message_type_round_trips():
     samples = [
         Ping(7),
         Hello("rank", 3, 1, 4, 1234, "/ckpts/run1"),
-        Save(100, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "l1"),
-        Save(100, 3, 4, "abcd", 1, [], None, ""),
+        Save(100, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "l1", 4242, b"s" * 16, 4096),
+        Save(100, 3, 4, "abcd", 1, [], None, "", 0, b"", 0),
         Written(100, 3, 4, 1, [{"fqn": "w"}], None),
         StatusReply({"pools": [], "x": 1.5}),
     ]
@@ -61,7 +61,8 @@ def test_every_message_type_round_trips():
     (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}), "'nonce' has type bool"),
     (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1",
               "f": {"step": 1, "rank": 0, "world_size": 1, "generation": "g", "slot": 0,
-                    "items": [1, 2], "common": None, "layout": ""}}), "'items' has type list"),
+                    "items": [1, 2], "common": None, "layout": "",
+                    "snapshot_pid": 0, "seal": b"", "seal_offset": 0}}), "'items' has type list"),
     (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1}})[0][:-1:] and
      [b"\xc1", hmac.new(TOKEN, b"\xc1", hashlib.sha256).digest()], "undecodable"),
 ])
@@ -71,7 +72,7 @@ def test_malformed_or_unauthenticated_messages_are_rejected(frames, why):
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
-    big = Save(1, 0, 1, "g", 0, [], b"x" * (1 << 16), "")
+    big = Save(1, 0, 1, "g", 0, [], b"x" * (1 << 16), "", 0, b"", 0)
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         codec.encode(big)
     roomy = Codec("job1", TOKEN, max_nbytes=1 << 20)
