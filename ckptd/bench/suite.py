@@ -2,7 +2,8 @@
 
     ckptd bench all [--ranks 2] [--state-gib 4] [--tensor-mib 64] [--small-tensors 10000]
                     [--small-gib 1] [--repeats 3] [--scale-ranks 1,2,4] [--scale-gib-per-rank G]
-                    [--load-gib G] [--train-every 4] [--train-saves 3] [--train-update 1] [--dir D] [--json] [--check]
+                    [--load-gib G] [--train-every 4] [--train-saves 3] [--train-update 1]
+                    [--device cpu|cuda] [--dir D] [--json] [--check]
 
 Runs, each rank a spawned process (one gloo group) and ``--state-gib / --ranks`` of float32
 tensors of ``--tensor-mib`` per rank (see :mod:`.suite_rank` and :mod:`.suite_train`):
@@ -106,7 +107,7 @@ class Suite:
             "tensor_bytes": int(a.tensor_mib * MIB), "methods": a.methods,
             "small_methods": [m for m in a.methods if m in ("ckptd", "dcp_async_process")], "small_tensors": a.small_tensors,
             "small_bytes": int(a.small_gib * GIB), "train_every": a.train_every, "train_saves": a.train_saves,
-            "train_update": a.train_update,
+            "train_update": a.train_update, "device": a.device,
             "ref_streams": None, "profile_dir": a.profile,
         }
         spec.update(extra)
@@ -259,7 +260,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         res["config"]["dir"] = str(suite.dir)
         res["config"]["shm_prefix"] = f"ckptd-{suite.job_prefix}"  # of every segment this run makes
         try:
-            parts = ["memcpy", "save"] + (["train"] if args.train_saves else []) + (["small"] if args.small_tensors else [])
+            train = args.train_saves and args.device == "cpu"  # the training loop is a CPU loop
+            parts = ["memcpy", "save"] + (["train"] if train else []) + (["small"] if args.small_tensors else [])
             streams = max(1, min(args.ranks, writer_threads))
             main = suite.run_job(args.ranks, suite.spec("main", args.ranks, parts, ref_streams=streams))
             res["main"] = main
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                         "optimizer step does (default 1: all of it; 0: the state is only read)")
     p.add_argument("--methods", type=_methods, default=["ckptd", *DCP_METHODS],
                    help="save methods to compare (default: ckptd,dcp_save,dcp_async_thread,dcp_async_process)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the state lives (cuda: ranks share the visible GPUs round-robin; "
+                        "ckptd stages by device-to-host DMA into its pinned pool, DCP into pinned "
+                        "memory; no training loop)")
     p.add_argument("--dir", default=None, help="checkpoint filesystem to test (a temp dir is made inside)")
     p.add_argument("--timeout-s", type=float, default=3600, help="limit per job (default 3600)")
     p.add_argument("--profile", default=None, metavar="DIR", help="write cProfile summaries of rank 0's saves here")
@@ -350,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.ranks < 1 or args.state_gib <= 0 or args.repeats < 1 or args.train_every < 1:
         p.error("--ranks, --state-gib, --repeats and --train-every must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
     if args.load_gib is None:
         args.load_gib = min(1.0, args.state_gib)
     if args.profile:

@@ -86,15 +86,17 @@ class Rank:
         self.barrier()
 
 
-def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None) -> dict[str, torch.Tensor]:
-    """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors).
+def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None,
+               device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors) on ``device``.
 
     Filled with a constant per tensor: contents do not matter to a file write, and filling is
     ~10 x faster than random numbers at these sizes.
     """
     n = count if count is not None else max(1, nbytes // max(4, tensor_nbytes))
     numel = max(1, nbytes // n // 4)
-    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32).fill_(rank + i * 1e-3) for i in range(n)}
+    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32, device=device).fill_(rank + i * 1e-3)
+            for i in range(n)}
 
 
 def state_nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -109,8 +111,10 @@ def sharded(state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 # --- reference limits -------------------------------------------------------------------------
 def memcpy_s(r: Rank, state: dict[str, torch.Tensor], repeats: int = 3) -> float:
-    """Best time of all ranks copying their state into warm buffers at once."""
-    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    """Best time of all ranks copying their state into warm buffers at once (CUDA state: into
+    pinned host buffers, the floor of any device-to-host staging)."""
+    cuda = any(v.is_cuda for v in state.values())
+    dst = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state.items()}
     for k, v in state.items():  # fault the destination pages in
         dst[k].copy_(v)
     times = []
@@ -118,7 +122,9 @@ def memcpy_s(r: Rank, state: dict[str, torch.Tensor], repeats: int = 3) -> float
         r.barrier()
         t0 = time.perf_counter()
         for k, v in state.items():
-            dst[k].copy_(v)
+            dst[k].copy_(v, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(r.max(time.perf_counter() - t0))
     return min(times)
 
@@ -241,14 +247,15 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
     return out
 
 
-def _dcp_stager(kind: str) -> Any:
+def _dcp_stager(kind: str, cuda: bool = False) -> Any:
     """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
     buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
-    staged tensors reach its checkpoint process without another copy."""
+    staged tensors reach its checkpoint process without another copy. A CUDA state is staged
+    into pinned memory with non-blocking copies, DCP's fastest GPU setting."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=kind == "dcp_async_process",
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=kind == "dcp_async_process",
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
@@ -264,7 +271,8 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
     import torch.distributed.checkpoint as dcp
 
     nbytes = int(r.sum(state_nbytes(state)))
-    stager = None if kind == "dcp_save" else _dcp_stager(kind)
+    cuda = any(v.is_cuda for v in state.values())
+    stager = None if kind == "dcp_save" else _dcp_stager(kind, cuda)
     rows = []
     try:
         for i in range(repeats + 1):
@@ -344,6 +352,9 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     torch.set_num_threads(1)
+    device = spec.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", rank=rank, world_size=world)
     r = Rank(rank, world, spec)
     res: dict[str, Any] = {"ranks": world}
@@ -351,7 +362,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         parts = spec["parts"]
         if {"memcpy", "save", "train"} & set(parts):
             r.phase("setup")
-            state = make_state(rank, spec["state_bytes"] // world, spec["tensor_bytes"])
+            state = make_state(rank, spec["state_bytes"] // world, spec["tensor_bytes"], device=device)
             res["state_bytes"] = int(r.sum(state_nbytes(state)))
             res["tensors"] = int(r.sum(len(state)))
             if "memcpy" in parts:
@@ -369,7 +380,8 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
             del state
         if "small" in parts:
             r.phase("setup")
-            small = make_state(rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world))
+            small = make_state(rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world),
+                               device=device)
             res["small_state_bytes"] = int(r.sum(state_nbytes(small)))
             res["small_tensors"] = int(r.sum(len(small)))
             res["small"] = _profiled(r, lambda: run_saves(r, small, spec["small_methods"], spec["repeats"], "small"),
