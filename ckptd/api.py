@@ -26,7 +26,7 @@ from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
 from .format.durable import Opener, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
-from .format.items import PlannedItem, plan_object, plan_tensor_items, write_data_file
+from .format.items import PlannedItem, piece_starts, plan_object, plan_tensor_items, tensor_payloads, write_data_file
 from .format.layout import (
     COMMON_PT,
     DCP_METADATA,
@@ -47,22 +47,54 @@ from .state_dict import SplitStateDict, path_str, split_state_dict
 log = logging.getLogger(__name__)
 
 
-def plan_save(split: SplitStateDict, rank: int) -> list[PlannedItem]:
+# path -> (signature, records, flat start of each record's piece): see plan_save.
+PlanCache = dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...]]]
+
+
+def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) -> list[PlannedItem]:
     """Items this rank stores: main replicas only, in state-dict order.
 
     Raises ShardingError (naming key and rank) for data that cannot be saved: a ShardedTensor
     without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
+    With a ``cache`` (a Checkpointer's, across its saves), a ShardedTensor whose metadata, data
+    shape, dtype and device equal the previous save's at the same path reuses that save's
+    checked records: only its payload views are made again.
     """
     items: list[PlannedItem] = []
+    fresh: PlanCache = {}
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):
-            _check_tensor_data(sh, path, rank)
-            if is_main_replica(sh.replica_id):
-                items.extend(plan_tensor_items(sh, rank))
+            sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
+            hit = cache.get(path) if sig is not None else None  # type: ignore[union-attr]
+            if hit is not None and hit[0] == sig:
+                records, starts = hit[1], hit[2]
+                items.extend(PlannedItem(r, p) for r, p in zip(records, tensor_payloads(sh, records, starts)))
+            else:
+                _check_tensor_data(sh, path, rank)
+                planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
+                items.extend(planned)
+                if sig is not None:
+                    records = tuple(i.record for i in planned)
+                    hit = (sig, records, piece_starts(sh) if planned else ())
+            if sig is not None:
+                fresh[path] = hit  # type: ignore[assignment]
         elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
     check_local_duplicates([i.record for i in items], rank)
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
     return items
+
+
+def _tensor_signature(sh: ShardedTensor) -> tuple:
+    """Everything plan_tensor_items and its checks read, except the data's values and address."""
+    d = sh.data
+    fr = sh.flattened_range
+    return (sh.key, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset, sh.axis_fragmentations,
+            sh.replica_id, sh.prepend_axis_num, sh.allow_shape_mismatch,
+            None if fr is None else (fr.start, fr.stop, fr.step),
+            d.dtype, d.shape, d.device, d.layout)  # type: ignore[union-attr]
 
 
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:

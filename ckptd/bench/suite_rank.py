@@ -285,6 +285,12 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
                 stall, durable = r.max(stall), r.max(durable)
                 rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
             else:
+                if cuda and i:
+                    # torch 2.11's DefaultStager cannot stage a CUDA state twice (the second
+                    # stage() raises KeyError: <class 'type'>), so each save gets a new one, as
+                    # async_save builds when given none: its pinned buffers are allocated per save.
+                    stager.close()
+                    stager = _dcp_stager(kind, cuda)
                 fut = dcp_async(state, d, kind, stager)
                 stall = time.perf_counter() - t0
                 fut.result()
@@ -305,8 +311,13 @@ def run_saves(r: Rank, state: dict[str, torch.Tensor], methods: list[str], repea
         r.phase(f"{label}:{method}")
         if method == "ckptd":
             out[method] = save_ckptd(r, state, repeats, ref_streams)
-        else:
+            continue
+        try:
             out[method] = save_dcp(r, state, method, repeats)
+        except Exception as exc:  # noqa: BLE001 - a baseline that fails here is reported, not fatal
+            # Every rank runs the same calls on the same kind of state, so all of them fail alike
+            # and meet again at the next phase's barrier.
+            out[method] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 

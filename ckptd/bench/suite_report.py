@@ -66,7 +66,7 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
                            detail=f"reference: {best_reference(ck)}; per save: "
                            + ", ".join(f"{r:.2f}" for r in ratios)))
     small = main.get("small")
-    if small and "ckptd" in small and "dcp_async_process" in small:
+    if small and "stall_s_median" in small.get("ckptd", {}) and "stall_s_median" in small.get("dcp_async_process", {}):
         a, b = small["ckptd"]["stall_s_median"], small["dcp_async_process"]["stall_s_median"]
         out.append(_target("small_stall", f"{main.get('small_tensors')} small tensors: stall / DCP async's",
                            a / b, 0.25, detail=f"{a:.3f} s vs {b:.3f} s"))
@@ -96,6 +96,9 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 def _save_table(saves: dict[str, Any]) -> list[str]:
     lines = [f"  {'method':<19}{'stall med':>10}{'stall max':>10}{'first':>9}{'durable med':>13}{'persist GiB/s':>15}"]
     for m, s in saves.items():
+        if "error" in s:
+            lines.append(f"  {_NAMES.get(m, m):<19}failed: {s['error'][:200]}")
+            continue
         lines.append(f"  {_NAMES.get(m, m):<19}{_f(s.get('stall_s_median')):>10}{_f(s.get('stall_s_max')):>10}"
                      f"{_f(s.get('first_stall_s')):>9}{_f(s.get('durable_s_median')):>13}"
                      f"{_f(s.get('persist_gibps'), '.2f'):>15}")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
-from ..api import plan_save
+from ..api import PlanCache, plan_save
 from ..catalog import STEP_PREFIX, step_dir_name
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, JobEnv, load_token
@@ -107,6 +107,7 @@ class Checkpointer:
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
+        self._plan_cache: PlanCache = {}  # checked records of the last save (ckptd.api.plan_save)
         self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
@@ -144,7 +145,7 @@ class Checkpointer:
         if final.exists():
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         split = split_state_dict(sharded_state_dict)
-        items = plan_save(split, self.env.rank)
+        items = plan_save(split, self.env.rank, self._plan_cache)
         common = serialize_common(split.common) if self.env.rank == 0 else None
         placements, nbytes = place(items)
         self._ensure_connected()

@@ -76,6 +76,25 @@ def plan_tensor_items(sh: ShardedTensor, rank: int) -> list[PlannedItem]:
     ]
 
 
+def piece_starts(sh: ShardedTensor) -> tuple[int, ...]:
+    """First element in ``sh.data`` of each stored item (see :func:`storage_pieces`)."""
+    if sh.flattened_range is None:
+        return (0,)
+    return tuple(start for _, _, _, start in storage_pieces(sh))
+
+
+def tensor_payloads(sh: ShardedTensor, records: tuple[ItemRecord, ...] | list[ItemRecord],
+                    starts: tuple[int, ...]) -> list[torch.Tensor]:
+    """The payload views of ``sh``'s items, for records planned before (plan_save's cache)."""
+    data = sh.data
+    if data is None:
+        raise ValueError(f"ShardedTensor '{sh.key}' has no data to save")
+    if sh.flattened_range is None:
+        return [data if data.shape == r.sizes else data.reshape(r.sizes) for r in records]
+    flat = data.reshape(-1)
+    return [flat[s : s + math.prod(r.sizes)].reshape(r.sizes) for r, s in zip(records, starts)]
+
+
 def plan_object(sh: ShardedObject, rank: int) -> PlannedItem:
     what = f"ShardedObject '{sh.unique_key}' (rank {rank})"
     return PlannedItem(object_record(sh, rank), serialize_object(sh.data, what))

@@ -17,7 +17,7 @@ node daemon waits for the child's exit (pidfd) and checks the seal before it wri
 
 Only plain CPU tensors and bytes are copied by the child; anything else (CUDA tensors, strided
 views) makes :func:`child_copies` return None and the save stages in the trainer, as without fork.
-The child runs nothing but ``memmove`` and ``_exit``: no torch, no locks, no sockets.
+The child runs nothing but ``pwrite`` and ``_exit``: no torch, no locks, no sockets.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..format.items import PlannedItem
+from ..errors import StagingError
 from .pool import Placement, StagingPool, _plain_cpu_bytes
+from .segment import ShmSegment
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,8 @@ def fork_available() -> bool:
 
 def child_copies(items: list[PlannedItem], placements: list[Placement],
                  base_ptr: int) -> list[tuple[int, int, int]] | None:
-    """``(dst, src, nbytes)`` for the child, or None when some payload is not plain CPU memory.
-
-    ``bytes`` payloads (small pickled objects) are copied here, before the fork.
+    """``(slot_offset, src_address, nbytes)`` for the child, or None when some payload is not
+    plain CPU memory. ``bytes`` payloads (small pickled objects) are copied here, before the fork.
     """
     copies: list[tuple[int, int, int]] = []
     small: list[tuple[int, bytes]] = []
@@ -65,11 +66,11 @@ def child_copies(items: list[PlannedItem], placements: list[Placement],
             if not _plain_cpu_bytes(src):
                 return None
             if p.nbytes:
-                copies.append((base_ptr + p.offset, src.data_ptr(), p.nbytes))
+                copies.append((p.offset, src.data_ptr(), p.nbytes))
         else:
-            small.append((base_ptr + p.offset, bytes(src)))
-    for dst, data in small:
-        ctypes.memmove(dst, data, len(data))
+            small.append((p.offset, bytes(src)))
+    for offset, data in small:
+        ctypes.memmove(base_ptr + offset, data, len(data))
     return copies
 
 
@@ -82,21 +83,27 @@ class Snapshot:
     seal_offset: int
 
 
-def fork_snapshot(copies: list[tuple[int, int, int]], base_ptr: int, nbytes: int) -> Snapshot:
-    """Fork a child that performs ``copies`` and then writes the seal; returns at once."""
+def fork_snapshot(copies: list[tuple[int, int, int]], segment: ShmSegment, nbytes: int) -> Snapshot:
+    """Fork a child that performs ``copies`` into ``segment`` and then seals it; returns at once."""
+    if segment.base is None:
+        raise StagingError(f"segment {segment.name} is not mapped")
     at = seal_offset(nbytes)
     seal = secrets.token_bytes(SEAL_NBYTES)
-    ctypes.memset(base_ptr + at, 0, SEAL_NBYTES)  # no stale seal of an earlier save in this slot
+    ctypes.memset(segment.base.data_ptr() + at, 0, SEAL_NBYTES)  # no stale seal of an earlier save
+    path = str(segment.path)
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        _child(copies, base_ptr + at, seal)
+        _child(copies, path, at, seal)
     return Snapshot(pid, seal, at)
 
 
-def _child(copies: list[tuple[int, int, int]], seal_addr: int, seal: bytes) -> None:
+def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes) -> None:
+    """Copy with ``pwrite`` into the segment's file, then seal. Not through the mapping: fork()
+    does not copy the page tables of shared mappings, so writing the slot through memory would
+    fault on every 4 KiB page (0.9 s for 2 GiB here, against 0.45 s by pwrite)."""
     code = 1
     try:
         os.setsid()
@@ -105,13 +112,20 @@ def _child(copies: list[tuple[int, int, int]], seal_addr: int, seal: bytes) -> N
                 signal.signal(sig, signal.SIG_DFL)  # never the trainer's handlers
             except (ValueError, OSError):
                 pass
-        memmove = ctypes.memmove
-        for dst, src, n in copies:
-            memmove(dst, src, n)
-        memmove(seal_addr, seal, SEAL_NBYTES)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        for offset, src, n in copies:
+            view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
+            while view.nbytes:
+                done = os.pwrite(fd, view[:_CHUNK_NBYTES], offset)
+                view, offset = view[done:], offset + done
+        os.pwrite(fd, seal, at)
+        os.close(fd)
         code = 0
     finally:
         os._exit(code)
+
+
+_CHUNK_NBYTES = 64 << 20
 
 
 def reap(pids: list[int], block: bool) -> list[int]:
@@ -141,7 +155,7 @@ def snapshot_into(pool: StagingPool, slot: int, items: list[PlannedItem], placem
         copies = child_copies(items, placements, base.data_ptr())
         if copies is not None:
             try:
-                return fork_snapshot(copies, base.data_ptr(), nbytes)
+                return fork_snapshot(copies, pool.segments[slot], nbytes)
             except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
                 log.warning("rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside "
                             "save() instead", pool.rank, exc)

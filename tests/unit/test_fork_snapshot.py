@@ -46,7 +46,7 @@ def test_child_copies_the_values_at_fork_time(segment):
     assert nbytes + SEAL_ROOM_NBYTES <= segment.nbytes
     copies = child_copies(items, placements, segment.base.data_ptr())
     assert copies is not None
-    snap = fork_snapshot(copies, segment.base.data_ptr(), nbytes)
+    snap = fork_snapshot(copies, segment, nbytes)
     for t in tensors:
         t.fill_(float("nan"))  # training overwrites right after save() returned
     wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset, segment.nbytes)

@@ -113,3 +113,34 @@ def test_gc_paused_restores_the_collector():
         assert not gc.isenabled()  # the caller's choice stays
     finally:
         gc.enable()
+
+
+def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
+    from ckptd.api import plan_save
+    from ckptd.errors import ShardingError
+    from ckptd.mapping import ShardedObject, ShardedTensor
+    from ckptd.state_dict import split_state_dict
+
+    def sd(w, flat, obj="a"):
+        return {"w": ShardedTensor.from_rank_offsets("w", w, (0, 1, 2)),
+                "opt": ShardedTensor.from_rank_offsets_flat("opt", flat, (4, 6), (0, 0, 1),
+                                                             flattened_range=slice(5, 5 + flat.numel())),
+                "o": ShardedObject("o", obj, (1,), (0,))}
+
+    cache: dict = {}
+    first = plan_save(split_state_dict(sd(torch.randn(3, 4), torch.randn(11))), 0, cache)
+    w, flat = torch.randn(3, 4), torch.randn(11)
+    second = plan_save(split_state_dict(sd(w, flat, "b")), 0, cache)
+    plain = plan_save(split_state_dict(sd(w, flat, "b")), 0)  # no cache: the reference
+    assert [i.record for i in second] == [i.record for i in plain]
+    tensors = [(a.payload, b.payload) for a, b in zip(second, plain) if isinstance(a.payload, torch.Tensor)]
+    assert len(tensors) == len(first) - 1 >= 3  # a flattened shard stores several pieces
+    assert all(torch.equal(a, b) and a.data_ptr() == b.data_ptr() for a, b in tensors)  # views, no copy
+    assert all(a.record is b.record for a, b in zip(first, second) if a.record.kind == TENSOR)  # reused
+    assert second[-1].payload != first[-1].payload  # objects are serialized again every time
+
+    # A shard whose metadata changed is planned and checked again.
+    changed = plan_save(split_state_dict(sd(torch.randn(5, 4), flat)), 0, cache)
+    assert changed[0].record.global_shape == (10, 4) and changed[0].record is not second[0].record
+    with pytest.raises(ShardingError, match="meta"):
+        plan_save(split_state_dict(sd(torch.empty(5, 4, device="meta"), flat)), 0, cache)
