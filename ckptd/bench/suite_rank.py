@@ -234,9 +234,12 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
             h.wait()
             durable = time.perf_counter() - t0
             rec = h.record
+            # The persist window: waiting for a writer thread, then write + fsync; not the wait for
+            # the fork snapshot's copy (staging, reported as snapshot_s).
             window = (rec.write_queue_s or 0.0) + (rec.persist_s or 0.0)
             rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable), "persist_s": r.max(window),
-                         "daemon_write_s": r.max(rec.persist_s or 0.0)})
+                         "daemon_write_s": r.max(rec.persist_s or 0.0),
+                         "snapshot_s": r.max(rec.snapshot_s or 0.0)})
             r.rm(h.path)
             if ref_streams and i % 2 == 1:
                 reference()

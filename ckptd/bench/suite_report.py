@@ -128,6 +128,10 @@ def render(res: dict[str, Any]) -> str:
         L.append(f"saves ({gib:.2f} GiB; seconds; ckptd durable = committed, persist = daemon write+fsync "
                  "window; DCP persist = durable - stall):")
         L += _save_table(main["save"])
+        snap = main["save"].get("ckptd", {}).get("snapshot_s_median")
+        if snap:
+            L.append(f"  (ckptd: the fork snapshot's copy into shared memory took {snap:.3f} s, off the "
+                     "training path, between stall and persist)")
     if "small" in main:
         L.append(f"many small tensors ({main['small_tensors']} tensors, {main['small_state_bytes'] / GIB:.2f} GiB):")
         L += _save_table(main["small"])

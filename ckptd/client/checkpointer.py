@@ -63,6 +63,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptdError,
     DaemonError,
+    ProtocolError,
     SaveFailedError,
     SaveSkippedError,
 )
@@ -76,7 +77,7 @@ from .handle import SaveHandle, SaveStatus
 from .layout import LayoutCache
 from .policy import AutoInterval
 from .stats import SaveRecord, SaveStats
-from .link import DaemonLink, DaemonLostError
+from .link import DaemonLink, DaemonLostError, RequestNotTaken
 
 log = logging.getLogger(__name__)
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -166,11 +167,20 @@ class Checkpointer:
                 self._children.append(snap.pid)
             self._daemon_lost(str(exc))
             raise
-        except DaemonError:
+        except (RequestNotTaken, ProtocolError):
             if snap is not None:
                 reap([snap.pid], block=True)  # the slot is free again only once the child is done
-            pool.free.append(slot)  # refused: the daemon never took the slot
+            pool.free.append(slot)  # not sent, or refused: the daemon never took the slot
             self._layout.forget()
+            raise
+        except BaseException:
+            # No answer (timeout, interrupt): the daemon may still write this slot, so it stays
+            # taken until the daemon's SLOT_FREE for it; reusing it now could mix two saves.
+            if snap is not None:
+                self._children.append(snap.pid)
+            self._layout.forget()
+            log.warning("rank %d: no answer to the SAVE of step %d; staging slot %d stays reserved until "
+                        "the daemon frees it", self.env.rank, step, slot)
             raise
         if snap is not None:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
@@ -386,6 +396,7 @@ class Checkpointer:
             h = self._pending.get(msg.step)
             if h is not None:
                 h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
+                h.record.snapshot_s = msg.snapshot_s
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
             if h is not None:

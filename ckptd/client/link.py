@@ -40,6 +40,13 @@ class DaemonLostError(DaemonError):
     """The node daemon died (or was replaced) while this rank depended on it."""
 
 
+class RequestNotTaken(DaemonError):
+    """The daemon certainly did not act on a request: it was never sent, or answered ERROR.
+
+    (A request that timed out raises plain DaemonError: the daemon may still act on it.)
+    """
+
+
 class DaemonLink:
     def __init__(self, ep: Endpoints, env: JobEnv, config: CkptdConfig, codec: Codec,
                  on_notify: Callable[[Message], None]) -> None:
@@ -138,7 +145,7 @@ class DaemonLink:
         if self.endpoint is None:
             raise DaemonLostError("not connected to the node daemon")
         if not self.endpoint.send(msg):
-            raise DaemonError(f"could not send {msg.TYPE.name} to the node daemon within "
+            raise RequestNotTaken(f"could not send {msg.TYPE.name} to the node daemon within "
                               f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}")
 
     def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None) -> M:
@@ -155,7 +162,7 @@ class DaemonLink:
             if isinstance(reply, reply_type):
                 return reply
             if isinstance(reply, ErrorReply):
-                raise DaemonError(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
+                raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
             self.on_notify(reply)
 
     def pump(self, timeout_s: float = 0.0) -> None:

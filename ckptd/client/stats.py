@@ -24,6 +24,7 @@ class SaveRecord:
     queue_wait_s: float
     persist_s: float | None = None  # daemon write + fsync of this rank's file (SLOT_FREE)
     write_queue_s: float | None = None  # the write's wait for a daemon writer thread
+    snapshot_s: float | None = None  # then its wait for the snapshot child's copy (fork snapshots)
     commit_latency_s: float | None = None  # save() returned -> COMMITTED known on this rank
     status: str = "pending"
 

@@ -189,6 +189,7 @@ class SlotFree(Message):
     step: int
     write_s: float  # how long the daemon took to write and fsync the rank's data file
     queue_s: float  # how long the write waited for a writer thread
+    snapshot_s: float  # how long the write then waited for the rank's snapshot child to finish copying
 
 
 @dataclass(frozen=True)

@@ -320,12 +320,13 @@ class NodeDaemon:
         queued_s = time.monotonic()
         key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common, nbytes)
 
-        def job() -> tuple[list[ItemRecord], float, float]:
-            if snapshot is not None:
-                snapshot.wait(seg, cfg.snapshot_timeout_s)
+        def job() -> tuple[list[ItemRecord], float, float, float]:
             started_s = time.monotonic()
-            stored = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums)
-            return stored, started_s - queued_s, time.monotonic() - started_s
+            stored = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums,
+                                     snapshot, cfg.snapshot_timeout_s)
+            # The write overlaps the snapshot child's copy; the time it only waited is reported apart.
+            waited_s = snapshot.waited_s if snapshot is not None else 0.0
+            return stored, started_s - queued_s, time.monotonic() - started_s - waited_s, waited_s
 
         self.metrics.save_received(msg.step)
         self.workers.write(key, job)
@@ -365,9 +366,9 @@ class NodeDaemon:
         if pool is not None:
             pool.busy.discard(slot)
             self.pools.collect()
-        stored, queue_s, write_s = done.result if done.error is None else ([], 0.0, 0.0)
+        stored, queue_s, write_s, snapshot_s = done.result if done.error is None else ([], 0.0, 0.0, 0.0)
         self.metrics.write_finished(step, nbytes, write_s, queue_s, ok=done.error is None)
-        self.ranks.send(SlotFree(generation, slot, step, write_s, queue_s), identity, block=False)
+        self.ranks.send(SlotFree(generation, slot, step, write_s, queue_s, snapshot_s), identity, block=False)
         live = step in self.steps and identity in self.steps[step].notify
         if done.error is None and live:
             records = [r.to_wire() for r in stored]

@@ -1,10 +1,12 @@
-"""Waiting for a rank's snapshot child (ckptd.staging.fork) before writing its slot.
+"""Waiting for a rank's snapshot child (ckptd.staging.fork) while writing its slot.
 
 A SAVE whose shards are copied by a forked child names the child's pid and the seal it writes
 after its last copy. The daemon opens a pidfd for the child when the SAVE arrives (the rank reaps
-the child only after the SAVE was acknowledged, so the pid cannot have been reused by then); the
-writer thread waits for the child to exit, then checks the seal. No seal: the child died before
-it finished, and the save fails with that reason instead of persisting half-copied shards.
+the child only after the SAVE was acknowledged, so the pid cannot have been reused by then). The
+child publishes its progress after each copy, so the writer thread writes each item as soon as
+its bytes are complete (copy and disk write overlap), and before the file is published it
+checks the seal. No seal: the child died before it finished, and the save fails with that reason
+instead of persisting half-copied shards.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import StagingError
-from ..staging.fork import SEAL_NBYTES
+from ..staging.fork import PROGRESS_NBYTES, SEAL_NBYTES
 from ..staging.segment import ShmSegment
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
@@ -29,10 +31,12 @@ class SnapshotWait:
     seal: bytes
     seal_offset: int
     pidfd: int = -1
+    waited_s: float = 0.0  # time spent waiting for the child, in total
 
     @classmethod
     def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int, slot_nbytes: int) -> "SnapshotWait":
-        if pid <= 1 or len(seal) != SEAL_NBYTES or not 0 <= seal_offset <= slot_nbytes - SEAL_NBYTES:
+        if pid <= 1 or len(seal) != SEAL_NBYTES or \
+                not 0 <= seal_offset <= slot_nbytes - SEAL_NBYTES - PROGRESS_NBYTES:
             raise StagingError(f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
                                f"at {seal_offset} of a {slot_nbytes}-byte slot)")
         wait = cls(rank, pid, seal, seal_offset)
@@ -49,22 +53,59 @@ class SnapshotWait:
             os.close(self.pidfd)
         self.pidfd = -1
 
-    def wait(self, seg: ShmSegment, timeout_s: float) -> None:
-        """Return once the child exited having sealed the slot; raise StagingError otherwise."""
+    def progress(self, seg: ShmSegment) -> int:
+        """Slot bytes the child has copied (every byte below this offset is final)."""
+        return int.from_bytes(seg.view(self.seal_offset + SEAL_NBYTES, PROGRESS_NBYTES), "little")
+
+    def sealed(self, seg: ShmSegment) -> bool:
+        return bytes(seg.view(self.seal_offset, SEAL_NBYTES)) == self.seal
+
+    def wait_for(self, seg: ShmSegment, end: int, timeout_s: float) -> None:
+        """Return once the slot's bytes below ``end`` are copied; raise StagingError if the child
+        exited (or ran past ``timeout_s``) without copying them."""
+        if self.progress(seg) >= end:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         try:
-            if not self._wait_exit(timeout_s):
-                raise StagingError(
-                    f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
-                    f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
+            while self.progress(seg) < end:
+                if self._wait_exit(0.002):  # sleeps until the next poll, or wakes at the exit
+                    if self.progress(seg) < end or not self.sealed(seg):
+                        raise self._died()
+                    return
+                if time.monotonic() > deadline:
+                    raise StagingError(
+                        f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
+                        f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
+        finally:
+            self.waited_s += time.monotonic() - t0
+
+    def wait(self, seg: ShmSegment, timeout_s: float) -> None:
+        """Return once the child has copied everything and sealed the slot; raise StagingError
+        otherwise. Closes the pidfd."""
+        try:
+            t0 = time.monotonic()
+            while not self.sealed(seg):
+                if self._wait_exit(0.002):
+                    if not self.sealed(seg):
+                        raise self._died()
+                    break
+                if time.monotonic() > t0 + timeout_s:
+                    raise StagingError(
+                        f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
+                        f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
+            self.waited_s += time.monotonic() - t0
         finally:
             self.close()
-        if bytes(seg.view(self.seal_offset, SEAL_NBYTES)) != self.seal:
-            raise StagingError(
-                f"rank {self.rank}: snapshot process {self.pid} exited before it had copied every "
-                "shard (killed, or out of memory?); this save is not persisted. Later saves retry; "
-                "CKPTD_SNAPSHOT=copy stages inside save() instead")
+
+    def _died(self) -> StagingError:
+        return StagingError(
+            f"rank {self.rank}: snapshot process {self.pid} exited before it had copied every "
+            "shard (killed, or out of memory?); this save is not persisted. Later saves retry; "
+            "CKPTD_SNAPSHOT=copy stages inside save() instead")
 
     def _wait_exit(self, timeout_s: float) -> bool:
+        """Whether the child has exited, waiting up to ``timeout_s`` for it."""
         if self.pidfd >= 0:
             poller = select.poll()
             poller.register(self.pidfd, select.POLLIN)

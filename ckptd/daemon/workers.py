@@ -28,6 +28,7 @@ from ..format.layout import data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_from_name
 from ..staging.pool import Placement, slot_view
 from ..staging.segment import ShmSegment
+from .snapshot import SnapshotWait
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,13 @@ def planned_items(seg: ShmSegment, req: WriteRequest) -> list[PlannedItem]:
 
 
 def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener: Opener, fsync: bool,
-                    checksums: bool) -> list[ItemRecord]:
+                    checksums: bool, snapshot: SnapshotWait | None = None,
+                    snapshot_timeout_s: float = 0.0) -> list[ItemRecord]:
     """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns stored records.
+
+    With a ``snapshot`` (the rank's fork child is still copying into the slot), each item is
+    written once the child has copied it, and the file is published only after the child sealed
+    the slot; a child that died early fails the write.
 
     The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*.
     A write that outlives its step (aborted, then committed by a newer attempt) therefore never
@@ -137,8 +143,16 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
     except OSError as exc:
         raise StorageError.from_oserror(exc, directory) from exc
     items = planned_items(seg, req)
+    ready = None
+    if snapshot is not None:
+        ends = [p.offset + p.nbytes for p in req.placements]
+
+        def ready(i: int) -> None:
+            snapshot.wait_for(seg, ends[i], snapshot_timeout_s)
     try:
-        stored = write_data_file(directory, part, items, opener, fsync, checksums)
+        stored = write_data_file(directory, part, items, opener, fsync, checksums, ready)
+        if snapshot is not None:
+            snapshot.wait(seg, snapshot_timeout_s)  # sealed: every byte written was final
         os.rename(directory / part, directory / name)
         if fsync:
             os.fsync(dir_fd)  # the new name is durable before WRITTEN goes out
@@ -153,6 +167,8 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
     finally:
         del items
         os.close(dir_fd)
+        if snapshot is not None:
+            snapshot.close()
     stored = [dataclasses.replace(r, relative_path=name) for r in stored]
     nbytes = sum(p.nbytes for p in req.placements)
     dt = time.perf_counter() - t0

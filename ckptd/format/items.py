@@ -13,7 +13,7 @@ import os
 import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -218,16 +218,19 @@ def write_data_file(
     opener: Opener = open_data_file,
     fsync: bool = True,
     checksums: bool = True,
+    ready: Callable[[int], None] | None = None,
 ) -> list[ItemRecord]:
     """Write ``items`` into ``directory/file_name``, fsync it, and return the stored records.
 
     With ``checksums`` each record carries the CRC-32 of its item's bytes (``ItemRecord.crc32``),
     computed as the bytes are written (see :class:`ItemSink`); ``ckptd verify`` checks them.
+    ``ready(i)`` is called before item ``i`` is written and returns once its payload is complete
+    (the daemon: a snapshot child may still be copying later items).
     """
     if checksums:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32") as executor:
-            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor)
-    return _write_data_file(directory, file_name, items, opener, fsync, checksums, None)
+            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready)
+    return _write_data_file(directory, file_name, items, opener, fsync, checksums, None, ready)
 
 
 def _write_data_file(
@@ -238,6 +241,7 @@ def _write_data_file(
     fsync: bool,
     checksums: bool,
     crc_executor: Executor | None,
+    ready: Callable[[int], None] | None,
 ) -> list[ItemRecord]:
     path = os.path.join(directory, file_name)
     stored: list[ItemRecord] = []
@@ -245,7 +249,9 @@ def _write_data_file(
         keeper = _OSErrorKeeper(raw)
         sink = ItemSink(keeper, checksums, crc_executor)
         writeback = _Writeback(raw) if fsync else None
-        for item in items:
+        for i, item in enumerate(items):
+            if ready is not None:
+                ready(i)
             sink.begin()
             try:
                 write_item(sink, item.payload)

@@ -40,7 +40,9 @@ from .segment import ShmSegment
 log = logging.getLogger(__name__)
 
 SEAL_NBYTES = 16
-# Room reserved after a save's bytes in its slot for the seal (keeps the seal 64-byte aligned).
+# After the seal: the child's progress, a little-endian uint64: every slot byte below it is copied.
+PROGRESS_NBYTES = 8
+# Room reserved after a save's bytes in its slot for seal and progress (64-byte aligned).
 SEAL_ROOM_NBYTES = 64
 
 
@@ -89,21 +91,23 @@ def fork_snapshot(copies: list[tuple[int, int, int]], segment: ShmSegment, nbyte
         raise StagingError(f"segment {segment.name} is not mapped")
     at = seal_offset(nbytes)
     seal = secrets.token_bytes(SEAL_NBYTES)
-    ctypes.memset(segment.base.data_ptr() + at, 0, SEAL_NBYTES)  # no stale seal of an earlier save
+    # No stale seal or progress of an earlier save in this slot.
+    ctypes.memset(segment.base.data_ptr() + at, 0, SEAL_NBYTES + PROGRESS_NBYTES)
     path = str(segment.path)
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        _child(copies, path, at, seal)
+        _child(copies, path, at, seal, nbytes)
     return Snapshot(pid, seal, at)
 
 
-def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes) -> None:
-    """Copy with ``pwrite`` into the segment's file, then seal. Not through the mapping: fork()
-    does not copy the page tables of shared mappings, so writing the slot through memory would
-    fault on every 4 KiB page (0.9 s for 2 GiB here, against 0.45 s by pwrite)."""
+def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes, nbytes: int) -> None:
+    """Copy with ``pwrite`` into the segment's file in slot order, publishing the progress after
+    each copy (the daemon writes an item to disk as soon as it is complete), then the seal. Not
+    through the mapping: fork() does not copy the page tables of shared mappings, so writing the
+    slot through memory would fault on every 4 KiB page (0.9 s for 2 GiB here, 0.45 s by pwrite)."""
     code = 1
     try:
         os.setsid()
@@ -113,11 +117,14 @@ def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes) 
             except (ValueError, OSError):
                 pass
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        for offset, src, n in copies:
+        progress_at = at + SEAL_NBYTES
+        for offset, src, n in sorted(copies):
             view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
             while view.nbytes:
                 done = os.pwrite(fd, view[:_CHUNK_NBYTES], offset)
                 view, offset = view[done:], offset + done
+            os.pwrite(fd, offset.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
+        os.pwrite(fd, nbytes.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
         os.pwrite(fd, seal, at)
         os.close(fd)
         code = 0

@@ -99,7 +99,9 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(var, raising=False)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    # One slot: a refused SAVE must give its slot back, or the next save would wait forever.
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
+                                     slot_wait_timeout_s=20)
     sent: list[int] = []
     tensors = {f"t{i}": torch.randn(3, 5) for i in range(50)}
 

@@ -50,7 +50,11 @@ def test_child_copies_the_values_at_fork_time(segment):
     for t in tensors:
         t.fill_(float("nan"))  # training overwrites right after save() returned
     wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset, segment.nbytes)
+    for p in placements:  # as the daemon's writer does: each item once the child has copied it
+        wait.wait_for(segment, p.offset + p.nbytes, timeout_s=30)
+        assert wait.progress(segment) >= p.offset + p.nbytes
     wait.wait(segment, timeout_s=30)
+    assert wait.progress(segment) == nbytes and wait.sealed(segment)
     assert reap([snap.pid], block=True) == []
     for t, p, ref in zip(tensors, placements, expected):
         assert torch.equal(slot_view(segment.base, p, torch.float32, ref.shape), ref)
@@ -69,6 +73,9 @@ def test_a_child_that_dies_before_sealing_fails_the_save(segment):
     pid = os.fork()
     if pid == 0:
         os._exit(0)  # exits without copying or sealing: as if killed half-way
+    wait = SnapshotWait.open(3, pid, secrets.token_bytes(SEAL_NBYTES), 4096, segment.nbytes)
+    with pytest.raises(StagingError, match=f"rank 3: snapshot process {pid} exited before it had copied"):
+        wait.wait_for(segment, 100, timeout_s=30)  # nothing was copied: no progress, no seal
     wait = SnapshotWait.open(3, pid, secrets.token_bytes(SEAL_NBYTES), 4096, segment.nbytes)
     with pytest.raises(StagingError, match=f"rank 3: snapshot process {pid} exited before it had copied"):
         wait.wait(segment, timeout_s=30)
