@@ -173,9 +173,6 @@ class ItemSink:
         self._start = start
         self._f.write(held)
 
-    def tell(self) -> int:
-        return self._f.tell() + (len(self._held) if self._held is not None else 0)
-
     def flush(self) -> None:
         """Called by torch.save after each item; the file is flushed once, at its end."""
 

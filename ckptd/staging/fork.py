@@ -9,11 +9,12 @@ the ``fork()`` itself (copying page tables: ~20 ms per GiB of trainer memory on 
 measured on the CI machine) instead of a copy of every byte; what moves out of the stall is the
 first write to each page during the child's copy (a page fault plus a 4 KiB copy).
 
-The child proves it finished by writing a random *seal* after its last copy. It runs in a new
-session, so a signal to the trainer's process group (torchrun stopping workers) does not kill it
-half-way, and a trainer killed right after ``save()`` returned still gets its checkpoint. The
-node daemon waits for the child's exit (pidfd) and checks the seal before it writes anything
-(ckptd.daemon.workers): a child that died early fails the save, it never writes half a copy.
+The child copies in slot order and publishes its progress after each item, then proves it
+finished by writing a random *seal*. It runs in a new session, so a signal to the trainer's
+process group (torchrun stopping workers) does not kill it half-way, and a trainer killed right
+after ``save()`` returned still gets its checkpoint. The node daemon writes each item once the
+child's progress covers it and publishes the file only once the seal is there
+(ckptd.daemon.snapshot): a child that died early fails the save, half a copy is never persisted.
 
 Only plain CPU tensors and bytes are copied by the child; anything else (CUDA tensors, strided
 views) makes :func:`child_copies` return None and the save stages in the trainer, as without fork.
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.items import PlannedItem
 from ..errors import StagingError
+from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, _plain_cpu_bytes
 from .segment import ShmSegment
 
