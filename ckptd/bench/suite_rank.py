@@ -18,7 +18,6 @@ allocates its pool then, DCP PROCESS starts its checkpoint process).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -31,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ckptd.format.items import libc_sync_file_range
 
 GIB = 1 << 30
 DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process")
@@ -129,15 +130,6 @@ def memcpy_s(r: Rank, state: dict[str, torch.Tensor], repeats: int = 3) -> float
     return min(times)
 
 
-def _libc_sync_file_range() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
 REF_VARIANTS = {"1 stream": (1, False), "N streams": (0, False), "1 stream, early writeback": (1, True)}
 
 
@@ -147,7 +139,7 @@ def write_fsync_s(directory: Path, nbytes: int, streams: int, writeback: bool = 
     ``streams`` files written by as many threads, each fsynced; the files are removed again.
     ``writeback``: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` after every chunk, so the disk
     starts while the rest is written (what ckptd's writer does)."""
-    sync_file_range = _libc_sync_file_range() if writeback else None
+    sync_file_range = libc_sync_file_range() if writeback else None
     buf = memoryview(torch.ones(chunk_nbytes // 4).numpy()).cast("B")
     per = nbytes // streams
     paths = [directory / f"write-ref-{i}.bin" for i in range(streams)]

@@ -268,7 +268,7 @@ def _write_data_file(
     return stored
 
 
-def _sync_file_range() -> Any:
+def libc_sync_file_range() -> Any:
     """libc's ``sync_file_range`` (Linux), or None."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -279,7 +279,7 @@ def _sync_file_range() -> Any:
     return fn
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE = libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 # Start the writeback of a data file every this many bytes written.
 WRITEBACK_NBYTES = 32 << 20
