@@ -15,6 +15,7 @@ import os
 import select
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import StagingError
 from ..staging.fork import PROGRESS_NBYTES, SEAL_NBYTES
@@ -63,40 +64,33 @@ class SnapshotWait:
     def wait_for(self, seg: ShmSegment, end: int, timeout_s: float) -> None:
         """Return once the slot's bytes below ``end`` are copied; raise StagingError if the child
         exited (or ran past ``timeout_s``) without copying them."""
-        if self.progress(seg) >= end:
-            return
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        try:
-            while self.progress(seg) < end:
-                if self._wait_exit(0.002):  # sleeps until the next poll, or wakes at the exit
-                    if self.progress(seg) < end or not self.sealed(seg):
-                        raise self._died()
-                    return
-                if time.monotonic() > deadline:
-                    raise StagingError(
-                        f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
-                        f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
-        finally:
-            self.waited_s += time.monotonic() - t0
+        self._until(seg, lambda: self.progress(seg) >= end, timeout_s)
 
     def wait(self, seg: ShmSegment, timeout_s: float) -> None:
         """Return once the child has copied everything and sealed the slot; raise StagingError
         otherwise. Closes the pidfd."""
         try:
-            t0 = time.monotonic()
-            while not self.sealed(seg):
-                if self._wait_exit(0.002):
-                    if not self.sealed(seg):
+            self._until(seg, lambda: self.sealed(seg), timeout_s)
+        finally:
+            self.close()
+
+    def _until(self, seg: ShmSegment, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Poll ``ready()`` until it holds; a child that exits first must have sealed the slot."""
+        if ready():
+            return
+        t0 = time.monotonic()
+        try:
+            while not ready():
+                if self._wait_exit(0.002):  # sleeps until the next poll, or wakes at the exit
+                    if not (ready() and self.sealed(seg)):
                         raise self._died()
-                    break
+                    return
                 if time.monotonic() > t0 + timeout_s:
                     raise StagingError(
                         f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
                         f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
-            self.waited_s += time.monotonic() - t0
         finally:
-            self.close()
+            self.waited_s += time.monotonic() - t0
 
     def _died(self) -> StagingError:
         return StagingError(
