@@ -112,10 +112,6 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
 
         if config.daemon_nice > 0:
             os.nice(config.daemon_nice)
-        if config.checksums:
-            from ..format.items import omit_zip_crc32
-
-            omit_zip_crc32()
         token = load_token(ep, config)
         stale = unlink_segments(ep.shm_prefix)
         if stale:
