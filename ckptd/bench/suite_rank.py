@@ -242,7 +242,7 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
     return out
 
 
-def _dcp_stager(kind: str, cuda: bool = False) -> Any:
+def dcp_stager(kind: str, cuda: bool = False) -> Any:
     """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
     buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
     staged tensors reach its checkpoint process without another copy. A CUDA state is staged
@@ -267,7 +267,7 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
 
     nbytes = int(r.sum(state_nbytes(state)))
     cuda = any(v.is_cuda for v in state.values())
-    stager = None if kind == "dcp_save" else _dcp_stager(kind, cuda)
+    stager = None if kind == "dcp_save" else dcp_stager(kind, cuda)
     rows = []
     try:
         for i in range(repeats + 1):
@@ -285,7 +285,7 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
                     # stage() raises KeyError: <class 'type'>), so each save gets a new one, as
                     # async_save builds when given none: its pinned buffers are allocated per save.
                     stager.close()
-                    stager = _dcp_stager(kind, cuda)
+                    stager = dcp_stager(kind, cuda)
                 fut = dcp_async(state, d, kind, stager)
                 stall = time.perf_counter() - t0
                 fut.result()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .suite_rank import Rank, _dcp_stager, checkpointer, dcp_async, sharded
+from .suite_rank import Rank, checkpointer, dcp_async, dcp_stager, sharded
 
 MODES = ("none", "ckptd", "dcp_async_process")
 
@@ -72,7 +72,7 @@ def _loop(r: Rank, mode: str, state: dict[str, torch.Tensor], n: int, every: int
     base = Path(r.spec["dir"]) / f"train-{mode}"
     stalls: list[float] = []
     ckpt = checkpointer(r) if mode == "ckptd" else None
-    stager = _dcp_stager(mode) if mode == "dcp_async_process" else None
+    stager = dcp_stager(mode) if mode == "dcp_async_process" else None
     pending: Any = None
 
     def save(step: int) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +52,24 @@ def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
     prefix = data["config"]["shm_prefix"]
     assert prefix.startswith("ckptd-bn") and not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+@pytest.mark.timeout(150)
+def test_bench_save_tiny_measures_dcp_first_and_cleans_up(tmp_path):
+    """``ckptd bench save`` (the asynchronous-save targets) end to end: DCP's plain async_save
+    and a reused stager, ckptd, the pool phase; a real daemon, nothing left behind."""
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("ckptd")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "bench", "save", "--ranks", "2", "--state-gib", "0.03",
+         "--tensor-mib", "4", "--repeats", "1", "--pool-saves", "2", "--pool-state-gib", "0.01",
+         "--dir", str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=140, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("torch DCP save (sync):", "torch DCP async_save PROCESS: stall",
+                 "with one stager reused:", "ckptd Checkpointer.save: stall", "pool over 2 saves",
+                 "stall / DCP-async stall =", "committed / DCP sync save ="):
+        assert line in out, out
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == []  # every checkpoint removed
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("ckptd")} <= shm_before
