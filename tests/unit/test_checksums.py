@@ -2,9 +2,9 @@
 
 import io
 import pickle
-import threading
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
@@ -40,11 +40,8 @@ def _zip_crcs(item: bytes) -> list[int]:
 
 def _write_on_thread(*args, **kwargs):
     """write_data_file on a fresh thread, as the daemon's writer pool runs it."""
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("stored", write_data_file(*args, **kwargs)))
-    t.start()
-    t.join()
-    return out["stored"]
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(write_data_file, *args, **kwargs).result()
 
 
 def test_crc_covers_exactly_each_items_bytes_and_replaces_the_zip_crc(tmp_path):
