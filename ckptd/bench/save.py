@@ -40,7 +40,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -108,62 +108,64 @@ def _dcp_sync(state: dict, base: Path, repeats: int) -> list[float]:
     return times
 
 
+def _timed_saves(state: dict, repeats: int,
+                 start: Callable[[int], tuple[Callable[[], Any], Path]]) -> list[tuple[float, float]]:
+    """``(stall, commit)`` of ``repeats + 1`` saves (the first is the warm-up), slowest rank each.
+
+    ``start(i)`` begins save ``i`` and returns how to wait for it and the directory it wrote;
+    between the two the state is rewritten in place, as training does.
+    """
+    rows = []
+    for i in range(repeats + 1):
+        _barrier()
+        t0 = time.perf_counter()
+        wait, path = start(i)
+        stall = time.perf_counter() - t0
+        for t in state.values():
+            t.add_(1.0)  # training goes on
+        wait()
+        commit = time.perf_counter() - t0
+        rows.append((_max_over_ranks(stall), _max_over_ranks(commit)))
+        _rm(path)
+    return rows
+
+
 def _dcp_async(state: dict, base: Path, repeats: int, reuse_stager: bool) -> tuple[list[float], list[float]]:
     """``async_save`` PROCESS: as written (a stager per call), or with one stager kept across saves."""
     from .suite_rank import dcp_async, dcp_stager, stop_dcp_process
 
     kind = "dcp_async_process"
-    stalls, commits = [], []
     stager = dcp_stager(kind) if reuse_stager else None
+
+    def start(i: int) -> tuple[Callable[[], Any], Path]:
+        d = base / f"dcp_async_{i}"
+        return dcp_async(state, d, kind, stager).result, d
+
     try:
-        for i in range(repeats + 1):
-            d = base / f"dcp_async_{i}"
-            _barrier()
-            t0 = time.perf_counter()
-            fut = dcp_async(state, d, kind, stager)
-            stall = time.perf_counter() - t0
-            for t in state.values():
-                t.add_(1.0)  # training goes on
-            fut.result()
-            commit = time.perf_counter() - t0
-            stall, commit = _max_over_ranks(stall), _max_over_ranks(commit)
-            _rm(d)
-            if i:
-                stalls.append(stall)
-                commits.append(commit)
+        rows = _timed_saves(state, repeats, start)[1:]
     finally:
         if stager is not None:
             stager.close()
         stop_dcp_process()  # its memory (a copy of the state) is gone before the next phase
-    return stalls, commits
+    return [r[0] for r in rows], [r[1] for r in rows]
 
 
 def _ckptd(state: dict, base: Path, repeats: int) -> dict[str, Any]:
     import ckptd
     from ckptd import ShardedTensor
 
-    out: dict[str, Any] = {"ckptd_stall_s": [], "ckptd_commit_s": []}
     _rm(base / "ckptd")
+    sd = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
     with ckptd.Checkpointer(base / "ckptd") as ckpt:
-        for i in range(repeats + 1):
-            sd = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
-            _barrier()
-            t0 = time.perf_counter()
+
+        def start(i: int) -> tuple[Callable[[], Any], Path]:
             h = ckpt.save(sd, step=i)
-            stall = time.perf_counter() - t0
-            for t in state.values():
-                t.add_(1.0)  # training goes on
-            h.wait()
-            commit = time.perf_counter() - t0
-            stall, commit = _max_over_ranks(stall), _max_over_ranks(commit)
-            _rm(h.path)
-            if i == 0:
-                out["ckptd_first_stall_s"] = stall
-                continue
-            out["ckptd_stall_s"].append(stall)
-            out["ckptd_commit_s"].append(commit)
+            return h.wait, h.path
+
+        rows = _timed_saves(state, repeats, start)
     _rm(base / "ckptd")
-    return out
+    return {"ckptd_first_stall_s": rows[0][0], "ckptd_stall_s": [r[0] for r in rows[1:]],
+            "ckptd_commit_s": [r[1] for r in rows[1:]]}
 
 
 def _pool_memory(base: Path, nbytes: int, tensor_nbytes: int, saves: int, rank: int) -> list[dict]:
