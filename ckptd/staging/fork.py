@@ -35,7 +35,7 @@ import torch
 
 from ..errors import StagingError
 from ..format.items import PlannedItem
-from .pool import Placement, StagingPool, _plain_cpu_bytes
+from .pool import Placement, StagingPool, plain_cpu_bytes
 from .segment import ShmSegment
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def child_copies(items: list[PlannedItem], placements: list[Placement],
     for item, p in zip(items, placements):
         src = item.payload
         if isinstance(src, torch.Tensor):
-            if not _plain_cpu_bytes(src):
+            if not plain_cpu_bytes(src):
                 return None
             if p.nbytes:
                 copies.append((p.offset, src.data_ptr(), p.nbytes))

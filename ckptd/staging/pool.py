@@ -37,7 +37,7 @@ _PAGE = 4096
 MEMMOVE_MAX_NBYTES = 1 << 20
 
 
-def _plain_cpu_bytes(t: torch.Tensor) -> bool:
+def plain_cpu_bytes(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements are exactly its ``numel * element_size`` bytes at ``data_ptr()``."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
             and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg())
@@ -149,7 +149,7 @@ class StagingPool:
         for item, p in zip(items, placements):
             src = item.payload
             if isinstance(src, torch.Tensor):
-                if p.nbytes < MEMMOVE_MAX_NBYTES and _plain_cpu_bytes(src):
+                if p.nbytes < MEMMOVE_MAX_NBYTES and plain_cpu_bytes(src):
                     # One memmove (GIL released): a view plus copy_ costs ~10 us per item, which
                     # dominates the copy of a small tensor (10,000 of them: 0.1 s).
                     ctypes.memmove(base_ptr + p.offset, src.data_ptr(), p.nbytes)
