@@ -51,9 +51,17 @@ def loads_bit_exact(ckpt: ckptd.Checkpointer, step: int) -> None:
 
 
 def tmp_leftovers(root: Path) -> list[str]:
-    """Partial saves still in the root: ``*.tmp`` directories and ``.part`` files anywhere."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith((".tmp", ".part"))
-                  and p.name != "latest.tmp")
+    """Partial saves still in the root: ``*.tmp`` directories and ``.part`` files anywhere.
+
+    The daemon may be removing an aborted step's directory while this looks, so a directory that
+    vanishes mid-walk counts as gone (``os.walk`` skips it) instead of failing the scan as
+    ``Path.rglob`` does."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            if name.endswith((".tmp", ".part")) and name != "latest.tmp":
+                found.append(str((Path(dirpath) / name).relative_to(root)))
+    return sorted(found)
 
 
 def wait_until(cond: Any, timeout_s: float, what: str) -> None:
