@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,8 +48,17 @@ from .state_dict import SplitStateDict, path_str, split_state_dict
 log = logging.getLogger(__name__)
 
 
-# path -> (signature, records, flat start of each record's piece): see plan_save.
-PlanCache = dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...]]]
+@dataclass
+class PlanCache:
+    """What :func:`plan_save` may reuse on a Checkpointer's next save.
+
+    ``entries``: per state-dict path, the ShardedTensor's signature, its checked records, the flat
+    start of each record's piece, and whether its single item's payload is ``data`` itself.
+    ``checked``: the last record list that passed the duplicate check.
+    """
+
+    entries: dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]] = field(default_factory=dict)
+    checked: tuple[ItemRecord, ...] = ()
 
 
 def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) -> list[PlannedItem]:
@@ -58,32 +68,41 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
     without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
     With a ``cache`` (a Checkpointer's, across its saves), a ShardedTensor whose metadata, data
     shape, dtype and device equal the previous save's at the same path reuses that save's
-    checked records: only its payload views are made again.
+    checked records: only its payload views are made again; and a record list equal to the last
+    one checked is not checked for duplicates again.
     """
     items: list[PlannedItem] = []
-    fresh: PlanCache = {}
+    fresh: dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]] = {}
+    old = cache.entries if cache is not None else {}
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):
             sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
-            hit = cache.get(path) if sig is not None else None  # type: ignore[union-attr]
+            hit = old.get(path) if sig is not None else None
             if hit is not None and hit[0] == sig:
-                records, starts = hit[1], hit[2]
-                items.extend(PlannedItem(r, p) for r, p in zip(records, tensor_payloads(sh, records, starts)))
+                records = hit[1]
+                if hit[3]:
+                    items.append(PlannedItem(records[0], sh.data))  # type: ignore[arg-type]
+                else:
+                    items.extend(PlannedItem(r, p) for r, p in zip(records, tensor_payloads(sh, records, hit[2])))
             else:
                 _check_tensor_data(sh, path, rank)
                 planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
                 items.extend(planned)
                 if sig is not None:
                     records = tuple(i.record for i in planned)
-                    hit = (sig, records, piece_starts(sh) if planned else ())
+                    direct = len(planned) == 1 and planned[0].payload is sh.data
+                    hit = (sig, records, piece_starts(sh) if planned else (), direct)
             if sig is not None:
                 fresh[path] = hit  # type: ignore[assignment]
         elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
-    check_local_duplicates([i.record for i in items], rank)
+    records = tuple(i.record for i in items)
+    # Equal records pass the check equally; the comparison is by identity for reused records.
+    if cache is None or records != cache.checked:
+        check_local_duplicates(records, rank)
     if cache is not None:
-        cache.clear()
-        cache.update(fresh)
+        cache.entries = fresh
+        cache.checked = records
     return items
 
 
@@ -94,7 +113,7 @@ def _tensor_signature(sh: ShardedTensor) -> tuple:
     return (sh.key, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset, sh.axis_fragmentations,
             sh.replica_id, sh.prepend_axis_num, sh.allow_shape_mismatch,
             None if fr is None else (fr.start, fr.stop, fr.step),
-            d.dtype, d.shape, d.device, d.layout)  # type: ignore[union-attr]
+            d.dtype, d.shape, d.is_cpu or d.device, d.layout)  # type: ignore[union-attr]
 
 
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:

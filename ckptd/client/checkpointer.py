@@ -108,7 +108,7 @@ class Checkpointer:
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
-        self._plan_cache: PlanCache = {}  # checked records of the last save (ckptd.api.plan_save)
+        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.api.plan_save)
         self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
@@ -156,8 +156,14 @@ class Checkpointer:
         queue_wait_s = time.perf_counter() - t_slot
         if slot is None:
             return self._skip(step, t0, nbytes)
-        snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
+        # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout = self._layout.items_for(pool.generation, items, placements)
+        try:
+            snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
+        except BaseException:
+            pool.free.append(slot)  # no child was left copying into it, nothing was sent
+            self._layout.forget()
+            raise
         msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout,
                    snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from typing import Sequence
 
 from ..errors import ShardingError
 from .records import BYTES, TENSOR, ItemRecord
@@ -127,7 +128,7 @@ def _uncovered_element(items: list[ItemRecord], limit: int = 4096) -> tuple[int,
     return None
 
 
-def check_local_duplicates(records: list[ItemRecord], rank: int) -> None:
+def check_local_duplicates(records: Sequence[ItemRecord], rank: int) -> None:
     """Cheap rank-local check run before any collective: one item per key and offset."""
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for r in records:

@@ -16,6 +16,7 @@ import torch
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
+from ckptd.errors import StagingError
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:
@@ -139,3 +140,34 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch):
         out = ckpt.load(state({k: torch.zeros_like(v) for k, v in tensors.items()}, -1), step=6)
         assert all(torch.equal(out[k], tensors[k]) for k in tensors)
         assert ckpt.latest() == 6
+
+
+class _Uncopyable(torch.Tensor):
+    """A tensor subclass whose copy into the staging slot fails, as a broken device copy would."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("copy refused by the tensor subclass")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, monkeypatch):
+    """save() raises a StagingError naming key and rank when a shard cannot be copied; the slot
+    it had taken is free again (one slot: otherwise the next save would wait until it times out)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
+                                     slot_wait_timeout_s=5)
+    w = torch.randn(16, 8)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        for step in (1, 2):  # twice: a lost slot would make the second save wait, then fail
+            bad = {"w": ShardedTensor.from_rank_offsets("w", w), "x": ShardedTensor.from_rank_offsets(
+                "x", torch.ones(4).as_subclass(_Uncopyable))}
+            with pytest.raises(StagingError, match=r"copying 'x' chunk at offsets \(0,\) \(rank 0\) "
+                                                         r"into staging slot 0 failed: .*copy refused"):
+                ckpt.save(bad, step=step)
+        assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"
+        assert torch.equal(_loaded(ckpt, (16, 8))["w"], w) and ckpt.latest() == 3

@@ -116,7 +116,7 @@ def test_gc_paused_restores_the_collector():
 
 
 def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
-    from ckptd.api import plan_save
+    from ckptd.api import PlanCache, plan_save
     from ckptd.errors import ShardingError
     from ckptd.mapping import ShardedObject, ShardedTensor
     from ckptd.state_dict import split_state_dict
@@ -127,7 +127,7 @@ def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
                                                              flattened_range=slice(5, 5 + flat.numel())),
                 "o": ShardedObject("o", obj, (1,), (0,))}
 
-    cache: dict = {}
+    cache = PlanCache()
     first = plan_save(split_state_dict(sd(torch.randn(3, 4), torch.randn(11))), 0, cache)
     w, flat = torch.randn(3, 4), torch.randn(11)
     second = plan_save(split_state_dict(sd(w, flat, "b")), 0, cache)
@@ -138,6 +138,13 @@ def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
     assert all(torch.equal(a, b) and a.data_ptr() == b.data_ptr() for a, b in tensors)  # views, no copy
     assert all(a.record is b.record for a, b in zip(first, second) if a.record.kind == TENSOR)  # reused
     assert second[-1].payload != first[-1].payload  # objects are serialized again every time
+
+    # A record list equal to the last checked one skips the duplicate check; any other is checked.
+    again = plan_save(split_state_dict(sd(w, flat, "b")), 0, cache)
+    assert tuple(i.record for i in again) == cache.checked
+    twice = sd(w, flat) | {"w_again": ShardedTensor.from_rank_offsets("w", w, (0, 1, 2))}
+    with pytest.raises(ShardingError, match="stores 'w' chunk at offsets .* twice"):
+        plan_save(split_state_dict(twice), 0, cache)
 
     # A shard whose metadata changed is planned and checked again.
     changed = plan_save(split_state_dict(sd(torch.randn(5, 4), flat)), 0, cache)
