@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
