@@ -48,16 +48,20 @@ from .state_dict import SplitStateDict, path_str, split_state_dict
 log = logging.getLogger(__name__)
 
 
+# A ShardedTensor's signature, its checked records, the flat start of each record's piece, and
+# whether its single item's payload is ``data`` itself.
+_PlanEntry = tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]
+
+
 @dataclass
 class PlanCache:
     """What :func:`plan_save` may reuse on a Checkpointer's next save.
 
-    ``entries``: per state-dict path, the ShardedTensor's signature, its checked records, the flat
-    start of each record's piece, and whether its single item's payload is ``data`` itself.
+    ``entries``: per state-dict path of a ShardedTensor, what its last save planned.
     ``checked``: the last record list that passed the duplicate check.
     """
 
-    entries: dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]] = field(default_factory=dict)
+    entries: dict[Any, _PlanEntry] = field(default_factory=dict)
     checked: tuple[ItemRecord, ...] = ()
 
 
@@ -72,7 +76,7 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
     one checked is not checked for duplicates again.
     """
     items: list[PlannedItem] = []
-    fresh: dict[Any, tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]] = {}
+    fresh: dict[Any, _PlanEntry] = {}
     old = cache.entries if cache is not None else {}
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):

@@ -24,14 +24,19 @@ def _sd(w: torch.Tensor, step: int) -> dict:
             "iteration": step}
 
 
+@pytest.fixture
+def single_process(monkeypatch):
+    """No torchrun variables: the Checkpointer runs as a single process (rank 0 of 1)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def _loaded(ckpt: ckptd.Checkpointer, shape: tuple[int, ...], step: int | None = None) -> dict:
     return ckpt.load(_sd(torch.zeros(shape), -1), step=step)
 
 
 @pytest.mark.timeout(120)
-def test_single_process_backpressure_retention_and_clean_exit(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_process):
     assert JobEnv.detect() == JobEnv()
     root = tmp_path / "run"
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
@@ -94,11 +99,9 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, monkeypa
 
 
 @pytest.mark.timeout(120)
-def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch):
+def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, single_process):
     """Saves of the same structure send the item list once; a changed structure sends it again;
     a layout the daemon does not hold is refused with a clear error and the next save recovers."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     # One slot: a refused SAVE must give its slot back, or the next save would wait forever.
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
@@ -153,11 +156,9 @@ class _Uncopyable(torch.Tensor):
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, monkeypatch):
+def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, single_process):
     """save() raises a StagingError naming key and rank when a shard cannot be copied; the slot
     it had taken is free again (one slot: otherwise the next save would wait until it times out)."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
                                      slot_wait_timeout_s=5)
