@@ -148,24 +148,27 @@ class StagingPool:
                                f"slot holds {self.slot_nbytes}")
         pending_streams = []
         base_ptr = base.data_ptr()
-        for item, p in zip(items, placements):
-            src = item.payload
-            if not isinstance(src, torch.Tensor):
-                ctypes.memmove(base_ptr + p.offset, bytes(src), p.nbytes)
-            elif p.nbytes < MEMMOVE_MAX_NBYTES and plain_cpu_bytes(src):
-                # One memmove (GIL released): a view plus copy_ costs ~10 us per item, which
-                # dominates the copy of a small tensor (10,000 of them: 0.1 s).
-                ctypes.memmove(base_ptr + p.offset, src.data_ptr(), p.nbytes)
-            else:
-                try:
-                    stream = self._copy_tensor(src, slot_view(base, p, src.dtype, src.shape))
-                except Exception as exc:  # a tensor subclass or device may refuse; name the item
-                    raise StagingError(f"rank {self.rank}: copying {item.record.where()} into staging "
-                                       f"slot {slot} failed: {type(exc).__name__}: {exc}") from exc
-                if stream is not None and stream not in pending_streams:
-                    pending_streams.append(stream)
-        for stream in pending_streams:
-            stream.synchronize()
+        # On failure too: no device-to-host copy may still be landing in a slot given back.
+        try:
+            for item, p in zip(items, placements):
+                src = item.payload
+                if not isinstance(src, torch.Tensor):
+                    ctypes.memmove(base_ptr + p.offset, bytes(src), p.nbytes)
+                elif p.nbytes < MEMMOVE_MAX_NBYTES and plain_cpu_bytes(src):
+                    # One memmove (GIL released): a view plus copy_ costs ~10 us per item, which
+                    # dominates the copy of a small tensor (10,000 of them: 0.1 s).
+                    ctypes.memmove(base_ptr + p.offset, src.data_ptr(), p.nbytes)
+                else:
+                    try:
+                        stream = self._copy_tensor(src, slot_view(base, p, src.dtype, src.shape))
+                    except Exception as exc:  # a tensor subclass or device may refuse; name the item
+                        raise StagingError(f"rank {self.rank}: copying {item.record.where()} into staging "
+                                           f"slot {slot} failed: {type(exc).__name__}: {exc}") from exc
+                    if stream is not None and stream not in pending_streams:
+                        pending_streams.append(stream)
+        finally:
+            for stream in pending_streams:
+                stream.synchronize()
 
     def _copy_tensor(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Copy ``src`` into the slot view ``dst``; returns the CUDA stream still copying, if any."""
