@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,7 +27,15 @@ from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
 from .format.durable import Opener, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
-from .format.items import PlannedItem, piece_starts, plan_object, plan_tensor_items, tensor_payloads, write_data_file
+from .format.items import (
+    PlannedItem,
+    piece_starts,
+    plan_bytes,
+    plan_object,
+    plan_tensor_items,
+    tensor_payloads,
+    write_data_file,
+)
 from .format.layout import (
     COMMON_PT,
     DCP_METADATA,
@@ -42,8 +50,10 @@ from .keymap import Rule
 from .load.execute import LoadStats
 from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
-from .mapping import ShardedObject, ShardedTensor, is_main_replica
-from .state_dict import SplitStateDict, path_str, split_state_dict
+from .mapping import ByteItem, ShardedObject, ShardedTensor, is_main_replica
+from .statedict.digest import common_digest, differing_ranks
+from .statedict.split import SplitStateDict, split_state_dict
+from .statedict.tree import path_str
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +101,9 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
             else:
                 _check_tensor_data(sh, path, rank)
                 planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
+                dcp_path = split.dcp_paths.get(sh.key)
+                if dcp_path is not None:
+                    planned = [PlannedItem(replace(i.record, path=dcp_path), i.payload) for i in planned]
                 items.extend(planned)
                 if sig is not None:
                     records = tuple(i.record for i in planned)
@@ -98,6 +111,9 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
                     hit = (sig, records, piece_starts(sh) if planned else (), direct)
             if sig is not None:
                 fresh[path] = hit  # type: ignore[assignment]
+        elif isinstance(sh, ByteItem):
+            if rank == 0:
+                items.append(plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ())))
         elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
     records = tuple(i.record for i in items)
@@ -136,6 +152,12 @@ def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
         raise ShardingError(
             f"{where}: data is a {type(sh.data).__name__}, not a torch.Tensor; wrap non-tensor "
             "values in ShardedObject or leave them as common state"
+        )
+    if type(sh.data) is not torch.nn.Parameter and type(sh.data) is not torch.Tensor:
+        raise ShardingError(
+            f"{where}: data is a {type(sh.data).__module__}.{type(sh.data).__qualname__}, a tensor "
+            "subclass whose bytes ckptd cannot take as the tensor's values; pass a plain tensor "
+            "(e.g. dtensor.to_local(), or the subclass's dequantized values)"
         )
     if sh.data.device.type == "meta":
         raise ShardingError(f"{where}: data is a meta tensor (no values); materialize it first")
@@ -209,21 +231,23 @@ def save(
     prepared: list[PlannedItem] = []
     common: list[bytes] = []
 
-    def prepare() -> list[dict]:
-        split = split_state_dict(sharded_state_dict)
+    def prepare() -> dict:
+        split = split_state_dict(sharded_state_dict, rank=ctx.rank, world_size=ctx.world_size)
         if ctx.rank == 0:
             check_save_target(root)
             common.append(serialize_common(split.common))
         items_ = plan_save(split, ctx.rank)
         prepared.extend(items_)
-        return [i.record.to_wire() for i in items_]
+        digest = common_digest(split.common) if ctx.world_size > 1 else None
+        return {"records": [i.record.to_wire() for i in items_], "common_digest": digest}
 
     planned = ctx.agree("checkpoint planning", prepare)
+    warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
     created_root = [False]
 
     def validate() -> None:
         if ctx.rank == 0:
-            validate_records([ItemRecord.from_wire(r) for rank_recs in planned for r in rank_recs])
+            validate_records([ItemRecord.from_wire(r) for p in planned for r in p["records"]])
             created_root[0] = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
 
@@ -266,6 +290,20 @@ def save(
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
 
 
+def warn_differing_common(digests: list[str | None], rank: int, where: str) -> None:
+    """Log (on rank 0 and on each differing rank) when a rank's common state differs from rank 0's,
+    which is the one saved."""
+    differing = differing_ranks(digests)
+    if not differing:
+        return
+    if rank == 0:
+        log.warning("save of %s: the common state of ranks %s differs from rank 0's; only rank 0's "
+                    "is saved (keep per-rank values in ShardedObjects)", where, differing)
+    elif rank in differing:
+        log.warning("save of %s: this rank's (%d) common state differs from rank 0's, which is the one "
+                    "saved; keep per-rank values in ShardedObjects", where, rank)
+
+
 def _open_checkpoint(checkpoint_dir: str | os.PathLike, allow_unsafe_pickle: bool) -> CheckpointIndex:
     read_backend_metadata(checkpoint_dir)
     return read_index(checkpoint_dir, allow_unsafe_pickle)
@@ -281,23 +319,35 @@ def load(
     process_group: Any = None,
     stats: LoadStats | None = None,
 ) -> Any:
-    """Load the entries described by ``sharded_state_dict`` and return a plain state dict.
+    """Load the entries described by ``sharded_state_dict`` and return the loaded state dict.
 
-    The result starts from the stored common state; ShardedTensors are filled (in their ``data``
-    tensors when given, so loading is in place), ShardedObjects and factories are resolved, and
-    LocalNonPersistentObjects are unwrapped. Any parallel layout loads any checkpoint: each
-    requested chunk (N-D or ``flattened_range``) is assembled from the stored chunks that overlap
-    it, reading only those byte ranges. ``allow_shape_mismatch`` tensors are zero-padded /
-    truncated where the global shapes differ.
+    Any state dict ckptd saves can be requested (see :mod:`ckptd.statedict.split`):
+
+    - *Megatron-style* (ckptd's or Megatron-Core's ShardedTensor / ShardedObject /
+      ShardedTensorFactory / LocalNonPersistentObject): the result is a new dict that starts from
+      the stored common state; ShardedTensors are filled (in their ``data`` tensors when given,
+      so loading is in place), ShardedObjects and factories are resolved, and
+      LocalNonPersistentObjects are unwrapped, as Megatron-Core's ``dist_checkpointing.load``.
+    - *DCP-style* (DTensors, plain tensors and values, e.g. from ``get_state_dict``): filled in
+      place and returned, as ``torch.distributed.checkpoint.load``: every tensor and DTensor
+      receives its values, every other value is replaced by the stored one.
+
+    Any parallel layout loads any checkpoint: each requested chunk (N-D, ``flattened_range`` or a
+    DTensor's shard on any mesh) is assembled from the stored chunks that overlap it, reading only
+    those byte ranges. ``allow_shape_mismatch`` tensors are zero-padded / truncated where the
+    global shapes differ.
 
     ``strict`` (a :class:`StrictHandling` or its value string) decides what happens to requested
     keys the checkpoint lacks (default: raise) and stored keys nobody requested; the ``return_*``
     modes return ``(state_dict, missing_keys, unexpected_keys)``, and the ``*_all`` modes exchange
-    requested keys over ``process_group`` (call on every rank). ``key_mapping`` is a list of
-    :mod:`ckptd.keymap` rules (rename / fuse / split) applied to the checkpoint's keys before
-    resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is filled with what was read.
-    ``allow_unsafe_pickle`` permits arbitrary objects in ``common.pt``/ShardedObjects (only for
-    trusted checkpoints). No daemon and no collective is needed (except for ``*_all``).
+    requested keys over ``process_group`` (call on every rank). A request that matches nothing
+    stored while the checkpoint holds tensors raises LoadMismatchError in every mode.
+    ``key_mapping`` is a list of :mod:`ckptd.keymap` rules (rename / fuse / split) applied to the
+    checkpoint's keys before resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is
+    filled with what was read. ``allow_unsafe_pickle`` permits arbitrary objects in the pickled
+    state that is decoded (``common.pt`` for Megatron-style requests, requested ShardedObjects
+    and values; only for trusted checkpoints). No daemon and no collective is needed (except for
+    ``*_all``).
     """
     index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
     return run_load(index, LoadRequest(
@@ -307,10 +357,8 @@ def load(
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
-    """Only the common (non-sharded) state, saved by rank 0 (``common.pt``).
-
-    For a plain torch DCP checkpoint (no ``common.pt``), its non-tensor items, nested as saved.
-    """
+    """The whole common (non-sharded) state: ``common.pt`` (saved by rank 0) plus the values stored
+    as DCP bytes items (DCP-style saves, plain torch DCP checkpoints), nested as saved."""
     read_backend_metadata(checkpoint_dir)
     return read_common(checkpoint_dir, allow_unsafe_pickle)
 
@@ -335,24 +383,26 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
     """
     index = _open_checkpoint(checkpoint_dir, False)
     out: dict[str, ShardedTensor | ShardedObject] = dict(_tensor_templates(index))
-    for unique_key in sorted(index.objects):
-        try:
+    for unique_key, stored in sorted(index.objects.items()):
+        if stored.sharded_object:
             obj = ShardedObject.empty_from_unique_key(unique_key)
-        except ShardingError:
-            continue  # a plain DCP byte item (not a ShardedObject): not part of the sharded view
-        out[obj.unique_key] = obj
+            out[obj.unique_key] = obj
     return out
 
 
 def load_plain_tensors(checkpoint_dir: str | os.PathLike, *,
                        progress: Callable[[int], None] | None = None,
-                       batch_nbytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+                       batch_nbytes: int = 256 << 20,
+                       allow_unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Every stored tensor, whole, as a plain CPU tensor (no sharding; for inspection/conversion).
 
+    No pickled state is decoded (``common.pt``, objects), so a checkpoint whose common state holds
+    arbitrary objects loads without ``allow_unsafe_pickle``; that flag only lets ``.metadata``
+    reference classes outside DCP's metadata format (trusted checkpoints only).
     Tensors are read in batches of about ``batch_nbytes``; ``progress(nbytes)`` is called after
     each batch (a CLI hands down a progress bar's ``advance``).
     """
-    index = _open_checkpoint(checkpoint_dir, False)
+    index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
     templates = _tensor_templates(index)
     out: dict[str, torch.Tensor] = {}
     batch: dict[str, Any] = {}
@@ -361,8 +411,7 @@ def load_plain_tensors(checkpoint_dir: str | os.PathLike, *,
     def flush() -> None:
         nonlocal pending
         if batch:
-            loaded = run_load(index, LoadRequest(batch, checkpoint_dir, False, StrictHandling.ASSUME_OK_UNEXPECTED,
-                                                 None, None, None))
+            loaded = run_load(index, LoadRequest(batch, checkpoint_dir, allow_unsafe_pickle, with_common=False))
             out.update((k, loaded[k]) for k in batch)
             if progress is not None:
                 progress(pending)

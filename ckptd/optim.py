@@ -30,7 +30,7 @@ import torch
 
 from .errors import LoadMismatchError, ShardingError
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
-from .state_dict import iter_leaves
+from .statedict.tree import iter_leaves
 
 OptimizerLike = Any  # torch.optim.Optimizer or its state_dict()
 

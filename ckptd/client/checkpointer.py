@@ -71,7 +71,7 @@ from ..format.finalize import serialize_common
 from ..recovery import resolve_latest
 from ..staging.fork import SEAL_ROOM_NBYTES, reap, snapshot_into
 from ..staging.pool import StagingPool, place, slot_size_for
-from ..state_dict import split_state_dict
+from ..statedict.split import split_state_dict
 from .gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
 from .layout import LayoutCache
@@ -145,7 +145,7 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         if final.exists():
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
-        split = split_state_dict(sharded_state_dict)
+        split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)
         items = plan_save(split, self.env.rank, self._plan_cache)
         common = serialize_common(split.common) if self.env.rank == 0 else None
         placements, nbytes = place(items)

@@ -113,6 +113,8 @@ class StoredObject:
     file_offset: int
     length: int
     crc32: int | None = None
+    # A ShardedObject shard (torch.save([obj])) rather than a DCP value (torch.save(value)).
+    sharded_object: bool = False
 
 
 @dataclass
@@ -139,7 +141,10 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     chunks: dict[str, list[ItemRecord]] = defaultdict(list)
+    paths: dict[str, tuple] = {}
     for r in records:
+        if r.path:
+            paths[r.fqn] = tuple(r.path)
         if r.kind == TENSOR:
             chunks[r.fqn].append(r)
         else:
@@ -158,7 +163,8 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
             )
     md = Metadata(
         state_dict_metadata=dict(sorted(state.items())),
-        planner_data={fqn: (fqn,) for fqn in sorted(state)},
+        # As DCP records it: the state-dict path each key was flattened from.
+        planner_data={fqn: paths.get(fqn, (fqn,)) for fqn in sorted(state)},
         storage_data=storage,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id),
         version=DCP_VERSION,
@@ -269,7 +275,8 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             if info is None:
                 raise CorruptCheckpointError(f"{where}: object '{fqn}' has no storage entry")
             objects[fqn] = StoredObject(fqn, info.relative_path, info.offset, info.length,
-                                        item_crcs.get((fqn, ())))
+                                        item_crcs.get((fqn, ())),
+                                        _is_shard_key(fqn, _planner_path(md, fqn)))
     return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT))
 
 
@@ -277,10 +284,54 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
         ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype), t.shape, c.offsets, c.sizes,
-                   c.relative_path, c.file_offset, c.length, crc32=c.crc32)
+                   c.relative_path, c.file_offset, c.length, crc32=c.crc32, path=planner_path(index, t.fqn))
         for t in index.tensors.values()
         for c in t.chunks
     ]
     out += [ItemRecord(o.fqn, BYTES, -1, relative_path=o.relative_path, file_offset=o.file_offset,
-                       length=o.length, crc32=o.crc32) for o in index.objects.values()]
+                       length=o.length, crc32=o.crc32, path=planner_path(index, o.fqn))
+            for o in index.objects.values()]
     return out
+
+
+def planner_path(index: CheckpointIndex, fqn: str) -> tuple[str | int, ...]:
+    """The state-dict path ``fqn`` was flattened from, as DCP's ``planner_data`` records it
+    (``(fqn,)`` when it records none or something else)."""
+    return _planner_path(index.raw, fqn)
+
+
+def _planner_path(md: Metadata, fqn: str) -> tuple[str | int, ...]:
+    planner_data = getattr(md, "planner_data", None)
+    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
+    if isinstance(path, (tuple, list)) and path and all(type(p) in (str, int) for p in path):
+        return tuple(path)
+    return (fqn,)
+
+
+
+def _is_shard_key(fqn: str, path: tuple) -> bool:
+    """Whether bytes item ``fqn`` is a ShardedObject shard (``<key>/shard_<offsets>_<shape>``,
+    ``torch.save([obj])``) rather than a DCP value (``torch.save(value)``).
+
+    A DCP value records the path it was flattened from in ``planner_data``; a key that only looks
+    like a ShardedObject's (``{"meta": {"x/shard_0_1": 5}}``, path ``("meta", "x/shard_0_1")``) is
+    therefore a value.
+    """
+    if path != (fqn,):
+        return False
+    key, sep, shard = fqn.rpartition("/")
+    parts = shard.split("_")
+    if not sep or not key or len(parts) != 3 or parts[0] != "shard":
+        return False
+    try:
+        offsets = [int(p) for p in parts[1].split(".")] if parts[1] else []
+        shape = [int(p) for p in parts[2].split(".")] if parts[2] else []
+    except ValueError:
+        return False
+    # Megatron-Core's backward-compatible keys may lack the last dimension of the shape.
+    return len(offsets) in (len(shape), len(shape) + 1)
+
+
+def common_items(index: CheckpointIndex) -> list[StoredObject]:
+    """The bytes items that are common values, not ShardedObject shards, in key order."""
+    return [obj for _, obj in sorted(index.objects.items()) if not obj.sharded_object]

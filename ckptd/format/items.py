@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import ShardingError
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
@@ -99,6 +99,12 @@ def tensor_payloads(sh: ShardedTensor, records: tuple[ItemRecord, ...] | list[It
 def plan_object(sh: ShardedObject, rank: int) -> PlannedItem:
     what = f"ShardedObject '{sh.unique_key}' (rank {rank})"
     return PlannedItem(object_record(sh, rank), serialize_object(sh.data, what))
+
+
+def plan_bytes(item: ByteItem, rank: int, path: tuple[str | int, ...] = ()) -> PlannedItem:
+    """A DCP bytes item: ``torch.save(value)`` (not in a list, unlike a ShardedObject)."""
+    what = f"the value '{item.key}' (rank {rank})"
+    return PlannedItem(object_record(item, rank, path), serialize_pickled(item.data, what))
 
 
 # Writes at least this large are checksummed on the helper thread while the file write runs.

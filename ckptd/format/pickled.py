@@ -10,15 +10,15 @@ pickled as they are.
 from __future__ import annotations
 
 import io
+import pickle
+import types
 from typing import Any
 
 import torch
 
 from ..errors import ShardingError
-from ..mapping import LocalNonPersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from ..state_dict import iter_leaves, path_str
-
-_SHARDED_TYPES = (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonPersistentObject)
+from ..statedict.kinds import Kind, classify, unplaceable_error
+from ..statedict.tree import iter_leaves, path_str
 
 
 def exact_storage(t: torch.Tensor) -> torch.Tensor:
@@ -74,21 +74,58 @@ def _torch_save(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+class _Refused(Exception):
+    """Raised inside the pickler for a value that must not be pickled (carries the message)."""
+
+
+class _CheckingPickler(pickle.Pickler):
+    """The pickler ``torch.save`` uses here: refuses sharded entries and tensor data it would store
+    wrongly, wherever they sit (dicts, tuples, attributes of objects).
+
+    A DTensor or a ShardedTensor pickled into ``common.pt`` would keep rank 0's piece only; a
+    tensor subclass ckptd does not know may pickle a wrapper rather than its values.
+    """
+
+    what = ""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN_TYPES:
+            return NotImplemented
+        kind = classify(obj)
+        if kind is Kind.UNPLACEABLE:
+            raise _Refused(str(unplaceable_error(obj, f"{self.what}: a value")))
+        if kind is not Kind.VALUE and kind is not Kind.TENSOR:
+            raise _Refused(
+                f"{self.what}: a {type(obj).__name__} sits inside a tuple or an object, where "
+                "ckptd does not look for sharded entries; put it in a dict or a list"
+            )
+        return NotImplemented
+
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, dict, list, tuple, str, bytes, int, float,
+                          bool, type(None), torch.Size, torch.dtype, torch.device})
+
+
+def _checking_module(what: str) -> Any:
+    """A ``pickle_module`` for ``torch.save`` whose Pickler is :class:`_CheckingPickler`."""
+    pickler = type("_Pickler", (_CheckingPickler,), {"what": what})
+    return types.SimpleNamespace(Pickler=pickler, __name__="pickle")
+
+
 def serialize_pickled(obj: Any, what: str, *, in_list: bool = False) -> bytes:
     """``torch.save(obj)`` (``torch.save([obj])`` with ``in_list``) of a compacted ``obj``; a
     ShardingError naming the culprit if it fails.
 
     ``what`` names the state in messages ("common state", "ShardedObject 'k/shard_0_2'").
+    Sharded entries, DTensors and unknown tensor subclasses are refused wherever they sit.
     """
-    for path, leaf in iter_leaves(obj, into_tuples=True):
-        if isinstance(leaf, _SHARDED_TYPES):
-            raise ShardingError(
-                f"{what}: {type(leaf).__name__} at '{path_str(path)}' sits inside a tuple or an "
-                "object, where ckptd does not look for sharded entries; put it in a dict or a list"
-            )
     compact = compact_tensors(obj)
+    buf = io.BytesIO()
     try:
-        return _torch_save([compact] if in_list else compact)
+        torch.save([compact] if in_list else compact, buf, pickle_module=_checking_module(what))
+        return buf.getvalue()
+    except _Refused as exc:
+        raise ShardingError(str(exc)) from None
     except Exception as exc:
         culprit = "<unknown>"
         for path, leaf in iter_leaves(compact, into_tuples=True):

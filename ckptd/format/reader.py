@@ -15,7 +15,7 @@ from ..errors import CorruptCheckpointError, UnsafePickleError
 from .layout import COMMON_PT, METADATA_JSON
 
 if TYPE_CHECKING:
-    from .dcp_metadata import CheckpointIndex
+    from .dcp_metadata import CheckpointIndex, StoredObject
 
 
 class DataFiles:
@@ -109,14 +109,9 @@ def load_object_bytes(data: bytes, what: str, allow_unsafe_pickle: bool) -> Any:
     raise CorruptCheckpointError(f"{what} does not hold a one-element list as Megatron-Core writes")
 
 
-def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False,
-                index: "CheckpointIndex | None" = None) -> Any:
-    """The common (non-sharded) state: ``common.pt``, saved by rank 0.
-
-    A plain torch DCP checkpoint (no ``metadata.json``) has no ``common.pt``; its common state is
-    its non-tensor (byte) items that are not ShardedObject shards, nested again along DCP's
-    ``planner_data`` (``{"step": 5, "opt": {"lr": 0.1}}`` saved by DCP loads as it was saved).
-    """
+def read_common_pt(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) -> Any:
+    """``common.pt`` (rank 0's common state), or None for a plain torch DCP checkpoint, which has
+    neither it nor ``metadata.json``."""
     root = Path(directory)
     path = root / COMMON_PT
     if path.exists():
@@ -127,34 +122,43 @@ def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False,
             f"{path} is missing, but {root / METADATA_JSON} says the checkpoint has one; the "
             "checkpoint is damaged. Restore the file, or load an earlier checkpoint."
         )
-    return _dcp_common(root, allow_unsafe_pickle, index)
+    return None
 
 
-def _planner_path(planner_data: Any, fqn: str) -> tuple:
-    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
-    if isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) for p in path):
-        return tuple(path)
-    return (fqn,)
+def read_bytes_item(files: DataFiles, obj: "StoredObject", allow_unsafe_pickle: bool) -> Any:
+    """A DCP bytes item (``torch.save(value)``), decoded."""
+    what = f"the value '{obj.fqn}' in {files.directory / obj.relative_path}"
+    raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
+    return unpickle_torch(raw, what, allow_unsafe_pickle)
 
 
-def _dcp_common(root: Path, allow_unsafe_pickle: bool, index: "CheckpointIndex | None") -> Any:
-    from ..errors import ShardingError
-    from ..mapping import ShardedObject
-    from ..state_dict import set_path
-    from .dcp_metadata import read_index
+def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False,
+                index: "CheckpointIndex | None" = None) -> Any:
+    """The whole common (non-sharded) state: ``common.pt`` plus the DCP bytes items.
 
+    ``common.pt`` holds it for Megatron-style saves; torch DCP (and ckptd for DCP-style state dicts)
+    stores non-tensor values as bytes items instead, which are nested again along DCP's
+    ``planner_data`` (``{"step": 5, "opt": {"lr": 0.1}}`` saved by DCP reads as it was saved).
+    Every value is decoded: pass ``allow_unsafe_pickle`` for objects outside torch's weights-only
+    allow-list (loads decode only what they are asked for, see :mod:`ckptd.load.loader`).
+    """
+    from ..statedict.tree import set_path
+    from .dcp_metadata import common_items, planner_path, read_index
+
+    root = Path(directory)
+    common = read_common_pt(root, allow_unsafe_pickle)
+    out = common if common is not None else {}
     if index is None:
         index = read_index(root, allow_unsafe_pickle)
-    planner_data = getattr(index.raw, "planner_data", None)
-    out: dict = {}
+    items = common_items(index)
+    if not items:
+        return out
+    if not isinstance(out, dict):
+        raise CorruptCheckpointError(
+            f"{root / COMMON_PT} holds a {type(out).__name__}, not a dict, so the checkpoint's "
+            f"other values ({', '.join(o.fqn for o in items[:3])}...) cannot be added to it"
+        )
     with DataFiles(root) as files:
-        for fqn, obj in sorted(index.objects.items()):
-            try:
-                ShardedObject.empty_from_unique_key(fqn)
-                continue  # a ShardedObject shard, loaded by request
-            except ShardingError:
-                pass
-            what = f"DCP item '{fqn}' in {root / obj.relative_path}"
-            raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
-            set_path(out, _planner_path(planner_data, fqn), unpickle_torch(raw, what, allow_unsafe_pickle))
+        for obj in items:
+            set_path(out, planner_path(index, obj.fqn), read_bytes_item(files, obj, allow_unsafe_pickle))
     return out

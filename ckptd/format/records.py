@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ProtocolError, ShardingError
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ByteItem, ShardedObject, ShardedTensor
 
 TENSOR = "tensor"
 BYTES = "bytes"
@@ -64,6 +64,9 @@ class ItemRecord:
     # zlib CRC-32 of the item's stored bytes (file[file_offset : file_offset + length]), computed
     # while writing; None when not recorded (checksums off, or written by torch DCP/megatron-core).
     crc32: int | None = None
+    # The state-dict path the key was flattened from (DCP's ``planner_data``), for DCP-style state
+    # dicts; empty: the key itself.
+    path: tuple[str | int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +91,7 @@ class ItemRecord:
     def to_wire(self) -> dict[str, Any]:
         # Field by field (what asdict() gives, ~10x faster: a save sends one per item).
         d = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        for k in ("global_shape", "offsets", "sizes"):
+        for k in ("global_shape", "offsets", "sizes", "path"):
             d[k] = list(d[k])
         return d
 
@@ -107,6 +110,7 @@ class ItemRecord:
                 file_offset=int(d.get("file_offset", -1)),
                 length=int(d.get("length", -1)),
                 crc32=None if d.get("crc32") is None else int(d["crc32"]),
+                path=tuple(_path_part(p) for p in d.get("path", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed item record: {exc!r}") from exc
@@ -117,6 +121,12 @@ class ItemRecord:
             if not len(rec.global_shape) == len(rec.offsets) == len(rec.sizes):
                 raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
         return rec
+
+
+def _path_part(p: Any) -> str | int:
+    if type(p) is int or type(p) is str:
+        return p
+    raise TypeError(f"path part {p!r} is neither a str nor an int")
 
 
 _RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ItemRecord))
@@ -195,5 +205,6 @@ def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
     )
 
 
-def object_record(sh: ShardedObject, rank: int) -> ItemRecord:
-    return ItemRecord(fqn=sh.unique_key, kind=BYTES, rank=rank)
+def object_record(sh: ShardedObject | ByteItem, rank: int, path: tuple[str | int, ...] = ()) -> ItemRecord:
+    key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+    return ItemRecord(fqn=key, kind=BYTES, rank=rank, path=path)

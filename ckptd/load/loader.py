@@ -4,13 +4,21 @@ Order (every rank runs it independently; only the ``*_ALL`` strict modes exchang
 keys with the other ranks of the process group):
 
 1. read ``.metadata`` and build the checkpoint view; apply the key mapping;
-2. apply factories and split the request (sharded / common / local);
-3. find unexpected (requested, not stored) and, for ``*_ALL``, missing (stored, requested by no
-   rank) keys; drop or report them per ``strict``;
+2. take the request apart (:func:`ckptd.statedict.split.split_state_dict`: Megatron-style or
+   DCP-style, factories and DTensors as pieces);
+3. match every requested entry with what is stored: a tensor chunk, a ShardedObject, a DCP bytes
+   item, or (for plain values and tensors the checkpoint keeps in ``common.pt``) the common state;
+   unexpected entries (requested, not stored) and, for ``*_ALL``, missing ones (stored, requested
+   by no rank) are dropped or reported per ``strict``; a request that matches nothing at all
+   while the checkpoint holds data raises;
 4. plan: each requested box is intersected with the stored sources (resharding, flattened
    ranges, shape mismatch padding/truncation);
 5. execute: read only the needed byte ranges, directly into the request's tensors;
-6. read ShardedObjects, assemble the result on top of the common state.
+6. read ShardedObjects and bytes items; assemble the result (Megatron-style: a new dict on top
+   of the common state; DCP-style: the request, filled in place).
+
+Pickled state is decoded only where asked for: ``common.pt`` for a Megatron-style request (its
+result is built on it, as Megatron-Core's is), bytes items only when requested.
 """
 
 from __future__ import annotations
@@ -22,21 +30,30 @@ from typing import Any, Sequence
 import torch
 
 from ..dist import DistContext
+from ..errors import LoadMismatchError
 from ..format.dcp_metadata import CheckpointIndex
-from ..format.reader import DataFiles, load_object_bytes, read_common
+from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt
 from ..keymap import Rule, apply_key_mapping
-from ..mapping import ShardedObject, ShardedTensor
-from ..state_dict import Path as SdPath
-from ..state_dict import assemble, split_state_dict
+from ..mapping import ByteItem, ShardedObject, ShardedTensor
+from ..statedict.assemble import assemble
+from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict
+from ..statedict.tree import Path as SdPath
+from ..statedict.tree import dcp_fqn, get_path, path_str, set_path
 from .execute import ExecOptions, LoadStats, execute
 from .plan import Planner, missing_key_error
 from .strict import Mismatch, StrictHandling, parse_strict, report
 from .view import CheckpointView
 
+_ABSENT = object()
+
 
 @dataclass
 class LoadRequest:
-    """Everything :func:`run_load` needs besides the checkpoint index."""
+    """Everything :func:`run_load` needs besides the checkpoint index.
+
+    ``with_common=False`` leaves ``common.pt`` undecoded (the result then holds only what was
+    requested; :func:`ckptd.load_plain_tensors` uses it).
+    """
 
     sharded_state_dict: Any
     checkpoint_dir: str | os.PathLike
@@ -46,26 +63,91 @@ class LoadRequest:
     process_group: Any = None
     stats: LoadStats | None = None
     options: ExecOptions | None = None
+    with_common: bool = True
 
 
-def _requested_key(sh: ShardedTensor | ShardedObject) -> str:
+class _Common:
+    """``common.pt``, decoded on first use only."""
+
+    def __init__(self, req: LoadRequest) -> None:
+        self._req = req
+        self._tree: Any = _ABSENT
+
+    def tree(self) -> Any:
+        if self._tree is _ABSENT:
+            self._tree = read_common_pt(self._req.checkpoint_dir, self._req.allow_unsafe_pickle)
+        return self._tree
+
+    def get(self, path: SdPath) -> Any:
+        tree = self.tree()
+        return _ABSENT if tree is None else get_path(tree, path, _ABSENT)
+
+
+def _requested_key(sh: ShardedTensor | ShardedObject | ByteItem) -> str:
     return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
 
 
-def _find_mismatch(view: CheckpointView, sharded: dict, mode: StrictHandling, group: Any) -> Mismatch:
-    unexpected = set()
-    for sh in sharded.values():
+def _match(view: CheckpointView, split: SplitStateDict, common: _Common
+           ) -> tuple[set[str], dict[SdPath, tuple[ShardedTensor | ByteItem, Any]], int]:
+    """``(unexpected keys, entries taken from common.pt by path, number of matched entries)``.
+
+    A DCP-style plain tensor or value the checkpoint keeps in ``common.pt`` (saved Megatron-style)
+    is taken from there; so is nothing else.
+    """
+    unexpected: set[str] = set()
+    from_common: dict[SdPath, tuple[ShardedTensor | ByteItem, Any]] = {}
+    matched = 0
+    for path, sh in split.sharded.items():
         if isinstance(sh, ShardedObject):
-            if sh.unique_key not in view.objects:
-                unexpected.add(sh.unique_key)
-        elif sh.key not in view.tensors:
-            unexpected.add(sh.key)
-    missing: set[str] = set()
-    if mode.needs_global_keys:
-        mine = sorted({_requested_key(sh) for sh in sharded.values()})
-        requested = set().union(*map(set, DistContext.current(group).all_gather(mine)))
-        missing = (set(view.tensors) | set(view.objects)) - requested
-    return Mismatch(missing, unexpected)
+            found = sh.unique_key in view.objects
+        elif isinstance(sh, ByteItem):
+            stored = view.objects.get(sh.key)
+            found = stored is not None and not stored.sharded_object
+        else:
+            found = sh.key in view.tensors
+        if not found and split.dialect is Dialect.DCP and FACTORY_PART not in path:
+            value = common.get(path)
+            if value is not _ABSENT and (isinstance(sh, ByteItem) or _fits(sh, value)):
+                from_common[path] = (sh, value)
+                found = True
+        if found:
+            matched += 1
+        else:
+            unexpected.add(_requested_key(sh))
+    return unexpected, from_common, matched
+
+
+def _fits(sh: ShardedTensor, value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dtype == sh.dtype
+            and tuple(value.shape) == sh.global_shape)
+
+
+def _missing(view: CheckpointView, split: SplitStateDict, group: Any) -> set[str]:
+    """Stored tensors and ShardedObjects that no rank requested (common values never count)."""
+    mine = sorted({_requested_key(sh) for sh in split.sharded.values()})
+    requested = set().union(*map(set, DistContext.current(group).all_gather(mine)))
+    stored = set(view.tensors) | {k for k, o in view.objects.items() if o.sharded_object}
+    return stored - requested
+
+
+def _check_something_matched(view: CheckpointView, split: SplitStateDict, matched: int, where: str) -> None:
+    stored = len(view.tensors) + sum(o.sharded_object for o in view.objects.values())
+    if matched or not stored:
+        return
+    if split.sharded:
+        sample = sorted({_requested_key(sh) for sh in split.sharded.values()})[:5]
+        close = sorted(view.tensors)[:5]
+        raise LoadMismatchError(
+            f"load of {where}: none of the {len(split.sharded)} requested entries is in the checkpoint "
+            f"(requested e.g. {sample}; stored e.g. {close}). Nothing was loaded. Check the keys "
+            "(a prefix such as 'model.'?) or map them with key_mapping=[...]"
+        )
+    raise LoadMismatchError(
+        f"load of {where}: the request names no tensor, object or value, but the checkpoint holds "
+        f"{stored} sharded entries; nothing would be loaded. Pass the state dict to fill (e.g. "
+        "model.sharded_state_dict() or get_state_dict(model, optimizer)); for the common state "
+        "alone use ckptd.load_common_state_dict"
+    )
 
 
 def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
@@ -76,22 +158,60 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
     if req.key_mapping:
         apply_key_mapping(view, list(req.key_mapping))
     split = split_state_dict(req.sharded_state_dict)
-    common = read_common(req.checkpoint_dir, req.allow_unsafe_pickle)
+    common = _Common(req)
+    where = str(req.checkpoint_dir)
 
-    mismatch = Mismatch(set(), set())
-    if mode is not StrictHandling.ASSUME_OK_UNEXPECTED:
-        mismatch = _find_mismatch(view, split.sharded, mode, req.process_group)
-        report(mode, mismatch, str(req.checkpoint_dir))
-        for path in [p for p, sh in split.sharded.items() if _requested_key(sh) in mismatch.unexpected]:
-            del split.sharded[path]
+    unexpected, from_common, matched = _match(view, split, common)
+    mismatch = Mismatch(set(), unexpected)
+    if mode is StrictHandling.ASSUME_OK_UNEXPECTED:
+        if unexpected:
+            _raise_unexpected(view, split, unexpected)
+    else:
+        if mode.needs_global_keys:
+            mismatch.missing = _missing(view, split, req.process_group)
+        report(mode, mismatch, where)
+    _check_something_matched(view, split, matched, where)
+    for path in [p for p, sh in split.sharded.items()
+                 if p in from_common or _requested_key(sh) in unexpected]:
+        del split.sharded[path]
 
     loaded: dict[SdPath, Any] = {}
+    _load_tensors(view, split, req, loaded)
+    _load_pickled(view, split, req, loaded)
+    for path, (sh, value) in from_common.items():
+        loaded[path] = value if isinstance(sh, ByteItem) else _fill(sh, value)
+    tree = _megatron_common(view, split, common, req) if split.dialect is Dialect.MEGATRON else {}
+    result = assemble(split, req.sharded_state_dict, tree, loaded)
+    if mode.returns_mismatch:
+        missing = mismatch.missing if mode is StrictHandling.RETURN_ALL else set()
+        return result, missing, mismatch.unexpected
+    return result
+
+
+def _raise_unexpected(view: CheckpointView, split: SplitStateDict, unexpected: set[str]) -> None:
+    """The error for the first unexpected entry in request order."""
+    sh = next(sh for sh in split.sharded.values() if _requested_key(sh) in unexpected)
+    if isinstance(sh, ShardedObject):
+        raise missing_key_error(sh.unique_key, sorted(view.objects), "ShardedObject")
+    if isinstance(sh, ByteItem):
+        values = sorted(k for k, o in view.objects.items() if not o.sharded_object)
+        raise missing_key_error(sh.key, values, "value")
+    raise missing_key_error(sh.key, sorted(view.tensors))
+
+
+def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
+    if sh.data is None:
+        return value.clone()
+    sh.data.copy_(value)
+    return sh.data
+
+
+def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
+                  loaded: dict[SdPath, Any]) -> None:
     planner = Planner(view)
     pending: list[tuple[SdPath, torch.Tensor, torch.Tensor]] = []
-    objects: list[tuple[SdPath, ShardedObject]] = []
     for path, sh in split.sharded.items():
-        if isinstance(sh, ShardedObject):
-            objects.append((path, sh))
+        if not isinstance(sh, ShardedTensor):
             continue
         sh.validate_metadata_integrity()
         if sh.data is None:
@@ -106,18 +226,43 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
         if buffer is not data:
             data.copy_(buffer)
         loaded[path] = data
-    if objects:
+
+
+def _load_pickled(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
+                  loaded: dict[SdPath, Any]) -> None:
+    wanted = [(p, sh) for p, sh in split.sharded.items() if not isinstance(sh, ShardedTensor)]
+    if not wanted:
+        return
+    with DataFiles(req.checkpoint_dir) as files:
+        for path, sh in wanted:
+            if isinstance(sh, ByteItem):
+                loaded[path] = read_bytes_item(files, view.objects[sh.key], req.allow_unsafe_pickle)
+                continue
+            stored = view.objects[sh.unique_key]
+            what = f"ShardedObject '{sh.unique_key}'"
+            raw = files.read(stored.relative_path, stored.file_offset, stored.length, what)
+            loaded[path] = load_object_bytes(raw, f"{what} in {stored.relative_path}", req.allow_unsafe_pickle)
+
+
+def _megatron_common(view: CheckpointView, split: SplitStateDict, common: _Common, req: LoadRequest) -> Any:
+    """The common state a Megatron-style result starts from: ``common.pt``, plus the requested
+    plain values it lacks that the checkpoint stores as DCP bytes items (a torch DCP checkpoint
+    has no ``common.pt``: only what is requested is decoded)."""
+    if not req.with_common:
+        return {}
+    tree = common.tree()
+    if tree is None:
+        tree = {}
+    wanted = []
+    for path in split.plain:
+        stored = view.objects.get(dcp_fqn(path))
+        if stored is not None and not stored.sharded_object and get_path(tree, path, _ABSENT) is _ABSENT:
+            wanted.append((path, stored))
+    if wanted:
         with DataFiles(req.checkpoint_dir) as files:
-            for path, sh in objects:
-                stored = view.objects.get(sh.unique_key)
-                if stored is None:
-                    raise missing_key_error(sh.unique_key, sorted(view.objects), "ShardedObject")
-                what = f"ShardedObject '{sh.unique_key}'"
-                raw = files.read(stored.relative_path, stored.file_offset, stored.length, what)
-                loaded[path] = load_object_bytes(raw, f"{what} in {stored.relative_path}",
-                                                 req.allow_unsafe_pickle)
-    result = assemble(split, common, loaded)
-    if mode.returns_mismatch:
-        missing = mismatch.missing if mode is StrictHandling.RETURN_ALL else set()
-        return result, missing, mismatch.unexpected
-    return result
+            for path, stored in wanted:
+                try:
+                    set_path(tree, path, read_bytes_item(files, stored, req.allow_unsafe_pickle))
+                except ValueError as exc:
+                    raise LoadMismatchError(f"the value at '{path_str(path)}' does not fit the common state: {exc}") from exc
+    return tree

@@ -145,29 +145,30 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
         assert ckpt.latest() == 6
 
 
-class _Uncopyable(torch.Tensor):
-    """A tensor subclass whose copy into the staging slot fails, as a broken device copy would."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_:
-            raise RuntimeError("copy refused by the tensor subclass")
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 @pytest.mark.timeout(120)
-def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, single_process):
+def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, single_process, monkeypatch):
     """save() raises a StagingError naming key and rank when a shard cannot be copied; the slot
-    it had taken is free again (one slot: otherwise the next save would wait until it times out)."""
+    it had taken is free again (one slot: otherwise the next save would wait until it times out).
+    The failure is injected into the copy of one tensor, as a failing device copy would raise."""
+    from ckptd.staging.pool import StagingPool
+
+    refused = torch.ones(2, 4).t()  # not contiguous: staged by a tensor copy, not one memmove
+    real_copy = StagingPool._copy_tensor
+
+    def copy_tensor(self, src, dst):
+        if src.data_ptr() == refused.data_ptr():
+            raise RuntimeError("copy refused by the device")
+        return real_copy(self, src, dst)
+
+    monkeypatch.setattr(StagingPool, "_copy_tensor", copy_tensor)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
-                                     slot_wait_timeout_s=5)
+                                     slot_wait_timeout_s=5, snapshot="copy")
     w = torch.randn(16, 8)
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         for step in (1, 2):  # twice: a lost slot would make the second save wait, then fail
-            bad = {"w": ShardedTensor.from_rank_offsets("w", w), "x": ShardedTensor.from_rank_offsets(
-                "x", torch.ones(4).as_subclass(_Uncopyable))}
-            with pytest.raises(StagingError, match=r"copying 'x' chunk at offsets \(0,\) \(rank 0\) "
+            bad = {"w": ShardedTensor.from_rank_offsets("w", w), "x": ShardedTensor.from_rank_offsets("x", refused)}
+            with pytest.raises(StagingError, match=r"copying 'x' chunk at offsets \(0, 0\) \(rank 0\) "
                                                          r"into staging slot 0 failed: .*copy refused"):
                 ckpt.save(bad, step=step)
         assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"

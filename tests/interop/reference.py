@@ -128,7 +128,8 @@ def ckptd_save_state(rank: int, module: Any) -> dict[str, Any]:
 
 
 def ckptd_load_request(rank: int, module: Any) -> dict[str, Any]:
-    """A load request at world size 2 with the :func:`load_slices` sharding (flat keys)."""
+    """A load request at world size 2 with the :func:`load_slices` sharding (flat keys), naming
+    the common values too (a checkpoint without ``common.pt`` returns only what is asked for)."""
     ref = reference()
     ST, SO = module.ShardedTensor, module.ShardedObject
     other = 1 - rank
@@ -141,6 +142,7 @@ def ckptd_load_request(rank: int, module: Any) -> dict[str, Any]:
         "mask.bool": ST.from_rank_offsets("mask.bool", empty["mask.bool"], replica_id=rank),
         "rng": SO("rng", None, (WORLD,), (rank,)),
         "cfg": SO("cfg", None, (1,), (0,), replica_id=rank),
+        **{k: None for k in common_state()},
     }
 
 
@@ -177,6 +179,7 @@ def single_rank_request(module: Any) -> dict[str, Any]:
     for r in range(WORLD):
         req[f"rng{r}"] = SO("rng", None, (WORLD,), (r,))
     req["cfg"] = SO("cfg", None, (1,), (0,))
+    req.update({k: None for k in common_state()})
     return req
 
 

@@ -26,7 +26,7 @@ from ckptd.staging.segment import unlink_segments
 
 def _old_wire(rec: ItemRecord) -> dict:
     d = asdict(rec)
-    for k in ("global_shape", "offsets", "sizes"):
+    for k in ("global_shape", "offsets", "sizes", "path"):
         d[k] = list(d[k])
     return d
 
@@ -119,7 +119,7 @@ def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
     from ckptd.api import PlanCache, plan_save
     from ckptd.errors import ShardingError
     from ckptd.mapping import ShardedObject, ShardedTensor
-    from ckptd.state_dict import split_state_dict
+    from ckptd.statedict.split import split_state_dict
 
     def sd(w, flat, obj="a"):
         return {"w": ShardedTensor.from_rank_offsets("w", w, (0, 1, 2)),

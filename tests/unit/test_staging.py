@@ -18,7 +18,7 @@ from ckptd.errors import StagingError
 from ckptd.format.finalize import finalize, serialize_common
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place, slot_size_for
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
-from ckptd.state_dict import split_state_dict
+from ckptd.statedict.split import split_state_dict
 
 
 @pytest.fixture

@@ -135,21 +135,22 @@ def test_nested_dicts_and_lists(tmp_path: Path):
     a, b, c = torch.randn(3), torch.randn(2, 2), torch.arange(4)
     def state(ta, tb, tc):
         return {
-            "model": [ST.from_rank_offsets("a", ta), {"b": ST.from_rank_offsets("b", tb), "lr": 0.1}, 7],
-            "opt": {"state": {0: {"c": ST.from_rank_offsets("c", tc)}}, "groups": [{"wd": 0.0}]},
+            "model": [{"a": ST.from_rank_offsets("a", ta), "lr": 0.1}, {"b": ST.from_rank_offsets("b", tb), "lr": 0.2}],
+            "opt": {"state": {0: {"c": ST.from_rank_offsets("c", tc)}}, "groups": [{"wd": 0.0}], "empty": {}},
             "rng": [ShardedObject("rng", {"seed": 3}, (1,), (0,))],
             "iteration": 5,
         }
 
     ckptd.save(state(a, b, c), tmp_path / "c")
+    # As Megatron-Core stores it: subtrees whose entries were all sharded are left out.
     assert ckptd.load_common_state_dict(tmp_path / "c") == {
-        "model": [None, {"lr": 0.1}, 7], "opt": {"state": {0: {}}, "groups": [{"wd": 0.0}]}, "rng": [None],
-        "iteration": 5}
+        "model": [{"lr": 0.1}, {"lr": 0.2}], "opt": {"groups": [{"wd": 0.0}], "empty": {}}, "iteration": 5}
     req = state(torch.empty(3), torch.empty(2, 2), torch.empty(4, dtype=torch.int64))
     req["rng"][0] = ShardedObject("rng", None, (1,), (0,))
     out = ckptd.load(req, tmp_path / "c")
-    assert same_bits(out["model"][0], a) and same_bits(out["model"][1]["b"], b) and out["model"][1]["lr"] == 0.1
-    assert out["model"][2] == 7 and same_bits(out["opt"]["state"][0]["c"], c)
+    assert same_bits(out["model"][0]["a"], a) and same_bits(out["model"][1]["b"], b)
+    assert out["model"][0]["lr"] == 0.1 and out["model"][1]["lr"] == 0.2
+    assert same_bits(out["opt"]["state"][0]["c"], c) and out["opt"]["empty"] == {}
     assert out["opt"]["groups"] == [{"wd": 0.0}] and out["rng"] == [{"seed": 3}] and out["iteration"] == 5
 
 
@@ -180,8 +181,8 @@ def test_metadata_functions(tmp_path: Path):
     sharded = ckptd.load_sharded_metadata(c)
     assert sorted(sharded) == ["o/shard_0_2", "o/shard_1_2", "x", "y"]
     assert sharded["o/shard_1_2"].global_offset == (1,) and sharded["o/shard_1_2"].data is None
-    # Sharded entries leave None in lists, so that list positions still match at load.
-    assert ckptd.load_common_state_dict(c) == {"x": [None, None], "o": [None, None], "step": 9}
+    # Lists whose entries were all sharded are left out of the common state (as Megatron-Core does).
+    assert ckptd.load_common_state_dict(c) == {"step": 9}
     plain = ckptd.load_plain_tensors(c)
     assert sorted(plain) == ["x", "y"] and same_bits(plain["x"], x) and same_bits(plain["y"], y)
     # The metadata templates are valid load requests.
@@ -201,7 +202,15 @@ def test_plain_dcp_checkpoint_common_state(tmp_path: Path):
     # DCP's byte items "step", "opt.lr", "opt.betas" nest back along its planner_data.
     common = ckptd.load_common_state_dict(tmp_path / "dcp")
     assert common == {"step": 5, "opt": {"lr": 0.1, "betas": [0.9, 0.99]}}
+    # A Megatron-style request gets the plain values it names (decoded only those) from the items.
     out = ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(3, 2)),
-                      "scale": ST("opt.scale", torch.empty(()), torch.float32, (), (), (), None)}, tmp_path / "dcp")
+                      "scale": ST("opt.scale", torch.empty(()), torch.float32, (), (), (), None),
+                      "opt": {"lr": None, "betas": None}}, tmp_path / "dcp")
     assert same_bits(out["x"], x) and out["scale"].item() == 2.0 and out["opt"]["lr"] == 0.1
-    assert math.isclose(out["opt"]["betas"][1], 0.99)
+    assert math.isclose(out["opt"]["betas"][1], 0.99) and "step" not in out
+    # A DCP-style request is filled in place, as torch DCP's load does.
+    req = {"x": torch.zeros(3, 2), "step": 0, "opt": {"lr": 0.0, "betas": [], "scale": torch.tensor(0.0)}}
+    x_target = req["x"]
+    assert ckptd.load(req, tmp_path / "dcp") is req
+    assert req["x"] is x_target and same_bits(x_target, x) and req["step"] == 5
+    assert req["opt"]["lr"] == 0.1 and req["opt"]["betas"] == [0.9, 0.99] and req["opt"]["scale"].item() == 2.0

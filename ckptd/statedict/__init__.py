@@ -1,0 +1,1 @@
+"""User state dicts in ckptd's vocabulary: what each value is, and what is stored where."""

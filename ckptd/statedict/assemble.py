@@ -1,0 +1,38 @@
+"""Putting a load's values back together, per dialect (see :mod:`ckptd.statedict.split`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import LoadMismatchError
+from .split import FACTORY_PART, Dialect, SplitStateDict
+from .tree import Path, map_leaves, set_path
+
+
+def assemble(split: SplitStateDict, request: dict, common: Any, loaded: dict[Path, Any]) -> Any:
+    """The result of a load.
+
+    Megatron-style: the stored common state with the loaded entries, the merged factories and the
+    unwrapped local objects put in at their paths (a new dict, as Megatron-Core returns).
+    DCP-style: ``request`` itself, with every loaded value set at its path (tensors were filled in
+    place, so they are the caller's own objects), as ``torch.distributed.checkpoint.load`` does.
+    """
+    result = request if split.dialect is Dialect.DCP else (common if isinstance(common, dict) else {})
+    try:
+        for path, value in loaded.items():
+            if FACTORY_PART not in path:
+                set_path(result, path, value)
+        for path, (factory, built) in split.factories.items():
+            def fill(sub_path: Path, leaf: Any, _prefix: Path = path + (FACTORY_PART,)) -> Any:
+                return loaded.get(_prefix + sub_path, leaf)
+
+            pieces = map_leaves(built, fill) if isinstance(built, (dict, list)) else fill((), built)
+            set_path(result, path, factory.merge_fn(pieces))
+        for path, value in split.local.items():
+            set_path(result, path, value)
+    except ValueError as exc:
+        raise LoadMismatchError(
+            f"the loaded entries do not fit the checkpoint's common state: {exc}. The request's "
+            "structure differs from the one saved; request the saved structure"
+        ) from exc
+    return result
