@@ -45,7 +45,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=None, help="where to put checkpoints and logs (default: a temp dir)")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--kill-at", type=int, default=23)
@@ -57,7 +56,7 @@ def main() -> int:
         print(f"{work} is not empty; pick a new --workdir", file=sys.stderr)
         return 2
     work.mkdir(parents=True, exist_ok=True)
-    common = ["--steps", str(args.steps), "--save-every", str(args.save_every), "--tp", str(args.tp)]
+    common = ["--steps", str(args.steps), "--save-every", str(args.save_every)]
     ref_log, run_log = work / "reference.jsonl", work / "run.jsonl"
     try:
         print("== 1/3 reference run (uninterrupted)")

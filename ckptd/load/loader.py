@@ -202,7 +202,7 @@ def _raise_unexpected(view: CheckpointView, split: SplitStateDict, unexpected: s
 def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
     if sh.data is None:
         return value.clone()
-    sh.data.copy_(value)
+    sh.data.detach().copy_(value)
     return sh.data
 
 
@@ -216,7 +216,7 @@ def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
         sh.validate_metadata_integrity()
         if sh.data is None:
             sh.init_data("cpu")
-        data = sh.data
+        data = sh.data.detach()  # parameters that require grad are filled in place too
         direct = data.device.type == "cpu" and data.is_contiguous()
         buffer = data if direct else torch.empty(data.shape, dtype=sh.dtype)
         planner.add(sh, buffer)
@@ -225,7 +225,7 @@ def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
     for path, data, buffer in pending:
         if buffer is not data:
             data.copy_(buffer)
-        loaded[path] = data
+        loaded[path] = split.sharded[path].data
 
 
 def _load_pickled(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
