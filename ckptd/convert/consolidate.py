@@ -26,7 +26,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, 
     """
     from ..api import load_common_state_dict, load_plain_tensors
 
-    tensors = load_plain_tensors(checkpoint_dir, progress=progress)
+    tensors = load_plain_tensors(checkpoint_dir, progress=progress, allow_unsafe_pickle=allow_unsafe_pickle)
     payload: dict[str, Any] = tensors
     if include_common:
         payload = {

@@ -176,6 +176,14 @@ def test_unsafe_pickles_are_decoded_only_when_asked_for(tmp_path: Path):
     assert req["blob"].getvalue() == b"abc"
     assert same_bits(ckptd.load_plain_tensors(tmp_path / "d")["w"], w)
     assert same_bits(ckptd.load_plain_tensors(tmp_path / "d", allow_unsafe_pickle=True)["w"], w)
+    # Consolidation: tensors alone need no opt-in; the common state needs it and gets it.
+    from ckptd.convert import consolidate
+
+    assert same_bits(consolidate(tmp_path / "d", tmp_path / "m.pt", fsync=False)["w"], w)
+    with pytest.raises(UnsafePickleError):
+        consolidate(tmp_path / "d", tmp_path / "m.pt", include_common=True, fsync=False)
+    out = consolidate(tmp_path / "d", tmp_path / "m.pt", include_common=True, allow_unsafe_pickle=True, fsync=False)
+    assert out["common"]["blob"].getvalue() == b"abc" and out["common"]["step"] == 2
     # The same in common.pt: a tensor-only load and load_plain_tensors do not decode it.
     ckptd.save({"w": ShardedTensor.from_rank_offsets("w", w), "blob": io.BytesIO(b"x")}, tmp_path / "c")
     assert same_bits(ckptd.load_plain_tensors(tmp_path / "c")["w"], w)
