@@ -18,7 +18,7 @@ from .errors import CkptdError
 
 ENV_PREFIX = "CKPTD_"
 ON_FULL_POLICIES = ("wait", "skip")
-SNAPSHOT_MODES = ("auto", "copy")
+SNAPSHOT_MODES = ("auto", "copy", "lazy")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,9 @@ class CkptdConfig:
     ``snapshot`` says who copies the shards into the slot: with ``"auto"`` (default), when every
     shard is plain CPU memory, a forked copy-on-write child does while training goes on
     (ckptd.staging.fork; ``save()`` stalls for the fork only), otherwise (CUDA tensors: a
-    device-to-host copy) the trainer inside ``save()``; with ``"copy"`` always the trainer.
+    device-to-host copy) the trainer inside ``save()``; with ``"copy"`` always the trainer; with
+    ``"lazy"`` a copier thread of the trainer (CUDA: the side stream) after ``save()`` returned,
+    fenced by ``Checkpointer.before_update()`` before the next optimizer step (ckptd.staging.lazy).
 
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
@@ -45,7 +47,7 @@ class CkptdConfig:
     pool_headroom: float = 0.01
     on_full: str = "wait"
     pin_memory: bool = True
-    snapshot: str = "auto"  # "auto": fork when every shard is plain CPU memory; "copy": never fork
+    snapshot: str = "auto"  # "auto": fork for plain CPU shards; "copy": copy in save(); "lazy": copy behind it
     # persisting
     writer_threads: int = 2
     fsync: bool = True

@@ -70,6 +70,7 @@ from ..errors import (
 from ..format.finalize import serialize_common
 from ..recovery import resolve_latest
 from ..staging.fork import SEAL_ROOM_NBYTES, reap, snapshot_into
+from ..staging.lazy import LazyCopier
 from ..staging.pool import StagingPool, place, slot_size_for
 from ..statedict.split import split_state_dict
 from .gcpause import gc_paused
@@ -110,6 +111,8 @@ class Checkpointer:
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.api.plan_save)
         self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
+        self._lazy = (LazyCopier(self.env.rank, self.config.snapshot_timeout_s)
+                      if self.config.snapshot == "lazy" else None)
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
         self._stats = SaveStats()
@@ -136,6 +139,8 @@ class Checkpointer:
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
         t0 = time.perf_counter()
+        if self._lazy is not None:
+            self._lazy.fence()  # an earlier lazy save is decided before this one is planned
         self._pump_quietly()
         self._raise_unobserved()
         if step < 0:
@@ -159,36 +164,42 @@ class Checkpointer:
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout = self._layout.items_for(pool.generation, items, placements)
         try:
-            snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
+            if self._lazy is not None:
+                snap = self._lazy.start(pool, slot, items, placements, nbytes, step)
+            else:
+                snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
         except BaseException:
             pool.free.append(slot)  # no child was left copying into it, nothing was sent
             self._layout.forget()
             raise
+        child = snap is not None and self._lazy is None  # a forked child, reaped by this process
         msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout,
                    snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
         try:
             self._link.request(msg, SaveAck)
         except DaemonLostError as exc:
-            if snap is not None:
+            if child:
                 self._children.append(snap.pid)
             self._daemon_lost(str(exc))
             raise
         except (RequestNotTaken, ProtocolError):
-            if snap is not None:
+            if child:
                 reap([snap.pid], block=True)  # the slot is free again only once the child is done
+            elif self._lazy is not None:
+                self._lazy.wait_all()  # likewise for the copier thread
             pool.free.append(slot)  # not sent, or refused: the daemon never took the slot
             self._layout.forget()
             raise
         except BaseException:
             # No answer (timeout, interrupt): the daemon may still write this slot, so it stays
             # taken until the daemon's SLOT_FREE for it; reusing it now could mix two saves.
-            if snap is not None:
+            if child:
                 self._children.append(snap.pid)
             self._layout.forget()
             log.warning("rank %d: no answer to the SAVE of step %d; staging slot %d stays reserved until "
                         "the daemon frees it", self.env.rank, step, slot)
             raise
-        if snap is not None:
+        if child:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
             self._children.append(snap.pid)
         handle = self._new_handle(step, final, t0, nbytes, queue_wait_s)
@@ -199,6 +210,22 @@ class Checkpointer:
                 handle.wait()  # policy="auto" measures one commit latency before it can plan
             self._policy.after_save(step, self.stats())
         return handle
+
+    def before_update(self) -> None:
+        """With ``snapshot="lazy"``: call before changing saved tensors (the optimizer step); returns
+        once they may change. CPU copies still running are waited for; CUDA copies are ordered
+        before the work queued next on the current streams, without blocking. This *fences* the
+        pending lazy saves: each is sealed (and commits) if none of its tensors changed since
+        ``save()``, and fails otherwise, never saving torn values. ``save()``, ``handle.wait()``
+        and ``close()`` fence too. Without lazy snapshots it does nothing.
+        """
+        if self._lazy is not None:
+            self._lazy.fence()
+
+    def attach(self, optimizer: Any) -> Any:
+        """Call :meth:`before_update` before every ``optimizer.step()`` (a step pre-hook); returns
+        the hook's handle (``.remove()`` detaches it)."""
+        return optimizer.register_step_pre_hook(lambda *_: self.before_update())
 
     def due(self, step: int) -> bool:
         """policy="auto": whether to save at ``step``; call it once per training step on every rank.
@@ -282,6 +309,9 @@ class Checkpointer:
                     pass  # recorded on the handle; raised below if nobody observed it
         finally:
             self._closed = True
+            if self._lazy is not None:
+                self._lazy.wait_all()  # the copier writes into the pool unmapped below
+                self._lazy.close()
             self._disconnect()
             self._children = reap(self._children, block=True)
         self._raise_unobserved()
@@ -333,6 +363,8 @@ class Checkpointer:
         self._link.close_socket()
         for h in list(self._pending.values()):
             self._fail(h, f"{reason} before step {h.step} committed")
+        if self._lazy is not None:
+            self._lazy.wait_all()
         if self._pool is not None:
             self._pool.close(unlink=True)
             self._pool = None
@@ -345,6 +377,8 @@ class Checkpointer:
         if pool is not None:
             log.warning("rank %d: save needs %d bytes, staging slots hold %d; allocating a larger pool",
                         self.env.rank, nbytes, pool.slot_nbytes)
+            if self._lazy is not None:
+                self._lazy.wait_all()  # no copy may still land in the pool unmapped below
             self._pool = None
             pool.close(unlink=False)  # the daemon owns it and retires it once its writes finish
         new = StagingPool.create(self.endpoints.shm_prefix, self.env.rank, self.config.pool_slots,
@@ -445,6 +479,8 @@ class Checkpointer:
             self._daemon_lost(str(exc))
 
     def _wait_for(self, h: SaveHandle, timeout_s: float | None) -> None:
+        if self._lazy is not None:
+            self._lazy.fence()  # the training thread waits here, so nothing changes meanwhile
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         while h.status is SaveStatus.PENDING:

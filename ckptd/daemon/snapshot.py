@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StagingError
-from ..staging.fork import PROGRESS_NBYTES, SEAL_NBYTES
+from ..staging.fork import ABANDONED, PROGRESS_NBYTES, SEAL_NBYTES
 from ..staging.segment import ShmSegment
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
@@ -55,10 +55,18 @@ class SnapshotWait:
         self.pidfd = -1
 
     def progress(self, seg: ShmSegment) -> int:
-        """Slot bytes the child has copied (every byte below this offset is final)."""
-        return int.from_bytes(seg.view(self.seal_offset + SEAL_NBYTES, PROGRESS_NBYTES), "little")
+        """Slot bytes the child has copied (every byte below this offset is final); raises
+        StagingError if the copier abandoned the snapshot."""
+        done = int.from_bytes(seg.view(self.seal_offset + SEAL_NBYTES, PROGRESS_NBYTES), "little")
+        if done == ABANDONED:
+            raise StagingError(
+                f"rank {self.rank} abandoned its lazy snapshot: a saved tensor was modified before its "
+                "copy was complete, so this save is not persisted. Call Checkpointer.before_update() "
+                "(or attach(optimizer)) before changing saved tensors")
+        return done
 
     def sealed(self, seg: ShmSegment) -> bool:
+        self.progress(seg)  # an abandoned snapshot is never sealed: raise now
         return bytes(seg.view(self.seal_offset, SEAL_NBYTES)) == self.seal
 
     def wait_for(self, seg: ShmSegment, end: int, timeout_s: float) -> None:

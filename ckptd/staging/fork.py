@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 SEAL_NBYTES = 16
 # After the seal: the child's progress, a little-endian uint64: every slot byte below it is copied.
 PROGRESS_NBYTES = 8
+# Progress value meaning: the snapshot was abandoned and will never be sealed (ckptd.staging.lazy).
+ABANDONED = (1 << 64) - 1
 # Room reserved after a save's bytes in its slot for seal and progress (64-byte aligned).
 SEAL_ROOM_NBYTES = 64
 
