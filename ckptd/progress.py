@@ -1,4 +1,4 @@
-"""A tiny progress bar for command-line tools: drawn on a terminal, silent otherwise.
+"""Progress bars for command-line tools (tqdm): drawn on a terminal, silent otherwise.
 
 Library code never draws anything; it accepts a plain ``advance(n)`` callback. A command builds a
 :class:`Progress` and hands its :meth:`Progress.advance` down::
@@ -13,10 +13,10 @@ a TTY, so logs, CI output and captured test output never see carriage returns.
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
-_BAR_WIDTH = 24
+from tqdm import tqdm
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -42,7 +42,7 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """A byte-counting progress bar, redrawn at most every ``min_interval_s``.
+    """A byte-counting progress bar (tqdm), drawn only when ``stream`` is a terminal.
 
     ``enabled`` defaults to ``stream.isatty()``; when disabled every method is a cheap no-op.
     Use as a context manager (or call :meth:`close`) so the last line is finished with a newline.
@@ -62,13 +62,15 @@ class Progress:
             isatty = getattr(self.stream, "isatty", None)
             enabled = bool(isatty and isatty())
         self.enabled = enabled
-        self.total = max(0, int(total))
         self.label = label
         self.done = 0
-        self.min_interval_s = min_interval_s
-        self._start = time.monotonic()
-        self._last_draw = float("-inf")
-        self._drawn = False
+        self._bar = tqdm(total=max(0, int(total)), desc=label, unit="B", unit_scale=True, unit_divisor=1024,
+                         file=self.stream, disable=not enabled, mininterval=min_interval_s, leave=True,
+                         dynamic_ncols=False, ncols=100)
+
+    @property
+    def total(self) -> int:
+        return int(self._bar.total or 0)
 
     def __enter__(self) -> "Progress":
         return self
@@ -78,40 +80,13 @@ class Progress:
 
     def set_total(self, total: int) -> None:
         """Set the total once it is known (e.g. after reading an index)."""
-        self.total = max(0, int(total))
+        self._bar.total = max(0, int(total))
+        self._bar.refresh()
 
     def advance(self, n: int) -> None:
-        """Count ``n`` more units done; redraws when enough time has passed."""
+        """Count ``n`` more units done; the bar redraws when enough time has passed."""
         self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last_draw >= self.min_interval_s or self.done >= self.total:
-            self._draw(now)
-
-    def render(self, now: float | None = None) -> str:
-        """The current line (without the leading carriage return)."""
-        now = time.monotonic() if now is None else now
-        elapsed = max(now - self._start, 1e-9)
-        frac = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = int(round(frac * _BAR_WIDTH))
-        rate = self.done / elapsed
-        line = (f"{self.label} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {100 * frac:5.1f}% "
-                f"{format_bytes(self.done)}/{format_bytes(self.total)} {format_bytes(rate)}/s")
-        if 0 < frac < 1 and rate > 0:
-            line += f" ETA {format_duration((self.total - self.done) / rate)}"
-        return line
-
-    def _draw(self, now: float) -> None:
-        self._last_draw = now
-        self._drawn = True
-        # Pad to erase the tail of a longer previous line.
-        self.stream.write("\r" + self.render(now).ljust(79))
-        self.stream.flush()
+        self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled and self._drawn:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+        self._bar.close()
