@@ -24,7 +24,7 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .keymap import Fuse, Rename, Split
+from .load.keymap import Fuse, Rename, Split
 from .load.execute import LoadStats
 from .load.strict import StrictHandling
 from .mapping import (

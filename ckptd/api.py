@@ -46,7 +46,7 @@ from .format.layout import (
 from .format.reader import read_common
 from .format.records import ItemRecord
 from .format.validate import check_local_duplicates, validate_records
-from .keymap import Rule
+from .load.keymap import Rule
 from .load.execute import LoadStats
 from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
@@ -342,7 +342,7 @@ def load(
     modes return ``(state_dict, missing_keys, unexpected_keys)``, and the ``*_all`` modes exchange
     requested keys over ``process_group`` (call on every rank). A request that matches nothing
     stored while the checkpoint holds tensors raises LoadMismatchError in every mode.
-    ``key_mapping`` is a list of :mod:`ckptd.keymap` rules (rename / fuse / split) applied to the
+    ``key_mapping`` is a list of :mod:`ckptd.load.keymap` rules (rename / fuse / split) applied to the
     checkpoint's keys before resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is
     filled with what was read. ``allow_unsafe_pickle`` permits arbitrary objects in the pickled
     state that is decoded (``common.pt`` for Megatron-style requests, requested ShardedObjects

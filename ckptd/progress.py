@@ -83,6 +83,11 @@ class Progress:
         self._bar.total = max(0, int(total))
         self._bar.refresh()
 
+    def set_label(self, label: str) -> None:
+        """Change the text before the bar (e.g. the file being worked on)."""
+        self.label = label
+        self._bar.set_description_str(label, refresh=False)
+
     def advance(self, n: int) -> None:
         """Count ``n`` more units done; the bar redraws when enough time has passed."""
         self.done += n

@@ -38,7 +38,7 @@ class ConvertProgress:
         if self.bar is None:
             self.bar = Progress(total, "to-dist", stream=self.stream)
         self.bar.set_total(total)
-        self.bar.label = f"to-dist {label}"
+        self.bar.set_label(f"to-dist {label}")
         self.bar.advance(done - self.bar.done)
 
     def close(self) -> None:

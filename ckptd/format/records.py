@@ -145,7 +145,7 @@ def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, 
     """
     if sh.flattened_range is None:
         return [(sh.global_shape, sh.global_offset, sh.chunk_shape(), 0)]
-    from ..load.geometry import flat_range_boxes
+    from .geometry import flat_range_boxes
 
     start = sh.flattened_range.start
     return [

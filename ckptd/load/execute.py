@@ -30,7 +30,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..format.reader import DataFiles, load_tensor_bytes
-from .geometry import Shape, count_runs, enumerate_runs, run_length, strides
+from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import RawLayout, locate
 

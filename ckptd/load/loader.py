@@ -33,7 +33,7 @@ from ..dist import DistContext
 from ..errors import LoadMismatchError
 from ..format.dcp_metadata import CheckpointIndex
 from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt
-from ..keymap import Rule, apply_key_mapping
+from .keymap import Rule, apply_key_mapping
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from ..statedict.assemble import assemble
 from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, LoadMismatchError
 from ..mapping import ShardedTensor
-from .geometry import Shape, flat_range_boxes, intersect
+from ..format.geometry import Shape, flat_range_boxes, intersect
 from .view import CheckpointView, ItemRef, VirtualTensor, is_legacy_grid, translate_legacy_grid
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .geometry import Shape
+from ..format.geometry import Shape
 
 Reader = Callable[[int, int], bytes]  # (absolute offset, length) -> bytes
 

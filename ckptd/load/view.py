@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..format.dcp_metadata import CheckpointIndex, StoredChunk, StoredObject
-from .geometry import Shape, flat_range_boxes, intersect
+from ..format.geometry import Shape, flat_range_boxes, intersect
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.errors import LoadMismatchError
-from ckptd.keymap import Fuse, Rename, Split, rules_from_config
+from ckptd.load.keymap import Fuse, Rename, Split, rules_from_config
 from ckptd.load.strict import StrictHandling
 
 H, NQ, NG, D = 4, 4, 2, 3  # hidden, query heads, KV groups, head dim

@@ -18,7 +18,7 @@ from ckptd.format.finalize import finalize
 from ckptd.format.items import PlannedItem, write_data_file
 from ckptd.format.records import TENSOR, ItemRecord, storage_layout
 from ckptd.load.execute import ExecOptions, LoadStats
-from ckptd.load.geometry import enumerate_runs, flat_range_boxes, strides
+from ckptd.format.geometry import enumerate_runs, flat_range_boxes, strides
 from ckptd.load.loader import LoadRequest, run_load
 from ckptd.load.rawitem import locate
 from tests.integration.layouts import split

@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
-from .errors import LoadMismatchError, ShardingError
-from .load.view import CheckpointView, Source, VirtualTensor
-from .mapping import ShardedObject
+from ..errors import LoadMismatchError, ShardingError
+from .view import CheckpointView, Source, VirtualTensor
+from ..mapping import ShardedObject
 
 
 @dataclass(frozen=True)
