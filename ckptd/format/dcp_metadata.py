@@ -276,7 +276,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
-        ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype), t.shape, c.offsets, c.sizes,
+        ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype, t.fqn), t.shape, c.offsets, c.sizes,
                    c.relative_path, c.file_offset, c.length, crc32=c.crc32)
         for t in index.tensors.values()
         for c in t.chunks
