@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .catalog import RootCatalog
-from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError
+from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError, UnsupportedFormatError
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, read_backend_metadata
 from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
@@ -40,6 +40,9 @@ from .format.records import TENSOR, ItemRecord, dtype_from_name
 from .format.validate import validate_records
 
 ERROR = "error"
+# The checkpoint uses a feature ckptd cannot read (a DCP stream transform): not damage, but not
+# verified either, and not loadable by ckptd.
+UNSUPPORTED = "unsupported"
 WARNING = "warning"
 NOTE = "note"
 
@@ -57,7 +60,7 @@ class ProgressSink(Protocol):
 
 @dataclass
 class Finding:
-    """One result of a check: an error (damage), a warning, or a note."""
+    """One result of a check: an error (damage), unsupported, a warning, or a note."""
 
     severity: str
     check: str  # backend, metadata, coverage, file, range, checksum, decode, common, tracker
@@ -89,11 +92,21 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings)
+        """Sound and fully checked: no error and nothing ckptd cannot read."""
+        return not any(f.severity in (ERROR, UNSUPPORTED) for f in self.findings)
 
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == ERROR]
+
+    @property
+    def unsupported(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == UNSUPPORTED]
+
+    @property
+    def status(self) -> str:
+        """``DAMAGED`` (any error), else ``UNSUPPORTED`` (a feature ckptd cannot read), else ``OK``."""
+        return "DAMAGED" if self.errors else "UNSUPPORTED" if self.unsupported else "OK"
 
     def add(self, severity: str, check: str, message: str, **where: Any) -> None:
         self.findings.append(Finding(severity, check, message, **where))
@@ -101,6 +114,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "findings"}
         d["ok"] = self.ok
+        d["status"] = self.status
         d["findings"] = [f.to_dict() for f in self.findings]
         return d
 
@@ -333,6 +347,8 @@ def verify_checkpoint(
     index: CheckpointIndex | None = None
     try:
         index = read_index(directory, allow_unsafe_pickle)
+    except UnsupportedFormatError as exc:
+        report.add(UNSUPPORTED, "metadata", str(exc), file=DCP_METADATA)
     except CkptdError as exc:
         report.add(ERROR, "metadata", str(exc), file=DCP_METADATA)
     if not has_marker:
@@ -370,8 +386,16 @@ class RootVerifyReport:
     def ok(self) -> bool:
         return not any(f.severity == ERROR for f in self.findings) and all(r.ok for r in self.reports)
 
+    @property
+    def status(self) -> str:
+        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK."""
+        if any(f.severity == ERROR for f in self.findings) or any(r.errors for r in self.reports):
+            return "DAMAGED"
+        return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"root": self.root, "ok": self.ok, "findings": [f.to_dict() for f in self.findings],
+        return {"root": self.root, "ok": self.ok, "status": self.status,
+                "findings": [f.to_dict() for f in self.findings],
                 "checkpoints": [r.to_dict() for r in self.reports]}
 
 
