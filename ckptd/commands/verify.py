@@ -30,8 +30,10 @@ Verify a checkpoint end to end, without loading it into a model:
   - every data file exists and is long enough for its items; no two items share bytes
   - every item's bytes match the CRC-32 recorded at save time (ckptd records them; torch DCP
     and Megatron-Core do not, and the report says how many items had none)
-  - with --deep: every item decodes as a tensor of the recorded shape and dtype (objects:
-    as Megatron-Core's one-element list), weights-only
+  - with --deep: every item is a well-formed torch.save archive matching the CRC-32s it holds
+    (checked without unpickling), and decodes weights-only as a tensor of the recorded shape
+    and dtype (objects: as Megatron-Core's one-element list; a plain torch DCP checkpoint's
+    non-tensor values, e.g. an iteration or optimizer param_groups: as any value)
   - common.pt matches its recorded CRC-32 and decodes weights-only
 Given a checkpoint root, verifies the checkpoint its 'latest' tracker names (or, with --all,
 every committed one) and checks the tracker. Progress is drawn on stderr when it is a terminal.
