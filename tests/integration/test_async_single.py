@@ -199,3 +199,22 @@ def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path,
             assert [k for k, v in tensors.items() if not same_bits(out[k], v)] == [], step
             report = verify_checkpoint(tmp_path / "run" / f"iter_000000{step}", deep=True)
             assert report.ok and report.items_decoded == len(ref), report.findings
+
+
+@pytest.mark.timeout(120)
+def test_step_0_never_writes_0_into_megatron_lm_tracker(tmp_path, single_process):
+    """Megatron-LM's read_metadata refuses iteration 0 ("iteration > 0 or release"): after step 0
+    its tracker is left as it was (absent here), ckptd's own `latest` names iter_0000000; step 5
+    then updates both."""
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    root = tmp_path / "run"
+    tracker = root / "latest_checkpointed_iteration.txt"
+    w = torch.randn(4, 3)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        ckpt.save(_sd(w, 0), step=0).wait(timeout_s=30)
+        assert ckpt.latest() == 0 and (root / "latest").read_text().strip() == "iter_0000000"
+        assert not tracker.exists()
+        ckpt.save(_sd(w + 1, 5), step=5).wait(timeout_s=30)
+        assert ckpt.latest() == 5 and tracker.read_text().strip() == "5"
+        assert torch.equal(_loaded(ckpt, (4, 3), 0)["w"], w)
