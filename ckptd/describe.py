@@ -91,7 +91,7 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickl
     out = CheckpointSummary(str(root), backend)
     files: set[str] = set()
     for key, t in sorted(index.tensors.items()):
-        element = torch.empty((), dtype=t.dtype).element_size()
+        element = t.dtype.itemsize
         shapes = Counter(c.sizes for c in t.chunks)
         chunk_files = sorted({c.relative_path for c in t.chunks})
         files.update(chunk_files)

@@ -47,7 +47,7 @@ def structural_problem(path: Path) -> str | None:
     report = verify_checkpoint(path, read_items=False)
     if report.ok:
         return None
-    errors = report.errors
+    errors = report.errors + report.unsupported  # unsupported: not damaged, but ckptd cannot load it
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{errors[0].message.rstrip('.')}{more}"
 

@@ -12,8 +12,11 @@ reports every problem it can see:
    for every item; no two items share bytes.
 5. Every item's bytes match the CRC-32 recorded at save time (when recorded: ckptd writes them,
    torch DCP and Megatron-Core do not; the report says how many items had none).
-6. ``deep``: every item decodes (``torch.load``, weights-only) as a tensor of the recorded
-   shape and dtype, or as a ShardedObject's one-element list.
+6. ``deep``: every item is a well-formed ``torch.save`` archive whose records match the CRC-32s
+   it holds (no unpickling: :mod:`ckptd.format.archive`), and decodes (``torch.load``,
+   weights-only) as a tensor of the recorded shape and dtype, as a ShardedObject's one-element
+   list (torch_dist checkpoints), or as any value (byte items of a plain torch DCP checkpoint:
+   ints, optimizer param_groups...). A value outside the weights-only allow-list is a warning.
 7. ``common.pt`` matches its recorded CRC-32 and decodes weights-only.
 
 Items are read in bounded blocks (a deep check reads one whole item at a time). Nothing is
@@ -32,7 +35,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .catalog import RootCatalog
-from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError
+from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError, UnsupportedFormatError
+from .format.archive import is_zip_stream, torch_save_problem
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, read_backend_metadata
 from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
@@ -40,6 +44,9 @@ from .format.records import TENSOR, ItemRecord, dtype_from_name
 from .format.validate import validate_records
 
 ERROR = "error"
+# The checkpoint uses a feature ckptd cannot read (a DCP stream transform): not damage, but not
+# verified either, and not loadable by ckptd.
+UNSUPPORTED = "unsupported"
 WARNING = "warning"
 NOTE = "note"
 
@@ -57,7 +64,7 @@ class ProgressSink(Protocol):
 
 @dataclass
 class Finding:
-    """One result of a check: an error (damage), a warning, or a note."""
+    """One result of a check: an error (damage), unsupported, a warning, or a note."""
 
     severity: str
     check: str  # backend, metadata, coverage, file, range, checksum, decode, common, tracker
@@ -89,11 +96,21 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings)
+        """Sound and fully checked: no error and nothing ckptd cannot read."""
+        return not any(f.severity in (ERROR, UNSUPPORTED) for f in self.findings)
 
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == ERROR]
+
+    @property
+    def unsupported(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == UNSUPPORTED]
+
+    @property
+    def status(self) -> str:
+        """``DAMAGED`` (any error), else ``UNSUPPORTED`` (a feature ckptd cannot read), else ``OK``."""
+        return "DAMAGED" if self.errors else "UNSUPPORTED" if self.unsupported else "OK"
 
     def add(self, severity: str, check: str, message: str, **where: Any) -> None:
         self.findings.append(Finding(severity, check, message, **where))
@@ -101,6 +118,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "findings"}
         d["ok"] = self.ok
+        d["status"] = self.status
         d["findings"] = [f.to_dict() for f in self.findings]
         return d
 
@@ -221,9 +239,18 @@ def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None
     return crc, (b"".join(parts) if keep else None)
 
 
-def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, report: VerifyReport) -> None:
+def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron_objects: bool,
+                 report: VerifyReport) -> None:
+    """Step 6 for one item. A byte item of a torch_dist checkpoint (``megatron_objects``) is a
+    ShardedObject: a one-element list. One of a plain torch DCP checkpoint is any non-tensor value
+    DCP saved (an int, an optimizer's param_groups, an ``io.BytesIO``): any value is sound."""
     where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
     what = f"item {_item_name(r)}"
+    # The archive first: it needs no unpickling, so it is checked even where decoding is refused.
+    structure_checked = is_zip_stream(data)
+    if structure_checked and (problem := torch_save_problem(data)) is not None:
+        report.add(ERROR, "decode", f"{what} in {r.relative_path} {problem}; the item is damaged", **where)
+        return
     try:
         if r.kind == TENSOR:
             t = load_tensor_bytes(data, what, r.relative_path)
@@ -232,10 +259,13 @@ def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, report: 
                 report.add(ERROR, "decode", f"{what} in {r.relative_path} decodes as {t.dtype} "
                            f"{tuple(t.shape)}, but .metadata records {want_dtype} {tuple(r.sizes)}", **where)
                 return
-        else:
+        elif megatron_objects:
             load_object_bytes(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
+        else:
+            unpickle_torch(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
     except UnsafePickleError as exc:
-        report.add(WARNING, "decode", f"{what} not decoded: {exc}", **where)
+        checked = " (its archive structure and CRC-32s were checked)" if structure_checked else ""
+        report.add(WARNING, "decode", f"{what} not decoded{checked}: {exc}", **where)
         return
     except CkptdError as exc:
         report.add(ERROR, "decode", str(exc), **where)
@@ -244,7 +274,8 @@ def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, report: 
 
 
 def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, int], deep: bool,
-                 allow_unsafe_pickle: bool, report: VerifyReport, progress: ProgressSink | None) -> None:
+                 allow_unsafe_pickle: bool, megatron_objects: bool, report: VerifyReport,
+                 progress: ProgressSink | None) -> None:
     """Steps 5 and 6, file by file in offset order (sequential reads)."""
     readable = [r for r in records
                 if r.relative_path in sizes and r.file_offset >= 0 and r.length >= 0
@@ -276,7 +307,7 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
                                "recorded at save time; the item is damaged", **where)
                     continue  # decoding damaged bytes would only add a second error
             if deep and data is not None:
-                _decode_item(r, data, allow_unsafe_pickle, report)
+                _decode_item(r, data, allow_unsafe_pickle, megatron_objects, report)
     finally:
         prefetch.shutdown(wait=True)
         for fd in fds.values():
@@ -333,6 +364,8 @@ def verify_checkpoint(
     index: CheckpointIndex | None = None
     try:
         index = read_index(directory, allow_unsafe_pickle)
+    except UnsupportedFormatError as exc:
+        report.add(UNSUPPORTED, "metadata", str(exc), file=DCP_METADATA)
     except CkptdError as exc:
         report.add(ERROR, "metadata", str(exc), file=DCP_METADATA)
     if not has_marker:
@@ -348,12 +381,13 @@ def verify_checkpoint(
         _check_coverage(records, report)
         sizes = _check_files(directory, records, report)
         if read_items:
-            _check_items(directory, records, sizes, deep, allow_unsafe_pickle, report, progress)
+            _check_items(directory, records, sizes, deep, allow_unsafe_pickle, has_marker, report, progress)
         if report.items_without_checksum:
             report.add(NOTE, "checksum", f"{report.items_without_checksum} of {report.items} items have no "
                        "recorded checksum (written by torch DCP, Megatron-Core, or with checksums off): "
-                       "only their presence and length were checked"
-                       + ("" if deep else "; --deep also decodes them"))
+                       + ("the CRC-32s their torch.save archives hold were checked and they were decoded"
+                          if deep else "only their presence and length were checked; --deep also checks "
+                          "their archives and decodes them"))
     _check_common(directory, index, has_marker, allow_unsafe_pickle, report)
     return report
 
@@ -370,8 +404,16 @@ class RootVerifyReport:
     def ok(self) -> bool:
         return not any(f.severity == ERROR for f in self.findings) and all(r.ok for r in self.reports)
 
+    @property
+    def status(self) -> str:
+        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK."""
+        if any(f.severity == ERROR for f in self.findings) or any(r.errors for r in self.reports):
+            return "DAMAGED"
+        return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"root": self.root, "ok": self.ok, "findings": [f.to_dict() for f in self.findings],
+        return {"root": self.root, "ok": self.ok, "status": self.status,
+                "findings": [f.to_dict() for f in self.findings],
                 "checkpoints": [r.to_dict() for r in self.reports]}
 
 

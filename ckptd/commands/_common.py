@@ -17,6 +17,7 @@ from ..progress import format_bytes, format_duration
 EXIT_OK = 0
 EXIT_FAILURE = 1  # damage found, or the operation failed
 EXIT_USAGE = 2  # bad arguments or a path that is not a checkpoint (argparse also uses 2)
+EXIT_UNSUPPORTED = 3  # verify: the checkpoint uses a feature ckptd does not read (not damage)
 
 
 class UsageError(Exception):

@@ -9,7 +9,17 @@ from typing import Any
 from ..catalog import scan_root
 from ..progress import Progress
 from ..verify import Finding, RootVerifyReport, VerifyReport, verify_checkpoint, verify_root
-from ._common import EXIT_FAILURE, EXIT_OK, UsageError, add_parser, emit_json, format_bytes, guarded, resolve
+from ._common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_UNSUPPORTED,
+    UsageError,
+    add_parser,
+    emit_json,
+    format_bytes,
+    guarded,
+    resolve,
+)
 
 DESCRIPTION = """\
 Verify a checkpoint end to end, without loading it into a model:
@@ -20,13 +30,20 @@ Verify a checkpoint end to end, without loading it into a model:
   - every data file exists and is long enough for its items; no two items share bytes
   - every item's bytes match the CRC-32 recorded at save time (ckptd records them; torch DCP
     and Megatron-Core do not, and the report says how many items had none)
-  - with --deep: every item decodes as a tensor of the recorded shape and dtype (objects:
-    as Megatron-Core's one-element list), weights-only
+  - with --deep: every item is a well-formed torch.save archive matching the CRC-32s it holds
+    (checked without unpickling), and decodes weights-only as a tensor of the recorded shape
+    and dtype (objects: as Megatron-Core's one-element list; a plain torch DCP checkpoint's
+    non-tensor values, e.g. an iteration or optimizer param_groups: as any value)
   - common.pt matches its recorded CRC-32 and decodes weights-only
 Given a checkpoint root, verifies the checkpoint its 'latest' tracker names (or, with --all,
 every committed one) and checks the tracker. Progress is drawn on stderr when it is a terminal.
 
-exit status: 0 sound (warnings and notes allowed); 1 damage found; 2 usage error."""
+Status: OK; DAMAGED; or UNSUPPORTED when the checkpoint uses a feature ckptd does not read (a
+torch DCP stream transform such as ZStandard compression): it is not damaged, but ckptd can
+neither verify nor load it (torch.distributed.checkpoint.load can).
+
+exit status: 0 sound (warnings and notes allowed); 1 damage found; 2 usage error;
+3 unsupported (and no damage found)."""
 
 
 def register(subparsers: Any) -> None:
@@ -48,7 +65,9 @@ def _finding_line(f: Finding) -> str:
 
 
 def _summary(r: VerifyReport) -> str:
-    state = "OK" if r.ok else f"DAMAGED ({len(r.errors)} error{'s' * (len(r.errors) != 1)})"
+    state = r.status
+    if r.errors:
+        state += f" ({len(r.errors)} error{'s' * (len(r.errors) != 1)})"
     parts = [f"{r.tensors} tensors, {r.objects} objects, {r.items} items in {r.data_files} data files",
              f"{format_bytes(r.bytes_read)} read",
              f"{r.items_checksummed} checksums checked"]
@@ -86,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         for r in reports:
             print(_summary(r))
         if target.is_root and len(reports) > 1:
-            bad = sum(not r.ok for r in reports)
-            print(f"{len(reports)} checkpoints verified, {bad} damaged")
-    return EXIT_OK if result.ok else EXIT_FAILURE
+            bad = sum(bool(r.errors) for r in reports)
+            unsupported = sum(r.status == "UNSUPPORTED" for r in reports)
+            print(f"{len(reports)} checkpoints verified, {bad} damaged"
+                  + (f", {unsupported} unsupported" if unsupported else ""))
+    return {"OK": EXIT_OK, "UNSUPPORTED": EXIT_UNSUPPORTED}.get(result.status, EXIT_FAILURE)

@@ -383,7 +383,7 @@ class _Converter:
                     gshape = [self.num_layers] + gshape
                     pieces = [(p.unsqueeze(0), (layer,) + o) for p, o in pieces]
                 for payload, offs in pieces:
-                    rec = ItemRecord(gkey, TENSOR, index, dtype_name(payload.dtype), tuple(gshape),
+                    rec = ItemRecord(gkey, TENSOR, index, dtype_name(payload.dtype, gkey), tuple(gshape),
                                      offs, tuple(payload.shape))
                     items.append(PlannedItem(rec, payload))
                     self.report.chunks += 1

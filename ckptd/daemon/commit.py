@@ -10,8 +10,9 @@ Order of :func:`commit_step` (runs on the coordinator's commit thread, one step 
    should the coordinator die now, its successor finishes the commit at its start
    (:func:`finish_interrupted_commit`); a coordinator that lives undoes it if step 3 fails;
 3. replace the ``latest`` tracker atomically (only forward: a step older than the tracker's
-   leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise (its
-   failure is only logged). If ``latest`` cannot be written (disk full...), the directory is
+   leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise, except
+   for step 0, which Megatron-LM refuses (see :func:`write_megatron_tracker`; its failure is only
+   logged). If ``latest`` cannot be written (disk full...), the directory is
    renamed back to ``<step>.tmp`` and the commit fails: a step counts as committed once the
    tracker can name it, and its ranks must never be told otherwise;
 4. retention: keep the newest ``keep_last`` committed checkpoints (and always the tracker's),
@@ -98,12 +99,28 @@ def commit_step(root: Path, step: int, records: list[ItemRecord], common: bytes,
         log.info("committed %s; the tracker stays at the newer step %d", name, current)
     elif megatron_tracker:
         try:
-            atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), opener, fsync)
+            write_megatron_tracker(root, step, opener, fsync)
         except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
             log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
     if keep_last > 0:
         _apply_retention(root, keep_last)
     return name
+
+
+def write_megatron_tracker(root: Path, step: int, opener: Opener, fsync: bool) -> bool:
+    """Point Megatron-LM's ``latest_checkpointed_iteration.txt`` at ``step``; returns whether it did.
+
+    Never for step 0: Megatron-LM's ``read_metadata`` (megatron/training/checkpointing.py)
+    asserts ``iteration > 0 or release`` (only its newest versions accept 0), so a tracker
+    holding ``0`` stops a Megatron-LM resume from the root. The tracker is left as it was instead
+    (absent, or naming the previous step): Megatron-LM starts from scratch or from that step.
+    """
+    if step <= 0:
+        log.info("committed step %d; %s left as it was: Megatron-LM refuses iteration %d",
+                 step, MEGATRON_TRACKER, step)
+        return False
+    atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), opener, fsync)
+    return True
 
 
 def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool) -> str | None:
@@ -128,7 +145,7 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
             continue
         atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), default_opener, fsync)
         if megatron_tracker:
-            atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), default_opener, fsync)
+            write_megatron_tracker(root, step, default_opener, fsync)
         return name
     return None
 

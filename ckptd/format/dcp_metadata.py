@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedFormatError
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DCP_METADATA, METADATA_JSON
 from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
@@ -243,6 +243,20 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
     return index_metadata(md, path)
 
 
+def _refuse_transforms(where: Path | str, what: str, info: _StorageInfo) -> None:
+    """A stream transform (torch DCP's ``_extensions``: ZStandard compression, or one of the
+    user's own) makes an item's bytes something ckptd cannot read. The checkpoint is not damaged:
+    torch DCP loads it with the extension available."""
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:
+        raise UnsupportedFormatError(
+            f"{where}: {what} is stored with the stream transform(s) {list(transforms)} (torch DCP's "
+            "FileSystemWriter(_extensions=...), e.g. ZStandard compression), which ckptd does not "
+            "read. Load it with torch.distributed.checkpoint.load, or save it again without "
+            "_extensions to use it with ckptd."
+        )
+
+
 def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
     item_crcs, file_crcs = _checksums(md, where)
     storage = md.storage_data or {}
@@ -261,11 +275,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                     raise CorruptCheckpointError(
                         f"{where}: tensor '{fqn}' chunk at {tuple(ch.offsets)} has no storage entry"
                     )
-                if getattr(info, "transform_descriptors", None):
-                    raise CorruptCheckpointError(
-                        f"{where}: tensor '{fqn}' uses storage transforms "
-                        f"{info.transform_descriptors}, which ckptd does not read"
-                    )
+                _refuse_transforms(where, f"tensor '{fqn}'", info)
                 st.chunks.append(StoredChunk(tuple(ch.offsets), tuple(ch.sizes),
                                              info.relative_path, info.offset, info.length,
                                              item_crcs.get((fqn, tuple(ch.offsets)))))
@@ -274,6 +284,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             info = infos.get(None)
             if info is None:
                 raise CorruptCheckpointError(f"{where}: object '{fqn}' has no storage entry")
+            _refuse_transforms(where, f"object '{fqn}'", info)
             objects[fqn] = StoredObject(fqn, info.relative_path, info.offset, info.length,
                                         item_crcs.get((fqn, ())),
                                         _is_shard_key(fqn, _planner_path(md, fqn)))
@@ -283,7 +294,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
-        ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype), t.shape, c.offsets, c.sizes,
+        ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype, t.fqn), t.shape, c.offsets, c.sizes,
                    c.relative_path, c.file_offset, c.length, crc32=c.crc32, path=planner_path(index, t.fqn))
         for t in index.tensors.values()
         for c in t.chunks
@@ -306,7 +317,6 @@ def _planner_path(md: Metadata, fqn: str) -> tuple[str | int, ...]:
     if isinstance(path, (tuple, list)) and path and all(type(p) in (str, int) for p in path):
         return tuple(path)
     return (fqn,)
-
 
 
 def _is_shard_key(fqn: str, path: tuple) -> bool:

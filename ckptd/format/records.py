@@ -8,6 +8,7 @@ and the coordinator turns all of them into the DCP ``.metadata``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -19,24 +20,65 @@ from ..mapping import ByteItem, ShardedObject, ShardedTensor
 TENSOR = "tensor"
 BYTES = "bytes"
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-        "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
-        "uint16", "uint32", "uint64",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
 
+def _dcp_element_nbytes(dtype: torch.dtype) -> int | None:
+    """A dtype's element size as torch DCP's save planner computes it (``torch._utils._element_size``,
+    from finfo/iinfo bits), or None where that fails: DCP cannot save a tensor of that dtype."""
+    try:
+        if dtype.is_complex:
+            return torch.finfo(dtype).bits >> 2
+        if dtype.is_floating_point:
+            return torch.finfo(dtype).bits >> 3
+        if dtype == torch.bool:
+            return 1
+        return torch.iinfo(dtype).bits >> 3
+    except (TypeError, RuntimeError, ValueError):
+        return None
+
+
+def _storable(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` can be an item of a torch_dist checkpoint.
+
+    Derived from torch, not listed by hand, so a new dtype torch DCP saves is supported as it
+    comes: DCP's planner must know its element size, one whole number of bytes per element
+    (sub-byte shells such as ``uint1``..``uint7``/``int1``..``int7`` and the ``bits*`` types have
+    no finfo/iinfo: DCP's save fails on them, and torch.save refuses most), and it must not be
+    a quantized dtype (its tensors carry scale and zero point, which DCP cannot save either).
+    """
+    if _dcp_element_nbytes(dtype) != dtype.itemsize:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32: "ComplexHalf support is experimental"
+        return not torch.empty(0, dtype=dtype).is_quantized
+
+
+# Canonical names (str(dtype) without "torch.") of every dtype ckptd saves; records and the
+# wire carry these names.
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    if _storable(dt)
+}
 
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """Every dtype ckptd saves (the dtypes torch DCP saves), sorted by name."""
+    return tuple(_DTYPES[name] for name in sorted(_DTYPES))
+
+
+def dtype_name(dtype: torch.dtype, key: str = "") -> str:
+    """The canonical name of a storable ``dtype``; a ShardingError naming ``key`` otherwise."""
     name = _NAMES.get(dtype)
     if name is None:
-        raise ShardingError(f"dtype {dtype} is not supported by the checkpoint format")
+        what = f"tensor '{key}'" if key else "a tensor"
+        raise ShardingError(
+            f"{what} has dtype {dtype}, which the torch_dist format cannot store (torch DCP "
+            "saves only dtypes of whole bytes per element, not sub-byte, bits or quantized "
+            "dtypes); convert it (e.g. to uint8 holding its packed bytes) before saving. "
+            f"Storable dtypes: {', '.join(sorted(_DTYPES))}"
+        )
     return name
 
 
@@ -130,7 +172,7 @@ def _path_part(p: Any) -> str | int:
 
 
 _RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ItemRecord))
-_ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for name, dt in _DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in _DTYPES.items()}
 
 
 def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
@@ -156,7 +198,7 @@ def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, 
 
 def tensor_records(sh: ShardedTensor, rank: int) -> list[ItemRecord]:
     """One record per stored item of ``sh`` (see :func:`storage_pieces`)."""
-    dtype = dtype_name(sh.dtype)
+    dtype = dtype_name(sh.dtype, sh.key)
     return [
         ItemRecord(fqn=sh.key, kind=TENSOR, rank=rank, dtype=dtype, global_shape=g, offsets=o, sizes=s)
         for g, o, s, _ in storage_pieces(sh)
@@ -198,7 +240,7 @@ def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
         fqn=sh.key,
         kind=TENSOR,
         rank=rank,
-        dtype=dtype_name(sh.dtype),
+        dtype=dtype_name(sh.dtype, sh.key),
         global_shape=gshape,
         offsets=offsets,
         sizes=sizes,

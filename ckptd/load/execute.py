@@ -155,7 +155,7 @@ class _Executor:
             return self._pread(fd, off, n)
 
         layout = locate(read, item.file_offset, item.length, entry.dtype, item.shape)
-        esize = torch.empty((), dtype=entry.dtype).element_size()
+        esize = entry.dtype.itemsize
         if layout is None or layout.nbytes != math.prod(item.shape) * esize:
             self.stats.bytes_read = before  # the probe's bytes are re-read whole below
             self._fallback(entry, where)
@@ -279,9 +279,15 @@ class _Executor:
 
         Only the pages holding needed elements are touched (so only those are read from the
         file), and the mapping is dropped right after the copy. Returns False if the file cannot
-        be mapped (the caller then reads with pread).
+        be mapped or the elements would be misaligned in the mapping (the caller then reads
+        with pread).
         """
         aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        if (start - aligned) % dst.element_size():
+            # Items sit at any file offset, so elements in a mapping may be misaligned for their
+            # type; copying complex128 from an address that is 8 mod 16 crashes the process
+            # (SIGSEGV in copy_). pread into the aligned scratch buffer instead.
+            return False
         try:
             mm = mmap.mmap(fd, nbytes + (start - aligned), flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)

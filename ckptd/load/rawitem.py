@@ -264,7 +264,7 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
         data = entries.get(prefix + "data/" + desc.storage.key)
         if data is None:
             raise _Unusual("storage record missing")
-        esize = torch.empty((), dtype=desc.dtype).element_size()
+        esize = desc.dtype.itemsize
         storage_nbytes = (desc.storage.nbytes_or_numel if desc.storage.dtype is None
                           else desc.storage.nbytes_or_numel * esize)
         numel = math.prod(desc.size)

@@ -173,3 +173,49 @@ def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, single_p
                 ckpt.save(bad, step=step)
         assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"
         assert torch.equal(_loaded(ckpt, (16, 8))["w"], w) and ckpt.latest() == 3
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:ComplexHalf support is experimental")
+def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path, single_process):
+    """float8 variants, complex32, float4, uint64...: staged into the slot (by the fork child, and
+    by the trainer's copy for non-contiguous views), written by the daemon, loaded bit-exact and
+    verified deep."""
+    from ckptd.verify import verify_checkpoint
+    from tests.dtypes import dcp_dtypes, dtype_label, random_tensor, same_bits
+
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    ref = {dtype_label(dt): random_tensor(dt, i, (8, 6)) for i, dt in enumerate(dcp_dtypes(tmp_path / "probe"))}
+    # Step 1: contiguous tensors (the fork child copies them). Step 2: transposed views, which
+    # the trainer copies into typed views of the slot.
+    states = {1: {k: v for k, v in ref.items()}, 2: {k: v.t() for k, v in ref.items()}}
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        for step, tensors in states.items():
+            ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, step=step)
+        ckpt.wait_all(timeout_s=60)
+        for step, tensors in states.items():
+            out = ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype))
+                             for k, v in tensors.items()}, step=step)
+            assert [k for k, v in tensors.items() if not same_bits(out[k], v)] == [], step
+            report = verify_checkpoint(tmp_path / "run" / f"iter_000000{step}", deep=True)
+            assert report.ok and report.items_decoded == len(ref), report.findings
+
+
+@pytest.mark.timeout(120)
+def test_step_0_never_writes_0_into_megatron_lm_tracker(tmp_path, single_process):
+    """Megatron-LM's read_metadata refuses iteration 0 ("iteration > 0 or release"): after step 0
+    its tracker is left as it was (absent here), ckptd's own `latest` names iter_0000000; step 5
+    then updates both."""
+    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    root = tmp_path / "run"
+    tracker = root / "latest_checkpointed_iteration.txt"
+    w = torch.randn(4, 3)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        ckpt.save(_sd(w, 0), step=0).wait(timeout_s=30)
+        assert ckpt.latest() == 0 and (root / "latest").read_text().strip() == "iter_0000000"
+        assert not tracker.exists()
+        ckpt.save(_sd(w + 1, 5), step=5).wait(timeout_s=30)
+        assert ckpt.latest() == 5 and tracker.read_text().strip() == "5"
+        assert torch.equal(_loaded(ckpt, (4, 3), 0)["w"], w)
