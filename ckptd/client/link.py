@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, TypeVar
 
 import zmq
 
@@ -152,7 +152,7 @@ class DaemonLink:
                               f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}")
 
     def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None,
-                match: Optional[Callable[[M], bool]] = None) -> M:
+                match: Callable[[M], bool] | None = None) -> M:
         """Send ``msg``, wait for a ``reply_type`` answer (one ``match`` accepts, when given: a late
         answer to an earlier request is not taken for this one's); ``ERROR`` raises DaemonError."""
         self.send(msg)
