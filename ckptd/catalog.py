@@ -5,7 +5,7 @@ A *root* is where an asynchronous Checkpointer saves a series of checkpoints::
     <root>/
       latest               tracker: name of the newest committed checkpoint, replaced atomically
       iter_0000100/        committed (the final name appears only after the commit)
-      iter_0000200.tmp/    in flight, or abandoned by a crash: never loaded
+      iter_0000200.<attempt>.tmp/  in flight, or abandoned by a crash: never loaded
       iter_0000050.deleting/  being removed by gc (renamed first, so never mistaken as committed)
 
 A single checkpoint directory (written by ``ckptd.save``, torch DCP or Megatron-Core) holds
@@ -29,7 +29,9 @@ STEP_PREFIX = "iter_"
 TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
 PART_SUFFIX = ".part"  # a data file being written inside a *.tmp directory
-_STEP_DIR = re.compile(r"^iter_(\d+)(\.tmp|\.deleting)?$")
+# A partial save is named after its attempt (iter_0000200.<attempt>.tmp, ckptd.control.attempt);
+# older ckptd versions wrote iter_0000200.tmp.
+_STEP_DIR = re.compile(r"^iter_(\d+)(?:(?:\.[0-9a-f]{12}-[0-9]+)?(\.tmp|\.deleting))?$")
 
 
 def step_dir_name(step: int) -> str:

@@ -63,6 +63,7 @@ class CkptdConfig:
     runtime_dir: str = ""  # default: $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-<uid>
     job_id: str = ""  # default: derived from the checkpoint root's real path
     job_token: str = ""  # default: a random token kept in <runtime_dir>/<job>.token (0600)
+    run_id: str = ""  # one value per launch, equal on every rank: names save attempts (ckptd.control.attempt)
     coordinator_host: str = ""  # default: MASTER_ADDR, else 127.0.0.1
     coordinator_port: int = 0  # default: MASTER_PORT + 1 for multi-node jobs, else ephemeral
     max_message_nbytes: int = 64 << 20

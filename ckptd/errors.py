@@ -60,7 +60,7 @@ class DaemonError(CkptdError):
 
 
 class ProtocolError(CkptdError):
-    """A control-plane message was malformed, of a wrong version, too large or unauthenticated."""
+    """A control-plane message was malformed, of a wrong version, too large or out of range."""
 
 
 class StagingError(CkptdError):

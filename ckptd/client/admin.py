@@ -18,6 +18,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv, load_token
+from ..control.keys import derive_keys
 from ..control.protocol import Codec, Shutdown, ShutdownAck, Status, StatusReply
 from ..daemon.main import daemon_alive, daemon_pid
 from ..errors import DaemonError
@@ -46,17 +47,19 @@ def local_daemons(root: str | os.PathLike, config: CkptdConfig | None = None) ->
 
 
 def _request(ep: Endpoints, config: CkptdConfig, msg: Any, reply_type: type, timeout_s: float) -> Any:
-    codec = Codec(ep.job, load_token(ep, config), config.max_message_nbytes)
+    codec = Codec(ep.job, config.max_message_nbytes)
+    keys = derive_keys(load_token(ep, config))
     ctx = zmq.Context()
     try:
-        sock = make_socket(ctx, zmq.DEALER, codec, identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode())
+        sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False,
+                           identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode())
         sock.connect(ep.ipc_address)
         end = Endpoint(sock, codec, "admin")
         end.send(msg, block=False)
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             if sock.poll(int(min(remaining, 0.1) * 1000), zmq.POLLIN):
-                _, reply = end.recv()
+                _, reply, _ = end.recv()
                 if isinstance(reply, reply_type):
                     return reply
         raise DaemonError(f"the daemon of {ep.root} node {ep.node} did not answer {msg.TYPE.name} "

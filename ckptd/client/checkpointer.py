@@ -22,8 +22,11 @@ Order of one :meth:`Checkpointer.save` on a rank:
 5. snapshot into the slot: with ``snapshot="auto"`` and plain CPU shards, ``fork()`` a
    copy-on-write child that copies them while training goes on (:mod:`ckptd.staging.fork`);
    otherwise copy here (DMA on a side stream for CUDA tensors);
-6. send ``SAVE``, wait for ``SAVE_ACK``, return the :class:`SaveHandle`. The daemon writes once
-   the bytes are complete (the child exited and sealed the slot).
+6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
+   every rank, and how many times this Checkpointer saved the step; see
+   :mod:`ckptd.control.attempt`), wait for its ``SAVE_ACK``, return the :class:`SaveHandle`. The
+   daemon writes once the bytes are complete (the child exited and sealed the slot); outcomes of
+   other attempts of the step never resolve the handle.
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
 Not thread-safe: use a Checkpointer from one thread.
@@ -42,7 +45,9 @@ from ..api import load as sync_load
 from ..api import PlanCache, plan_save
 from ..catalog import STEP_PREFIX, step_dir_name
 from ..config import CkptdConfig
+from ..control.attempt import check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
+from ..control.keys import derive_keys
 from ..control.protocol import (
     Bye,
     Codec,
@@ -103,10 +108,17 @@ class Checkpointer:
                 and self.env.master_addr not in ("127.0.0.1", "localhost", "::1")):
             raise CkptdError(
                 "a job spanning machines needs a shared secret: set CKPTD_JOB_TOKEN to the same "
-                "random string on every node (the daemons authenticate every message with it)"
+                "random string on every node (every socket's CurveZMQ keys are derived from it)"
             )
-        codec = Codec(self.endpoints.job, load_token(self.endpoints, self.config), self.config.max_message_nbytes)
-        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, self._on_notify)
+        codec = Codec(self.endpoints.job, self.config.max_message_nbytes)
+        keys = derive_keys(load_token(self.endpoints, self.config))
+        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, self._on_notify)
+        self._incarnation = incarnation_for(self.config.run_id, self.env.world_size)
+        if self._incarnation.weak and self.env.rank == 0:
+            log.warning("no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID): save attempts are "
+                        "named after %s; a relaunch on the same address repeats them. Set CKPTD_RUN_ID "
+                        "to one value per launch on every rank", self._incarnation.source)
+        self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.api.plan_save)
@@ -143,8 +155,7 @@ class Checkpointer:
             self._lazy.fence()  # an earlier lazy save is decided before this one is planned
         self._pump_quietly()
         self._raise_unobserved()
-        if step < 0:
-            raise CkptdError(f"step must be >= 0, got {step}")
+        check_save_step(step)
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = self.root / step_dir_name(step)
@@ -173,10 +184,11 @@ class Checkpointer:
             self._layout.forget()
             raise
         child = snap is not None and self._lazy is None  # a forked child, reaped by this process
-        msg = Save(step, self.env.rank, self.env.world_size, pool.generation, slot, wire, common, layout,
-                   snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
+        attempt = self._next_attempt(step)
+        msg = Save(step, attempt, self.env.rank, self.env.world_size, pool.generation, slot, wire, common,
+                   layout, snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
         try:
-            self._link.request(msg, SaveAck)
+            self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
         except DaemonLostError as exc:
             if child:
                 self._children.append(snap.pid)
@@ -202,7 +214,7 @@ class Checkpointer:
         if child:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
             self._children.append(snap.pid)
-        handle = self._new_handle(step, final, t0, nbytes, queue_wait_s)
+        handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
@@ -414,17 +426,25 @@ class Checkpointer:
                      time.monotonic() - t0, step)
         return pool.free.pop(0)
 
-    def _new_handle(self, step: int, path: Path, t0: float, nbytes: int, queue_wait_s: float) -> SaveHandle:
+    def _next_attempt(self, step: int) -> str:
+        """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
+        n = self._attempts[step] = self._attempts.get(step, 0) + 1
+        return self._incarnation.attempt(n)
+
+    def _new_handle(self, step: int, attempt: str, path: Path, t0: float, nbytes: int,
+                    queue_wait_s: float) -> SaveHandle:
         record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
         self._stats.add(record)
-        return SaveHandle(self, step, path, record, self._stats)
+        return SaveHandle(self, step, path, record, self._stats, attempt)
 
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
         reason = (f"all {self.config.pool_slots} staging slots of rank {self.env.rank} were still "
                   "being persisted (on_full='skip')")
         log.warning("step %d skipped: %s", step, reason)
-        self._link.request(Skip(step, self.env.rank, self.env.world_size, reason), SaveAck)
-        handle = self._new_handle(step, self.root / step_dir_name(step), t0, 0, 0.0)
+        attempt = self._next_attempt(step)
+        self._link.request(Skip(step, attempt, self.env.rank, self.env.world_size, reason), SaveAck,
+                           match=lambda a: a.step == step and a.attempt == attempt)
+        handle = self._new_handle(step, attempt, self.root / step_dir_name(step), t0, 0, 0.0)
         handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 
@@ -434,9 +454,13 @@ class Checkpointer:
             if pool is not None and msg.generation == pool.generation and msg.slot not in pool.free:
                 pool.free.append(msg.slot)
             h = self._pending.get(msg.step)
-            if h is not None:
+            if h is not None and h.attempt == msg.attempt:
                 h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
                 h.record.snapshot_s = msg.snapshot_s
+        elif isinstance(msg, (StepCommitted, StepAborted)) and (
+                msg.step not in self._pending or self._pending[msg.step].attempt != msg.attempt):
+            log.debug("rank %d: %s of step %d attempt %s, which this rank is not waiting for", self.env.rank,
+                      msg.TYPE.name, msg.step, msg.attempt)
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
             if h is not None:

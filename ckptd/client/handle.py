@@ -26,10 +26,11 @@ class SaveHandle:
     """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
 
     def __init__(self, owner: "Checkpointer", step: int, path: Path, record: SaveRecord,
-                 stats: SaveStats) -> None:
+                 stats: SaveStats, attempt: str = "") -> None:
         self._owner = owner
         self._stats = stats
         self.step = step
+        self.attempt = attempt  # this try's attempt id (ckptd.control.attempt)
         self.path = path  # the committed directory (exists once COMMITTED)
         self.record = record  # this save's measurements (bytes, stall, persist, commit latency)
         self.stall_s = record.stall_s  # how long save() blocked the caller

@@ -4,7 +4,8 @@ Order of use (by the Checkpointer, on the training thread only; not thread-safe)
 
 1. :meth:`DaemonLink.connect`: if no daemon holds the job's pid-file lock, local rank 0 launches
    ``ckptd daemon --detach`` and every rank waits (``daemon_start_timeout_s``) for one; then the
-   ``HELLO`` -> ``WELCOME`` handshake (protocol version, job token, daemon instance);
+   ``HELLO`` -> ``WELCOME`` handshake over CurveZMQ with the job's keys (protocol version, daemon
+   instance; the daemon checks the HELLO's pid against the socket's credentials);
 2. :meth:`request`: send one request and wait for its reply; notifications arriving meanwhile
    (``SLOT_FREE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
 3. :meth:`pump`: deliver notifications without a request (``handle.done()``/``wait()``);
@@ -26,6 +27,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
+from ..control.keys import CurveKeys
 from ..control.protocol import Codec, ErrorReply, Hello, Message, Ping, Pong, Welcome
 from ..daemon.main import daemon_alive, daemon_pid
 from ..errors import DaemonError
@@ -48,12 +50,13 @@ class RequestNotTaken(DaemonError):
 
 
 class DaemonLink:
-    def __init__(self, ep: Endpoints, env: JobEnv, config: CkptdConfig, codec: Codec,
+    def __init__(self, ep: Endpoints, env: JobEnv, config: CkptdConfig, codec: Codec, keys: CurveKeys,
                  on_notify: Callable[[Message], None]) -> None:
         self.ep = ep
         self.env = env
         self.config = config
         self.codec = codec
+        self.keys = keys
         self.on_notify = on_notify
         self.ctx = zmq.Context()
         self.endpoint: Endpoint | None = None
@@ -118,7 +121,7 @@ class DaemonLink:
     def _open_socket(self) -> None:
         self.close_socket()
         ident = f"r{self.env.rank}-{os.getpid()}-{time.monotonic_ns() % 10**9}".encode()
-        sock = make_socket(self.ctx, zmq.DEALER, self.codec, identity=ident)
+        sock = make_socket(self.ctx, zmq.DEALER, self.codec, self.keys, server=False, identity=ident)
         sock.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
         sock.connect(self.ep.ipc_address)
         self.endpoint = Endpoint(sock, self.codec, f"rank{self.env.rank}")
@@ -148,8 +151,10 @@ class DaemonLink:
             raise RequestNotTaken(f"could not send {msg.TYPE.name} to the node daemon within "
                               f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}")
 
-    def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None) -> M:
-        """Send ``msg``, wait for a ``reply_type`` answer; an ``ERROR`` answer raises DaemonError."""
+    def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None,
+                match: Callable[[M], bool] | None = None) -> M:
+        """Send ``msg``, wait for a ``reply_type`` answer (one ``match`` accepts, when given: a late
+        answer to an earlier request is not taken for this one's); ``ERROR`` raises DaemonError."""
         self.send(msg)
         deadline = time.monotonic() + (self.config.request_timeout_s if timeout_s is None else timeout_s)
         while True:
@@ -157,9 +162,10 @@ class DaemonLink:
             if reply is None:
                 raise DaemonError(
                     f"the node daemon did not answer {msg.TYPE.name} within "
-                    f"{self.config.request_timeout_s:.0f} s (CKPTD_REQUEST_TIMEOUT_S); see {self.ep.log_path}"
+                    f"{self.config.request_timeout_s:.0f} s (CKPTD_REQUEST_TIMEOUT_S); see {self.ep.log_path} "
+                    "(a daemon started with another CKPTD_JOB_TOKEN refuses this rank's handshake)"
                 )
-            if isinstance(reply, reply_type):
+            if isinstance(reply, reply_type) and (match is None or match(reply)):
                 return reply
             if isinstance(reply, ErrorReply):
                 raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
@@ -180,7 +186,7 @@ class DaemonLink:
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if ep.sock.poll(max(0, min(_POLL_MS, int(remaining_ms))), zmq.POLLIN):
-                _, msg = ep.recv()
+                _, msg, _ = ep.recv()
                 if msg is not None:
                     return msg
                 continue

@@ -10,8 +10,10 @@ from ._common import EXIT_FAILURE, EXIT_OK, add_parser, emit_json, format_bytes,
 DESCRIPTION = """\
 Ask every live ckptd daemon of ROOT's job on this machine for its status: connected ranks,
 staging pools, data-file writes in flight, steps awaiting the coordinator, and measurements
-(bytes written, write throughput, persist and commit latency of recent steps). Node 0's daemon
-also reports its coordinator's steps. --prometheus prints the Prometheus text format (the same
+(bytes written, write throughput, persist and commit latency of recent steps), and what its
+sockets rejected (malformed or oversized messages, handshakes without the job's keys,
+connections dropped before authenticating). Node 0's daemon also reports its coordinator's
+steps and port. --prometheus prints the Prometheus text format (the same
 a daemon serves on CKPTD_METRICS_PORT).
 
 exit status: 0 at least one daemon answered; 1 none runs, or one did not answer."""
@@ -42,6 +44,14 @@ def _print(info: dict[str, Any]) -> None:
           f"aborted {m.get('steps_aborted', 0)}; written {format_bytes(m.get('bytes_written', 0))}"
           + (f" at {format_bytes(rate)}/s" if rate else "")
           + f"; rejected messages {info.get('rejected_messages', 0)}")
+    coord = info.get("coordinator")
+    if info.get("rejected_messages"):
+        parts = [("ranks' socket", info.get("rejected", {}))]
+        if coord is not None:
+            parts.append(("coordinator's port", coord.get("rejected", {})))
+        print("  rejected: " + "; ".join(
+            f"{where}: " + (", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none")
+            for where, counts in parts))
     pools = info.get("pools", [])
     if pools:
         rows = [(p["rank"], p["slots"], format_bytes(p["slot_nbytes"]), len(p["busy"]),
@@ -53,7 +63,6 @@ def _print(info: dict[str, Any]) -> None:
                  _seconds(s["persist_s"]), _seconds(s["commit_s"])) for s in recent]
         print("  " + table(("STEP", "OUTCOME", "RANKS", "BYTES", "QUEUE", "PERSIST", "COMMIT"), rows,
                            right=(0, 2, 3, 4, 5, 6)).replace("\n", "\n  "))
-    coord = info.get("coordinator")
     if coord is not None:
         steps = coord.get("steps", {})
         print(f"  coordinator {coord['address']}: nodes {coord['nodes']}; steps in progress: "

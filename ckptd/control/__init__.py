@@ -1,1 +1,2 @@
-"""The ZeroMQ control plane: message protocol, authenticated codec, sockets, endpoints."""
+"""The ZeroMQ control plane: message protocol and codec, CurveZMQ keys and sockets, attempt ids,
+endpoints."""

@@ -1,33 +1,77 @@
 """ZeroMQ sockets that speak :mod:`ckptd.control.protocol`: send typed messages, receive checked ones.
 
-Malformed, oversized or unauthenticated input never raises out of a server's loop: ``recv``
-returns None for it after logging why (the sender's identity included), and the server keeps
-serving.
+Every socket runs CurveZMQ with the job's keys (:mod:`ckptd.control.keys`): servers (a daemon's
+rank socket, the coordinator's port) accept only clients holding the job's client key (the ZAP
+handler of :mod:`ckptd.control.security`), clients talk only to a server holding the job's server
+key, and every frame is encrypted and authenticated within its session. Messages travel in
+frames of at most :data:`~ckptd.control.protocol.FRAME_NBYTES`, and libzmq refuses larger frames
+(dropping the connection) on every socket, also during the handshake: a connection that has not
+authenticated can make the daemon hold at most one such frame.
+
+Malformed or oversized input never raises out of a server's loop: ``recv`` returns no message for
+it after logging why (the sender's identity included), and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
 from ..errors import ProtocolError
-from .protocol import Codec, Message
+from .keys import CurveKeys
+from .protocol import FRAME_NBYTES, Codec, Message
+from .security import make_client_secure, make_server_secure
 
 log = logging.getLogger(__name__)
 
+# Frame bytes above the frame size (or a smaller message limit) that still reach the codec, which
+# rejects and counts what is too big; anything larger makes libzmq drop the connection.
+ENVELOPE_NBYTES = 4096
 
-def make_socket(ctx: zmq.Context, kind: int, codec: Codec, identity: bytes | None = None) -> zmq.Socket:
+
+def make_socket(ctx: zmq.Context, kind: int, codec: Codec, keys: CurveKeys, *, server: bool,
+                identity: bytes | None = None) -> zmq.Socket:
+    """A CurveZMQ socket of the job: ``server`` for ROUTERs that bind, else a client."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    # Frames above the limit are dropped by libzmq before they reach Python (the peer is cut off).
-    sock.setsockopt(zmq.MAXMSGSIZE, codec.max_nbytes + 4096)
+    sock.setsockopt(zmq.MAXMSGSIZE, min(codec.max_nbytes, FRAME_NBYTES) + ENVELOPE_NBYTES)
+    if server:
+        make_server_secure(sock, keys)
+    else:
+        make_client_secure(sock, keys)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock
+
+
+class Incoming(NamedTuple):
+    """One received message: the peer's routing identity (ROUTER only), the message (None when
+    rejected) and the peer's address as libzmq saw it (``...:uid:gid:pid`` on ``ipc://``)."""
+
+    identity: bytes | None
+    msg: Message | None
+    peer: str | None
+
+
+def peer_pid(peer: str | None) -> int | None:
+    """The connecting process's pid from an ``ipc://`` peer address (the kernel's SO_PEERCRED)."""
+    if not peer:
+        return None
+    parts = peer.rsplit(":", 3)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return None
+    return int(parts[3])
+
+
+def peer_uid(peer: str | None) -> int | None:
+    """The connecting process's uid from an ``ipc://`` peer address."""
+    if peer_pid(peer) is None:
+        return None
+    return int(peer.rsplit(":", 3)[1])  # type: ignore[union-attr]
 
 
 class Endpoint:
@@ -38,7 +82,7 @@ class Endpoint:
         self.codec = codec
         self.name = name
         self.is_router = sock.type == zmq.ROUTER
-        self.rejected = 0
+        self.rejected = 0  # messages from authenticated peers that failed the codec's checks
 
     def send(self, msg: Message, identity: bytes | None = None, block: bool = True) -> bool:
         """Send ``msg``; False when it cannot be delivered now (peer gone, or not connected)."""
@@ -58,18 +102,19 @@ class Endpoint:
             raise
         return True
 
-    def recv(self) -> tuple[bytes | None, Message | None]:
-        """One message (non-blocking): ``(identity, message)``; message None for rejected input."""
-        frames: list[Any] = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+    def recv(self) -> Incoming:
+        """One message (non-blocking; raises zmq.Again when none is waiting)."""
+        frames: list[Any] = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         identity = None
         if self.is_router:
-            identity, frames = frames[0], frames[1:]
+            identity, frames = frames[0].bytes, frames[1:]
+        peer = frames[-1].get("Peer-Address") if frames else None
         try:
-            return identity, self.codec.decode(frames)
+            return Incoming(identity, self.codec.decode([f.buffer for f in frames]), peer)
         except ProtocolError as exc:
             self.rejected += 1
             log.warning("%s: rejected a message from %r: %s", self.name, identity, exc)
-            return identity, None
+            return Incoming(identity, None, peer)
 
     def close(self) -> None:
         self.sock.close(linger=0)

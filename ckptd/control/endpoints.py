@@ -26,6 +26,7 @@ from typing import Mapping
 
 from ..config import CkptdConfig
 from ..errors import CkptdError, DaemonError
+from .netaddr import coordinator_bind_host, tcp_address
 
 SHM_DIR = Path("/dev/shm")
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -134,10 +135,8 @@ class Endpoints:
                 raise CkptdError("a multi-node job needs the coordinator's port: set MASTER_PORT "
                                  "(torchrun does) or CKPTD_COORDINATOR_PORT")
             port = env.master_port + 1
-        bind_host = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
-        if env.nnodes == 1:
-            bind_host = "127.0.0.1"
-        ep = cls(root, job, env.node, runtime, f"tcp://{host}:{port}", f"tcp://{bind_host}:{port}")
+        bind_host = coordinator_bind_host(host, env.nnodes)  # never 0.0.0.0 (ckptd.control.netaddr)
+        ep = cls(root, job, env.node, runtime, tcp_address(host, port), tcp_address(bind_host, port))
         if len(str(ep.socket_path)) > _MAX_IPC_PATH:
             raise CkptdError(f"ipc socket path {ep.socket_path} is longer than {_MAX_IPC_PATH} "
                              "bytes; set CKPTD_RUNTIME_DIR to a shorter directory")

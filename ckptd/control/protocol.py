@@ -1,4 +1,4 @@
-"""The control-plane protocol: typed messages, msgpack on the wire, authenticated with the job token.
+"""The control-plane protocol: typed messages, msgpack on CurveZMQ sockets keyed by the job token.
 
 Parties: *rank* (a Checkpointer in a training process), *daemon* (one per node), *coordinator*
 (one per job, inside node 0's daemon). Ranks talk to their node's daemon over ``ipc://`` (DEALER
@@ -8,35 +8,43 @@ Order of calls for one save of step ``s`` (who sends each message):
 
 1. rank -> daemon ``HELLO`` -> ``WELCOME`` once per connection (handshake: protocol version,
    job, daemon instance; a new instance means the daemon restarted and unacknowledged saves
-   are lost). ``PING`` -> ``PONG`` checks liveness at any time.
+   are lost; the HELLO's pid must be the connecting process's). ``PING`` -> ``PONG`` checks
+   liveness at any time.
 2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per pool: from then on the daemon owns the
-   shared-memory segments (and unlinks them).
+   shared-memory segments (and unlinks them); only this connection saves from them.
 3. rank copies its shards into a free slot, then rank -> daemon ``SAVE`` -> ``SAVE_ACK``; the
    daemon now owns the slot's bytes and ``save()`` returns. When no slot is free and the policy
    is ``skip``, rank -> daemon ``SKIP`` -> ``SAVE_ACK`` instead (the step then aborts everywhere).
-4. daemon writes ``__<rank>_0.distcp`` into ``<step>.tmp/``, fsyncs it, then daemon -> rank
-   ``SLOT_FREE`` and daemon -> coordinator ``WRITTEN`` (stored records; rank 0 adds the common
-   state). A failed write sends ``FAILED`` instead.
-5. coordinator, once every rank of the world wrote: validates coverage, writes the metadata
-   files, renames ``<step>.tmp`` -> ``<step>``, fsyncs, replaces the tracker, then
-   coordinator -> daemons ``STEP_COMMITTED``; on any failure or timeout ``STEP_ABORTED`` (reason).
-6. daemon -> ranks that saved step ``s``: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
+4. daemon writes ``__<rank>_0.distcp`` into ``<step>.<attempt>.tmp/``, fsyncs it, then daemon ->
+   rank ``SLOT_FREE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size;
+   rank 0 adds the common state). A failed write sends ``FAILED`` instead.
+5. coordinator, once every rank of the world wrote that attempt: validates coverage, writes the
+   metadata files, checks every data file's size, renames ``<step>.<attempt>.tmp`` -> ``<step>``,
+   fsyncs, replaces the tracker, then coordinator -> daemons ``STEP_COMMITTED``; on any failure
+   or timeout ``STEP_ABORTED`` (reason).
+6. daemon -> ranks that saved step ``s`` in that attempt: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
 7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its pool once idle).
 
 ``STATUS`` -> ``STATUS_REPLY`` and ``SHUTDOWN`` -> ``SHUTDOWN_ACK`` serve tools and tests. Any
 request can be answered with ``ERROR`` (reason).
 
-Wire format: two frames, ``body`` (a msgpack map ``{"v": version, "t": type, "job": job id,
-"f": {fields}}``) and ``mac`` (HMAC-SHA256 of ``body`` under the job token). A receiver checks the
-size limit and the MAC before it unpacks anything, then the version, job, type and every field's
-type; anything else is rejected with :class:`ProtocolError` (never pickle, never eval).
+Every save carries its attempt id (``<incarnation>-<n>``, :mod:`ckptd.control.attempt`) from
+SAVE to the outcome: a report is only ever counted for the attempt it names.
+
+Security: every socket runs CurveZMQ with keys derived from the job token
+(:mod:`ckptd.control.keys`): peers without the token cannot complete a handshake, and every frame
+is encrypted and authenticated within its session (a frame replayed on another connection, or
+twice, is refused by the session's nonces). On top of that, a message is a msgpack map
+``{"v": version, "t": type, "job": job id, "f": {fields}}``, sent in frames of at most
+:data:`FRAME_NBYTES`, so that every socket refuses larger frames, also from peers that have not
+authenticated yet. A receiver checks the size limit before it unpacks anything, then the version, job, type, every field's type, and that steps and
+attempt ids are in range; anything else is rejected with :class:`ProtocolError` (never pickle,
+never eval).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import types
 import typing
 from dataclasses import asdict, dataclass, fields, is_dataclass
@@ -45,9 +53,14 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 from ..errors import ProtocolError
+from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 2
-MAC_NBYTES = 32
+PROTOCOL_VERSION = 3
+# A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
+# buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
+# above this (ckptd.control.channel), which bounds what a stranger's connection can make the
+# daemon hold, whatever the message size limit.
+FRAME_NBYTES = 1 << 20
 
 
 class MsgType(enum.IntEnum):
@@ -153,6 +166,7 @@ class Save(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.SAVE
     step: int
+    attempt: str
     rank: int
     world_size: int
     generation: str
@@ -169,6 +183,7 @@ class Save(Message):
 class Skip(Message):
     TYPE: ClassVar[MsgType] = MsgType.SKIP
     step: int
+    attempt: str
     rank: int
     world_size: int
     reason: str
@@ -178,6 +193,7 @@ class Skip(Message):
 class SaveAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAVE_ACK
     step: int
+    attempt: str
     rank: int
 
 
@@ -187,6 +203,7 @@ class SlotFree(Message):
     generation: str
     slot: int
     step: int
+    attempt: str
     write_s: float  # how long the daemon took to write and fsync the rank's data file
     queue_s: float  # how long the write waited for a writer thread
     snapshot_s: float  # how long the write then waited for the rank's snapshot child to finish copying
@@ -202,6 +219,7 @@ class Bye(Message):
 class StepCommitted(Message):
     TYPE: ClassVar[MsgType] = MsgType.STEP_COMMITTED
     step: int
+    attempt: str
     name: str
 
 
@@ -209,26 +227,32 @@ class StepCommitted(Message):
 class StepAborted(Message):
     TYPE: ClassVar[MsgType] = MsgType.STEP_ABORTED
     step: int
+    attempt: str
     reason: str
 
 
 @dataclass(frozen=True)
 class Written(Message):
-    """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps."""
+    """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps,
+    ``file_nbytes`` the size of the data file as written (the coordinator checks it before the
+    commit)."""
 
     TYPE: ClassVar[MsgType] = MsgType.WRITTEN
     step: int
+    attempt: str
     rank: int
     world_size: int
     node: int
     records: list[dict]
     common: bytes | None
+    file_nbytes: int
 
 
 @dataclass(frozen=True)
 class Failed(Message):
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
+    attempt: str
     rank: int
     world_size: int
     node: int
@@ -304,16 +328,16 @@ def _wire_default(obj: Any) -> Any:
 
 @dataclass(frozen=True)
 class Codec:
-    """Encodes and authenticates messages of one job; decoding rejects anything unexpected."""
+    """Encodes messages of one job; decoding rejects anything unexpected.
+
+    Authentication and encryption are the sockets' (CurveZMQ, :mod:`ckptd.control.channel`), so a
+    message is the body alone.
+    """
 
     job: str
-    token: bytes
     max_nbytes: int = 64 << 20
 
-    def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self.token, body, hashlib.sha256).digest()
-
-    def encode(self, msg: Message) -> list[bytes]:
+    def encode(self, msg: Message) -> list[bytes | memoryview]:
         # The fields as they are (not dataclasses.asdict, which deep-copies every nested list and
         # dict: seconds for a SAVE of 10,000 items); a dataclass nested in a field is still sent
         # as its asdict() map, by _wire_default, so the bytes are the same.
@@ -327,16 +351,19 @@ class Codec:
                 f"{msg.TYPE.name} message of {len(body)} bytes exceeds the limit of "
                 f"{self.max_nbytes} bytes; raise CKPTD_MAX_MESSAGE_NBYTES or save less common state"
             )
-        return [body, self._mac(body)]
+        if len(body) <= FRAME_NBYTES:
+            return [body]
+        view = memoryview(body)
+        return [view[i:i + FRAME_NBYTES] for i in range(0, len(body), FRAME_NBYTES)]
 
-    def decode(self, frames: list[bytes]) -> Message:
-        if len(frames) != 2:
-            raise ProtocolError(f"expected 2 frames (body, mac), got {len(frames)}")
-        body, mac = frames
-        if len(body) > self.max_nbytes:
-            raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {self.max_nbytes}")
-        if len(mac) != MAC_NBYTES or not hmac.compare_digest(mac, self._mac(body)):
-            raise ProtocolError("message authentication failed (wrong job token or tampered message)")
+    def decode(self, frames: list[Any]) -> Message:
+        """``frames``: bytes or buffers (zero-copy zmq frames) of one message, in order."""
+        if not frames:
+            raise ProtocolError("empty message (no body frame)")
+        nbytes = sum(len(f) for f in frames)
+        if nbytes > self.max_nbytes:
+            raise ProtocolError(f"message of {nbytes} bytes exceeds the limit of {self.max_nbytes}")
+        body = frames[0] if len(frames) == 1 else b"".join(frames)
         try:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
         except (ValueError, msgpack.UnpackException, TypeError) as exc:
@@ -361,4 +388,11 @@ class Codec:
             if not _matches(values[name], hints[name]):
                 raise ProtocolError(f"{cls.TYPE.name}: field {name!r} has type "
                                     f"{type(values[name]).__name__}, expected {hints[name]}")
+        try:
+            if isinstance(values.get("step"), int):
+                check_step(values["step"])
+            if "attempt" in values:
+                check_attempt(values["attempt"])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{cls.TYPE.name}: {exc}") from None
         return cls(**values)

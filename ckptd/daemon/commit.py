@@ -2,18 +2,24 @@
 
 Order of :func:`commit_step` (runs on the coordinator's commit thread, one step at a time):
 
+Each attempt of a step is written into its own ``<step>.<attempt>.tmp`` directory (attempt ids:
+ckptd.control.attempt), so files of two attempts never meet in one directory.
+
 1. ``finalize``: validate global coverage of all ranks' records (errors name key and ranks),
-   write ``common.pt``, ``.metadata`` and ``metadata.json`` in ``<step>.tmp/`` (each tmp + fsync +
-   rename, directory fsynced);
-2. rename ``<step>.tmp`` -> ``<step>`` and fsync the root (after removing ``*.part`` files of
-   writers killed by an earlier attempt of the step). For a crash this is the point of no return:
+   write ``common.pt``, ``.metadata`` and ``metadata.json`` in ``<step>.<attempt>.tmp/`` (each
+   tmp + fsync + rename, directory fsynced);
+2. check that every rank's data file is there, a regular file of exactly the size its writer
+   reported (at least what its records address), then rename ``<step>.<attempt>.tmp`` ->
+   ``<step>`` and fsync the root (after removing ``*.part`` files of writers killed mid-write).
+   A message can therefore never commit a checkpoint that does not load. For a crash the rename
+   is the point of no return:
    should the coordinator die now, its successor finishes the commit at its start
    (:func:`finish_interrupted_commit`); a coordinator that lives undoes it if step 3 fails;
 3. replace the ``latest`` tracker atomically (only forward: a step older than the tracker's
    leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise, except
    for step 0, which Megatron-LM refuses (see :func:`write_megatron_tracker`; its failure is only
-   logged). If ``latest`` cannot be written (disk full...), the directory is
-   renamed back to ``<step>.tmp`` and the commit fails: a step counts as committed once the
+   logged). If ``latest`` cannot be written (disk full...), the directory is renamed back to
+   ``<step>.<attempt>.tmp`` and the commit fails: a step counts as committed once the
    tracker can name it, and its ranks must never be told otherwise;
 4. retention: keep the newest ``keep_last`` committed checkpoints (and always the tracker's),
    removing older ones via ``*.deleting`` (:mod:`ckptd.retention`).
@@ -29,7 +35,9 @@ import math
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
+from typing import Mapping
 
 from ..catalog import (
     PART_SUFFIX,
@@ -41,7 +49,7 @@ from ..catalog import (
     scan_root,
     step_dir_name,
 )
-from ..errors import CheckpointExistsError, CkptdError
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
 from ..format.durable import atomic_write_bytes, default_opener, fsync_dir, Opener
 from ..format.finalize import finalize
 from ..format.records import ItemRecord
@@ -52,10 +60,12 @@ log = logging.getLogger(__name__)
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_ATTEMPT_TMP = re.compile(rf"^{STEP_PREFIX}(\d+)\.([0-9a-f]{{12}}-[0-9]+){re.escape(TMP_SUFFIX)}$")
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    return root / (step_dir_name(step) + TMP_SUFFIX)
+def tmp_dir(root: Path, step: int, attempt: str) -> Path:
+    """Where attempt ``attempt`` (a checked attempt id) of ``step`` is written until its commit."""
+    return root / f"{step_dir_name(step)}.{attempt}{TMP_SUFFIX}"
 
 
 def tracker_step(root: Path) -> int | None:
@@ -65,11 +75,15 @@ def tracker_step(root: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def commit_step(root: Path, step: int, records: list[ItemRecord], common: bytes, *, fsync: bool,
-                keep_last: int, megatron_tracker: bool, opener: Opener = default_opener) -> str:
-    """Commit ``<root>/<step>.tmp`` (see the module docstring); returns the committed name."""
+def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], common: bytes,
+                data_files: Mapping[str, tuple[int, int]], *, fsync: bool, keep_last: int,
+                megatron_tracker: bool, opener: Opener = default_opener) -> str:
+    """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring); returns the committed name.
+
+    ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``.
+    """
     name = step_dir_name(step)
-    tmp, final = tmp_dir(root, step), root / name
+    tmp, final = tmp_dir(root, step, attempt), root / name
     if final.exists():
         raise CheckpointExistsError(f"{final} already exists; a step is committed once. Save under a "
                                     "new step, or delete the old checkpoint first.")
@@ -77,6 +91,7 @@ def commit_step(root: Path, step: int, records: list[ItemRecord], common: bytes,
         raise CkptdError(f"{tmp} vanished before the commit (removed by gc or by hand?)")
     _remove_partial_files(tmp)
     finalize(tmp, records, common, opener, fsync, checkpoint_id=str(final))
+    check_data_files(tmp, data_files)
     os.rename(tmp, final)
     try:
         if fsync:
@@ -150,8 +165,26 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     return None
 
 
+def check_data_files(tmp: Path, data_files: Mapping[str, tuple[int, int]]) -> None:
+    """Raise CorruptCheckpointError unless each data file in ``tmp`` is a regular file (not a
+    link) of exactly the size its writer reported: the last check before a commit's rename."""
+    for name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
+        path = tmp / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is missing, though its node "
+                                         "reported it written; the step is not committed") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is not a regular file; the "
+                                         "step is not committed")
+        if st.st_size != nbytes:
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} has {st.st_size} bytes, its "
+                                         f"writer reported {nbytes}; the step is not committed")
+
+
 def _undo_rename(final: Path, tmp: Path, fsync: bool) -> None:
-    """Take a checkpoint whose tracker update failed back to ``<step>.tmp``: it is not committed
+    """Take a checkpoint whose tracker update failed back to its tmp name: it is not committed
     until ``latest`` can name it, and its ranks are told it aborted (the caller re-raises)."""
     try:
         os.rename(final, tmp)
@@ -163,8 +196,8 @@ def _undo_rename(final: Path, tmp: Path, fsync: bool) -> None:
 
 
 def _remove_partial_files(tmp: Path) -> None:
-    """Drop ``*.part`` files of writers killed mid-write (by an earlier attempt of this step): every
-    data file this commit needs is complete under its final name, and the rest is junk."""
+    """Drop ``*.part`` files of writers killed mid-write: every data file this commit needs is
+    complete under its final name, and the rest is junk."""
     for name in os.listdir(tmp):
         if name.endswith(PART_SUFFIX):
             try:
@@ -188,9 +221,9 @@ def _apply_retention(root: Path, keep_last: int) -> None:
         log.warning("retention in %s failed: %s", root, exc)
 
 
-def remove_tmp(root: Path, step: int) -> None:
-    """Remove an aborted step's tmp dir (retried: a late writer may still be adding a file)."""
-    path = tmp_dir(root, step)
+def remove_tmp(root: Path, step: int, attempt: str) -> None:
+    """Remove an aborted attempt's tmp dir (retried: a late writer may still be adding a file)."""
+    path = tmp_dir(root, step, attempt)
     for _ in range(3):
         try:
             shutil.rmtree(path)
@@ -217,11 +250,11 @@ def remove_all_tmp(root: Path) -> list[str]:
     return removed
 
 
-def tmp_steps(root: Path) -> list[int]:
-    """Steps that have an ``iter_*.tmp`` directory in ``root``."""
+def tmp_attempts(root: Path) -> list[tuple[int, str]]:
+    """``(step, attempt)`` of every ``iter_<step>.<attempt>.tmp`` directory in ``root``."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    pattern = re.compile(rf"^{STEP_PREFIX}(\d+){re.escape(TMP_SUFFIX)}$")
-    return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)) and (root / n).is_dir())
+    return sorted((int(m.group(1)), m.group(2)) for n in names
+                  if (m := _ATTEMPT_TMP.match(n)) and (root / n).is_dir())

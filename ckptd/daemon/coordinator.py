@@ -1,29 +1,31 @@
 """The job's coordinator: collects every rank's WRITTEN, commits the step, announces the outcome.
 
-It lives in node 0's daemon and shares its loop (a ROUTER socket on ``tcp://``; node daemons,
-node 0's included, connect with DEALER sockets). Each step is a small state machine::
+It lives in node 0's daemon and shares its loop (a CurveZMQ ROUTER socket on ``tcp://``; node
+daemons, node 0's included, connect with DEALER sockets). Every report names a step and an
+attempt (ckptd.control.attempt); each attempt of a step is a small state machine of its own::
 
     COLLECTING --(all world_size ranks WRITTEN)--> COMMITTING --(commit ok)--> COMMITTED
         |                                              |
         +--(FAILED / SKIP / bad records / timeout)-----+--(commit error)-----> ABORTED
 
 COMMITTED and ABORTED are announced to every node daemon (``STEP_COMMITTED`` / ``STEP_ABORTED``
-with the reason); an aborted step's ``<step>.tmp`` is removed, earlier checkpoints are untouched.
-Commits run one at a time on the commit thread, in the order steps complete. Messages about a
-finished step (a late FAILED after an abort, say) are answered with its outcome again, and any
-``<step>.tmp`` they may have re-created is removed.
+with the step, the attempt and the reason); an aborted attempt's ``<step>.<attempt>.tmp`` is
+removed, earlier checkpoints are untouched. Commits run one at a time on the commit thread, in the
+order attempts complete. A report about a finished attempt (a late FAILED, a duplicate) is
+answered with that attempt's outcome again, and any tmp dir it may have re-created is removed: it
+is never counted for another attempt, so a step aborted a moment ago can be saved again at once.
 
-An aborted step may be saved again (a job restarted from an older checkpoint reaches that step
-once more): a WRITTEN for it starts a new attempt, because node daemons never report a write as
-WRITTEN once its step was decided (a late write is reported as FAILED). Only within
-:data:`_ABORT_QUARANTINE_HEARTBEATS` heartbeats of the abort is a WRITTEN still taken for one of
-the old attempt that crossed the abort on the wire.
+Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt
+(or a restarted job re-saved a step its predecessor was still saving): both abort, naming ranks and
+attempts. Before it renames an attempt's directory the commit checks that every rank's data file
+is there with the size its writer reported (ckptd.daemon.commit).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,8 +34,10 @@ from typing import Any
 
 import zmq
 
+from ..catalog import step_dir_name
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
+from ..control.keys import CurveKeys
 from ..control.protocol import (
     Codec,
     ErrorReply,
@@ -47,9 +51,11 @@ from ..control.protocol import (
     StepCommitted,
     Written,
 )
+from ..control.security import HandshakeWatch
 from ..errors import ProtocolError, StorageError
 from ..format.durable import default_opener
 from ..format.finalize import serialize_common
+from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from .commit import commit_step, remove_tmp
 from .faults import fault_opener
@@ -58,7 +64,7 @@ from .workers import Done, WorkerPools
 log = logging.getLogger(__name__)
 
 _FINISHED_MEMORY = 1024
-_ABORT_QUARANTINE_HEARTBEATS = 3
+Key = tuple[int, str]  # (step, attempt)
 
 
 class Phase(str, enum.Enum):
@@ -69,54 +75,69 @@ class Phase(str, enum.Enum):
 
 
 @dataclass
-class StepState:
+class AttemptState:
     step: int
+    attempt: str
     world_size: int
     started_s: float
     records: dict[int, list[ItemRecord]] = field(default_factory=dict)
+    file_nbytes: dict[int, int] = field(default_factory=dict)  # rank -> its data file's size
+    nodes: dict[int, int] = field(default_factory=dict)  # rank -> node that reported it
     common: bytes | None = None
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
-    adopted: bool = False  # found as <step>.tmp when this coordinator started
+    adopted: bool = False  # found as <step>.<attempt>.tmp when this coordinator started
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.attempt)
+
+    def describe(self) -> str:
+        ranks = sorted(self.records)
+        nodes = sorted(set(self.nodes.values()))
+        return f"ranks {ranks} (nodes {nodes}) saved attempt {self.attempt}"
 
 
 class Coordinator:
-    def __init__(self, ctx: zmq.Context, codec: Codec, bind: str, root: Path, config: CkptdConfig,
-                 workers: WorkerPools, instance: str, adopt_steps: list[int] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, ctx: zmq.Context, codec: Codec, keys: CurveKeys, bind: str, root: Path,
+                 config: CkptdConfig, workers: WorkerPools, instance: str,
+                 adopt: list[Key] = ()) -> None:  # type: ignore[assignment]
         self.root = root
         self.config = config
         self.workers = workers
         self.instance = instance
         # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
         self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
-        sock = make_socket(ctx, zmq.ROUTER, codec)
-        host_port = bind.removeprefix("tcp://")
-        if host_port.endswith(":0"):
+        sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
+        if bind.startswith("tcp://[") or bind.count(":") > 2:
+            sock.setsockopt(zmq.IPV6, 1)
+        if bind.endswith(":0"):
             bind = bind[: -len(":0")] + ":*"
+        self.watch = HandshakeWatch(sock, "coordinator")  # before bind: no connection unwatched
         sock.bind(bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ep = Endpoint(sock, codec, "coordinator")
+        self.duplicates = 0  # repeated WRITTENs ignored (identical to the one counted)
         self.nodes: dict[bytes, int] = {}
-        self.steps: dict[int, StepState] = {}
-        self.finished: OrderedDict[int, Message] = OrderedDict()
-        self.finished_at: dict[int, float] = {}  # monotonic time each finished step was decided
+        self.attempts: dict[Key, AttemptState] = {}
+        self.finished: OrderedDict[Key, Message] = OrderedDict()
         now = time.monotonic()
-        for step in adopt_steps:
+        for step, attempt in adopt:
             # Another node may still be writing it (it may even commit); if it does not complete
-            # within the commit timeout, it aborts like any step and its tmp dir is removed.
-            self.steps[step] = StepState(step, 0, now, adopted=True)
+            # within the commit timeout, it aborts like any attempt and its tmp dir is removed.
+            self.attempts[(step, attempt)] = AttemptState(step, attempt, 0, now, adopted=True)
         log.info("coordinator of %s listening on %s", root, self.address)
 
     @property
     def busy(self) -> bool:
-        """Steps are in flight (adopted leftovers nobody reported on do not count)."""
-        return any(not st.adopted or st.reporters for st in self.steps.values())
+        """Attempts are in flight (adopted leftovers nobody reported on do not count)."""
+        return any(not st.adopted or st.reporters for st in self.attempts.values())
 
     # --- messages -----------------------------------------------------------------------------
     def on_readable(self) -> None:
         while True:
             try:
-                identity, msg = self.ep.recv()
+                identity, msg, _ = self.ep.recv()
             except zmq.Again:
                 return
             if msg is None or identity is None:
@@ -132,160 +153,220 @@ class Coordinator:
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Ping):
             self.nodes.setdefault(identity, -1)
-            self.ep.send(Pong(msg.nonce, self.instance, _pid()), identity)
+            self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
         elif isinstance(msg, Written):
             self.nodes[identity] = msg.node
             self._on_written(identity, msg)
         elif isinstance(msg, Failed):
             self.nodes[identity] = msg.node
-            st = self._step_for(identity, msg.step, msg.world_size, new_attempt=False)
-            if st is not None:
-                st.reporters.add(identity)
-                who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
-                self._abort(st, f"{who}: {msg.reason}")
+            self._on_failed(identity, msg)
         elif isinstance(msg, Status):
             self.ep.send(StatusReply(self.status()), identity)
         else:
             log.warning("coordinator: unexpected %s from %r", msg.TYPE.name, identity)
             self.ep.send(ErrorReply(f"the coordinator does not accept {msg.TYPE.name}", None), identity)
 
-    def _step_for(self, identity: bytes, step: int, world_size: int, new_attempt: bool) -> StepState | None:
-        """The live state of ``step`` (created on first report); None when it already finished.
+    def _finished_reply(self, identity: bytes, key: Key) -> bool:
+        """Answer a report about a finished attempt with its outcome; False if it is not finished."""
+        outcome = self.finished.get(key)
+        if outcome is None:
+            return False
+        self.ep.send(outcome, identity)
+        # A late writer may have re-created the tmp dir; the attempt is decided, so it is junk.
+        step, attempt = key
+        self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
+        return True
 
-        ``new_attempt``: the report is a WRITTEN, which may start a new attempt of an aborted step.
-        """
-        if step in self.finished:
-            outcome = self.finished[step]
-            age_s = time.monotonic() - self.finished_at.get(step, 0.0)
-            if (new_attempt and isinstance(outcome, StepAborted)
-                    and age_s > _ABORT_QUARANTINE_HEARTBEATS * self.config.heartbeat_s):
-                log.info("step %d: saved again after its abort (%s); new attempt", step, outcome.reason)
-                del self.finished[step]
-                self.finished_at.pop(step, None)
-            else:
-                self.ep.send(outcome, identity)
-                # A late writer may have re-created the tmp dir; the step is decided, so it is junk.
-                self.workers.commit(("cleanup", step), lambda: remove_tmp(self.root, step))
+    def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int,
+                     who: str) -> AttemptState | None:
+        """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed
+        already, or another attempt of it is in flight)."""
+        st = self.attempts[(step, attempt)] = AttemptState(step, attempt, world_size, time.monotonic())
+        st.reporters.add(identity)
+        if (self.root / step_dir_name(step)).exists():
+            self._abort(st, f"step {step} is committed already; {who} saved it again as attempt {attempt} "
+                            "(save under a new step)")
+            return None
+        for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
+            if other.adopted and not other.reporters:
+                continue  # a leftover of a crashed coordinator: it times out on its own
+            if other.phase is Phase.COMMITTING:
+                self._abort(st, f"step {step}: {who} saved attempt {attempt} while attempt "
+                                f"{other.attempt} of that step is being committed")
                 return None
-        st = self.steps.get(step)
-        if st is None:
-            st = self.steps[step] = StepState(step, world_size, time.monotonic())
-        elif st.world_size == 0:
-            st.world_size = world_size
-        elif world_size and st.world_size != world_size and st.phase is Phase.COLLECTING:
-            self._abort(st, f"ranks disagree on the world size of step {step}: {st.world_size} "
-                            f"and {world_size}; every rank of the job must use one Checkpointer setup")
+            reason = (f"step {step}: ranks disagree on the save attempt: {other.describe()}, but {who} "
+                      f"saved attempt {attempt}. Every rank of one launch must derive the same attempt "
+                      "id (set CKPTD_RUN_ID to one value per launch on every rank); a job restarted "
+                      "while its predecessor was still saving this step ends here too, and its next "
+                      "step saves normally")
+            self._abort(other, reason)
+            self._abort(st, reason)
             return None
         return st
 
     def _on_written(self, identity: bytes, msg: Written) -> None:
-        st = self._step_for(identity, msg.step, msg.world_size, new_attempt=True)
-        if st is None:
+        key = (msg.step, msg.attempt)
+        if self._finished_reply(identity, key):
             return
+        who = f"rank {msg.rank} (node {msg.node})"
+        st = self.attempts.get(key)
+        if st is None:
+            st = self._new_attempt(identity, msg.step, msg.attempt, msg.world_size, who)
+            if st is None:
+                return
         st.reporters.add(identity)
+        if st.world_size == 0:  # adopted: the first report tells
+            st.world_size = msg.world_size
         if st.phase is not Phase.COLLECTING:
-            log.warning("step %d: WRITTEN from rank %d while %s; ignored", msg.step, msg.rank, st.phase.value)
+            log.warning("step %d attempt %s: WRITTEN from rank %d while %s; ignored", msg.step,
+                        msg.attempt, msg.rank, st.phase.value)
             return
         try:
+            if msg.world_size != st.world_size:
+                raise ProtocolError(f"world size {msg.world_size}, other ranks of attempt {msg.attempt} "
+                                    f"said {st.world_size}; every rank of the job must use one "
+                                    "Checkpointer setup")
             if not 0 <= msg.rank < st.world_size:
                 raise ProtocolError(f"rank {msg.rank} outside world size {st.world_size}")
-            if msg.rank in st.records:
-                raise ProtocolError(f"rank {msg.rank} reported step {msg.step} twice")
             records = [ItemRecord.from_wire(r) for r in msg.records]
-            bad = [r for r in records if r.rank != msg.rank]
-            if bad:
-                raise ProtocolError(f"rank {msg.rank} sent records of rank {bad[0].rank}")
+            if msg.rank in st.records:
+                if (records == st.records[msg.rank] and msg.file_nbytes == st.file_nbytes[msg.rank]
+                        and (msg.rank != 0 or msg.common == st.common)):
+                    self.duplicates += 1
+                    log.warning("step %d attempt %s: ignored a repeated WRITTEN of rank %d (node %d)",
+                                msg.step, msg.attempt, msg.rank, msg.node)
+                    return
+                raise ProtocolError(f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} "
+                                    "twice, differently")
+            name = data_file_name(msg.rank)
+            for r in records:
+                if r.rank != msg.rank:
+                    raise ProtocolError(f"rank {msg.rank} sent records of rank {r.rank}")
+                if r.relative_path != name:
+                    raise ProtocolError(f"rank {msg.rank} sent a record stored in {r.relative_path!r}, "
+                                        f"not in its data file {name}")
+            end = max((r.file_offset + r.length for r in records), default=0)
+            if msg.file_nbytes < end:
+                raise ProtocolError(f"rank {msg.rank}'s data file {name} has {msg.file_nbytes} bytes, "
+                                    f"but its records address {end}")
         except ProtocolError as exc:
-            self._abort(st, f"rank {msg.rank} (node {msg.node}): {exc}")
+            self._abort(st, f"{who}: {exc}")
             return
         st.records[msg.rank] = records
+        st.file_nbytes[msg.rank] = msg.file_nbytes
+        st.nodes[msg.rank] = msg.node
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size:
             self._start_commit(st)
 
+    def _on_failed(self, identity: bytes, msg: Failed) -> None:
+        key = (msg.step, msg.attempt)
+        if self._finished_reply(identity, key):
+            return
+        who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
+        st = self.attempts.get(key)
+        if st is None:
+            if msg.rank < 0:
+                # A node's local abort (it lost its coordinator) of an attempt this coordinator
+                # never saw: record the outcome, so reports of it are answered, and clean up.
+                self._remember(key, StepAborted(msg.step, msg.attempt, f"{who}: {msg.reason}"))
+                self._finished_reply(identity, key)
+                return
+            st = self._new_attempt(identity, msg.step, msg.attempt, msg.world_size, who)
+            if st is None:
+                return
+        st.reporters.add(identity)
+        self._abort(st, f"{who}: {msg.reason}")
+
     # --- the state machine ----------------------------------------------------------------
-    def _start_commit(self, st: StepState) -> None:
+    def _start_commit(self, st: AttemptState) -> None:
         st.phase = Phase.COMMITTING
         records = [r for rank in sorted(st.records) for r in st.records[rank]]
         common = st.common if st.common is not None else serialize_common({})
+        files = {data_file_name(rank): (rank, nbytes) for rank, nbytes in st.file_nbytes.items()}
         cfg = self.config
+        step, attempt = st.key
 
         def run() -> str:
             try:
-                return commit_step(self.root, st.step, records, common, fsync=cfg.fsync,
+                return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
                                    keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
                                    opener=self.opener)
             except OSError as exc:
-                remove_tmp(self.root, st.step)
+                remove_tmp(self.root, step, attempt)
                 raise StorageError.from_oserror(exc, self.root) from exc
             except BaseException:
-                remove_tmp(self.root, st.step)
+                remove_tmp(self.root, step, attempt)
                 raise
 
-        log.info("step %d: all %d ranks wrote; committing", st.step, st.world_size)
-        self.workers.commit(("commit", st.step), run)
+        log.info("step %d attempt %s: all %d ranks wrote; committing", step, attempt, st.world_size)
+        self.workers.commit(("commit", step, attempt), run)
 
     def on_done(self, done: Done) -> bool:
         """Handle a finished commit-thread job; False when it is not the coordinator's."""
         if done.kind != "commit":
             return False
-        kind, step = done.key
+        kind, step, attempt = done.key
         if kind == "cleanup":
             return True
-        st = self.steps.get(step)
+        st = self.attempts.get((step, attempt))
         if st is None:
             return True
         if done.error is None:
             st.phase = Phase.COMMITTED
-            self._finish(st, StepCommitted(step, str(done.result)))
-            log.info("step %d committed as %s", step, done.result)
+            self._finish(st, StepCommitted(step, attempt, str(done.result)))
+            log.info("step %d committed as %s (attempt %s)", step, done.result, attempt)
         else:
             st.phase = Phase.ABORTED
-            self._finish(st, StepAborted(step, f"commit failed: {done.error}"))
+            self._finish(st, StepAborted(step, attempt, f"commit failed: {done.error}"))
         return True
 
-    def _abort(self, st: StepState, reason: str) -> None:
+    def _abort(self, st: AttemptState, reason: str) -> None:
         if st.phase is not Phase.COLLECTING:
-            log.warning("step %d: ignoring failure while %s: %s", st.step, st.phase.value, reason)
+            log.warning("step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt,
+                        st.phase.value, reason)
             return
         st.phase = Phase.ABORTED
-        log.warning("step %d aborted: %s", st.step, reason)
-        self.workers.commit(("cleanup", st.step), lambda: remove_tmp(self.root, st.step))
-        self._finish(st, StepAborted(st.step, reason))
+        log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
+        step, attempt = st.key
+        self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
+        self._finish(st, StepAborted(step, attempt, reason))
 
-    def _finish(self, st: StepState, outcome: Message) -> None:
-        self.steps.pop(st.step, None)
-        self.finished[st.step] = outcome
-        self.finished_at[st.step] = time.monotonic()
+    def _remember(self, key: Key, outcome: Message) -> None:
+        self.finished[key] = outcome
         while len(self.finished) > _FINISHED_MEMORY:
-            old, _ = self.finished.popitem(last=False)
-            self.finished_at.pop(old, None)
+            self.finished.popitem(last=False)
+
+    def _finish(self, st: AttemptState, outcome: Message) -> None:
+        self.attempts.pop(st.key, None)
+        self._remember(st.key, outcome)
         for identity in set(self.nodes) | st.reporters:
             self.ep.send(outcome, identity, block=False)
 
     def tick(self, now: float) -> None:
-        for st in list(self.steps.values()):
+        for st in list(self.attempts.values()):
             if st.phase is Phase.COLLECTING and now - st.started_s > self.config.commit_timeout_s:
                 missing = sorted(set(range(st.world_size)) - set(st.records))
                 self._abort(st, f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
                                 "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
                                 "their storage is too slow (raise the timeout if so)")
 
+    def rejected(self) -> dict[str, int]:
+        """Rejections on the coordinator's port, by kind."""
+        return {"malformed": self.ep.rejected, "duplicate": self.duplicates, **self.watch.counts()}
+
     def status(self) -> dict[str, Any]:
+        rejected = self.rejected()
         return {
             "address": self.address,
             "nodes": sorted(n for n in self.nodes.values() if n >= 0),
-            "steps": {str(s): {"phase": st.phase.value, "written": sorted(st.records),
-                               "world_size": st.world_size} for s, st in self.steps.items()},
-            "rejected_messages": self.ep.rejected,
+            "steps": {f"{s}/{a}": {"step": s, "attempt": a, "phase": st.phase.value, "written": sorted(st.records),
+                                   "world_size": st.world_size} for (s, a), st in self.attempts.items()},
+            "rejected_messages": sum(rejected.values()),
+            "rejected": rejected,
         }
 
     def close(self) -> None:
+        self.watch.close()
         self.ep.close()
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

@@ -29,8 +29,9 @@ from typing import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, ensure_private_dir, load_token
+from ..control.keys import derive_keys
 from ..staging.segment import unlink_segments
-from .commit import finish_interrupted_commit, remove_all_tmp, tmp_steps
+from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +113,11 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
 
         if config.daemon_nice > 0:
             os.nice(config.daemon_nice)
-        token = load_token(ep, config)
+        keys = derive_keys(load_token(ep, config))
         stale = unlink_segments(ep.shm_prefix)
         if stale:
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
-        adopt: list[int] = []
+        adopt: list[tuple[int, str]] = []
         if coordinator:
             ep.root.mkdir(parents=True, exist_ok=True)
             finished = finish_interrupted_commit(ep.root, fsync=config.fsync,
@@ -130,9 +131,9 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
                     log.warning("removed uncommitted saves left by a crash: %s", tmp)
             else:
                 # Other nodes may be writing these right now: adopt them as steps in flight.
-                adopt = tmp_steps(ep.root)
-        daemon = NodeDaemon(ep, config, token, coordinator=coordinator, exit_when_idle=exit_when_idle,
-                            adopt_steps=adopt)
+                adopt = tmp_attempts(ep.root)
+        daemon = NodeDaemon(ep, config, keys, coordinator=coordinator, exit_when_idle=exit_when_idle,
+                            adopt=adopt)
 
         def on_signal(signum: int, _frame: object) -> None:
             daemon.wake()  # type: ignore[union-attr]

@@ -138,7 +138,9 @@ def _values(status: dict[str, Any]) -> dict[str, Any]:
 _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("ckptd_writes_in_flight", "gauge", "data-file writes queued or running"),
     ("ckptd_steps_pending", "gauge", "steps written here awaiting the coordinator"),
-    ("ckptd_rejected_messages_total", "counter", "malformed or unauthenticated messages rejected"),
+    ("ckptd_rejected_messages_total", "counter",
+     "messages and connections rejected on the ranks' socket and the coordinator's port (malformed, "
+     "oversized, duplicate, unauthenticated handshakes, dropped before authenticating)"),
     ("ckptd_last_persist_seconds", "gauge", "first SAVE to last data file durable, newest committed step"),
     ("ckptd_last_commit_seconds", "gauge", "first SAVE to COMMITTED, newest committed step"),
     ("ckptd_last_committed_step", "gauge", "newest step this node saw committed"),

@@ -1,21 +1,25 @@
 """The node daemon: one per job and node, serving its ranks and reporting to the coordinator.
 
 Single-threaded around a zmq poller (ranks' ``ipc://`` ROUTER, the upstream DEALER to the
-coordinator, the coordinator's ROUTER on node 0, and the completion pipe of the worker threads).
-What it does per save, in order (see :mod:`ckptd.control.protocol` for the messages):
+coordinator, the coordinator's ROUTER on node 0, their ZAP handler and handshake monitors, and the
+completion pipe of the worker threads). Every socket runs CurveZMQ with keys derived from the job
+token (ckptd.control.keys). What it does per save, in order (see :mod:`ckptd.control.protocol`):
 
-1. ``SAVE`` from a rank: check pool, slot and records, mark the slot busy, create
-   ``<step>.tmp/``, queue the write, answer ``SAVE_ACK`` (the daemon now owns the bytes);
+1. ``SAVE`` from a rank: check that the connection is the rank's (its HELLO, checked against the
+   kernel's credentials of the socket) and owns the pool, the slot, the records and the snapshot
+   child, mark the slot busy, queue the write into ``<step>.<attempt>.tmp/``, answer ``SAVE_ACK``
+   (the daemon now owns the bytes);
 2. a writer thread writes ``__<rank>_0.distcp`` from the slot (zero-copy views) and fsyncs it;
 3. back in the loop: ``SLOT_FREE`` to the rank, ``WRITTEN`` (or ``FAILED``) to the coordinator;
-4. ``STEP_COMMITTED`` / ``STEP_ABORTED`` from the coordinator is forwarded to the step's ranks.
+4. ``STEP_COMMITTED`` / ``STEP_ABORTED`` from the coordinator is forwarded to the ranks of that
+   step and attempt.
 
 Everything keeps working when the ranks die after step 1: the bytes are in segments the daemon
 owns. Liveness: ranks' pids are checked every heartbeat (a dead rank's pool is released when its
 writes finish); the coordinator is pinged every heartbeat, also while idle (so that the first
 report after a coordinator restart is not taken for one its predecessor lost), and a silent or
 restarted coordinator aborts the steps awaiting it with the reason. A write that finishes after its
-step was decided is reported as FAILED, never WRITTEN: it must not count for a later attempt.
+attempt was decided is reported as FAILED, never WRITTEN.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
 from ..control.endpoints import Endpoints
+from ..control.keys import CurveKeys
 from ..control.protocol import (
     Bye,
     Codec,
@@ -59,6 +64,7 @@ from ..control.protocol import (
     Welcome,
     Written,
 )
+from ..control.security import HandshakeWatch, ZapHandler
 from ..errors import CkptdError, ProtocolError, StagingError
 from ..format.direct import open_data_file
 from ..format.records import ItemRecord
@@ -67,7 +73,7 @@ from .commit import tmp_dir
 from .coordinator import Coordinator
 from .metrics import DaemonMetrics, serve_metrics
 from .pools import PoolTable
-from .snapshot import SnapshotWait
+from .snapshot import SnapshotWait, check_snapshot_child
 from .faults import debug_opener
 from .workers import Completions, Done, WorkerPools, WriteRequest, write_rank_file
 
@@ -81,9 +87,29 @@ class Client:
     create_time: float | None
 
 
+StepKey = tuple[int, str]  # (step, attempt)
+
+
+class WriteKey(NamedTuple):
+    """A queued write, as the loop needs it back when the write finished (``Done.key``)."""
+
+    step: int
+    attempt: str
+    rank: int
+    world_size: int
+    generation: str
+    slot: int
+    identity: bytes
+    common: bytes | None
+    nbytes: int
+
+    def __repr__(self) -> str:  # logged when a write fails: never the common state's bytes
+        return f"step {self.step} attempt {self.attempt} rank {self.rank}"
+
+
 @dataclass
 class PendingStep:
-    """A step this node wrote for, awaiting the coordinator's verdict."""
+    """An attempt of a step this node wrote for, awaiting the coordinator's verdict."""
 
     notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
     sent_to: str | None = None  # coordinator instance known when WRITTEN/FAILED went out
@@ -91,14 +117,15 @@ class PendingStep:
 
 
 class NodeDaemon:
-    def __init__(self, ep: Endpoints, config: CkptdConfig, token: bytes, *, coordinator: bool,
-                 exit_when_idle: bool, adopt_steps: list[int] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, ep: Endpoints, config: CkptdConfig, keys: CurveKeys, *, coordinator: bool,
+                 exit_when_idle: bool, adopt: list[StepKey] = ()) -> None:  # type: ignore[assignment]
         self.ep = ep
         self.config = config
         self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.exit_when_idle = exit_when_idle
-        self.codec = Codec(ep.job, token, config.max_message_nbytes)
+        self.codec = Codec(ep.job, config.max_message_nbytes)
         self.ctx = zmq.Context()
+        self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
         self.completions = Completions()
         self.metrics = DaemonMetrics()
         self.metrics_server: ThreadingHTTPServer | None = None
@@ -107,8 +134,8 @@ class NodeDaemon:
         self.pools = PoolTable(ep.shm_prefix)
         self.opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file)
         self.clients: dict[bytes, Client] = {}
-        self.steps: dict[int, PendingStep] = defaultdict(PendingStep)
-        self.outbox: list[tuple[float, Message, int]] = []  # (first try, message, step)
+        self.steps: dict[StepKey, PendingStep] = defaultdict(PendingStep)
+        self.outbox: list[tuple[float, Message, StepKey]] = []  # (first try, message, attempt)
         # FAILED reports of steps aborted here because the coordinator vanished: a restarted
         # coordinator learns them (and removes the step's tmp dir) once it is reachable.
         self.late: list[tuple[float, Message]] = []
@@ -125,24 +152,32 @@ class NodeDaemon:
         old_umask = os.umask(0o077)
         try:
             ep.socket_path.unlink(missing_ok=True)
-            self.ranks = Endpoint(make_socket(self.ctx, zmq.ROUTER, self.codec), self.codec, "daemon")
+            sock = make_socket(self.ctx, zmq.ROUTER, self.codec, keys, server=True)
+            self.ranks_watch = HandshakeWatch(sock, "daemon")
+            self.ranks = Endpoint(sock, self.codec, "daemon")
             self.ranks.sock.bind(ep.ipc_address)
         finally:
             os.umask(old_umask)
         upstream_addr = ep.coordinator_connect
         if coordinator:
-            self.coordinator = Coordinator(self.ctx, self.codec, ep.coordinator_bind, ep.root, config,
-                                           self.workers, self.instance, adopt_steps)
+            self.coordinator = Coordinator(self.ctx, self.codec, keys, ep.coordinator_bind, ep.root, config,
+                                           self.workers, self.instance, adopt)
             upstream_addr = self.coordinator.address
-        up = make_socket(self.ctx, zmq.DEALER, self.codec, identity=f"node{ep.node}-{self.instance}".encode())
+        up = make_socket(self.ctx, zmq.DEALER, self.codec, keys, server=False,
+                         identity=f"node{ep.node}-{self.instance}".encode())
         up.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
+        if upstream_addr.startswith("tcp://[") or upstream_addr.count(":") > 2:
+            up.setsockopt(zmq.IPV6, 1)
         up.connect(upstream_addr)
         self.upstream = Endpoint(up, self.codec, "upstream")
         self.poller = zmq.Poller()
         self.poller.register(self.ranks.sock, zmq.POLLIN)
         self.poller.register(self.upstream.sock, zmq.POLLIN)
+        self.poller.register(self.zap.sock, zmq.POLLIN)
+        self.poller.register(self.ranks_watch.sock, zmq.POLLIN)
         if self.coordinator is not None:
             self.poller.register(self.coordinator.ep.sock, zmq.POLLIN)
+            self.poller.register(self.coordinator.watch.sock, zmq.POLLIN)
         self.poller.register(self.completions.fd, zmq.POLLIN)
         log.info("daemon %s for %s node %d: ranks on %s, coordinator %s", self.instance, ep.root,
                  ep.node, ep.ipc_address, upstream_addr)
@@ -171,6 +206,12 @@ class NodeDaemon:
         tick_ms = max(10, int(min(self.config.heartbeat_s, 0.25) * 1000))
         while True:
             events = dict(self.poller.poll(tick_ms))
+            if self.zap.sock in events:
+                self.zap.on_readable()
+            if self.ranks_watch.sock in events:
+                self.ranks_watch.on_readable()
+            if self.coordinator is not None and self.coordinator.watch.sock in events:
+                self.coordinator.watch.on_readable()
             if self.ranks.sock in events:
                 self._drain_ranks()
             if self.upstream.sock in events:
@@ -223,10 +264,12 @@ class NodeDaemon:
         for done in self.completions.drain():
             self._on_done(done)
         self.pools.release_all()
+        self.ranks_watch.close()
         self.ranks.close()
         self.upstream.close()
         if self.coordinator is not None:
             self.coordinator.close()
+        self.zap.close()
         self.ctx.term()
         self.completions.close()
         self.ep.socket_path.unlink(missing_ok=True)
@@ -235,13 +278,13 @@ class NodeDaemon:
     def _drain_ranks(self) -> None:
         while True:
             try:
-                identity, msg = self.ranks.recv()
+                identity, msg, peer = self.ranks.recv()
             except zmq.Again:
                 return
             if msg is None or identity is None:
                 continue
             try:
-                self._on_rank(identity, msg)
+                self._on_rank(identity, msg, peer)
             except (CkptdError, OSError) as exc:
                 step = getattr(msg, "step", None)
                 log.warning("%s from %r failed: %s", msg.TYPE.name, identity, exc)
@@ -252,27 +295,22 @@ class NodeDaemon:
                                            f"{type(exc).__name__}: {exc}", getattr(msg, "step", None)),
                                 identity, block=False)
 
-    def _on_rank(self, identity: bytes, msg: Message) -> None:
+    def _on_rank(self, identity: bytes, msg: Message, peer: str | None) -> None:
         if isinstance(msg, Ping):
             self.ranks.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
         elif isinstance(msg, Hello):
-            if os.path.realpath(msg.root) != str(self.ep.root):
-                raise ProtocolError(f"this daemon serves {self.ep.root}, not {msg.root}")
-            self.clients[identity] = Client(msg.rank, msg.pid, _create_time(msg.pid))
-            self.served_a_rank = True
-            self.ranks.send(Welcome(self.instance, os.getpid(), self.ep.node, str(self.ep.root)), identity)
+            self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterPool):
-            self._client(identity)
+            self._client(identity, msg.rank)
             self.pools.register(msg.rank, msg.generation, msg.slot_nbytes, msg.names, identity)
             self.ranks.send(PoolOk(msg.generation), identity)
         elif isinstance(msg, Save):
-            self._client(identity)
             self._on_save(identity, msg)
         elif isinstance(msg, Skip):
-            self._client(identity)
-            self._send_up(Failed(msg.step, msg.rank, msg.world_size, self.ep.node,
-                                 f"skipped the save: {msg.reason}"), msg.step)
-            self.ranks.send(SaveAck(msg.step, msg.rank), identity)
+            self._client(identity, msg.rank)
+            self._send_up(Failed(msg.step, msg.attempt, msg.rank, msg.world_size, self.ep.node,
+                                 f"skipped the save: {msg.reason}"), (msg.step, msg.attempt))
+            self.ranks.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
             self.pools.retire_owner(identity)
@@ -284,16 +322,36 @@ class NodeDaemon:
         else:
             raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
 
-    def _client(self, identity: bytes) -> Client:
+    def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
+        if os.path.realpath(msg.root) != str(self.ep.root):
+            raise ProtocolError(f"this daemon serves {self.ep.root}, not {msg.root}")
+        # The kernel's credentials of the connection (SO_PEERCRED): a process speaks for itself only.
+        pid, uid = peer_pid(peer), peer_uid(peer)
+        if pid is None or uid is None:
+            raise ProtocolError(f"HELLO over a connection without process credentials ({peer!r}); "
+                                f"ranks connect over {self.ep.ipc_address}")
+        if uid != os.getuid():
+            raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
+        if msg.pid != pid:
+            raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
+        self.clients[identity] = Client(msg.rank, msg.pid, _create_time(msg.pid))
+        self.served_a_rank = True
+        self.ranks.send(Welcome(self.instance, os.getpid(), self.ep.node, str(self.ep.root)), identity)
+
+    def _client(self, identity: bytes, rank: int | None = None) -> Client:
+        """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""
         c = self.clients.get(identity)
         if c is None:
             raise ProtocolError("no HELLO from this connection; reconnect")
+        if rank is not None and rank != c.rank:
+            raise ProtocolError(f"this connection said HELLO as rank {c.rank}, not rank {rank}")
         return c
 
     def _on_save(self, identity: bytes, msg: Save) -> None:
+        client = self._client(identity, msg.rank)
         if self.stopping_since is not None:
             raise CkptdError(f"the node daemon is shutting down ({self.stop_reason}); retry the save")
-        pool = self.pools.get(msg.rank, msg.generation)
+        pool = self.pools.get(msg.rank, msg.generation, identity)
         if not 0 <= msg.slot < len(pool.segments):
             raise StagingError(f"rank {msg.rank}: slot {msg.slot} does not exist")
         if msg.slot in pool.busy:
@@ -309,30 +367,34 @@ class NodeDaemon:
                 pool.layout = (msg.layout, records, placements)
         snapshot = None
         if msg.snapshot_pid:
+            check_snapshot_child(msg.rank, msg.snapshot_pid, client.pid, pool.registered_s)
             snapshot = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset,
                                          pool.slot_nbytes)
         req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
-        directory = tmp_dir(self.ep.root, msg.step)  # created by the writer (its errors fail the save)
+        # created by the writer (its errors fail the save)
+        directory = tmp_dir(self.ep.root, msg.step, msg.attempt)
         pool.busy.add(msg.slot)
         seg = pool.segments[msg.slot]
         cfg = self.config
         nbytes = sum(p.nbytes for p in placements)
         queued_s = time.monotonic()
-        key = (msg.step, msg.rank, msg.world_size, msg.generation, msg.slot, identity, msg.common, nbytes)
+        key = WriteKey(msg.step, msg.attempt, msg.rank, msg.world_size, msg.generation, msg.slot, identity,
+                       msg.common, nbytes)
 
-        def job() -> tuple[list[ItemRecord], float, float, float]:
+        def job() -> tuple[list[ItemRecord], int, float, float, float]:
             started_s = time.monotonic()
-            stored = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums,
-                                     snapshot, cfg.snapshot_timeout_s)
+            stored, file_nbytes = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums,
+                                                  snapshot, cfg.snapshot_timeout_s)
             # The write overlaps the snapshot child's copy; the time it only waited is reported apart.
             waited_s = snapshot.waited_s if snapshot is not None else 0.0
-            return stored, started_s - queued_s, time.monotonic() - started_s - waited_s, waited_s
+            return stored, file_nbytes, started_s - queued_s, time.monotonic() - started_s - waited_s, waited_s
 
         self.metrics.save_received(msg.step)
         self.workers.write(key, job)
-        self.steps[msg.step].notify.add(identity)
-        self.ranks.send(SaveAck(msg.step, msg.rank), identity)
-        log.info("step %d rank %d: %d items queued from slot %d", msg.step, msg.rank, len(records), msg.slot)
+        self.steps[(msg.step, msg.attempt)].notify.add(identity)
+        self.ranks.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
+        log.info("step %d attempt %s rank %d: %d items queued from slot %d", msg.step, msg.attempt, msg.rank,
+                 len(records), msg.slot)
 
     @staticmethod
     def _decode_items(msg: Save, slot_nbytes: int) -> tuple[list[ItemRecord], list[Placement]]:
@@ -361,39 +423,43 @@ class NodeDaemon:
             return
         if done.kind != "write":
             return
-        step, rank, world_size, generation, slot, identity, common, nbytes = done.key
-        pool = self.pools.pools.get((rank, generation))
+        k: WriteKey = done.key
+        pool = self.pools.pools.get((k.rank, k.generation))
         if pool is not None:
-            pool.busy.discard(slot)
+            pool.busy.discard(k.slot)
             self.pools.collect()
-        stored, queue_s, write_s, snapshot_s = done.result if done.error is None else ([], 0.0, 0.0, 0.0)
-        self.metrics.write_finished(step, nbytes, write_s, queue_s, ok=done.error is None)
-        self.ranks.send(SlotFree(generation, slot, step, write_s, queue_s, snapshot_s), identity, block=False)
-        live = step in self.steps and identity in self.steps[step].notify
+        stored, file_nbytes, queue_s, write_s, snapshot_s = (done.result if done.error is None
+                                                             else ([], 0, 0.0, 0.0, 0.0))
+        self.metrics.write_finished(k.step, k.nbytes, write_s, queue_s, ok=done.error is None)
+        self.ranks.send(SlotFree(k.generation, k.slot, k.step, k.attempt, write_s, queue_s, snapshot_s),
+                        k.identity, block=False)
+        step_key = (k.step, k.attempt)
+        live = step_key in self.steps and k.identity in self.steps[step_key].notify
         if done.error is None and live:
             records = [r.to_wire() for r in stored]
-            self._send_up(Written(step, rank, world_size, self.ep.node, records, common), step)
+            self._send_up(Written(k.step, k.attempt, k.rank, k.world_size, self.ep.node, records, k.common,
+                                  file_nbytes), step_key)
         else:
-            # A write that finished after its step was decided must not count for a later attempt
-            # of that step (a restarted job saving it again): report it as failed, never WRITTEN.
+            # The coordinator answers a report of a decided attempt with its outcome and removes the
+            # directory the late write re-created.
             why = (f"writing its data file failed: {done.error}" if done.error is not None
-                   else "its data file was written after the step had been decided (late write)")
-            self._send_up(Failed(step, rank, world_size, self.ep.node, why), step)
+                   else "its data file was written after the attempt had been decided (late write)")
+            self._send_up(Failed(k.step, k.attempt, k.rank, k.world_size, self.ep.node, why), step_key)
 
     # --- coordinator ----------------------------------------------------------------------
-    def _send_up(self, msg: Message, step: int) -> None:
-        st = self.steps[step]
+    def _send_up(self, msg: Message, key: StepKey) -> None:
+        st = self.steps[key]
         if st.waiting_since is None:
             st.waiting_since = time.monotonic()
         if self.upstream.send(msg, block=False):
             st.sent_to = st.sent_to or self.coordinator_instance
         else:
-            self.outbox.append((time.monotonic(), msg, step))
+            self.outbox.append((time.monotonic(), msg, key))
 
     def _drain_upstream(self) -> None:
         while True:
             try:
-                _, msg = self.upstream.recv()
+                _, msg, _ = self.upstream.recv()
             except zmq.Again:
                 return
             if msg is None:
@@ -409,30 +475,30 @@ class NodeDaemon:
                                         "coordinator completes it)",
                                         keep_instance=msg.instance)
             elif isinstance(msg, (StepCommitted, StepAborted)):
-                self._resolve(msg.step, msg)
+                self._resolve((msg.step, msg.attempt), msg)
             elif isinstance(msg, ErrorReply):
                 log.warning("coordinator error: %s", msg.reason)
             else:
                 log.warning("unexpected %s from the coordinator", msg.TYPE.name)
 
-    def _resolve(self, step: int, outcome: Message) -> None:
-        st = self.steps.pop(step, None)
-        self.outbox = [o for o in self.outbox if o[2] != step]
+    def _resolve(self, key: StepKey, outcome: Message) -> None:
+        st = self.steps.pop(key, None)
+        self.outbox = [o for o in self.outbox if o[2] != key]
         if st is None:
             return
-        self.metrics.resolved(step, committed=isinstance(outcome, StepCommitted))
+        self.metrics.resolved(key[0], committed=isinstance(outcome, StepCommitted))
         for identity in st.notify:
             self.ranks.send(outcome, identity, block=False)
 
     def _abort_pending(self, reason: str, keep_instance: str | None = None) -> None:
-        for step, st in list(self.steps.items()):
+        for (step, attempt), st in list(self.steps.items()):
             if st.waiting_since is None:
                 continue  # still writing here; it reports once done
             if keep_instance is not None and st.sent_to in (None, keep_instance):
                 continue
-            log.warning("step %d aborted locally: %s", step, reason)
-            self._resolve(step, StepAborted(step, reason))
-            self.late.append((time.monotonic(), Failed(step, -1, 0, self.ep.node, reason)))
+            log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
+            self._resolve((step, attempt), StepAborted(step, attempt, reason))
+            self.late.append((time.monotonic(), Failed(step, attempt, -1, 0, self.ep.node, reason)))
 
     def _tick(self, now: float) -> None:
         cfg = self.config
@@ -459,11 +525,11 @@ class NodeDaemon:
                          and not self.upstream.send(m, block=False)]
         if self.outbox:
             retry, self.outbox = self.outbox, []
-            for first, msg, step in retry:
+            for first, msg, key in retry:
                 if self.upstream.send(msg, block=False):
-                    self.steps[step].sent_to = self.coordinator_instance
+                    self.steps[key].sent_to = self.coordinator_instance
                 else:
-                    self.outbox.append((first, msg, step))
+                    self.outbox.append((first, msg, key))
         if now - self.last_check_s >= cfg.heartbeat_s:
             self.last_check_s = now
             for identity, c in list(self.clients.items()):
@@ -472,7 +538,13 @@ class NodeDaemon:
                     del self.clients[identity]
                     self.pools.retire_owner(identity)
 
+    def rejected(self) -> dict[str, int]:
+        """Rejections on the ranks' socket (and the upstream one), by kind."""
+        return {"malformed": self.ranks.rejected + self.upstream.rejected, **self.ranks_watch.counts()}
+
     def status(self) -> dict[str, Any]:
+        rejected = self.rejected()
+        coordinator = self.coordinator.status() if self.coordinator is not None else None
         return {
             "instance": self.instance,
             "pid": os.getpid(),
@@ -482,9 +554,11 @@ class NodeDaemon:
             "clients": [{"rank": c.rank, "pid": c.pid} for c in self.clients.values()],
             "pools": self.pools.summary(),
             "jobs_in_flight": self.workers.in_flight,
-            "pending_steps": sorted(self.steps),
-            "rejected_messages": self.ranks.rejected + self.upstream.rejected,
-            "coordinator": self.coordinator.status() if self.coordinator is not None else None,
+            "pending_steps": sorted({step for step, _ in self.steps}),
+            # Every rejection of this daemon, its coordinator's port included (ckptd_rejected_messages_total).
+            "rejected_messages": sum(rejected.values()) + (coordinator["rejected_messages"] if coordinator else 0),
+            "rejected": rejected,
+            "coordinator": coordinator,
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
         }

@@ -2,6 +2,8 @@
 
 A pool registered by a rank belongs to the daemon: it is unmapped and unlinked here once it is
 *retired* (its rank closed, died, or registered a newer pool) and no write still reads from it.
+A pool is bound to the connection that registered it: only that connection saves from it, and
+only its own later pools or its own BYE retire it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ..errors import StagingError
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
 from ..staging.segment import ShmSegment
+from .snapshot import boottime_s
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,7 @@ class DaemonPool:
     slot_nbytes: int
     segments: list[ShmSegment]
     owner: bytes  # the registering client's socket identity
+    registered_s: float = field(default_factory=boottime_s)  # on the clock of process start times
     busy: set[int] = field(default_factory=set)
     retired: bool = False
     # The item layout of the rank's last SAVE that named one: ``(layout id, records, placements)``.
@@ -39,7 +43,7 @@ class PoolTable:
 
     def register(self, rank: int, generation: str, slot_nbytes: int, names: list[str],
                  owner: bytes) -> DaemonPool:
-        """Attach a rank's new segments; older pools of that rank retire."""
+        """Attach a rank's new segments; older pools this connection registered retire."""
         expected = f"{self.shm_prefix}r{rank}-{generation}-s"
         if not names or any(n != f"{expected}{i}" for i, n in enumerate(names)):
             raise StagingError(f"rank {rank}: segment names {names[:2]}... do not follow "
@@ -55,18 +59,22 @@ class PoolTable:
                 s.close()
             raise
         for pool in self.pools.values():
-            if pool.rank == rank:
+            if pool.owner == owner:
                 pool.retired = True
         pool = DaemonPool(rank, generation, slot_nbytes, segments, owner)
         self.pools[(rank, generation)] = pool
         self.collect()
         return pool
 
-    def get(self, rank: int, generation: str) -> DaemonPool:
+    def get(self, rank: int, generation: str, owner: bytes) -> DaemonPool:
+        """The live pool ``generation`` of ``rank``, if the connection ``owner`` registered it."""
         pool = self.pools.get((rank, generation))
         if pool is None or pool.retired:
             raise StagingError(f"rank {rank}: no live staging pool {generation} here (the daemon may "
                                "have restarted); the Checkpointer registers a new pool")
+        if pool.owner != owner:
+            raise StagingError(f"rank {rank}: staging pool {generation} was registered by another "
+                               "connection; a rank saves from its own pools only")
         return pool
 
     def retire_owner(self, owner: bytes) -> None:

@@ -6,7 +6,10 @@ the child only after the SAVE was acknowledged, so the pid cannot have been reus
 child publishes its progress after each copy, so the writer thread writes each item as soon as
 its bytes are complete (copy and disk write overlap), and before the file is published it
 checks the seal. No seal: the child died before it finished, and the save fails with that reason
-instead of persisting half-copied shards.
+instead of persisting half-copied shards. The daemon waits only on a child of the rank's own
+process created after the rank registered the pool, or on the rank's process itself for a lazy
+snapshot (:func:`check_snapshot_child`): a connection cannot make a writer wait on any other
+process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,36 @@ from ..staging.segment import ShmSegment
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
 _POLL_S = 0.005
+_CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def boottime_s() -> float:
+    """Now on the clock process start times count on (seconds since boot, CLOCK_BOOTTIME)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: float) -> None:
+    """Raise StagingError unless ``pid`` is a child of ``parent_pid`` (the rank's process) started
+    after ``not_before_s`` (its pool's registration, :func:`boottime_s`), or the rank's process
+    itself (a lazy snapshot, copied by a thread of the rank: ckptd.staging.lazy). A child that is
+    gone already passes: there is nothing to wait on, and its seal in the slot tells whether it
+    finished."""
+    if pid == parent_pid:
+        return
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StagingError(f"rank {rank}: cannot inspect snapshot process {pid}: {exc}") from None
+    ppid, started_s = int(fields[1]), int(fields[19]) * _CLOCK_TICK_S  # stat fields 4 and 22
+    if ppid != parent_pid:
+        raise StagingError(f"rank {rank}: snapshot process {pid} is not a child of the rank's process "
+                           f"{parent_pid}; the daemon waits only on the rank's own snapshot")
+    if started_s + _CLOCK_TICK_S < not_before_s:  # start times are truncated to a clock tick
+        raise StagingError(f"rank {rank}: snapshot process {pid} is older than the rank's staging pool; "
+                           "the daemon waits only on a snapshot of this save")
 
 
 @dataclass

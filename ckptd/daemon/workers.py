@@ -120,17 +120,17 @@ def planned_items(seg: ShmSegment, req: WriteRequest) -> list[PlannedItem]:
 
 def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener: Opener, fsync: bool,
                     checksums: bool, snapshot: SnapshotWait | None = None,
-                    snapshot_timeout_s: float = 0.0) -> list[ItemRecord]:
-    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns stored records.
+                    snapshot_timeout_s: float = 0.0) -> tuple[list[ItemRecord], int]:
+    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns the stored
+    records and the file's size (the coordinator checks it before it commits).
 
     With a ``snapshot`` (the rank's fork child is still copying into the slot), each item is
     written once the child has copied it, and the file is published only after the child sealed
     the slot; a child that died early fails the write.
 
     The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*.
-    A write that outlives its step (aborted, then committed by a newer attempt) therefore never
-    rewrites a file of a committed checkpoint: once ``<step>.tmp`` was renamed, the final rename
-    fails instead. The directory is created here, on the writer thread, so that a directory the
+    A write that outlives its attempt therefore never rewrites a file of a committed checkpoint:
+    once its attempt's directory was renamed, the final rename fails instead. The directory is created here, on the writer thread, so that a directory the
     daemon may not write (permissions, read-only or full filesystem) fails this save on its handle.
     """
     name = data_file_name(req.rank)
@@ -154,6 +154,7 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
         if snapshot is not None:
             snapshot.wait(seg, snapshot_timeout_s)  # sealed: every byte written was final
         os.rename(directory / part, directory / name)
+        file_nbytes = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
         if fsync:
             os.fsync(dir_fd)  # the new name is durable before WRITTEN goes out
     except BaseException as exc:
@@ -174,7 +175,7 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
     dt = time.perf_counter() - t0
     log.info("step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)", req.step, req.rank, nbytes, dt,
              nbytes / max(dt, 1e-9) / 1e9)
-    return stored
+    return stored, file_nbytes
 
 
 class WorkerPools:

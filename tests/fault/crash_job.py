@@ -46,11 +46,13 @@ class JobSpec:
     def per_node(self) -> int:
         return self.ranks // self.nodes
 
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """torchrun's variables for ``rank``, plus the job's CKPTD_* knobs."""
+    def rank_env(self, rank: int, phase: str) -> dict[str, str]:
+        """torchrun's variables for ``rank``, plus the job's CKPTD_* knobs; each phase is a launch
+        of its own (CKPTD_RUN_ID), as a launcher restarting the job would make it."""
         return {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks),
                 "LOCAL_RANK": str(rank % self.per_node), "LOCAL_WORLD_SIZE": str(self.per_node),
-                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": "127.0.0.1"}
+                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": "127.0.0.1",
+                "CKPTD_RUN_ID": f"{Path(self.root).name}-{phase}"}
 
     def endpoints(self, node: int) -> Endpoints:
         job = JobEnv(rank=node * self.per_node, local_rank=0, world_size=self.ranks,
@@ -178,7 +180,7 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
     Phase ``"run"`` saves steps 1..spec.steps and is SIGKILLed by the harness at some point.
     Phase ``"restart"`` resumes, saves ``restart_steps`` new steps and waits for each to commit.
     """
-    os.environ.update(spec.rank_env(rank))
+    os.environ.update(spec.rank_env(rank, phase))
     logging.basicConfig(filename=str(Path(spec.events) / f"{phase}.r{rank}.log"), level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     log = EventLog(spec.events, phase, rank)

@@ -55,9 +55,6 @@ KEEP_LAST = 3
 # not wait for a node daemon being started; these only bound how long survivors wait for the dead.
 COMMIT_TIMEOUT_S = 2.5
 COORDINATOR_TIMEOUT_S = 3.0
-# A launcher takes seconds to restart a failed job; at least the coordinator's quarantine of
-# reports about a just-aborted step (3 heartbeats, see ckptd.daemon.coordinator).
-RESTART_DELAY_S = 0.5
 
 
 def process_context() -> BaseContext:
@@ -367,7 +364,6 @@ def run_trial(seed: int, ctx: BaseContext, *, ranks: int = 2, nodes: int = 2, vi
         stuck = quiesce(spec, COMMIT_TIMEOUT_S + COORDINATOR_TIMEOUT_S + 10)
         if stuck:
             result.problems.append(stuck)
-        time.sleep(RESTART_DELAY_S)
         procs = _start(ctx, spec, "restart")
         for p in procs:
             p.join(120)

@@ -28,9 +28,6 @@ from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 
 HEARTBEAT_S = 0.1
-# The coordinator takes reports about a step it aborted less than 3 heartbeats ago for stragglers
-# of that attempt; a retry of the same step waits this long (see ckptd.daemon.coordinator).
-RETRY_AFTER_S = 4 * HEARTBEAT_S
 
 
 def values(step: int) -> torch.Tensor:

@@ -54,8 +54,9 @@ def test_long_crash_matrix(ctx, tmp_path):
 # --- the checker finds what it must find ---------------------------------------------------------
 def _commit(root, step: int, world: int) -> None:
     """Write the job's checkpoint of ``step`` through the daemon's own commit path."""
-    records = []
-    tmp = tmp_dir(root, step)
+    records, files = [], {}
+    attempt = "0123456789ab-1"
+    tmp = tmp_dir(root, step, attempt)
     tmp.mkdir(parents=True)
     for rank in range(world):
         sd = cj.sharded(cj.rank_state(rank, world, step), rank, world, step)
@@ -64,8 +65,9 @@ def _commit(root, step: int, world: int) -> None:
             items += plan_tensor_items(sd["e"], rank)
         items.append(plan_object(sd["o"], rank))
         records += write_data_file(tmp, data_file_name(rank), items, fsync=False)
-    commit_step(root, step, records, serialize_common({"iteration": step}), fsync=False, keep_last=0,
-                megatron_tracker=False)
+        files[data_file_name(rank)] = (rank, (tmp / data_file_name(rank)).stat().st_size)
+    commit_step(root, step, attempt, records, serialize_common({"iteration": step}), files, fsync=False,
+                keep_last=0, megatron_tracker=False)
 
 
 def _events(steps: list[int], world: int) -> list[cj.Event]:

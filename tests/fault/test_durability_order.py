@@ -20,6 +20,8 @@ from ckptd.format.items import plan_tensor_items
 from ckptd.staging.pool import place
 from ckptd.staging.segment import ShmSegment
 
+ATTEMPT = "0123456789ab-1"
+
 
 def _path_of(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
@@ -52,16 +54,17 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "replace", replace)
-        stored = write_rank_file(tmp_dir(root, 5), seg, WriteRequest(5, 0, [items[0].record], placements, None),
-                                 open, fsync=True, checksums=True)
-        commit_step(root, 5, stored, serialize_common({"iteration": 5}), fsync=True, keep_last=0,
-                    megatron_tracker=True)
+        stored, file_nbytes = write_rank_file(tmp_dir(root, 5, ATTEMPT), seg,
+                                              WriteRequest(5, 0, [items[0].record], placements, None),
+                                              open, fsync=True, checksums=True)
+        commit_step(root, 5, ATTEMPT, stored, serialize_common({"iteration": 5}),
+                    {"__0_0.distcp": (0, file_nbytes)}, fsync=True, keep_last=0, megatron_tracker=True)
     finally:
         monkeypatch.undo()
         seg.close()
         seg.unlink()
 
-    tmp, final = str(tmp_dir(root, 5)), str(root / "iter_0000005")
+    tmp, final = str(tmp_dir(root, 5, ATTEMPT)), str(root / "iter_0000005")
     index = {e: i for i, e in enumerate(events)}
     renames = [e for e in events if e[0] == "rename"]
     publish = next(e for e in renames if e[1:] == (tmp, final))

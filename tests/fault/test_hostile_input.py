@@ -1,40 +1,59 @@
-"""Guarantee 5 against a live daemon: malformed, truncated, oversized, wrong-version,
-unauthenticated and pickled messages over its real ipc:// socket (and the coordinator's tcp://
-port) are rejected and logged, and the daemon goes on serving a real Checkpointer. Sockets, the
-runtime directory and shared memory are owner-only.
+"""Guarantee 5 against a live daemon: strangers cannot talk to it, and the job's own peers cannot
+make it misbehave.
+
+- Without the job token's CurveZMQ keys nobody completes a handshake, on the ranks' ``ipc://``
+  socket or on the coordinator's ``tcp://`` port: a perfectly valid plaintext message, a foreign
+  client key, a wrong server key, bytes that are not ZeroMQ, an oversized handshake frame. Each is
+  refused and counted (``ckptd status``, ``ckptd_rejected_messages_total``).
+- From an authenticated connection: malformed, truncated, oversized, wrong-version, foreign-job,
+  pickled messages, out-of-range steps and attempt ids are rejected and logged; a HELLO must name
+  the connecting process; a connection saves only from its own pools and waits only on its own
+  snapshot child.
+- Sockets, the runtime directory and shared memory are owner-only.
+The daemon keeps serving a real Checkpointer throughout.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import pickle
 import socket
 import stat
-import time
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
+import ckptd
+from ckptd.client import admin
 from ckptd.control.endpoints import load_token
+from ckptd.control.keys import CurveKeys, derive_keys
 from ckptd.control.protocol import (
     PROTOCOL_VERSION,
+    Bye,
     Codec,
     ErrorReply,
     Hello,
     MsgType,
     Ping,
+    PoolOk,
     Pong,
     RegisterPool,
+    Save,
     Status,
     StatusReply,
     Welcome,
 )
+from ckptd.control.security import make_client_secure
+from ckptd.daemon.metrics import prometheus_text
+from ckptd.daemon.snapshot import boottime_s
+from ckptd.staging.pool import StagingPool
 from ckptd.staging.segment import SHM_DIR, list_segments
-from tests.fault.single_job import single_job
+from tests.fault.single_job import single_job, wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
 
@@ -47,20 +66,26 @@ def job(tmp_path_factory):
             yield j
 
 
-class Peer:
-    """A raw DEALER socket to a daemon endpoint, speaking (or not) the job's protocol."""
+def _random_keys() -> CurveKeys:
+    spub, ssec = zmq.curve_keypair()
+    cpub, csec = zmq.curve_keypair()
+    return CurveKeys(spub, ssec, cpub, csec)
 
-    def __init__(self, address: str, codec: Codec) -> None:
+
+class Peer:
+    """A raw DEALER socket to a daemon endpoint: with the job's keys (``keys``), other keys, or none."""
+
+    def __init__(self, address: str, job: str, keys: CurveKeys | None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            make_client_secure(self.sock, keys)
         self.sock.connect(address)
-        self.codec = codec
+        self.codec = Codec(job, LIMIT)
 
-    def frames(self, obj: object, token: bytes | None = None) -> list[bytes]:
-        """A msgpack body of ``obj`` with a valid MAC (under ``token``, default the job's)."""
-        body = msgpack.packb(obj, use_bin_type=True)
-        return [body, hmac.new(token or self.codec.token, body, hashlib.sha256).digest()]
+    def body(self, obj: object) -> list[bytes]:
+        return [msgpack.packb(obj, use_bin_type=True)]
 
     def envelope(self, t: int, f: dict, v: int = PROTOCOL_VERSION, job: str | None = None) -> dict:
         return {"v": v, "t": t, "job": job or self.codec.job, "f": f}
@@ -76,93 +101,200 @@ class Peer:
         self.ctx.term()
 
 
+def _keys(job) -> CurveKeys:
+    return derive_keys(load_token(job.ckpt.endpoints, job.config))
+
+
 def _log(job) -> str:
     return job.ckpt.endpoints.log_path.read_text()
 
 
+def _rejected(job, where: str) -> dict[str, int]:
+    info = job.ckpt.status()
+    return info["rejected"] if where == "daemon" else info["coordinator"]["rejected"]
+
+
+def _wait_for_counts(job, where: str, before: dict[str, int], **at_least: int) -> dict[str, int]:
+    """Poll the daemon's status until each named counter rose by at least the given amount."""
+    now: dict[str, int] = {}
+
+    def reached() -> bool:
+        now.update(_rejected(job, where))
+        return all(now[k] - before[k] >= n for k, n in at_least.items())
+
+    wait_until(reached, 20, f"{where} rejection counts {at_least} (now {now}, before {before})")
+    return now
+
+
+def _strangers(address: str, job) -> None:
+    """Everyone without the job's keys: each sends a valid plaintext PING and must get no answer."""
+    ep = job.ckpt.endpoints
+    valid = Codec(ep.job, LIMIT).encode(Ping(1))  # what a captured plaintext message would be
+    mine, other = _keys(job), _random_keys()
+    foreign_client = CurveKeys(mine.server_public, b"", other.client_public, other.client_secret)
+    wrong_server = CurveKeys(other.server_public, b"", mine.client_public, mine.client_secret)
+    for keys in (None, foreign_client, wrong_server):  # plaintext; another job's client; a fake server
+        peer = Peer(address, ep.job, keys)
+        try:
+            assert peer.ask(valid, timeout_s=1.0) is None, "a stranger got an answer"
+        finally:
+            peer.close()
+
+
+def _raw_junk(connect: object) -> None:
+    """Bytes that are not ZeroMQ, and a CurveZMQ greeting followed by a 1 GiB handshake frame."""
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" * 32
+    for data in (b"GET / HTTP/1.0\r\n\r\n" + os.urandom(2048),
+                 greeting + b"\x06" + struct.pack(">Q", 1 << 30) + b"x" * 4096):
+        with connect() as raw:  # type: ignore[operator]
+            raw.sendall(data)
+            try:
+                raw.recv(4096)  # until the daemon hangs up (or sent its own greeting)
+                raw.recv(4096)
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(90)
+def test_strangers_cannot_talk_to_the_daemon_and_are_counted(job):
+    ep = job.ckpt.endpoints
+    before = _rejected(job, "daemon")
+    _strangers(ep.ipc_address, job)
+
+    def unix() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(str(ep.socket_path))
+        return s
+
+    _raw_junk(unix)
+    _wait_for_counts(job, "daemon", before, unauthenticated=3, dropped=2)
+    assert "not the job's client key" in _log(job), _log(job)[-3000:]
+    job.committed(2)
+
+
+@pytest.mark.timeout(90)
+def test_coordinator_port_refuses_strangers_counts_them_and_keeps_committing(job):
+    coordinator = job.ckpt.status()["coordinator"]
+    before = coordinator["rejected"]
+    _strangers(coordinator["address"], job)
+    host, port = coordinator["address"].removeprefix("tcp://").rsplit(":", 1)
+    _raw_junk(lambda: socket.create_connection((host, int(port)), timeout=5))
+    now = _wait_for_counts(job, "coordinator", before, unauthenticated=3, dropped=2)
+    info = job.ckpt.status()
+    assert info["coordinator"]["rejected_messages"] == sum(now.values())
+    # The node's total (status, Prometheus) includes its coordinator's port.
+    assert info["rejected_messages"] >= sum(now.values()) + sum(info["rejected"].values())
+    text = prometheus_text([admin.daemon_status(admin.local_daemons(job.root, job.config)[0], job.config)])
+    total = next(line for line in text.splitlines() if line.startswith("ckptd_rejected_messages_total{"))
+    assert float(total.rsplit(" ", 1)[1]) >= sum(now.values())
+    shown = subprocess.run([sys.executable, "-m", "ckptd.cli", "status", str(job.root)], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "CKPTD_RUNTIME_DIR": str(job.runtime)})
+    assert "rejected: ranks' socket: " in shown.stdout and "coordinator's port: " in shown.stdout \
+        and "unauthenticated" in shown.stdout, shown.stdout + shown.stderr
+    job.committed(3)
+
+
 @pytest.mark.timeout(60)
-def test_bad_messages_are_rejected_logged_and_the_daemon_keeps_serving(job, tmp_path):
-    ep, cfg = job.ckpt.endpoints, job.config
-    codec = Codec(ep.job, load_token(ep, cfg), LIMIT)
-    before = job.ckpt.status()["rejected_messages"]
-    good = codec.encode(Ping(1))
+def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tmp_path):
+    ep = job.ckpt.endpoints
+    before = job.ckpt.status()["rejected"]["malformed"]
     marker = tmp_path / "pickle-ran"
     evil = pickle.dumps(_MarkerOnUnpickle(str(marker)))
-    peer = Peer(ep.ipc_address, codec)
+    peer = Peer(ep.ipc_address, ep.job, _keys(job))
+    good = peer.codec.encode(Ping(1))[0]
+    save = {"step": 2**64 - 1, "attempt": "0123456789ab-1", "rank": 0, "world_size": 1, "generation": "g",
+            "slot": 0, "items": [], "common": None, "layout": "", "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
     try:
         rejected = {
-            "malformed: one frame": [b"\x93garbage"],
-            "malformed: three frames": [b"a", b"b", b"c"],
-            "malformed: empty frames": [b"", b""],
-            "malformed: not msgpack": [b"\xc1\xc1", hmac.new(codec.token, b"\xc1\xc1", hashlib.sha256).digest()],
-            "malformed: not a map": peer.frames([1, 2, 3]),
-            "malformed: unknown type": peer.frames(peer.envelope(99, {})),
-            "malformed: field of the wrong type": peer.frames(peer.envelope(int(MsgType.PING), {"nonce": "x"})),
-            "pickle, authenticated": [evil, hmac.new(codec.token, evil, hashlib.sha256).digest()],
-            "truncated body": [good[0][:-3], good[1]],
-            "truncated body, MAC recomputed": [good[0][:-3], hmac.new(codec.token, good[0][:-3], hashlib.sha256).digest()],
-            "truncated MAC": [good[0], good[1][:16]],
-            "oversized (just above the limit)": peer.frames(peer.envelope(int(MsgType.PING), {"nonce": 1, "pad": b"x" * LIMIT})),
-            "wrong version": peer.frames(peer.envelope(int(MsgType.PING), {"nonce": 1}, v=PROTOCOL_VERSION + 1)),
-            "unauthenticated: wrong token": peer.frames(peer.envelope(int(MsgType.PING), {"nonce": 1}), token=b"k" * 64),
-            "unauthenticated: other job": peer.frames(peer.envelope(int(MsgType.PING), {"nonce": 1}, job="otherjob")),
+            "malformed: an old HMAC frame after the body": [good, b"m" * 32],
+            "malformed: empty frame": [b""],
+            "malformed: not msgpack": [b"\xc1\xc1"],
+            "malformed: not a map": peer.body([1, 2, 3]),
+            "malformed: unknown type": peer.body(peer.envelope(99, {})),
+            "malformed: field of the wrong type": peer.body(peer.envelope(int(MsgType.PING), {"nonce": "x"})),
+            "pickle": [evil],
+            "truncated body": [good[:-3]],
+            "oversized (just above the limit)": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1, "pad": b"x" * LIMIT})),
+            "wrong version": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1}, v=PROTOCOL_VERSION - 1)),
+            "other job": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1}, job="otherjob")),
+            "step 2**64-1": peer.body(peer.envelope(int(MsgType.SAVE), save)),
+            "attempt id as a path": peer.body(peer.envelope(int(MsgType.SAVE), {**save, "step": 1, "attempt": "../../x-1"})),
         }
-        for what, frames in rejected.items():
+        for frames in rejected.values():
             peer.sock.send_multipart(frames)
         # None of them is answered; the next good request is, on the same connection.
-        reply = peer.ask(codec.encode(Ping(7)))
+        reply = peer.ask(peer.codec.encode(Ping(7)))
         assert isinstance(reply, Pong) and reply.nonce == 7, reply
         assert not marker.exists(), "a pickle from the socket was decoded"
         # Authenticated but impossible requests get an ERROR reply naming the problem.
-        reply = peer.ask(codec.encode(Hello("rank", 0, 0, 1, -1, str(job.root))))
-        assert "could not handle HELLO" in str(reply) and "pid" in str(reply), reply
-        reply = peer.ask(codec.encode(Hello("rank", 0, 0, 1, os.getpid(), "/elsewhere")))
+        reply = peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, 1, str(job.root))))
+        assert isinstance(reply, ErrorReply) and f"HELLO says pid 1, but the connecting process is pid {os.getpid()}" \
+            in reply.reason, reply
+        reply = peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, os.getpid(), "/elsewhere")))
         assert "serves" in str(reply), reply
-        status = peer.ask(codec.encode(Status()))
+        status = peer.ask(peer.codec.encode(Status()))
         assert isinstance(status, StatusReply)
-        assert status.info["rejected_messages"] - before >= len(rejected)
+        assert status.info["rejected"]["malformed"] - before >= len(rejected)
     finally:
         peer.close()
 
     # Far above the limit, libzmq drops the frame and the connection before Python sees it.
-    huge = Peer(ep.ipc_address, codec)
+    huge = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
-        huge.sock.send_multipart([b"x" * (4 * LIMIT), b"y" * 32])
-        time.sleep(0.2)
+        huge.sock.send_multipart([b"x" * (4 * LIMIT)])
     finally:
         huge.close()
-    # Bytes that are not even ZeroMQ, on the raw unix socket.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
-        raw.connect(str(ep.socket_path))
-        raw.sendall(os.urandom(4096))
+    fresh = Peer(ep.ipc_address, ep.job, _keys(job))
+    try:
+        assert isinstance(fresh.ask(fresh.codec.encode(Ping(8))), Pong)
+    finally:
+        fresh.close()
     log = _log(job)
-    for why in ("expected 2 frames", "undecodable message body", "not a {v, t, job, f} map",
-                "unknown message type", "has type str", "authentication failed", "exceeds the limit",
-                "protocol version", "for job 'otherjob'", "HELLO from"):
+    for why in ("undecodable message body", "not a {v, t, job, f} map",
+                "unknown message type", "has type str", "exceeds the limit", "protocol version",
+                "for job 'otherjob'", "is outside 0..999999999", "attempt id '../../x-1'", "HELLO says pid"):
         assert why in log, f"no log line says {why!r}"
-    job.committed(2)  # a real Checkpointer is still served
+    with pytest.raises(ckptd.CkptdError, match="step must be an int in 0..999999999"):
+        job.ckpt.save({"x": 1}, step=2**64 - 1)
+    job.committed(4)  # a real Checkpointer is still served
 
 
 @pytest.mark.timeout(60)
-def test_coordinator_port_rejects_strangers_and_keeps_committing(job):
-    ep, cfg = job.ckpt.endpoints, job.config
-    codec = Codec(ep.job, load_token(ep, cfg), LIMIT)
-    coordinator = job.ckpt.status()["coordinator"]
-    before = coordinator["rejected_messages"]
-    peer = Peer(coordinator["address"], codec)
+def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_child(job):
+    """Another connection of the same job (here: the test process, saying HELLO as rank 0 with its
+    true pid) can neither save from nor retire the Checkpointer's pool, nor speak for rank 1, nor
+    make a writer wait on a process that is not its own snapshot child."""
+    ep = job.ckpt.endpoints
+    victim = job.ckpt._pool
+    assert victim is not None
+    old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its pool
+    started = boottime_s()
+    wait_until(lambda: boottime_s() > started + 0.1, 5, "the clock to move past the child's start")
+    peer = Peer(ep.ipc_address, ep.job, _keys(job))
+    own = StagingPool.create(ep.shm_prefix, 0, 1, 8192, pin=False)
     try:
-        peer.sock.send_multipart(Codec(ep.job, b"w" * 64, LIMIT).encode(Ping(1)))  # wrong token
-        peer.sock.send_multipart(peer.frames(peer.envelope(int(MsgType.PING), {"nonce": 1}, v=0)))
-        peer.sock.send_multipart([b"\x00" * 100])
-        reply = peer.ask(codec.encode(Ping(2)))
-        assert isinstance(reply, Pong) and reply.nonce == 2
+        ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
+        assert isinstance(ask(Hello("rank", 0, 0, 1, os.getpid(), str(job.root))), Welcome)
+        reply = ask(Save(5, "0123456789ab-1", 0, 1, victim.generation, 0, [], None, "", 0, b"", 0))
+        assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
+        reply = ask(RegisterPool(1, own.generation, own.slot_nbytes, own.names))
+        assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
+        # Its own pool of rank 0 does not retire the Checkpointer's pool of rank 0.
+        assert isinstance(ask(RegisterPool(0, own.generation, own.slot_nbytes, own.names)), PoolOk)
+        for pid, why in ((1, "is not a child of the rank's process"),
+                         (old_child.pid, "is older than the rank's staging pool")):
+            reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", pid, b"s" * 16, 0))
+            assert isinstance(reply, ErrorReply) and why in reply.reason, reply
+        peer.sock.send_multipart(peer.codec.encode(Bye(0)))  # retires its own pool only
+        assert isinstance(ask(Ping(3)), Pong)
     finally:
         peer.close()
-    host, port = coordinator["address"].removeprefix("tcp://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as raw:
-        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(2048))
-    assert job.ckpt.status()["coordinator"]["rejected_messages"] - before >= 3
-    job.committed(3)
+        own.close(unlink=False)  # the daemon owns it since POOL_OK
+        old_child.kill()
+        old_child.wait()
+    job.committed(5)
+    assert job.ckpt._pool is victim  # the Checkpointer never had to register a new pool
 
 
 @pytest.mark.timeout(60)
@@ -184,18 +316,17 @@ def test_sockets_runtime_dir_and_shared_memory_are_owner_only(job):
     try:
         os.ftruncate(fd, 4096)
         os.fchmod(fd, 0o640)
-        codec = Codec(ep.job, load_token(ep, job.config), LIMIT)
-        peer = Peer(ep.ipc_address, codec)
+        peer = Peer(ep.ipc_address, ep.job, _keys(job))
         try:
-            assert isinstance(peer.ask(codec.encode(Hello("rank", 0, 0, 1, os.getpid(), str(job.root)))), Welcome)
-            reply = peer.ask(codec.encode(RegisterPool(0, "open", 4096, [name])))
+            assert isinstance(peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, os.getpid(), str(job.root)))), Welcome)
+            reply = peer.ask(peer.codec.encode(RegisterPool(0, "open", 4096, [name])))
             assert isinstance(reply, ErrorReply) and "not a private (0600) file" in reply.reason, reply
         finally:
             peer.close()
     finally:
         os.close(fd)
         Path(SHM_DIR / name).unlink(missing_ok=True)
-    job.committed(4)
+    job.committed(6)
 
 
 class _MarkerOnUnpickle:

@@ -15,13 +15,12 @@ import multiprocessing as mp
 import os
 import shutil
 import subprocess
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.fault.single_job import RETRY_AFTER_S, loads_bit_exact, single_job, tmp_leftovers
+from tests.fault.single_job import loads_bit_exact, single_job, tmp_leftovers
 
 PR_CAPBSET_DROP = 24
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
@@ -57,7 +56,6 @@ def test_real_full_disk_then_read_only_filesystem(tmpfs, tmp_path, monkeypatch):
         assert "No space left on device" in err, err
         ballast.unlink()
         loads_bit_exact(job.ckpt, 1)
-        time.sleep(RETRY_AFTER_S)
         job.committed(2)
 
         r = _run("mount", "-o", "remount,ro", str(tmpfs))
@@ -97,7 +95,6 @@ def _permission_scenario(tmp: str, queue: mp.Queue) -> None:
             finally:
                 os.chmod(job.root, 0o755)
             loads_bit_exact(job.ckpt, 1)
-            time.sleep(RETRY_AFTER_S)
             job.committed(2)
             assert job.ckpt.latest() == 2
         queue.put(("ok", err))
@@ -120,4 +117,4 @@ def test_real_permission_denied(tmp_path):
     if kind == "skip":
         pytest.skip(detail)
     assert kind == "ok", detail
-    assert "Permission denied" in detail and "iter_0000002.tmp" in detail, detail
+    assert "Permission denied" in detail and "iter_0000002." in detail and ".tmp" in detail, detail

@@ -119,22 +119,22 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
     eps = [Endpoints.for_job(root, JobEnv(rank=n, world_size=2, node=n, local_world_size=1), cfg) for n in (0, 1)]
     ensure_private_dir(runtime)
     segments = [_orphan_segment(f"{ep.shm_prefix}r{ep.node}-crashed-s0") for ep in eps]
-    partial = root / "iter_0000003.tmp"
+    partial = root / "iter_0000003.0123456789ab-1.tmp"
     partial.mkdir()
     (partial / "__1_0.distcp").write_bytes(b"written by node 1 before the crash")
     try:
         # Node 1 first: it may clean only its own segments, and never the job's saves.
         assert _daemon(env, root, "--node", "1", "--nnodes", "2").returncode == 0
         assert not segments[1].exists() and segments[0].exists() and partial.exists()
-        # The coordinator cannot know whether another node still writes into iter_3.tmp: it adopts
-        # the step, and once nobody completed it within the commit timeout, aborts and removes it.
+        # The coordinator cannot know whether another node still writes into that attempt of step 3:
+        # it adopts it, and once nobody completed it within the commit timeout, aborts and removes it.
         assert _daemon(env, root, "--node", "0", "--nnodes", "2").returncode == 0
         assert not segments[0].exists()
         deadline = time.monotonic() + 20
         while partial.exists():
             assert time.monotonic() < deadline, "the adopted, abandoned save was never removed"
             time.sleep(0.05)
-        assert "step 3 aborted" in eps[0].log_path.read_text()
+        assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
     finally:
         for ep in eps:
             _stop(ep)

@@ -23,7 +23,9 @@ import zmq
 
 import ckptd
 from ckptd.control.endpoints import load_token
+from ckptd.control.keys import derive_keys
 from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
+from ckptd.control.security import make_client_secure
 from ckptd.config import CkptdConfig
 from ckptd.daemon.main import daemon_pid
 from tests.integration import async_job as aj
@@ -106,23 +108,27 @@ def test_two_nodes_consecutive_saves_commit_bit_exact(job):
         dcp.load(target, checkpoint_id=str(d), no_dist=True)
         assert all(torch.equal(target[k], v) for k, v in ref.items()), step
         assert ckptd.load_common_state_dict(d)["iteration"] == step
-        assert not (root / f"iter_{step:07d}.tmp").exists()
+        assert not list(root.glob(f"iter_{step:07d}.*tmp"))
     assert (root / "latest").read_text().strip() == f"iter_{STEPS[-1]:07d}"
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS[-1])
 
-    # The daemon rejects junk (bad frames, wrong token, wrong job) and keeps serving.
+    # The daemon rejects junk (strangers without the job's keys, bad frames, another job) and keeps
+    # serving.
     ep = job["eps"][0]
     cfg = CkptdConfig.from_env(job["env"])
-    good = Codec(ep.job, load_token(ep, cfg))
+    good = Codec(ep.job)
     ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)  # no CurveZMQ: cannot even complete a handshake
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ep.ipc_address)
+    make_client_secure(sock, derive_keys(load_token(ep, cfg)))
+    for s in (stranger, sock):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep.ipc_address)
     try:
-        sock.send_multipart([b"\x93garbage"])
-        sock.send_multipart([b"not msgpack", b"x" * 32])
-        sock.send_multipart(Codec(ep.job, b"wrong-token" * 4).encode(Ping(1)))
-        sock.send_multipart(Codec("otherjob", load_token(ep, cfg)).encode(Ping(2)))
+        stranger.send_multipart(good.encode(Ping(1)))
+        sock.send_multipart([b"\x93garbage", b"x" * 32])
+        sock.send_multipart([b"not msgpack"])
+        sock.send_multipart(Codec("otherjob").encode(Ping(2)))
         sock.send_multipart(good.encode(Ping(3)))
         assert sock.poll(10_000)
         pong = good.decode(sock.recv_multipart())
@@ -130,10 +136,12 @@ def test_two_nodes_consecutive_saves_commit_bit_exact(job):
         sock.send_multipart(good.encode(Status()))
         assert sock.poll(10_000)
         status = good.decode(sock.recv_multipart())
-        assert isinstance(status, StatusReply) and status.info["rejected_messages"] >= 4
+        assert isinstance(status, StatusReply) and status.info["rejected"]["malformed"] >= 3
         assert status.info["coordinator"]["nodes"] == [0, 1]
+        assert not stranger.poll(0)
     finally:
         sock.close()
+        stranger.close()
         ctx.term()
 
 
@@ -230,7 +238,7 @@ def test_daemon_killed_mid_write_aborts_then_recovers(job, tmp_path):
     assert all(o["before"] == 100 for o in out), out
     assert "died" in out[0]["error"] and "coordinator" in out[2]["error"], out
     assert daemon_pid(job["eps"][0].pid_path) not in (None, old_pid)
-    assert not (root / "iter_0000200").exists() and not (root / "iter_0000200.tmp").exists()
+    assert not (root / "iter_0000200").exists() and not list(root.glob("iter_0000200.*tmp"))
     plain = ckptd.load_plain_tensors(root / "iter_0000300")
     assert torch.equal(plain["w"], aj.full_w(300))
 

@@ -89,7 +89,8 @@ def test_staged_slot_writes_a_loadable_checkpoint_independent_of_later_mutation(
         dpool = table.register(0, pool.generation, pool.slot_nbytes, pool.names, b"id")
         req = WriteRequest(5, 0, [i.record for i in items], placements, None)
         assert all(isinstance(p.payload, (torch.Tensor, memoryview)) for p in planned_items(dpool.segments[0], req))
-        stored = write_rank_file(tmp_path, dpool.segments[0], req, open, fsync=False, checksums=True)
+        stored, file_nbytes = write_rank_file(tmp_path, dpool.segments[0], req, open, fsync=False, checksums=True)
+        assert file_nbytes == (tmp_path / "__0_0.distcp").stat().st_size
         finalize(tmp_path, stored, serialize_common(split.common))
         loaded = ckptd.load(_state(0, for_load=True), tmp_path)
         ref = _state(5, for_load=True)

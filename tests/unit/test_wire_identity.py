@@ -1,0 +1,94 @@
+"""Who is who on the wire: CurveZMQ keys from the job token, attempt ids, the coordinator's address."""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+import pytest
+import zmq
+
+from ckptd.config import CkptdConfig
+from ckptd.control.attempt import MAX_STEP, check_attempt, check_save_step, incarnation_for
+from ckptd.control.endpoints import Endpoints, JobEnv
+from ckptd.control.keys import derive_keys
+from ckptd.control.netaddr import coordinator_bind_host
+from ckptd.errors import CkptdError, ProtocolError
+
+
+def test_keys_are_derived_from_the_token_alone():
+    a, b = derive_keys(b"t" * 64), derive_keys(b"t" * 64)
+    assert a == b  # every node derives the same keys: nothing new to distribute
+    assert len({a.server_public, a.server_secret, a.client_public, a.client_secret}) == 4
+    assert all(len(k) == 40 for k in (a.server_public, a.server_secret, a.client_public, a.client_secret))
+    assert zmq.curve_public(a.server_secret) == a.server_public
+    assert zmq.curve_public(a.client_secret) == a.client_public
+    other = derive_keys(b"u" * 64)
+    assert not {other.server_public, other.client_public} & {a.server_public, a.client_public}
+    assert b"secret" not in repr(a).encode() and a.server_secret.decode() not in repr(a)
+
+
+def test_ranks_of_one_launch_agree_on_the_incarnation_without_talking():
+    torchrun = {"TORCHELASTIC_RUN_ID": "3f1c", "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_PORT": "29500"}
+    rank0 = incarnation_for("", 8, {**torchrun, "RANK": "0"})
+    rank7 = incarnation_for("", 8, {**torchrun, "RANK": "7", "LOCAL_RANK": "3"})
+    assert rank0 == rank7 and not rank0.weak and "TORCHELASTIC_RUN_ID=3f1c" in rank0.source
+    # An elastic restart, another launch, or an explicit run id: another incarnation.
+    restarted = incarnation_for("", 8, {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"})
+    relaunched = incarnation_for("", 8, {**torchrun, "TORCHELASTIC_RUN_ID": "9a0e"})
+    explicit = incarnation_for("job-42.1", 8, torchrun)
+    assert len({rank0.tag, restarted.tag, relaunched.tag, explicit.tag}) == 4
+    assert "CKPTD_RUN_ID=job-42.1" in explicit.source
+    slurm = incarnation_for("", 8, {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "MASTER_PORT": "1"})
+    assert slurm == incarnation_for("", 8, {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "MASTER_PORT": "2"})
+    # No launch id: several ranks fall back to the rendezvous address (weak); one process is unique.
+    weak = incarnation_for("", 2, {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+    assert weak.weak and weak == incarnation_for("", 2, {"MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+    assert incarnation_for("", 1, {}) != incarnation_for("", 1, {})
+    attempt = rank0.attempt(2)
+    check_attempt(attempt)
+    assert attempt == f"{rank0.tag}-2" and len(rank0.tag) == 12
+
+
+def test_steps_are_bounded_at_save():
+    check_save_step(0)
+    check_save_step(MAX_STEP)
+    for bad in (-1, MAX_STEP + 1, 2**64 - 1, 1.0, True, "3"):
+        with pytest.raises(CkptdError, match="step must be an int in 0..999999999"):
+            check_save_step(bad)
+    for bad in ("", "0123456789AB-1", "0123456789ab-", "0123456789ab-1/..", "x" * 100):
+        with pytest.raises(ProtocolError, match="attempt id"):
+            check_attempt(bad)
+
+
+def _local_ipv4() -> str | None:
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def test_the_coordinator_binds_the_interface_that_reaches_master_addr(tmp_path):
+    cfg = CkptdConfig.from_env({}, runtime_dir=str(tmp_path))
+    two_nodes = dict(rank=0, local_rank=0, world_size=4, local_world_size=2, node=0, master_port=29500)
+    assert coordinator_bind_host("anything", 1) == "127.0.0.1"  # single node: loopback only
+    single = Endpoints.for_job(tmp_path, JobEnv(master_addr="10.1.2.3"), cfg)
+    assert single.coordinator_bind.startswith("tcp://127.0.0.1:")
+    loop = Endpoints.for_job(tmp_path, JobEnv(master_addr="127.0.0.1", **two_nodes), cfg)
+    assert loop.coordinator_bind == "tcp://127.0.0.1:29501"
+    local = _local_ipv4()
+    if local is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    ep = Endpoints.for_job(tmp_path, JobEnv(master_addr=local, **two_nodes), cfg)
+    assert (ep.coordinator_bind, ep.coordinator_connect) == (f"tcp://{local}:29501", f"tcp://{local}:29501")
+    # A MASTER_ADDR elsewhere (node 0 reaches it through its default route): that route's source.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.7", 9))
+        except OSError:
+            return  # no default route here
+        expected = probe.getsockname()[0]
+    assert coordinator_bind_host("203.0.113.7", 2) == expected != "0.0.0.0"
+    with pytest.raises(CkptdError, match="cannot resolve the coordinator host"):
+        coordinator_bind_host("no-such-host.invalid", 2)
