@@ -14,6 +14,7 @@ import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -27,10 +28,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, UnsafePickleError
 from .durable import Opener, atomic_write, default_opener
-from .layout import COMMON_PT, DCP_METADATA, METADATA_JSON
+from .layout import COMMON_PT, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
 from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
+from .safefs import Dir, entry_exists, entry_path, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -201,18 +203,19 @@ def _checksums(md: Metadata, where: Path | str) -> tuple[dict[tuple[str, tuple[i
     return items, files
 
 
-def write_metadata(directory: str | os.PathLike, metadata: Metadata,
+def write_metadata(directory: Dir | str | os.PathLike, metadata: Metadata,
                    opener: Opener = default_opener, fsync: bool = True) -> None:
-    atomic_write(Path(directory) / DCP_METADATA, lambda f: pickle.dump(metadata, f), opener, fsync)
+    atomic_write(entry_path(directory, DCP_METADATA), lambda f: pickle.dump(metadata, f), opener, fsync)
 
 
 def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) -> CheckpointIndex:
-    """Read ``.metadata`` and index its tensors and objects."""
+    """Read ``.metadata`` (a regular file inside ``directory``, see ckptd.format.safefs) and index
+    its tensors and objects; anything malformed is a CorruptCheckpointError naming the file."""
     path = Path(directory) / DCP_METADATA
     try:
-        raw_bytes = path.read_bytes()
+        raw_bytes = read_regular(directory, DCP_METADATA, "DCP metadata", DCP_METADATA_MAX_NBYTES)
     except FileNotFoundError:
-        if (Path(directory) / METADATA_JSON).is_file():
+        if entry_exists(directory, METADATA_JSON):
             # metadata.json is written after .metadata: the checkpoint was complete once.
             raise CorruptCheckpointError(
                 f"{path} is missing although {METADATA_JSON} marks {directory} as a complete "
@@ -234,42 +237,82 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
         raise CorruptCheckpointError(f"{path} cannot be decoded ({exc!r}); the file is damaged") from exc
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{path} does not hold a DCP Metadata object")
-    return index_metadata(md, path)
+    try:
+        return index_metadata(md, path)
+    except CkptdError:
+        raise
+    except Exception as exc:  # a well-formed pickle of ill-formed values (types, nesting)
+        raise CorruptCheckpointError(f"{path}: the chunk index is malformed ({exc!r}); the file "
+                                     "is damaged. Load an earlier checkpoint.") from exc
+
+
+def _ints(value: Any, where: Path | str, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of non-negative ints (offsets, sizes, shapes), else an error naming it."""
+    out = tuple(value) if isinstance(value, (tuple, list)) else None
+    if out is None or not all(type(v) is int and v >= 0 for v in out):
+        raise CorruptCheckpointError(f"{where}: {what} is {value!r:.200}, not a tuple of non-negative "
+                                     "integers; the file is damaged")
+    return out
+
+
+def _location(info: Any, where: Path | str, what: str) -> tuple[str, int, int]:
+    """``(relative_path, offset, length)`` of a storage entry, with their types checked."""
+    rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+    if not isinstance(rel, str) or type(offset) is not int or type(length) is not int:
+        raise CorruptCheckpointError(f"{where}: the storage entry of {what} is malformed ({info!r:.200}); "
+                                     "the file is damaged")
+    return rel, offset, length
 
 
 def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
     item_crcs, file_crcs = _checksums(md, where)
     storage = md.storage_data or {}
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a dict")
     by_fqn: dict[str, dict[tuple[int, ...] | None, _StorageInfo]] = defaultdict(dict)
     for idx, info in storage.items():
-        by_fqn[idx.fqn][tuple(idx.offset) if idx.offset is not None else None] = info
+        if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str):
+            raise CorruptCheckpointError(f"{where}: storage key {idx!r:.200} is not a MetadataIndex")
+        offset = None if idx.offset is None else _ints(idx.offset, where, f"the offset of '{idx.fqn}'")
+        by_fqn[idx.fqn][offset] = info
     tensors: dict[str, StoredTensor] = {}
     objects: dict[str, StoredObject] = {}
     for fqn, entry in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: key {fqn!r:.200} is not a string")
         infos = by_fqn.get(fqn, {})
         if isinstance(entry, TensorStorageMetadata):
-            st = StoredTensor(fqn, entry.properties.dtype, tuple(entry.size))
+            dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+            if not isinstance(dtype, torch.dtype) or not isinstance(entry.chunks, list):
+                raise CorruptCheckpointError(f"{where}: tensor '{fqn}' has a malformed dtype or chunk list")
+            shape = _ints(entry.size, where, f"the shape of tensor '{fqn}'")
+            st = StoredTensor(fqn, dtype, shape)
             for ch in entry.chunks:
-                info = infos.get(tuple(ch.offsets))
+                offsets = _ints(getattr(ch, "offsets", None), where, f"a chunk offset of tensor '{fqn}'")
+                sizes = _ints(getattr(ch, "sizes", None), where, f"a chunk size of tensor '{fqn}'")
+                if len(offsets) != len(shape) or len(sizes) != len(shape):
+                    raise CorruptCheckpointError(f"{where}: tensor '{fqn}' of shape {shape} has a chunk "
+                                                 f"at {offsets} of sizes {sizes}; the file is damaged")
+                info = infos.get(offsets)
                 if info is None:
                     raise CorruptCheckpointError(
-                        f"{where}: tensor '{fqn}' chunk at {tuple(ch.offsets)} has no storage entry"
+                        f"{where}: tensor '{fqn}' chunk at {offsets} has no storage entry"
                     )
                 if getattr(info, "transform_descriptors", None):
                     raise CorruptCheckpointError(
                         f"{where}: tensor '{fqn}' uses storage transforms "
                         f"{info.transform_descriptors}, which ckptd does not read"
                     )
-                st.chunks.append(StoredChunk(tuple(ch.offsets), tuple(ch.sizes),
-                                             info.relative_path, info.offset, info.length,
-                                             item_crcs.get((fqn, tuple(ch.offsets)))))
+                rel, offset, length = _location(info, where, f"tensor '{fqn}' chunk {offsets}")
+                st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length,
+                                             item_crcs.get((fqn, offsets))))
             tensors[fqn] = st
         elif isinstance(entry, BytesStorageMetadata):
             info = infos.get(None)
             if info is None:
                 raise CorruptCheckpointError(f"{where}: object '{fqn}' has no storage entry")
-            objects[fqn] = StoredObject(fqn, info.relative_path, info.offset, info.length,
-                                        item_crcs.get((fqn, ())))
+            rel, offset, length = _location(info, where, f"object '{fqn}'")
+            objects[fqn] = StoredObject(fqn, rel, offset, length, item_crcs.get((fqn, ())))
     return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT))
 
 
