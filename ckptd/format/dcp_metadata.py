@@ -14,7 +14,7 @@ import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -75,7 +75,24 @@ _ALLOWED_CLASSES = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Allow-listed globals only, and BUILD only on objects this unpickling created with NEWOBJ.
+
+    pickle's Python unpickler, not the C one, because BUILD must be checked: with the C one a
+    pickle could push an allow-listed class (or a shared enum member) and BUILD it, setting
+    attributes process-wide (``PurePosixPath.__truediv__ = ...``). Here such a BUILD is refused
+    with UnsafePickleError before anything is set. The price, measured on the 2-core CI machine:
+    2,000 chunks (0.4 MB) 0.24 s against 0.02 s with the C unpickler, 10,000 chunks (2 MB) 1.3 s
+    against 0.22 s; ``allow_unsafe_pickle`` uses the C unpickler.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__(file)
+        # Objects NEWOBJ created here, kept alive so that no other object can reuse their id.
+        self._fresh: dict[int, object] = {}
+
     def find_class(self, module: str, name: str) -> object:
         if (module, name) in _ALLOWED_CLASSES:
             return super().find_class(module, name)
@@ -88,6 +105,30 @@ class _MetadataUnpickler(pickle.Unpickler):
             "format; refusing to unpickle it. If you trust this checkpoint, pass "
             "allow_unsafe_pickle=True."
         )
+
+    def _load_newobj(self) -> None:
+        pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
+        self._fresh[id(self.stack[-1])] = self.stack[-1]
+
+    def _load_newobj_ex(self) -> None:
+        pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
+        self._fresh[id(self.stack[-1])] = self.stack[-1]
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None  # stack: ..., target, state
+        if target is not None and (id(target) not in self._fresh or isinstance(target, type)):
+            what = f"class {target.__module__}.{target.__qualname__}" if isinstance(target, type) \
+                else f"a {type(target).__name__} it did not create"
+            raise UnsafePickleError(
+                f"{DCP_METADATA} tries to set attributes of {what}; DCP metadata never does "
+                "this, and it would change that object for the whole process. Refusing to "
+                "unpickle it: the file is damaged or hostile."
+            )
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 @dataclass
