@@ -29,6 +29,7 @@ from typing import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, check_daemon_file, ensure_private_dir, load_token
+from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
 from .commit import finish_interrupted_commit, remove_all_tmp, tmp_steps
 
@@ -125,6 +126,11 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
 
         if config.daemon_nice > 0:
             os.nice(config.daemon_nice)
+        # Every file and directory this process creates in the root gets config.file_mode
+        # (directories: x wherever r is set), set once before any thread starts; the inherited
+        # umask still narrows it, so a checkpoint is never more open than both allow.
+        inherited = os.umask(0o077)
+        os.umask(inherited | (0o777 & ~dir_mode_for(config.file_mode)))
         token = load_token(ep, config)
         stale = remove_orphans(ep.shm_prefix)
         if stale:
