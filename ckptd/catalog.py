@@ -21,14 +21,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
+from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
 
 TRACKER_FILE = "latest"
 STEP_PREFIX = "iter_"
 TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
 PART_SUFFIX = ".part"  # a data file being written inside a *.tmp directory
+TRACKER_MAX_NBYTES = 4096  # a tracker holds one directory name
 # A partial save is named after its attempt (iter_0000200.<attempt>.tmp, ckptd.control.attempt);
 # older ckptd versions wrote iter_0000200.tmp.
 _STEP_DIR = re.compile(r"^iter_(\d+)(?:(?:\.[0-9a-f]{12}-[0-9]+)?(\.tmp|\.deleting))?$")
@@ -107,13 +109,15 @@ class RootCatalog:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """True when ``path`` has a checkpoint marker (``metadata.json`` or a DCP ``.metadata``)."""
-    return (path / METADATA_JSON).is_file() or (path / DCP_METADATA).is_file()
+    """True when ``path`` has a checkpoint marker (``metadata.json`` or a DCP ``.metadata``) that is
+    a regular file itself: a link is never followed out of a checkpoint (ckptd.format.safefs)."""
+    return is_regular_file(path / METADATA_JSON) or is_regular_file(path / DCP_METADATA)
 
 
 def looks_like_checkpoint_dir(path: Path) -> bool:
-    """A checkpoint, possibly damaged: a marker, ``common.pt`` or any data file."""
-    if is_checkpoint_dir(path) or (path / COMMON_PT).is_file():
+    """A checkpoint, possibly damaged: a marker, ``common.pt`` or any data file (of any kind: a
+    reader then names what is wrong with it)."""
+    if any(entry_exists(path, n) for n in (METADATA_JSON, DCP_METADATA, COMMON_PT)):
         return True
     try:
         return any(n.endswith(DATA_SUFFIX) for n in os.listdir(path))
@@ -125,10 +129,10 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     """``(exists, name, problem)`` of ``root/latest``; ``name`` is a single directory name."""
     path = root / TRACKER_FILE
     try:
-        raw = path.read_bytes()
+        raw = read_regular(root, TRACKER_FILE, "tracker", TRACKER_MAX_NBYTES)
     except FileNotFoundError:
         return False, None, None
-    except OSError as exc:
+    except (OSError, CorruptCheckpointError) as exc:
         return True, None, f"tracker {path} cannot be read ({exc})"
     try:
         name = raw.decode("utf-8").strip()
@@ -149,7 +153,9 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
     for name in sorted(os.listdir(root)):
         path = root / name
         m = _STEP_DIR.match(name)
-        if m is None or not path.is_dir():
+        # A link named like a step is not one: loading, resuming or collecting it would act on
+        # whatever it points to, outside the root.
+        if m is None or not is_real_dir(path):
             if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + "."):
                 cat.others.append(name)
             continue
@@ -164,7 +170,10 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
     cat.entries.sort(key=lambda e: (e.step, e.name))
     if cat.latest_name is not None and cat.tracker_problem is None:
         target = root / cat.latest_name
-        if not target.is_dir():
+        if os.path.islink(target):
+            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is a "
+                                   "symbolic link; ckptd never follows a link inside a checkpoint root")
+        elif not target.is_dir():
             cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which does "
                                    "not exist; restore it or rewrite the tracker")
         elif not is_checkpoint_dir(target):
@@ -202,7 +211,7 @@ def resolve_target(path: str | os.PathLike) -> Target:
         )
     if looks_like_checkpoint_dir(path):
         return Target(path, is_root=False)
-    if (path / TRACKER_FILE).exists() or any(_STEP_DIR.match(n) for n in os.listdir(path)):
+    if entry_exists(path, TRACKER_FILE) or any(_STEP_DIR.match(n) for n in os.listdir(path)):
         return Target(path, is_root=True)
     raise CheckpointNotFoundError(
         f"{path} is neither a checkpoint (no {METADATA_JSON}, {DCP_METADATA} or data files) nor a "

@@ -39,7 +39,10 @@ class CkptdConfig:
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
     deleted only after a newer one committed; ``megatron_tracker`` also writes Megatron-LM's
-    ``latest_checkpointed_iteration.txt`` next to ``latest``.
+    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o640:
+    owner read-write, group read, others nothing) is the mode of every file the daemon writes into
+    the root (data, metadata, trackers); step directories get it plus x wherever r is set (0o750).
+    The process umask may narrow it further.
     """
 
     # staging
@@ -54,6 +57,7 @@ class CkptdConfig:
     checksums: bool = True
     keep_last: int = 0
     megatron_tracker: bool = True
+    file_mode: int = dataclasses.field(default=0o640, metadata={"octal": True})
     daemon_nice: int = 0
     policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)
     mtbf_s: float = 0.0  # the job's mean time between failures, for policy="auto"
@@ -95,6 +99,11 @@ class CkptdConfig:
             raise CkptdError(f"config writer_threads={self.writer_threads}: need at least 1")
         if self.keep_last < 0:
             raise CkptdError(f"config keep_last={self.keep_last}: use 0 to keep all, or K >= 1")
+        if self.file_mode & ~0o666 or self.file_mode & 0o600 != 0o600:
+            raise CkptdError(
+                f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "
+                "sticky bits), including owner read-write (0o600), e.g. 0o640 or 0o600"
+            )
         if self.pool_headroom < 0:
             raise CkptdError(f"config pool_headroom={self.pool_headroom}: must be >= 0")
         for f in fields(self):
@@ -109,7 +118,7 @@ class CkptdConfig:
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
-                values[f.name] = _parse(f.name, f.type, raw)
+                values[f.name] = _parse(f.name, "octal" if f.metadata.get("octal") else f.type, raw)
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise CkptdError(f"unknown config fields {sorted(unknown)}")
@@ -124,7 +133,10 @@ class CkptdConfig:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[ENV_PREFIX + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+            if f.metadata.get("octal"):
+                out[ENV_PREFIX + f.name.upper()] = f"{v:#o}"
+            else:
+                out[ENV_PREFIX + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out
 
 
@@ -140,6 +152,8 @@ def _parse(name: str, type_name: Any, raw: str) -> Any:
             raise ValueError(raw)
         if t == "int":
             return int(raw)
+        if t == "octal":  # 640, 0640 and 0o640 all mean 0o640
+            return int(raw.strip(), 8)
         if t == "float":
             return float(raw)
         return raw

@@ -21,6 +21,7 @@ from .errors import CheckpointNotFoundError, UnsafePickleError
 from .format.dcp_metadata import read_index
 from .format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, read_backend_metadata
 from .format.reader import read_common
+from .format.safefs import entry_exists, is_entry_name, is_regular_file
 
 
 @dataclass
@@ -83,8 +84,8 @@ def _type_name(value: Any) -> str:
 def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> CheckpointSummary:
     """Summarize one checkpoint directory; raises a CkptdError when its index cannot be read."""
     root = Path(checkpoint_dir)
-    backend = read_backend_metadata(root) if (root / METADATA_JSON).is_file() else None
-    if backend is None and not (root / DCP_METADATA).is_file():
+    backend = read_backend_metadata(root) if entry_exists(root, METADATA_JSON) else None
+    if backend is None and not entry_exists(root, DCP_METADATA):
         raise CheckpointNotFoundError(f"{root} is not a checkpoint: neither {METADATA_JSON} nor "
                                       f"{DCP_METADATA} exists")
     index = read_index(root, allow_unsafe_pickle)
@@ -107,11 +108,10 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickl
         out.items += 1
         out.checksummed_items += o.crc32 is not None
     for name in sorted(files):
-        try:
-            out.data_files[name] = (root / name).stat().st_size
-        except OSError:
-            out.data_files[name] = -1
-    if not (root / COMMON_PT).is_file():
+        path = root / name
+        # Sizes of regular files inside the checkpoint only: a link is not followed (-1, as missing).
+        out.data_files[name] = path.lstat().st_size if is_entry_name(name) and is_regular_file(path) else -1
+    if not entry_exists(root, COMMON_PT):
         out.common_note = f"no {COMMON_PT}"
         return out
     try:

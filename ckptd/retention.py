@@ -18,15 +18,13 @@ incomplete checkpoint) nothing committed is removed: what a restart would load i
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .catalog import DELETING_SUFFIX, TMP_SUFFIX, CheckpointEntry, EntryState, RootCatalog
 from .errors import CkptdError
-from .format.durable import fsync_dir
+from .format.safefs import Dir
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +89,21 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S,
 
 
 def remove_entry(entry: CheckpointEntry) -> None:
-    """Rename ``entry`` to ``*.deleting`` (made durable), then delete it."""
-    path = entry.path
-    if entry.state is not EntryState.DELETING:
-        doomed = path.with_name(path.name.removesuffix(TMP_SUFFIX) + DELETING_SUFFIX)
-        if doomed.exists():
-            shutil.rmtree(doomed)  # an earlier interrupted removal of the same step
-        os.rename(path, doomed)
-        fsync_dir(path.parent)
-        path = doomed
-    shutil.rmtree(path)
+    """Rename ``entry`` to ``*.deleting`` (made durable), then delete it.
+
+    Both act on entries of the root's open directory: a link (at either name, or anywhere inside)
+    is removed itself, never followed, so a collection never deletes anything outside the root.
+    """
+    name = entry.path.name
+    with Dir.open(entry.path.parent) as rootd:
+        if entry.state is not EntryState.DELETING:
+            doomed = name.removesuffix(TMP_SUFFIX) + DELETING_SUFFIX
+            if rootd.lstat(doomed) is not None:
+                rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
+            rootd.rename(name, doomed)
+            rootd.fsync()
+            name = doomed
+        rootd.remove_tree(name)
 
 
 def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:

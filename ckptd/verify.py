@@ -38,9 +38,17 @@ from .catalog import RootCatalog
 from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError, UnsupportedFormatError
 from .format.archive import is_zip_stream, torch_save_problem
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
-from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, read_backend_metadata
+from .format.layout import (
+    COMMON_PT,
+    COMMON_PT_MAX_NBYTES,
+    DATA_SUFFIX,
+    DCP_METADATA,
+    METADATA_JSON,
+    read_backend_metadata,
+)
 from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
 from .format.records import TENSOR, ItemRecord, dtype_from_name
+from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
 
 ERROR = "error"
@@ -137,8 +145,8 @@ def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
 
 
 def _check_backend(directory: Path, report: VerifyReport) -> bool:
-    """Step 1; returns whether ``metadata.json`` exists."""
-    if not (directory / METADATA_JSON).is_file():
+    """Step 1; returns whether ``metadata.json`` exists (as anything: a link or a FIFO is reported)."""
+    if not entry_exists(directory, METADATA_JSON):
         return False
     try:
         read_backend_metadata(directory)
@@ -151,7 +159,7 @@ def _check_marker_absence(directory: Path, index: CheckpointIndex | None, report
     if index is not None and index.has_checksums:
         report.add(ERROR, "backend", f"{METADATA_JSON} is missing but .metadata holds ckptd checksums: "
                    "the checkpoint was written by ckptd and its commit marker is gone", file=METADATA_JSON)
-    elif (directory / COMMON_PT).is_file():
+    elif entry_exists(directory, COMMON_PT):
         report.add(ERROR, "backend", f"{METADATA_JSON} is missing but {COMMON_PT} exists: a "
                    "ckptd/Megatron-Core checkpoint without its commit marker (interrupted save?)",
                    file=METADATA_JSON)
@@ -171,7 +179,8 @@ def _check_coverage(records: list[ItemRecord], report: VerifyReport) -> None:
 
 
 def _check_files(directory: Path, records: list[ItemRecord], report: VerifyReport) -> dict[str, int]:
-    """Step 4; returns the size of every data file that exists and is safe to open."""
+    """Step 4; returns the size of every data file that exists and is safe to open: a regular file
+    inside the checkpoint (a link, FIFO or device is reported, never followed or read)."""
     sizes: dict[str, int] = {}
     by_file: dict[str, list[ItemRecord]] = defaultdict(list)
     for r in records:
@@ -183,11 +192,15 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
                        f"directory (for {len(items)} items)", file=rel)
             continue
         try:
-            sizes[rel] = (directory / rel).stat().st_size
+            fd, sizes[rel] = open_regular(directory, rel, "data file")
+            os.close(fd)
         except FileNotFoundError:
             first = min(items, key=lambda r: r.file_offset)
             report.add(ERROR, "file", f"data file {rel} is missing; {len(items)} items are stored in "
                        f"it (first: {_item_name(first)})", file=rel)
+            continue
+        except (CkptdError, OSError) as exc:
+            report.add(ERROR, "file", f"{exc} ({len(items)} items are stored in it)", file=rel)
             continue
         size = sizes[rel]
         prev: ItemRecord | None = None
@@ -287,12 +300,12 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-verify-read")
     try:
         for r in readable:
-            if r.relative_path not in fds:
-                fds[r.relative_path] = os.open(directory / r.relative_path, os.O_RDONLY)
             where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
             try:
+                if r.relative_path not in fds:
+                    fds[r.relative_path] = open_regular(directory, r.relative_path, "data file")[0]
                 crc, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch)
-            except OSError as exc:
+            except (CkptdError, OSError) as exc:
                 report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
                 continue
             report.bytes_read += r.length
@@ -317,12 +330,16 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
 def _check_common(directory: Path, index: CheckpointIndex | None, has_marker: bool,
                   allow_unsafe_pickle: bool, report: VerifyReport) -> None:
     path = directory / COMMON_PT
-    if not path.is_file():
+    try:
+        data = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+    except FileNotFoundError:
         if has_marker:
             report.add(ERROR, "common", f"{COMMON_PT} is missing; every ckptd/Megatron-Core checkpoint "
                        "has one", file=COMMON_PT)
         return
-    data = path.read_bytes()
+    except (CkptdError, OSError) as exc:  # a link, a FIFO, oversized: reported, never followed
+        report.add(ERROR, "common", str(exc), file=COMMON_PT)
+        return
     report.bytes_read += len(data)
     recorded = index.common_crc32 if index is not None else None
     if recorded is not None:

@@ -11,11 +11,14 @@ trainer finds the daemon that still persists its last saves). Per job and node:
   nodes of a multi-machine job must share it through ``CKPTD_JOB_TOKEN``;
 - ``/dev/shm/ckptd-<job>-n<node>-*``: the staging segments of the node's ranks.
 
-``runtime_dir`` is created with mode 0700 and must be owned by the current user.
+``runtime_dir`` is created with mode 0700 and must be a directory (not a link) owned by the
+current user; the token file must be a private regular file of this user, and a client refuses a
+daemon whose pid file or socket another user owns (:func:`check_daemon_file`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -98,16 +101,58 @@ def default_runtime_dir() -> Path:
     return Path(f"/tmp/ckptd-{os.getuid()}")
 
 
+def open_private_dir(path: Path) -> int:
+    """Create ``path`` (mode 0700) if needed and open it without following a link; the caller
+    closes the fd. Refused with DaemonError: a link (an attacker's ``/tmp/ckptd-<uid>`` pointing
+    elsewhere), something else than a directory, or a directory owned by another user. A
+    directory of this user that is group- or world-accessible is made 0700 (through the fd: the
+    verified directory, never a link's target)."""
+    hint = "set CKPTD_RUNTIME_DIR to a directory of your own (created with mode 0700)"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise DaemonError(f"runtime directory {path} is a symbolic link (to {os.readlink(path)!r}), "
+                              f"which someone else may have planted to receive the job's sockets and "
+                              f"token; ckptd never follows it: remove it, or {hint}") from None
+        raise DaemonError(f"runtime directory {path} cannot be opened as a directory ({exc.strerror}); "
+                          f"{hint}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise DaemonError(f"runtime directory {path} is owned by uid {st.st_uid}, not by you (uid "
+                              f"{os.getuid()}); its sockets and token could be anyone's: {hint}")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700 if needed; refuse one owned by someone else or group/world-accessible."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise DaemonError(f"runtime directory {path} is owned by uid {st.st_uid}, not by you; "
-                          "set CKPTD_RUNTIME_DIR to a directory of your own")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+    """Create ``path`` if needed and check it (see :func:`open_private_dir`); returns ``path``."""
+    os.close(open_private_dir(path))
     return path
+
+
+def check_daemon_file(path: Path) -> None:
+    """Refuse (DaemonError) a daemon's pid file or socket that this user does not own, or that is
+    a link: with a shared runtime directory it could be another user's fake daemon. Absent: fine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise DaemonError(f"{path} is {what}, not a file of yours (uid {os.getuid()}); refusing to talk "
+                          "to whatever daemon it belongs to. Remove it, or set CKPTD_RUNTIME_DIR to a "
+                          "directory of your own (mode 0700)")
 
 
 @dataclass(frozen=True)
@@ -172,29 +217,98 @@ class Endpoints:
         return f"ckptd-{self.stem}-"
 
 
-def load_token(ep: Endpoints, config: CkptdConfig) -> bytes:
-    """The job token: ``config.job_token``, else the shared token file (created once, 0600)."""
-    if config.job_token:
-        return config.job_token.encode()
-    ensure_private_dir(ep.runtime_dir)
-    path = ep.token_path
-    if not path.exists():
-        # Written completely under a private name, then linked: readers never see a partial token,
-        # and of several racing creators exactly one link succeeds.
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_hex(32).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    token = path.read_bytes().strip()
-    if len(token) < 32:
-        raise DaemonError(f"job token file {path} is damaged ({len(token)} bytes); delete it and "
-                          "restart the job")
+# A token carries at least 16 random bytes: 32 hex digits. Fewer than this many distinct
+# characters in a token of that length is a pattern, not randomness (32 random hex digits have
+# fewer with probability 4e-8).
+TOKEN_MIN_CHARS = 32
+_TOKEN_MIN_DISTINCT = 8
+_TOKEN_MAX_NBYTES = 4096
+_MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
+def check_token(token: bytes, source: str) -> bytes:
+    """``token`` if it is long and varied enough to carry >= 16 random bytes, else DaemonError."""
+    if len(token) < TOKEN_MIN_CHARS or len(set(token)) < _TOKEN_MIN_DISTINCT:
+        raise DaemonError(
+            f"the job token from {source} is too weak ({len(token)} characters, {len(set(token))} "
+            f"distinct): it must carry at least 16 random bytes, i.e. at least {TOKEN_MIN_CHARS} "
+            f"characters such as hex digits. Make one with {_MAKE_TOKEN}"
+        )
     return token
+
+
+def _read_token_file(dir_fd: int, path: Path) -> bytes:
+    """The token in ``path``: a regular file (not a link, not a FIFO) of this user, mode 0600 or
+    stricter, read through the one fd whose status was checked."""
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DaemonError(f"job token file {path} is a symbolic link; ckptd reads only a private "
+                              "regular file of yours: delete it and restart the job") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid != os.getuid():
+            problem = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+        elif stat.S_IMODE(st.st_mode) & 0o077:
+            problem = f"has mode {stat.S_IMODE(st.st_mode):#o}: others may know the token"
+        elif st.st_size > _TOKEN_MAX_NBYTES:
+            problem = f"has {st.st_size} bytes, far more than a token"
+        if problem is not None:
+            raise DaemonError(f"job token file {path} {problem}; ckptd uses only a private (0600) "
+                              "regular file of yours: delete it and restart the job")
+        token = os.pread(fd, _TOKEN_MAX_NBYTES, 0).strip()
+    finally:
+        os.close(fd)
+    if len(token) < TOKEN_MIN_CHARS:
+        raise DaemonError(f"job token file {path} is damaged ({len(token)} bytes); delete it and "
+                          "restart the job (a new one is created)")
+    return check_token(token, f"file {path}")
+
+
+def _create_token_file(dir_fd: int, path: Path) -> bytes | None:
+    """Create ``path`` with a new random token; None if another process created it first.
+
+    Written completely under a private name (``O_EXCL | O_NOFOLLOW``, 0600), then linked: readers
+    never see a partial token, and of several racing creators exactly one link succeeds. The
+    token returned is read back through the fd it was written with.
+    """
+    tmp = f"{path.name}.{os.getpid()}.{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+        os.fsync(fd)
+        try:
+            os.link(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            return None
+        return os.pread(fd, _TOKEN_MAX_NBYTES, 0).strip()
+    finally:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+
+
+def load_token(ep: Endpoints, config: CkptdConfig) -> bytes:
+    """The job token: ``config.job_token``, else the shared token file (created once, 0600).
+
+    The runtime directory is checked either way (see :func:`open_private_dir`): the daemon's
+    socket and pid file live there, so a client must not trust one in someone else's directory.
+    A token must carry at least 16 random bytes (:func:`check_token`); a token file is adopted
+    only if it is a private regular file of this user.
+    """
+    dir_fd = open_private_dir(ep.runtime_dir)
+    try:
+        if config.job_token:
+            return check_token(config.job_token.encode(), "CKPTD_JOB_TOKEN")
+        try:
+            return _read_token_file(dir_fd, ep.token_path)
+        except FileNotFoundError:
+            pass
+        created = _create_token_file(dir_fd, ep.token_path)
+        return created if created is not None else _read_token_file(dir_fd, ep.token_path)
+    finally:
+        os.close(dir_fd)

@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import Mapping
@@ -50,8 +49,9 @@ from ..catalog import (
     step_dir_name,
 )
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
-from ..format.durable import atomic_write_bytes, default_opener, fsync_dir, Opener
+from ..format.durable import atomic_write_bytes, default_opener, Opener
 from ..format.finalize import finalize
+from ..format.safefs import Dir, is_real_dir
 from ..format.records import ItemRecord
 from ..recovery import structural_problem
 from ..retention import apply_gc, plan_gc
@@ -63,9 +63,14 @@ _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 _ATTEMPT_TMP = re.compile(rf"^{STEP_PREFIX}(\d+)\.([0-9a-f]{{12}}-[0-9]+){re.escape(TMP_SUFFIX)}$")
 
 
+def tmp_name(step: int, attempt: str) -> str:
+    """The directory attempt ``attempt`` (a checked attempt id) of ``step`` is written into."""
+    return f"{step_dir_name(step)}.{attempt}{TMP_SUFFIX}"
+
+
 def tmp_dir(root: Path, step: int, attempt: str) -> Path:
-    """Where attempt ``attempt`` (a checked attempt id) of ``step`` is written until its commit."""
-    return root / f"{step_dir_name(step)}.{attempt}{TMP_SUFFIX}"
+    """Where attempt ``attempt`` of ``step`` is written until its commit."""
+    return root / tmp_name(step, attempt)
 
 
 def tracker_step(root: Path) -> int | None:
@@ -80,49 +85,55 @@ def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], 
                 megatron_tracker: bool, opener: Opener = default_opener) -> str:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring); returns the committed name.
 
-    ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``.
+    ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``. Every
+    file is written relative to the root's and the step directory's fds, the step directory is
+    opened without following a link (a planted link fails the commit with StorageError naming
+    it), and trackers replace their entry, never write through a link.
     """
     name = step_dir_name(step)
-    tmp, final = tmp_dir(root, step, attempt), root / name
-    if final.exists():
-        raise CheckpointExistsError(f"{final} already exists; a step is committed once. Save under a "
-                                    "new step, or delete the old checkpoint first.")
-    if not tmp.is_dir():
-        raise CkptdError(f"{tmp} vanished before the commit (removed by gc or by hand?)")
-    _remove_partial_files(tmp)
-    finalize(tmp, records, common, opener, fsync, checkpoint_id=str(final))
-    check_data_files(tmp, data_files)
-    os.rename(tmp, final)
-    try:
-        if fsync:
-            fsync_dir(root)
-        current = tracker_step(root)
-        if current is not None and not is_checkpoint_dir(root / step_dir_name(current)):
-            # A tracker naming a missing or incomplete checkpoint must not pin `latest` forever.
-            log.warning("the tracker of %s names step %d, which is not a committed checkpoint; "
-                        "replacing it", root, current)
-            current = None
-        if current is None or step >= current:
-            atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), opener, fsync)
-    except BaseException:
-        if tracker_step(root) != step:
-            _undo_rename(final, tmp, fsync)
-            raise
-        log.exception("committed %s, but making the tracker durable failed", name)
-        current = None
-    if current is not None and step < current:
-        log.info("committed %s; the tracker stays at the newer step %d", name, current)
-    elif megatron_tracker:
+    tmp = tmp_name(step, attempt)
+    final = root / name
+    with Dir.open(root) as rootd:
+        if rootd.lstat(name) is not None:
+            raise CheckpointExistsError(f"{final} already exists; a step is committed once. Save under a "
+                                        "new step, or delete the old checkpoint first.")
+        if rootd.lstat(tmp) is None:
+            raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
+        with rootd.subdir(tmp) as tmpd:
+            _remove_partial_files(tmpd)
+            finalize(tmpd, records, common, opener, fsync, checkpoint_id=str(final))
+            check_data_files(tmpd, data_files)
+        rootd.rename(tmp, name)
         try:
-            write_megatron_tracker(root, step, opener, fsync)
-        except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
-            log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
+            if fsync:
+                rootd.fsync()
+            current = tracker_step(root)
+            if current is not None and not _is_step_checkpoint(root, current):
+                # A tracker naming a missing or incomplete checkpoint must not pin `latest` forever.
+                log.warning("the tracker of %s names step %d, which is not a committed checkpoint; "
+                            "replacing it", root, current)
+                current = None
+            if current is None or step >= current:
+                atomic_write_bytes(rootd.entry(TRACKER_FILE), (name + "\n").encode(), opener, fsync)
+        except BaseException:
+            if tracker_step(root) != step:
+                _undo_rename(rootd, name, tmp, fsync)
+                raise
+            log.exception("committed %s, but making the tracker durable failed", name)
+            current = None
+        if current is not None and step < current:
+            log.info("committed %s; the tracker stays at the newer step %d", name, current)
+        elif megatron_tracker:
+            try:
+                write_megatron_tracker(rootd, step, opener, fsync)
+            except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
+                log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
     if keep_last > 0:
         _apply_retention(root, keep_last)
     return name
 
 
-def write_megatron_tracker(root: Path, step: int, opener: Opener, fsync: bool) -> bool:
+def write_megatron_tracker(rootd: Dir, step: int, opener: Opener, fsync: bool) -> bool:
     """Point Megatron-LM's ``latest_checkpointed_iteration.txt`` at ``step``; returns whether it did.
 
     Never for step 0: Megatron-LM's ``read_metadata`` (megatron/training/checkpointing.py)
@@ -134,8 +145,31 @@ def write_megatron_tracker(root: Path, step: int, opener: Opener, fsync: bool) -
         log.info("committed step %d; %s left as it was: Megatron-LM refuses iteration %d",
                  step, MEGATRON_TRACKER, step)
         return False
-    atomic_write_bytes(root / MEGATRON_TRACKER, f"{step}\n".encode(), opener, fsync)
+    atomic_write_bytes(rootd.entry(MEGATRON_TRACKER), f"{step}\n".encode(), opener, fsync)
     return True
+
+
+def check_data_files(tmpd: Dir, data_files: Mapping[str, tuple[int, int]]) -> None:
+    """Raise CorruptCheckpointError unless each data file in ``tmpd`` is a regular file (not a
+    link) of exactly the size its writer reported: the last check before a commit's rename."""
+    for name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
+        path = tmpd.path / name
+        st = tmpd.lstat(name)
+        if st is None:
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is missing, though its node "
+                                         "reported it written; the step is not committed")
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is not a regular file; the "
+                                         "step is not committed")
+        if st.st_size != nbytes:
+            raise CorruptCheckpointError(f"rank {rank}'s data file {path} has {st.st_size} bytes, its "
+                                         f"writer reported {nbytes}; the step is not committed")
+
+
+def _is_step_checkpoint(root: Path, step: int) -> bool:
+    """``iter_<step>`` is a committed checkpoint directory itself (not a link to one)."""
+    path = root / step_dir_name(step)
+    return is_real_dir(path) and is_checkpoint_dir(path)
 
 
 def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool) -> str | None:
@@ -145,66 +179,46 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     :func:`commit_step` leaves a complete, durable checkpoint newer than the tracker. Its successor
     finishes that commit (the rename is the point of no return), so the job resumes from it and its
     step number is not left blocked. Only when the tracker is absent or names an older, sound
-    checkpoint; the candidate must pass the structural check. Returns the name now tracked.
+    checkpoint; the candidate must be a real directory (not a link) and pass the structural check.
+    Returns the name now tracked.
     """
     current = tracker_step(root)
-    if current is None and (root / TRACKER_FILE).exists():
+    if current is None and os.path.lexists(root / TRACKER_FILE):
         return None  # an unreadable tracker: resolve_latest falls back, the next commit replaces it
-    if current is not None and not is_checkpoint_dir(root / step_dir_name(current)):
+    if current is not None and not _is_step_checkpoint(root, current):
         return None
     newer = sorted((int(m.group(1)) for n in os.listdir(root) if (m := _STEP_NAME.match(n))
                     and (current is None or int(m.group(1)) > current)), reverse=True)
     for step in newer:
         name = step_dir_name(step)
-        if not is_checkpoint_dir(root / name) or structural_problem(root / name) is not None:
+        if not _is_step_checkpoint(root, step) or structural_problem(root / name) is not None:
             continue
-        atomic_write_bytes(root / TRACKER_FILE, (name + "\n").encode(), default_opener, fsync)
-        if megatron_tracker:
-            write_megatron_tracker(root, step, default_opener, fsync)
+        with Dir.open(root) as rootd:
+            atomic_write_bytes(rootd.entry(TRACKER_FILE), (name + "\n").encode(), default_opener, fsync)
+            if megatron_tracker:
+                write_megatron_tracker(rootd, step, default_opener, fsync)
         return name
     return None
 
 
-def check_data_files(tmp: Path, data_files: Mapping[str, tuple[int, int]]) -> None:
-    """Raise CorruptCheckpointError unless each data file in ``tmp`` is a regular file (not a
-    link) of exactly the size its writer reported: the last check before a commit's rename."""
-    for name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
-        path = tmp / name
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is missing, though its node "
-                                         "reported it written; the step is not committed") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is not a regular file; the "
-                                         "step is not committed")
-        if st.st_size != nbytes:
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} has {st.st_size} bytes, its "
-                                         f"writer reported {nbytes}; the step is not committed")
-
-
-def _undo_rename(final: Path, tmp: Path, fsync: bool) -> None:
+def _undo_rename(rootd: Dir, name: str, tmp_name: str, fsync: bool) -> None:
     """Take a checkpoint whose tracker update failed back to its tmp name: it is not committed
     until ``latest`` can name it, and its ranks are told it aborted (the caller re-raises)."""
     try:
-        os.rename(final, tmp)
+        rootd.rename(name, tmp_name)
         if fsync:
-            fsync_dir(final.parent)
+            rootd.fsync()
     except OSError as exc:
         log.error("the tracker update of %s failed and %s could not be renamed back (%s); it is "
-                  "complete but not named by the tracker", final, final, exc)
+                  "complete but not named by the tracker", rootd.path / name, rootd.path / name, exc)
 
 
-def _remove_partial_files(tmp: Path) -> None:
-    """Drop ``*.part`` files of writers killed mid-write: every data file this commit needs is
-    complete under its final name, and the rest is junk."""
-    for name in os.listdir(tmp):
-        if name.endswith(PART_SUFFIX):
-            try:
-                os.unlink(tmp / name)
-            except FileNotFoundError:
-                pass
-            log.info("removed %s, left by an interrupted write", tmp / name)
+def _remove_partial_files(tmpd: Dir) -> None:
+    """Drop ``*.part`` files of writers killed mid-write (by an earlier attempt of this step): every
+    data file this commit needs is complete under its final name, and the rest is junk."""
+    for name in tmpd.listdir():
+        if name.endswith(PART_SUFFIX) and tmpd.unlink(name):
+            log.info("removed %s, left by an interrupted write", tmpd.path / name)
 
 
 def _apply_retention(root: Path, keep_last: int) -> None:
@@ -222,39 +236,47 @@ def _apply_retention(root: Path, keep_last: int) -> None:
 
 
 def remove_tmp(root: Path, step: int, attempt: str) -> None:
-    """Remove an aborted attempt's tmp dir (retried: a late writer may still be adding a file)."""
-    path = tmp_dir(root, step, attempt)
+    """Remove an aborted attempt's tmp dir (retried: a late writer may still be adding a file). A
+    link in its place is removed itself, never followed."""
+    name = tmp_name(step, attempt)
     for _ in range(3):
         try:
-            shutil.rmtree(path)
+            with Dir.open(root) as rootd:
+                rootd.remove_tree(name)
         except FileNotFoundError:
             return
         except OSError as exc:
-            log.debug("removing %s: %s (retrying)", path, exc)
+            log.debug("removing %s: %s (retrying)", root / name, exc)
             continue
         return
-    log.warning("could not remove the aborted save %s; `ckptd gc` removes it later", path)
+    log.warning("could not remove the aborted save %s; `ckptd gc` removes it later", root / name)
 
 
 def remove_all_tmp(root: Path) -> list[str]:
-    """Remove every ``iter_*.tmp`` of ``root`` (coordinator start: nothing can be in flight)."""
+    """Remove every ``iter_*.tmp`` directory of ``root`` (coordinator start: nothing can be in
+    flight); links with such names are left alone (and never followed)."""
     removed = []
     try:
-        names = os.listdir(root)
+        rootd = Dir.open(root)
     except FileNotFoundError:
         return removed
-    for n in names:
-        if n.startswith(STEP_PREFIX) and n.endswith(TMP_SUFFIX) and (root / n).is_dir():
-            shutil.rmtree(root / n, ignore_errors=True)
-            removed.append(n)
+    with rootd:
+        for n in rootd.listdir():
+            if n.startswith(STEP_PREFIX) and n.endswith(TMP_SUFFIX) and rootd.is_real_dir(n):
+                try:
+                    rootd.remove_tree(n)
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", root / n, exc)
+                    continue
+                removed.append(n)
     return removed
 
 
 def tmp_attempts(root: Path) -> list[tuple[int, str]]:
-    """``(step, attempt)`` of every ``iter_<step>.<attempt>.tmp`` directory in ``root``."""
+    """``(step, attempt)`` of every ``iter_<step>.<attempt>.tmp`` directory (not a link) in ``root``."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
     return sorted((int(m.group(1)), m.group(2)) for n in names
-                  if (m := _ATTEMPT_TMP.match(n)) and (root / n).is_dir())
+                  if (m := _ATTEMPT_TMP.match(n)) and is_real_dir(root / n))

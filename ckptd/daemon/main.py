@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import CkptdConfig
-from ..control.endpoints import Endpoints, ensure_private_dir, load_token
+from ..control.endpoints import Endpoints, check_daemon_file, ensure_private_dir, load_token
 from ..control.keys import derive_keys
-from ..staging.segment import unlink_segments
+from ..format.safefs import dir_mode_for
+from ..staging.segment import remove_orphans
 from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class PidLock:
         self.fd: int | None = None
 
     def acquire(self, retry_s: float = 1.0) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         deadline = time.monotonic() + retry_s
         while True:
             try:
@@ -77,9 +78,16 @@ class PidLock:
 
 
 def daemon_alive(pid_path: Path) -> bool:
-    """True while a daemon holds the pid-file lock (a precise test: no stale pids)."""
+    """True while a daemon holds the pid-file lock (a precise test: no stale pids).
+
+    Raises DaemonError when the pid file, or the daemon's socket next to it (``<stem>.sock``), is
+    a link or another user's (:func:`~ckptd.control.endpoints.check_daemon_file`): clients ask
+    this before they talk to a daemon, and must never talk to someone else's.
+    """
+    check_daemon_file(pid_path)
+    check_daemon_file(pid_path.with_suffix(".sock"))
     try:
-        fd = os.open(pid_path, os.O_RDONLY)
+        fd = os.open(pid_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
@@ -93,9 +101,15 @@ def daemon_alive(pid_path: Path) -> bool:
 
 def daemon_pid(pid_path: Path) -> int | None:
     try:
-        return int(pid_path.read_text().strip() or "0") or None
-    except (FileNotFoundError, ValueError):
+        fd = os.open(pid_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # missing, or a link (never followed)
         return None
+    try:
+        return int(os.read(fd, 64).decode(errors="replace").strip() or "0") or None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
@@ -113,8 +127,13 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
 
         if config.daemon_nice > 0:
             os.nice(config.daemon_nice)
+        # Every file and directory this process creates in the root gets config.file_mode
+        # (directories: x wherever r is set), set once before any thread starts; the inherited
+        # umask still narrows it, so a checkpoint is never more open than both allow.
+        inherited = os.umask(0o077)
+        os.umask(inherited | (0o777 & ~dir_mode_for(config.file_mode)))
         keys = derive_keys(load_token(ep, config))
-        stale = unlink_segments(ep.shm_prefix)
+        stale = remove_orphans(ep.shm_prefix)
         if stale:
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
         adopt: list[tuple[int, str]] = []
@@ -154,7 +173,7 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
     finally:
         if daemon is not None:
             daemon.close()
-        unlink_segments(ep.shm_prefix)
+        remove_orphans(ep.shm_prefix)
         lock.release()
         log.info("daemon exited")
 

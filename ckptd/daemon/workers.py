@@ -8,10 +8,12 @@ and the loop handles it. Worker threads never touch sockets or daemon state.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
 import secrets
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from ..format.durable import Opener
 from ..format.items import PlannedItem, write_data_file
 from ..format.layout import data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_from_name
+from ..format.safefs import Dir
 from ..staging.pool import Placement, slot_view
 from ..staging.segment import ShmSegment
 from .snapshot import SnapshotWait
@@ -128,18 +131,27 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
     written once the child has copied it, and the file is published only after the child sealed
     the slot; a child that died early fails the write.
 
-    The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*.
-    A write that outlives its attempt therefore never rewrites a file of a committed checkpoint:
-    once its attempt's directory was renamed, the final rename fails instead. The directory is created here, on the writer thread, so that a directory the
-    daemon may not write (permissions, read-only or full filesystem) fails this save on its handle.
+    The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*
+    (relative to the root's fd). A write that outlives its attempt therefore never rewrites a file
+    of a committed checkpoint: once its attempt's directory was renamed, the final rename fails
+    instead. The directory is created here, on the writer thread, so that a directory the daemon
+    may not write (permissions, read-only or full filesystem) fails this save on its handle; a link
+    in its place fails it with StorageError naming the link, and the ``.part`` file is created
+    relative to the directory's fd, so nothing is written through a link planted in the root (see
+    ckptd.format.safefs).
     """
     name = data_file_name(req.rank)
-    part = f"{name}.{secrets.token_hex(4)}{PART_SUFFIX}"
+    part = f"{name}.{secrets.token_hex(8)}{PART_SUFFIX}"
+    step_name = directory.name
     t0 = time.perf_counter()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # Held so that the .part file can be removed wherever the directory was renamed to meanwhile.
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        rootd = Dir.open(directory.parent, create=True)
+        try:
+            # Held so that the .part file can be removed wherever the directory was renamed to meanwhile.
+            stepd = rootd.subdir(step_name, create=True)
+        except BaseException:
+            rootd.close()
+            raise
     except OSError as exc:
         raise StorageError.from_oserror(exc, directory) from exc
     items = planned_items(seg, req)
@@ -150,24 +162,23 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
         def ready(i: int) -> None:
             snapshot.wait_for(seg, ends[i], snapshot_timeout_s)
     try:
-        stored = write_data_file(directory, part, items, opener, fsync, checksums, ready)
+        stored = write_data_file(stepd, part, items, opener, fsync, checksums, ready)
         if snapshot is not None:
             snapshot.wait(seg, snapshot_timeout_s)  # sealed: every byte written was final
-        os.rename(directory / part, directory / name)
-        file_nbytes = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+        _publish(rootd, stepd, step_name, part, name)
+        st = stepd.lstat(name)
+        file_nbytes = st.st_size if st is not None else -1
         if fsync:
-            os.fsync(dir_fd)  # the new name is durable before WRITTEN goes out
+            stepd.fsync()  # the new name is durable before WRITTEN goes out
     except BaseException as exc:
-        try:
-            os.unlink(part, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
+        stepd.unlink(part)
         if isinstance(exc, OSError):
             raise StorageError.from_oserror(exc, directory / part) from exc
         raise
     finally:
         del items
-        os.close(dir_fd)
+        stepd.close()
+        rootd.close()
         if snapshot is not None:
             snapshot.close()
     stored = [dataclasses.replace(r, relative_path=name) for r in stored]
@@ -176,6 +187,16 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
     log.info("step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)", req.step, req.rank, nbytes, dt,
              nbytes / max(dt, 1e-9) / 1e9)
     return stored, file_nbytes
+
+
+def _publish(rootd: Dir, stepd: Dir, step_name: str, part: str, name: str) -> None:
+    """Rename ``part`` to ``name`` in ``<root>/<step_name>``, by path, and only while that name
+    still is the directory written into (not renamed by a commit, not replaced by a link)."""
+    st = rootd.lstat(step_name)
+    if st is None or not stat.S_ISDIR(st.st_mode) or not os.path.samestat(st, os.fstat(stepd.fd)):
+        raise OSError(errno.ENOENT, f"{os.strerror(errno.ENOENT)} (renamed or replaced meanwhile)",
+                      str(rootd.path / step_name))
+    os.rename(f"{step_name}/{part}", f"{step_name}/{name}", src_dir_fd=rootd.fd, dst_dir_fd=rootd.fd)
 
 
 class WorkerPools:

@@ -27,6 +27,8 @@ import errno
 import os
 from typing import Any
 
+from .safefs import AtPath, create_fd, same_file
+
 # Alignment of address, offset and length for the O_DIRECT path: a multiple of every common
 # logical block size (512 and 4096).
 DIRECT_ALIGN = 4096
@@ -75,12 +77,22 @@ class DirectFile:
 
     def __init__(self, path: str, mode: int = 0o666) -> None:
         self.name = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        # Created never through a link (an AtPath: exclusively, relative to its directory's fd).
+        self._fd = create_fd(path, mode)
         self._dfd = -1
         try:
-            self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            flags = os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC
+            if isinstance(path, AtPath):
+                dfd = os.open(path.entry, flags, dir_fd=path.dir_fd)
+            else:
+                dfd = os.open(path, flags)
         except (OSError, AttributeError):
             pass  # tmpfs and others refuse O_DIRECT: buffered only
+        else:
+            if same_file(dfd, self._fd):
+                self._dfd = dfd
+            else:  # the name was replaced between the two opens: never write elsewhere
+                os.close(dfd)
         self._pos = 0
         self._pending = bytearray()
         self._pending_at = 0

@@ -2,6 +2,10 @@
 
 The order matters for crash consistency: file data is fsynced before the rename that publishes
 it, and the directory is fsynced after the rename so the new name survives a power loss.
+
+Files are created relative to their directory's fd and never through a link (see
+:mod:`ckptd.format.safefs`): a ``latest.tmp`` planted as a link to a file elsewhere is removed,
+not written through.
 """
 
 from __future__ import annotations
@@ -10,11 +14,18 @@ import os
 from pathlib import Path
 from typing import Callable, BinaryIO
 
+from .safefs import AtPath, Dir, create_fd
+
 Opener = Callable[[str, str], BinaryIO]
+"""``opener(path, mode)``: open ``path`` (``mode`` "wb") for writing. ckptd passes an
+:class:`~ckptd.format.safefs.AtPath` where it holds the directory open; its own openers create
+such a path exclusively relative to that directory, never through a link."""
 
 
 def default_opener(path: str, mode: str) -> BinaryIO:
-    return open(path, mode)  # noqa: SIM115 - caller closes
+    if "w" not in mode:
+        return open(path, mode)  # noqa: SIM115 - caller closes
+    return os.fdopen(create_fd(path), mode)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -33,22 +44,34 @@ def atomic_write(
 ) -> None:
     """Write ``path`` via ``<path>.tmp``: write, flush, fsync, rename, fsync the directory.
 
-    The previous file (if any) stays in place until the rename replaces it atomically.
+    The previous file (if any) stays in place until the rename replaces it atomically. Everything
+    happens relative to one open directory (an :class:`AtPath`'s, else ``path``'s parent opened
+    once); a stale ``.tmp`` entry (a crash's leftover, or a planted link) is removed first, never
+    followed, and a link at ``path`` itself is replaced, not written through.
     """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    if isinstance(path, AtPath):
+        parent, name, owned = Dir(path.dir_fd, Path(path).parent), path.entry, False
+    else:
+        path = Path(path)
+        parent, name, owned = Dir.open(path.parent), path.name, True
+    tmp = name + ".tmp"
     try:
-        with opener(str(tmp), "wb") as f:
-            write(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync:
-        fsync_dir(path.parent)
+        parent.unlink(tmp)
+        try:
+            with opener(parent.entry(tmp), "wb") as f:
+                write(f)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+        except BaseException:
+            parent.unlink(tmp)
+            raise
+        if fsync:
+            parent.fsync()
+    finally:
+        if owned:
+            parent.close()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, opener: Opener = default_opener,

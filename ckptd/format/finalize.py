@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import zlib
-from pathlib import Path
 from typing import Any
 
 from .dcp_metadata import build_metadata, write_metadata
@@ -17,6 +16,7 @@ from .durable import Opener, atomic_write_bytes, default_opener
 from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes
 from .pickled import serialize_pickled
 from .records import ItemRecord
+from .safefs import Dir, entry_path
 from .validate import validate_records
 
 
@@ -26,7 +26,7 @@ def serialize_common(common: Any) -> bytes:
 
 
 def finalize(
-    directory: str | os.PathLike,
+    directory: Dir | str | os.PathLike,
     records: list[ItemRecord],
     common_bytes: bytes,
     opener: Opener = default_opener,
@@ -36,12 +36,12 @@ def finalize(
     """Validate all records and write the metadata files that make ``directory`` a checkpoint.
 
     ``checkpoint_id`` (recorded in ``.metadata``) defaults to ``directory``; an asynchronous commit
-    passes the final name, since it finalizes in ``<step>.tmp`` and renames afterwards.
+    passes the final name, since it finalizes in ``<step>.tmp`` and renames afterwards. An open
+    :class:`~ckptd.format.safefs.Dir` has its files created relative to it.
     """
     validate_records(records)
-    directory = Path(directory)
-    atomic_write_bytes(directory / COMMON_PT, common_bytes, opener, fsync)
+    atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
     metadata = build_metadata(records, str(directory) if checkpoint_id is None else checkpoint_id,
                               common_crc32=zlib.crc32(common_bytes))
     write_metadata(directory, metadata, opener, fsync)
-    atomic_write_bytes(directory / METADATA_JSON, backend_metadata_bytes(), opener, fsync)
+    atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)

@@ -23,6 +23,7 @@ from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
+from .safefs import Dir, entry_path
 from .records import (
     ItemRecord,
     object_record,
@@ -226,7 +227,7 @@ def write_item(f: Any, payload: torch.Tensor | bytes) -> None:
 
 
 def write_data_file(
-    directory: str | os.PathLike,
+    directory: Dir | str | os.PathLike,
     file_name: str,
     items: list[PlannedItem],
     opener: Opener = open_data_file,
@@ -248,7 +249,7 @@ def write_data_file(
 
 
 def _write_data_file(
-    directory: str | os.PathLike,
+    directory: Dir | str | os.PathLike,
     file_name: str,
     items: list[PlannedItem],
     opener: Opener,
@@ -257,7 +258,7 @@ def _write_data_file(
     crc_executor: Executor | None,
     ready: Callable[[int], None] | None,
 ) -> list[ItemRecord]:
-    path = os.path.join(directory, file_name)
+    path = entry_path(directory, file_name)  # in an open Dir: created relative to its fd
     stored: list[ItemRecord] = []
     with _zip_crc32_omitted(checksums), opener(path, "wb") as raw:
         keeper = _OSErrorKeeper(raw)

@@ -16,11 +16,19 @@ import os
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from .safefs import entry_exists, read_regular
 
 METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
 DCP_METADATA = ".metadata"
 DATA_SUFFIX = ".distcp"
+
+# Size limits of the files read whole: far above what a real checkpoint writes (metadata.json:
+# ~150 bytes; .metadata: ~100 bytes per chunk; common.pt: the non-sharded state), so that a damaged
+# or hostile file is refused at once instead of exhausting memory.
+METADATA_JSON_MAX_NBYTES = 1 << 20
+DCP_METADATA_MAX_NBYTES = 4 << 30
+COMMON_PT_MAX_NBYTES = 64 << 30
 
 BACKEND_METADATA = {
     "sharded_backend": "torch_dist",
@@ -54,8 +62,8 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
             "(for a Checkpointer root, use Checkpointer(root).load())"
         )
     path = root / METADATA_JSON
-    if not path.is_file():
-        if (root / DCP_METADATA).is_file():
+    if not entry_exists(root, METADATA_JSON):
+        if entry_exists(root, DCP_METADATA):
             # A plain torch DCP checkpoint: same sharded format, no common state.
             return dict(BACKEND_METADATA)
         hint = (
@@ -68,8 +76,8 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
             f"{root} is not a checkpoint: {METADATA_JSON} is missing.{hint}"
         )
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        meta = json.loads(read_regular(root, METADATA_JSON, "backend marker", METADATA_JSON_MAX_NBYTES))
+    except (OSError, ValueError, RecursionError) as exc:
         raise UnsupportedFormatError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
     return check_backend_metadata(meta, path)
 
@@ -79,13 +87,14 @@ def check_backend_metadata(meta: object, where: str | os.PathLike = METADATA_JSO
         raise UnsupportedFormatError(f"{where}: expected a JSON object, got {type(meta).__name__}")
     sharded = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
     common = (meta.get("common_backend", "torch"), meta.get("common_backend_version", 1))
-    if sharded not in SUPPORTED_SHARDED_BACKENDS:
+    # Compared by equality: a damaged file may hold unhashable values (lists, objects) here.
+    if not any(sharded == ok for ok in SUPPORTED_SHARDED_BACKENDS):
         raise UnsupportedFormatError(
             f"{where}: sharded backend {sharded[0]!r} version {sharded[1]!r} is not supported; "
             f"ckptd reads {sorted(SUPPORTED_SHARDED_BACKENDS)}. Convert the checkpoint to "
             "torch_dist first (megatron-core ships a converter for zarr)."
         )
-    if common not in SUPPORTED_COMMON_BACKENDS:
+    if not any(common == ok for ok in SUPPORTED_COMMON_BACKENDS):
         raise UnsupportedFormatError(
             f"{where}: common backend {common[0]!r} version {common[1]!r} is not supported; "
             f"ckptd reads {sorted(SUPPORTED_COMMON_BACKENDS)}"

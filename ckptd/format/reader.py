@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafePickleError
-from .layout import COMMON_PT, METADATA_JSON
+from .layout import COMMON_PT, COMMON_PT_MAX_NBYTES, METADATA_JSON
+from .safefs import entry_exists, open_regular
 
 if TYPE_CHECKING:
     from .dcp_metadata import CheckpointIndex, StoredObject
@@ -27,6 +28,7 @@ class DataFiles:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self._open: dict[str, tuple[BinaryIO, int]] = {}
+        self._dir_fd = -1
 
     def __enter__(self) -> "DataFiles":
         return self
@@ -35,20 +37,24 @@ class DataFiles:
         for f, _ in self._open.values():
             f.close()
         self._open.clear()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
     def _file(self, relative_path: str) -> tuple[BinaryIO, int]:
         if relative_path not in self._open:
-            path = self.directory / relative_path
-            if os.sep in relative_path or relative_path.startswith(".."):
-                raise CorruptCheckpointError(f"metadata names data file {relative_path!r} outside the checkpoint")
+            # Only regular files inside the directory (ckptd.format.safefs): a link, a FIFO or a
+            # name reaching outside is a CorruptCheckpointError, never followed or waited on.
+            if self._dir_fd < 0:
+                self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                f = open(path, "rb")  # noqa: SIM115 - closed in __exit__
+                fd, size = open_regular(self.directory, relative_path, "data file", dir_fd=self._dir_fd)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
-                    f"data file {path} is missing; the checkpoint is incomplete. Load an earlier "
-                    "checkpoint, or restore the file."
+                    f"data file {self.directory / relative_path} is missing; the checkpoint is "
+                    "incomplete. Load an earlier checkpoint, or restore the file."
                 ) from None
-            self._open[relative_path] = (f, os.fstat(f.fileno()).st_size)
+            self._open[relative_path] = (os.fdopen(fd, "rb"), size)
         return self._open[relative_path]
 
     def fileno_and_size(self, relative_path: str) -> tuple[int, int]:
@@ -114,10 +120,14 @@ def read_common_pt(directory: str | os.PathLike, allow_unsafe_pickle: bool = Fal
     neither it nor ``metadata.json``."""
     root = Path(directory)
     path = root / COMMON_PT
-    if path.exists():
-        with open(path, "rb") as f:
+    try:
+        fd, _ = open_regular(root, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+    except FileNotFoundError:
+        fd = -1
+    if fd >= 0:
+        with os.fdopen(fd, "rb") as f:
             return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
-    if (root / METADATA_JSON).is_file():
+    if entry_exists(root, METADATA_JSON):
         raise CorruptCheckpointError(
             f"{path} is missing, but {root / METADATA_JSON} says the checkpoint has one; the "
             "checkpoint is damaged. Restore the file, or load an earlier checkpoint."

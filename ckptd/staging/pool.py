@@ -16,14 +16,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import secrets
 from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import StagingError
 from ..format.items import PlannedItem
-from .segment import ShmSegment
+from .segment import ShmSegment, new_generation, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +99,11 @@ class StagingPool:
 
     @classmethod
     def create(cls, prefix: str, rank: int, nslots: int, slot_nbytes: int, pin: bool) -> "StagingPool":
-        generation = secrets.token_hex(4)
+        generation = new_generation()
         segments: list[ShmSegment] = []
         try:
             for i in range(nslots):
-                segments.append(ShmSegment.create(f"{prefix}r{rank}-{generation}-s{i}", slot_nbytes))
+                segments.append(ShmSegment.create(segment_name(prefix, rank, generation, i), slot_nbytes))
         except BaseException:
             for s in segments:
                 s.close()

@@ -9,8 +9,12 @@ bytes once a save was acknowledged). Lifetime rules:
   daemon shutdown);
 - a rank unlinks its own segments only when no daemon took them over (registration failed, or
   the daemon died);
-- a daemon starting up unlinks every segment of its job and node: no other daemon can own them
-  (the pid-file lock guarantees one daemon per job and node).
+- a daemon starting up unlinks the segments of its job and node (:func:`remove_orphans`): no
+  other daemon can own them (the pid-file lock guarantees one daemon per job and node).
+
+Names are ``ckptd-<job>-n<node>-r<rank>-<generation>-s<slot>`` (:func:`segment_name`), the
+generation 128 random bits: nobody can guess a name to occupy it first, and a name parses to
+exactly one job and node, so cleaning up job ``llama`` never touches job ``llama-n0``'s segments.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
+import secrets
 import stat
 from pathlib import Path
 
@@ -29,6 +35,19 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+# What follows a job's and node's prefix in the name of one of its segments.
+_SEGMENT_TAIL = re.compile(r"r(\d+)-([0-9a-f]{32})-s(\d+)")
+
+
+def new_generation() -> str:
+    """The random part of a new pool's segment names (128 bits: unguessable)."""
+    return secrets.token_hex(16)
+
+
+def segment_name(prefix: str, rank: int, generation: str, slot: int) -> str:
+    """The name of slot ``slot`` of ``rank``'s pool ``generation``; ``prefix`` is
+    :attr:`ckptd.control.endpoints.Endpoints.shm_prefix` (``ckptd-<job>-n<node>-``)."""
+    return f"{prefix}r{rank}-{generation}-s{slot}"
 
 
 def _check_name(name: str) -> None:
@@ -61,7 +80,7 @@ class ShmSegment:
             raise StagingError(f"segment {name}: size must be positive, got {nbytes}")
         path = SHM_DIR / name
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise StagingError(f"shared-memory segment {path} already exists") from None
         except OSError as exc:
@@ -163,13 +182,43 @@ def list_segments(prefix: str) -> list[str]:
         return []
 
 
-def unlink_segments(prefix: str) -> list[str]:
-    """Unlink every segment named ``prefix*`` (crash leftovers of one job and node)."""
+def _own_regular_file(name: str) -> bool:
+    """``/dev/shm/<name>`` is a regular file of this user (checked without following a link)."""
+    try:
+        st = os.lstat(SHM_DIR / name)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _unlink(names: list[str]) -> list[str]:
     removed = []
-    for name in list_segments(prefix):
+    for name in names:
         try:
             os.unlink(SHM_DIR / name)
             removed.append(name)
         except FileNotFoundError:
             pass
     return removed
+
+
+def unlink_segments(prefix: str) -> list[str]:
+    """Unlink every segment of this user named ``prefix*`` (tests and tools clean up with it)."""
+    return _unlink([n for n in list_segments(prefix) if _own_regular_file(n)])
+
+
+def remove_orphans(prefix: str) -> list[str]:
+    """Unlink the segments a crashed daemon of one job and node left: named ``prefix`` (its
+    :attr:`~ckptd.control.endpoints.Endpoints.shm_prefix`) plus a segment tail exactly, and
+    regular files of this user. Anything else with that prefix (another job's, whose id merely
+    starts alike; another user's file, which may not even be removable) is left alone and logged.
+    """
+    mine, foreign = [], []
+    for name in list_segments(prefix):
+        if _SEGMENT_TAIL.fullmatch(name[len(prefix):]) is None:
+            continue  # another job's (e.g. job "llama-n0" for prefix "ckptd-llama-n0-"), or not ours
+        (mine if _own_regular_file(name) else foreign).append(name)
+    if foreign:
+        log.warning("left %d shared-memory files named like this node's segments alone: not regular "
+                    "files of this user (uid %d): %s", len(foreign), os.getuid(), foreign[:4])
+    return _unlink(mine)

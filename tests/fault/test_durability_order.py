@@ -37,13 +37,18 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         events.append(("fsync", _path_of(fd), ""))
         real_fsync(fd)
 
+    def _abs(path, dir_fd: int | None) -> str:  # renames may name entries of an open directory
+        return str(path) if dir_fd is None else os.path.join(_path_of(dir_fd), path)
+
     def rename(src, dst, *a, **k) -> None:
+        names = ("rename", _abs(src, k.get("src_dir_fd")), _abs(dst, k.get("dst_dir_fd")))
         real_rename(src, dst, *a, **k)
-        events.append(("rename", str(src), str(dst)))
+        events.append(names)
 
     def replace(src, dst, *a, **k) -> None:
+        names = ("rename", _abs(src, k.get("src_dir_fd")), _abs(dst, k.get("dst_dir_fd")))
         real_replace(src, dst, *a, **k)
-        events.append(("rename", str(src), str(dst)))
+        events.append(names)
 
     sh = ShardedTensor.from_rank_offsets("w", torch.arange(64.0))
     items = plan_tensor_items(sh, 0)

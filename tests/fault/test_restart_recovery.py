@@ -25,7 +25,7 @@ from ckptd import ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
 from ckptd.daemon.main import EXIT_BUSY, daemon_alive, daemon_pid
-from ckptd.staging.segment import SHM_DIR, ShmSegment
+from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.checkpoints import make_root
 from tests.multiproc import free_port
 
@@ -67,8 +67,9 @@ def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp
     env = _env(runtime)
     ep = Endpoints.for_job(root, JobEnv(), CkptdConfig.from_env(env))
     ensure_private_dir(runtime)
-    mine = _orphan_segment(f"{ep.shm_prefix}r0-crashed-s0")
-    foreign = _orphan_segment(f"ckptd-{ep.job}-n1-r0-crashed-s0")  # another node's: not ours to remove
+    mine = _orphan_segment(segment_name(ep.shm_prefix, 0, new_generation(), 0))
+    # Another node's: not ours to remove.
+    foreign = _orphan_segment(segment_name(f"ckptd-{ep.job}-n1-", 0, new_generation(), 0))
     partial = root / "iter_0000007.tmp"
     partial.mkdir()
     (partial / "__0_0.distcp.1a2b3c4d.part").write_bytes(b"half a data file")
@@ -118,7 +119,7 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
     cfg = CkptdConfig.from_env(env)
     eps = [Endpoints.for_job(root, JobEnv(rank=n, world_size=2, node=n, local_world_size=1), cfg) for n in (0, 1)]
     ensure_private_dir(runtime)
-    segments = [_orphan_segment(f"{ep.shm_prefix}r{ep.node}-crashed-s0") for ep in eps]
+    segments = [_orphan_segment(segment_name(ep.shm_prefix, ep.node, new_generation(), 0)) for ep in eps]
     partial = root / "iter_0000003.0123456789ab-1.tmp"
     partial.mkdir()
     (partial / "__1_0.distcp").write_bytes(b"written by node 1 before the crash")

@@ -78,21 +78,21 @@ def test_gc_keeps_newest_and_latest_and_young_partials(tmp_path):
 
 def test_gc_renames_before_deleting(tmp_path, monkeypatch):
     root = make_root(tmp_path / "r", [100, 200], latest=200)
-    import ckptd.retention as retention
+    import ckptd.format.safefs as safefs  # removals go through its Dir.remove_tree
 
     seen = []
-    real_rmtree = retention.shutil.rmtree
+    real_rmtree = safefs.shutil.rmtree
 
     def rmtree(path, *a, **k):
         seen.append(sorted(p.name for p in root.iterdir()))
         raise PermissionError(13, "simulated", str(path))
 
-    monkeypatch.setattr(retention.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(safefs.shutil, "rmtree", rmtree)
     [(removal, err)] = apply_gc(plan_gc(scan_root(root), keep=1))
     assert removal.entry.name == "iter_0000100" and "simulated" in err
     # The committed name was gone before any byte was deleted; a later gc finishes the job.
     assert seen == [["iter_0000100.deleting", "iter_0000200", "latest"]]
-    monkeypatch.setattr(retention.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(safefs.shutil, "rmtree", real_rmtree)
     [(removal, err)] = apply_gc(plan_gc(scan_root(root), keep=1))
     assert removal.entry.state is EntryState.DELETING and err is None
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000200", "latest"]
