@@ -66,7 +66,7 @@ class Progress:
         self.done = 0
         self._bar = tqdm(total=max(0, int(total)), desc=label, unit="B", unit_scale=True, unit_divisor=1024,
                          file=self.stream, disable=not enabled, mininterval=min_interval_s, leave=True,
-                         dynamic_ncols=False, ncols=100)
+                         dynamic_ncols=False, ncols=100, nrows=40)  # a pty may report 0x0
 
     @property
     def total(self) -> int:

@@ -134,7 +134,7 @@ def apply(ckpt: Path, mutation: tuple, outside: Path, original: Path) -> None:
         data = bytearray(path.read_bytes())
         if kind == "truncate":
             del data[int(len(data) * args[1]):]
-        else:
+        elif data:  # nothing to flip in an empty file
             for where in args[1]:
                 data[min(int(len(data) * where), len(data) - 1)] ^= 1 << args[2]
         path.write_bytes(bytes(data))

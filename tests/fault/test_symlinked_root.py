@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.catalog import scan_root
-from ckptd.daemon.commit import MEGATRON_TRACKER
+from ckptd.daemon.commit import MEGATRON_TRACKER, tmp_name
 from ckptd.recovery import resolve_latest
 from ckptd.retention import apply_gc, plan_gc
 from tests.checkpoints import make_checkpoint, make_root
@@ -46,13 +46,14 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     with single_job(tmp_path, monkeypatch) as job:
-        (job.root / "iter_0000002.tmp").symlink_to(elsewhere)
+        linked = job.root / tmp_name(2, job.ckpt._incarnation.attempt(1))  # the first try's directory
+        linked.symlink_to(elsewhere)
         reason = job.failed(2)
-        assert f"{job.root / 'iter_0000002.tmp'} is a symbolic link" in reason, reason
+        assert f"{linked} is a symbolic link" in reason, reason
         assert list(elsewhere.iterdir()) == []
         assert not os.path.lexists(job.root / "iter_0000002")
         # The aborted save's link was removed (never followed), and the job goes on.
-        assert not os.path.lexists(job.root / "iter_0000002.tmp")
+        assert not os.path.lexists(linked)
         job.committed(3)
         assert list(elsewhere.iterdir()) == []
 
@@ -61,7 +62,7 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
 def test_links_at_file_names_inside_a_step_directory_are_never_written_through(tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     with single_job(tmp_path, monkeypatch) as job:
-        step = job.root / "iter_0000003.tmp"
+        step = job.root / tmp_name(3, job.ckpt._incarnation.attempt(1))
         step.mkdir()
         names = ["common.pt.tmp", ".metadata.tmp", "metadata.json.tmp", "__0_0.distcp"]
         for i, name in enumerate(names):
