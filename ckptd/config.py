@@ -57,6 +57,7 @@ class CkptdConfig:
     checksums: bool = True
     keep_last: int = 0
     megatron_tracker: bool = True
+    check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
     file_mode: int = dataclasses.field(default=0o640, metadata={"octal": True})
     daemon_nice: int = 0
     policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)

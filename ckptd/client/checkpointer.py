@@ -77,6 +77,7 @@ from ..recovery import resolve_latest
 from ..staging.fork import SEAL_ROOM_NBYTES, reap, snapshot_into
 from ..staging.lazy import LazyCopier
 from ..staging.pool import StagingPool, place, slot_size_for
+from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
 from .gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
@@ -161,9 +162,14 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         if final.exists():
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
-        split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)
-        items = plan_save(split, self.env.rank, self._plan_cache)
-        common = serialize_common(split.common) if self.env.rank == 0 else None
+        try:
+            split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)
+            items = plan_save(split, self.env.rank, self._plan_cache)
+            common = serialize_common(split.common) if self.env.rank == 0 else None
+        except CkptdError as exc:
+            self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
+            raise
+        digest = (common_digest(split.common) or "") if self.config.check_common and self.env.world_size > 1 else ""
         placements, nbytes = place(items)
         self._ensure_connected()
         pool = self._ensure_pool(nbytes + SEAL_ROOM_NBYTES)
@@ -186,7 +192,7 @@ class Checkpointer:
         child = snap is not None and self._lazy is None  # a forked child, reaped by this process
         attempt = self._next_attempt(step)
         msg = Save(step, attempt, self.env.rank, self.env.world_size, pool.generation, slot, wire, common,
-                   layout, snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
+                   digest, layout, snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
         try:
             self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
         except DaemonLostError as exc:
@@ -437,6 +443,19 @@ class Checkpointer:
         self._stats.add(record)
         return SaveHandle(self, step, path, record, self._stats, attempt)
 
+    def _abort_everywhere(self, step: int, reason: str) -> None:
+        """Tell the coordinator that this rank will not save ``step`` (a SKIP with the reason), so
+        the other ranks' saves of it fail at once with that reason instead of waiting out
+        ``commit_timeout_s``; the caller raises the error here."""
+        attempt = self._next_attempt(step)
+        try:
+            self._ensure_connected()
+            self._link.request(Skip(step, attempt, self.env.rank, self.env.world_size, reason), SaveAck,
+                               match=lambda a: a.step == step and a.attempt == attempt)
+        except CkptdError as exc:
+            log.warning("rank %d: could not abort step %d on the other ranks (%s); they fail after "
+                        "commit_timeout_s", self.env.rank, step, exc)
+
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
         reason = (f"all {self.config.pool_slots} staging slots of rank {self.env.rank} were still "
                   "being persisted (on_full='skip')")
@@ -463,7 +482,10 @@ class Checkpointer:
                       msg.TYPE.name, msg.step, msg.attempt)
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
+            for warning in msg.warnings:
+                log.warning("rank %d: %s", self.env.rank, warning)
             if h is not None:
+                h.warnings = list(msg.warnings)
                 h._resolve(SaveStatus.COMMITTED)
                 r = h.record
                 log.info("rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "

@@ -36,6 +36,7 @@ class SaveHandle:
         self.stall_s = record.stall_s  # how long save() blocked the caller
         self.status = SaveStatus.PENDING
         self.error: SaveFailedError | None = None
+        self.warnings: list[str] = []  # what the commit noticed (e.g. ranks' common state differed)
         self.finished_s: float | None = None
         self._observed = False
         self._started_s = time.monotonic()

@@ -162,7 +162,10 @@ class Save(Message):
 
     ``snapshot_pid`` > 0: the shards are still being copied into the slot by that forked child
     of the rank (ckptd.staging.fork), which writes ``seal`` at ``seal_offset`` when it is done;
-    the daemon waits for it before writing. 0: the bytes are in the slot already."""
+    the daemon waits for it before writing. 0: the bytes are in the slot already.
+
+    ``common_digest``: a digest of this rank's common state ("" when not computed), compared by
+    the coordinator across ranks (ckptd.statedict.digest)."""
 
     TYPE: ClassVar[MsgType] = MsgType.SAVE
     step: int
@@ -173,6 +176,7 @@ class Save(Message):
     slot: int
     items: list[dict]
     common: bytes | None
+    common_digest: str
     layout: str
     snapshot_pid: int
     seal: bytes
@@ -217,10 +221,14 @@ class Bye(Message):
 
 @dataclass(frozen=True)
 class StepCommitted(Message):
+    """``warnings``: what the commit noticed but did not refuse (ranks whose common state differed
+    from rank 0's, which is the one saved)."""
+
     TYPE: ClassVar[MsgType] = MsgType.STEP_COMMITTED
     step: int
     attempt: str
     name: str
+    warnings: list[str]
 
 
 @dataclass(frozen=True)
@@ -245,6 +253,7 @@ class Written(Message):
     node: int
     records: list[dict]
     common: bytes | None
+    common_digest: str
     file_nbytes: int
 
 

@@ -55,6 +55,7 @@ from ..control.security import HandshakeWatch
 from ..errors import ProtocolError, StorageError
 from ..format.durable import default_opener
 from ..format.finalize import serialize_common
+from ..statedict.digest import differing_ranks
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from .commit import commit_step, remove_tmp
@@ -84,6 +85,7 @@ class AttemptState:
     file_nbytes: dict[int, int] = field(default_factory=dict)  # rank -> its data file's size
     nodes: dict[int, int] = field(default_factory=dict)  # rank -> node that reported it
     common: bytes | None = None
+    digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
     adopted: bool = False  # found as <step>.<attempt>.tmp when this coordinator started
@@ -255,6 +257,7 @@ class Coordinator:
         st.records[msg.rank] = records
         st.file_nbytes[msg.rank] = msg.file_nbytes
         st.nodes[msg.rank] = msg.node
+        st.digests[msg.rank] = msg.common_digest
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size:
@@ -315,7 +318,7 @@ class Coordinator:
             return True
         if done.error is None:
             st.phase = Phase.COMMITTED
-            self._finish(st, StepCommitted(step, attempt, str(done.result)))
+            self._finish(st, StepCommitted(step, attempt, str(done.result), _common_warnings(st)))
             log.info("step %d committed as %s (attempt %s)", step, done.result, attempt)
         else:
             st.phase = Phase.ABORTED
@@ -370,3 +373,14 @@ class Coordinator:
     def close(self) -> None:
         self.watch.close()
         self.ep.close()
+
+
+def _common_warnings(st: AttemptState) -> list[str]:
+    """A warning when some ranks' common state differs from rank 0's (only rank 0's is saved)."""
+    differing = differing_ranks([st.digests.get(r) or None for r in range(st.world_size)])
+    if not differing:
+        return []
+    text = (f"step {st.step}: the common state of ranks {differing} differs from rank 0's; only rank 0's "
+            "is saved (keep per-rank values in ShardedObjects)")
+    log.warning("%s", text)
+    return [text]

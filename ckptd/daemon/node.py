@@ -101,6 +101,7 @@ class WriteKey(NamedTuple):
     slot: int
     identity: bytes
     common: bytes | None
+    common_digest: str
     nbytes: int
 
     def __repr__(self) -> str:  # logged when a write fails: never the common state's bytes
@@ -379,7 +380,7 @@ class NodeDaemon:
         nbytes = sum(p.nbytes for p in placements)
         queued_s = time.monotonic()
         key = WriteKey(msg.step, msg.attempt, msg.rank, msg.world_size, msg.generation, msg.slot, identity,
-                       msg.common, nbytes)
+                       msg.common, msg.common_digest, nbytes)
 
         def job() -> tuple[list[ItemRecord], int, float, float, float]:
             started_s = time.monotonic()
@@ -438,7 +439,7 @@ class NodeDaemon:
         if done.error is None and live:
             records = [r.to_wire() for r in stored]
             self._send_up(Written(k.step, k.attempt, k.rank, k.world_size, self.ep.node, records, k.common,
-                                  file_nbytes), step_key)
+                                  k.common_digest, file_nbytes), step_key)
         else:
             # The coordinator answers a report of a decided attempt with its outcome and removes the
             # directory the late write re-created.

@@ -312,3 +312,46 @@ def test_dtensor_state_dicts_across_meshes_and_world_sizes(tmp_path: Path):
     index = read_index(tmp_path / "sync")
     assert [len(index.tensors[f"model.{k}"].chunks) for k in "abcdef"] == [4, 4, 2, 1, 1, 3]
     assert ckptd.load_common_state_dict(tmp_path / "sync") == {"step": 7, "opt": {"lr": 0.1, "betas": [0.9, 0.95]}}
+
+
+def _async_refusal_and_common_check(rank: int, world: int, root: str) -> list[str]:
+    """Asynchronous saves: a value one rank cannot save fails the step on every rank, naming the key;
+    a rank whose common state differs from rank 0's is reported on the committed handles."""
+    import time
+
+    bad = []
+    with ckptd.Checkpointer(root) as ckpt:
+        w = ckptd.ShardedTensor.from_rank_offsets("w", torch.ones(4) * rank, (0, rank, world))
+        sd = {"w": w, "iteration": 1}
+        if rank == 1:
+            sd["opt"] = {"x": torch.ones(2).as_subclass(_Quantized)}
+        t0 = time.monotonic()
+        try:
+            handle = ckpt.save(sd, step=1)
+            if rank == 1:
+                bad.append("rank 1 saved an unplaceable value")
+            handle.wait(timeout_s=60)
+            bad.append(f"rank {rank}: step 1 committed")
+        except ckptd.ShardingError as exc:
+            if rank != 1 or "'opt.x' is of type" not in str(exc):
+                bad.append(f"rank {rank}: {exc}")
+        except ckptd.SaveFailedError as exc:
+            if rank != 0 or "rank 1 could not save step 1" not in str(exc) or "'opt.x'" not in str(exc):
+                bad.append(f"rank {rank}: {exc}")
+        if time.monotonic() - t0 > 30:  # commit_timeout_s is 600 s here: the abort came at once
+            bad.append(f"rank {rank}: the failure took {time.monotonic() - t0:.0f} s")
+        handle = ckpt.save({"w": w, "iteration": 2 + rank}, step=2)
+        handle.wait(timeout_s=60)
+        if not any("ranks [1] differs from rank 0's" in m for m in handle.warnings):
+            bad.append(f"rank {rank}: warnings {handle.warnings}")
+    return bad
+
+
+class _Quantized(torch.Tensor):
+    """A tensor subclass ckptd does not know."""
+
+
+@pytest.mark.timeout(180)
+def test_async_refusal_fails_every_rank_and_common_state_is_compared(tmp_path: Path):
+    assert run_ranks(_async_refusal_and_common_check, 2, str(tmp_path / "root"), timeout_s=160,
+                     env=_async_env(tmp_path)) == [[], []]

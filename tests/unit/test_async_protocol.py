@@ -34,7 +34,7 @@ def _frames(obj: object) -> list[bytes]:
 
 def _save_fields(**changes: object) -> dict:
     f = {"step": 1, "attempt": ATTEMPT, "rank": 0, "world_size": 1, "generation": "g", "slot": 0,
-         "items": [], "common": None, "layout": "", "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
+         "items": [], "common": None, "common_digest": "", "layout": "", "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
     f.update(changes)
     return f
 
@@ -43,10 +43,10 @@ def test_every_message_type_round_trips():
     samples = [
         Ping(7),
         Hello("rank", 3, 1, 4, 1234, "/ckpts/run1"),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "l1",
+        Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "digest", "l1",
              4242, b"s" * 16, 4096),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", 0, b"", 0),
-        Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, 4096),
+        Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, b"", 0),
+        Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, "", 4096),
         Failed(100, "fedcba987654-12", -1, 0, 1, "lost the coordinator"),
         StepAborted(10**9 - 1, ATTEMPT, "why"),
         StatusReply({"pools": [], "x": 1.5}),
@@ -93,7 +93,7 @@ def test_malformed_messages_are_rejected(frames, why):
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], b"x" * (1 << 16), "", 0, b"", 0)
+    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], b"x" * (1 << 16), "", "", 0, b"", 0)
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         codec.encode(big)
     roomy = Codec("job1", max_nbytes=1 << 20)
@@ -104,7 +104,7 @@ def test_size_limit_applies_before_anything_is_unpacked():
 
 def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
     roomy = Codec("job1", max_nbytes=8 << 20)
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], os.urandom(3 * FRAME_NBYTES + 5), "", 0, b"", 0)
+    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], os.urandom(3 * FRAME_NBYTES + 5), "", "", 0, b"", 0)
     frames = roomy.encode(big)
     assert len(frames) == 4 and all(len(f) <= FRAME_NBYTES for f in frames)
     assert roomy.decode([bytes(f) for f in frames]) == big

@@ -36,7 +36,7 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
     assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
     codec = Codec("job")
-    for msg in (Save(3, "0123456789ab-1", 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common", "l", 0, b"", 0),
+    for msg in (Save(3, "0123456789ab-1", 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common", "", "l", 0, b"", 0),
                 StatusReply({"nested": [rec, {"t": (1, 2)}]})):  # a dataclass inside a field, too
         old = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)},
                             use_bin_type=True)
