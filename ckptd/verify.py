@@ -10,14 +10,14 @@ reports every problem it can see:
    (:func:`ckptd.format.validate.validate_records`); ShardedObject keys stored once.
 4. Every data file named by ``.metadata`` exists, lies inside the checkpoint and is long enough
    for every item; no two items share bytes.
-5. Every item's bytes match the CRC-32 recorded at save time (when recorded: ckptd writes them,
+5. Every item's bytes match the checksum (CRC-32C; CRC-32 for older checkpoints) recorded at save time (when recorded: ckptd writes them,
    torch DCP and Megatron-Core do not; the report says how many items had none).
 6. ``deep``: every item is a well-formed ``torch.save`` archive whose records match the CRC-32s
    it holds (no unpickling: :mod:`ckptd.format.archive`), and decodes (``torch.load``,
    weights-only) as a tensor of the recorded shape and dtype, as a ShardedObject's one-element
    list (torch_dist checkpoints), or as any value (byte items of a plain torch DCP checkpoint:
    ints, optimizer param_groups...). A value outside the weights-only allow-list is a warning.
-7. ``common.pt`` matches its recorded CRC-32 and decodes weights-only.
+7. ``common.pt`` matches its recorded checksum and decodes weights-only.
 
 Items are read in bounded blocks (a deep check reads one whole item at a time). Nothing is
 written. Findings carry the file, item, byte offset and length involved.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from collections import defaultdict
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ from typing import Any, Protocol
 
 from .catalog import RootCatalog
 from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError, UnsupportedFormatError
+from .format.checksum import Checksum, checksum_name, crc32c
 from .format.archive import is_zip_stream, torch_save_problem
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
 from .format.layout import (
@@ -227,8 +227,8 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
 
 
 def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None,
-               prefetch: Executor) -> tuple[int, bytes | None]:
-    """CRC-32 of one item's bytes, and the bytes themselves when ``keep``.
+               prefetch: Executor, checksum: Checksum) -> tuple[int, bytes | None]:
+    """Checksum of one item's bytes, and the bytes themselves when ``keep``.
 
     The next block is read on ``prefetch`` while this thread checksums the current one (both
     release the GIL), so reading and checksumming overlap.
@@ -243,7 +243,7 @@ def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None
             raise OSError(f"unexpected end of file at offset {pos}")
         nxt = pos + len(block)
         pending = prefetch.submit(os.pread, fd, min(_BLOCK_BYTES, end - nxt), nxt) if nxt < end else None
-        crc = zlib.crc32(block, crc)
+        crc = checksum(block, crc)
         if keep:
             parts.append(block)
         pos = nxt
@@ -288,7 +288,7 @@ def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron
 
 def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, int], deep: bool,
                  allow_unsafe_pickle: bool, megatron_objects: bool, report: VerifyReport,
-                 progress: ProgressSink | None) -> None:
+                 progress: ProgressSink | None, checksum: Checksum) -> None:
     """Steps 5 and 6, file by file in offset order (sequential reads)."""
     readable = [r for r in records
                 if r.relative_path in sizes and r.file_offset >= 0 and r.length >= 0
@@ -304,7 +304,7 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
             try:
                 if r.relative_path not in fds:
                     fds[r.relative_path] = open_regular(directory, r.relative_path, "data file")[0]
-                crc, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch)
+                crc, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch, checksum)
             except (CkptdError, OSError) as exc:
                 report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
                 continue
@@ -316,7 +316,7 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
                 if crc != r.crc32:
                     report.add(ERROR, "checksum",
                                f"{_item_name(r)}: bytes [{r.file_offset}, {r.file_offset + r.length}) "
-                               f"of {r.relative_path} have CRC-32 {crc:#010x}, but {r.crc32:#010x} was "
+                               f"of {r.relative_path} have {checksum_name(checksum)} {crc:#010x}, but {r.crc32:#010x} was "
                                "recorded at save time; the item is damaged", **where)
                     continue  # decoding damaged bytes would only add a second error
             if deep and data is not None:
@@ -343,9 +343,10 @@ def _check_common(directory: Path, index: CheckpointIndex | None, has_marker: bo
     report.bytes_read += len(data)
     recorded = index.common_crc32 if index is not None else None
     if recorded is not None:
-        crc = zlib.crc32(data)
+        checksum = index.checksum or crc32c
+        crc = checksum(data, 0)
         if crc != recorded:
-            report.add(ERROR, "common", f"{COMMON_PT} ({len(data)} bytes) has CRC-32 {crc:#010x}, but "
+            report.add(ERROR, "common", f"{COMMON_PT} ({len(data)} bytes) has {checksum_name(checksum)} {crc:#010x}, but "
                        f"{recorded:#010x} was recorded at save time; the file is damaged",
                        file=COMMON_PT, offset=0, length=len(data))
             return
@@ -398,7 +399,8 @@ def verify_checkpoint(
         _check_coverage(records, report)
         sizes = _check_files(directory, records, report)
         if read_items:
-            _check_items(directory, records, sizes, deep, allow_unsafe_pickle, has_marker, report, progress)
+            _check_items(directory, records, sizes, deep, allow_unsafe_pickle, has_marker, report, progress,
+                         index.checksum or crc32c)
         if report.items_without_checksum:
             report.add(NOTE, "checksum", f"{report.items_without_checksum} of {report.items} items have no "
                        "recorded checksum (written by torch DCP, Megatron-Core, or with checksums off): "

@@ -35,6 +35,7 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
+from .checksum import ALGORITHM, TABLE_VERSION, Checksum, checksum_for
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
 from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
@@ -47,11 +48,11 @@ DCP_VERSION = "1.0.0"
 # Extra attribute of the pickled DCP ``Metadata`` holding ckptd's checksums. torch DCP and
 # Megatron-Core unpickle the object and ignore attributes they do not know, and keeping the
 # checksums in ``.metadata`` binds them atomically to the offsets they describe (one file, one
-# rename). Value: {"version": 1, "algorithm": "crc32",
+# rename). Value: {"version": 2, "algorithm": "crc32c",
 #                  "items": {(fqn, offsets): crc}  (offsets () for byte items),
 #                  "files": {"common.pt": crc}}.
+# Version 1 tables (older ckptd) hold zlib CRC-32s (ckptd.format.checksum).
 CHECKSUMS_ATTR = "ckptd_checksums"
-CHECKSUMS_VERSION = 1
 
 _ALLOWED_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -173,7 +174,8 @@ class CheckpointIndex:
     tensors: dict[str, StoredTensor]
     objects: dict[str, StoredObject]
     raw: Metadata
-    common_crc32: int | None = None  # CRC-32 of common.pt, when ckptd recorded it
+    common_crc32: int | None = None  # checksum of common.pt, when ckptd recorded it
+    checksum: "Checksum | None" = None  # computes the recorded checksums (ckptd.format.checksum)
 
     @property
     def has_checksums(self) -> bool:
@@ -225,26 +227,29 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
     }
     if item_crcs or common_crc32 is not None:
         setattr(md, CHECKSUMS_ATTR, {
-            "version": CHECKSUMS_VERSION,
-            "algorithm": "crc32",
+            "version": TABLE_VERSION,
+            "algorithm": ALGORITHM,
             "items": item_crcs,
             "files": {} if common_crc32 is None else {COMMON_PT: common_crc32},
         })
     return md
 
 
-def _checksums(md: Metadata, where: Path | str) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int]]:
-    """``(item crcs, file crcs)`` from :data:`CHECKSUMS_ATTR`; empty when not recorded."""
+def _checksums(md: Metadata, where: Path | str
+               ) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int], Checksum | None]:
+    """``(item crcs, file crcs, the function that computes them)`` from :data:`CHECKSUMS_ATTR`;
+    empty when not recorded."""
     raw = getattr(md, CHECKSUMS_ATTR, None)
     if raw is None:
-        return {}, {}
+        return {}, {}, None
     version = raw.get("version") if isinstance(raw, dict) else None
     algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
-    if version != CHECKSUMS_VERSION or algorithm != "crc32":
+    fn = checksum_for(version, algorithm)
+    if fn is None:
         # A newer writer's table: the checkpoint still loads, only without checksums.
         log.warning("%s: checksum table of unknown version %r / algorithm %r; checksums ignored",
                     where, version, algorithm)
-        return {}, {}
+        return {}, {}, None
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
         files = {str(k): int(v) for k, v in raw.get("files", {}).items()}
@@ -253,7 +258,7 @@ def _checksums(md: Metadata, where: Path | str) -> tuple[dict[tuple[str, tuple[i
             f"{where}: the checksum table ({CHECKSUMS_ATTR}) is malformed ({exc!r}); the file is "
             "damaged. Load an earlier checkpoint."
         ) from exc
-    return items, files
+    return items, files, fn
 
 
 def write_metadata(directory: Dir | str | os.PathLike, metadata: Metadata,
@@ -332,7 +337,7 @@ def _refuse_transforms(where: Path | str, what: str, info: _StorageInfo) -> None
 
 
 def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
-    item_crcs, file_crcs = _checksums(md, where)
+    item_crcs, file_crcs, checksum = _checksums(md, where)
     storage = md.storage_data or {}
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a dict")
@@ -378,7 +383,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             rel, offset, length = _location(info, where, f"object '{fqn}'")
             objects[fqn] = StoredObject(fqn, rel, offset, length, item_crcs.get((fqn, ())),
                                         _is_shard_key(fqn, _planner_path(md, fqn)))
-    return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT))
+    return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT), checksum)
 
 
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:

@@ -8,9 +8,9 @@ has it holds a complete checkpoint.
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any
 
+from .checksum import crc32c
 from .dcp_metadata import build_metadata, write_metadata
 from .durable import Opener, atomic_write_bytes, default_opener
 from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes
@@ -42,6 +42,6 @@ def finalize(
     validate_records(records)
     atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
     metadata = build_metadata(records, str(directory) if checkpoint_id is None else checkpoint_id,
-                              common_crc32=zlib.crc32(common_bytes))
+                              common_crc32=crc32c(common_bytes))
     write_metadata(directory, metadata, opener, fsync)
     atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)

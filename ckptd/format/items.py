@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import math
 import os
-import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -20,6 +19,7 @@ import torch
 
 from ..errors import ShardingError
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
+from .checksum import crc32c
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
@@ -117,7 +117,7 @@ class ItemSink:
 
     ``torch.save`` streams an item through :meth:`write` (small zip headers, then the raw storage
     as one buffer, then the zip trailer). Call :meth:`begin` before and :meth:`end` after each item;
-    ``end`` returns where the item landed and the CRC-32 of exactly its bytes (``None`` without
+    ``end`` returns where the item landed and the CRC-32C of exactly its bytes (``None`` without
     checksums), computed as they are written, without reading the file back.
 
     On a file with an ``O_DIRECT`` path (:class:`~ckptd.format.direct.DirectFile`), an item's
@@ -128,7 +128,7 @@ class ItemSink:
     Megatron-Core included).
 
     With a ``crc_executor`` (one worker), large buffers are checksummed on it while this thread
-    writes them: ``zlib.crc32`` and the file write both release the GIL.
+    writes them: the CRC-32C and the file write both release the GIL.
     """
 
     def __init__(self, f: Any, checksums: bool, crc_executor: Executor | None = None) -> None:
@@ -157,7 +157,7 @@ class ItemSink:
             self._place(buffer_address(view))
         if self._checksums and self._executor is not None and view.nbytes >= _OVERLAP_MIN_BYTES:
             # ``view`` (often the staging slot or the tensor's storage) stays valid until we return.
-            pending = self._executor.submit(zlib.crc32, view, self._crc)
+            pending = self._executor.submit(crc32c, view, self._crc)
             try:
                 self._f.write(view)
             finally:
@@ -169,7 +169,7 @@ class ItemSink:
 
     def _fold(self, view: memoryview) -> None:
         if self._checksums:
-            self._crc = zlib.crc32(view, self._crc)
+            self._crc = crc32c(view, self._crc)
 
     def _place(self, address: int) -> None:
         """Start the held-back item where ``address`` lands aligned, and write its headers."""

@@ -103,8 +103,9 @@ class ItemRecord:
     relative_path: str = ""
     file_offset: int = -1
     length: int = -1
-    # zlib CRC-32 of the item's stored bytes (file[file_offset : file_offset + length]), computed
-    # while writing; None when not recorded (checksums off, or written by torch DCP/megatron-core).
+    # Checksum (CRC-32C, ckptd.format.checksum) of the item's stored bytes
+    # (file[file_offset : file_offset + length]), computed while writing; None when not recorded
+    # (checksums off, or written by torch DCP/megatron-core).
     crc32: int | None = None
     # The state-dict path the key was flattened from (DCP's ``planner_data``), for DCP-style state
     # dicts; empty: the key itself.

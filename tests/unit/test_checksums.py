@@ -3,7 +3,7 @@
 import io
 import pickle
 import zipfile
-import zlib
+import crc32c
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
@@ -51,7 +51,7 @@ def test_crc_covers_exactly_each_items_bytes_and_replaces_the_zip_crc(tmp_path):
     off = write_data_file(tmp_path, "off.distcp", items, fsync=False, checksums=False)
     data, plain = (tmp_path / "on.distcp").read_bytes(), (tmp_path / "off.distcp").read_bytes()
     for rec in on:
-        assert rec.crc32 == zlib.crc32(data[rec.file_offset : rec.file_offset + rec.length]), rec.fqn
+        assert rec.crc32 == crc32c.crc32c(data[rec.file_offset : rec.file_offset + rec.length]), rec.fqn
     assert [r.crc32 for r in off] == [None] * len(items)
     assert [(r.file_offset, r.length) for r in on] == [(r.file_offset, r.length) for r in off]
     for rec, item in zip(on, items):
@@ -85,15 +85,15 @@ def test_checksums_land_in_metadata_and_index(tmp_path):
     make_checkpoint(tmp_path / "c")
     raw = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     table = getattr(raw, CHECKSUMS_ATTR)
-    assert table["algorithm"] == "crc32" and table["version"] == 1
-    assert table["files"]["common.pt"] == zlib.crc32((tmp_path / "c" / "common.pt").read_bytes())
+    assert table["algorithm"] == "crc32c" and table["version"] == 2
+    assert table["files"]["common.pt"] == crc32c.crc32c((tmp_path / "c" / "common.pt").read_bytes())
     index = read_index(tmp_path / "c")
     assert index.has_checksums and index.common_crc32 == table["files"]["common.pt"]
     records = records_from_index(index)
     assert len(records) == len(table["items"]) == 6
     for r in records:
         data = (tmp_path / "c" / r.relative_path).read_bytes()[r.file_offset : r.file_offset + r.length]
-        assert r.crc32 == zlib.crc32(data), r.fqn
+        assert r.crc32 == crc32c.crc32c(data), r.fqn
         key = (r.fqn, tuple(r.offsets) if r.kind == TENSOR else ())
         assert table["items"][key] == r.crc32
 
@@ -142,3 +142,33 @@ def test_sync_save_switch(tmp_path):
     ckptd.save({"x": ckptd.ShardedTensor.from_rank_offsets("x", x)}, tmp_path / "b")
     assert read_index(tmp_path / "a").tensors["x"].chunks[0].crc32 is None
     assert read_index(tmp_path / "b").tensors["x"].chunks[0].crc32 is not None
+
+
+def test_checkpoints_with_crc32_tables_of_older_versions_still_verify(tmp_path):
+    """Version-1 tables (zlib CRC-32, written before CRC-32C) verify with zlib; damage is found."""
+    import zlib
+
+    from ckptd.format.dcp_metadata import write_metadata
+    from ckptd.verify import verify_checkpoint
+
+    c = tmp_path / "c"
+    make_checkpoint(c)
+    raw = pickle.loads((c / ".metadata").read_bytes())
+    index = read_index(c)
+    items = {}
+    for r in records_from_index(index):
+        data = (c / r.relative_path).read_bytes()[r.file_offset : r.file_offset + r.length]
+        items[(r.fqn, tuple(r.offsets) if r.kind == TENSOR else ())] = zlib.crc32(data)
+    setattr(raw, CHECKSUMS_ATTR, {"version": 1, "algorithm": "crc32", "items": items,
+                                  "files": {"common.pt": zlib.crc32((c / "common.pt").read_bytes())}})
+    (c / ".metadata").unlink()
+    write_metadata(c, raw, fsync=False)
+    report = verify_checkpoint(c, deep=True)
+    assert report.ok and report.items_checksummed == len(items) and report.items_without_checksum == 0, report
+    r = next(r for r in records_from_index(read_index(c)) if r.kind == TENSOR)
+    with open(c / r.relative_path, "r+b") as f:
+        f.seek(r.file_offset + r.length - 1)
+        byte = f.read(1)
+        f.seek(r.file_offset + r.length - 1)
+        f.write(bytes([byte[0] ^ 1]))
+    assert not verify_checkpoint(c).ok
