@@ -184,7 +184,8 @@ class Checkpointer:
             if self._lazy is not None:
                 snap = self._lazy.start(pool, slot, items, placements, nbytes, step)
             else:
-                snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto")
+                snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto",
+                                     self.config.daemon_nice)
         except BaseException:
             pool.free.append(slot)  # no child was left copying into it, nothing was sent
             self._layout.forget()

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+import psutil
 from typing import Callable
 
 from ..config import CkptdConfig
@@ -35,6 +37,18 @@ from ..staging.segment import remove_orphans
 from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
 
 log = logging.getLogger(__name__)
+
+
+def lower_priority(nice: int) -> None:
+    """Let training win the CPU and the disk queue: ``nice`` (0 keeps the priorities as they are)
+    and, with it, the lowest best-effort I/O priority."""
+    if nice <= 0:
+        return
+    os.nice(nice)
+    try:
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except (AttributeError, OSError, psutil.Error) as exc:  # not Linux, or not permitted
+        log.info("I/O priority left as it is: %s", exc)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -125,8 +139,7 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
     try:
         from .node import NodeDaemon  # torch/zmq imports only in a daemon that will run (seconds)
 
-        if config.daemon_nice > 0:
-            os.nice(config.daemon_nice)
+        lower_priority(config.daemon_nice)
         # Every file and directory this process creates in the root gets config.file_mode
         # (directories: x wherever r is set), set once before any thread starts; the inherited
         # umask still narrows it, so a checkpoint is never more open than both allow.

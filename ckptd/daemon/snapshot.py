@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StagingError
-from ..staging.fork import ABANDONED, PROGRESS_NBYTES, SEAL_NBYTES
-from ..staging.segment import ShmSegment
+from ..staging.fork import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES
+from ..staging.segment import ShmSegment, shm_free_nbytes
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
 _POLL_S = 0.005
@@ -91,6 +91,11 @@ class SnapshotWait:
         """Slot bytes the child has copied (every byte below this offset is final); raises
         StagingError if the copier abandoned the snapshot."""
         done = int.from_bytes(seg.view(self.seal_offset + SEAL_NBYTES, PROGRESS_NBYTES), "little")
+        if done == NO_ROOM:
+            raise StagingError(
+                f"rank {self.rank}'s snapshot ran out of room in /dev/shm ({shm_free_nbytes()} bytes free "
+                "now): this save is not persisted; training goes on and the next save retries. Free or "
+                "enlarge /dev/shm (containers: --shm-size), or lower CKPTD_POOL_SLOTS")
         if done == ABANDONED:
             raise StagingError(
                 f"rank {self.rank} abandoned its lazy snapshot: a saved tensor was modified before its "

@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 SEAL_NBYTES = 16
 # After the seal: the child's progress, a little-endian uint64: every slot byte below it is copied.
 PROGRESS_NBYTES = 8
-# Progress value meaning: the snapshot was abandoned and will never be sealed (ckptd.staging.lazy).
+# Progress values meaning that the snapshot will never be sealed: abandoned (a source changed
+# before the fence, ckptd.staging.lazy), or out of room (/dev/shm full while copying).
 ABANDONED = (1 << 64) - 1
+NO_ROOM = (1 << 64) - 2
 # Room reserved after a save's bytes in its slot for seal and progress (64-byte aligned).
 SEAL_ROOM_NBYTES = 64
 
@@ -59,7 +61,7 @@ def fork_available() -> bool:
 
 
 def child_copies(items: list[PlannedItem], placements: list[Placement],
-                 base_ptr: int) -> list[tuple[int, int, int]] | None:
+                 segment: ShmSegment) -> list[tuple[int, int, int]] | None:
     """``(slot_offset, src_address, nbytes)`` for the child, or None when some payload is not
     plain CPU memory. ``bytes`` payloads (small pickled objects) are copied here, before the fork.
     """
@@ -75,7 +77,7 @@ def child_copies(items: list[PlannedItem], placements: list[Placement],
         else:
             small.append((p.offset, bytes(src)))
     for offset, data in small:
-        ctypes.memmove(base_ptr + offset, data, len(data))
+        segment.write(offset, data)
     return copies
 
 
@@ -88,25 +90,26 @@ class Snapshot:
     seal_offset: int
 
 
-def fork_snapshot(copies: list[tuple[int, int, int]], segment: ShmSegment, nbytes: int) -> Snapshot:
-    """Fork a child that performs ``copies`` into ``segment`` and then seals it; returns at once."""
+def fork_snapshot(copies: list[tuple[int, int, int]], segment: ShmSegment, nbytes: int,
+                  nice: int = 0) -> Snapshot:
+    """Fork a child that performs ``copies`` into ``segment`` and then seals it; returns at once.
+    The child runs at CPU niceness ``nice`` (added to the trainer's), yielding to training."""
     if segment.base is None:
         raise StagingError(f"segment {segment.name} is not mapped")
     at = seal_offset(nbytes)
     seal = secrets.token_bytes(SEAL_NBYTES)
     # No stale seal or progress of an earlier save in this slot.
-    ctypes.memset(segment.base.data_ptr() + at, 0, SEAL_NBYTES + PROGRESS_NBYTES)
-    path = str(segment.path)
+    segment.write(at, bytes(SEAL_NBYTES + PROGRESS_NBYTES))
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        _child(copies, path, at, seal, nbytes)
+        _child(copies, segment.fileno(), at, seal, nbytes, nice)
     return Snapshot(pid, seal, at)
 
 
-def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes, nbytes: int) -> None:
+def _child(copies: list[tuple[int, int, int]], fd: int, at: int, seal: bytes, nbytes: int, nice: int) -> None:
     """Copy with ``pwrite`` into the segment's file in slot order, publishing the progress after
     each copy (the daemon writes an item to disk as soon as it is complete), then the seal. Not
     through the mapping: fork() does not copy the page tables of shared mappings, so writing the
@@ -114,22 +117,26 @@ def _child(copies: list[tuple[int, int, int]], path: str, at: int, seal: bytes, 
     code = 1
     try:
         os.setsid()
+        if nice > 0:
+            os.nice(nice)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             try:
                 signal.signal(sig, signal.SIG_DFL)  # never the trainer's handlers
             except (ValueError, OSError):
                 pass
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         progress_at = at + SEAL_NBYTES
         for offset, src, n in sorted(copies):
             view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
             while view.nbytes:
-                done = os.pwrite(fd, view[:_CHUNK_NBYTES], offset)
+                try:
+                    done = os.pwrite(fd, view[:_CHUNK_NBYTES], offset)
+                except OSError:  # ENOSPC: say so in the (allocated) progress field, then die
+                    os.pwrite(fd, NO_ROOM.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
+                    raise
                 view, offset = view[done:], offset + done
             os.pwrite(fd, offset.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
         os.pwrite(fd, nbytes.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
         os.pwrite(fd, seal, at)
-        os.close(fd)
         code = 0
     finally:
         os._exit(code)
@@ -155,17 +162,18 @@ def reap(pids: list[int], block: bool) -> list[int]:
 
 
 def snapshot_into(pool: StagingPool, slot: int, items: list[PlannedItem], placements: list[Placement],
-                  nbytes: int, allow_fork: bool) -> Snapshot | None:
+                  nbytes: int, allow_fork: bool, nice: int = 0) -> Snapshot | None:
     """Get a save's shards into ``slot``: by a forked child (returned) or copied here (None).
 
     The slot must hold ``nbytes + SEAL_ROOM_NBYTES``.
     """
-    base = pool.segments[slot].base
-    if allow_fork and base is not None and fork_available():
-        copies = child_copies(items, placements, base.data_ptr())
+    seg = pool.segments[slot]
+    if allow_fork and seg.base is not None and fork_available():
+        seg.check_room(seal_offset(nbytes) + SEAL_ROOM_NBYTES)  # a full /dev/shm fails here, cleanly
+        copies = child_copies(items, placements, seg)
         if copies is not None:
             try:
-                return fork_snapshot(copies, pool.segments[slot], nbytes)
+                return fork_snapshot(copies, seg, nbytes, nice)
             except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
                 log.warning("rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside "
                             "save() instead", pool.rank, exc)

@@ -6,7 +6,7 @@ slot while forward and backward run, and only the next optimizer step has to wai
 copied yet: :meth:`ckptd.Checkpointer.before_update` (or ``Checkpointer.attach(optimizer)``, which
 calls it from the optimizer's step pre-hook).
 
-- CPU tensors: a copier thread copies item by item (``memmove``, GIL released), publishing its
+- CPU tensors: a copier thread copies item by item (``pwrite``, GIL released), publishing its
   progress in the slot after each item and a seal after the last one: the protocol of fork
   snapshots (:mod:`ckptd.staging.fork`), so the daemon writes each item as soon as it is copied
   and fails the save if the seal never comes. ``before_update()`` waits for the copier.
@@ -29,7 +29,6 @@ fence before them.)
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import secrets
@@ -42,8 +41,9 @@ import torch
 
 from ..errors import StagingError
 from ..format.items import PlannedItem
-from .fork import ABANDONED, PROGRESS_NBYTES, SEAL_NBYTES, Snapshot, seal_offset
-from .pool import Placement, StagingPool, plain_cpu_bytes, slot_view
+from .fork import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES, SEAL_ROOM_NBYTES, Snapshot, seal_offset
+from .pool import Placement, StagingPool, plain_cpu_bytes, slot_view, tensor_bytes
+from .segment import ShmSegment
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class _Copy:
 
 @dataclass
 class _Job:
-    base: torch.Tensor
+    segment: ShmSegment
     copies: list[_Copy]
     seal: bytes
     seal_at: int
@@ -69,6 +69,7 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
     torn: str = ""  # why the snapshot is abandoned ("" : seal it)
+    no_room: bool = False  # abandoned because /dev/shm is full
 
 
 class LazyCopier:
@@ -88,20 +89,23 @@ class LazyCopier:
         (its pid is this process: the daemon fails the save if it dies before sealing)."""
         import os
 
-        base = pool.segments[slot].base
+        seg = pool.segments[slot]
+        base = seg.base
         if base is None:
             raise StagingError(f"rank {self.rank}: staging slot {slot} is not mapped")
         at = seal_offset(nbytes)
-        ctypes.memset(base.data_ptr() + at, 0, SEAL_NBYTES + PROGRESS_NBYTES)
-        job = _Job(base, [], secrets.token_bytes(SEAL_NBYTES), at, nbytes, step)
+        seg.check_room(at + SEAL_ROOM_NBYTES)
+        seg.write(at, bytes(SEAL_NBYTES + PROGRESS_NBYTES))
+        job = _Job(seg, [], secrets.token_bytes(SEAL_NBYTES), at, nbytes, step)
         for item, p in zip(items, placements):
             src = item.payload
             if not isinstance(src, torch.Tensor):
-                ctypes.memmove(base.data_ptr() + p.offset, bytes(src), p.nbytes)
+                seg.write(p.offset, src)
                 job.copies.append(_Copy(p.offset, p.nbytes, None, 0, item.record.where()))
                 continue
             copy = _Copy(p.offset, p.nbytes, src, _version(src), item.record.where())
             if src.device.type == "cuda":
+                seg.reserve()
                 copy.event = self._enqueue_cuda(base, p, src)
             job.copies.append(copy)
         self._pending.append(job)
@@ -173,22 +177,25 @@ class LazyCopier:
                 self._copy(job)
             except Exception as exc:  # noqa: BLE001 - the save fails on its handle via the daemon
                 job.torn = job.torn or f"the copy failed: {type(exc).__name__}: {exc}"
+                job.no_room = isinstance(exc, StagingError)
             finally:
                 job.copied.set()
             self._decide(job)
 
     def _copy(self, job: _Job) -> None:
         """Copy item by item, publishing the progress after each (the daemon writes as it goes)."""
-        ptr = job.base.data_ptr()
+        seg = job.segment
         for c in job.copies:
             if c.src is not None:
                 if c.event is not None:
                     c.event.synchronize()
                 elif plain_cpu_bytes(c.src):
-                    ctypes.memmove(ptr + c.offset, c.src.data_ptr(), c.nbytes)
+                    if c.nbytes:
+                        seg.write(c.offset, tensor_bytes(c.src))
                 else:
-                    slot_view(job.base, Placement(c.offset, c.nbytes), c.src.dtype, c.src.shape).copy_(c.src)
-            _publish(job.base, job.seal_at, c.offset + c.nbytes)
+                    seg.reserve()
+                    slot_view(seg.base, Placement(c.offset, c.nbytes), c.src.dtype, c.src.shape).copy_(c.src)
+            _publish(seg, job.seal_at, c.offset + c.nbytes)
 
     def _decide(self, job: _Job) -> None:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""
@@ -198,10 +205,10 @@ class LazyCopier:
             log.warning("rank %d: the lazy snapshot of step %d is abandoned: %s; call "
                         "Checkpointer.before_update() (or attach(optimizer)) before changing saved "
                         "tensors", self.rank, job.step, job.torn)
-            _publish(job.base, job.seal_at, ABANDONED)
+            _publish(job.segment, job.seal_at, NO_ROOM if job.no_room else ABANDONED)
             return
-        _publish(job.base, job.seal_at, job.nbytes)
-        ctypes.memmove(job.base.data_ptr() + job.seal_at, job.seal, SEAL_NBYTES)
+        _publish(job.segment, job.seal_at, job.nbytes)
+        job.segment.write(job.seal_at, job.seal)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -212,6 +219,5 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _publish(base: torch.Tensor, seal_at: int, value: int) -> None:
-    ctypes.memmove(base.data_ptr() + seal_at + SEAL_NBYTES, value.to_bytes(PROGRESS_NBYTES, "little"),
-                   PROGRESS_NBYTES)
+def _publish(seg: ShmSegment, seal_at: int, value: int) -> None:
+    seg.write(seal_at + SEAL_NBYTES, value.to_bytes(PROGRESS_NBYTES, "little"))

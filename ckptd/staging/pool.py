@@ -30,11 +30,6 @@ ALIGN_NBYTES = 64
 _PAGE = 4096
 
 
-# CPU tensors smaller than this are staged with one memmove; larger ones with torch's copy_,
-# which may use several threads.
-MEMMOVE_MAX_NBYTES = 1 << 20
-
-
 def plain_cpu_bytes(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements are exactly its ``numel * element_size`` bytes at ``data_ptr()``."""
     # is_cpu rather than device.type: a save checks every item, and device builds a new object.
@@ -48,6 +43,12 @@ class Placement(NamedTuple):
 
     offset: int
     nbytes: int
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a :func:`plain_cpu_bytes` tensor, without a copy (valid while ``t`` lives)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def payload_nbytes(payload: torch.Tensor | bytes) -> int:
@@ -121,6 +122,7 @@ class StagingPool:
         for seg in self.segments:
             if seg.base is None:
                 continue
+            seg.reserve()  # registering faults every page in: a full /dev/shm must fail cleanly
             err = cudart.cudaHostRegister(seg.base.data_ptr(), seg.nbytes, 0)
             if int(err) != 0:
                 raise StagingError(f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
@@ -137,27 +139,34 @@ class StagingPool:
         self.pinned = False
 
     def stage(self, slot: int, items: list[PlannedItem], placements: list[Placement]) -> None:
-        """Copy every item's payload into ``slot``; returns when all bytes are there."""
-        base = self.segments[slot].base
+        """Copy every item's payload into ``slot``; returns when all bytes are there.
+
+        Bytes and plain CPU tensors are written with ``pwrite`` (a full ``/dev/shm`` is a
+        StagingError, never a SIGBUS); other tensors (CUDA, strided) are copied through the
+        mapping, after the slot was reserved (:meth:`ShmSegment.reserve`).
+        """
+        seg = self.segments[slot]
+        base = seg.base
         if base is None:
             raise StagingError(f"rank {self.rank}: staging slot {slot} is not mapped")
         last = placements[-1] if placements else None
         if last is not None and last.offset + last.nbytes > self.slot_nbytes:
             raise StagingError(f"rank {self.rank}: save needs {last.offset + last.nbytes} bytes, "
                                f"slot holds {self.slot_nbytes}")
+        if last is not None:
+            seg.check_room(last.offset + last.nbytes)
         pending_streams = []
-        base_ptr = base.data_ptr()
         # On failure too: no device-to-host copy may still be landing in a slot given back.
         try:
             for item, p in zip(items, placements):
                 src = item.payload
                 if not isinstance(src, torch.Tensor):
-                    ctypes.memmove(base_ptr + p.offset, bytes(src), p.nbytes)
-                elif p.nbytes < MEMMOVE_MAX_NBYTES and plain_cpu_bytes(src):
-                    # One memmove (GIL released): a view plus copy_ costs ~10 us per item, which
-                    # dominates the copy of a small tensor (10,000 of them: 0.1 s).
-                    ctypes.memmove(base_ptr + p.offset, src.data_ptr(), p.nbytes)
+                    seg.write(p.offset, src)
+                elif plain_cpu_bytes(src):
+                    if p.nbytes:
+                        seg.write(p.offset, tensor_bytes(src))
                 else:
+                    seg.reserve()
                     try:
                         stream = self._copy_tensor(src, slot_view(base, p, src.dtype, src.shape))
                     except Exception as exc:  # a tensor subclass or device may refuse; name the item

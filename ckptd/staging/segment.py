@@ -4,7 +4,7 @@ Not ``multiprocessing.shared_memory``: its resource tracker unlinks a segment wh
 process exits, but a ckptd segment must outlive the trainer that filled it (the daemon owns the
 bytes once a save was acknowledged). Lifetime rules:
 
-- a rank *creates* its segments (``O_EXCL``, mode 0600, pre-faulted) and registers them with its
+- a rank *creates* its segments (``O_EXCL``, mode 0600, sparse) and registers them with its
   node daemon; from then on the daemon owns them and unlinks them (pool released, rank gone,
   daemon shutdown);
 - a rank unlinks its own segments only when no daemon took them over (registration failed, or
@@ -26,6 +26,7 @@ import re
 import secrets
 import stat
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,6 @@ from ..errors import StagingError
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 # What follows a job's and node's prefix in the name of one of its segments.
 _SEGMENT_TAIL = re.compile(r"r(\d+)-([0-9a-f]{32})-s(\d+)")
 
@@ -56,12 +56,23 @@ def _check_name(name: str) -> None:
 
 
 class ShmSegment:
-    """A mapped segment ``/dev/shm/<name>``; :attr:`base` is a uint8 tensor over all its bytes."""
+    """A mapped segment ``/dev/shm/<name>``; :attr:`base` is a uint8 tensor over all its bytes.
 
-    def __init__(self, name: str, nbytes: int, mm: mmap.mmap) -> None:
+    tmpfs allocates a page when it is first written. A write *through the mapping* to a page that
+    cannot be allocated (``/dev/shm`` full, by this job or by anyone) kills the process with
+    SIGBUS, so a trainer never writes a slot through its mapping unreserved: it writes with
+    :meth:`write` (``pwrite``: a full ``/dev/shm`` is an ENOSPC, raised as StagingError), and the
+    paths that must write through the mapping (device-to-host copies, strided tensor copies)
+    :meth:`reserve` the segment first (``posix_fallocate``). Nothing is pre-faulted: the first save
+    allocates the pages it writes, outside ``save()`` for fork and lazy snapshots.
+    """
+
+    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, fd: int = -1) -> None:
         self.name = name
         self.nbytes = nbytes
         self._mm: mmap.mmap | None = mm
+        self._fd = fd  # kept by the creator, for pwrite and fallocate
+        self.reserved = False
         self.base: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8) if nbytes else None
 
     @property
@@ -69,12 +80,8 @@ class ShmSegment:
         return SHM_DIR / self.name
 
     @classmethod
-    def create(cls, name: str, nbytes: int, prefault: bool = True) -> "ShmSegment":
-        """Create a new segment (fails if the name exists) and fault all its pages in now.
-
-        Touching fresh shared pages costs far more than a warm copy, so it is paid once here
-        instead of inside every save.
-        """
+    def create(cls, name: str, nbytes: int) -> "ShmSegment":
+        """Create a new, sparse segment (fails if the name exists); see the class docstring."""
         _check_name(name)
         if nbytes <= 0:
             raise StagingError(f"segment {name}: size must be positive, got {nbytes}")
@@ -95,40 +102,60 @@ class ShmSegment:
                 f"cannot size shared-memory segment {path} to {nbytes} bytes ({exc}); /dev/shm may "
                 "be too small: reduce CKPTD_POOL_SLOTS or enlarge /dev/shm"
             ) from exc
-        os.close(fd)
-        seg = cls(name, nbytes, mm)
-        if prefault:
-            try:
-                seg._populate()
-            except BaseException:
-                seg.close()
-                seg.unlink()
-                raise
-        return seg
-
-    def _populate(self) -> None:
-        if self._mm is None:
-            return
         try:
-            self._mm.madvise(mmap.MADV_HUGEPAGE)
+            mm.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults for whoever fills it
         except (AttributeError, OSError):
             pass
+        return cls(name, nbytes, mm, fd)
+
+    def fileno(self) -> int:
+        """The creator's descriptor of the segment (for ``pwrite``; -1 in the daemon)."""
+        return self._fd
+
+    def write(self, offset: int, data: Any) -> None:
+        """``pwrite`` ``data`` (a buffer) at ``offset``; a full ``/dev/shm`` raises StagingError."""
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + view.nbytes > self.nbytes:
+            raise StagingError(f"segment {self.name}: write of {view.nbytes} bytes at {offset} outside "
+                               f"its {self.nbytes} bytes")
         try:
-            self._mm.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            if self.base is not None:
-                self.base.fill_(0)  # older kernels: write faults page by page
-        # tmpfs allocates pages lazily; a full /dev/shm shows up as SIGBUS later, so check now.
-        st = os.stat(self.path)
-        if st.st_blocks * 512 < self.nbytes:
-            raise StagingError(
-                f"shared-memory segment {self.path} got {st.st_blocks * 512} of {self.nbytes} bytes; "
-                "/dev/shm is full: reduce CKPTD_POOL_SLOTS or enlarge /dev/shm"
-            )
+            while view.nbytes:
+                done = os.pwrite(self._fd, view[:_CHUNK_NBYTES], offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            raise self._no_room(exc, view.nbytes) from exc
+
+    def reserve(self) -> None:
+        """Allocate every page now (``posix_fallocate``), before writes through the mapping."""
+        if self.reserved:
+            return
+        try:
+            os.posix_fallocate(self._fd, 0, self.nbytes)
+        except OSError as exc:
+            raise self._no_room(exc, self.nbytes) from exc
+        self.reserved = True
+
+    def check_room(self, nbytes: int) -> None:
+        """Raise StagingError, before anything is written, when ``/dev/shm`` cannot hold the pages
+        of the first ``nbytes`` bytes that are not allocated yet (a co-tenant may still take them
+        afterwards: writes then fail cleanly, see :meth:`write`)."""
+        missing = max(0, min(nbytes, self.nbytes) - allocated_nbytes(self._fd))
+        if missing and missing > shm_free_nbytes():
+            raise self._no_room(OSError(28, os.strerror(28)), missing)
+
+    def _no_room(self, exc: OSError, nbytes: int) -> StagingError:
+        return StagingError(
+            f"shared-memory segment {self.path}: cannot place {nbytes} more bytes ({exc.strerror}); "
+            f"/dev/shm has {shm_free_nbytes()} bytes free. This save fails; training goes on and the "
+            "next save retries. Free /dev/shm, enlarge it (containers: --shm-size) or lower "
+            "CKPTD_POOL_SLOTS")
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> "ShmSegment":
-        """Map an existing segment; it must be a regular file of this user, mode 0600, ``nbytes`` long."""
+        """Map an existing segment; it must be a regular file of this user, mode 0600, ``nbytes`` long.
+
+        Not populated: the daemon only reads pages the rank has written (a page never written
+        reads as zeros, never SIGBUS)."""
         _check_name(name)
         path = SHM_DIR / name
         try:
@@ -141,8 +168,7 @@ class ShmSegment:
                 raise StagingError(f"shared-memory segment {path} is not a private (0600) file of this user")
             if st.st_size != nbytes:
                 raise StagingError(f"shared-memory segment {path} has {st.st_size} bytes, expected {nbytes}")
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(name, nbytes, mm)
@@ -159,6 +185,9 @@ class ShmSegment:
     def close(self) -> None:
         """Unmap (the segment itself stays until unlinked)."""
         self.base = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         mm, self._mm = self._mm, None
         if mm is not None:
             try:
@@ -172,6 +201,24 @@ class ShmSegment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+_CHUNK_NBYTES = 64 << 20
+
+
+def allocated_nbytes(fd_or_path: int | str | os.PathLike) -> int:
+    """Bytes tmpfs has allocated for a segment (its pages written or reserved so far)."""
+    st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    return st.st_blocks * 512
+
+
+def shm_free_nbytes() -> int:
+    """Bytes an unprivileged user can still allocate in ``/dev/shm``."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def list_segments(prefix: str) -> list[str]:

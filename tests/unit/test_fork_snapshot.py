@@ -44,7 +44,7 @@ def test_child_copies_the_values_at_fork_time(segment):
     items = _items(tensors, b"pickled object bytes")
     placements, nbytes = place(items)
     assert nbytes + SEAL_ROOM_NBYTES <= segment.nbytes
-    copies = child_copies(items, placements, segment.base.data_ptr())
+    copies = child_copies(items, placements, segment)
     assert copies is not None
     snap = fork_snapshot(copies, segment, nbytes)
     for t in tensors:
@@ -65,7 +65,7 @@ def test_non_plain_shards_are_not_forked(segment):
     strided = torch.randn(8, 8).t()  # not contiguous: the trainer stages it
     items = _items([strided], b"")
     placements, _ = place(items)
-    assert child_copies(items, placements, segment.base.data_ptr()) is None
+    assert child_copies(items, placements, segment) is None
 
 
 @pytest.mark.timeout(60)
