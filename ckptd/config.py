@@ -17,6 +17,8 @@ from typing import Any, Mapping
 from .errors import CkptdError
 
 ENV_PREFIX = "CKPTD_"
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 ON_FULL_POLICIES = ("wait", "skip")
 SNAPSHOT_MODES = ("auto", "copy", "lazy")
 
@@ -25,11 +27,15 @@ SNAPSHOT_MODES = ("auto", "copy", "lazy")
 class CkptdConfig:
     """Knobs of the Checkpointer, the node daemon and the coordinator.
 
-    Staging: ``pool_slots`` shared-memory slots per rank (each sized from the first save plus
-    ``pool_headroom`` of it); ``on_full`` decides what a save does when every slot is still being
-    persisted: ``"wait"`` (default) or ``"skip"`` (logged, reported on the handle, and the step is
-    aborted on every rank). ``pin_memory`` registers the pool with CUDA (when CUDA is available).
-    ``snapshot`` says who copies the shards into the slot: with ``"auto"`` (default), when every
+    Staging: each rank streams its saves through a ring of shared memory (ckptd.staging.ring)
+    whose size is ``staging_budget``: ``"1.25x"`` (the default) is 1.25 x the rank's first save,
+    so the node needs 1.25 x its state in /dev/shm; ``"0.25x"`` works too (a save then streams
+    through a quarter of its size while the daemon drains it); ``"8GiB"`` is bytes for the whole
+    node, shared by its ranks. ``on_full`` decides what a save does when the ring has no room for it yet:
+    ``"wait"`` (default: the producer waits for the daemon, outside ``save()`` for fork and lazy
+    snapshots) or ``"skip"`` (logged, reported on the handle, and the step is aborted on every
+    rank). ``pin_memory`` registers the ring with CUDA (when CUDA is available).
+    ``snapshot`` says who copies the shards into the ring: with ``"auto"`` (default), when every
     shard is plain CPU memory, a forked copy-on-write child does while training goes on
     (ckptd.staging.fork; ``save()`` stalls for the fork only), otherwise (CUDA tensors: a
     device-to-host copy) the trainer inside ``save()``; with ``"copy"`` always the trainer; with
@@ -46,8 +52,7 @@ class CkptdConfig:
     """
 
     # staging
-    pool_slots: int = 2
-    pool_headroom: float = 0.01
+    staging_budget: str = "1.25x"  # "<f>x": f x the rank's first save; "<n>[KMG]iB": bytes per node
     on_full: str = "wait"
     pin_memory: bool = True
     snapshot: str = "auto"  # "auto": fork for plain CPU shards; "copy": copy in save(); "lazy": copy behind it
@@ -96,8 +101,7 @@ class CkptdConfig:
             raise CkptdError(f"config snapshot={self.snapshot!r}: choose one of {SNAPSHOT_MODES}")
         if self.policy not in ("manual", "auto"):
             raise CkptdError(f"config policy={self.policy!r}: choose 'manual' or 'auto'")
-        if self.pool_slots < 1:
-            raise CkptdError(f"config pool_slots={self.pool_slots}: need at least 1 slot")
+        parse_budget(self.staging_budget)  # raises CkptdError naming the setting
         if self.writer_threads < 1:
             raise CkptdError(f"config writer_threads={self.writer_threads}: need at least 1")
         if self.keep_last < 0:
@@ -107,8 +111,6 @@ class CkptdConfig:
                 f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "
                 "sticky bits), including owner read-write (0o600), e.g. 0o640 or 0o600"
             )
-        if self.pool_headroom < 0:
-            raise CkptdError(f"config pool_headroom={self.pool_headroom}: must be >= 0")
         for f in fields(self):
             if f.name.endswith("_s") and getattr(self, f.name) < 0:
                 raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")
@@ -141,6 +143,26 @@ class CkptdConfig:
             else:
                 out[ENV_PREFIX + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out
+
+
+def parse_budget(budget: str) -> tuple[float, int]:
+    """``staging_budget`` as ``(fraction of a save, 0)`` or ``(0, bytes per node)``."""
+    text = budget.strip().upper().replace(" ", "")
+    try:
+        if text.endswith("X"):
+            fraction = float(text[:-1])
+            if fraction > 0:
+                return fraction, 0
+        else:
+            digits = text.rstrip("KMGTIB")
+            value = float(digits) * _UNITS[text[len(digits):]]
+            if value >= 1:
+                return 0.0, int(value)
+    except (KeyError, ValueError):
+        pass
+    raise CkptdError(f"config staging_budget={budget!r}: use a multiple of one save (\"1.25x\", or "
+                     "\"0.25x\" to stream saves through a quarter of their size) or bytes per node "
+                     "(\"8GiB\")")
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

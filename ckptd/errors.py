@@ -67,6 +67,12 @@ class StagingError(CkptdError):
     """Shared-memory staging failed (pool exhausted, segment missing, size mismatch)."""
 
 
+class SharedMemoryFullError(StagingError):
+    """/dev/shm has no room for the staging pages a save needs (another process filled it, or
+    it is smaller than the staging budget). That save fails; training goes on and the next save
+    retries."""
+
+
 class SaveTimeoutError(CkptdError, TimeoutError):
     """Waiting for an asynchronous save timed out; the save may still commit later."""
 

@@ -24,8 +24,8 @@ Targets: ckptd stall <= DCP-async stall / 8 (the plain call; the ratio to the re
 shown too) and <= 2 x (state bytes / memcpy bandwidth); ckptd commit <= 1.1 x DCP sync save;
 flat pool memory. ``--check`` exits 1 if one is missed. ckptd's stall is a ``fork()`` of the
 trainer (its page tables, ~20-30 ms per GiB of trainer memory on 4 KiB pages), not a copy of
-the state. The first save's stall includes allocating and pre-faulting the pool (``pool_slots``
-x the state), reported separately. Checksums (on by default) are part of ckptd's commit time;
+the state. The first save's stall (creating the staging ring, which is never pre-faulted) is
+reported separately. Checksums (on by default) are part of ckptd's commit time;
 ``CKPTD_CHECKSUMS=0`` compares like for like with DCP, which has none.
 """
 

@@ -47,6 +47,8 @@ from typing import Any
 import psutil
 import torch
 
+from ckptd.config import parse_budget
+
 from .memory import MemorySampler, daemon_pids
 from .suite_rank import DCP_METHODS, GIB
 from .suite_report import evaluate, render
@@ -265,7 +267,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             streams = max(1, min(args.ranks, writer_threads))
             main = suite.run_job(args.ranks, suite.spec("main", args.ranks, parts, ref_streams=streams))
             res["main"] = main
-            per_rank = _scale_bytes_per_rank(args, cfg.pool_slots)
+            per_rank = _scale_bytes_per_rank(args, cfg.staging_budget)
             scaling = []
             for n in args.scale_ranks:
                 if n == args.ranks and per_rank * n == int(args.state_gib * GIB):
@@ -289,17 +291,19 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _scale_bytes_per_rank(args: argparse.Namespace, pool_slots: int) -> int:
+def _scale_bytes_per_rank(args: argparse.Namespace, budget: str) -> int:
     """Bytes per rank of the scaling curve: as asked, else the main job's, capped to fit in RAM.
 
-    Each rank holds its state plus ``pool_slots`` staging slots of it in shared memory; at the
+    Each rank holds its state plus its staging ring (the budget) in shared memory; at the
     largest rank count that must stay within 60% of the machine's memory (the rest: the page
     cache, DCP's and the daemon's own memory), or the kernel kills a rank.
     """
     if args.scale_gib_per_rank:
         return int(args.scale_gib_per_rank * GIB)
     want = int(args.state_gib / args.ranks * GIB)
-    fit = int(psutil.virtual_memory().total * 0.6 / (max(args.scale_ranks) * (pool_slots + 1)))
+    fraction, node_nbytes = parse_budget(budget)
+    ring = fraction if fraction else 1.25  # a bytes budget: assume the default's share
+    fit = int(psutil.virtual_memory().total * 0.6 / (max(args.scale_ranks) * (ring + 1)))
     if fit < want:
         _log(f"scaling curve: {fit / GIB:.2f} GiB per rank (the main job's {want / GIB:.2f} GiB would "
              f"not fit {max(args.scale_ranks)} ranks in memory; --scale-gib-per-rank sets it)")

@@ -7,7 +7,7 @@ i.e. the shortest interval at which saves do not queue, then an in-place update 
 moments: what a copy-on-write snapshot pays for), saving its state every ``every`` steps:
 
 - ``none``: no checkpointing (the baseline);
-- ``ckptd``: ``Checkpointer.save`` (``on_full="wait"``: a save waits for a free slot);
+- ``ckptd``: ``Checkpointer.save`` (``on_full="wait"``: a save's producer waits for ring space);
 - ``dcp_async_process``: ``async_save(..., PROCESS)`` with a reused shared-memory stager; as DCP
   requires, the previous save's future is waited for before the next save starts.
 

@@ -13,19 +13,23 @@ Typical use, on every rank (torchrun or a single process; no collective is used)
 Order of one :meth:`Checkpointer.save` on a rank:
 
 1. deliver pending notifications; raise an earlier save's failure nobody observed yet;
-2. plan the items (local checks only) and lay them out in a staging slot;
-3. allocate the shared-memory pool on the first save (and grow it if a save outgrows it),
-   registering it with the daemon, which owns it from then on;
-4. take a free slot; if none is free, ``on_full="wait"`` waits for the daemon to free one,
-   ``on_full="skip"`` skips this step (the daemon tells the coordinator, which aborts the step on
-   every rank, so no partial checkpoint commits);
-5. snapshot into the slot: with ``snapshot="auto"`` and plain CPU shards, ``fork()`` a
-   copy-on-write child that copies them while training goes on (:mod:`ckptd.staging.fork`);
-   otherwise copy here (DMA on a side stream for CUDA tensors);
+2. plan the items (local checks only) and lay them out one after the other (aligned offsets);
+3. create this rank's staging ring on the first save, sized by ``staging_budget`` from that
+   save (:mod:`ckptd.staging.ring`), and register it with the daemon, which owns it from then on;
+   items larger than the ring are split into chunks;
+4. with ``on_full="skip"`` and no room in the ring for the whole save, skip this step (the daemon
+   tells the coordinator, which aborts the step on every rank, so no partial checkpoint commits);
+   otherwise take a control block and the save's range of the ring;
+5. start producing the items into the ring: with ``snapshot="auto"`` and plain CPU shards,
+   ``fork()`` a copy-on-write child that copies them while training goes on
+   (:mod:`ckptd.staging.fork`), with ``snapshot="lazy"`` hand them to the copier thread
+   (:mod:`ckptd.staging.lazy`); each producer waits for ring space the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
-   :mod:`ckptd.control.attempt`), wait for its ``SAVE_ACK``, return the :class:`SaveHandle`. The
-   daemon writes once the bytes are complete (the child exited and sealed the slot); outcomes of
+   :mod:`ckptd.control.attempt`) and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
+   ``snapshot="copy"``) copy the items here now, while the daemon drains the ring (DMA on a side
+   stream for CUDA tensors); return the :class:`SaveHandle`. The daemon writes each item once it
+   is produced and publishes the file once the producer sealed the save; outcomes of
    other attempts of the step never resolve the handle.
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
@@ -44,7 +48,7 @@ from typing import Any
 from ..api import load as sync_load
 from ..api import PlanCache, plan_save
 from ..catalog import STEP_PREFIX, step_dir_name
-from ..config import CkptdConfig
+from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
@@ -57,7 +61,7 @@ from ..control.protocol import (
     Save,
     SaveAck,
     Skip,
-    SlotFree,
+    WriteDone,
     Status,
     StatusReply,
     StepAborted,
@@ -74,9 +78,11 @@ from ..errors import (
 )
 from ..format.finalize import serialize_common
 from ..recovery import resolve_latest
-from ..staging.fork import SEAL_ROOM_NBYTES, reap, snapshot_into
+from ..format.items import split_large_items
+from ..staging.fork import Snapshot, fork_into, reap, start_block
 from ..staging.lazy import LazyCopier
-from ..staging.pool import StagingPool, place, slot_size_for
+from ..staging.ring import BLOCKS, block_offset, capacity_for
+from ..staging.pool import StagingPool, place
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
 from .gcpause import gc_paused
@@ -172,28 +178,38 @@ class Checkpointer:
         digest = (common_digest(split.common) or "") if self.config.check_common and self.env.world_size > 1 else ""
         placements, nbytes = place(items)
         self._ensure_connected()
-        pool = self._ensure_pool(nbytes + SEAL_ROOM_NBYTES)
+        pool = self._ensure_pool(nbytes)
+        if any(p.nbytes > pool.capacity for p in placements):
+            items = split_large_items(items, pool.capacity)  # streams through a ring smaller than it
+            placements, nbytes = place(items)
         t_slot = time.perf_counter()
-        slot = self._acquire_slot(pool, step)
-        queue_wait_s = time.perf_counter() - t_slot
-        if slot is None:
+        if self.config.on_full == "skip" and not (pool.free and pool.has_room(pool.next_start, placements)):
             return self._skip(step, t0, nbytes)
+        self._wait_block(pool, step)
+        pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
+        block, start = pool.claim(placements)
+        queue_wait_s = time.perf_counter() - t_slot
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout = self._layout.items_for(pool.generation, items, placements)
+        inline = False
         try:
             if self._lazy is not None:
-                snap = self._lazy.start(pool, slot, items, placements, nbytes, step)
+                snap = self._lazy.start(pool, start, block, items, placements, step)
             else:
-                snap = snapshot_into(pool, slot, items, placements, nbytes, self.config.snapshot == "auto",
-                                     self.config.daemon_nice)
+                daemon_pid = self._link.daemon_pid
+                snap = (fork_into(pool, start, block, items, placements, self.config.daemon_nice, daemon_pid)
+                        if self.config.snapshot == "auto" and daemon_pid else None)
+                if snap is None:  # copied here, after the SAVE: the daemon drains the ring meanwhile
+                    inline = True
+                    snap = Snapshot(os.getpid(), start_block(pool, block), block_offset(block))
         except BaseException:
-            pool.free.append(slot)  # no child was left copying into it, nothing was sent
+            pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
             raise
-        child = snap is not None and self._lazy is None  # a forked child, reaped by this process
+        child = not inline and self._lazy is None  # a forked child, reaped by this process
         attempt = self._next_attempt(step)
-        msg = Save(step, attempt, self.env.rank, self.env.world_size, pool.generation, slot, wire, common,
-                   digest, layout, snap.pid if snap else 0, snap.seal if snap else b"", snap.seal_offset if snap else 0)
+        msg = Save(step, attempt, self.env.rank, self.env.world_size, pool.generation, block, wire, common,
+                   digest, layout, start, snap.pid, snap.seal, snap.seal_offset)
         try:
             self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
         except DaemonLostError as exc:
@@ -203,24 +219,26 @@ class Checkpointer:
             raise
         except (RequestNotTaken, ProtocolError):
             if child:
-                reap([snap.pid], block=True)  # the slot is free again only once the child is done
+                reap([snap.pid], block=True)  # the ring is given back only once the child is done
             elif self._lazy is not None:
                 self._lazy.wait_all()  # likewise for the copier thread
-            pool.free.append(slot)  # not sent, or refused: the daemon never took the slot
+            pool.unclaim(block, start, placements)  # not sent, or refused: the daemon never took it
             self._layout.forget()
             raise
         except BaseException:
-            # No answer (timeout, interrupt): the daemon may still write this slot, so it stays
-            # taken until the daemon's SLOT_FREE for it; reusing it now could mix two saves.
+            # No answer (timeout, interrupt): the daemon may still write this save, so its control
+            # block stays taken until the daemon's WRITE_DONE for it.
             if child:
                 self._children.append(snap.pid)
             self._layout.forget()
-            log.warning("rank %d: no answer to the SAVE of step %d; staging slot %d stays reserved until "
-                        "the daemon frees it", self.env.rank, step, slot)
+            log.warning("rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
+                        "until the daemon frees it", self.env.rank, step, block)
             raise
         if child:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
             self._children.append(snap.pid)
+        if inline:
+            queue_wait_s += pool.copy_inline(start, block, items, placements, snap.seal)
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
@@ -300,7 +318,7 @@ class Checkpointer:
             raise first
 
     def stats(self) -> dict[str, Any]:
-        """This rank's save measurements: counters, last/mean/max of stall, slot wait, persist
+        """This rank's save measurements: counters, last/mean/max of stall, ring wait, persist
         and commit latency over the recent saves, and those saves (see :mod:`ckptd.client.stats`).
         Delivers pending notifications first, so finished saves are counted."""
         self._pump_quietly()
@@ -389,49 +407,44 @@ class Checkpointer:
             self._pool = None
 
     def _ensure_pool(self, nbytes: int) -> StagingPool:
-        pool = self._pool
-        if pool is not None and nbytes <= pool.slot_nbytes:
-            return pool
-        slot_nbytes = slot_size_for(nbytes, self.config.pool_headroom)
-        if pool is not None:
-            log.warning("rank %d: save needs %d bytes, staging slots hold %d; allocating a larger pool",
-                        self.env.rank, nbytes, pool.slot_nbytes)
-            if self._lazy is not None:
-                self._lazy.wait_all()  # no copy may still land in the pool unmapped below
-            self._pool = None
-            pool.close(unlink=False)  # the daemon owns it and retires it once its writes finish
-        new = StagingPool.create(self.endpoints.shm_prefix, self.env.rank, self.config.pool_slots,
-                                 slot_nbytes, self.config.pin_memory)
+        """This rank's staging ring, created (and registered with the daemon) on the first save,
+        sized by the staging budget from that save's ``nbytes``. Later saves of any size stream
+        through it."""
+        if self._pool is not None:
+            return self._pool
+        fraction, node_nbytes = parse_budget(self.config.staging_budget)
+        capacity = capacity_for(fraction, node_nbytes, nbytes, self.env.local_world_size)
+        new = StagingPool.create(self.endpoints.shm_prefix, self.env.rank, capacity, self.config.pin_memory,
+                                 self.config.snapshot_timeout_s)
         try:
-            self._link.request(RegisterPool(self.env.rank, new.generation, slot_nbytes, new.names), PoolOk)
+            self._link.request(RegisterPool(self.env.rank, new.generation, new.capacity, new.names), PoolOk)
         except BaseException:
             new.close(unlink=True)  # the daemon never took it over
             raise
         self._pool = new
         return new
 
-    def _acquire_slot(self, pool: StagingPool, step: int) -> int | None:
-        if not pool.free:
-            if self.config.on_full == "skip":
-                return None
-            t0 = time.monotonic()
-            deadline = t0 + self.config.slot_wait_timeout_s
-            while not pool.free:
-                if time.monotonic() > deadline:
-                    raise DaemonError(
-                        f"rank {self.env.rank}: no staging slot freed within "
-                        f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
-                    )
-                try:
-                    self._link.pump(0.05)
-                except DaemonLostError as exc:
-                    self._daemon_lost(str(exc))
-                    raise
-                if self._pool is not pool:
-                    raise DaemonError("the staging pool was dropped while waiting for a slot")
-            log.info("rank %d: waited %.3f s for a free staging slot (step %d)", self.env.rank,
-                     time.monotonic() - t0, step)
-        return pool.free.pop(0)
+    def _wait_block(self, pool: StagingPool, step: int) -> None:
+        """Wait for a free control block (BLOCKS saves of this rank in flight at most)."""
+        if pool.free:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.config.slot_wait_timeout_s
+        while not pool.free:
+            if time.monotonic() > deadline:
+                raise DaemonError(
+                    f"rank {self.env.rank}: {BLOCKS} saves still in flight after "
+                    f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
+                )
+            try:
+                self._link.pump(0.05)
+            except DaemonLostError as exc:
+                self._daemon_lost(str(exc))
+                raise
+            if self._pool is not pool:
+                raise DaemonError("the staging ring was dropped while waiting for a free block")
+        log.info("rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank,
+                 time.monotonic() - t0, step)
 
     def _next_attempt(self, step: int) -> str:
         """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
@@ -458,8 +471,8 @@ class Checkpointer:
                         "commit_timeout_s", self.env.rank, step, exc)
 
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
-        reason = (f"all {self.config.pool_slots} staging slots of rank {self.env.rank} were still "
-                  "being persisted (on_full='skip')")
+        reason = (f"the staging ring of rank {self.env.rank} had no room for it: earlier saves were "
+                  "still being persisted (on_full='skip')")
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
         self._link.request(Skip(step, attempt, self.env.rank, self.env.world_size, reason), SaveAck,
@@ -469,10 +482,10 @@ class Checkpointer:
         return handle
 
     def _on_notify(self, msg: Message) -> None:
-        if isinstance(msg, SlotFree):
+        if isinstance(msg, WriteDone):
             pool = self._pool
-            if pool is not None and msg.generation == pool.generation and msg.slot not in pool.free:
-                pool.free.append(msg.slot)
+            if pool is not None and msg.generation == pool.generation:
+                pool.release(msg.block)
             h = self._pending.get(msg.step)
             if h is not None and h.attempt == msg.attempt:
                 h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s

@@ -1,7 +1,7 @@
 """Sending a save's item list once: later saves with the same structure send only its id.
 
 A training job saves the same state structure again and again: same keys, shapes, dtypes and
-shard offsets, so the same records at the same slot offsets. Encoding, sending, decoding and
+shard offsets, so the same records at the same offsets in the ring. Encoding, sending, decoding and
 checking every record each time costs ~10 us per item on both sides (10,000 small tensors:
 tens of milliseconds of the training stall). The rank remembers the last item list it sent for
 its pool; when the next save's records and placements are equal, the SAVE carries only the

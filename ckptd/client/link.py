@@ -7,7 +7,7 @@ Order of use (by the Checkpointer, on the training thread only; not thread-safe)
    ``HELLO`` -> ``WELCOME`` handshake over CurveZMQ with the job's keys (protocol version, daemon
    instance; the daemon checks the HELLO's pid against the socket's credentials);
 2. :meth:`request`: send one request and wait for its reply; notifications arriving meanwhile
-   (``SLOT_FREE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
+   (``WRITE_DONE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
 3. :meth:`pump`: deliver notifications without a request (``handle.done()``/``wait()``);
 4. every wait polls in short intervals and checks that the daemon still holds its lock: a dead
    daemon raises :class:`DaemonLostError` at once instead of a timeout.

@@ -1,7 +1,7 @@
 """Per-save measurements a rank keeps, and their summary (:meth:`Checkpointer.stats`).
 
 For every save the rank knows: how long ``save()`` blocked training (``stall_s``, of which
-``queue_wait_s`` waiting for a free staging slot), how many bytes it staged, how long the
+``queue_wait_s`` waiting for staging ring space), how many bytes it staged, how long the
 daemon took to write and fsync its data file (``persist_s``) and how long after ``save()``
 returned the outcome arrived (``commit_latency_s``). Those are the inputs of save-frequency
 tuning (:mod:`ckptd.tune`).
@@ -22,7 +22,7 @@ class SaveRecord:
     nbytes: int
     stall_s: float
     queue_wait_s: float
-    persist_s: float | None = None  # daemon write + fsync of this rank's file (SLOT_FREE)
+    persist_s: float | None = None  # daemon write + fsync of this rank's file (WRITE_DONE)
     write_queue_s: float | None = None  # the write's wait for a daemon writer thread
     snapshot_s: float | None = None  # then its wait for the snapshot child's copy (fork snapshots)
     commit_latency_s: float | None = None  # save() returned -> COMMITTED known on this rank

@@ -9,8 +9,9 @@ from ._common import EXIT_FAILURE, EXIT_OK, add_parser, emit_json, format_bytes,
 
 DESCRIPTION = """\
 Ask every live ckptd daemon of ROOT's job on this machine for its status: connected ranks,
-staging pools, data-file writes in flight, steps awaiting the coordinator, and measurements
-(bytes written, write throughput, persist and commit latency of recent steps), and what its
+staging rings, data-file writes in flight, steps awaiting the coordinator, measurements
+(bytes written, write throughput, persist and commit latency of recent steps), memory (the
+daemon's and each rank's RSS, the /dev/shm its staging rings hold, current and peak), and what its
 sockets rejected (malformed or oversized messages, handshakes without the job's keys,
 connections dropped before authenticating). Node 0's daemon also reports its coordinator's
 steps and port. --prometheus prints the Prometheus text format (the same
@@ -54,9 +55,11 @@ def _print(info: dict[str, Any]) -> None:
             for where, counts in parts))
     pools = info.get("pools", [])
     if pools:
-        rows = [(p["rank"], p["slots"], format_bytes(p["slot_nbytes"]), len(p["busy"]),
+        rows = [(p["rank"], format_bytes(p["ring_nbytes"]), len(p["busy"]), p["queued"],
                  "retired" if p["retired"] else "") for p in pools]
-        print("  " + table(("RANK", "SLOTS", "SLOT SIZE", "BUSY", ""), rows, right=(0, 1, 2, 3)).replace("\n", "\n  "))
+        print("  " + table(("RANK", "RING", "SAVES IN FLIGHT", "QUEUED", ""), rows, right=(0, 1, 2, 3))
+              .replace("\n", "\n  "))
+    _print_memory(info.get("memory"))
     recent = m.get("recent_steps", [])[-5:]
     if recent:
         rows = [(s["step"], s["outcome"], s["ranks"], format_bytes(s["nbytes"]), _seconds(s["queue_s"]),
@@ -68,6 +71,21 @@ def _print(info: dict[str, Any]) -> None:
         print(f"  coordinator {coord['address']}: nodes {coord['nodes']}; steps in progress: "
               + (", ".join(f"{s} {v['phase']} ({len(v['written'])}/{v['world_size']} written)"
                            for s, v in steps.items()) or "none"))
+
+
+def _print_memory(mem: dict[str, Any] | None) -> None:
+    if not mem:
+        return
+
+    def both(p: dict[str, int]) -> str:
+        return f"{format_bytes(p['current'])} (peak {format_bytes(p['peak'])})"
+
+    shm = mem["dev_shm"]
+    print(f"  memory: daemon RSS {both(mem['daemon_rss'])}; staging rings in /dev/shm "
+          f"{both(mem['staging_shm'])}; /dev/shm used {both(shm)} of {format_bytes(shm['size'])}")
+    if mem["ranks_rss"]:
+        print("  ranks' RSS (training and staging): "
+              + ", ".join(f"rank {r['rank']} {both(r)}" for r in mem["ranks_rss"]))
 
 
 @guarded("status")

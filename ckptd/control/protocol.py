@@ -10,13 +10,16 @@ Order of calls for one save of step ``s`` (who sends each message):
    job, daemon instance; a new instance means the daemon restarted and unacknowledged saves
    are lost; the HELLO's pid must be the connecting process's). ``PING`` -> ``PONG`` checks
    liveness at any time.
-2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per pool: from then on the daemon owns the
-   shared-memory segments (and unlinks them); only this connection saves from them.
-3. rank copies its shards into a free slot, then rank -> daemon ``SAVE`` -> ``SAVE_ACK``; the
-   daemon now owns the slot's bytes and ``save()`` returns. When no slot is free and the policy
-   is ``skip``, rank -> daemon ``SKIP`` -> ``SAVE_ACK`` instead (the step then aborts everywhere).
-4. daemon writes ``__<rank>_0.distcp`` into ``<step>.<attempt>.tmp/``, fsyncs it, then daemon ->
-   rank ``SLOT_FREE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size;
+2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per staging ring: from then on the daemon
+   owns its shared-memory segment (and unlinks it); only this connection saves from it.
+3. rank takes a control block and the next range of its staging ring (ckptd.staging.ring), starts
+   producing its shards into it (a fork child, a copier thread, or itself), then rank -> daemon
+   ``SAVE`` -> ``SAVE_ACK``; the daemon now owns the save and ``save()`` returns. When the ring
+   has no room and the policy is ``skip``, rank -> daemon ``SKIP`` -> ``SAVE_ACK`` instead (the
+   step then aborts everywhere).
+4. daemon writes ``__<rank>_0.distcp`` into ``<step>.<attempt>.tmp/`` as the items are produced
+   (one save per ring at a time, in order, freeing ring space behind it), fsyncs it, then daemon ->
+   rank ``WRITE_DONE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size;
    rank 0 adds the common state). A failed write sends ``FAILED`` instead.
 5. coordinator, once every rank of the world wrote that attempt: validates coverage, writes the
    metadata files, checks every data file's size, renames ``<step>.<attempt>.tmp`` -> ``<step>``,
@@ -55,7 +58,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -74,7 +77,7 @@ class MsgType(enum.IntEnum):
     SAVE = 12
     SAVE_ACK = 13
     SKIP = 14
-    SLOT_FREE = 15
+    WRITE_DONE = 15
     BYE = 16
     STEP_COMMITTED = 20
     STEP_ABORTED = 21
@@ -136,12 +139,13 @@ class ErrorReply(Message):
 
 @dataclass(frozen=True)
 class RegisterPool(Message):
-    """rank -> daemon: segment names (created by the rank, 0600) of ``slot_nbytes`` bytes each."""
+    """rank -> daemon: the rank's staging ring, one segment (created by the rank, 0600) whose data
+    region holds ``ring_nbytes`` bytes (ckptd.staging.ring)."""
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_POOL
     rank: int
     generation: str
-    slot_nbytes: int
+    ring_nbytes: int
     names: list[str]
 
 
@@ -154,15 +158,18 @@ class PoolOk(Message):
 @dataclass(frozen=True)
 class Save(Message):
     """rank -> daemon. ``items``: ``{"record": ItemRecord wire map, "offset": int, "nbytes": int}``
-    in write order; ``common`` is the serialized common state (global rank 0 only).
+    in write order, offsets relative to ``ring_start``, the save's virtual start in the rank's
+    staging ring (ckptd.staging.ring); ``block`` is the save's control block in the ring's header;
+    ``common`` is the serialized common state (global rank 0 only).
 
     ``layout``: an id the rank gives this item list ("" for none). The daemon keeps the last
     layout per pool; a later SAVE with the same id and no ``items`` reuses it (same records at
-    the same slot offsets: the rank's state kept its structure).
+    the same relative offsets: the rank's state kept its structure).
 
-    ``snapshot_pid`` > 0: the shards are still being copied into the slot by that forked child
-    of the rank (ckptd.staging.fork), which writes ``seal`` at ``seal_offset`` when it is done;
-    the daemon waits for it before writing. 0: the bytes are in the slot already.
+    ``snapshot_pid``: who produces the items into the ring while the daemon writes them: a
+    forked child of the rank (ckptd.staging.fork) or the rank's own process (lazy snapshots and
+    copies inside ``save()``); it publishes its progress and finally writes ``seal`` in the
+    control block at ``seal_offset``.
 
     ``common_digest``: a digest of this rank's common state ("" when not computed), compared by
     the coordinator across ranks (ckptd.statedict.digest)."""
@@ -173,11 +180,12 @@ class Save(Message):
     rank: int
     world_size: int
     generation: str
-    slot: int
+    block: int
     items: list[dict]
     common: bytes | None
     common_digest: str
     layout: str
+    ring_start: int
     snapshot_pid: int
     seal: bytes
     seal_offset: int
@@ -202,10 +210,13 @@ class SaveAck(Message):
 
 
 @dataclass(frozen=True)
-class SlotFree(Message):
-    TYPE: ClassVar[MsgType] = MsgType.SLOT_FREE
+class WriteDone(Message):
+    """daemon -> rank: the write of a save finished (or failed); its control block ``block`` and
+    its ring space are free again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WRITE_DONE
     generation: str
-    slot: int
+    block: int
     step: int
     attempt: str
     write_s: float  # how long the daemon took to write and fsync the rank's data file
@@ -292,7 +303,7 @@ class ShutdownAck(Message):
 REGISTRY: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Ping, Pong, Hello, Welcome, ErrorReply, RegisterPool, PoolOk, Save, Skip, SaveAck,
-                SlotFree, Bye, StepCommitted, StepAborted, Written, Failed, Status, StatusReply,
+                WriteDone, Bye, StepCommitted, StepAborted, Written, Failed, Status, StatusReply,
                 Shutdown, ShutdownAck)
 }
 _HINTS: dict[type[Message], dict[str, Any]] = {

@@ -1,10 +1,10 @@
 """What a node daemon measures: writes, bytes, persist and commit latencies, rejected input.
 
 The daemon's event loop updates a :class:`DaemonMetrics`; ``STATUS`` replies carry its
-:meth:`~DaemonMetrics.snapshot`, and :func:`prometheus_text` renders a snapshot in the Prometheus
-text exposition format (served over HTTP when ``CKPTD_METRICS_PORT`` is set, and printed by
-``ckptd status --prometheus``). A lock guards the counters because the HTTP server reads them
-from its own thread.
+:meth:`~DaemonMetrics.snapshot`, and :class:`StatusCollector` turns STATUS replies into
+Prometheus metric families (prometheus_client renders them: served over HTTP when
+``CKPTD_METRICS_PORT`` is set, and printed by ``ckptd status --prometheus``). A lock guards the
+counters because the loop refreshes the status the HTTP thread reads.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 RECENT = 32  # per-step records kept for STATUS
 
@@ -108,80 +111,107 @@ class DaemonMetrics:
             }
 
 
-# (name, type, help, key in the snapshot)
-_SERIES: tuple[tuple[str, str, str, str], ...] = (
-    ("ckptd_saves_received_total", "counter", "SAVE requests received from ranks", "saves_received"),
-    ("ckptd_writes_total", "counter", "rank data files written and fsynced", "writes_ok"),
-    ("ckptd_write_failures_total", "counter", "rank data files whose write failed", "writes_failed"),
-    ("ckptd_written_bytes_total", "counter", "bytes written to data files", "bytes_written"),
-    ("ckptd_write_seconds_total", "counter", "time spent writing data files", "write_s_total"),
-    ("ckptd_steps_committed_total", "counter", "steps this node saw committed", "steps_committed"),
-    ("ckptd_steps_aborted_total", "counter", "steps this node saw aborted", "steps_aborted"),
+# (name, help, key in the snapshot); prometheus_client adds ``_total`` to counters.
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("ckptd_saves_received", "SAVE requests received from ranks", "saves_received"),
+    ("ckptd_writes", "rank data files written and fsynced", "writes_ok"),
+    ("ckptd_write_failures", "rank data files whose write failed", "writes_failed"),
+    ("ckptd_written_bytes", "bytes written to data files", "bytes_written"),
+    ("ckptd_write_seconds", "time spent writing data files", "write_s_total"),
+    ("ckptd_steps_committed", "steps this node saw committed", "steps_committed"),
+    ("ckptd_steps_aborted", "steps this node saw aborted", "steps_aborted"),
 )
+_GAUGES: tuple[tuple[str, str], ...] = (
+    ("ckptd_writes_in_flight", "data-file writes queued or running"),
+    ("ckptd_steps_pending", "steps written here awaiting the coordinator"),
+    ("ckptd_last_persist_seconds", "first SAVE to last data file durable, newest committed step"),
+    ("ckptd_last_commit_seconds", "first SAVE to COMMITTED, newest committed step"),
+    ("ckptd_last_committed_step", "newest step this node saw committed"),
+    ("ckptd_daemon_rss_bytes", "resident memory of the node daemon"),
+    ("ckptd_daemon_rss_peak_bytes", "peak resident memory of the node daemon"),
+    ("ckptd_staging_shm_bytes", "/dev/shm pages held by the staging rings of this node's ranks"),
+    ("ckptd_staging_shm_peak_bytes", "peak /dev/shm pages held by the staging rings (sampled)"),
+    ("ckptd_dev_shm_used_bytes", "/dev/shm in use on this node, by anyone"),
+    ("ckptd_dev_shm_used_peak_bytes", "peak /dev/shm in use on this node (sampled)"),
+)
+_REJECTED = ("ckptd_rejected_messages",
+             "messages and connections rejected on the ranks' socket and the coordinator's port "
+             "(malformed, oversized, duplicate, unauthenticated handshakes, dropped before "
+             "authenticating)")
 
 
-def _values(status: dict[str, Any]) -> dict[str, Any]:
-    m = status.get("metrics", {})
-    last = m.get("last_committed") or {}
-    values = {name: m.get(key) for name, _, _, key in _SERIES}
-    values.update({
+def _gauge_values(status: dict[str, Any]) -> dict[str, Any]:
+    last = status.get("metrics", {}).get("last_committed") or {}
+    mem = status.get("memory", {})
+    peak = lambda key, part: (mem.get(key) or {}).get(part)  # noqa: E731
+    return {
         "ckptd_writes_in_flight": status.get("jobs_in_flight"),
         "ckptd_steps_pending": len(status.get("pending_steps", [])),
-        "ckptd_rejected_messages_total": status.get("rejected_messages"),
         "ckptd_last_persist_seconds": last.get("persist_s"),
         "ckptd_last_commit_seconds": last.get("commit_s"),
         "ckptd_last_committed_step": last.get("step"),
-    })
-    return values
+        "ckptd_daemon_rss_bytes": peak("daemon_rss", "current"),
+        "ckptd_daemon_rss_peak_bytes": peak("daemon_rss", "peak"),
+        "ckptd_staging_shm_bytes": peak("staging_shm", "current"),
+        "ckptd_staging_shm_peak_bytes": peak("staging_shm", "peak"),
+        "ckptd_dev_shm_used_bytes": peak("dev_shm", "current"),
+        "ckptd_dev_shm_used_peak_bytes": peak("dev_shm", "peak"),
+    }
 
 
-_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("ckptd_writes_in_flight", "gauge", "data-file writes queued or running"),
-    ("ckptd_steps_pending", "gauge", "steps written here awaiting the coordinator"),
-    ("ckptd_rejected_messages_total", "counter",
-     "messages and connections rejected on the ranks' socket and the coordinator's port (malformed, "
-     "oversized, duplicate, unauthenticated handshakes, dropped before authenticating)"),
-    ("ckptd_last_persist_seconds", "gauge", "first SAVE to last data file durable, newest committed step"),
-    ("ckptd_last_commit_seconds", "gauge", "first SAVE to COMMITTED, newest committed step"),
-    ("ckptd_last_committed_step", "gauge", "newest step this node saw committed"),
-)
+class StatusCollector(Collector):
+    """Metric families of daemon ``STATUS`` replies (one per node), labelled by job and node;
+    ``statuses`` is called at every scrape."""
+
+    def __init__(self, statuses: Callable[[], list[dict[str, Any]]]) -> None:
+        self.statuses = statuses
+
+    def collect(self) -> Iterator[Metric]:
+        statuses = self.statuses()
+        labels = ["job", "node"]
+        keyed = [([str(st.get("job", "")), str(st.get("node", 0))], st) for st in statuses]
+        for name, help_text, key in _COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=labels)
+            for values, st in keyed:
+                value = st.get("metrics", {}).get(key)
+                if value is not None:
+                    family.add_metric(values, value)
+            yield family
+        rejected = CounterMetricFamily(*_REJECTED, labels=labels)
+        for values, st in keyed:
+            if st.get("rejected_messages") is not None:
+                rejected.add_metric(values, st["rejected_messages"])
+        yield rejected
+        gauges = [(values, _gauge_values(st)) for values, st in keyed]
+        for name, help_text in _GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            for values, found in gauges:
+                if found[name] is not None:
+                    family.add_metric(values, found[name])
+            yield family
+        ranks = GaugeMetricFamily("ckptd_rank_rss_bytes", "resident memory of a connected rank's process "
+                                  "(training and staging), as last sampled", labels=[*labels, "rank"])
+        for values, st in keyed:
+            for r in st.get("memory", {}).get("ranks_rss", []):
+                ranks.add_metric([*values, str(r["rank"])], r["current"])
+        yield ranks
 
 
-def _number(value: Any) -> str:
-    x = float(value)
-    return str(int(x)) if x.is_integer() else repr(x)
+def _registry(statuses: Callable[[], list[dict[str, Any]]]) -> CollectorRegistry:
+    # A registry of its own: nothing process-global (prometheus_client's default registry also
+    # holds process and GC metrics of whoever imports it).
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(statuses))
+    return registry
 
 
 def prometheus_text(statuses: list[dict[str, Any]]) -> str:
     """Render daemon ``STATUS`` replies (one per node) in the Prometheus text exposition format."""
-    per_node = [(f'job="{st.get("job", "")}",node="{st.get("node", 0)}"', _values(st)) for st in statuses]
-    out: list[str] = []
-    for name, kind, help_text in [(n, k, h) for n, k, h, _ in _SERIES] + list(_GAUGES):
-        samples = [f"{name}{{{labels}}} {_number(v[name])}" for labels, v in per_node if v.get(name) is not None]
-        if samples:
-            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
-    return "\n".join(out) + "\n"
+    return generate_latest(_registry(lambda: statuses)).decode()
 
 
-def serve_metrics(port: int, status: Callable[[], dict[str, Any]]) -> ThreadingHTTPServer:
-    """Serve ``GET /metrics`` on 127.0.0.1:``port`` from a daemon thread; returns the server."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path.split("?")[0] != "/metrics":
-                self.send_error(404, "only /metrics is served")
-                return
-            body = prometheus_text([status()]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep scrapes out of the log
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="ckptd-metrics", daemon=True).start()
+def serve_metrics(port: int, status: Callable[[], dict[str, Any]]) -> Any:
+    """Serve ``GET /metrics`` on 127.0.0.1:``port`` from a daemon thread of prometheus_client;
+    returns the server (``shutdown()`` and ``server_close()`` stop it)."""
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=_registry(lambda: [status()]))
     return server

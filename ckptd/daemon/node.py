@@ -10,7 +10,7 @@ token (ckptd.control.keys). What it does per save, in order (see :mod:`ckptd.con
    child, mark the slot busy, queue the write into ``<step>.<attempt>.tmp/``, answer ``SAVE_ACK``
    (the daemon now owns the bytes);
 2. a writer thread writes ``__<rank>_0.distcp`` from the slot (zero-copy views) and fsyncs it;
-3. back in the loop: ``SLOT_FREE`` to the rank, ``WRITTEN`` (or ``FAILED``) to the coordinator;
+3. back in the loop: ``WRITE_DONE`` to the rank, ``WRITTEN`` (or ``FAILED``) to the coordinator;
 4. ``STEP_COMMITTED`` / ``STEP_ABORTED`` from the coordinator is forwarded to the ranks of that
    step and attempt.
 
@@ -30,7 +30,6 @@ import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from typing import Any, NamedTuple
 
 import psutil
@@ -56,7 +55,7 @@ from ..control.protocol import (
     Shutdown,
     ShutdownAck,
     Skip,
-    SlotFree,
+    WriteDone,
     Status,
     StatusReply,
     StepAborted,
@@ -69,10 +68,12 @@ from ..errors import CkptdError, ProtocolError, StagingError
 from ..format.direct import open_data_file
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
+from ..staging.ring import ALIGN, BLOCKS
 from .commit import tmp_dir
 from .coordinator import Coordinator
+from .memory import MemoryWatch
 from .metrics import DaemonMetrics, serve_metrics
-from .pools import PoolTable
+from .pools import DaemonPool, PoolTable
 from .snapshot import SnapshotWait, check_snapshot_child
 from .faults import debug_opener
 from .workers import Completions, Done, WorkerPools, WriteRequest, write_rank_file
@@ -98,7 +99,7 @@ class WriteKey(NamedTuple):
     rank: int
     world_size: int
     generation: str
-    slot: int
+    block: int
     identity: bytes
     common: bytes | None
     common_digest: str
@@ -129,7 +130,8 @@ class NodeDaemon:
         self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
         self.completions = Completions()
         self.metrics = DaemonMetrics()
-        self.metrics_server: ThreadingHTTPServer | None = None
+        self.metrics_server: Any = None  # prometheus_client's HTTP server
+        self.memory = MemoryWatch()
         self.status_cache: dict[str, Any] = {}
         self.workers = WorkerPools(config.writer_threads, self.completions)
         self.pools = PoolTable(ep.shm_prefix)
@@ -303,7 +305,7 @@ class NodeDaemon:
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterPool):
             self._client(identity, msg.rank)
-            self.pools.register(msg.rank, msg.generation, msg.slot_nbytes, msg.names, identity)
+            self.pools.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.ranks.send(PoolOk(msg.generation), identity)
         elif isinstance(msg, Save):
             self._on_save(identity, msg)
@@ -353,62 +355,73 @@ class NodeDaemon:
         if self.stopping_since is not None:
             raise CkptdError(f"the node daemon is shutting down ({self.stop_reason}); retry the save")
         pool = self.pools.get(msg.rank, msg.generation, identity)
-        if not 0 <= msg.slot < len(pool.segments):
-            raise StagingError(f"rank {msg.rank}: slot {msg.slot} does not exist")
-        if msg.slot in pool.busy:
-            raise StagingError(f"rank {msg.rank}: slot {msg.slot} is still being written")
+        if not 0 <= msg.block < BLOCKS:
+            raise StagingError(f"rank {msg.rank}: control block {msg.block} does not exist")
+        if msg.block in pool.busy:
+            raise StagingError(f"rank {msg.rank}: control block {msg.block} is in use by a save in flight")
+        if not 0 <= msg.ring_start < 1 << 62 or msg.ring_start % ALIGN:
+            raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
         if msg.layout and not msg.items:
             if pool.layout is None or pool.layout[0] != msg.layout:
                 raise ProtocolError(f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
                                     "daemon does not hold; send the items")
             _, records, placements = pool.layout
         else:
-            records, placements = self._decode_items(msg, pool.slot_nbytes)
+            records, placements = self._decode_items(msg, pool.capacity)
             if msg.layout:
                 pool.layout = (msg.layout, records, placements)
-        snapshot = None
-        if msg.snapshot_pid:
-            check_snapshot_child(msg.rank, msg.snapshot_pid, client.pid, pool.registered_s)
-            snapshot = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset,
-                                         pool.slot_nbytes)
-        req = WriteRequest(msg.step, msg.rank, records, placements, msg.common)
+        check_snapshot_child(msg.rank, msg.snapshot_pid, client.pid, pool.registered_s)
+        snapshot = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
+        req = WriteRequest(msg.step, msg.rank, records, placements, msg.common, msg.ring_start)
         # created by the writer (its errors fail the save)
         directory = tmp_dir(self.ep.root, msg.step, msg.attempt)
-        pool.busy.add(msg.slot)
-        seg = pool.segments[msg.slot]
+        pool.busy.add(msg.block)
+        ring = pool.ring
         cfg = self.config
         nbytes = sum(p.nbytes for p in placements)
         queued_s = time.monotonic()
-        key = WriteKey(msg.step, msg.attempt, msg.rank, msg.world_size, msg.generation, msg.slot, identity,
+        key = WriteKey(msg.step, msg.attempt, msg.rank, msg.world_size, msg.generation, msg.block, identity,
                        msg.common, msg.common_digest, nbytes)
 
         def job() -> tuple[list[ItemRecord], int, float, float, float]:
             started_s = time.monotonic()
-            stored, file_nbytes = write_rank_file(directory, seg, req, self.opener, cfg.fsync, cfg.checksums,
+            stored, file_nbytes = write_rank_file(directory, ring, req, self.opener, cfg.fsync, cfg.checksums,
                                                   snapshot, cfg.snapshot_timeout_s)
-            # The write overlaps the snapshot child's copy; the time it only waited is reported apart.
-            waited_s = snapshot.waited_s if snapshot is not None else 0.0
+            # The write overlaps the producer's copy; the time it only waited is reported apart.
+            waited_s = snapshot.waited_s
             return stored, file_nbytes, started_s - queued_s, time.monotonic() - started_s - waited_s, waited_s
 
         self.metrics.save_received(msg.step)
-        self.workers.write(key, job)
+        # A rank's saves stream through its ring in order: one write per ring at a time.
+        pool.queued.append(lambda: self.workers.write(key, job))
+        self._next_write(pool)
         self.steps[(msg.step, msg.attempt)].notify.add(identity)
         self.ranks.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
-        log.info("step %d attempt %s rank %d: %d items queued from slot %d", msg.step, msg.attempt, msg.rank,
-                 len(records), msg.slot)
+        log.info("step %d attempt %s rank %d: %d items queued from ring offset %d", msg.step, msg.attempt,
+                 msg.rank, len(records), msg.ring_start)
 
     @staticmethod
-    def _decode_items(msg: Save, slot_nbytes: int) -> tuple[list[ItemRecord], list[Placement]]:
-        """Records and slot placements of a SAVE's items, each checked against the slot."""
+    def _next_write(pool: DaemonPool) -> None:
+        """Start the ring's next queued write, unless one is running."""
+        if not pool.writing and pool.queued:
+            pool.writing = True
+            pool.queued.popleft()()
+
+    @staticmethod
+    def _decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
+        """Records and relative placements of a SAVE's items, each checked: in order, not
+        overlapping, and each no larger than the ring (``capacity``)."""
         records, placements = [], []
+        end = 0
         for it in msg.items:
             if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
                 raise ProtocolError("SAVE item must be {record, offset, nbytes}")
             rec = ItemRecord.from_wire(it["record"])
             off, n = it["offset"], it["nbytes"]
-            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
-                    and off + n <= slot_nbytes):
-                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} lies outside the slot")
+            if not (isinstance(off, int) and isinstance(n, int) and end <= off < 1 << 62 and 0 <= n <= capacity):
+                raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
+                                   f"before it or does not fit the {capacity}-byte ring")
+            end = off + n
             if rec.rank != msg.rank:
                 raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
             if rec.kind == "tensor" and rec.nbytes != n:
@@ -427,12 +440,14 @@ class NodeDaemon:
         k: WriteKey = done.key
         pool = self.pools.pools.get((k.rank, k.generation))
         if pool is not None:
-            pool.busy.discard(k.slot)
+            pool.busy.discard(k.block)
+            pool.writing = False
+            self._next_write(pool)
             self.pools.collect()
         stored, file_nbytes, queue_s, write_s, snapshot_s = (done.result if done.error is None
                                                              else ([], 0, 0.0, 0.0, 0.0))
         self.metrics.write_finished(k.step, k.nbytes, write_s, queue_s, ok=done.error is None)
-        self.ranks.send(SlotFree(k.generation, k.slot, k.step, k.attempt, write_s, queue_s, snapshot_s),
+        self.ranks.send(WriteDone(k.generation, k.block, k.step, k.attempt, write_s, queue_s, snapshot_s),
                         k.identity, block=False)
         step_key = (k.step, k.attempt)
         live = step_key in self.steps and k.identity in self.steps[step_key].notify
@@ -538,6 +553,8 @@ class NodeDaemon:
                     log.info("rank %d (pid %d) is gone; its pool is released once idle", c.rank, c.pid)
                     del self.clients[identity]
                     self.pools.retire_owner(identity)
+            self.memory.sample([(c.rank, c.pid) for c in self.clients.values()],
+                               [str(p.segment.path) for p in self.pools.pools.values()])
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the ranks' socket (and the upstream one), by kind."""
@@ -562,6 +579,7 @@ class NodeDaemon:
             "coordinator": coordinator,
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
+            "memory": self.memory.report(),
         }
 
 

@@ -1,4 +1,9 @@
-"""The daemon's view of its ranks' staging pools: attached segments and which slots are busy.
+"""The daemon's view of its ranks' staging rings (ckptd.staging.ring): mapped rings, the saves
+in flight in each (by control block), and the writes queued for each.
+
+A rank's saves stream through its ring in order, so the daemon writes them in order too: one
+write per ring at a time, the next queued until it finished (it frees the ring space the next
+save's producer may be waiting for).
 
 A pool registered by a rank belongs to the daemon: it is unmapped and unlinked here once it is
 *retired* (its rank closed, died, or registered a newer pool) and no write still reads from it.
@@ -9,12 +14,15 @@ only its own later pools or its own BYE retire it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import StagingError
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
-from ..staging.segment import ShmSegment
+from ..staging.ring import HEADER_NBYTES, PAGE, RingMap
+from ..staging.segment import ShmSegment, segment_name
 from .snapshot import boottime_s
 
 log = logging.getLogger(__name__)
@@ -24,12 +32,15 @@ log = logging.getLogger(__name__)
 class DaemonPool:
     rank: int
     generation: str
-    slot_nbytes: int
-    segments: list[ShmSegment]
+    capacity: int  # the ring's data bytes
+    ring: RingMap
+    segment: ShmSegment  # for unlinking
     owner: bytes  # the registering client's socket identity
     registered_s: float = field(default_factory=boottime_s)  # on the clock of process start times
-    busy: set[int] = field(default_factory=set)
+    busy: set[int] = field(default_factory=set)  # control blocks of saves in flight
     retired: bool = False
+    writing: bool = False  # a write of this ring is running
+    queued: deque[Callable[[], None]] = field(default_factory=deque)  # writes waiting for it
     # The item layout of the rank's last SAVE that named one: ``(layout id, records, placements)``.
     # A rank whose state keeps its structure from save to save sends only the id (see
     # ckptd.client.layout), so neither side re-encodes, re-decodes or re-checks 10,000 records.
@@ -41,27 +52,22 @@ class PoolTable:
         self.shm_prefix = shm_prefix
         self.pools: dict[tuple[int, str], DaemonPool] = {}
 
-    def register(self, rank: int, generation: str, slot_nbytes: int, names: list[str],
+    def register(self, rank: int, generation: str, capacity: int, names: list[str],
                  owner: bytes) -> DaemonPool:
-        """Attach a rank's new segments; older pools this connection registered retire."""
-        expected = f"{self.shm_prefix}r{rank}-{generation}-s"
-        if not names or any(n != f"{expected}{i}" for i, n in enumerate(names)):
-            raise StagingError(f"rank {rank}: segment names {names[:2]}... do not follow "
-                               f"{expected}<i>; they belong to another job or node")
+        """Map a rank's new ring; older rings this connection registered retire."""
+        if len(names) != 1 or names[0] != segment_name(self.shm_prefix, rank, generation, 0):
+            raise StagingError(f"rank {rank}: segment names {names[:2]}... are not its staging ring "
+                               f"{segment_name(self.shm_prefix, rank, generation, 0)}; they belong to "
+                               "another job or node")
         if (rank, generation) in self.pools:
             raise StagingError(f"rank {rank}: pool {generation} is registered already")
-        segments: list[ShmSegment] = []
-        try:
-            for n in names:
-                segments.append(ShmSegment.attach(n, slot_nbytes))
-        except StagingError:
-            for s in segments:
-                s.close()
-            raise
+        if not 0 < capacity <= (1 << 48) or capacity % PAGE:
+            raise StagingError(f"rank {rank}: a ring of {capacity} bytes is not a positive number of pages")
+        segment, ring = attach_ring(names[0], capacity)
         for pool in self.pools.values():
             if pool.owner == owner:
                 pool.retired = True
-        pool = DaemonPool(rank, generation, slot_nbytes, segments, owner)
+        pool = DaemonPool(rank, generation, capacity, ring, segment, owner)
         self.pools[(rank, generation)] = pool
         self.collect()
         return pool
@@ -91,11 +97,10 @@ class PoolTable:
                 del self.pools[key]
 
     def _release(self, pool: DaemonPool) -> None:
-        for seg in pool.segments:
-            seg.close()
-            seg.unlink()
-        log.info("released staging pool %s of rank %d (%d slots)", pool.generation, pool.rank,
-                 len(pool.segments))
+        pool.ring.close()
+        pool.segment.close()
+        pool.segment.unlink()
+        log.info("released staging ring %s of rank %d (%d bytes)", pool.generation, pool.rank, pool.capacity)
 
     def release_all(self) -> None:
         for pool in self.pools.values():
@@ -103,6 +108,25 @@ class PoolTable:
         self.pools.clear()
 
     def summary(self) -> list[dict]:
-        return [{"rank": p.rank, "generation": p.generation, "slots": len(p.segments),
-                 "slot_nbytes": p.slot_nbytes, "busy": sorted(p.busy), "retired": p.retired}
-                for p in self.pools.values()]
+        return [{"rank": p.rank, "generation": p.generation, "ring_nbytes": p.capacity,
+                 "consumed": p.ring.consumed(), "busy": sorted(p.busy), "queued": len(p.queued),
+                 "retired": p.retired} for p in self.pools.values()]
+
+
+def attach_ring(name: str, capacity: int) -> tuple[ShmSegment, RingMap]:
+    """Open a rank's ring segment (checked: a private regular file of this user, of the announced
+    size) and map it as a ring."""
+    import os
+
+    segment = ShmSegment.attach(name, HEADER_NBYTES + capacity)
+    try:
+        fd = os.open(segment.path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(segment.path, follow_symlinks=False)):
+                raise StagingError(f"{segment.path} changed while it was being mapped")
+            return segment, RingMap(fd, capacity)
+        finally:
+            os.close(fd)
+    except BaseException:
+        segment.close()
+        raise

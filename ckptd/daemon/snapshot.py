@@ -1,4 +1,5 @@
-"""Waiting for a rank's snapshot child (ckptd.staging.fork) while writing its slot.
+"""Watching the producer of a rank's save (a snapshot child, ckptd.staging.fork, or the rank
+itself) while the daemon writes the save from the rank's staging ring.
 
 A SAVE whose shards are copied by a forked child names the child's pid and the seal it writes
 after its last copy. The daemon opens a pidfd for the child when the SAVE arrives (the rank reaps
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StagingError
-from ..staging.fork import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES
-from ..staging.segment import ShmSegment, shm_free_nbytes
+from ..staging.ring import ABANDONED, BLOCKS, NO_ROOM, SEAL_NBYTES, RingMap, block_offset
+from ..staging.segment import shm_free_nbytes
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
 _POLL_S = 0.005
@@ -38,7 +39,7 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
     """Raise StagingError unless ``pid`` is a child of ``parent_pid`` (the rank's process) started
     after ``not_before_s`` (its pool's registration, :func:`boottime_s`), or the rank's process
     itself (a lazy snapshot, copied by a thread of the rank: ckptd.staging.lazy). A child that is
-    gone already passes: there is nothing to wait on, and its seal in the slot tells whether it
+    gone already passes: there is nothing to wait on, and its seal in the ring tells whether it
     finished."""
     if pid == parent_pid:
         return
@@ -60,20 +61,23 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
 
 @dataclass
 class SnapshotWait:
+    """The daemon's watch over the producer of one save: its progress and seal in the save's
+    control block of the rank's ring (ckptd.staging.ring), and the producing process (a pidfd)."""
+
     rank: int
     pid: int
     seal: bytes
-    seal_offset: int
+    block: int
     pidfd: int = -1
-    waited_s: float = 0.0  # time spent waiting for the child, in total
+    waited_s: float = 0.0  # time spent waiting for the producer, in total
 
     @classmethod
-    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int, slot_nbytes: int) -> "SnapshotWait":
-        if pid <= 1 or len(seal) != SEAL_NBYTES or \
-                not 0 <= seal_offset <= slot_nbytes - SEAL_NBYTES - PROGRESS_NBYTES:
+    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int) -> "SnapshotWait":
+        blocks = {block_offset(b): b for b in range(BLOCKS)}
+        if pid <= 1 or len(seal) != SEAL_NBYTES or seal_offset not in blocks:
             raise StagingError(f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
-                               f"at {seal_offset} of a {slot_nbytes}-byte slot)")
-        wait = cls(rank, pid, seal, seal_offset)
+                               f"at header offset {seal_offset}, not a control block)")
+        wait = cls(rank, pid, seal, blocks[seal_offset])
         try:
             wait.pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -87,48 +91,67 @@ class SnapshotWait:
             os.close(self.pidfd)
         self.pidfd = -1
 
-    def progress(self, seg: ShmSegment) -> int:
-        """Slot bytes the child has copied (every byte below this offset is final); raises
-        StagingError if the copier abandoned the snapshot."""
-        done = int.from_bytes(seg.view(self.seal_offset + SEAL_NBYTES, PROGRESS_NBYTES), "little")
+    def progress(self, ring: RingMap) -> int:
+        """The virtual end of what the producer has written (every byte below it is final);
+        raises StagingError if it will never seal the save."""
+        done = ring.progress(self.block)
         if done == NO_ROOM:
             raise StagingError(
-                f"rank {self.rank}'s snapshot ran out of room in /dev/shm ({shm_free_nbytes()} bytes free "
-                "now): this save is not persisted; training goes on and the next save retries. Free or "
-                "enlarge /dev/shm (containers: --shm-size), or lower CKPTD_POOL_SLOTS")
+                f"rank {self.rank}'s snapshot ran out of room: /dev/shm has {shm_free_nbytes()} bytes free; "
+                "this save is not persisted; training goes on and the next save retries. Free or "
+                "enlarge /dev/shm (containers: --shm-size), or lower CKPTD_STAGING_BUDGET")
         if done == ABANDONED:
             raise StagingError(
-                f"rank {self.rank} abandoned its lazy snapshot: a saved tensor was modified before its "
-                "copy was complete, so this save is not persisted. Call Checkpointer.before_update() "
-                "(or attach(optimizer)) before changing saved tensors")
+                f"rank {self.rank} abandoned its snapshot of this save (a tensor copied lazily was "
+                "modified before the fence, or the copy failed: the rank's log says which), so it is "
+                "not persisted. With snapshot=lazy, call Checkpointer.before_update() (or "
+                "attach(optimizer)) before changing saved tensors")
         return done
 
-    def sealed(self, seg: ShmSegment) -> bool:
-        self.progress(seg)  # an abandoned snapshot is never sealed: raise now
-        return bytes(seg.view(self.seal_offset, SEAL_NBYTES)) == self.seal
+    def sealed(self, ring: RingMap) -> bool:
+        self.progress(ring)  # an abandoned snapshot is never sealed: raise now
+        return ring.sealed_with(self.block) == self.seal
 
-    def wait_for(self, seg: ShmSegment, end: int, timeout_s: float) -> None:
-        """Return once the slot's bytes below ``end`` are copied; raise StagingError if the child
-        exited (or ran past ``timeout_s``) without copying them."""
-        self._until(seg, lambda: self.progress(seg) >= end, timeout_s)
+    def wait_for(self, ring: RingMap, end: int, timeout_s: float) -> None:
+        """Return once the virtual bytes below ``end`` are produced; raise StagingError if the
+        producer exited (or ran past ``timeout_s``) without producing them."""
+        self._until(ring, lambda: self.progress(ring) >= end, timeout_s)
 
-    def wait(self, seg: ShmSegment, timeout_s: float) -> None:
-        """Return once the child has copied everything and sealed the slot; raise StagingError
-        otherwise. Closes the pidfd."""
+    def wait(self, ring: RingMap, timeout_s: float) -> None:
+        """Return once the producer has written everything and sealed the save; raise
+        StagingError otherwise. Closes the pidfd."""
         try:
-            self._until(seg, lambda: self.sealed(seg), timeout_s)
+            self._until(ring, lambda: self.sealed(ring), timeout_s)
         finally:
             self.close()
 
-    def _until(self, seg: ShmSegment, ready: Callable[[], bool], timeout_s: float) -> None:
-        """Poll ``ready()`` until it holds; a child that exits first must have sealed the slot."""
+    def drain(self, ring: RingMap, end: int, timeout_s: float) -> bool:
+        """After a failed write, free this save's ring space as its producer goes: follow its
+        progress until it sealed, gave up or exited, then free up to ``end`` (the save's virtual
+        end). False if the producer still runs after ``timeout_s``: the space stays taken (a
+        later save fails waiting for room, naming the daemon)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                finished = self.sealed(ring)
+                ring.set_consumed(min(self.progress(ring), end))
+            except StagingError:
+                finished = True  # abandoned: it writes no more
+            if finished or self.pidfd == -1 or self._wait_exit(0.002):
+                ring.set_consumed(end)
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def _until(self, ring: RingMap, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Poll ``ready()`` until it holds; a producer that exits first must have sealed the save."""
         if ready():
             return
         t0 = time.monotonic()
         try:
             while not ready():
                 if self._wait_exit(0.002):  # sleeps until the next poll, or wakes at the exit
-                    if not (ready() and self.sealed(seg)):
+                    if not (ready() and self.sealed(ring)):
                         raise self._died()
                     return
                 if time.monotonic() > t0 + timeout_s:
@@ -141,8 +164,8 @@ class SnapshotWait:
     def _died(self) -> StagingError:
         return StagingError(
             f"rank {self.rank}: snapshot process {self.pid} exited before it had copied every "
-            "shard (killed, or out of memory?); this save is not persisted. Later saves retry; "
-            "CKPTD_SNAPSHOT=copy stages inside save() instead")
+            f"shard (killed, or out of memory? /dev/shm has {shm_free_nbytes()} bytes free); this save "
+            "is not persisted. Later saves retry; CKPTD_SNAPSHOT=copy stages inside save() instead")
 
     def _wait_exit(self, timeout_s: float) -> bool:
         """Whether the child has exited, waiting up to ``timeout_s`` for it."""

@@ -29,8 +29,8 @@ from ..format.items import PlannedItem, write_data_file
 from ..format.layout import data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_from_name
 from ..format.safefs import Dir
-from ..staging.pool import Placement, slot_view
-from ..staging.segment import ShmSegment
+from ..staging.pool import Placement, bytes_view
+from ..staging.ring import RingMap, span
 from .snapshot import SnapshotWait
 
 log = logging.getLogger(__name__)
@@ -98,38 +98,44 @@ class Completions:
 
 @dataclass(frozen=True)
 class WriteRequest:
-    """One rank's save as the daemon received it: records plus where each payload sits in the slot."""
+    """One rank's save as the daemon received it: records, where each payload sits relative to
+    the save's virtual start ``ring_start`` in the rank's ring, and rank 0's common state."""
 
     step: int
     rank: int
     records: list[ItemRecord]
     placements: list[Placement]
     common: bytes | None
+    ring_start: int
+
+    @property
+    def ring_end(self) -> int:
+        """The save's virtual end: where the next save of the rank starts."""
+        return self.ring_start + span(p.offset + p.nbytes for p in self.placements)
 
 
-def planned_items(seg: ShmSegment, req: WriteRequest) -> list[PlannedItem]:
-    """Items whose payloads are views of the shared-memory slot (zero-copy)."""
-    if seg.base is None:
-        raise RuntimeError(f"segment {seg.name} is not mapped")
+def planned_items(ring: RingMap, req: WriteRequest) -> list[PlannedItem]:
+    """Items whose payloads are views of the shared-memory ring (zero-copy)."""
     out = []
     for rec, p in zip(req.records, req.placements):
-        if rec.kind == TENSOR:
-            payload: torch.Tensor | memoryview = slot_view(seg.base, p, dtype_from_name(rec.dtype), tuple(rec.sizes))
-        else:
-            payload = seg.view(p.offset, p.nbytes)
+        raw = ring.view(req.ring_start + p.offset, p.nbytes)
+        payload: torch.Tensor | memoryview = (bytes_view(raw, dtype_from_name(rec.dtype), tuple(rec.sizes))
+                                              if rec.kind == TENSOR else raw)
         out.append(PlannedItem(rec, payload))  # type: ignore[arg-type]
     return out
 
 
-def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener: Opener, fsync: bool,
-                    checksums: bool, snapshot: SnapshotWait | None = None,
-                    snapshot_timeout_s: float = 0.0) -> tuple[list[ItemRecord], int]:
-    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the slot; returns the stored
+def write_rank_file(directory: Path, ring: RingMap, req: WriteRequest, opener: Opener, fsync: bool,
+                    checksums: bool, snapshot: SnapshotWait, snapshot_timeout_s: float) -> tuple[list[ItemRecord], int]:
+    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the ring; returns the stored
     records and the file's size (the coordinator checks it before it commits).
 
-    With a ``snapshot`` (the rank's fork child is still copying into the slot), each item is
-    written once the child has copied it, and the file is published only after the child sealed
-    the slot; a child that died early fails the write.
+    The ``snapshot``'s producer (the rank's fork child, or the rank itself) may still be copying:
+    each item is written once it was produced, its ring space is freed once it was written (so
+    the producer can go on with a save bigger than the ring), and the file is published only
+    after the producer sealed the save; a producer that died early fails the write. The save's
+    whole ring space is free again when this returns or raises (after a failure, once the
+    producer stopped writing: :meth:`SnapshotWait.drain`).
 
     The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*
     (relative to the root's fd). A write that outlives its attempt therefore never rewrites a file
@@ -153,18 +159,26 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
             rootd.close()
             raise
     except OSError as exc:
+        snapshot.drain(ring, req.ring_end, snapshot_timeout_s)
+        snapshot.close()
         raise StorageError.from_oserror(exc, directory) from exc
-    items = planned_items(seg, req)
-    ready = None
-    if snapshot is not None:
-        ends = [p.offset + p.nbytes for p in req.placements]
+    items = planned_items(ring, req)
+    ends = [req.ring_start + p.offset + p.nbytes for p in req.placements]
 
-        def ready(i: int) -> None:
-            snapshot.wait_for(seg, ends[i], snapshot_timeout_s)
+    def ready(i: int) -> None:
+        snapshot.wait_for(ring, ends[i], snapshot_timeout_s)
+
+    def written(i: int) -> None:
+        ring.set_consumed(ends[i])
     try:
-        stored = write_data_file(stepd, part, items, opener, fsync, checksums, ready)
-        if snapshot is not None:
-            snapshot.wait(seg, snapshot_timeout_s)  # sealed: every byte written was final
+        try:
+            stored = write_data_file(stepd, part, items, opener, fsync, checksums, ready, written)
+            snapshot.wait(ring, snapshot_timeout_s)  # sealed: every byte written was final
+        except BaseException:
+            del items
+            snapshot.drain(ring, req.ring_end, snapshot_timeout_s)
+            raise
+        ring.set_consumed(req.ring_end)
         _publish(rootd, stepd, step_name, part, name)
         st = stepd.lstat(name)
         file_nbytes = st.st_size if st is not None else -1
@@ -176,11 +190,9 @@ def write_rank_file(directory: Path, seg: ShmSegment, req: WriteRequest, opener:
             raise StorageError.from_oserror(exc, directory / part) from exc
         raise
     finally:
-        del items
         stepd.close()
         rootd.close()
-        if snapshot is not None:
-            snapshot.close()
+        snapshot.close()
     stored = [dataclasses.replace(r, relative_path=name) for r in stored]
     nbytes = sum(p.nbytes for p in req.placements)
     dt = time.perf_counter() - t0

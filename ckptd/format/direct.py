@@ -2,7 +2,7 @@
 
 A buffered write of a checkpoint copies every byte into the page cache first (the daemon's main
 CPU cost, and it competes with training for the same cores and memory bandwidth), then the fsync
-waits for the flush. With ``O_DIRECT`` the disk reads the bytes straight out of the staging slot:
+waits for the flush. With ``O_DIRECT`` the disk reads the bytes straight out of the staging ring:
 measured on the CI machine (ext4, 2 GiB from shared memory, 64 MiB writes), 2.6-3.3 GiB/s with
 0.08 s of CPU, against 1.8 GiB/s with 0.6 s of CPU buffered + fsync.
 

@@ -12,7 +12,7 @@ import ctypes
 import math
 import os
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -156,7 +156,7 @@ class ItemSink:
                 return view.nbytes
             self._place(buffer_address(view))
         if self._checksums and self._executor is not None and view.nbytes >= _OVERLAP_MIN_BYTES:
-            # ``view`` (often the staging slot or the tensor's storage) stays valid until we return.
+            # ``view`` (often the staging ring or the tensor's storage) stays valid until we return.
             pending = self._executor.submit(crc32c, view, self._crc)
             try:
                 self._f.write(view)
@@ -234,18 +234,21 @@ def write_data_file(
     fsync: bool = True,
     checksums: bool = True,
     ready: Callable[[int], None] | None = None,
+    written: Callable[[int], None] | None = None,
 ) -> list[ItemRecord]:
     """Write ``items`` into ``directory/file_name``, fsync it, and return the stored records.
 
     With ``checksums`` each record carries the CRC-32 of its item's bytes (``ItemRecord.crc32``),
     computed as the bytes are written (see :class:`ItemSink`); ``ckptd verify`` checks them.
     ``ready(i)`` is called before item ``i`` is written and returns once its payload is complete
-    (the daemon: a snapshot child may still be copying later items).
+    (the daemon: a snapshot child may still be copying later items); ``written(i)`` after it was
+    handed to the file (its payload may be overwritten from then on: the daemon frees ring space).
     """
     if checksums:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32") as executor:
-            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready)
-    return _write_data_file(directory, file_name, items, opener, fsync, checksums, None, ready)
+            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready,
+                                    written)
+    return _write_data_file(directory, file_name, items, opener, fsync, checksums, None, ready, written)
 
 
 def _write_data_file(
@@ -257,6 +260,7 @@ def _write_data_file(
     checksums: bool,
     crc_executor: Executor | None,
     ready: Callable[[int], None] | None,
+    written: Callable[[int], None] | None,
 ) -> list[ItemRecord]:
     path = entry_path(directory, file_name)  # in an open Dir: created relative to its fd
     stored: list[ItemRecord] = []
@@ -280,6 +284,8 @@ def _write_data_file(
             stored.append(item.record.stored_at(file_name, start, length, crc))
             if writeback is not None:
                 writeback.written(start + length)
+            if written is not None:
+                written(i)
         raw.flush()
         if fsync:
             os.fsync(raw.fileno())
@@ -347,3 +353,40 @@ class _OSErrorKeeper:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[PlannedItem]:
+    """``items`` with every tensor item larger than ``max_nbytes`` stored as several chunks.
+
+    A staging ring smaller than one item cannot hold it whole (ckptd.staging.ring), so such an
+    item is stored as the N-D boxes of consecutive flat ranges of ``max_nbytes // 2`` bytes (half,
+    so that the daemon writes one while the next is copied): more chunks of the same tensor,
+    which torch DCP, Megatron-Core and ckptd load like any other chunking. Objects cannot be
+    split: one larger than ``max_nbytes`` raises StagingError.
+    """
+    from ..errors import StagingError
+    from .geometry import flat_range_boxes
+
+    out: list[PlannedItem] = []
+    for item in items:
+        payload = item.payload
+        if not isinstance(payload, torch.Tensor):
+            if len(payload) > max_nbytes:
+                raise StagingError(f"{item.record.where()} takes {len(payload)} bytes, more than the staging "
+                                   f"ring's {max_nbytes}; raise CKPTD_STAGING_BUDGET")
+            out.append(item)
+            continue
+        nbytes = payload.numel() * payload.element_size()
+        if nbytes <= max_nbytes:
+            out.append(item)
+            continue
+        rec = item.record
+        flat = exact_storage(payload.detach().resolve_conj().resolve_neg()).reshape(-1)
+        step = max(1, (max_nbytes // 2) // payload.element_size())
+        for a in range(0, flat.numel(), step):
+            b = min(flat.numel(), a + step)
+            for off, sizes, start in flat_range_boxes(tuple(rec.sizes), a, b):
+                n = math.prod(sizes)
+                box = replace(rec, offsets=tuple(o + d for o, d in zip(rec.offsets, off)), sizes=tuple(sizes))
+                out.append(PlannedItem(box, flat[start : start + n].reshape(sizes)))
+    return out

@@ -1,1 +1,1 @@
-"""Shared-memory staging: owner-only /dev/shm segments and the ranks' reusable slot pools."""
+"""Shared-memory staging: owner-only /dev/shm segments and the ranks' staging rings."""

@@ -1,119 +1,126 @@
-"""Copy-on-write snapshots: a forked child copies the shards into the slot while training goes on.
+"""Copy-on-write snapshots: a forked child copies the shards into the ring while training goes on.
 
 ``fork()`` gives the child a private, copy-on-write view of the trainer's memory as it is at that
-instant. The child copies the shards from that view into the staging slot (a ``MAP_SHARED``
-mapping both see) and exits; the trainer returns from ``save()`` right after the fork and may
-overwrite its tensors at once: the kernel copies a page the first time the trainer writes it
-while the child lives, so the child still reads the values of the save. The training stall is
-the ``fork()`` itself (copying page tables: ~20 ms per GiB of trainer memory on 4 KiB pages,
-measured on the CI machine) instead of a copy of every byte; what moves out of the stall is the
-first write to each page during the child's copy (a page fault plus a 4 KiB copy).
+instant. The child copies the shards from that view into the rank's staging ring and exits; the
+trainer returns from ``save()`` right after the fork and may overwrite its tensors at once: the
+kernel copies a page the first time the trainer writes it while the child lives, so the child
+still reads the values of the save. The training stall is the ``fork()`` itself (copying page
+tables: ~20 ms per GiB of trainer memory on 4 KiB pages, measured on the CI machine) instead of a
+copy of every byte; what moves out of the stall is the first write to each page during the
+child's copy (a page fault plus a 4 KiB copy).
 
-The child copies in slot order and publishes its progress after each item, then proves it
-finished by writing a random *seal*. It runs in a new session, so a signal to the trainer's
-process group (torchrun stopping workers) does not kill it half-way, and a trainer killed right
-after ``save()`` returned still gets its checkpoint. The node daemon writes each item once the
-child's progress covers it and publishes the file only once the seal is there
-(ckptd.daemon.snapshot): a child that died early fails the save, half a copy is never persisted.
+The child copies in order, each item once the daemon has consumed the ring space it needs
+(:mod:`ckptd.staging.ring`: a save bigger than the ring streams through it), publishes its
+progress after each item, then proves it finished by writing a random *seal* in the save's
+control block. It runs in a new session, so a signal to the trainer's process group (torchrun
+stopping workers) does not kill it half-way, and a trainer killed right after ``save()``
+returned still gets its checkpoint. The node daemon writes each item once the child's progress
+covers it and publishes the file only once the seal is there (ckptd.daemon.snapshot): a child
+that died early fails the save, half a copy is never persisted.
 
 Only plain CPU tensors and bytes are copied by the child; anything else (CUDA tensors, strided
-views) makes :func:`child_copies` return None and the save stages in the trainer, as without fork.
-The child runs nothing but ``pwrite`` and ``_exit``: no torch, no locks, no sockets.
+views) makes :func:`child_copies` return None and the save is produced by the trainer. The child
+runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sockets.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import secrets
 import signal
+import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import StagingError
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_cpu_bytes
-from .segment import ShmSegment
+from .ring import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES, RingFull, RingWriter, block_offset, span
 
 log = logging.getLogger(__name__)
-
-SEAL_NBYTES = 16
-# After the seal: the child's progress, a little-endian uint64: every slot byte below it is copied.
-PROGRESS_NBYTES = 8
-# Progress values meaning that the snapshot will never be sealed: abandoned (a source changed
-# before the fence, ckptd.staging.lazy), or out of room (/dev/shm full while copying).
-ABANDONED = (1 << 64) - 1
-NO_ROOM = (1 << 64) - 2
-# Room reserved after a save's bytes in its slot for seal and progress (64-byte aligned).
-SEAL_ROOM_NBYTES = 64
-
-
-def seal_offset(nbytes: int) -> int:
-    """Where the seal of a save of ``nbytes`` slot bytes goes."""
-    return -(-nbytes // SEAL_ROOM_NBYTES) * SEAL_ROOM_NBYTES
 
 
 def fork_available() -> bool:
     return hasattr(os, "fork") and hasattr(os, "setsid")
 
 
-def child_copies(items: list[PlannedItem], placements: list[Placement],
-                 segment: ShmSegment) -> list[tuple[int, int, int]] | None:
-    """``(slot_offset, src_address, nbytes)`` for the child, or None when some payload is not
-    plain CPU memory. ``bytes`` payloads (small pickled objects) are copied here, before the fork.
-    """
-    copies: list[tuple[int, int, int]] = []
-    small: list[tuple[int, bytes]] = []
-    for item, p in zip(items, placements):
-        src = item.payload
-        if isinstance(src, torch.Tensor):
-            if not plain_cpu_bytes(src):
-                return None
-            if p.nbytes:
-                copies.append((p.offset, src.data_ptr(), p.nbytes))
-        else:
-            small.append((p.offset, bytes(src)))
-    for offset, data in small:
-        segment.write(offset, data)
-    return copies
-
-
 @dataclass(frozen=True)
 class Snapshot:
-    """A running snapshot child: its pid and the seal it writes at ``seal_offset`` when done."""
+    """Who produces a save's items (a forked child, or the rank's own process), and the seal it
+    writes in the save's control block at ``seal_offset`` when done."""
 
     pid: int
     seal: bytes
     seal_offset: int
 
 
-def fork_snapshot(copies: list[tuple[int, int, int]], segment: ShmSegment, nbytes: int,
-                  nice: int = 0) -> Snapshot:
-    """Fork a child that performs ``copies`` into ``segment`` and then seals it; returns at once.
-    The child runs at CPU niceness ``nice`` (added to the trainer's), yielding to training."""
-    if segment.base is None:
-        raise StagingError(f"segment {segment.name} is not mapped")
-    at = seal_offset(nbytes)
-    seal = secrets.token_bytes(SEAL_NBYTES)
-    # No stale seal or progress of an earlier save in this slot.
-    segment.write(at, bytes(SEAL_NBYTES + PROGRESS_NBYTES))
+def child_copies(items: list[PlannedItem], placements: list[Placement]
+                 ) -> tuple[list[tuple[int, int, int]], list[Any]] | None:
+    """``((relative offset, source address, nbytes), ...)`` for the child, and the objects that
+    must stay alive until it was forked; None when some payload is not plain CPU memory or bytes.
+    The child sees the trainer's memory as it was at the fork, so addresses are all it needs."""
+    copies: list[tuple[int, int, int]] = []
+    keep: list[Any] = []
+    for item, p in zip(items, placements):
+        src = item.payload
+        if isinstance(src, torch.Tensor):
+            if not plain_cpu_bytes(src):
+                return None
+            copies.append((p.offset, src.data_ptr(), p.nbytes))
+        else:
+            buf = ctypes.create_string_buffer(bytes(src), p.nbytes)
+            keep.append(buf)
+            copies.append((p.offset, ctypes.addressof(buf), p.nbytes))
+    return copies, keep
+
+
+def start_block(pool: StagingPool, block: int) -> bytes:
+    """Clear a control block for a new save (no stale seal or progress); the save's seal."""
+    pool.segment.write(block_offset(block), bytes(SEAL_NBYTES + PROGRESS_NBYTES))
+    return secrets.token_bytes(SEAL_NBYTES)
+
+
+def fork_snapshot(pool: StagingPool, start: int, block: int, copies: list[tuple[int, int, int]],
+                  nice: int, daemon_pid: int) -> Snapshot:
+    """Fork a child that produces ``copies`` at virtual ``start`` and then seals ``block``;
+    returns at once. The child runs at CPU niceness ``nice`` (added to the trainer's), and gives
+    up when the daemon (``daemon_pid``) is gone or makes no room for ``snapshot_timeout_s``."""
+    seal = start_block(pool, block)
+    end = start + span(rel + n for rel, _, n in copies)
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        _child(copies, segment.fileno(), at, seal, nbytes, nice)
-    return Snapshot(pid, seal, at)
+        _child(RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid)),
+               start, end, block, copies, seal, nice)
+    return Snapshot(pid, seal, block_offset(block))
 
 
-def _child(copies: list[tuple[int, int, int]], fd: int, at: int, seal: bytes, nbytes: int, nice: int) -> None:
-    """Copy with ``pwrite`` into the segment's file in slot order, publishing the progress after
-    each copy (the daemon writes an item to disk as soon as it is complete), then the seal. Not
-    through the mapping: fork() does not copy the page tables of shared mappings, so writing the
-    slot through memory would fault on every 4 KiB page (0.9 s for 2 GiB here, 0.45 s by pwrite)."""
+def _alive(pid: int) -> Any:
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return alive
+
+
+def _child(writer: RingWriter, start: int, end: int, block: int, copies: list[tuple[int, int, int]],
+           seal: bytes, nice: int) -> None:
+    """Copy with ``pwrite`` into the ring in order, publishing the progress after each copy (the
+    daemon writes an item to disk as soon as it is complete), then the seal. Not through the
+    mapping: fork() does not copy the page tables of shared mappings, so writing the ring through
+    memory would fault on every 4 KiB page (0.9 s for 2 GiB here, 0.45 s by pwrite), and a full
+    /dev/shm would be a SIGBUS instead of an error the daemon can report."""
     code = 1
     try:
         os.setsid()
@@ -124,25 +131,19 @@ def _child(copies: list[tuple[int, int, int]], fd: int, at: int, seal: bytes, nb
                 signal.signal(sig, signal.SIG_DFL)  # never the trainer's handlers
             except (ValueError, OSError):
                 pass
-        progress_at = at + SEAL_NBYTES
-        for offset, src, n in sorted(copies):
-            view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
-            while view.nbytes:
-                try:
-                    done = os.pwrite(fd, view[:_CHUNK_NBYTES], offset)
-                except OSError:  # ENOSPC: say so in the (allocated) progress field, then die
-                    os.pwrite(fd, NO_ROOM.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
-                    raise
-                view, offset = view[done:], offset + done
-            os.pwrite(fd, offset.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
-        os.pwrite(fd, nbytes.to_bytes(PROGRESS_NBYTES, "little"), progress_at)
-        os.pwrite(fd, seal, at)
+        try:
+            writer.copy(start, copies, block)
+        except OSError as exc:  # ENOSPC: say so in the (allocated) control block, then die
+            writer.publish(block, NO_ROOM if exc.errno == errno.ENOSPC else ABANDONED)
+            raise
+        except RingFull:
+            writer.publish(block, ABANDONED)
+            raise
+        writer.publish(block, end)
+        writer.seal(block, seal)
         code = 0
     finally:
         os._exit(code)
-
-
-_CHUNK_NBYTES = 64 << 20
 
 
 def reap(pids: list[int], block: bool) -> list[int]:
@@ -161,21 +162,31 @@ def reap(pids: list[int], block: bool) -> list[int]:
     return left
 
 
-def snapshot_into(pool: StagingPool, slot: int, items: list[PlannedItem], placements: list[Placement],
-                  nbytes: int, allow_fork: bool, nice: int = 0) -> Snapshot | None:
-    """Get a save's shards into ``slot``: by a forked child (returned) or copied here (None).
+def fork_into(pool: StagingPool, start: int, block: int, items: list[PlannedItem], placements: list[Placement],
+              nice: int, daemon_pid: int) -> Snapshot | None:
+    """A fork snapshot of this save, or None when it cannot fork (payloads the child cannot copy,
+    no fork on this system, or fork() failing): the caller then produces the items itself."""
+    if not fork_available():
+        return None
+    found = child_copies(items, placements)
+    if found is None:
+        return None
+    copies, keep = found
+    try:
+        return fork_snapshot(pool, start, block, copies, nice, daemon_pid)
+    except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
+        log.warning("rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside "
+                    "save() instead", pool.rank, exc)
+        return None
+    finally:
+        del keep  # the child has its own copy of the buffers now
 
-    The slot must hold ``nbytes + SEAL_ROOM_NBYTES``.
-    """
-    seg = pool.segments[slot]
-    if allow_fork and seg.base is not None and fork_available():
-        seg.check_room(seal_offset(nbytes) + SEAL_ROOM_NBYTES)  # a full /dev/shm fails here, cleanly
-        copies = child_copies(items, placements, seg)
-        if copies is not None:
-            try:
-                return fork_snapshot(copies, seg, nbytes, nice)
-            except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
-                log.warning("rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside "
-                            "save() instead", pool.rank, exc)
-    pool.stage(slot, items, placements)
-    return None
+
+def settle_children(pids: list[int], timeout_s: float) -> list[int]:
+    """Reap ``pids``, waiting up to ``timeout_s`` for them to exit; the pids still running."""
+    deadline = time.monotonic() + timeout_s
+    left = reap(pids, block=False)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = reap(left, block=False)
+    return left

@@ -1,144 +1,118 @@
-"""Lazy snapshots: ``save()`` returns after planning; the copies into the slot run behind training.
+"""Lazy snapshots: ``save()`` returns after planning; the copies into the ring run behind training.
 
 Parameters and optimizer state do not change between one optimizer step and the next: forward and
-backward only read them. A lazy save (``snapshot="lazy"``) therefore copies them into its staging
-slot while forward and backward run, and only the next optimizer step has to wait, for what is not
-copied yet: :meth:`ckptd.Checkpointer.before_update` (or ``Checkpointer.attach(optimizer)``, which
-calls it from the optimizer's step pre-hook).
+backward only read them. A lazy save (``snapshot="lazy"``) therefore copies them into the rank's
+staging ring while forward and backward run, and only the next optimizer step has to wait, for
+what is not copied yet: :meth:`ckptd.Checkpointer.before_update` (or
+``Checkpointer.attach(optimizer)``, which calls it from the optimizer's step pre-hook).
 
-- CPU tensors: a copier thread copies item by item (``pwrite``, GIL released), publishing its
-  progress in the slot after each item and a seal after the last one: the protocol of fork
-  snapshots (:mod:`ckptd.staging.fork`), so the daemon writes each item as soon as it is copied
-  and fails the save if the seal never comes. ``before_update()`` waits for the copier.
-- CUDA tensors: ``save()`` enqueues the device-to-host copies on a side stream that first waits
-  for the current stream, with an event per item; the copier thread waits on the events and
-  publishes the progress. ``before_update()`` makes the current stream wait for the side stream,
-  so the optimizer's kernels run after the copies without blocking the host.
+A copier thread produces the items in order, each once the daemon made room for it in the ring
+(:mod:`ckptd.staging.ring`), publishing its progress after each item and a seal at the end: the
+protocol of fork snapshots (:mod:`ckptd.staging.fork`), so the daemon writes each item as soon
+as it is copied and fails the save if the seal never comes.
+
+- CPU tensors: ``pwrite`` from the tensor's memory (GIL released). ``before_update()`` waits for
+  the copies.
+- CUDA tensors: device-to-host copies on a side stream that waits for the work queued before
+  ``save()``; ``before_update()`` waits only until every copy is *queued*, then makes the current
+  stream wait for the side stream, so the optimizer's kernels run after the copies without the
+  host waiting for them.
 
 Never torn, by construction: every source tensor's version counter (bumped by each in-place
 operation on it or on any view of it, once the operation was issued) is recorded at ``save()`` and
-compared at the *fence*: ``before_update()``, the next ``save()`` or ``close()``, all on the
-training thread, so every operation it issued before has bumped its counter by then. Only a
-snapshot whose sources are unchanged at the fence is sealed (the seal makes the daemon publish
-the file); one whose source changed is abandoned: the daemon fails the save on every rank, and
-the checkpoint never holds a mix of old and new values. So a lazy save commits only once the
-training thread fenced it, and a save nobody fences is abandoned after ``snapshot_timeout_s``.
-(Writes that bypass version counters, through ``tensor.data`` or raw pointers, are not seen:
-fence before them.)
+compared at the *fence*: ``before_update()``, the next ``save()``, ``handle.wait()`` or
+``close()``, all on the training thread, so every operation it issued before has bumped its
+counter by then. Only a snapshot whose sources are unchanged at the fence is sealed (the seal
+makes the daemon publish the file); one whose source changed is abandoned: the daemon fails the
+save on every rank, and the checkpoint never holds a mix of old and new values. So a lazy save
+commits only once the training thread fenced it, and a save nobody fences is abandoned after
+``snapshot_timeout_s``. (Writes that bypass version counters, through ``tensor.data`` or raw
+pointers, are not seen: fence before them.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
-import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import StagingError
+from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
-from .fork import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES, SEAL_ROOM_NBYTES, Snapshot, seal_offset
-from .pool import Placement, StagingPool, plain_cpu_bytes, slot_view, tensor_bytes
-from .segment import ShmSegment
+from .fork import Snapshot, start_block
+from .pool import Placement, StagingPool, plain_values
+from .ring import ABANDONED, HEADER_NBYTES, NO_ROOM, block_offset, span
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Copy:
-    offset: int
-    nbytes: int
-    src: torch.Tensor | None  # None: bytes already in the slot
-    version: int
-    what: str
-    event: Any = None  # CUDA: recorded after the copy was enqueued
-
-
-@dataclass
 class _Job:
-    segment: ShmSegment
-    copies: list[_Copy]
+    pool: StagingPool
+    start: int
+    block: int
+    items: list[PlannedItem]
+    placements: list[Placement]
+    versions: list[int]
     seal: bytes
-    seal_at: int
-    nbytes: int
     step: int
+    ready: Any = None  # CUDA: an event on the current stream at save()
+    enqueued: threading.Event = field(default_factory=threading.Event)  # every copy issued
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
     torn: str = ""  # why the snapshot is abandoned ("" : seal it)
     no_room: bool = False  # abandoned because /dev/shm is full
 
+    @property
+    def cuda(self) -> bool:
+        return self.ready is not None
+
 
 class LazyCopier:
-    """The copier thread of one Checkpointer, and the fences of :meth:`before_update`."""
+    """The copier thread of one Checkpointer, and the fences of :meth:`fence`."""
 
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
         self._pending: list[_Job] = []
-        self._streams: dict[Any, Any] = {}
         self._thread: threading.Thread | None = None
 
-    def start(self, pool: StagingPool, slot: int, items: list[PlannedItem], placements: list[Placement],
-              nbytes: int, step: int) -> Snapshot:
-        """Queue the copies of one save into ``slot``; returns the snapshot the SAVE announces
-        (its pid is this process: the daemon fails the save if it dies before sealing)."""
-        import os
-
-        seg = pool.segments[slot]
-        base = seg.base
-        if base is None:
-            raise StagingError(f"rank {self.rank}: staging slot {slot} is not mapped")
-        at = seal_offset(nbytes)
-        seg.check_room(at + SEAL_ROOM_NBYTES)
-        seg.write(at, bytes(SEAL_NBYTES + PROGRESS_NBYTES))
-        job = _Job(seg, [], secrets.token_bytes(SEAL_NBYTES), at, nbytes, step)
-        for item, p in zip(items, placements):
-            src = item.payload
-            if not isinstance(src, torch.Tensor):
-                seg.write(p.offset, src)
-                job.copies.append(_Copy(p.offset, p.nbytes, None, 0, item.record.where()))
-                continue
-            copy = _Copy(p.offset, p.nbytes, src, _version(src), item.record.where())
-            if src.device.type == "cuda":
-                seg.reserve()
-                copy.event = self._enqueue_cuda(base, p, src)
-            job.copies.append(copy)
+    def start(self, pool: StagingPool, start: int, block: int, items: list[PlannedItem],
+              placements: list[Placement], step: int) -> Snapshot:
+        """Queue the production of one save; returns the snapshot the SAVE announces (its pid is
+        this process: the daemon fails the save if it dies before sealing)."""
+        seal = start_block(pool, block)
+        job = _Job(pool, start, block, items, placements,
+                   [_version(i.payload) if isinstance(i.payload, torch.Tensor) else 0 for i in items], seal, step)
+        if any(isinstance(i.payload, torch.Tensor) and i.payload.device.type == "cuda" for i in items):
+            job.ready = torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream())
         self._pending.append(job)
         self._ensure_thread()
         self._jobs.put(job)
-        return Snapshot(os.getpid(), job.seal, at)
-
-    def _enqueue_cuda(self, base: torch.Tensor, p: Placement, src: torch.Tensor) -> Any:
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
-            slot_view(base, p, src.dtype, src.shape).copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        return Snapshot(os.getpid(), seal, block_offset(block))
 
     def fence(self) -> None:
         """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
         its sources changed since ``save()`` (see the module docstring).
 
-        CPU copies still running are waited for (bounded by ``snapshot_timeout_s``); CUDA copies
-        are ordered before the work queued next on the current streams, without blocking.
+        CPU copies still running are waited for; CUDA copies only until they are queued, then the
+        current streams wait for them (bounded by ``snapshot_timeout_s`` either way).
         """
         for job in self._pending:
-            if any(c.event is not None for c in job.copies):
-                for device, stream in self._streams.items():
+            if job.cuda:
+                self._wait(job.enqueued, job)
+                for device, stream in job.pool._streams.items():
                     torch.cuda.current_stream(device).wait_stream(stream)
-            if any(c.src is not None and c.event is None for c in job.copies):
+            else:
                 self._wait(job.copied, job)
-            changed = next((c.what for c in job.copies
-                            if c.src is not None and _version(c.src) != c.version), "")
+            changed = next((i.record.where() for i, v in zip(job.items, job.versions)
+                            if isinstance(i.payload, torch.Tensor) and _version(i.payload) != v), "")
             if changed and not job.torn:
                 job.torn = f"{changed} was modified before the snapshot was fenced"
             job.fenced.set()
@@ -151,7 +125,7 @@ class LazyCopier:
 
     def wait_all(self) -> None:
         """Fence every pending snapshot and wait until the copier is done with it (closing, or a
-        pool about to be unmapped)."""
+        ring about to be unmapped)."""
         jobs = list(self._pending)
         self.fence()
         for job in jobs:
@@ -177,38 +151,70 @@ class LazyCopier:
                 self._copy(job)
             except Exception as exc:  # noqa: BLE001 - the save fails on its handle via the daemon
                 job.torn = job.torn or f"the copy failed: {type(exc).__name__}: {exc}"
-                job.no_room = isinstance(exc, StagingError)
+                job.no_room = isinstance(exc, SharedMemoryFullError)
             finally:
+                job.enqueued.set()
                 job.copied.set()
             self._decide(job)
 
     def _copy(self, job: _Job) -> None:
-        """Copy item by item, publishing the progress after each (the daemon writes as it goes)."""
-        seg = job.segment
-        for c in job.copies:
-            if c.src is not None:
-                if c.event is not None:
-                    c.event.synchronize()
-                elif plain_cpu_bytes(c.src):
-                    if c.nbytes:
-                        seg.write(c.offset, tensor_bytes(c.src))
+        """Produce item by item, each once the ring has room, publishing the progress after each
+        (the daemon writes as it goes). A CUDA copy is published once it landed, in order."""
+        pool, writer = job.pool, job.pool.writer
+        landing: list[tuple[Any, int]] = []  # (event or None, virtual end), behind a CUDA copy
+        for item, p in zip(job.items, job.placements):
+            v = job.start + p.offset
+            pool.wait_room(v + p.nbytes)
+            src = item.payload
+            if isinstance(src, torch.Tensor) and src.device.type == "cuda":
+                landing.append((self._enqueue_cuda(job, src, v), v + p.nbytes))
+            else:
+                pool.produce(item, p, v)
+                if landing:
+                    landing.append((None, v + p.nbytes))
                 else:
-                    seg.reserve()
-                    slot_view(seg.base, Placement(c.offset, c.nbytes), c.src.dtype, c.src.shape).copy_(c.src)
-            _publish(seg, job.seal_at, c.offset + c.nbytes)
+                    writer.publish(job.block, v + p.nbytes)
+        job.enqueued.set()
+        for event, end in landing:
+            if event is not None:
+                event.synchronize()
+            writer.publish(job.block, end)
+        writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
+
+    def _enqueue_cuda(self, job: _Job, src: torch.Tensor, v: int) -> Any:
+        pool = job.pool
+        base = pool.segment.base
+        if base is None:
+            raise StagingError(f"rank {self.rank}: the staging ring is not mapped")
+        pool.segment.reserve()
+        stream = pool._streams.get(src.device)
+        if stream is None:
+            stream = pool._streams[src.device] = torch.cuda.Stream(device=src.device)
+        stream.wait_event(job.ready)
+        flat = plain_values(src).reshape(-1).view(torch.uint8)
+        with torch.cuda.stream(stream):
+            done = 0
+            while done < flat.numel():
+                at = (v + done) % pool.capacity
+                n = min(flat.numel() - done, pool.capacity - at)
+                base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(flat[done : done + n], non_blocking=True)
+                done += n
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
     def _decide(self, job: _Job) -> None:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""
+        writer = job.pool.writer
         if not job.fenced.wait(self.timeout_s):
             job.torn = job.torn or f"it was not fenced within {self.timeout_s:g} s (no before_update())"
         if job.torn:
             log.warning("rank %d: the lazy snapshot of step %d is abandoned: %s; call "
                         "Checkpointer.before_update() (or attach(optimizer)) before changing saved "
                         "tensors", self.rank, job.step, job.torn)
-            _publish(job.segment, job.seal_at, NO_ROOM if job.no_room else ABANDONED)
+            writer.publish(job.block, NO_ROOM if job.no_room else ABANDONED)
             return
-        _publish(job.segment, job.seal_at, job.nbytes)
-        job.segment.write(job.seal_at, job.seal)
+        writer.seal(job.block, job.seal)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -217,7 +223,3 @@ def _version(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
-
-
-def _publish(seg: ShmSegment, seal_at: int, value: int) -> None:
-    seg.write(seal_at + SEAL_NBYTES, value.to_bytes(PROGRESS_NBYTES, "little"))

@@ -1,33 +1,27 @@
-"""The rank side of staging: a reusable pool of shared-memory slots and the copy into a slot.
+"""The rank side of staging: its ring of shared memory (:mod:`ckptd.staging.ring`) and the
+layout of a save's items in it.
 
-Order of use (all on the training rank, single-threaded):
-
-1. :func:`place` lays a save's items out in one slot (aligned offsets);
-2. :meth:`StagingPool.create` allocates ``nslots`` slots once, sized from the first save and
-   pre-faulted; on CUDA each slot is registered as pinned memory (``cudaHostRegister``);
-3. :meth:`StagingPool.stage` copies the items into a free slot: device-to-host DMA on a side
-   stream on CUDA, a memcpy on CPU; it returns once the bytes are in the slot, so the caller may
-   mutate its tensors right after;
-4. :meth:`StagingPool.close` unmaps (and unlinks only segments no daemon took over).
+:func:`place` lays a save's items out one after the other (aligned offsets relative to the
+save's start); :class:`StagingPool` owns the rank's ring and produces items into it when the
+training thread copies them itself (``snapshot="copy"``, or CUDA tensors).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import math
 from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import StagingError
+from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
+from .ring import ABANDONED, BLOCKS, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, span
 from .segment import ShmSegment, new_generation, segment_name
 
 log = logging.getLogger(__name__)
 
 ALIGN_NBYTES = 64
-_PAGE = 4096
 
 
 def plain_cpu_bytes(t: torch.Tensor) -> bool:
@@ -38,15 +32,27 @@ def plain_cpu_bytes(t: torch.Tensor) -> bool:
 
 
 class Placement(NamedTuple):
-    """Where an item's bytes lie in a slot. A tuple: a save makes and compares one per item, and
+    """Where an item's bytes lie, relative to its save's start in the ring. A tuple: a save makes and compares one per item, and
     tuples are built and compared in C (a frozen dataclass costs ~1 us per item more)."""
 
     offset: int
     nbytes: int
 
 
+def plain_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a tensor whose memory holds exactly them (conjugate and negative bits
+    resolved, contiguous); ``t`` itself when it is one already. Same device."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a :func:`plain_cpu_bytes` tensor, without a copy (valid while ``t`` lives)."""
+    """The bytes of a :func:`plain_cpu_bytes` tensor, without a copy: the view does not keep
+    ``t`` alive, so the caller must hold ``t`` until it is done with the view."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
@@ -58,7 +64,7 @@ def payload_nbytes(payload: torch.Tensor | bytes) -> int:
 
 
 def place(items: list[PlannedItem]) -> tuple[list[Placement], int]:
-    """Aligned offsets of ``items`` in a slot, and the bytes the slot needs."""
+    """Aligned offsets of ``items`` relative to their save's start, and the bytes they take."""
     out, offset = [], 0
     for item in items:
         n = payload_nbytes(item.payload)
@@ -67,126 +73,165 @@ def place(items: list[PlannedItem]) -> tuple[list[Placement], int]:
     return out, offset
 
 
-def slot_view(base: torch.Tensor, p: Placement, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """A tensor of ``dtype``/``shape`` over the slot bytes at ``p`` (no copy)."""
-    if p.nbytes == 0:
+def bytes_view(raw: memoryview, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A tensor of ``dtype``/``shape`` over ``raw`` (no copy)."""
+    if raw.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return base[p.offset : p.offset + p.nbytes].view(dtype).view(shape)
-
-
-def slot_size_for(nbytes: int, headroom: float) -> int:
-    """Slot size for a first save of ``nbytes``: plus headroom, rounded up to whole pages."""
-    want = max(1, math.ceil(nbytes * (1.0 + headroom)) + (1 << 20 if headroom > 0 else 0))
-    return -(-want // _PAGE) * _PAGE
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class StagingPool:
-    """``nslots`` equally sized segments named ``<prefix>r<rank>-<generation>-s<i>``."""
+    """A rank's staging ring (:mod:`ckptd.staging.ring`): one segment of ``HEADER_NBYTES +
+    capacity`` bytes named ``<prefix>r<rank>-<generation>-s0``, the saves it streams, and the
+    control blocks free for the next ones.
 
-    def __init__(self, prefix: str, rank: int, slot_nbytes: int, segments: list[ShmSegment],
-                 generation: str, pinned: bool) -> None:
+    Order of use (training thread): :meth:`create` (on the first save; sized by the staging
+    budget), then per save :meth:`claim` a control block and the save's virtual range, produce
+    its items into the ring (a fork child, the lazy copier, or :meth:`copy_inline`), and get the
+    block back from the daemon's WRITE_DONE (:meth:`release`; :meth:`unclaim` if the daemon never
+    took the save); :meth:`close` unmaps (and unlinks only a segment no daemon took over).
+    """
+
+    def __init__(self, prefix: str, rank: int, capacity: int, segment: ShmSegment, generation: str,
+                 timeout_s: float) -> None:
         self.prefix = prefix
         self.rank = rank
-        self.slot_nbytes = slot_nbytes
-        self.segments = segments
+        self.capacity = capacity
+        self.segment = segment
         self.generation = generation
-        self.pinned = pinned
-        self.free: list[int] = list(range(len(segments)))
+        self.pinned = False
+        self.writer = RingWriter(segment.fileno(), capacity, timeout_s)
+        self.free: list[int] = list(range(BLOCKS))  # control blocks not in use
+        self.next_start = 0  # virtual offset of the next save
         self._streams: dict[Any, Any] = {}
 
     @property
     def names(self) -> list[str]:
-        return [s.name for s in self.segments]
+        return [self.segment.name]
 
     @classmethod
-    def create(cls, prefix: str, rank: int, nslots: int, slot_nbytes: int, pin: bool) -> "StagingPool":
+    def create(cls, prefix: str, rank: int, capacity: int, pin: bool, timeout_s: float) -> "StagingPool":
         generation = new_generation()
-        segments: list[ShmSegment] = []
+        segment = ShmSegment.create(segment_name(prefix, rank, generation, 0), HEADER_NBYTES + capacity)
         try:
-            for i in range(nslots):
-                segments.append(ShmSegment.create(segment_name(prefix, rank, generation, i), slot_nbytes))
+            segment.write(0, bytes(HEADER_NBYTES))  # the header's page is allocated from here on
+            pool = cls(prefix, rank, capacity, segment, generation, timeout_s)
+            if pin and torch.cuda.is_available():
+                pool._pin()
         except BaseException:
-            for s in segments:
-                s.close()
-                s.unlink()
+            segment.close()
+            segment.unlink()
             raise
-        pool = cls(prefix, rank, slot_nbytes, segments, generation, pinned=False)
-        if pin and torch.cuda.is_available():
-            pool._pin()
-        log.info("rank %d: staging pool %s: %d slots of %d bytes%s", rank, generation, nslots,
-                 slot_nbytes, " (pinned)" if pool.pinned else "")
+        log.info("rank %d: staging ring %s: %d bytes", rank, generation, capacity)
         return pool
 
     def _pin(self) -> None:
-        cudart = torch.cuda.cudart()
-        for seg in self.segments:
-            if seg.base is None:
-                continue
-            seg.reserve()  # registering faults every page in: a full /dev/shm must fail cleanly
-            err = cudart.cudaHostRegister(seg.base.data_ptr(), seg.nbytes, 0)
-            if int(err) != 0:
-                raise StagingError(f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
-                                   f"with CUDA error {int(err)}; set CKPTD_PIN_MEMORY=0 to stage unpinned")
+        seg = self.segment
+        if seg.base is None:
+            return
+        seg.reserve()  # registering faults every page in: a full /dev/shm must fail cleanly
+        err = torch.cuda.cudart().cudaHostRegister(seg.base.data_ptr(), seg.nbytes, 0)
+        if int(err) != 0:
+            raise StagingError(f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
+                               f"with CUDA error {int(err)}; set CKPTD_PIN_MEMORY=0 to stage unpinned")
         self.pinned = True
 
     def _unpin(self) -> None:
-        if not self.pinned:
-            return
-        cudart = torch.cuda.cudart()
-        for seg in self.segments:
-            if seg.base is not None:
-                cudart.cudaHostUnregister(seg.base.data_ptr())
+        if self.pinned and self.segment.base is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.segment.base.data_ptr())
         self.pinned = False
 
-    def stage(self, slot: int, items: list[PlannedItem], placements: list[Placement]) -> None:
-        """Copy every item's payload into ``slot``; returns when all bytes are there.
+    def claim(self, placements: list[Placement]) -> tuple[int, int]:
+        """A free control block and the virtual start of a save laid out as ``placements``."""
+        block = self.free.pop(0)
+        start = self.next_start
+        self.next_start += span(p.offset + p.nbytes for p in placements)
+        return block, start
 
-        Bytes and plain CPU tensors are written with ``pwrite`` (a full ``/dev/shm`` is a
-        StagingError, never a SIGBUS); other tensors (CUDA, strided) are copied through the
-        mapping, after the slot was reserved (:meth:`ShmSegment.reserve`).
-        """
-        seg = self.segments[slot]
-        base = seg.base
-        if base is None:
-            raise StagingError(f"rank {self.rank}: staging slot {slot} is not mapped")
-        last = placements[-1] if placements else None
-        if last is not None and last.offset + last.nbytes > self.slot_nbytes:
-            raise StagingError(f"rank {self.rank}: save needs {last.offset + last.nbytes} bytes, "
-                               f"slot holds {self.slot_nbytes}")
-        if last is not None:
-            seg.check_room(last.offset + last.nbytes)
-        pending_streams = []
-        # On failure too: no device-to-host copy may still be landing in a slot given back.
+    def unclaim(self, block: int, start: int, placements: list[Placement]) -> None:
+        """Give back what :meth:`claim` took for a save the daemon never received."""
+        if self.next_start == start + span(p.offset + p.nbytes for p in placements):
+            self.next_start = start
+        self.release(block)
+
+    def release(self, block: int) -> None:
+        if block not in self.free:
+            self.free.append(block)
+
+    def has_room(self, start: int, placements: list[Placement]) -> bool:
+        """Whether the whole save fits now, without waiting for the daemon."""
+        return self.writer.has_room(start + span(p.offset + p.nbytes for p in placements))
+
+    def check_room(self, start: int, placements: list[Placement]) -> None:
+        """Raise StagingError now if /dev/shm cannot hold the ring pages this save needs (see
+        :meth:`ShmSegment.check_room`)."""
+        end = HEADER_NBYTES + start % self.capacity + span(p.offset + p.nbytes for p in placements)
+        self.segment.check_room(min(end, self.segment.nbytes))
+
+    def copy_inline(self, start: int, block: int, items: list[PlannedItem], placements: list[Placement],
+                    seal: bytes) -> float:
+        """Produce every item here (``snapshot="copy"``), then seal; returns the seconds spent
+        waiting for ring room. CPU tensors and bytes by ``pwrite``; CUDA tensors by device-to-host
+        copies on a side stream into the pinned ring. On failure the save is marked never to
+        be sealed (the daemon fails it) and the error is raised."""
         try:
+            waited = 0.0
             for item, p in zip(items, placements):
-                src = item.payload
-                if not isinstance(src, torch.Tensor):
-                    seg.write(p.offset, src)
-                elif plain_cpu_bytes(src):
-                    if p.nbytes:
-                        seg.write(p.offset, tensor_bytes(src))
-                else:
-                    seg.reserve()
-                    try:
-                        stream = self._copy_tensor(src, slot_view(base, p, src.dtype, src.shape))
-                    except Exception as exc:  # a tensor subclass or device may refuse; name the item
-                        raise StagingError(f"rank {self.rank}: copying {item.record.where()} into staging "
-                                           f"slot {slot} failed: {type(exc).__name__}: {exc}") from exc
-                    if stream is not None and stream not in pending_streams:
-                        pending_streams.append(stream)
-        finally:
-            for stream in pending_streams:
-                stream.synchronize()
+                v = start + p.offset
+                waited += self.wait_room(v + p.nbytes)
+                self.produce(item, p, v)
+                self.writer.publish(block, v + p.nbytes)
+        except BaseException as exc:
+            self.writer.publish(block, NO_ROOM if isinstance(exc, SharedMemoryFullError) else ABANDONED)
+            raise
+        self.writer.seal(block, seal)
+        return waited
 
-    def _copy_tensor(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        """Copy ``src`` into the slot view ``dst``; returns the CUDA stream still copying, if any."""
-        if src.device.type != "cuda":
-            dst.copy_(src)
-            return None
+    def wait_room(self, v_end: int) -> float:
+        try:
+            return self.writer.wait_room(v_end)
+        except RingFull as exc:
+            raise StagingError(f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is "
+                               "not persisting: see its log") from None
+
+    def produce(self, item: PlannedItem, p: Placement, v: int) -> None:
+        """Write one item's bytes at virtual offset ``v`` (room already waited for)."""
+        src = item.payload
+        try:
+            if not isinstance(src, torch.Tensor):
+                self.writer.write(v, memoryview(src).cast("B"))
+            elif p.nbytes:
+                self._write_tensor(src, v)
+        except OSError as exc:
+            raise self.segment.no_room(exc, p.nbytes) from exc
+        except Exception as exc:  # a tensor subclass or device may refuse; name the item
+            raise StagingError(f"rank {self.rank}: copying {item.record.where()} into the staging ring "
+                               f"failed: {type(exc).__name__}: {exc}") from exc
+
+    def _write_tensor(self, src: torch.Tensor, v: int) -> None:
+        if src.device.type == "cuda":
+            self._copy_cuda(src, v)
+        else:
+            values = src if plain_cpu_bytes(src) else plain_values(src).cpu()  # alive until written
+            self.writer.write(v, tensor_bytes(values))
+
+    def _copy_cuda(self, src: torch.Tensor, v: int) -> None:
+        """Device-to-host copy of ``src`` into the pinned ring at ``v`` (two copies where it wraps),
+        on a side stream that first waits for the current one; returns once it landed."""
+        base = self.segment.base
+        if base is None:
+            raise StagingError(f"rank {self.rank}: the staging ring is not mapped")
+        self.segment.reserve()
+        flat = plain_values(src).reshape(-1).view(torch.uint8)
         stream = self._side_stream(src.device)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        return stream
+            done = 0
+            while done < flat.numel():
+                at = (v + done) % self.capacity
+                n = min(flat.numel() - done, self.capacity - at)
+                base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(flat[done : done + n], non_blocking=True)
+                done += n
+        stream.synchronize()
 
     def _side_stream(self, device: torch.device) -> Any:
         """A copy stream per device that first waits for the work already queued on the current one."""
@@ -197,11 +242,10 @@ class StagingPool:
         return stream
 
     def close(self, unlink: bool) -> None:
-        """Unmap every slot; ``unlink`` only when no daemon owns the segments."""
+        """Unmap the ring; ``unlink`` only when no daemon owns the segment."""
         try:
             self._unpin()
         finally:
-            for seg in self.segments:
-                seg.close()
-                if unlink:
-                    seg.unlink()
+            self.segment.close()
+            if unlink:
+                self.segment.unlink()

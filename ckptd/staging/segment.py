@@ -5,14 +5,15 @@ process exits, but a ckptd segment must outlive the trainer that filled it (the 
 bytes once a save was acknowledged). Lifetime rules:
 
 - a rank *creates* its segments (``O_EXCL``, mode 0600, sparse) and registers them with its
-  node daemon; from then on the daemon owns them and unlinks them (pool released, rank gone,
+  node daemon; from then on the daemon owns them and unlinks them (ring retired, rank gone,
   daemon shutdown);
 - a rank unlinks its own segments only when no daemon took them over (registration failed, or
   the daemon died);
 - a daemon starting up unlinks the segments of its job and node (:func:`remove_orphans`): no
   other daemon can own them (the pid-file lock guarantees one daemon per job and node).
 
-Names are ``ckptd-<job>-n<node>-r<rank>-<generation>-s<slot>`` (:func:`segment_name`), the
+Names are ``ckptd-<job>-n<node>-r<rank>-<generation>-s<index>`` (:func:`segment_name`; a staging
+ring is one segment, index 0), the
 generation 128 random bits: nobody can guess a name to occupy it first, and a name parses to
 exactly one job and node, so cleaning up job ``llama`` never touches job ``llama-n0``'s segments.
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import StagingError
+from ..errors import SharedMemoryFullError, StagingError
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,10 @@ def new_generation() -> str:
     return secrets.token_hex(16)
 
 
-def segment_name(prefix: str, rank: int, generation: str, slot: int) -> str:
-    """The name of slot ``slot`` of ``rank``'s pool ``generation``; ``prefix`` is
+def segment_name(prefix: str, rank: int, generation: str, index: int) -> str:
+    """The name of segment ``index`` of ``rank``'s staging ring ``generation``; ``prefix`` is
     :attr:`ckptd.control.endpoints.Endpoints.shm_prefix` (``ckptd-<job>-n<node>-``)."""
-    return f"{prefix}r{rank}-{generation}-s{slot}"
+    return f"{prefix}r{rank}-{generation}-s{index}"
 
 
 def _check_name(name: str) -> None:
@@ -60,7 +61,7 @@ class ShmSegment:
 
     tmpfs allocates a page when it is first written. A write *through the mapping* to a page that
     cannot be allocated (``/dev/shm`` full, by this job or by anyone) kills the process with
-    SIGBUS, so a trainer never writes a slot through its mapping unreserved: it writes with
+    SIGBUS, so a trainer never writes a ring through its mapping unreserved: it writes with
     :meth:`write` (``pwrite``: a full ``/dev/shm`` is an ENOSPC, raised as StagingError), and the
     paths that must write through the mapping (device-to-host copies, strided tensor copies)
     :meth:`reserve` the segment first (``posix_fallocate``). Nothing is pre-faulted: the first save
@@ -100,7 +101,7 @@ class ShmSegment:
             path.unlink(missing_ok=True)
             raise StagingError(
                 f"cannot size shared-memory segment {path} to {nbytes} bytes ({exc}); /dev/shm may "
-                "be too small: reduce CKPTD_POOL_SLOTS or enlarge /dev/shm"
+                "be too small: lower CKPTD_STAGING_BUDGET or enlarge /dev/shm"
             ) from exc
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults for whoever fills it
@@ -123,7 +124,7 @@ class ShmSegment:
                 done = os.pwrite(self._fd, view[:_CHUNK_NBYTES], offset)
                 view, offset = view[done:], offset + done
         except OSError as exc:
-            raise self._no_room(exc, view.nbytes) from exc
+            raise self.no_room(exc, view.nbytes) from exc
 
     def reserve(self) -> None:
         """Allocate every page now (``posix_fallocate``), before writes through the mapping."""
@@ -132,7 +133,7 @@ class ShmSegment:
         try:
             os.posix_fallocate(self._fd, 0, self.nbytes)
         except OSError as exc:
-            raise self._no_room(exc, self.nbytes) from exc
+            raise self.no_room(exc, self.nbytes) from exc
         self.reserved = True
 
     def check_room(self, nbytes: int) -> None:
@@ -141,14 +142,14 @@ class ShmSegment:
         afterwards: writes then fail cleanly, see :meth:`write`)."""
         missing = max(0, min(nbytes, self.nbytes) - allocated_nbytes(self._fd))
         if missing and missing > shm_free_nbytes():
-            raise self._no_room(OSError(28, os.strerror(28)), missing)
+            raise self.no_room(OSError(28, os.strerror(28)), missing)
 
-    def _no_room(self, exc: OSError, nbytes: int) -> StagingError:
-        return StagingError(
+    def no_room(self, exc: OSError, nbytes: int) -> SharedMemoryFullError:
+        return SharedMemoryFullError(
             f"shared-memory segment {self.path}: cannot place {nbytes} more bytes ({exc.strerror}); "
             f"/dev/shm has {shm_free_nbytes()} bytes free. This save fails; training goes on and the "
             "next save retries. Free /dev/shm, enlarge it (containers: --shm-size) or lower "
-            "CKPTD_POOL_SLOTS")
+            "CKPTD_STAGING_BUDGET")
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> "ShmSegment":

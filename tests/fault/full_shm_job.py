@@ -30,18 +30,21 @@ def attempt(ckpt: ckptd.Checkpointer, mib: int, step: int) -> str:
 def main() -> None:
     root, snapshot = sys.argv[1], sys.argv[2]
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=1.0, heartbeat_s=0.2, pool_slots=1,
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=1.0, heartbeat_s=0.2, staging_budget="1x",
                                      snapshot=snapshot)
     out = {}
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         out["too big"] = attempt(ckpt, 24, 1)          # more than /dev/shm holds
         out["fits"] = attempt(ckpt, 4, 2)
         filler = "/dev/shm/co-tenant"
-        with open(filler, "wb") as f:                  # another user fills /dev/shm
-            try:
-                f.write(b"x" * (16 << 20))
-            except OSError:
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)  # another user fills /dev/shm
+        try:
+            while os.write(fd, b"x" * (1 << 20)):
                 pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
         out["full, bigger"] = attempt(ckpt, 8, 3)      # needs pages the co-tenant took
         os.unlink(filler)
         out["room again"] = attempt(ckpt, 8, 4)

@@ -6,7 +6,6 @@ fsynced after, the checkpoint directory gets its final name only after all of th
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 import torch
@@ -14,11 +13,10 @@ import torch
 from ckptd import ShardedTensor
 from ckptd.daemon import commit as commit_mod
 from ckptd.daemon.commit import commit_step, tmp_dir
-from ckptd.daemon.workers import WriteRequest, write_rank_file
+from ckptd.daemon.workers import write_rank_file
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items
-from ckptd.staging.pool import place
-from ckptd.staging.segment import ShmSegment
+from tests.rings import produced_save
 
 ATTEMPT = "0123456789ab-1"
 
@@ -50,24 +48,18 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         real_replace(src, dst, *a, **k)
         events.append(names)
 
-    sh = ShardedTensor.from_rank_offsets("w", torch.arange(64.0))
-    items = plan_tensor_items(sh, 0)
-    placements, nbytes = place(items)
-    seg = ShmSegment.create(f"ckptd-test-{secrets.token_hex(4)}", nbytes)
-    try:
-        seg.base[: nbytes].copy_(items[0].payload.view(torch.uint8))
+    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
+    with produced_save(5, items) as save:
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "replace", replace)
-        stored, file_nbytes = write_rank_file(tmp_dir(root, 5, ATTEMPT), seg,
-                                              WriteRequest(5, 0, [items[0].record], placements, None),
-                                              open, fsync=True, checksums=True)
-        commit_step(root, 5, ATTEMPT, stored, serialize_common({"iteration": 5}),
-                    {"__0_0.distcp": (0, file_nbytes)}, fsync=True, keep_last=0, megatron_tracker=True)
-    finally:
-        monkeypatch.undo()
-        seg.close()
-        seg.unlink()
+        try:
+            stored, file_nbytes = write_rank_file(tmp_dir(root, 5, ATTEMPT), save.ring, save.request, open,
+                                                  True, True, save.wait, 30)
+            commit_step(root, 5, ATTEMPT, stored, serialize_common({"iteration": 5}),
+                        {"__0_0.distcp": (0, file_nbytes)}, fsync=True, keep_last=0, megatron_tracker=True)
+        finally:
+            monkeypatch.undo()
 
     tmp, final = str(tmp_dir(root, 5, ATTEMPT)), str(root / "iter_0000005")
     index = {e: i for i, e in enumerate(events)}

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 
 import pytest
 import torch
 
 from ckptd import ShardedTensor
 from ckptd.daemon.faults import fault_opener, parse_fault_spec
-from ckptd.daemon.workers import WriteRequest, write_rank_file
+from ckptd.daemon.workers import write_rank_file
 from ckptd.errors import CkptdError, StorageError
 from ckptd.format.items import plan_tensor_items
-from ckptd.staging.pool import place
-from ckptd.staging.segment import ShmSegment
+from tests.rings import produced_save
 
 
 def test_fault_rules_parse_and_apply(tmp_path):
@@ -45,37 +43,24 @@ def test_fault_rules_parse_and_apply(tmp_path):
         assert f.read() == b"123456789a"  # reads are never faulted
 
 
-def _request(tmp_path, value: float) -> tuple[ShmSegment, WriteRequest]:
-    sh = ShardedTensor.from_rank_offsets("w", torch.full((16, 16), value))
-    items = plan_tensor_items(sh, 0)
-    placements, nbytes = place(items)
-    seg = ShmSegment.create(f"ckptd-test-{secrets.token_hex(4)}", nbytes)
-    for it, p in zip(items, placements):
-        seg.base[p.offset:p.offset + p.nbytes].copy_(it.payload.reshape(-1).view(torch.uint8))
-    return seg, WriteRequest(7, 0, [it.record for it in items], placements, None)
+def _items(value: float) -> list:
+    return plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.full((16, 16), value)), 0)
 
 
 def test_a_late_write_never_touches_a_committed_checkpoint(tmp_path):
     tmp, final = tmp_path / "iter_0000007.tmp", tmp_path / "iter_0000007"
-    seg, req = _request(tmp_path, 1.0)
-    try:
-        write_rank_file(tmp, seg, req, open, fsync=True, checksums=True)  # the attempt that commits
-        committed = (tmp / "__0_0.distcp").read_bytes()
+    with produced_save(7, _items(1.0)) as save:  # the attempt that commits
+        write_rank_file(tmp, save.ring, save.request, open, True, True, save.wait, 30)
+    committed = (tmp / "__0_0.distcp").read_bytes()
 
-        def commit_meanwhile(path: str, mode: str):
-            f = open(path, mode)  # noqa: SIM115 - returned to the writer
-            os.rename(tmp, final)  # another attempt of the step commits while this one writes
-            return f
+    def commit_meanwhile(path: str, mode: str):
+        f = open(path, mode)  # noqa: SIM115 - returned to the writer
+        os.rename(tmp, final)  # another attempt of the step commits while this one writes
+        return f
 
-        late, late_req = _request(tmp_path, 2.0)
-        try:
-            with pytest.raises(StorageError, match="No such file or directory"):
-                write_rank_file(tmp, late, late_req, commit_meanwhile, fsync=True, checksums=True)
-        finally:
-            late.close()
-            late.unlink()
-        assert (final / "__0_0.distcp").read_bytes() == committed
-        assert sorted(os.listdir(final)) == ["__0_0.distcp"]  # its .part file was removed too
-    finally:
-        seg.close()
-        seg.unlink()
+    with produced_save(7, _items(2.0)) as late:
+        with pytest.raises(StorageError, match="No such file or directory"):
+            write_rank_file(tmp, late.ring, late.request, commit_meanwhile, True, True, late.wait, 30)
+        assert late.ring.consumed() == late.request.ring_end  # its ring space was given back
+    assert (final / "__0_0.distcp").read_bytes() == committed
+    assert sorted(os.listdir(final)) == ["__0_0.distcp"]  # its .part file was removed too

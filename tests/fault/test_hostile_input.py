@@ -204,7 +204,7 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     good = peer.codec.encode(Ping(1))[0]
     save = {"step": 2**64 - 1, "attempt": "0123456789ab-1", "rank": 0, "world_size": 1, "generation": "g",
-            "slot": 0, "items": [], "common": None, "common_digest": "", "layout": "", "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
+            "block": 0, "items": [], "common": None, "common_digest": "", "layout": "", "ring_start": 0, "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
     try:
         rejected = {
             "malformed: an old HMAC frame after the body": [good, b"m" * 32],
@@ -271,20 +271,20 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its pool
     started = boottime_s()
     wait_until(lambda: boottime_s() > started + 0.1, 5, "the clock to move past the child's start")
+    own = StagingPool.create(ep.shm_prefix, 0, 1 << 20, pin=False, timeout_s=5)
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
-    own = StagingPool.create(ep.shm_prefix, 0, 1, 8192, pin=False)
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
         assert isinstance(ask(Hello("rank", 0, 0, 1, os.getpid(), str(job.root))), Welcome)
-        reply = ask(Save(5, "0123456789ab-1", 0, 1, victim.generation, 0, [], None, "", "", 0, b"", 0))
+        reply = ask(Save(5, "0123456789ab-1", 0, 1, victim.generation, 0, [], None, "", "", 0, 0, b"", 0))
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
-        reply = ask(RegisterPool(1, own.generation, own.slot_nbytes, own.names))
+        reply = ask(RegisterPool(1, own.generation, own.capacity, own.names))
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
         # Its own pool of rank 0 does not retire the Checkpointer's pool of rank 0.
-        assert isinstance(ask(RegisterPool(0, own.generation, own.slot_nbytes, own.names)), PoolOk)
+        assert isinstance(ask(RegisterPool(0, own.generation, own.capacity, own.names)), PoolOk)
         for pid, why in ((1, "is not a child of the rank's process"),
                          (old_child.pid, "is older than the rank's staging pool")):
-            reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", "", pid, b"s" * 16, 0))
+            reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", "", 0, pid, b"s" * 16, 0))
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         peer.sock.send_multipart(peer.codec.encode(Bye(0)))  # retires its own pool only
         assert isinstance(ask(Ping(3)), Pong)

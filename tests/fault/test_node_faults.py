@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd import ShardedTensor
-from tests.fault.single_job import stop_daemon
+from tests.fault.single_job import stop_daemon, wait_until
 from tests.multiproc import free_port, run_ranks
 
 COMMIT_TIMEOUT_S = 1.5
@@ -67,6 +67,10 @@ def _node_faults(rank: int, world: int, env: dict[str, str], root: str, faults: 
         assert ckpt.latest() == 1 and not (Path(root) / "iter_0000002").exists()
         dist.barrier()
         fault_file.unlink(missing_ok=True)
+        if rank == 1:
+            # The disk is fast again once the slow write in flight is done: a rank's saves persist
+            # in order through its staging ring, so step 3 would queue behind it.
+            wait_until(lambda: ckpt.status()["jobs_in_flight"] == 0, 30, "the slow write to finish")
         dist.barrier()
         ckpt.save(_sd(rank, 3), step=3).wait(timeout_s=60)
         _check(ckpt, rank, 1)

@@ -17,6 +17,7 @@ import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
 from ckptd.errors import StagingError
+from ckptd.format.dcp_metadata import read_index
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:
@@ -41,26 +42,26 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_p
     root = tmp_path / "run"
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=runtime, pool_slots=1, on_full="skip", keep_last=2, debug_write_delay_s=0.5,
+        {}, runtime_dir=runtime, staging_budget="1x", on_full="skip", keep_last=2, debug_write_delay_s=0.5,
         idle_exit_s=3.0, heartbeat_s=0.2,
     )
-    w = torch.randn(64, 32)
+    w = torch.randn(512, 1024)  # 2 MiB: one save fills the ring (staging_budget 1x)
     ref = {}
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         daemon_pid = ckpt.status()["pid"]
         ref[1] = w.clone()
         h1 = ckpt.save(_sd(w, 1), step=1)
         w.add_(1)
-        h2 = ckpt.save(_sd(w, 2), step=2)  # the only slot is still being written: skipped
+        h2 = ckpt.save(_sd(w, 2), step=2)  # the ring still holds step 1, being written: skipped
         assert h2.skipped and h2.done()
-        with pytest.raises(ckptd.SaveSkippedError, match="staging slots of rank 0 were still being persisted"):
+        with pytest.raises(ckptd.SaveSkippedError, match="staging ring of rank 0 had no room for it"):
             h2.wait()
         assert h1.wait(timeout_s=30) == root / "iter_0000001"
         assert ckpt.latest() == 1 and not list(root.glob("iter_0000002.*tmp"))
         with pytest.raises(ckptd.CheckpointExistsError):
             ckpt.save(_sd(w, 1), step=1)
 
-    # on_full="wait": back-to-back saves queue behind the single slot, all commit, in order.
+    # on_full="wait": back-to-back saves stream through the ring behind each other, all commit, in order.
     # (Staged by the trainer itself: snapshot="copy"; the other tests fork.)
     with ckptd.Checkpointer(root, config=cfg.replace(on_full="wait", snapshot="copy")) as ckpt:
         handles = []
@@ -74,14 +75,16 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_p
         assert [h.committed for h in handles] == [True] * 3
         assert ckpt.latest() == 5
         for step in (4, 5):
-            out = _loaded(ckpt, (64, 32), step)
+            out = _loaded(ckpt, (512, 1024), step)
             assert torch.equal(out["w"], ref[step]) and out["meta"] == {"s": step} and out["iteration"] == step
         # Retention (keep_last=2) removed the older ones only after newer ones had committed.
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000005"]
-        # A bigger state than the pool was sized for: the pool grows, the save commits.
-        big = torch.randn(256, 64)
+        # A bigger state than the ring was sized for: it streams through the ring (the tensor
+        # stored as several chunks), and commits.
+        big = torch.randn(1024, 1536)
         ckpt.save(_sd(big, 6), step=6).wait(timeout_s=30)
-        assert torch.equal(_loaded(ckpt, (256, 64))["w"], big)
+        assert torch.equal(_loaded(ckpt, (1024, 1536))["w"], big)
+        assert len(read_index(root / "iter_0000006").tensors["w"].chunks) > 1
         assert ckpt.status()["pid"] == daemon_pid  # one daemon served both Checkpointers
 
     # The auto-started daemon exits once idle; nothing is left behind.
@@ -103,9 +106,9 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
     """Saves of the same structure send the item list once; a changed structure sends it again;
     a layout the daemon does not hold is refused with a clear error and the next save recovers."""
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    # One slot: a refused SAVE must give its slot back, or the next save would wait forever.
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
-                                     slot_wait_timeout_s=20)
+    # A refused SAVE must give its ring space back, or the next save would wait forever.
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2,
+                                     staging_budget="1x", slot_wait_timeout_s=20, snapshot_timeout_s=20)
     sent: list[int] = []
     tensors = {f"t{i}": torch.randn(3, 5) for i in range(50)}
 
@@ -146,33 +149,34 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_copy_names_the_item_and_gives_its_slot_back(tmp_path, single_process, monkeypatch):
-    """save() raises a StagingError naming key and rank when a shard cannot be copied; the slot
-    it had taken is free again (one slot: otherwise the next save would wait until it times out).
-    The failure is injected into the copy of one tensor, as a failing device copy would raise."""
+def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_process, monkeypatch):
+    """save() raises a StagingError naming key and rank when a shard cannot be copied; the save
+    is abandoned and its ring space is free again (a ring of one save: otherwise the next save
+    would wait until it times out). The failure is injected into the copy of one tensor, as a
+    failing device copy would raise."""
     from ckptd.staging.pool import StagingPool
 
-    refused = torch.ones(2, 4).t()  # not contiguous: staged by a tensor copy, not one memmove
-    real_copy = StagingPool._copy_tensor
+    refused = torch.ones(2, 4).t()
+    real_write = StagingPool._write_tensor
 
-    def copy_tensor(self, src, dst):
+    def write_tensor(self, src, v):
         if src.data_ptr() == refused.data_ptr():
             raise RuntimeError("copy refused by the device")
-        return real_copy(self, src, dst)
+        return real_write(self, src, v)
 
-    monkeypatch.setattr(StagingPool, "_copy_tensor", copy_tensor)
+    monkeypatch.setattr(StagingPool, "_write_tensor", write_tensor)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, pool_slots=1,
-                                     slot_wait_timeout_s=5, snapshot="copy")
-    w = torch.randn(16, 8)
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, staging_budget="1x",
+                                     slot_wait_timeout_s=5, snapshot_timeout_s=10, snapshot="copy")
+    w = torch.randn(512, 1024)
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
-        for step in (1, 2):  # twice: a lost slot would make the second save wait, then fail
+        for step in (1, 2):  # twice: lost space would make the second save wait, then fail
             bad = {"w": ShardedTensor.from_rank_offsets("w", w), "x": ShardedTensor.from_rank_offsets("x", refused)}
             with pytest.raises(StagingError, match=r"copying 'x' chunk at offsets \(0, 0\) \(rank 0\) "
-                                                         r"into staging slot 0 failed: .*copy refused"):
+                                                         r"into the staging ring failed: .*copy refused"):
                 ckpt.save(bad, step=step)
         assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"
-        assert torch.equal(_loaded(ckpt, (16, 8))["w"], w) and ckpt.latest() == 3
+        assert torch.equal(_loaded(ckpt, (512, 1024))["w"], w) and ckpt.latest() == 3
 
 
 @pytest.mark.timeout(180)

@@ -40,7 +40,7 @@ def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, sin
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     expected = {}
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(pool_slots=3)) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
         ckpt.attach(opt)
         handles = []
         for step in range(1, 7):
@@ -67,7 +67,7 @@ def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_pat
     (before_update()) or after it. Changed before the fence: the save fails, whatever the copy had
     done; after: it commits exactly the saved values. Never a mix."""
     names = [f"t{i}" for i in range(4)]
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(pool_slots=2)) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
         step = 0
         for victim in names:
             for when in ("during the copy", "after the copy"):
@@ -87,7 +87,7 @@ def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_pat
                     out = _load(ckpt, saved, step)
                     assert all(same_bits(out[k], saved[k]) for k in names), (step, victim, when)
                 else:
-                    with pytest.raises(SaveFailedError, match="abandoned its lazy snapshot"):
+                    with pytest.raises(SaveFailedError, match="abandoned its snapshot"):
                         handle.wait(timeout_s=60)
                     assert ckpt.latest() != step
 

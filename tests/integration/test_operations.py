@@ -77,9 +77,18 @@ def test_stats_status_metrics_and_stop(single):
         assert (m["saves_received"], m["writes_ok"], m["steps_committed"]) == (3, 3, 3)
         assert m["bytes_written"] == 3 * w.nbytes and m["last_committed"]["step"] == 3
         assert [s["outcome"] for s in m["recent_steps"]] == ["committed"] * 3
+        # Memory, sampled every heartbeat: the ring holds at most the default budget (1.25 x the
+        # first save) in /dev/shm; the trainer's RSS includes at least the state it trains.
+        mem = info["memory"]
+        assert 0 < mem["staging_shm"]["peak"] <= 1.25 * w.nbytes + 4096  # + the ring's header page
+        assert mem["daemon_rss"]["peak"] >= mem["daemon_rss"]["current"] > 0
+        assert mem["dev_shm"]["peak"] >= mem["staging_shm"]["peak"]
+        (me,) = mem["ranks_rss"]
+        assert (me["rank"], me["pid"]) == (0, os.getpid()) and me["peak"] >= me["current"] > w.nbytes
 
         run = _ckptd(env, "status", str(root))
         assert run.returncode == 0 and "saves received 3, committed 3" in run.stdout
+        assert "memory: daemon RSS" in run.stdout and "rank 0 " in run.stdout, run.stdout
         run = _ckptd(env, "status", str(root), "--prometheus")
         assert run.returncode == 0 and "ckptd_steps_committed_total{" in run.stdout
         served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -87,6 +96,7 @@ def test_stats_status_metrics_and_stop(single):
         key = next(k for k in samples if k.startswith("ckptd_written_bytes_total"))
         assert float(samples[key]) == 3 * w.nbytes
         assert served.count("# TYPE ckptd_writes_total counter") == 1
+        assert float(samples[next(k for k in samples if k.startswith("ckptd_staging_shm_peak_bytes"))]) > 0
 
     run = _ckptd(env, "daemon", "stop", "--root", str(root))
     assert run.returncode == 0 and "stopped the daemon of node 0" in run.stdout

@@ -7,7 +7,7 @@ import os
 import msgpack
 import pytest
 
-from ckptd.config import CkptdConfig
+from ckptd.config import CkptdConfig, parse_budget
 from ckptd.control.protocol import (
     FRAME_NBYTES,
     PROTOCOL_VERSION,
@@ -33,8 +33,8 @@ def _frames(obj: object) -> list[bytes]:
 
 
 def _save_fields(**changes: object) -> dict:
-    f = {"step": 1, "attempt": ATTEMPT, "rank": 0, "world_size": 1, "generation": "g", "slot": 0,
-         "items": [], "common": None, "common_digest": "", "layout": "", "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
+    f = {"step": 1, "attempt": ATTEMPT, "rank": 0, "world_size": 1, "generation": "g", "block": 0,
+         "items": [], "common": None, "common_digest": "", "layout": "", "ring_start": 0, "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
     f.update(changes)
     return f
 
@@ -43,9 +43,9 @@ def test_every_message_type_round_trips():
     samples = [
         Ping(7),
         Hello("rank", 3, 1, 4, 1234, "/ckpts/run1"),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "digest", "l1",
+        Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "digest", "l1", 0,
              4242, b"s" * 16, 4096),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, b"", 0),
+        Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, 0, b"", 0),
         Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, "", 4096),
         Failed(100, "fedcba987654-12", -1, 0, 1, "lost the coordinator"),
         StepAborted(10**9 - 1, ATTEMPT, "why"),
@@ -93,7 +93,7 @@ def test_malformed_messages_are_rejected(frames, why):
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], b"x" * (1 << 16), "", "", 0, b"", 0)
+    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], b"x" * (1 << 16), "", "", 0, 0, b"", 0)
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         codec.encode(big)
     roomy = Codec("job1", max_nbytes=1 << 20)
@@ -104,7 +104,7 @@ def test_size_limit_applies_before_anything_is_unpacked():
 
 def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
     roomy = Codec("job1", max_nbytes=8 << 20)
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], os.urandom(3 * FRAME_NBYTES + 5), "", "", 0, b"", 0)
+    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], os.urandom(3 * FRAME_NBYTES + 5), "", "", 0, 0, b"", 0)
     frames = roomy.encode(big)
     assert len(frames) == 4 and all(len(f) <= FRAME_NBYTES for f in frames)
     assert roomy.decode([bytes(f) for f in frames]) == big
@@ -119,16 +119,21 @@ def test_no_pickle_on_the_wire():
 
 
 def test_config_env_overrides_in_one_place():
-    env = {"CKPTD_POOL_SLOTS": "3", "CKPTD_ON_FULL": "skip", "CKPTD_FSYNC": "0",
-           "CKPTD_COMMIT_TIMEOUT_S": "12.5", "OTHER": "x"}
+    env = {"CKPTD_STAGING_BUDGET": "0.5x", "CKPTD_ON_FULL": "skip", "CKPTD_FSYNC": "0",
+           "CKPTD_COMMIT_TIMEOUT_S": "12.5", "CKPTD_WRITER_THREADS": "3", "OTHER": "x"}
     cfg = CkptdConfig.from_env(env, keep_last=4)
-    assert (cfg.pool_slots, cfg.on_full, cfg.fsync, cfg.commit_timeout_s, cfg.keep_last) == (3, "skip", False, 12.5, 4)
+    assert (cfg.staging_budget, cfg.on_full, cfg.fsync, cfg.commit_timeout_s, cfg.keep_last,
+            cfg.writer_threads) == ("0.5x", "skip", False, 12.5, 4, 3)
     assert CkptdConfig.from_env(cfg.to_env()) == cfg
-    with pytest.raises(CkptdError, match="CKPTD_POOL_SLOTS='many' is not a valid int"):
-        CkptdConfig.from_env({"CKPTD_POOL_SLOTS": "many"})
+    with pytest.raises(CkptdError, match="CKPTD_WRITER_THREADS='many' is not a valid int"):
+        CkptdConfig.from_env({"CKPTD_WRITER_THREADS": "many"})
+    with pytest.raises(CkptdError, match="staging_budget='lots'"):
+        CkptdConfig(staging_budget="lots")
+    assert parse_budget("1.25x") == (1.25, 0) and parse_budget("8GiB") == (0, 8 << 30)
+    assert parse_budget("512 MiB") == (0, 512 << 20) and parse_budget("100000") == (0, 100000)
     with pytest.raises(CkptdError, match="on_full='drop'"):
         CkptdConfig(on_full="drop")
     with pytest.raises(CkptdError, match="unknown config fields"):
         CkptdConfig.from_env({}, pool_size=3)
     with pytest.raises(Exception):
-        cfg.pool_slots = 5  # type: ignore[misc]  # frozen
+        cfg.writer_threads = 5  # type: ignore[misc]  # frozen

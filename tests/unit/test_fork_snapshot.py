@@ -1,7 +1,8 @@
-"""Copy-on-write snapshots (ckptd.staging.fork) and the daemon's wait for them (ckptd.daemon.snapshot).
+"""Copy-on-write snapshots (ckptd.staging.fork) into a staging ring (ckptd.staging.ring), and the
+daemon's watch of them (ckptd.daemon.snapshot).
 
-Real forked processes and a real /dev/shm segment; no daemon needed at this level (the
-integration tests run the whole path with the daemon).
+Real forked processes and a real /dev/shm ring; no daemon needed at this level (the integration
+tests run the whole path with the daemon).
 """
 
 from __future__ import annotations
@@ -13,21 +14,28 @@ import time
 import pytest
 import torch
 
+from ckptd.daemon.pools import PoolTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.errors import StagingError
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
-from ckptd.staging.fork import SEAL_NBYTES, SEAL_ROOM_NBYTES, child_copies, fork_snapshot, reap
-from ckptd.staging.pool import place, slot_view
-from ckptd.staging.segment import ShmSegment
+from ckptd.staging.fork import child_copies, fork_snapshot, reap, start_block
+from ckptd.staging.pool import StagingPool, bytes_view, place
+from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
+from ckptd.staging.segment import unlink_segments
 
 
 @pytest.fixture
-def segment():
-    seg = ShmSegment.create(f"ckptd-test-fork-{secrets.token_hex(4)}", 8 << 20)
-    yield seg
-    seg.close()
-    seg.unlink()
+def ring():
+    """A rank's ring of 8 MiB, and the daemon's mapping of it."""
+    prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
+    pool = StagingPool.create(prefix, 0, 8 << 20, pin=False, timeout_s=30)
+    table = PoolTable(prefix)
+    dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
+    yield pool, dpool.ring
+    pool.close(unlink=False)
+    table.release_all()
+    assert not unlink_segments(prefix)
 
 
 def _items(tensors: list[torch.Tensor], blob: bytes) -> list[PlannedItem]:
@@ -38,73 +46,104 @@ def _items(tensors: list[torch.Tensor], blob: bytes) -> list[PlannedItem]:
 
 
 @pytest.mark.timeout(60)
-def test_child_copies_the_values_at_fork_time(segment):
+def test_child_copies_the_values_at_fork_time(ring):
+    pool, dring = ring
     tensors = [torch.randn(1000), torch.randn(256, 1024), torch.randn(0)]
     expected = [t.clone() for t in tensors]
     items = _items(tensors, b"pickled object bytes")
     placements, nbytes = place(items)
-    assert nbytes + SEAL_ROOM_NBYTES <= segment.nbytes
-    copies = child_copies(items, placements, segment)
-    assert copies is not None
-    snap = fork_snapshot(copies, segment, nbytes)
+    found = child_copies(items, placements)
+    assert found is not None
+    block, start = pool.claim(placements)
+    snap = fork_snapshot(pool, start, block, found[0], nice=0, daemon_pid=os.getpid())
     for t in tensors:
         t.fill_(float("nan"))  # training overwrites right after save() returned
-    wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset, segment.nbytes)
+    wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset)
     for p in placements:  # as the daemon's writer does: each item once the child has copied it
-        wait.wait_for(segment, p.offset + p.nbytes, timeout_s=30)
-        assert wait.progress(segment) >= p.offset + p.nbytes
-    wait.wait(segment, timeout_s=30)
-    assert wait.progress(segment) == nbytes and wait.sealed(segment)
+        wait.wait_for(dring, start + p.offset + p.nbytes, timeout_s=30)
+        assert wait.progress(dring) >= start + p.offset + p.nbytes
+    wait.wait(dring, timeout_s=30)
+    assert wait.progress(dring) == start + span(p.offset + p.nbytes for p in placements) and wait.sealed(dring)
     assert reap([snap.pid], block=True) == []
     for t, p, ref in zip(tensors, placements, expected):
-        assert torch.equal(slot_view(segment.base, p, torch.float32, ref.shape), ref)
-    assert bytes(segment.view(placements[-1].offset, placements[-1].nbytes)) == b"pickled object bytes"
-
-
-def test_non_plain_shards_are_not_forked(segment):
-    strided = torch.randn(8, 8).t()  # not contiguous: the trainer stages it
-    items = _items([strided], b"")
-    placements, _ = place(items)
-    assert child_copies(items, placements, segment) is None
+        assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
+    assert bytes(dring.view(start + placements[-1].offset, placements[-1].nbytes)) == b"pickled object bytes"
 
 
 @pytest.mark.timeout(60)
-def test_a_child_that_dies_before_sealing_fails_the_save(segment):
+def test_a_save_bigger_than_the_ring_streams_through_it_and_wraps(ring):
+    """The child waits for room; the consumer frees it item by item; items that cross the end
+    of the ring are contiguous in the daemon's double mapping."""
+    pool, dring = ring
+    tensors = [torch.randn(3 << 18) for _ in range(8)]  # 3 MiB each, 24 MiB through an 8 MiB ring
+    items = _items(tensors, b"")[:-1]
+    placements, _ = place(items)
+    block, start = pool.claim(placements)
+    snap = fork_snapshot(pool, start, block, child_copies(items, placements)[0], nice=0, daemon_pid=os.getpid())
+    wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset)
+    wrapped = 0
+    for t, p in zip(tensors, placements):
+        end = start + p.offset + p.nbytes
+        wait.wait_for(dring, end, timeout_s=30)
+        v = start + p.offset
+        wrapped += v % dring.capacity + p.nbytes > dring.capacity
+        assert torch.equal(bytes_view(dring.view(v, p.nbytes), torch.float32, t.shape), t)
+        dring.set_consumed(end)  # written: the child may reuse the space
+    wait.wait(dring, timeout_s=30)
+    assert reap([snap.pid], block=True) == [] and wrapped >= 1
+
+
+@pytest.mark.timeout(60)
+def test_non_plain_shards_are_not_forked():
+    strided = torch.randn(8, 8).t()  # not contiguous: the trainer produces it
+    items = _items([strided], b"")
+    placements, _ = place(items)
+    assert child_copies(items, placements) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_dies_before_sealing_fails_the_save_and_frees_its_space(ring):
+    pool, dring = ring
     pid = os.fork()
     if pid == 0:
         os._exit(0)  # exits without copying or sealing: as if killed half-way
-    wait = SnapshotWait.open(3, pid, secrets.token_bytes(SEAL_NBYTES), 4096, segment.nbytes)
+    seal = start_block(pool, 3)
+    wait = SnapshotWait.open(3, pid, seal, block_offset(3))
     with pytest.raises(StagingError, match=f"rank 3: snapshot process {pid} exited before it had copied"):
-        wait.wait_for(segment, 100, timeout_s=30)  # nothing was copied: no progress, no seal
-    wait = SnapshotWait.open(3, pid, secrets.token_bytes(SEAL_NBYTES), 4096, segment.nbytes)
+        wait.wait_for(dring, 100, timeout_s=30)  # nothing was copied: no progress, no seal
+    wait = SnapshotWait.open(3, pid, seal, block_offset(3))
     with pytest.raises(StagingError, match=f"rank 3: snapshot process {pid} exited before it had copied"):
-        wait.wait(segment, timeout_s=30)
+        wait.wait(dring, timeout_s=30)
     reap([pid], block=True)
     # Already reaped when the SAVE arrives (its trainer died): the seal alone decides.
-    gone = SnapshotWait.open(3, pid, secrets.token_bytes(SEAL_NBYTES), 4096, segment.nbytes)
+    gone = SnapshotWait.open(3, pid, seal, block_offset(3))
     with pytest.raises(StagingError, match="exited before"):
-        gone.wait(segment, timeout_s=1)
+        gone.wait(dring, timeout_s=1)
+    # The failed write gives the save's ring space back, so later saves are not stuck.
+    gone = SnapshotWait.open(3, pid, seal, block_offset(3))
+    assert gone.drain(dring, 4096, timeout_s=5) and dring.consumed() >= 4096
 
 
 @pytest.mark.timeout(60)
-def test_a_child_that_hangs_times_out(segment):
+def test_a_child_that_hangs_times_out(ring):
+    pool, dring = ring
     pid = os.fork()
     if pid == 0:
         time.sleep(30)
         os._exit(0)
     try:
-        wait = SnapshotWait.open(1, pid, secrets.token_bytes(SEAL_NBYTES), 0, segment.nbytes)
+        wait = SnapshotWait.open(1, pid, start_block(pool, 0), block_offset(0))
         t0 = time.monotonic()
         with pytest.raises(StagingError, match="did not finish copying within 0.3 s"):
-            wait.wait(segment, timeout_s=0.3)
+            wait.wait(dring, timeout_s=0.3)
         assert time.monotonic() - t0 < 10
     finally:
         os.kill(pid, 9)
         reap([pid], block=True)
 
 
-def test_malformed_snapshot_requests_are_refused(segment):
-    for pid, seal, at in ((0, b"x" * SEAL_NBYTES, 0), (os.getpid(), b"short", 0),
-                          (os.getpid(), b"x" * SEAL_NBYTES, segment.nbytes)):
+def test_malformed_snapshot_requests_are_refused():
+    for pid, seal, at in ((0, b"x" * SEAL_NBYTES, block_offset(0)), (os.getpid(), b"short", block_offset(0)),
+                          (os.getpid(), b"x" * SEAL_NBYTES, block_offset(0) + 1), (os.getpid(), b"x" * SEAL_NBYTES, 0)):
         with pytest.raises(StagingError, match="malformed snapshot"):
-            SnapshotWait.open(0, pid, seal, at, segment.nbytes)
+            SnapshotWait.open(0, pid, seal, at)

@@ -20,7 +20,8 @@ from ckptd.client.gcpause import gc_paused
 from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
-from ckptd.staging.pool import StagingPool, place, slot_size_for, slot_view
+from ckptd.staging.pool import StagingPool, bytes_view, place
+from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
 
 
@@ -36,14 +37,14 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
     assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
     codec = Codec("job")
-    for msg in (Save(3, "0123456789ab-1", 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common", "", "l", 0, b"", 0),
+    for msg in (Save(3, "0123456789ab-1", 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common", "", "l", 0, 0, b"", 0),
                 StatusReply({"nested": [rec, {"t": (1, 2)}]})):  # a dataclass inside a field, too
         old = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)},
                             use_bin_type=True)
         assert codec.encode(msg)[0] == old
 
 
-def test_staging_fast_path_copies_the_same_bytes_as_copy():
+def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
     gen = torch.Generator().manual_seed(0)
     big = torch.randn((1 << 18) + 5, generator=gen)
     base = torch.randn(64, 64, generator=gen)
@@ -62,12 +63,14 @@ def test_staging_fast_path_copies_the_same_bytes_as_copy():
     items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
     placements, nbytes = place(items)
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, 1, slot_size_for(nbytes, 0.0), pin=False)
+    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, pin=False, timeout_s=10)
     try:
-        pool.stage(0, items, placements)
-        base_t = pool.segments[0].base
+        block, start = pool.claim(placements)
+        pool.copy_inline(start, block, items, placements, b"s" * 16)
+        base_t = pool.segment.base
         for p, pl in zip(payloads, placements):
-            got = slot_view(base_t, pl, p.dtype, p.shape)
+            raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset:][: pl.nbytes]
+            got = bytes_view(raw, p.dtype, p.shape)
             assert torch.equal(got, p.detach().resolve_conj().resolve_neg())
     finally:
         pool.close(unlink=True)

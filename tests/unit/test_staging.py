@@ -1,10 +1,11 @@
-"""Shared-memory segments and slot pools, on real /dev/shm segments (no processes)."""
+"""Shared-memory segments and staging rings, on real /dev/shm segments (no processes)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +17,11 @@ from ckptd.daemon.pools import PoolTable
 from ckptd.daemon.workers import WriteRequest, planned_items, write_rank_file
 from ckptd.errors import StagingError
 from ckptd.format.finalize import finalize, serialize_common
-from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place, slot_size_for
+from ckptd.daemon.snapshot import SnapshotWait
+from ckptd.format.items import split_large_items
+from ckptd.staging.fork import start_block
+from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
+from ckptd.staging.ring import block_offset
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
 from ckptd.statedict.split import split_state_dict
 
@@ -77,35 +82,44 @@ def _state(step: int, for_load: bool = False) -> dict:
     }
 
 
-def test_staged_slot_writes_a_loadable_checkpoint_independent_of_later_mutation(prefix, tmp_path):
+def _produce(pool: StagingPool, items: list, placements: list):
+    """Produce a save inline (as snapshot="copy" does); the daemon's snapshot watch of it."""
+    block, start = pool.claim(placements)
+    seal = start_block(pool, block)
+    pool.copy_inline(start, block, items, placements, seal)
+    return block, start, SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
+
+
+def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutation(prefix, tmp_path):
     split = split_state_dict(_state(5))
     items = plan_save(split, 0)
     placements, nbytes = place(items)
     assert all(p.offset % ALIGN_NBYTES == 0 for p in placements)
-    pool = StagingPool.create(prefix, 0, nslots=2, slot_nbytes=slot_size_for(nbytes, 0.01), pin=True)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=True, timeout_s=30)
     table = PoolTable(prefix)
     try:
-        assert not pool.pinned  # no CUDA here: staging is a plain memcpy
-        pool.stage(0, items, placements)
+        assert not pool.pinned  # no CUDA here: staging is pwrite
+        # The daemon side: attach by name, write the rank file from views of the ring.
+        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
+        block, start, wait = _produce(pool, items, placements)
         split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
-        # The daemon side: attach by name, write the rank file from views of the slot.
-        dpool = table.register(0, pool.generation, pool.slot_nbytes, pool.names, b"id")
-        req = WriteRequest(5, 0, [i.record for i in items], placements, None)
-        assert all(isinstance(p.payload, (torch.Tensor, memoryview)) for p in planned_items(dpool.segments[0], req))
-        stored, file_nbytes = write_rank_file(tmp_path, dpool.segments[0], req, open, fsync=False, checksums=True)
+        req = WriteRequest(5, 0, [i.record for i in items], placements, None, start)
+        assert all(isinstance(p.payload, (torch.Tensor, memoryview)) for p in planned_items(dpool.ring, req))
+        stored, file_nbytes = write_rank_file(tmp_path, dpool.ring, req, open, False, True, wait, 30)
         assert file_nbytes == (tmp_path / "__0_0.distcp").stat().st_size
+        assert dpool.ring.consumed() == req.ring_end  # the ring space is free again
         finalize(tmp_path, stored, serialize_common(split.common))
         loaded = ckptd.load(_state(0, for_load=True), tmp_path)
         ref = _state(5, for_load=True)
         for k in ("w", "opt", "empty", "i8"):
             assert torch.equal(loaded[k], ref[k].data), k
         assert loaded["obj"] == {"step": 5, "blob": b"x" * 100} and loaded["iteration"] == 5
-        # A second rank's pool with a foreign name is refused; re-registering retires the old.
-        with pytest.raises(StagingError, match="do not follow"):
-            table.register(1, "zz", pool.slot_nbytes, [prefix + "r9-zz-s0"], b"id")
+        # A second rank's ring with a foreign name is refused; re-registering retires the old.
+        with pytest.raises(StagingError, match="are not its staging ring"):
+            table.register(1, "zz", pool.capacity, [prefix + "r9-zz-s0"], b"id")
         dpool.busy.add(1)
         table.retire_owner(b"id")
-        assert list_segments(prefix)  # slot 1 is still being written: kept
+        assert list_segments(prefix)  # a save is still in flight: kept
         dpool.busy.clear()
         table.collect()
         assert list_segments(prefix) == []  # the daemon unlinked what it owned
@@ -114,13 +128,30 @@ def test_staged_slot_writes_a_loadable_checkpoint_independent_of_later_mutation(
         table.release_all()
 
 
-def test_stage_refuses_an_oversized_save(prefix):
-    items = plan_save(split_state_dict(_state(1)), 0)
-    placements, nbytes = place(items)
-    pool = StagingPool.create(prefix, 0, nslots=1, slot_nbytes=256, pin=False)
+def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
+    """A save four times the ring streams through it: items larger than the ring become chunks,
+    the producer waits for the writer to free space, and the checkpoint loads bit-exact."""
+    w = torch.randn(1 << 20)  # 4 MiB, the ring holds 1 MiB
+    split = split_state_dict({"w": ShardedTensor.from_rank_offsets("w", w), "step": 1})
+    items = split_large_items(plan_save(split, 0), 1 << 20)
+    assert len(items) == 8 and all(i.record.sizes == (1 << 17,) for i in items)
+    placements, _ = place(items)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=False, timeout_s=30)
+    table = PoolTable(prefix)
     try:
-        with pytest.raises(StagingError, match="slot holds 256"):
-            pool.stage(0, items, placements)
+        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
+        block, start = pool.claim(placements)
+        seal = start_block(pool, block)
+        req = WriteRequest(1, 0, [i.record for i in items], placements, None, start)
+        wait = SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
+        with ThreadPoolExecutor(1) as writer:  # the daemon drains while this thread produces
+            written = writer.submit(write_rank_file, tmp_path, dpool.ring, req, open, False, True, wait, 30)
+            waited = pool.copy_inline(start, block, items, placements, seal)
+            stored, _ = written.result(timeout=60)
+        assert waited > 0  # it really had to wait for room
+        finalize(tmp_path, stored, serialize_common(split.common))
+        out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(1 << 20))}, tmp_path)
+        assert torch.equal(out["w"], w)
     finally:
         pool.close(unlink=True)
-    assert slot_size_for(nbytes, 0.0) % 4096 == 0 and slot_size_for(nbytes, 0.01) >= nbytes + (1 << 20)
+        table.release_all()

@@ -1,0 +1,51 @@
+"""A save produced into a real staging ring, as the node daemon sees it (no daemon process).
+
+The rank side creates its ring in /dev/shm and produces the items inline (as ``snapshot="copy"``
+does, sealed at the end); the daemon side maps the same segment by name and gets the
+:class:`WriteRequest` and :class:`SnapshotWait` that ``write_rank_file`` needs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
+
+from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.snapshot import SnapshotWait
+from ckptd.daemon.workers import WriteRequest
+from ckptd.format.items import PlannedItem
+from ckptd.staging.fork import start_block
+from ckptd.staging.pool import StagingPool, place
+from ckptd.staging.ring import RingMap, block_offset
+from ckptd.staging.segment import unlink_segments
+
+
+class ProducedSave(NamedTuple):
+    ring: RingMap  # the daemon's mapping
+    request: WriteRequest
+    wait: SnapshotWait
+
+
+@contextmanager
+def produced_save(step: int, items: list[PlannedItem], capacity: int = 1 << 20) -> Iterator[ProducedSave]:
+    """Produce ``items`` as rank 0's save of ``step`` into a fresh ring of ``capacity`` bytes;
+    every segment is unlinked on exit (the test fails if one leaked)."""
+    prefix = f"ckptd-test{secrets.token_hex(3)}-n0-"
+    pool = StagingPool.create(prefix, 0, capacity=capacity, pin=False, timeout_s=30)
+    table = PoolTable(prefix)
+    try:
+        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"test")
+        placements, _ = place(items)
+        block, start = pool.claim(placements)
+        seal = start_block(pool, block)
+        pool.copy_inline(start, block, items, placements, seal)
+        req = WriteRequest(step, 0, [i.record for i in items], placements, None, start)
+        yield ProducedSave(dpool.ring, req, SnapshotWait.open(0, os.getpid(), seal, block_offset(block)))
+    finally:
+        pool.close(unlink=False)
+        table.release_all()
+        leaked = unlink_segments(prefix)
+    if leaked:
+        raise AssertionError(f"the test leaked staging segments {leaked}")
