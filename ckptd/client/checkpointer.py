@@ -183,7 +183,7 @@ class Checkpointer:
             items = split_large_items(items, pool.capacity)  # streams through a ring smaller than it
             placements, nbytes = place(items)
         t_slot = time.perf_counter()
-        if self.config.on_full == "skip" and not (pool.free and pool.has_room(pool.next_start, placements)):
+        if self.config.on_full == "skip" and not (pool.has_free_block() and pool.has_room(pool.next_start, placements)):
             return self._skip(step, t0, nbytes)
         self._wait_block(pool, step)
         pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
@@ -426,11 +426,11 @@ class Checkpointer:
 
     def _wait_block(self, pool: StagingPool, step: int) -> None:
         """Wait for a free control block (BLOCKS saves of this rank in flight at most)."""
-        if pool.free:
+        if pool.has_free_block():
             return
         t0 = time.monotonic()
         deadline = t0 + self.config.slot_wait_timeout_s
-        while not pool.free:
+        while not pool.has_free_block():
             if time.monotonic() > deadline:
                 raise DaemonError(
                     f"rank {self.env.rank}: {BLOCKS} saves still in flight after "

@@ -1,14 +1,10 @@
-"""The tool commands of the ``ckptd`` CLI: status, ls, inspect, verify, convert, bench,
+"""The commands of the ``ckptd`` CLI: daemon, status, ls, inspect, verify, convert, bench,
 gc, tune.
 
 Each module exposes ``register(subparsers)`` (adds its subparser, sets ``func=run``) and
-``run(args) -> int`` (the exit status: 0 ok, 1 damage or failure, 2 usage error). ``ckptd.cli``
-wires them in with::
-
-    for command in commands.ALL:
-        command.register(subparsers)
-
-``python -m ckptd.commands <command> ...`` runs them without the rest of the CLI.
+``run(args) -> int`` (the exit status: 0 ok, 1 damage or failure, 2 usage error); a new command
+is one more module in :data:`ALL`. Modules import their heavy dependencies inside ``run``.
+``ckptd`` (``ckptd.cli``) and ``python -m ckptd.commands`` run :func:`main`.
 """
 
 from __future__ import annotations
@@ -18,13 +14,13 @@ import logging
 import sys
 from typing import Sequence
 
-from . import bench, convert, gc, inspect, ls, status, tune, verify
+from . import bench, convert, daemon, gc, inspect, ls, status, tune, verify
 
-ALL = [status, ls, inspect, verify, convert, bench, gc, tune]
+ALL = [daemon, status, ls, inspect, verify, convert, bench, gc, tune]
 
 
 def build_parser(prog: str = "ckptd") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="ckptd offline checkpoint tools")
+    parser = argparse.ArgumentParser(prog=prog, description="ckptd: asynchronous checkpoint daemon and tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in ALL:
         command.register(subparsers)
@@ -37,7 +33,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ckptd") -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "daemon":  # the daemon sets up its own logging (INFO, to its log file)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -40,7 +40,6 @@ from ..control.channel import Endpoint, make_socket
 from ..control.keys import CurveKeys
 from ..control.protocol import (
     Codec,
-    ErrorReply,
     Failed,
     Message,
     Ping,
@@ -60,6 +59,7 @@ from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from .commit import commit_step, remove_tmp
 from .faults import fault_opener
+from .loop import serve_requests
 from .workers import Done, WorkerPools
 
 log = logging.getLogger(__name__)
@@ -137,22 +137,9 @@ class Coordinator:
 
     # --- messages -----------------------------------------------------------------------------
     def on_readable(self) -> None:
-        while True:
-            try:
-                identity, msg, _ = self.ep.recv()
-            except zmq.Again:
-                return
-            if msg is None or identity is None:
-                continue
-            try:
-                self._dispatch(identity, msg)
-            except Exception as exc:  # noqa: BLE001 - one node's odd report must not stop the coordinator
-                log.exception("coordinator: %s from %r could not be handled", msg.TYPE.name, identity)
-                self.ep.send(ErrorReply(f"the coordinator could not handle {msg.TYPE.name}: "
-                                        f"{type(exc).__name__}: {exc}", getattr(msg, "step", None)),
-                             identity, block=False)
+        serve_requests(self.ep, self._dispatch)
 
-    def _dispatch(self, identity: bytes, msg: Message) -> None:
+    def _dispatch(self, identity: bytes, msg: Message, _peer: str | None) -> None:
         if isinstance(msg, Ping):
             self.nodes.setdefault(identity, -1)
             self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
@@ -165,8 +152,7 @@ class Coordinator:
         elif isinstance(msg, Status):
             self.ep.send(StatusReply(self.status()), identity)
         else:
-            log.warning("coordinator: unexpected %s from %r", msg.TYPE.name, identity)
-            self.ep.send(ErrorReply(f"the coordinator does not accept {msg.TYPE.name}", None), identity)
+            raise ProtocolError(f"the coordinator does not accept {msg.TYPE.name}")
 
     def _finished_reply(self, identity: bytes, key: Key) -> bool:
         """Answer a report about a finished attempt with its outcome; False if it is not finished."""

@@ -14,6 +14,7 @@ only its own later pools or its own BYE retire it.
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 from ..errors import StagingError
 from ..format.records import ItemRecord
 from ..staging.pool import Placement
-from ..staging.ring import HEADER_NBYTES, PAGE, RingMap
+from ..staging.ring import BLOCKS, HEADER_NBYTES, PAGE, RingMap
 from ..staging.segment import ShmSegment, segment_name
 from .snapshot import boottime_s
 
@@ -45,6 +46,35 @@ class DaemonPool:
     # A rank whose state keeps its structure from save to save sends only the id (see
     # ckptd.client.layout), so neither side re-encodes, re-decodes or re-checks 10,000 records.
     layout: tuple[str, list[ItemRecord], list[Placement]] | None = None
+
+    def check_block(self, block: int) -> None:
+        """Raise StagingError unless control block ``block`` exists and is free."""
+        if not 0 <= block < BLOCKS:
+            raise StagingError(f"rank {self.rank}: control block {block} does not exist")
+        if block in self.busy:
+            raise StagingError(f"rank {self.rank}: control block {block} is in use by a save in flight")
+
+    def take_block(self, block: int) -> None:
+        """Mark control block ``block`` as used by a save in flight (until :meth:`write_done`)."""
+        self.check_block(block)
+        self.busy.add(block)
+
+    def queue_write(self, start: Callable[[], None]) -> None:
+        """Run ``start()`` (which hands a write of this ring to a writer thread) once the ring's
+        earlier writes finished: a rank's saves stream through its ring in order."""
+        self.queued.append(start)
+        self._next_write()
+
+    def write_done(self, block: int) -> None:
+        """The write of the save in ``block`` finished (or failed): free the block, start the next."""
+        self.busy.discard(block)
+        self.writing = False
+        self._next_write()
+
+    def _next_write(self) -> None:
+        if not self.writing and self.queued:
+            self.writing = True
+            self.queued.popleft()()
 
 
 class PoolTable:
@@ -83,6 +113,13 @@ class PoolTable:
                                "connection; a rank saves from its own pools only")
         return pool
 
+    def write_done(self, rank: int, generation: str, block: int) -> None:
+        """A write from ``block`` of that ring finished; a retired ring is released once idle."""
+        pool = self.pools.get((rank, generation))
+        if pool is not None:
+            pool.write_done(block)
+            self.collect()
+
     def retire_owner(self, owner: bytes) -> None:
         for pool in self.pools.values():
             if pool.owner == owner:
@@ -107,6 +144,10 @@ class PoolTable:
             self._release(pool)
         self.pools.clear()
 
+    def segment_paths(self) -> list[str]:
+        """The /dev/shm files of the rings mapped here (for memory accounting)."""
+        return [str(p.segment.path) for p in self.pools.values()]
+
     def summary(self) -> list[dict]:
         return [{"rank": p.rank, "generation": p.generation, "ring_nbytes": p.capacity,
                  "consumed": p.ring.consumed(), "busy": sorted(p.busy), "queued": len(p.queued),
@@ -116,8 +157,6 @@ class PoolTable:
 def attach_ring(name: str, capacity: int) -> tuple[ShmSegment, RingMap]:
     """Open a rank's ring segment (checked: a private regular file of this user, of the announced
     size) and map it as a ring."""
-    import os
-
     segment = ShmSegment.attach(name, HEADER_NBYTES + capacity)
     try:
         fd = os.open(segment.path, os.O_RDWR | os.O_NOFOLLOW)

@@ -15,11 +15,14 @@ process.
 
 from __future__ import annotations
 
+import enum
 import os
 import select
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import psutil
 
 from ..errors import StagingError
 from ..staging.ring import ABANDONED, BLOCKS, NO_ROOM, SEAL_NBYTES, RingMap, block_offset
@@ -43,6 +46,9 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
     finished."""
     if pid == parent_pid:
         return
+    # /proc/<pid>/stat by hand, not psutil: psutil's create_time() adds the start ticks to the boot
+    # time in whole seconds (/proc/stat btime), so it can be off by up to a second against the
+    # pool's registration; the ticks since boot compare exactly with CLOCK_BOOTTIME.
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
@@ -59,16 +65,25 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
                            "the daemon waits only on a snapshot of this save")
 
 
+class ExitWatch(enum.Enum):
+    """How the daemon learns that a producer process exited."""
+
+    PIDFD = "pidfd"  # a pidfd becomes readable (Linux >= 5.3)
+    POLL = "poll"  # no pidfd support: its state is polled
+    GONE = "gone"  # exited and reaped already, or the watch is closed: its seal alone tells
+
+
 @dataclass
 class SnapshotWait:
     """The daemon's watch over the producer of one save: its progress and seal in the save's
-    control block of the rank's ring (ckptd.staging.ring), and the producing process (a pidfd)."""
+    control block of the rank's ring (ckptd.staging.ring), and the producing process."""
 
     rank: int
     pid: int
     seal: bytes
     block: int
-    pidfd: int = -1
+    exit_watch: ExitWatch = ExitWatch.GONE
+    pidfd: int = -1  # with ExitWatch.PIDFD
     waited_s: float = 0.0  # time spent waiting for the producer, in total
 
     @classmethod
@@ -79,17 +94,18 @@ class SnapshotWait:
                                f"at header offset {seal_offset}, not a control block)")
         wait = cls(rank, pid, seal, blocks[seal_offset])
         try:
-            wait.pidfd = os.pidfd_open(pid)
+            wait.pidfd, wait.exit_watch = os.pidfd_open(pid), ExitWatch.PIDFD
         except ProcessLookupError:
             pass  # exited and reaped already (its trainer died): the seal tells whether it finished
         except (AttributeError, OSError):
-            wait.pidfd = -2  # no pidfd support: poll /proc
+            wait.exit_watch = ExitWatch.POLL
         return wait
 
     def close(self) -> None:
-        if self.pidfd >= 0:
+        if self.exit_watch is ExitWatch.PIDFD:
             os.close(self.pidfd)
-        self.pidfd = -1
+            self.pidfd = -1
+        self.exit_watch = ExitWatch.GONE
 
     def progress(self, ring: RingMap) -> int:
         """The virtual end of what the producer has written (every byte below it is final);
@@ -137,7 +153,7 @@ class SnapshotWait:
                 ring.set_consumed(min(self.progress(ring), end))
             except StagingError:
                 finished = True  # abandoned: it writes no more
-            if finished or self.pidfd == -1 or self._wait_exit(0.002):
+            if finished or self.exit_watch is ExitWatch.GONE or self._wait_exit(0.002):
                 ring.set_consumed(end)
                 return True
             if time.monotonic() > deadline:
@@ -169,11 +185,11 @@ class SnapshotWait:
 
     def _wait_exit(self, timeout_s: float) -> bool:
         """Whether the child has exited, waiting up to ``timeout_s`` for it."""
-        if self.pidfd >= 0:
+        if self.exit_watch is ExitWatch.PIDFD:
             poller = select.poll()
             poller.register(self.pidfd, select.POLLIN)
             return bool(poller.poll(timeout_s * 1000))
-        if self.pidfd == -1:
+        if self.exit_watch is ExitWatch.GONE:
             return True
         deadline = time.monotonic() + timeout_s
         while _alive(self.pid):
@@ -186,8 +202,6 @@ class SnapshotWait:
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for its parent)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False
-    return state not in (b"Z", b"X")

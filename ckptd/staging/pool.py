@@ -101,7 +101,7 @@ class StagingPool:
         self.generation = generation
         self.pinned = False
         self.writer = RingWriter(segment.fileno(), capacity, timeout_s)
-        self.free: list[int] = list(range(BLOCKS))  # control blocks not in use
+        self._free_blocks: list[int] = list(range(BLOCKS))  # control blocks not in use
         self.next_start = 0  # virtual offset of the next save
         self._streams: dict[Any, Any] = {}
 
@@ -141,9 +141,13 @@ class StagingPool:
             torch.cuda.cudart().cudaHostUnregister(self.segment.base.data_ptr())
         self.pinned = False
 
+    def has_free_block(self) -> bool:
+        """Whether a control block is free (fewer than BLOCKS saves of this rank in flight)."""
+        return bool(self._free_blocks)
+
     def claim(self, placements: list[Placement]) -> tuple[int, int]:
         """A free control block and the virtual start of a save laid out as ``placements``."""
-        block = self.free.pop(0)
+        block = self._free_blocks.pop(0)
         start = self.next_start
         self.next_start += span(p.offset + p.nbytes for p in placements)
         return block, start
@@ -155,8 +159,8 @@ class StagingPool:
         self.release(block)
 
     def release(self, block: int) -> None:
-        if block not in self.free:
-            self.free.append(block)
+        if block not in self._free_blocks:
+            self._free_blocks.append(block)
 
     def has_room(self, start: int, placements: list[Placement]) -> bool:
         """Whether the whole save fits now, without waiting for the daemon."""

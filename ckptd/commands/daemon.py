@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import CkptdConfig
     from ..control.endpoints import Endpoints, JobEnv
     from ..errors import CkptdError
-    from .main import detach_and_run, run_daemon
+    from ..daemon.main import detach_and_run, run_daemon
 
     try:
         config = CkptdConfig.from_env()

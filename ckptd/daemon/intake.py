@@ -1,0 +1,181 @@
+"""The node daemon's save path: a rank's SAVE in, its data file written, the outcome reported.
+
+Order of one save, all on the daemon's loop except step 3:
+
+1. :meth:`SaveIntake.take` checks a SAVE against the rank's ring (its control block, ring range,
+   records and producer), binds it to the attempt's directory ``<step>.<attempt>.tmp/`` and
+   queues the write behind the ring's earlier ones; the rank is then acknowledged and owns
+   nothing any more;
+2. once the ring's previous write finished, the write goes to a writer thread;
+3. the writer thread writes ``__<rank>_0.distcp`` from the ring as the producer fills it
+   (ckptd.daemon.workers.write_rank_file) and fsyncs it;
+4. :meth:`SaveIntake.on_done`: the block is free (``WRITE_DONE`` to the rank), and ``WRITTEN``
+   (or ``FAILED``) goes to the coordinator. A write that finished after its attempt was decided
+   is reported as FAILED, never WRITTEN.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import CkptdConfig
+from ..control.endpoints import Endpoints
+from ..control.protocol import Failed, Message, Save, Written, WriteDone
+from ..errors import ProtocolError, StagingError
+from ..format.durable import Opener
+from ..format.records import ItemRecord
+from ..staging.pool import Placement
+from ..staging.ring import ALIGN
+from .commit import tmp_dir
+from .metrics import DaemonMetrics
+from .pools import DaemonPool, PoolTable
+from .snapshot import SnapshotWait, check_snapshot_child
+from .uplink import CoordinatorLink
+from .workers import Done, WorkerPools, WriteRequest, write_rank_file
+
+log = logging.getLogger(__name__)
+
+_MAX_RING_OFFSET = 1 << 62
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """A SAVE the daemon took: what its writer writes and where the outcome goes."""
+
+    request: WriteRequest
+    attempt: str
+    world_size: int
+    generation: str
+    block: int
+    identity: bytes  # the rank's connection
+    common_digest: str
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.request.step, self.attempt)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.request.placements)
+
+    def __repr__(self) -> str:  # logged when a write fails: never the common state's bytes
+        return f"step {self.request.step} attempt {self.attempt} rank {self.request.rank}"
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What a finished write hands back to the loop."""
+
+    stored: list[ItemRecord]  # the records as stored in the data file
+    file_nbytes: int  # the data file's size (the coordinator checks it before the commit)
+    queue_s: float  # waiting for a writer thread
+    write_s: float  # writing and fsyncing, minus the time spent waiting for the producer
+    snapshot_s: float  # waiting for the producer (fork child, copier) to produce items
+
+
+class SaveIntake:
+    def __init__(self, ep: Endpoints, config: CkptdConfig, pools: PoolTable, workers: WorkerPools,
+                 metrics: DaemonMetrics, uplink: CoordinatorLink, opener: Opener,
+                 send_to_rank: Callable[[Message, bytes], None]) -> None:
+        self.ep = ep
+        self.config = config
+        self.pools = pools
+        self.workers = workers
+        self.metrics = metrics
+        self.uplink = uplink
+        self.opener = opener
+        self.send_to_rank = send_to_rank
+
+    def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
+        """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and queue its
+        write; raises (StagingError, ProtocolError) when the request cannot be served."""
+        pool = self.pools.get(msg.rank, msg.generation, identity)
+        pool.check_block(msg.block)
+        if not 0 <= msg.ring_start < _MAX_RING_OFFSET or msg.ring_start % ALIGN:
+            raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
+        records, placements = self._items(msg, pool)
+        check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, pool.registered_s)
+        producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
+        pool.take_block(msg.block)
+        job = WriteJob(WriteRequest(msg.step, msg.rank, records, placements, msg.common, msg.ring_start),
+                       msg.attempt, msg.world_size, msg.generation, msg.block, identity, msg.common_digest)
+        run = self._writer(job, pool, producer)
+        pool.queue_write(lambda: self.workers.write(job, run))
+        self.metrics.save_received(msg.step)
+        self.uplink.expect(job.key, identity)
+        log.info("step %d attempt %s rank %d: %d items queued from ring offset %d", msg.step, msg.attempt,
+                 msg.rank, len(records), msg.ring_start)
+
+    def _writer(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
+        """The writer thread's work for ``job`` (its errors fail the save)."""
+        directory = tmp_dir(self.ep.root, job.request.step, job.attempt)  # created by the writer
+        cfg, ring, queued_s = self.config, pool.ring, time.monotonic()
+
+        def run() -> WriteResult:
+            started_s = time.monotonic()
+            stored, file_nbytes = write_rank_file(directory, ring, job.request, self.opener, cfg.fsync,
+                                                  cfg.checksums, producer, cfg.snapshot_timeout_s)
+            # The write overlaps the producer's copy; the time it only waited is reported apart.
+            write_s = time.monotonic() - started_s - producer.waited_s
+            return WriteResult(stored, file_nbytes, started_s - queued_s, write_s, producer.waited_s)
+
+        return run
+
+    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement]]:
+        """The SAVE's records and placements: sent, or the rank's unchanged layout it names."""
+        if msg.layout and not msg.items:
+            if pool.layout is None or pool.layout[0] != msg.layout:
+                raise ProtocolError(f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
+                                    "daemon does not hold; send the items")
+            return pool.layout[1], pool.layout[2]
+        records, placements = decode_items(msg, pool.capacity)
+        if msg.layout:
+            pool.layout = (msg.layout, records, placements)
+        return records, placements
+
+    def on_done(self, done: Done) -> None:
+        """A write finished: free its block, tell the rank, report to the coordinator."""
+        job: WriteJob = done.key
+        req = job.request
+        self.pools.write_done(req.rank, job.generation, job.block)
+        result: WriteResult = done.result if done.error is None else WriteResult([], 0, 0.0, 0.0, 0.0)
+        self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
+        self.send_to_rank(WriteDone(job.generation, job.block, req.step, job.attempt, result.write_s,
+                                    result.queue_s, result.snapshot_s), job.identity)
+        if done.error is None and self.uplink.expects(job.key, job.identity):
+            self.uplink.report(Written(req.step, job.attempt, req.rank, job.world_size, self.ep.node,
+                                       [r.to_wire() for r in result.stored], req.common, job.common_digest,
+                                       result.file_nbytes), job.key)
+            return
+        # The coordinator answers a report of a decided attempt with its outcome and removes the
+        # directory the late write re-created.
+        why = (f"writing its data file failed: {done.error}" if done.error is not None
+               else "its data file was written after the attempt had been decided (late write)")
+        self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
+
+
+def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
+    """Records and relative placements of a SAVE's items, each checked: in order, not
+    overlapping, each no larger than the ring (``capacity``), and the rank's own."""
+    records, placements = [], []
+    end = 0
+    for it in msg.items:
+        if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
+            raise ProtocolError("SAVE item must be {record, offset, nbytes}")
+        rec = ItemRecord.from_wire(it["record"])
+        off, n = it["offset"], it["nbytes"]
+        if not (isinstance(off, int) and isinstance(n, int) and end <= off < _MAX_RING_OFFSET
+                and 0 <= n <= capacity):
+            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
+                               f"before it or does not fit the {capacity}-byte ring")
+        end = off + n
+        if rec.rank != msg.rank:
+            raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
+        if rec.kind == "tensor" and rec.nbytes != n:
+            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
+        records.append(rec)
+        placements.append(Placement(off, n))
+    return records, placements

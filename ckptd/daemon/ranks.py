@@ -1,0 +1,189 @@
+"""The ranks' side of a node daemon: their socket, who they are, and what they ask.
+
+Ranks connect to a CurveZMQ ROUTER on ``ipc://`` in the owner-only runtime directory. Order per
+connection (see ckptd.control.protocol): ``HELLO`` (its pid must be the connecting process's, as
+the kernel reports it, of this daemon's user) -> ``REGISTER_POOL`` (the rank's staging ring, bound
+to this connection) -> ``SAVE``/``SKIP`` per save -> ``BYE``. ``PING``, ``STATUS`` and
+``SHUTDOWN`` are served at any time. Every heartbeat the ranks' processes are checked: a dead
+rank's ring is released once its writes finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+import zmq
+
+from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
+from ..control.endpoints import Endpoints
+from ..control.keys import CurveKeys
+from ..control.protocol import (
+    Bye,
+    Codec,
+    Failed,
+    Hello,
+    Message,
+    Ping,
+    PoolOk,
+    Pong,
+    RegisterPool,
+    Save,
+    SaveAck,
+    Shutdown,
+    ShutdownAck,
+    Skip,
+    Status,
+    StatusReply,
+    Welcome,
+)
+from ..control.security import HandshakeWatch
+from ..errors import CkptdError, ProtocolError
+from .intake import SaveIntake
+from .loop import serve_requests
+from .pools import PoolTable
+from .uplink import CoordinatorLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Client:
+    """A connection that said HELLO: the rank it speaks for and its process."""
+
+    rank: int
+    pid: int
+    create_time_s: float | None  # the process's start, so a reused pid is not taken for it
+
+
+@dataclass(frozen=True)
+class DaemonHooks:
+    """What the rank server asks of the daemon around it."""
+
+    instance: str
+    status: Callable[[], dict[str, Any]]
+    request_stop: Callable[[str], None]
+    stopping: Callable[[], str | None]  # why the daemon is stopping (None while it serves)
+
+
+class RankServer:
+    def __init__(self, ctx: zmq.Context, codec: Codec, keys: CurveKeys, ep: Endpoints, pools: PoolTable,
+                 intake: SaveIntake, uplink: CoordinatorLink, hooks: DaemonHooks) -> None:
+        self.ep_info = ep
+        self.pools = pools
+        self.intake = intake
+        self.uplink = uplink
+        self.hooks = hooks
+        self.clients: dict[bytes, Client] = {}
+        self.served_a_rank = False
+        old_umask = os.umask(0o077)  # the socket file: owner-only
+        try:
+            ep.socket_path.unlink(missing_ok=True)
+            sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
+            self.watch = HandshakeWatch(sock, "daemon")  # before bind: no connection unwatched
+            self.ep = Endpoint(sock, codec, "node daemon")
+            sock.bind(ep.ipc_address)
+        finally:
+            os.umask(old_umask)
+
+    def send(self, msg: Message, identity: bytes) -> None:
+        """Send to a rank without blocking (a rank that is gone misses it)."""
+        self.ep.send(msg, identity, block=False)
+
+    def on_readable(self) -> None:
+        serve_requests(self.ep, self._on_request)
+
+    def _on_request(self, identity: bytes, msg: Message, peer: str | None) -> None:
+        if isinstance(msg, Ping):
+            self.ep.send(Pong(msg.nonce, self.hooks.instance, os.getpid()), identity)
+        elif isinstance(msg, Hello):
+            self._on_hello(identity, msg, peer)
+        elif isinstance(msg, RegisterPool):
+            self.client(identity, msg.rank)
+            self.pools.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
+            self.ep.send(PoolOk(msg.generation), identity)
+        elif isinstance(msg, Save):
+            client = self.client(identity, msg.rank)
+            stopping = self.hooks.stopping()
+            if stopping is not None:
+                raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
+            self.intake.take(identity, client.pid, msg)
+            self.ep.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
+        elif isinstance(msg, Skip):
+            self.client(identity, msg.rank)
+            self.uplink.report(Failed(msg.step, msg.attempt, msg.rank, msg.world_size, self.ep_info.node,
+                                      f"skipped the save: {msg.reason}"), (msg.step, msg.attempt))
+            self.ep.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
+        elif isinstance(msg, Bye):
+            self.clients.pop(identity, None)
+            self.pools.retire_owner(identity)
+        elif isinstance(msg, Status):
+            self.ep.send(StatusReply(self.hooks.status()), identity)
+        elif isinstance(msg, Shutdown):
+            self.ep.send(ShutdownAck(), identity)
+            self.hooks.request_stop("SHUTDOWN requested")
+        else:
+            raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
+
+    def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
+        root = self.ep_info.root
+        if os.path.realpath(msg.root) != str(root):
+            raise ProtocolError(f"this daemon serves {root}, not {msg.root}")
+        # The kernel's credentials of the connection (SO_PEERCRED): a process speaks for itself only.
+        pid, uid = peer_pid(peer), peer_uid(peer)
+        if pid is None or uid is None:
+            raise ProtocolError(f"HELLO over a connection without process credentials ({peer!r}); "
+                                f"ranks connect over {self.ep_info.ipc_address}")
+        if uid != os.getuid():
+            raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
+        if msg.pid != pid:
+            raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
+        self.clients[identity] = Client(msg.rank, msg.pid, _create_time_s(msg.pid))
+        self.served_a_rank = True
+        self.ep.send(Welcome(self.hooks.instance, os.getpid(), self.ep_info.node, str(root)), identity)
+
+    def client(self, identity: bytes, rank: int | None = None) -> Client:
+        """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""
+        c = self.clients.get(identity)
+        if c is None:
+            raise ProtocolError("no HELLO from this connection; reconnect")
+        if rank is not None and rank != c.rank:
+            raise ProtocolError(f"this connection said HELLO as rank {c.rank}, not rank {rank}")
+        return c
+
+    def forget_dead(self) -> None:
+        """Drop ranks whose process is gone; their rings are released once idle."""
+        for identity, c in list(self.clients.items()):
+            if not _alive(c.pid, c.create_time_s):
+                log.info("rank %d (pid %d) is gone; its ring is released once idle", c.rank, c.pid)
+                del self.clients[identity]
+                self.pools.retire_owner(identity)
+
+    def rejected(self) -> dict[str, int]:
+        """Rejections on the ranks' socket, by kind."""
+        return {"malformed": self.ep.rejected, **self.watch.counts()}
+
+    def close(self) -> None:
+        self.watch.close()
+        self.ep.close()
+        self.ep_info.socket_path.unlink(missing_ok=True)
+
+
+def _create_time_s(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, create_time_s: float | None) -> bool:
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time_s is None or abs(p.create_time() - create_time_s) < 1e-3
+    except psutil.Error:
+        return False
