@@ -3,6 +3,7 @@
     ckptd bench all [--ranks 2] [--state-gib 4] [--tensor-mib 64] [--small-tensors 10000]
                     [--small-gib 1] [--repeats 3] [--scale-ranks 1,2,4] [--scale-gib-per-rank G]
                     [--load-gib G] [--train-every 4] [--train-saves 3] [--train-update 1]
+                    [--budget 0.25x] [--soak-saves 20] [--soak-gib 0.25]
                     [--device cpu|cuda] [--dir D] [--json] [--check]
 
 Runs, each rank a spawned process (one gloo group) and ``--state-gib / --ranks`` of float32
@@ -11,16 +12,20 @@ tensors of ``--tensor-mib`` per rank (see :mod:`.suite_rank` and :mod:`.suite_tr
 1. reference limits: warm memcpy of the state (all ranks at once), and a sequential write + fsync
    of the node's bytes into ``--dir`` (1 stream, ``writer_threads`` streams, 1 stream with early
    writeback), measured after every ckptd save, so both meet the same disk;
-2. saves by ckptd, DCP ``save``, DCP ``async_save`` THREAD and PROCESS (their DefaultStager,
-   reused): stall per save (median, max), time until durable (ckptd: committed), persist GiB/s
-   (ckptd: the daemon's write + fsync window of the node; DCP: durable - stall);
-3. a CPU training loop saving every ``--train-every`` steps: steps/s without checkpointing,
-   with DCP async PROCESS, with ckptd;
-4. a state of ``--small-tensors`` tensors, ``--small-gib`` in all: stall of ckptd and DCP async;
-5. ckptd's stall at 1, 2, 4 ranks (``--scale-ranks``) with constant bytes per rank;
-6. load throughput, same layout and resharded, ckptd and DCP ``load`` (:mod:`.load`);
-7. peak RSS and shared memory of trainers, DCP's checkpoint process and the daemon
-   (:mod:`.memory`).
+2. saves by ckptd, DCP ``save``, DCP ``async_save`` THREAD and PROCESS with one DefaultStager
+   reused (DCP's fastest settings) and PROCESS as called (a stager per call): the first save's
+   stall, then stall per save (median, max), time until durable (ckptd: committed), persist
+   GiB/s (ckptd: the daemon's write + fsync window of the node; DCP: durable - stall);
+3. ckptd saves with ``snapshot="lazy"`` (stall = planning; the fence before the update waits);
+   ckptd saves through a staging ring of ``--budget`` of a save, loaded back and compared;
+4. ``--soak-saves`` back-to-back ckptd saves: rank, daemon and staging memory after each;
+5. a CPU training loop saving every ``--train-every`` steps, the first save included: steps/s
+   without checkpointing, with DCP async THREAD and PROCESS (stager reused), with ckptd;
+6. a state of ``--small-tensors`` tensors, ``--small-gib`` in all: stall of ckptd and DCP async;
+7. ckptd's stall at 1, 2, 4 ranks (``--scale-ranks``) with constant bytes per rank;
+8. load throughput, same layout and resharded, ckptd and DCP ``load`` (:mod:`.load`);
+9. peak RSS, shared memory and CPU time of trainers, DCP's checkpoint process and the daemon,
+   and the node's ``/dev/shm`` (:mod:`.memory`).
 
 Everything it creates (temporary directories, daemons, /dev/shm segments) is removed at the end;
 the JSON's ``cleanup`` section says what was left behind before that. Targets and the table:
@@ -50,7 +55,7 @@ import torch
 from ckptd.config import parse_budget
 
 from .memory import MemorySampler, daemon_pids
-from .suite_rank import DCP_METHODS, GIB
+from .harness import DCP_METHODS, GIB
 from .suite_report import evaluate, render
 
 MIB = 1 << 20
@@ -109,7 +114,8 @@ class Suite:
             "tensor_bytes": int(a.tensor_mib * MIB), "methods": a.methods,
             "small_methods": [m for m in a.methods if m in ("ckptd", "dcp_async_process")], "small_tensors": a.small_tensors,
             "small_bytes": int(a.small_gib * GIB), "train_every": a.train_every, "train_saves": a.train_saves,
-            "train_update": a.train_update, "device": a.device,
+            "train_update": a.train_update, "device": a.device, "budget": a.budget,
+            "soak_bytes": int(a.soak_gib * GIB), "soak_saves": a.soak_saves,
             "ref_streams": None, "profile_dir": a.profile,
         }
         spec.update(extra)
@@ -263,7 +269,9 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         res["config"]["shm_prefix"] = f"ckptd-{suite.job_prefix}"  # of every segment this run makes
         try:
             train = args.train_saves and args.device == "cpu"  # the training loop is a CPU loop
-            parts = ["memcpy", "save"] + (["train"] if train else []) + (["small"] if args.small_tensors else [])
+            ckptd_parts = ["lazy"] + (["budget"] if args.budget else []) + (["soak"] if args.soak_saves else [])
+            parts = (["memcpy", "save"] + (ckptd_parts if "ckptd" in args.methods else []) + (["train"] if train else [])
+                     + (["small"] if args.small_tensors else []))
             streams = max(1, min(args.ranks, writer_threads))
             main = suite.run_job(args.ranks, suite.spec("main", args.ranks, parts, ref_streams=streams))
             res["main"] = main
@@ -345,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-update", type=float, default=1.0,
                    help="training loop: fraction of the saved state each step rewrites in place, as an "
                         "optimizer step does (default 1: all of it; 0: the state is only read)")
+    p.add_argument("--budget", default="0.25x",
+                   help="staging budget of the budget part: ckptd saves through a ring this small, each "
+                        "loaded back and compared (default 0.25x: a quarter of a save; empty: skip)")
+    p.add_argument("--soak-saves", type=int, default=20,
+                   help="back-to-back ckptd saves of the soak part, memory sampled after each (0: skip)")
+    p.add_argument("--soak-gib", type=float, default=0.25, help="state of the soak part, GiB (default 0.25)")
     p.add_argument("--methods", type=_methods, default=["ckptd", *DCP_METHODS],
-                   help="save methods to compare (default: ckptd,dcp_save,dcp_async_thread,dcp_async_process)")
+                   help="save methods to compare (default: ckptd," + ",".join(DCP_METHODS) + ")")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the state lives (cuda: ranks share the visible GPUs round-robin; "
                         "ckptd stages by device-to-host DMA into its pinned pool, DCP into pinned "

@@ -1,19 +1,23 @@
-"""What each rank process of ``ckptd bench all`` runs: states, saves, reference limits.
+"""What each rank process of ``ckptd bench all`` runs: saves, reference limits, the job's parts.
 
-One *job* is ``ranks`` spawned processes in one gloo group (used by torch DCP and for the
-benchmark's own barriers and maxima; ckptd's saves use no collective). A job runs the *parts*
-its spec lists, in order, and rank 0 writes the results as JSON:
+A job (:mod:`.harness`) runs the *parts* its spec lists, in order, and rank 0 writes the results
+as JSON:
 
 - ``memcpy``: every rank copies its state into warm buffers at once (the floor of any staging);
 - ``save``: repeated saves of the state by each method (ckptd, DCP ``save``, DCP ``async_save``
   THREAD and PROCESS), each waited for before the next; with ``write_ref`` a sequential
   write + fsync of the same bytes follows every ckptd save (the reference its persist is held to,
   measured under the same disk conditions);
-- ``small``: the same for a state of many small tensors (ckptd and DCP async PROCESS);
-- ``train``: the CPU training loop of :mod:`.suite_train`.
+- ``lazy``: ckptd saves with ``snapshot="lazy"``, fenced before the state changes;
+- ``budget``: ckptd saves of the state through a staging ring of ``spec["budget"]`` (a quarter
+  of a save by default), each loaded back and compared;
+- ``train``: the CPU training loop of :mod:`.suite_train`;
+- ``small``: the same saves for a state of many small tensors (ckptd and DCP async PROCESS);
+- ``soak``: ``soak_saves`` back-to-back ckptd saves of a ``soak_bytes`` state: memory after each.
 
-Timings are the slowest rank's. Every method's first save is a warm-up, reported apart (ckptd
-allocates its pool then, DCP PROCESS starts its checkpoint process).
+Timings are the slowest rank's. Every method's first save is reported apart from the others
+(``first_stall_s``: ckptd creates its staging ring then, DCP's stager allocates its buffers,
+DCP PROCESS starts its checkpoint process); medians and maxima are of the saves after it.
 """
 
 from __future__ import annotations
@@ -33,81 +37,9 @@ import torch.distributed as dist
 
 from ckptd.format.items import libc_sync_file_range
 
-GIB = 1 << 30
-DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process")
+from .harness import GIB, Rank, checkpointer, dcp_async, dcp_stager, make_state, sharded, state_nbytes, stop_dcp_process
+from .suite_train import run_training
 
-
-class Rank:
-    """This process's place in the job, and the collectives the benchmark itself uses."""
-
-    def __init__(self, rank: int, world: int, spec: dict[str, Any]) -> None:
-        self.rank, self.world, self.spec = rank, world, spec
-        self.phase_file = Path(spec["phase_file"])
-        self._step = 0
-        # One checkpoint root (so one daemon) per job; its Checkpointers are opened per part.
-        self.ckptd_root = Path(spec["dir"]) / "ckptd"
-
-    def next_step(self) -> int:
-        self._step += 1
-        return self._step
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def max(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    def sum(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item())
-
-    def phase(self, name: str) -> None:
-        """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier)."""
-        self.barrier()
-        if self.rank == 0:
-            tmp = self.phase_file.with_suffix(".tmp")
-            tmp.write_text(name)
-            os.replace(tmp, self.phase_file)
-
-    def rm_steps(self) -> None:
-        """Remove the committed checkpoints of the job's ckptd root."""
-        self.barrier()
-        if self.rank == 0:
-            for d in self.ckptd_root.glob("iter_*"):
-                shutil.rmtree(d, ignore_errors=True)
-        self.barrier()
-
-    def rm(self, path: Path) -> None:
-        self.barrier()
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        self.barrier()
-
-
-def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None,
-               device: str = "cpu") -> dict[str, torch.Tensor]:
-    """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors) on ``device``.
-
-    Filled with a constant per tensor: contents do not matter to a file write, and filling is
-    ~10 x faster than random numbers at these sizes.
-    """
-    n = count if count is not None else max(1, nbytes // max(4, tensor_nbytes))
-    numel = max(1, nbytes // n // 4)
-    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32, device=device).fill_(rank + i * 1e-3)
-            for i in range(n)}
-
-
-def state_nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def sharded(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from ckptd import ShardedTensor
-
-    return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
 
 
 # --- reference limits -------------------------------------------------------------------------
@@ -193,13 +125,6 @@ def _summary(rows: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
     return out
 
 
-def checkpointer(r: Rank) -> Any:
-    """A Checkpointer of the job's root (the job id names its shared-memory segments)."""
-    import ckptd
-
-    return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"]))
-
-
 def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
                ref_streams: int | None = None) -> dict[str, Any]:
     """ckptd saves; with ``ref_streams`` (the daemon's writer threads), reference writes of the
@@ -242,26 +167,6 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
     return out
 
 
-def dcp_stager(kind: str, cuda: bool = False) -> Any:
-    """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
-    buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
-    staged tensors reach its checkpoint process without another copy. A CUDA state is staged
-    into pinned memory with non-blocking copies, DCP's fastest GPU setting."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=kind == "dcp_async_process",
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
-
-
-def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    ctype = AsyncCheckpointerType.PROCESS if kind == "dcp_async_process" else AsyncCheckpointerType.THREAD
-    fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype, async_stager=stager)
-    return getattr(fut, "upload_completion", fut)
-
-
 def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -274,13 +179,13 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
             d = Path(r.spec["dir"]) / f"{kind}_{i}"
             r.barrier()
             t0 = time.perf_counter()
-            if stager is None:
+            if kind == "dcp_save":
                 dcp.save(state, checkpoint_id=str(d))
                 stall = durable = time.perf_counter() - t0
                 stall, durable = r.max(stall), r.max(durable)
                 rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
             else:
-                if cuda and i:
+                if cuda and i and stager is not None:
                     # torch 2.11's DefaultStager cannot stage a CUDA state twice (the second
                     # stage() raises KeyError: <class 'type'>), so each save gets a new one, as
                     # async_save builds when given none: its pinned buffers are allocated per save.
@@ -299,6 +204,90 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
     return _summary(rows, nbytes)
 
 
+def save_budget(r: Rank, state: dict[str, torch.Tensor], budget: str, saves: int) -> dict[str, Any]:
+    """ckptd saves through a staging ring of ``budget`` (e.g. ``0.25x``: a quarter of a save), each
+    loaded back and compared with the values saved: the budget holds and nothing is lost to it."""
+    import ckptd
+
+    cfg = ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], staging_budget=budget)
+    rows, exact = [], True
+    with ckptd.Checkpointer(r.ckptd_root, config=cfg) as ckpt:
+        for i in range(saves):
+            for t in state.values():
+                t.add_(1.0)  # every save holds other values
+            expected = {k: v.clone() for k, v in state.items()}
+            r.barrier()
+            t0 = time.perf_counter()
+            h = ckpt.save(sharded(state), step=r.next_step())
+            stall = time.perf_counter() - t0
+            h.wait()
+            durable = time.perf_counter() - t0
+            out = ckpt.load(sharded({k: torch.zeros_like(v) for k, v in state.items()}), step=h.step)
+            exact = exact and all(torch.equal(out[k], v) for k, v in expected.items())
+            rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable)})
+            r.rm(h.path)
+        mine = sum(p["ring_nbytes"] for p in ckpt.status()["pools"] if p["rank"] == r.rank and not p["retired"])
+    return {"budget": budget, "saves": rows, "bit_exact": r.max(0.0 if exact else 1.0) == 0.0,
+            "ring_nbytes": int(r.sum(mine)), "state_bytes": int(r.sum(state_nbytes(state)))}
+
+
+def save_lazy(r: Rank, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    """ckptd saves with ``snapshot="lazy"``: ``save()`` returns after planning, the copies run
+    behind; each is fenced by ``before_update()`` (where an optimizer step would change the
+    state) after a simulated forward/backward of one memcpy's length."""
+    import ckptd
+
+    cfg = ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], snapshot="lazy")
+    rows = []
+    with ckptd.Checkpointer(r.ckptd_root, config=cfg) as ckpt:
+        for _ in range(repeats + 1):
+            r.barrier()
+            t0 = time.perf_counter()
+            h = ckpt.save(sharded(state), step=r.next_step())
+            stall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            ckpt.before_update()
+            fence = time.perf_counter() - t1
+            for t in state.values():
+                t.add_(1.0)  # the optimizer step, after the fence
+            h.wait()
+            rows.append({"stall_s": r.max(stall), "fence_s": r.max(fence),
+                         "durable_s": r.max(time.perf_counter() - t0)})
+            r.rm(h.path)
+    return _summary(rows, int(r.sum(state_nbytes(state))))
+
+
+def save_soak(r: Rank, state: dict[str, torch.Tensor], saves: int) -> dict[str, Any]:
+    """``saves`` back-to-back ckptd saves, each waited for; after every one, the rank's RSS (the
+    maximum over ranks), the daemon's RSS and the /dev/shm pages the node's staging rings hold
+    (sampled here, right after the save: they must stay flat)."""
+    import psutil
+
+    from ckptd.staging.segment import allocated_nbytes, list_segments
+
+    def ring_pages(prefix: str) -> int:
+        total = 0
+        for name in list_segments(prefix):
+            try:
+                total += allocated_nbytes(f"/dev/shm/{name}")
+            except OSError:  # retired meanwhile
+                pass
+        return total
+
+    rows = []
+    me = psutil.Process()
+    with checkpointer(r) as ckpt:
+        daemon = psutil.Process(ckpt.status()["pid"])
+        prefix = ckpt.endpoints.shm_prefix
+        for _ in range(saves):
+            h = ckpt.save(sharded(state), step=r.next_step())
+            h.wait()
+            r.rm(h.path)  # barriers: every rank's save is done
+            rows.append({"rank_rss": int(r.max(float(me.memory_info().rss))),
+                         "daemon_rss": int(daemon.memory_info().rss), "staging_shm": ring_pages(prefix)})
+    return {"saves": saves, "samples": rows}
+
+
 def run_saves(r: Rank, state: dict[str, torch.Tensor], methods: list[str], repeats: int, label: str,
               ref_streams: int | None = None) -> dict[str, Any]:
     out = {}
@@ -314,18 +303,6 @@ def run_saves(r: Rank, state: dict[str, torch.Tensor], methods: list[str], repea
             # and meet again at the next phase's barrier.
             out[method] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
-
-
-def stop_dcp_process() -> None:
-    """End DCP's checkpoint process now rather than at interpreter exit (private API; best effort)."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as m
-
-        proc, m._CHECKPOINT_PROCESS = m._CHECKPOINT_PROCESS, None
-        if proc is not None:
-            proc.__del__()
-    except Exception:  # noqa: BLE001 - the process is a daemon child: it dies with us anyway
-        pass
 
 
 # --- the job ------------------------------------------------------------------------------------
@@ -378,12 +355,22 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
                 refs = spec.get("ref_streams")
                 res["save"] = _profiled(r, lambda: run_saves(r, state, spec["methods"], spec["repeats"], "save",
                                                              refs), "save")
+            if "lazy" in parts:
+                r.phase("lazy")
+                res["lazy"] = save_lazy(r, state, spec["repeats"])
+            if "budget" in parts:
+                r.phase("budget")
+                res["budget"] = save_budget(r, state, spec["budget"], 2)
             if "train" in parts:
-                from .suite_train import run_training
-
                 persist = res.get("save", {}).get("ckptd", {}).get("durable_s_median")
                 res["train"] = run_training(r, state, spec, persist)
             del state
+        if "soak" in parts:
+            r.phase("soak")
+            soak = make_state(rank, spec["soak_bytes"] // world, spec["tensor_bytes"], device=device)
+            res["soak"] = save_soak(r, soak, spec["soak_saves"])
+            res["soak"]["state_bytes"] = int(r.sum(state_nbytes(soak)))
+            del soak
         if "small" in parts:
             r.phase("setup")
             small = make_state(rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world),

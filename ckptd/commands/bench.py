@@ -11,19 +11,19 @@ from ._common import add_parser
 DESCRIPTION = """\
 Measure ckptd against torch DCP on this machine, in one run, and print ratios:
 
-  ckptd bench all        the whole suite on one state: stall, time to durable and persist GiB/s of
-                         ckptd, DCP save and async_save (THREAD, PROCESS); load; training-loop
-                         overhead; many small tensors; stall vs ranks; memory; reference limits
-  ckptd bench save       stall per save and time to commit vs DCP save / async_save (PROCESS),
-                         warm memcpy bandwidth, pool memory over repeated saves
+  ckptd bench all        the whole suite on one state: first and steady stall, time to durable and
+                         persist GiB/s of ckptd, DCP save and async_save (THREAD, PROCESS; stager
+                         reused and as called); lazy snapshots; a quarter staging budget; memory
+                         over many saves; training-loop overhead; many small tensors; stall vs
+                         ranks; load; memory and CPU; reference limits; the targets (--check)
   ckptd bench load       same-layout and resharded load throughput vs DCP load
   ckptd bench checksums  what per-item CRC32 costs on the persist path
 
-Arguments after the benchmark's name go to it (ckptd bench save --help lists them).
+Arguments after the benchmark's name go to it (ckptd bench all --help lists them).
 
 exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
 
-BENCHMARKS = ("all", "save", "load", "checksums")
+BENCHMARKS = ("all", "load", "checksums")
 MODULES = {"all": "suite"}  # benchmark name -> module of ckptd.bench, where they differ
 
 

@@ -21,7 +21,8 @@ from ckptd.bench.suite import main
 def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
     rc = main(["--ranks", "1", "--state-gib", "0.015625", "--tensor-mib", "2", "--small-tensors", "64",
                "--small-gib", "0.002", "--repeats", "1", "--scale-ranks", "1", "--load-gib", "0.002",
-               "--train-saves", "1", "--train-every", "1", "--methods", "ckptd,dcp_save,dcp_async_thread",
+               "--train-saves", "1", "--train-every", "1", "--soak-saves", "2", "--soak-gib", "0.004",
+               "--methods", "ckptd,dcp_save,dcp_async_thread",
                "--dir", str(tmp_path), "--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0
@@ -45,7 +46,8 @@ def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
     assert mem["save:ckptd"]["trainer_rss"] > 0 and mem["all"]["daemon_private"] > 0
     assert mem["all"]["daemon_cpu_s"] >= 0 and "node_cpu_s" in mem["all"]
     names = {t["name"] for t in data["targets"]}
-    assert {"persist_vs_write", "daemon_memory"} <= names  # the others need DCP's PROCESS executor
+    assert {"first_stall", "first_stall_vs_dcp", "node_shm", "budget", "soak_flat", "train_overhead",
+            "persist_vs_write", "daemon_memory"} <= names  # small_stall needs DCP's PROCESS executor
     cleanup = data["cleanup"]
     assert cleanup["daemons_not_stopped"] == [] and cleanup["daemons_alive"] == []
     assert cleanup["shm_left"] == [] and cleanup["dir_removed"] and cleanup["runtime_removed"]
@@ -55,21 +57,33 @@ def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
 
 
 @pytest.mark.timeout(150)
-def test_bench_save_tiny_measures_dcp_first_and_cleans_up(tmp_path):
-    """``ckptd bench save`` (the asynchronous-save targets) end to end: DCP's plain async_save
-    and a reused stager, ckptd, the pool phase; a real daemon, nothing left behind."""
-    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("ckptd")}
+def test_bench_all_cli_with_dcp_process_reports_first_save_and_memory_targets(tmp_path):
+    """``ckptd bench all`` from the command line with DCP's PROCESS executor, its stager reused
+    and as called: the first-save, node /dev/shm, budget and soak targets are evaluated from
+    figures of this run; a real daemon; nothing left behind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    out_file = tmp_path / "res.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", "bench", "save", "--ranks", "2", "--state-gib", "0.03",
-         "--tensor-mib", "4", "--repeats", "1", "--pool-saves", "2", "--pool-state-gib", "0.01",
-         "--dir", str(tmp_path / "d")],
+        [sys.executable, "-m", "ckptd.cli", "bench", "all", "--ranks", "2", "--state-gib", "0.03",
+         "--tensor-mib", "4", "--repeats", "1", "--small-tensors", "0", "--scale-ranks", "2", "--load-gib", "0",
+         "--train-saves", "0", "--soak-saves", "3", "--soak-gib", "0.01",
+         "--methods", "ckptd,dcp_async_process,dcp_async_process_new", "--dir", str(tmp_path / "d"),
+         "--out", str(out_file)],
         capture_output=True, text=True, timeout=140, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    for line in ("torch DCP save (sync):", "torch DCP async_save PROCESS: stall",
-                 "with one stager reused:", "ckptd Checkpointer.save: stall", "pool over 2 saves",
-                 "stall / DCP-async stall =", "committed / DCP sync save ="):
-        assert line in out, out
+    res = json.loads(out_file.read_text())
+    saves = res["main"]["save"]
+    for method in ("ckptd", "dcp_async_process", "dcp_async_process_new"):
+        assert saves[method]["first_stall_s"] > 0 and saves[method]["stall_s_median"] > 0, method
+    targets = {t["name"]: t for t in res["targets"]}
+    for name in ("first_stall", "first_stall_vs_dcp", "node_shm", "budget", "soak_flat"):
+        assert targets[name]["value"] is not None and targets[name]["value"] > 0, targets[name]
+    assert targets["gpu_lazy_stall"]["ok"] is None  # n/a on a CPU run
+    assert res["main"]["budget"]["bit_exact"] and res["main"]["lazy"]["stall_s_median"] > 0
+    assert len(res["main"]["soak"]["samples"]) == 3
+    for line in ("DCP async PROCESS new", "ckptd with staging budget 0.25x", "ckptd soak, 3 saves",
+                 "ckptd snapshot=lazy: stall median", "first save's stall / DCP async's first"):
+        assert line in proc.stdout, proc.stdout
     assert list((tmp_path / "d").iterdir()) == []  # every checkpoint removed
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("ckptd")} <= shm_before
+    prefix = res["config"]["shm_prefix"]  # of every segment this run made
+    assert res["cleanup"]["shm_left"] == [] and not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

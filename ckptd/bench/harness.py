@@ -1,0 +1,143 @@
+"""What every part of ``ckptd bench all`` shares: a rank's place in the job, states, and the
+checkpointers under test (ckptd's Checkpointer; torch DCP's async_save with its stager).
+
+One *job* is ``ranks`` spawned processes in one gloo group (used by torch DCP and for the
+benchmark's own barriers and maxima; ckptd's saves use no collective).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GIB = 1 << 30
+MIB = 1 << 20
+# DCP's save methods: sync save; async_save with one stager reused across saves (THREAD and
+# PROCESS executors: DCP's fastest settings); async_save PROCESS as called (a stager per call).
+DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "dcp_async_process_new")
+
+
+class Rank:
+    """This process's place in the job, and the collectives the benchmark itself uses."""
+
+    def __init__(self, rank: int, world: int, spec: dict[str, Any]) -> None:
+        self.rank, self.world, self.spec = rank, world, spec
+        self.phase_file = Path(spec["phase_file"])
+        self._step = 0
+        # One checkpoint root (so one daemon) per job; its Checkpointers are opened per part.
+        self.ckptd_root = Path(spec["dir"]) / "ckptd"
+
+    def next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def phase(self, name: str) -> None:
+        """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier)."""
+        self.barrier()
+        if self.rank == 0:
+            tmp = self.phase_file.with_suffix(".tmp")
+            tmp.write_text(name)
+            os.replace(tmp, self.phase_file)
+
+    def rm_steps(self) -> None:
+        """Remove the committed checkpoints of the job's ckptd root."""
+        self.barrier()
+        if self.rank == 0:
+            for d in self.ckptd_root.glob("iter_*"):
+                shutil.rmtree(d, ignore_errors=True)
+        self.barrier()
+
+    def rm(self, path: Path) -> None:
+        self.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self.barrier()
+
+
+def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None,
+               device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors) on ``device``.
+
+    Filled with a constant per tensor: contents do not matter to a file write, and filling is
+    ~10 x faster than random numbers at these sizes.
+    """
+    n = count if count is not None else max(1, nbytes // max(4, tensor_nbytes))
+    numel = max(1, nbytes // n // 4)
+    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32, device=device).fill_(rank + i * 1e-3)
+            for i in range(n)}
+
+
+def state_nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def sharded(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from ckptd import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
+
+
+def checkpointer(r: Rank) -> Any:
+    """A Checkpointer of the job's root (the job id names its shared-memory segments)."""
+    import ckptd
+
+    return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"]))
+
+
+def dcp_stager(kind: str, cuda: bool = False) -> Any:
+    """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
+    buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
+    staged tensors reach its checkpoint process without another copy. A CUDA state is staged
+    into pinned memory with non-blocking copies, DCP's fastest GPU setting. None for
+    ``dcp_async_process_new``: async_save then builds a stager per call, as when called plainly."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if kind == "dcp_async_process_new":
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=kind == "dcp_async_process",
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
+    """Start ``async_save`` of ``state`` by method ``kind`` (see :data:`DCP_METHODS`); its future."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    process = kind in ("dcp_async_process", "dcp_async_process_new")
+    ctype = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    if stager is None:
+        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype)
+    else:
+        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype,
+                             async_stager=stager)
+    return getattr(fut, "upload_completion", fut)
+
+
+def stop_dcp_process() -> None:
+    """End DCP's checkpoint process now rather than at interpreter exit (private API; best effort)."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as m
+
+        proc, m._CHECKPOINT_PROCESS = m._CHECKPOINT_PROCESS, None
+        if proc is not None:
+            proc.__del__()
+    except Exception:  # noqa: BLE001 - the process is a daemon child: it dies with us anyway
+        pass
