@@ -95,11 +95,12 @@ def sharded(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
 
 
-def checkpointer(r: Rank) -> Any:
-    """A Checkpointer of the job's root (the job id names its shared-memory segments)."""
+def checkpointer(r: Rank, **config: Any) -> Any:
+    """A Checkpointer of the job's root (the job id names its shared-memory segments); ``config``:
+    settings other than the environment's."""
     import ckptd
 
-    return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"]))
+    return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], **config))
 
 
 def dcp_stager(kind: str, cuda: bool = False) -> Any:

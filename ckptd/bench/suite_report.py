@@ -165,7 +165,7 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
 # --- table ------------------------------------------------------------------------------------
 _NAMES = {"ckptd": "ckptd", "dcp_save": "DCP save", "dcp_async_thread": "DCP async THREAD",
           "dcp_async_process": "DCP async PROCESS", "dcp_async_process_new": "DCP async PROCESS new",
-          "none": "no checkpointing"}
+          "none": "no checkpointing", "ckptd_copy": "ckptd copy", "ckptd_lazy": "ckptd lazy"}
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -240,7 +240,7 @@ def render(res: dict[str, Any]) -> str:
         L.append(f"  {'mode':<19}{'steps/s':>9}{'overhead':>10}{'stall med':>11}{'stall max':>11}  loop s (runs)"
                  f"{'bg CPU s':>10}")
         mem = res.get("memory", {})
-        for mode in ("none", "dcp_async_thread", "dcp_async_process", "ckptd"):
+        for mode in ("none", "dcp_async_thread", "dcp_async_process", "ckptd", "ckptd_copy", "ckptd_lazy"):
             if mode not in tr:
                 continue
             x = tr[mode]

@@ -7,7 +7,10 @@ i.e. the shortest interval at which saves do not queue, then an in-place update 
 moments: what a copy-on-write snapshot pays for), saving its state every ``every`` steps:
 
 - ``none``: no checkpointing (the baseline);
-- ``ckptd``: ``Checkpointer.save`` (``on_full="wait"``: a save's producer waits for ring space);
+- ``ckptd``: ``Checkpointer.save`` with the default settings (CPU shards: a fork snapshot);
+  ``ckptd_copy``: ``snapshot="copy"`` (the trainer copies inside ``save()``); ``ckptd_lazy``:
+  ``snapshot="lazy"`` (the copy runs behind the matmul; ``before_update()`` fences it before the
+  update, as ``attach(optimizer)`` does before an optimizer step);
 - ``dcp_async_thread`` / ``dcp_async_process``: ``async_save(..., THREAD / PROCESS)`` with one
   stager reused (shared memory for PROCESS); as DCP requires, the previous save's future is waited
   for before the next save starts.
@@ -31,7 +34,9 @@ import torch
 
 from .harness import Rank, checkpointer, dcp_async, dcp_stager, sharded
 
-MODES = ("none", "ckptd", "dcp_async_thread", "dcp_async_process")
+MODES = ("none", "ckptd", "ckptd_copy", "ckptd_lazy", "dcp_async_thread", "dcp_async_process")
+# ckptd's training modes and their snapshot setting ("auto": the default, a fork snapshot here)
+CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
 
 
 def _step(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -72,7 +77,8 @@ def _loop(r: Rank, mode: str, state: dict[str, torch.Tensor], n: int, every: int
     a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
     base = Path(r.spec["dir"]) / f"train-{mode}"
     stalls: list[float] = []
-    ckpt = checkpointer(r) if mode == "ckptd" else None
+    ckpt = checkpointer(r, snapshot=CKPTD_SNAPSHOTS[mode]) if mode in CKPTD_SNAPSHOTS else None
+    lazy = mode == "ckptd_lazy"
     stager = dcp_stager(mode) if mode.startswith("dcp_async") else None
     pending: Any = None
 
@@ -103,6 +109,8 @@ def _loop(r: Rank, mode: str, state: dict[str, torch.Tensor], n: int, every: int
             if mode != "none" and step % every == 0:
                 save(step)
             _step(a, b, out)
+            if lazy:
+                ckpt.before_update()  # type: ignore[union-attr]  # the optimizer's pre-step hook
             for t in update:
                 t.neg_()  # memory-bound like an optimizer update; values stay finite
         loop_s = time.perf_counter() - t0
@@ -136,7 +144,8 @@ def run_training(r: Rank, state: dict[str, torch.Tensor], spec: dict[str, Any],
     n, step_s = calibrate(r, target)
     out: dict[str, Any] = {"every": every, "saves": saves, "matmul_n": n, "step_s": step_s,
                            "target_step_s": target, "update_fraction": spec.get("train_update", 0.0)}
-    modes = [m for m in MODES if m == "none" or m in spec["methods"]]
+    modes = [m for m in MODES if m == "none" or m in spec["methods"]
+             or (m in CKPTD_SNAPSHOTS and "ckptd" in spec["methods"])]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # A-B-C-C-B-A: each mode meets early and late conditions alike (page cache, memory a VM
     # host handed back, other load), and the mean of its two runs is used.

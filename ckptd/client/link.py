@@ -69,8 +69,19 @@ class DaemonLink:
 
     # --- connecting ------------------------------------------------------------------------
     def connect(self) -> Welcome:
-        """Ensure a daemon runs (starting it on local rank 0) and complete the handshake."""
+        """Ensure a daemon runs (starting it on local rank 0) and complete the handshake. A daemon
+        that exits during the handshake (an auto-started one going idle just then) is replaced,
+        until ``daemon_start_timeout_s``."""
         deadline = time.monotonic() + self.config.daemon_start_timeout_s
+        while True:
+            try:
+                return self._connect_once(deadline)
+            except DaemonLostError:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("rank %d: the node daemon exited during the handshake; connecting again", self.env.rank)
+
+    def _connect_once(self, deadline: float) -> Welcome:
         while not daemon_alive(self.ep.pid_path):
             if self.env.local_rank == 0:
                 # _launch returns once a daemon served; if none is alive now it exited again

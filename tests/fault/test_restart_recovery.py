@@ -142,3 +142,46 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
         for seg in segments:
             seg.unlink(missing_ok=True)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypatch):
+    """An auto-started daemon may exit (idle) just as a Checkpointer connects: the HELLO then
+    goes to a daemon that is gone. The Checkpointer starts a new one instead of failing. Here the
+    daemon is SIGKILLed right after the Checkpointer found it alive, before its HELLO."""
+    from ckptd.client import link as link_mod
+
+    runtime = Path(tempfile.mkdtemp(prefix="ckh", dir="/tmp"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    root = tmp_path / "ckpts"
+    cfg = CkptdConfig.from_env({}, runtime_dir=str(runtime), idle_exit_s=5.0, heartbeat_s=0.1)
+    ep = Endpoints.for_job(root, JobEnv(), cfg)
+    ensure_private_dir(runtime)
+    assert _daemon(_env(runtime), root).returncode == 0
+    first = daemon_pid(ep.pid_path)
+    real_alive = link_mod.daemon_alive
+    killed: list[int] = []
+
+    def alive_then_killed(path: Path) -> bool:
+        found = real_alive(path)
+        if found and not killed:
+            pid = daemon_pid(path)
+            os.kill(pid, signal.SIGKILL)  # the daemon goes away between the check and the HELLO
+            killed.append(pid)
+            deadline = time.monotonic() + 30
+            while real_alive(path):
+                assert time.monotonic() < deadline, "the killed daemon still holds its lock"
+                time.sleep(0.02)
+        return found
+
+    monkeypatch.setattr(link_mod, "daemon_alive", alive_then_killed)
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            assert killed == [first] and ckpt.status()["pid"] not in (first, None)
+            w = torch.arange(8.0)
+            ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=1).wait(timeout_s=60)
+            assert ckpt.latest() == 1
+    finally:
+        _stop(ep)
+        shutil.rmtree(runtime, ignore_errors=True)
