@@ -6,8 +6,8 @@ Every test here skips, with the reason, where namespaces cannot be made (not roo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 

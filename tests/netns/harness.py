@@ -45,9 +45,9 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class NetnsUnavailable(RuntimeError):
 def _run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True,
          timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run a host command (``ip``, ``tc``...) with a bound; raise with its stderr when ``check``."""
-    proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=timeout_s, check=False)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
     return proc
@@ -84,7 +84,7 @@ def _pid_alive(pid: int) -> bool:
 def unavailable_reason() -> str | None:
     """Why namespace nodes cannot run here, or None when they can (checked by making one)."""
     if os.geteuid() != 0:
-        return "network and mount namespaces need root (this runs as uid %d)" % os.geteuid()
+        return f"network and mount namespaces need root (this runs as uid {os.geteuid()})"
     missing = [tool for tool in ("ip", "bridge", "nsenter", "unshare", "mount") if shutil.which(tool) is None]
     if missing:
         return f"tools missing: {', '.join(missing)}"
@@ -178,7 +178,7 @@ def sweep_stale() -> list[str]:
 class Node:
     """One node: a network namespace, and an anchor process holding its private mounts."""
 
-    cluster: "Cluster"
+    cluster: Cluster
     index: int
     address: str
     anchor: subprocess.Popen[bytes] | None = None
@@ -253,7 +253,7 @@ class Node:
     def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
             timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.command(argv), env=dict(env) if env is not None else None,
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
 
     def path(self, inside: str | os.PathLike) -> Path:
         """``inside`` (an absolute path as the node sees it) reached from the host, through the
@@ -319,7 +319,7 @@ class Cluster:
         return self.base / "rt"
 
     @classmethod
-    def create(cls, nnodes: int, cwd: str | None = None) -> "Cluster":
+    def create(cls, nnodes: int, cwd: str | None = None) -> Cluster:
         """Make the bridge, the namespaces and links, and boot every node; on any failure undo
         what was made and raise (NetnsUnavailable when the machine cannot)."""
         if not 1 <= nnodes <= 32:

@@ -21,9 +21,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ckptd.client.admin import LocalDaemon, daemon_status
 from ckptd.config import CkptdConfig

@@ -84,11 +84,11 @@ def test_harness_removes_and_sweeps_everything(netns_available):
         removed = sweep_stale()
         assert {f"{stale}-n0", f"{stale}b", str(stale_dir)} <= set(removed)
         assert sleeper.wait(10) == -9
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
         assert stale not in names and stale not in links
     finally:
         sleeper.kill()
-        subprocess.run(["ip", "netns", "del", f"{stale}-n0"], capture_output=True)
-        subprocess.run(["ip", "link", "del", f"{stale}b"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", f"{stale}-n0"], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", f"{stale}b"], capture_output=True, check=False)
     assert not stale_dir.exists()
