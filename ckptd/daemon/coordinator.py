@@ -36,7 +36,7 @@ import zmq
 
 from ..catalog import step_dir_name
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import (
     Codec,
@@ -111,6 +111,7 @@ class Coordinator:
         # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
         self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
+        replace_dead_links(sock, config.heartbeat_s, link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
         if bind.startswith("tcp://[") or bind.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         if bind.endswith(":0"):

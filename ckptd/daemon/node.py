@@ -37,7 +37,7 @@ import psutil
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
+from ..control.channel import Endpoint, link_timeout_s, make_socket, peer_pid, peer_uid, replace_dead_links
 from ..control.endpoints import Endpoints
 from ..control.keys import CurveKeys
 from ..control.protocol import (
@@ -115,6 +115,7 @@ class PendingStep:
     notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
     sent_to: str | None = None  # coordinator instance known when WRITTEN/FAILED went out
     waiting_since: float | None = None  # when the first report went upstream
+    reports: list[Message] = field(default_factory=list)  # WRITTEN/FAILED sent upstream (resent after a gap)
 
 
 class NodeDaemon:
@@ -143,6 +144,7 @@ class NodeDaemon:
         self.coordinator: Coordinator | None = None
         self.coordinator_instance: str | None = None
         self.last_pong_s = time.monotonic()
+        self.link_timeout_s = link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s)
         self.last_ping_s = 0.0
         self.last_check_s = 0.0
         self.idle_since_s: float | None = time.monotonic()
@@ -167,6 +169,7 @@ class NodeDaemon:
         up = make_socket(self.ctx, zmq.DEALER, self.codec, keys, server=False,
                          identity=f"node{ep.node}-{self.instance}".encode())
         up.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
+        replace_dead_links(up, config.heartbeat_s, self.link_timeout_s)
         if upstream_addr.startswith("tcp://[") or upstream_addr.count(":") > 2:
             up.setsockopt(zmq.IPV6, 1)
         up.connect(upstream_addr)
@@ -452,6 +455,7 @@ class NodeDaemon:
         st = self.steps[key]
         if st.waiting_since is None:
             st.waiting_since = time.monotonic()
+        st.reports.append(msg)
         if self.upstream.send(msg, block=False):
             st.sent_to = st.sent_to or self.coordinator_instance
         else:
@@ -466,6 +470,7 @@ class NodeDaemon:
             if msg is None:
                 continue
             if isinstance(msg, Pong):
+                silent_s = time.monotonic() - self.last_pong_s
                 self.last_pong_s = time.monotonic()
                 if self.coordinator_instance != msg.instance:
                     if self.coordinator_instance is not None:
@@ -475,12 +480,29 @@ class NodeDaemon:
                                         "its commit already renamed the checkpoint, the restarted "
                                         "coordinator completes it)",
                                         keep_instance=msg.instance)
+                if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
+                    self._resend_reports(silent_s)
             elif isinstance(msg, (StepCommitted, StepAborted)):
                 self._resolve((msg.step, msg.attempt), msg)
             elif isinstance(msg, ErrorReply):
                 log.warning("coordinator error: %s", msg.reason)
             else:
                 log.warning("unexpected %s from the coordinator", msg.TYPE.name)
+
+    def _resend_reports(self, silent_s: float) -> None:
+        """The coordinator answers again after a silence long enough for the connection to have
+        been replaced (ckptd.control.channel.replace_dead_links), which loses what was in it (a
+        report, or the verdict on it: without a resend this node would wait for it forever, since
+        the coordinator answers its pings again). Resend every report still awaiting a verdict:
+        the coordinator counts a report once and answers one about a decided attempt with its
+        outcome."""
+        waiting = [(key, msg) for key, st in self.steps.items() for msg in st.reports]
+        if waiting:
+            log.warning("the coordinator answers again after %.1f s; resending %d reports of steps %s",
+                        silent_s, len(waiting), sorted({key for key, _ in waiting}))
+        for key, msg in waiting:
+            if not self.upstream.send(msg, block=False):
+                self.outbox.append((time.monotonic(), msg, key))
 
     def _resolve(self, key: StepKey, outcome: Message) -> None:
         st = self.steps.pop(key, None)
@@ -518,7 +540,9 @@ class NodeDaemon:
             if silent_s > cfg.coordinator_timeout_s:
                 self.outbox.clear()
                 self._abort_pending(f"the coordinator at {self.ep.coordinator_connect} did not answer "
-                                    f"for {silent_s:.0f} s (node 0's daemon may have died)")
+                                    f"for {silent_s:.0f} s (node 0's daemon may have died, or the network "
+                                    "between this node and node 0 failed; a step whose reports all reached "
+                                    "the coordinator may still commit: Checkpointer.latest() tells)")
         else:
             self.last_pong_s = now
         if self.late:
@@ -556,6 +580,10 @@ class NodeDaemon:
             "pools": self.pools.summary(),
             "jobs_in_flight": self.workers.in_flight,
             "pending_steps": sorted({step for step, _ in self.steps}),
+            # The coordinator as this node knows it: its instance, and how long it has not answered
+            # a ping while steps wait for it (0 while none does).
+            "upstream": {"address": self.ep.coordinator_connect, "instance": self.coordinator_instance,
+                         "silent_s": round(time.monotonic() - self.last_pong_s, 3)},
             # Every rejection of this daemon, its coordinator's port included (ckptd_rejected_messages_total).
             "rejected_messages": sum(rejected.values()) + (coordinator["rejected_messages"] if coordinator else 0),
             "rejected": rejected,
