@@ -7,7 +7,8 @@ namespaces, opens a :class:`ckptd.Checkpointer` (local rank 0 starts the node's 
 ``{"ready": ...}`` and then answers one JSON command per stdin line with one JSON line on stdout:
 
 - ``{"op": "train"}``: an all_reduce over every rank (a training step's collective);
-- ``{"op": "save", "step": s}``: ``Checkpointer.save`` of this rank's state of step ``s``;
+- ``{"op": "save", "step": s}``: ``Checkpointer.save`` of this rank's state of step ``s`` (see
+  :func:`state`; ``CKN_COMMON_NBYTES`` and ``CKN_ITEMS_PER_RANK`` make it bigger);
 - ``{"op": "wait", "step": s, "timeout_s": t}``: the save's outcome (``committed``, ``aborted``
   with the reason, or ``pending`` once ``t`` passed);
 - ``{"op": "check", "step": s}``: load step ``s`` and compare it bit for bit (``mismatch``);
@@ -26,7 +27,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -47,11 +49,18 @@ def blob(step: int, nbytes: int) -> torch.Tensor:
     return ((torch.arange(nbytes, dtype=torch.int64) + step) % 251).to(torch.uint8)
 
 
-def state(rank: int, world: int, step: int, common_nbytes: int, t: torch.Tensor | None = None) -> dict[str, Any]:
+def state(rank: int, world: int, step: int, common_nbytes: int, items: int = 0,
+          t: torch.Tensor | None = None) -> dict[str, Any]:
+    """This rank's state of ``step``: a row shard of ``w``, an object, ``items`` one-element shards
+    (each a record in the rank's WRITTEN), and ``common_nbytes`` of common state."""
     t = tensor(rank, world, step) if t is None else t
-    return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world)),
-            "o": ShardedObject("o", {"rank": rank, "step": step}, (world,), (rank,)),
-            "iteration": step, "blob": blob(step, common_nbytes)}
+    sd: dict[str, Any] = {
+        "w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world)),
+        "o": ShardedObject("o", {"rank": rank, "step": step}, (world,), (rank,)),
+        "iteration": step, "blob": blob(step, common_nbytes)}
+    for i in range(items):
+        sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", torch.full((1,), float(step + i)), (0, rank, world))
+    return sd
 
 
 class Agent:
@@ -59,6 +68,7 @@ class Agent:
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.common_nbytes = int(os.environ.get("CKN_COMMON_NBYTES", "0"))
+        self.items = int(os.environ.get("CKN_ITEMS_PER_RANK", "0"))
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         self.ckpt = ckptd.Checkpointer(root)
         self.handles: dict[int, ckptd.SaveHandle] = {}
@@ -70,7 +80,8 @@ class Agent:
 
     def save(self, step: int) -> dict[str, Any]:
         t0 = time.monotonic()
-        self.handles[step] = self.ckpt.save(state(self.rank, self.world, step, self.common_nbytes), step=step)
+        self.handles[step] = self.ckpt.save(state(self.rank, self.world, step, self.common_nbytes, self.items),
+                                            step=step)
         return {"save_s": time.monotonic() - t0}
 
     def wait(self, step: int, timeout_s: float) -> dict[str, Any]:
@@ -82,11 +93,14 @@ class Agent:
         return {"outcome": h.status.value, "reason": ""}
 
     def check(self, step: int) -> dict[str, Any]:
-        zeros = torch.zeros(ROWS_PER_RANK, COLS)
-        out = self.ckpt.load(state(self.rank, self.world, -1, 0, zeros), step=step)
-        want = state(self.rank, self.world, step, self.common_nbytes)
-        if not torch.equal(out["w"], tensor(self.rank, self.world, step)):
-            return {"mismatch": f"tensor 'w' of rank {self.rank} differs from step {step}'s"}
+        request = state(self.rank, self.world, -1, 0, self.items, torch.zeros(ROWS_PER_RANK, COLS))
+        for i in range(self.items):
+            request[f"t{i}"].data.zero_()
+        out = self.ckpt.load(request, step=step)
+        want = state(self.rank, self.world, step, self.common_nbytes, self.items)
+        for key in ["w"] + [f"t{i}" for i in range(self.items)]:
+            if not torch.equal(out[key], want[key].data):
+                return {"mismatch": f"tensor {key!r} of rank {self.rank} differs from step {step}'s"}
         if out["o"] != want["o"].data or out["iteration"] != step or not torch.equal(out["blob"], want["blob"]):
             return {"mismatch": f"'o', 'iteration' or 'blob' of rank {self.rank} differs from step {step}'s"}
         return {"mismatch": None}
