@@ -213,6 +213,8 @@ class Node:
             self.anchor.kill()
             err = self.anchor.communicate(timeout=5)[1].decode(errors="replace")
             raise NetnsUnavailable(f"node {self.index}'s private mounts failed: {err.strip() or 'no answer'}")
+        self.view.unlink(missing_ok=True)
+        self.view.symlink_to(f"/proc/{self.anchor.pid}/root")
 
     @property
     def anchor_pid(self) -> int:
@@ -255,10 +257,17 @@ class Node:
         return subprocess.run(self.command(argv), env=dict(env) if env is not None else None,
                               capture_output=True, text=True, timeout=timeout_s, check=False)
 
+    @property
+    def view(self) -> Path:
+        """A link to the node's root as the node sees it (``/proc/<anchor>/root``), repointed at
+        every boot: paths through it stay valid across reboots (and lead nowhere while down)."""
+        assert self.cluster.base is not None
+        return self.cluster.base / f"n{self.index}"
+
     def path(self, inside: str | os.PathLike) -> Path:
-        """``inside`` (an absolute path as the node sees it) reached from the host, through the
-        anchor's root (``/proc/<pid>/root``): the node's private runtime directory or /dev/shm."""
-        return Path(f"/proc/{self.anchor_pid}/root") / Path(inside).relative_to("/")
+        """``inside`` (an absolute path as the node sees it) reached from the host: the node's
+        private runtime directory or /dev/shm."""
+        return self.view / Path(inside).relative_to("/")
 
     # --- the network ---------------------------------------------------------------------------
     def link_down(self) -> None:
