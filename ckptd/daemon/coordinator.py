@@ -58,6 +58,7 @@ from ..format.finalize import serialize_common
 from ..statedict.digest import differing_ranks
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
+from ..gcpause import gc_paused
 from .commit import commit_step, remove_tmp
 from .faults import fault_opener
 from .workers import Done, WorkerPools
@@ -294,9 +295,10 @@ class Coordinator:
 
         def run() -> str:
             try:
-                return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
-                                   keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
-                                   opener=self.opener)
+                with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
+                        return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
+                                       keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
+                                       opener=self.opener)
             except OSError as exc:
                 remove_tmp(self.root, step, attempt)
                 raise StorageError.from_oserror(exc, self.root) from exc
