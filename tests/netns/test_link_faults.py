@@ -7,11 +7,11 @@ the one that did commit is complete) and loads bit-exact, every rank's save ends
 configured bounds with a reason, and the first save after the heal commits on every rank.
 
 - link down on node 1 while it persists (longer than the coordinator timeout): the step aborts on
-  both ranks, its files are removed, step 1 stays latest;
-- link down on node 1 while the coordinator commits, for longer than the coordinator timeout: the
-  commit completes (it needs only the shared filesystem); node 1's rank cannot learn that and is
-  told its save aborted, with a reason saying the step may still have committed (the known limit:
-  a rank's ABORTED after a lost coordinator is not a promise that nothing committed);
+  both ranks, its files are removed, step 1 stays latest; then, on the same job, link down on
+  node 1 while the coordinator commits, for longer than the coordinator timeout: the commit
+  completes (it needs only the shared filesystem); node 1's rank cannot learn that and is told
+  its save aborted, with a reason saying the step may still have committed (the known limit: a
+  rank's ABORTED after a lost coordinator is not a promise that nothing committed);
 - node 1 partitioned off between its WRITTEN and the coordinator's COMMITTED, for longer than the
   link timeout (so the connection is replaced and the verdict in it lost) but shorter than the
   coordinator timeout: once healed, node 1 resends its report and learns the verdict: every rank
@@ -45,12 +45,14 @@ def _latest_everywhere(job: NetnsJob, step: int) -> None:
     job.check(step)
 
 
-@pytest.mark.timeout(120)
-def test_link_down_during_persist(make_job):
+@pytest.mark.timeout(150)
+def test_link_down_during_persist_then_during_commit(make_job):
     job = make_job(2)
     job.save(1)
     job.committed(1)
-    job.fault(1, "delay 2")  # node 1's data file waits 2 s to be opened: its persist window
+
+    # --- persist: node 1's data file waits 2 s to be opened; its link goes down meanwhile
+    job.fault(1, "delay 2")
     job.save(2)
     wait_until(lambda: (job.status(1) or {}).get("jobs_in_flight"), 10, "node 1 to persist step 2")
     job.cluster.nodes[1].link_down()
@@ -64,32 +66,29 @@ def test_link_down_during_persist(make_job):
     job.save(3)
     job.committed(3)
     _latest_everywhere(job, 3)
-    job.check(1)
     assert _steps_on_disk(job) == ["iter_0000001", "iter_0000003"]
 
-
-@pytest.mark.timeout(120)
-def test_link_down_during_commit(make_job):
-    job = make_job(2)
-    job.save(1)
-    job.committed(1)
-    # Node 0's every file open waits 0.5 s: its own data file, then each file of the commit.
+    # --- commit: node 0's every file open waits 0.5 s (its own data file, then each file of the
+    # commit); node 1's link goes down while the coordinator commits, for longer than the
+    # coordinator timeout
     job.fault(0, "delay 0.5")
-    job.save(2)
+    job.save(4)
     wait_until(lambda: any(s["phase"] == "committing" for s in job.coordinator_steps().values()), 15,
-               "the coordinator to commit step 2")
+               "the coordinator to commit step 4")
     job.cluster.nodes[1].link_down()
-    out = job.outcomes(2, timeout_s=30)
+    out = job.outcomes(4, timeout_s=30)
     job.fault(0, "")
     assert out[0]["outcome"] == "committed", out
     assert out[1]["outcome"] == "aborted" and "did not answer" in out[1]["reason"] \
         and "may still commit" in out[1]["reason"], out
     job.cluster.nodes[1].link_up()
-    _latest_everywhere(job, 2)  # the commit is complete and durable: every rank loads it bit-exact
-    job.save(3)
-    job.committed(3)
-    _latest_everywhere(job, 3)
+    _latest_everywhere(job, 4)  # the commit is complete and durable: every rank loads it bit-exact
+    job.save(5)
+    job.committed(5)
+    _latest_everywhere(job, 5)
+    job.check(1)
     wait_until(lambda: _no_partial_saves(job), 15, "no partial save to remain")
+    assert _steps_on_disk(job) == ["iter_0000001", "iter_0000003", "iter_0000004", "iter_0000005"]
 
 
 @pytest.mark.timeout(120)
