@@ -112,7 +112,8 @@ class Coordinator:
         # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
         self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
-        replace_dead_links(sock, config.heartbeat_s, link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
+        replace_dead_links(sock, config.heartbeat_s,
+                           link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
         if bind.startswith("tcp://[") or bind.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         if bind.endswith(":0"):
@@ -296,7 +297,7 @@ class Coordinator:
         def run() -> str:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
-                        return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
+                    return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
                                        keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
                                        opener=self.opener)
             except OSError as exc:

@@ -199,6 +199,13 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
     # came from (each decoded from a message on its own).
     shared: dict[Any, Any] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
+
+    def size(shape: tuple[int, ...]) -> torch.Size:
+        found = sizes.get(shape)
+        if found is None:
+            found = sizes[shape] = torch.Size(shape)
+        return found
+
     for r in records:
         if r.path:
             paths[r.fqn] = tuple(r.path)
@@ -213,8 +220,7 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
         state[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype_from_name(items[0].dtype)),
             size=torch.Size(items[0].global_shape),
-            chunks=[ChunkStorageMetadata(torch.Size(r.offsets), sizes.get(r.sizes) or sizes.setdefault(
-                r.sizes, torch.Size(r.sizes))) for r in items],
+            chunks=[ChunkStorageMetadata(torch.Size(r.offsets), size(r.sizes)) for r in items],
         )
         for i, r in enumerate(items):
             storage[MetadataIndex(fqn, r.offsets, i)] = _StorageInfo(
