@@ -1,13 +1,17 @@
 """One crash-matrix trial: run a job, SIGKILL one process at a random moment, restart, check.
 
-Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files):
+Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files), on *hosts*
+(:class:`Hosts`: this machine's loopback, :class:`LoopbackHosts`, or namespace nodes,
+tests/netns/crash_hosts.py, which add victims of their own):
 
 1. *run*: start every rank (:func:`tests.fault.crash_job.trainer`); their local rank 0s start the
    node daemons. Once every rank saved once, wait a random moment and SIGKILL the victim: a
-   trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator).
+   trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator),
+   or let the hosts' fault strike (a whole machine, a partitioned link).
    The survivors train on a little longer (daemons get restarted by the next save), then the
    harness SIGKILLs every trainer, as a launcher tears a failed job down.
-2. wait until the surviving daemons finished everything in flight (commits or aborts);
+2. heal what the hosts' fault broke (a killed machine boots again, empty); wait until the live
+   daemons finished everything in flight (commits or aborts);
 3. *restart*: start every rank again; each resumes from ``Checkpointer.latest()`` and checks the
    loaded state bit for bit, saves new steps and waits until each committed;
 4. stop the daemons and check the root (:func:`check_root`): every step any rank saw COMMITTED is
