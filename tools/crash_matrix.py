@@ -12,10 +12,18 @@ resumes through ``Checkpointer.latest()``/``load()``, and checks (see tests/faul
   committed checkpoint; the restarted job resumes bit-exact and its next saves commit;
 - no shared memory and no daemon process is left behind.
 
+``--netns`` (root) runs every trial across namespace nodes (tests/netns): each node its own
+network namespace with its own address on a private bridge, its own /dev/shm and runtime directory,
+one shared root; and adds two victims only real nodes have: a whole ``machine`` (every process of a
+node SIGKILLed, its shared memory gone, the node booted empty before the restart) and a ``link``
+(a node partitioned off inside the network for 0.5-4 s while the job saves).
+
 Prints a table and exits 1 if any trial found corruption, a lost committed checkpoint or a failed
-recovery (0 otherwise). ``--json`` prints every trial's result instead.
+recovery (0 otherwise; 2 when --netns cannot run here). ``--json`` prints every trial's result
+instead.
 
     python tools/crash_matrix.py --trials 30 --seed 0
+    python tools/crash_matrix.py --netns --trials 10 --ranks 2 --nodes 2
 """
 
 from __future__ import annotations
@@ -32,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from tests.fault import crash_trial as ct  # noqa: E402
 
 
-def summary_table(results: list[ct.TrialResult]) -> str:
+def summary_table(results: list[ct.TrialResult], victims: tuple[str, ...]) -> str:
     kills = collections.Counter(r.victim for r in results)
     rows = [
         ("trials", len(results)),
-        *((f"kills: {v}", kills.get(v, 0)) for v in ct.VICTIMS),
+        *((f"kills: {v}", kills.get(v, 0)) for v in victims),
         ("commits (steps reported COMMITTED)", sum(r.commits for r in results)),
         ("aborted saves (reported to ranks)", sum(r.aborted for r in results)),
         ("recoveries (resumed bit-exact, next saves committed)", sum(r.recovered for r in results)),
@@ -57,15 +65,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where trials run (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep every trial's files (failed ones are always kept)")
     ap.add_argument("--json", action="store_true", help="print every trial's result as JSON")
+    ap.add_argument("--netns", action="store_true",
+                    help="every node in its own network and mount namespaces (root), plus the victims "
+                         "'machine' and 'link'")
     args = ap.parse_args(argv)
     if args.trials < 1 or args.nodes < 1 or args.ranks < args.nodes or args.ranks % args.nodes:
         ap.error("need --trials >= 1 and --ranks a positive multiple of --nodes")
-    ctx = ct.process_context()
+    if args.netns:
+        # Imported only here: the namespace harness is a test utility of its own (tests/netns).
+        from tests.netns.crash_hosts import NETNS_VICTIMS, NetnsHosts
+        from tests.netns.harness import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            print(f"crash_matrix: --netns cannot run here: {reason}", file=sys.stderr)
+            return 2
+        victims: tuple[str, ...] = NETNS_VICTIMS
+        ctx = None
+    else:
+        victims = ct.VICTIMS
+        ctx = ct.process_context()
     results = []
     t0 = time.monotonic()
     try:
         for i in range(args.trials):
-            r = ct.run_trial(args.seed + i, ctx, ranks=args.ranks, nodes=args.nodes, workdir=args.workdir,
+            hosts = NetnsHosts() if ctx is None else ct.LoopbackHosts(ctx)
+            r = ct.run_trial(args.seed + i, hosts, ranks=args.ranks, nodes=args.nodes, workdir=args.workdir,
                              keep=args.keep)
             results.append(r)
             if not args.json:
@@ -76,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
                 for line in r.corrupt + r.lost_committed + r.problems:
                     print(f"    {line}", flush=True)
     finally:
-        ct.stop_process_context()
+        if ctx is not None:
+            ct.stop_process_context()
     failed = [r for r in results if not r.ok]
     if args.json:
         print(json.dumps({"trials": [r.to_dict() for r in results], "failed": len(failed),
                           "duration_s": time.monotonic() - t0}, indent=1))
     else:
         print()
-        print(summary_table(results))
+        print(summary_table(results, victims))
         print(f"\n{len(results) - len(failed)}/{len(results)} trials passed in {time.monotonic() - t0:.0f} s")
     return 1 if failed else 0
 

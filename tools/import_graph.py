@@ -22,7 +22,7 @@ PACKAGE = "ckptd"
 
 # Lowest first. Each entry: (layer name, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("ckptd.errors", "ckptd.config", "ckptd.progress", "ckptd.dist")),
+    ("base", ("ckptd.errors", "ckptd.config", "ckptd.progress", "ckptd.dist", "ckptd.gcpause")),
     ("vocabulary", ("ckptd.mapping",)),
     ("statedict", ("ckptd.statedict",)),
     ("format", ("ckptd.format",)),

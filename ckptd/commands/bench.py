@@ -1,4 +1,4 @@
-"""``ckptd bench {all,save,load,checksums} ...``: the benchmarks of :mod:`ckptd.bench`."""
+"""``ckptd bench {all,save,load,checksums,coordinator} ...``: the benchmarks of :mod:`ckptd.bench`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 from ._common import add_parser
 
 DESCRIPTION = """\
-Measure ckptd against torch DCP on this machine, in one run, and print ratios:
+Measure ckptd against torch DCP on this machine, in one run, and print ratios (and how the
+coordinator scales):
 
   ckptd bench all        the whole suite on one state: first and steady stall, time to durable and
                          persist GiB/s of ckptd, DCP save and async_save (THREAD, PROCESS; stager
@@ -17,13 +18,16 @@ Measure ckptd against torch DCP on this machine, in one run, and print ratios:
                          over many saves; training-loop overhead; many small tensors; stall vs
                          ranks; load; memory and CPU; reference limits; the targets (--check)
   ckptd bench load       same-layout and resharded load throughput vs DCP load
-  ckptd bench checksums  what per-item CRC32 costs on the persist path
+  ckptd bench checksums  what per-item CRC-32C costs on the persist path
+  ckptd bench coordinator  how the coordinator scales: commit latency, CPU, memory, .metadata size
+                         and messages per commit for 64 to 4,096 played ranks (real sockets,
+                         CurveZMQ, records and files) against a real coordinator
 
 Arguments after the benchmark's name go to it (ckptd bench all --help lists them).
 
 exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
 
-BENCHMARKS = ("all", "load", "checksums")
+BENCHMARKS = ("all", "load", "checksums", "coordinator")
 MODULES = {"all": "suite"}  # benchmark name -> module of ckptd.bench, where they differ
 
 

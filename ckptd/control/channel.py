@@ -48,6 +48,37 @@ def make_socket(ctx: zmq.Context, kind: int, codec: Codec, keys: CurveKeys, *, s
     return sock
 
 
+def link_timeout_s(heartbeat_s: float, coordinator_timeout_s: float) -> float:
+    """How long a TCP connection between daemons may carry nothing before it is replaced: a
+    third of the coordinator timeout (so a replaced connection still delivers before steps
+    abort), and at least four heartbeats."""
+    return max(4 * heartbeat_s, coordinator_timeout_s / 3)
+
+
+def replace_dead_links(sock: zmq.Socket, heartbeat_s: float, timeout_s: float) -> None:
+    """Make a ``tcp://`` socket between daemons replace a connection that went silent.
+
+    A partition inside the network (a failed switch: both ends keep their links) makes TCP
+    retransmit with exponential back-off, so after a partition of a minute the next retransmission
+    may come a minute after the network healed, and until then every report waits in that
+    connection. Here libzmq's I/O thread sends a ZMTP heartbeat every ``heartbeat_s`` and drops a
+    connection that carried nothing for ``timeout_s``; the connecting side then connects anew,
+    each try bounded by ``timeout_s`` (a SYN lost in the partition is otherwise retried with the
+    same back-off), so it is back within about ``timeout_s`` of the network. A ROUTER lets the
+    new connection take over its peer's identity from the old one it may still hold
+    (``ROUTER_HANDOVER``; else it would refuse the peer until the old one timed out too).
+    Messages that were in the dropped connection are lost: senders resend what is unanswered.
+    """
+    ivl_ms = max(10, int(heartbeat_s * 1000))
+    timeout_ms = max(2 * ivl_ms, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, timeout_ms)
+    if sock.type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+
+
 class Incoming(NamedTuple):
     """One received message: the peer's routing identity (ROUTER only), the message (None when
     rejected) and the peer's address as libzmq saw it (``...:uid:gid:pid`` on ``ipc://``)."""

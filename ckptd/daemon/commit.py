@@ -153,8 +153,10 @@ def check_data_files(tmpd: Dir, data_files: Mapping[str, tuple[int, int]]) -> No
     """Raise CorruptCheckpointError unless each data file in ``tmpd`` is a regular file (not a
     link) of exactly the size its writer reported: the last check before a commit's rename."""
     for name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
-        path = tmpd.path / name
         st = tmpd.lstat(name)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == nbytes:
+            continue
+        path = tmpd.path / name  # for the message only (a Path per file costs 8 us: 33 ms at 4,096 ranks)
         if st is None:
             raise CorruptCheckpointError(f"rank {rank}'s data file {path} is missing, though its node "
                                          "reported it written; the step is not committed")

@@ -36,7 +36,7 @@ import zmq
 
 from ..catalog import step_dir_name
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import (
     Codec,
@@ -57,6 +57,7 @@ from ..format.finalize import serialize_common
 from ..statedict.digest import differing_ranks
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
+from ..gcpause import gc_paused
 from .commit import commit_step, remove_tmp
 from .faults import fault_opener
 from .loop import serve_requests
@@ -111,6 +112,8 @@ class Coordinator:
         # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
         self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
+        replace_dead_links(sock, config.heartbeat_s,
+                           link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
         if bind.startswith("tcp://[") or bind.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         if bind.endswith(":0"):
@@ -279,9 +282,10 @@ class Coordinator:
 
         def run() -> str:
             try:
-                return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
-                                   keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
-                                   opener=self.opener)
+                with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
+                    return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
+                                       keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
+                                       opener=self.opener)
             except OSError as exc:
                 remove_tmp(self.root, step, attempt)
                 raise StorageError.from_oserror(exc, self.root) from exc

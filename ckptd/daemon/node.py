@@ -213,6 +213,7 @@ class NodeDaemon:
             "pools": self.pools.summary(),
             "jobs_in_flight": self.workers.in_flight,
             "pending_steps": self.uplink.pending_steps(),
+            "upstream": self.uplink.status(),
             # Every rejection of this daemon, its coordinator's port included (ckptd_rejected_messages_total).
             "rejected_messages": sum(rejected.values()) + (coordinator["rejected_messages"] if coordinator else 0),
             "rejected": rejected,

@@ -14,7 +14,11 @@ Liveness: a ``PING`` goes out every heartbeat, also while idle, so the coordinat
 known before the next report; a new instance (the coordinator restarted) or silence longer than
 ``coordinator_timeout_s`` while reports wait aborts those steps locally with the reason. Such
 local aborts are reported late (``FAILED`` of rank -1) once a coordinator is reachable, so it
-learns the outcome and removes the attempt's directory.
+learns the outcome and removes the attempt's directory. A connection that carried nothing for
+the link timeout is replaced (ckptd.control.channel.replace_dead_links: a partition must not
+leave reports stuck in TCP's retransmission back-off), and when the coordinator answers again
+after such a silence, every report still awaiting its verdict is sent again (the coordinator
+counts a report once).
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, ErrorReply, Failed, Message, Ping, Pong, StepAborted, StepCommitted
 
@@ -44,6 +48,7 @@ class PendingStep:
     notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
     sent_to: str | None = None  # coordinator instance known when a report went out
     waiting_since: float | None = None  # when the first report went upstream
+    reports: list[Message] = field(default_factory=list)  # WRITTEN/FAILED sent (resent after a gap)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class CoordinatorLink:
         self.deliver = deliver  # tells a resolved step's ranks its outcome
         sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False, identity=identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
+        self.link_timeout_s = link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s)
+        replace_dead_links(sock, config.heartbeat_s, self.link_timeout_s)
         if address.startswith("tcp://[") or address.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
@@ -104,6 +111,7 @@ class CoordinatorLink:
         st = self.steps.setdefault(key, PendingStep())
         if st.waiting_since is None:
             st.waiting_since = time.monotonic()
+        st.reports.append(msg)
         if self.ep.send(msg, block=False):
             st.sent_to = st.sent_to or self.coordinator_instance
         else:
@@ -125,15 +133,32 @@ class CoordinatorLink:
                 log.warning("unexpected %s from the coordinator", msg.TYPE.name)
 
     def _on_pong(self, msg: Pong) -> None:
+        silent_s = time.monotonic() - self.last_pong_s
         self.last_pong_s = time.monotonic()
-        if self.coordinator_instance == msg.instance:
-            return
-        if self.coordinator_instance is not None:
-            log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, msg.instance)
-        self.coordinator_instance = msg.instance
-        self.abort_pending("the coordinator restarted before confirming the step (had its commit "
-                           "already renamed the checkpoint, the restarted coordinator completes it)",
-                           keep_instance=msg.instance)
+        if self.coordinator_instance != msg.instance:
+            if self.coordinator_instance is not None:
+                log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, msg.instance)
+            self.coordinator_instance = msg.instance
+            self.abort_pending("the coordinator restarted before confirming the step (had its commit "
+                               "already renamed the checkpoint, the restarted coordinator completes it)",
+                               keep_instance=msg.instance)
+        if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
+            self._resend_reports(silent_s)
+
+    def _resend_reports(self, silent_s: float) -> None:
+        """The coordinator answers again after a silence long enough for the connection to have
+        been replaced (ckptd.control.channel.replace_dead_links), which loses what was in it (a
+        report, or the verdict on it: without a resend this node would wait for it forever, since
+        the coordinator answers its pings again). Resend every report still awaiting a verdict:
+        the coordinator counts a report once and answers one about a decided attempt with its
+        outcome."""
+        waiting = [(key, msg) for key, st in self.steps.items() for msg in st.reports]
+        if waiting:
+            log.warning("the coordinator answers again after %.1f s; resending %d reports of steps %s",
+                        silent_s, len(waiting), sorted({key for key, _ in waiting}))
+        for key, msg in waiting:
+            if not self.ep.send(msg, block=False):
+                self.outbox.append(Outgoing(time.monotonic(), msg, key))
 
     def _resolve(self, key: StepKey, outcome: Message) -> None:
         st = self.steps.pop(key, None)
@@ -166,7 +191,9 @@ class CoordinatorLink:
             if silent_s > cfg.coordinator_timeout_s:
                 self.outbox.clear()
                 self.abort_pending(f"the coordinator at {self.address} did not answer for {silent_s:.0f} s "
-                                   "(node 0's daemon may have died)")
+                                   "(node 0's daemon may have died, or the network between this node and "
+                                   "node 0 failed; a step whose reports all reached the coordinator may "
+                                   "still commit: Checkpointer.latest() tells)")
         else:
             self.last_pong_s = now
         if self.late:
@@ -178,6 +205,12 @@ class CoordinatorLink:
                 self.steps.setdefault(o.key, PendingStep()).sent_to = self.coordinator_instance
             else:
                 self.outbox.append(o)
+
+    def status(self) -> dict[str, Any]:
+        """The coordinator as this node knows it: its instance, and how long it has not answered
+        a ping while steps wait for it (0 while none does)."""
+        return {"address": self.address, "instance": self.coordinator_instance,
+                "silent_s": round(time.monotonic() - self.last_pong_s, 3)}
 
     def close(self) -> None:
         self.ep.close()

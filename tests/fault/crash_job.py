@@ -1,9 +1,9 @@
 """The training job of the crash matrix: what one rank does, and the state it saves.
 
-A job is ``ranks`` trainer processes spread over ``nodes`` simulated nodes (distinct GROUP_RANKs on
-this machine, each with its own node daemon, node 0's hosting the coordinator). Every rank saves a
-small sharded state whose every value is a function of the step, so any checkpoint can be checked
-bit for bit without remembering what was saved. Each rank appends what it observes to its own
+A job is ``ranks`` trainer processes spread over ``nodes`` nodes (distinct GROUP_RANKs on this
+machine, or namespace nodes: tests/netns/crash_hosts.py), each with its own node daemon, node 0's
+hosting the coordinator. Every rank saves a small sharded state whose every value is a function of
+the step, so any checkpoint can be checked bit for bit without remembering what was saved. Each rank appends what it observes to its own
 event file *as it happens* (one ``O_APPEND`` write per line, so a SIGKILL never leaves half a
 line): ``saved``, ``committed``, ``aborted``, ``save_error``, ``resumed``.
 """
@@ -41,6 +41,10 @@ class JobSpec:
     steps: int = 12  # saves per phase-1 rank
     interval_s: float = 0.08  # training time between saves
     restart_steps: int = 2  # saves after a restart, each of which must commit
+    master_addr: str = "127.0.0.1"  # node 0's address, as the ranks reach it
+    # Each node's runtime directory as the harness reaches it, where nodes do not share one
+    # (namespace nodes: tests/netns); empty: CKPTD_RUNTIME_DIR of ``env`` for every node.
+    node_runtime_dirs: tuple[str, ...] = ()
 
     @property
     def per_node(self) -> int:
@@ -51,13 +55,17 @@ class JobSpec:
         of its own (CKPTD_RUN_ID), as a launcher restarting the job would make it."""
         return {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks),
                 "LOCAL_RANK": str(rank % self.per_node), "LOCAL_WORLD_SIZE": str(self.per_node),
-                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": "127.0.0.1",
+                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": self.master_addr,
                 "CKPTD_RUN_ID": f"{Path(self.root).name}-{phase}"}
 
     def endpoints(self, node: int) -> Endpoints:
+        """Node ``node``'s daemon files as the harness reaches them."""
         job = JobEnv(rank=node * self.per_node, local_rank=0, world_size=self.ranks,
                      local_world_size=self.per_node, node=node, master_addr="127.0.0.1", master_port=0)
-        return Endpoints.for_job(self.root, job, CkptdConfig.from_env(self.env))
+        config = CkptdConfig.from_env(self.env)
+        if self.node_runtime_dirs:
+            config = config.replace(runtime_dir=self.node_runtime_dirs[node])
+        return Endpoints.for_job(self.root, job, config)
 
 
 # --- the state: every value derived from the step ------------------------------------------------

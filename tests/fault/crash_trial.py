@@ -1,13 +1,17 @@
 """One crash-matrix trial: run a job, SIGKILL one process at a random moment, restart, check.
 
-Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files):
+Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files), on *hosts*
+(:class:`Hosts`: this machine's loopback, :class:`LoopbackHosts`, or namespace nodes,
+tests/netns/crash_hosts.py, which add victims of their own):
 
 1. *run*: start every rank (:func:`tests.fault.crash_job.trainer`); their local rank 0s start the
    node daemons. Once every rank saved once, wait a random moment and SIGKILL the victim: a
-   trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator).
+   trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator),
+   or let the hosts' fault strike (a whole machine, a partitioned link).
    The survivors train on a little longer (daemons get restarted by the next save), then the
    harness SIGKILLs every trainer, as a launcher tears a failed job down.
-2. wait until the surviving daemons finished everything in flight (commits or aborts);
+2. heal what the hosts' fault broke (a killed machine boots again, empty); wait until the live
+   daemons finished everything in flight (commits or aborts);
 3. *restart*: start every rank again; each resumes from ``Checkpointer.latest()`` and checks the
    loaded state bit for bit, saves new steps and waits until each committed;
 4. stop the daemons and check the root (:func:`check_root`): every step any rank saw COMMITTED is
@@ -32,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -50,6 +54,7 @@ from ckptd.staging.segment import list_segments, unlink_segments
 from tests.fault import crash_job as cj
 
 VICTIMS = ("rank", "node", "coordinator")
+MULTI_NODE_VICTIMS = ("node", "link")  # victims that need another node than node 0
 KEEP_LAST = 3
 # Every rank waits for all others before its first save (crash_job._barrier), so the commit does
 # not wait for a node daemon being started; these only bound how long survivors wait for the dead.
@@ -277,11 +282,81 @@ def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult)
     result.recovered = ok
 
 
+# --- where the job runs ------------------------------------------------------------------------
+class TrialProcess(Protocol):
+    """A trainer process as the trial handles it (multiprocessing.Process has this interface)."""
+
+    pid: int | None
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Hosts(Protocol):
+    """Where a trial's processes run: this machine's loopback (:class:`LoopbackHosts`), or
+    namespace nodes (tests/netns/crash_hosts.py). Used in this order: :meth:`open`,
+    :meth:`job_fields` (what the job spec needs: runtime directory and coordinator port, node 0's
+    address...), :meth:`start` once per phase, :meth:`fault` for a victim of the hosts' own kinds,
+    :meth:`heal` before the restart, :meth:`segments`, :meth:`logs`, and always :meth:`close`."""
+
+    victims: tuple[str, ...]  # kinds of victim, the common VICTIMS first
+
+    def open(self, nodes: int) -> None: ...
+    def job_fields(self) -> dict[str, Any]: ...
+    def start(self, spec: cj.JobSpec, phase: str) -> list[TrialProcess]: ...
+    def fault(self, victim: str, spec: cj.JobSpec, rng: random.Random) -> str: ...
+    def heal(self) -> None: ...
+    def segments(self, prefix: str) -> list[str]: ...
+    def logs(self) -> list[Path]: ...
+    def close(self, prefix: str) -> None: ...
+
+
+@dataclass
+class LoopbackHosts:
+    """Every node on this machine: daemons with distinct node ids over loopback, one runtime
+    directory and one /dev/shm; trainers are forkserver children (``ctx``: :func:`process_context`)."""
+
+    ctx: BaseContext
+    victims: tuple[str, ...] = VICTIMS
+    runtime: Path | None = None
+
+    def open(self, nodes: int) -> None:
+        self.runtime = Path(tempfile.mkdtemp(prefix="ckc", dir="/tmp"))  # short: ipc paths are limited
+
+    def job_fields(self) -> dict[str, Any]:
+        return {"env": {"CKPTD_RUNTIME_DIR": str(self.runtime), "CKPTD_COORDINATOR_PORT": str(free_port())}}
+
+    def start(self, spec: cj.JobSpec, phase: str) -> list[TrialProcess]:
+        procs = [self.ctx.Process(target=cj.trainer, args=(r, spec, phase), daemon=True) for r in range(spec.ranks)]
+        for p in procs:
+            p.start()
+        return procs  # type: ignore[return-value]
+
+    def fault(self, victim: str, spec: cj.JobSpec, rng: random.Random) -> str:
+        raise ValueError(f"no victim {victim!r} on loopback nodes")
+
+    def heal(self) -> None:
+        pass
+
+    def segments(self, prefix: str) -> list[str]:
+        return list_segments(prefix)
+
+    def logs(self) -> list[Path]:
+        return sorted(self.runtime.glob("*.log")) if self.runtime else []
+
+    def close(self, prefix: str) -> None:
+        unlink_segments(prefix)
+        if self.runtime is not None:
+            shutil.rmtree(self.runtime, ignore_errors=True)
+
+
 # --- the trial ---------------------------------------------------------------------------------
-def job_spec(workdir: Path, runtime: Path, ranks: int, nodes: int, rng: random.Random) -> cj.JobSpec:
+def job_spec(workdir: Path, ranks: int, nodes: int, rng: random.Random, fields: dict[str, Any]) -> cj.JobSpec:
+    """The job of one trial; ``fields``: what its hosts add (:meth:`Hosts.job_fields`)."""
     env = {
-        "CKPTD_RUNTIME_DIR": str(runtime),
-        "CKPTD_COORDINATOR_PORT": str(free_port()),
+        **fields.pop("env", {}),
         "CKPTD_HEARTBEAT_S": "0.1",
         "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
         "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
@@ -296,14 +371,7 @@ def job_spec(workdir: Path, runtime: Path, ranks: int, nodes: int, rng: random.R
     }
     events = workdir / "events"
     events.mkdir(parents=True)
-    return cj.JobSpec(str(workdir / "ckpts"), str(events), ranks, nodes, env)
-
-
-def _start(ctx: BaseContext, spec: cj.JobSpec, phase: str) -> list[Any]:
-    procs = [ctx.Process(target=cj.trainer, args=(r, spec, phase), daemon=True) for r in range(spec.ranks)]
-    for p in procs:
-        p.start()
-    return procs
+    return cj.JobSpec(str(workdir / "ckpts"), str(events), ranks, nodes, env, **fields)
 
 
 def _wait_for(cond: Any, timeout_s: float) -> bool:
@@ -315,10 +383,11 @@ def _wait_for(cond: Any, timeout_s: float) -> bool:
     return True
 
 
-def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[Any], rng: random.Random) -> str:
+def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: random.Random) -> str:
     if victim == "rank":
         rank = rng.randrange(spec.ranks)
-        _kill(procs[rank].pid, signal.SIGKILL)
+        if procs[rank].pid:
+            _kill(procs[rank].pid, signal.SIGKILL)
         return f"rank {rank} (pid {procs[rank].pid})"
     node = 0 if victim == "coordinator" else rng.randrange(1, spec.nodes)
     ep = spec.endpoints(node)
@@ -330,41 +399,47 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[Any], rng: random.Ra
     return f"node {node} daemon (pid {pid})"
 
 
-def run_trial(seed: int, ctx: BaseContext, *, ranks: int = 2, nodes: int = 2, victim: str | None = None,
+def run_trial(seed: int, hosts: Hosts, *, ranks: int = 2, nodes: int = 2, victim: str | None = None,
               workdir: str | os.PathLike | None = None, keep: bool = False) -> TrialResult:
-    """One trial (see the module docstring); ``victim`` None picks one at random."""
+    """One trial (see the module docstring) on ``hosts``; ``victim`` None picks one at random
+    among the hosts' kinds (those needing several nodes only when there are)."""
     if ranks % nodes:
         raise ValueError(f"{ranks} ranks do not split evenly over {nodes} nodes")
     rng = random.Random(seed)
-    kinds = [v for v in VICTIMS if v != "node" or nodes > 1]
+    kinds = [v for v in hosts.victims if nodes > 1 or v not in MULTI_NODE_VICTIMS]
     victim = victim if victim is not None else rng.choice(kinds)
     if victim not in kinds:
-        raise ValueError(f"victim {victim!r} needs more nodes; choose from {kinds}")
+        raise ValueError(f"victim {victim!r} is not one of {kinds} here")
     t0 = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix=f"crash{seed}-", dir=workdir))
-    runtime = Path(tempfile.mkdtemp(prefix="ckc", dir="/tmp"))  # short: ipc paths are limited
-    spec = job_spec(base, runtime, ranks, nodes, rng)
     result = TrialResult(seed, victim)
-    procs: list[Any] = []
-    job = spec.endpoints(0).job
+    procs: list[TrialProcess] = []
+    job = ""
     try:
-        procs = _start(ctx, spec, "run")
+        hosts.open(nodes)
+        spec = job_spec(base, ranks, nodes, rng, hosts.job_fields())
+        job = spec.endpoints(0).job
+        procs = hosts.start(spec, "run")
         started = _wait_for(lambda: all(
             any(e.ev == "saved" and e.rank == r for e in cj.read_events(spec.events)) for r in range(ranks)), 60)
         if not started:
             result.problems.append("the job did not start saving within 60 s")
         result.kill_at_s = rng.uniform(0.0, spec.steps * spec.interval_s * 0.8)
         time.sleep(result.kill_at_s)
-        result.victim_detail = _kill_victim(spec, victim, procs, rng)
+        if victim in VICTIMS:
+            result.victim_detail = _kill_victim(spec, victim, procs, rng)
+        else:
+            result.victim_detail = hosts.fault(victim, spec, rng)
         time.sleep(rng.uniform(0.2, 1.0))  # survivors train on, then the launcher tears the job down
         for p in procs:
             if p.is_alive():
-                _kill(p.pid, signal.SIGKILL)
+                p.kill()
             p.join(10)
+        hosts.heal()
         stuck = quiesce(spec, COMMIT_TIMEOUT_S + COORDINATOR_TIMEOUT_S + 10)
         if stuck:
             result.problems.append(stuck)
-        procs = _start(ctx, spec, "restart")
+        procs = hosts.start(spec, "restart")
         for p in procs:
             p.join(120)
         for r, p in enumerate(procs):
@@ -374,7 +449,7 @@ def run_trial(seed: int, ctx: BaseContext, *, ranks: int = 2, nodes: int = 2, vi
         events = cj.read_events(spec.events)
         check_restart(spec, events, result)
         check_root(spec, events, result)
-        left = list_segments(f"ckptd-{job}-")
+        left = hosts.segments(f"ckptd-{job}-")
         if left:
             result.problems.append(f"shared-memory segments left behind: {left}")
         if job_processes(job):
@@ -386,13 +461,12 @@ def run_trial(seed: int, ctx: BaseContext, *, ranks: int = 2, nodes: int = 2, vi
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for pid in job_processes(job):
+        for pid in job_processes(job) if job else []:
             _kill(pid, signal.SIGKILL)
-        unlink_segments(f"ckptd-{job}-")
         if not result.ok:
-            for log_file in runtime.glob("*.log"):
+            for log_file in hosts.logs():
                 shutil.copy(log_file, base / f"daemon-{log_file.name}")
-        shutil.rmtree(runtime, ignore_errors=True)
+        hosts.close(f"ckptd-{job}-")
         if not keep and result.ok:
             shutil.rmtree(base, ignore_errors=True)
         elif not result.ok:

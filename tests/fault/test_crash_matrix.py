@@ -36,7 +36,7 @@ def _failures(results: list[ct.TrialResult]) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_short_crash_matrix_every_victim_kind(ctx, tmp_path):
-    results = [ct.run_trial(1000 + i, ctx, ranks=2, nodes=2, victim=victim, workdir=tmp_path)
+    results = [ct.run_trial(1000 + i, ct.LoopbackHosts(ctx), ranks=2, nodes=2, victim=victim, workdir=tmp_path)
                for i, victim in enumerate(["rank", "node", "coordinator", None])]
     assert not _failures(results), "\n".join(_failures(results))
     assert {r.victim for r in results} >= set(ct.VICTIMS)
@@ -46,7 +46,7 @@ def test_short_crash_matrix_every_victim_kind(ctx, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_long_crash_matrix(ctx, tmp_path):
-    results = [ct.run_trial(seed, ctx, ranks=4, nodes=2, workdir=tmp_path) for seed in range(30)]
+    results = [ct.run_trial(seed, ct.LoopbackHosts(ctx), ranks=4, nodes=2, workdir=tmp_path) for seed in range(30)]
     assert not _failures(results), "\n".join(_failures(results))
     assert {r.victim for r in results} == set(ct.VICTIMS)
 

@@ -1,0 +1,62 @@
+"""Fixtures of the namespace-node tests: a job across N nodes, always cleaned up.
+
+Every test here skips, with the reason, where namespaces cannot be made (not root, ``ip`` or
+``nsenter`` missing, the kernel refusing); the loopback multi-node tests of tests/fault run anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptd.control.endpoints import default_job_id
+from ckptd.staging.segment import list_segments
+
+from .harness import Cluster, NetnsUnavailable, unavailable_reason
+from .job import NetnsJob
+
+REPO = str(Path(__file__).resolve().parents[2])
+# Short bounds, so that every fault resolves within seconds: link timeout max(4 x 0.1, 3 / 3) = 1 s.
+FAST = {"CKPTD_HEARTBEAT_S": "0.1", "CKPTD_COMMIT_TIMEOUT_S": "4", "CKPTD_COORDINATOR_TIMEOUT_S": "3",
+        "CKPTD_IDLE_EXIT_S": "120", "CKPTD_REQUEST_TIMEOUT_S": "20"}
+
+
+@pytest.fixture(scope="session")
+def netns_available() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"namespace nodes unavailable: {reason}")
+
+
+@pytest.fixture
+def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., NetnsJob]]:
+    """``make_job(nnodes, per_node=1, **settings)``: a cluster and a job on it, ranks launched.
+    At the end: logs copied to ``tmp_path/logs``, ranks stopped, everything the cluster made
+    removed; the test fails if anything of it, or a staging segment in the host's /dev/shm, is
+    left."""
+    made: list[tuple[Cluster, NetnsJob]] = []
+
+    def make(nnodes: int, per_node: int = 1, launch: bool = True, **settings: str) -> NetnsJob:
+        try:
+            cluster = Cluster.create(nnodes, cwd=REPO)
+        except NetnsUnavailable as exc:
+            pytest.skip(f"namespace nodes unavailable: {exc}")
+        job = NetnsJob(cluster, tmp_path / "ckpts", per_node, {**FAST, **settings})
+        made.append((cluster, job))
+        if launch:
+            job.launch()
+        return job
+
+    yield make
+    problems = []
+    for cluster, job in made:
+        try:
+            job.collect_logs(tmp_path / "logs")
+        finally:
+            job.close()
+            problems += cluster.destroy()
+        problems += cluster.leftovers()
+        problems += list_segments(f"ckptd-{default_job_id(job.root)}-")
+    assert not problems, f"left behind: {problems}"

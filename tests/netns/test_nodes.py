@@ -1,0 +1,94 @@
+"""A job across namespace nodes works as on real machines, and the harness leaves nothing behind.
+
+- 2 nodes x 2 ranks, each node its own network, /dev/shm and runtime directory, one shared root:
+  the ranks' gloo collective crosses the namespaces, each node's local rank 0 starts that node's
+  daemon, a save commits and loads bit-exact on every rank; the coordinator listens on node 0's
+  address at MASTER_PORT + 1 and nowhere else (not on loopback); each node's staging segments and
+  daemon files live only in that node's private mounts, none in the host's /dev/shm;
+- the harness removes what it made, and sweeps what a killed harness left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ckptd.control.endpoints import default_job_id
+
+from .harness import Cluster, sweep_stale
+from .job import MASTER_PORT
+
+_CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)"
+
+
+@pytest.mark.timeout(150)
+def test_job_across_namespaces(make_job):
+    job = make_job(2, per_node=2)
+    cluster = job.cluster
+    assert [o["sum"] for o in job.call("train")] == [10.0] * 4  # gloo all_reduce across the nodes
+    job.save(1)
+    job.committed(1)
+    job.check(1)
+    assert [o["latest"] for o in job.call("latest")] == [1] * 4
+
+    node0 = cluster.nodes[0].address
+    coordinator = job.status(0)["coordinator"]
+    assert coordinator["address"] == f"tcp://{node0}:{MASTER_PORT + 1}"
+    assert coordinator["nodes"] == [0, 1]
+    assert job.status(1)["coordinator"] is None
+    # Bound to node 0's address only: node 0's own loopback does not reach it, node 1 does.
+    port = str(MASTER_PORT + 1)
+    refused = cluster.nodes[0].run([sys.executable, "-c", _CONNECT, "127.0.0.1", port])
+    assert refused.returncode != 0 and "Connection refused" in refused.stderr
+    assert cluster.nodes[1].run([sys.executable, "-c", _CONNECT, node0, port]).returncode == 0
+
+    job_id = default_job_id(job.root)
+    for node in cluster.nodes:
+        segments = sorted(os.listdir(node.path("/dev/shm")))
+        assert segments and all(s.startswith(f"ckptd-{job_id}-n{node.index}-") for s in segments), segments
+        files = sorted(os.listdir(node.path(cluster.runtime_dir)))
+        assert f"{job_id}-n{node.index}.sock" in files and all(f"-n{node.index}." in f for f in files), files
+    assert not [s for s in os.listdir("/dev/shm") if s.startswith(f"ckptd-{job_id}")]
+
+
+@pytest.mark.timeout(60)
+def test_harness_removes_and_sweeps_everything(netns_available):
+    cluster = Cluster.create(2)
+    try:
+        pids = [n.anchor_pid for n in cluster.nodes]
+        assert cluster.leftovers() and all(cluster.nodes[i].pids() == [pids[i]] for i in range(2))
+        cluster.nodes[1].kill()
+        assert not cluster.nodes[1].up and not cluster.nodes[1].pids()
+        cluster.nodes[1].boot()
+        assert cluster.nodes[1].up
+    finally:
+        assert cluster.destroy() == []
+    assert cluster.leftovers() == []
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+    # What a harness killed outright leaves: found by the dead pid in its names, and removed.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"ckn{dead.pid}"
+    subprocess.run(["ip", "netns", "add", f"{stale}-n0"], check=True)
+    subprocess.run(["ip", "link", "add", f"{stale}b", "type", "bridge"], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", f"{stale}-n0", "sleep", "600"])
+    stale_dir = Path(tempfile.gettempdir()) / f"{stale}-x"
+    stale_dir.mkdir()
+    try:
+        removed = sweep_stale()
+        assert {f"{stale}-n0", f"{stale}b", str(stale_dir)} <= set(removed)
+        assert sleeper.wait(10) == -9
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+        assert stale not in names and stale not in links
+    finally:
+        sleeper.kill()
+        subprocess.run(["ip", "netns", "del", f"{stale}-n0"], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", f"{stale}b"], capture_output=True, check=False)
+    assert not stale_dir.exists()
