@@ -49,6 +49,7 @@ class PendingStep:
     sent_to: str | None = None  # coordinator instance known when a report went out
     waiting_since: float | None = None  # when the first report went upstream
     reports: list[Message] = field(default_factory=list)  # WRITTEN/FAILED sent (resent after a gap)
+    resent_s: float | None = None  # when the reports were last resent for want of a verdict
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class CoordinatorLink:
                                    "still commit: Checkpointer.latest() tells)")
         else:
             self.last_pong_s = now
+        self._chase_verdicts(now)
         if self.late:
             self.late = [r for r in self.late
                          if now - r.since_s < cfg.commit_timeout_s and not self.ep.send(r.msg, block=False)]
@@ -205,6 +207,27 @@ class CoordinatorLink:
                 self.steps.setdefault(o.key, PendingStep()).sent_to = self.coordinator_instance
             else:
                 self.outbox.append(o)
+
+    def _chase_verdicts(self, now: float) -> None:
+        """Bound the wait for a verdict that got lost while the coordinator stays reachable (no
+        silence, so no abort above): the coordinator decides every attempt within
+        ``commit_timeout_s`` of its first report plus the commit itself, so a step still waiting
+        ``coordinator_timeout_s`` beyond that resends its reports, and again every
+        ``coordinator_timeout_s``; the coordinator answers a report of a decided attempt with its
+        outcome."""
+        cfg = self.config
+        due_s = cfg.commit_timeout_s + cfg.coordinator_timeout_s
+        for key, st in self.steps.items():
+            if st.waiting_since is None or now - st.waiting_since < due_s:
+                continue
+            if st.resent_s is not None and now - st.resent_s < cfg.coordinator_timeout_s:
+                continue
+            st.resent_s = now
+            log.warning("step %d attempt %s: no verdict %.0f s after its reports; resending them", key[0],
+                        key[1], now - st.waiting_since)
+            for msg in st.reports:
+                if not self.ep.send(msg, block=False):
+                    self.outbox.append(Outgoing(now, msg, key))
 
     def status(self) -> dict[str, Any]:
         """The coordinator as this node knows it: its instance, and how long it has not answered

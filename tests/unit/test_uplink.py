@@ -1,0 +1,76 @@
+"""A node daemon's link to the coordinator (ckptd.daemon.uplink), against a real coordinator in
+this process: real CurveZMQ sockets on loopback, real reports and verdicts, no daemon process."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ckptd.config import CkptdConfig
+from ckptd.control.keys import derive_keys
+from ckptd.control.protocol import Codec, Failed, Message, StepAborted
+from ckptd.control.security import ZapHandler
+from ckptd.daemon.coordinator import Coordinator
+from ckptd.daemon.loop import EventLoop
+from ckptd.daemon.uplink import CoordinatorLink
+from ckptd.daemon.workers import Completions, WorkerPools
+
+ATTEMPT = "0123456789ab-1"
+
+
+@pytest.mark.timeout(60)
+def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path: Path):
+    """The coordinator answers every ping, but its verdict on a step never arrives (lost in a
+    connection replaced meanwhile): the node resends the step's reports once the coordinator
+    must have decided (commit timeout + coordinator timeout after the first report) and gets
+    the verdict again, instead of waiting for ever."""
+    cfg = CkptdConfig(commit_timeout_s=0.4, coordinator_timeout_s=0.4, heartbeat_s=0.05)
+    keys = derive_keys(secrets.token_bytes(32))
+    codec = Codec("job1")
+    ctx = zmq.Context()
+    zap = ZapHandler(ctx, keys)
+    completions = Completions()
+    workers = WorkerPools(1, completions)
+    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", tmp_path, cfg, workers, "c1", [])
+    delivered: list[Message] = []
+    link = CoordinatorLink(ctx, codec, keys, coordinator.address, 0, b"node0-test", cfg,
+                           lambda _key, _ranks, outcome: delivered.append(outcome))
+    dropped: list[Message] = []
+    send = coordinator.ep.send
+
+    def lose_the_first_verdict(msg: Message, identity: bytes | None = None, block: bool = True) -> bool:
+        if isinstance(msg, StepAborted) and not dropped:
+            dropped.append(msg)
+            return True
+        return send(msg, identity, block)
+
+    coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
+    loop = EventLoop()
+    for source, handler in ((zap.sock, zap.on_readable), (coordinator.watch.sock, coordinator.watch.on_readable),
+                            (coordinator.ep.sock, coordinator.on_readable), (link.ep.sock, link.on_readable)):
+        loop.add(source, handler)
+    try:
+        link.expect((3, ATTEMPT), b"rank0")
+        link.report(Failed(3, ATTEMPT, 0, 1, 0, "the disk is full"), (3, ATTEMPT))
+        t0 = time.monotonic()
+        while not delivered and time.monotonic() - t0 < 20:
+            loop.poll(20)
+            now = time.monotonic()
+            coordinator.tick(now)
+            link.tick(now)
+        waited_s = time.monotonic() - t0
+        assert dropped and len(delivered) == 1, (dropped, delivered)
+        assert isinstance(delivered[0], StepAborted) and "the disk is full" in delivered[0].reason
+        assert waited_s >= cfg.commit_timeout_s + cfg.coordinator_timeout_s  # chased, not answered at once
+        assert not link.steps and not link.busy
+    finally:
+        link.close()
+        coordinator.close()
+        zap.close()
+        workers.shutdown()
+        completions.close()
+        ctx.term()
