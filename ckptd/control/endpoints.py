@@ -180,7 +180,9 @@ class Endpoints:
                 raise CkptdError("a multi-node job needs the coordinator's port: set MASTER_PORT "
                                  "(torchrun does) or CKPTD_COORDINATOR_PORT")
             port = env.master_port + 1
-        bind_host = coordinator_bind_host(host, env.nnodes)  # never 0.0.0.0 (ckptd.control.netaddr)
+        # Only node 0 binds (never on 0.0.0.0: ckptd.control.netaddr). Other nodes do not look up
+        # a route to the host: one missing at their start is no reason to fail, they only connect.
+        bind_host = coordinator_bind_host(host, env.nnodes) if env.node == 0 else host
         ep = cls(root, job, env.node, runtime, tcp_address(host, port), tcp_address(bind_host, port))
         if len(str(ep.socket_path)) > _MAX_IPC_PATH:
             raise CkptdError(f"ipc socket path {ep.socket_path} is longer than {_MAX_IPC_PATH} "

@@ -92,3 +92,14 @@ def test_the_coordinator_binds_the_interface_that_reaches_master_addr(tmp_path):
     assert coordinator_bind_host("203.0.113.7", 2) == expected != "0.0.0.0"
     with pytest.raises(CkptdError, match="cannot resolve the coordinator host"):
         coordinator_bind_host("no-such-host.invalid", 2)
+
+
+def test_only_node_0_looks_for_a_route_to_the_coordinator(tmp_path):
+    """Node 0 binds the coordinator's port on the address of its route to MASTER_ADDR; the other
+    nodes only connect, so a host they cannot resolve or reach yet does not stop their start."""
+    cfg = CkptdConfig.from_env({}, runtime_dir=str(tmp_path))
+    two_nodes = dict(world_size=4, local_world_size=2, master_port=29500, master_addr="no-such-host.invalid")
+    node1 = Endpoints.for_job(tmp_path, JobEnv(rank=2, local_rank=0, node=1, **two_nodes), cfg)
+    assert node1.coordinator_connect == "tcp://no-such-host.invalid:29501"
+    with pytest.raises(CkptdError, match="cannot resolve the coordinator host"):
+        Endpoints.for_job(tmp_path, JobEnv(rank=0, local_rank=0, node=0, **two_nodes), cfg)
