@@ -20,7 +20,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import zmq
 
@@ -28,8 +29,8 @@ from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
+from ..control.pidfile import daemon_alive, daemon_pid
 from ..control.protocol import Codec, ErrorReply, Hello, Message, Ping, Pong, Welcome
-from ..daemon.main import daemon_alive, daemon_pid
 from ..errors import DaemonError
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class DaemonLink:
         env["CKPTD_JOB_ID"] = self.ep.job
         log.info("rank %d: starting the node daemon: %s", self.env.rank, " ".join(cmd))
         try:
-            proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            proc = subprocess.run(cmd, check=False, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=max(1.0, deadline - time.monotonic()), close_fds=True)
         except subprocess.TimeoutExpired:
             raise DaemonError(f"starting the ckptd daemon timed out; see {self.ep.log_path}") from None

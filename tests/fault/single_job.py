@@ -23,7 +23,7 @@ import torch
 
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 

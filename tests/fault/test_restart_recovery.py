@@ -24,7 +24,8 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
-from ckptd.daemon.main import EXIT_BUSY, daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.daemon.main import EXIT_BUSY
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.checkpoints import make_root
 from tests.multiproc import free_port

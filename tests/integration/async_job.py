@@ -15,9 +15,9 @@ import psutil
 import torch
 
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
 from ckptd.config import CkptdConfig
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
+from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
 
 NODES, PER_NODE = 2, 2

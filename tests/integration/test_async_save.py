@@ -22,12 +22,12 @@ import torch
 import zmq
 
 import ckptd
+from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import derive_keys
+from ckptd.control.pidfile import daemon_pid
 from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
-from ckptd.config import CkptdConfig
-from ckptd.daemon.main import daemon_pid
 from tests.integration import async_job as aj
 from tests.multiproc import free_port, run_ranks
 
