@@ -12,10 +12,10 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # The daemon, then the offline tools (ls, inspect, verify, gc, tune: see ckptd.commands).
-COMMAND_MODULES: tuple[str, ...] = ("ckptd.daemon.command", "ckptd.commands")
+COMMAND_MODULES: tuple[str, ...] = ("ckptd.commands.daemon", "ckptd.commands")
 
 
 def build_parser(prog: str = "ckptd") -> argparse.ArgumentParser:

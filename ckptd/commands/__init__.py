@@ -8,7 +8,9 @@ wires them in with::
     for command in commands.ALL:
         command.register(subparsers)
 
-``python -m ckptd.commands <command> ...`` runs them without the rest of the CLI.
+``python -m ckptd.commands <command> ...`` runs them without the rest of the CLI. ``ckptd daemon``
+(:mod:`.daemon`) is wired in by ``ckptd.cli`` on its own: a daemon in the foreground sets up its
+logging itself.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import bench, convert, gc, inspect, ls, status, tune, verify
 
