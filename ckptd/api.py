@@ -25,7 +25,7 @@ from .dist import DistContext
 from .errors import CheckpointExistsError, SaveFailedError
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
-from .format.durable import Opener, default_opener, fsync_dir
+from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
 from .format.items import PlannedItem, write_data_file
 from .format.layout import (
@@ -75,8 +75,7 @@ def _remove_partial(root: Path, ctx: DistContext, created_root: bool) -> None:
     names = [data_file_name(ctx.rank)]
     if ctx.rank == 0:
         names = [data_file_name(r) for r in range(ctx.world_size)]
-        names += [COMMON_PT, DCP_METADATA, COMMON_PT + ".tmp", DCP_METADATA + ".tmp",
-                  METADATA_JSON + ".tmp"]
+        names += [COMMON_PT, DCP_METADATA, *map(atomic_tmp_name, (COMMON_PT, DCP_METADATA, METADATA_JSON))]
     for name in names:
         try:
             (root / name).unlink(missing_ok=True)

@@ -15,6 +15,12 @@ import torch
 from ckptd.format.finalize import finalize, serialize_common
 from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
 from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import (
+    TMP_SUFFIX,
+    TRACKER_FILE,
+    step_dir_name,
+    tracker_bytes,
+)
 from ckptd.mapping import ShardedObject, ShardedTensor
 
 WORLD = 2
@@ -59,15 +65,18 @@ def make_root(root: str | os.PathLike, steps: list[int], latest: int | None) -> 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for step in steps:
-        make_checkpoint(root / f"iter_{step:07d}", step=step)
+        make_checkpoint(root / step_dir_name(step), step=step)
     if latest is not None:
-        (root / "latest").write_text(f"iter_{latest:07d}\n")
+        (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(latest)))
     return root
 
 
 def make_partial(root: Path, step: int, age_s: float) -> Path:
-    """An ``iter_<step>.tmp`` directory (an abandoned save) whose files were last written ``age_s`` ago."""
-    path = root / f"iter_{step:07d}.tmp"
+    """An ``iter_<step>.tmp`` directory (an abandoned save) whose files were last written ``age_s`` ago.
+
+    That is how older ckptd versions named a partial save; today's name has the attempt between
+    step and suffix (``ckptd.format.rootlayout.tmp_dir_name``), and both are partial saves alike."""
+    path = root / (step_dir_name(step) + TMP_SUFFIX)
     path.mkdir()
     (path / data_file_name(0)).write_bytes(b"\0" * 4096)
     when = os.path.getmtime(path) - age_s

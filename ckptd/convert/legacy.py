@@ -27,23 +27,29 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ShardingError, UnsafePickleError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ShardingError,
+    UnsafePickleError,
+)
 from ..format.finalize import finalize, serialize_common
 from ..format.items import PlannedItem, write_data_file
 from ..format.layout import DCP_METADATA, METADATA_JSON, data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_name
+from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
 
 log = logging.getLogger("ckptd.convert")
 
 Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
 FILE_NAME = "model_optim_rng.pt"
-TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
@@ -64,7 +70,7 @@ class SplitRule:
     glu: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "SplitRule":
+    def parse(cls, text: str) -> SplitRule:
         """``REGEX=AXIS``, ``REGEX=replicated`` or ``REGEX=glu:AXIS`` (command-line form)."""
         pattern, sep, spec = text.rpartition("=")
         if not sep or not pattern:
@@ -137,16 +143,19 @@ def resolve_iteration_dir(src: str | os.PathLike) -> Path:
         raise CheckpointNotFoundError(f"{root} is not a directory")
     if any(_RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()):
         return root
-    tracker = root / TRACKER
+    tracker = root / MEGATRON_TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
-        sub = root / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if text != "release" and not text.isdigit():
+            raise CheckpointNotFoundError(f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
+                                          "'release'; pass the iteration directory itself")
+        sub = root / ("release" if text == "release" else step_dir_name(int(text)))
         if sub.is_dir():
             return sub
         raise CheckpointNotFoundError(f"{tracker} names {text!r} but {sub} does not exist")
     raise CheckpointNotFoundError(
-        f"{root} holds no mp_rank_* directories and no {TRACKER}; pass a legacy Megatron "
-        "checkpoint root or one of its iter_* directories"
+        f"{root} holds no mp_rank_* directories and no {MEGATRON_TRACKER}; pass a legacy Megatron "
+        f"checkpoint root or one of its {STEP_PREFIX}* directories"
     )
 
 

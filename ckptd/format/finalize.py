@@ -36,7 +36,7 @@ def finalize(
     """Validate all records and write the metadata files that make ``directory`` a checkpoint.
 
     ``checkpoint_id`` (recorded in ``.metadata``) defaults to ``directory``; an asynchronous commit
-    passes the final name, since it finalizes in ``<step>.tmp`` and renames afterwards. An open
+    passes the final name, since it finalizes in ``iter_<step>.<attempt>.tmp`` and renames afterwards. An open
     :class:`~ckptd.format.safefs.Dir` has its files created relative to it.
     """
     validate_records(records)

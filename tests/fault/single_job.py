@@ -24,6 +24,8 @@ import torch
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.format.durable import ATOMIC_TMP_SUFFIX, atomic_tmp_name
+from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_dir_name
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 
@@ -48,7 +50,8 @@ def loads_bit_exact(ckpt: ckptd.Checkpointer, step: int) -> None:
 
 
 def tmp_leftovers(root: Path) -> list[str]:
-    """Partial saves still in the root: ``*.tmp`` directories and ``.part`` files anywhere.
+    """Partial saves still in the root: ``*.tmp`` directories, ``.part`` files and unfinished atomic
+    writes anywhere (but the tracker's, which a commit in flight may be writing).
 
     The daemon may be removing an aborted step's directory while this looks, so a directory that
     vanishes mid-walk counts as gone (``os.walk`` skips it) instead of failing the scan as
@@ -56,7 +59,7 @@ def tmp_leftovers(root: Path) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            if name.endswith((".tmp", ".part")) and name != "latest.tmp":
+            if name.endswith((TMP_SUFFIX, ATOMIC_TMP_SUFFIX, PART_SUFFIX)) and name != atomic_tmp_name(TRACKER_FILE):
                 found.append(str((Path(dirpath) / name).relative_to(root)))
     return sorted(found)
 
@@ -86,7 +89,7 @@ class SingleJob:
     def committed(self, step: int, timeout_s: float = 30) -> None:
         """Save ``step`` and require that it commits and loads bit-exact."""
         h = self.ckpt.save(state_dict(step), step=step)
-        assert h.wait(timeout_s=timeout_s) == self.root / f"iter_{step:07d}"
+        assert h.wait(timeout_s=timeout_s) == self.root / step_dir_name(step)
         loads_bit_exact(self.ckpt, step)
 
     def failed(self, step: int, timeout_s: float = 30) -> str:
@@ -98,7 +101,7 @@ class SingleJob:
         except ckptd.SaveFailedError as exc:
             assert h.status is ckptd.SaveStatus.ABORTED
             wait_until(lambda: not tmp_leftovers(self.root), 10, f"{tmp_leftovers(self.root)} to be removed")
-            assert not (self.root / f"iter_{step:07d}").exists()
+            assert not (self.root / step_dir_name(step)).exists()
             return str(exc)
         raise AssertionError(f"step {step} committed despite the fault")
 

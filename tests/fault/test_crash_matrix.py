@@ -13,10 +13,11 @@ import zlib
 
 import pytest
 
-from ckptd.daemon.commit import commit_step, tmp_dir
+from ckptd.daemon.commit import commit_step
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
 from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import tmp_dir
 from tests.checkpoints import flip_bit
 from tests.fault import crash_job as cj
 from tests.fault import crash_trial as ct
