@@ -1,8 +1,9 @@
 """Building real checkpoints (and roots of them) for the verify / CLI tests, in one process.
 
 A "two-rank" checkpoint is written the way ``ckptd.save`` writes one on two ranks: each rank's
-items go through ``write_data_file`` into its own ``__<rank>_0.distcp``, then ``finalize`` writes
-``common.pt``, ``.metadata`` and ``metadata.json``. Only the process group is left out.
+items go into its own ``__<rank>_0.distcp``, then ``common.pt``, ``.metadata`` and
+``metadata.json`` are written (``ckptd.format.finalize.write_checkpoint``). Only the process group
+is left out.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ckptd.format.finalize import finalize, serialize_common
-from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
+from ckptd.format.finalize import write_checkpoint
+from ckptd.format.items import PlannedItem, plan_object, plan_tensor_items
 from ckptd.format.layout import data_file_name
 from ckptd.format.rootlayout import (
     TMP_SUFFIX,
@@ -44,8 +45,8 @@ def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, ste
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ref = reference_tensors()
-    records = []
-    for rank in range(WORLD):
+
+    def items(rank: int) -> list[PlannedItem]:
         rows = ref["layer.weight"].shape[0] // WORLD
         shards = [ShardedTensor.from_rank_offsets("layer.weight", ref["layer.weight"][rank * rows:(rank + 1) * rows],
                                                   (0, rank, WORLD))]
@@ -53,10 +54,12 @@ def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, ste
             shards.append(ShardedTensor.from_rank_offsets("layer.bias", ref["layer.bias"]))
         else:
             shards.append(ShardedTensor.from_rank_offsets("embedding", ref["embedding"]))
-        items = [i for sh in shards for i in plan_tensor_items(sh, rank)]
-        items.append(plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)), rank))
-        records += write_data_file(directory, data_file_name(rank), items, fsync=False, checksums=checksums)
-    finalize(directory, records, serialize_common({"iteration": step, "note": "test"}), fsync=False)
+        planned = [i for sh in shards for i in plan_tensor_items(sh, rank)]
+        return planned + [plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)),
+                                      rank)]
+
+    write_checkpoint(directory, map(items, range(WORLD)), {"iteration": step, "note": "test"}, fsync=False,
+                     checksums=checksums)
     return ref
 
 

@@ -27,7 +27,7 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,9 @@ from ..errors import (
     ShardingError,
     UnsafePickleError,
 )
-from ..format.finalize import finalize, serialize_common
-from ..format.items import PlannedItem, write_data_file
-from ..format.layout import DCP_METADATA, METADATA_JSON, data_file_name
+from ..format.finalize import write_checkpoint
+from ..format.items import PlannedItem
+from ..format.layout import DCP_METADATA, METADATA_JSON
 from ..format.records import TENSOR, ItemRecord, dtype_name
 from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
 
@@ -271,16 +271,14 @@ def _plain(value: Any) -> Any:
 
 class _Converter:
     def __init__(self, tree: LegacyTree, rules: Sequence[SplitRule], allow_unsafe_pickle: bool,
-                 progress: Progress | None, stack_layers: bool) -> None:
+                 stack_layers: bool) -> None:
         self.tree = tree
         self.stack_layers = stack_layers
         self.num_layers = 0
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.unsafe = allow_unsafe_pickle
-        self.progress = progress
         self.report = ConversionReport()
         self.total = sum(f.path.stat().st_size for f in tree.files)
-        self.done = 0
         self.seen: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.skipped: set[str] = set()
 
@@ -347,8 +345,10 @@ class _Converter:
             out.append((t, tuple(offs)))
         return out
 
-    def group(self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], int],
-              root: Path, fsync: bool) -> tuple[list[ItemRecord], dict]:
+    def group(self, index: int, pp: int, ep: int,
+              layer_offsets: dict[tuple[int, int], int]) -> tuple[list[PlannedItem], dict, int, str]:
+        """The items of output rank ``index`` (pipeline stage ``pp``, expert rank ``ep``: every TP
+        rank's file of it merged), TP rank 0's state dict, the input's bytes and a label."""
         files = [self.tree.file(tp, pp, ep) for tp in range(self.tree.tp_size)]
         sds = [_read(f.path, self.unsafe) for f in files]
         group_bytes = sum(f.path.stat().st_size for f in files)
@@ -397,11 +397,7 @@ class _Converter:
                     items.append(PlannedItem(rec, payload))
                     self.report.chunks += 1
                     self.report.nbytes += payload.numel() * payload.element_size()
-        stored = write_data_file(root, data_file_name(index), items, fsync=fsync) if items else []
-        self.done += group_bytes
-        if self.progress:
-            self.progress(self.done, self.total, label)
-        return stored, sds[0]
+        return items, sds[0], group_bytes, label
 
 
 def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
@@ -430,30 +426,37 @@ def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
             raise CheckpointExistsError(f"{root} already holds a checkpoint ({marker} exists)")
     root.mkdir(parents=True, exist_ok=True)
     conv = _Converter(tree, list(rules) + (list(DEFAULT_RULES) if use_default_rules else []),
-                      allow_unsafe_pickle, progress, stack_layers)
+                      allow_unsafe_pickle, stack_layers)
     if progress:
         progress(0, conv.total, "start")
     offsets = conv.layer_offsets()
-    records: list[ItemRecord] = []
     first: dict = {}
-    index = 0
-    for pp in range(tree.pp_size):
-        for ep in range(tree.ep_size):
-            stored, sd0 = conv.group(index, pp, ep, offsets, root, fsync)
-            records += stored
+
+    def ranks() -> Iterator[list[PlannedItem]]:
+        """One output rank per pipeline stage and expert rank; progress once its file is written."""
+        groups = [(pp, ep) for pp in range(tree.pp_size) for ep in range(tree.ep_size)]
+        done = 0
+        for index, (pp, ep) in enumerate(groups):
+            items, sd0, group_bytes, label = conv.group(index, pp, ep, offsets)
             if index == 0:
-                first = sd0
-            index += 1
-    common = {
-        "iteration": first.get("iteration"),
-        "checkpoint_version": first.get("checkpoint_version"),
-        "args": _plain(vars(first["args"])) if hasattr(first.get("args"), "__dict__") else _plain(first.get("args")),
-        "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
-        "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size,
-                           "ep": tree.ep_size},
-    }
-    finalize(root, records, serialize_common(common), fsync=fsync)
-    conv.report.iteration = common["iteration"]
+                first.update(sd0)
+            yield items
+            done += group_bytes
+            if progress:
+                progress(done, conv.total, label)
+
+    def common() -> dict:
+        return {
+            "iteration": first.get("iteration"),
+            "checkpoint_version": first.get("checkpoint_version"),
+            "args": _plain(vars(first["args"])) if hasattr(first.get("args"), "__dict__") else _plain(first.get("args")),
+            "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
+            "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size,
+                               "ep": tree.ep_size},
+        }
+
+    write_checkpoint(root, ranks(), common, fsync=fsync)
+    conv.report.iteration = first.get("iteration")
     conv.report.skipped = sorted(conv.skipped)
     log.info("converted %s -> %s: %d tensors, %d chunks, %.1f MiB", tree.directory, root,
              conv.report.tensors, conv.report.chunks, conv.report.nbytes / 2**20)
