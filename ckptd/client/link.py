@@ -30,7 +30,7 @@ from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Codec, ErrorReply, Hello, Message, Ping, Pong, Welcome
+from ..control.protocol import Codec, ErrorReply, Hello, Message, Welcome
 from ..errors import DaemonError
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class DaemonLink:
         # would make alive() report the new daemon as dead.
         self.daemon_pid = None
         welcome = self.request(
-            Hello("rank", self.env.rank, self.ep.node, self.env.world_size, os.getpid(), str(self.ep.root)),
+            Hello(self.env.rank, os.getpid(), str(self.ep.root)),
             Welcome,
         )
         self.instance = welcome.instance
@@ -198,6 +198,3 @@ class DaemonLink:
                                       f"died; see {self.ep.log_path}")
             if remaining_ms <= 0:
                 return None
-
-    def ping(self) -> Pong:
-        return self.request(Ping(time.monotonic_ns()), Pong)

@@ -1,4 +1,4 @@
-"""The save path's fast paths (issue 8) produce exactly what the straightforward code did.
+"""The save path's fast paths (for many small tensors) produce exactly what the straightforward code did.
 
 - control messages and item records: field-by-field encoding, the same msgpack bytes as asdict();
 - staging: small CPU tensors staged by one memmove, every other tensor by copy_: the same bytes;
