@@ -13,12 +13,10 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
 import torch
 
 import ckptd
@@ -28,6 +26,8 @@ from ckptd.format.durable import ATOMIC_TMP_SUFFIX, atomic_tmp_name
 from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_dir_name
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
+from tests.multiproc import clear_torchrun_env
+from tests.waiting import wait_for_exit, wait_until
 
 HEARTBEAT_S = 0.1
 
@@ -62,13 +62,6 @@ def tmp_leftovers(root: Path) -> list[str]:
             if name.endswith((TMP_SUFFIX, ATOMIC_TMP_SUFFIX, PART_SUFFIX)) and name != atomic_tmp_name(TRACKER_FILE):
                 found.append(str((Path(dirpath) / name).relative_to(root)))
     return sorted(found)
-
-
-def wait_until(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.02)
 
 
 @dataclass
@@ -112,14 +105,12 @@ def stop_daemon(pid_path: Path, timeout_s: float = 30) -> None:
     pid = daemon_pid(pid_path)
     if pid:
         os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-                   timeout_s, f"daemon {pid} to exit")
+        wait_for_exit(pid, timeout_s, f"daemon {pid} to exit")
 
 
 @contextlib.contextmanager
 def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[SingleJob]:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    clear_torchrun_env(monkeypatch)
     root = Path(config.pop("root", tmp_path / "ckpts"))
     runtime = Path(tempfile.mkdtemp(prefix="ckf", dir="/tmp"))
     fault_file = tmp_path / "faults"

@@ -22,7 +22,13 @@ from ckptd.control.keys import derive_keys
 from ckptd.control.protocol import Codec, StepAborted, StepCommitted, Written
 from ckptd.control.security import make_client_secure
 from ckptd.format.records import TENSOR, ItemRecord
-from tests.fault.single_job import loads_bit_exact, single_job, state_dict, tmp_leftovers, wait_until
+from tests.fault.single_job import (
+    loads_bit_exact,
+    single_job,
+    state_dict,
+    tmp_leftovers,
+)
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ from ckptd.control.protocol import (
     Hello,
     MsgType,
     Ping,
-    PoolOk,
     Pong,
+    PoolOk,
     RegisterPool,
     Save,
     Status,
@@ -53,7 +53,8 @@ from ckptd.daemon.metrics import prometheus_text
 from ckptd.daemon.snapshot import boottime_s
 from ckptd.staging.pool import StagingPool
 from ckptd.staging.segment import SHM_DIR, list_segments
-from tests.fault.single_job import single_job, wait_until
+from tests.fault.single_job import single_job
+from tests.waiting import wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
 

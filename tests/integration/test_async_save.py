@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
 from tests.integration import async_job as aj
 from tests.multiproc import free_port, run_ranks
+from tests.waiting import wait_until
 
 WRITE_DELAY_S = 0.4
 STEPS = [10, 20, 30, 40, 50]
@@ -175,10 +175,8 @@ def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * aj.WORLD
     # Every trainer is dead; each data file takes >= WRITE_DELAY_S, so the commit is still ahead.
     committed_before_death = (root / f"iter_{step:07d}").exists()
-    deadline = time.monotonic() + 60
-    while (root / "latest").read_text().strip() != f"iter_{step:07d}":
-        assert time.monotonic() < deadline, "the checkpoint of the killed trainers never committed"
-        time.sleep(0.05)
+    wait_until(lambda: (root / "latest").read_text().strip() == f"iter_{step:07d}", 60,
+               "the checkpoint of the killed trainers to commit")
     assert not committed_before_death
     d = root / f"iter_{step:07d}"
     plain = ckptd.load_plain_tensors(d)
@@ -187,10 +185,7 @@ def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     for r in range(aj.WORLD):
         aj.check_loaded(ckptd.load(aj.request(r), d), r, step)
     # The daemons noticed the dead trainers and freed their pools (no shared memory held for them).
-    deadline = time.monotonic() + 30
-    while aj.leftovers(root, job["eps"])["segments"]:
-        assert time.monotonic() < deadline, aj.leftovers(root, job["eps"])
-        time.sleep(0.1)
+    wait_until(lambda: not aj.leftovers(root, job["eps"])["segments"], 30, "the dead trainers' pools to be freed")
 
 
 # --- 3. the coordinator's daemon SIGKILLed while it writes -------------------------------------
@@ -205,10 +200,7 @@ def _survive_daemon_kill(rank: int, world: int, env: dict, root: str, marks: str
         (marks_dir / f"returned{rank}").touch()
         if rank == 0:
             # Kill node 0's daemon (which hosts the coordinator) while the writes are delayed.
-            deadline = time.monotonic() + 60
-            while len(list(marks_dir.glob("returned*"))) < world:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: len(list(marks_dir.glob("returned*"))) == world, 60, "every rank's save() to return")
             status = ckpt.status()
             pid = daemon_pid(ckpt.endpoints.pid_path)
             os.kill(pid, signal.SIGKILL)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiproc import without_torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,9 +28,7 @@ def test_readme_example_saves_then_resumes(tmp_path):
     code = readme_example()
     assert len(code.strip().splitlines()) <= 22
     runtime = tempfile.mkdtemp(prefix="ckr", dir="/tmp")
-    env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(var, None)
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
     outs = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
