@@ -33,6 +33,7 @@ from ckptd.cli import build_parser
 from ckptd.describe import describe_checkpoint
 from ckptd.errors import CkptdError
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
 from ckptd.verify import verify_checkpoint
 from tests.checkpoints import make_checkpoint, reference_tensors
@@ -249,9 +250,9 @@ def test_the_cli_exits_1_without_a_traceback_on_damage(tmp_path):
               ("metadata field", "storage path", "../outside"), ("replace", "common.pt", "fifo")]
     root = tmp_path / "root"
     for step, mutation in enumerate(damage, start=1):
-        make_checkpoint(root / f"iter_{step:07d}")
-        apply(root / f"iter_{step:07d}", mutation, outside, root / f"iter_{step:07d}")
-    (root / "latest").write_text(f"iter_{len(damage):07d}\n")
+        make_checkpoint(root / step_dir_name(step))
+        apply(root / step_dir_name(step), mutation, outside, root / step_dir_name(step))
+    (root / "latest").write_text(f"{step_dir_name(len(damage))}\n")
     for argv in (["verify", root, "--all", "--deep"], ["inspect", root / "iter_0000003"]):
         p = subprocess.run([sys.executable, "-m", "ckptd.commands", *map(str, argv)], env=_env(),
                            capture_output=True, text=True, timeout=150)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.format.rootlayout import step_dir_name
 from tests.multiproc import without_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def test_readme_example_saves_then_resumes(tmp_path):
     assert "latest committed step: 15" in outs[0]
     assert "latest committed step: 35" in outs[1]  # resumed at 16, saved 20..35
     assert sorted(p.name for p in (tmp_path / "ckpts" / "run1").glob("iter_*")) == [
-        f"iter_{s:07d}" for s in (0, 5, 10, 15, 20, 25, 30, 35)]
+        step_dir_name(s) for s in (0, 5, 10, 15, 20, 25, 30, 35)]
     subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(tmp_path / "ckpts" / "run1")],
                    env=env, timeout=60, check=True, capture_output=True)
     shutil.rmtree(runtime)
@@ -101,7 +102,7 @@ def test_readme_fsdp2_lines_resume_bit_exact(tmp_path):
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_fsdp2_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=200, env=env) == [[], []]
-    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [f"iter_{s:07d}" for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [step_dir_name(s) for s in (1, 2, 3, 4)]
 
 
 def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:

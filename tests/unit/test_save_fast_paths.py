@@ -119,8 +119,8 @@ def test_gc_paused_restores_the_collector():
 
 
 def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
-    from ckptd.format.saveplan import PlanCache, plan_save
     from ckptd.errors import ShardingError
+    from ckptd.format.saveplan import PlanCache, plan_save
     from ckptd.mapping import ShardedObject, ShardedTensor
     from ckptd.statedict.split import split_state_dict
 
