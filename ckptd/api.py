@@ -15,27 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from .dist import DistContext
-from .errors import CheckpointExistsError, SaveFailedError, ShardingError
+from .errors import CheckpointExistsError, SaveFailedError
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
-from .format.durable import Opener, default_opener, fsync_dir
+from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
-from .format.items import (
-    PlannedItem,
-    piece_starts,
-    plan_bytes,
-    plan_object,
-    plan_tensor_items,
-    tensor_payloads,
-    write_data_file,
-)
+from .format.items import PlannedItem, write_data_file
 from .format.layout import (
     COMMON_PT,
     DCP_METADATA,
@@ -45,126 +37,17 @@ from .format.layout import (
 )
 from .format.reader import read_common
 from .format.records import ItemRecord
-from .format.validate import check_local_duplicates, validate_records
-from .load.keymap import Rule
+from .format.saveplan import plan_save
+from .format.validate import validate_records
 from .load.execute import LoadStats
+from .load.keymap import Rule
 from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
-from .mapping import ByteItem, ShardedObject, ShardedTensor, is_main_replica
+from .mapping import ShardedObject, ShardedTensor
 from .statedict.digest import common_digest, differing_ranks
-from .statedict.split import SplitStateDict, split_state_dict
-from .statedict.tree import path_str
+from .statedict.split import split_state_dict
 
 log = logging.getLogger(__name__)
-
-
-# A ShardedTensor's signature, its checked records, the flat start of each record's piece, and
-# whether its single item's payload is ``data`` itself.
-_PlanEntry = tuple[tuple, tuple[ItemRecord, ...], tuple[int, ...], bool]
-
-
-@dataclass
-class PlanCache:
-    """What :func:`plan_save` may reuse on a Checkpointer's next save.
-
-    ``entries``: per state-dict path of a ShardedTensor, what its last save planned.
-    ``checked``: the last record list that passed the duplicate check.
-    """
-
-    entries: dict[Any, _PlanEntry] = field(default_factory=dict)
-    checked: tuple[ItemRecord, ...] = ()
-
-
-def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) -> list[PlannedItem]:
-    """Items this rank stores: main replicas only, in state-dict order.
-
-    Raises ShardingError (naming key and rank) for data that cannot be saved: a ShardedTensor
-    without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
-    With a ``cache`` (a Checkpointer's, across its saves), a ShardedTensor whose metadata, data
-    shape, dtype and device equal the previous save's at the same path reuses that save's
-    checked records: only its payload views are made again; and a record list equal to the last
-    one checked is not checked for duplicates again.
-    """
-    items: list[PlannedItem] = []
-    fresh: dict[Any, _PlanEntry] = {}
-    old = cache.entries if cache is not None else {}
-    for path, sh in split.sharded.items():
-        if isinstance(sh, ShardedTensor):
-            sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
-            hit = old.get(path) if sig is not None else None
-            if hit is not None and hit[0] == sig:
-                records = hit[1]
-                if hit[3]:
-                    items.append(PlannedItem(records[0], sh.data))  # type: ignore[arg-type]
-                else:
-                    items.extend(PlannedItem(r, p) for r, p in zip(records, tensor_payloads(sh, records, hit[2])))
-            else:
-                _check_tensor_data(sh, path, rank)
-                planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
-                dcp_path = split.dcp_paths.get(sh.key)
-                if dcp_path is not None:
-                    planned = [PlannedItem(replace(i.record, path=dcp_path), i.payload) for i in planned]
-                items.extend(planned)
-                if sig is not None:
-                    records = tuple(i.record for i in planned)
-                    direct = len(planned) == 1 and planned[0].payload is sh.data
-                    hit = (sig, records, piece_starts(sh) if planned else (), direct)
-            if sig is not None:
-                fresh[path] = hit  # type: ignore[assignment]
-        elif isinstance(sh, ByteItem):
-            if rank == 0:
-                items.append(plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ())))
-        elif is_main_replica(sh.replica_id):
-            items.append(plan_object(sh, rank))
-    records = tuple(i.record for i in items)
-    # Equal records pass the check equally; the comparison is by identity for reused records.
-    if cache is None or records != cache.checked:
-        check_local_duplicates(records, rank)
-    if cache is not None:
-        cache.entries = fresh
-        cache.checked = records
-    return items
-
-
-def _tensor_signature(sh: ShardedTensor) -> tuple:
-    """Everything plan_tensor_items and its checks read, except the data's values and address."""
-    d = sh.data
-    fr = sh.flattened_range
-    return (sh.key, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset, sh.axis_fragmentations,
-            sh.replica_id, sh.prepend_axis_num, sh.allow_shape_mismatch,
-            None if fr is None else (fr.start, fr.stop, fr.step),
-            d.dtype, d.shape, d.is_cpu or d.device, d.layout)  # type: ignore[union-attr]
-
-
-def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
-    data = sh.data
-    if type(data) is torch.Tensor and data.device.type != "meta":
-        # The common case, without building the error text (a save checks every item).
-        try:
-            sh.validate_metadata_integrity()
-        except ShardingError as exc:
-            raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
-        return
-    where = f"ShardedTensor '{sh.key}' at {path_str(path)} (rank {rank})"
-    if sh.data is None:
-        raise ShardingError(f"{where} has no data to save; pass the tensor as data")
-    if not isinstance(sh.data, torch.Tensor):
-        raise ShardingError(
-            f"{where}: data is a {type(sh.data).__name__}, not a torch.Tensor; wrap non-tensor "
-            "values in ShardedObject or leave them as common state"
-        )
-    if type(sh.data) is not torch.nn.Parameter and type(sh.data) is not torch.Tensor:
-        raise ShardingError(
-            f"{where}: data is a {type(sh.data).__module__}.{type(sh.data).__qualname__}, a tensor "
-            "subclass whose bytes ckptd cannot take as the tensor's values; pass a plain tensor "
-            "(e.g. dtensor.to_local(), or the subclass's dequantized values)"
-        )
-    if sh.data.device.type == "meta":
-        raise ShardingError(f"{where}: data is a meta tensor (no values); materialize it first")
-    try:
-        sh.validate_metadata_integrity()
-    except ShardingError as exc:
-        raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
 
 
 def check_save_target(checkpoint_dir: Path) -> None:
@@ -192,8 +75,7 @@ def _remove_partial(root: Path, ctx: DistContext, created_root: bool) -> None:
     names = [data_file_name(ctx.rank)]
     if ctx.rank == 0:
         names = [data_file_name(r) for r in range(ctx.world_size)]
-        names += [COMMON_PT, DCP_METADATA, COMMON_PT + ".tmp", DCP_METADATA + ".tmp",
-                  METADATA_JSON + ".tmp"]
+        names += [COMMON_PT, DCP_METADATA, *map(atomic_tmp_name, (COMMON_PT, DCP_METADATA, METADATA_JSON))]
     for name in names:
         try:
             (root / name).unlink(missing_ok=True)

@@ -1,14 +1,8 @@
-"""What a checkpoint root holds: committed, partial and half-deleted checkpoints, and the tracker.
+"""Listing a checkpoint root: committed, partial and half-deleted checkpoints, and the tracker.
 
-A *root* is where an asynchronous Checkpointer saves a series of checkpoints::
-
-    <root>/
-      latest               tracker: name of the newest committed checkpoint, replaced atomically
-      iter_0000100/        committed (the final name appears only after the commit)
-      iter_0000200.<attempt>.tmp/  in flight, or abandoned by a crash: never loaded
-      iter_0000050.deleting/  being removed by gc (renamed first, so never mistaken as committed)
-
-A single checkpoint directory (written by ``ckptd.save``, torch DCP or Megatron-Core) holds
+A *root* is where an asynchronous Checkpointer saves a series of checkpoints; the names of what
+it holds (the ``latest`` tracker, ``iter_<step>`` directories, ``.tmp`` attempts, ``.deleting``
+leftovers of gc) are :mod:`ckptd.format.rootlayout`'s. A single checkpoint directory (written by ``ckptd.save``, torch DCP or Megatron-Core) holds
 ``metadata.json``, ``common.pt``, ``.metadata`` and ``__<rank>_<n>.distcp`` files.
 :func:`resolve_target` tells the two apart for the command-line tools.
 """
@@ -17,28 +11,18 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
+from .format.rootlayout import (
+    STEP_PREFIX,
+    TRACKER_FILE,
+    TRACKER_MAX_NBYTES,
+    parse_step_dir,
+)
 from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
-
-TRACKER_FILE = "latest"
-STEP_PREFIX = "iter_"
-TMP_SUFFIX = ".tmp"
-DELETING_SUFFIX = ".deleting"
-PART_SUFFIX = ".part"  # a data file being written inside a *.tmp directory
-TRACKER_MAX_NBYTES = 4096  # a tracker holds one directory name
-# A partial save is named after its attempt (iter_0000200.<attempt>.tmp, ckptd.control.attempt);
-# older ckptd versions wrote iter_0000200.tmp.
-_STEP_DIR = re.compile(r"^iter_(\d+)(?:(?:\.[0-9a-f]{12}-[0-9]+)?(\.tmp|\.deleting))?$")
-
-
-def step_dir_name(step: int) -> str:
-    """The committed directory name of ``step``: ``iter_0000100``."""
-    return f"{STEP_PREFIX}{step:07d}"
 
 
 class EntryState(str, enum.Enum):
@@ -152,20 +136,20 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
     cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
     for name in sorted(os.listdir(root)):
         path = root / name
-        m = _STEP_DIR.match(name)
+        parsed = parse_step_dir(name)
         # A link named like a step is not one: loading, resuming or collecting it would act on
         # whatever it points to, outside the root.
-        if m is None or not is_real_dir(path):
+        if parsed is None or not is_real_dir(path):
             if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + "."):
                 cat.others.append(name)
             continue
-        if m.group(2) == TMP_SUFFIX:
+        if parsed.partial:
             state = EntryState.PARTIAL
-        elif m.group(2) == DELETING_SUFFIX:
+        elif parsed.deleting:
             state = EntryState.DELETING
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
-        cat.entries.append(CheckpointEntry(name, path, int(m.group(1)), state, dir_usage(path),
+        cat.entries.append(CheckpointEntry(name, path, parsed.step, state, dir_usage(path),
                                            is_latest=name == cat.latest_name))
     cat.entries.sort(key=lambda e: (e.step, e.name))
     if cat.latest_name is not None and cat.tracker_problem is None:
@@ -179,8 +163,8 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
         elif not is_checkpoint_dir(target):
             cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is "
                                    f"not a complete checkpoint ({METADATA_JSON} is missing)")
-        elif _STEP_DIR.match(cat.latest_name) is None:
-            # A committed checkpoint outside the iter_ naming: still list it, it is what loads.
+        elif parse_step_dir(cat.latest_name) is None:
+            # A committed checkpoint outside the iter_<step> naming: still list it, it is what loads.
             cat.entries.append(CheckpointEntry(cat.latest_name, target, -1, EntryState.COMMITTED,
                                                dir_usage(target), is_latest=True))
             if cat.latest_name in cat.others:
@@ -200,7 +184,7 @@ def resolve_target(path: str | os.PathLike) -> Target:
     """Classify ``path``; raise CheckpointNotFoundError when it is neither kind.
 
     A directory with a checkpoint marker, ``common.pt`` or data files is a checkpoint (maybe a
-    damaged one); one with a tracker or ``iter_*`` directories is a root.
+    damaged one); one with a tracker or step directories is a root.
     """
     path = Path(path)
     if not path.exists():
@@ -211,7 +195,7 @@ def resolve_target(path: str | os.PathLike) -> Target:
         )
     if looks_like_checkpoint_dir(path):
         return Target(path, is_root=False)
-    if entry_exists(path, TRACKER_FILE) or any(_STEP_DIR.match(n) for n in os.listdir(path)):
+    if entry_exists(path, TRACKER_FILE) or any(parse_step_dir(n) for n in os.listdir(path)):
         return Target(path, is_root=True)
     raise CheckpointNotFoundError(
         f"{path} is neither a checkpoint (no {METADATA_JSON}, {DCP_METADATA} or data files) nor a "

@@ -1,10 +1,13 @@
 """Progress bars for command-line tools (tqdm): drawn on a terminal, silent otherwise.
 
-Library code never draws anything; it accepts a plain ``advance(n)`` callback. A command builds a
-:class:`Progress` and hands its :meth:`Progress.advance` down::
+Library code never draws anything; it accepts a plain ``advance(n)`` callback
+(:func:`ckptd.load_plain_tensors`) or an object with ``set_total`` and ``advance``
+(:func:`ckptd.verify.verify_checkpoint`). A command builds a :class:`Progress` and hands it down::
 
-    with Progress(total_bytes, "verify iter_0000100") as bar:
-        verify_checkpoint(path, progress=bar.advance)
+    with Progress(0, "verify iter_0000100") as bar:
+        verify_checkpoint(path, progress=bar)
+
+``ckptd verify`` and ``ckptd convert`` are the commands that draw one.
 
 The bar goes to stderr (stdout stays clean for ``--json`` and pipes) and only when that stream is
 a TTY, so logs, CI output and captured test output never see carriage returns.

@@ -6,7 +6,7 @@
    a decodable ``.metadata``, every data file present and long enough, ``common.pt`` intact):
    that one, silently (the normal case);
 2. otherwise (tracker missing, unreadable, naming a missing, incomplete or damaged directory):
-   the newest committed ``iter_*`` checkpoint that passes the same check, with a logged WARNING
+   the newest committed ``iter_<step>`` checkpoint that passes the same check, with a logged WARNING
    saying why the tracker was not followed;
 3. no such checkpoint: ``None`` when the root never held a checkpoint (a fresh start), else
    :class:`~ckptd.errors.CorruptCheckpointError`: silently starting from scratch would throw away
@@ -23,8 +23,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import TRACKER_FILE, CheckpointEntry, EntryState, scan_root
+from .catalog import CheckpointEntry, EntryState, scan_root
 from .errors import CorruptCheckpointError
+from .format.rootlayout import TRACKER_FILE
 from .verify import verify_checkpoint
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import DELETING_SUFFIX, TMP_SUFFIX, CheckpointEntry, EntryState, RootCatalog
+from .catalog import CheckpointEntry, EntryState, RootCatalog
 from .errors import CkptdError
+from .format.rootlayout import deleting_name
 from .format.safefs import Dir
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def remove_entry(entry: CheckpointEntry) -> None:
     name = entry.path.name
     with Dir.open(entry.path.parent) as rootd:
         if entry.state is not EntryState.DELETING:
-            doomed = name.removesuffix(TMP_SUFFIX) + DELETING_SUFFIX
+            doomed = deleting_name(name)
             if rootd.lstat(doomed) is not None:
                 rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
             rootd.rename(name, doomed)

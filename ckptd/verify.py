@@ -34,9 +34,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .catalog import RootCatalog
-from .errors import CheckpointNotFoundError, CkptdError, UnsafePickleError, UnsupportedFormatError
-from .format.checksum import Checksum, checksum_name, crc32c
+from .errors import (
+    CheckpointNotFoundError,
+    CkptdError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
 from .format.archive import is_zip_stream, torch_save_problem
+from .format.checksum import Checksum, checksum_name, crc32c
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
 from .format.layout import (
     COMMON_PT,
@@ -48,6 +53,7 @@ from .format.layout import (
 )
 from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
 from .format.records import TENSOR, ItemRecord, dtype_from_name
+from .format.rootlayout import TRACKER_FILE
 from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
 
@@ -443,14 +449,14 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
     """
     findings: list[Finding] = []
     if cat.tracker_problem is not None:
-        findings.append(Finding(ERROR, "tracker", cat.tracker_problem, file="latest"))
+        findings.append(Finding(ERROR, "tracker", cat.tracker_problem, file=TRACKER_FILE))
     if all_checkpoints:
         chosen = [e.path for e in cat.committed]
     elif (latest := cat.latest()) is not None:
         chosen = [latest.path]
     elif not cat.tracker_exists and cat.committed:
         chosen = [cat.committed[-1].path]
-        findings.append(Finding(NOTE, "tracker", f"no 'latest' tracker in {cat.root}; verifying the "
+        findings.append(Finding(NOTE, "tracker", f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
                                 f"newest committed checkpoint {cat.committed[-1].name}"))
     else:
         chosen = []

@@ -1,8 +1,9 @@
 """Building real checkpoints (and roots of them) for the verify / CLI tests, in one process.
 
 A "two-rank" checkpoint is written the way ``ckptd.save`` writes one on two ranks: each rank's
-items go through ``write_data_file`` into its own ``__<rank>_0.distcp``, then ``finalize`` writes
-``common.pt``, ``.metadata`` and ``metadata.json``. Only the process group is left out.
+items go into its own ``__<rank>_0.distcp``, then ``common.pt``, ``.metadata`` and
+``metadata.json`` are written (``ckptd.format.finalize.write_checkpoint``). Only the process group
+is left out.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ from pathlib import Path
 
 import torch
 
-from ckptd.format.finalize import finalize, serialize_common
-from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
+from ckptd.format.finalize import write_checkpoint
+from ckptd.format.items import PlannedItem, plan_object, plan_tensor_items
 from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import (
+    TMP_SUFFIX,
+    TRACKER_FILE,
+    step_dir_name,
+    tracker_bytes,
+)
 from ckptd.mapping import ShardedObject, ShardedTensor
 
 WORLD = 2
@@ -38,8 +45,8 @@ def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, ste
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ref = reference_tensors()
-    records = []
-    for rank in range(WORLD):
+
+    def items(rank: int) -> list[PlannedItem]:
         rows = ref["layer.weight"].shape[0] // WORLD
         shards = [ShardedTensor.from_rank_offsets("layer.weight", ref["layer.weight"][rank * rows:(rank + 1) * rows],
                                                   (0, rank, WORLD))]
@@ -47,10 +54,12 @@ def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, ste
             shards.append(ShardedTensor.from_rank_offsets("layer.bias", ref["layer.bias"]))
         else:
             shards.append(ShardedTensor.from_rank_offsets("embedding", ref["embedding"]))
-        items = [i for sh in shards for i in plan_tensor_items(sh, rank)]
-        items.append(plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)), rank))
-        records += write_data_file(directory, data_file_name(rank), items, fsync=False, checksums=checksums)
-    finalize(directory, records, serialize_common({"iteration": step, "note": "test"}), fsync=False)
+        planned = [i for sh in shards for i in plan_tensor_items(sh, rank)]
+        return planned + [plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)),
+                                      rank)]
+
+    write_checkpoint(directory, map(items, range(WORLD)), {"iteration": step, "note": "test"}, fsync=False,
+                     checksums=checksums)
     return ref
 
 
@@ -59,15 +68,18 @@ def make_root(root: str | os.PathLike, steps: list[int], latest: int | None) -> 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for step in steps:
-        make_checkpoint(root / f"iter_{step:07d}", step=step)
+        make_checkpoint(root / step_dir_name(step), step=step)
     if latest is not None:
-        (root / "latest").write_text(f"iter_{latest:07d}\n")
+        (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(latest)))
     return root
 
 
 def make_partial(root: Path, step: int, age_s: float) -> Path:
-    """An ``iter_<step>.tmp`` directory (an abandoned save) whose files were last written ``age_s`` ago."""
-    path = root / f"iter_{step:07d}.tmp"
+    """An ``iter_<step>.tmp`` directory (an abandoned save) whose files were last written ``age_s`` ago.
+
+    That is how older ckptd versions named a partial save; today's name has the attempt between
+    step and suffix (``ckptd.format.rootlayout.tmp_dir_name``), and both are partial saves alike."""
+    path = root / (step_dir_name(step) + TMP_SUFFIX)
     path.mkdir()
     (path / data_file_name(0)).write_bytes(b"\0" * 4096)
     when = os.path.getmtime(path) - age_s

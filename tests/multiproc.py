@@ -4,6 +4,10 @@
 with each failed rank's traceback. ``fn(rank, world_size, *args)`` must be a module-level
 function (it is pickled by reference for the spawned interpreters). A hung rank is killed after
 ``timeout_s`` so a deadlock fails the test instead of stalling CI.
+
+A test that is a single process instead clears torchrun's variables (:data:`TORCHRUN_VARS`): the
+``single_process`` fixture (tests/conftest.py), :func:`clear_torchrun_env`, or
+:func:`without_torchrun` for the environment of a subprocess.
 """
 
 from __future__ import annotations
@@ -11,9 +15,25 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch.multiprocessing as mp
+
+# What makes a process a rank of a launched job (ckptd.control.endpoints.JobEnv.detect reads them).
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
+def without_torchrun(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without torchrun's variables: a subprocess started with it is a single process."""
+    return {k: v for k, v in environ.items() if k not in TORCHRUN_VARS}
+
+
+def clear_torchrun_env(monkeypatch: Any) -> None:
+    """Make this test process a single process for ckptd until ``monkeypatch`` undoes it."""
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import zlib
 import torch
 
 from ckptd.format.checksum import Checksum, crc32c
-from ckptd.format.finalize import finalize, serialize_common
+from ckptd.format.finalize import write_checkpoint
 from ckptd.format.items import PlannedItem, write_data_file
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.verify import verify_checkpoint
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(d)
         d = os.path.join(base, "verify")
         os.makedirs(d)
-        records = write_data_file(d, "__0_0.distcp", items, fsync=False)
-        finalize(d, records, serialize_common({}), fsync=False)
+        write_checkpoint(d, [items], {}, fsync=False)
         verify_s = {}
         for deep in (False, True):
             runs = []

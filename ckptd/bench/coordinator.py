@@ -55,7 +55,7 @@ import psutil
 import torch
 import zmq
 
-from ..catalog import step_dir_name
+from ..format.rootlayout import step_dir_name
 from ..control.channel import Endpoint, make_socket
 from ..control.keys import derive_keys
 from ..control.netaddr import tcp_address

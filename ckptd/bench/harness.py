@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptd.format.rootlayout import STEP_PREFIX
+
 GIB = 1 << 30
 MIB = 1 << 20
 # DCP's save methods: sync save; async_save with one stager reused across saves (THREAD and
@@ -61,7 +63,7 @@ class Rank:
         """Remove the committed checkpoints of the job's ckptd root."""
         self.barrier()
         if self.rank == 0:
-            for d in self.ckptd_root.glob("iter_*"):
+            for d in self.ckptd_root.glob(f"{STEP_PREFIX}*"):
                 shutil.rmtree(d, ignore_errors=True)
         self.barrier()
 

@@ -13,7 +13,7 @@ exist before it loads) and reports bytes delivered per second:
 - ``tp2`` checkpoint: ckptd same layout vs ckptd resharding to TP=1, TP=4, an uneven TP=3, and
   a distributed optimizer's flattened shards (TP=2 x DP=2); DCP's TP=1 load for reference.
 
-Targets (the issue's acceptance figures): resharding >= 80% of same-layout throughput on the
+Targets: resharding >= 80% of same-layout throughput on the
 same checkpoint; same layout >= torch DCP. ``--check`` exits 1 when one is missed.
 """
 
@@ -33,9 +33,8 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
-from ckptd.format.finalize import finalize, serialize_common
-from ckptd.format.items import plan_tensor_items, write_data_file
-from ckptd.format.layout import data_file_name
+from ckptd.format.finalize import write_checkpoint as write_whole_checkpoint
+from ckptd.format.items import plan_tensor_items
 from ckptd.load.execute import LoadStats
 
 
@@ -98,12 +97,10 @@ def flat_request(spec: dict, dtype: torch.dtype, tp: int, dp: int, r: int) -> di
 def write_checkpoint(directory: Path, spec: dict, data: dict, tp: int) -> None:
     """One data file per TP rank, as a TP-parallel save would write."""
     directory.mkdir(parents=True)
-    records = []
-    for r in range(tp):
-        items = [it for sh in nd_request(spec, next(iter(data.values())).dtype, tp, r, data).values()
-                 if sh.replica_id == 0 for it in plan_tensor_items(sh, r)]
-        records += write_data_file(directory, data_file_name(r), items, fsync=False)
-    finalize(directory, records, serialize_common({"iteration": 1}), fsync=False)
+    dtype = next(iter(data.values())).dtype
+    ranks = ([it for sh in nd_request(spec, dtype, tp, r, data).values() if sh.replica_id == 0
+              for it in plan_tensor_items(sh, r)] for r in range(tp))
+    write_whole_checkpoint(directory, ranks, {"iteration": 1}, fsync=False)
 
 
 RESHARD_LAYOUTS = ("tp1", "tp4", "tp3-uneven", "tp2dp2-flat")

@@ -1,12 +1,12 @@
 """Peak memory of a benchmark's processes, sampled from outside while it runs.
 
-A :class:`MemorySampler` thread in the launching process reads ``/proc/<pid>/status`` of every
+A :class:`MemorySampler` thread in the launching process asks psutil for the memory of every
 process of the benchmark every ``interval_s`` and keeps, per *phase* (a name the benchmark's rank 0
 writes into a file) and per *role*, the peak of:
 
-- ``rss``: resident set size (``VmRSS``);
-- ``shm``: the part of it that is shared memory (``RssShmem``: staging pools, DCP's shared stager);
-- ``private``: ``rss - shm`` (``RssAnon + RssFile``: heap, libraries, Python modules);
+- ``rss``: resident set size;
+- ``shm``: the part of it that is shared memory (``RssShmem``: staging rings, DCP's shared stager);
+- ``private``: ``rss - shm`` (heap, tensors, Python objects, libraries and modules);
 
 plus the node's ``/dev/shm`` use above what it was when sampling started (``statvfs``, so the
 segments of every process count, whoever maps them).
@@ -24,29 +24,34 @@ from __future__ import annotations
 
 import os
 import threading
-import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import psutil
 
-_FIELDS = {"VmRSS": "rss", "RssShmem": "shm"}
+from ..control.pidfile import daemon_pid
 
 
 def proc_memory(pid: int) -> dict[str, int] | None:
     """``rss``, ``shm`` and ``private`` bytes of ``pid`` (None when it is gone)."""
-    out = {"rss": 0, "shm": 0}
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                key, _, value = line.partition(b":")
-                name = _FIELDS.get(key.decode(errors="replace"))
-                if name is not None:
-                    out[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
+        rss = psutil.Process(pid).memory_info().rss
+        shm = _rss_shmem(pid)
+    except (psutil.Error, OSError, ValueError):
         return None
-    out["private"] = out["rss"] - out["shm"]
-    return out
+    return {"rss": rss, "shm": shm, "private": rss - shm}
+
+
+def _rss_shmem(pid: int) -> int:
+    """``RssShmem`` of ``/proc/<pid>/status``, read by hand: psutil has no such figure (its
+    ``shared`` also counts file-backed pages, ~77 MiB of torch's libraries here, which would make
+    the memory "beyond the rings" look smaller than it is)."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def shm_used_bytes() -> int:
@@ -55,19 +60,13 @@ def shm_used_bytes() -> int:
 
 
 def daemon_pids(runtime_dir: Path) -> list[int]:
-    """Pids written in the ``*.pid`` files of a (private) runtime directory."""
-    pids = []
+    """Pids written in the ``*.pid`` files of a (private) runtime directory (ckptd.control.pidfile)."""
     try:
         names = os.listdir(runtime_dir)
     except FileNotFoundError:
         return []
-    for name in names:
-        if name.endswith(".pid"):
-            try:
-                pids.append(int((runtime_dir / name).read_text().split()[0]))
-            except (OSError, ValueError, IndexError):
-                pass
-    return pids
+    pids = (daemon_pid(runtime_dir / name) for name in names if name.endswith(".pid"))
+    return [pid for pid in pids if pid is not None]
 
 
 class MemorySampler:
@@ -87,7 +86,7 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-memory", daemon=True)
 
-    def start(self) -> "MemorySampler":
+    def start(self) -> MemorySampler:
         self._thread.start()
         return self
 
@@ -154,14 +153,11 @@ class MemorySampler:
         return found
 
     def _add_node_cpu(self, phase: str) -> None:
-        """Busy CPU time of the whole node (``/proc/stat``) since the previous sample: it includes
-        the kernel's own threads (page-cache writeback, reclaim), which no process is charged."""
-        try:
-            with open("/proc/stat", "rb") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return
-        busy = (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+        """Busy CPU time of the whole node (all CPUs, not idle nor waiting for I/O) since the
+        previous sample: it includes the kernel's own threads (page-cache writeback, reclaim),
+        which no process is charged."""
+        t = psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
         if self._node_busy is not None:
             for name in (phase, "all"):
                 roles = self._cpu.setdefault(name, {})

@@ -54,8 +54,8 @@ import torch
 
 from ckptd.config import parse_budget
 
-from .memory import MemorySampler, daemon_pids
 from .harness import DCP_METHODS, GIB
+from .memory import MemorySampler, daemon_pids
 from .suite_report import evaluate, render
 
 MIB = 1 << 20
@@ -186,7 +186,7 @@ class Suite:
 
     def cleanup(self) -> dict[str, Any]:
         """Stop daemons, then report and remove whatever is left (nothing, normally)."""
-        from ckptd.daemon.main import daemon_alive
+        from ckptd.control.pidfile import daemon_alive
 
         report: dict[str, Any] = {"daemons_not_stopped": self.stop_daemons()}
         report["daemons_alive"] = [p.name for p in self.runtime.glob("*.pid") if daemon_alive(p)]
@@ -244,15 +244,11 @@ def _machine(directory: Path) -> dict[str, Any]:
     import psutil
 
     fs = "?"
-    try:
-        best = ""
-        real = os.path.realpath(directory)
-        for line in Path("/proc/mounts").read_text().splitlines():
-            dev, mnt, kind = line.split()[:3]
-            if real.startswith(mnt) and len(mnt) >= len(best):
-                best, fs = mnt, f"{kind} ({dev} on {mnt})"
-    except OSError:
-        pass
+    best = ""
+    real = os.path.realpath(directory)
+    for part in psutil.disk_partitions(all=True):
+        if (real + "/").startswith(part.mountpoint.rstrip("/") + "/") and len(part.mountpoint) >= len(best):
+            best, fs = part.mountpoint, f"{part.fstype} ({part.device} on {part.mountpoint})"
     return {"cpus": os.cpu_count(), "mem_gib": psutil.virtual_memory().total / GIB, "torch": torch.__version__,
             "filesystem": fs, "python": sys.version.split()[0]}
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import threading
 import time
@@ -37,9 +36,18 @@ import torch.distributed as dist
 
 from ckptd.format.items import libc_sync_file_range
 
-from .harness import GIB, Rank, checkpointer, dcp_async, dcp_stager, make_state, sharded, state_nbytes, stop_dcp_process
+from .harness import (
+    GIB,
+    Rank,
+    checkpointer,
+    dcp_async,
+    dcp_stager,
+    make_state,
+    sharded,
+    state_nbytes,
+    stop_dcp_process,
+)
 from .suite_train import run_training
-
 
 
 # --- reference limits -------------------------------------------------------------------------

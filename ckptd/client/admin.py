@@ -19,8 +19,8 @@ from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
+from ..control.pidfile import daemon_alive, daemon_pid
 from ..control.protocol import Codec, Shutdown, ShutdownAck, Status, StatusReply
-from ..daemon.main import daemon_alive, daemon_pid
 from ..errors import DaemonError
 
 

@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
-from ..api import PlanCache, plan_save
-from ..catalog import STEP_PREFIX, step_dir_name
 from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
@@ -61,11 +58,11 @@ from ..control.protocol import (
     Save,
     SaveAck,
     Skip,
-    WriteDone,
     Status,
     StatusReply,
     StepAborted,
     StepCommitted,
+    WriteDone,
 )
 from ..errors import (
     CheckpointExistsError,
@@ -77,23 +74,24 @@ from ..errors import (
     SaveSkippedError,
 )
 from ..format.finalize import serialize_common
-from ..recovery import resolve_latest
 from ..format.items import split_large_items
+from ..format.rootlayout import step_dir_name
+from ..format.saveplan import PlanCache, plan_save
+from ..recovery import resolve_latest
 from ..staging.fork import Snapshot, fork_into, reap, start_block
 from ..staging.lazy import LazyCopier
-from ..staging.ring import BLOCKS, block_offset, capacity_for
 from ..staging.pool import StagingPool, place
+from ..staging.ring import BLOCKS, block_offset, capacity_for
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
-from .gcpause import gc_paused
+from ..gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
 from .layout import LayoutCache
+from .link import DaemonLink, DaemonLostError, RequestNotTaken
 from .policy import AutoInterval
 from .stats import SaveRecord, SaveStats
-from .link import DaemonLink, DaemonLostError, RequestNotTaken
 
 log = logging.getLogger(__name__)
-_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
 class Checkpointer:
@@ -128,7 +126,7 @@ class Checkpointer:
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
-        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.api.plan_save)
+        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_save)
         self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
         self._lazy = (LazyCopier(self.env.rank, self.config.snapshot_timeout_s)
                       if self.config.snapshot == "lazy" else None)
@@ -374,7 +372,7 @@ class Checkpointer:
         owned_by_daemon = False
         if self._link.connected:
             try:
-                self._link.send(Bye(self.env.rank))
+                self._link.send(Bye())
                 owned_by_daemon = True
             except DaemonError:
                 pass

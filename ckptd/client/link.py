@@ -20,7 +20,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import zmq
 
@@ -28,8 +29,8 @@ from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
-from ..control.protocol import Codec, ErrorReply, Hello, Message, Ping, Pong, Welcome
-from ..daemon.main import daemon_alive, daemon_pid
+from ..control.pidfile import daemon_alive, daemon_pid
+from ..control.protocol import Codec, ErrorReply, Hello, Message, Welcome
 from ..errors import DaemonError
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class DaemonLink:
         # would make alive() report the new daemon as dead.
         self.daemon_pid = None
         welcome = self.request(
-            Hello("rank", self.env.rank, self.ep.node, self.env.world_size, os.getpid(), str(self.ep.root)),
+            Hello(self.env.rank, os.getpid(), str(self.ep.root)),
             Welcome,
         )
         self.instance = welcome.instance
@@ -121,7 +122,7 @@ class DaemonLink:
         env["CKPTD_JOB_ID"] = self.ep.job
         log.info("rank %d: starting the node daemon: %s", self.env.rank, " ".join(cmd))
         try:
-            proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            proc = subprocess.run(cmd, check=False, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=max(1.0, deadline - time.monotonic()), close_fds=True)
         except subprocess.TimeoutExpired:
             raise DaemonError(f"starting the ckptd daemon timed out; see {self.ep.log_path}") from None
@@ -179,7 +180,13 @@ class DaemonLink:
             if isinstance(reply, reply_type) and (match is None or match(reply)):
                 return reply
             if isinstance(reply, ErrorReply):
-                raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
+                asked = getattr(msg, "step", None)
+                if reply.step is None or asked is None or reply.step == asked:
+                    raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
+                # The late refusal of an earlier request (its own wait gave up): not this one's.
+                log.warning("rank %d: the node daemon refused an earlier request of step %d: %s",
+                            self.env.rank, reply.step, reply.reason)
+                continue
             self.on_notify(reply)
 
     def pump(self, timeout_s: float = 0.0) -> None:
@@ -208,6 +215,3 @@ class DaemonLink:
                                       f"died; see {self.ep.log_path}")
             if remaining_ms <= 0:
                 return None
-
-    def ping(self) -> Pong:
-        return self.request(Ping(time.monotonic_ns()), Pong)

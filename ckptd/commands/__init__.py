@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import bench, convert, daemon, gc, inspect, ls, status, tune, verify
 

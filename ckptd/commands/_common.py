@@ -7,11 +7,13 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..catalog import RootCatalog, Target, resolve_target, scan_root
 from ..errors import CheckpointNotFoundError, CkptdError
+from ..format.rootlayout import TRACKER_FILE
 from ..progress import format_bytes, format_duration
 
 EXIT_OK = 0
@@ -81,7 +83,7 @@ def checkpoint_of(target: Target, command: str) -> tuple[Path, RootCatalog | Non
         raise CheckpointNotFoundError(cat.tracker_problem)
     if cat.committed:
         newest = cat.committed[-1]
-        warn(command, f"no 'latest' tracker in {cat.root}; using the newest committed checkpoint {newest.name}")
+        warn(command, f"no '{TRACKER_FILE}' tracker in {cat.root}; using the newest committed checkpoint {newest.name}")
         return newest.path, cat
     raise CheckpointNotFoundError(f"{target.path} holds no committed checkpoint")
 

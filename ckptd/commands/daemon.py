@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 DESCRIPTION = """\
 Run the ckptd node daemon of one job (checkpoint root) and node. It receives the ranks' staged
 saves over ipc://, writes their data files, and on node 0 also runs the job's coordinator, which
-commits each checkpoint (rename iter_<step>.tmp -> iter_<step>, then the 'latest' tracker).
+commits each checkpoint (rename iter_<step>.<attempt>.tmp -> iter_<step>, then the 'latest' tracker).
 
 Normally a Checkpointer starts it (detached) when absent. Settings come from CKPTD_* environment
 variables (see ckptd.config); SIGTERM stops it in order (in-flight saves get
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import CkptdConfig
     from ..control.endpoints import Endpoints, JobEnv
-    from ..errors import CkptdError
     from ..daemon.main import detach_and_run, run_daemon
+    from ..errors import CkptdError
 
     try:
         config = CkptdConfig.from_env()
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                       nnodes=env.nnodes)
 
 
-def _stop(root: str, config: "CkptdConfig") -> int:
+def _stop(root: str, config: CkptdConfig) -> int:
     from ..client.admin import local_daemons, stop_daemon
 
     daemons = local_daemons(root, config)

@@ -23,7 +23,7 @@ DESCRIPTION = f"""\
 Garbage-collect a checkpoint root:
   - keep the newest K committed checkpoints, and always the one the 'latest' tracker names;
     remove older committed ones
-  - remove partial saves (iter_<step>.tmp) whose last write is older than --grace-s
+  - remove partial saves (iter_<step>.<attempt>.tmp) whose last write is older than --grace-s
     (default {DEFAULT_GRACE_S:.0f} s): younger ones may still be in flight
   - remove directories an interrupted gc left behind (*.deleting)
 Each directory is first renamed to <name>.deleting, then deleted, so an interrupted gc never

@@ -22,7 +22,7 @@ from ._common import (
 
 DESCRIPTION = """\
 List the checkpoints under a checkpoint root: committed ones (iter_<step>), partial ones
-(iter_<step>.tmp: in flight or abandoned), and directories a gc run left half-deleted.
+(iter_<step>.<attempt>.tmp: in flight or abandoned), and directories a gc run left half-deleted.
 The one the 'latest' tracker names is marked with '*'. Given a single checkpoint directory,
 lists just that one.
 

@@ -1,2 +1,2 @@
 """The ZeroMQ control plane: message protocol and codec, CurveZMQ keys and sockets, attempt ids,
-endpoints."""
+endpoints, and the daemon's pid-file lock (pidfile)."""

@@ -20,15 +20,17 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..errors import CkptdError, ProtocolError
+from ..format.rootlayout import ATTEMPT_PATTERN
 
-# Steps name directories (iter_%07d), the tracker and Megatron-LM's tracker; nobody trains for a
-# billion steps, and a step near 2**64 would pin `latest` (and so retention) forever.
+# Steps name directories (iter_0000100: ckptd.format.rootlayout), the tracker and Megatron-LM's
+# tracker; nobody trains for a billion steps, and a step near 2**64 would pin `latest` (and so
+# retention) forever.
 MAX_STEP = 10**9 - 1
-_ATTEMPT = re.compile(r"[0-9a-f]{12}-[1-9][0-9]{0,8}")
+_ATTEMPT = re.compile(ATTEMPT_PATTERN)
 _TAG_NCHARS = 12
 
 

@@ -8,8 +8,10 @@ Order of calls for one save of step ``s`` (who sends each message):
 
 1. rank -> daemon ``HELLO`` -> ``WELCOME`` once per connection (handshake: protocol version,
    job, daemon instance; a new instance means the daemon restarted and unacknowledged saves
-   are lost; the HELLO's pid must be the connecting process's). ``PING`` -> ``PONG`` checks
-   liveness at any time.
+   are lost; the HELLO's pid must be the connecting process's). Node daemons say no HELLO to
+   the coordinator: daemon -> coordinator ``PING`` -> ``PONG`` every heartbeat tells the
+   coordinator's liveness and instance (a new one: it restarted). Daemon and coordinator answer
+   a ``PING`` from any authenticated peer.
 2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per staging ring: from then on the daemon
    owns its shared-memory segment (and unlinks it); only this connection saves from it.
 3. rank takes a control block and the next range of its staging ring (ckptd.staging.ring), starts
@@ -58,7 +60,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 6
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -104,19 +106,17 @@ class Ping(Message):
 class Pong(Message):
     TYPE: ClassVar[MsgType] = MsgType.PONG
     nonce: int
-    instance: str
-    pid: int
+    instance: str  # the answering daemon's (a new one: it restarted)
 
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """rank -> daemon (role "rank") or daemon -> coordinator (role "node")."""
+    """rank -> daemon, first on a connection: the rank this connection speaks for, its process
+    (checked against the connection's kernel credentials) and the checkpoint root it saves into.
+    (Node daemons do not say HELLO to the coordinator: their first PING opens the connection.)"""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
-    role: str
     rank: int
-    node: int
-    world_size: int
     pid: int
     root: str
 
@@ -125,16 +125,14 @@ class Hello(Message):
 class Welcome(Message):
     TYPE: ClassVar[MsgType] = MsgType.WELCOME
     instance: str
-    pid: int
-    node: int
-    root: str
+    pid: int  # the daemon's process: the rank watches it (a pid-file lock held by another pid is a new daemon)
 
 
 @dataclass(frozen=True)
 class ErrorReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     reason: str
-    step: int | None
+    step: int | None  # of the refused request, if it names one: a late error is not taken for another's
 
 
 @dataclass(frozen=True)
@@ -206,7 +204,6 @@ class SaveAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAVE_ACK
     step: int
     attempt: str
-    rank: int
 
 
 @dataclass(frozen=True)
@@ -227,7 +224,6 @@ class WriteDone(Message):
 @dataclass(frozen=True)
 class Bye(Message):
     TYPE: ClassVar[MsgType] = MsgType.BYE
-    rank: int
 
 
 @dataclass(frozen=True)

@@ -27,23 +27,29 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ShardingError, UnsafePickleError
-from ..format.finalize import finalize, serialize_common
-from ..format.items import PlannedItem, write_data_file
-from ..format.layout import DCP_METADATA, METADATA_JSON, data_file_name
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ShardingError,
+    UnsafePickleError,
+)
+from ..format.finalize import write_checkpoint
+from ..format.items import PlannedItem
+from ..format.layout import DCP_METADATA, METADATA_JSON
 from ..format.records import TENSOR, ItemRecord, dtype_name
+from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
 
 log = logging.getLogger("ckptd.convert")
 
 Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
 FILE_NAME = "model_optim_rng.pt"
-TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
@@ -64,7 +70,7 @@ class SplitRule:
     glu: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "SplitRule":
+    def parse(cls, text: str) -> SplitRule:
         """``REGEX=AXIS``, ``REGEX=replicated`` or ``REGEX=glu:AXIS`` (command-line form)."""
         pattern, sep, spec = text.rpartition("=")
         if not sep or not pattern:
@@ -137,16 +143,19 @@ def resolve_iteration_dir(src: str | os.PathLike) -> Path:
         raise CheckpointNotFoundError(f"{root} is not a directory")
     if any(_RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()):
         return root
-    tracker = root / TRACKER
+    tracker = root / MEGATRON_TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
-        sub = root / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if text != "release" and not text.isdigit():
+            raise CheckpointNotFoundError(f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
+                                          "'release'; pass the iteration directory itself")
+        sub = root / ("release" if text == "release" else step_dir_name(int(text)))
         if sub.is_dir():
             return sub
         raise CheckpointNotFoundError(f"{tracker} names {text!r} but {sub} does not exist")
     raise CheckpointNotFoundError(
-        f"{root} holds no mp_rank_* directories and no {TRACKER}; pass a legacy Megatron "
-        "checkpoint root or one of its iter_* directories"
+        f"{root} holds no mp_rank_* directories and no {MEGATRON_TRACKER}; pass a legacy Megatron "
+        f"checkpoint root or one of its {STEP_PREFIX}* directories"
     )
 
 
@@ -262,16 +271,14 @@ def _plain(value: Any) -> Any:
 
 class _Converter:
     def __init__(self, tree: LegacyTree, rules: Sequence[SplitRule], allow_unsafe_pickle: bool,
-                 progress: Progress | None, stack_layers: bool) -> None:
+                 stack_layers: bool) -> None:
         self.tree = tree
         self.stack_layers = stack_layers
         self.num_layers = 0
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.unsafe = allow_unsafe_pickle
-        self.progress = progress
         self.report = ConversionReport()
         self.total = sum(f.path.stat().st_size for f in tree.files)
-        self.done = 0
         self.seen: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.skipped: set[str] = set()
 
@@ -338,8 +345,10 @@ class _Converter:
             out.append((t, tuple(offs)))
         return out
 
-    def group(self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], int],
-              root: Path, fsync: bool) -> tuple[list[ItemRecord], dict]:
+    def group(self, index: int, pp: int, ep: int,
+              layer_offsets: dict[tuple[int, int], int]) -> tuple[list[PlannedItem], dict, int, str]:
+        """The items of output rank ``index`` (pipeline stage ``pp``, expert rank ``ep``: every TP
+        rank's file of it merged), TP rank 0's state dict, the input's bytes and a label."""
         files = [self.tree.file(tp, pp, ep) for tp in range(self.tree.tp_size)]
         sds = [_read(f.path, self.unsafe) for f in files]
         group_bytes = sum(f.path.stat().st_size for f in files)
@@ -388,11 +397,7 @@ class _Converter:
                     items.append(PlannedItem(rec, payload))
                     self.report.chunks += 1
                     self.report.nbytes += payload.numel() * payload.element_size()
-        stored = write_data_file(root, data_file_name(index), items, fsync=fsync) if items else []
-        self.done += group_bytes
-        if self.progress:
-            self.progress(self.done, self.total, label)
-        return stored, sds[0]
+        return items, sds[0], group_bytes, label
 
 
 def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
@@ -421,30 +426,37 @@ def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
             raise CheckpointExistsError(f"{root} already holds a checkpoint ({marker} exists)")
     root.mkdir(parents=True, exist_ok=True)
     conv = _Converter(tree, list(rules) + (list(DEFAULT_RULES) if use_default_rules else []),
-                      allow_unsafe_pickle, progress, stack_layers)
+                      allow_unsafe_pickle, stack_layers)
     if progress:
         progress(0, conv.total, "start")
     offsets = conv.layer_offsets()
-    records: list[ItemRecord] = []
     first: dict = {}
-    index = 0
-    for pp in range(tree.pp_size):
-        for ep in range(tree.ep_size):
-            stored, sd0 = conv.group(index, pp, ep, offsets, root, fsync)
-            records += stored
+
+    def ranks() -> Iterator[list[PlannedItem]]:
+        """One output rank per pipeline stage and expert rank; progress once its file is written."""
+        groups = [(pp, ep) for pp in range(tree.pp_size) for ep in range(tree.ep_size)]
+        done = 0
+        for index, (pp, ep) in enumerate(groups):
+            items, sd0, group_bytes, label = conv.group(index, pp, ep, offsets)
             if index == 0:
-                first = sd0
-            index += 1
-    common = {
-        "iteration": first.get("iteration"),
-        "checkpoint_version": first.get("checkpoint_version"),
-        "args": _plain(vars(first["args"])) if hasattr(first.get("args"), "__dict__") else _plain(first.get("args")),
-        "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
-        "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size,
-                           "ep": tree.ep_size},
-    }
-    finalize(root, records, serialize_common(common), fsync=fsync)
-    conv.report.iteration = common["iteration"]
+                first.update(sd0)
+            yield items
+            done += group_bytes
+            if progress:
+                progress(done, conv.total, label)
+
+    def common() -> dict:
+        return {
+            "iteration": first.get("iteration"),
+            "checkpoint_version": first.get("checkpoint_version"),
+            "args": _plain(vars(first["args"])) if hasattr(first.get("args"), "__dict__") else _plain(first.get("args")),
+            "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
+            "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size,
+                               "ep": tree.ep_size},
+        }
+
+    write_checkpoint(root, ranks(), common, fsync=fsync)
+    conv.report.iteration = first.get("iteration")
     conv.report.skipped = sorted(conv.skipped)
     log.info("converted %s -> %s: %d tensors, %d chunks, %.1f MiB", tree.directory, root,
              conv.report.tensors, conv.report.chunks, conv.report.nbytes / 2**20)

@@ -33,51 +33,37 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-from ..catalog import (
-    PART_SUFFIX,
-    STEP_PREFIX,
-    TMP_SUFFIX,
-    TRACKER_FILE,
-    is_checkpoint_dir,
-    read_tracker,
-    scan_root,
-    step_dir_name,
-)
+from ..catalog import EntryState, is_checkpoint_dir, read_tracker, scan_root
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
-from ..format.durable import atomic_write_bytes, default_opener, Opener
+from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
-from ..format.safefs import Dir, is_real_dir
 from ..format.records import ItemRecord
+from ..format.rootlayout import (
+    MEGATRON_TRACKER,
+    TRACKER_FILE,
+    committed_step,
+    is_part_file,
+    megatron_tracker_bytes,
+    parse_step_dir,
+    step_dir_name,
+    tmp_dir_name,
+    tracker_bytes,
+)
+from ..format.safefs import Dir, is_real_dir
 from ..recovery import structural_problem
 from ..retention import apply_gc, plan_gc
 
 log = logging.getLogger(__name__)
 
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
-_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
-_ATTEMPT_TMP = re.compile(rf"^{STEP_PREFIX}(\d+)\.([0-9a-f]{{12}}-[0-9]+){re.escape(TMP_SUFFIX)}$")
-
-
-def tmp_name(step: int, attempt: str) -> str:
-    """The directory attempt ``attempt`` (a checked attempt id) of ``step`` is written into."""
-    return f"{step_dir_name(step)}.{attempt}{TMP_SUFFIX}"
-
-
-def tmp_dir(root: Path, step: int, attempt: str) -> Path:
-    """Where attempt ``attempt`` of ``step`` is written until its commit."""
-    return root / tmp_name(step, attempt)
-
 
 def tracker_step(root: Path) -> int | None:
-    """The step the ``latest`` tracker names, or None (no tracker, or not an ``iter_`` name)."""
+    """The step the ``latest`` tracker names, or None (no tracker, or not a step's name)."""
     _, name, _ = read_tracker(root)
-    m = _STEP_NAME.match(name or "")
-    return int(m.group(1)) if m else None
+    return committed_step(name or "")
 
 
 def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], common: bytes,
@@ -91,7 +77,7 @@ def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], 
     it), and trackers replace their entry, never write through a link.
     """
     name = step_dir_name(step)
-    tmp = tmp_name(step, attempt)
+    tmp = tmp_dir_name(step, attempt)
     final = root / name
     with Dir.open(root) as rootd:
         if rootd.lstat(name) is not None:
@@ -114,7 +100,7 @@ def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], 
                             "replacing it", root, current)
                 current = None
             if current is None or step >= current:
-                atomic_write_bytes(rootd.entry(TRACKER_FILE), (name + "\n").encode(), opener, fsync)
+                atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
         except BaseException:
             if tracker_step(root) != step:
                 _undo_rename(rootd, name, tmp, fsync)
@@ -145,7 +131,7 @@ def write_megatron_tracker(rootd: Dir, step: int, opener: Opener, fsync: bool) -
         log.info("committed step %d; %s left as it was: Megatron-LM refuses iteration %d",
                  step, MEGATRON_TRACKER, step)
         return False
-    atomic_write_bytes(rootd.entry(MEGATRON_TRACKER), f"{step}\n".encode(), opener, fsync)
+    atomic_write_bytes(rootd.entry(MEGATRON_TRACKER), megatron_tracker_bytes(step), opener, fsync)
     return True
 
 
@@ -189,14 +175,14 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
         return None  # an unreadable tracker: resolve_latest falls back, the next commit replaces it
     if current is not None and not _is_step_checkpoint(root, current):
         return None
-    newer = sorted((int(m.group(1)) for n in os.listdir(root) if (m := _STEP_NAME.match(n))
-                    and (current is None or int(m.group(1)) > current)), reverse=True)
+    committed = (committed_step(n) for n in os.listdir(root))
+    newer = sorted((s for s in committed if s is not None and (current is None or s > current)), reverse=True)
     for step in newer:
         name = step_dir_name(step)
         if not _is_step_checkpoint(root, step) or structural_problem(root / name) is not None:
             continue
         with Dir.open(root) as rootd:
-            atomic_write_bytes(rootd.entry(TRACKER_FILE), (name + "\n").encode(), default_opener, fsync)
+            atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), default_opener, fsync)
             if megatron_tracker:
                 write_megatron_tracker(rootd, step, default_opener, fsync)
         return name
@@ -219,7 +205,7 @@ def _remove_partial_files(tmpd: Dir) -> None:
     """Drop ``*.part`` files of writers killed mid-write (by an earlier attempt of this step): every
     data file this commit needs is complete under its final name, and the rest is junk."""
     for name in tmpd.listdir():
-        if name.endswith(PART_SUFFIX) and tmpd.unlink(name):
+        if is_part_file(name) and tmpd.unlink(name):
             log.info("removed %s, left by an interrupted write", tmpd.path / name)
 
 
@@ -229,7 +215,7 @@ def _apply_retention(root: Path, keep_last: int) -> None:
         if plan.refused:
             log.warning("retention skipped: %s", plan.refused)
             return
-        plan.remove = [r for r in plan.remove if not r.entry.name.endswith(TMP_SUFFIX)]
+        plan.remove = [r for r in plan.remove if r.entry.state is not EntryState.PARTIAL]
         for removal, err in apply_gc(plan):
             if err is not None:
                 log.warning("retention could not remove %s: %s", removal.entry.path, err)
@@ -240,7 +226,7 @@ def _apply_retention(root: Path, keep_last: int) -> None:
 def remove_tmp(root: Path, step: int, attempt: str) -> None:
     """Remove an aborted attempt's tmp dir (retried: a late writer may still be adding a file). A
     link in its place is removed itself, never followed."""
-    name = tmp_name(step, attempt)
+    name = tmp_dir_name(step, attempt)
     for _ in range(3):
         try:
             with Dir.open(root) as rootd:
@@ -255,8 +241,8 @@ def remove_tmp(root: Path, step: int, attempt: str) -> None:
 
 
 def remove_all_tmp(root: Path) -> list[str]:
-    """Remove every ``iter_*.tmp`` directory of ``root`` (coordinator start: nothing can be in
-    flight); links with such names are left alone (and never followed)."""
+    """Remove every attempt's directory (``iter_<step>.<attempt>.tmp``) of ``root`` (coordinator
+    start: nothing can be in flight); links with such names are left alone (and never followed)."""
     removed = []
     try:
         rootd = Dir.open(root)
@@ -264,7 +250,7 @@ def remove_all_tmp(root: Path) -> list[str]:
         return removed
     with rootd:
         for n in rootd.listdir():
-            if n.startswith(STEP_PREFIX) and n.endswith(TMP_SUFFIX) and rootd.is_real_dir(n):
+            if (parsed := parse_step_dir(n)) is not None and parsed.partial and rootd.is_real_dir(n):
                 try:
                     rootd.remove_tree(n)
                 except OSError as exc:
@@ -280,5 +266,6 @@ def tmp_attempts(root: Path) -> list[tuple[int, str]]:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    return sorted((int(m.group(1)), m.group(2)) for n in names
-                  if (m := _ATTEMPT_TMP.match(n)) and is_real_dir(root / n))
+    parsed = ((n, parse_step_dir(n)) for n in names)
+    return sorted((p.step, p.attempt) for n, p in parsed
+                  if p is not None and p.partial and p.attempt is not None and is_real_dir(root / n))

@@ -34,7 +34,6 @@ from typing import Any
 
 import zmq
 
-from ..catalog import step_dir_name
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
@@ -54,10 +53,11 @@ from ..control.security import HandshakeWatch
 from ..errors import ProtocolError, StorageError
 from ..format.durable import default_opener
 from ..format.finalize import serialize_common
-from ..statedict.digest import differing_ranks
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
+from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
+from ..statedict.digest import differing_ranks
 from .commit import commit_step, remove_tmp
 from .faults import fault_opener
 from .loop import serve_requests
@@ -145,7 +145,7 @@ class Coordinator:
     def _dispatch(self, identity: bytes, msg: Message, _peer: str | None) -> None:
         if isinstance(msg, Ping):
             self.nodes.setdefault(identity, -1)
-            self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
+            self.ep.send(Pong(msg.nonce, self.instance), identity)
         elif isinstance(msg, Written):
             self.nodes[identity] = msg.node
             self._on_written(identity, msg)

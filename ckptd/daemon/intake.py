@@ -23,13 +23,13 @@ from typing import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import Failed, Message, Save, Written, WriteDone
+from ..control.protocol import Failed, Message, Save, WriteDone, Written
 from ..errors import ProtocolError, StagingError
 from ..format.durable import Opener
 from ..format.records import ItemRecord
+from ..format.rootlayout import tmp_dir
 from ..staging.pool import Placement
 from ..staging.ring import ALIGN
-from .commit import tmp_dir
 from .metrics import DaemonMetrics
 from .pools import DaemonPool, PoolTable
 from .snapshot import SnapshotWait, check_snapshot_child

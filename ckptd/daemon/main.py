@@ -16,22 +16,20 @@ Order of :func:`run_daemon`:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import gc
 import logging
 import os
 import signal
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import psutil
-from typing import Callable
 
 from ..config import CkptdConfig
-from ..control.endpoints import Endpoints, check_daemon_file, ensure_private_dir, load_token
+from ..control.endpoints import Endpoints, ensure_private_dir, load_token
 from ..control.keys import derive_keys
+from ..control.pidfile import PidLock
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
 from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
@@ -50,80 +48,10 @@ def lower_priority(nice: int) -> None:
     except (AttributeError, OSError, psutil.Error) as exc:  # not Linux, or not permitted
         log.info("I/O priority left as it is: %s", exc)
 
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BUSY = 3  # another daemon of this job and node is running
-
-
-class PidLock:
-    """An exclusive ``flock`` on the pid file, held for the daemon's lifetime."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd: int | None = None
-
-    def acquire(self, retry_s: float = 1.0) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + retry_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                # A client's liveness probe holds the lock for microseconds; a daemon for good.
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.02)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.fsync(fd)
-        self.fd = fd
-        return True
-
-    def release(self) -> None:
-        if self.fd is not None:
-            self.path.unlink(missing_ok=True)  # while still locked: nobody reuses a stale file
-            os.close(self.fd)
-            self.fd = None
-
-
-def daemon_alive(pid_path: Path) -> bool:
-    """True while a daemon holds the pid-file lock (a precise test: no stale pids).
-
-    Raises DaemonError when the pid file, or the daemon's socket next to it (``<stem>.sock``), is
-    a link or another user's (:func:`~ckptd.control.endpoints.check_daemon_file`): clients ask
-    this before they talk to a daemon, and must never talk to someone else's.
-    """
-    check_daemon_file(pid_path)
-    check_daemon_file(pid_path.with_suffix(".sock"))
-    try:
-        fd = os.open(pid_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # closing releases our probe lock
-    return False
-
-
-def daemon_pid(pid_path: Path) -> int | None:
-    try:
-        fd = os.open(pid_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # missing, or a link (never followed)
-        return None
-    try:
-        return int(os.read(fd, 64).decode(errors="replace").strip() or "0") or None
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
@@ -137,7 +65,8 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
         return EXIT_BUSY
     daemon = None
     try:
-        from .node import NodeDaemon  # torch/zmq imports only in a daemon that will run (seconds)
+        # torch/zmq imports only in a daemon that will run (seconds)
+        from .node import NodeDaemon
 
         lower_priority(config.daemon_nice)
         # Every file and directory this process creates in the root gets config.file_mode
@@ -223,7 +152,7 @@ def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exi
 
             code = run_daemon(ep, config, coordinator=coordinator, exit_when_idle=exit_when_idle,
                               nnodes=nnodes, ready=ready)
-        except BaseException:  # noqa: BLE001 - a forked child must never return into the caller
+        except BaseException:  # a forked child must never return into the caller
             logging.getLogger(__name__).exception("daemon child failed")
             code = EXIT_ERROR
         os._exit(code)

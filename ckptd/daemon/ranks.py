@@ -28,8 +28,8 @@ from ..control.protocol import (
     Hello,
     Message,
     Ping,
-    PoolOk,
     Pong,
+    PoolOk,
     RegisterPool,
     Save,
     SaveAck,
@@ -98,7 +98,7 @@ class RankServer:
 
     def _on_request(self, identity: bytes, msg: Message, peer: str | None) -> None:
         if isinstance(msg, Ping):
-            self.ep.send(Pong(msg.nonce, self.hooks.instance, os.getpid()), identity)
+            self.ep.send(Pong(msg.nonce, self.hooks.instance), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterPool):
@@ -111,12 +111,12 @@ class RankServer:
             if stopping is not None:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
             self.intake.take(identity, client.pid, msg)
-            self.ep.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
+            self.ep.send(SaveAck(msg.step, msg.attempt), identity)
         elif isinstance(msg, Skip):
             self.client(identity, msg.rank)
             self.uplink.report(Failed(msg.step, msg.attempt, msg.rank, msg.world_size, self.ep_info.node,
                                       f"skipped the save: {msg.reason}"), (msg.step, msg.attempt))
-            self.ep.send(SaveAck(msg.step, msg.attempt, msg.rank), identity)
+            self.ep.send(SaveAck(msg.step, msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
             self.pools.retire_owner(identity)
@@ -143,7 +143,7 @@ class RankServer:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
         self.clients[identity] = Client(msg.rank, msg.pid, _create_time_s(msg.pid))
         self.served_a_rank = True
-        self.ep.send(Welcome(self.hooks.instance, os.getpid(), self.ep_info.node, str(root)), identity)
+        self.ep.send(Welcome(self.hooks.instance, os.getpid()), identity)
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""

@@ -25,7 +25,14 @@ from typing import Callable
 import psutil
 
 from ..errors import StagingError
-from ..staging.ring import ABANDONED, BLOCKS, NO_ROOM, SEAL_NBYTES, RingMap, block_offset
+from ..staging.ring import (
+    ABANDONED,
+    BLOCKS,
+    NO_ROOM,
+    SEAL_NBYTES,
+    RingMap,
+    block_offset,
+)
 from ..staging.segment import shm_free_nbytes
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.

@@ -33,7 +33,16 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
-from ..control.protocol import Codec, ErrorReply, Failed, Message, Ping, Pong, StepAborted, StepCommitted
+from ..control.protocol import (
+    Codec,
+    ErrorReply,
+    Failed,
+    Message,
+    Ping,
+    Pong,
+    StepAborted,
+    StepCommitted,
+)
 
 log = logging.getLogger(__name__)
 

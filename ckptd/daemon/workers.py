@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..catalog import PART_SUFFIX
 from ..errors import StorageError
 from ..format.durable import Opener
 from ..format.items import PlannedItem, write_data_file
 from ..format.layout import data_file_name
 from ..format.records import TENSOR, ItemRecord, dtype_from_name
+from ..format.rootlayout import part_file_name
 from ..format.safefs import Dir
 from ..staging.pool import Placement, bytes_view
 from ..staging.ring import RingMap, span
@@ -147,7 +147,7 @@ def write_rank_file(directory: Path, ring: RingMap, req: WriteRequest, opener: O
     ckptd.format.safefs).
     """
     name = data_file_name(req.rank)
-    part = f"{name}.{secrets.token_hex(8)}{PART_SUFFIX}"
+    part = part_file_name(name, secrets.token_hex(8))
     step_name = directory.name
     t0 = time.perf_counter()
     try:

@@ -11,10 +11,13 @@ not written through.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, BinaryIO
+from typing import BinaryIO
 
 from .safefs import AtPath, Dir, create_fd
+
+ATOMIC_TMP_SUFFIX = ".tmp"
 
 Opener = Callable[[str, str], BinaryIO]
 """``opener(path, mode)``: open ``path`` (``mode`` "wb") for writing. ckptd passes an
@@ -36,6 +39,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def atomic_tmp_name(name: str) -> str:
+    """The name :func:`atomic_write` writes ``name``'s new content under before renaming it."""
+    return name + ATOMIC_TMP_SUFFIX
+
+
 def atomic_write(
     path: str | os.PathLike,
     write: Callable[[BinaryIO], None],
@@ -54,7 +62,7 @@ def atomic_write(
     else:
         path = Path(path)
         parent, name, owned = Dir.open(path.parent), path.name, True
-    tmp = name + ".tmp"
+    tmp = atomic_tmp_name(name)
     try:
         parent.unlink(tmp)
         try:

@@ -1,19 +1,25 @@
-"""The coordinator's last step of a save: common state, DCP metadata, then the backend marker.
+"""The last step of a save: common state, DCP metadata, then the backend marker.
 
-Order (each file written via tmp + fsync + rename, then the directory fsynced):
-``common.pt`` -> ``.metadata`` -> ``metadata.json``. ``metadata.json`` last means a directory that
-has it holds a complete checkpoint.
+Order of :func:`finalize` (each file written via tmp + fsync + rename, then the directory
+fsynced): ``common.pt`` -> ``.metadata`` -> ``metadata.json``. ``metadata.json`` last means a
+directory that has it holds a complete checkpoint. A synchronous save's rank 0 and the coordinator
+of an asynchronous one call it once every rank's data file is written; :func:`write_checkpoint`
+does the whole sequence in one process (converters, tools and tests that write every rank's
+file themselves).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .checksum import crc32c
 from .dcp_metadata import build_metadata, write_metadata
+from .direct import open_data_file
 from .durable import Opener, atomic_write_bytes, default_opener
-from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes
+from .items import PlannedItem, write_data_file
+from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes, data_file_name
 from .pickled import serialize_pickled
 from .records import ItemRecord
 from .safefs import Dir, entry_path
@@ -36,7 +42,7 @@ def finalize(
     """Validate all records and write the metadata files that make ``directory`` a checkpoint.
 
     ``checkpoint_id`` (recorded in ``.metadata``) defaults to ``directory``; an asynchronous commit
-    passes the final name, since it finalizes in ``<step>.tmp`` and renames afterwards. An open
+    passes the final name, since it finalizes in ``iter_<step>.<attempt>.tmp`` and renames afterwards. An open
     :class:`~ckptd.format.safefs.Dir` has its files created relative to it.
     """
     validate_records(records)
@@ -45,3 +51,43 @@ def finalize(
                               common_crc32=crc32c(common_bytes))
     write_metadata(directory, metadata, opener, fsync)
     atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)
+
+
+def write_rank_files(
+    directory: Dir | str | os.PathLike,
+    ranks: Iterable[Sequence[PlannedItem]],
+    *,
+    opener: Opener = open_data_file,
+    fsync: bool = True,
+    checksums: bool = True,
+) -> list[ItemRecord]:
+    """Write each rank's items into its data file, one rank after the other in this process.
+
+    ``ranks`` gives rank 0's items first; it is consumed lazily (a generator may build each rank's
+    items after the previous rank's file is written, so only one rank's items are alive at a
+    time). A rank without items gets no file, as in a real save. Returns every stored record.
+    """
+    records: list[ItemRecord] = []
+    for rank, items in enumerate(ranks):
+        if items:
+            records += write_data_file(directory, data_file_name(rank), list(items), opener, fsync, checksums)
+    return records
+
+
+def write_checkpoint(
+    directory: Dir | str | os.PathLike,
+    ranks: Iterable[Sequence[PlannedItem]],
+    common: Any | Callable[[], Any],
+    *,
+    opener: Opener = open_data_file,
+    fsync: bool = True,
+    checksums: bool = True,
+) -> list[ItemRecord]:
+    """Write a whole checkpoint into ``directory`` (which must exist) from this process: every
+    rank's data file (:func:`write_rank_files`), then :func:`finalize` with ``common`` as the
+    common state. ``common`` may be a function returning it, called once every data file is
+    written (a converter learns it from the first rank's input). ``opener`` opens the data files.
+    Returns every stored record."""
+    records = write_rank_files(directory, ranks, opener=opener, fsync=fsync, checksums=checksums)
+    finalize(directory, records, serialize_common(common() if callable(common) else common), fsync=fsync)
+    return records

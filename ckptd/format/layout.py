@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from .rootlayout import parse_step_dir
 from .safefs import entry_exists, read_regular
 
 METADATA_JSON = "metadata.json"
@@ -70,7 +71,8 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
             " Pass the directory of one checkpoint (it holds metadata.json and .metadata, as "
             "ckptd, Megatron-Core and torch DCP write them)."
         )
-        if root.name.endswith(".tmp"):
+        step_dir = parse_step_dir(root.name)
+        if step_dir is not None and step_dir.partial:
             hint = " It is an uncommitted (.tmp) save, which is never loaded."
         raise CheckpointNotFoundError(
             f"{root} is not a checkpoint: {METADATA_JSON} is missing.{hint}"

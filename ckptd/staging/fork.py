@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import signal
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,16 @@ import torch
 
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_cpu_bytes
-from .ring import ABANDONED, NO_ROOM, PROGRESS_NBYTES, SEAL_NBYTES, RingFull, RingWriter, block_offset, span
+from .ring import (
+    ABANDONED,
+    NO_ROOM,
+    PROGRESS_NBYTES,
+    SEAL_NBYTES,
+    RingFull,
+    RingWriter,
+    block_offset,
+    span,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +188,3 @@ def fork_into(pool: StagingPool, start: int, block: int, items: list[PlannedItem
         return None
     finally:
         del keep  # the child has its own copy of the buffers now
-
-
-def settle_children(pids: list[int], timeout_s: float) -> list[int]:
-    """Reap ``pids``, waiting up to ``timeout_s`` for them to exit; the pids still running."""
-    deadline = time.monotonic() + timeout_s
-    left = reap(pids, block=False)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.01)
-        left = reap(left, block=False)
-    return left

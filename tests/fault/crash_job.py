@@ -24,6 +24,7 @@ import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
+from tests.waiting import wait_until
 
 ROWS_PER_RANK, COLS = 4, 32
 BIG_ROWS_PER_RANK, BIG_COLS = 32, 256  # 32 KiB per rank: writes take real time
@@ -174,11 +175,34 @@ def _barrier(spec: JobSpec, phase: str, rank: int, timeout_s: float = 90.0) -> N
     saves before every rank's Checkpointer is up (node 0's local rank 0 starts the coordinator)."""
     marks = Path(spec.events)
     (marks / f"ready.{phase}.r{rank}").touch()
-    deadline = time.monotonic() + timeout_s
-    while len(list(marks.glob(f"ready.{phase}.r*"))) < spec.ranks:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: not every rank started within {timeout_s:.0f} s")
-        time.sleep(0.01)
+    wait_until(lambda: len(list(marks.glob(f"ready.{phase}.r*"))) >= spec.ranks, timeout_s,
+               f"every rank to start (rank {rank})")
+
+
+def _await_coordinator(spec: JobSpec, phase: str, rank: int, ckpt: ckptd.Checkpointer,
+                       timeout_s: float = 30.0) -> None:
+    """Wait until this rank's node daemon knows the coordinator now running: a node daemon learns
+    a just-restarted coordinator at its next ping, and a report sent before that would be
+    aborted (real jobs train a while before their first save). Rank 0, on node 0 whose daemon
+    runs the coordinator, names its instance in a mark file. A daemon the trial killed meanwhile
+    ends the wait: the saves then report what happened."""
+    mark = Path(spec.events) / f"coordinator.{phase}"
+
+    def instance_known() -> bool:
+        try:
+            return ckpt.status()["upstream"]["instance"] == mark.read_text()
+        except ckptd.CkptdError:
+            return True
+
+    try:
+        if rank == 0:
+            tmp = mark.with_suffix(".tmp")
+            tmp.write_text(ckpt.status()["instance"])
+            os.replace(tmp, mark)
+        wait_until(mark.exists, timeout_s, "rank 0 to name the coordinator's instance")
+        wait_until(instance_known, timeout_s, f"rank {rank}'s node daemon to learn the coordinator")
+    except (ckptd.CkptdError, AssertionError) as exc:
+        logging.getLogger(__name__).warning("rank %d: saving without knowing the coordinator: %s", rank, exc)
 
 
 def trainer(rank: int, spec: JobSpec, phase: str) -> None:
@@ -201,9 +225,7 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
         bad = mismatch(loaded, rank, world, latest)
         log.add("resumed", latest, json.dumps({"path": str(path), "mismatch": bad}))
     _barrier(spec, phase, rank)
-    # A little training before the first save: node daemons learn a just-restarted coordinator
-    # at their next ping (every heartbeat); a report sent before that would be aborted.
-    time.sleep(3 * float(spec.env["CKPTD_HEARTBEAT_S"]))
+    _await_coordinator(spec, phase, rank, ckpt)
     first = 1 if phase == "run" else (latest or 0) + 1
     count = spec.steps if phase == "run" else spec.restart_steps
     handles: dict[int, ckptd.SaveHandle] = {}

@@ -42,12 +42,13 @@ import psutil
 import torch
 
 import ckptd
-from ckptd.catalog import EntryState, scan_root, step_dir_name
+from ckptd.catalog import EntryState, scan_root
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.cli import main as ckptd_cli
 from ckptd.client import admin
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
 from ckptd.recovery import resolve_latest
 from ckptd.staging.segment import list_segments, unlink_segments

@@ -13,19 +13,21 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
 import torch
 
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.format.durable import ATOMIC_TMP_SUFFIX, atomic_tmp_name
+from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_dir_name
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
+from tests.multiproc import clear_torchrun_env
+from tests.waiting import wait_for_exit, wait_until
 
 HEARTBEAT_S = 0.1
 
@@ -48,7 +50,8 @@ def loads_bit_exact(ckpt: ckptd.Checkpointer, step: int) -> None:
 
 
 def tmp_leftovers(root: Path) -> list[str]:
-    """Partial saves still in the root: ``*.tmp`` directories and ``.part`` files anywhere.
+    """Partial saves still in the root: ``*.tmp`` directories, ``.part`` files and unfinished atomic
+    writes anywhere (but the tracker's, which a commit in flight may be writing).
 
     The daemon may be removing an aborted step's directory while this looks, so a directory that
     vanishes mid-walk counts as gone (``os.walk`` skips it) instead of failing the scan as
@@ -56,16 +59,9 @@ def tmp_leftovers(root: Path) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            if name.endswith((".tmp", ".part")) and name != "latest.tmp":
+            if name.endswith((TMP_SUFFIX, ATOMIC_TMP_SUFFIX, PART_SUFFIX)) and name != atomic_tmp_name(TRACKER_FILE):
                 found.append(str((Path(dirpath) / name).relative_to(root)))
     return sorted(found)
-
-
-def wait_until(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.02)
 
 
 @dataclass
@@ -86,7 +82,7 @@ class SingleJob:
     def committed(self, step: int, timeout_s: float = 30) -> None:
         """Save ``step`` and require that it commits and loads bit-exact."""
         h = self.ckpt.save(state_dict(step), step=step)
-        assert h.wait(timeout_s=timeout_s) == self.root / f"iter_{step:07d}"
+        assert h.wait(timeout_s=timeout_s) == self.root / step_dir_name(step)
         loads_bit_exact(self.ckpt, step)
 
     def failed(self, step: int, timeout_s: float = 30) -> str:
@@ -98,7 +94,7 @@ class SingleJob:
         except ckptd.SaveFailedError as exc:
             assert h.status is ckptd.SaveStatus.ABORTED
             wait_until(lambda: not tmp_leftovers(self.root), 10, f"{tmp_leftovers(self.root)} to be removed")
-            assert not (self.root / f"iter_{step:07d}").exists()
+            assert not (self.root / step_dir_name(step)).exists()
             return str(exc)
         raise AssertionError(f"step {step} committed despite the fault")
 
@@ -109,14 +105,12 @@ def stop_daemon(pid_path: Path, timeout_s: float = 30) -> None:
     pid = daemon_pid(pid_path)
     if pid:
         os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-                   timeout_s, f"daemon {pid} to exit")
+        wait_for_exit(pid, timeout_s, f"daemon {pid} to exit")
 
 
 @contextlib.contextmanager
 def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[SingleJob]:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    clear_torchrun_env(monkeypatch)
     root = Path(config.pop("root", tmp_path / "ckpts"))
     runtime = Path(tempfile.mkdtemp(prefix="ckf", dir="/tmp"))
     fault_file = tmp_path / "faults"

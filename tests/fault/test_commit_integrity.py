@@ -22,7 +22,14 @@ from ckptd.control.keys import derive_keys
 from ckptd.control.protocol import Codec, StepAborted, StepCommitted, Written
 from ckptd.control.security import make_client_secure
 from ckptd.format.records import TENSOR, ItemRecord
-from tests.fault.single_job import loads_bit_exact, single_job, state_dict, tmp_leftovers, wait_until
+from ckptd.format.rootlayout import step_dir_name
+from tests.fault.single_job import (
+    loads_bit_exact,
+    single_job,
+    state_dict,
+    tmp_leftovers,
+)
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,7 @@ def test_a_data_file_damaged_after_it_was_reported_aborts_the_commit(job, damage
         h = job.ckpt.save(state_dict(step), step=step)
 
         def data_file():
-            return next(iter(job.root.glob(f"iter_{step:07d}.*tmp/__0_0.distcp")), None)
+            return next(iter(job.root.glob(f"{step_dir_name(step)}.*tmp/__0_0.distcp")), None)
 
         wait_until(lambda: data_file() is not None, 20, "the rank's data file to be written")
         data = data_file()
@@ -56,9 +63,9 @@ def test_a_data_file_damaged_after_it_was_reported_aborts_the_commit(job, damage
     finally:
         job.fault("")
     why = "has" if damage == "truncated" else "is missing"
-    assert f"rank 0's data file" in str(err.value) and "__0_0.distcp" in str(err.value) \
+    assert "rank 0's data file" in str(err.value) and "__0_0.distcp" in str(err.value) \
         and why in str(err.value), err.value
-    assert not (job.root / f"iter_{step:07d}").exists()
+    assert not (job.root / step_dir_name(step)).exists()
     assert job.ckpt.latest() == previous
     loads_bit_exact(job.ckpt, previous)
     wait_until(lambda: not tmp_leftovers(job.root), 10, "the aborted attempt's files to be removed")

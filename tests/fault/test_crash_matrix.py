@@ -13,10 +13,11 @@ import zlib
 
 import pytest
 
-from ckptd.daemon.commit import commit_step, tmp_dir
-from ckptd.format.finalize import serialize_common
-from ckptd.format.items import plan_object, plan_tensor_items, write_data_file
+from ckptd.daemon.commit import commit_step
+from ckptd.format.finalize import serialize_common, write_rank_files
+from ckptd.format.items import PlannedItem, plan_object, plan_tensor_items
 from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import tmp_dir
 from tests.checkpoints import flip_bit
 from tests.fault import crash_job as cj
 from tests.fault import crash_trial as ct
@@ -54,18 +55,19 @@ def test_long_crash_matrix(ctx, tmp_path):
 # --- the checker finds what it must find ---------------------------------------------------------
 def _commit(root, step: int, world: int) -> None:
     """Write the job's checkpoint of ``step`` through the daemon's own commit path."""
-    records, files = [], {}
     attempt = "0123456789ab-1"
     tmp = tmp_dir(root, step, attempt)
     tmp.mkdir(parents=True)
-    for rank in range(world):
+
+    def items(rank: int) -> list[PlannedItem]:
         sd = cj.sharded(cj.rank_state(rank, world, step), rank, world, step)
-        items = [i for k in ("w", "b", "big") for i in plan_tensor_items(sd[k], rank)]
+        planned = [i for k in ("w", "b", "big") for i in plan_tensor_items(sd[k], rank)]
         if rank == 0:
-            items += plan_tensor_items(sd["e"], rank)
-        items.append(plan_object(sd["o"], rank))
-        records += write_data_file(tmp, data_file_name(rank), items, fsync=False)
-        files[data_file_name(rank)] = (rank, (tmp / data_file_name(rank)).stat().st_size)
+            planned += plan_tensor_items(sd["e"], rank)
+        return planned + [plan_object(sd["o"], rank)]
+
+    records = write_rank_files(tmp, map(items, range(world)), fsync=False)
+    files = {data_file_name(rank): (rank, (tmp / data_file_name(rank)).stat().st_size) for rank in range(world)}
     commit_step(root, step, attempt, records, serialize_common({"iteration": step}), files, fsync=False,
                 keep_last=0, megatron_tracker=False)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from ckptd import ShardedTensor
-from ckptd.daemon import commit as commit_mod
-from ckptd.daemon.commit import commit_step, tmp_dir
+from ckptd.daemon.commit import commit_step
 from ckptd.daemon.workers import write_rank_file
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items
+from ckptd.format.rootlayout import MEGATRON_TRACKER, tmp_dir
 from tests.rings import produced_save
 
 ATTEMPT = "0123456789ab-1"
@@ -82,6 +82,6 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
     # The final name appears last inside the save, the root is fsynced, then the trackers move.
     root_sync = next(i for i, e in enumerate(events) if e == ("fsync", str(root), "") and i > index[publish])
     trackers = [e for e in renames if Path(e[2]).parent == root and e is not publish]
-    assert [Path(e[2]).name for e in trackers] == ["latest", commit_mod.MEGATRON_TRACKER]
+    assert [Path(e[2]).name for e in trackers] == ["latest", MEGATRON_TRACKER]
     assert all(index[e] > root_sync for e in trackers)
     assert (root / "latest").read_text() == "iter_0000005\n"

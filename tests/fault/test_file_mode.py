@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import CkptdConfig
-from ckptd.daemon.commit import MEGATRON_TRACKER
 from ckptd.errors import CkptdError
+from ckptd.format.rootlayout import MEGATRON_TRACKER
 from tests.fault.single_job import single_job
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiproc import without_torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
 def test_a_full_dev_shm_fails_the_save_not_the_trainer(tmp_path, snapshot):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")}
+    env = without_torchrun(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     script = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -m tests.fault.full_shm_job "
               f"{tmp_path / 'ckpts'} {snapshot}")

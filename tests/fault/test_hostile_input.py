@@ -40,8 +40,8 @@ from ckptd.control.protocol import (
     Hello,
     MsgType,
     Ping,
-    PoolOk,
     Pong,
+    PoolOk,
     RegisterPool,
     Save,
     Status,
@@ -53,7 +53,8 @@ from ckptd.daemon.metrics import prometheus_text
 from ckptd.daemon.snapshot import boottime_s
 from ckptd.staging.pool import StagingPool
 from ckptd.staging.segment import SHM_DIR, list_segments
-from tests.fault.single_job import single_job, wait_until
+from tests.fault.single_job import single_job
+from tests.waiting import wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
 
@@ -228,10 +229,10 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         assert isinstance(reply, Pong) and reply.nonce == 7, reply
         assert not marker.exists(), "a pickle from the socket was decoded"
         # Authenticated but impossible requests get an ERROR reply naming the problem.
-        reply = peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, 1, str(job.root))))
+        reply = peer.ask(peer.codec.encode(Hello(0, 1, str(job.root))))
         assert isinstance(reply, ErrorReply) and f"HELLO says pid 1, but the connecting process is pid {os.getpid()}" \
             in reply.reason, reply
-        reply = peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, os.getpid(), "/elsewhere")))
+        reply = peer.ask(peer.codec.encode(Hello(0, os.getpid(), "/elsewhere")))
         assert "serves" in str(reply), reply
         status = peer.ask(peer.codec.encode(Status()))
         assert isinstance(status, StatusReply)
@@ -275,7 +276,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
-        assert isinstance(ask(Hello("rank", 0, 0, 1, os.getpid(), str(job.root))), Welcome)
+        assert isinstance(ask(Hello(0, os.getpid(), str(job.root))), Welcome)
         reply = ask(Save(5, "0123456789ab-1", 0, 1, victim.generation, 0, [], None, "", "", 0, 0, b"", 0))
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
         reply = ask(RegisterPool(1, own.generation, own.capacity, own.names))
@@ -286,7 +287,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
                          (old_child.pid, "is older than the rank's staging pool")):
             reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", "", 0, pid, b"s" * 16, 0))
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
-        peer.sock.send_multipart(peer.codec.encode(Bye(0)))  # retires its own pool only
+        peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own pool only
         assert isinstance(ask(Ping(3)), Pong)
     finally:
         peer.close()
@@ -318,7 +319,7 @@ def test_sockets_runtime_dir_and_shared_memory_are_owner_only(job):
         os.fchmod(fd, 0o640)
         peer = Peer(ep.ipc_address, ep.job, _keys(job))
         try:
-            assert isinstance(peer.ask(peer.codec.encode(Hello("rank", 0, 0, 1, os.getpid(), str(job.root)))), Welcome)
+            assert isinstance(peer.ask(peer.codec.encode(Hello(0, os.getpid(), str(job.root)))), Welcome)
             reply = peer.ask(peer.codec.encode(RegisterPool(0, "open", 4096, [name])))
             assert isinstance(reply, ErrorReply) and "not a private (0600) file" in reply.reason, reply
         finally:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckptd.errors import CorruptCheckpointError
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
 from tests.checkpoints import make_checkpoint, make_root
 from tests.fault.single_job import loads_bit_exact, single_job, state_dict
@@ -70,7 +71,7 @@ def test_partial_saves_are_never_candidates(tmp_path, caplog):
 def test_nothing_loadable_raises_instead_of_starting_over(tmp_path):
     root = make_root(tmp_path / "r", [1, 2], latest=2)
     for step in (1, 2):
-        (root / f"iter_{step:07d}" / ".metadata").unlink()
+        (root / step_dir_name(step) / ".metadata").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"no other committed checkpoint .* is loadable.*"
                                                      r"iter_0000001: .*\.metadata is missing.*Restore the checkpoint"):
         resolve_latest(root)

@@ -13,10 +13,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -24,15 +22,16 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
-from ckptd.daemon.main import EXIT_BUSY, daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.daemon.main import EXIT_BUSY
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.checkpoints import make_root
-from tests.multiproc import free_port
+from tests.multiproc import free_port, without_torchrun
+from tests.waiting import wait_for_exit, wait_until
 
 
 def _env(runtime: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env = without_torchrun(os.environ)
     env.update(CKPTD_RUNTIME_DIR=str(runtime), CKPTD_HEARTBEAT_S="0.1", CKPTD_IDLE_EXIT_S="60", **extra)
     return env
 
@@ -53,10 +52,7 @@ def _stop(ep: Endpoints) -> None:
     if pid is None:
         return
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, f"daemon {pid} ignored SIGTERM"
-        time.sleep(0.05)
+    wait_for_exit(pid, 30, f"daemon {pid} to exit after SIGTERM")
 
 
 @pytest.mark.timeout(120)
@@ -131,10 +127,7 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
         # it adopts it, and once nobody completed it within the commit timeout, aborts and removes it.
         assert _daemon(env, root, "--node", "0", "--nnodes", "2").returncode == 0
         assert not segments[0].exists()
-        deadline = time.monotonic() + 20
-        while partial.exists():
-            assert time.monotonic() < deadline, "the adopted, abandoned save was never removed"
-            time.sleep(0.05)
+        wait_until(lambda: not partial.exists(), 20, "the adopted, abandoned save to be removed")
         assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
     finally:
         for ep in eps:
@@ -169,10 +162,7 @@ def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypa
             pid = daemon_pid(path)
             os.kill(pid, signal.SIGKILL)  # the daemon goes away between the check and the HELLO
             killed.append(pid)
-            deadline = time.monotonic() + 30
-            while real_alive(path):
-                assert time.monotonic() < deadline, "the killed daemon still holds its lock"
-                time.sleep(0.02)
+            wait_until(lambda: not real_alive(path), 30, "the killed daemon to let go of its lock")
         return found
 
     monkeypatch.setattr(link_mod, "daemon_alive", alive_then_killed)

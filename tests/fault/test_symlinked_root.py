@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.catalog import scan_root
-from ckptd.daemon.commit import MEGATRON_TRACKER, tmp_name
+from ckptd.format.durable import atomic_tmp_name
+from ckptd.format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, data_file_name
+from ckptd.format.rootlayout import MEGATRON_TRACKER, TRACKER_FILE, tmp_dir_name
 from ckptd.recovery import resolve_latest
 from ckptd.retention import apply_gc, plan_gc
 from tests.checkpoints import make_checkpoint, make_root
@@ -32,8 +34,8 @@ def _victim(path: Path) -> Path:
 def test_tracker_tmp_links_are_replaced_never_written_through(tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     with single_job(tmp_path, monkeypatch) as job:
-        (job.root / "latest.tmp").symlink_to(_victim(outside / "a"))
-        (job.root / f"{MEGATRON_TRACKER}.tmp").symlink_to(_victim(outside / "b"))
+        (job.root / atomic_tmp_name(TRACKER_FILE)).symlink_to(_victim(outside / "a"))
+        (job.root / atomic_tmp_name(MEGATRON_TRACKER)).symlink_to(_victim(outside / "b"))
         job.committed(1)
         job.committed(2)
         assert (outside / "a").read_text() == PRECIOUS and (outside / "b").read_text() == PRECIOUS
@@ -46,7 +48,7 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     with single_job(tmp_path, monkeypatch) as job:
-        linked = job.root / tmp_name(2, job.ckpt._incarnation.attempt(1))  # the first try's directory
+        linked = job.root / tmp_dir_name(2, job.ckpt._incarnation.attempt(1))  # the first try's directory
         linked.symlink_to(elsewhere)
         reason = job.failed(2)
         assert f"{linked} is a symbolic link" in reason, reason
@@ -62,9 +64,9 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
 def test_links_at_file_names_inside_a_step_directory_are_never_written_through(tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     with single_job(tmp_path, monkeypatch) as job:
-        step = job.root / tmp_name(3, job.ckpt._incarnation.attempt(1))
+        step = job.root / tmp_dir_name(3, job.ckpt._incarnation.attempt(1))
         step.mkdir()
-        names = ["common.pt.tmp", ".metadata.tmp", "metadata.json.tmp", "__0_0.distcp"]
+        names = [*map(atomic_tmp_name, (COMMON_PT, DCP_METADATA, METADATA_JSON)), data_file_name(0)]
         for i, name in enumerate(names):
             (step / name).symlink_to(_victim(outside / str(i)))
         job.committed(3)  # loads bit-exact and verifies --deep: the links were replaced

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
 import torch
 
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
 from ckptd.config import CkptdConfig
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
+from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
+from tests.waiting import exited, wait_until
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -106,11 +106,7 @@ def stop_daemons(eps: list[Endpoints], timeout_s: float = 30.0) -> list[int]:
             if pid:
                 os.kill(pid, signal.SIGTERM)
                 pids.append(pid)
-    deadline = time.monotonic() + timeout_s
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"daemons {pids} did not exit within {timeout_s} s of SIGTERM")
-        time.sleep(0.05)
+    wait_until(lambda: all(map(exited, pids)), timeout_s, f"daemons {pids} to exit after SIGTERM")
     return pids
 
 

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,16 @@ import torch
 import zmq
 
 import ckptd
+from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import derive_keys
+from ckptd.control.pidfile import daemon_pid
 from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
-from ckptd.config import CkptdConfig
-from ckptd.daemon.main import daemon_pid
+from ckptd.format.rootlayout import step_dir_name
 from tests.integration import async_job as aj
 from tests.multiproc import free_port, run_ranks
+from tests.waiting import wait_until
 
 WRITE_DELAY_S = 0.4
 STEPS = [10, 20, 30, 40, 50]
@@ -76,7 +77,7 @@ def _consecutive_saves(rank: int, world: int, env: dict, root: str) -> dict:
         assert all(h.committed and h.done() for h in handles)
         assert ckpt.latest() == STEPS[-1]
         for step, path in zip(STEPS, paths):
-            assert path == Path(root) / f"iter_{step:07d}"
+            assert path == Path(root) / step_dir_name(step)
             aj.check_loaded(ckpt.load(aj.request(rank), step=step), rank, step)
             # megatron-core reads every committed checkpoint like one it wrote itself
             req = aj.request(rank)
@@ -100,7 +101,7 @@ def test_two_nodes_consecutive_saves_commit_bit_exact(job):
     import torch.distributed.checkpoint as dcp
 
     for step in STEPS:
-        d = root / f"iter_{step:07d}"
+        d = root / step_dir_name(step)
         plain = ckptd.load_plain_tensors(d)
         ref = {"w": aj.full_w(step), "b": aj.full_b(step), "emb": aj.full_emb(step)}
         assert all(torch.equal(plain[k], v) for k, v in ref.items()), step
@@ -108,8 +109,8 @@ def test_two_nodes_consecutive_saves_commit_bit_exact(job):
         dcp.load(target, checkpoint_id=str(d), no_dist=True)
         assert all(torch.equal(target[k], v) for k, v in ref.items()), step
         assert ckptd.load_common_state_dict(d)["iteration"] == step
-        assert not list(root.glob(f"iter_{step:07d}.*tmp"))
-    assert (root / "latest").read_text().strip() == f"iter_{STEPS[-1]:07d}"
+        assert not list(root.glob(f"{step_dir_name(step)}.*tmp"))
+    assert (root / "latest").read_text().strip() == step_dir_name(STEPS[-1])
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS[-1])
 
     # The daemon rejects junk (strangers without the job's keys, bad frames, another job) and keeps
@@ -174,23 +175,18 @@ def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("returned*")) == [f"returned{r}" for r in range(aj.WORLD)]
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * aj.WORLD
     # Every trainer is dead; each data file takes >= WRITE_DELAY_S, so the commit is still ahead.
-    committed_before_death = (root / f"iter_{step:07d}").exists()
-    deadline = time.monotonic() + 60
-    while (root / "latest").read_text().strip() != f"iter_{step:07d}":
-        assert time.monotonic() < deadline, "the checkpoint of the killed trainers never committed"
-        time.sleep(0.05)
+    committed_before_death = (root / step_dir_name(step)).exists()
+    wait_until(lambda: (root / "latest").read_text().strip() == step_dir_name(step), 60,
+               "the checkpoint of the killed trainers to commit")
     assert not committed_before_death
-    d = root / f"iter_{step:07d}"
+    d = root / step_dir_name(step)
     plain = ckptd.load_plain_tensors(d)
     assert torch.equal(plain["w"], aj.full_w(step)) and torch.equal(plain["b"], aj.full_b(step))
     assert torch.equal(plain["emb"], aj.full_emb(step))
     for r in range(aj.WORLD):
         aj.check_loaded(ckptd.load(aj.request(r), d), r, step)
     # The daemons noticed the dead trainers and freed their pools (no shared memory held for them).
-    deadline = time.monotonic() + 30
-    while aj.leftovers(root, job["eps"])["segments"]:
-        assert time.monotonic() < deadline, aj.leftovers(root, job["eps"])
-        time.sleep(0.1)
+    wait_until(lambda: not aj.leftovers(root, job["eps"])["segments"], 30, "the dead trainers' pools to be freed")
 
 
 # --- 3. the coordinator's daemon SIGKILLed while it writes -------------------------------------
@@ -205,10 +201,7 @@ def _survive_daemon_kill(rank: int, world: int, env: dict, root: str, marks: str
         (marks_dir / f"returned{rank}").touch()
         if rank == 0:
             # Kill node 0's daemon (which hosts the coordinator) while the writes are delayed.
-            deadline = time.monotonic() + 60
-            while len(list(marks_dir.glob("returned*"))) < world:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: len(list(marks_dir.glob("returned*"))) == world, 60, "every rank's save() to return")
             status = ckpt.status()
             pid = daemon_pid(ckpt.endpoints.pid_path)
             os.kill(pid, signal.SIGKILL)

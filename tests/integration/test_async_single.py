@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -18,18 +16,12 @@ from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
 from ckptd.errors import StagingError
 from ckptd.format.dcp_metadata import read_index
+from tests.waiting import wait_for_exit
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "meta": ShardedObject("meta", {"s": step}, (1,), (0,)),
             "iteration": step}
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    """No torchrun variables: the Checkpointer runs as a single process (rank 0 of 1)."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
 
 
 def _loaded(ckpt: ckptd.Checkpointer, shape: tuple[int, ...], step: int | None = None) -> dict:
@@ -88,10 +80,7 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_p
         assert ckpt.status()["pid"] == daemon_pid  # one daemon served both Checkpointers
 
     # The auto-started daemon exits once idle; nothing is left behind.
-    deadline = time.monotonic() + 30
-    while psutil.pid_exists(daemon_pid) and psutil.Process(daemon_pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "the idle daemon did not exit"
-        time.sleep(0.1)
+    wait_for_exit(daemon_pid, 30, "the idle daemon to exit")
     left = [n for n in os.listdir("/dev/shm") if n.startswith("ckptd-")]
     assert not [n for n in left if ckpt.endpoints.job in n]
     assert sorted(os.listdir(runtime)) == sorted([f"{ckpt.endpoints.job}.token", f"{ckpt.endpoints.stem}.log"])

@@ -18,9 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.timeout(180)
-def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process):
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"),
                                      idle_exit_s=2.0, heartbeat_s=0.2)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -47,12 +45,10 @@ def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(180)
-def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, monkeypatch):
+def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_process):
     """snapshot="lazy": save() only enqueues the device-to-host copies; before_update() orders the
     next kernels after them (no host wait), so overwriting right after the fence is safe; a write
     before the fence fails the save."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"),
                                      idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy")
     gen = torch.Generator(device="cuda").manual_seed(1)

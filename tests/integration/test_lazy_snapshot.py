@@ -28,12 +28,6 @@ def _load(ckpt: ckptd.Checkpointer, like: dict[str, torch.Tensor], step: int) ->
     return ckpt.load(_state({k: torch.zeros_like(v) for k, v in like.items()}, -1), step=step)
 
 
-@pytest.fixture
-def single_process(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-
 @pytest.mark.timeout(180)
 def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, single_process):
     torch.manual_seed(0)

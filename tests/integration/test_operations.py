@@ -39,9 +39,7 @@ def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def single(monkeypatch, tmp_path):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def single(single_process, tmp_path):
     runtime = tempfile.mkdtemp(prefix="cko", dir="/tmp")
     env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
     yield tmp_path / "run", runtime, env
@@ -116,7 +114,7 @@ def test_policy_auto_applies_the_young_daly_interval(single):
     saved: list[tuple[int, int]] = []  # (step, interval in effect after it)
     with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
         for step in range(80):
-            time.sleep(0.01)  # the "training step"
+            time.sleep(0.01)  # the "training step" whose time the policy measures: under test, not a wait
             if ckpt.due(step):
                 ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=step)
                 saved.append((step, ckpt._policy.interval_steps))

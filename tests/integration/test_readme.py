@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.format.rootlayout import step_dir_name
+from tests.multiproc import without_torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,9 +29,7 @@ def test_readme_example_saves_then_resumes(tmp_path):
     code = readme_example()
     assert len(code.strip().splitlines()) <= 22
     runtime = tempfile.mkdtemp(prefix="ckr", dir="/tmp")
-    env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(var, None)
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
     outs = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
@@ -38,7 +39,7 @@ def test_readme_example_saves_then_resumes(tmp_path):
     assert "latest committed step: 15" in outs[0]
     assert "latest committed step: 35" in outs[1]  # resumed at 16, saved 20..35
     assert sorted(p.name for p in (tmp_path / "ckpts" / "run1").glob("iter_*")) == [
-        f"iter_{s:07d}" for s in (0, 5, 10, 15, 20, 25, 30, 35)]
+        step_dir_name(s) for s in (0, 5, 10, 15, 20, 25, 30, 35)]
     subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(tmp_path / "ckpts" / "run1")],
                    env=env, timeout=60, check=True, capture_output=True)
     shutil.rmtree(runtime)
@@ -101,7 +102,7 @@ def test_readme_fsdp2_lines_resume_bit_exact(tmp_path):
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_fsdp2_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=200, env=env) == [[], []]
-    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [f"iter_{s:07d}" for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [step_dir_name(s) for s in (1, 2, 3, 4)]
 
 
 def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
@@ -136,3 +137,106 @@ def test_readme_megatron_lines_save_and_load(tmp_path):
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_megatron_blocks_round_trip, 2, str(tmp_path / "run"), timeout_s=200, daemon=False,
                      env=env) == [[], []]
+
+
+def _table(heading: str, first_header: str) -> list[list[str]]:
+    """Cells of the rows of the table whose first column is ``first_header``, below ``heading``."""
+    text = (REPO / "README.md").read_text()
+    text = text[text.index(heading):]
+    text = text[text.index(f"| {first_header} |"):]
+    rows = []
+    for line in text.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def _default_text(value: object) -> str | None:
+    """How the README writes a default, for the defaults that are plain values."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"{value:g}" if value < 1 << 20 else f"{value / 2**20:g} MiB"
+    return None
+
+
+def test_the_configuration_table_lists_every_field_with_its_default():
+    from dataclasses import MISSING, fields
+
+    from ckptd.config import CkptdConfig
+
+    documented: dict[str, str] = {}
+    for cells in _table("## Configuration", "field"):
+        names = re.findall(r"`(\w+)`", cells[0])
+        defaults = [d.strip() for d in cells[1].split(" / ")] if len(names) > 1 else [cells[1]]
+        documented.update(zip(names, defaults if len(defaults) == len(names) else [cells[1]] * len(names)))
+    for f in fields(CkptdConfig):
+        assert f.name in documented, f"the README's configuration table lacks {f.name}"
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        text = documented[f.name]
+        # Where the README writes a value (not how an empty default is derived), it is the code's.
+        if f.metadata.get("octal"):
+            assert text == f"`{default:#o}`", (f.name, text)
+        elif re.fullmatch(r"[0-9.]+( MiB)?|true|false", text):
+            assert text == _default_text(default), (f.name, text, default)
+        elif re.fullmatch(r"`[^`]*`", text):
+            assert text.strip("`").strip('"') == default, (f.name, text, default)
+
+
+def _params(fn: object, positional_names: bool = True) -> list[tuple[str, object]]:
+    import inspect
+
+    out: list[tuple[str, object]] = []
+    for p in inspect.signature(fn).parameters.values():  # type: ignore[arg-type]
+        if p.name == "self":
+            continue
+        if p.kind is p.KEYWORD_ONLY and ("*", None) not in out:
+            out.append(("*", None))
+        name = f"**{p.name}" if p.kind is p.VAR_KEYWORD else p.name
+        out.append((name if positional_names or p.kind is p.KEYWORD_ONLY else "_", p.default))
+    return out
+
+
+def _documented_params(text: str, positional_names: bool = True) -> list[tuple[str, object]]:
+    import inspect
+
+    import ckptd
+
+    out: list[tuple[str, object]] = []
+    star = False
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, default = part.partition("=")
+        star = star or name == "*"
+        if not positional_names and not star and not name.startswith("**"):
+            name = "_"
+        value = eval(default, vars(ckptd)) if default else (None if name == "*" else inspect.Parameter.empty)
+        out.append((name, value))
+    return out
+
+
+def test_documented_signatures_match_the_code():
+    """Every call the README's API tables show has the code's parameters, names and defaults (the
+    synchronous API's first arguments are abbreviated: ``sd``, ``dir``)."""
+    import ckptd
+
+    calls = [re.findall(r"`(?:ckptd\.)?(\w+)\(([^`]*)\)`", cells[0])
+             for cells in _table("## Synchronous API", "call")]
+    seen = set()
+    for name, args in (c for row in calls for c in row):
+        assert _documented_params(args, positional_names=False) == _params(getattr(ckptd, name), False), name
+        seen.add(name)
+    assert seen >= {"save", "load", "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata",
+                    "load_plain_tensors"}
+    seen = set()
+    for cells in _table("## Asynchronous saves", "`Checkpointer`"):
+        owner = ckptd.SaveHandle if cells[0] == "`SaveHandle`" else ckptd.Checkpointer
+        for name, args in re.findall(r"`\.?(\w+)\(([^`]*)\)`", " ".join(cells[:2] if owner is ckptd.SaveHandle
+                                                                      else cells[:1])):
+            fn = owner.__init__ if name == owner.__name__ else getattr(owner, name)
+            assert _documented_params(args) == _params(fn), f"{owner.__name__}.{name}"
+            seen.add(f"{owner.__name__}.{name}")
+    public = {f"Checkpointer.{n}" for n in vars(ckptd.Checkpointer)
+              if not n.startswith("_") and callable(getattr(ckptd.Checkpointer, n))}
+    assert public | {"Checkpointer.Checkpointer"} <= seen | {"Checkpointer.pending"}, public - seen
+    assert {"SaveHandle.done", "SaveHandle.wait"} <= seen

@@ -20,6 +20,7 @@ import torch
 import ckptd
 from ckptd import ShardedTensor
 from ckptd.format.dcp_metadata import read_index
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import SHM_DIR, allocated_nbytes, list_segments
 from tests.multiproc import run_ranks
@@ -99,7 +100,7 @@ def test_a_quarter_budget_streams_every_save_and_commits_bit_exact(tmp_path, sna
         # The node's /dev/shm never holds more than its rings, whatever the number of saves.
         assert o["peak_shm"] <= sum(p["ring_nbytes"] + HEADER_NBYTES for p in out)
     for step in (1, 2, 3):
-        d = root / f"iter_{step:07d}"
+        d = root / step_dir_name(step)
         chunks = read_index(d).tensors["a"].chunks
         assert len(chunks) > 2  # 4 MiB shards through 2 MiB rings: stored as several chunks each
         full = {k: torch.cat([_state(r, step)[k] for r in (0, 1)]) for k in ("a", "b")}

@@ -124,8 +124,8 @@ def _mcore_objects_round_trip(rank: int, world: int, root: str) -> list[str]:
         if name != "megatron":
             bad += _check_mcore(mdc.load(_mcore_state(rank, world, empty=True), path), rank, world,
                                 f"megatron load of {name}")
-    # The reproduction: a list whose entries are all sharded leaves no placeholder that
-    # Megatron-Core's load would trip over.
+    # A list whose entries are all sharded leaves no placeholder in common.pt that Megatron-Core's
+    # load would trip over.
     path = os.path.join(root, "list")
     a = _full("a")
     ckptd.save({"layers": [ckptd.ShardedTensor.from_rank_offsets("layers.a", a.clone(), replica_id=rank)]}, path)

@@ -29,7 +29,7 @@ from typing import Any
 from ckptd.client.admin import LocalDaemon, daemon_status
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
-from ckptd.daemon.main import daemon_alive, daemon_pid
+from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
 
 from .harness import Cluster, Node

@@ -42,7 +42,7 @@ def _save_fields(**changes: object) -> dict:
 def test_every_message_type_round_trips():
     samples = [
         Ping(7),
-        Hello("rank", 3, 1, 4, 1234, "/ckpts/run1"),
+        Hello(3, 1234, "/ckpts/run1"),
         Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "digest", "l1", 0,
              4242, b"s" * 16, 4096),
         Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, 0, b"", 0),
@@ -113,7 +113,7 @@ def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
 
 
 def test_no_pickle_on_the_wire():
-    body = codec.encode(Hello("rank", 0, 0, 1, 1, "/r"))[0]
+    body = codec.encode(Hello(0, 1, "/r"))[0]
     assert b"\x80\x04" not in body and b"\x80\x05" not in body  # no pickle protocol headers
     assert msgpack.unpackb(body)["t"] == int(MsgType.HELLO)
 

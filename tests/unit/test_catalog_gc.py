@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from ckptd.catalog import EntryState, resolve_target, scan_root, step_dir_name
+from ckptd.catalog import EntryState, resolve_target, scan_root
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.errors import CheckpointNotFoundError, CkptdError
 from ckptd.retention import apply_gc, plan_gc
 from tests.checkpoints import make_checkpoint, make_partial, make_root

@@ -198,15 +198,15 @@ def test_legacy_bad_inputs(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_cli_is_quiet_off_tty(tmp_path):
-    """The tool end to end, as a subprocess whose stderr is not a terminal: no progress bar."""
+    """``ckptd convert`` end to end, as a subprocess whose stderr is not a terminal: no progress bar."""
     ref = reference(experts=False)
     write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=1, ep=1, numpy_rng=False)
-    tool = str(ROOT / "tools" / "convert_legacy.py")
-    run = subprocess.run([sys.executable, tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"),
+    tool = [sys.executable, "-m", "ckptd.cli", "convert"]
+    run = subprocess.run([*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"),
                           "--no-fsync"], capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stderr == "" and f"converted {len(ref)} tensors" in run.stdout
-    run = subprocess.run([sys.executable, tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
+    run = subprocess.run([*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
                          capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert run.returncode == 1 and "already holds a checkpoint" in run.stderr
 

@@ -129,7 +129,7 @@ def test_a_child_that_hangs_times_out(ring):
     pool, dring = ring
     pid = os.fork()
     if pid == 0:
-        time.sleep(30)
+        time.sleep(30)  # the hang under test (killed below), not a wait for anything
         os._exit(0)
     try:
         wait = SnapshotWait.open(1, pid, start_block(pool, 0), block_offset(0))

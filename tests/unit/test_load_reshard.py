@@ -14,11 +14,11 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.errors import CorruptCheckpointError, LoadMismatchError, ShardingError
 from ckptd.format.dcp_metadata import read_index
-from ckptd.format.finalize import finalize
-from ckptd.format.items import PlannedItem, write_data_file
+from ckptd.format.finalize import finalize, serialize_common, write_checkpoint
+from ckptd.format.geometry import enumerate_runs, flat_range_boxes, strides
+from ckptd.format.items import PlannedItem
 from ckptd.format.records import TENSOR, ItemRecord, storage_layout
 from ckptd.load.execute import ExecOptions, LoadStats
-from ckptd.format.geometry import enumerate_runs, flat_range_boxes, strides
 from ckptd.load.loader import LoadRequest, run_load
 from ckptd.load.rawitem import locate
 from tests.integration.layouts import split
@@ -99,7 +99,7 @@ def test_fallback_for_non_contiguous_items_and_truncation(tmp_path):
         start = f.tell()
         torch.save(full[3:].clone(), f)
         rec1 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (3, 0), (3, 8)).stored_at("__0_0.distcp", start, f.tell() - start)
-    finalize(d, [rec0, rec1], _common_bytes(), fsync=False)
+    finalize(d, [rec0, rec1], serialize_common({}), fsync=False)
     for tp in (1, 2, 3):
         for r in range(tp):
             stats = LoadStats()
@@ -113,12 +113,6 @@ def test_fallback_for_non_contiguous_items_and_truncation(tmp_path):
         f.truncate(size - 100)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, d)
-
-
-def _common_bytes() -> bytes:
-    buf = io.BytesIO()
-    torch.save({}, buf)
-    return buf.getvalue()
 
 
 def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
@@ -137,8 +131,7 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
             assert gshape == (1, 2, 24)
             rec = ItemRecord("w", TENSOR, 0, "float32", gshape, offs, sizes)
             items.append(PlannedItem(rec, sh.data.reshape(sizes)))
-    stored = write_data_file(d, "__0_0.distcp", items, fsync=False)
-    finalize(d, stored, _common_bytes(), fsync=False)
+    write_checkpoint(d, [items], {}, fsync=False)
     out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, d)
     assert torch.equal(out["w"], full)
     flat = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(5), (3, 8), (0, 1, 2), flattened_range=slice(7, 12))

@@ -1,4 +1,4 @@
-"""The save path's fast paths (issue 8) produce exactly what the straightforward code did.
+"""The save path's fast paths (for many small tensors) produce exactly what the straightforward code did.
 
 - control messages and item records: field-by-field encoding, the same msgpack bytes as asdict();
 - staging: small CPU tensors staged by one memmove, every other tensor by copy_: the same bytes;
@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 
-from ckptd.client.gcpause import gc_paused
+from ckptd.gcpause import gc_paused
 from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
@@ -119,8 +119,8 @@ def test_gc_paused_restores_the_collector():
 
 
 def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
-    from ckptd.api import PlanCache, plan_save
     from ckptd.errors import ShardingError
+    from ckptd.format.saveplan import PlanCache, plan_save
     from ckptd.mapping import ShardedObject, ShardedTensor
     from ckptd.statedict.split import split_state_dict
 

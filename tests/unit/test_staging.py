@@ -12,13 +12,13 @@ import torch
 
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.api import plan_save
 from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest, planned_items, write_rank_file
 from ckptd.errors import StagingError
 from ckptd.format.finalize import finalize, serialize_common
-from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.format.items import split_large_items
+from ckptd.format.saveplan import plan_save
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
 from ckptd.staging.ring import block_offset

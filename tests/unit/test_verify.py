@@ -240,3 +240,38 @@ def test_every_truncation_of_any_file_is_found(tmp_path):
         os.truncate(damaged / name, keep)
         assert _errors(verify_checkpoint(damaged)), f"{name} cut to {keep} of {size} bytes went unnoticed"
         shutil.rmtree(damaged)
+
+
+def test_torch_save_archive_damage_is_named_with_and_without_recorded_zip_crcs():
+    """The deep check of one item's archive: zip CRC-32s recorded (torch's default, as DCP and
+    Megatron-Core write) or left 0 (ckptd's tensor items, whose bytes its own checksum covers)."""
+    from torch.utils.serialization import config
+
+    from ckptd.format.archive import torch_save_problem
+
+    for crc in (True, False):
+        before = config.save.compute_crc32
+        config.save.compute_crc32 = crc
+        try:
+            buf = io.BytesIO()
+            torch.save(torch.arange(1024, dtype=torch.float32), buf)
+        finally:
+            config.save.compute_crc32 = before
+        data = buf.getvalue()
+        assert torch_save_problem(data) is None
+        start = data.index(torch.arange(1024, dtype=torch.float32).numpy().tobytes())
+        flipped = bytearray(data)
+        flipped[start + 100] ^= 1
+        assert (torch_save_problem(bytes(flipped)) is None) is not crc  # only a recorded CRC sees it
+        if crc:
+            assert "does not match the CRC-32" in torch_save_problem(bytes(flipped))
+        # The directory says the tensor's record is longer than what follows it in the item.
+        at = data.index(b"PK\x01\x02")  # the central directory's first entry
+        while data[at + 46:at + 46 + len(b"archive/data/0")] != b"archive/data/0":
+            at = data.index(b"PK\x01\x02", at + 4)
+        longer = bytearray(data)
+        longer[at + 20:at + 28] = (len(data) * 2).to_bytes(4, "little") * 2  # compressed, uncompressed sizes
+        assert "truncated" in torch_save_problem(bytes(longer))
+        no_header = bytearray(data)
+        no_header[0:4] = b"XXXX"
+        assert "local header" in torch_save_problem(bytes(no_header))

@@ -1,0 +1,144 @@
+"""Planning one rank's save: which items it stores, each a record plus the payload to write.
+
+:func:`plan_save` turns a split state dict (:mod:`ckptd.statedict.split`) into the rank's
+:class:`~ckptd.format.items.PlannedItem` list, checking locally what can be checked without the
+other ranks (data present, metadata consistent, no duplicate within the rank); global coverage is
+checked later, by rank 0 of a synchronous save (:func:`ckptd.save`) or by the coordinator of an
+asynchronous one. Both kinds of save plan with it; an asynchronous Checkpointer passes a
+:class:`PlanCache` so that its repeated saves of an unchanged structure reuse the checked records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import ShardingError
+from ..mapping import ByteItem, ShardedTensor, is_main_replica
+from ..statedict.split import SplitStateDict
+from ..statedict.tree import path_str
+from .items import (
+    PlannedItem,
+    piece_starts,
+    plan_bytes,
+    plan_object,
+    plan_tensor_items,
+    tensor_payloads,
+)
+from .records import ItemRecord
+from .validate import check_local_duplicates
+
+
+class _PlanEntry(NamedTuple):
+    """What one ShardedTensor's last save planned."""
+
+    signature: tuple  # :func:`_tensor_signature`
+    records: tuple[ItemRecord, ...]  # checked
+    starts: tuple[int, ...]  # the flat start of each record's piece
+    direct: bool  # its single item's payload is ``data`` itself
+
+
+@dataclass
+class PlanCache:
+    """What :func:`plan_save` may reuse on a Checkpointer's next save.
+
+    ``entries``: per state-dict path of a ShardedTensor, what its last save planned.
+    ``checked``: the last record list that passed the duplicate check.
+    """
+
+    entries: dict[Any, _PlanEntry] = field(default_factory=dict)
+    checked: tuple[ItemRecord, ...] = ()
+
+
+def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) -> list[PlannedItem]:
+    """Items this rank stores: main replicas only, in state-dict order.
+
+    Raises ShardingError (naming key and rank) for data that cannot be saved: a ShardedTensor
+    without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
+    With a ``cache`` (a Checkpointer's, across its saves), a ShardedTensor whose metadata, data
+    shape, dtype and device equal the previous save's at the same path reuses that save's
+    checked records: only its payload views are made again; and a record list equal to the last
+    one checked is not checked for duplicates again.
+    """
+    items: list[PlannedItem] = []
+    fresh: dict[Any, _PlanEntry] = {}
+    old = cache.entries if cache is not None else {}
+    for path, sh in split.sharded.items():
+        if isinstance(sh, ShardedTensor):
+            sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
+            hit = old.get(path) if sig is not None else None
+            if hit is not None and hit.signature == sig:
+                if hit.direct:
+                    items.append(PlannedItem(hit.records[0], sh.data))  # type: ignore[arg-type]
+                else:
+                    items.extend(PlannedItem(r, p) for r, p in
+                                 zip(hit.records, tensor_payloads(sh, hit.records, hit.starts)))
+            else:
+                _check_tensor_data(sh, path, rank)
+                planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
+                dcp_path = split.dcp_paths.get(sh.key)
+                if dcp_path is not None:
+                    planned = [PlannedItem(replace(i.record, path=dcp_path), i.payload) for i in planned]
+                items.extend(planned)
+                if sig is not None:
+                    hit = _PlanEntry(sig, tuple(i.record for i in planned),
+                                     piece_starts(sh) if planned else (),
+                                     len(planned) == 1 and planned[0].payload is sh.data)
+            if sig is not None:
+                fresh[path] = hit  # type: ignore[assignment]
+        elif isinstance(sh, ByteItem):
+            if rank == 0:
+                items.append(plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ())))
+        elif is_main_replica(sh.replica_id):
+            items.append(plan_object(sh, rank))
+    records = tuple(i.record for i in items)
+    # Equal records pass the check equally; the comparison is by identity for reused records.
+    if cache is None or records != cache.checked:
+        check_local_duplicates(records, rank)
+    if cache is not None:
+        cache.entries = fresh
+        cache.checked = records
+    return items
+
+
+def _tensor_signature(sh: ShardedTensor) -> tuple:
+    """Everything plan_tensor_items and its checks read, except the data's values and address."""
+    d = sh.data
+    fr = sh.flattened_range
+    return (sh.key, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset, sh.axis_fragmentations,
+            sh.replica_id, sh.prepend_axis_num, sh.allow_shape_mismatch,
+            None if fr is None else (fr.start, fr.stop, fr.step),
+            d.dtype, d.shape, d.is_cpu or d.device, d.layout)  # type: ignore[union-attr]
+
+
+def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
+    data = sh.data
+    if type(data) is torch.Tensor and data.device.type != "meta":
+        # The common case, without building the error text (a save checks every item).
+        try:
+            sh.validate_metadata_integrity()
+        except ShardingError as exc:
+            raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
+        return
+    where = f"ShardedTensor '{sh.key}' at {path_str(path)} (rank {rank})"
+    if sh.data is None:
+        raise ShardingError(f"{where} has no data to save; pass the tensor as data")
+    if not isinstance(sh.data, torch.Tensor):
+        raise ShardingError(
+            f"{where}: data is a {type(sh.data).__name__}, not a torch.Tensor; wrap non-tensor "
+            "values in ShardedObject or leave them as common state"
+        )
+    if type(sh.data) is not torch.nn.Parameter and type(sh.data) is not torch.Tensor:
+        raise ShardingError(
+            f"{where}: data is a {type(sh.data).__module__}.{type(sh.data).__qualname__}, a tensor "
+            "subclass whose bytes ckptd cannot take as the tensor's values; pass a plain tensor "
+            "(e.g. dtensor.to_local(), or the subclass's dequantized values)"
+        )
+    if sh.data.device.type == "meta":
+        raise ShardingError(f"{where}: data is a meta tensor (no values); materialize it first")
+    try:
+        sh.validate_metadata_integrity()
+    except ShardingError as exc:
+        raise ShardingError(f"{exc} (at {path_str(path)}, rank {rank})") from None
