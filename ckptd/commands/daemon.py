@@ -68,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
             nnodes = args.nnodes if args.nnodes is not None else env.nnodes
             node = args.node if args.node is not None else 0
             env = replace(env, node=node, local_world_size=1, world_size=nnodes, rank=node, local_rank=0)
+        given = args.coordinator_connect or args.coordinator_bind
+        if given and not config.coordinator_port:
+            # An address given here needs no MASTER_PORT / CKPTD_COORDINATOR_PORT to derive one.
+            config = config.replace(coordinator_port=_port_of(given))
         ep = Endpoints.for_job(args.root, env, config)
-        if args.coordinator_connect or args.coordinator_bind:
+        if given:
             ep = replace(ep, coordinator_connect=args.coordinator_connect or ep.coordinator_connect,
                          coordinator_bind=args.coordinator_bind or ep.coordinator_bind)
     except CkptdError as exc:
@@ -82,6 +86,16 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
                       nnodes=env.nnodes)
+
+
+def _port_of(address: str) -> int:
+    """The port of a ``tcp://host:port`` address."""
+    from ..errors import CkptdError
+
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not (address.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise CkptdError(f"coordinator address {address!r}: use tcp://HOST:PORT")
+    return int(port)
 
 
 def _stop(root: str, config: CkptdConfig) -> int:

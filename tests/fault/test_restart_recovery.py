@@ -111,8 +111,9 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
     root = tmp_path / "ckpts"
     root.mkdir()
     runtime = Path(tempfile.mkdtemp(prefix="ckr", dir="/tmp"))
-    env = _env(runtime, CKPTD_COORDINATOR_PORT=str(free_port()), CKPTD_COMMIT_TIMEOUT_S="1")
-    cfg = CkptdConfig.from_env(env)
+    port = free_port()
+    env = _env(runtime, CKPTD_COMMIT_TIMEOUT_S="1")  # the coordinator's address given explicitly below
+    cfg = CkptdConfig.from_env(env, coordinator_port=port)
     eps = [Endpoints.for_job(root, JobEnv(rank=n, world_size=2, node=n, local_world_size=1), cfg) for n in (0, 1)]
     ensure_private_dir(runtime)
     segments = [_orphan_segment(segment_name(ep.shm_prefix, ep.node, new_generation(), 0)) for ep in eps]
@@ -121,11 +122,13 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
     (partial / "__1_0.distcp").write_bytes(b"written by node 1 before the crash")
     try:
         # Node 1 first: it may clean only its own segments, and never the job's saves.
-        assert _daemon(env, root, "--node", "1", "--nnodes", "2").returncode == 0
+        node1 = _daemon(env, root, "--node", "1", "--nnodes", "2", "--coordinator-connect", f"tcp://127.0.0.1:{port}")
+        assert node1.returncode == 0, node1.stderr
         assert not segments[1].exists() and segments[0].exists() and partial.exists()
         # The coordinator cannot know whether another node still writes into that attempt of step 3:
         # it adopts it, and once nobody completed it within the commit timeout, aborts and removes it.
-        assert _daemon(env, root, "--node", "0", "--nnodes", "2").returncode == 0
+        node0 = _daemon(env, root, "--node", "0", "--nnodes", "2", "--coordinator-bind", f"tcp://127.0.0.1:{port}")
+        assert node0.returncode == 0, node0.stderr
         assert not segments[0].exists()
         wait_until(lambda: not partial.exists(), 20, "the adopted, abandoned save to be removed")
         assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
