@@ -55,7 +55,6 @@ import psutil
 import torch
 import zmq
 
-from ..format.rootlayout import step_dir_name
 from ..control.channel import Endpoint, make_socket
 from ..control.keys import derive_keys
 from ..control.netaddr import tcp_address
@@ -68,10 +67,10 @@ from ..control.protocol import (
     StepCommitted,
     Written,
 )
-from ..daemon.commit import tmp_name
 from ..format.finalize import serialize_common
 from ..format.items import plan_tensor_items, write_data_file
 from ..format.layout import data_file_name
+from ..format.rootlayout import step_dir_name, tmp_dir
 from ..mapping import ShardedTensor
 
 log = logging.getLogger(__name__)
@@ -260,7 +259,7 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
         runs = []
         for step in range(1, commits + 1):
             attempt = f"{secrets.token_hex(6)}-1"
-            tmp = root / tmp_name(step, attempt)
+            tmp = tmp_dir(root, step, attempt)
             tmp.mkdir()
             for rank in range(ranks):
                 os.link(template / data_file_name(rank), tmp / data_file_name(rank))
