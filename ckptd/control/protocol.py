@@ -107,6 +107,7 @@ class Pong(Message):
     TYPE: ClassVar[MsgType] = MsgType.PONG
     nonce: int
     instance: str  # the answering daemon's (a new one: it restarted)
+    pid: int  # its process (tools check that they talk to the daemon they started)
 
 
 @dataclass(frozen=True)

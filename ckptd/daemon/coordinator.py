@@ -145,7 +145,7 @@ class Coordinator:
     def _dispatch(self, identity: bytes, msg: Message, _peer: str | None) -> None:
         if isinstance(msg, Ping):
             self.nodes.setdefault(identity, -1)
-            self.ep.send(Pong(msg.nonce, self.instance), identity)
+            self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
         elif isinstance(msg, Written):
             self.nodes[identity] = msg.node
             self._on_written(identity, msg)

@@ -98,7 +98,7 @@ class RankServer:
 
     def _on_request(self, identity: bytes, msg: Message, peer: str | None) -> None:
         if isinstance(msg, Ping):
-            self.ep.send(Pong(msg.nonce, self.hooks.instance), identity)
+            self.ep.send(Pong(msg.nonce, self.hooks.instance, os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterPool):
