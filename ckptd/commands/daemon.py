@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
             env = replace(env, node=node, local_world_size=1, world_size=nnodes, rank=node, local_rank=0)
         given = args.coordinator_connect or args.coordinator_bind
         if given and not config.coordinator_port:
-            # An address given here needs no MASTER_PORT / CKPTD_COORDINATOR_PORT to derive one.
+            # An address given here needs no MASTER_PORT / CKPTD_COORDINATOR_PORT to derive one
+            # (port 0: an ephemeral port, for a single node).
             config = config.replace(coordinator_port=_port_of(given))
         ep = Endpoints.for_job(args.root, env, config)
         if given:
@@ -89,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _port_of(address: str) -> int:
-    """The port of a ``tcp://host:port`` address."""
+    """The port of a ``tcp://host:port`` address (0: ephemeral)."""
     from ..errors import CkptdError
 
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not (address.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
+    if not (address.startswith("tcp://") and sep and host and port.isdigit() and int(port) < 65536):
         raise CkptdError(f"coordinator address {address!r}: use tcp://HOST:PORT")
     return int(port)
 
