@@ -24,8 +24,8 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .load.keymap import Fuse, Rename, Split
 from .load.execute import LoadStats
+from .load.keymap import Fuse, Rename, Split
 from .load.strict import StrictHandling
 from .mapping import (
     LocalNonPersistentObject,

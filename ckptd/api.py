@@ -54,9 +54,7 @@ def check_save_target(checkpoint_dir: Path) -> None:
     """Raise unless ``checkpoint_dir`` can receive a new checkpoint (absent, or a directory
     holding no checkpoint)."""
     if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-        raise CheckpointExistsError(
-            f"{checkpoint_dir} exists and is not a directory; save to a new directory"
-        )
+        raise CheckpointExistsError(f"{checkpoint_dir} exists and is not a directory; save to a new directory")
     for marker in (METADATA_JSON, DCP_METADATA):
         if (checkpoint_dir / marker).exists():
             raise CheckpointExistsError(
@@ -179,11 +177,19 @@ def warn_differing_common(digests: list[str | None], rank: int, where: str) -> N
     if not differing:
         return
     if rank == 0:
-        log.warning("save of %s: the common state of ranks %s differs from rank 0's; only rank 0's "
-                    "is saved (keep per-rank values in ShardedObjects)", where, differing)
+        log.warning(
+            "save of %s: the common state of ranks %s differs from rank 0's; only rank 0's "
+            "is saved (keep per-rank values in ShardedObjects)",
+            where,
+            differing,
+        )
     elif rank in differing:
-        log.warning("save of %s: this rank's (%d) common state differs from rank 0's, which is the one "
-                    "saved; keep per-rank values in ShardedObjects", where, rank)
+        log.warning(
+            "save of %s: this rank's (%d) common state differs from rank 0's, which is the one "
+            "saved; keep per-rank values in ShardedObjects",
+            where,
+            rank,
+        )
 
 
 def _open_checkpoint(checkpoint_dir: str | os.PathLike, allow_unsafe_pickle: bool) -> CheckpointIndex:
@@ -232,10 +238,18 @@ def load(
     ``*_all``).
     """
     index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
-    return run_load(index, LoadRequest(
-        sharded_state_dict, checkpoint_dir, allow_unsafe_pickle, strict, key_mapping,
-        process_group, stats,
-    ))
+    return run_load(
+        index,
+        LoadRequest(
+            sharded_state_dict,
+            checkpoint_dir,
+            allow_unsafe_pickle,
+            strict,
+            key_mapping,
+            process_group,
+            stats,
+        ),
+    )
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
@@ -272,10 +286,13 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
     return out
 
 
-def load_plain_tensors(checkpoint_dir: str | os.PathLike, *,
-                       progress: Callable[[int], None] | None = None,
-                       batch_nbytes: int = 256 << 20,
-                       allow_unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
+def load_plain_tensors(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    progress: Callable[[int], None] | None = None,
+    batch_nbytes: int = 256 << 20,
+    allow_unsafe_pickle: bool = False,
+) -> dict[str, torch.Tensor]:
     """Every stored tensor, whole, as a plain CPU tensor (no sharding; for inspection/conversion).
 
     No pickled state is decoded (``common.pt``, objects), so a checkpoint whose common state holds
@@ -301,9 +318,8 @@ def load_plain_tensors(checkpoint_dir: str | os.PathLike, *,
         pending = 0
 
     for key, sh in templates.items():
-        sh.init_data("cpu")
         batch[key] = sh
-        pending += sh.data.nbytes
+        pending += sh.init_data("cpu").nbytes
         if pending >= batch_nbytes:
             flush()
     flush()

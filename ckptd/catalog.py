@@ -2,9 +2,10 @@
 
 A *root* is where an asynchronous Checkpointer saves a series of checkpoints; the names of what
 it holds (the ``latest`` tracker, ``iter_<step>`` directories, ``.tmp`` attempts, ``.deleting``
-leftovers of gc) are :mod:`ckptd.format.rootlayout`'s. A single checkpoint directory (written by ``ckptd.save``, torch DCP or Megatron-Core) holds
-``metadata.json``, ``common.pt``, ``.metadata`` and ``__<rank>_<n>.distcp`` files.
-:func:`resolve_target` tells the two apart for the command-line tools.
+leftovers of gc) are :mod:`ckptd.format.rootlayout`'s. A single checkpoint directory (written by
+``ckptd.save``, torch DCP or Megatron-Core) holds ``metadata.json``, ``common.pt``, ``.metadata``
+and ``__<rank>_<n>.distcp`` files. :func:`resolve_target` tells the two apart for the command-line
+tools.
 """
 
 from __future__ import annotations
@@ -149,24 +150,32 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
             state = EntryState.DELETING
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
-        cat.entries.append(CheckpointEntry(name, path, parsed.step, state, dir_usage(path),
-                                           is_latest=name == cat.latest_name))
+        cat.entries.append(
+            CheckpointEntry(name, path, parsed.step, state, dir_usage(path), is_latest=name == cat.latest_name)
+        )
     cat.entries.sort(key=lambda e: (e.step, e.name))
     if cat.latest_name is not None and cat.tracker_problem is None:
         target = root / cat.latest_name
         if os.path.islink(target):
-            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is a "
-                                   "symbolic link; ckptd never follows a link inside a checkpoint root")
+            cat.tracker_problem = (
+                f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is a "
+                "symbolic link; ckptd never follows a link inside a checkpoint root"
+            )
         elif not target.is_dir():
-            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which does "
-                                   "not exist; restore it or rewrite the tracker")
+            cat.tracker_problem = (
+                f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which does "
+                "not exist; restore it or rewrite the tracker"
+            )
         elif not is_checkpoint_dir(target):
-            cat.tracker_problem = (f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is "
-                                   f"not a complete checkpoint ({METADATA_JSON} is missing)")
+            cat.tracker_problem = (
+                f"tracker {root / TRACKER_FILE} names {cat.latest_name!r}, which is "
+                f"not a complete checkpoint ({METADATA_JSON} is missing)"
+            )
         elif parse_step_dir(cat.latest_name) is None:
             # A committed checkpoint outside the iter_<step> naming: still list it, it is what loads.
-            cat.entries.append(CheckpointEntry(cat.latest_name, target, -1, EntryState.COMMITTED,
-                                               dir_usage(target), is_latest=True))
+            cat.entries.append(
+                CheckpointEntry(cat.latest_name, target, -1, EntryState.COMMITTED, dir_usage(target), is_latest=True)
+            )
             if cat.latest_name in cat.others:
                 cat.others.remove(cat.latest_name)
     return cat
@@ -190,9 +199,7 @@ def resolve_target(path: str | os.PathLike) -> Target:
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not path.is_dir():
-        raise CheckpointNotFoundError(
-            f"{path} is a file; pass a checkpoint directory or a checkpoint root directory"
-        )
+        raise CheckpointNotFoundError(f"{path} is a file; pass a checkpoint directory or a checkpoint root directory")
     if looks_like_checkpoint_dir(path):
         return Target(path, is_root=False)
     if entry_exists(path, TRACKER_FILE) or any(parse_step_dir(n) for n in os.listdir(path)):

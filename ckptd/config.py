@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import CkptdError
 
 ENV_PREFIX = "CKPTD_"
-_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
 ON_FULL_POLICIES = ("wait", "skip")
 SNAPSHOT_MODES = ("auto", "copy", "lazy")
 
@@ -116,7 +127,7 @@ class CkptdConfig:
                 raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "CkptdConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CkptdConfig:
         """Defaults, then ``CKPTD_<FIELD>`` variables, then keyword ``overrides`` (highest)."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -130,7 +141,7 @@ class CkptdConfig:
         values.update(overrides)
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "CkptdConfig":
+    def replace(self, **changes: Any) -> CkptdConfig:
         return dataclasses.replace(self, **changes)
 
     def to_env(self) -> dict[str, str]:
@@ -155,14 +166,16 @@ def parse_budget(budget: str) -> tuple[float, int]:
                 return fraction, 0
         else:
             digits = text.rstrip("KMGTIB")
-            value = float(digits) * _UNITS[text[len(digits):]]
+            value = float(digits) * _UNITS[text[len(digits) :]]
             if value >= 1:
                 return 0.0, int(value)
     except (KeyError, ValueError):
         pass
-    raise CkptdError(f"config staging_budget={budget!r}: use a multiple of one save (\"1.25x\", or "
-                     "\"0.25x\" to stream saves through a quarter of their size) or bytes per node "
-                     "(\"8GiB\")")
+    raise CkptdError(
+        f'config staging_budget={budget!r}: use a multiple of one save ("1.25x", or '
+        '"0.25x" to stream saves through a quarter of their size) or bytes per node '
+        '("8GiB")'
+    )
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:
@@ -183,6 +196,4 @@ def _parse(name: str, type_name: Any, raw: str) -> Any:
             return float(raw)
         return raw
     except ValueError:
-        raise CkptdError(
-            f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}"
-        ) from None
+        raise CkptdError(f"environment variable {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from None

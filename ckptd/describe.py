@@ -86,8 +86,7 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickl
     root = Path(checkpoint_dir)
     backend = read_backend_metadata(root) if entry_exists(root, METADATA_JSON) else None
     if backend is None and not entry_exists(root, DCP_METADATA):
-        raise CheckpointNotFoundError(f"{root} is not a checkpoint: neither {METADATA_JSON} nor "
-                                      f"{DCP_METADATA} exists")
+        raise CheckpointNotFoundError(f"{root} is not a checkpoint: neither {METADATA_JSON} nor {DCP_METADATA} exists")
     index = read_index(root, allow_unsafe_pickle)
     out = CheckpointSummary(str(root), backend)
     files: set[str] = set()
@@ -97,9 +96,18 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickl
         chunk_files = sorted({c.relative_path for c in t.chunks})
         files.update(chunk_files)
         done = sum(c.crc32 is not None for c in t.chunks)
-        out.tensors.append(TensorInfo(key, str(t.dtype).removeprefix("torch."), t.shape,
-                                      math.prod(t.shape) * element, len(t.chunks),
-                                      shapes.most_common(), chunk_files, done))
+        out.tensors.append(
+            TensorInfo(
+                key,
+                str(t.dtype).removeprefix("torch."),
+                t.shape,
+                math.prod(t.shape) * element,
+                len(t.chunks),
+                shapes.most_common(),
+                chunk_files,
+                done,
+            )
+        )
         out.items += len(t.chunks)
         out.checksummed_items += done
     for key, o in sorted(index.objects.items()):
@@ -117,8 +125,10 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickl
     try:
         common = read_common(root, allow_unsafe_pickle)
     except UnsafePickleError:
-        out.common_note = (f"{COMMON_PT} holds objects outside torch's weights-only allow-list; "
-                           "pass --allow-unsafe-pickle to list its keys (only if you trust it)")
+        out.common_note = (
+            f"{COMMON_PT} holds objects outside torch's weights-only allow-list; "
+            "pass --allow-unsafe-pickle to list its keys (only if you trust it)"
+        )
         return out
     except Exception as exc:  # noqa: BLE001 - a damaged common.pt must not hide the index
         out.common_note = f"{COMMON_PT} cannot be decoded ({exc}); run ckptd verify"

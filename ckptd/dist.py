@@ -7,8 +7,9 @@ raised on every rank (with that rank's message) instead of leaving the others ha
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as tdist
 
@@ -25,7 +26,7 @@ class DistContext:
     group: Any = None
 
     @classmethod
-    def current(cls, group: Any = None) -> "DistContext":
+    def current(cls, group: Any = None) -> DistContext:
         if tdist.is_available() and tdist.is_initialized():
             return cls(tdist.get_rank(group), tdist.get_world_size(group), group)
         return cls(0, 1, None)

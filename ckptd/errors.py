@@ -82,7 +82,7 @@ class StorageError(CkptdError):
     filesystem. Nothing of the save became visible; earlier checkpoints are untouched."""
 
     @classmethod
-    def from_oserror(cls, exc: OSError, path: str | os.PathLike) -> "StorageError":
+    def from_oserror(cls, exc: OSError, path: str | os.PathLike) -> StorageError:
         """``<path>: <strerror> (<ERRNO>); <what to do>`` for the OSError of writing ``path``."""
         where = exc.filename if exc.filename is not None else path
         name = errno.errorcode.get(exc.errno or 0, "unknown errno")
@@ -92,13 +92,12 @@ class StorageError(CkptdError):
 
 _STORAGE_HINTS = {
     errno.ENOSPC: "the filesystem is full: free space on it or keep fewer checkpoints "
-                  "(CKPTD_KEEP_LAST), then save again",
+    "(CKPTD_KEEP_LAST), then save again",
     errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then save again",
-    errno.EACCES: f"permission denied for uid {os.getuid()}: make the checkpoint root writable for "
-                  "the daemon's user",
+    errno.EACCES: f"permission denied for uid {os.getuid()}: make the checkpoint root writable for the daemon's user",
     errno.EPERM: f"operation not permitted for uid {os.getuid()}: make the checkpoint root writable "
-                 "for the daemon's user",
+    "for the daemon's user",
     errno.EROFS: "the filesystem is mounted read-only: remount it read-write or save to another root",
     errno.ENOENT: "the save's directory was removed meanwhile (its step was aborted, or `ckptd gc` "
-                  "removed it as abandoned)",
+    "removed it as abandoned)",
 }

@@ -15,8 +15,9 @@ A *sharded state dict* is a nested dict/list whose leaves are:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -74,26 +75,20 @@ class ShardedTensor:
             if self.data.dtype != self.dtype:
                 self._fail(f"data dtype {self.data.dtype} differs from declared dtype {self.dtype}")
             if self.flattened_range is None and tuple(self.data.shape) != self.local_shape:
-                self._fail(
-                    f"data shape {tuple(self.data.shape)} differs from local_shape {self.local_shape}"
-                )
+                self._fail(f"data shape {tuple(self.data.shape)} differs from local_shape {self.local_shape}")
         if len(self.global_shape) != len(self.global_offset):
             self._fail(
-                f"global_offset {self.global_offset} and global_shape {self.global_shape} "
-                "have different lengths"
+                f"global_offset {self.global_offset} and global_shape {self.global_shape} have different lengths"
             )
         if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):
             self._fail(
                 f"local_shape {self.local_shape} plus prepend_axis_num={self.prepend_axis_num} "
                 f"does not match the {len(self.global_shape)} axes of global_shape"
             )
-        for axis, (off, loc, glob) in enumerate(
-            zip(self.global_offset, self.chunk_shape(), self.global_shape)
-        ):
+        for axis, (off, loc, glob) in enumerate(zip(self.global_offset, self.chunk_shape(), self.global_shape)):
             if off < 0 or loc < 0 or (off + loc > glob and not self.allow_shape_mismatch):
                 self._fail(
-                    f"chunk [{off}, {off + loc}) on axis {axis} lies outside the global shape "
-                    f"{self.global_shape}"
+                    f"chunk [{off}, {off + loc}) on axis {axis} lies outside the global shape {self.global_shape}"
                 )
         if self.flattened_range is not None:
             fr = self.flattened_range
@@ -105,8 +100,7 @@ class ShardedTensor:
                 )
             if self.data is not None and tuple(self.data.shape) != (fr.stop - fr.start,):
                 self._fail(
-                    f"data shape {tuple(self.data.shape)} must be ({fr.stop - fr.start},) "
-                    f"for flattened_range {fr}"
+                    f"data shape {tuple(self.data.shape)} must be ({fr.stop - fr.start},) for flattened_range {fr}"
                 )
             if self.axis_fragmentations is None:
                 self._fail("flattened_range needs a regular grid (axis_fragmentations)")
@@ -115,19 +109,20 @@ class ShardedTensor:
         """Shape of the local chunk in global coordinates (prepended axes have size 1)."""
         return (1,) * self.prepend_axis_num + self.local_shape
 
-    def without_data(self) -> "ShardedTensor":
+    def without_data(self) -> ShardedTensor:
         return replace(self, data=None)
 
-    def init_data(self, device: str | torch.device = "cpu", init_fn: Callable = torch.empty) -> None:
-        """Allocate ``data`` (for load templates built from metadata)."""
+    def init_data(self, device: str | torch.device = "cpu", init_fn: Callable = torch.empty) -> torch.Tensor:
+        """Allocate ``data`` (for load templates built from metadata) unless it is there; ``data``."""
         if self.data is not None:
-            return
+            return self.data
         shape = (
             (self.flattened_range.stop - self.flattened_range.start,)
             if self.flattened_range is not None
             else self.local_shape
         )
         self.data = init_fn(shape, dtype=self.dtype, device=device)
+        return self.data
 
     @classmethod
     def from_rank_offsets(
@@ -138,7 +133,7 @@ class ShardedTensor:
         replica_id: ReplicaId = 0,
         prepend_axis_num: int = 0,
         **init_kwargs: Any,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """Build from ``(axis, axis_rank_offset, axis_fragmentations)`` triples.
 
         Each triple says: split the global tensor into ``axis_fragmentations`` equal parts along
@@ -155,12 +150,7 @@ class ShardedTensor:
         fragments = [1] * ndim
         seen: set[int] = set()
         for axis, axis_rank_offset, axis_fragm in rank_offsets:
-            if (
-                not 0 <= axis < ndim
-                or axis in seen
-                or axis_fragm < 1
-                or not 0 <= axis_rank_offset < axis_fragm
-            ):
+            if not 0 <= axis < ndim or axis in seen or axis_fragm < 1 or not 0 <= axis_rank_offset < axis_fragm:
                 raise ShardingError(
                     f"ShardedTensor '{key}': invalid rank offsets {rank_offsets} for a "
                     f"{ndim}-D global tensor; each is (axis, rank_offset < fragments, fragments)"
@@ -194,7 +184,7 @@ class ShardedTensor:
         replica_id: ReplicaId = 0,
         prepend_axis_num: int = 0,
         **init_kwargs: Any,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """Like :meth:`from_rank_offsets` for a 1-D slice of the flattened local chunk.
 
         ``non_flat_local_shape`` is the shape of the whole local chunk; ``data`` holds its
@@ -246,11 +236,11 @@ class ShardedObject:
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offsets}_{shape}"
 
-    def without_data(self) -> "ShardedObject":
+    def without_data(self) -> ShardedObject:
         return replace(self, data=None)
 
     @classmethod
-    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         """Inverse of :attr:`unique_key` (data is None)."""
         try:
             key, shard = unique_key.rsplit("/", 1)

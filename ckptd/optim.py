@@ -23,8 +23,9 @@ parameter, so it gets one sharding (the first model key wrapping it) and is stor
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,8 +71,11 @@ def param_shardings(optimizer: torch.optim.Optimizer, model_sharded_state_dict: 
 def _check_unique(shardings: Sequence[ShardedTensor]) -> None:
     seen: dict[tuple[str, tuple[int, ...], Any], int] = {}
     for i, sh in enumerate(shardings):
-        ident = (sh.key, sh.global_offset, None if sh.flattened_range is None else
-                 (sh.flattened_range.start, sh.flattened_range.stop))
+        ident = (
+            sh.key,
+            sh.global_offset,
+            None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop),
+        )
         if ident in seen:
             raise ShardingError(
                 f"optimizer parameters #{seen[ident]} and #{i} both map to the shard of '{sh.key}' "
@@ -118,8 +122,9 @@ def _ordered_ids(state_dict: dict) -> list[Any]:
     return [pid for g in state_dict["param_groups"] for pid in g["params"]]
 
 
-def sharded_optimizer_state(optimizer: OptimizerLike, shardings: Sequence[ShardedTensor], *,
-                            prefix: str = "optimizer") -> dict[str, Any]:
+def sharded_optimizer_state(
+    optimizer: OptimizerLike, shardings: Sequence[ShardedTensor], *, prefix: str = "optimizer"
+) -> dict[str, Any]:
     """``{"state": {param_key: {name: sharded entry}}, "param_groups": [hyper-parameters]}``.
 
     ``shardings[i]`` describes optimizer parameter ``i`` (state-dict order); the optimizer's
@@ -128,16 +133,13 @@ def sharded_optimizer_state(optimizer: OptimizerLike, shardings: Sequence[Sharde
     sd = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
     ids = _ordered_ids(sd)
     if len(ids) != len(shardings):
-        raise ShardingError(
-            f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given"
-        )
+        raise ShardingError(f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given")
     _check_unique(shardings)
     state: dict[str, dict[str, Any]] = {}
     for pid, sh in zip(ids, shardings):
         entries = sd["state"].get(pid, {})
         state[sh.key] = {
-            name: _shard_value(_state_key(prefix, name, sh), name, value, sh)
-            for name, value in entries.items()
+            name: _shard_value(_state_key(prefix, name, sh), name, value, sh) for name, value in entries.items()
         }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}
@@ -152,14 +154,19 @@ def _stored_state_names(checkpoint_dir: Any, prefix: str) -> dict[str, dict[str,
     for entry in load_sharded_metadata(checkpoint_dir).values():
         if not entry.key.startswith(head):
             continue
-        name, _, param_key = entry.key[len(head):].partition(".")
+        name, _, param_key = entry.key[len(head) :].partition(".")
         if param_key:
             out.setdefault(param_key, {})[name] = entry
     return out
 
 
-def optimizer_load_template(optimizer: torch.optim.Optimizer, shardings: Sequence[ShardedTensor],
-                            checkpoint_dir: Any, *, prefix: str = "optimizer") -> dict[str, Any]:
+def optimizer_load_template(
+    optimizer: torch.optim.Optimizer,
+    shardings: Sequence[ShardedTensor],
+    checkpoint_dir: Any,
+    *,
+    prefix: str = "optimizer",
+) -> dict[str, Any]:
     """The load request for the optimizer state stored in ``checkpoint_dir`` at this layout.
 
     Entries come from the checkpoint's metadata (so a fresh optimizer without state can resume);
@@ -167,9 +174,7 @@ def optimizer_load_template(optimizer: torch.optim.Optimizer, shardings: Sequenc
     """
     params = _params(optimizer)
     if len(params) != len(shardings):
-        raise ShardingError(
-            f"the optimizer has {len(params)} parameters but {len(shardings)} shardings were given"
-        )
+        raise ShardingError(f"the optimizer has {len(params)} parameters but {len(shardings)} shardings were given")
     stored = _stored_state_names(checkpoint_dir, prefix)
     state: dict[str, dict[str, Any]] = {}
     for p, sh in zip(params, shardings):
@@ -180,22 +185,29 @@ def optimizer_load_template(optimizer: torch.optim.Optimizer, shardings: Sequenc
             if isinstance(meta, ShardedObject):
                 entries[name] = ShardedObject(key, None, (1,), (0,), 1)
             elif meta.global_shape == ():
-                entries[name] = ShardedTensor(key, torch.empty((), dtype=meta.dtype), meta.dtype,
-                                              (), (), (), (), 1)
+                entries[name] = ShardedTensor(key, torch.empty((), dtype=meta.dtype), meta.dtype, (), (), (), (), 1)
             else:
                 cur = have.get(name)
-                ok = (isinstance(cur, torch.Tensor) and cur.dtype == meta.dtype
-                      and tuple(cur.shape) == _local_shape(sh) and cur.device.type == "cpu"
-                      and cur.is_contiguous())
+                ok = (
+                    isinstance(cur, torch.Tensor)
+                    and cur.dtype == meta.dtype
+                    and tuple(cur.shape) == _local_shape(sh)
+                    and cur.device.type == "cpu"
+                    and cur.is_contiguous()
+                )
                 data = cur if ok else torch.empty(_local_shape(sh), dtype=meta.dtype)
                 entries[name] = replace(sh, key=key, data=data, dtype=meta.dtype)
         state[sh.key] = entries
     return {"state": state}
 
 
-def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, Any],
-                            shardings: Sequence[ShardedTensor], *,
-                            restore_hyperparams: bool = True) -> None:
+def restore_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    loaded: dict[str, Any],
+    shardings: Sequence[ShardedTensor],
+    *,
+    restore_hyperparams: bool = True,
+) -> None:
     """Load ``loaded`` (the optimizer part of ``ckptd.load``'s result) into ``optimizer``.
 
     Parameter ids come from the live optimizer; hyper-parameters from the checkpoint's
@@ -204,9 +216,7 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, 
     live = optimizer.state_dict()
     ids = _ordered_ids(live)
     if len(ids) != len(shardings):
-        raise ShardingError(
-            f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given"
-        )
+        raise ShardingError(f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given")
     stored_state = loaded.get("state", {})
     new_state = {}
     for pid, sh in zip(ids, shardings):

@@ -28,11 +28,11 @@ def format_bytes(nbytes: float) -> str:
     value = float(nbytes)
     if abs(value) < 1024:
         return f"{value:.0f} B"
-    for unit in _UNITS[1:]:
+    for unit in _UNITS[1:-1]:
         value /= 1024
         if abs(value) < 1024:
-            break
-    return f"{value:.1f} {unit}"
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} {_UNITS[-1]}"
 
 
 def format_duration(seconds: float) -> str:
@@ -67,15 +67,26 @@ class Progress:
         self.enabled = enabled
         self.label = label
         self.done = 0
-        self._bar = tqdm(total=max(0, int(total)), desc=label, unit="B", unit_scale=True, unit_divisor=1024,
-                         file=self.stream, disable=not enabled, mininterval=min_interval_s, leave=True,
-                         dynamic_ncols=False, ncols=100, nrows=40)  # a pty may report 0x0
+        self._bar = tqdm(
+            total=max(0, int(total)),
+            desc=label,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=self.stream,
+            disable=not enabled,
+            mininterval=min_interval_s,
+            leave=True,
+            dynamic_ncols=False,
+            ncols=100,
+            nrows=40,
+        )  # a pty may report 0x0
 
     @property
     def total(self) -> int:
         return int(self._bar.total or 0)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -50,8 +50,7 @@ class GcPlan:
         return sum(r.entry.usage.nbytes for r in self.remove)
 
 
-def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S,
-            now: float | None = None) -> GcPlan:
+def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
     """Decide what a collection removes (see the module docstring); touches nothing."""
     if keep < 1:
         raise CkptdError(f"gc: keep must be >= 1, got {keep}")
@@ -60,8 +59,7 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S,
     now = time.time() if now is None else now
     plan = GcPlan(cat.root)
     if cat.tracker_problem is not None:
-        plan.refused = (f"{cat.tracker_problem}; committed checkpoints are left alone until the "
-                        "tracker is fixed")
+        plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
     committed = sorted(cat.committed, key=lambda e: e.step, reverse=True)
     for rank, e in enumerate(committed):
         if e.is_latest:
@@ -76,11 +74,11 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S,
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime
             if age_s >= grace_s:
-                plan.remove.append(Removal(e, f"abandoned save, last written {age_s:.0f} s ago "
-                                              f"(grace {grace_s:.0f} s)"))
+                plan.remove.append(
+                    Removal(e, f"abandoned save, last written {age_s:.0f} s ago (grace {grace_s:.0f} s)")
+                )
             else:
-                plan.kept.append((e, f"save may be in flight: last written {age_s:.0f} s ago, "
-                                     f"grace {grace_s:.0f} s"))
+                plan.kept.append((e, f"save may be in flight: last written {age_s:.0f} s ago, grace {grace_s:.0f} s"))
         elif e.state is EntryState.DELETING:
             plan.remove.append(Removal(e, "left over by an interrupted gc"))
         elif e.state is EntryState.INCOMPLETE:

@@ -55,9 +55,14 @@ class Recommendation:
         ]
         if self.bound_by_persist:
             lines.append(f"raised to the persist time {inp.persist_s:.1f} s so saves never queue")
-        lines.append(f"recommended interval: {self.interval_s:.1f} s"
-                     + (f" = every {self.interval_steps} steps (step = {inp.step_s:.3f} s)"
-                        if self.interval_steps is not None else ""))
+        lines.append(
+            f"recommended interval: {self.interval_s:.1f} s"
+            + (
+                f" = every {self.interval_steps} steps (step = {inp.step_s:.3f} s)"
+                if self.interval_steps is not None
+                else ""
+            )
+        )
         lines.append(f"expected overhead (saves + lost work): {100 * self.overhead_fraction:.2f}% of wall time")
         return "\n".join(lines)
 

@@ -10,8 +10,9 @@ reports every problem it can see:
    (:func:`ckptd.format.validate.validate_records`); ShardedObject keys stored once.
 4. Every data file named by ``.metadata`` exists, lies inside the checkpoint and is long enough
    for every item; no two items share bytes.
-5. Every item's bytes match the checksum (CRC-32C; CRC-32 for older checkpoints) recorded at save time (when recorded: ckptd writes them,
-   torch DCP and Megatron-Core do not; the report says how many items had none).
+5. Every item's bytes match the checksum (CRC-32C; CRC-32 for older checkpoints) recorded at save
+   time (when recorded: ckptd writes them, torch DCP and Megatron-Core do not; the report says how
+   many items had none).
 6. ``deep``: every item is a well-formed ``torch.save`` archive whose records match the CRC-32s
    it holds (no unpickling: :mod:`ckptd.format.archive`), and decodes (``torch.load``,
    weights-only) as a tensor of the recorded shape and dtype, as a ShardedObject's one-element
@@ -163,12 +164,21 @@ def _check_backend(directory: Path, report: VerifyReport) -> bool:
 
 def _check_marker_absence(directory: Path, index: CheckpointIndex | None, report: VerifyReport) -> None:
     if index is not None and index.has_checksums:
-        report.add(ERROR, "backend", f"{METADATA_JSON} is missing but .metadata holds ckptd checksums: "
-                   "the checkpoint was written by ckptd and its commit marker is gone", file=METADATA_JSON)
+        report.add(
+            ERROR,
+            "backend",
+            f"{METADATA_JSON} is missing but .metadata holds ckptd checksums: "
+            "the checkpoint was written by ckptd and its commit marker is gone",
+            file=METADATA_JSON,
+        )
     elif entry_exists(directory, COMMON_PT):
-        report.add(ERROR, "backend", f"{METADATA_JSON} is missing but {COMMON_PT} exists: a "
-                   "ckptd/Megatron-Core checkpoint without its commit marker (interrupted save?)",
-                   file=METADATA_JSON)
+        report.add(
+            ERROR,
+            "backend",
+            f"{METADATA_JSON} is missing but {COMMON_PT} exists: a "
+            "ckptd/Megatron-Core checkpoint without its commit marker (interrupted save?)",
+            file=METADATA_JSON,
+        )
     elif index is not None:
         report.add(NOTE, "backend", f"no {METADATA_JSON}: a plain torch DCP checkpoint (no common state)")
 
@@ -194,16 +204,24 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
     report.data_files = len(by_file)
     for rel, items in sorted(by_file.items()):
         if not rel or os.sep in rel or (os.altsep and os.altsep in rel) or rel.startswith(".."):
-            report.add(ERROR, "file", f".metadata names data file {rel!r} outside the checkpoint "
-                       f"directory (for {len(items)} items)", file=rel)
+            report.add(
+                ERROR,
+                "file",
+                f".metadata names data file {rel!r} outside the checkpoint directory (for {len(items)} items)",
+                file=rel,
+            )
             continue
         try:
             fd, sizes[rel] = open_regular(directory, rel, "data file")
             os.close(fd)
         except FileNotFoundError:
             first = min(items, key=lambda r: r.file_offset)
-            report.add(ERROR, "file", f"data file {rel} is missing; {len(items)} items are stored in "
-                       f"it (first: {_item_name(first)})", file=rel)
+            report.add(
+                ERROR,
+                "file",
+                f"data file {rel} is missing; {len(items)} items are stored in it (first: {_item_name(first)})",
+                file=rel,
+            )
             continue
         except (CkptdError, OSError) as exc:
             report.add(ERROR, "file", f"{exc} ({len(items)} items are stored in it)", file=rel)
@@ -213,27 +231,53 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
         for r in sorted(items, key=lambda r: (r.file_offset, r.length)):
             end = r.file_offset + r.length
             if r.file_offset < 0 or r.length < 0:
-                report.add(ERROR, "range", f"{_item_name(r)} has an invalid byte range "
-                           f"(offset {r.file_offset}, length {r.length}) in .metadata",
-                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+                report.add(
+                    ERROR,
+                    "range",
+                    f"{_item_name(r)} has an invalid byte range "
+                    f"(offset {r.file_offset}, length {r.length}) in .metadata",
+                    file=rel,
+                    item=_item_name(r),
+                    offset=r.file_offset,
+                    length=r.length,
+                )
             elif end > size:
-                report.add(ERROR, "range", f"data file {rel} is truncated: {_item_name(r)} needs bytes "
-                           f"[{r.file_offset}, {end}) but the file has {size} bytes",
-                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+                report.add(
+                    ERROR,
+                    "range",
+                    f"data file {rel} is truncated: {_item_name(r)} needs bytes "
+                    f"[{r.file_offset}, {end}) but the file has {size} bytes",
+                    file=rel,
+                    item=_item_name(r),
+                    offset=r.file_offset,
+                    length=r.length,
+                )
             if prev is not None and r.file_offset < prev.file_offset + prev.length:
-                report.add(ERROR, "range", f"{_item_name(prev)} and {_item_name(r)} share bytes of {rel} "
-                           f"(from offset {r.file_offset}); .metadata is inconsistent",
-                           file=rel, item=_item_name(r), offset=r.file_offset, length=r.length)
+                report.add(
+                    ERROR,
+                    "range",
+                    f"{_item_name(prev)} and {_item_name(r)} share bytes of {rel} "
+                    f"(from offset {r.file_offset}); .metadata is inconsistent",
+                    file=rel,
+                    item=_item_name(r),
+                    offset=r.file_offset,
+                    length=r.length,
+                )
             prev = r
     on_disk = {n for n in os.listdir(directory) if n.endswith(DATA_SUFFIX)}
     for extra in sorted(on_disk - set(by_file)):
-        report.add(WARNING, "file", f"data file {extra} is not referenced by .metadata "
-                   "(left over by another save?)", file=extra)
+        report.add(
+            WARNING,
+            "file",
+            f"data file {extra} is not referenced by .metadata (left over by another save?)",
+            file=extra,
+        )
     return sizes
 
 
-def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None,
-               prefetch: Executor, checksum: Checksum) -> tuple[int, bytes | None]:
+def _read_item(
+    fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None, prefetch: Executor, checksum: Checksum
+) -> tuple[int, bytes | None]:
     """Checksum of one item's bytes, and the bytes themselves when ``keep``.
 
     The next block is read on ``prefetch`` while this thread checksums the current one (both
@@ -258,12 +302,13 @@ def _read_item(fd: int, r: ItemRecord, keep: bool, progress: ProgressSink | None
     return crc, (b"".join(parts) if keep else None)
 
 
-def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron_objects: bool,
-                 report: VerifyReport) -> None:
+def _decode_item(
+    r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron_objects: bool, report: VerifyReport
+) -> None:
     """Step 6 for one item. A byte item of a torch_dist checkpoint (``megatron_objects``) is a
     ShardedObject: a one-element list. One of a plain torch DCP checkpoint is any non-tensor value
     DCP saved (an int, an optimizer's param_groups, an ``io.BytesIO``): any value is sound."""
-    where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
+    where = {"file": r.relative_path, "item": _item_name(r), "offset": r.file_offset, "length": r.length}
     what = f"item {_item_name(r)}"
     # The archive first: it needs no unpickling, so it is checked even where decoding is refused.
     structure_checked = is_zip_stream(data)
@@ -275,8 +320,13 @@ def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron
             t = load_tensor_bytes(data, what, r.relative_path)
             want_dtype = dtype_from_name(r.dtype)
             if tuple(t.shape) != tuple(r.sizes) or t.dtype != want_dtype:
-                report.add(ERROR, "decode", f"{what} in {r.relative_path} decodes as {t.dtype} "
-                           f"{tuple(t.shape)}, but .metadata records {want_dtype} {tuple(r.sizes)}", **where)
+                report.add(
+                    ERROR,
+                    "decode",
+                    f"{what} in {r.relative_path} decodes as {t.dtype} "
+                    f"{tuple(t.shape)}, but .metadata records {want_dtype} {tuple(r.sizes)}",
+                    **where,
+                )
                 return
         elif megatron_objects:
             load_object_bytes(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
@@ -292,13 +342,26 @@ def _decode_item(r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron
     report.items_decoded += 1
 
 
-def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, int], deep: bool,
-                 allow_unsafe_pickle: bool, megatron_objects: bool, report: VerifyReport,
-                 progress: ProgressSink | None, checksum: Checksum) -> None:
+def _check_items(
+    directory: Path,
+    records: list[ItemRecord],
+    sizes: dict[str, int],
+    deep: bool,
+    allow_unsafe_pickle: bool,
+    megatron_objects: bool,
+    report: VerifyReport,
+    progress: ProgressSink | None,
+    checksum: Checksum,
+) -> None:
     """Steps 5 and 6, file by file in offset order (sequential reads)."""
-    readable = [r for r in records
-                if r.relative_path in sizes and r.file_offset >= 0 and r.length >= 0
-                and r.file_offset + r.length <= sizes[r.relative_path]]
+    readable = [
+        r
+        for r in records
+        if r.relative_path in sizes
+        and r.file_offset >= 0
+        and r.length >= 0
+        and r.file_offset + r.length <= sizes[r.relative_path]
+    ]
     if progress is not None:
         progress.set_total(sum(r.length for r in readable))
     readable.sort(key=lambda r: (r.relative_path, r.file_offset))
@@ -306,7 +369,7 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-verify-read")
     try:
         for r in readable:
-            where = dict(file=r.relative_path, item=_item_name(r), offset=r.file_offset, length=r.length)
+            where = {"file": r.relative_path, "item": _item_name(r), "offset": r.file_offset, "length": r.length}
             try:
                 if r.relative_path not in fds:
                     fds[r.relative_path] = open_regular(directory, r.relative_path, "data file")[0]
@@ -320,10 +383,14 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
             else:
                 report.items_checksummed += 1
                 if crc != r.crc32:
-                    report.add(ERROR, "checksum",
-                               f"{_item_name(r)}: bytes [{r.file_offset}, {r.file_offset + r.length}) "
-                               f"of {r.relative_path} have {checksum_name(checksum)} {crc:#010x}, but {r.crc32:#010x} was "
-                               "recorded at save time; the item is damaged", **where)
+                    report.add(
+                        ERROR,
+                        "checksum",
+                        f"{_item_name(r)}: bytes [{r.file_offset}, {r.file_offset + r.length}) "
+                        f"of {r.relative_path} have {checksum_name(checksum)} {crc:#010x}, but {r.crc32:#010x} was "
+                        "recorded at save time; the item is damaged",
+                        **where,
+                    )
                     continue  # decoding damaged bytes would only add a second error
             if deep and data is not None:
                 _decode_item(r, data, allow_unsafe_pickle, megatron_objects, report)
@@ -333,28 +400,36 @@ def _check_items(directory: Path, records: list[ItemRecord], sizes: dict[str, in
             os.close(fd)
 
 
-def _check_common(directory: Path, index: CheckpointIndex | None, has_marker: bool,
-                  allow_unsafe_pickle: bool, report: VerifyReport) -> None:
+def _check_common(
+    directory: Path, index: CheckpointIndex | None, has_marker: bool, allow_unsafe_pickle: bool, report: VerifyReport
+) -> None:
     path = directory / COMMON_PT
     try:
         data = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
     except FileNotFoundError:
         if has_marker:
-            report.add(ERROR, "common", f"{COMMON_PT} is missing; every ckptd/Megatron-Core checkpoint "
-                       "has one", file=COMMON_PT)
+            report.add(
+                ERROR, "common", f"{COMMON_PT} is missing; every ckptd/Megatron-Core checkpoint has one", file=COMMON_PT
+            )
         return
     except (CkptdError, OSError) as exc:  # a link, a FIFO, oversized: reported, never followed
         report.add(ERROR, "common", str(exc), file=COMMON_PT)
         return
     report.bytes_read += len(data)
     recorded = index.common_crc32 if index is not None else None
-    if recorded is not None:
+    if index is not None and recorded is not None:
         checksum = index.checksum or crc32c
         crc = checksum(data, 0)
         if crc != recorded:
-            report.add(ERROR, "common", f"{COMMON_PT} ({len(data)} bytes) has {checksum_name(checksum)} {crc:#010x}, but "
-                       f"{recorded:#010x} was recorded at save time; the file is damaged",
-                       file=COMMON_PT, offset=0, length=len(data))
+            report.add(
+                ERROR,
+                "common",
+                f"{COMMON_PT} ({len(data)} bytes) has {checksum_name(checksum)} {crc:#010x}, but "
+                f"{recorded:#010x} was recorded at save time; the file is damaged",
+                file=COMMON_PT,
+                offset=0,
+                length=len(data),
+            )
             return
     try:
         unpickle_torch(data, f"common state {path}", allow_unsafe_pickle)
@@ -405,14 +480,30 @@ def verify_checkpoint(
         _check_coverage(records, report)
         sizes = _check_files(directory, records, report)
         if read_items:
-            _check_items(directory, records, sizes, deep, allow_unsafe_pickle, has_marker, report, progress,
-                         index.checksum or crc32c)
+            _check_items(
+                directory,
+                records,
+                sizes,
+                deep,
+                allow_unsafe_pickle,
+                has_marker,
+                report,
+                progress,
+                index.checksum or crc32c,
+            )
         if report.items_without_checksum:
-            report.add(NOTE, "checksum", f"{report.items_without_checksum} of {report.items} items have no "
-                       "recorded checksum (written by torch DCP, Megatron-Core, or with checksums off): "
-                       + ("the CRC-32s their torch.save archives hold were checked and they were decoded"
-                          if deep else "only their presence and length were checked; --deep also checks "
-                          "their archives and decodes them"))
+            report.add(
+                NOTE,
+                "checksum",
+                f"{report.items_without_checksum} of {report.items} items have no "
+                "recorded checksum (written by torch DCP, Megatron-Core, or with checksums off): "
+                + (
+                    "the CRC-32s their torch.save archives hold were checked and they were decoded"
+                    if deep
+                    else "only their presence and length were checked; --deep also checks "
+                    "their archives and decodes them"
+                ),
+            )
     _check_common(directory, index, has_marker, allow_unsafe_pickle, report)
     return report
 
@@ -437,9 +528,13 @@ class RootVerifyReport:
         return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"root": self.root, "ok": self.ok, "status": self.status,
-                "findings": [f.to_dict() for f in self.findings],
-                "checkpoints": [r.to_dict() for r in self.reports]}
+        return {
+            "root": self.root,
+            "ok": self.ok,
+            "status": self.status,
+            "findings": [f.to_dict() for f in self.findings],
+            "checkpoints": [r.to_dict() for r in self.reports],
+        }
 
 
 def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Path], list[Finding]]:
@@ -456,8 +551,14 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
         chosen = [latest.path]
     elif not cat.tracker_exists and cat.committed:
         chosen = [cat.committed[-1].path]
-        findings.append(Finding(NOTE, "tracker", f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
-                                f"newest committed checkpoint {cat.committed[-1].name}"))
+        findings.append(
+            Finding(
+                NOTE,
+                "tracker",
+                f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
+                f"newest committed checkpoint {cat.committed[-1].name}",
+            )
+        )
     else:
         chosen = []
     if not chosen and cat.tracker_problem is None:
@@ -465,9 +566,14 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
     return chosen, findings
 
 
-def verify_root(cat: RootCatalog, *, all_checkpoints: bool = False, deep: bool = False,
-                allow_unsafe_pickle: bool = False,
-                progress_for: Any = None) -> RootVerifyReport:
+def verify_root(
+    cat: RootCatalog,
+    *,
+    all_checkpoints: bool = False,
+    deep: bool = False,
+    allow_unsafe_pickle: bool = False,
+    progress_for: Any = None,
+) -> RootVerifyReport:
     """Verify the tracker's checkpoint (or all committed ones) of a scanned root.
 
     ``progress_for(path)`` may return a context-managed :class:`ProgressSink` per checkpoint.
@@ -479,7 +585,7 @@ def verify_root(cat: RootCatalog, *, all_checkpoints: bool = False, deep: bool =
             out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle))
         else:
             with progress_for(path) as bar:
-                out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle,
-                                                     progress=bar))
+                out.reports.append(
+                    verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle, progress=bar)
+                )
     return out
-

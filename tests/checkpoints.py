@@ -48,18 +48,23 @@ def make_checkpoint(directory: str | os.PathLike, *, checksums: bool = True, ste
 
     def items(rank: int) -> list[PlannedItem]:
         rows = ref["layer.weight"].shape[0] // WORLD
-        shards = [ShardedTensor.from_rank_offsets("layer.weight", ref["layer.weight"][rank * rows:(rank + 1) * rows],
-                                                  (0, rank, WORLD))]
+        shards = [
+            ShardedTensor.from_rank_offsets(
+                "layer.weight", ref["layer.weight"][rank * rows : (rank + 1) * rows], (0, rank, WORLD)
+            )
+        ]
         if rank == 0:
             shards.append(ShardedTensor.from_rank_offsets("layer.bias", ref["layer.bias"]))
         else:
             shards.append(ShardedTensor.from_rank_offsets("embedding", ref["embedding"]))
         planned = [i for sh in shards for i in plan_tensor_items(sh, rank)]
-        return planned + [plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)),
-                                      rank)]
+        return planned + [
+            plan_object(ShardedObject("rng", {"rank": rank, "seed": 1234 + rank}, (WORLD,), (rank,)), rank)
+        ]
 
-    write_checkpoint(directory, map(items, range(WORLD)), {"iteration": step, "note": "test"}, fsync=False,
-                     checksums=checksums)
+    write_checkpoint(
+        directory, map(items, range(WORLD)), {"iteration": step, "note": "test"}, fsync=False, checksums=checksums
+    )
     return ref
 
 

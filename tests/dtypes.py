@@ -27,8 +27,11 @@ def random_tensor(dtype: torch.dtype, seed: int, shape: tuple[int, ...] = (6, 10
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (``torch.equal`` is not implemented for every dtype, and NaN != NaN)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def dcp_round_trips(dtype: torch.dtype, directory: Path) -> bool:

@@ -21,8 +21,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 # What makes a process a rank of a launched job (ckptd.control.endpoints.JobEnv.detect reads them).
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def without_torchrun(environ: Mapping[str, str]) -> dict[str, str]:
@@ -65,16 +64,21 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, env: dict, queue
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    daemon: bool = True,
+) -> list[Any]:
     """``daemon=False`` lets ranks start processes of their own (Megatron-Core's save forks
     writer processes and starts a multiprocessing Manager); they are still killed on timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, queue, args),
-                    daemon=daemon)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, queue, args), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:
@@ -88,14 +92,22 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s"
+                )
             try:
                 rank, ok, value = queue.get(timeout=min(remaining, 1.0))
                 results[rank] = (ok, value)
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode not in (0, None)]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                ]
                 if dead:
-                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                    raise RuntimeError(
+                        f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                    ) from None
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from ckptd.daemon.pools import PoolTable
 from ckptd.daemon.snapshot import SnapshotWait

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests.fault)
 
-from tests.fault import crash_trial as ct  # noqa: E402
+from tests.fault import crash_trial as ct
 
 
 def summary_table(results: list[ct.TrialResult], victims: tuple[str, ...]) -> str:
@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where trials run (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep every trial's files (failed ones are always kept)")
     ap.add_argument("--json", action="store_true", help="print every trial's result as JSON")
-    ap.add_argument("--netns", action="store_true",
-                    help="every node in its own network and mount namespaces (root), plus the victims "
-                         "'machine' and 'link'")
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="every node in its own network and mount namespaces (root), plus the victims 'machine' and 'link'",
+    )
     args = ap.parse_args(argv)
     if args.trials < 1 or args.nodes < 1 or args.ranks < args.nodes or args.ranks % args.nodes:
         ap.error("need --trials >= 1 and --ranks a positive multiple of --nodes")
@@ -90,14 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.trials):
             hosts = NetnsHosts() if ctx is None else ct.LoopbackHosts(ctx)
-            r = ct.run_trial(args.seed + i, hosts, ranks=args.ranks, nodes=args.nodes, workdir=args.workdir,
-                             keep=args.keep)
+            r = ct.run_trial(
+                args.seed + i, hosts, ranks=args.ranks, nodes=args.nodes, workdir=args.workdir, keep=args.keep
+            )
             results.append(r)
             if not args.json:
                 state = "ok" if r.ok else "FAILED"
-                print(f"trial {i + 1:3d}/{args.trials} seed {r.seed:4d}: killed {r.victim_detail or r.victim} "
-                      f"at +{r.kill_at_s:.2f} s; {r.commits} commits, {r.aborted} aborted; "
-                      f"{r.duration_s:.1f} s: {state}", flush=True)
+                print(
+                    f"trial {i + 1:3d}/{args.trials} seed {r.seed:4d}: killed {r.victim_detail or r.victim} "
+                    f"at +{r.kill_at_s:.2f} s; {r.commits} commits, {r.aborted} aborted; "
+                    f"{r.duration_s:.1f} s: {state}",
+                    flush=True,
+                )
                 for line in r.corrupt + r.lost_committed + r.problems:
                     print(f"    {line}", flush=True)
     finally:
@@ -105,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             ct.stop_process_context()
     failed = [r for r in results if not r.ok]
     if args.json:
-        print(json.dumps({"trials": [r.to_dict() for r in results], "failed": len(failed),
-                          "duration_s": time.monotonic() - t0}, indent=1))
+        print(
+            json.dumps(
+                {"trials": [r.to_dict() for r in results], "failed": len(failed), "duration_s": time.monotonic() - t0},
+                indent=1,
+            )
+        )
     else:
         print()
         print(summary_table(results, victims))

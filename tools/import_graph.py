@@ -27,8 +27,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("statedict", ("ckptd.statedict",)),
     ("format", ("ckptd.format",)),
     ("load", ("ckptd.load",)),
-    ("checkpoints", ("ckptd.catalog", "ckptd.recovery", "ckptd.retention", "ckptd.verify", "ckptd.describe",
-                     "ckptd.tune")),
+    (
+        "checkpoints",
+        ("ckptd.catalog", "ckptd.recovery", "ckptd.retention", "ckptd.verify", "ckptd.describe", "ckptd.tune"),
+    ),
     ("sync api", ("ckptd.api", "ckptd.optim")),
     ("staging", ("ckptd.staging",)),
     ("control", ("ckptd.control",)),
@@ -147,8 +149,7 @@ def main() -> int:
     # The package's __init__ re-exports the public API; only the tools on top of the package
     # (CLI commands, benchmarks, converters) may use it.
     tools = next(i for i, (name, _) in enumerate(LAYERS) if name == "tools")
-    upward = [(m, d) for m, deps in g.items() for d in deps
-              if d != PACKAGE and layer_of(d) > layer_of(m)]
+    upward = [(m, d) for m, deps in g.items() for d in deps if d != PACKAGE and layer_of(d) > layer_of(m)]
     loops = cycles({m: {d for d in deps if d != PACKAGE} for m, deps in g.items()})
     into_init = [(m, PACKAGE) for m, deps in g.items() if PACKAGE in deps and layer_of(m) < tools]
     if not args.quiet:
@@ -162,7 +163,7 @@ def main() -> int:
                 print(f"    {m.removeprefix('ckptd.') or 'ckptd'} -> {deps}")
     for m, d in upward:
         print(f"UP: {m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})")
-    for m, d in into_init:
+    for m, _ in into_init:
         print(f"UP: {m} imports the package's __init__ (import the defining module instead)")
     for c in loops:
         print(f"CYCLE: {' -> '.join(c)}")

@@ -24,8 +24,16 @@ DEMO = Path(__file__).with_name("train_demo.py")
 
 
 def torchrun(nproc: int, *args: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", str(DEMO), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        str(DEMO),
+        *args,
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
@@ -64,24 +72,35 @@ def main() -> int:
             print("reference run failed", file=sys.stderr)
             return 1
         print(f"== 2/3 same run, SIGKILLed at step {args.kill_at}")
-        rc = torchrun(args.nproc, "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log),
-                      "--kill-at", str(args.kill_at), *common)
+        rc = torchrun(
+            args.nproc,
+            "--ckpt-dir",
+            str(work / "run"),
+            "--loss-log",
+            str(run_log),
+            "--kill-at",
+            str(args.kill_at),
+            *common,
+        )
         print(f"(killed run exited with code {rc}, as expected)" if rc else "killed run exited 0?!")
         print("== 3/3 resume from the last committed checkpoint")
-        if torchrun(args.nproc, "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log),
-                    "--resume", *common):
+        if torchrun(args.nproc, "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log), "--resume", *common):
             print("resumed run failed", file=sys.stderr)
             return 1
         ref, run = dict(losses(ref_log)), losses(run_log)
         missing = sorted(set(ref) - {s for s, _ in run})
         differ = sorted({s for s, loss in run if ref.get(s) != loss})
-        print(f"\nreference steps: {len(ref)}; killed+resumed runs logged {len(run)} steps "
-              f"(re-run steps included); missing {missing}; differing {differ}")
+        print(
+            f"\nreference steps: {len(ref)}; killed+resumed runs logged {len(run)} steps "
+            f"(re-run steps included); missing {missing}; differing {differ}"
+        )
         if missing or differ:
             print("FAIL: the resumed run does not reproduce the uninterrupted run", file=sys.stderr)
             return 1
-        print(f"OK: killed at step {args.kill_at}, resumed from the last committed checkpoint, and "
-              f"every loss of steps 1..{args.steps} equals the uninterrupted run bit for bit")
+        print(
+            f"OK: killed at step {args.kill_at}, resumed from the last committed checkpoint, and "
+            f"every loss of steps 1..{args.steps} equals the uninterrupted run bit for bit"
+        )
         return 0
     finally:
         stop_daemons(work / "ref")

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - torch's idiom
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -73,7 +73,9 @@ def build(args: argparse.Namespace, device: torch.device, world: int) -> tuple[t
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
 
-def batch(step: int, rank: int, world: int, vocab: int, global_batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, world: int, vocab: int, global_batch: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of step ``step``'s global batch: a noisy affine sequence task."""
     gen = torch.Generator().manual_seed(10_000 + step)
     start = torch.randint(0, vocab, (global_batch, 1), generator=gen)
@@ -105,11 +107,19 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL this job at that step")
     ap.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
-    ap.add_argument("--loader", choices=("ckptd", "dcp"), default="ckptd",
-                    help="load with ckpt.load (default) or torch.distributed.checkpoint.load")
+    ap.add_argument(
+        "--loader",
+        choices=("ckptd", "dcp"),
+        default="ckptd",
+        help="load with ckpt.load (default) or torch.distributed.checkpoint.load",
+    )
     ap.add_argument("--loss-log", default=None, help="append 'step loss' JSON lines here (rank 0)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                    help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (NCCL) when available, else CPU (gloo)",
+    )
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -159,8 +169,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 handles.append(ckpt.save(training_state(model, opt, step), step=step))
                 if rank == 0:
-                    log.info("step %d loss %.4f; save stalled training %.1f ms", step, avg,
-                             1e3 * (time.perf_counter() - t0))
+                    log.info(
+                        "step %d loss %.4f; save stalled training %.1f ms", step, avg, 1e3 * (time.perf_counter() - t0)
+                    )
             if args.kill_at is not None and step == args.kill_at:
                 log.warning("rank %d: --kill-at %d: SIGKILL now", rank, step)
                 os.kill(os.getpid(), signal.SIGKILL)

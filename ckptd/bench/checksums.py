@@ -1,10 +1,10 @@
 """What per-item checksums cost a data-file write (``write_data_file``), here and now.
 
-Prints the raw speed of CRC-32C (what ckptd records) and of zlib's CRC-32 (older checkpoints), the persist throughput of one rank's data file with
-checksums on and off (same items, same directory, alternating runs so page-cache and disk state
-affect both alike) with their ratio, and the throughput of ``verify_checkpoint`` (checksums, and
-``deep`` decoding) on the written checkpoint (page-cache hot).
-Run: ``ckptd bench checksums [--gib 1] [--fsync] [--dir /dev/shm]``.
+Prints the raw speed of CRC-32C (what ckptd records) and of zlib's CRC-32 (older checkpoints), the
+persist throughput of one rank's data file with checksums on and off (same items, same directory,
+alternating runs so page-cache and disk state affect both alike) with their ratio, and the
+throughput of ``verify_checkpoint`` (checksums, and ``deep`` decoding) on the written checkpoint
+(page-cache hot). Run: ``ckptd bench checksums [--gib 1] [--fsync] [--dir /dev/shm]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def make_items(total_bytes: int, item_bytes: int) -> list[PlannedItem]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ckptd bench checksums", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="ckptd bench checksums", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=1.0, help="bytes per data file, GiB")
     ap.add_argument("--item-mib", type=int, default=64, help="size of one tensor item, MiB")
     ap.add_argument("--repeats", type=int, default=3)
@@ -52,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory to write into (default: a temp dir)")
     args = ap.parse_args(argv)
     total = int(args.gib * (1 << 30))
-    print(f"CRC-32C: {crc_speed_gbps(256 << 20, crc32c):.2f} GB/s; zlib CRC-32: "
-          f"{crc_speed_gbps(256 << 20, zlib.crc32):.2f} GB/s (zlib {zlib.ZLIB_RUNTIME_VERSION})")
+    print(
+        f"CRC-32C: {crc_speed_gbps(256 << 20, crc32c):.2f} GB/s; zlib CRC-32: "
+        f"{crc_speed_gbps(256 << 20, zlib.crc32):.2f} GB/s (zlib {zlib.ZLIB_RUNTIME_VERSION})"
+    )
     items = make_items(total, args.item_mib << 20)
     base = tempfile.mkdtemp(prefix="ckptd-bench-crc-", dir=args.dir)
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
         for rep in range(args.repeats):
             # Alternate which mode runs first so a slow first write does not bias one of them.
-            for checksums in ((False, True) if rep % 2 == 0 else (True, False)):
+            for checksums in (False, True) if rep % 2 == 0 else (True, False):
                 d = os.path.join(base, f"c{int(checksums)}")
                 os.makedirs(d, exist_ok=True)
                 t0 = time.perf_counter()
@@ -82,15 +86,21 @@ def main(argv: list[str] | None = None) -> int:
             verify_s[deep] = min(runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"write_data_file {total / 2**30:.2f} GiB, items {args.item_mib} MiB, fsync={args.fsync}, "
-          f"{args.repeats} runs each (best / median; the best is least disturbed by other load):")
+    print(
+        f"write_data_file {total / 2**30:.2f} GiB, items {args.item_mib} MiB, fsync={args.fsync}, "
+        f"{args.repeats} runs each (best / median; the best is least disturbed by other load):"
+    )
     for label, key in (("checksums off", False), ("checksums on ", True)):
         best, med = min(times[key]), statistics.median(times[key])
         print(f"  {label}: {total / best / 1e9:.2f} / {total / med / 1e9:.2f} GB/s")
-    print(f"  time ratio on/off: best {min(times[True]) / min(times[False]):.2f}, "
-          f"median {statistics.median(times[True]) / statistics.median(times[False]):.2f}")
-    print(f"verify_checkpoint (best of {args.repeats}): checksums {total / verify_s[False] / 1e9:.2f} GB/s, "
-          f"deep {total / verify_s[True] / 1e9:.2f} GB/s")
+    print(
+        f"  time ratio on/off: best {min(times[True]) / min(times[False]):.2f}, "
+        f"median {statistics.median(times[True]) / statistics.median(times[False]):.2f}"
+    )
+    print(
+        f"verify_checkpoint (best of {args.repeats}): checksums {total / verify_s[False] / 1e9:.2f} GB/s, "
+        f"deep {total / verify_s[True] / 1e9:.2f} GB/s"
+    )
     return 0
 
 

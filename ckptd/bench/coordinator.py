@@ -133,19 +133,40 @@ class Coordinator:
         self.log_path = runtime / "coordinator.log"
         # At normal priority (a daemon yields to training with nice 10): this measures the
         # coordinator's own work, not how much CPU other processes leave it.
-        env = {**os.environ, "CKPTD_JOB_TOKEN": token, "CKPTD_RUNTIME_DIR": str(runtime), "CKPTD_JOB_ID": "bench",
-               "CKPTD_COORDINATOR_PORT": str(port), "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
-               "CKPTD_DAEMON_NICE": "0"}
-        cmd = [sys.executable, "-m", "ckptd.cli", "daemon", "--root", str(root), "--node", "0", "--nnodes", "2",
-               "--coordinator-bind", self.address, "--coordinator-connect", self.address]
+        env = {
+            **os.environ,
+            "CKPTD_JOB_TOKEN": token,
+            "CKPTD_RUNTIME_DIR": str(runtime),
+            "CKPTD_JOB_ID": "bench",
+            "CKPTD_COORDINATOR_PORT": str(port),
+            "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
+            "CKPTD_DAEMON_NICE": "0",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckptd.cli",
+            "daemon",
+            "--root",
+            str(root),
+            "--node",
+            "0",
+            "--nnodes",
+            "2",
+            "--coordinator-bind",
+            self.address,
+            "--coordinator-connect",
+            self.address,
+        ]
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
         self.ps = psutil.Process(self.proc.pid)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited {self.proc.returncode}: "
-                               f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            raise RuntimeError(
+                f"the coordinator exited {self.proc.returncode}: {self.log_path.read_text(errors='replace')[-2000:]}"
+            )
 
     def cpu_s(self) -> float:
         t = self.ps.cpu_times()
@@ -181,8 +202,9 @@ class PlayedNodes:
         self.links: list[Endpoint] = []
         self.poller = zmq.Poller()
         for node in range(nodes):
-            sock = make_socket(self.ctx, zmq.DEALER, self.codec, keys, server=False,
-                               identity=f"node{node}-bench{os.getpid()}".encode())
+            sock = make_socket(
+                self.ctx, zmq.DEALER, self.codec, keys, server=False, identity=f"node{node}-bench{os.getpid()}".encode()
+            )
             sock.connect(address)
             self.links.append(Endpoint(sock, self.codec, f"node{node}"))
             self.poller.register(sock, zmq.POLLIN)
@@ -218,8 +240,9 @@ class PlayedNodes:
             self.check_peer()
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                raise TimeoutError(f"{len(pending)} of {len(self.links)} connections got no {what} "
-                                   f"within {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"{len(pending)} of {len(self.links)} connections got no {what} within {timeout_s:.0f} s"
+                )
             for sock, _ in self.poller.poll(min(remaining_ms, 1000)):
                 i = index[sock]
                 while True:
@@ -268,9 +291,20 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
             t0 = time.perf_counter()
             wire = 0
             for rank in range(ranks):
-                wire += played.send(rank // ranks_per_node, Written(
-                    step, attempt, rank, ranks, rank // ranks_per_node, records[rank],
-                    common if rank == 0 else None, "", file_nbytes[rank]))
+                wire += played.send(
+                    rank // ranks_per_node,
+                    Written(
+                        step,
+                        attempt,
+                        rank,
+                        ranks,
+                        rank // ranks_per_node,
+                        records[rank],
+                        common if rank == 0 else None,
+                        "",
+                        file_nbytes[rank],
+                    ),
+                )
             t_last = time.perf_counter()
             first = played.verdicts(step, COMMIT_TIMEOUT_S)
             runs.append((first - t_last, coord.cpu_s() - cpu0, wire, t_last - t0))
@@ -281,10 +315,21 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
         coord.stop()
         shutil.rmtree(base, ignore_errors=True)
     latencies = [r[0] for r in runs]
-    return Point(ranks, nodes, sum(len(r) for r in records), statistics.median(latencies), min(latencies),
-                 max(latencies),
-                 statistics.median(r[1] for r in runs), round(rss, 1), round(peak, 1), meta, ranks + nodes,
-                 runs[-1][2], statistics.median(r[3] for r in runs))
+    return Point(
+        ranks,
+        nodes,
+        sum(len(r) for r in records),
+        statistics.median(latencies),
+        min(latencies),
+        max(latencies),
+        statistics.median(r[1] for r in runs),
+        round(rss, 1),
+        round(peak, 1),
+        meta,
+        ranks + nodes,
+        runs[-1][2],
+        statistics.median(r[3] for r in runs),
+    )
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -308,17 +353,47 @@ def missed_targets(points: list[Point]) -> list[str]:
         missed.append(f"latency {last.latency_min_s:.3f} s at {last.ranks} ranks (target < {TARGET_LATENCY_S} s)")
     for a, b in itertools.pairwise(points):
         if b.latency_min_s > a.latency_min_s * (b.ranks / a.ranks) * LINEAR_SLACK:
-            missed.append(f"latency grows faster than the ranks from {a.ranks} to {b.ranks}: "
-                          f"{a.latency_min_s:.4f} -> {b.latency_min_s:.4f} s")
+            missed.append(
+                f"latency grows faster than the ranks from {a.ranks} to {b.ranks}: "
+                f"{a.latency_min_s:.4f} -> {b.latency_min_s:.4f} s"
+            )
     return missed
 
 
 def table(points: list[Point]) -> str:
-    head = ("ranks", "nodes", "records", "latency min s", "median s", "max s", "coord CPU s", "RSS MiB",
-            "peak MiB", ".metadata B", "messages", "WRITTEN B", "send s")
-    rows = [(p.ranks, p.nodes, p.records, f"{p.latency_min_s:.4f}", f"{p.latency_s:.4f}", f"{p.latency_max_s:.4f}",
-             f"{p.coordinator_cpu_s:.3f}", f"{p.rss_mib:.0f}", f"{p.peak_rss_mib:.0f}", p.metadata_nbytes,
-             p.messages, p.wire_nbytes, f"{p.send_s:.3f}") for p in points]
+    head = (
+        "ranks",
+        "nodes",
+        "records",
+        "latency min s",
+        "median s",
+        "max s",
+        "coord CPU s",
+        "RSS MiB",
+        "peak MiB",
+        ".metadata B",
+        "messages",
+        "WRITTEN B",
+        "send s",
+    )
+    rows = [
+        (
+            p.ranks,
+            p.nodes,
+            p.records,
+            f"{p.latency_min_s:.4f}",
+            f"{p.latency_s:.4f}",
+            f"{p.latency_max_s:.4f}",
+            f"{p.coordinator_cpu_s:.3f}",
+            f"{p.rss_mib:.0f}",
+            f"{p.peak_rss_mib:.0f}",
+            p.metadata_nbytes,
+            p.messages,
+            p.wire_nbytes,
+            f"{p.send_s:.3f}",
+        )
+        for p in points
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(r, widths)) for r in [head, *rows])
 
@@ -349,15 +424,28 @@ def main(argv: list[str] | None = None) -> int:
     a, b = linear_fit(points)
     missed = missed_targets(points)
     if args.json:
-        json.dump({"points": [asdict(p) for p in points], "fit": {"intercept_s": a, "per_rank_s": b},
-                   "extrapolated": {"ranks": args.extrapolate, "latency_s": a + b * args.extrapolate},
-                   "settings": {"ranks_per_node": args.ranks_per_node, "items_per_rank": args.items_per_rank,
-                                "commits": args.commits}, "missed": missed}, sys.stdout, indent=1)
+        json.dump(
+            {
+                "points": [asdict(p) for p in points],
+                "fit": {"intercept_s": a, "per_rank_s": b},
+                "extrapolated": {"ranks": args.extrapolate, "latency_s": a + b * args.extrapolate},
+                "settings": {
+                    "ranks_per_node": args.ranks_per_node,
+                    "items_per_rank": args.items_per_rank,
+                    "commits": args.commits,
+                },
+                "missed": missed,
+            },
+            sys.stdout,
+            indent=1,
+        )
         print()
     else:
         print(table(points))
-        print(f"\nfit of the least latencies: {a * 1000:.2f} ms + {b * 1e6:.2f} us x ranks; at "
-              f"{args.extrapolate:,} ranks {a + b * args.extrapolate:.3f} s")
+        print(
+            f"\nfit of the least latencies: {a * 1000:.2f} ms + {b * 1e6:.2f} us x ranks; at "
+            f"{args.extrapolate:,} ranks {a + b * args.extrapolate:.3f} s"
+        )
         for m in missed:
             print(f"target missed: {m}")
     return 1 if args.check and missed else 0

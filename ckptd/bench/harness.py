@@ -74,8 +74,9 @@ class Rank:
         self.barrier()
 
 
-def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None,
-               device: str = "cpu") -> dict[str, torch.Tensor]:
+def make_state(
+    rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """``nbytes`` of float32 in tensors of ``tensor_nbytes`` (or ``count`` equal tensors) on ``device``.
 
     Filled with a constant per tensor: contents do not matter to a file write, and filling is
@@ -83,8 +84,10 @@ def make_state(rank: int, nbytes: int, tensor_nbytes: int, count: int | None = N
     """
     n = count if count is not None else max(1, nbytes // max(4, tensor_nbytes))
     numel = max(1, nbytes // n // 4)
-    return {f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32, device=device).fill_(rank + i * 1e-3)
-            for i in range(n)}
+    return {
+        f"r{rank}.t{i:05d}": torch.empty(numel, dtype=torch.float32, device=device).fill_(rank + i * 1e-3)
+        for i in range(n)
+    }
 
 
 def state_nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -115,8 +118,14 @@ def dcp_stager(kind: str, cuda: bool = False) -> Any:
 
     if kind == "dcp_async_process_new":
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=kind == "dcp_async_process",
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=kind == "dcp_async_process",
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
 
 
 def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
@@ -129,8 +138,7 @@ def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) ->
     if stager is None:
         fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype)
     else:
-        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype,
-                             async_stager=stager)
+        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype, async_stager=stager)
     return getattr(fut, "upload_completion", fut)
 
 

@@ -26,8 +26,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -69,7 +69,11 @@ def nd_request(spec: dict, dtype: torch.dtype, tp: int, r: int, data: dict | Non
     req = {}
     for key, (shape, axis) in spec.items():
         offs, sizes = chunk_box(shape, axis, tp, r)
-        t = data[key][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].clone() if data else torch.zeros(sizes, dtype=dtype)
+        t = (
+            data[key][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].clone()
+            if data
+            else torch.zeros(sizes, dtype=dtype)
+        )
         frags = tuple(tp if (axis == a and tp > 1) else 1 for a in range(len(shape)))
         replica = r if (axis is None and tp > 1) else 0
         req[key] = ShardedTensor(key, t, dtype, sizes, shape, offs, frags, replica)
@@ -89,8 +93,9 @@ def flat_request(spec: dict, dtype: torch.dtype, tp: int, dp: int, r: int) -> di
         if a < b:
             shape, axis = spec[key]
             frags = tuple(tp if (axis == ax and tp > 1) else 1 for ax in range(len(shape)))
-            req[key] = ShardedTensor(key, torch.zeros(b - a, dtype=dtype), dtype, sizes, shape, offs,
-                                     frags, 0, flattened_range=slice(a, b))
+            req[key] = ShardedTensor(
+                key, torch.zeros(b - a, dtype=dtype), dtype, sizes, shape, offs, frags, 0, flattened_range=slice(a, b)
+            )
     return req
 
 
@@ -98,16 +103,29 @@ def write_checkpoint(directory: Path, spec: dict, data: dict, tp: int) -> None:
     """One data file per TP rank, as a TP-parallel save would write."""
     directory.mkdir(parents=True)
     dtype = next(iter(data.values())).dtype
-    ranks = ([it for sh in nd_request(spec, dtype, tp, r, data).values() if sh.replica_id == 0
-              for it in plan_tensor_items(sh, r)] for r in range(tp))
+    ranks = (
+        [
+            it
+            for sh in nd_request(spec, dtype, tp, r, data).values()
+            if sh.replica_id == 0
+            for it in plan_tensor_items(sh, r)
+        ]
+        for r in range(tp)
+    )
     write_whole_checkpoint(directory, ranks, {"iteration": 1}, fsync=False)
 
 
 RESHARD_LAYOUTS = ("tp1", "tp4", "tp3-uneven", "tp2dp2-flat")
 
 
-def measure_loads(spec: dict, dtype: torch.dtype, root: Path, total: int, repeats: int,
-                  reshard_layouts: tuple[str, ...] = RESHARD_LAYOUTS) -> tuple[list, dict, dict]:
+def measure_loads(
+    spec: dict,
+    dtype: torch.dtype,
+    root: Path,
+    total: int,
+    repeats: int,
+    reshard_layouts: tuple[str, ...] = RESHARD_LAYOUTS,
+) -> tuple[list, dict, dict]:
     """Load the ``tp1`` and ``tp2`` checkpoints under ``root`` (see :func:`write_checkpoint`) in
     every case, round robin, ``repeats`` times; warm page cache, preallocated targets.
 
@@ -133,6 +151,7 @@ def measure_loads(spec: dict, dtype: torch.dtype, root: Path, total: int, repeat
                 ckptd.load(req, root / ckpt, stats=stats)
             last_stats[f"{ckpt}:{layout}"] = stats
             return stats.bytes_copied
+
         return run
 
     full = {k: torch.zeros(shape, dtype=dtype) for k, (shape, _) in spec.items()}
@@ -141,12 +160,13 @@ def measure_loads(spec: dict, dtype: torch.dtype, root: Path, total: int, repeat
         def run() -> int:
             dcp.load(full, checkpoint_id=str(root / ckpt), no_dist=True)
             return total
+
         return run
 
-    for layout in layouts.values():  # touch every target page once: allocation is not loading
-        for req in layout:
+    for requests in layouts.values():  # touch every target page once: allocation is not loading
+        for req in requests:
             for sh in req.values():
-                sh.data.fill_(0)
+                sh.init_data("cpu").fill_(0)
     ckptd_load("tp2", "tp2")()  # warm the page cache
     ckptd_load("tp1", "tp1")()
 
@@ -170,7 +190,9 @@ def measure_loads(spec: dict, dtype: torch.dtype, root: Path, total: int, repeat
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ckptd bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="ckptd bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -199,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         same2, dcp2 = rate["ckptd same layout (tp2)"], rate["torch DCP load (-> tp1)"]
         reshard = {layout: rate[f"ckptd reshard -> {layout}"] for layout in ("tp1", "tp4", "tp3-uneven", "tp2dp2-flat")}
 
-        print(f"{'checkpoint':<11}{'case':<30}{'GB/s':>7}{'s':>8}{'(read+map)/copied':>19}{'scratch MiB':>13}{'fallbacks':>10}")
+        print(
+            f"{'checkpoint':<11}{'case':<30}{'GB/s':>7}{'s':>8}{'(read+map)/copied':>19}"
+            f"{'scratch MiB':>13}{'fallbacks':>10}"
+        )
         for ckpt, name, rate, secs, st in rows:
             extra = ""
             if st is not None:
@@ -209,14 +234,18 @@ def main(argv: list[str] | None = None) -> int:
         print()
         ok = True
         ratio = same1 / dcp1
-        print(f"same layout vs torch DCP (tp1 checkpoint): {ratio:.2f}x  "
-              f"[target >= 1.0: {'PASS' if ratio >= 1.0 else 'FAIL'}]")
+        print(
+            f"same layout vs torch DCP (tp1 checkpoint): {ratio:.2f}x  "
+            f"[target >= 1.0: {'PASS' if ratio >= 1.0 else 'FAIL'}]"
+        )
         ok &= ratio >= 1.0
         print(f"same layout vs torch DCP (tp2 checkpoint, DCP -> tp1): {same2 / dcp2:.2f}x")
         for layout, rate in reshard.items():
             r = rate / same2
-            print(f"reshard tp2 -> {layout:<12} vs same layout: {r:5.0%}  "
-                  f"[target >= 80%: {'PASS' if r >= 0.8 else 'FAIL'}]")
+            print(
+                f"reshard tp2 -> {layout:<12} vs same layout: {r:5.0%}  "
+                f"[target >= 80%: {'PASS' if r >= 0.8 else 'FAIL'}]"
+            )
             ok &= r >= 0.8
         return 0 if ok or not args.check else 1
     finally:

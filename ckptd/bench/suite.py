@@ -87,7 +87,7 @@ class Suite:
         self._env_saved: dict[str, str | None] = {}
 
     # --- environment ------------------------------------------------------------------------
-    def __enter__(self) -> "Suite":
+    def __enter__(self) -> Suite:
         env = {"CKPTD_RUNTIME_DIR": str(self.runtime), "CKPTD_IDLE_EXIT_S": "30"}
         for k, v in env.items():
             self._env_saved[k] = os.environ.get(k)
@@ -107,16 +107,29 @@ class Suite:
     def spec(self, name: str, ranks: int, parts: list[str], **extra: Any) -> dict[str, Any]:
         a = self.args
         spec = {
-            "name": name, "dir": str(self.dir / name), "phase_file": str(self.phase_file),
-            "out_file": str(self.runtime / f"{name}.json"), "job_id": f"{self.job_prefix}{name}",
+            "name": name,
+            "dir": str(self.dir / name),
+            "phase_file": str(self.phase_file),
+            "out_file": str(self.runtime / f"{name}.json"),
+            "job_id": f"{self.job_prefix}{name}",
             "log_dir": str(self.runtime),
-            "parts": parts, "repeats": a.repeats, "state_bytes": int(a.state_gib * GIB),
-            "tensor_bytes": int(a.tensor_mib * MIB), "methods": a.methods,
-            "small_methods": [m for m in a.methods if m in ("ckptd", "dcp_async_process")], "small_tensors": a.small_tensors,
-            "small_bytes": int(a.small_gib * GIB), "train_every": a.train_every, "train_saves": a.train_saves,
-            "train_update": a.train_update, "device": a.device, "budget": a.budget,
-            "soak_bytes": int(a.soak_gib * GIB), "soak_saves": a.soak_saves,
-            "ref_streams": None, "profile_dir": a.profile,
+            "parts": parts,
+            "repeats": a.repeats,
+            "state_bytes": int(a.state_gib * GIB),
+            "tensor_bytes": int(a.tensor_mib * MIB),
+            "methods": a.methods,
+            "small_methods": [m for m in a.methods if m in ("ckptd", "dcp_async_process")],
+            "small_tensors": a.small_tensors,
+            "small_bytes": int(a.small_gib * GIB),
+            "train_every": a.train_every,
+            "train_saves": a.train_saves,
+            "train_update": a.train_update,
+            "device": a.device,
+            "budget": a.budget,
+            "soak_bytes": int(a.soak_gib * GIB),
+            "soak_saves": a.soak_saves,
+            "ref_streams": None,
+            "profile_dir": a.profile,
         }
         spec.update(extra)
         Path(spec["dir"]).mkdir(parents=True)
@@ -127,8 +140,9 @@ class Suite:
 
         _log(f"job {spec['name']}: {ranks} ranks, parts {spec['parts']}")
         daemon = self._start_daemon(spec)
-        ctx = mp.start_processes(_rank_entry, args=(ranks, _free_port(), spec), nprocs=ranks,
-                                 start_method="spawn", join=False)
+        ctx = mp.start_processes(
+            _rank_entry, args=(ranks, _free_port(), spec), nprocs=ranks, start_method="spawn", join=False
+        )
         self.sampler.watch(lambda: [p.pid for p in ctx.processes])
         deadline = time.monotonic() + self.args.timeout_s
         try:
@@ -153,8 +167,22 @@ class Suite:
         scheduler would; the ranks' Checkpointers find it (or start it themselves if this lost)."""
         if "ckptd" not in spec["methods"] + spec["small_methods"]:
             return None
-        cmd = [sys.executable, "-m", "ckptd.cli", "daemon", "--detach", "--exit-when-idle",
-               "--root", str(Path(spec["dir"]) / "ckptd"), "--job", spec["job_id"], "--node", "0", "--nnodes", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckptd.cli",
+            "daemon",
+            "--detach",
+            "--exit-when-idle",
+            "--root",
+            str(Path(spec["dir"]) / "ckptd"),
+            "--job",
+            spec["job_id"],
+            "--node",
+            "0",
+            "--nnodes",
+            "1",
+        ]
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _show_daemon_logs(self) -> None:
@@ -226,12 +254,15 @@ def load_part(suite: Suite, load_bytes: int, repeats: int) -> dict[str, Any]:
     for tp in (1, 2):
         write_checkpoint(root / f"tp{tp}", spec, data, tp)
     del data
-    cases, best, stats = measure_loads(spec, torch.float32, root, total, repeats,
-                                       reshard_layouts=("tp1", "tp4", "tp2dp2-flat"))
+    cases, best, stats = measure_loads(
+        spec, torch.float32, root, total, repeats, reshard_layouts=("tp1", "tp4", "tp2dp2-flat")
+    )
     gibps = {name: best[name][0] * 1e9 / GIB for _, name, _, _ in cases}
     shutil.rmtree(root, ignore_errors=True)
     return {
-        "bytes": total, "hidden": hidden, "tensors": len(spec),
+        "bytes": total,
+        "hidden": hidden,
+        "tensors": len(spec),
         "ckptd_same_layout_gibps": gibps["ckptd same layout (tp2)"],
         "ckptd_reshard_gibps": {k: gibps[f"ckptd reshard -> {k}"] for k in ("tp1", "tp4", "tp2dp2-flat")},
         "dcp_load_gibps": gibps["torch DCP load (-> tp1)"],
@@ -249,8 +280,13 @@ def _machine(directory: Path) -> dict[str, Any]:
     for part in psutil.disk_partitions(all=True):
         if (real + "/").startswith(part.mountpoint.rstrip("/") + "/") and len(part.mountpoint) >= len(best):
             best, fs = part.mountpoint, f"{part.fstype} ({part.device} on {part.mountpoint})"
-    return {"cpus": os.cpu_count(), "mem_gib": psutil.virtual_memory().total / GIB, "torch": torch.__version__,
-            "filesystem": fs, "python": sys.version.split()[0]}
+    return {
+        "cpus": os.cpu_count(),
+        "mem_gib": psutil.virtual_memory().total / GIB,
+        "torch": torch.__version__,
+        "filesystem": fs,
+        "python": sys.version.split()[0],
+    }
 
 
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
@@ -266,8 +302,12 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         try:
             train = args.train_saves and args.device == "cpu"  # the training loop is a CPU loop
             ckptd_parts = ["lazy"] + (["budget"] if args.budget else []) + (["soak"] if args.soak_saves else [])
-            parts = (["memcpy", "save"] + (ckptd_parts if "ckptd" in args.methods else []) + (["train"] if train else [])
-                     + (["small"] if args.small_tensors else []))
+            parts = (
+                ["memcpy", "save"]
+                + (ckptd_parts if "ckptd" in args.methods else [])
+                + (["train"] if train else [])
+                + (["small"] if args.small_tensors else [])
+            )
             streams = max(1, min(args.ranks, writer_threads))
             main = suite.run_job(args.ranks, suite.spec("main", args.ranks, parts, ref_streams=streams))
             res["main"] = main
@@ -280,9 +320,16 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                     spec = suite.spec(f"scale{n}", n, ["memcpy", "save"], methods=["ckptd"], state_bytes=per_rank * n)
                     point = suite.run_job(n, spec)
                 ck = point["save"]["ckptd"]
-                scaling.append({"ranks": n, "bytes_per_rank": point["state_bytes"] // n,
-                                "stall_s_median": ck["stall_s_median"], "stall_s_max": ck["stall_s_max"],
-                                "durable_s_median": ck["durable_s_median"], "memcpy_s": point["memcpy_s"]})
+                scaling.append(
+                    {
+                        "ranks": n,
+                        "bytes_per_rank": point["state_bytes"] // n,
+                        "stall_s_median": ck["stall_s_median"],
+                        "stall_s_max": ck["stall_s_max"],
+                        "durable_s_median": ck["durable_s_median"],
+                        "memcpy_s": point["memcpy_s"],
+                    }
+                )
             res["scaling"] = scaling
             if args.load_gib:
                 suite.phase_file.write_text("load")
@@ -309,8 +356,10 @@ def _scale_bytes_per_rank(args: argparse.Namespace, budget: str) -> int:
     ring = fraction if fraction else 1.25  # a bytes budget: assume the default's share
     fit = int(psutil.virtual_memory().total * 0.6 / (max(args.scale_ranks) * (ring + 1)))
     if fit < want:
-        _log(f"scaling curve: {fit / GIB:.2f} GiB per rank (the main job's {want / GIB:.2f} GiB would "
-             f"not fit {max(args.scale_ranks)} ranks in memory; --scale-gib-per-rank sets it)")
+        _log(
+            f"scaling curve: {fit / GIB:.2f} GiB per rank (the main job's {want / GIB:.2f} GiB would "
+            f"not fit {max(args.scale_ranks)} ranks in memory; --scale-gib-per-rank sets it)"
+        )
     return min(want, fit)
 
 
@@ -330,37 +379,66 @@ def _methods(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ckptd bench all", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ckptd bench all", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, default=2, help="rank processes of the main job (default 2)")
     p.add_argument("--state-gib", type=float, default=4.0, help="state of the whole job, GiB (default 4)")
     p.add_argument("--tensor-mib", type=float, default=64.0, help="size of one tensor, MiB (default 64)")
-    p.add_argument("--small-tensors", type=int, default=10000,
-                   help="tensors of the many-small-tensors state, over all ranks (0: skip; default 10000)")
+    p.add_argument(
+        "--small-tensors",
+        type=int,
+        default=10000,
+        help="tensors of the many-small-tensors state, over all ranks (0: skip; default 10000)",
+    )
     p.add_argument("--small-gib", type=float, default=1.0, help="bytes of that state, GiB (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, after one warm-up (default 3)")
     p.add_argument("--scale-ranks", type=_ranks_list, default=[1, 2, 4], help="rank counts of the scaling curve")
-    p.add_argument("--scale-gib-per-rank", type=float, default=None,
-                   help="bytes per rank of the scaling curve (default: the main job's, capped to fit in memory)")
-    p.add_argument("--load-gib", type=float, default=None,
-                   help="model size of the load part (default min(1, state); 0: skip)")
+    p.add_argument(
+        "--scale-gib-per-rank",
+        type=float,
+        default=None,
+        help="bytes per rank of the scaling curve (default: the main job's, capped to fit in memory)",
+    )
+    p.add_argument(
+        "--load-gib", type=float, default=None, help="model size of the load part (default min(1, state); 0: skip)"
+    )
     p.add_argument("--train-every", type=int, default=4, help="training loop: save every K steps (default 4)")
     p.add_argument("--train-saves", type=int, default=3, help="training loop: timed saves (0: skip; default 3)")
-    p.add_argument("--train-update", type=float, default=1.0,
-                   help="training loop: fraction of the saved state each step rewrites in place, as an "
-                        "optimizer step does (default 1: all of it; 0: the state is only read)")
-    p.add_argument("--budget", default="0.25x",
-                   help="staging budget of the budget part: ckptd saves through a ring this small, each "
-                        "loaded back and compared (default 0.25x: a quarter of a save; empty: skip)")
-    p.add_argument("--soak-saves", type=int, default=20,
-                   help="back-to-back ckptd saves of the soak part, memory sampled after each (0: skip)")
+    p.add_argument(
+        "--train-update",
+        type=float,
+        default=1.0,
+        help="training loop: fraction of the saved state each step rewrites in place, as an "
+        "optimizer step does (default 1: all of it; 0: the state is only read)",
+    )
+    p.add_argument(
+        "--budget",
+        default="0.25x",
+        help="staging budget of the budget part: ckptd saves through a ring this small, each "
+        "loaded back and compared (default 0.25x: a quarter of a save; empty: skip)",
+    )
+    p.add_argument(
+        "--soak-saves",
+        type=int,
+        default=20,
+        help="back-to-back ckptd saves of the soak part, memory sampled after each (0: skip)",
+    )
     p.add_argument("--soak-gib", type=float, default=0.25, help="state of the soak part, GiB (default 0.25)")
-    p.add_argument("--methods", type=_methods, default=["ckptd", *DCP_METHODS],
-                   help="save methods to compare (default: ckptd," + ",".join(DCP_METHODS) + ")")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the state lives (cuda: ranks share the visible GPUs round-robin; "
-                        "ckptd stages by device-to-host DMA into its pinned pool, DCP into pinned "
-                        "memory; no training loop)")
+    p.add_argument(
+        "--methods",
+        type=_methods,
+        default=["ckptd", *DCP_METHODS],
+        help="save methods to compare (default: ckptd," + ",".join(DCP_METHODS) + ")",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the state lives (cuda: ranks share the visible GPUs round-robin; "
+        "ckptd stages by device-to-host DMA into its pinned pool, DCP into pinned "
+        "memory; no training loop)",
+    )
     p.add_argument("--dir", default=None, help="checkpoint filesystem to test (a temp dir is made inside)")
     p.add_argument("--timeout-s", type=float, default=3600, help="limit per job (default 3600)")
     p.add_argument("--profile", default=None, metavar="DIR", help="write cProfile summaries of rank 0's saves here")

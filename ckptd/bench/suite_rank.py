@@ -28,8 +28,9 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,14 +74,15 @@ def memcpy_s(r: Rank, state: dict[str, torch.Tensor], repeats: int = 3) -> float
 REF_VARIANTS = {"1 stream": (1, False), "N streams": (0, False), "1 stream, early writeback": (1, True)}
 
 
-def write_fsync_s(directory: Path, nbytes: int, streams: int, writeback: bool = False,
-                  chunk_nbytes: int = 64 << 20) -> float:
+def write_fsync_s(
+    directory: Path, nbytes: int, streams: int, writeback: bool = False, chunk_nbytes: int = 64 << 20
+) -> float:
     """Sequential write of ``nbytes`` from a warm buffer in ``chunk_nbytes`` writes, split over
     ``streams`` files written by as many threads, each fsynced; the files are removed again.
     ``writeback``: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` after every chunk, so the disk
     starts while the rest is written (what ckptd's writer does)."""
     sync_file_range = libc_sync_file_range() if writeback else None
-    buf = memoryview(torch.ones(chunk_nbytes // 4).numpy()).cast("B")
+    buf = memoryview(bytearray(chunk_nbytes))
     per = nbytes // streams
     paths = [directory / f"write-ref-{i}.bin" for i in range(streams)]
 
@@ -133,16 +135,19 @@ def _summary(rows: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
     return out
 
 
-def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
-               ref_streams: int | None = None) -> dict[str, Any]:
+def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int, ref_streams: int | None = None) -> dict[str, Any]:
     """ckptd saves; with ``ref_streams`` (the daemon's writer threads), reference writes of the
     node's bytes after each one (:data:`REF_VARIANTS`; ``N`` streams = ``ref_streams``)."""
     nbytes = int(r.sum(state_nbytes(state)))
     rows, refs = [], []
 
     def reference() -> None:
-        refs.append({name: write_ref(r, nbytes, streams or ref_streams, wb)
-                     for name, (streams, wb) in REF_VARIANTS.items()})
+        refs.append(
+            {
+                name: write_ref(r, nbytes, streams or ref_streams or 1, wb)
+                for name, (streams, wb) in REF_VARIANTS.items()
+            }
+        )
 
     with checkpointer(r) as ckpt:
         pid = ckpt.status()["pid"]
@@ -162,9 +167,15 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int,
             # The persist window: waiting for a writer thread, then write + fsync; not the wait for
             # the fork snapshot's copy (staging, reported as snapshot_s).
             window = (rec.write_queue_s or 0.0) + (rec.persist_s or 0.0)
-            rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable), "persist_s": r.max(window),
-                         "daemon_write_s": r.max(rec.persist_s or 0.0),
-                         "snapshot_s": r.max(rec.snapshot_s or 0.0)})
+            rows.append(
+                {
+                    "stall_s": r.max(stall),
+                    "durable_s": r.max(durable),
+                    "persist_s": r.max(window),
+                    "daemon_write_s": r.max(rec.persist_s or 0.0),
+                    "snapshot_s": r.max(rec.snapshot_s or 0.0),
+                }
+            )
             r.rm(h.path)
             if ref_streams and i % 2 == 1:
                 reference()
@@ -220,7 +231,7 @@ def save_budget(r: Rank, state: dict[str, torch.Tensor], budget: str, saves: int
     cfg = ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], staging_budget=budget)
     rows, exact = [], True
     with ckptd.Checkpointer(r.ckptd_root, config=cfg) as ckpt:
-        for i in range(saves):
+        for _ in range(saves):
             for t in state.values():
                 t.add_(1.0)  # every save holds other values
             expected = {k: v.clone() for k, v in state.items()}
@@ -235,8 +246,13 @@ def save_budget(r: Rank, state: dict[str, torch.Tensor], budget: str, saves: int
             rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable)})
             r.rm(h.path)
         mine = sum(p["ring_nbytes"] for p in ckpt.status()["pools"] if p["rank"] == r.rank and not p["retired"])
-    return {"budget": budget, "saves": rows, "bit_exact": r.max(0.0 if exact else 1.0) == 0.0,
-            "ring_nbytes": int(r.sum(mine)), "state_bytes": int(r.sum(state_nbytes(state)))}
+    return {
+        "budget": budget,
+        "saves": rows,
+        "bit_exact": r.max(0.0 if exact else 1.0) == 0.0,
+        "ring_nbytes": int(r.sum(mine)),
+        "state_bytes": int(r.sum(state_nbytes(state))),
+    }
 
 
 def save_lazy(r: Rank, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
@@ -259,8 +275,9 @@ def save_lazy(r: Rank, state: dict[str, torch.Tensor], repeats: int) -> dict[str
             for t in state.values():
                 t.add_(1.0)  # the optimizer step, after the fence
             h.wait()
-            rows.append({"stall_s": r.max(stall), "fence_s": r.max(fence),
-                         "durable_s": r.max(time.perf_counter() - t0)})
+            rows.append(
+                {"stall_s": r.max(stall), "fence_s": r.max(fence), "durable_s": r.max(time.perf_counter() - t0)}
+            )
             r.rm(h.path)
     return _summary(rows, int(r.sum(state_nbytes(state))))
 
@@ -291,13 +308,24 @@ def save_soak(r: Rank, state: dict[str, torch.Tensor], saves: int) -> dict[str, 
             h = ckpt.save(sharded(state), step=r.next_step())
             h.wait()
             r.rm(h.path)  # barriers: every rank's save is done
-            rows.append({"rank_rss": int(r.max(float(me.memory_info().rss))),
-                         "daemon_rss": int(daemon.memory_info().rss), "staging_shm": ring_pages(prefix)})
+            rows.append(
+                {
+                    "rank_rss": int(r.max(float(me.memory_info().rss))),
+                    "daemon_rss": int(daemon.memory_info().rss),
+                    "staging_shm": ring_pages(prefix),
+                }
+            )
     return {"saves": saves, "samples": rows}
 
 
-def run_saves(r: Rank, state: dict[str, torch.Tensor], methods: list[str], repeats: int, label: str,
-              ref_streams: int | None = None) -> dict[str, Any]:
+def run_saves(
+    r: Rank,
+    state: dict[str, torch.Tensor],
+    methods: list[str],
+    repeats: int,
+    label: str,
+    ref_streams: int | None = None,
+) -> dict[str, Any]:
     out = {}
     for method in methods:
         r.phase(f"{label}:{method}")
@@ -336,12 +364,21 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     """Entry point of a spawned rank (see the module docstring)."""
     warnings.filterwarnings("ignore")
     # This rank's output (and that of DCP's checkpoint process, which inherits it) goes to a log.
-    log = os.open(Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = os.open(
+        Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+    )
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+    )
     torch.set_num_threads(1)
     device = spec.get("device", "cpu")
     if device == "cuda":
@@ -361,8 +398,9 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
                 res["memcpy_s"] = memcpy_s(r, state)
             if "save" in parts:
                 refs = spec.get("ref_streams")
-                res["save"] = _profiled(r, lambda: run_saves(r, state, spec["methods"], spec["repeats"], "save",
-                                                             refs), "save")
+                res["save"] = _profiled(
+                    r, lambda: run_saves(r, state, spec["methods"], spec["repeats"], "save", refs), "save"
+                )
             if "lazy" in parts:
                 r.phase("lazy")
                 res["lazy"] = save_lazy(r, state, spec["repeats"])
@@ -381,12 +419,14 @@ def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
             del soak
         if "small" in parts:
             r.phase("setup")
-            small = make_state(rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world),
-                               device=device)
+            small = make_state(
+                rank, spec["small_bytes"] // world, 0, count=max(1, spec["small_tensors"] // world), device=device
+            )
             res["small_state_bytes"] = int(r.sum(state_nbytes(small)))
             res["small_tensors"] = int(r.sum(len(small)))
-            res["small"] = _profiled(r, lambda: run_saves(r, small, spec["small_methods"], spec["repeats"], "small"),
-                                     "small")
+            res["small"] = _profiled(
+                r, lambda: run_saves(r, small, spec["small_methods"], spec["repeats"], "small"), "small"
+            )
             del small
         r.phase("done")
         stop_dcp_process()

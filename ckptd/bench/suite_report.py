@@ -35,11 +35,19 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def _target(name: str, text: str, value: float | None, limit: float, higher_is_better: bool = False,
-            detail: str = "") -> dict[str, Any]:
+def _target(
+    name: str, text: str, value: float | None, limit: float, higher_is_better: bool = False, detail: str = ""
+) -> dict[str, Any]:
     ok = None if value is None else (value >= limit if higher_is_better else value <= limit)
-    return {"name": name, "text": text, "value": value, "limit": limit,
-            "op": ">=" if higher_is_better else "<=", "ok": ok, "detail": detail}
+    return {
+        "name": name,
+        "text": text,
+        "value": value,
+        "limit": limit,
+        "op": ">=" if higher_is_better else "<=",
+        "ok": ok,
+        "detail": detail,
+    }
 
 
 def best_reference(ck: dict[str, Any]) -> str | None:
@@ -64,8 +72,11 @@ def persist_ratios(ck: dict[str, Any]) -> list[float]:
 
 def _dcp_async_first(saves: dict[str, Any]) -> tuple[str, float] | None:
     """The DCP async method (stager reused) with the smallest first-save stall, and that stall."""
-    found = [(m, saves[m]["first_stall_s"]) for m in ("dcp_async_thread", "dcp_async_process")
-             if "first_stall_s" in saves.get(m, {})]
+    found = [
+        (m, saves[m]["first_stall_s"])
+        for m in ("dcp_async_thread", "dcp_async_process")
+        if "first_stall_s" in saves.get(m, {})
+    ]
     return min(found, key=lambda x: x[1]) if found else None
 
 
@@ -75,18 +86,39 @@ def _stall_targets(main: dict[str, Any], res: dict[str, Any]) -> list[dict[str, 
     if not ck or "first_stall_s" not in ck:
         return []
     first, steady = ck["first_stall_s"], ck["stall_s_median"]
-    out = [_target("first_stall", "first save's stall / steady-state stall", first / steady, 2.0,
-                   detail=f"{first:.3f} s vs {steady:.3f} s")]
+    out = [
+        _target(
+            "first_stall",
+            "first save's stall / steady-state stall",
+            first / steady,
+            2.0,
+            detail=f"{first:.3f} s vs {steady:.3f} s",
+        )
+    ]
     dcp = _dcp_async_first(saves)
     if dcp:
-        out.append(_target("first_stall_vs_dcp", "first save's stall / DCP async's first", first / dcp[1], 0.25,
-                           detail=f"{first:.3f} s vs {_NAMES[dcp[0]]} {dcp[1]:.3f} s"))
+        out.append(
+            _target(
+                "first_stall_vs_dcp",
+                "first save's stall / DCP async's first",
+                first / dcp[1],
+                0.25,
+                detail=f"{first:.3f} s vs {_NAMES[dcp[0]]} {dcp[1]:.3f} s",
+            )
+        )
     shm = res.get("memory", {}).get("save:ckptd", {}).get("node_shm")
     if shm is not None and main.get("state_bytes"):
         # Whole pages per ring plus its header page: nothing at GiB scale, visible in tiny runs.
         pages = 2 * 4096 * main.get("ranks", 1) / main["state_bytes"]
-        out.append(_target("node_shm", "node /dev/shm peak while saving / state", shm / main["state_bytes"],
-                           1.25 + pages, detail=f"{shm / MIB:.0f} MiB for {main['state_bytes'] / MIB:.0f} MiB"))
+        out.append(
+            _target(
+                "node_shm",
+                "node /dev/shm peak while saving / state",
+                shm / main["state_bytes"],
+                1.25 + pages,
+                detail=f"{shm / MIB:.0f} MiB for {main['state_bytes'] / MIB:.0f} MiB",
+            )
+        )
     return out
 
 
@@ -96,10 +128,14 @@ def _budget_target(main: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     ratio = b["ring_nbytes"] / b["state_bytes"]
     fraction = float(b["budget"].rstrip("xX")) if b["budget"].lower().endswith("x") else None
-    t = _target("budget", f"staging ring of a {b['budget']} budget / state, bit-exact", ratio,
-                (fraction or ratio) * 1.01 + 4096 * len(b["saves"]) / b["state_bytes"],
-                detail=f"{len(b['saves'])} saves, durable {max(x['durable_s'] for x in b['saves']):.2f} s max, "
-                       f"{'bit-exact' if b['bit_exact'] else 'VALUES DIFFER'}")
+    t = _target(
+        "budget",
+        f"staging ring of a {b['budget']} budget / state, bit-exact",
+        ratio,
+        (fraction or ratio) * 1.01 + 4096 * len(b["saves"]) / b["state_bytes"],
+        detail=f"{len(b['saves'])} saves, durable {max(x['durable_s'] for x in b['saves']):.2f} s max, "
+        f"{'bit-exact' if b['bit_exact'] else 'VALUES DIFFER'}",
+    )
     if not b["bit_exact"]:
         t["ok"] = False
     return [t]
@@ -112,9 +148,15 @@ def _soak_target(main: dict[str, Any]) -> list[dict[str, Any]]:
     first, last = soak["samples"][0], soak["samples"][-1]
     growth = {k: (last[k] - 16 * MIB) / first[k] for k in ("rank_rss", "daemon_rss", "staging_shm") if first[k]}
     worst = max(growth, key=lambda k: growth[k])
-    return [_target("soak_flat", f"memory after {soak['saves']} saves / after the first (worst: {worst})",
-                    growth[worst], 1.05, detail=", ".join(f"{k} {first[k] / MIB:.0f} -> {last[k] / MIB:.0f} MiB"
-                                                          for k in growth))]
+    return [
+        _target(
+            "soak_flat",
+            f"memory after {soak['saves']} saves / after the first (worst: {worst})",
+            growth[worst],
+            1.05,
+            detail=", ".join(f"{k} {first[k] / MIB:.0f} -> {last[k] / MIB:.0f} MiB" for k in growth),
+        )
+    ]
 
 
 def _train_target(main: dict[str, Any]) -> list[dict[str, Any]]:
@@ -125,8 +167,15 @@ def _train_target(main: dict[str, Any]) -> list[dict[str, Any]]:
     best = min(dcps, key=lambda m: tr[m]["overhead"])
     ck, dcp = tr["ckptd"]["overhead"], tr[best]["overhead"]
     value = ck / dcp if dcp > 0 else (0.0 if ck <= 0 else float("inf"))
-    return [_target("train_overhead", "training-loop overhead (first save included) / best DCP async's", value,
-                    1 / 3, detail=f"ckptd {ck:+.1%}, {_NAMES[best]} {dcp:+.1%} of {tr['none']['loop_s']:.2f} s")]
+    return [
+        _target(
+            "train_overhead",
+            "training-loop overhead (first save included) / best DCP async's",
+            value,
+            1 / 3,
+            detail=f"ckptd {ck:+.1%}, {_NAMES[best]} {dcp:+.1%} of {tr['none']['loop_s']:.2f} s",
+        )
+    ]
 
 
 def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -135,37 +184,69 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
     ck = main.get("save", {}).get("ckptd")
     if ck:
         ratios = persist_ratios(ck)
-        out.append(_target("persist_vs_write", "persist GiB/s / sequential write+fsync GiB/s",
-                           statistics.median(ratios) if ratios else None, 0.9, True,
-                           detail=f"reference: {best_reference(ck)}; per save: "
-                           + ", ".join(f"{r:.2f}" for r in ratios)))
+        out.append(
+            _target(
+                "persist_vs_write",
+                "persist GiB/s / sequential write+fsync GiB/s",
+                statistics.median(ratios) if ratios else None,
+                0.9,
+                True,
+                detail=f"reference: {best_reference(ck)}; per save: " + ", ".join(f"{r:.2f}" for r in ratios),
+            )
+        )
     small = main.get("small")
     if small and "stall_s_median" in small.get("ckptd", {}) and "stall_s_median" in small.get("dcp_async_process", {}):
         a, b = small["ckptd"]["stall_s_median"], small["dcp_async_process"]["stall_s_median"]
-        out.append(_target("small_stall", f"{main.get('small_tensors')} small tensors: stall / DCP async's",
-                           a / b, 0.25, detail=f"{a:.3f} s vs {b:.3f} s"))
+        out.append(
+            _target(
+                "small_stall",
+                f"{main.get('small_tensors')} small tensors: stall / DCP async's",
+                a / b,
+                0.25,
+                detail=f"{a:.3f} s vs {b:.3f} s",
+            )
+        )
     sc = res.get("scaling") or []
     if len(sc) > 1:
         lo, hi = sc[0], sc[-1]
         curve = ", ".join(f"{p['ranks']}: {p['stall_s_median']:.3f} s" for p in sc)
         norm = ", ".join(f"{p['ranks']}: {p['stall_s_median'] / p['memcpy_s']:.2f}" for p in sc)
-        out.append(_target("stall_flat", f"stall at {hi['ranks']} ranks / at {lo['ranks']}",
-                           hi["stall_s_median"] / lo["stall_s_median"], 1.25,
-                           detail=f"stall {curve}; stall/memcpy {norm}"))
+        out.append(
+            _target(
+                "stall_flat",
+                f"stall at {hi['ranks']} ranks / at {lo['ranks']}",
+                hi["stall_s_median"] / lo["stall_s_median"],
+                1.25,
+                detail=f"stall {curve}; stall/memcpy {norm}",
+            )
+        )
     daemon = res.get("memory", {}).get("all", {}).get("daemon_private")
     if daemon is not None:
         out.append(_target("daemon_memory", "daemon peak RSS beyond the rings, MiB", daemon / MIB, 256.0))
     lazy = main.get("lazy") if res.get("config", {}).get("device") == "cuda" else None
-    out.append(_target("gpu_lazy_stall", "snapshot=lazy stall on the GPU, ms",
-                       lazy["stall_s_median"] * 1e3 if lazy else None, 10.0,
-                       detail="" if lazy else "not measured: needs --device cuda"))
+    out.append(
+        _target(
+            "gpu_lazy_stall",
+            "snapshot=lazy stall on the GPU, ms",
+            lazy["stall_s_median"] * 1e3 if lazy else None,
+            10.0,
+            detail="" if lazy else "not measured: needs --device cuda",
+        )
+    )
     return out
 
 
 # --- table ------------------------------------------------------------------------------------
-_NAMES = {"ckptd": "ckptd", "dcp_save": "DCP save", "dcp_async_thread": "DCP async THREAD",
-          "dcp_async_process": "DCP async PROCESS", "dcp_async_process_new": "DCP async PROCESS new",
-          "none": "no checkpointing", "ckptd_copy": "ckptd copy", "ckptd_lazy": "ckptd lazy"}
+_NAMES = {
+    "ckptd": "ckptd",
+    "dcp_save": "DCP save",
+    "dcp_async_thread": "DCP async THREAD",
+    "dcp_async_process": "DCP async PROCESS",
+    "dcp_async_process_new": "DCP async PROCESS new",
+    "none": "no checkpointing",
+    "ckptd_copy": "ckptd copy",
+    "ckptd_lazy": "ckptd lazy",
+}
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -178,67 +259,97 @@ def _save_table(saves: dict[str, Any]) -> list[str]:
         if "error" in s:
             lines.append(f"  {_NAMES.get(m, m):<19}failed: {s['error'][:200]}")
             continue
-        lines.append(f"  {_NAMES.get(m, m):<19}{_f(s.get('stall_s_median')):>10}{_f(s.get('stall_s_max')):>10}"
-                     f"{_f(s.get('first_stall_s')):>9}{_f(s.get('durable_s_median')):>13}"
-                     f"{_f(s.get('persist_gibps'), '.2f'):>15}")
+        lines.append(
+            f"  {_NAMES.get(m, m):<19}{_f(s.get('stall_s_median')):>10}{_f(s.get('stall_s_max')):>10}"
+            f"{_f(s.get('first_stall_s')):>9}{_f(s.get('durable_s_median')):>13}"
+            f"{_f(s.get('persist_gibps'), '.2f'):>15}"
+        )
     return lines
 
 
 def render(res: dict[str, Any]) -> str:
     c, main, m = res["config"], res.get("main", {}), res.get("machine", {})
-    L: list[str] = []
+    lines: list[str] = []
     gib = main.get("state_bytes", 0) / GIB
-    L.append(f"ckptd bench all: {c['ranks']} ranks, {gib:.2f} GiB state in {main.get('tensors')} tensors "
-             f"of {c['tensor_mib']:g} MiB; {c['repeats']} saves per method after one warm-up")
-    L.append(f"  machine: {m.get('cpus')} cpus, {m.get('mem_gib', 0):.0f} GiB, torch {m.get('torch')}; "
-             f"dir {c.get('dir')}: {m.get('filesystem')}")
+    lines.append(
+        f"ckptd bench all: {c['ranks']} ranks, {gib:.2f} GiB state in {main.get('tensors')} tensors "
+        f"of {c['tensor_mib']:g} MiB; {c['repeats']} saves per method after one warm-up"
+    )
+    lines.append(
+        f"  machine: {m.get('cpus')} cpus, {m.get('mem_gib', 0):.0f} GiB, torch {m.get('torch')}; "
+        f"dir {c.get('dir')}: {m.get('filesystem')}"
+    )
     if "memcpy_s" in main:
-        L.append("reference limits (same run):")
-        L.append(f"  warm memcpy of the state, all ranks at once: {main['memcpy_s']:.3f} s = "
-                 f"{main['state_bytes'] / GIB / main['memcpy_s']:.2f} GiB/s")
+        lines.append("reference limits (same run):")
+        lines.append(
+            f"  warm memcpy of the state, all ranks at once: {main['memcpy_s']:.3f} s = "
+            f"{main['state_bytes'] / GIB / main['memcpy_s']:.2f} GiB/s"
+        )
         refs = main.get("save", {}).get("ckptd", {}).get("write_ref", [])
         if refs:
-            L.append("  sequential write + fsync of the node's bytes after each ckptd save, GiB/s:")
+            lines.append("  sequential write + fsync of the node's bytes after each ckptd save, GiB/s:")
             for variant in refs[0]:
                 vals = [r[variant] for r in refs if r.get(variant)]
-                L.append(f"    {variant + ':':<28}" + ", ".join(f"{v:.2f}" for v in vals)
-                         + f" (median {statistics.median(vals):.2f})")
+                lines.append(
+                    f"    {variant + ':':<28}"
+                    + ", ".join(f"{v:.2f}" for v in vals)
+                    + f" (median {statistics.median(vals):.2f})"
+                )
     if "save" in main:
-        L.append(f"saves ({gib:.2f} GiB; seconds; ckptd durable = committed, persist = daemon write+fsync "
-                 "window; DCP persist = durable - stall):")
-        L += _save_table(main["save"])
+        lines.append(
+            f"saves ({gib:.2f} GiB; seconds; ckptd durable = committed, persist = daemon write+fsync "
+            "window; DCP persist = durable - stall):"
+        )
+        lines += _save_table(main["save"])
         snap = main["save"].get("ckptd", {}).get("snapshot_s_median")
         if snap:
-            L.append(f"  (ckptd: the fork snapshot's copy into shared memory took {snap:.3f} s, off the "
-                     "training path, between stall and persist)")
+            lines.append(
+                f"  (ckptd: the fork snapshot's copy into shared memory took {snap:.3f} s, off the "
+                "training path, between stall and persist)"
+            )
     if "lazy" in main:
         lz = main["lazy"]
-        L.append(f"ckptd snapshot=lazy: stall median {lz['stall_s_median']:.4f} s, max {lz['stall_s_max']:.4f} s "
-                 f"(save() returns after planning); the fence before the update waited {lz['fence_s_median']:.3f} s "
-                 f"(median); durable {lz['durable_s_median']:.3f} s")
+        lines.append(
+            f"ckptd snapshot=lazy: stall median {lz['stall_s_median']:.4f} s, max {lz['stall_s_max']:.4f} s "
+            f"(save() returns after planning); the fence before the update waited {lz['fence_s_median']:.3f} s "
+            f"(median); durable {lz['durable_s_median']:.3f} s"
+        )
     b = main.get("budget")
     if b:
-        L.append(f"ckptd with staging budget {b['budget']}: ring {b['ring_nbytes'] / MIB:.0f} MiB for a "
-                 f"{b['state_bytes'] / MIB:.0f} MiB state; stall "
-                 + ", ".join(f"{x['stall_s']:.3f}" for x in b["saves"]) + " s; durable "
-                 + ", ".join(f"{x['durable_s']:.2f}" for x in b["saves"]) + " s; "
-                 + ("loaded bit-exact" if b["bit_exact"] else "LOADED VALUES DIFFER"))
+        lines.append(
+            f"ckptd with staging budget {b['budget']}: ring {b['ring_nbytes'] / MIB:.0f} MiB for a "
+            f"{b['state_bytes'] / MIB:.0f} MiB state; stall "
+            + ", ".join(f"{x['stall_s']:.3f}" for x in b["saves"])
+            + " s; durable "
+            + ", ".join(f"{x['durable_s']:.2f}" for x in b["saves"])
+            + " s; "
+            + ("loaded bit-exact" if b["bit_exact"] else "LOADED VALUES DIFFER")
+        )
     soak = main.get("soak")
     if soak and soak["samples"]:
         first, last = soak["samples"][0], soak["samples"][-1]
-        L.append(f"ckptd soak, {soak['saves']} saves of {soak['state_bytes'] / MIB:.0f} MiB (first -> last, MiB): "
-                 + ", ".join(f"{k} {first[k] / MIB:.0f} -> {last[k] / MIB:.0f}"
-                             for k in ("rank_rss", "daemon_rss", "staging_shm")))
+        lines.append(
+            f"ckptd soak, {soak['saves']} saves of {soak['state_bytes'] / MIB:.0f} MiB (first -> last, MiB): "
+            + ", ".join(
+                f"{k} {first[k] / MIB:.0f} -> {last[k] / MIB:.0f}" for k in ("rank_rss", "daemon_rss", "staging_shm")
+            )
+        )
     if "small" in main:
-        L.append(f"many small tensors ({main['small_tensors']} tensors, {main['small_state_bytes'] / GIB:.2f} GiB):")
-        L += _save_table(main["small"])
+        lines.append(
+            f"many small tensors ({main['small_tensors']} tensors, {main['small_state_bytes'] / GIB:.2f} GiB):"
+        )
+        lines += _save_table(main["small"])
     tr = main.get("train")
     if tr:
-        L.append(f"training loop: matmul n={tr['matmul_n']} ({tr['step_s'] * 1e3:.0f} ms/step, target "
-                 f"{tr['target_step_s'] * 1e3:.0f}), a save every {tr['every']} steps, {tr['saves']} saves "
-                 "per run; runs in the order A-B-C-C-B-A, means:")
-        L.append(f"  {'mode':<19}{'steps/s':>9}{'overhead':>10}{'stall med':>11}{'stall max':>11}  loop s (runs)"
-                 f"{'bg CPU s':>10}")
+        lines.append(
+            f"training loop: matmul n={tr['matmul_n']} ({tr['step_s'] * 1e3:.0f} ms/step, target "
+            f"{tr['target_step_s'] * 1e3:.0f}), a save every {tr['every']} steps, {tr['saves']} saves "
+            "per run; runs in the order A-B-C-C-B-A, means:"
+        )
+        lines.append(
+            f"  {'mode':<19}{'steps/s':>9}{'overhead':>10}{'stall med':>11}{'stall max':>11}  loop s (runs)"
+            f"{'bg CPU s':>10}"
+        )
         mem = res.get("memory", {})
         for mode in ("none", "dcp_async_thread", "dcp_async_process", "ckptd", "ckptd_copy", "ckptd_lazy"):
             if mode not in tr:
@@ -246,49 +357,71 @@ def render(res: dict[str, Any]) -> str:
             x = tr[mode]
             ph = mem.get(f"train:{mode}", {})
             bg = ph.get("dcp_bg_cpu_s", 0.0) + ph.get("daemon_cpu_s", 0.0)
-            L.append(f"  {_NAMES[mode]:<19}{x['steps_per_s']:>9.2f}{x['overhead']:>+10.1%}"
-                     f"{_f(x.get('stall_s_median')):>11}{_f(x.get('stall_s_max')):>11}  "
-                     f"{x['loop_s']:.2f} ({', '.join(f'{v:.2f}' for v in x['runs_s'])}){bg:>10.2f}")
+            lines.append(
+                f"  {_NAMES[mode]:<19}{x['steps_per_s']:>9.2f}{x['overhead']:>+10.1%}"
+                f"{_f(x.get('stall_s_median')):>11}{_f(x.get('stall_s_max')):>11}  "
+                f"{x['loop_s']:.2f} ({', '.join(f'{v:.2f}' for v in x['runs_s'])}){bg:>10.2f}"
+            )
     sc = res.get("scaling")
     if sc:
-        L.append("ckptd stall vs ranks per node (constant bytes per rank):")
-        L.append(f"  {'ranks':>5}{'MiB/rank':>10}{'stall med':>11}{'stall max':>11}{'memcpy':>9}{'stall/memcpy':>14}"
-                 f"{'durable':>9}")
+        lines.append("ckptd stall vs ranks per node (constant bytes per rank):")
+        lines.append(
+            f"  {'ranks':>5}{'MiB/rank':>10}{'stall med':>11}{'stall max':>11}{'memcpy':>9}{'stall/memcpy':>14}"
+            f"{'durable':>9}"
+        )
         for p in sc:
-            L.append(f"  {p['ranks']:>5}{p['bytes_per_rank'] / MIB:>10.0f}{p['stall_s_median']:>11.3f}"
-                     f"{p['stall_s_max']:>11.3f}{p['memcpy_s']:>9.3f}{p['stall_s_median'] / p['memcpy_s']:>14.2f}"
-                     f"{p['durable_s_median']:>9.3f}")
+            lines.append(
+                f"  {p['ranks']:>5}{p['bytes_per_rank'] / MIB:>10.0f}{p['stall_s_median']:>11.3f}"
+                f"{p['stall_s_max']:>11.3f}{p['memcpy_s']:>9.3f}{p['stall_s_median'] / p['memcpy_s']:>14.2f}"
+                f"{p['durable_s_median']:>9.3f}"
+            )
     ld = res.get("load")
     if ld:
         rs = ", ".join(f"-> {k} {v:.2f}" for k, v in ld["ckptd_reshard_gibps"].items())
-        L.append(f"load (GiB/s, warm page cache, {ld['bytes'] / GIB:.2f} GiB model saved at TP=2, hidden {ld['hidden']}):")
-        L.append(f"  ckptd same layout {ld['ckptd_same_layout_gibps']:.2f}; ckptd resharded {rs}; "
-                 f"DCP load (-> full tensors) {ld['dcp_load_gibps']:.2f}")
-        L.append(f"  TP=1 checkpoint, same request: ckptd {ld['ckptd_same_layout_tp1_gibps']:.2f}, "
-                 f"DCP {ld['dcp_same_layout_tp1_gibps']:.2f}")
+        lines.append(
+            f"load (GiB/s, warm page cache, {ld['bytes'] / GIB:.2f} GiB model saved at TP=2, hidden {ld['hidden']}):"
+        )
+        lines.append(
+            f"  ckptd same layout {ld['ckptd_same_layout_gibps']:.2f}; ckptd resharded {rs}; "
+            f"DCP load (-> full tensors) {ld['dcp_load_gibps']:.2f}"
+        )
+        lines.append(
+            f"  TP=1 checkpoint, same request: ckptd {ld['ckptd_same_layout_tp1_gibps']:.2f}, "
+            f"DCP {ld['dcp_same_layout_tp1_gibps']:.2f}"
+        )
     mem = res.get("memory", {})
     if mem:
-        L.append("peak memory, MiB (trainer: max over ranks; shm = RssShmem; node shm: /dev/shm growth):")
-        cols = ("trainer_rss", "trainer_shm", "dcp_bg_rss", "dcp_bg_shm", "daemon_rss", "daemon_shm",
-                "daemon_private", "node_shm")
-        L.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cols))
+        lines.append("peak memory, MiB (trainer: max over ranks; shm = RssShmem; node shm: /dev/shm growth):")
+        cols = (
+            "trainer_rss",
+            "trainer_shm",
+            "dcp_bg_rss",
+            "dcp_bg_shm",
+            "daemon_rss",
+            "daemon_shm",
+            "daemon_private",
+            "node_shm",
+        )
+        lines.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cols))
         for phase, v in mem.items():
             if phase in ("setup", "done"):
                 continue
-            L.append(f"  {phase:<28}" + "".join(f"{v[k] / MIB:>15.0f}" if k in v else f"{'-':>15}" for k in cols))
-        L.append("CPU seconds used per phase (all processes of a role; node: the whole machine's busy time, "
-                 "kernel threads included):")
+            lines.append(f"  {phase:<28}" + "".join(f"{v[k] / MIB:>15.0f}" if k in v else f"{'-':>15}" for k in cols))
+        lines.append(
+            "CPU seconds used per phase (all processes of a role; node: the whole machine's busy time, "
+            "kernel threads included):"
+        )
         cpu_cols = ("trainer_cpu_s", "dcp_bg_cpu_s", "daemon_cpu_s", "node_cpu_s")
-        L.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cpu_cols))
+        lines.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cpu_cols))
         for phase, v in mem.items():
             if phase not in ("setup", "done") and any(k in v for k in cpu_cols):
-                L.append(f"  {phase:<28}" + "".join(f"{v[k]:>15.2f}" if k in v else f"{'-':>15}" for k in cpu_cols))
-    L.append("targets (ratios from this run):")
+                lines.append(f"  {phase:<28}" + "".join(f"{v[k]:>15.2f}" if k in v else f"{'-':>15}" for k in cpu_cols))
+    lines.append("targets (ratios from this run):")
     for t in res.get("targets", []):
         status = {True: "ok  ", False: "MISS", None: "n/a "}[t["ok"]]
         val = "-" if t["value"] is None else f"{t['value']:.3f}"
-        L.append(f"  {status} {t['text']} = {val} (target {t['op']} {t['limit']:.3g}); {t['detail']}")
+        lines.append(f"  {status} {t['text']} = {val} (target {t['op']} {t['limit']:.3g}); {t['detail']}")
     cl = res.get("cleanup", {})
     left = [k for k in ("daemons_not_stopped", "daemons_alive", "shm_left") if cl.get(k)]
-    L.append("cleanup: " + ("everything removed" if not left and cl.get("dir_removed") else f"LEFT OVER {cl}"))
-    return "\n".join(L)
+    lines.append("cleanup: " + ("everything removed" if not left and cl.get("dir_removed") else f"LEFT OVER {cl}"))
+    return "\n".join(lines)

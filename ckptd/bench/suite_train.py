@@ -136,16 +136,24 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def run_training(r: Rank, state: dict[str, torch.Tensor], spec: dict[str, Any],
-                 persist_s: float | None) -> dict[str, Any]:
+def run_training(
+    r: Rank, state: dict[str, torch.Tensor], spec: dict[str, Any], persist_s: float | None
+) -> dict[str, Any]:
     every, saves = spec["train_every"], spec["train_saves"]
     r.phase("train:calibrate")
     target = (persist_s or 1.0) / every
     n, step_s = calibrate(r, target)
-    out: dict[str, Any] = {"every": every, "saves": saves, "matmul_n": n, "step_s": step_s,
-                           "target_step_s": target, "update_fraction": spec.get("train_update", 0.0)}
-    modes = [m for m in MODES if m == "none" or m in spec["methods"]
-             or (m in CKPTD_SNAPSHOTS and "ckptd" in spec["methods"])]
+    out: dict[str, Any] = {
+        "every": every,
+        "saves": saves,
+        "matmul_n": n,
+        "step_s": step_s,
+        "target_step_s": target,
+        "update_fraction": spec.get("train_update", 0.0),
+    }
+    modes = [
+        m for m in MODES if m == "none" or m in spec["methods"] or (m in CKPTD_SNAPSHOTS and "ckptd" in spec["methods"])
+    ]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # A-B-C-C-B-A: each mode meets early and late conditions alike (page cache, memory a VM
     # host handed back, other load), and the mean of its two runs is used.

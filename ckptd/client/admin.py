@@ -51,8 +51,9 @@ def _request(ep: Endpoints, config: CkptdConfig, msg: Any, reply_type: type, tim
     keys = derive_keys(load_token(ep, config))
     ctx = zmq.Context()
     try:
-        sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False,
-                           identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode())
+        sock = make_socket(
+            ctx, zmq.DEALER, codec, keys, server=False, identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode()
+        )
         sock.connect(ep.ipc_address)
         end = Endpoint(sock, codec, "admin")
         end.send(msg, block=False)
@@ -62,8 +63,10 @@ def _request(ep: Endpoints, config: CkptdConfig, msg: Any, reply_type: type, tim
                 _, reply, _ = end.recv()
                 if isinstance(reply, reply_type):
                     return reply
-        raise DaemonError(f"the daemon of {ep.root} node {ep.node} did not answer {msg.TYPE.name} "
-                          f"within {timeout_s:.0f} s; see {ep.log_path}")
+        raise DaemonError(
+            f"the daemon of {ep.root} node {ep.node} did not answer {msg.TYPE.name} "
+            f"within {timeout_s:.0f} s; see {ep.log_path}"
+        )
     finally:
         ctx.destroy(linger=0)
 
@@ -97,4 +100,3 @@ def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: fl
 def stop_all(root: str | os.PathLike, config: CkptdConfig | None = None, timeout_s: float = 60.0) -> list[int]:
     """Stop every daemon of ``root``'s job on this machine; returns the nodes that did not stop."""
     return [d.node for d in local_daemons(root, config) if not stop_daemon(d, config, timeout_s)]
-

@@ -77,6 +77,7 @@ from ..format.finalize import serialize_common
 from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
 from ..format.saveplan import PlanCache, plan_save
+from ..gcpause import gc_paused
 from ..recovery import resolve_latest
 from ..staging.fork import Snapshot, fork_into, reap, start_block
 from ..staging.lazy import LazyCopier
@@ -84,7 +85,6 @@ from ..staging.pool import StagingPool, place
 from ..staging.ring import BLOCKS, block_offset, capacity_for
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
-from ..gcpause import gc_paused
 from .handle import SaveHandle, SaveStatus
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
@@ -102,15 +102,19 @@ class Checkpointer:
     WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT), else a single process.
     """
 
-    def __init__(self, root: str | os.PathLike, *, config: CkptdConfig | None = None,
-                 env: JobEnv | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, config: CkptdConfig | None = None, env: JobEnv | None = None
+    ) -> None:
         self.config = config if config is not None else CkptdConfig.from_env()
         self.env = env if env is not None else JobEnv.detect()
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
-        if (self.env.nnodes > 1 and not self.config.job_token
-                and self.env.master_addr not in ("127.0.0.1", "localhost", "::1")):
+        if (
+            self.env.nnodes > 1
+            and not self.config.job_token
+            and self.env.master_addr not in ("127.0.0.1", "localhost", "::1")
+        ):
             raise CkptdError(
                 "a job spanning machines needs a shared secret: set CKPTD_JOB_TOKEN to the same "
                 "random string on every node (every socket's CurveZMQ keys are derived from it)"
@@ -120,21 +124,28 @@ class Checkpointer:
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, self._on_notify)
         self._incarnation = incarnation_for(self.config.run_id, self.env.world_size)
         if self._incarnation.weak and self.env.rank == 0:
-            log.warning("no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID): save attempts are "
-                        "named after %s; a relaunch on the same address repeats them. Set CKPTD_RUN_ID "
-                        "to one value per launch on every rank", self._incarnation.source)
+            log.warning(
+                "no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID): save attempts are "
+                "named after %s; a relaunch on the same address repeats them. Set CKPTD_RUN_ID "
+                "to one value per launch on every rank",
+                self._incarnation.source,
+            )
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_save)
         self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
-        self._lazy = (LazyCopier(self.env.rank, self.config.snapshot_timeout_s)
-                      if self.config.snapshot == "lazy" else None)
+        self._lazy = (
+            LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
+        )
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
         self._stats = SaveStats()
-        self._policy = (AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
-                        if self.config.policy == "auto" else None)
+        self._policy = (
+            AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
+            if self.config.policy == "auto"
+            else None
+        )
         self._closed = False
         try:
             self._link.connect()
@@ -191,23 +202,41 @@ class Checkpointer:
         wire, layout = self._layout.items_for(pool.generation, items, placements)
         inline = False
         try:
+            snap: Snapshot | None
             if self._lazy is not None:
                 snap = self._lazy.start(pool, start, block, items, placements, step)
             else:
                 daemon_pid = self._link.daemon_pid
-                snap = (fork_into(pool, start, block, items, placements, self.config.daemon_nice, daemon_pid)
-                        if self.config.snapshot == "auto" and daemon_pid else None)
-                if snap is None:  # copied here, after the SAVE: the daemon drains the ring meanwhile
-                    inline = True
-                    snap = Snapshot(os.getpid(), start_block(pool, block), block_offset(block))
+                snap = (
+                    fork_into(pool, start, block, items, placements, self.config.daemon_nice, daemon_pid)
+                    if self.config.snapshot == "auto" and daemon_pid
+                    else None
+                )
+            if snap is None:  # copied here, after the SAVE: the daemon drains the ring meanwhile
+                inline = True
+                snap = Snapshot(os.getpid(), start_block(pool, block), block_offset(block))
         except BaseException:
             pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
             raise
         child = not inline and self._lazy is None  # a forked child, reaped by this process
         attempt = self._next_attempt(step)
-        msg = Save(step, attempt, self.env.rank, self.env.world_size, pool.generation, block, wire, common,
-                   digest, layout, start, snap.pid, snap.seal, snap.seal_offset)
+        msg = Save(
+            step,
+            attempt,
+            self.env.rank,
+            self.env.world_size,
+            pool.generation,
+            block,
+            wire,
+            common,
+            digest,
+            layout,
+            start,
+            snap.pid,
+            snap.seal,
+            snap.seal_offset,
+        )
         try:
             self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
         except DaemonLostError as exc:
@@ -229,8 +258,13 @@ class Checkpointer:
             if child:
                 self._children.append(snap.pid)
             self._layout.forget()
-            log.warning("rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
-                        "until the daemon frees it", self.env.rank, step, block)
+            log.warning(
+                "rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
+                "until the daemon frees it",
+                self.env.rank,
+                step,
+                block,
+            )
             raise
         if child:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
@@ -270,8 +304,10 @@ class Checkpointer:
         ``mtbf_s`` (see :mod:`ckptd.client.policy`). With ``policy="manual"`` it raises.
         """
         if self._policy is None:
-            raise CkptdError("Checkpointer.due() needs policy='auto' (CkptdConfig(policy='auto', "
-                             "mtbf_s=...) or CKPTD_POLICY=auto CKPTD_MTBF_S=...)")
+            raise CkptdError(
+                "Checkpointer.due() needs policy='auto' (CkptdConfig(policy='auto', "
+                "mtbf_s=...) or CKPTD_POLICY=auto CKPTD_MTBF_S=...)"
+            )
         return self._policy.due(step)
 
     def latest(self) -> int | None:
@@ -351,7 +387,7 @@ class Checkpointer:
             self._children = reap(self._children, block=True)
         self._raise_unobserved()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -412,8 +448,9 @@ class Checkpointer:
             return self._pool
         fraction, node_nbytes = parse_budget(self.config.staging_budget)
         capacity = capacity_for(fraction, node_nbytes, nbytes, self.env.local_world_size)
-        new = StagingPool.create(self.endpoints.shm_prefix, self.env.rank, capacity, self.config.pin_memory,
-                                 self.config.snapshot_timeout_s)
+        new = StagingPool.create(
+            self.endpoints.shm_prefix, self.env.rank, capacity, self.config.pin_memory, self.config.snapshot_timeout_s
+        )
         try:
             self._link.request(RegisterPool(self.env.rank, new.generation, new.capacity, new.names), PoolOk)
         except BaseException:
@@ -441,16 +478,18 @@ class Checkpointer:
                 raise
             if self._pool is not pool:
                 raise DaemonError("the staging ring was dropped while waiting for a free block")
-        log.info("rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank,
-                 time.monotonic() - t0, step)
+        log.info(
+            "rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank, time.monotonic() - t0, step
+        )
 
     def _next_attempt(self, step: int) -> str:
         """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
         n = self._attempts[step] = self._attempts.get(step, 0) + 1
         return self._incarnation.attempt(n)
 
-    def _new_handle(self, step: int, attempt: str, path: Path, t0: float, nbytes: int,
-                    queue_wait_s: float) -> SaveHandle:
+    def _new_handle(
+        self, step: int, attempt: str, path: Path, t0: float, nbytes: int, queue_wait_s: float
+    ) -> SaveHandle:
         record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
         self._stats.add(record)
         return SaveHandle(self, step, path, record, self._stats, attempt)
@@ -462,19 +501,31 @@ class Checkpointer:
         attempt = self._next_attempt(step)
         try:
             self._ensure_connected()
-            self._link.request(Skip(step, attempt, self.env.rank, self.env.world_size, reason), SaveAck,
-                               match=lambda a: a.step == step and a.attempt == attempt)
+            self._link.request(
+                Skip(step, attempt, self.env.rank, self.env.world_size, reason),
+                SaveAck,
+                match=lambda a: a.step == step and a.attempt == attempt,
+            )
         except CkptdError as exc:
-            log.warning("rank %d: could not abort step %d on the other ranks (%s); they fail after "
-                        "commit_timeout_s", self.env.rank, step, exc)
+            log.warning(
+                "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
+                self.env.rank,
+                step,
+                exc,
+            )
 
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
-        reason = (f"the staging ring of rank {self.env.rank} had no room for it: earlier saves were "
-                  "still being persisted (on_full='skip')")
+        reason = (
+            f"the staging ring of rank {self.env.rank} had no room for it: earlier saves were "
+            "still being persisted (on_full='skip')"
+        )
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
-        self._link.request(Skip(step, attempt, self.env.rank, self.env.world_size, reason), SaveAck,
-                           match=lambda a: a.step == step and a.attempt == attempt)
+        self._link.request(
+            Skip(step, attempt, self.env.rank, self.env.world_size, reason),
+            SaveAck,
+            match=lambda a: a.step == step and a.attempt == attempt,
+        )
         handle = self._new_handle(step, attempt, self.root / step_dir_name(step), t0, 0, 0.0)
         handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
@@ -489,9 +540,15 @@ class Checkpointer:
                 h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
                 h.record.snapshot_s = msg.snapshot_s
         elif isinstance(msg, (StepCommitted, StepAborted)) and (
-                msg.step not in self._pending or self._pending[msg.step].attempt != msg.attempt):
-            log.debug("rank %d: %s of step %d attempt %s, which this rank is not waiting for", self.env.rank,
-                      msg.TYPE.name, msg.step, msg.attempt)
+            msg.step not in self._pending or self._pending[msg.step].attempt != msg.attempt
+        ):
+            log.debug(
+                "rank %d: %s of step %d attempt %s, which this rank is not waiting for",
+                self.env.rank,
+                msg.TYPE.name,
+                msg.step,
+                msg.attempt,
+            )
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
             for warning in msg.warnings:
@@ -500,10 +557,17 @@ class Checkpointer:
                 h.warnings = list(msg.warnings)
                 h._resolve(SaveStatus.COMMITTED)
                 r = h.record
-                log.info("rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "
-                         "committed %.3f s after save() returned", self.env.rank, msg.step, msg.name,
-                         r.nbytes, r.stall_s, "?" if r.persist_s is None else f"{r.persist_s:.3f}",
-                         r.commit_latency_s or 0.0)
+                log.info(
+                    "rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "
+                    "committed %.3f s after save() returned",
+                    self.env.rank,
+                    msg.step,
+                    msg.name,
+                    r.nbytes,
+                    r.stall_s,
+                    "?" if r.persist_s is None else f"{r.persist_s:.3f}",
+                    r.commit_latency_s or 0.0,
+                )
         elif isinstance(msg, StepAborted):
             h = self._pending.get(msg.step)
             if h is not None:

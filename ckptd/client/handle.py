@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
-
 from .stats import SaveRecord, SaveStats
 
 if TYPE_CHECKING:
@@ -25,8 +24,9 @@ class SaveStatus(str, enum.Enum):
 class SaveHandle:
     """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
 
-    def __init__(self, owner: "Checkpointer", step: int, path: Path, record: SaveRecord,
-                 stats: SaveStats, attempt: str = "") -> None:
+    def __init__(
+        self, owner: Checkpointer, step: int, path: Path, record: SaveRecord, stats: SaveStats, attempt: str = ""
+    ) -> None:
         self._owner = owner
         self._stats = stats
         self.step = step
@@ -71,8 +71,10 @@ class SaveHandle:
             return self.path
         if self.error is not None:
             raise self.error
-        raise SaveTimeoutError(f"step {self.step} did not commit within the wait timeout; it may "
-                               "still commit later (check handle.done() or Checkpointer.latest())")
+        raise SaveTimeoutError(
+            f"step {self.step} did not commit within the wait timeout; it may "
+            "still commit later (check handle.done() or Checkpointer.latest())"
+        )
 
     def _resolve(self, status: SaveStatus, error: SaveFailedError | None = None) -> None:
         if self.status is not SaveStatus.PENDING:

@@ -27,18 +27,17 @@ class LayoutCache:
     records: tuple[ItemRecord, ...] = ()
     placements: tuple[Placement, ...] = field(default_factory=tuple)
 
-    def items_for(self, generation: str, items: list[PlannedItem],
-                  placements: list[Placement]) -> tuple[list[dict], str]:
+    def items_for(
+        self, generation: str, items: list[PlannedItem], placements: list[Placement]
+    ) -> tuple[list[dict], str]:
         """``(items, layout)`` fields of the SAVE for these items (see :class:`~ckptd.control.protocol.Save`)."""
         if not items:
             return [], ""
         records = tuple(it.record for it in items)
         placed = tuple(placements)
-        if self.layout_id and generation == self.generation and records == self.records \
-                and placed == self.placements:
+        if self.layout_id and generation == self.generation and records == self.records and placed == self.placements:
             return [], self.layout_id
-        wire = [{"record": r.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
-                for r, p in zip(records, placed)]
+        wire = [{"record": r.to_wire(), "offset": p.offset, "nbytes": p.nbytes} for r, p in zip(records, placed)]
         self.generation, self.records, self.placements = generation, records, placed
         self.layout_id = secrets.token_hex(8)
         return wire, self.layout_id

@@ -51,8 +51,15 @@ class RequestNotTaken(DaemonError):
 
 
 class DaemonLink:
-    def __init__(self, ep: Endpoints, env: JobEnv, config: CkptdConfig, codec: Codec, keys: CurveKeys,
-                 on_notify: Callable[[Message], None]) -> None:
+    def __init__(
+        self,
+        ep: Endpoints,
+        env: JobEnv,
+        config: CkptdConfig,
+        codec: Codec,
+        keys: CurveKeys,
+        on_notify: Callable[[Message], None],
+    ) -> None:
         self.ep = ep
         self.env = env
         self.config = config
@@ -113,22 +120,43 @@ class DaemonLink:
 
     def _launch(self, deadline: float) -> None:
         cmd = [
-            sys.executable, "-m", "ckptd.cli", "daemon", "--detach", "--exit-when-idle",
-            "--root", str(self.ep.root), "--job", self.ep.job, "--node", str(self.ep.node),
-            "--nnodes", str(self.env.nnodes), "--coordinator-connect", self.ep.coordinator_connect,
-            "--coordinator-bind", self.ep.coordinator_bind,
+            sys.executable,
+            "-m",
+            "ckptd.cli",
+            "daemon",
+            "--detach",
+            "--exit-when-idle",
+            "--root",
+            str(self.ep.root),
+            "--job",
+            self.ep.job,
+            "--node",
+            str(self.ep.node),
+            "--nnodes",
+            str(self.env.nnodes),
+            "--coordinator-connect",
+            self.ep.coordinator_connect,
+            "--coordinator-bind",
+            self.ep.coordinator_bind,
         ]
         env = {**os.environ, **self.config.to_env()}
         env["CKPTD_JOB_ID"] = self.ep.job
         log.info("rank %d: starting the node daemon: %s", self.env.rank, " ".join(cmd))
         try:
-            proc = subprocess.run(cmd, check=False, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=max(1.0, deadline - time.monotonic()), close_fds=True)
+            proc = subprocess.run(
+                cmd,
+                check=False,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+                close_fds=True,
+            )
         except subprocess.TimeoutExpired:
             raise DaemonError(f"starting the ckptd daemon timed out; see {self.ep.log_path}") from None
         if proc.returncode != 0:
-            raise DaemonError(f"the ckptd daemon did not start (exit {proc.returncode}): "
-                              f"{proc.stderr.strip()[-2000:]}")
+            raise DaemonError(f"the ckptd daemon did not start (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
     def _open_socket(self) -> None:
         self.close_socket()
@@ -160,11 +188,18 @@ class DaemonLink:
         if self.endpoint is None:
             raise DaemonLostError("not connected to the node daemon")
         if not self.endpoint.send(msg):
-            raise RequestNotTaken(f"could not send {msg.TYPE.name} to the node daemon within "
-                              f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}")
+            raise RequestNotTaken(
+                f"could not send {msg.TYPE.name} to the node daemon within "
+                f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}"
+            )
 
-    def request(self, msg: Message, reply_type: type[M], timeout_s: float | None = None,
-                match: Callable[[M], bool] | None = None) -> M:
+    def request(
+        self,
+        msg: Message,
+        reply_type: type[M],
+        timeout_s: float | None = None,
+        match: Callable[[M], bool] | None = None,
+    ) -> M:
         """Send ``msg``, wait for a ``reply_type`` answer (one ``match`` accepts, when given: a late
         answer to an earlier request is not taken for this one's); ``ERROR`` raises DaemonError."""
         self.send(msg)
@@ -184,8 +219,12 @@ class DaemonLink:
                 if reply.step is None or asked is None or reply.step == asked:
                     raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
                 # The late refusal of an earlier request (its own wait gave up): not this one's.
-                log.warning("rank %d: the node daemon refused an earlier request of step %d: %s",
-                            self.env.rank, reply.step, reply.reason)
+                log.warning(
+                    "rank %d: the node daemon refused an earlier request of step %d: %s",
+                    self.env.rank,
+                    reply.step,
+                    reply.reason,
+                )
                 continue
             self.on_notify(reply)
 
@@ -211,7 +250,8 @@ class DaemonLink:
             if not self.alive():
                 pid = self.daemon_pid
                 self.close_socket()
-                raise DaemonLostError(f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} "
-                                      f"died; see {self.ep.log_path}")
+                raise DaemonLostError(
+                    f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} died; see {self.ep.log_path}"
+                )
             if remaining_ms <= 0:
                 return None

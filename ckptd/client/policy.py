@@ -19,7 +19,8 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import CkptdError
 from ..tune import Recommendation, TuneInputs, recommend
@@ -41,17 +42,21 @@ def agree_max(value: int) -> int:
 
 
 class AutoInterval:
-    def __init__(self, mtbf_s: float, restart_s: float, world_size: int,
-                 agree: Callable[[int], int] = agree_max) -> None:
+    def __init__(
+        self, mtbf_s: float, restart_s: float, world_size: int, agree: Callable[[int], int] = agree_max
+    ) -> None:
         if mtbf_s <= 0:
-            raise CkptdError(f"policy='auto' needs the job's mean time between failures: set "
-                             f"mtbf_s > 0 (CKPTD_MTBF_S), got {mtbf_s}")
+            raise CkptdError(
+                f"policy='auto' needs the job's mean time between failures: set mtbf_s > 0 (CKPTD_MTBF_S), got {mtbf_s}"
+            )
         if world_size > 1 and agree is agree_max:
             import torch.distributed as dist
 
             if not (dist.is_available() and dist.is_initialized()):
-                raise CkptdError("policy='auto' with several ranks needs torch.distributed initialized "
-                                 "(the ranks agree on the interval with one all_reduce per save)")
+                raise CkptdError(
+                    "policy='auto' with several ranks needs torch.distributed initialized "
+                    "(the ranks agree on the interval with one all_reduce per save)"
+                )
         self.mtbf_s = mtbf_s
         self.restart_s = restart_s
         self.agree = agree
@@ -76,13 +81,22 @@ class AutoInterval:
         if stall is None or commit is None or not self.step_times_s:
             interval = 1  # no step time measured yet (saved on the first due()): measure one more
         else:
-            self.inputs = TuneInputs(stall_s=stall, persist_s=commit, mtbf_s=self.mtbf_s,
-                                     step_s=statistics.median(self.step_times_s), restart_s=self.restart_s)
+            self.inputs = TuneInputs(
+                stall_s=stall,
+                persist_s=commit,
+                mtbf_s=self.mtbf_s,
+                step_s=statistics.median(self.step_times_s),
+                restart_s=self.restart_s,
+            )
             self.recommendation = recommend(self.inputs)
             interval = self.recommendation.interval_steps or 1
         agreed = self.agree(interval)
         if agreed != self.interval_steps:
-            log.info("policy=auto: saving every %d steps from step %d%s", agreed, step,
-                     "" if self.recommendation is None else f" ({self.recommendation.interval_s:.1f} s)")
+            log.info(
+                "policy=auto: saving every %d steps from step %d%s",
+                agreed,
+                step,
+                "" if self.recommendation is None else f" ({self.recommendation.interval_s:.1f} s)",
+            )
         self.interval_steps = agreed
         self.next_step = step + agreed

@@ -68,10 +68,15 @@ class SaveStats:
             return _summary([v for v in (getattr(r, name) for r in recs) if v is not None])
 
         return {
-            "saves": self.saves, "committed": self.committed, "aborted": self.aborted,
-            "skipped": self.skipped, "pending": sum(r.status == "pending" for r in recs),
+            "saves": self.saves,
+            "committed": self.committed,
+            "aborted": self.aborted,
+            "skipped": self.skipped,
+            "pending": sum(r.status == "pending" for r in recs),
             "staged_nbytes": self.staged_nbytes,
-            "stall_s": col("stall_s"), "queue_wait_s": col("queue_wait_s"),
-            "persist_s": col("persist_s"), "commit_latency_s": col("commit_latency_s"),
+            "stall_s": col("stall_s"),
+            "queue_wait_s": col("queue_wait_s"),
+            "persist_s": col("persist_s"),
+            "commit_latency_s": col("commit_latency_s"),
             "recent": [asdict(r) for r in recs],
         }

@@ -60,8 +60,9 @@ def emit_json(value: Any) -> None:
 
 
 def add_parser(subparsers: Any, name: str, summary: str, description: str) -> argparse.ArgumentParser:
-    return subparsers.add_parser(name, help=summary, description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return subparsers.add_parser(
+        name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def resolve(path: str) -> Target:
@@ -104,6 +105,18 @@ def age(mtime: float, now: float | None = None) -> str:
 
 
 __all__ = [
-    "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "UsageError", "guarded", "error", "warn", "emit_json",
-    "add_parser", "resolve", "checkpoint_of", "table", "age", "format_bytes",
+    "EXIT_OK",
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+    "UsageError",
+    "guarded",
+    "error",
+    "warn",
+    "emit_json",
+    "add_parser",
+    "resolve",
+    "checkpoint_of",
+    "table",
+    "age",
+    "format_bytes",
 ]

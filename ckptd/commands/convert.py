@@ -46,34 +46,57 @@ class ConvertProgress:
             self.bar.close()
 
 
-
 def register(subparsers: Any) -> None:
     p = add_parser(subparsers, "convert", "legacy Megatron -> torch_dist; torch_dist -> one file", DESCRIPTION)
     sub = p.add_subparsers(dest="convert_command", metavar="{to-dist,consolidate}", required=True)
     to_dist = sub.add_parser("to-dist", help="Megatron legacy tree -> torch_dist")
     to_dist.add_argument("src", help="legacy checkpoint root or iter_* directory")
     to_dist.add_argument("dst", help="output torch_dist checkpoint directory (must hold no checkpoint)")
-    to_dist.add_argument("--split", action="append", default=[], metavar="REGEX=AXIS",
-                         help="TP split rule (before the built-in Megatron rules); repeatable")
+    to_dist.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        metavar="REGEX=AXIS",
+        help="TP split rule (before the built-in Megatron rules); repeatable",
+    )
     to_dist.add_argument("--no-default-rules", action="store_true", help="use only --split rules")
     ep = to_dist.add_mutually_exclusive_group()
-    ep.add_argument("--expert-parallel", dest="ep", action="store_true", default=None,
-                    help="two-number rank dirs are TP+EP (default: ask the checkpoint's args)")
+    ep.add_argument(
+        "--expert-parallel",
+        dest="ep",
+        action="store_true",
+        default=None,
+        help="two-number rank dirs are TP+EP (default: ask the checkpoint's args)",
+    )
     ep.add_argument("--no-expert-parallel", dest="ep", action="store_false")
     glu = to_dist.add_mutually_exclusive_group()
-    glu.add_argument("--glu", dest="glu", action="store_true", default=None,
-                     help="linear_fc1 shards are [gate; up] halves (default: args.swiglu)")
+    glu.add_argument(
+        "--glu",
+        dest="glu",
+        action="store_true",
+        default=None,
+        help="linear_fc1 shards are [gate; up] halves (default: args.swiglu)",
+    )
     glu.add_argument("--no-glu", dest="glu", action="store_false")
-    to_dist.add_argument("--stack-layers", action="store_true",
-                         help="Megatron-Core default naming: decoder.layers.<name> with a layer axis")
-    to_dist.add_argument("--allow-unsafe-pickle", action="store_true",
-                         help="unpickle arbitrary objects (numpy RNG states...); trusted files only")
+    to_dist.add_argument(
+        "--stack-layers",
+        action="store_true",
+        help="Megatron-Core default naming: decoder.layers.<name> with a layer axis",
+    )
+    to_dist.add_argument(
+        "--allow-unsafe-pickle",
+        action="store_true",
+        help="unpickle arbitrary objects (numpy RNG states...); trusted files only",
+    )
     to_dist.add_argument("--no-fsync", action="store_true", help="skip fsync (tests, scratch space)")
     cons = sub.add_parser("consolidate", help="torch_dist -> one state dict file")
     cons.add_argument("checkpoint")
     cons.add_argument("out")
-    cons.add_argument("--with-common", action="store_true",
-                      help='write {"state_dict": ..., "common": ...} instead of the bare tensors')
+    cons.add_argument(
+        "--with-common",
+        action="store_true",
+        help='write {"state_dict": ..., "common": ...} instead of the bare tensors',
+    )
     cons.add_argument("--allow-unsafe-pickle", action="store_true")
     cons.add_argument("--no-fsync", action="store_true")
     p.set_defaults(func=run)
@@ -86,25 +109,39 @@ def run(args: argparse.Namespace) -> int:
     if args.convert_command == "consolidate":
         from ..api import load_tensors_metadata
 
-        total = sum(math.prod(t.global_shape) * t.dtype.itemsize
-                    for t in load_tensors_metadata(args.checkpoint).values())
+        total = sum(
+            math.prod(t.global_shape) * t.dtype.itemsize for t in load_tensors_metadata(args.checkpoint).values()
+        )
         with Progress(total, f"consolidate {args.checkpoint}") as bar:
-            out = consolidate(args.checkpoint, args.out, include_common=args.with_common,
-                              allow_unsafe_pickle=args.allow_unsafe_pickle, fsync=not args.no_fsync,
-                              progress=bar.advance)
+            out = consolidate(
+                args.checkpoint,
+                args.out,
+                include_common=args.with_common,
+                allow_unsafe_pickle=args.allow_unsafe_pickle,
+                fsync=not args.no_fsync,
+                progress=bar.advance,
+            )
         print(f"wrote {len(out['state_dict'] if args.with_common else out)} tensors into {args.out}")
         return EXIT_OK
-    bar = ConvertProgress()
+    legacy_bar = ConvertProgress()
     try:
         report = convert_legacy(
-            args.src, args.dst, rules=[SplitRule.parse(s) for s in args.split],
-            use_default_rules=not args.no_default_rules, allow_unsafe_pickle=args.allow_unsafe_pickle,
-            expert_parallel=args.ep, glu=args.glu, stack_layers=args.stack_layers,
-            progress=bar, fsync=not args.no_fsync,
+            args.src,
+            args.dst,
+            rules=[SplitRule.parse(s) for s in args.split],
+            use_default_rules=not args.no_default_rules,
+            allow_unsafe_pickle=args.allow_unsafe_pickle,
+            expert_parallel=args.ep,
+            glu=args.glu,
+            stack_layers=args.stack_layers,
+            progress=legacy_bar,
+            fsync=not args.no_fsync,
         )
     finally:
-        bar.close()
-    print(f"converted {report.tensors} tensors ({report.chunks} chunks, {report.nbytes / 2**20:.1f} MiB, "
-          f"iteration {report.iteration}) into {args.dst}"
-          + (f"; skipped non-tensor entries: {report.skipped}" if report.skipped else ""))
+        legacy_bar.close()
+    print(
+        f"converted {report.tensors} tensors ({report.chunks} chunks, {report.nbytes / 2**20:.1f} MiB, "
+        f"iteration {report.iteration}) into {args.dst}"
+        + (f"; skipped non-tensor entries: {report.skipped}" if report.skipped else "")
+    )
     return EXIT_OK

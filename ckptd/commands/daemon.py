@@ -27,25 +27,51 @@ exit status: 0 stopped normally (or --detach: serving / already running; stop: a
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("daemon", help="run the node daemon of a checkpoint root",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=("run", "stop"), default="run",
-                   help="run a daemon (default), or stop the running ones of --root")
+    p = subparsers.add_parser(
+        "daemon",
+        help="run the node daemon of a checkpoint root",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=("run", "stop"),
+        default="run",
+        help="run a daemon (default), or stop the running ones of --root",
+    )
     p.add_argument("--root", required=True, help="checkpoint root the job saves into")
     p.add_argument("--node", type=int, default=None, help="node id (default: GROUP_RANK, else 0)")
-    p.add_argument("--nnodes", type=int, default=None,
-                   help="nodes in the job (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)")
+    p.add_argument(
+        "--nnodes", type=int, default=None, help="nodes in the job (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)"
+    )
     p.add_argument("--job", default=None, help="job id (default: CKPTD_JOB_ID, else a hash of the root)")
-    p.add_argument("--coordinator", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the job's coordinator here (default: on node 0)")
-    p.add_argument("--coordinator-connect", default=None, metavar="tcp://HOST:PORT",
-                   help="where node daemons reach the coordinator (default: from MASTER_ADDR/PORT)")
-    p.add_argument("--coordinator-bind", default=None, metavar="tcp://HOST:PORT",
-                   help="where the coordinator listens (default: derived like --coordinator-connect)")
-    p.add_argument("--exit-when-idle", action="store_true",
-                   help="exit after CKPTD_IDLE_EXIT_S with no ranks and no work (auto-started daemons)")
-    p.add_argument("--detach", action="store_true",
-                   help="fork into the background; exit 0 once it serves (or one already runs)")
+    p.add_argument(
+        "--coordinator",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the job's coordinator here (default: on node 0)",
+    )
+    p.add_argument(
+        "--coordinator-connect",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="where node daemons reach the coordinator (default: from MASTER_ADDR/PORT)",
+    )
+    p.add_argument(
+        "--coordinator-bind",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="where the coordinator listens (default: derived like --coordinator-connect)",
+    )
+    p.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="exit after CKPTD_IDLE_EXIT_S with no ranks and no work (auto-started daemons)",
+    )
+    p.add_argument(
+        "--detach", action="store_true", help="fork into the background; exit 0 once it serves (or one already runs)"
+    )
     p.set_defaults(func=run)
 
 
@@ -75,18 +101,26 @@ def run(args: argparse.Namespace) -> int:
             config = config.replace(coordinator_port=_port_of(given))
         ep = Endpoints.for_job(args.root, env, config)
         if given:
-            ep = replace(ep, coordinator_connect=args.coordinator_connect or ep.coordinator_connect,
-                         coordinator_bind=args.coordinator_bind or ep.coordinator_bind)
+            ep = replace(
+                ep,
+                coordinator_connect=args.coordinator_connect or ep.coordinator_connect,
+                coordinator_bind=args.coordinator_bind or ep.coordinator_bind,
+            )
     except CkptdError as exc:
         print(f"ckptd daemon: error: {exc}", file=sys.stderr)
         return 2
     coordinator = ep.node == 0 if args.coordinator is None else args.coordinator
     if args.detach:
-        return detach_and_run(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
-                              nnodes=env.nnodes, timeout_s=config.daemon_start_timeout_s)
+        return detach_and_run(
+            ep,
+            config,
+            coordinator=coordinator,
+            exit_when_idle=args.exit_when_idle,
+            nnodes=env.nnodes,
+            timeout_s=config.daemon_start_timeout_s,
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
-    return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle,
-                      nnodes=env.nnodes)
+    return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle, nnodes=env.nnodes)
 
 
 def _port_of(address: str) -> int:
@@ -113,7 +147,10 @@ def _stop(root: str, config: CkptdConfig) -> int:
         else:
             failed.append(d.node)
     if failed:
-        print(f"ckptd daemon: error: the daemons of nodes {failed} did not stop; see their logs in "
-              f"{daemons[0].endpoints.runtime_dir}", file=sys.stderr)
+        print(
+            f"ckptd daemon: error: the daemons of nodes {failed} did not stop; see their logs in "
+            f"{daemons[0].endpoints.runtime_dir}",
+            file=sys.stderr,
+        )
         return 1
     return 0

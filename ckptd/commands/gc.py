@@ -36,10 +36,16 @@ exit status: 0 ok; 1 a removal failed or the tracker cannot be trusted; 2 usage 
 def register(subparsers: Any) -> None:
     p = add_parser(subparsers, "gc", "remove old checkpoints and abandoned partial saves", DESCRIPTION)
     p.add_argument("path", metavar="ROOT", help="checkpoint root")
-    p.add_argument("--keep", type=int, required=True, metavar="K",
-                   help="number of newest committed checkpoints to keep (>= 1)")
-    p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                   help="minimum age of a partial (.tmp) save before it is removed (default: %(default)s)")
+    p.add_argument(
+        "--keep", type=int, required=True, metavar="K", help="number of newest committed checkpoints to keep (>= 1)"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="minimum age of a partial (.tmp) save before it is removed (default: %(default)s)",
+    )
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
@@ -53,19 +59,32 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
     target = resolve(args.path)
     if not target.is_root:
-        raise UsageError(f"{target.path} is a single checkpoint; gc works on a checkpoint root "
-                         "(the directory holding iter_* checkpoints and the 'latest' tracker)")
+        raise UsageError(
+            f"{target.path} is a single checkpoint; gc works on a checkpoint root "
+            "(the directory holding iter_* checkpoints and the 'latest' tracker)"
+        )
     plan = plan_gc(scan_root(target.path), args.keep, args.grace_s)
     results = [(r, None) for r in plan.remove] if args.dry_run else apply_gc(plan)
     failed = [(r, err) for r, err in results if err is not None]
     if args.json:
-        emit_json({
-            "root": str(plan.root), "dry_run": args.dry_run, "refused": plan.refused,
-            "removed" if not args.dry_run else "would_remove": [
-                {"name": r.entry.name, "state": r.entry.state.value, "nbytes": r.entry.usage.nbytes,
-                 "reason": r.reason, **({"error": err} if err else {})} for r, err in results],
-            "kept": [{"name": e.name, "state": e.state.value, "reason": why} for e, why in plan.kept],
-        })
+        emit_json(
+            {
+                "root": str(plan.root),
+                "dry_run": args.dry_run,
+                "refused": plan.refused,
+                "removed" if not args.dry_run else "would_remove": [
+                    {
+                        "name": r.entry.name,
+                        "state": r.entry.state.value,
+                        "nbytes": r.entry.usage.nbytes,
+                        "reason": r.reason,
+                        **({"error": err} if err else {}),
+                    }
+                    for r, err in results
+                ],
+                "kept": [{"name": e.name, "state": e.state.value, "reason": why} for e, why in plan.kept],
+            }
+        )
     else:
         verb = "would remove" if args.dry_run else "removed"
         for r, err in results:
@@ -76,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
         for e, why in plan.kept:
             print(f"kept {e.name}: {why}")
         done = [r for r, err in results if err is None]
-        print(f"{verb} {len(done)} director{'y' if len(done) == 1 else 'ies'}, "
-              f"{format_bytes(sum(r.entry.usage.nbytes for r in done))}")
+        print(
+            f"{verb} {len(done)} director{'y' if len(done) == 1 else 'ies'}, "
+            f"{format_bytes(sum(r.entry.usage.nbytes for r in done))}"
+        )
     if plan.refused is not None:
         warn("gc", plan.refused)
     return EXIT_FAILURE if failed or plan.refused is not None else EXIT_OK

@@ -25,8 +25,11 @@ def register(subparsers: Any) -> None:
     p = add_parser(subparsers, "inspect", "show tensors, chunking, objects and common keys", DESCRIPTION)
     p.add_argument("path", metavar="DIR", help="checkpoint directory (or a root: its latest checkpoint)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--allow-unsafe-pickle", action="store_true",
-                   help="decode common.pt fully (arbitrary pickles: only for trusted checkpoints)")
+    p.add_argument(
+        "--allow-unsafe-pickle",
+        action="store_true",
+        help="decode common.pt fully (arbitrary pickles: only for trusted checkpoints)",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,24 +50,29 @@ def _text(s: CheckpointSummary) -> str:
     if s.backend is None:
         lines.append("format: plain torch DCP (no metadata.json)")
     else:
-        lines.append(f"format: {s.backend['sharded_backend']} v{s.backend['sharded_backend_version']}, "
-                     f"common {s.backend.get('common_backend', 'torch')} v{s.backend.get('common_backend_version', 1)}")
+        lines.append(
+            f"format: {s.backend['sharded_backend']} v{s.backend['sharded_backend_version']}, "
+            f"common {s.backend.get('common_backend', 'torch')} v{s.backend.get('common_backend_version', 1)}"
+        )
     missing = [n for n, size in s.data_files.items() if size < 0]
-    lines.append(f"data files: {len(s.data_files)}, {format_bytes(s.data_nbytes)} on disk"
-                 + (f" (MISSING: {', '.join(missing)})" if missing else ""))
+    lines.append(
+        f"data files: {len(s.data_files)}, {format_bytes(s.data_nbytes)} on disk"
+        + (f" (MISSING: {', '.join(missing)})" if missing else "")
+    )
     lines.append(f"checksums: {s.checksummed_items} of {s.items} items")
     lines.append("")
     lines.append(f"tensors: {len(s.tensors)}, {format_bytes(s.tensor_nbytes)}")
     if s.tensors:
-        rows = [(t.key, t.dtype, tuple(t.shape), format_bytes(t.nbytes), t.chunks, _shapes(t), _files(t.files))
-                for t in s.tensors]
-        lines.append(table(("KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS", "CHUNK SHAPES", "FILES"), rows,
-                           right=(3, 4)))
+        rows = [
+            (t.key, t.dtype, tuple(t.shape), format_bytes(t.nbytes), t.chunks, _shapes(t), _files(t.files))
+            for t in s.tensors
+        ]
+        lines.append(table(("KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS", "CHUNK SHAPES", "FILES"), rows, right=(3, 4)))
     lines.append("")
     lines.append(f"objects: {len(s.objects)}")
     if s.objects:
-        rows = [(o.key, o.file, o.offset, o.length) for o in s.objects]
-        lines.append(table(("KEY", "FILE", "OFFSET", "BYTES"), rows, right=(2, 3)))
+        object_rows = [(o.key, o.file, o.offset, o.length) for o in s.objects]
+        lines.append(table(("KEY", "FILE", "OFFSET", "BYTES"), object_rows, right=(2, 3)))
     lines.append("")
     if s.common is None:
         lines.append(f"common: {s.common_note}")

@@ -39,9 +39,14 @@ def register(subparsers: Any) -> None:
 
 def _entry_dict(e: CheckpointEntry, now: float) -> dict[str, Any]:
     return {
-        "name": e.name, "path": str(e.path), "step": e.step if e.step >= 0 else None,
-        "state": e.state.value, "latest": e.is_latest, "nbytes": e.usage.nbytes,
-        "files": e.usage.files, "mtime": e.usage.newest_mtime,
+        "name": e.name,
+        "path": str(e.path),
+        "step": e.step if e.step >= 0 else None,
+        "state": e.state.value,
+        "latest": e.is_latest,
+        "nbytes": e.usage.nbytes,
+        "files": e.usage.files,
+        "mtime": e.usage.newest_mtime,
         "age_s": round(now - e.usage.newest_mtime, 3),
     }
 
@@ -58,12 +63,27 @@ def run(args: argparse.Namespace) -> int:
         cat = scan_root(target.path)
         entries, root, latest, problem = cat.entries, cat.root, cat.latest_name, cat.tracker_problem
     if args.json:
-        emit_json({"root": str(root), "latest": latest, "tracker_problem": problem,
-                   "checkpoints": [_entry_dict(e, now) for e in entries]})
+        emit_json(
+            {
+                "root": str(root),
+                "latest": latest,
+                "tracker_problem": problem,
+                "checkpoints": [_entry_dict(e, now) for e in entries],
+            }
+        )
     else:
-        rows = [("*" if e.is_latest else "", e.name, e.step if e.step >= 0 else "-", e.state.value,
-                 format_bytes(e.usage.nbytes), e.usage.files, age(e.usage.newest_mtime, now))
-                for e in entries]
+        rows = [
+            (
+                "*" if e.is_latest else "",
+                e.name,
+                e.step if e.step >= 0 else "-",
+                e.state.value,
+                format_bytes(e.usage.nbytes),
+                e.usage.files,
+                age(e.usage.newest_mtime, now),
+            )
+            for e in entries
+        ]
         print(f"{root}  (latest: {latest or '-'})")
         if rows:
             print(table(("", "NAME", "STEP", "STATE", "SIZE", "FILES", "AGE"), rows, right=(2, 4, 5, 6)))

@@ -37,40 +37,72 @@ def _seconds(value: Any) -> str:
 def _print(info: dict[str, Any]) -> None:
     m = info.get("metrics", {})
     rate = m.get("write_bytes_per_s")
-    print(f"node {info['node']}: daemon pid {info['pid']} ({info['instance']}), up {m.get('uptime_s', 0):.0f}s"
-          + ("  [stopping]" if info.get("stopping") else ""))
-    print(f"  ranks connected: {sorted(c['rank'] for c in info['clients']) or 'none'}; "
-          f"writes in flight: {info['jobs_in_flight']}; steps awaiting commit: {info['pending_steps'] or 'none'}")
-    print(f"  saves received {m.get('saves_received', 0)}, committed {m.get('steps_committed', 0)}, "
-          f"aborted {m.get('steps_aborted', 0)}; written {format_bytes(m.get('bytes_written', 0))}"
-          + (f" at {format_bytes(rate)}/s" if rate else "")
-          + f"; rejected messages {info.get('rejected_messages', 0)}")
+    print(
+        f"node {info['node']}: daemon pid {info['pid']} ({info['instance']}), up {m.get('uptime_s', 0):.0f}s"
+        + ("  [stopping]" if info.get("stopping") else "")
+    )
+    print(
+        f"  ranks connected: {sorted(c['rank'] for c in info['clients']) or 'none'}; "
+        f"writes in flight: {info['jobs_in_flight']}; steps awaiting commit: {info['pending_steps'] or 'none'}"
+    )
+    print(
+        f"  saves received {m.get('saves_received', 0)}, committed {m.get('steps_committed', 0)}, "
+        f"aborted {m.get('steps_aborted', 0)}; written {format_bytes(m.get('bytes_written', 0))}"
+        + (f" at {format_bytes(rate)}/s" if rate else "")
+        + f"; rejected messages {info.get('rejected_messages', 0)}"
+    )
     coord = info.get("coordinator")
     if info.get("rejected_messages"):
         parts = [("ranks' socket", info.get("rejected", {}))]
         if coord is not None:
             parts.append(("coordinator's port", coord.get("rejected", {})))
-        print("  rejected: " + "; ".join(
-            f"{where}: " + (", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none")
-            for where, counts in parts))
+        print(
+            "  rejected: "
+            + "; ".join(
+                f"{where}: " + (", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none")
+                for where, counts in parts
+            )
+        )
     pools = info.get("pools", [])
     if pools:
-        rows = [(p["rank"], format_bytes(p["ring_nbytes"]), len(p["busy"]), p["queued"],
-                 "retired" if p["retired"] else "") for p in pools]
-        print("  " + table(("RANK", "RING", "SAVES IN FLIGHT", "QUEUED", ""), rows, right=(0, 1, 2, 3))
-              .replace("\n", "\n  "))
+        rows = [
+            (p["rank"], format_bytes(p["ring_nbytes"]), len(p["busy"]), p["queued"], "retired" if p["retired"] else "")
+            for p in pools
+        ]
+        print(
+            "  "
+            + table(("RANK", "RING", "SAVES IN FLIGHT", "QUEUED", ""), rows, right=(0, 1, 2, 3)).replace("\n", "\n  ")
+        )
     _print_memory(info.get("memory"))
     recent = m.get("recent_steps", [])[-5:]
     if recent:
-        rows = [(s["step"], s["outcome"], s["ranks"], format_bytes(s["nbytes"]), _seconds(s["queue_s"]),
-                 _seconds(s["persist_s"]), _seconds(s["commit_s"])) for s in recent]
-        print("  " + table(("STEP", "OUTCOME", "RANKS", "BYTES", "QUEUE", "PERSIST", "COMMIT"), rows,
-                           right=(0, 2, 3, 4, 5, 6)).replace("\n", "\n  "))
+        step_rows = [
+            (
+                s["step"],
+                s["outcome"],
+                s["ranks"],
+                format_bytes(s["nbytes"]),
+                _seconds(s["queue_s"]),
+                _seconds(s["persist_s"]),
+                _seconds(s["commit_s"]),
+            )
+            for s in recent
+        ]
+        print(
+            "  "
+            + table(
+                ("STEP", "OUTCOME", "RANKS", "BYTES", "QUEUE", "PERSIST", "COMMIT"), step_rows, right=(0, 2, 3, 4, 5, 6)
+            ).replace("\n", "\n  ")
+        )
     if coord is not None:
         steps = coord.get("steps", {})
-        print(f"  coordinator {coord['address']}: nodes {coord['nodes']}; steps in progress: "
-              + (", ".join(f"{s} {v['phase']} ({len(v['written'])}/{v['world_size']} written)"
-                           for s, v in steps.items()) or "none"))
+        print(
+            f"  coordinator {coord['address']}: nodes {coord['nodes']}; steps in progress: "
+            + (
+                ", ".join(f"{s} {v['phase']} ({len(v['written'])}/{v['world_size']} written)" for s, v in steps.items())
+                or "none"
+            )
+        )
 
 
 def _print_memory(mem: dict[str, Any] | None) -> None:
@@ -81,11 +113,14 @@ def _print_memory(mem: dict[str, Any] | None) -> None:
         return f"{format_bytes(p['current'])} (peak {format_bytes(p['peak'])})"
 
     shm = mem["dev_shm"]
-    print(f"  memory: daemon RSS {both(mem['daemon_rss'])}; staging rings in /dev/shm "
-          f"{both(mem['staging_shm'])}; /dev/shm used {both(shm)} of {format_bytes(shm['size'])}")
+    print(
+        f"  memory: daemon RSS {both(mem['daemon_rss'])}; staging rings in /dev/shm "
+        f"{both(mem['staging_shm'])}; /dev/shm used {both(shm)} of {format_bytes(shm['size'])}"
+    )
     if mem["ranks_rss"]:
-        print("  ranks' RSS (training and staging): "
-              + ", ".join(f"rank {r['rank']} {both(r)}" for r in mem["ranks_rss"]))
+        print(
+            "  ranks' RSS (training and staging): " + ", ".join(f"rank {r['rank']} {both(r)}" for r in mem["ranks_rss"])
+        )
 
 
 @guarded("status")

@@ -47,16 +47,23 @@ exit status: 0 sound (warnings and notes allowed); 1 damage found; 2 usage error
 
 
 def register(subparsers: Any) -> None:
-    p = add_parser(subparsers, "verify", "check a checkpoint end to end (checksums, coverage, files)",
-                   DESCRIPTION)
+    p = add_parser(subparsers, "verify", "check a checkpoint end to end (checksums, coverage, files)", DESCRIPTION)
     p.add_argument("path", metavar="DIR", help="checkpoint directory, or a checkpoint root")
-    p.add_argument("--deep", action="store_true",
-                   help="also decode every item (torch.load, weights-only) and check shape/dtype")
-    p.add_argument("--all", action="store_true", dest="all_checkpoints",
-                   help="for a root: verify every committed checkpoint, not only the latest")
+    p.add_argument(
+        "--deep", action="store_true", help="also decode every item (torch.load, weights-only) and check shape/dtype"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_checkpoints",
+        help="for a root: verify every committed checkpoint, not only the latest",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--allow-unsafe-pickle", action="store_true",
-                   help="decode objects/common.pt with arbitrary pickles (only for trusted checkpoints)")
+    p.add_argument(
+        "--allow-unsafe-pickle",
+        action="store_true",
+        help="decode objects/common.pt with arbitrary pickles (only for trusted checkpoints)",
+    )
     p.set_defaults(func=run)
 
 
@@ -68,9 +75,11 @@ def _summary(r: VerifyReport) -> str:
     state = r.status
     if r.errors:
         state += f" ({len(r.errors)} error{'s' * (len(r.errors) != 1)})"
-    parts = [f"{r.tensors} tensors, {r.objects} objects, {r.items} items in {r.data_files} data files",
-             f"{format_bytes(r.bytes_read)} read",
-             f"{r.items_checksummed} checksums checked"]
+    parts = [
+        f"{r.tensors} tensors, {r.objects} objects, {r.items} items in {r.data_files} data files",
+        f"{format_bytes(r.bytes_read)} read",
+        f"{r.items_checksummed} checksums checked",
+    ]
     if r.deep:
         parts.append(f"{r.items_decoded} items decoded")
     lines = [f"{r.checkpoint}: {state}", f"  {'; '.join(parts)}"]
@@ -87,15 +96,21 @@ def run(args: argparse.Namespace) -> int:
     target = resolve(args.path)
     result: VerifyReport | RootVerifyReport
     if target.is_root:
-        result = verify_root(scan_root(target.path), all_checkpoints=args.all_checkpoints, deep=args.deep,
-                             allow_unsafe_pickle=args.allow_unsafe_pickle, progress_for=_bar)
+        result = verify_root(
+            scan_root(target.path),
+            all_checkpoints=args.all_checkpoints,
+            deep=args.deep,
+            allow_unsafe_pickle=args.allow_unsafe_pickle,
+            progress_for=_bar,
+        )
         reports, root_findings = result.reports, result.findings
     else:
         if args.all_checkpoints:
             raise UsageError(f"--all needs a checkpoint root; {target.path} is one checkpoint")
         with _bar(target.path) as bar:
-            result = verify_checkpoint(target.path, deep=args.deep,
-                                       allow_unsafe_pickle=args.allow_unsafe_pickle, progress=bar)
+            result = verify_checkpoint(
+                target.path, deep=args.deep, allow_unsafe_pickle=args.allow_unsafe_pickle, progress=bar
+            )
         reports, root_findings = [result], []
     if args.json:
         emit_json(result.to_dict())
@@ -107,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         if target.is_root and len(reports) > 1:
             bad = sum(bool(r.errors) for r in reports)
             unsupported = sum(r.status == "UNSUPPORTED" for r in reports)
-            print(f"{len(reports)} checkpoints verified, {bad} damaged"
-                  + (f", {unsupported} unsupported" if unsupported else ""))
+            print(
+                f"{len(reports)} checkpoints verified, {bad} damaged"
+                + (f", {unsupported} unsupported" if unsupported else "")
+            )
     return {"OK": EXIT_OK, "UNSUPPORTED": EXIT_UNSUPPORTED}.get(result.status, EXIT_FAILURE)

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 ENVELOPE_NBYTES = 4096
 
 
-def make_socket(ctx: zmq.Context, kind: int, codec: Codec, keys: CurveKeys, *, server: bool,
-                identity: bytes | None = None) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context, kind: int, codec: Codec, keys: CurveKeys, *, server: bool, identity: bytes | None = None
+) -> zmq.Socket:
     """A CurveZMQ socket of the job: ``server`` for ROUTERs that bind, else a client."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

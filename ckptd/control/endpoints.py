@@ -23,9 +23,9 @@ import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from ..config import CkptdConfig
 from ..errors import CkptdError, DaemonError
@@ -53,7 +53,7 @@ class JobEnv:
         return self.world_size // self.local_world_size
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str] | None = None) -> "JobEnv":
+    def detect(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
         """Read RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT.
 
         Without RANK, torch.distributed (when initialized) gives rank and world size; without
@@ -72,8 +72,9 @@ class JobEnv:
         except ValueError as exc:
             raise CkptdError(f"malformed torchrun environment variable: {exc}") from None
         je = cls(rank, local_rank, world, local_world, node, env.get("MASTER_ADDR", "127.0.0.1"), port)
-        if not (0 <= rank < world and 0 <= local_rank < local_world and world % local_world == 0
-                and 0 <= node < je.nnodes):
+        if not (
+            0 <= rank < world and 0 <= local_rank < local_world and world % local_world == 0 and 0 <= node < je.nnodes
+        ):
             raise CkptdError(
                 f"inconsistent launch environment: RANK={rank} WORLD_SIZE={world} LOCAL_RANK="
                 f"{local_rank} LOCAL_WORLD_SIZE={local_world} GROUP_RANK={node}; ckptd expects "
@@ -117,16 +118,21 @@ def open_private_dir(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if os.path.islink(path):
-            raise DaemonError(f"runtime directory {path} is a symbolic link (to {os.readlink(path)!r}), "
-                              f"which someone else may have planted to receive the job's sockets and "
-                              f"token; ckptd never follows it: remove it, or {hint}") from None
-        raise DaemonError(f"runtime directory {path} cannot be opened as a directory ({exc.strerror}); "
-                          f"{hint}") from None
+            raise DaemonError(
+                f"runtime directory {path} is a symbolic link (to {os.readlink(path)!r}), "
+                f"which someone else may have planted to receive the job's sockets and "
+                f"token; ckptd never follows it: remove it, or {hint}"
+            ) from None
+        raise DaemonError(
+            f"runtime directory {path} cannot be opened as a directory ({exc.strerror}); {hint}"
+        ) from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
-            raise DaemonError(f"runtime directory {path} is owned by uid {st.st_uid}, not by you (uid "
-                              f"{os.getuid()}); its sockets and token could be anyone's: {hint}")
+            raise DaemonError(
+                f"runtime directory {path} is owned by uid {st.st_uid}, not by you (uid "
+                f"{os.getuid()}); its sockets and token could be anyone's: {hint}"
+            )
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o700)
     except BaseException:
@@ -150,9 +156,11 @@ def check_daemon_file(path: Path) -> None:
         return
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
-        raise DaemonError(f"{path} is {what}, not a file of yours (uid {os.getuid()}); refusing to talk "
-                          "to whatever daemon it belongs to. Remove it, or set CKPTD_RUNTIME_DIR to a "
-                          "directory of your own (mode 0700)")
+        raise DaemonError(
+            f"{path} is {what}, not a file of yours (uid {os.getuid()}); refusing to talk "
+            "to whatever daemon it belongs to. Remove it, or set CKPTD_RUNTIME_DIR to a "
+            "directory of your own (mode 0700)"
+        )
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ class Endpoints:
     coordinator_bind: str  # tcp://host:port node 0's daemon binds (port 0: ephemeral)
 
     @classmethod
-    def for_job(cls, root: str | os.PathLike, env: JobEnv, config: CkptdConfig) -> "Endpoints":
+    def for_job(cls, root: str | os.PathLike, env: JobEnv, config: CkptdConfig) -> Endpoints:
         root = Path(os.path.realpath(root))
         job = config.job_id or default_job_id(root)
         if not job.replace("-", "").replace("_", "").isalnum() or len(job) > 40:
@@ -177,16 +185,20 @@ class Endpoints:
         port = config.coordinator_port
         if port == 0 and env.nnodes > 1:
             if env.master_port == 0:
-                raise CkptdError("a multi-node job needs the coordinator's port: set MASTER_PORT "
-                                 "(torchrun does) or CKPTD_COORDINATOR_PORT")
+                raise CkptdError(
+                    "a multi-node job needs the coordinator's port: set MASTER_PORT "
+                    "(torchrun does) or CKPTD_COORDINATOR_PORT"
+                )
             port = env.master_port + 1
         # Only node 0 binds (never on 0.0.0.0: ckptd.control.netaddr). Other nodes do not look up
         # a route to the host: one missing at their start is no reason to fail, they only connect.
         bind_host = coordinator_bind_host(host, env.nnodes) if env.node == 0 else host
         ep = cls(root, job, env.node, runtime, tcp_address(host, port), tcp_address(bind_host, port))
         if len(str(ep.socket_path)) > _MAX_IPC_PATH:
-            raise CkptdError(f"ipc socket path {ep.socket_path} is longer than {_MAX_IPC_PATH} "
-                             "bytes; set CKPTD_RUNTIME_DIR to a shorter directory")
+            raise CkptdError(
+                f"ipc socket path {ep.socket_path} is longer than {_MAX_IPC_PATH} "
+                "bytes; set CKPTD_RUNTIME_DIR to a shorter directory"
+            )
         return ep
 
     @property
@@ -246,8 +258,10 @@ def _read_token_file(dir_fd: int, path: Path) -> bytes:
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise DaemonError(f"job token file {path} is a symbolic link; ckptd reads only a private "
-                              "regular file of yours: delete it and restart the job") from None
+            raise DaemonError(
+                f"job token file {path} is a symbolic link; ckptd reads only a private "
+                "regular file of yours: delete it and restart the job"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
@@ -261,14 +275,18 @@ def _read_token_file(dir_fd: int, path: Path) -> bytes:
         elif st.st_size > _TOKEN_MAX_NBYTES:
             problem = f"has {st.st_size} bytes, far more than a token"
         if problem is not None:
-            raise DaemonError(f"job token file {path} {problem}; ckptd uses only a private (0600) "
-                              "regular file of yours: delete it and restart the job")
+            raise DaemonError(
+                f"job token file {path} {problem}; ckptd uses only a private (0600) "
+                "regular file of yours: delete it and restart the job"
+            )
         token = os.pread(fd, _TOKEN_MAX_NBYTES, 0).strip()
     finally:
         os.close(fd)
     if len(token) < TOKEN_MIN_CHARS:
-        raise DaemonError(f"job token file {path} is damaged ({len(token)} bytes); delete it and "
-                          "restart the job (a new one is created)")
+        raise DaemonError(
+            f"job token file {path} is damaged ({len(token)} bytes); delete it and "
+            "restart the job (a new one is created)"
+        )
     return check_token(token, f"file {path}")
 
 

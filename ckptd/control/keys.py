@@ -51,10 +51,11 @@ def _hkdf_sha256(token: bytes, label: bytes) -> bytes:
 def derive_keys(token: bytes) -> CurveKeys:
     """The job's server and client key pairs from its token (same token, same keys, anywhere)."""
     if not zmq.has("curve"):
-        raise DaemonError(f"this libzmq ({zmq.zmq_version()}) was built without CurveZMQ, which every "
-                          "ckptd socket needs; install pyzmq's wheel from PyPI (it bundles libzmq with "
-                          "libsodium) or a libzmq built with libsodium")
+        raise DaemonError(
+            f"this libzmq ({zmq.zmq_version()}) was built without CurveZMQ, which every "
+            "ckptd socket needs; install pyzmq's wheel from PyPI (it bundles libzmq with "
+            "libsodium) or a libzmq built with libsodium"
+        )
     server_secret = z85.encode(_hkdf_sha256(token, SERVER_LABEL))
     client_secret = z85.encode(_hkdf_sha256(token, CLIENT_LABEL))
-    return CurveKeys(zmq.curve_public(server_secret), server_secret,
-                     zmq.curve_public(client_secret), client_secret)
+    return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)

@@ -23,8 +23,9 @@ def coordinator_bind_host(host: str, nnodes: int) -> str:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise CkptdError(f"cannot resolve the coordinator host {host!r} (MASTER_ADDR or "
-                         f"CKPTD_COORDINATOR_HOST): {exc}") from None
+        raise CkptdError(
+            f"cannot resolve the coordinator host {host!r} (MASTER_ADDR or CKPTD_COORDINATOR_HOST): {exc}"
+        ) from None
     family, _, _, _, sockaddr = infos[0]
     ip = str(sockaddr[0])
     if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
@@ -34,8 +35,10 @@ def coordinator_bind_host(host: str, nnodes: int) -> str:
             # A UDP connect sends nothing: the kernel only picks the route and its source address.
             probe.connect((ip, 9) if family == socket.AF_INET else (ip, 9, 0, 0))
         except OSError as exc:
-            raise CkptdError(f"no route from this machine to the coordinator host {host} ({ip}): {exc}; "
-                             "set MASTER_ADDR (or CKPTD_COORDINATOR_HOST) to an address node 0 has") from None
+            raise CkptdError(
+                f"no route from this machine to the coordinator host {host} ({ip}): {exc}; "
+                "set MASTER_ADDR (or CKPTD_COORDINATOR_HOST) to an address node 0 has"
+            ) from None
         return str(probe.getsockname()[0])
 
 

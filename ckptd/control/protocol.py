@@ -42,9 +42,9 @@ is encrypted and authenticated within its session (a frame replayed on another c
 twice, is refused by the session's nonces). On top of that, a message is a msgpack map
 ``{"v": version, "t": type, "job": job id, "f": {fields}}``, sent in frames of at most
 :data:`FRAME_NBYTES`, so that every socket refuses larger frames, also from peers that have not
-authenticated yet. A receiver checks the size limit before it unpacks anything, then the version, job, type, every field's type, and that steps and
-attempt ids are in range; anything else is rejected with :class:`ProtocolError` (never pickle,
-never eval).
+authenticated yet. A receiver checks the size limit before it unpacks anything, then the version,
+job, type, every field's type, and that steps and attempt ids are in range; anything else is
+rejected with :class:`ProtocolError` (never pickle, never eval).
 """
 
 from __future__ import annotations
@@ -299,13 +299,30 @@ class ShutdownAck(Message):
 
 REGISTRY: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Ping, Pong, Hello, Welcome, ErrorReply, RegisterPool, PoolOk, Save, Skip, SaveAck,
-                WriteDone, Bye, StepCommitted, StepAborted, Written, Failed, Status, StatusReply,
-                Shutdown, ShutdownAck)
+    for cls in (
+        Ping,
+        Pong,
+        Hello,
+        Welcome,
+        ErrorReply,
+        RegisterPool,
+        PoolOk,
+        Save,
+        Skip,
+        SaveAck,
+        WriteDone,
+        Bye,
+        StepCommitted,
+        StepAborted,
+        Written,
+        Failed,
+        Status,
+        StatusReply,
+        Shutdown,
+        ShutdownAck,
+    )
 }
-_HINTS: dict[type[Message], dict[str, Any]] = {
-    cls: typing.get_type_hints(cls) for cls in REGISTRY.values()
-}
+_HINTS: dict[type[Message], dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in REGISTRY.values()}
 
 
 def _matches(value: Any, tp: Any) -> bool:
@@ -359,9 +376,14 @@ class Codec:
         # dict: seconds for a SAVE of 10,000 items); a dataclass nested in a field is still sent
         # as its asdict() map, by _wire_default, so the bytes are the same.
         body = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": self.job,
-             "f": {f.name: getattr(msg, f.name) for f in fields(msg)}},
-            use_bin_type=True, default=_wire_default,
+            {
+                "v": PROTOCOL_VERSION,
+                "t": int(msg.TYPE),
+                "job": self.job,
+                "f": {f.name: getattr(msg, f.name) for f in fields(msg)},
+            },
+            use_bin_type=True,
+            default=_wire_default,
         )
         if len(body) > self.max_nbytes:
             raise ProtocolError(
@@ -371,7 +393,7 @@ class Codec:
         if len(body) <= FRAME_NBYTES:
             return [body]
         view = memoryview(body)
-        return [view[i:i + FRAME_NBYTES] for i in range(0, len(body), FRAME_NBYTES)]
+        return [view[i : i + FRAME_NBYTES] for i in range(0, len(body), FRAME_NBYTES)]
 
     def decode(self, frames: list[Any]) -> Message:
         """``frames``: bytes or buffers (zero-copy zmq frames) of one message, in order."""
@@ -388,8 +410,10 @@ class Codec:
         if not isinstance(obj, dict) or set(obj) != {"v", "t", "job", "f"}:
             raise ProtocolError("message is not a {v, t, job, f} map")
         if obj["v"] != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}; "
-                                "run the same ckptd version on every process of the job")
+            raise ProtocolError(
+                f"protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}; "
+                "run the same ckptd version on every process of the job"
+            )
         if obj["job"] != self.job:
             raise ProtocolError(f"message for job {obj['job']!r}, this is job {self.job!r}")
         cls = REGISTRY.get(obj["t"]) if isinstance(obj["t"], int) else None
@@ -403,8 +427,9 @@ class Codec:
             raise ProtocolError(f"{cls.TYPE.name}: fields {got}, expected {sorted(names)}")
         for name in names:
             if not _matches(values[name], hints[name]):
-                raise ProtocolError(f"{cls.TYPE.name}: field {name!r} has type "
-                                    f"{type(values[name]).__name__}, expected {hints[name]}")
+                raise ProtocolError(
+                    f"{cls.TYPE.name}: field {name!r} has type {type(values[name]).__name__}, expected {hints[name]}"
+                )
         try:
             if isinstance(values.get("step"), int):
                 check_step(values["step"])

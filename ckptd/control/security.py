@@ -31,10 +31,12 @@ ZAP_DOMAIN = b"ckptd"
 _LOG_FIRST = 10  # warnings logged per counter before only every _LOG_EVERY-th one is
 _LOG_EVERY = 1000
 
-_OUTCOMES = {
+_OUTCOMES: dict[int, str | None] = {
     zmq.EVENT_HANDSHAKE_SUCCEEDED: None,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key refused (no job token, or another job's)",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "broken handshake (plain ZeroMQ without CurveZMQ, wrong server key, malformed)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+        "broken handshake (plain ZeroMQ without CurveZMQ, wrong server key, malformed)"
+    ),
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake aborted",
 }
 
@@ -83,13 +85,21 @@ class ZapHandler:
         if len(frames) < 6:  # libzmq builds these requests: never expected
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
         version, request_id, _domain, address, _routing_id, mechanism, *credentials = frames
-        ok = (version == b"1.0" and mechanism == b"CURVE" and len(credentials) == 1
-              and hmac.compare_digest(credentials[0], self._allowed))
+        ok = (
+            version == b"1.0"
+            and mechanism == b"CURVE"
+            and len(credentials) == 1
+            and hmac.compare_digest(credentials[0], self._allowed)
+        )
         if ok:
             return [b"1.0", request_id, b"200", b"OK", b"ckptd-job", b""]
         self.denied += 1
-        _log_rate_limited(self.denied, "refused a %s handshake from %s: not the job's client key",
-                          mechanism.decode(errors="replace"), address.decode(errors="replace"))
+        _log_rate_limited(
+            self.denied,
+            "refused a %s handshake from %s: not the job's client key",
+            mechanism.decode(errors="replace"),
+            address.decode(errors="replace"),
+        )
         return [b"1.0", request_id, b"400", b"not the job's client key", b"", b""]
 
     def close(self) -> None:
@@ -99,9 +109,14 @@ class ZapHandler:
 class HandshakeWatch:
     """Counts a server socket's connections that never authenticated; poll :attr:`sock`."""
 
-    EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-              | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    EVENTS = (
+        zmq.EVENT_ACCEPTED
+        | zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
 
     def __init__(self, server: zmq.Socket, name: str) -> None:
         self.name = name
@@ -127,8 +142,12 @@ class HandshakeWatch:
             elif kind == zmq.EVENT_DISCONNECTED:
                 if self._open.pop(value, True) is False:
                     self.dropped += 1
-                    _log_rate_limited(self.dropped, "%s: a connection closed before authenticating "
-                                      "(not ZeroMQ, or a handshake frame above the size limit)", self.name)
+                    _log_rate_limited(
+                        self.dropped,
+                        "%s: a connection closed before authenticating "
+                        "(not ZeroMQ, or a handshake frame above the size limit)",
+                        self.name,
+                    )
             elif kind in _OUTCOMES:
                 for fd in self._open:
                     self._open[fd] = True

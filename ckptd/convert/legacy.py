@@ -147,8 +147,10 @@ def resolve_iteration_dir(src: str | os.PathLike) -> Path:
     if tracker.is_file():
         text = tracker.read_text().strip()
         if text != "release" and not text.isdigit():
-            raise CheckpointNotFoundError(f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
-                                          "'release'; pass the iteration directory itself")
+            raise CheckpointNotFoundError(
+                f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
+                "'release'; pass the iteration directory itself"
+            )
         sub = root / ("release" if text == "release" else step_dir_name(int(text)))
         if sub.is_dir():
             return sub
@@ -189,8 +191,9 @@ def discover(src: str | os.PathLike, expert_parallel: bool | None = None) -> Leg
         files.append(RankFile(path, tp, pp, ep))
     sizes = [max(getattr(f, a) for f in files) + 1 for a in ("tp", "pp", "ep")]
     have = {(f.tp, f.pp, f.ep) for f in files}
-    missing = [(t, p, e) for t in range(sizes[0]) for p in range(sizes[1]) for e in range(sizes[2])
-               if (t, p, e) not in have]
+    missing = [
+        (t, p, e) for t in range(sizes[0]) for p in range(sizes[1]) for e in range(sizes[2]) if (t, p, e) not in have
+    ]
     if missing:
         raise CheckpointNotFoundError(
             f"{directory} is incomplete: no rank file for (tp, pp, ep) {missing[:8]}"
@@ -217,7 +220,7 @@ def _read(path: Path, allow_unsafe_pickle: bool, mmap: bool = True, tolerate_uns
             "legacy Megatron files usually do (numpy RNG states). If you trust the checkpoint, "
             "convert with allow_unsafe_pickle=True (--allow-unsafe-pickle)."
         ) from exc
-    except Exception as exc:  # noqa: BLE001 - any decoding failure: name the file
+    except Exception as exc:
         raise CheckpointNotFoundError(f"{path} cannot be read as a torch.save file ({exc!r})") from exc
     if not isinstance(obj, dict):
         raise CheckpointNotFoundError(f"{path} holds a {type(obj).__name__}, not a Megatron state dict")
@@ -270,8 +273,9 @@ def _plain(value: Any) -> Any:
 
 
 class _Converter:
-    def __init__(self, tree: LegacyTree, rules: Sequence[SplitRule], allow_unsafe_pickle: bool,
-                 stack_layers: bool) -> None:
+    def __init__(
+        self, tree: LegacyTree, rules: Sequence[SplitRule], allow_unsafe_pickle: bool, stack_layers: bool
+    ) -> None:
         self.tree = tree
         self.stack_layers = stack_layers
         self.num_layers = 0
@@ -345,8 +349,9 @@ class _Converter:
             out.append((t, tuple(offs)))
         return out
 
-    def group(self, index: int, pp: int, ep: int,
-              layer_offsets: dict[tuple[int, int], int]) -> tuple[list[PlannedItem], dict, int, str]:
+    def group(
+        self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], int]
+    ) -> tuple[list[PlannedItem], dict, int, str]:
         """The items of output rank ``index`` (pipeline stage ``pp``, expert rank ``ep``: every TP
         rank's file of it merged), TP rank 0's state dict, the input's bytes and a label."""
         files = [self.tree.file(tp, pp, ep) for tp in range(self.tree.tp_size)]
@@ -392,19 +397,28 @@ class _Converter:
                     gshape = [self.num_layers] + gshape
                     pieces = [(p.unsqueeze(0), (layer,) + o) for p, o in pieces]
                 for payload, offs in pieces:
-                    rec = ItemRecord(gkey, TENSOR, index, dtype_name(payload.dtype, gkey), tuple(gshape),
-                                     offs, tuple(payload.shape))
+                    rec = ItemRecord(
+                        gkey, TENSOR, index, dtype_name(payload.dtype, gkey), tuple(gshape), offs, tuple(payload.shape)
+                    )
                     items.append(PlannedItem(rec, payload))
                     self.report.chunks += 1
                     self.report.nbytes += payload.numel() * payload.element_size()
         return items, sds[0], group_bytes, label
 
 
-def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
-                   rules: Sequence[SplitRule] = (), use_default_rules: bool = True,
-                   allow_unsafe_pickle: bool = False, expert_parallel: bool | None = None,
-                   glu: bool | None = None, stack_layers: bool = False,
-                   progress: Progress | None = None, fsync: bool = True) -> ConversionReport:
+def convert_legacy(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    rules: Sequence[SplitRule] = (),
+    use_default_rules: bool = True,
+    allow_unsafe_pickle: bool = False,
+    expert_parallel: bool | None = None,
+    glu: bool | None = None,
+    stack_layers: bool = False,
+    progress: Progress | None = None,
+    fsync: bool = True,
+) -> ConversionReport:
     """Convert the legacy checkpoint ``src`` (root or iteration dir) into torch_dist at ``dst``.
 
     ``rules`` come before :data:`DEFAULT_RULES` (first match wins). ``glu`` (default: the
@@ -425,8 +439,9 @@ def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
         if (root / marker).exists():
             raise CheckpointExistsError(f"{root} already holds a checkpoint ({marker} exists)")
     root.mkdir(parents=True, exist_ok=True)
-    conv = _Converter(tree, list(rules) + (list(DEFAULT_RULES) if use_default_rules else []),
-                      allow_unsafe_pickle, stack_layers)
+    conv = _Converter(
+        tree, list(rules) + (list(DEFAULT_RULES) if use_default_rules else []), allow_unsafe_pickle, stack_layers
+    )
     if progress:
         progress(0, conv.total, "start")
     offsets = conv.layer_offsets()
@@ -449,16 +464,22 @@ def convert_legacy(src: str | os.PathLike, dst: str | os.PathLike, *,
         return {
             "iteration": first.get("iteration"),
             "checkpoint_version": first.get("checkpoint_version"),
-            "args": _plain(vars(first["args"])) if hasattr(first.get("args"), "__dict__") else _plain(first.get("args")),
+            "args": _plain(vars(first["args"]))
+            if hasattr(first.get("args"), "__dict__")
+            else _plain(first.get("args")),
             "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
-            "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size,
-                               "ep": tree.ep_size},
+            "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size, "ep": tree.ep_size},
         }
 
     write_checkpoint(root, ranks(), common, fsync=fsync)
     conv.report.iteration = first.get("iteration")
     conv.report.skipped = sorted(conv.skipped)
-    log.info("converted %s -> %s: %d tensors, %d chunks, %.1f MiB", tree.directory, root,
-             conv.report.tensors, conv.report.chunks, conv.report.nbytes / 2**20)
+    log.info(
+        "converted %s -> %s: %d tensors, %d chunks, %.1f MiB",
+        tree.directory,
+        root,
+        conv.report.tensors,
+        conv.report.chunks,
+        conv.report.nbytes / 2**20,
+    )
     return conv.report
-

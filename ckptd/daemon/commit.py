@@ -66,9 +66,19 @@ def tracker_step(root: Path) -> int | None:
     return committed_step(name or "")
 
 
-def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], common: bytes,
-                data_files: Mapping[str, tuple[int, int]], *, fsync: bool, keep_last: int,
-                megatron_tracker: bool, opener: Opener = default_opener) -> str:
+def commit_step(
+    root: Path,
+    step: int,
+    attempt: str,
+    records: list[ItemRecord],
+    common: bytes,
+    data_files: Mapping[str, tuple[int, int]],
+    *,
+    fsync: bool,
+    keep_last: int,
+    megatron_tracker: bool,
+    opener: Opener = default_opener,
+) -> str:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring); returns the committed name.
 
     ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``. Every
@@ -81,8 +91,10 @@ def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], 
     final = root / name
     with Dir.open(root) as rootd:
         if rootd.lstat(name) is not None:
-            raise CheckpointExistsError(f"{final} already exists; a step is committed once. Save under a "
-                                        "new step, or delete the old checkpoint first.")
+            raise CheckpointExistsError(
+                f"{final} already exists; a step is committed once. Save under a "
+                "new step, or delete the old checkpoint first."
+            )
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
         with rootd.subdir(tmp) as tmpd:
@@ -96,8 +108,9 @@ def commit_step(root: Path, step: int, attempt: str, records: list[ItemRecord], 
             current = tracker_step(root)
             if current is not None and not _is_step_checkpoint(root, current):
                 # A tracker naming a missing or incomplete checkpoint must not pin `latest` forever.
-                log.warning("the tracker of %s names step %d, which is not a committed checkpoint; "
-                            "replacing it", root, current)
+                log.warning(
+                    "the tracker of %s names step %d, which is not a committed checkpoint; replacing it", root, current
+                )
                 current = None
             if current is None or step >= current:
                 atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
@@ -128,8 +141,7 @@ def write_megatron_tracker(rootd: Dir, step: int, opener: Opener, fsync: bool) -
     (absent, or naming the previous step): Megatron-LM starts from scratch or from that step.
     """
     if step <= 0:
-        log.info("committed step %d; %s left as it was: Megatron-LM refuses iteration %d",
-                 step, MEGATRON_TRACKER, step)
+        log.info("committed step %d; %s left as it was: Megatron-LM refuses iteration %d", step, MEGATRON_TRACKER, step)
         return False
     atomic_write_bytes(rootd.entry(MEGATRON_TRACKER), megatron_tracker_bytes(step), opener, fsync)
     return True
@@ -144,14 +156,19 @@ def check_data_files(tmpd: Dir, data_files: Mapping[str, tuple[int, int]]) -> No
             continue
         path = tmpd.path / name  # for the message only (a Path per file costs 8 us: 33 ms at 4,096 ranks)
         if st is None:
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is missing, though its node "
-                                         "reported it written; the step is not committed")
+            raise CorruptCheckpointError(
+                f"rank {rank}'s data file {path} is missing, though its node "
+                "reported it written; the step is not committed"
+            )
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} is not a regular file; the "
-                                         "step is not committed")
+            raise CorruptCheckpointError(
+                f"rank {rank}'s data file {path} is not a regular file; the step is not committed"
+            )
         if st.st_size != nbytes:
-            raise CorruptCheckpointError(f"rank {rank}'s data file {path} has {st.st_size} bytes, its "
-                                         f"writer reported {nbytes}; the step is not committed")
+            raise CorruptCheckpointError(
+                f"rank {rank}'s data file {path} has {st.st_size} bytes, its "
+                f"writer reported {nbytes}; the step is not committed"
+            )
 
 
 def _is_step_checkpoint(root: Path, step: int) -> bool:
@@ -197,8 +214,13 @@ def _undo_rename(rootd: Dir, name: str, tmp_name: str, fsync: bool) -> None:
         if fsync:
             rootd.fsync()
     except OSError as exc:
-        log.error("the tracker update of %s failed and %s could not be renamed back (%s); it is "
-                  "complete but not named by the tracker", rootd.path / name, rootd.path / name, exc)
+        log.error(
+            "the tracker update of %s failed and %s could not be renamed back (%s); it is "
+            "complete but not named by the tracker",
+            rootd.path / name,
+            rootd.path / name,
+            exc,
+        )
 
 
 def _remove_partial_files(tmpd: Dir) -> None:
@@ -243,7 +265,7 @@ def remove_tmp(root: Path, step: int, attempt: str) -> None:
 def remove_all_tmp(root: Path) -> list[str]:
     """Remove every attempt's directory (``iter_<step>.<attempt>.tmp``) of ``root`` (coordinator
     start: nothing can be in flight); links with such names are left alone (and never followed)."""
-    removed = []
+    removed: list[str] = []
     try:
         rootd = Dir.open(root)
     except FileNotFoundError:
@@ -267,5 +289,8 @@ def tmp_attempts(root: Path) -> list[tuple[int, str]]:
     except FileNotFoundError:
         return []
     parsed = ((n, parse_step_dir(n)) for n in names)
-    return sorted((p.step, p.attempt) for n, p in parsed
-                  if p is not None and p.partial and p.attempt is not None and is_real_dir(root / n))
+    return sorted(
+        (p.step, p.attempt)
+        for n, p in parsed
+        if p is not None and p.partial and p.attempt is not None and is_real_dir(root / n)
+    )

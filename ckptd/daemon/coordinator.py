@@ -102,9 +102,18 @@ class AttemptState:
 
 
 class Coordinator:
-    def __init__(self, ctx: zmq.Context, codec: Codec, keys: CurveKeys, bind: str, root: Path,
-                 config: CkptdConfig, workers: WorkerPools, instance: str,
-                 adopt: list[Key] = ()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        keys: CurveKeys,
+        bind: str,
+        root: Path,
+        config: CkptdConfig,
+        workers: WorkerPools,
+        instance: str,
+        adopt: list[Key] | None = None,
+    ) -> None:
         self.root = root
         self.config = config
         self.workers = workers
@@ -112,8 +121,7 @@ class Coordinator:
         # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
         self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
-        replace_dead_links(sock, config.heartbeat_s,
-                           link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
+        replace_dead_links(sock, config.heartbeat_s, link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
         if bind.startswith("tcp://[") or bind.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         if bind.endswith(":0"):
@@ -127,7 +135,7 @@ class Coordinator:
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
         now = time.monotonic()
-        for step, attempt in adopt:
+        for step, attempt in adopt or []:
             # Another node may still be writing it (it may even commit); if it does not complete
             # within the commit timeout, it aborts like any attempt and its tmp dir is removed.
             self.attempts[(step, attempt)] = AttemptState(step, attempt, 0, now, adopted=True)
@@ -168,28 +176,34 @@ class Coordinator:
         self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
         return True
 
-    def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int,
-                     who: str) -> AttemptState | None:
+    def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int, who: str) -> AttemptState | None:
         """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed
         already, or another attempt of it is in flight)."""
         st = self.attempts[(step, attempt)] = AttemptState(step, attempt, world_size, time.monotonic())
         st.reporters.add(identity)
         if (self.root / step_dir_name(step)).exists():
-            self._abort(st, f"step {step} is committed already; {who} saved it again as attempt {attempt} "
-                            "(save under a new step)")
+            self._abort(
+                st,
+                f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)",
+            )
             return None
         for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
             if other.adopted and not other.reporters:
                 continue  # a leftover of a crashed coordinator: it times out on its own
             if other.phase is Phase.COMMITTING:
-                self._abort(st, f"step {step}: {who} saved attempt {attempt} while attempt "
-                                f"{other.attempt} of that step is being committed")
+                self._abort(
+                    st,
+                    f"step {step}: {who} saved attempt {attempt} while attempt "
+                    f"{other.attempt} of that step is being committed",
+                )
                 return None
-            reason = (f"step {step}: ranks disagree on the save attempt: {other.describe()}, but {who} "
-                      f"saved attempt {attempt}. Every rank of one launch must derive the same attempt "
-                      "id (set CKPTD_RUN_ID to one value per launch on every rank); a job restarted "
-                      "while its predecessor was still saving this step ends here too, and its next "
-                      "step saves normally")
+            reason = (
+                f"step {step}: ranks disagree on the save attempt: {other.describe()}, but {who} "
+                f"saved attempt {attempt}. Every rank of one launch must derive the same attempt "
+                "id (set CKPTD_RUN_ID to one value per launch on every rank); a job restarted "
+                "while its predecessor was still saving this step ends here too, and its next "
+                "step saves normally"
+            )
             self._abort(other, reason)
             self._abort(st, reason)
             return None
@@ -209,37 +223,55 @@ class Coordinator:
         if st.world_size == 0:  # adopted: the first report tells
             st.world_size = msg.world_size
         if st.phase is not Phase.COLLECTING:
-            log.warning("step %d attempt %s: WRITTEN from rank %d while %s; ignored", msg.step,
-                        msg.attempt, msg.rank, st.phase.value)
+            log.warning(
+                "step %d attempt %s: WRITTEN from rank %d while %s; ignored",
+                msg.step,
+                msg.attempt,
+                msg.rank,
+                st.phase.value,
+            )
             return
         try:
             if msg.world_size != st.world_size:
-                raise ProtocolError(f"world size {msg.world_size}, other ranks of attempt {msg.attempt} "
-                                    f"said {st.world_size}; every rank of the job must use one "
-                                    "Checkpointer setup")
+                raise ProtocolError(
+                    f"world size {msg.world_size}, other ranks of attempt {msg.attempt} "
+                    f"said {st.world_size}; every rank of the job must use one "
+                    "Checkpointer setup"
+                )
             if not 0 <= msg.rank < st.world_size:
                 raise ProtocolError(f"rank {msg.rank} outside world size {st.world_size}")
             records = [ItemRecord.from_wire(r) for r in msg.records]
             if msg.rank in st.records:
-                if (records == st.records[msg.rank] and msg.file_nbytes == st.file_nbytes[msg.rank]
-                        and (msg.rank != 0 or msg.common == st.common)):
+                if (
+                    records == st.records[msg.rank]
+                    and msg.file_nbytes == st.file_nbytes[msg.rank]
+                    and (msg.rank != 0 or msg.common == st.common)
+                ):
                     self.duplicates += 1
-                    log.warning("step %d attempt %s: ignored a repeated WRITTEN of rank %d (node %d)",
-                                msg.step, msg.attempt, msg.rank, msg.node)
+                    log.warning(
+                        "step %d attempt %s: ignored a repeated WRITTEN of rank %d (node %d)",
+                        msg.step,
+                        msg.attempt,
+                        msg.rank,
+                        msg.node,
+                    )
                     return
-                raise ProtocolError(f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} "
-                                    "twice, differently")
+                raise ProtocolError(
+                    f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} twice, differently"
+                )
             name = data_file_name(msg.rank)
             for r in records:
                 if r.rank != msg.rank:
                     raise ProtocolError(f"rank {msg.rank} sent records of rank {r.rank}")
                 if r.relative_path != name:
-                    raise ProtocolError(f"rank {msg.rank} sent a record stored in {r.relative_path!r}, "
-                                        f"not in its data file {name}")
+                    raise ProtocolError(
+                        f"rank {msg.rank} sent a record stored in {r.relative_path!r}, not in its data file {name}"
+                    )
             end = max((r.file_offset + r.length for r in records), default=0)
             if msg.file_nbytes < end:
-                raise ProtocolError(f"rank {msg.rank}'s data file {name} has {msg.file_nbytes} bytes, "
-                                    f"but its records address {end}")
+                raise ProtocolError(
+                    f"rank {msg.rank}'s data file {name} has {msg.file_nbytes} bytes, but its records address {end}"
+                )
         except ProtocolError as exc:
             self._abort(st, f"{who}: {exc}")
             return
@@ -283,9 +315,18 @@ class Coordinator:
         def run() -> str:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
-                    return commit_step(self.root, step, attempt, records, common, files, fsync=cfg.fsync,
-                                       keep_last=cfg.keep_last, megatron_tracker=cfg.megatron_tracker,
-                                       opener=self.opener)
+                    return commit_step(
+                        self.root,
+                        step,
+                        attempt,
+                        records,
+                        common,
+                        files,
+                        fsync=cfg.fsync,
+                        keep_last=cfg.keep_last,
+                        megatron_tracker=cfg.megatron_tracker,
+                        opener=self.opener,
+                    )
             except OSError as exc:
                 remove_tmp(self.root, step, attempt)
                 raise StorageError.from_oserror(exc, self.root) from exc
@@ -317,8 +358,9 @@ class Coordinator:
 
     def _abort(self, st: AttemptState, reason: str) -> None:
         if st.phase is not Phase.COLLECTING:
-            log.warning("step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt,
-                        st.phase.value, reason)
+            log.warning(
+                "step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt, st.phase.value, reason
+            )
             return
         st.phase = Phase.ABORTED
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
@@ -341,9 +383,12 @@ class Coordinator:
         for st in list(self.attempts.values()):
             if st.phase is Phase.COLLECTING and now - st.started_s > self.config.commit_timeout_s:
                 missing = sorted(set(range(st.world_size)) - set(st.records))
-                self._abort(st, f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
-                                "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
-                                "their storage is too slow (raise the timeout if so)")
+                self._abort(
+                    st,
+                    f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
+                    "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
+                    "their storage is too slow (raise the timeout if so)",
+                )
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the coordinator's port, by kind."""
@@ -354,8 +399,16 @@ class Coordinator:
         return {
             "address": self.address,
             "nodes": sorted(n for n in self.nodes.values() if n >= 0),
-            "steps": {f"{s}/{a}": {"step": s, "attempt": a, "phase": st.phase.value, "written": sorted(st.records),
-                                   "world_size": st.world_size} for (s, a), st in self.attempts.items()},
+            "steps": {
+                f"{s}/{a}": {
+                    "step": s,
+                    "attempt": a,
+                    "phase": st.phase.value,
+                    "written": sorted(st.records),
+                    "world_size": st.world_size,
+                }
+                for (s, a), st in self.attempts.items()
+            },
             "rejected_messages": sum(rejected.values()),
             "rejected": rejected,
         }
@@ -370,7 +423,9 @@ def _common_warnings(st: AttemptState) -> list[str]:
     differing = differing_ranks([st.digests.get(r) or None for r in range(st.world_size)])
     if not differing:
         return []
-    text = (f"step {st.step}: the common state of ranks {differing} differs from rank 0's; only rank 0's "
-            "is saved (keep per-rank values in ShardedObjects)")
+    text = (
+        f"step {st.step}: the common state of ranks {differing} differs from rank 0's; only rank 0's "
+        "is saved (keep per-rank values in ShardedObjects)"
+    )
     log.warning("%s", text)
     return [text]

@@ -31,10 +31,10 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import CkptdError
-from ..format.durable import Opener, default_opener
+from ..format.durable import Opener, WriteFile, default_opener
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ def parse_fault_spec(text: str, source: str = "fault file") -> FaultPlan:
                 continue
         except (AttributeError, ValueError):
             pass
-        raise CkptdError(f"{source} line {n}: {line!r} is not 'delay <seconds>' or "
-                         "'fail <ERRNO> [after_nbytes] [glob]'")
+        raise CkptdError(
+            f"{source} line {n}: {line!r} is not 'delay <seconds>' or 'fail <ERRNO> [after_nbytes] [glob]'"
+        )
     return FaultPlan(delay, tuple(failures))
 
 
@@ -91,7 +92,7 @@ def read_fault_plan(path: str) -> FaultPlan:
 class FailingFile:
     """A write-through wrapper that raises ``OSError(code)`` once ``limit`` bytes were written."""
 
-    def __init__(self, f: BinaryIO, path: str, code: int, limit: int) -> None:
+    def __init__(self, f: WriteFile, path: str, code: int, limit: int) -> None:
         self._f = f
         self._path = path
         self._code = code
@@ -108,10 +109,22 @@ class FailingFile:
         self._left -= view.nbytes
         return self._f.write(view)
 
-    def __getattr__(self, name: str) -> Any:
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:  # what a DirectFile has besides (skip_to, direct_alignment)
         return getattr(self._f, name)
 
-    def __enter__(self) -> "FailingFile":
+    def __enter__(self) -> FailingFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -121,7 +134,7 @@ class FailingFile:
 def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
     """An opener applying the rules of ``fault_file`` as they are at each open."""
 
-    def opener(path: str, mode: str) -> BinaryIO:
+    def opener(path: str, mode: str) -> WriteFile:
         if "w" not in mode and "a" not in mode:
             return base(path, mode)
         plan = read_fault_plan(fault_file)
@@ -133,7 +146,7 @@ def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
         if rule.after_nbytes == 0:
             log.warning("injected fault: %s opening %s", errno.errorcode[rule.errno_code], path)
             raise OSError(rule.errno_code, os.strerror(rule.errno_code), path)
-        return FailingFile(base(path, mode), path, rule.errno_code, rule.after_nbytes)  # type: ignore[return-value]
+        return FailingFile(base(path, mode), path, rule.errno_code, rule.after_nbytes)
 
     return opener
 
@@ -141,7 +154,7 @@ def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
 def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:
     """Sleep ``delay_s`` before opening each file for writing."""
 
-    def opener(path: str, mode: str) -> BinaryIO:
+    def opener(path: str, mode: str) -> WriteFile:
         if "w" in mode:
             time.sleep(delay_s)
         return base(path, mode)

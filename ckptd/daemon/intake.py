@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
@@ -77,9 +77,17 @@ class WriteResult:
 
 
 class SaveIntake:
-    def __init__(self, ep: Endpoints, config: CkptdConfig, pools: PoolTable, workers: WorkerPools,
-                 metrics: DaemonMetrics, uplink: CoordinatorLink, opener: Opener,
-                 send_to_rank: Callable[[Message, bytes], None]) -> None:
+    def __init__(
+        self,
+        ep: Endpoints,
+        config: CkptdConfig,
+        pools: PoolTable,
+        workers: WorkerPools,
+        metrics: DaemonMetrics,
+        uplink: CoordinatorLink,
+        opener: Opener,
+        send_to_rank: Callable[[Message, bytes], None],
+    ) -> None:
         self.ep = ep
         self.config = config
         self.pools = pools
@@ -100,14 +108,27 @@ class SaveIntake:
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, pool.registered_s)
         producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
         pool.take_block(msg.block)
-        job = WriteJob(WriteRequest(msg.step, msg.rank, records, placements, msg.common, msg.ring_start),
-                       msg.attempt, msg.world_size, msg.generation, msg.block, identity, msg.common_digest)
+        job = WriteJob(
+            WriteRequest(msg.step, msg.rank, records, placements, msg.common, msg.ring_start),
+            msg.attempt,
+            msg.world_size,
+            msg.generation,
+            msg.block,
+            identity,
+            msg.common_digest,
+        )
         run = self._writer(job, pool, producer)
         pool.queue_write(lambda: self.workers.write(job, run))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
-        log.info("step %d attempt %s rank %d: %d items queued from ring offset %d", msg.step, msg.attempt,
-                 msg.rank, len(records), msg.ring_start)
+        log.info(
+            "step %d attempt %s rank %d: %d items queued from ring offset %d",
+            msg.step,
+            msg.attempt,
+            msg.rank,
+            len(records),
+            msg.ring_start,
+        )
 
     def _writer(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for ``job`` (its errors fail the save)."""
@@ -116,8 +137,9 @@ class SaveIntake:
 
         def run() -> WriteResult:
             started_s = time.monotonic()
-            stored, file_nbytes = write_rank_file(directory, ring, job.request, self.opener, cfg.fsync,
-                                                  cfg.checksums, producer, cfg.snapshot_timeout_s)
+            stored, file_nbytes = write_rank_file(
+                directory, ring, job.request, self.opener, cfg.fsync, cfg.checksums, producer, cfg.snapshot_timeout_s
+            )
             # The write overlaps the producer's copy; the time it only waited is reported apart.
             write_s = time.monotonic() - started_s - producer.waited_s
             return WriteResult(stored, file_nbytes, started_s - queued_s, write_s, producer.waited_s)
@@ -128,8 +150,10 @@ class SaveIntake:
         """The SAVE's records and placements: sent, or the rank's unchanged layout it names."""
         if msg.layout and not msg.items:
             if pool.layout is None or pool.layout[0] != msg.layout:
-                raise ProtocolError(f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
-                                    "daemon does not hold; send the items")
+                raise ProtocolError(
+                    f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
+                    "daemon does not hold; send the items"
+                )
             return pool.layout[1], pool.layout[2]
         records, placements = decode_items(msg, pool.capacity)
         if msg.layout:
@@ -143,17 +167,35 @@ class SaveIntake:
         self.pools.write_done(req.rank, job.generation, job.block)
         result: WriteResult = done.result if done.error is None else WriteResult([], 0, 0.0, 0.0, 0.0)
         self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
-        self.send_to_rank(WriteDone(job.generation, job.block, req.step, job.attempt, result.write_s,
-                                    result.queue_s, result.snapshot_s), job.identity)
+        self.send_to_rank(
+            WriteDone(
+                job.generation, job.block, req.step, job.attempt, result.write_s, result.queue_s, result.snapshot_s
+            ),
+            job.identity,
+        )
         if done.error is None and self.uplink.expects(job.key, job.identity):
-            self.uplink.report(Written(req.step, job.attempt, req.rank, job.world_size, self.ep.node,
-                                       [r.to_wire() for r in result.stored], req.common, job.common_digest,
-                                       result.file_nbytes), job.key)
+            self.uplink.report(
+                Written(
+                    req.step,
+                    job.attempt,
+                    req.rank,
+                    job.world_size,
+                    self.ep.node,
+                    [r.to_wire() for r in result.stored],
+                    req.common,
+                    job.common_digest,
+                    result.file_nbytes,
+                ),
+                job.key,
+            )
             return
         # The coordinator answers a report of a decided attempt with its outcome and removes the
         # directory the late write re-created.
-        why = (f"writing its data file failed: {done.error}" if done.error is not None
-               else "its data file was written after the attempt had been decided (late write)")
+        why = (
+            f"writing its data file failed: {done.error}"
+            if done.error is not None
+            else "its data file was written after the attempt had been decided (late write)"
+        )
         self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
 
 
@@ -167,10 +209,11 @@ def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Place
             raise ProtocolError("SAVE item must be {record, offset, nbytes}")
         rec = ItemRecord.from_wire(it["record"])
         off, n = it["offset"], it["nbytes"]
-        if not (isinstance(off, int) and isinstance(n, int) and end <= off < _MAX_RING_OFFSET
-                and 0 <= n <= capacity):
-            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
-                               f"before it or does not fit the {capacity}-byte ring")
+        if not (isinstance(off, int) and isinstance(n, int) and end <= off < _MAX_RING_OFFSET and 0 <= n <= capacity):
+            raise StagingError(
+                f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
+                f"before it or does not fit the {capacity}-byte ring"
+            )
         end = off + n
         if rec.rank != msg.rank:
             raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")

@@ -10,7 +10,8 @@ block, so one slow peer never stalls the others.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -60,7 +61,10 @@ def serve_requests(endpoint: Endpoint, handle: RequestHandler) -> None:
         except (CkptdError, OSError) as exc:
             log.warning("%s: %s from %r failed: %s", endpoint.name, msg.TYPE.name, identity, exc)
             endpoint.send(ErrorReply(str(exc), step), identity, block=False)
-        except Exception as exc:  # noqa: BLE001 - one peer's odd request must not stop the daemon
+        except Exception as exc:
             log.exception("%s: %s from %r could not be handled", endpoint.name, msg.TYPE.name, identity)
-            endpoint.send(ErrorReply(f"the {endpoint.name} could not handle {msg.TYPE.name}: "
-                                     f"{type(exc).__name__}: {exc}", step), identity, block=False)
+            endpoint.send(
+                ErrorReply(f"the {endpoint.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}", step),
+                identity,
+                block=False,
+            )

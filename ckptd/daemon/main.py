@@ -54,8 +54,15 @@ EXIT_ERROR = 1
 EXIT_BUSY = 3  # another daemon of this job and node is running
 
 
-def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
-               nnodes: int = 1, ready: Callable[[str], None] = lambda _msg: None) -> int:
+def run_daemon(
+    ep: Endpoints,
+    config: CkptdConfig,
+    *,
+    coordinator: bool,
+    exit_when_idle: bool,
+    nnodes: int = 1,
+    ready: Callable[[str], None] = lambda _msg: None,
+) -> int:
     """Run a node daemon in this process until it is stopped; returns the exit status."""
     ensure_private_dir(ep.runtime_dir)
     lock = PidLock(ep.pid_path)
@@ -81,11 +88,12 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
         adopt: list[tuple[int, str]] = []
         if coordinator:
             ep.root.mkdir(parents=True, exist_ok=True)
-            finished = finish_interrupted_commit(ep.root, fsync=config.fsync,
-                                                 megatron_tracker=config.megatron_tracker)
+            finished = finish_interrupted_commit(ep.root, fsync=config.fsync, megatron_tracker=config.megatron_tracker)
             if finished:
-                log.warning("the tracker now names %s: a crash had interrupted its commit after the "
-                            "checkpoint was complete", finished)
+                log.warning(
+                    "the tracker now names %s: a crash had interrupted its commit after the checkpoint was complete",
+                    finished,
+                )
             if nnodes == 1:
                 tmp = remove_all_tmp(ep.root)
                 if tmp:
@@ -93,11 +101,10 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
             else:
                 # Other nodes may be writing these right now: adopt them as steps in flight.
                 adopt = tmp_attempts(ep.root)
-        daemon = NodeDaemon(ep, config, keys, coordinator=coordinator, exit_when_idle=exit_when_idle,
-                            adopt=adopt)
+        daemon = NodeDaemon(ep, config, keys, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt)
 
         def on_signal(signum: int, _frame: object) -> None:
-            daemon.wake()  # type: ignore[union-attr]
+            daemon.wake()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -120,8 +127,9 @@ def run_daemon(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_wh
         log.info("daemon exited")
 
 
-def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool,
-                   nnodes: int, timeout_s: float) -> int:
+def detach_and_run(
+    ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exit_when_idle: bool, nnodes: int, timeout_s: float
+) -> int:
     """Fork a daemon into its own session; return once it is serving (0), busy (0) or failed (1).
 
     The parent's exit status tells the launching rank whether a daemon is up, without racing on
@@ -141,8 +149,12 @@ def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exi
             os.dup2(logf, 2)
             if os.fork() != 0:  # the grandchild runs the daemon; it is reparented at once
                 os._exit(0)
-            logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                                format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+            logging.basicConfig(
+                level=logging.INFO,
+                stream=sys.stderr,
+                force=True,
+                format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+            )
 
             def ready(msg: str) -> None:
                 try:
@@ -150,8 +162,9 @@ def detach_and_run(ep: Endpoints, config: CkptdConfig, *, coordinator: bool, exi
                 except OSError:
                     pass
 
-            code = run_daemon(ep, config, coordinator=coordinator, exit_when_idle=exit_when_idle,
-                              nnodes=nnodes, ready=ready)
+            code = run_daemon(
+                ep, config, coordinator=coordinator, exit_when_idle=exit_when_idle, nnodes=nnodes, ready=ready
+            )
         except BaseException:  # a forked child must never return into the caller
             logging.getLogger(__name__).exception("daemon child failed")
             code = EXIT_ERROR

@@ -16,8 +16,9 @@ own processes faster (ckptd.bench.memory).
 from __future__ import annotations
 
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import psutil
 
@@ -89,8 +90,10 @@ class MemoryWatch:
     def report(self) -> dict[str, Any]:
         return {
             "daemon_rss": self.daemon_rss.as_dict(),
-            "ranks_rss": [{"rank": r.rank, "pid": r.pid, **r.rss.as_dict()}
-                          for r in sorted(self.ranks.values(), key=lambda r: r.rank)],
+            "ranks_rss": [
+                {"rank": r.rank, "pid": r.pid, **r.rss.as_dict()}
+                for r in sorted(self.ranks.values(), key=lambda r: r.rank)
+            ],
             "staging_shm": self.staging.as_dict(),
             "dev_shm": {**self.dev_shm.as_dict(), "size": self.dev_shm_nbytes},
         }

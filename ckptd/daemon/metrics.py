@@ -12,8 +12,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,11 +38,16 @@ class StepTiming:
     commit_s: float | None = None  # first SAVE -> COMMITTED/ABORTED known here
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "ranks": self.ranks, "nbytes": self.nbytes,
-                "write_s": round(self.write_s, 6), "queue_s": round(self.queue_s, 6),
-                "persist_s": None if self.persisted_s is None else round(self.persisted_s, 6),
-                "outcome": self.outcome,
-                "commit_s": None if self.commit_s is None else round(self.commit_s, 6)}
+        return {
+            "step": self.step,
+            "ranks": self.ranks,
+            "nbytes": self.nbytes,
+            "write_s": round(self.write_s, 6),
+            "queue_s": round(self.queue_s, 6),
+            "persist_s": None if self.persisted_s is None else round(self.persisted_s, 6),
+            "outcome": self.outcome,
+            "commit_s": None if self.commit_s is None else round(self.commit_s, 6),
+        }
 
 
 @dataclass
@@ -134,10 +140,12 @@ _GAUGES: tuple[tuple[str, str], ...] = (
     ("ckptd_dev_shm_used_bytes", "/dev/shm in use on this node, by anyone"),
     ("ckptd_dev_shm_used_peak_bytes", "peak /dev/shm in use on this node (sampled)"),
 )
-_REJECTED = ("ckptd_rejected_messages",
-             "messages and connections rejected on the ranks' socket and the coordinator's port "
-             "(malformed, oversized, duplicate, unauthenticated handshakes, dropped before "
-             "authenticating)")
+_REJECTED = (
+    "ckptd_rejected_messages",
+    "messages and connections rejected on the ranks' socket and the coordinator's port "
+    "(malformed, oversized, duplicate, unauthenticated handshakes, dropped before "
+    "authenticating)",
+)
 
 
 def _gauge_values(status: dict[str, Any]) -> dict[str, Any]:
@@ -184,13 +192,16 @@ class StatusCollector(Collector):
         yield rejected
         gauges = [(values, _gauge_values(st)) for values, st in keyed]
         for name, help_text in _GAUGES:
-            family = GaugeMetricFamily(name, help_text, labels=labels)
+            gauge = GaugeMetricFamily(name, help_text, labels=labels)
             for values, found in gauges:
                 if found[name] is not None:
-                    family.add_metric(values, found[name])
-            yield family
-        ranks = GaugeMetricFamily("ckptd_rank_rss_bytes", "resident memory of a connected rank's process "
-                                  "(training and staging), as last sampled", labels=[*labels, "rank"])
+                    gauge.add_metric(values, found[name])
+            yield gauge
+        ranks = GaugeMetricFamily(
+            "ckptd_rank_rss_bytes",
+            "resident memory of a connected rank's process (training and staging), as last sampled",
+            labels=[*labels, "rank"],
+        )
         for values, st in keyed:
             for r in st.get("memory", {}).get("ranks_rss", []):
                 ranks.add_metric([*values, str(r["rank"])], r["current"])

@@ -48,8 +48,16 @@ log = logging.getLogger(__name__)
 
 
 class NodeDaemon:
-    def __init__(self, ep: Endpoints, config: CkptdConfig, keys: CurveKeys, *, coordinator: bool,
-                 exit_when_idle: bool, adopt: list[StepKey] | None = None) -> None:
+    def __init__(
+        self,
+        ep: Endpoints,
+        config: CkptdConfig,
+        keys: CurveKeys,
+        *,
+        coordinator: bool,
+        exit_when_idle: bool,
+        adopt: list[StepKey] | None = None,
+    ) -> None:
         self.ep = ep
         self.config = config
         self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -64,14 +72,28 @@ class NodeDaemon:
         codec = Codec(ep.job, config.max_message_nbytes)
         self.ctx = zmq.Context()
         self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
-        self.coordinator = (Coordinator(self.ctx, codec, keys, ep.coordinator_bind, ep.root, config, self.workers,
-                                        self.instance, adopt or []) if coordinator else None)
+        self.coordinator = (
+            Coordinator(
+                self.ctx, codec, keys, ep.coordinator_bind, ep.root, config, self.workers, self.instance, adopt or []
+            )
+            if coordinator
+            else None
+        )
         upstream = self.coordinator.address if self.coordinator is not None else ep.coordinator_connect
-        self.uplink = CoordinatorLink(self.ctx, codec, keys, upstream, ep.node,
-                                      f"node{ep.node}-{self.instance}".encode(), config, self._deliver)
+        self.uplink = CoordinatorLink(
+            self.ctx, codec, keys, upstream, ep.node, f"node{ep.node}-{self.instance}".encode(), config, self._deliver
+        )
         opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file)
-        self.intake = SaveIntake(ep, config, self.pools, self.workers, self.metrics, self.uplink, opener,
-                                 lambda msg, identity: self.ranks.send(msg, identity))
+        self.intake = SaveIntake(
+            ep,
+            config,
+            self.pools,
+            self.workers,
+            self.metrics,
+            self.uplink,
+            opener,
+            lambda msg, identity: self.ranks.send(msg, identity),
+        )
         hooks = DaemonHooks(self.instance, self.status, self.request_stop, self._stopping)
         self.ranks = RankServer(self.ctx, codec, keys, ep, self.pools, self.intake, self.uplink, hooks)
         self.loop = EventLoop()
@@ -84,8 +106,14 @@ class NodeDaemon:
         if self.coordinator is not None:
             self.loop.add(self.coordinator.ep.sock, self.coordinator.on_readable)
         self.loop.add(self.completions.fd, self._on_completions)
-        log.info("daemon %s for %s node %d: ranks on %s, coordinator %s", self.instance, ep.root, ep.node,
-                 ep.ipc_address, upstream)
+        log.info(
+            "daemon %s for %s node %d: ranks on %s, coordinator %s",
+            self.instance,
+            ep.root,
+            ep.node,
+            ep.ipc_address,
+            upstream,
+        )
         self.status_cache: dict[str, Any] = {}
         self.metrics_server: Any = None  # prometheus_client's HTTP server
         if config.metrics_port:
@@ -151,20 +179,21 @@ class NodeDaemon:
         if now - self.last_check_s >= self.config.heartbeat_s:
             self.last_check_s = now
             self.ranks.forget_dead()
-            self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()],
-                               self.pools.segment_paths())
+            self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.pools.segment_paths())
 
     def _busy(self) -> bool:
-        return bool(self.workers.in_flight or self.uplink.busy
-                    or (self.coordinator is not None and self.coordinator.busy))
+        return bool(
+            self.workers.in_flight or self.uplink.busy or (self.coordinator is not None and self.coordinator.busy)
+        )
 
     def _should_exit(self, now: float) -> bool:
         if self.stopping_since is not None:
             if not self._busy():
                 return True
             if now - self.stopping_since > self.config.shutdown_grace_s:
-                log.warning("shutdown grace of %.0f s over with work in flight; aborting it",
-                            self.config.shutdown_grace_s)
+                log.warning(
+                    "shutdown grace of %.0f s over with work in flight; aborting it", self.config.shutdown_grace_s
+                )
                 self.uplink.abort_pending("the node daemon shut down before the step committed")
                 return True
             return False
@@ -172,8 +201,7 @@ class NodeDaemon:
             return False
         # Until a first rank connects, the rank that launched us may still be starting up.
         cfg = self.config
-        idle_exit_s = cfg.idle_exit_s if self.ranks.served_a_rank else max(cfg.idle_exit_s,
-                                                                            cfg.daemon_start_timeout_s)
+        idle_exit_s = cfg.idle_exit_s if self.ranks.served_a_rank else max(cfg.idle_exit_s, cfg.daemon_start_timeout_s)
         if self.ranks.clients or self._busy():
             self.idle_since_s = None
         elif self.idle_since_s is None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import StagingError
 from ..format.records import ItemRecord
@@ -82,13 +82,14 @@ class PoolTable:
         self.shm_prefix = shm_prefix
         self.pools: dict[tuple[int, str], DaemonPool] = {}
 
-    def register(self, rank: int, generation: str, capacity: int, names: list[str],
-                 owner: bytes) -> DaemonPool:
+    def register(self, rank: int, generation: str, capacity: int, names: list[str], owner: bytes) -> DaemonPool:
         """Map a rank's new ring; older rings this connection registered retire."""
         if len(names) != 1 or names[0] != segment_name(self.shm_prefix, rank, generation, 0):
-            raise StagingError(f"rank {rank}: segment names {names[:2]}... are not its staging ring "
-                               f"{segment_name(self.shm_prefix, rank, generation, 0)}; they belong to "
-                               "another job or node")
+            raise StagingError(
+                f"rank {rank}: segment names {names[:2]}... are not its staging ring "
+                f"{segment_name(self.shm_prefix, rank, generation, 0)}; they belong to "
+                "another job or node"
+            )
         if (rank, generation) in self.pools:
             raise StagingError(f"rank {rank}: pool {generation} is registered already")
         if not 0 < capacity <= (1 << 48) or capacity % PAGE:
@@ -106,11 +107,15 @@ class PoolTable:
         """The live pool ``generation`` of ``rank``, if the connection ``owner`` registered it."""
         pool = self.pools.get((rank, generation))
         if pool is None or pool.retired:
-            raise StagingError(f"rank {rank}: no live staging pool {generation} here (the daemon may "
-                               "have restarted); the Checkpointer registers a new pool")
+            raise StagingError(
+                f"rank {rank}: no live staging pool {generation} here (the daemon may "
+                "have restarted); the Checkpointer registers a new pool"
+            )
         if pool.owner != owner:
-            raise StagingError(f"rank {rank}: staging pool {generation} was registered by another "
-                               "connection; a rank saves from its own pools only")
+            raise StagingError(
+                f"rank {rank}: staging pool {generation} was registered by another "
+                "connection; a rank saves from its own pools only"
+            )
         return pool
 
     def write_done(self, rank: int, generation: str, block: int) -> None:
@@ -149,9 +154,18 @@ class PoolTable:
         return [str(p.segment.path) for p in self.pools.values()]
 
     def summary(self) -> list[dict]:
-        return [{"rank": p.rank, "generation": p.generation, "ring_nbytes": p.capacity,
-                 "consumed": p.ring.consumed(), "busy": sorted(p.busy), "queued": len(p.queued),
-                 "retired": p.retired} for p in self.pools.values()]
+        return [
+            {
+                "rank": p.rank,
+                "generation": p.generation,
+                "ring_nbytes": p.capacity,
+                "consumed": p.ring.consumed(),
+                "busy": sorted(p.busy),
+                "queued": len(p.queued),
+                "retired": p.retired,
+            }
+            for p in self.pools.values()
+        ]
 
 
 def attach_ring(name: str, capacity: int) -> tuple[ShmSegment, RingMap]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import zmq
@@ -70,8 +71,17 @@ class DaemonHooks:
 
 
 class RankServer:
-    def __init__(self, ctx: zmq.Context, codec: Codec, keys: CurveKeys, ep: Endpoints, pools: PoolTable,
-                 intake: SaveIntake, uplink: CoordinatorLink, hooks: DaemonHooks) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        keys: CurveKeys,
+        ep: Endpoints,
+        pools: PoolTable,
+        intake: SaveIntake,
+        uplink: CoordinatorLink,
+        hooks: DaemonHooks,
+    ) -> None:
         self.ep_info = ep
         self.pools = pools
         self.intake = intake
@@ -114,8 +124,17 @@ class RankServer:
             self.ep.send(SaveAck(msg.step, msg.attempt), identity)
         elif isinstance(msg, Skip):
             self.client(identity, msg.rank)
-            self.uplink.report(Failed(msg.step, msg.attempt, msg.rank, msg.world_size, self.ep_info.node,
-                                      f"skipped the save: {msg.reason}"), (msg.step, msg.attempt))
+            self.uplink.report(
+                Failed(
+                    msg.step,
+                    msg.attempt,
+                    msg.rank,
+                    msg.world_size,
+                    self.ep_info.node,
+                    f"skipped the save: {msg.reason}",
+                ),
+                (msg.step, msg.attempt),
+            )
             self.ep.send(SaveAck(msg.step, msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
@@ -135,8 +154,10 @@ class RankServer:
         # The kernel's credentials of the connection (SO_PEERCRED): a process speaks for itself only.
         pid, uid = peer_pid(peer), peer_uid(peer)
         if pid is None or uid is None:
-            raise ProtocolError(f"HELLO over a connection without process credentials ({peer!r}); "
-                                f"ranks connect over {self.ep_info.ipc_address}")
+            raise ProtocolError(
+                f"HELLO over a connection without process credentials ({peer!r}); "
+                f"ranks connect over {self.ep_info.ipc_address}"
+            )
         if uid != os.getuid():
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
         if msg.pid != pid:

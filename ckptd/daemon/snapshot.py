@@ -19,8 +19,8 @@ import enum
 import os
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import psutil
 
@@ -65,11 +65,15 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
         raise StagingError(f"rank {rank}: cannot inspect snapshot process {pid}: {exc}") from None
     ppid, started_s = int(fields[1]), int(fields[19]) * _CLOCK_TICK_S  # stat fields 4 and 22
     if ppid != parent_pid:
-        raise StagingError(f"rank {rank}: snapshot process {pid} is not a child of the rank's process "
-                           f"{parent_pid}; the daemon waits only on the rank's own snapshot")
+        raise StagingError(
+            f"rank {rank}: snapshot process {pid} is not a child of the rank's process "
+            f"{parent_pid}; the daemon waits only on the rank's own snapshot"
+        )
     if started_s + _CLOCK_TICK_S < not_before_s:  # start times are truncated to a clock tick
-        raise StagingError(f"rank {rank}: snapshot process {pid} is older than the rank's staging pool; "
-                           "the daemon waits only on a snapshot of this save")
+        raise StagingError(
+            f"rank {rank}: snapshot process {pid} is older than the rank's staging pool; "
+            "the daemon waits only on a snapshot of this save"
+        )
 
 
 class ExitWatch(enum.Enum):
@@ -94,11 +98,13 @@ class SnapshotWait:
     waited_s: float = 0.0  # time spent waiting for the producer, in total
 
     @classmethod
-    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int) -> "SnapshotWait":
+    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int) -> SnapshotWait:
         blocks = {block_offset(b): b for b in range(BLOCKS)}
         if pid <= 1 or len(seal) != SEAL_NBYTES or seal_offset not in blocks:
-            raise StagingError(f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
-                               f"at header offset {seal_offset}, not a control block)")
+            raise StagingError(
+                f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
+                f"at header offset {seal_offset}, not a control block)"
+            )
         wait = cls(rank, pid, seal, blocks[seal_offset])
         try:
             wait.pidfd, wait.exit_watch = os.pidfd_open(pid), ExitWatch.PIDFD
@@ -122,13 +128,15 @@ class SnapshotWait:
             raise StagingError(
                 f"rank {self.rank}'s snapshot ran out of room: /dev/shm has {shm_free_nbytes()} bytes free; "
                 "this save is not persisted; training goes on and the next save retries. Free or "
-                "enlarge /dev/shm (containers: --shm-size), or lower CKPTD_STAGING_BUDGET")
+                "enlarge /dev/shm (containers: --shm-size), or lower CKPTD_STAGING_BUDGET"
+            )
         if done == ABANDONED:
             raise StagingError(
                 f"rank {self.rank} abandoned its snapshot of this save (a tensor copied lazily was "
                 "modified before the fence, or the copy failed: the rank's log says which), so it is "
                 "not persisted. With snapshot=lazy, call Checkpointer.before_update() (or "
-                "attach(optimizer)) before changing saved tensors")
+                "attach(optimizer)) before changing saved tensors"
+            )
         return done
 
     def sealed(self, ring: RingMap) -> bool:
@@ -180,7 +188,8 @@ class SnapshotWait:
                 if time.monotonic() > t0 + timeout_s:
                     raise StagingError(
                         f"rank {self.rank}: snapshot process {self.pid} did not finish copying within "
-                        f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned")
+                        f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S); this save is abandoned"
+                    )
         finally:
             self.waited_s += time.monotonic() - t0
 
@@ -188,7 +197,8 @@ class SnapshotWait:
         return StagingError(
             f"rank {self.rank}: snapshot process {self.pid} exited before it had copied every "
             f"shard (killed, or out of memory? /dev/shm has {shm_free_nbytes()} bytes free); this save "
-            "is not persisted. Later saves retry; CKPTD_SNAPSHOT=copy stages inside save() instead")
+            "is not persisted. Later saves retry; CKPTD_SNAPSHOT=copy stages inside save() instead"
+        )
 
     def _wait_exit(self, timeout_s: float) -> bool:
         """Whether the child has exited, waiting up to ``timeout_s`` for it."""

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -79,8 +80,17 @@ class LateReport:
 
 
 class CoordinatorLink:
-    def __init__(self, ctx: zmq.Context, codec: Codec, keys: CurveKeys, address: str, node: int,
-                 identity: bytes, config: CkptdConfig, deliver: Deliver) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        keys: CurveKeys,
+        address: str,
+        node: int,
+        identity: bytes,
+        config: CkptdConfig,
+        deliver: Deliver,
+    ) -> None:
         self.address = address
         self.node = node
         self.config = config
@@ -149,9 +159,11 @@ class CoordinatorLink:
             if self.coordinator_instance is not None:
                 log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, msg.instance)
             self.coordinator_instance = msg.instance
-            self.abort_pending("the coordinator restarted before confirming the step (had its commit "
-                               "already renamed the checkpoint, the restarted coordinator completes it)",
-                               keep_instance=msg.instance)
+            self.abort_pending(
+                "the coordinator restarted before confirming the step (had its commit "
+                "already renamed the checkpoint, the restarted coordinator completes it)",
+                keep_instance=msg.instance,
+            )
         if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
             self._resend_reports(silent_s)
 
@@ -164,8 +176,12 @@ class CoordinatorLink:
         outcome."""
         waiting = [(key, msg) for key, st in self.steps.items() for msg in st.reports]
         if waiting:
-            log.warning("the coordinator answers again after %.1f s; resending %d reports of steps %s",
-                        silent_s, len(waiting), sorted({key for key, _ in waiting}))
+            log.warning(
+                "the coordinator answers again after %.1f s; resending %d reports of steps %s",
+                silent_s,
+                len(waiting),
+                sorted({key for key, _ in waiting}),
+            )
         for key, msg in waiting:
             if not self.ep.send(msg, block=False):
                 self.outbox.append(Outgoing(time.monotonic(), msg, key))
@@ -200,16 +216,19 @@ class CoordinatorLink:
             silent_s = now - max(self.last_pong_s, oldest)
             if silent_s > cfg.coordinator_timeout_s:
                 self.outbox.clear()
-                self.abort_pending(f"the coordinator at {self.address} did not answer for {silent_s:.0f} s "
-                                   "(node 0's daemon may have died, or the network between this node and "
-                                   "node 0 failed; a step whose reports all reached the coordinator may "
-                                   "still commit: Checkpointer.latest() tells)")
+                self.abort_pending(
+                    f"the coordinator at {self.address} did not answer for {silent_s:.0f} s "
+                    "(node 0's daemon may have died, or the network between this node and "
+                    "node 0 failed; a step whose reports all reached the coordinator may "
+                    "still commit: Checkpointer.latest() tells)"
+                )
         else:
             self.last_pong_s = now
         self._chase_verdicts(now)
         if self.late:
-            self.late = [r for r in self.late
-                         if now - r.since_s < cfg.commit_timeout_s and not self.ep.send(r.msg, block=False)]
+            self.late = [
+                r for r in self.late if now - r.since_s < cfg.commit_timeout_s and not self.ep.send(r.msg, block=False)
+            ]
         retry, self.outbox = self.outbox, []
         for o in retry:
             if self.ep.send(o.msg, block=False):
@@ -232,8 +251,12 @@ class CoordinatorLink:
             if st.resent_s is not None and now - st.resent_s < cfg.coordinator_timeout_s:
                 continue
             st.resent_s = now
-            log.warning("step %d attempt %s: no verdict %.0f s after its reports; resending them", key[0],
-                        key[1], now - st.waiting_since)
+            log.warning(
+                "step %d attempt %s: no verdict %.0f s after its reports; resending them",
+                key[0],
+                key[1],
+                now - st.waiting_since,
+            )
             for msg in st.reports:
                 if not self.ep.send(msg, block=False):
                     self.outbox.append(Outgoing(now, msg, key))
@@ -241,8 +264,11 @@ class CoordinatorLink:
     def status(self) -> dict[str, Any]:
         """The coordinator as this node knows it: its instance, and how long it has not answered
         a ping while steps wait for it (0 while none does)."""
-        return {"address": self.address, "instance": self.coordinator_instance,
-                "silent_s": round(time.monotonic() - self.last_pong_s, 3)}
+        return {
+            "address": self.address,
+            "instance": self.coordinator_instance,
+            "silent_s": round(time.monotonic() - self.last_pong_s, 3),
+        }
 
     def close(self) -> None:
         self.ep.close()

@@ -15,10 +15,11 @@ import queue
 import secrets
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class Completions:
     """A thread-safe queue whose read end (:attr:`fd`) a zmq poller can watch."""
 
     def __init__(self) -> None:
-        self._q: "queue.Queue[Done]" = queue.Queue()
+        self._q: queue.Queue[Done] = queue.Queue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
 
@@ -119,14 +120,23 @@ def planned_items(ring: RingMap, req: WriteRequest) -> list[PlannedItem]:
     out = []
     for rec, p in zip(req.records, req.placements):
         raw = ring.view(req.ring_start + p.offset, p.nbytes)
-        payload: torch.Tensor | memoryview = (bytes_view(raw, dtype_from_name(rec.dtype), tuple(rec.sizes))
-                                              if rec.kind == TENSOR else raw)
+        payload: torch.Tensor | memoryview = (
+            bytes_view(raw, dtype_from_name(rec.dtype), tuple(rec.sizes)) if rec.kind == TENSOR else raw
+        )
         out.append(PlannedItem(rec, payload))  # type: ignore[arg-type]
     return out
 
 
-def write_rank_file(directory: Path, ring: RingMap, req: WriteRequest, opener: Opener, fsync: bool,
-                    checksums: bool, snapshot: SnapshotWait, snapshot_timeout_s: float) -> tuple[list[ItemRecord], int]:
+def write_rank_file(
+    directory: Path,
+    ring: RingMap,
+    req: WriteRequest,
+    opener: Opener,
+    fsync: bool,
+    checksums: bool,
+    snapshot: SnapshotWait,
+    snapshot_timeout_s: float,
+) -> tuple[list[ItemRecord], int]:
     """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the ring; returns the stored
     records and the file's size (the coordinator checks it before it commits).
 
@@ -170,6 +180,7 @@ def write_rank_file(directory: Path, ring: RingMap, req: WriteRequest, opener: O
 
     def written(i: int) -> None:
         ring.set_consumed(ends[i])
+
     try:
         try:
             stored = write_data_file(stepd, part, items, opener, fsync, checksums, ready, written)
@@ -196,8 +207,14 @@ def write_rank_file(directory: Path, ring: RingMap, req: WriteRequest, opener: O
     stored = [dataclasses.replace(r, relative_path=name) for r in stored]
     nbytes = sum(p.nbytes for p in req.placements)
     dt = time.perf_counter() - t0
-    log.info("step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)", req.step, req.rank, nbytes, dt,
-             nbytes / max(dt, 1e-9) / 1e9)
+    log.info(
+        "step %d rank %d: wrote %d bytes in %.3f s (%.2f GB/s)",
+        req.step,
+        req.rank,
+        nbytes,
+        dt,
+        nbytes / max(dt, 1e-9) / 1e9,
+    )
     return stored, file_nbytes
 
 
@@ -206,8 +223,9 @@ def _publish(rootd: Dir, stepd: Dir, step_name: str, part: str, name: str) -> No
     still is the directory written into (not renamed by a commit, not replaced by a link)."""
     st = rootd.lstat(step_name)
     if st is None or not stat.S_ISDIR(st.st_mode) or not os.path.samestat(st, os.fstat(stepd.fd)):
-        raise OSError(errno.ENOENT, f"{os.strerror(errno.ENOENT)} (renamed or replaced meanwhile)",
-                      str(rootd.path / step_name))
+        raise OSError(
+            errno.ENOENT, f"{os.strerror(errno.ENOENT)} (renamed or replaced meanwhile)", str(rootd.path / step_name)
+        )
     os.rename(f"{step_name}/{part}", f"{step_name}/{name}", src_dir_fd=rootd.fd, dst_dir_fd=rootd.fd)
 
 

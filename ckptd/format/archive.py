@@ -46,8 +46,7 @@ def torch_save_problem(data: bytes) -> str | None:
         return f"is not a torch.save archive (it holds {len(pickles)} data.pkl records, not 1)"
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            return (f"record {info.filename} is compressed (method {info.compress_type}); torch.save never "
-                    "compresses")
+            return f"record {info.filename} is compressed (method {info.compress_type}); torch.save never compresses"
         problem = _read_problem(zf, info) if info.CRC else _bounds_problem(data, info)
         if problem is not None:
             return problem
@@ -84,7 +83,7 @@ def _bounds_problem(data: bytes, info: zipfile.ZipInfo) -> str | None:
     ckptd wrote.
     """
     name, at = info.filename, info.header_offset
-    head = data[at:at + _LOCAL_HEADER_NBYTES]
+    head = data[at : at + _LOCAL_HEADER_NBYTES]
     if len(head) != _LOCAL_HEADER_NBYTES or head[:4] != _LOCAL_HEADER:
         return f"record {name} has no local header at offset {at}"
     name_nbytes, extra_nbytes = struct.unpack_from("<HH", head, 26)

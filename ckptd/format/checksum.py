@@ -13,7 +13,8 @@ Checkpoints written before (checksum table version 1, ``"crc32"``) keep verifyin
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import crc32c as _crc32c
 

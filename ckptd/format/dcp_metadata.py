@@ -12,9 +12,10 @@ import logging
 import os
 import pickle
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -57,8 +58,14 @@ CHECKSUMS_ATTR = "ckptd_checksums"
 _ALLOWED_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -82,7 +89,7 @@ _ALLOWED_CLASSES = {
 }
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(pickle._Unpickler):
     """Allow-listed globals only, and BUILD only on objects this unpickling created with NEWOBJ.
 
     pickle's Python unpickler, not the C one, because BUILD must be checked: with the C one a
@@ -93,7 +100,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     against 0.22 s; ``allow_unsafe_pickle`` uses the C unpickler.
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle's Python unpickler keeps its stack here while it loads
 
     def __init__(self, file: BinaryIO) -> None:
         super().__init__(file)
@@ -124,8 +132,11 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None  # stack: ..., target, state
         if target is not None and (id(target) not in self._fresh or isinstance(target, type)):
-            what = f"class {target.__module__}.{target.__qualname__}" if isinstance(target, type) \
+            what = (
+                f"class {target.__module__}.{target.__qualname__}"
+                if isinstance(target, type)
                 else f"a {type(target).__name__} it did not create"
+            )
             raise UnsafePickleError(
                 f"{DCP_METADATA} tries to set attributes of {what}; DCP metadata never does "
                 "this, and it would change that object for the whole process. Refusing to "
@@ -175,15 +186,16 @@ class CheckpointIndex:
     objects: dict[str, StoredObject]
     raw: Metadata
     common_crc32: int | None = None  # checksum of common.pt, when ckptd recorded it
-    checksum: "Checksum | None" = None  # computes the recorded checksums (ckptd.format.checksum)
+    checksum: Checksum | None = None  # computes the recorded checksums (ckptd.format.checksum)
 
     @property
     def has_checksums(self) -> bool:
         return hasattr(self.raw, CHECKSUMS_ATTR)
 
 
-def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
-                   common_crc32: int | None = None) -> Metadata:
+def build_metadata(
+    records: list[ItemRecord], checkpoint_id: str | None = None, common_crc32: int | None = None
+) -> Metadata:
     """Turn all ranks' stored records into the DCP Metadata (chunk lists in offset order).
 
     Item checksums (``ItemRecord.crc32``) and ``common_crc32`` are kept in the extra attribute
@@ -213,8 +225,9 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
             chunks[shared.setdefault(r.fqn, r.fqn)].append(r)
         else:
             state[r.fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(r.fqn)] = _StorageInfo(shared.setdefault(r.relative_path, r.relative_path),
-                                                         r.file_offset, r.length)
+            storage[MetadataIndex(r.fqn)] = _StorageInfo(
+                shared.setdefault(r.relative_path, r.relative_path), r.file_offset, r.length
+            )
     for fqn, items in chunks.items():
         items.sort(key=lambda r: r.offsets)
         state[fqn] = TensorStorageMetadata(
@@ -240,17 +253,22 @@ def build_metadata(records: list[ItemRecord], checkpoint_id: str | None = None,
         if r.crc32 is not None
     }
     if item_crcs or common_crc32 is not None:
-        setattr(md, CHECKSUMS_ATTR, {
-            "version": TABLE_VERSION,
-            "algorithm": ALGORITHM,
-            "items": item_crcs,
-            "files": {} if common_crc32 is None else {COMMON_PT: common_crc32},
-        })
+        setattr(
+            md,
+            CHECKSUMS_ATTR,
+            {
+                "version": TABLE_VERSION,
+                "algorithm": ALGORITHM,
+                "items": item_crcs,
+                "files": {} if common_crc32 is None else {COMMON_PT: common_crc32},
+            },
+        )
     return md
 
 
-def _checksums(md: Metadata, where: Path | str
-               ) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int], Checksum | None]:
+def _checksums(
+    md: Metadata, where: Path | str
+) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int], Checksum | None]:
     """``(item crcs, file crcs, the function that computes them)`` from :data:`CHECKSUMS_ATTR`;
     empty when not recorded."""
     raw = getattr(md, CHECKSUMS_ATTR, None)
@@ -261,8 +279,9 @@ def _checksums(md: Metadata, where: Path | str
     fn = checksum_for(version, algorithm)
     if fn is None:
         # A newer writer's table: the checkpoint still loads, only without checksums.
-        log.warning("%s: checksum table of unknown version %r / algorithm %r; checksums ignored",
-                    where, version, algorithm)
+        log.warning(
+            "%s: checksum table of unknown version %r / algorithm %r; checksums ignored", where, version, algorithm
+        )
         return {}, {}, None
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
@@ -275,8 +294,9 @@ def _checksums(md: Metadata, where: Path | str
     return items, files, fn
 
 
-def write_metadata(directory: Dir | str | os.PathLike, metadata: Metadata,
-                   opener: Opener = default_opener, fsync: bool = True) -> None:
+def write_metadata(
+    directory: Dir | str | os.PathLike, metadata: Metadata, opener: Opener = default_opener, fsync: bool = True
+) -> None:
     atomic_write(entry_path(directory, DCP_METADATA), lambda f: pickle.dump(metadata, f), opener, fsync)
 
 
@@ -314,16 +334,18 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
     except CkptdError:
         raise
     except Exception as exc:  # a well-formed pickle of ill-formed values (types, nesting)
-        raise CorruptCheckpointError(f"{path}: the chunk index is malformed ({exc!r}); the file "
-                                     "is damaged. Load an earlier checkpoint.") from exc
+        raise CorruptCheckpointError(
+            f"{path}: the chunk index is malformed ({exc!r}); the file is damaged. Load an earlier checkpoint."
+        ) from exc
 
 
 def _ints(value: Any, where: Path | str, what: str) -> tuple[int, ...]:
     """``value`` as a tuple of non-negative ints (offsets, sizes, shapes), else an error naming it."""
     out = tuple(value) if isinstance(value, (tuple, list)) else None
     if out is None or not all(type(v) is int and v >= 0 for v in out):
-        raise CorruptCheckpointError(f"{where}: {what} is {value!r:.200}, not a tuple of non-negative "
-                                     "integers; the file is damaged")
+        raise CorruptCheckpointError(
+            f"{where}: {what} is {value!r:.200}, not a tuple of non-negative integers; the file is damaged"
+        )
     return out
 
 
@@ -331,8 +353,9 @@ def _location(info: Any, where: Path | str, what: str) -> tuple[str, int, int]:
     """``(relative_path, offset, length)`` of a storage entry, with their types checked."""
     rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
     if not isinstance(rel, str) or type(offset) is not int or type(length) is not int:
-        raise CorruptCheckpointError(f"{where}: the storage entry of {what} is malformed ({info!r:.200}); "
-                                     "the file is damaged")
+        raise CorruptCheckpointError(
+            f"{where}: the storage entry of {what} is malformed ({info!r:.200}); the file is damaged"
+        )
     return rel, offset, length
 
 
@@ -359,8 +382,8 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
     for idx, info in storage.items():
         if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str):
             raise CorruptCheckpointError(f"{where}: storage key {idx!r:.200} is not a MetadataIndex")
-        offset = None if idx.offset is None else _ints(idx.offset, where, f"the offset of '{idx.fqn}'")
-        by_fqn[idx.fqn][offset] = info
+        chunk = None if idx.offset is None else _ints(idx.offset, where, f"the offset of '{idx.fqn}'")
+        by_fqn[idx.fqn][chunk] = info
     tensors: dict[str, StoredTensor] = {}
     objects: dict[str, StoredObject] = {}
     for fqn, entry in md.state_dict_metadata.items():
@@ -377,17 +400,16 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                 offsets = _ints(getattr(ch, "offsets", None), where, f"a chunk offset of tensor '{fqn}'")
                 sizes = _ints(getattr(ch, "sizes", None), where, f"a chunk size of tensor '{fqn}'")
                 if len(offsets) != len(shape) or len(sizes) != len(shape):
-                    raise CorruptCheckpointError(f"{where}: tensor '{fqn}' of shape {shape} has a chunk "
-                                                 f"at {offsets} of sizes {sizes}; the file is damaged")
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor '{fqn}' of shape {shape} has a chunk "
+                        f"at {offsets} of sizes {sizes}; the file is damaged"
+                    )
                 info = infos.get(offsets)
                 if info is None:
-                    raise CorruptCheckpointError(
-                        f"{where}: tensor '{fqn}' chunk at {offsets} has no storage entry"
-                    )
+                    raise CorruptCheckpointError(f"{where}: tensor '{fqn}' chunk at {offsets} has no storage entry")
                 _refuse_transforms(where, f"tensor '{fqn}'", info)
                 rel, offset, length = _location(info, where, f"tensor '{fqn}' chunk {offsets}")
-                st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length,
-                                             item_crcs.get((fqn, offsets))))
+                st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length, item_crcs.get((fqn, offsets))))
             tensors[fqn] = st
         elif isinstance(entry, BytesStorageMetadata):
             info = infos.get(None)
@@ -395,22 +417,45 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                 raise CorruptCheckpointError(f"{where}: object '{fqn}' has no storage entry")
             _refuse_transforms(where, f"object '{fqn}'", info)
             rel, offset, length = _location(info, where, f"object '{fqn}'")
-            objects[fqn] = StoredObject(fqn, rel, offset, length, item_crcs.get((fqn, ())),
-                                        _is_shard_key(fqn, _planner_path(md, fqn)))
+            objects[fqn] = StoredObject(
+                fqn, rel, offset, length, item_crcs.get((fqn, ())), _is_shard_key(fqn, _planner_path(md, fqn))
+            )
     return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT), checksum)
 
 
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
-        ItemRecord(t.fqn, TENSOR, -1, dtype_name(t.dtype, t.fqn), t.shape, c.offsets, c.sizes,
-                   c.relative_path, c.file_offset, c.length, crc32=c.crc32, path=planner_path(index, t.fqn))
+        ItemRecord(
+            t.fqn,
+            TENSOR,
+            -1,
+            dtype_name(t.dtype, t.fqn),
+            t.shape,
+            c.offsets,
+            c.sizes,
+            c.relative_path,
+            c.file_offset,
+            c.length,
+            crc32=c.crc32,
+            path=planner_path(index, t.fqn),
+        )
         for t in index.tensors.values()
         for c in t.chunks
     ]
-    out += [ItemRecord(o.fqn, BYTES, -1, relative_path=o.relative_path, file_offset=o.file_offset,
-                       length=o.length, crc32=o.crc32, path=planner_path(index, o.fqn))
-            for o in index.objects.values()]
+    out += [
+        ItemRecord(
+            o.fqn,
+            BYTES,
+            -1,
+            relative_path=o.relative_path,
+            file_offset=o.file_offset,
+            length=o.length,
+            crc32=o.crc32,
+            path=planner_path(index, o.fqn),
+        )
+        for o in index.objects.values()
+    ]
     return out
 
 

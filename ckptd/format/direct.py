@@ -42,10 +42,17 @@ _DIRECT_CHUNK_NBYTES = 64 << 20
 
 class _PyBuffer(ctypes.Structure):
     _fields_ = [
-        ("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
     ]
 
 
@@ -177,7 +184,7 @@ class DirectFile:
                 if fd >= 0:
                     os.close(fd)
 
-    def __enter__(self) -> "DirectFile":
+    def __enter__(self) -> DirectFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -13,13 +13,27 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol, cast
 
 from .safefs import AtPath, Dir, create_fd
 
 ATOMIC_TMP_SUFFIX = ".tmp"
 
-Opener = Callable[[str, str], BinaryIO]
+
+class WriteFile(Protocol):
+    """What ckptd writes a file through: a binary file opened for writing, or a
+    :class:`~ckptd.format.direct.DirectFile`."""
+
+    def write(self, data: Any, /) -> int: ...
+    def tell(self) -> int: ...
+    def flush(self) -> None: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: Any) -> Any: ...
+
+
+Opener = Callable[[str, str], WriteFile]
 """``opener(path, mode)``: open ``path`` (``mode`` "wb") for writing. ckptd passes an
 :class:`~ckptd.format.safefs.AtPath` where it holds the directory open; its own openers create
 such a path exclusively relative to that directory, never through a link."""
@@ -27,8 +41,8 @@ such a path exclusively relative to that directory, never through a link."""
 
 def default_opener(path: str, mode: str) -> BinaryIO:
     if "w" not in mode:
-        return open(path, mode)  # noqa: SIM115 - caller closes
-    return os.fdopen(create_fd(path), mode)
+        return cast(BinaryIO, open(path, mode))
+    return cast(BinaryIO, os.fdopen(create_fd(path), mode))
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -46,7 +60,7 @@ def atomic_tmp_name(name: str) -> str:
 
 def atomic_write(
     path: str | os.PathLike,
-    write: Callable[[BinaryIO], None],
+    write: Callable[[WriteFile], object],
     opener: Opener = default_opener,
     fsync: bool = True,
 ) -> None:
@@ -82,6 +96,7 @@ def atomic_write(
             parent.close()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, opener: Opener = default_opener,
-                       fsync: bool = True) -> None:
+def atomic_write_bytes(
+    path: str | os.PathLike, data: bytes, opener: Opener = default_opener, fsync: bool = True
+) -> None:
     atomic_write(path, lambda f: f.write(data), opener, fsync)

@@ -47,8 +47,9 @@ def finalize(
     """
     validate_records(records)
     atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
-    metadata = build_metadata(records, str(directory) if checkpoint_id is None else checkpoint_id,
-                              common_crc32=crc32c(common_bytes))
+    metadata = build_metadata(
+        records, str(directory) if checkpoint_id is None else checkpoint_id, common_crc32=crc32c(common_bytes)
+    )
     write_metadata(directory, metadata, opener, fsync)
     atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)
 

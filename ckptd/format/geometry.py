@@ -16,9 +16,9 @@ def intersect(a_off: Shape, a_size: Shape, b_off: Shape, b_size: Shape) -> tuple
     """The intersection of two boxes, or None if it is empty."""
     lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
     hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(h <= low for low, h in zip(lo, hi)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
 def strides(shape: Shape) -> Shape:
@@ -95,12 +95,10 @@ def split_axis(sizes: Shape, src_shape: Shape, dst_shape: Shape) -> int:
 def run_length(sizes: Shape, src_shape: Shape, dst_shape: Shape) -> int:
     if not sizes:
         return 1
-    return math.prod(sizes[split_axis(sizes, src_shape, dst_shape):])
+    return math.prod(sizes[split_axis(sizes, src_shape, dst_shape) :])
 
 
-def enumerate_runs(
-    src_shape: Shape, src_off: Shape, dst_shape: Shape, dst_off: Shape, sizes: Shape
-) -> Runs:
+def enumerate_runs(src_shape: Shape, src_off: Shape, dst_shape: Shape, dst_off: Shape, sizes: Shape) -> Runs:
     """All runs of copying box ``sizes`` from ``src_off`` in ``src_shape`` to ``dst_off`` in ``dst_shape``."""
     if not sizes:
         return Runs(1, [0], [0])

@@ -11,9 +11,10 @@ import contextlib
 import ctypes
 import math
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -23,7 +24,6 @@ from .checksum import crc32c
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
-from .safefs import Dir, entry_path
 from .records import (
     ItemRecord,
     object_record,
@@ -32,6 +32,7 @@ from .records import (
     tensor_record,
     tensor_records,
 )
+from .safefs import Dir, entry_path
 
 
 @dataclass
@@ -53,8 +54,7 @@ def plan_tensor(sh: ShardedTensor, rank: int) -> PlannedItem:
         raise ValueError(f"ShardedTensor '{sh.key}' has no data to save")
     if sh.flattened_range is not None:
         raise ShardingError(
-            f"ShardedTensor '{sh.key}' is flattened and may be stored as several items; "
-            "plan it with plan_tensor_items"
+            f"ShardedTensor '{sh.key}' is flattened and may be stored as several items; plan it with plan_tensor_items"
         )
     _, _, sizes = storage_layout(sh)
     data = sh.data
@@ -85,8 +85,9 @@ def piece_starts(sh: ShardedTensor) -> tuple[int, ...]:
     return tuple(start for _, _, _, start in storage_pieces(sh))
 
 
-def tensor_payloads(sh: ShardedTensor, records: tuple[ItemRecord, ...] | list[ItemRecord],
-                    starts: tuple[int, ...]) -> list[torch.Tensor]:
+def tensor_payloads(
+    sh: ShardedTensor, records: tuple[ItemRecord, ...] | list[ItemRecord], starts: tuple[int, ...]
+) -> list[torch.Tensor]:
     """The payload views of ``sh``'s items, for records planned before (plan_save's cache)."""
     data = sh.data
     if data is None:
@@ -173,7 +174,7 @@ class ItemSink:
 
     def _place(self, address: int) -> None:
         """Start the held-back item where ``address`` lands aligned, and write its headers."""
-        held, self._held = self._held, None
+        held, self._held = self._held or bytearray(), None
         pos = self._f.tell()
         start = pos + (address - pos - len(held)) % self._align
         if start != pos:
@@ -246,8 +247,7 @@ def write_data_file(
     """
     if checksums:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32") as executor:
-            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready,
-                                    written)
+            return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready, written)
     return _write_data_file(directory, file_name, items, opener, fsync, checksums, None, ready, written)
 
 
@@ -372,8 +372,10 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
         payload = item.payload
         if not isinstance(payload, torch.Tensor):
             if len(payload) > max_nbytes:
-                raise StagingError(f"{item.record.where()} takes {len(payload)} bytes, more than the staging "
-                                   f"ring's {max_nbytes}; raise CKPTD_STAGING_BUDGET")
+                raise StagingError(
+                    f"{item.record.where()} takes {len(payload)} bytes, more than the staging "
+                    f"ring's {max_nbytes}; raise CKPTD_STAGING_BUDGET"
+                )
             out.append(item)
             continue
         nbytes = payload.numel() * payload.element_size()

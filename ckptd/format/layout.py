@@ -74,9 +74,7 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         step_dir = parse_step_dir(root.name)
         if step_dir is not None and step_dir.partial:
             hint = " It is an uncommitted (.tmp) save, which is never loaded."
-        raise CheckpointNotFoundError(
-            f"{root} is not a checkpoint: {METADATA_JSON} is missing.{hint}"
-        )
+        raise CheckpointNotFoundError(f"{root} is not a checkpoint: {METADATA_JSON} is missing.{hint}")
     try:
         meta = json.loads(read_regular(root, METADATA_JSON, "backend marker", METADATA_JSON_MAX_NBYTES))
     except (OSError, ValueError, RecursionError) as exc:

@@ -102,8 +102,24 @@ class _CheckingPickler(pickle.Pickler):
         return NotImplemented
 
 
-_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, dict, list, tuple, str, bytes, int, float,
-                          bool, type(None), torch.Size, torch.dtype, torch.device})
+_PLAIN_TYPES = frozenset(
+    {
+        torch.Tensor,
+        torch.nn.Parameter,
+        dict,
+        list,
+        tuple,
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        type(None),
+        torch.Size,
+        torch.dtype,
+        torch.device,
+    }
+)
 
 
 def _checking_module(what: str) -> Any:

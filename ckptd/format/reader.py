@@ -30,7 +30,7 @@ class DataFiles:
         self._open: dict[str, tuple[BinaryIO, int]] = {}
         self._dir_fd = -1
 
-    def __enter__(self) -> "DataFiles":
+    def __enter__(self) -> DataFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,15 +135,16 @@ def read_common_pt(directory: str | os.PathLike, allow_unsafe_pickle: bool = Fal
     return None
 
 
-def read_bytes_item(files: DataFiles, obj: "StoredObject", allow_unsafe_pickle: bool) -> Any:
+def read_bytes_item(files: DataFiles, obj: StoredObject, allow_unsafe_pickle: bool) -> Any:
     """A DCP bytes item (``torch.save(value)``), decoded."""
     what = f"the value '{obj.fqn}' in {files.directory / obj.relative_path}"
     raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
     return unpickle_torch(raw, what, allow_unsafe_pickle)
 
 
-def read_common(directory: str | os.PathLike, allow_unsafe_pickle: bool = False,
-                index: "CheckpointIndex | None" = None) -> Any:
+def read_common(
+    directory: str | os.PathLike, allow_unsafe_pickle: bool = False, index: CheckpointIndex | None = None
+) -> Any:
     """The whole common (non-sharded) state: ``common.pt`` plus the DCP bytes items.
 
     ``common.pt`` holds it for Megatron-style saves; torch DCP (and ckptd for DCP-style state dicts)

@@ -118,13 +118,11 @@ class ItemRecord:
             return 0
         itemsize = _ITEMSIZE.get(self.dtype)
         if itemsize is None:
-            dtype_from_name(self.dtype)  # raises ProtocolError for an unknown name
+            itemsize = dtype_from_name(self.dtype).itemsize  # raises ProtocolError for an unknown name
         return math.prod(self.sizes) * itemsize
 
-    def stored_at(self, relative_path: str, file_offset: int, length: int,
-                  crc32: int | None = None) -> "ItemRecord":
-        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length,
-                       crc32=crc32)
+    def stored_at(self, relative_path: str, file_offset: int, length: int, crc32: int | None = None) -> ItemRecord:
+        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length, crc32=crc32)
 
     def where(self) -> str:
         if self.kind == TENSOR:
@@ -139,7 +137,7 @@ class ItemRecord:
         return d
 
     @classmethod
-    def from_wire(cls, d: Any) -> "ItemRecord":
+    def from_wire(cls, d: Any) -> ItemRecord:
         try:
             rec = cls(
                 fqn=str(d["fqn"]),

@@ -34,8 +34,10 @@ TRACKER_MAX_NBYTES = 4096  # a tracker holds one directory name
 # Attempt ids become directory names, so they are checked against this before anything is named
 # after them (ckptd.control.attempt).
 ATTEMPT_PATTERN = r"[0-9a-f]{12}-[1-9][0-9]{0,8}"
-_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)(?:(?:\.({ATTEMPT_PATTERN}))?"
-                       rf"({re.escape(TMP_SUFFIX)}|{re.escape(DELETING_SUFFIX)}))?$")
+_STEP_DIR = re.compile(
+    rf"^{STEP_PREFIX}(\d+)(?:(?:\.({ATTEMPT_PATTERN}))?"
+    rf"({re.escape(TMP_SUFFIX)}|{re.escape(DELETING_SUFFIX)}))?$"
+)
 
 
 class StepDirName(NamedTuple):

@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import TypeGuard
 
 from ..errors import CorruptCheckpointError, StorageError
 
@@ -41,9 +42,14 @@ def dir_mode_for(file_mode: int) -> int:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
+    for test, name in (
+        (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
         if test(mode):
             return name
     return "special file"
@@ -57,7 +63,7 @@ class AtPath(str):
     dir_fd: int
     entry: str
 
-    def __new__(cls, text: str, dir_fd: int, entry: str) -> "AtPath":
+    def __new__(cls, text: str, dir_fd: int, entry: str) -> AtPath:
         self = super().__new__(cls, text)
         self.dir_fd = dir_fd
         self.entry = entry
@@ -98,14 +104,14 @@ class Dir:
         self.path = path
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, create: bool = False) -> "Dir":
+    def open(cls, path: str | os.PathLike, *, create: bool = False) -> Dir:
         """Open the directory ``path`` as the caller names it (``create``: with its parents)."""
         path = Path(path)
         if create:
             path.mkdir(parents=True, exist_ok=True)
         return cls(os.open(path, _DIR), path)
 
-    def subdir(self, name: str, *, create: bool = False) -> "Dir":
+    def subdir(self, name: str, *, create: bool = False) -> Dir:
         """Open the subdirectory ``name`` (``create``: make it if absent), refusing a link."""
         if create:
             try:
@@ -179,7 +185,7 @@ class Dir:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Dir":
+    def __enter__(self) -> Dir:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,7 +195,7 @@ class Dir:
         return str(self.path)
 
 
-def entry_path(directory: "Dir | str | os.PathLike", name: str) -> str:
+def entry_path(directory: Dir | str | os.PathLike, name: str) -> str:
     """``name`` in ``directory``: an :class:`AtPath` for an open :class:`Dir`, else a plain path."""
     if isinstance(directory, Dir):
         return directory.entry(name)
@@ -199,10 +205,16 @@ def entry_path(directory: "Dir | str | os.PathLike", name: str) -> str:
 # --- reading ---------------------------------------------------------------------------------
 
 
-def is_entry_name(name: object) -> bool:
+def is_entry_name(name: object) -> TypeGuard[str]:
     """``name`` names an entry of a directory itself: no separator, not ``.``/``..``, no NUL."""
-    return (isinstance(name, str) and bool(name) and "/" not in name and "\0" not in name
-            and name not in (".", "..") and (os.altsep is None or os.altsep not in name))
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\0" not in name
+        and name not in (".", "..")
+        and (os.altsep is None or os.altsep not in name)
+    )
 
 
 def check_entry_name(name: object, directory: str | os.PathLike, what: str) -> str:
@@ -215,8 +227,9 @@ def check_entry_name(name: object, directory: str | os.PathLike, what: str) -> s
     return name
 
 
-def open_regular(directory: str | os.PathLike, name: str, what: str, max_nbytes: int | None = None,
-                 dir_fd: int | None = None) -> tuple[int, int]:
+def open_regular(
+    directory: str | os.PathLike, name: str, what: str, max_nbytes: int | None = None, dir_fd: int | None = None
+) -> tuple[int, int]:
     """Open ``directory/name`` for reading: ``(fd, size)``; the caller closes ``fd``.
 
     Only a regular file inside ``directory`` is opened (see the module docstring); ``max_nbytes``
@@ -227,11 +240,10 @@ def open_regular(directory: str | os.PathLike, name: str, what: str, max_nbytes:
     check_entry_name(name, directory, what)
     path = os.path.join(directory, name)
     own_dir = dir_fd is None
-    if own_dir:
-        dir_fd = os.open(directory, _DIR)
+    dfd = os.open(directory, _DIR) if dir_fd is None else dir_fd
     try:
         try:
-            fd = os.open(name, _READ, dir_fd=dir_fd)
+            fd = os.open(name, _READ, dir_fd=dfd)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from None
         except OSError as exc:
@@ -244,7 +256,7 @@ def open_regular(directory: str | os.PathLike, name: str, what: str, max_nbytes:
             raise OSError(exc.errno, exc.strerror, path) from None
     finally:
         if own_dir:
-            os.close(dir_fd)
+            os.close(dfd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -73,8 +73,9 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
                 if hit.direct:
                     items.append(PlannedItem(hit.records[0], sh.data))  # type: ignore[arg-type]
                 else:
-                    items.extend(PlannedItem(r, p) for r, p in
-                                 zip(hit.records, tensor_payloads(sh, hit.records, hit.starts)))
+                    items.extend(
+                        PlannedItem(r, p) for r, p in zip(hit.records, tensor_payloads(sh, hit.records, hit.starts))
+                    )
             else:
                 _check_tensor_data(sh, path, rank)
                 planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
@@ -83,9 +84,12 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
                     planned = [PlannedItem(replace(i.record, path=dcp_path), i.payload) for i in planned]
                 items.extend(planned)
                 if sig is not None:
-                    hit = _PlanEntry(sig, tuple(i.record for i in planned),
-                                     piece_starts(sh) if planned else (),
-                                     len(planned) == 1 and planned[0].payload is sh.data)
+                    hit = _PlanEntry(
+                        sig,
+                        tuple(i.record for i in planned),
+                        piece_starts(sh) if planned else (),
+                        len(planned) == 1 and planned[0].payload is sh.data,
+                    )
             if sig is not None:
                 fresh[path] = hit  # type: ignore[assignment]
         elif isinstance(sh, ByteItem):
@@ -107,10 +111,20 @@ def _tensor_signature(sh: ShardedTensor) -> tuple:
     """Everything plan_tensor_items and its checks read, except the data's values and address."""
     d = sh.data
     fr = sh.flattened_range
-    return (sh.key, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset, sh.axis_fragmentations,
-            sh.replica_id, sh.prepend_axis_num, sh.allow_shape_mismatch,
-            None if fr is None else (fr.start, fr.stop, fr.step),
-            d.dtype, d.shape, d.is_cpu or d.device, d.layout)  # type: ignore[union-attr]
+    data = None if d is None else (d.dtype, d.shape, d.is_cpu or d.device, d.layout)
+    return (
+        sh.key,
+        sh.dtype,
+        sh.local_shape,
+        sh.global_shape,
+        sh.global_offset,
+        sh.axis_fragmentations,
+        sh.replica_id,
+        sh.prepend_axis_num,
+        sh.allow_shape_mismatch,
+        None if fr is None else (fr.start, fr.stop, fr.step),
+        data,
+    )
 
 
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:

@@ -11,17 +11,14 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ShardingError
 from .records import BYTES, TENSOR, ItemRecord
 
 
 def _overlap(a: ItemRecord, b: ItemRecord) -> bool:
-    return all(
-        ao < bo + bs and bo < ao + as_
-        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-    )
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
 
 def _find_overlap(boxes: list[ItemRecord]) -> tuple[ItemRecord, ItemRecord] | None:
@@ -96,8 +93,7 @@ def validate_records(records: list[ItemRecord]) -> None:
         if len(kinds) > 1:
             ranks = sorted({r.rank for r in items})
             raise ShardingError(
-                f"key '{fqn}' is a tensor on some ranks and an object on others (ranks {ranks}); "
-                "use distinct keys"
+                f"key '{fqn}' is a tensor on some ranks and an object on others (ranks {ranks}); use distinct keys"
             )
         if BYTES in kinds:
             if len(items) > 1:
@@ -155,8 +151,10 @@ def _uncovered_element(items: list[ItemRecord], limit: int = 4096) -> tuple[int,
     of some chunk, so only those candidates are tried.
     """
     shape = items[0].global_shape
-    axes = [sorted({0} | {o + s for r in items for o, s in [(r.offsets[a], r.sizes[a])] if o + s < n})
-            for a, n in enumerate(shape)]
+    axes = [
+        sorted({0} | {o + s for r in items for o, s in [(r.offsets[a], r.sizes[a])] if o + s < n})
+        for a, n in enumerate(shape)
+    ]
     if any(n == 0 for n in shape) or math.prod(len(c) for c in axes) > limit:
         return None
     for point in itertools.product(*axes):
@@ -171,7 +169,5 @@ def check_local_duplicates(records: Sequence[ItemRecord], rank: int) -> None:
     for r in records:
         ident = (r.fqn, r.offsets if r.kind == TENSOR else ())
         if ident in seen:
-            raise ShardingError(
-                f"rank {rank} stores {r.where()} twice; give the duplicate replica_id != 0"
-            )
+            raise ShardingError(f"rank {rank} stores {r.where()} twice; give the duplicate replica_id != 0")
         seen.add(ident)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..format.reader import DataFiles, load_tensor_bytes
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
+from ..format.reader import DataFiles, load_tensor_bytes
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import RawLayout, locate
 
@@ -70,9 +70,16 @@ class LoadStats:
     bytes_mapped: int = 0  # span of strided copies served from a read-only mapping
     peak_scratch_bytes: int = 0
 
-    def merge(self, other: "LoadStats") -> None:
-        for name in ("items", "raw_items", "fallback_items", "bytes_copied", "bytes_read", "read_calls",
-                     "bytes_mapped"):
+    def merge(self, other: LoadStats) -> None:
+        for name in (
+            "items",
+            "raw_items",
+            "fallback_items",
+            "bytes_copied",
+            "bytes_read",
+            "read_calls",
+            "bytes_mapped",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, other.peak_scratch_bytes)
 
@@ -230,8 +237,9 @@ class _Executor:
         window = self.opts.map_window_bytes if self._use_mmap else self.opts.window_bytes
         self._slabs(fd, base, esize, op, (), window, what)
 
-    def _slabs(self, fd: int, base: int, esize: int, op: CopyOp, prefix: tuple[int, ...],
-               window: int, what: str) -> None:
+    def _slabs(
+        self, fd: int, base: int, esize: int, op: CopyOp, prefix: tuple[int, ...], window: int, what: str
+    ) -> None:
         """Copy the box with its first ``len(prefix)`` axes fixed, in slabs along the next axis."""
         a = len(prefix)
         shape = op.array_shape
@@ -266,15 +274,15 @@ class _Executor:
             start = base + (row0 + first) * esize
             box = (k,) + tuple(op.sizes[a + 1 :])
             dst = op.dst[dst_lead + (slice(op.dst_offsets[a] + i0, op.dst_offsets[a] + i0 + k),) + inner_dst]
-            if self._use_mmap and self._copy_mapped(fd, start, n_elems * esize, box, box_strides, dst,
-                                                    dense):
+            if self._use_mmap and self._copy_mapped(fd, start, n_elems * esize, box, box_strides, dst, dense):
                 continue
             buf = self._scratch_bytes(n_elems * esize)
             self._preadv(fd, [byte_view(buf)], start, what)
             dst.copy_(buf.view(op.dst.dtype).as_strided(box, box_strides, 0))
 
-    def _copy_mapped(self, fd: int, start: int, nbytes: int, box: Shape, box_strides: Shape,
-                     dst: torch.Tensor, populate: bool) -> bool:
+    def _copy_mapped(
+        self, fd: int, start: int, nbytes: int, box: Shape, box_strides: Shape, dst: torch.Tensor, populate: bool
+    ) -> bool:
         """Strided copy straight out of a private read-only mapping of ``[start, +nbytes)``.
 
         Only the pages holding needed elements are touched (so only those are read from the
@@ -289,8 +297,13 @@ class _Executor:
             # (SIGSEGV in copy_). pread into the aligned scratch buffer instead.
             return False
         try:
-            mm = mmap.mmap(fd, nbytes + (start - aligned), flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+            mm = mmap.mmap(
+                fd,
+                nbytes + (start - aligned),
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=aligned,
+            )
         except (OSError, ValueError):
             self._use_mmap = False  # e.g. a filesystem without mmap: pread from now on
             return False
@@ -310,8 +323,9 @@ class _Executor:
         return True
 
 
-def execute(plan: ReadPlan, directory: str | os.PathLike, *, options: ExecOptions | None = None,
-            stats: LoadStats | None = None) -> LoadStats:
+def execute(
+    plan: ReadPlan, directory: str | os.PathLike, *, options: ExecOptions | None = None, stats: LoadStats | None = None
+) -> LoadStats:
     """Run ``plan`` against the data files of ``directory``; returns (and fills) ``stats``."""
     stats = stats if stats is not None else LoadStats()
     opts = options or ExecOptions()

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union
+from typing import Any
 
 from ..errors import LoadMismatchError, ShardingError
-from .view import CheckpointView, Source, VirtualTensor
 from ..mapping import ShardedObject
+from .view import CheckpointView, Source, VirtualTensor
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,9 @@ class Split:
     sizes: tuple[int, ...] | None = None
     groups: int = 1
 
-    def __init__(self, source: str, targets: Iterable[str], axis: int = 0,
-                 sizes: Iterable[int] | None = None, groups: int = 1) -> None:
+    def __init__(
+        self, source: str, targets: Iterable[str], axis: int = 0, sizes: Iterable[int] | None = None, groups: int = 1
+    ) -> None:
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "targets", tuple(targets))
         object.__setattr__(self, "axis", axis)
@@ -75,7 +77,7 @@ class Split:
         object.__setattr__(self, "groups", groups)
 
 
-Rule = Union[Rename, Fuse, Split]
+Rule = Rename | Fuse | Split
 
 
 def rules_from_config(config: Sequence[dict[str, Any]]) -> list[Rule]:
@@ -89,11 +91,19 @@ def rules_from_config(config: Sequence[dict[str, Any]]) -> list[Rule]:
                 pattern, replacement = entry["rename"]
                 rules.append(Rename(pattern, replacement))
             elif "fuse" in entry:
-                rules.append(Fuse(entry["fuse"], entry["sources"], int(entry.get("axis", 0)),
-                                  int(entry.get("groups", 1))))
+                rules.append(
+                    Fuse(entry["fuse"], entry["sources"], int(entry.get("axis", 0)), int(entry.get("groups", 1)))
+                )
             elif "split" in entry:
-                rules.append(Split(entry["split"], entry["targets"], int(entry.get("axis", 0)),
-                                   entry.get("sizes"), int(entry.get("groups", 1))))
+                rules.append(
+                    Split(
+                        entry["split"],
+                        entry["targets"],
+                        int(entry.get("axis", 0)),
+                        entry.get("sizes"),
+                        int(entry.get("groups", 1)),
+                    )
+                )
             else:
                 raise KeyError("rename/fuse/split")
         except (KeyError, TypeError, ValueError) as exc:
@@ -137,9 +147,7 @@ def _patterns(rule: Rule, texts: Sequence[str]) -> list[_Pattern]:
 
 def _check_axis(rule: Rule, key: str, t: VirtualTensor, axis: int) -> None:
     if not 0 <= axis < len(t.shape):
-        raise LoadMismatchError(
-            f"key mapping rule {rule}: axis {axis} does not exist in '{key}' of shape {t.shape}"
-        )
+        raise LoadMismatchError(f"key mapping rule {rule}: axis {axis} does not exist in '{key}' of shape {t.shape}")
 
 
 def _add(view: CheckpointView, rule: Rule, t: VirtualTensor) -> None:
@@ -157,7 +165,7 @@ def _object_key(unique_key: str) -> tuple[str, str]:
         obj = ShardedObject.empty_from_unique_key(unique_key)
     except ShardingError:
         return unique_key, ""
-    return obj.key, unique_key[len(obj.key):]
+    return obj.key, unique_key[len(obj.key) :]
 
 
 def _apply_rename(view: CheckpointView, rule: Rename) -> int:
@@ -236,8 +244,11 @@ def _apply_fuse(view: CheckpointView, rule: Fuse) -> int:
         for k in keys:
             del view.tensors[k]
         shape = first.shape[: rule.axis] + (total,) + first.shape[rule.axis + 1 :]
-        _add(view, rule, VirtualTensor(target_pat.expand(values), first.dtype, shape, sources,
-                                       origin=f"fused from {keys}"))
+        _add(
+            view,
+            rule,
+            VirtualTensor(target_pat.expand(values), first.dtype, shape, sources, origin=f"fused from {keys}"),
+        )
     return len(matches)
 
 
@@ -264,9 +275,7 @@ def _apply_split(view: CheckpointView, rule: Split) -> int:
         else:
             sizes = list(rule.sizes)
             if len(sizes) != n or any(s < 0 for s in sizes):
-                raise LoadMismatchError(
-                    f"key mapping rule {rule}: sizes {sizes} must give one extent per target ({n})"
-                )
+                raise LoadMismatchError(f"key mapping rule {rule}: sizes {sizes} must give one extent per target ({n})")
         if sum(sizes) != extent:
             raise LoadMismatchError(
                 f"key mapping rule {rule}: the parts {sizes} cover {sum(sizes)} of the {extent} "
@@ -275,8 +284,7 @@ def _apply_split(view: CheckpointView, rule: Split) -> int:
             )
         if any(s % rule.groups for s in sizes):
             raise LoadMismatchError(
-                f"key mapping rule {rule}: part sizes {sizes} are not divisible into "
-                f"{rule.groups} groups"
+                f"key mapping rule {rule}: part sizes {sizes} are not divisible into {rule.groups} groups"
             )
         del view.tensors[key]
         for i, pat in enumerate(target_pats):
@@ -289,8 +297,13 @@ def _apply_split(view: CheckpointView, rule: Split) -> int:
                     if r is not None:
                         sources.append(r.shifted(rule.axis, g * part - lo))
             shape = t.shape[: rule.axis] + (sizes[i],) + t.shape[rule.axis + 1 :]
-            _add(view, rule, VirtualTensor(pat.expand(values), t.dtype, shape, sources,
-                                           origin=f"part {i} of '{key}' split on axis {rule.axis}"))
+            _add(
+                view,
+                rule,
+                VirtualTensor(
+                    pat.expand(values), t.dtype, shape, sources, origin=f"part {i} of '{key}' split on axis {rule.axis}"
+                ),
+            )
     return len(matches)
 
 
@@ -308,9 +321,7 @@ def apply_key_mapping(view: CheckpointView, rules: Sequence[Rule]) -> Checkpoint
         elif isinstance(rule, Split):
             n = _apply_split(view, rule)
         else:
-            raise LoadMismatchError(
-                f"key mapping entry {rule!r} is not a Rename, Fuse or Split rule"
-            )
+            raise LoadMismatchError(f"key mapping entry {rule!r} is not a Rename, Fuse or Split rule")
         if n == 0:
             raise LoadMismatchError(
                 f"key mapping rule {rule} matched no key of the checkpoint (after earlier rules); "

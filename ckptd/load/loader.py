@@ -24,8 +24,9 @@ result is built on it, as Megatron-Core's is), bytes items only when requested.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -33,13 +34,13 @@ from ..dist import DistContext
 from ..errors import LoadMismatchError
 from ..format.dcp_metadata import CheckpointIndex
 from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt
-from .keymap import Rule, apply_key_mapping
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from ..statedict.assemble import assemble
 from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict
 from ..statedict.tree import Path as SdPath
 from ..statedict.tree import dcp_fqn, get_path, path_str, set_path
 from .execute import ExecOptions, LoadStats, execute
+from .keymap import Rule, apply_key_mapping
 from .plan import Planner, missing_key_error
 from .strict import Mismatch, StrictHandling, parse_strict, report
 from .view import CheckpointView
@@ -87,8 +88,9 @@ def _requested_key(sh: ShardedTensor | ShardedObject | ByteItem) -> str:
     return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
 
 
-def _match(view: CheckpointView, split: SplitStateDict, common: _Common
-           ) -> tuple[set[str], dict[SdPath, tuple[ShardedTensor | ByteItem, Any]], int]:
+def _match(
+    view: CheckpointView, split: SplitStateDict, common: _Common
+) -> tuple[set[str], dict[SdPath, tuple[ShardedTensor | ByteItem, Any]], int]:
     """``(unexpected keys, entries taken from common.pt by path, number of matched entries)``.
 
     A DCP-style plain tensor or value the checkpoint keeps in ``common.pt`` (saved Megatron-style)
@@ -107,7 +109,9 @@ def _match(view: CheckpointView, split: SplitStateDict, common: _Common
             found = sh.key in view.tensors
         if not found and split.dialect is Dialect.DCP and FACTORY_PART not in path:
             value = common.get(path)
-            if value is not _ABSENT and (isinstance(sh, ByteItem) or _fits(sh, value)):
+            if value is not _ABSENT and (
+                isinstance(sh, ByteItem) or (isinstance(sh, ShardedTensor) and _fits(sh, value))
+            ):
                 from_common[path] = (sh, value)
                 found = True
         if found:
@@ -118,8 +122,7 @@ def _match(view: CheckpointView, split: SplitStateDict, common: _Common
 
 
 def _fits(sh: ShardedTensor, value: Any) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dtype == sh.dtype
-            and tuple(value.shape) == sh.global_shape)
+    return isinstance(value, torch.Tensor) and value.dtype == sh.dtype and tuple(value.shape) == sh.global_shape
 
 
 def _missing(view: CheckpointView, split: SplitStateDict, group: Any) -> set[str]:
@@ -171,8 +174,7 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
             mismatch.missing = _missing(view, split, req.process_group)
         report(mode, mismatch, where)
     _check_something_matched(view, split, matched, where)
-    for path in [p for p, sh in split.sharded.items()
-                 if p in from_common or _requested_key(sh) in unexpected]:
+    for path in [p for p, sh in split.sharded.items() if p in from_common or _requested_key(sh) in unexpected]:
         del split.sharded[path]
 
     loaded: dict[SdPath, Any] = {}
@@ -206,17 +208,14 @@ def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
     return sh.data
 
 
-def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
-                  loaded: dict[SdPath, Any]) -> None:
+def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest, loaded: dict[SdPath, Any]) -> None:
     planner = Planner(view)
     pending: list[tuple[SdPath, torch.Tensor, torch.Tensor]] = []
     for path, sh in split.sharded.items():
         if not isinstance(sh, ShardedTensor):
             continue
         sh.validate_metadata_integrity()
-        if sh.data is None:
-            sh.init_data("cpu")
-        data = sh.data.detach()  # parameters that require grad are filled in place too
+        data = sh.init_data("cpu").detach()  # parameters that require grad are filled in place too
         direct = data.device.type == "cpu" and data.is_contiguous()
         buffer = data if direct else torch.empty(data.shape, dtype=sh.dtype)
         planner.add(sh, buffer)
@@ -228,8 +227,7 @@ def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
         loaded[path] = split.sharded[path].data
 
 
-def _load_pickled(view: CheckpointView, split: SplitStateDict, req: LoadRequest,
-                  loaded: dict[SdPath, Any]) -> None:
+def _load_pickled(view: CheckpointView, split: SplitStateDict, req: LoadRequest, loaded: dict[SdPath, Any]) -> None:
     wanted = [(p, sh) for p, sh in split.sharded.items() if not isinstance(sh, ShardedTensor)]
     if not wanted:
         return
@@ -264,5 +262,7 @@ def _megatron_common(view: CheckpointView, split: SplitStateDict, common: _Commo
                 try:
                     set_path(tree, path, read_bytes_item(files, stored, req.allow_unsafe_pickle))
                 except ValueError as exc:
-                    raise LoadMismatchError(f"the value at '{path_str(path)}' does not fit the common state: {exc}") from exc
+                    raise LoadMismatchError(
+                        f"the value at '{path_str(path)}' does not fit the common state: {exc}"
+                    ) from exc
     return tree

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptCheckpointError, LoadMismatchError
-from ..mapping import ShardedTensor
 from ..format.geometry import Shape, flat_range_boxes, intersect
+from ..mapping import ShardedTensor
 from .view import CheckpointView, ItemRef, VirtualTensor, is_legacy_grid, translate_legacy_grid
 
 
@@ -65,11 +65,7 @@ class ReadPlan:
     @property
     def nbytes(self) -> int:
         """Bytes the plan copies into destinations."""
-        return sum(
-            math.prod(op.sizes) * op.dst.element_size()
-            for e in self.items.values()
-            for op in e.copies
-        )
+        return sum(math.prod(op.sizes) * op.dst.element_size() for e in self.items.values() for op in e.copies)
 
 
 def missing_key_error(key: str, known: list[str], what: str = "tensor") -> LoadMismatchError:
@@ -90,8 +86,13 @@ def targets_for(sh: ShardedTensor, data: torch.Tensor) -> list[Target]:
     out = []
     for off, sizes, flat in flat_range_boxes(chunk, start, sh.flattened_range.stop):
         n = math.prod(sizes)
-        out.append(Target(data[flat - start : flat - start + n].view(sizes),
-                          tuple(g + o for g, o in zip(sh.global_offset, off)), sizes))
+        out.append(
+            Target(
+                data[flat - start : flat - start + n].view(sizes),
+                tuple(g + o for g, o in zip(sh.global_offset, off)),
+                sizes,
+            )
+        )
     return out
 
 
@@ -142,14 +143,19 @@ class Planner:
         what = f"tensor '{sh.key}'"
         for src, off, sizes in stored.overlapping(t.offsets, t.sizes):
             covered += math.prod(sizes)
-            self.plan.add(src.item, stored.dtype, what, CopyOp(
-                array_shape=src.array_shape,
-                elem_offset=src.elem_offset,
-                src_origin=tuple(o + a - b for o, a, b in zip(src.origin, off, src.offsets)),
-                sizes=sizes,
-                dst=t.tensor,
-                dst_offsets=tuple(a - b for a, b in zip(off, t.offsets)),
-            ))
+            self.plan.add(
+                src.item,
+                stored.dtype,
+                what,
+                CopyOp(
+                    array_shape=src.array_shape,
+                    elem_offset=src.elem_offset,
+                    src_origin=tuple(o + a - b for o, a, b in zip(src.origin, off, src.offsets)),
+                    sizes=sizes,
+                    dst=t.tensor,
+                    dst_offsets=tuple(a - b for a, b in zip(off, t.offsets)),
+                ),
+            )
         if covered != needed:
             raise CorruptCheckpointError(
                 f"tensor '{sh.key}'{f' ({stored.origin})' if stored.origin else ''}: the stored "

@@ -90,8 +90,9 @@ def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest
     return _TensorDesc(storage, storage.dtype, int(storage_offset), tuple(size), tuple(stride))
 
 
-def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
-                hooks: Any, dtype: Any, *rest: Any) -> _TensorDesc:
+def _rebuild_v3(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *rest: Any
+) -> _TensorDesc:
     if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
         raise _Unusual("v3 rebuild without storage/dtype")
     return _TensorDesc(storage, dtype, int(storage_offset), tuple(size), tuple(stride))
@@ -243,8 +244,7 @@ def _contiguous(size: Shape, stride: Shape) -> bool:
     return True
 
 
-def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
-           shape: Shape) -> RawLayout | None:
+def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype, shape: Shape) -> RawLayout | None:
     """Where the ``shape``/``dtype`` tensor saved in ``[item_offset, +item_length)`` keeps its
     elements, or None when the item is unusual (then ``torch.load`` it instead)."""
     try:
@@ -271,19 +271,31 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
         if data is None:
             raise _Unusual("storage record missing")
         esize = desc.dtype.itemsize
-        storage_nbytes = (desc.storage.nbytes_or_numel if desc.storage.dtype is None
-                          else desc.storage.nbytes_or_numel * esize)
+        storage_nbytes = (
+            desc.storage.nbytes_or_numel if desc.storage.dtype is None else desc.storage.nbytes_or_numel * esize
+        )
         numel = math.prod(desc.size)
-        if (desc.dtype != dtype or tuple(desc.size) != tuple(shape)
-                or not _contiguous(desc.size, desc.stride)
-                or storage_nbytes != data.usize
-                or (desc.storage_offset + numel) * esize > storage_nbytes):
+        if (
+            desc.dtype != dtype
+            or tuple(desc.size) != tuple(shape)
+            or not _contiguous(desc.size, desc.stride)
+            or storage_nbytes != data.usize
+            or (desc.storage_offset + numel) * esize > storage_nbytes
+        ):
             raise _Unusual("tensor layout differs from the chunk")
         d_off, d_n = _entry_data(win, data)
         start = d_off + desc.storage_offset * esize
         if start + numel * esize > item_length or d_off + d_n > item_length:
             raise _Unusual("storage outside the item")
         return RawLayout(item_offset + start, numel * esize)
-    except (_Unusual, struct.error, pickle.UnpicklingError, EOFError, ValueError, TypeError,
-            IndexError, AttributeError):
+    except (
+        _Unusual,
+        struct.error,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        AttributeError,
+    ):
         return None

@@ -50,7 +50,7 @@ class StrictHandling(Enum):
         return self in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def parse_strict(strict: "StrictHandling | str | bool") -> StrictHandling:
+def parse_strict(strict: StrictHandling | str | bool) -> StrictHandling:
     """Accept the enum, its value string (``"raise_all"``) or name, or a bool (True = assume ok,
     False = log unexpected, as Megatron-LM's ``--dist-ckpt-strictness`` defaults)."""
     if isinstance(strict, StrictHandling):
@@ -62,8 +62,7 @@ def parse_strict(strict: "StrictHandling | str | bool") -> StrictHandling:
             if strict.lower() in (mode.value, mode.name.lower()):
                 return mode
     raise LoadMismatchError(
-        f"strict={strict!r} is not a strict-handling mode; use one of "
-        f"{[m.value for m in StrictHandling]}"
+        f"strict={strict!r} is not a strict-handling mode; use one of {[m.value for m in StrictHandling]}"
     )
 
 
@@ -81,9 +80,7 @@ def report(strict: StrictHandling, mismatch: Mismatch, checkpoint: str) -> None:
         return
     parts = []
     if unexpected:
-        parts.append(
-            f"requested but not in the checkpoint (unexpected, this rank): {sorted(unexpected)}"
-        )
+        parts.append(f"requested but not in the checkpoint (unexpected, this rank): {sorted(unexpected)}")
     if missing:
         parts.append(f"in the checkpoint but requested by no rank (missing): {sorted(missing)}")
     msg = f"load of {checkpoint}: " + "; ".join(parts)

@@ -49,12 +49,11 @@ class Source:
     elem_offset: int = 0
 
     @classmethod
-    def of_chunk(cls, chunk: StoredChunk) -> "Source":
+    def of_chunk(cls, chunk: StoredChunk) -> Source:
         ref = ItemRef(chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes))
-        return cls(tuple(chunk.offsets), tuple(chunk.sizes), ref, tuple(chunk.sizes),
-                   (0,) * len(chunk.sizes))
+        return cls(tuple(chunk.offsets), tuple(chunk.sizes), ref, tuple(chunk.sizes), (0,) * len(chunk.sizes))
 
-    def restrict(self, axis: int, lo: int, hi: int) -> "Source | None":
+    def restrict(self, axis: int, lo: int, hi: int) -> Source | None:
         """The part of this source with ``lo <= index < hi`` on ``axis`` (None if empty)."""
         a, b = max(lo, self.offsets[axis]), min(hi, self.offsets[axis] + self.sizes[axis])
         if a >= b:
@@ -67,7 +66,7 @@ class Source:
             origin=_set(self.origin, axis, self.origin[axis] + shift),
         )
 
-    def shifted(self, axis: int, delta: int) -> "Source":
+    def shifted(self, axis: int, delta: int) -> Source:
         return replace(self, offsets=_set(self.offsets, axis, self.offsets[axis] + delta))
 
 
@@ -116,7 +115,7 @@ class CheckpointView:
     objects: dict[str, StoredObject]
 
     @classmethod
-    def of_index(cls, index: CheckpointIndex) -> "CheckpointView":
+    def of_index(cls, index: CheckpointIndex) -> CheckpointView:
         tensors = {
             fqn: VirtualTensor(fqn, t.dtype, tuple(t.shape), [Source.of_chunk(c) for c in t.chunks])
             for fqn, t in index.tensors.items()
@@ -136,9 +135,7 @@ def is_legacy_grid(stored: VirtualTensor, global_shape: Shape) -> bool:
     if any(f <= 0 or g % f for g, f in zip(global_shape, s[:-1])):
         return False
     cell = tuple(g // f for g, f in zip(global_shape, s[:-1]))
-    return math.prod(cell) == s[-1] and all(
-        all(x == 1 for x in src.sizes[:-1]) for src in stored.sources
-    )
+    return math.prod(cell) == s[-1] and all(all(x == 1 for x in src.sizes[:-1]) for src in stored.sources)
 
 
 def translate_legacy_grid(stored: VirtualTensor, global_shape: Shape) -> VirtualTensor:
@@ -163,5 +160,6 @@ def translate_legacy_grid(stored: VirtualTensor, global_shape: Shape) -> Virtual
                     elem_offset=flat - start,
                 )
             )
-    return VirtualTensor(stored.key, stored.dtype, tuple(global_shape), sources,
-                         origin=f"legacy flattened grid layout {stored.shape}")
+    return VirtualTensor(
+        stored.key, stored.dtype, tuple(global_shape), sources, origin=f"legacy flattened grid layout {stored.shape}"
+    )

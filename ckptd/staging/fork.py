@@ -67,8 +67,9 @@ class Snapshot:
     seal_offset: int
 
 
-def child_copies(items: list[PlannedItem], placements: list[Placement]
-                 ) -> tuple[list[tuple[int, int, int]], list[Any]] | None:
+def child_copies(
+    items: list[PlannedItem], placements: list[Placement]
+) -> tuple[list[tuple[int, int, int]], list[Any]] | None:
     """``((relative offset, source address, nbytes), ...)`` for the child, and the objects that
     must stay alive until it was forked; None when some payload is not plain CPU memory or bytes.
     The child sees the trainer's memory as it was at the fork, so addresses are all it needs."""
@@ -93,8 +94,9 @@ def start_block(pool: StagingPool, block: int) -> bytes:
     return secrets.token_bytes(SEAL_NBYTES)
 
 
-def fork_snapshot(pool: StagingPool, start: int, block: int, copies: list[tuple[int, int, int]],
-                  nice: int, daemon_pid: int) -> Snapshot:
+def fork_snapshot(
+    pool: StagingPool, start: int, block: int, copies: list[tuple[int, int, int]], nice: int, daemon_pid: int
+) -> Snapshot:
     """Fork a child that produces ``copies`` at virtual ``start`` and then seals ``block``;
     returns at once. The child runs at CPU niceness ``nice`` (added to the trainer's), and gives
     up when the daemon (``daemon_pid``) is gone or makes no room for ``snapshot_timeout_s``."""
@@ -105,8 +107,15 @@ def fork_snapshot(pool: StagingPool, start: int, block: int, copies: list[tuple[
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        _child(RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid)),
-               start, end, block, copies, seal, nice)
+        _child(
+            RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid)),
+            start,
+            end,
+            block,
+            copies,
+            seal,
+            nice,
+        )
     return Snapshot(pid, seal, block_offset(block))
 
 
@@ -119,11 +128,13 @@ def _alive(pid: int) -> Any:
         except PermissionError:
             return True
         return True
+
     return alive
 
 
-def _child(writer: RingWriter, start: int, end: int, block: int, copies: list[tuple[int, int, int]],
-           seal: bytes, nice: int) -> None:
+def _child(
+    writer: RingWriter, start: int, end: int, block: int, copies: list[tuple[int, int, int]], seal: bytes, nice: int
+) -> None:
     """Copy with ``pwrite`` into the ring in order, publishing the progress after each copy (the
     daemon writes an item to disk as soon as it is complete), then the seal. Not through the
     mapping: fork() does not copy the page tables of shared mappings, so writing the ring through
@@ -165,13 +176,23 @@ def reap(pids: list[int], block: bool) -> list[int]:
         if done == 0:
             left.append(pid)
         elif os.waitstatus_to_exitcode(status) != 0:
-            log.warning("snapshot process %d exited with status %d; its save fails on its handle",
-                        pid, os.waitstatus_to_exitcode(status))
+            log.warning(
+                "snapshot process %d exited with status %d; its save fails on its handle",
+                pid,
+                os.waitstatus_to_exitcode(status),
+            )
     return left
 
 
-def fork_into(pool: StagingPool, start: int, block: int, items: list[PlannedItem], placements: list[Placement],
-              nice: int, daemon_pid: int) -> Snapshot | None:
+def fork_into(
+    pool: StagingPool,
+    start: int,
+    block: int,
+    items: list[PlannedItem],
+    placements: list[Placement],
+    nice: int,
+    daemon_pid: int,
+) -> Snapshot | None:
     """A fork snapshot of this save, or None when it cannot fork (payloads the child cannot copy,
     no fork on this system, or fork() failing): the caller then produces the items itself."""
     if not fork_available():
@@ -183,8 +204,9 @@ def fork_into(pool: StagingPool, start: int, block: int, items: list[PlannedItem
     try:
         return fork_snapshot(pool, start, block, copies, nice, daemon_pid)
     except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
-        log.warning("rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside "
-                    "save() instead", pool.rank, exc)
+        log.warning(
+            "rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside save() instead", pool.rank, exc
+        )
         return None
     finally:
         del keep  # the child has its own copy of the buffers now

@@ -78,17 +78,32 @@ class LazyCopier:
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
-        self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
         self._thread: threading.Thread | None = None
 
-    def start(self, pool: StagingPool, start: int, block: int, items: list[PlannedItem],
-              placements: list[Placement], step: int) -> Snapshot:
+    def start(
+        self,
+        pool: StagingPool,
+        start: int,
+        block: int,
+        items: list[PlannedItem],
+        placements: list[Placement],
+        step: int,
+    ) -> Snapshot:
         """Queue the production of one save; returns the snapshot the SAVE announces (its pid is
         this process: the daemon fails the save if it dies before sealing)."""
         seal = start_block(pool, block)
-        job = _Job(pool, start, block, items, placements,
-                   [_version(i.payload) if isinstance(i.payload, torch.Tensor) else 0 for i in items], seal, step)
+        job = _Job(
+            pool,
+            start,
+            block,
+            items,
+            placements,
+            [_version(i.payload) if isinstance(i.payload, torch.Tensor) else 0 for i in items],
+            seal,
+            step,
+        )
         if any(isinstance(i.payload, torch.Tensor) and i.payload.device.type == "cuda" for i in items):
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream())
@@ -111,8 +126,14 @@ class LazyCopier:
                     torch.cuda.current_stream(device).wait_stream(stream)
             else:
                 self._wait(job.copied, job)
-            changed = next((i.record.where() for i, v in zip(job.items, job.versions)
-                            if isinstance(i.payload, torch.Tensor) and _version(i.payload) != v), "")
+            changed = next(
+                (
+                    i.record.where()
+                    for i, v in zip(job.items, job.versions)
+                    if isinstance(i.payload, torch.Tensor) and _version(i.payload) != v
+                ),
+                "",
+            )
             if changed and not job.torn:
                 job.torn = f"{changed} was modified before the snapshot was fenced"
             job.fenced.set()
@@ -120,8 +141,10 @@ class LazyCopier:
 
     def _wait(self, event: threading.Event, job: _Job) -> None:
         if not event.wait(self.timeout_s):
-            raise StagingError(f"rank {self.rank}: the lazy snapshot of step {job.step} did not finish "
-                               f"copying within {self.timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S)")
+            raise StagingError(
+                f"rank {self.rank}: the lazy snapshot of step {job.step} did not finish "
+                f"copying within {self.timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S)"
+            )
 
     def wait_all(self) -> None:
         """Fence every pending snapshot and wait until the copier is done with it (closing, or a
@@ -209,9 +232,14 @@ class LazyCopier:
         if not job.fenced.wait(self.timeout_s):
             job.torn = job.torn or f"it was not fenced within {self.timeout_s:g} s (no before_update())"
         if job.torn:
-            log.warning("rank %d: the lazy snapshot of step %d is abandoned: %s; call "
-                        "Checkpointer.before_update() (or attach(optimizer)) before changing saved "
-                        "tensors", self.rank, job.step, job.torn)
+            log.warning(
+                "rank %d: the lazy snapshot of step %d is abandoned: %s; call "
+                "Checkpointer.before_update() (or attach(optimizer)) before changing saved "
+                "tensors",
+                self.rank,
+                job.step,
+                job.torn,
+            )
             writer.publish(job.block, NO_ROOM if job.no_room else ABANDONED)
             return
         writer.seal(job.block, job.seal)

@@ -27,13 +27,20 @@ ALIGN_NBYTES = 64
 def plain_cpu_bytes(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements are exactly its ``numel * element_size`` bytes at ``data_ptr()``."""
     # is_cpu rather than device.type: a save checks every item, and device builds a new object.
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cpu
-            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.is_cpu
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 class Placement(NamedTuple):
-    """Where an item's bytes lie, relative to its save's start in the ring. A tuple: a save makes and compares one per item, and
-    tuples are built and compared in C (a frozen dataclass costs ~1 us per item more)."""
+    """Where an item's bytes lie, relative to its save's start in the ring. A tuple: a save makes
+    and compares one per item, and tuples are built and compared in C (a frozen dataclass costs
+    ~1 us per item more)."""
 
     offset: int
     nbytes: int
@@ -92,8 +99,9 @@ class StagingPool:
     took the save); :meth:`close` unmaps (and unlinks only a segment no daemon took over).
     """
 
-    def __init__(self, prefix: str, rank: int, capacity: int, segment: ShmSegment, generation: str,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, prefix: str, rank: int, capacity: int, segment: ShmSegment, generation: str, timeout_s: float
+    ) -> None:
         self.prefix = prefix
         self.rank = rank
         self.capacity = capacity
@@ -110,7 +118,7 @@ class StagingPool:
         return [self.segment.name]
 
     @classmethod
-    def create(cls, prefix: str, rank: int, capacity: int, pin: bool, timeout_s: float) -> "StagingPool":
+    def create(cls, prefix: str, rank: int, capacity: int, pin: bool, timeout_s: float) -> StagingPool:
         generation = new_generation()
         segment = ShmSegment.create(segment_name(prefix, rank, generation, 0), HEADER_NBYTES + capacity)
         try:
@@ -132,8 +140,10 @@ class StagingPool:
         seg.reserve()  # registering faults every page in: a full /dev/shm must fail cleanly
         err = torch.cuda.cudart().cudaHostRegister(seg.base.data_ptr(), seg.nbytes, 0)
         if int(err) != 0:
-            raise StagingError(f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
-                               f"with CUDA error {int(err)}; set CKPTD_PIN_MEMORY=0 to stage unpinned")
+            raise StagingError(
+                f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
+                f"with CUDA error {int(err)}; set CKPTD_PIN_MEMORY=0 to stage unpinned"
+            )
         self.pinned = True
 
     def _unpin(self) -> None:
@@ -172,8 +182,9 @@ class StagingPool:
         end = HEADER_NBYTES + start % self.capacity + span(p.offset + p.nbytes for p in placements)
         self.segment.check_room(min(end, self.segment.nbytes))
 
-    def copy_inline(self, start: int, block: int, items: list[PlannedItem], placements: list[Placement],
-                    seal: bytes) -> float:
+    def copy_inline(
+        self, start: int, block: int, items: list[PlannedItem], placements: list[Placement], seal: bytes
+    ) -> float:
         """Produce every item here (``snapshot="copy"``), then seal; returns the seconds spent
         waiting for ring room. CPU tensors and bytes by ``pwrite``; CUDA tensors by device-to-host
         copies on a side stream into the pinned ring. On failure the save is marked never to
@@ -195,8 +206,9 @@ class StagingPool:
         try:
             return self.writer.wait_room(v_end)
         except RingFull as exc:
-            raise StagingError(f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is "
-                               "not persisting: see its log") from None
+            raise StagingError(
+                f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not persisting: see its log"
+            ) from None
 
     def produce(self, item: PlannedItem, p: Placement, v: int) -> None:
         """Write one item's bytes at virtual offset ``v`` (room already waited for)."""
@@ -209,8 +221,10 @@ class StagingPool:
         except OSError as exc:
             raise self.segment.no_room(exc, p.nbytes) from exc
         except Exception as exc:  # a tensor subclass or device may refuse; name the item
-            raise StagingError(f"rank {self.rank}: copying {item.record.where()} into the staging ring "
-                               f"failed: {type(exc).__name__}: {exc}") from exc
+            raise StagingError(
+                f"rank {self.rank}: copying {item.record.where()} into the staging ring "
+                f"failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _write_tensor(self, src: torch.Tensor, v: int) -> None:
         if src.device.type == "cuda":

@@ -32,7 +32,8 @@ import math
 import mmap
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 HEADER_NBYTES = 4096
 CONSUMED_AT = 0
@@ -82,8 +83,7 @@ class RingFull(Exception):
 class RingWriter:
     """The producer's access to a ring through its segment's descriptor (``pwrite``/``pread``)."""
 
-    def __init__(self, fd: int, capacity: int, timeout_s: float,
-                 alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self, fd: int, capacity: int, timeout_s: float, alive: Callable[[], bool] | None = None) -> None:
         self.fd = fd
         self.capacity = capacity
         self.timeout_s = timeout_s
@@ -104,8 +104,10 @@ class RingWriter:
         while not self.has_room(v_end):
             waited = time.monotonic() - t0
             if waited > self.timeout_s or (self.alive is not None and not self.alive()):
-                raise RingFull(f"the node daemon consumed the staging ring only up to {self.consumed()} "
-                               f"of the {v_end - self.capacity} bytes needed within {waited:.1f} s")
+                raise RingFull(
+                    f"the node daemon consumed the staging ring only up to {self.consumed()} "
+                    f"of the {v_end - self.capacity} bytes needed within {waited:.1f} s"
+                )
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
         return time.monotonic() - t0
@@ -181,8 +183,7 @@ class RingMap:
 def _libc() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 

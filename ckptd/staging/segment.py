@@ -81,7 +81,7 @@ class ShmSegment:
         return SHM_DIR / self.name
 
     @classmethod
-    def create(cls, name: str, nbytes: int) -> "ShmSegment":
+    def create(cls, name: str, nbytes: int) -> ShmSegment:
         """Create a new, sparse segment (fails if the name exists); see the class docstring."""
         _check_name(name)
         if nbytes <= 0:
@@ -117,8 +117,9 @@ class ShmSegment:
         """``pwrite`` ``data`` (a buffer) at ``offset``; a full ``/dev/shm`` raises StagingError."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + view.nbytes > self.nbytes:
-            raise StagingError(f"segment {self.name}: write of {view.nbytes} bytes at {offset} outside "
-                               f"its {self.nbytes} bytes")
+            raise StagingError(
+                f"segment {self.name}: write of {view.nbytes} bytes at {offset} outside its {self.nbytes} bytes"
+            )
         try:
             while view.nbytes:
                 done = os.pwrite(self._fd, view[:_CHUNK_NBYTES], offset)
@@ -149,10 +150,11 @@ class ShmSegment:
             f"shared-memory segment {self.path}: cannot place {nbytes} more bytes ({exc.strerror}); "
             f"/dev/shm has {shm_free_nbytes()} bytes free. This save fails; training goes on and the "
             "next save retries. Free /dev/shm, enlarge it (containers: --shm-size) or lower "
-            "CKPTD_STAGING_BUDGET")
+            "CKPTD_STAGING_BUDGET"
+        )
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> "ShmSegment":
+    def attach(cls, name: str, nbytes: int) -> ShmSegment:
         """Map an existing segment; it must be a regular file of this user, mode 0600, ``nbytes`` long.
 
         Not populated: the daemon only reads pages the rank has written (a page never written
@@ -179,8 +181,9 @@ class ShmSegment:
         if self._mm is None:
             raise StagingError(f"segment {self.name} is not mapped")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise StagingError(f"segment {self.name}: range [{offset}, {offset + nbytes}) outside "
-                               f"its {self.nbytes} bytes")
+            raise StagingError(
+                f"segment {self.name}: range [{offset}, {offset + nbytes}) outside its {self.nbytes} bytes"
+            )
         return memoryview(self._mm)[offset : offset + nbytes]
 
     def close(self) -> None:
@@ -261,12 +264,18 @@ def remove_orphans(prefix: str) -> list[str]:
     regular files of this user. Anything else with that prefix (another job's, whose id merely
     starts alike; another user's file, which may not even be removable) is left alone and logged.
     """
-    mine, foreign = [], []
+    mine: list[str] = []
+    foreign: list[str] = []
     for name in list_segments(prefix):
-        if _SEGMENT_TAIL.fullmatch(name[len(prefix):]) is None:
+        if _SEGMENT_TAIL.fullmatch(name[len(prefix) :]) is None:
             continue  # another job's (e.g. job "llama-n0" for prefix "ckptd-llama-n0-"), or not ours
         (mine if _own_regular_file(name) else foreign).append(name)
     if foreign:
-        log.warning("left %d shared-memory files named like this node's segments alone: not regular "
-                    "files of this user (uid %d): %s", len(foreign), os.getuid(), foreign[:4])
+        log.warning(
+            "left %d shared-memory files named like this node's segments alone: not regular "
+            "files of this user (uid %d): %s",
+            len(foreign),
+            os.getuid(),
+            foreign[:4],
+        )
     return _unlink(mine)

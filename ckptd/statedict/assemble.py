@@ -23,6 +23,7 @@ def assemble(split: SplitStateDict, request: dict, common: Any, loaded: dict[Pat
             if FACTORY_PART not in path:
                 set_path(result, path, value)
         for path, (factory, built) in split.factories.items():
+
             def fill(sub_path: Path, leaf: Any, _prefix: Path = path + (FACTORY_PART,)) -> Any:
                 return loaded.get(_prefix + sub_path, leaf)
 

@@ -67,10 +67,18 @@ def dtensor_pieces(key: str, dt: Any, where: str) -> list[ShardedTensor]:
         if 0 in sizes:
             continue
         view = local[tuple(slice(lo, lo + n) for lo, _, n in box)]
-        pieces.append(ShardedTensor(
-            key, view, local.dtype, sizes, gshape, tuple(g for _, g, _ in box),
-            axis_fragmentations=None, replica_id=replica or 0,
-        ))
+        pieces.append(
+            ShardedTensor(
+                key,
+                view,
+                local.dtype,
+                sizes,
+                gshape,
+                tuple(g for _, g, _ in box),
+                axis_fragmentations=None,
+                replica_id=replica or 0,
+            )
+        )
     return pieces
 
 
@@ -78,8 +86,9 @@ def dtensor_pieces(key: str, dt: Any, where: str) -> list[ShardedTensor]:
 _Runs = list[tuple[int, int, int]]
 
 
-def _runs_per_dim(gshape: tuple[int, ...], mesh: Any, placements: tuple, coordinate: list[int],
-                  where: str) -> list[_Runs]:
+def _runs_per_dim(
+    gshape: tuple[int, ...], mesh: Any, placements: tuple, coordinate: list[int], where: str
+) -> list[_Runs]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Shard
 
@@ -90,15 +99,18 @@ def _runs_per_dim(gshape: tuple[int, ...], mesh: Any, placements: tuple, coordin
     return [_contiguous_runs(indices.get(d), n) for d, n in enumerate(gshape)]
 
 
-def _global_indices(gshape: tuple[int, ...], mesh: Any, placements: tuple, coordinate: list[int],
-                    where: str) -> dict[int, list[int]]:
+def _global_indices(
+    gshape: tuple[int, ...], mesh: Any, placements: tuple, coordinate: list[int], where: str
+) -> dict[int, list[int]]:
     """For each sharded tensor dimension, the global index of each local row, in local order."""
     try:
         from torch.distributed.tensor._utils import _get_shard_size_and_offsets
         from torch.distributed.tensor.placement_types import Shard, _StridedShard
     except ImportError as exc:
-        raise ShardingError(f"{where} is a DTensor with placements {placements}, which this torch "
-                            f"version does not let ckptd resolve ({exc})") from exc
+        raise ShardingError(
+            f"{where} is a DTensor with placements {placements}, which this torch "
+            f"version does not let ckptd resolve ({exc})"
+        ) from exc
     local = list(gshape)
     offsets: dict[int, Any] = {}
     for mesh_dim, p in enumerate(placements):
@@ -107,8 +119,13 @@ def _global_indices(gshape: tuple[int, ...], mesh: Any, placements: tuple, coord
                 raise ShardingError(f"{where} is a DTensor with placement {p!r}, which ckptd cannot store")
             continue
         size, index = _get_shard_size_and_offsets(
-            local[p.dim], mesh.shape[mesh_dim], coordinate[mesh_dim], p, offsets.get(p.dim),
-            gshape[p.dim], False,
+            local[p.dim],
+            mesh.shape[mesh_dim],
+            coordinate[mesh_dim],
+            p,
+            offsets.get(p.dim),
+            gshape[p.dim],
+            False,
         )
         local[p.dim] = int(size)
         offsets[p.dim] = index

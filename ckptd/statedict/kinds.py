@@ -17,7 +17,8 @@ without importing any framework:
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,10 +31,17 @@ except ImportError:  # a torch build without torch.distributed
     DTensor = None  # type: ignore[assignment, misc]
 
 _MCORE_MODULE = "megatron.core.dist_checkpointing"
-_SHARDED_NAMES = frozenset({
-    "ShardedTensor", "ShardedObject", "ShardedTensorFactory", "LocalNonpersistentObject",
-    "LocalNonPersistentObject", "ShardedBase", "ShardedStateDict",
-})
+_SHARDED_NAMES = frozenset(
+    {
+        "ShardedTensor",
+        "ShardedObject",
+        "ShardedTensorFactory",
+        "LocalNonpersistentObject",
+        "LocalNonPersistentObject",
+        "ShardedBase",
+        "ShardedStateDict",
+    }
+)
 
 
 class Kind(enum.Enum):
@@ -100,19 +108,27 @@ def unplaceable_error(x: Any, where: str) -> ShardingError:
     cls = type(x)
     name = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(x, torch.Tensor):
-        what = ("a torch.Tensor subclass ckptd cannot place (only torch.Tensor, Parameter and "
-                "DTensor are stored as tensors)")
-        fix = ("Convert it to a plain tensor or a DTensor before saving, or wrap it in a "
-               "ShardedTensor with plain tensor data")
+        what = (
+            "a torch.Tensor subclass ckptd cannot place (only torch.Tensor, Parameter and "
+            "DTensor are stored as tensors)"
+        )
+        fix = (
+            "Convert it to a plain tensor or a DTensor before saving, or wrap it in a "
+            "ShardedTensor with plain tensor data"
+        )
     elif any(c.__name__ in _SHARDED_NAMES for c in cls.__mro__):
         what = "a sharded object of a library ckptd does not know"
-        fix = ("Use ckptd's or Megatron-Core's ShardedTensor / ShardedObject classes "
-               "(megatron.core.dist_checkpointing.mapping)")
+        fix = (
+            "Use ckptd's or Megatron-Core's ShardedTensor / ShardedObject classes "
+            "(megatron.core.dist_checkpointing.mapping)"
+        )
     else:
         what = "a tensor-like object (it defines __torch_function__)"
         fix = "Convert it to a torch.Tensor or DTensor before saving"
-    return ShardingError(f"{where} is of type {name}, {what}; saving it as common state would keep "
-                         f"only rank 0's copy and lose the other ranks' data. {fix}")
+    return ShardingError(
+        f"{where} is of type {name}, {what}; saving it as common state would keep "
+        f"only rank 0's copy and lose the other ranks' data. {fix}"
+    )
 
 
 def adopt(x: Any, kind: Kind, adopt_tree: Callable[[Any], Any]) -> Any:
@@ -126,15 +142,24 @@ def adopt(x: Any, kind: Kind, adopt_tree: Callable[[Any], Any]) -> Any:
         fr = getattr(x, "flattened_range", None)
         frag = x.axis_fragmentations
         return ShardedTensor(
-            x.key, x.data, x.dtype, tuple(x.local_shape), tuple(x.global_shape),
-            tuple(x.global_offset), None if frag is None else tuple(frag), x.replica_id,
-            getattr(x, "prepend_axis_num", 0), getattr(x, "allow_shape_mismatch", False), fr,
+            x.key,
+            x.data,
+            x.dtype,
+            tuple(x.local_shape),
+            tuple(x.global_shape),
+            tuple(x.global_offset),
+            None if frag is None else tuple(frag),
+            x.replica_id,
+            getattr(x, "prepend_axis_num", 0),
+            getattr(x, "allow_shape_mismatch", False),
+            fr,
         )
     if kind is Kind.SHARDED_OBJECT:
         return ShardedObject(x.key, x.data, tuple(x.global_shape), tuple(x.global_offset), x.replica_id)
     if kind is Kind.FACTORY:
         return ShardedTensorFactory(
-            x.key, x.data,
+            x.key,
+            x.data,
             build_fn=lambda *_args, _f=x: adopt_tree(_f.build()),
             merge_fn=x.merge_fn,
             replica_id=x.replica_id,

@@ -23,8 +23,9 @@ list whose entries could not be put back in place after a load (see :func:`split
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -221,8 +222,7 @@ def _adopt_built(built: Any) -> Any:
 
 def _add_factory(out: SplitStateDict, path: Path, factory: ShardedTensorFactory, built: Any) -> None:
     out.factories[path] = (factory, built)
-    leaves = (_leaves(built) if isinstance(built, (dict, list))
-              else iter([((), built, classify(built))]))
+    leaves = _leaves(built) if isinstance(built, (dict, list)) else iter([((), built, classify(built))])
     for sub_path, sub, kind in leaves:
         if kind not in (Kind.SHARDED_TENSOR, Kind.SHARDED_OBJECT):
             raise ShardingError(
@@ -242,6 +242,7 @@ def _add_dtensor(out: SplitStateDict, path: Path, key: str, dt: Any) -> None:
 
 
 # --- DCP-style --------------------------------------------------------------------------------
+
 
 def _split_dcp(state_dict: dict, rank: int, world_size: int) -> SplitStateDict:
     out = SplitStateDict(Dialect.DCP, common={})
@@ -264,8 +265,7 @@ def _split_dcp(state_dict: dict, rank: int, world_size: int) -> SplitStateDict:
             out.sharded[path] = ByteItem(key, leaf)
     owners = _spread(tensors, world_size)
     for path, key, t in tensors:
-        out.sharded[path] = ShardedTensor.from_rank_offsets(
-            key, t, replica_id=0 if owners[key] == rank else 1)
+        out.sharded[path] = ShardedTensor.from_rank_offsets(key, t, replica_id=0 if owners[key] == rank else 1)
     return out
 
 
@@ -287,8 +287,7 @@ def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path,
 
 
 def _dcp_terminal(v: list) -> bool:
-    return not any(isinstance(e, (dict, torch.Tensor)) or (isinstance(e, list) and not _dcp_terminal(e))
-                   for e in v)
+    return not any(isinstance(e, (dict, torch.Tensor)) or (isinstance(e, list) and not _dcp_terminal(e)) for e in v)
 
 
 def _spread(tensors: list[tuple[Path, str, torch.Tensor]], world_size: int) -> dict[str, int]:

@@ -7,7 +7,8 @@ with the keys as they are (a dict keyed by ints keeps its ints).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 Path = tuple[Any, ...]
 
@@ -52,8 +53,10 @@ def set_path(root: Any, path: Path, value: Any) -> None:
             if child is None:  # absent, or a placeholder older ckptd versions left in common.pt
                 child = node[p] = [] if isinstance(path[i + 1], int) else {}
             elif not isinstance(child, (dict, list)):
-                raise ValueError(f"'{path_str(path[: i + 1])}' holds a {type(child).__name__}, "
-                                 f"not a container for '{path_str(path)}'")
+                raise ValueError(
+                    f"'{path_str(path[: i + 1])}' holds a {type(child).__name__}, "
+                    f"not a container for '{path_str(path)}'"
+                )
             node = child
 
 

@@ -3,9 +3,10 @@
 A job is ``ranks`` trainer processes spread over ``nodes`` nodes (distinct GROUP_RANKs on this
 machine, or namespace nodes: tests/netns/crash_hosts.py), each with its own node daemon, node 0's
 hosting the coordinator. Every rank saves a small sharded state whose every value is a function of
-the step, so any checkpoint can be checked bit for bit without remembering what was saved. Each rank appends what it observes to its own
-event file *as it happens* (one ``O_APPEND`` write per line, so a SIGKILL never leaves half a
-line): ``saved``, ``committed``, ``aborted``, ``save_error``, ``resumed``.
+the step, so any checkpoint can be checked bit for bit without remembering what was saved. Each
+rank appends what it observes to its own event file *as it happens* (one ``O_APPEND`` write per
+line, so a SIGKILL never leaves half a line): ``saved``, ``committed``, ``aborted``,
+``save_error``, ``resumed``.
 """
 
 from __future__ import annotations
@@ -54,15 +55,28 @@ class JobSpec:
     def rank_env(self, rank: int, phase: str) -> dict[str, str]:
         """torchrun's variables for ``rank``, plus the job's CKPTD_* knobs; each phase is a launch
         of its own (CKPTD_RUN_ID), as a launcher restarting the job would make it."""
-        return {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks),
-                "LOCAL_RANK": str(rank % self.per_node), "LOCAL_WORLD_SIZE": str(self.per_node),
-                "GROUP_RANK": str(rank // self.per_node), "MASTER_ADDR": self.master_addr,
-                "CKPTD_RUN_ID": f"{Path(self.root).name}-{phase}"}
+        return {
+            **self.env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.ranks),
+            "LOCAL_RANK": str(rank % self.per_node),
+            "LOCAL_WORLD_SIZE": str(self.per_node),
+            "GROUP_RANK": str(rank // self.per_node),
+            "MASTER_ADDR": self.master_addr,
+            "CKPTD_RUN_ID": f"{Path(self.root).name}-{phase}",
+        }
 
     def endpoints(self, node: int) -> Endpoints:
         """Node ``node``'s daemon files as the harness reaches them."""
-        job = JobEnv(rank=node * self.per_node, local_rank=0, world_size=self.ranks,
-                     local_world_size=self.per_node, node=node, master_addr="127.0.0.1", master_port=0)
+        job = JobEnv(
+            rank=node * self.per_node,
+            local_rank=0,
+            world_size=self.ranks,
+            local_world_size=self.per_node,
+            node=node,
+            master_addr="127.0.0.1",
+            master_port=0,
+        )
         config = CkptdConfig.from_env(self.env)
         if self.node_runtime_dirs:
             config = config.replace(runtime_dir=self.node_runtime_dirs[node])
@@ -86,7 +100,7 @@ def _rows(name: str) -> int:
 def rank_state(rank: int, world: int, step: int) -> dict[str, torch.Tensor]:
     """This rank's live tensors at ``step`` (fresh copies: training mutates them in place)."""
     full = full_tensors(step, world)
-    out = {k: full[k][rank * _rows(k):(rank + 1) * _rows(k)].clone() for k in ("w", "b", "big")}
+    out = {k: full[k][rank * _rows(k) : (rank + 1) * _rows(k)].clone() for k in ("w", "b", "big")}
     out["e"] = full["e"].clone()
     return out
 
@@ -175,12 +189,14 @@ def _barrier(spec: JobSpec, phase: str, rank: int, timeout_s: float = 90.0) -> N
     saves before every rank's Checkpointer is up (node 0's local rank 0 starts the coordinator)."""
     marks = Path(spec.events)
     (marks / f"ready.{phase}.r{rank}").touch()
-    wait_until(lambda: len(list(marks.glob(f"ready.{phase}.r*"))) >= spec.ranks, timeout_s,
-               f"every rank to start (rank {rank})")
+    wait_until(
+        lambda: len(list(marks.glob(f"ready.{phase}.r*"))) >= spec.ranks,
+        timeout_s,
+        f"every rank to start (rank {rank})",
+    )
 
 
-def _await_coordinator(spec: JobSpec, phase: str, rank: int, ckpt: ckptd.Checkpointer,
-                       timeout_s: float = 30.0) -> None:
+def _await_coordinator(spec: JobSpec, phase: str, rank: int, ckpt: ckptd.Checkpointer, timeout_s: float = 30.0) -> None:
     """Wait until this rank's node daemon knows the coordinator now running: a node daemon learns
     a just-restarted coordinator at its next ping, and a report sent before that would be
     aborted (real jobs train a while before their first save). Rank 0, on node 0 whose daemon
@@ -213,8 +229,12 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
     Phase ``"restart"`` resumes, saves ``restart_steps`` new steps and waits for each to commit.
     """
     os.environ.update(spec.rank_env(rank, phase))
-    logging.basicConfig(filename=str(Path(spec.events) / f"{phase}.r{rank}.log"), level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        filename=str(Path(spec.events) / f"{phase}.r{rank}.log"),
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     log = EventLog(spec.events, phase, rank)
     world = spec.ranks
     ckpt = ckptd.Checkpointer(spec.root)

@@ -43,13 +43,13 @@ import torch
 
 import ckptd
 from ckptd.catalog import EntryState, scan_root
-from ckptd.format.rootlayout import step_dir_name
 from ckptd.cli import main as ckptd_cli
 from ckptd.client import admin
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
 from ckptd.staging.segment import list_segments, unlink_segments
 from tests.fault import crash_job as cj
@@ -74,7 +74,7 @@ def stop_process_context() -> None:
     """Stop the forkserver process (it would otherwise live as long as this interpreter)."""
     from multiprocessing import forkserver
 
-    stop = getattr(forkserver._forkserver, "_stop", None)  # noqa: SLF001 - no public API for this
+    stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
 
@@ -138,8 +138,10 @@ def quiesce(spec: cj.JobSpec, timeout_s: float) -> str | None:
                 continue
             coord = (info.get("coordinator") or {}).get("steps") or {}
             if info["jobs_in_flight"] or info["pending_steps"] or coord:
-                busy += f" node {node}: writes {info['jobs_in_flight']}, pending {info['pending_steps']}, " \
-                        f"coordinator {sorted(coord)};"
+                busy += (
+                    f" node {node}: writes {info['jobs_in_flight']}, pending {info['pending_steps']}, "
+                    f"coordinator {sorted(coord)};"
+                )
         if not busy:
             return None
         time.sleep(0.1)
@@ -227,8 +229,11 @@ def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) ->
             result.corrupt.append(f"{e.name}: a final checkpoint name without its commit marker")
     verify = _verify_all(root) if cat.committed else {"rc": 0}
     if verify["rc"] != 0:
-        bad = [f"{c['checkpoint']}: {[f['message'] for f in c['findings'] if f['severity'] == 'error']}"
-               for c in verify["checkpoints"] if not c["ok"]]
+        bad = [
+            f"{c['checkpoint']}: {[f['message'] for f in c['findings'] if f['severity'] == 'error']}"
+            for c in verify["checkpoints"]
+            if not c["ok"]
+        ]
         result.corrupt.append(f"ckptd verify exited {verify['rc']}: {bad or verify['findings']}")
     for step, entry in sorted(on_disk.items()):
         bad = check_checkpoint(entry.path, step, spec.ranks)
@@ -239,8 +244,10 @@ def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) ->
             continue
         newer = [s for s in on_disk if s > step]
         if len(newer) < KEEP_LAST:  # retention keeps the newest KEEP_LAST: this one was lost
-            result.lost_committed.append(f"step {step} was reported COMMITTED but {step_dir_name(step)} "
-                                         f"is gone (only {len(newer)} newer checkpoints exist)")
+            result.lost_committed.append(
+                f"step {step} was reported COMMITTED but {step_dir_name(step)} "
+                f"is gone (only {len(newer)} newer checkpoints exist)"
+            )
     choice = resolve_latest(root)
     if choice is None:
         if committed:
@@ -249,8 +256,9 @@ def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) ->
     if choice.fallback_reason is not None:
         result.corrupt.append(f"the tracker is not valid: {choice.fallback_reason}")
     if committed and (choice.step or -1) < committed[-1]:
-        result.lost_committed.append(f"the tracker names step {choice.step}, older than the committed "
-                                     f"step {committed[-1]}")
+        result.lost_committed.append(
+            f"the tracker names step {choice.step}, older than the committed step {committed[-1]}"
+        )
 
 
 def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
@@ -271,14 +279,14 @@ def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult)
             if info["path"].endswith(".tmp") or Path(info["path"]).name != step_dir_name(e.step or 0):
                 result.corrupt.append(f"restarted rank {rank} loaded {info['path']}")
             if newest_before is not None and (e.step or 0) < newest_before:
-                result.lost_committed.append(f"rank {rank} resumed from step {e.step}, older than the "
-                                             f"committed step {newest_before}")
+                result.lost_committed.append(
+                    f"rank {rank} resumed from step {e.step}, older than the committed step {newest_before}"
+                )
         saved = {e.step for e in mine if e.ev == "saved"}
         done = {e.step for e in mine if e.ev == "committed"}
         if len(saved) != spec.restart_steps or saved != done:
             errors = [f"{e.ev} {e.step}: {e.detail}" for e in mine if e.ev in ("save_error", "aborted")]
-            result.problems.append(f"restarted rank {rank}: saved {sorted(saved)}, committed {sorted(done)} "
-                                   f"{errors}")
+            result.problems.append(f"restarted rank {rank}: saved {sorted(saved)}, committed {sorted(done)} {errors}")
             ok = False
     result.recovered = ok
 
@@ -400,8 +408,16 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: 
     return f"node {node} daemon (pid {pid})"
 
 
-def run_trial(seed: int, hosts: Hosts, *, ranks: int = 2, nodes: int = 2, victim: str | None = None,
-              workdir: str | os.PathLike | None = None, keep: bool = False) -> TrialResult:
+def run_trial(
+    seed: int,
+    hosts: Hosts,
+    *,
+    ranks: int = 2,
+    nodes: int = 2,
+    victim: str | None = None,
+    workdir: str | os.PathLike | None = None,
+    keep: bool = False,
+) -> TrialResult:
     """One trial (see the module docstring) on ``hosts``; ``victim`` None picks one at random
     among the hosts' kinds (those needing several nodes only when there are)."""
     if ranks % nodes:
@@ -421,8 +437,12 @@ def run_trial(seed: int, hosts: Hosts, *, ranks: int = 2, nodes: int = 2, victim
         spec = job_spec(base, ranks, nodes, rng, hosts.job_fields())
         job = spec.endpoints(0).job
         procs = hosts.start(spec, "run")
-        started = _wait_for(lambda: all(
-            any(e.ev == "saved" and e.rank == r for e in cj.read_events(spec.events)) for r in range(ranks)), 60)
+        started = _wait_for(
+            lambda: all(
+                any(e.ev == "saved" and e.rank == r for e in cj.read_events(spec.events)) for r in range(ranks)
+            ),
+            60,
+        )
         if not started:
             result.problems.append("the job did not start saving within 60 s")
         result.kill_at_s = rng.uniform(0.0, spec.steps * spec.interval_s * 0.8)

@@ -30,11 +30,12 @@ def attempt(ckpt: ckptd.Checkpointer, mib: int, step: int) -> str:
 def main() -> None:
     root, snapshot = sys.argv[1], sys.argv[2]
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=1.0, heartbeat_s=0.2, staging_budget="1x",
-                                     snapshot=snapshot)
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=runtime, idle_exit_s=1.0, heartbeat_s=0.2, staging_budget="1x", snapshot=snapshot
+    )
     out = {}
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
-        out["too big"] = attempt(ckpt, 24, 1)          # more than /dev/shm holds
+        out["too big"] = attempt(ckpt, 24, 1)  # more than /dev/shm holds
         out["fits"] = attempt(ckpt, 4, 2)
         filler = "/dev/shm/co-tenant"
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)  # another user fills /dev/shm
@@ -45,7 +46,7 @@ def main() -> None:
             pass
         finally:
             os.close(fd)
-        out["full, bigger"] = attempt(ckpt, 8, 3)      # needs pages the co-tenant took
+        out["full, bigger"] = attempt(ckpt, 8, 3)  # needs pages the co-tenant took
         os.unlink(filler)
         out["room again"] = attempt(ckpt, 8, 4)
         out["latest"] = ckpt.latest()

@@ -13,9 +13,10 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -38,8 +39,11 @@ def values(step: int) -> torch.Tensor:
 
 def state_dict(step: int, w: torch.Tensor | None = None) -> dict[str, Any]:
     w = values(step) if w is None else w
-    return {"w": ShardedTensor.from_rank_offsets("w", w), "o": ShardedObject("o", {"step": step}, (1,), (0,)),
-            "iteration": step}
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", w),
+        "o": ShardedObject("o", {"step": step}, (1,), (0,)),
+        "iteration": step,
+    }
 
 
 def loads_bit_exact(ckpt: ckptd.Checkpointer, step: int) -> None:
@@ -114,8 +118,14 @@ def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[Sing
     root = Path(config.pop("root", tmp_path / "ckpts"))
     runtime = Path(tempfile.mkdtemp(prefix="ckf", dir="/tmp"))
     fault_file = tmp_path / "faults"
-    settings = dict(runtime_dir=str(runtime), heartbeat_s=HEARTBEAT_S, idle_exit_s=60.0,
-                    debug_fault_file=str(fault_file), commit_timeout_s=10.0, request_timeout_s=20.0)
+    settings = {
+        "runtime_dir": str(runtime),
+        "heartbeat_s": HEARTBEAT_S,
+        "idle_exit_s": 60.0,
+        "debug_fault_file": str(fault_file),
+        "commit_timeout_s": 10.0,
+        "request_timeout_s": 20.0,
+    }
     settings.update(config)
     cfg = ckptd.CkptdConfig.from_env({}, **settings)
     ckpt = ckptd.Checkpointer(root, config=cfg)

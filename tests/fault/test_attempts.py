@@ -50,14 +50,20 @@ def _failure(h: ckptd.SaveHandle, timeout_s: float) -> str:
 
 def _node_env(rank: int, env: dict[str, str], faults: str) -> Path:
     os.environ.update(env)
-    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                      CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}")
+    os.environ.update(
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}"
+    )
     return Path(faults) / f"node{rank}"
 
 
 def _env(runtime: Path, **extra: str) -> dict[str, str]:
-    return {"CKPTD_RUNTIME_DIR": str(runtime), "CKPTD_COORDINATOR_PORT": str(free_port()),
-            "CKPTD_HEARTBEAT_S": "0.1", "CKPTD_IDLE_EXIT_S": "60", **extra}
+    return {
+        "CKPTD_RUNTIME_DIR": str(runtime),
+        "CKPTD_COORDINATOR_PORT": str(free_port()),
+        "CKPTD_HEARTBEAT_S": "0.1",
+        "CKPTD_IDLE_EXIT_S": "60",
+        **extra,
+    }
 
 
 def _stop_all(runtime: Path, keep: Path) -> None:
@@ -110,8 +116,11 @@ def test_a_step_saved_again_after_its_abort_never_takes_the_late_write_of_the_ab
         # The slow write of attempt 1 ends after all that (its directory is gone: it fails, or it
         # re-creates it and is reported late); either way it is discarded.
         cfg = ckptd.CkptdConfig.from_env(env)
-        wait_until(lambda: all(not admin.daemon_status(d, cfg)["jobs_in_flight"]
-                               for d in admin.local_daemons(root, cfg)), 30, "the late write to end")
+        wait_until(
+            lambda: all(not admin.daemon_status(d, cfg)["jobs_in_flight"] for d in admin.local_daemons(root, cfg)),
+            30,
+            "the late write to end",
+        )
         wait_until(lambda: not tmp_leftovers(root), 20, f"{tmp_leftovers(root)} to be removed")
     finally:
         _stop_all(runtime, tmp_path)
@@ -216,8 +225,7 @@ def _step_written_by(ckpt: ckptd.Checkpointer, step: int, ranks: list[int]) -> b
     return any(str(k).split("/")[0] == str(step) and v["written"] == ranks for k, v in steps.items())
 
 
-def _replay(rank: int, world: int, env: dict[str, str], root: str, faults: str, capture: str,
-            relay_port: int) -> dict:
+def _replay(rank: int, world: int, env: dict[str, str], root: str, faults: str, capture: str, relay_port: int) -> dict:
     fault = _node_env(rank, env, faults)
     coordinator_port = int(os.environ["CKPTD_COORDINATOR_PORT"])
     if rank == 1:
@@ -244,8 +252,11 @@ def _replay(rank: int, world: int, env: dict[str, str], root: str, faults: str, 
                 while len(greeting) < ZMTP_GREETING_NBYTES:
                     greeting += raw.recv(ZMTP_GREETING_NBYTES - len(greeting)) or b"?" * ZMTP_GREETING_NBYTES
                 raw.sendall(replayed[ZMTP_GREETING_NBYTES:])
-                wait_until(lambda: ckpt.status()["coordinator"]["rejected_messages"] > before or h.done(), 20,
-                           "the coordinator to deal with the replayed session")
+                wait_until(
+                    lambda: ckpt.status()["coordinator"]["rejected_messages"] > before or h.done(),
+                    20,
+                    "the coordinator to deal with the replayed session",
+                )
             out["rejected"] = ckpt.status()["coordinator"]["rejected_messages"] - before
             fault.unlink()
         assert h.wait(timeout_s=60) == Path(root) / "iter_0000002"

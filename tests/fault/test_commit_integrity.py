@@ -34,10 +34,9 @@ from tests.waiting import wait_until
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        with single_job(tmp_path_factory.mktemp("integrity"), mp) as j:
-            j.committed(1)
-            yield j
+    with pytest.MonkeyPatch.context() as mp, single_job(tmp_path_factory.mktemp("integrity"), mp) as j:
+        j.committed(1)
+        yield j
 
 
 @pytest.mark.timeout(60)
@@ -63,8 +62,9 @@ def test_a_data_file_damaged_after_it_was_reported_aborts_the_commit(job, damage
     finally:
         job.fault("")
     why = "has" if damage == "truncated" else "is missing"
-    assert "rank 0's data file" in str(err.value) and "__0_0.distcp" in str(err.value) \
-        and why in str(err.value), err.value
+    assert "rank 0's data file" in str(err.value) and "__0_0.distcp" in str(err.value) and why in str(err.value), (
+        err.value
+    )
     assert not (job.root / step_dir_name(step)).exists()
     assert job.ckpt.latest() == previous
     loads_bit_exact(job.ckpt, previous)
@@ -115,8 +115,11 @@ def test_a_repeated_written_is_never_counted_twice_nor_for_another_attempt(job):
         before = job.ckpt.status()["coordinator"]["rejected"]["duplicate"]
         peer.send(_written(50, a, 0, 2))
         peer.send(_written(50, a, 0, 2))  # the same report again, in the same session
-        wait_until(lambda: job.ckpt.status()["coordinator"]["rejected"]["duplicate"] == before + 1, 10,
-                   "the repeated WRITTEN to be ignored")
+        wait_until(
+            lambda: job.ckpt.status()["coordinator"]["rejected"]["duplicate"] == before + 1,
+            10,
+            "the repeated WRITTEN to be ignored",
+        )
         assert _collecting(job)[f"50/{a}"]["written"] == [0]  # counted once: still waiting for rank 1
         # Rank 1 reporting another attempt of step 50: the ranks disagree, both attempts abort, and
         # rank 0's report of attempt a was not counted for attempt b.
@@ -124,8 +127,13 @@ def test_a_repeated_written_is_never_counted_twice_nor_for_another_attempt(job):
         outcomes = {m.attempt: m for m in peer.replies(2)}
         assert set(outcomes) == {a, b} and all(isinstance(m, StepAborted) for m in outcomes.values())
         reason = outcomes[a].reason
-        assert "ranks disagree on the save attempt" in reason and a in reason and b in reason \
-            and "ranks [0]" in reason and "rank 1 (node 7)" in reason, reason
+        assert (
+            "ranks disagree on the save attempt" in reason
+            and a in reason
+            and b in reason
+            and "ranks [0]" in reason
+            and "rank 1 (node 7)" in reason
+        ), reason
         # Replayed once more, the report is answered with its attempt's outcome, and nothing starts.
         peer.send(_written(50, a, 0, 2))
         (again,) = peer.replies(1)

@@ -31,14 +31,19 @@ def ctx():
 
 
 def _failures(results: list[ct.TrialResult]) -> list[str]:
-    return [f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} "
-            f"problems={r.problems}" for r in results if not r.ok]
+    return [
+        f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} problems={r.problems}"
+        for r in results
+        if not r.ok
+    ]
 
 
 @pytest.mark.timeout(240)
 def test_short_crash_matrix_every_victim_kind(ctx, tmp_path):
-    results = [ct.run_trial(1000 + i, ct.LoopbackHosts(ctx), ranks=2, nodes=2, victim=victim, workdir=tmp_path)
-               for i, victim in enumerate(["rank", "node", "coordinator", None])]
+    results = [
+        ct.run_trial(1000 + i, ct.LoopbackHosts(ctx), ranks=2, nodes=2, victim=victim, workdir=tmp_path)
+        for i, victim in enumerate(["rank", "node", "coordinator", None])
+    ]
     assert not _failures(results), "\n".join(_failures(results))
     assert {r.victim for r in results} >= set(ct.VICTIMS)
     assert sum(r.commits for r in results) > 0 and all(r.recovered for r in results)
@@ -68,8 +73,17 @@ def _commit(root, step: int, world: int) -> None:
 
     records = write_rank_files(tmp, map(items, range(world)), fsync=False)
     files = {data_file_name(rank): (rank, (tmp / data_file_name(rank)).stat().st_size) for rank in range(world)}
-    commit_step(root, step, attempt, records, serialize_common({"iteration": step}), files, fsync=False,
-                keep_last=0, megatron_tracker=False)
+    commit_step(
+        root,
+        step,
+        attempt,
+        records,
+        serialize_common({"iteration": step}),
+        files,
+        fsync=False,
+        keep_last=0,
+        megatron_tracker=False,
+    )
 
 
 def _events(steps: list[int], world: int) -> list[cj.Event]:

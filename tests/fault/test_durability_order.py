@@ -54,10 +54,20 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "replace", replace)
         try:
-            stored, file_nbytes = write_rank_file(tmp_dir(root, 5, ATTEMPT), save.ring, save.request, open,
-                                                  True, True, save.wait, 30)
-            commit_step(root, 5, ATTEMPT, stored, serialize_common({"iteration": 5}),
-                        {"__0_0.distcp": (0, file_nbytes)}, fsync=True, keep_last=0, megatron_tracker=True)
+            stored, file_nbytes = write_rank_file(
+                tmp_dir(root, 5, ATTEMPT), save.ring, save.request, open, True, True, save.wait, 30
+            )
+            commit_step(
+                root,
+                5,
+                ATTEMPT,
+                stored,
+                serialize_common({"iteration": 5}),
+                {"__0_0.distcp": (0, file_nbytes)},
+                fsync=True,
+                keep_last=0,
+                megatron_tracker=True,
+            )
         finally:
             monkeypatch.undo()
 
@@ -73,7 +83,7 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         # and its directory afterwards, before the checkpoint (or the tracker) is named anywhere.
         assert any(f == ("fsync", src, "") and index[f] < index[e] for f in events), (e, events)
         parent = str(Path(dst).parent)
-        after = [f for f in events[index[e] + 1:] if f == ("fsync", parent, "")]
+        after = [f for f in events[index[e] + 1 :] if f == ("fsync", parent, "")]
         assert after, f"{parent} was not fsynced after {e}"
         if parent == tmp:
             assert index[after[0]] < index[publish]

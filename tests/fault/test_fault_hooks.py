@@ -33,10 +33,9 @@ def test_fault_rules_parse_and_apply(tmp_path):
     rules.write_text("fail ENOSPC 10 b*\n")
     with opener(str(tmp_path / "a"), "wb") as f:
         f.write(b"x" * 100)
-    with pytest.raises(OSError) as err:
-        with opener(str(tmp_path / "b"), "wb") as f:
-            f.write(b"12345678")
-            f.write(b"9abc")  # crosses 10 bytes: the first two land, as on a filling disk
+    with pytest.raises(OSError) as err, opener(str(tmp_path / "b"), "wb") as f:
+        f.write(b"12345678")
+        f.write(b"9abc")  # crosses 10 bytes: the first two land, as on a filling disk
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "b")
     assert (tmp_path / "b").read_bytes() == b"123456789a"
     with opener(str(tmp_path / "b"), "rb") as f:

@@ -38,8 +38,14 @@ def test_the_daemon_writes_checkpoints_with_file_mode(tmp_path, monkeypatch, fil
     finally:
         os.umask(old_umask)
     want_file = 0o640 if file_mode is None else file_mode
-    for name in ("latest", MEGATRON_TRACKER, "iter_0000002/__0_0.distcp", "iter_0000002/common.pt",
-                 "iter_0000002/.metadata", "iter_0000002/metadata.json"):
+    for name in (
+        "latest",
+        MEGATRON_TRACKER,
+        "iter_0000002/__0_0.distcp",
+        "iter_0000002/common.pt",
+        "iter_0000002/.metadata",
+        "iter_0000002/metadata.json",
+    ):
         assert modes.pop(name) == want_file, (name, oct(want_file))
     for name in ("iter_0000001", "iter_0000002"):
         assert modes.pop(name) == dir_mode, name

@@ -18,8 +18,9 @@ from tests.multiproc import without_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                reason="needs root and unshare(1) for a private /dev/shm")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1) for a private /dev/shm"
+)
 
 
 @pytest.mark.timeout(180)
@@ -27,10 +28,18 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is 
 def test_a_full_dev_shm_fails_the_save_not_the_trainer(tmp_path, snapshot):
     env = without_torchrun(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    script = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -m tests.fault.full_shm_job "
-              f"{tmp_path / 'ckpts'} {snapshot}")
-    run = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=170)
+    script = (
+        f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -m tests.fault.full_shm_job "
+        f"{tmp_path / 'ckpts'} {snapshot}"
+    )
+    run = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
     out = json.loads(run.stdout.strip().splitlines()[-1])
     for case in ("too big", "full, bigger"):

@@ -42,36 +42,78 @@ from tests.integration.test_cli import _env
 
 FILES = ["metadata.json", ".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"]
 
-_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
-            | st.sampled_from(["", ".", "..", "../outside", "a/b", "x\x00y", "__9_0.distcp", "torch_dist"])
-            | st.text(max_size=6))
-JSON = st.recursive(_scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3),
-                    max_leaves=8)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.sampled_from(["", ".", "..", "../outside", "a/b", "x\x00y", "__9_0.distcp", "torch_dist"])
+    | st.text(max_size=6)
+)
+JSON = st.recursive(
+    _scalars,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3),
+    max_leaves=8,
+)
 # Values the restricted .metadata unpickler may decode: builtins, torch.Size and dtypes.
 PICKLABLE = st.recursive(
-    _scalars | st.sampled_from([torch.float32, torch.int64, torch.bool]) | st.binary(max_size=8)
+    _scalars
+    | st.sampled_from([torch.float32, torch.int64, torch.bool])
+    | st.binary(max_size=8)
     | st.lists(st.integers(-5, 2**65), max_size=3).map(torch.Size),
-    lambda kids: st.lists(kids, max_size=3) | st.lists(kids, max_size=3).map(tuple)
-    | st.dictionaries(st.text(max_size=4) | st.integers(), kids, max_size=3),
-    max_leaves=8)
-METADATA_TARGETS = ["tensor size", "tensor dtype", "tensor properties", "tensor chunks", "chunk offsets",
-                    "chunk sizes", "storage path", "storage offset", "storage length", "storage entry",
-                    "storage key", "state_dict_metadata", "storage_data", "planner_data", "checksums",
-                    "checksum items", "checksum files", "whole object"]
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.lists(kids, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=4) | st.integers(), kids, max_size=3)
+    ),
+    max_leaves=8,
+)
+METADATA_TARGETS = [
+    "tensor size",
+    "tensor dtype",
+    "tensor properties",
+    "tensor chunks",
+    "chunk offsets",
+    "chunk sizes",
+    "storage path",
+    "storage offset",
+    "storage length",
+    "storage entry",
+    "storage key",
+    "state_dict_metadata",
+    "storage_data",
+    "planner_data",
+    "checksums",
+    "checksum items",
+    "checksum files",
+    "whole object",
+]
 
 MUTATIONS = st.one_of(
-    st.tuples(st.just("flip"), st.sampled_from(FILES), st.lists(st.floats(0, 1), min_size=1, max_size=4),
-              st.integers(0, 7)),
+    st.tuples(
+        st.just("flip"), st.sampled_from(FILES), st.lists(st.floats(0, 1), min_size=1, max_size=4), st.integers(0, 7)
+    ),
     st.tuples(st.just("truncate"), st.sampled_from(FILES), st.floats(0, 1)),
-    st.tuples(st.just("json value"), st.sampled_from(["sharded_backend", "sharded_backend_version",
-                                                      "common_backend", "common_backend_version", "x"]), JSON),
+    st.tuples(
+        st.just("json value"),
+        st.sampled_from(
+            ["sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version", "x"]
+        ),
+        JSON,
+    ),
     st.tuples(st.just("json document"), JSON),
-    st.tuples(st.just("deep nesting"), st.sampled_from(["metadata.json", ".metadata", "common.pt"]),
-              st.sampled_from([100, 5000, 200_000])),
+    st.tuples(
+        st.just("deep nesting"),
+        st.sampled_from(["metadata.json", ".metadata", "common.pt"]),
+        st.sampled_from([100, 5000, 200_000]),
+    ),
     st.tuples(st.just("metadata field"), st.sampled_from(METADATA_TARGETS), PICKLABLE),
     st.tuples(st.just("common object"), PICKLABLE),
-    st.tuples(st.just("replace"), st.sampled_from(FILES),
-              st.sampled_from(["directory", "fifo", "dangling link", "link out", "empty", "missing"])),
+    st.tuples(
+        st.just("replace"),
+        st.sampled_from(FILES),
+        st.sampled_from(["directory", "fifo", "dangling link", "link out", "empty", "missing"]),
+    ),
 )
 
 
@@ -135,7 +177,7 @@ def apply(ckpt: Path, mutation: tuple, outside: Path, original: Path) -> None:
         path = ckpt / args[0]
         data = bytearray(path.read_bytes())
         if kind == "truncate":
-            del data[int(len(data) * args[1]):]
+            del data[int(len(data) * args[1]) :]
         elif data:  # nothing to flip in an empty file
             for where in args[1]:
                 data[min(int(len(data) * where), len(data) - 1)] ^= 1 << args[2]
@@ -170,8 +212,9 @@ def apply(ckpt: Path, mutation: tuple, outside: Path, original: Path) -> None:
 
 
 def _template() -> dict[str, Any]:
-    sd: dict[str, Any] = {k: ckptd.ShardedTensor.from_rank_offsets(k, torch.zeros_like(v))
-                          for k, v in reference_tensors().items()}
+    sd: dict[str, Any] = {
+        k: ckptd.ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in reference_tensors().items()
+    }
     sd["rng"] = ckptd.ShardedObject("rng", None, (2,), (0,))
     return sd
 
@@ -187,8 +230,12 @@ def _cli(*argv: str) -> int:
 def check_only_ckptd_errors(root: Path) -> None:
     """Every reader on ``root/iter_0000001`` ends with a result or a CkptdError."""
     ckpt = root / "iter_0000001"
-    for read in (lambda: ckptd.load(_template(), ckpt), lambda: ckptd.load_common_state_dict(ckpt),
-                 lambda: describe_checkpoint(ckpt), lambda: resolve_latest(root)):
+    for read in (
+        lambda: ckptd.load(_template(), ckpt),
+        lambda: ckptd.load_common_state_dict(ckpt),
+        lambda: describe_checkpoint(ckpt),
+        lambda: resolve_latest(root),
+    ):
         try:
             read()
         except CkptdError:
@@ -209,8 +256,12 @@ def pristine(tmp_path_factory) -> Path:
 
 
 # The file each kind of mutation rewrites (flip, truncate, replace and deep nesting name theirs).
-_TARGETS = {"json value": "metadata.json", "json document": "metadata.json", "metadata field": ".metadata",
-            "common object": "common.pt"}
+_TARGETS = {
+    "json value": "metadata.json",
+    "json document": "metadata.json",
+    "metadata field": ".metadata",
+    "common object": "common.pt",
+}
 _NEEDS_THE_FILE = ("flip", "truncate", "replace", "json value")  # they read it first
 
 
@@ -239,8 +290,10 @@ def _fuzz(pristine: Path, mutations: list[tuple]) -> None:
         check_only_ckptd_errors(root)
 
 
-_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                                      HealthCheck.data_too_large])
+_SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 
 
 @pytest.mark.timeout(300)
@@ -269,15 +322,25 @@ def test_the_cli_exits_1_without_a_traceback_on_damage(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "file").write_bytes(b"x")
-    damage = [("deep nesting", "metadata.json", 200_000), ("json value", "sharded_backend", [1]),
-              ("replace", ".metadata", "directory"), ("metadata field", "chunk offsets", "ab"),
-              ("metadata field", "storage path", "../outside"), ("replace", "common.pt", "fifo")]
+    damage = [
+        ("deep nesting", "metadata.json", 200_000),
+        ("json value", "sharded_backend", [1]),
+        ("replace", ".metadata", "directory"),
+        ("metadata field", "chunk offsets", "ab"),
+        ("metadata field", "storage path", "../outside"),
+        ("replace", "common.pt", "fifo"),
+    ]
     root = tmp_path / "root"
     for step, mutation in enumerate(damage, start=1):
         make_checkpoint(root / step_dir_name(step))
         apply(root / step_dir_name(step), mutation, outside, root / step_dir_name(step))
     (root / "latest").write_text(f"{step_dir_name(len(damage))}\n")
     for argv in (["verify", root, "--all", "--deep"], ["inspect", root / "iter_0000003"]):
-        p = subprocess.run([sys.executable, "-m", "ckptd.commands", *map(str, argv)], env=_env(),
-                           capture_output=True, text=True, timeout=150)
+        p = subprocess.run(
+            [sys.executable, "-m", "ckptd.commands", *map(str, argv)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
         assert p.returncode == 1 and "Traceback" not in p.stderr, (argv, p.returncode, p.stdout[-2000:], p.stderr)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -152,7 +153,12 @@ def test_cli_reports_links_and_fifos_with_exit_1(tmp_path, capsys):
     assert rc == 1 and "symbolic link" in err and not (tmp_path / "m.pt").exists(), err
     # Real processes: a FIFO must not hang them, and no traceback comes out.
     for argv in (["inspect", fifo], ["verify", fifo, "--deep"]):
-        p = subprocess.run([sys.executable, "-m", "ckptd.commands", *map(str, argv)], env=_env(),
-                           capture_output=True, text=True, timeout=100)
+        p = subprocess.run(
+            [sys.executable, "-m", "ckptd.commands", *map(str, argv)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
         assert p.returncode == 1 and "is a FIFO" in p.stdout + p.stderr, (argv, p.stdout, p.stderr)
         assert "Traceback" not in p.stderr, p.stderr

@@ -61,10 +61,12 @@ LIMIT = 256 << 10  # the daemon's message size limit in this module
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        with single_job(tmp_path_factory.mktemp("hostile"), mp, max_message_nbytes=LIMIT) as j:
-            j.committed(1)
-            yield j
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        single_job(tmp_path_factory.mktemp("hostile"), mp, max_message_nbytes=LIMIT) as j,
+    ):
+        j.committed(1)
+        yield j
 
 
 def _random_keys() -> CurveKeys:
@@ -145,8 +147,10 @@ def _strangers(address: str, job) -> None:
 def _raw_junk(connect: object) -> None:
     """Bytes that are not ZeroMQ, and a CurveZMQ greeting followed by a 1 GiB handshake frame."""
     greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" * 32
-    for data in (b"GET / HTTP/1.0\r\n\r\n" + os.urandom(2048),
-                 greeting + b"\x06" + struct.pack(">Q", 1 << 30) + b"x" * 4096):
+    for data in (
+        b"GET / HTTP/1.0\r\n\r\n" + os.urandom(2048),
+        greeting + b"\x06" + struct.pack(">Q", 1 << 30) + b"x" * 4096,
+    ):
         with connect() as raw:  # type: ignore[operator]
             raw.sendall(data)
             try:
@@ -189,10 +193,18 @@ def test_coordinator_port_refuses_strangers_counts_them_and_keeps_committing(job
     text = prometheus_text([admin.daemon_status(admin.local_daemons(job.root, job.config)[0], job.config)])
     total = next(line for line in text.splitlines() if line.startswith("ckptd_rejected_messages_total{"))
     assert float(total.rsplit(" ", 1)[1]) >= sum(now.values())
-    shown = subprocess.run([sys.executable, "-m", "ckptd.cli", "status", str(job.root)], capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "CKPTD_RUNTIME_DIR": str(job.runtime)})
-    assert "rejected: ranks' socket: " in shown.stdout and "coordinator's port: " in shown.stdout \
-        and "unauthenticated" in shown.stdout, shown.stdout + shown.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "status", str(job.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CKPTD_RUNTIME_DIR": str(job.runtime)},
+    )
+    assert (
+        "rejected: ranks' socket: " in shown.stdout
+        and "coordinator's port: " in shown.stdout
+        and "unauthenticated" in shown.stdout
+    ), shown.stdout + shown.stderr
     job.committed(3)
 
 
@@ -204,8 +216,22 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     evil = pickle.dumps(_MarkerOnUnpickle(str(marker)))
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     good = peer.codec.encode(Ping(1))[0]
-    save = {"step": 2**64 - 1, "attempt": "0123456789ab-1", "rank": 0, "world_size": 1, "generation": "g",
-            "block": 0, "items": [], "common": None, "common_digest": "", "layout": "", "ring_start": 0, "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
+    save = {
+        "step": 2**64 - 1,
+        "attempt": "0123456789ab-1",
+        "rank": 0,
+        "world_size": 1,
+        "generation": "g",
+        "block": 0,
+        "items": [],
+        "common": None,
+        "common_digest": "",
+        "layout": "",
+        "ring_start": 0,
+        "snapshot_pid": 0,
+        "seal": b"",
+        "seal_offset": 0,
+    }
     try:
         rejected = {
             "malformed: an old HMAC frame after the body": [good, b"m" * 32],
@@ -216,11 +242,15 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
             "malformed: field of the wrong type": peer.body(peer.envelope(int(MsgType.PING), {"nonce": "x"})),
             "pickle": [evil],
             "truncated body": [good[:-3]],
-            "oversized (just above the limit)": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1, "pad": b"x" * LIMIT})),
+            "oversized (just above the limit)": peer.body(
+                peer.envelope(int(MsgType.PING), {"nonce": 1, "pad": b"x" * LIMIT})
+            ),
             "wrong version": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1}, v=PROTOCOL_VERSION - 1)),
             "other job": peer.body(peer.envelope(int(MsgType.PING), {"nonce": 1}, job="otherjob")),
             "step 2**64-1": peer.body(peer.envelope(int(MsgType.SAVE), save)),
-            "attempt id as a path": peer.body(peer.envelope(int(MsgType.SAVE), {**save, "step": 1, "attempt": "../../x-1"})),
+            "attempt id as a path": peer.body(
+                peer.envelope(int(MsgType.SAVE), {**save, "step": 1, "attempt": "../../x-1"})
+            ),
         }
         for frames in rejected.values():
             peer.sock.send_multipart(frames)
@@ -230,8 +260,10 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         assert not marker.exists(), "a pickle from the socket was decoded"
         # Authenticated but impossible requests get an ERROR reply naming the problem.
         reply = peer.ask(peer.codec.encode(Hello(0, 1, str(job.root))))
-        assert isinstance(reply, ErrorReply) and f"HELLO says pid 1, but the connecting process is pid {os.getpid()}" \
-            in reply.reason, reply
+        assert (
+            isinstance(reply, ErrorReply)
+            and f"HELLO says pid 1, but the connecting process is pid {os.getpid()}" in reply.reason
+        ), reply
         reply = peer.ask(peer.codec.encode(Hello(0, os.getpid(), "/elsewhere")))
         assert "serves" in str(reply), reply
         status = peer.ask(peer.codec.encode(Status()))
@@ -252,9 +284,18 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     finally:
         fresh.close()
     log = _log(job)
-    for why in ("undecodable message body", "not a {v, t, job, f} map",
-                "unknown message type", "has type str", "exceeds the limit", "protocol version",
-                "for job 'otherjob'", "is outside 0..999999999", "attempt id '../../x-1'", "HELLO says pid"):
+    for why in (
+        "undecodable message body",
+        "not a {v, t, job, f} map",
+        "unknown message type",
+        "has type str",
+        "exceeds the limit",
+        "protocol version",
+        "for job 'otherjob'",
+        "is outside 0..999999999",
+        "attempt id '../../x-1'",
+        "HELLO says pid",
+    ):
         assert why in log, f"no log line says {why!r}"
     with pytest.raises(ckptd.CkptdError, match="step must be an int in 0..999999999"):
         job.ckpt.save({"x": 1}, step=2**64 - 1)
@@ -283,8 +324,10 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
         # Its own pool of rank 0 does not retire the Checkpointer's pool of rank 0.
         assert isinstance(ask(RegisterPool(0, own.generation, own.capacity, own.names)), PoolOk)
-        for pid, why in ((1, "is not a child of the rank's process"),
-                         (old_child.pid, "is older than the rank's staging pool")):
+        for pid, why in (
+            (1, "is not a child of the rank's process"),
+            (old_child.pid, "is older than the rank's staging pool"),
+        ):
             reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", "", 0, pid, b"s" * 16, 0))
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own pool only

@@ -32,18 +32,21 @@ def test_a_sound_tracker_is_followed_silently(tmp_path, caplog):
     assert _chosen(root, caplog) == (2, "")
 
 
-@pytest.mark.parametrize("damage, why, expected", [
-    (lambda r: (r / "latest").write_text("iter_0000009\n"), "does not exist", 3),
-    (lambda r: (r / "latest").write_bytes(b"\xff\xfe\x00garbage"), "not UTF-8", 3),
-    (lambda r: (r / "latest").write_text("../../etc\n"), "not a checkpoint directory name", 3),
-    (lambda r: ((r / "latest").unlink(), (r / "latest").mkdir()), "cannot be read", 3),
-    (lambda r: (r / "latest").unlink(), "no tracker file", 3),
-    (lambda r: (r / "iter_0000003" / "metadata.json").unlink(), "commit marker is gone", 2),
-    (lambda r: os.truncate(r / "iter_0000003" / "__1_0.distcp", 10), "truncated", 2),
-    (lambda r: (r / "iter_0000003" / "__0_0.distcp").unlink(), "missing", 2),
-    (lambda r: (r / "iter_0000003" / ".metadata").write_bytes(b"\x80\x04junk"), "cannot be decoded", 2),
-    (lambda r: (r / "iter_0000003" / "common.pt").unlink(), "common.pt is missing", 2),
-])
+@pytest.mark.parametrize(
+    "damage, why, expected",
+    [
+        (lambda r: (r / "latest").write_text("iter_0000009\n"), "does not exist", 3),
+        (lambda r: (r / "latest").write_bytes(b"\xff\xfe\x00garbage"), "not UTF-8", 3),
+        (lambda r: (r / "latest").write_text("../../etc\n"), "not a checkpoint directory name", 3),
+        (lambda r: ((r / "latest").unlink(), (r / "latest").mkdir()), "cannot be read", 3),
+        (lambda r: (r / "latest").unlink(), "no tracker file", 3),
+        (lambda r: (r / "iter_0000003" / "metadata.json").unlink(), "commit marker is gone", 2),
+        (lambda r: os.truncate(r / "iter_0000003" / "__1_0.distcp", 10), "truncated", 2),
+        (lambda r: (r / "iter_0000003" / "__0_0.distcp").unlink(), "missing", 2),
+        (lambda r: (r / "iter_0000003" / ".metadata").write_bytes(b"\x80\x04junk"), "cannot be decoded", 2),
+        (lambda r: (r / "iter_0000003" / "common.pt").unlink(), "common.pt is missing", 2),
+    ],
+)
 def test_a_bad_tracker_falls_back_to_the_newest_valid_checkpoint(tmp_path, caplog, damage, why, expected):
     root = make_root(tmp_path / "r", [1, 2, 3], latest=3)
     damage(root)
@@ -72,8 +75,11 @@ def test_nothing_loadable_raises_instead_of_starting_over(tmp_path):
     root = make_root(tmp_path / "r", [1, 2], latest=2)
     for step in (1, 2):
         (root / step_dir_name(step) / ".metadata").unlink()
-    with pytest.raises(CorruptCheckpointError, match=r"no other committed checkpoint .* is loadable.*"
-                                                     r"iter_0000001: .*\.metadata is missing.*Restore the checkpoint"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"no other committed checkpoint .* is loadable.*"
+        r"iter_0000001: .*\.metadata is missing.*Restore the checkpoint",
+    ):
         resolve_latest(root)
     shutil.rmtree(root / "iter_0000001")
     shutil.rmtree(root / "iter_0000002")
@@ -82,8 +88,7 @@ def test_nothing_loadable_raises_instead_of_starting_over(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_checkpointer_latest_and_load_fall_back_then_the_next_commit_repairs_the_tracker(
-        tmp_path, monkeypatch, caplog):
+def test_checkpointer_latest_and_load_fall_back_then_the_next_commit_repairs_the_tracker(tmp_path, monkeypatch, caplog):
     with single_job(tmp_path, monkeypatch) as job:
         job.committed(1)
         job.committed(2)
@@ -103,4 +108,3 @@ def test_checkpointer_latest_and_load_fall_back_then_the_next_commit_repairs_the
             assert job.ckpt.latest() == 3
         assert caplog.text == ""
         assert (job.root / "latest").read_text().strip() == "iter_0000003"
-

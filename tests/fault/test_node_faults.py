@@ -51,8 +51,9 @@ def _failure(h: ckptd.SaveHandle, timeout_s: float) -> str:
 
 def _node_faults(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:
     os.environ.update(env)
-    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                      CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}")
+    os.environ.update(
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}"
+    )
     fault_file = Path(faults) / f"node{rank}"
     out: dict = {}
     ckpt = ckptd.Checkpointer(root)
@@ -97,8 +98,11 @@ def _node_faults(rank: int, world: int, env: dict[str, str], root: str, faults: 
         # sent before that is taken for one the old coordinator lost, and its step aborts. Node 1's
         # daemon logs when it learns it; node 0's is new and never knew the old one.
         if rank == 1:
-            wait_until(lambda: log_path.read_text().count("coordinator restarted") > restarts_seen, 30,
-                       "node 1's daemon to learn of the restarted coordinator")
+            wait_until(
+                lambda: log_path.read_text().count("coordinator restarted") > restarts_seen,
+                30,
+                "node 1's daemon to learn of the restarted coordinator",
+            )
         dist.barrier()
         ckpt.save(_sd(rank, 5), step=5).wait(timeout_s=60)
         assert ckpt.latest() == 5
@@ -137,7 +141,10 @@ def test_slow_node_and_unreachable_coordinator(tmp_path):
     # Aborted steps never became visible. (Node 1's iter_0000004.<attempt>.tmp may remain: the
     # coordinator that could have removed it was down; the next coordinator start or `ckptd gc`
     # removes it.)
-    assert sorted(p.name for p in root.glob("iter_*") if not p.name.endswith(".tmp")) == \
-        ["iter_0000001", "iter_0000003", "iter_0000005"]
+    assert sorted(p.name for p in root.glob("iter_*") if not p.name.endswith(".tmp")) == [
+        "iter_0000001",
+        "iter_0000003",
+        "iter_0000005",
+    ]
     assert {p.name.split(".")[0] for p in root.glob("*.tmp")} <= {"iter_0000002", "iter_0000004"}
     assert not [p for p in root.rglob("*.part") if ".tmp" not in str(p.parent)]

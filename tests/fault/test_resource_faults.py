@@ -21,10 +21,9 @@ from tests.fault.single_job import loads_bit_exact, single_job, state_dict, tmp_
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        with single_job(tmp_path_factory.mktemp("faults"), mp) as j:
-            j.committed(1)
-            yield j
+    with pytest.MonkeyPatch.context() as mp, single_job(tmp_path_factory.mktemp("faults"), mp) as j:
+        j.committed(1)
+        yield j
 
 
 def _intact(job, *steps: int) -> None:

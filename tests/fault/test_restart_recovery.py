@@ -38,8 +38,7 @@ def _env(runtime: Path, **extra: str) -> dict[str, str]:
 
 def _daemon(env: dict[str, str], root: Path, *args: str, detach: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ckptd.cli", "daemon", "--root", str(root), *args]
-    return subprocess.run(cmd + (["--detach"] if detach else []), env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(cmd + (["--detach"] if detach else []), env=env, capture_output=True, text=True, timeout=60)
 
 
 def _orphan_segment(name: str) -> Path:

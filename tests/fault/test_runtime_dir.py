@@ -68,10 +68,12 @@ def runtime() -> Path:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("owned_by_other", ["runtime directory", "pid file and socket"])
-def test_a_client_with_a_job_token_never_talks_to_another_users_daemon(tmp_path, runtime, owned_by_other,
-                                                                       single_process):
-    cfg = CkptdConfig.from_env({}, runtime_dir=str(runtime), job_token=secrets.token_hex(32),
-                               request_timeout_s=3.0, daemon_start_timeout_s=5.0)
+def test_a_client_with_a_job_token_never_talks_to_another_users_daemon(
+    tmp_path, runtime, owned_by_other, single_process
+):
+    cfg = CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime), job_token=secrets.token_hex(32), request_timeout_s=3.0, daemon_start_timeout_s=5.0
+    )
     ep = Endpoints.for_job(tmp_path / "root", JobEnv(), cfg)
     fake = FakeDaemon(ep)
     if owned_by_other == "runtime directory":

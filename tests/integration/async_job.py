@@ -30,8 +30,12 @@ def set_rank_env(rank: int, env: dict[str, str]) -> None:
     """torchrun's variables for ``rank`` of a NODES x PER_NODE job, plus the test's CKPTD_* knobs."""
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE),
-        LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(rank // PER_NODE), MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank % PER_NODE),
+        LOCAL_WORLD_SIZE=str(PER_NODE),
+        GROUP_RANK=str(rank // PER_NODE),
+        MASTER_ADDR="127.0.0.1",
     )
 
 
@@ -51,7 +55,8 @@ def rank_state(rank: int) -> dict[str, torch.Tensor]:
     """This rank's live training tensors (mutated in place between saves)."""
     rows, blen = ROWS // WORLD, BLEN // WORLD
     return {
-        "w": torch.zeros(rows, COLS), "b": torch.zeros(blen, dtype=torch.bfloat16),
+        "w": torch.zeros(rows, COLS),
+        "b": torch.zeros(blen, dtype=torch.bfloat16),
         "emb": torch.zeros(3, 5, dtype=torch.int64),
     }
 
@@ -92,8 +97,15 @@ def check_loaded(loaded: dict, rank: int, step: int) -> None:
 
 def endpoints(root: Path, env: dict[str, str], node: int) -> Endpoints:
     cfg = CkptdConfig.from_env(env)
-    job = JobEnv(rank=node * PER_NODE, local_rank=0, world_size=WORLD, local_world_size=PER_NODE,
-                 node=node, master_addr="127.0.0.1", master_port=0)
+    job = JobEnv(
+        rank=node * PER_NODE,
+        local_rank=0,
+        world_size=WORLD,
+        local_world_size=PER_NODE,
+        node=node,
+        master_addr="127.0.0.1",
+        master_port=0,
+    )
     return Endpoints.for_job(root, job, cfg)
 
 

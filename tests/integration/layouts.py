@@ -98,18 +98,20 @@ class Layout:
             base += n
         return out
 
-    def flat_shard(self, key: str, ckpt_key: str, rank: int, fr: tuple[int, int], dtype: torch.dtype,
-                   full: torch.Tensor | None) -> ShardedTensor:
+    def flat_shard(
+        self, key: str, ckpt_key: str, rank: int, fr: tuple[int, int], dtype: torch.dtype, full: torch.Tensor | None
+    ) -> ShardedTensor:
         tp, _ = self.coords(rank)
         offs, sizes, frags = self.chunk(key, tp)
         if full is not None:
             chunk = full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
-            data = chunk.reshape(-1)[fr[0]:fr[1]].clone()
+            data = chunk.reshape(-1)[fr[0] : fr[1]].clone()
         else:
             data = torch.full((fr[1] - fr[0],), 7, dtype=dtype)
         replica = tp if MODEL[key][2] is None else 0  # TP-replicated: TP rank 0 writes it
-        return ShardedTensor(ckpt_key, data, dtype, sizes, MODEL[key][0], offs, frags, replica,
-                             flattened_range=slice(*fr))
+        return ShardedTensor(
+            ckpt_key, data, dtype, sizes, MODEL[key][0], offs, frags, replica, flattened_range=slice(*fr)
+        )
 
 
 def expected_nd(full: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:

@@ -161,8 +161,10 @@ def _save_then_die(rank: int, env: dict, root: str, step: int, marks: str) -> No
 def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     root, step = job["root"], 100
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_save_then_die, args=(r, job["env"], str(root), step, str(tmp_path)))
-             for r in range(aj.WORLD)]
+    procs = [
+        ctx.Process(target=_save_then_die, args=(r, job["env"], str(root), step, str(tmp_path)))
+        for r in range(aj.WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -176,8 +178,11 @@ def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * aj.WORLD
     # Every trainer is dead; each data file takes >= WRITE_DELAY_S, so the commit is still ahead.
     committed_before_death = (root / step_dir_name(step)).exists()
-    wait_until(lambda: (root / "latest").read_text().strip() == step_dir_name(step), 60,
-               "the checkpoint of the killed trainers to commit")
+    wait_until(
+        lambda: (root / "latest").read_text().strip() == step_dir_name(step),
+        60,
+        "the checkpoint of the killed trainers to commit",
+    )
     assert not committed_before_death
     d = root / step_dir_name(step)
     plain = ckptd.load_plain_tensors(d)

@@ -20,8 +20,11 @@ from tests.waiting import wait_for_exit
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:
-    return {"w": ShardedTensor.from_rank_offsets("w", w), "meta": ShardedObject("meta", {"s": step}, (1,), (0,)),
-            "iteration": step}
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", w),
+        "meta": ShardedObject("meta", {"s": step}, (1,), (0,)),
+        "iteration": step,
+    }
 
 
 def _loaded(ckpt: ckptd.Checkpointer, shape: tuple[int, ...], step: int | None = None) -> dict:
@@ -34,8 +37,14 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_p
     root = tmp_path / "run"
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=runtime, staging_budget="1x", on_full="skip", keep_last=2, debug_write_delay_s=0.5,
-        idle_exit_s=3.0, heartbeat_s=0.2,
+        {},
+        runtime_dir=runtime,
+        staging_budget="1x",
+        on_full="skip",
+        keep_last=2,
+        debug_write_delay_s=0.5,
+        idle_exit_s=3.0,
+        heartbeat_s=0.2,
     )
     w = torch.randn(512, 1024)  # 2 MiB: one save fills the ring (staging_budget 1x)
     ref = {}
@@ -96,8 +105,15 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
     a layout the daemon does not hold is refused with a clear error and the next save recovers."""
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     # A refused SAVE must give its ring space back, or the next save would wait forever.
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2,
-                                     staging_budget="1x", slot_wait_timeout_s=20, snapshot_timeout_s=20)
+    cfg = ckptd.CkptdConfig.from_env(
+        {},
+        runtime_dir=runtime,
+        idle_exit_s=2.0,
+        heartbeat_s=0.2,
+        staging_budget="1x",
+        slot_wait_timeout_s=20,
+        snapshot_timeout_s=20,
+    )
     sent: list[int] = []
     tensors = {f"t{i}": torch.randn(3, 5) for i in range(50)}
 
@@ -155,14 +171,25 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
 
     monkeypatch.setattr(StagingPool, "_write_tensor", write_tensor)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, staging_budget="1x",
-                                     slot_wait_timeout_s=5, snapshot_timeout_s=10, snapshot="copy")
+    cfg = ckptd.CkptdConfig.from_env(
+        {},
+        runtime_dir=runtime,
+        idle_exit_s=2.0,
+        heartbeat_s=0.2,
+        staging_budget="1x",
+        slot_wait_timeout_s=5,
+        snapshot_timeout_s=10,
+        snapshot="copy",
+    )
     w = torch.randn(512, 1024)
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         for step in (1, 2):  # twice: lost space would make the second save wait, then fail
             bad = {"w": ShardedTensor.from_rank_offsets("w", w), "x": ShardedTensor.from_rank_offsets("x", refused)}
-            with pytest.raises(StagingError, match=r"copying 'x' chunk at offsets \(0, 0\) \(rank 0\) "
-                                                         r"into the staging ring failed: .*copy refused"):
+            with pytest.raises(
+                StagingError,
+                match=r"copying 'x' chunk at offsets \(0, 0\) \(rank 0\) "
+                r"into the staging ring failed: .*copy refused",
+            ):
                 ckpt.save(bad, step=step)
         assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"
         assert torch.equal(_loaded(ckpt, (512, 1024))["w"], w) and ckpt.latest() == 3
@@ -182,14 +209,19 @@ def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path,
     ref = {dtype_label(dt): random_tensor(dt, i, (8, 6)) for i, dt in enumerate(dcp_dtypes(tmp_path / "probe"))}
     # Step 1: contiguous tensors (the fork child copies them). Step 2: transposed views, which
     # the trainer copies into typed views of the slot.
-    states = {1: {k: v for k, v in ref.items()}, 2: {k: v.t() for k, v in ref.items()}}
+    states = {1: dict(ref.items()), 2: {k: v.t() for k, v in ref.items()}}
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         for step, tensors in states.items():
             ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, step=step)
         ckpt.wait_all(timeout_s=60)
         for step, tensors in states.items():
-            out = ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype))
-                             for k, v in tensors.items()}, step=step)
+            out = ckpt.load(
+                {
+                    k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype))
+                    for k, v in tensors.items()
+                },
+                step=step,
+            )
             assert [k for k, v in tensors.items() if not same_bits(out[k], v)] == [], step
             report = verify_checkpoint(tmp_path / "run" / f"iter_000000{step}", deep=True)
             assert report.ok and report.items_decoded == len(ref), report.findings

@@ -19,11 +19,39 @@ from ckptd.bench.suite import main
 
 @pytest.mark.timeout(60)
 def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
-    rc = main(["--ranks", "1", "--state-gib", "0.015625", "--tensor-mib", "2", "--small-tensors", "64",
-               "--small-gib", "0.002", "--repeats", "1", "--scale-ranks", "1", "--load-gib", "0.002",
-               "--train-saves", "1", "--train-every", "1", "--soak-saves", "2", "--soak-gib", "0.004",
-               "--methods", "ckptd,dcp_save,dcp_async_thread",
-               "--dir", str(tmp_path), "--json"])
+    rc = main(
+        [
+            "--ranks",
+            "1",
+            "--state-gib",
+            "0.015625",
+            "--tensor-mib",
+            "2",
+            "--small-tensors",
+            "64",
+            "--small-gib",
+            "0.002",
+            "--repeats",
+            "1",
+            "--scale-ranks",
+            "1",
+            "--load-gib",
+            "0.002",
+            "--train-saves",
+            "1",
+            "--train-every",
+            "1",
+            "--soak-saves",
+            "2",
+            "--soak-gib",
+            "0.004",
+            "--methods",
+            "ckptd,dcp_save,dcp_async_thread",
+            "--dir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert {"config", "machine", "main", "scaling", "load", "memory", "targets", "cleanup"} <= set(data)
@@ -46,8 +74,16 @@ def test_bench_all_tiny_reports_every_section_and_cleans_up(tmp_path, capsys):
     assert mem["save:ckptd"]["trainer_rss"] > 0 and mem["all"]["daemon_private"] > 0
     assert mem["all"]["daemon_cpu_s"] >= 0 and "node_cpu_s" in mem["all"]
     names = {t["name"] for t in data["targets"]}
-    assert {"first_stall", "first_stall_vs_dcp", "node_shm", "budget", "soak_flat", "train_overhead",
-            "persist_vs_write", "daemon_memory"} <= names  # small_stall needs DCP's PROCESS executor
+    assert {
+        "first_stall",
+        "first_stall_vs_dcp",
+        "node_shm",
+        "budget",
+        "soak_flat",
+        "train_overhead",
+        "persist_vs_write",
+        "daemon_memory",
+    } <= names  # small_stall needs DCP's PROCESS executor
     cleanup = data["cleanup"]
     assert cleanup["daemons_not_stopped"] == [] and cleanup["daemons_alive"] == []
     assert cleanup["shm_left"] == [] and cleanup["dir_removed"] and cleanup["runtime_removed"]
@@ -64,12 +100,44 @@ def test_bench_all_cli_with_dcp_process_reports_first_save_and_memory_targets(tm
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
     out_file = tmp_path / "res.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", "bench", "all", "--ranks", "2", "--state-gib", "0.03",
-         "--tensor-mib", "4", "--repeats", "1", "--small-tensors", "0", "--scale-ranks", "2", "--load-gib", "0",
-         "--train-saves", "0", "--soak-saves", "3", "--soak-gib", "0.01",
-         "--methods", "ckptd,dcp_async_process,dcp_async_process_new", "--dir", str(tmp_path / "d"),
-         "--out", str(out_file)],
-        capture_output=True, text=True, timeout=140, env=env)
+        [
+            sys.executable,
+            "-m",
+            "ckptd.cli",
+            "bench",
+            "all",
+            "--ranks",
+            "2",
+            "--state-gib",
+            "0.03",
+            "--tensor-mib",
+            "4",
+            "--repeats",
+            "1",
+            "--small-tensors",
+            "0",
+            "--scale-ranks",
+            "2",
+            "--load-gib",
+            "0",
+            "--train-saves",
+            "0",
+            "--soak-saves",
+            "3",
+            "--soak-gib",
+            "0.01",
+            "--methods",
+            "ckptd,dcp_async_process,dcp_async_process_new",
+            "--dir",
+            str(tmp_path / "d"),
+            "--out",
+            str(out_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out_file.read_text())
     saves = res["main"]["save"]
@@ -81,8 +149,13 @@ def test_bench_all_cli_with_dcp_process_reports_first_save_and_memory_targets(tm
     assert targets["gpu_lazy_stall"]["ok"] is None  # n/a on a CPU run
     assert res["main"]["budget"]["bit_exact"] and res["main"]["lazy"]["stall_s_median"] > 0
     assert len(res["main"]["soak"]["samples"]) == 3
-    for line in ("DCP async PROCESS new", "ckptd with staging budget 0.25x", "ckptd soak, 3 saves",
-                 "ckptd snapshot=lazy: stall median", "first save's stall / DCP async's first"):
+    for line in (
+        "DCP async PROCESS new",
+        "ckptd with staging budget 0.25x",
+        "ckptd soak, 3 saves",
+        "ckptd snapshot=lazy: stall median",
+        "first save's stall / DCP async's first",
+    ):
         assert line in proc.stdout, proc.stdout
     assert list((tmp_path / "d").iterdir()) == []  # every checkpoint removed
     prefix = res["config"]["shm_prefix"]  # of every segment this run made

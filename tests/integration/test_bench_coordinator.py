@@ -15,8 +15,23 @@ from ckptd.cli import main as ckptd_cli
 
 @pytest.mark.timeout(180)
 def test_bench_coordinator_small(tmp_path, capsys):
-    rc = ckptd_cli(["bench", "coordinator", "--ranks", "6,12", "--ranks-per-node", "4", "--items-per-rank", "3",
-                    "--commits", "2", "--dir", str(tmp_path), "--json"])
+    rc = ckptd_cli(
+        [
+            "bench",
+            "coordinator",
+            "--ranks",
+            "6,12",
+            "--ranks-per-node",
+            "4",
+            "--items-per-rank",
+            "3",
+            "--commits",
+            "2",
+            "--dir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     points = report["points"]

@@ -72,8 +72,10 @@ def test_ls(tmp_path, capsys):
     data = json.loads(out)
     assert rc == 0 and data["latest"] == "iter_0000200"
     assert [(c["name"], c["step"], c["state"], c["latest"]) for c in data["checkpoints"]] == [
-        ("iter_0000100", 100, "committed", False), ("iter_0000200", 200, "committed", True),
-        ("iter_0000300.tmp", 300, "partial", False)]
+        ("iter_0000100", 100, "committed", False),
+        ("iter_0000200", 200, "committed", True),
+        ("iter_0000300.tmp", 300, "partial", False),
+    ]
     assert data["checkpoints"][1]["nbytes"] == sum(p.stat().st_size for p in (root / "iter_0000200").iterdir())
     rc, out, _ = cli(capsys, "ls", root / "iter_0000100", "--json")  # a single checkpoint
     assert rc == 0 and [c["name"] for c in json.loads(out)["checkpoints"]] == ["iter_0000100"]
@@ -101,8 +103,9 @@ def test_convert_consolidate(tmp_path, capsys):
 
 
 def test_bench_checksums_runs_and_cleans_up(tmp_path, capsys):
-    rc, out, _ = cli(capsys, "bench", "checksums", "--gib", "0.01", "--item-mib", "2", "--repeats", "1",
-                     "--dir", tmp_path)
+    rc, out, _ = cli(
+        capsys, "bench", "checksums", "--gib", "0.01", "--item-mib", "2", "--repeats", "1", "--dir", tmp_path
+    )
     assert rc == 0 and "time ratio on/off" in out and "verify_checkpoint" in out
     assert list(tmp_path.iterdir()) == []
 
@@ -119,8 +122,11 @@ def test_inspect(tmp_path, capsys):
     rc, out, _ = cli(capsys, "inspect", root / "iter_0000005", "--json")
     data = json.loads(out)
     w = next(t for t in data["tensors"] if t["key"] == "layer.weight")
-    assert (w["chunks"], w["chunk_shapes"], w["files"]) == (2, [{"shape": [4, 6], "count": 2}],
-                                                            ["__0_0.distcp", "__1_0.distcp"])
+    assert (w["chunks"], w["chunk_shapes"], w["files"]) == (
+        2,
+        [{"shape": [4, 6], "count": 2}],
+        ["__0_0.distcp", "__1_0.distcp"],
+    )
     emb = next(t for t in data["tensors"] if t["key"] == "embedding")
     assert emb["dtype"] == "bfloat16" and emb["nbytes"] == 32
     assert data["common"] == {"iteration": "int", "note": "str"}
@@ -164,10 +170,16 @@ def test_verify_root(tmp_path, capsys):
 def test_usage_errors_exit_2(tmp_path, capsys):
     make_checkpoint(tmp_path / "c")
     (tmp_path / "empty").mkdir()
-    for argv in (("verify", tmp_path / "missing"), ("verify", tmp_path / "empty"), ("inspect", tmp_path / "empty"),
-                 ("ls", tmp_path / "missing"), ("verify", tmp_path / "c", "--all"),
-                 ("gc", tmp_path / "c", "--keep", "1"), ("gc", tmp_path / "empty", "--keep", "0"),
-                 ("tune", "--stall-s", "1", "--persist-s", "1", "--mtbf-s", "0")):
+    for argv in (
+        ("verify", tmp_path / "missing"),
+        ("verify", tmp_path / "empty"),
+        ("inspect", tmp_path / "empty"),
+        ("ls", tmp_path / "missing"),
+        ("verify", tmp_path / "c", "--all"),
+        ("gc", tmp_path / "c", "--keep", "1"),
+        ("gc", tmp_path / "empty", "--keep", "0"),
+        ("tune", "--stall-s", "1", "--persist-s", "1", "--mtbf-s", "0"),
+    ):
         rc, out, err = cli(capsys, *argv)
         assert rc == 2, argv
         assert out == "" and err.startswith(f"ckptd {argv[0]}: error: "), (argv, err)
@@ -229,8 +241,14 @@ def test_real_subprocesses(tmp_path):
         "help": ["verify", "--help"],
     }
     procs = {
-        name: subprocess.Popen([sys.executable, "-m", "ckptd.commands", *map(str, argv)], cwd=tmp_path,
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ckptd.commands", *map(str, argv)],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name, argv in runs.items()
     }
     res = {}
@@ -267,8 +285,13 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     make_checkpoint(tmp_path / "c")
     master, slave = pty.openpty()
     try:
-        p = subprocess.Popen([sys.executable, "-m", "ckptd.commands", "verify", str(tmp_path / "c")],
-                             env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.commands", "verify", str(tmp_path / "c")],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            text=True,
+        )
         os.close(slave)
         slave = -1
         out, _ = p.communicate(timeout=50)

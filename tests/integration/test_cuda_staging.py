@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.timeout(180)
 def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process):
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"),
-                                     idle_exit_s=2.0, heartbeat_s=0.2)
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = {f"w{i}": torch.randn(1 << 20, device="cuda", generator=gen) for i in range(8)}
     tensors["half"] = torch.randn(333, 77, device="cuda", generator=gen).to(torch.bfloat16)
@@ -49,8 +50,9 @@ def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_pro
     """snapshot="lazy": save() only enqueues the device-to-host copies; before_update() orders the
     next kernels after them (no host wait), so overwriting right after the fence is safe; a write
     before the fence fails the save."""
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"),
-                                     idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy")
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy"
+    )
     gen = torch.Generator(device="cuda").manual_seed(1)
     tensors = {f"w{i}": torch.randn(4 << 20, device="cuda", generator=gen) for i in range(4)}
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
@@ -60,7 +62,9 @@ def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_pro
         for t in tensors.values():
             t.fill_(float("nan"))  # ordered after the copies on the GPU
         h.wait(timeout_s=60)
-        out = ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}, step=1)
+        out = ckpt.load(
+            {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}, step=1
+        )
         assert all(torch.equal(out[k].cpu(), ref[k]) for k in ref)
         h = ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, step=2)
         tensors["w0"].add_(1)  # before the fence: this save must fail, never commit torn values

@@ -24,9 +24,23 @@ def test_demo_killed_and_resumed_matches_uninterrupted_run(tmp_path):
     runtime = tempfile.mkdtemp(prefix="ckd", dir="/tmp")
     env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
     run = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "run_demo.py"), "--workdir", str(tmp_path / "demo"),
-         "--steps", "12", "--save-every", "3", "--kill-at", "8"],
-        env=env, capture_output=True, text=True, timeout=280, cwd=REPO,
+        [
+            sys.executable,
+            str(REPO / "tools" / "run_demo.py"),
+            "--workdir",
+            str(tmp_path / "demo"),
+            "--steps",
+            "12",
+            "--save-every",
+            "3",
+            "--kill-at",
+            "8",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "OK: killed at step 8" in run.stdout
@@ -43,18 +57,43 @@ def test_demo_killed_and_resumed_matches_uninterrupted_run(tmp_path):
     def resume_at_one_rank(loader: str) -> list[dict]:
         log = tmp_path / f"one-{loader}.jsonl"
         one = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-             str(REPO / "tools" / "train_demo.py"), "--ckpt-dir", str(root), "--steps", "14",
-             "--save-every", "100", "--resume", "--loader", loader, "--loss-log", str(log)],
-            env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=1",
+                str(REPO / "tools" / "train_demo.py"),
+                "--ckpt-dir",
+                str(root),
+                "--steps",
+                "14",
+                "--save-every",
+                "100",
+                "--resume",
+                "--loader",
+                loader,
+                "--loss-log",
+                str(log),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
         return [json.loads(line) for line in log.read_text().splitlines()]
 
     try:
         by_ckptd, by_dcp = resume_at_one_rank("ckptd"), resume_at_one_rank("dcp")
     finally:
-        subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)], env=env,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
     assert [(r["step"], r["world"]) for r in by_ckptd] == [(13, 1), (14, 1)]
     assert by_ckptd == by_dcp  # bit for bit: ckptd restored what torch's own loader restores
     shutil.rmtree(runtime, ignore_errors=True)

@@ -16,8 +16,7 @@ from tests.interop.reference import same_bits
 
 def _config(**kw) -> ckptd.CkptdConfig:
     runtime = tempfile.mkdtemp(prefix="ckl", dir="/tmp")
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2,
-                                      snapshot="lazy", **kw)
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy", **kw)
 
 
 def _state(tensors: dict[str, torch.Tensor], step: int) -> dict:
@@ -90,12 +89,19 @@ def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_pat
 def test_lazy_save_of_non_contiguous_tensors_and_objects(tmp_path, single_process):
     w = torch.randn(64, 32)
     with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
-        sd = {"wt": ShardedTensor.from_rank_offsets("wt", w.t()),
-              "obj": ckptd.ShardedObject("obj", {"a": 1}, (1,), (0,)), "step": 1}
+        sd = {
+            "wt": ShardedTensor.from_rank_offsets("wt", w.t()),
+            "obj": ckptd.ShardedObject("obj", {"a": 1}, (1,), (0,)),
+            "step": 1,
+        }
         h = ckpt.save(sd, step=1)
         ckpt.before_update()
         w.mul_(2)  # after the fence: the save keeps the values it was given
         h.wait(timeout_s=60)
-        out = ckpt.load({"wt": ShardedTensor.from_rank_offsets("wt", torch.empty(32, 64)),
-                         "obj": ckptd.ShardedObject("obj", None, (1,), (0,))})
+        out = ckpt.load(
+            {
+                "wt": ShardedTensor.from_rank_offsets("wt", torch.empty(32, 64)),
+                "obj": ckptd.ShardedObject("obj", None, (1,), (0,)),
+            }
+        )
         assert same_bits(out["wt"], (w / 2).t().contiguous()) and out["obj"] == {"a": 1} and out["step"] == 1

@@ -34,8 +34,9 @@ def _free_port() -> int:
 
 
 def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True,
-                          text=True, timeout=90, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True, text=True, timeout=90, cwd=REPO
+    )
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_stats_status_metrics_and_stop(single):
         assert stats["staged_nbytes"] == 3 * w.nbytes
         for rec in stats["recent"]:
             assert rec["status"] == "committed" and rec["nbytes"] == w.nbytes
-            assert 0 < rec["stall_s"] and 0 <= rec["queue_wait_s"] <= rec["stall_s"]
+            assert rec["stall_s"] > 0 and 0 <= rec["queue_wait_s"] <= rec["stall_s"]
             # The daemon starts writing before save() returns, so persist may exceed the latency.
             assert rec["persist_s"] > 0 and rec["commit_latency_s"] > 0
         assert stats["stall_s"]["max"] == max(r["stall_s"] for r in stats["recent"])
@@ -130,14 +131,18 @@ def test_policy_auto_applies_the_young_daly_interval(single):
     assert rec == recommend(inp) and rec.interval_steps == saved[-1][1]
     # Young's formula on the measured stall, never below the commit latency.
     assert rec.young_s == pytest.approx(math.sqrt(2 * inp.stall_s * mtbf_s))
-    assert rec.interval_s >= inp.persist_s and rec.interval_steps == math.ceil(max(rec.daly_s, inp.persist_s) / inp.step_s)
+    assert rec.interval_s >= inp.persist_s and rec.interval_steps == math.ceil(
+        max(rec.daly_s, inp.persist_s) / inp.step_s
+    )
 
 
 def test_due_needs_policy_auto(single):
     root, runtime, _ = single
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime)
-    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
-        with pytest.raises(ckptd.CkptdError, match="policy='auto'"):
-            ckpt.due(0)
+    with (
+        ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt,
+        pytest.raises(ckptd.CkptdError, match="policy='auto'"),
+    ):
+        ckpt.due(0)
     with pytest.raises(ckptd.CkptdError, match="mtbf_s"):
         ckptd.Checkpointer(root, config=cfg.replace(policy="auto"), env=JobEnv())

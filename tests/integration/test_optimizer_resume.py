@@ -21,7 +21,12 @@ from ckptd.optim import optimizer_load_template, param_shardings, restore_optimi
 from tests.integration.layouts import split
 from tests.multiproc import run_ranks
 
-SHAPES = {"embed.weight": ((10, 4), 0), "fc.weight": ((6, 4), 0), "proj.weight": ((4, 6), 1), "norm.weight": ((4,), None)}
+SHAPES = {
+    "embed.weight": ((10, 4), 0),
+    "fc.weight": ((6, 4), 0),
+    "proj.weight": ((4, 6), 1),
+    "norm.weight": ((4,), None),
+}
 KEYS = list(SHAPES)
 LR = 1e-2
 
@@ -31,7 +36,9 @@ def initial(key: str) -> torch.Tensor:
 
 
 def grad(step: int, key: str) -> torch.Tensor:
-    return torch.randn(SHAPES[key][0], generator=torch.Generator().manual_seed(step * 1000 + ord(key[0]) * 7 + len(key)))
+    return torch.randn(
+        SHAPES[key][0], generator=torch.Generator().manual_seed(step * 1000 + ord(key[0]) * 7 + len(key))
+    )
 
 
 class Rank:
@@ -54,8 +61,9 @@ class Rank:
                     continue
                 p = torch.nn.Parameter(values[k].reshape(-1)[a:b].clone())
                 self.params[k] = p
-                self.shardings.append(ShardedTensor.from_rank_offsets_flat(
-                    k, p.data, SHAPES[k][0], flattened_range=slice(a, b)))
+                self.shardings.append(
+                    ShardedTensor.from_rank_offsets_flat(k, p.data, SHAPES[k][0], flattened_range=slice(a, b))
+                )
         else:
             tp = 2 if layout == "tp2" else 1
             for k in KEYS:
@@ -70,8 +78,8 @@ class Rank:
                 self.model_sd[k] = sh
             # The tied head wraps the very same parameter: the optimizer must not duplicate it.
             self.model_sd["head.weight"] = ShardedTensor.from_rank_offsets(
-                "head.weight", self.params["embed.weight"].data, *(
-                    [(0, rank, tp)] if tp > 1 else []))
+                "head.weight", self.params["embed.weight"].data, *([(0, rank, tp)] if tp > 1 else [])
+            )
         self.opt = torch.optim.Adam(list(self.params.values()), lr=LR)
         if layout != "dp2flat":
             self.shardings = param_shardings(self.opt, self.model_sd)

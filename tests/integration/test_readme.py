@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def readme_example() -> str:
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Example"):]
+    section = text[text.index("## Example") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -32,16 +32,23 @@ def test_readme_example_saves_then_resumes(tmp_path):
     env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
     outs = []
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         outs.append(run.stdout)
     assert "latest committed step: 15" in outs[0]
     assert "latest committed step: 35" in outs[1]  # resumed at 16, saved 20..35
     assert sorted(p.name for p in (tmp_path / "ckpts" / "run1").glob("iter_*")) == [
-        step_dir_name(s) for s in (0, 5, 10, 15, 20, 25, 30, 35)]
-    subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(tmp_path / "ckpts" / "run1")],
-                   env=env, timeout=60, check=True, capture_output=True)
+        step_dir_name(s) for s in (0, 5, 10, 15, 20, 25, 30, 35)
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(tmp_path / "ckpts" / "run1")],
+        env=env,
+        timeout=60,
+        check=True,
+        capture_output=True,
+    )
     shutil.rmtree(runtime)
 
 
@@ -50,7 +57,7 @@ def readme_blocks(heading: str) -> list[str]:
     text = (REPO / "README.md").read_text()
     start = text.index(heading)
     end = text.find("\n##", start + len(heading))
-    return re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
+    return re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else None], re.S)
 
 
 def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
@@ -79,6 +86,7 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+
         return train_step
 
     model, optimizer = build()  # the uninterrupted reference: steps 1..4
@@ -87,8 +95,13 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
     reference = [p.full_tensor().clone() for p in model.parameters()]
     for _ in range(2):  # the README's lines, twice: steps 1-2 and save; then resume, steps 3-4
         model, optimizer = build()
-        scope = {"ckptd": ckptd, "model": model, "optimizer": optimizer, "ckpt_root": root,
-                 "train_step": trainer(model, optimizer)}
+        scope = {
+            "ckptd": ckptd,
+            "model": model,
+            "optimizer": optimizer,
+            "ckpt_root": root,
+            "train_step": trainer(model, optimizer),
+        }
         exec(code, scope)
         scope["ckpt"].close()
         dist.barrier()
@@ -116,8 +129,12 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
     optimizer = adamw(model)
     train_a_little(model, optimizer, seed=0)  # replicated parameters stay equal across TP ranks, as in training
     saved = [p.detach().clone() for p in model.parameters()]
-    scope = {"ckptd": ckptd, "save_dir": root, "iteration": 12,
-             "state_dict": sharded_state(model, optimizer, iteration=12)}
+    scope = {
+        "ckptd": ckptd,
+        "save_dir": root,
+        "iteration": 12,
+        "state_dict": sharded_state(model, optimizer, iteration=12),
+    }
     exec(save_code, scope)
     scope["handle"].wait(timeout_s=120)
     with torch.no_grad():
@@ -135,15 +152,17 @@ def test_readme_megatron_lines_save_and_load(tmp_path):
     from tests.multiproc import run_ranks
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
-    assert run_ranks(_megatron_blocks_round_trip, 2, str(tmp_path / "run"), timeout_s=200, daemon=False,
-                     env=env) == [[], []]
+    assert run_ranks(_megatron_blocks_round_trip, 2, str(tmp_path / "run"), timeout_s=200, daemon=False, env=env) == [
+        [],
+        [],
+    ]
 
 
 def _table(heading: str, first_header: str) -> list[list[str]]:
     """Cells of the rows of the table whose first column is ``first_header``, below ``heading``."""
     text = (REPO / "README.md").read_text()
-    text = text[text.index(heading):]
-    text = text[text.index(f"| {first_header} |"):]
+    text = text[text.index(heading) :]
+    text = text[text.index(f"| {first_header} |") :]
     rows = []
     for line in text.splitlines()[2:]:
         if not line.startswith("|"):
@@ -220,23 +239,32 @@ def test_documented_signatures_match_the_code():
     synchronous API's first arguments are abbreviated: ``sd``, ``dir``)."""
     import ckptd
 
-    calls = [re.findall(r"`(?:ckptd\.)?(\w+)\(([^`]*)\)`", cells[0])
-             for cells in _table("## Synchronous API", "call")]
+    calls = [re.findall(r"`(?:ckptd\.)?(\w+)\(([^`]*)\)`", cells[0]) for cells in _table("## Synchronous API", "call")]
     seen = set()
     for name, args in (c for row in calls for c in row):
         assert _documented_params(args, positional_names=False) == _params(getattr(ckptd, name), False), name
         seen.add(name)
-    assert seen >= {"save", "load", "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata",
-                    "load_plain_tensors"}
+    assert seen >= {
+        "save",
+        "load",
+        "load_common_state_dict",
+        "load_tensors_metadata",
+        "load_sharded_metadata",
+        "load_plain_tensors",
+    }
     seen = set()
     for cells in _table("## Asynchronous saves", "`Checkpointer`"):
         owner = ckptd.SaveHandle if cells[0] == "`SaveHandle`" else ckptd.Checkpointer
-        for name, args in re.findall(r"`\.?(\w+)\(([^`]*)\)`", " ".join(cells[:2] if owner is ckptd.SaveHandle
-                                                                      else cells[:1])):
+        for name, args in re.findall(
+            r"`\.?(\w+)\(([^`]*)\)`", " ".join(cells[:2] if owner is ckptd.SaveHandle else cells[:1])
+        ):
             fn = owner.__init__ if name == owner.__name__ else getattr(owner, name)
             assert _documented_params(args) == _params(fn), f"{owner.__name__}.{name}"
             seen.add(f"{owner.__name__}.{name}")
-    public = {f"Checkpointer.{n}" for n in vars(ckptd.Checkpointer)
-              if not n.startswith("_") and callable(getattr(ckptd.Checkpointer, n))}
+    public = {
+        f"Checkpointer.{n}"
+        for n in vars(ckptd.Checkpointer)
+        if not n.startswith("_") and callable(getattr(ckptd.Checkpointer, n))
+    }
     assert public | {"Checkpointer.Checkpointer"} <= seen | {"Checkpointer.pending"}, public - seen
     assert {"SaveHandle.done", "SaveHandle.wait"} <= seen

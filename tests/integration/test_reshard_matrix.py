@@ -36,8 +36,7 @@ OPT = "optimizer.state.exp_avg."
 def _save_state(layout: Layout, rank: int) -> dict:
     model = {k: layout.model_shard(k, rank, reference(k)) for k in KEYS}
     ranges = layout.flat_ranges(KEYS, rank)
-    optim = {k: layout.flat_shard(k, OPT + k, rank, fr, torch.float32, optim_reference(k))
-             for k, fr in ranges.items()}
+    optim = {k: layout.flat_shard(k, OPT + k, rank, fr, torch.float32, optim_reference(k)) for k, fr in ranges.items()}
     return {"model": model, "optimizer": optim, "iteration": 42, "layout": layout.name}
 
 
@@ -50,9 +49,15 @@ def _load_and_check(layout: Layout, rank: int, directory: str) -> tuple[int, int
     optim_nd = {}
     for k in KEYS:
         sh = layout.model_shard(k, rank, None)
-        optim_nd[k] = ckptd.ShardedTensor(OPT + k, torch.full(sh.local_shape, 7.0), torch.float32,
-                                          sh.local_shape, sh.global_shape, sh.global_offset,
-                                          sh.axis_fragmentations)
+        optim_nd[k] = ckptd.ShardedTensor(
+            OPT + k,
+            torch.full(sh.local_shape, 7.0),
+            torch.float32,
+            sh.local_shape,
+            sh.global_shape,
+            sh.global_offset,
+            sh.axis_fragmentations,
+        )
     request = {"model": model_nd, "model_flat": model_flat, "optim_flat": optim_flat, "optim_nd": optim_nd}
     stats = LoadStats()
     out = ckptd.load(request, directory, stats=stats)
@@ -60,14 +65,16 @@ def _load_and_check(layout: Layout, rank: int, directory: str) -> tuple[int, int
     checked = 0
     for k in KEYS:
         ref, oref = reference(k), optim_reference(k)
-        pairs = [(out["model"][k], expected_nd(ref, model_nd[k])),
-                 (out["optim_nd"][k], expected_nd(oref, optim_nd[k]))]
+        pairs = [(out["model"][k], expected_nd(ref, model_nd[k])), (out["optim_nd"][k], expected_nd(oref, optim_nd[k]))]
         if k in ranges:
-            pairs += [(out["model_flat"][k], expected_flat(ref, model_flat[k])),
-                      (out["optim_flat"][k], expected_flat(oref, optim_flat[k]))]
+            pairs += [
+                (out["model_flat"][k], expected_flat(ref, model_flat[k])),
+                (out["optim_flat"][k], expected_flat(oref, optim_flat[k])),
+            ]
         for got, want in pairs:
             assert got.dtype == want.dtype and torch.equal(got, want), (
-                f"{k}: load of {directory} at {layout.name} rank {rank} differs")
+                f"{k}: load of {directory} at {layout.name} rank {rank} differs"
+            )
             checked += want.numel()
     # In place: the request's own buffers were filled.
     assert all(out["model"][k].data_ptr() == model_nd[k].data.data_ptr() for k in KEYS)

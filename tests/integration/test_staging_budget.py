@@ -34,8 +34,7 @@ def _state(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _sharded(state: dict[str, torch.Tensor], rank: int, world: int, step: int) -> dict:
-    return {**{k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in state.items()},
-            "iteration": step}
+    return {**{k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in state.items()}, "iteration": step}
 
 
 def _ring_shm_nbytes(prefix: str) -> int:

@@ -111,7 +111,7 @@ def ckptd_save_state(rank: int, module: Any) -> dict[str, Any]:
     """The sharded state dict to save, built with ``module`` (``ckptd`` or
     ``megatron.core.dist_checkpointing``, whose mapping classes have the same signatures)."""
     ref = reference()
-    ST, SO = module.ShardedTensor, module.ShardedObject
+    ST, SO = module.ShardedTensor, module.ShardedObject  # noqa: N806 - classes, named like classes
     local = {k: ref[k][s].clone() for k, s in save_slices(rank).items()}
     return {
         "dense": {
@@ -131,7 +131,7 @@ def ckptd_load_request(rank: int, module: Any) -> dict[str, Any]:
     """A load request at world size 2 with the :func:`load_slices` sharding (flat keys), naming
     the common values too (a checkpoint without ``common.pt`` returns only what is asked for)."""
     ref = reference()
-    ST, SO = module.ShardedTensor, module.ShardedObject
+    ST, SO = module.ShardedTensor, module.ShardedObject  # noqa: N806 - classes, named like classes
     other = 1 - rank
     empty = {k: torch.empty_like(ref[k][s]) for k, s in load_slices(rank).items()}
     return {
@@ -142,7 +142,7 @@ def ckptd_load_request(rank: int, module: Any) -> dict[str, Any]:
         "mask.bool": ST.from_rank_offsets("mask.bool", empty["mask.bool"], replica_id=rank),
         "rng": SO("rng", None, (WORLD,), (rank,)),
         "cfg": SO("cfg", None, (1,), (0,), replica_id=rank),
-        **{k: None for k in common_state()},
+        **dict.fromkeys(common_state()),
     }
 
 
@@ -166,7 +166,7 @@ def single_rank_request(module: Any) -> dict[str, Any]:
     """A world-size-1 load request that splits each tensor along another axis than at save, into
     several pieces (several requests of one key), plus every object shard."""
     ref = reference()
-    ST, SO = module.ShardedTensor, module.ShardedObject
+    ST, SO = module.ShardedTensor, module.ShardedObject  # noqa: N806 - classes, named like classes
     req: dict[str, Any] = {}
     for i in range(2):
         req[f"f32.cols{i}"] = ST.from_rank_offsets("dense.f32", torch.empty(6, 4), (1, i, 2))
@@ -179,7 +179,7 @@ def single_rank_request(module: Any) -> dict[str, Any]:
     for r in range(WORLD):
         req[f"rng{r}"] = SO("rng", None, (WORLD,), (r,))
     req["cfg"] = SO("cfg", None, (1,), (0,))
-    req.update({k: None for k in common_state()})
+    req.update(dict.fromkeys(common_state()))
     return req
 
 

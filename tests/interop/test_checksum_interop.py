@@ -50,12 +50,16 @@ def megatron_jobs(ckptd_dir: str, megatron_dir: str, result_file: str) -> None:
     own["iteration"] = 3
     mdc.save(own, megatron_dir)
     dist.destroy_process_group()
-    Path(result_file).write_text(json.dumps({
-        "megatron": {k: bool(torch.equal(loaded[k], v)) for k, v in ref.items()},
-        "objects": [loaded[f"rng{r}"] for r in range(WORLD)],
-        "common": loaded.get("iteration"),
-        "dcp": {k: bool(torch.equal(plain[k], v)) for k, v in ref.items()},
-    }))
+    Path(result_file).write_text(
+        json.dumps(
+            {
+                "megatron": {k: bool(torch.equal(loaded[k], v)) for k, v in ref.items()},
+                "objects": [loaded[f"rng{r}"] for r in range(WORLD)],
+                "common": loaded.get("iteration"),
+                "dcp": {k: bool(torch.equal(plain[k], v)) for k, v in ref.items()},
+            }
+        )
+    )
 
 
 @pytest.mark.timeout(180)
@@ -63,12 +67,13 @@ def test_checksums_are_invisible_to_megatron_core_and_dcp(tmp_path: Path):
     make_checkpoint(tmp_path / "ckptd", step=11)
     assert getattr(pickle.loads((tmp_path / "ckptd" / ".metadata").read_bytes()), CHECKSUMS_ATTR)["items"]
     (tmp_path / "megatron").mkdir()
-    code = ("from tests.interop.test_checksum_interop import megatron_jobs; "
-            f"megatron_jobs({str(tmp_path / 'ckptd')!r}, {str(tmp_path / 'megatron')!r}, "
-            f"{str(tmp_path / 'result.json')!r})")
+    code = (
+        "from tests.interop.test_checksum_interop import megatron_jobs; "
+        f"megatron_jobs({str(tmp_path / 'ckptd')!r}, {str(tmp_path / 'megatron')!r}, "
+        f"{str(tmp_path / 'result.json')!r})"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     assert all(res["megatron"].values()) and all(res["dcp"].values()), res

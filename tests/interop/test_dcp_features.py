@@ -47,8 +47,9 @@ def trained_state() -> dict:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "ckptd.commands", *argv], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd.commands", *argv], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _record(directory: Path, fqn: str):
@@ -74,8 +75,10 @@ def test_verify_deep_calls_a_plain_dcp_checkpoint_with_optimizer_state_and_an_in
     assert run.returncode == 0 and ": OK" in run.stdout, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("fqn, record", [("iteration", "data.pkl"), ("optim.param_groups.0.betas", "data.pkl"),
-                                         ("optim.state.0.weight.exp_avg", "data/0")])
+@pytest.mark.parametrize(
+    "fqn, record",
+    [("iteration", "data.pkl"), ("optim.param_groups.0.betas", "data.pkl"), ("optim.state.0.weight.exp_avg", "data/0")],
+)
 def test_verify_deep_still_finds_a_flipped_bit_in_a_plain_dcp_checkpoint(tmp_path, fqn, record):
     """torch DCP records no per-item checksum, but each item's zip does: a flipped bit in a byte
     item's pickle or in a tensor's elements is damage (the tensor one decodes fine otherwise)."""
@@ -105,8 +108,9 @@ def test_a_stream_transform_is_unsupported_not_damaged(tmp_path):
 
     expected = r"tensor 'model\.0\.weight' is stored with the stream transform\(s\) \['stream\.zstd/1'\]"
     with pytest.raises(UnsupportedFormatError, match=expected + r".*torch\.distributed\.checkpoint\.load"):
-        ckptd.load({"model.0.weight": ShardedTensor.from_rank_offsets("model.0.weight", torch.zeros_like(w))},
-                   tmp_path / "z")
+        ckptd.load(
+            {"model.0.weight": ShardedTensor.from_rank_offsets("model.0.weight", torch.zeros_like(w))}, tmp_path / "z"
+        )
     with pytest.raises(UnsupportedFormatError, match=expected):
         ckptd.load_tensors_metadata(tmp_path / "z")
 

@@ -25,8 +25,9 @@ from ckptd.verify import verify_checkpoint
 from tests.dtypes import ALL_DTYPES, dtype_label, random_tensor, same_bits
 from tests.dtypes import dcp_dtypes as dcp_dtypes_of_torch
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled",
-                                        "ignore:ComplexHalf support is experimental")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled", "ignore:ComplexHalf support is experimental"
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,8 +44,17 @@ def test_the_table_is_every_dtype_torch_dcp_saves(dcp_dtypes):
     assert sorted(supported_dtypes(), key=str) == dcp_dtypes
     # Dtypes a hand-written table once lacked (float8 variants, complex32), and the classics.
     names = {dtype_label(dt) for dt in dcp_dtypes}
-    assert {"float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32", "float8_e4m3fn",
-            "uint64", "bool", "bfloat16", "complex128"} <= names
+    assert {
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "complex32",
+        "float8_e4m3fn",
+        "uint64",
+        "bool",
+        "bfloat16",
+        "complex128",
+    } <= names
     assert all(dtype_from_name(dtype_name(dt)) == dt and dtype_name(dt) == dtype_label(dt) for dt in dcp_dtypes)
 
 
@@ -53,14 +63,17 @@ def test_every_dcp_dtype_round_trips_ckptd_and_dcp_both_ways(tmp_path, dcp_dtype
     ckptd.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ref.items()}, tmp_path / "c", fsync=False)
 
     # ckptd.load, whole and resharded: row halves (contiguous runs) and column halves (strided).
-    whole = ckptd.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in ref.items()},
-                       tmp_path / "c")
+    whole = ckptd.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in ref.items()}, tmp_path / "c"
+    )
     bad = [k for k, v in ref.items() if not same_bits(whole[k], v)]
     for axis in (0, 1):
         for part in (0, 1):
             piece = {k: v.chunk(2, axis)[part] for k, v in ref.items()}
-            out = ckptd.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v), (axis, part, 2))
-                              for k, v in piece.items()}, tmp_path / "c")
+            out = ckptd.load(
+                {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v), (axis, part, 2)) for k, v in piece.items()},
+                tmp_path / "c",
+            )
             bad += [f"{k} axis {axis} part {part}" for k, v in piece.items() if not same_bits(out[k], v)]
     assert bad == []
 
@@ -71,8 +84,9 @@ def test_every_dcp_dtype_round_trips_ckptd_and_dcp_both_ways(tmp_path, dcp_dtype
 
     # ckptd reads torch DCP's checkpoint of the same tensors.
     dcp.save(dict(ref), checkpoint_id=str(tmp_path / "d"), no_dist=True)
-    out = ckptd.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in ref.items()},
-                     tmp_path / "d")
+    out = ckptd.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in ref.items()}, tmp_path / "d"
+    )
     assert [k for k, v in ref.items() if not same_bits(out[k], v)] == []
 
     for directory in ("c", "d"):
@@ -80,8 +94,13 @@ def test_every_dcp_dtype_round_trips_ckptd_and_dcp_both_ways(tmp_path, dcp_dtype
         assert report.ok and report.items_decoded == len(ref), report.findings
     # And the command line, deep.
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, "-m", "ckptd.commands", "verify", "--deep", str(tmp_path / "c")],
-                         env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "ckptd.commands", "verify", "--deep", str(tmp_path / "c")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and f"{len(ref)} items decoded" in run.stdout, run.stdout + run.stderr
 
 
@@ -92,8 +111,11 @@ def test_a_dtype_torch_dcp_cannot_save_is_refused_before_anything_is_written(tmp
     assert {dtype_label(dt) for dt in refused} >= {"uint1", "int4", "bits8", "bits16", "qint8", "quint4x2"}
     for dtype in refused:
         t = torch.zeros(4, dtype=torch.uint8).view(dtype)
-        with pytest.raises(ShardingError, match=rf"tensor 'layer\.w' has dtype {dtype}, which the torch_dist "
-                                                r"format cannot store.*float8_e4m3fnuz"):
+        with pytest.raises(
+            ShardingError,
+            match=rf"tensor 'layer\.w' has dtype {dtype}, which the torch_dist "
+            r"format cannot store.*float8_e4m3fnuz",
+        ):
             ckptd.save({"w": ShardedTensor.from_rank_offsets("layer.w", t)}, tmp_path / "c")
         assert not (tmp_path / "c").exists()
 
@@ -106,8 +128,14 @@ def test_a_strided_load_of_misaligned_complex128_elements_does_not_crash(tmp_pat
     c = random_tensor(torch.complex128, 1, (6, 10))  # rows of 5 elements per half: this shape crashed
     for n in range(1, 256):  # the first item's size sets the second one's offset
         directory = tmp_path / f"c{n}"
-        ckptd.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(n, dtype=torch.uint8)),
-                    "c": ShardedTensor.from_rank_offsets("c", c)}, directory, fsync=False)
+        ckptd.save(
+            {
+                "a": ShardedTensor.from_rank_offsets("a", torch.ones(n, dtype=torch.uint8)),
+                "c": ShardedTensor.from_rank_offsets("c", c),
+            },
+            directory,
+            fsync=False,
+        )
         [chunk] = read_index(directory).tensors["c"].chunks
         if chunk.file_offset % 16:
             break
@@ -116,6 +144,7 @@ def test_a_strided_load_of_misaligned_complex128_elements_does_not_crash(tmp_pat
     for part in (0, 1):
         piece = c.chunk(2, 1)[part]
         stats = ckptd.LoadStats()
-        out = ckptd.load({"c": ShardedTensor.from_rank_offsets("c", torch.empty_like(piece), (1, part, 2))},
-                         directory, stats=stats)
+        out = ckptd.load(
+            {"c": ShardedTensor.from_rank_offsets("c", torch.empty_like(piece), (1, part, 2))}, directory, stats=stats
+        )
         assert same_bits(out["c"], piece) and stats.raw_items == 1

@@ -40,8 +40,12 @@ def _patch_megatron_cpu_save() -> None:
 
 def _full(name: str) -> torch.Tensor:
     g = torch.Generator().manual_seed({"w": 1, "layers": 2, "qkv": 3, "a": 4}[name])
-    return {"w": torch.randn(4, 6, generator=g), "layers": torch.randn(2, 3, 4, generator=g),
-            "qkv": torch.randn(6, 4, generator=g), "a": torch.randn(5, generator=g)}[name]
+    return {
+        "w": torch.randn(4, 6, generator=g),
+        "layers": torch.randn(2, 3, 4, generator=g),
+        "qkv": torch.randn(6, 4, generator=g),
+        "a": torch.randn(5, generator=g),
+    }[name]
 
 
 def _mcore_state(rank: int, world: int, *, empty: bool = False) -> dict[str, Any]:
@@ -62,8 +66,10 @@ def _mcore_state(rank: int, world: int, *, empty: bool = False) -> dict[str, Any
     qkv = _full("qkv")
 
     def build(key, t, replica_id, flattened_range):
-        return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", piece, replica_id=replica_id)
-                for name, piece in zip("qkv", t.chunk(3, 0))}
+        return {
+            name: ShardedTensor.from_rank_offsets(f"{key}.{name}", piece, replica_id=replica_id)
+            for name, piece in zip("qkv", t.chunk(3, 0))
+        }
 
     def merge(pieces):
         return torch.cat([pieces[name] for name in "qkv"], 0)
@@ -71,13 +77,18 @@ def _mcore_state(rank: int, world: int, *, empty: bool = False) -> dict[str, Any
     return {
         "model": {
             "w": ShardedTensor.from_rank_offsets("w", data(w), (1, rank, world)),
-            "layers": [ShardedTensor.from_rank_offsets("layers", data(_full("layers")[i]), (0, i, 2),
-                                                       replica_id=rank, prepend_axis_num=1) for i in range(2)],
+            "layers": [
+                ShardedTensor.from_rank_offsets(
+                    "layers", data(_full("layers")[i]), (0, i, 2), replica_id=rank, prepend_axis_num=1
+                )
+                for i in range(2)
+            ],
             "qkv": ShardedTensorFactory("attn.qkv", data(qkv), build, merge, replica_id=rank),
         },
         "rng": [ShardedObject("rng", None if empty else {"seed": rank}, (world,), (rank,))],
         "scratch": LocalNonpersistentObject(f"rank {rank}"),
-        "iteration": 5, "args": {"lr": 0.1, "layers": [1, 2]},
+        "iteration": 5,
+        "args": {"lr": 0.1, "layers": [1, 2]},
     }
 
 
@@ -122,14 +133,16 @@ def _mcore_objects_round_trip(rank: int, world: int, root: str) -> list[str]:
         if out["model"]["w"] is not target:
             bad.append(f"ckptd.load of {name}: not loaded in place")
         if name != "megatron":
-            bad += _check_mcore(mdc.load(_mcore_state(rank, world, empty=True), path), rank, world,
-                                f"megatron load of {name}")
+            bad += _check_mcore(
+                mdc.load(_mcore_state(rank, world, empty=True), path), rank, world, f"megatron load of {name}"
+            )
     # A list whose entries are all sharded leaves no placeholder in common.pt that Megatron-Core's
     # load would trip over.
     path = os.path.join(root, "list")
     a = _full("a")
     ckptd.save({"layers": [ckptd.ShardedTensor.from_rank_offsets("layers.a", a.clone(), replica_id=rank)]}, path)
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor as MST
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor as MST  # noqa: N814 - Megatron's class
+
     out = mdc.load({"layers": [MST.from_rank_offsets("layers.a", torch.empty(5), replica_id=rank)]}, path)
     if not same_bits(out["layers"][0], a):
         bad.append("megatron load of a list of ShardedTensors")
@@ -139,8 +152,9 @@ def _mcore_objects_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_megatron_core_objects_round_trip(tmp_path: Path):
-    results = run_ranks(_mcore_objects_round_trip, 2, str(tmp_path), timeout_s=220, daemon=False,
-                        env=_async_env(tmp_path))
+    results = run_ranks(
+        _mcore_objects_round_trip, 2, str(tmp_path), timeout_s=220, daemon=False, env=_async_env(tmp_path)
+    )
     assert results == [[], []]
 
 
@@ -174,20 +188,25 @@ def test_common_state_that_differs_between_ranks_is_reported(tmp_path: Path):
 def _reference() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {
-        "a": torch.randn(10, 3, generator=g),         # Shard(0) over 4: 3,3,3,1 rows
-        "b": torch.randn(6, 5, generator=g),          # 2x2 mesh (Shard(0), Shard(1)): columns 3,2
+        "a": torch.randn(10, 3, generator=g),  # Shard(0) over 4: 3,3,3,1 rows
+        "b": torch.randn(6, 5, generator=g),  # 2x2 mesh (Shard(0), Shard(1)): columns 3,2
         "c": torch.randn(4, 4, generator=g).to(torch.bfloat16),  # 2x2 (Replicate(), Shard(0))
-        "d": torch.arange(7, dtype=torch.int64),      # Replicate()
-        "e": torch.randn(3, generator=g),             # a plain tensor, the same on every rank
-        "f": torch.randn(2, 3, generator=g),          # Shard(1) over 4: 1,1,1,0 columns
+        "d": torch.arange(7, dtype=torch.int64),  # Replicate()
+        "e": torch.randn(3, generator=g),  # a plain tensor, the same on every rank
+        "f": torch.randn(2, 3, generator=g),  # Shard(1) over 4: 1,1,1,0 columns
     }
 
 
 def _save_placements():
     from torch.distributed.tensor import Replicate, Shard
 
-    return {"a": ("1d", [Shard(0)]), "b": ("2d", [Shard(0), Shard(1)]), "c": ("2d", [Replicate(), Shard(0)]),
-            "d": ("1d", [Replicate()]), "f": ("1d", [Shard(1)])}
+    return {
+        "a": ("1d", [Shard(0)]),
+        "b": ("2d", [Shard(0), Shard(1)]),
+        "c": ("2d", [Replicate(), Shard(0)]),
+        "d": ("1d", [Replicate()]),
+        "f": ("1d", [Shard(1)]),
+    }
 
 
 def _dtensor_state(world: int, placements: dict, full: dict[str, torch.Tensor], *, zero: bool = False) -> dict:
@@ -231,11 +250,17 @@ def _dtensors_save_at_4(rank: int, world: int, root: str) -> list[str]:
     dcp.save(_dtensor_state(world, _save_placements(), full), checkpoint_id=os.path.join(root, "dcp"))
     bad = []
     # Same world size, another layout: every reader fills the DTensors in place.
-    other = {"a": ("2d", [Shard(1), Shard(0)]), "b": ("1d", [Shard(0)]), "c": ("1d", [Shard(1)]),
-             "d": ("2d", [Shard(0), Shard(0)]), "f": ("2d", [Shard(0), Shard(1)])}
+    other = {
+        "a": ("2d", [Shard(1), Shard(0)]),
+        "b": ("1d", [Shard(0)]),
+        "c": ("1d", [Shard(1)]),
+        "d": ("2d", [Shard(0), Shard(0)]),
+        "f": ("2d", [Shard(0), Shard(1)]),
+    }
     for name in ("sync", "async/iter_0000003", "dcp"):
         path = os.path.join(root, name)
         req = _dtensor_state(world, other, full, zero=True)
+
         def ptr(v):
             return (v.to_local() if hasattr(v, "to_local") else v).data_ptr()
 
@@ -263,8 +288,10 @@ def _dtensors_save_at_4(rank: int, world: int, root: str) -> list[str]:
         bad.append("_StridedShard round trip")
     # Refused on every rank, naming the key, before anything is written.
     partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
-    for sd, pattern in (({"x": partial}, "'x' is a DTensor with a Partial placement"),
-                        ({"x": (1, distribute_tensor(torch.ones(4), mesh, [Shard(0)]))}, "sits inside a tuple")):
+    for sd, pattern in (
+        ({"x": partial}, "'x' is a DTensor with a Partial placement"),
+        ({"x": (1, distribute_tensor(torch.ones(4), mesh, [Shard(0)]))}, "sits inside a tuple"),
+    ):
         try:
             ckptd.save(sd, os.path.join(root, "refused"))
             bad.append(f"saved {pattern}")
@@ -280,8 +307,13 @@ def _dtensors_load_at_2(rank: int, world: int, root: str) -> list[str]:
     from torch.distributed.tensor import Replicate, Shard
 
     full = _reference()
-    placements = {"a": ("1d", [Shard(1)]), "b": ("1d", [Replicate()]), "c": ("1d", [Shard(0)]),
-                  "d": ("1d", [Shard(0)]), "f": ("1d", [Shard(0)])}
+    placements = {
+        "a": ("1d", [Shard(1)]),
+        "b": ("1d", [Replicate()]),
+        "c": ("1d", [Shard(0)]),
+        "d": ("1d", [Shard(0)]),
+        "f": ("1d", [Shard(0)]),
+    }
     bad = []
     for name in ("sync", "async/iter_0000003", "dcp"):
         req = _dtensor_state(world, placements, full, zero=True)
@@ -353,5 +385,6 @@ class _Quantized(torch.Tensor):
 
 @pytest.mark.timeout(180)
 def test_async_refusal_fails_every_rank_and_common_state_is_compared(tmp_path: Path):
-    assert run_ranks(_async_refusal_and_common_check, 2, str(tmp_path / "root"), timeout_s=160,
-                     env=_async_env(tmp_path)) == [[], []]
+    assert run_ranks(
+        _async_refusal_and_common_check, 2, str(tmp_path / "root"), timeout_s=160, env=_async_env(tmp_path)
+    ) == [[], []]

@@ -113,7 +113,12 @@ def test_ckptd_checkpoint_loads_in_dcp_and_megatron(tmp_path: Path):
     assert results == [[], []]
     path = tmp_path / "ckptd"
     assert sorted(p.name for p in path.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
 
     # World size 1, another split than at save: ckptd and torch DCP (plain whole tensors).
     assert check_single_rank(ckptd.load(single_rank_request(ckptd), path)) == []

@@ -41,7 +41,7 @@ ROWS_PER_RANK, COLS = 8, 64
 
 def tensor(rank: int, world: int, step: int) -> torch.Tensor:
     full = torch.arange(world * ROWS_PER_RANK * COLS, dtype=torch.float32).reshape(-1, COLS)
-    return (full[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] + step * 1000).clone()
+    return (full[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK] + step * 1000).clone()
 
 
 def blob(step: int, nbytes: int) -> torch.Tensor:
@@ -49,15 +49,18 @@ def blob(step: int, nbytes: int) -> torch.Tensor:
     return ((torch.arange(nbytes, dtype=torch.int64) + step) % 251).to(torch.uint8)
 
 
-def state(rank: int, world: int, step: int, common_nbytes: int, items: int = 0,
-          t: torch.Tensor | None = None) -> dict[str, Any]:
+def state(
+    rank: int, world: int, step: int, common_nbytes: int, items: int = 0, t: torch.Tensor | None = None
+) -> dict[str, Any]:
     """This rank's state of ``step``: a row shard of ``w``, an object, ``items`` one-element shards
     (each a record in the rank's WRITTEN), and ``common_nbytes`` of common state."""
     t = tensor(rank, world, step) if t is None else t
     sd: dict[str, Any] = {
         "w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world)),
         "o": ShardedObject("o", {"rank": rank, "step": step}, (world,), (rank,)),
-        "iteration": step, "blob": blob(step, common_nbytes)}
+        "iteration": step,
+        "blob": blob(step, common_nbytes),
+    }
     for i in range(items):
         sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", torch.full((1,), float(step + i)), (0, rank, world))
     return sd
@@ -80,8 +83,9 @@ class Agent:
 
     def save(self, step: int) -> dict[str, Any]:
         t0 = time.monotonic()
-        self.handles[step] = self.ckpt.save(state(self.rank, self.world, step, self.common_nbytes, self.items),
-                                            step=step)
+        self.handles[step] = self.ckpt.save(
+            state(self.rank, self.world, step, self.common_nbytes, self.items), step=step
+        )
         return {"save_s": time.monotonic() - t0}
 
     def wait(self, step: int, timeout_s: float) -> dict[str, Any]:
@@ -125,8 +129,12 @@ def _reply(out: TextIO, obj: dict[str, Any]) -> None:
 def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nothing but replies on the reply pipe
-    logging.basicConfig(filename=os.environ.get("CKN_LOG"), level=logging.INFO, force=True,
-                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        filename=os.environ.get("CKN_LOG"),
+        level=logging.INFO,
+        force=True,
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
     try:
         agent = Agent(sys.argv[1])
     except Exception as exc:  # noqa: BLE001 - reported to the harness, which fails the test
@@ -134,8 +142,14 @@ def main() -> int:
         return 1
     _reply(out, {"ok": True, "ready": agent.rank, "pid": os.getpid()})
     ops: dict[str, Callable[..., dict[str, Any]]] = {
-        "train": agent.train, "save": agent.save, "wait": agent.wait, "check": agent.check,
-        "latest": agent.latest, "status": agent.status, "exit": agent.exit}
+        "train": agent.train,
+        "save": agent.save,
+        "wait": agent.wait,
+        "check": agent.check,
+        "latest": agent.latest,
+        "status": agent.status,
+        "exit": agent.exit,
+    }
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")

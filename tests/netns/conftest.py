@@ -19,8 +19,13 @@ from .job import NetnsJob
 
 REPO = str(Path(__file__).resolve().parents[2])
 # Short bounds, so that every fault resolves within seconds: link timeout max(4 x 0.1, 3 / 3) = 1 s.
-FAST = {"CKPTD_HEARTBEAT_S": "0.1", "CKPTD_COMMIT_TIMEOUT_S": "4", "CKPTD_COORDINATOR_TIMEOUT_S": "3",
-        "CKPTD_IDLE_EXIT_S": "120", "CKPTD_REQUEST_TIMEOUT_S": "20"}
+FAST = {
+    "CKPTD_HEARTBEAT_S": "0.1",
+    "CKPTD_COMMIT_TIMEOUT_S": "4",
+    "CKPTD_COORDINATOR_TIMEOUT_S": "3",
+    "CKPTD_IDLE_EXIT_S": "120",
+    "CKPTD_REQUEST_TIMEOUT_S": "20",
+}
 
 
 @pytest.fixture(scope="session")

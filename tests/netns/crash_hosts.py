@@ -80,10 +80,16 @@ class NetnsHosts:
 
     def job_fields(self) -> dict[str, Any]:
         c = self._cluster()
-        env = {"CKPTD_RUNTIME_DIR": str(c.runtime_dir), "CKPTD_COORDINATOR_PORT": str(COORDINATOR_PORT),
-               "CKPTD_JOB_TOKEN": self.token}
-        return {"env": env, "master_addr": c.nodes[0].address,
-                "node_runtime_dirs": tuple(str(n.path(c.runtime_dir)) for n in c.nodes)}
+        env = {
+            "CKPTD_RUNTIME_DIR": str(c.runtime_dir),
+            "CKPTD_COORDINATOR_PORT": str(COORDINATOR_PORT),
+            "CKPTD_JOB_TOKEN": self.token,
+        }
+        return {
+            "env": env,
+            "master_addr": c.nodes[0].address,
+            "node_runtime_dirs": tuple(str(n.path(c.runtime_dir)) for n in c.nodes),
+        }
 
     def start(self, spec: cj.JobSpec, phase: str) -> list[NodeProcess]:
         c = self._cluster()
@@ -92,8 +98,13 @@ class NetnsHosts:
         for rank in range(spec.ranks):
             node = c.nodes[rank // spec.per_node]
             with open(Path(spec.events) / f"{phase}.r{rank}.out", "ab") as out:
-                proc = node.spawn([sys.executable, "-m", "tests.netns.crash_rank", json.dumps(asdict(spec)),
-                                   str(rank), phase], env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+                proc = node.spawn(
+                    [sys.executable, "-m", "tests.netns.crash_rank", json.dumps(asdict(spec)), str(rank), phase],
+                    env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                )
             procs.append(NodeProcess(proc))
         return procs
 

@@ -68,8 +68,9 @@ class NetnsUnavailable(RuntimeError):
     """Namespaces cannot be made here (not root, a tool missing, the kernel refused): the reason."""
 
 
-def _run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True,
-         timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: Sequence[str], *, stdin: str | None = None, check: bool = True, timeout_s: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     """Run a host command (``ip``, ``tc``...) with a bound; raise with its stderr when ``check``."""
     proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=timeout_s, check=False)
     if check and proc.returncode != 0:
@@ -93,8 +94,26 @@ def unavailable_reason() -> str | None:
         made = _run(["ip", "netns", "add", probe], check=False)
         if made.returncode != 0:
             return f"`ip netns add` failed: {made.stderr.strip()}"
-        entered = _run(["ip", "netns", "exec", probe, "unshare", "--mount", "--propagation", "private",
-                        "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/dev/shm"], check=False)
+        entered = _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=1m",
+                "tmpfs",
+                "/dev/shm",
+            ],
+            check=False,
+        )
         if entered.returncode != 0:
             return f"a private mount namespace with a tmpfs failed: {entered.stderr.strip()}"
     except (OSError, subprocess.SubprocessError) as exc:
@@ -107,8 +126,10 @@ def unavailable_reason() -> str | None:
 def pick_subnet(taken: Iterable[ipaddress.IPv4Network] = ()) -> ipaddress.IPv4Network:
     """A /24 of 10.231.0.0/16 that overlaps no address or route of the host (nor ``taken``)."""
     used = list(taken)
-    for line in (_run(["ip", "-4", "-o", "addr", "show"]).stdout.splitlines()
-                 + _run(["ip", "-4", "route", "show", "table", "all"]).stdout.splitlines()):
+    for line in (
+        _run(["ip", "-4", "-o", "addr", "show"]).stdout.splitlines()
+        + _run(["ip", "-4", "route", "show", "table", "all"]).stdout.splitlines()
+    ):
         for word in line.split():
             try:
                 net = ipaddress.ip_network(word, strict=False)
@@ -200,12 +221,17 @@ class Node:
         if self.anchor is not None and self.anchor.poll() is None:
             raise RuntimeError(f"node {self.index} is running already")
         rt = str(self.cluster.runtime_dir)
-        script = (f"mount -t tmpfs -o size={SHM_NBYTES},mode=1777 tmpfs /dev/shm && "
-                  f"mount -t tmpfs -o size={RUNTIME_NBYTES},mode=0700 tmpfs {rt} && "
-                  "echo ready && exec sleep 2147483647")
+        script = (
+            f"mount -t tmpfs -o size={SHM_NBYTES},mode=1777 tmpfs /dev/shm && "
+            f"mount -t tmpfs -o size={RUNTIME_NBYTES},mode=0700 tmpfs {rt} && "
+            "echo ready && exec sleep 2147483647"
+        )
         self.anchor = subprocess.Popen(
-            ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--propagation", "private",
-             "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         assert self.anchor.stdout is not None
         ready, _, _ = select.select([self.anchor.stdout], [], [], ANCHOR_START_TIMEOUT_S)
         line = self.anchor.stdout.readline() if ready else b""
@@ -245,17 +271,32 @@ class Node:
     # --- running things on the node ---------------------------------------------------------
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside the node's namespaces (cwd: the repository's path)."""
-        return ["nsenter", "--target", str(self.anchor_pid), "--mount", "--net",
-                f"--wd={self.cluster.cwd}", "--", *argv]
+        return [
+            "nsenter",
+            "--target",
+            str(self.anchor_pid),
+            "--mount",
+            "--net",
+            f"--wd={self.cluster.cwd}",
+            "--",
+            *argv,
+        ]
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], **popen: object) -> subprocess.Popen[bytes]:
         """Start ``argv`` on the node with exactly ``env``."""
         return subprocess.Popen(self.command(argv), env=dict(env), **popen)  # type: ignore[call-overload]
 
-    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(argv), env=dict(env) if env is not None else None,
-                              capture_output=True, text=True, timeout=timeout_s, check=False)
+    def run(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = COMMAND_TIMEOUT_S
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(argv),
+            env=dict(env) if env is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
 
     @property
     def view(self) -> Path:
@@ -290,9 +331,10 @@ class Node:
     def add_netem(self, spec: str) -> None:
         """Apply a netem qdisc (e.g. ``delay 20ms 5ms loss 1%``) to both directions of the node's
         link; raises NetnsUnavailable with tc's reason when the kernel has no netem."""
-        for args in (["tc", "qdisc", "add", "dev", self.host_link, "root", "netem", *spec.split()],
-                     ["ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                      "netem", *spec.split()]):
+        for args in (
+            ["tc", "qdisc", "add", "dev", self.host_link, "root", "netem", *spec.split()],
+            ["ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", *spec.split()],
+        ):
             proc = _run(args, check=False)
             if proc.returncode != 0:
                 self.clear_netem()
@@ -360,12 +402,12 @@ class Cluster:
             self._created.append(["ip", "netns", "del", node.netns])
             _run(["ip", "netns", "add", node.netns])
             self._created.append(["ip", "link", "del", node.host_link])
-            _run(["ip", "link", "add", node.host_link, "type", "veth", "peer", "name", "eth0",
-                  "netns", node.netns])
+            _run(["ip", "link", "add", node.host_link, "type", "veth", "peer", "name", "eth0", "netns", node.netns])
             _run(["ip", "link", "set", node.host_link, "master", self.bridge, "up"])
-            _run(["ip", "-n", node.netns, "-batch", "-"], stdin=(
-                f"addr add {node.address}/{self.subnet.prefixlen} dev eth0\n"
-                "link set eth0 up\nlink set lo up\n"))
+            _run(
+                ["ip", "-n", node.netns, "-batch", "-"],
+                stdin=(f"addr add {node.address}/{self.subnet.prefixlen} dev eth0\nlink set eth0 up\nlink set lo up\n"),
+            )
             self.nodes.append(node)
         for node in self.nodes:
             node.boot()
@@ -397,4 +439,5 @@ class Cluster:
         names = {line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.split()}
         links = _run(["ip", "-o", "link", "show"]).stdout
         return sorted(n for n in names if n.startswith(f"{self.name}-")) + sorted(
-            set(re.findall(rf"\b({re.escape(self.name)}[bh]\d*)\b", links)))
+            set(re.findall(rf"\b({re.escape(self.name)}[bh]\d*)\b", links))
+        )

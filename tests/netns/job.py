@@ -36,8 +36,18 @@ from .harness import Cluster, Node
 
 REPO = str(Path(__file__).resolve().parents[2])
 MASTER_PORT = 29500  # each node has its own ports: no clash with the host or other clusters
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_RANK", "LOCAL_ADDR")
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "LOCAL_ADDR",
+)
 START_TIMEOUT_S = 90.0
 REPLY_TIMEOUT_S = 60.0
 
@@ -56,8 +66,11 @@ def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, poll_s: flo
 
 def base_env() -> dict[str, str]:
     """This process's environment without any launcher's or ckptd's settings."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("CKPTD_", "TORCHELASTIC_", "SLURM_")) and k not in LAUNCH_VARS}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CKPTD_", "TORCHELASTIC_", "SLURM_")) and k not in LAUNCH_VARS
+    }
 
 
 @dataclass
@@ -81,13 +94,15 @@ class RankProc:
         while b"\n" not in self.buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"rank {self.rank} (node {self.node.index}) did not answer within "
-                                     f"{timeout_s:.0f} s")
+                raise AssertionError(
+                    f"rank {self.rank} (node {self.node.index}) did not answer within {timeout_s:.0f} s"
+                )
             if select.select([fd], [], [], remaining)[0]:
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise AssertionError(f"rank {self.rank} (node {self.node.index}) exited "
-                                         f"({self.proc.poll()}) without answering")
+                    raise AssertionError(
+                        f"rank {self.rank} (node {self.node.index}) exited ({self.proc.poll()}) without answering"
+                    )
                 self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         out = json.loads(line)
@@ -134,14 +149,23 @@ class NetnsJob:
     def rank_env(self, rank: int) -> dict[str, str]:
         node = rank // self.per_node
         return {
-            **base_env(), **self.settings,
-            "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-            "RANK": str(rank), "LOCAL_RANK": str(rank % self.per_node), "WORLD_SIZE": str(self.world),
-            "LOCAL_WORLD_SIZE": str(self.per_node), "GROUP_RANK": str(node),
-            "MASTER_ADDR": self.cluster.nodes[0].address, "MASTER_PORT": str(MASTER_PORT),
-            "CKPTD_JOB_TOKEN": self.token, "CKPTD_RUNTIME_DIR": str(self.cluster.runtime_dir),
+            **base_env(),
+            **self.settings,
+            "PYTHONPATH": REPO,
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % self.per_node),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.per_node),
+            "GROUP_RANK": str(node),
+            "MASTER_ADDR": self.cluster.nodes[0].address,
+            "MASTER_PORT": str(MASTER_PORT),
+            "CKPTD_JOB_TOKEN": self.token,
+            "CKPTD_RUNTIME_DIR": str(self.cluster.runtime_dir),
             "CKPTD_DEBUG_FAULT_FILE": str(self.fault_file(node)),
-            "CKPTD_RUN_ID": f"launch{self.launches}", "CKN_LOG": str(self.log_file(rank)),
+            "CKPTD_RUN_ID": f"launch{self.launches}",
+            "CKN_LOG": str(self.log_file(rank)),
         }
 
     # --- ranks ------------------------------------------------------------------------------------
@@ -152,14 +176,19 @@ class NetnsJob:
         self.ranks = []
         for rank in range(self.world):
             node = self.cluster.nodes[rank // self.per_node]
-            proc = node.spawn([sys.executable, "-m", "tests.netns.agent", str(self.root)], self.rank_env(rank),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            proc = node.spawn(
+                [sys.executable, "-m", "tests.netns.agent", str(self.root)],
+                self.rank_env(rank),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
             self.ranks.append(RankProc(rank, node, proc))
         for r in self.ranks:
             r.reply(START_TIMEOUT_S)
 
-    def call(self, op: str, ranks: Iterable[int] | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S,
-             **args: Any) -> list[dict[str, Any]]:
+    def call(
+        self, op: str, ranks: Iterable[int] | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S, **args: Any
+    ) -> list[dict[str, Any]]:
         """Send ``op`` to ``ranks`` (default: all) at once, then collect their replies in order."""
         chosen = [self.ranks[r] for r in (range(self.world) if ranks is None else ranks)]
         for r in chosen:
@@ -229,13 +258,16 @@ class NetnsJob:
 
     def quiet(self, timeout_s: float = 30.0) -> None:
         """Wait until no live daemon has a write, a step or a commit in flight."""
+
         def idle() -> bool:
             for node in range(self.cluster.nnodes):
                 info = self.status(node)
-                if info and (info["jobs_in_flight"] or info["pending_steps"]
-                             or (info.get("coordinator") or {}).get("steps")):
+                if info and (
+                    info["jobs_in_flight"] or info["pending_steps"] or (info.get("coordinator") or {}).get("steps")
+                ):
                     return False
             return True
+
         wait_until(idle, timeout_s, "every daemon to finish its writes and steps")
 
     def collect_logs(self, dest: Path) -> None:

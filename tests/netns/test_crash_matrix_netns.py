@@ -17,8 +17,11 @@ from .crash_hosts import NETNS_VICTIMS, NetnsHosts
 
 
 def _failures(results: list[ct.TrialResult]) -> list[str]:
-    return [f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} "
-            f"problems={r.problems}" for r in results if not r.ok]
+    return [
+        f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} problems={r.problems}"
+        for r in results
+        if not r.ok
+    ]
 
 
 @pytest.mark.timeout(150)
@@ -31,7 +34,9 @@ def test_short_netns_crash_matrix(netns_available, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_long_netns_crash_matrix(netns_available, tmp_path):
-    results = [ct.run_trial(seed, NetnsHosts(), ranks=3, nodes=3, workdir=tmp_path, victim=victim)
-               for seed, victim in enumerate(NETNS_VICTIMS * 2 + (None,) * 6)]
+    results = [
+        ct.run_trial(seed, NetnsHosts(), ranks=3, nodes=3, workdir=tmp_path, victim=victim)
+        for seed, victim in enumerate(NETNS_VICTIMS * 2 + (None,) * 6)
+    ]
     assert not _failures(results), "\n".join(_failures(results))
     assert {r.victim for r in results} == set(NETNS_VICTIMS)

@@ -73,14 +73,20 @@ def test_link_down_during_persist_then_during_commit(make_job):
     # coordinator timeout
     job.fault(0, "delay 0.5")
     job.save(4)
-    wait_until(lambda: any(s["phase"] == "committing" for s in job.coordinator_steps().values()), 15,
-               "the coordinator to commit step 4")
+    wait_until(
+        lambda: any(s["phase"] == "committing" for s in job.coordinator_steps().values()),
+        15,
+        "the coordinator to commit step 4",
+    )
     job.cluster.nodes[1].link_down()
     out = job.outcomes(4, timeout_s=30)
     job.fault(0, "")
     assert out[0]["outcome"] == "committed", out
-    assert out[1]["outcome"] == "aborted" and "did not answer" in out[1]["reason"] \
-        and "may still commit" in out[1]["reason"], out
+    assert (
+        out[1]["outcome"] == "aborted"
+        and "did not answer" in out[1]["reason"]
+        and "may still commit" in out[1]["reason"]
+    ), out
     job.cluster.nodes[1].link_up()
     _latest_everywhere(job, 4)  # the commit is complete and durable: every rank loads it bit-exact
     job.save(5)
@@ -98,15 +104,24 @@ def test_partition_between_written_and_committed(make_job):
     job.committed(1)
     job.fault(0, "delay 1")  # node 0's own write is slow: node 1 has reported, the coordinator waits
     job.save(2)
-    wait_until(lambda: any(s["written"] == [1] for s in job.coordinator_steps().values()), 15,
-               "node 1's WRITTEN of step 2 to reach the coordinator")
+    wait_until(
+        lambda: any(s["written"] == [1] for s in job.coordinator_steps().values()),
+        15,
+        "node 1's WRITTEN of step 2 to reach the coordinator",
+    )
     job.cluster.nodes[1].isolate()
     job.fault(0, "")
-    wait_until(lambda: (job.root / "iter_0000002").is_dir() and not job.coordinator_steps(), 15,
-               "the coordinator to commit step 2 while node 1 is cut off")
+    wait_until(
+        lambda: (job.root / "iter_0000002").is_dir() and not job.coordinator_steps(),
+        15,
+        "the coordinator to commit step 2 while node 1 is cut off",
+    )
     # Silent longer than the link timeout: node 1's connection (and the verdict in it) was dropped.
-    wait_until(lambda: (job.status(1) or {}).get("upstream", {}).get("silent_s", 0) > 2.3, 10,
-               "node 1 to miss the coordinator for longer than the link timeout")
+    wait_until(
+        lambda: (job.status(1) or {}).get("upstream", {}).get("silent_s", 0) > 2.3,
+        10,
+        "node 1 to miss the coordinator for longer than the link timeout",
+    )
     job.cluster.nodes[1].rejoin()
     job.committed(2)  # node 1 resent its report and was answered with the verdict
     _latest_everywhere(job, 2)

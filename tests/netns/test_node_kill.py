@@ -41,13 +41,19 @@ def test_whole_node_killed_mid_save(make_job, victim):
     if victim == 0:
         # Node 1's daemon outlived the coordinator; it learns the new one at its next ping (a
         # report sent before that would be taken for one the old coordinator lost).
-        wait_until(lambda: job.status(1)["upstream"]["instance"] == job.status(0)["instance"], 10,
-                   "node 1 to know the restarted coordinator")
+        wait_until(
+            lambda: job.status(1)["upstream"]["instance"] == job.status(0)["instance"],
+            10,
+            "node 1 to know the restarted coordinator",
+        )
     assert [o["latest"] for o in job.call("latest")] == [1, 1]
     job.check(1)
     job.save(3)
     job.committed(3)
     job.check(3)
-    wait_until(lambda: not [p for p in job.root.iterdir() if p.name.endswith(".tmp")], 20,
-               "the killed save's files to be removed")
+    wait_until(
+        lambda: not [p for p in job.root.iterdir() if p.name.endswith(".tmp")],
+        20,
+        "the killed save's files to be removed",
+    )
     assert sorted(p.name for p in job.root.glob("iter_*")) == ["iter_0000001", "iter_0000003"]

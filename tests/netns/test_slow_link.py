@@ -23,8 +23,14 @@ NETEM = "delay 50ms 20ms loss 2%"
 
 @pytest.mark.timeout(300)
 def test_slow_link_with_large_control_messages(make_job):
-    job: NetnsJob = make_job(2, launch=False, CKPTD_COMMIT_TIMEOUT_S="60", CKPTD_COORDINATOR_TIMEOUT_S="30",
-                             CKN_COMMON_NBYTES=str(1 << 20), CKN_ITEMS_PER_RANK="4000")
+    job: NetnsJob = make_job(
+        2,
+        launch=False,
+        CKPTD_COMMIT_TIMEOUT_S="60",
+        CKPTD_COORDINATOR_TIMEOUT_S="30",
+        CKN_COMMON_NBYTES=str(1 << 20),
+        CKN_ITEMS_PER_RANK="4000",
+    )
     try:
         job.cluster.nodes[1].add_netem(NETEM)
     except NetnsUnavailable as exc:

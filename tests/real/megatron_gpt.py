@@ -32,8 +32,9 @@ def build_gpt(tp: int) -> Any:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
-                    max_sequence_length=32)
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32
+    )
 
 
 def adamw(model: Any) -> torch.optim.AdamW:
@@ -66,8 +67,13 @@ def sharded_state(model: Any, opt: torch.optim.Optimizer, iteration: int) -> dic
     optim_sd = opt.state_dict()
     id_map = get_param_id_to_sharded_param_map(model_sd, list(model.parameters()))
     optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
-    return {"model": model_sd, "optimizer": optim_sd, "iteration": iteration, "opt_step": 1,
-            "args": {"num_layers": 2, "hidden_size": 64}}
+    return {
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "iteration": iteration,
+        "opt_step": 1,
+        "args": {"num_layers": 2, "hidden_size": 64},
+    }
 
 
 def flat(x: Any, prefix: str = "") -> dict[str, Any]:

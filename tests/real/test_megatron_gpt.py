@@ -66,8 +66,11 @@ def _load(rank: int, world: int, root: str, name: str) -> list[str]:
     # ckptd.load filled the model's own parameters in place (Megatron-Core's semantics).
     loaded_params = {k: v for k, v in flat(reference).items() if k.startswith("model.")}
     live = {f"model.{k}": sh.data for k, sh in model.sharded_state_dict().items() if hasattr(sh, "data")}
-    bad += differences({k: live[k] for k in loaded_params if k in live},
-                       {k: v for k, v in loaded_params.items() if k in live}, "parameters in place")
+    bad += differences(
+        {k: live[k] for k in loaded_params if k in live},
+        {k: v for k, v in loaded_params.items() if k in live},
+        "parameters in place",
+    )
     if len(flat(reference)) < 60 or reference["iteration"] != 7:
         bad.append(f"reference has {len(flat(reference))} entries, iteration {reference['iteration']}")
     if all(float(v.abs().sum()) == 0 for k, v in flat(reference).items() if isinstance(v, torch.Tensor)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import msgpack
@@ -11,12 +12,12 @@ from ckptd.config import CkptdConfig, parse_budget
 from ckptd.control.protocol import (
     FRAME_NBYTES,
     PROTOCOL_VERSION,
+    REGISTRY,
     Codec,
     Failed,
     Hello,
     MsgType,
     Ping,
-    REGISTRY,
     Save,
     StatusReply,
     StepAborted,
@@ -33,8 +34,22 @@ def _frames(obj: object) -> list[bytes]:
 
 
 def _save_fields(**changes: object) -> dict:
-    f = {"step": 1, "attempt": ATTEMPT, "rank": 0, "world_size": 1, "generation": "g", "block": 0,
-         "items": [], "common": None, "common_digest": "", "layout": "", "ring_start": 0, "snapshot_pid": 0, "seal": b"", "seal_offset": 0}
+    f = {
+        "step": 1,
+        "attempt": ATTEMPT,
+        "rank": 0,
+        "world_size": 1,
+        "generation": "g",
+        "block": 0,
+        "items": [],
+        "common": None,
+        "common_digest": "",
+        "layout": "",
+        "ring_start": 0,
+        "snapshot_pid": 0,
+        "seal": b"",
+        "seal_offset": 0,
+    }
     f.update(changes)
     return f
 
@@ -43,8 +58,22 @@ def test_every_message_type_round_trips():
     samples = [
         Ping(7),
         Hello(3, 1234, "/ckpts/run1"),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}], b"\x00\x01", "digest", "l1", 0,
-             4242, b"s" * 16, 4096),
+        Save(
+            100,
+            ATTEMPT,
+            3,
+            4,
+            "abcd",
+            1,
+            [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}],
+            b"\x00\x01",
+            "digest",
+            "l1",
+            0,
+            4242,
+            b"s" * 16,
+            4096,
+        ),
         Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, 0, b"", 0),
         Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, "", 4096),
         Failed(100, "fedcba987654-12", -1, 0, 1, "lost the coordinator"),
@@ -58,37 +87,79 @@ def test_every_message_type_round_trips():
     assert len(REGISTRY) == len(MsgType) and all(REGISTRY[t].TYPE is t for t in MsgType)
 
 
-@pytest.mark.parametrize("frames, why", [
-    ([], "empty message"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1}}) + [b"an old HMAC frame"],
-     "undecodable"),
-    ([b"\xc1"], "undecodable"),
-    (_frames([1, 2, 3]), "not a {v, t, job, f} map"),
-    (_frames({"v": PROTOCOL_VERSION - 1, "t": 1, "job": "job1", "f": {"nonce": 1}}), "protocol version"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job2", "f": {"nonce": 1}}), "for job 'job2'"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 999, "job": "job1", "f": {}}), "unknown message type"),
-    (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "unknown message type"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {}}), "fields [], expected ['nonce']"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1, "x": 2}}), "fields"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": "1"}}), "'nonce' has type str"),
-    (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}), "'nonce' has type bool"),
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(items=[1, 2])}),
-     "'items' has type list"),
-    # Steps are bounded: a step of 2**64 - 1 would pin `latest` forever.
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(step=2**64 - 1)}),
-     "SAVE: step 18446744073709551615 is outside 0..999999999"),
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.STEP_ABORTED), "job": "job1",
-              "f": {"step": -1, "attempt": ATTEMPT, "reason": ""}}), "STEP_ABORTED: step -1 is outside"),
-    # Attempt ids name directories: nothing but <12 hex>-<n> passes.
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(attempt="../../x-1")}),
-     "attempt id '../../x-1'"),
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(attempt=ATTEMPT + "\n")}),
-     "attempt id"),
-    (_frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(attempt="0123456789ab-0")}),
-     "attempt id"),
-])
+@pytest.mark.parametrize(
+    "frames, why",
+    [
+        ([], "empty message"),
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1}}) + [b"an old HMAC frame"],
+            "undecodable",
+        ),
+        ([b"\xc1"], "undecodable"),
+        (_frames([1, 2, 3]), "not a {v, t, job, f} map"),
+        (_frames({"v": PROTOCOL_VERSION - 1, "t": 1, "job": "job1", "f": {"nonce": 1}}), "protocol version"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job2", "f": {"nonce": 1}}), "for job 'job2'"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 999, "job": "job1", "f": {}}), "unknown message type"),
+        (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "unknown message type"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {}}), "fields [], expected ['nonce']"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1, "x": 2}}), "fields"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": "1"}}), "'nonce' has type str"),
+        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}), "'nonce' has type bool"),
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(items=[1, 2])}),
+            "'items' has type list",
+        ),
+        # Steps are bounded: a step of 2**64 - 1 would pin `latest` forever.
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(step=2**64 - 1)}),
+            "SAVE: step 18446744073709551615 is outside 0..999999999",
+        ),
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.STEP_ABORTED),
+                    "job": "job1",
+                    "f": {"step": -1, "attempt": ATTEMPT, "reason": ""},
+                }
+            ),
+            "STEP_ABORTED: step -1 is outside",
+        ),
+        # Attempt ids name directories: nothing but <12 hex>-<n> passes.
+        (
+            _frames(
+                {"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(attempt="../../x-1")}
+            ),
+            "attempt id '../../x-1'",
+        ),
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.SAVE),
+                    "job": "job1",
+                    "f": _save_fields(attempt=ATTEMPT + "\n"),
+                }
+            ),
+            "attempt id",
+        ),
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.SAVE),
+                    "job": "job1",
+                    "f": _save_fields(attempt="0123456789ab-0"),
+                }
+            ),
+            "attempt id",
+        ),
+    ],
+)
 def test_malformed_messages_are_rejected(frames, why):
-    with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]").replace("{", r"\{").replace("}", r"\}")):
+    with pytest.raises(
+        ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]").replace("{", r"\{").replace("}", r"\}")
+    ):
         codec.decode(frames)
 
 
@@ -119,11 +190,23 @@ def test_no_pickle_on_the_wire():
 
 
 def test_config_env_overrides_in_one_place():
-    env = {"CKPTD_STAGING_BUDGET": "0.5x", "CKPTD_ON_FULL": "skip", "CKPTD_FSYNC": "0",
-           "CKPTD_COMMIT_TIMEOUT_S": "12.5", "CKPTD_WRITER_THREADS": "3", "OTHER": "x"}
+    env = {
+        "CKPTD_STAGING_BUDGET": "0.5x",
+        "CKPTD_ON_FULL": "skip",
+        "CKPTD_FSYNC": "0",
+        "CKPTD_COMMIT_TIMEOUT_S": "12.5",
+        "CKPTD_WRITER_THREADS": "3",
+        "OTHER": "x",
+    }
     cfg = CkptdConfig.from_env(env, keep_last=4)
-    assert (cfg.staging_budget, cfg.on_full, cfg.fsync, cfg.commit_timeout_s, cfg.keep_last,
-            cfg.writer_threads) == ("0.5x", "skip", False, 12.5, 4, 3)
+    assert (cfg.staging_budget, cfg.on_full, cfg.fsync, cfg.commit_timeout_s, cfg.keep_last, cfg.writer_threads) == (
+        "0.5x",
+        "skip",
+        False,
+        12.5,
+        4,
+        3,
+    )
     assert CkptdConfig.from_env(cfg.to_env()) == cfg
     with pytest.raises(CkptdError, match="CKPTD_WRITER_THREADS='many' is not a valid int"):
         CkptdConfig.from_env({"CKPTD_WRITER_THREADS": "many"})
@@ -135,5 +218,5 @@ def test_config_env_overrides_in_one_place():
         CkptdConfig(on_full="drop")
     with pytest.raises(CkptdError, match="unknown config fields"):
         CkptdConfig.from_env({}, pool_size=3)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.writer_threads = 5  # type: ignore[misc]  # frozen

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from ckptd.catalog import EntryState, resolve_target, scan_root
-from ckptd.format.rootlayout import step_dir_name
 from ckptd.errors import CheckpointNotFoundError, CkptdError
+from ckptd.format.rootlayout import step_dir_name
 from ckptd.retention import apply_gc, plan_gc
 from tests.checkpoints import make_checkpoint, make_partial, make_root
 
@@ -33,11 +33,14 @@ def test_scan_root_states_sizes_and_latest(tmp_path):
     assert step_dir_name(100) == "iter_0000100"
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("iter_0000999\n", "does not exist"),
-    ("iter_0000050\n", "not a complete checkpoint"),
-    ("../etc\n", "not a checkpoint directory name"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("iter_0000999\n", "does not exist"),
+        ("iter_0000050\n", "not a complete checkpoint"),
+        ("../etc\n", "not a checkpoint directory name"),
+    ],
+)
 def test_untrustworthy_tracker(tmp_path, content, problem):
     root = make_root(tmp_path / "r", [100], latest=None)
     (root / "iter_0000050").mkdir()
@@ -65,11 +68,18 @@ def test_gc_keeps_newest_and_latest_and_young_partials(tmp_path):
     make_partial(root, 90, age_s=7200)
     (root / "iter_0000010.deleting").mkdir()
     plan = plan_gc(scan_root(root), keep=1, grace_s=600)
-    assert [r.entry.name for r in plan.remove] == ["iter_0000010.deleting", "iter_0000090.tmp", "iter_0000100",
-                                                   "iter_0000300"]
+    assert [r.entry.name for r in plan.remove] == [
+        "iter_0000010.deleting",
+        "iter_0000090.tmp",
+        "iter_0000100",
+        "iter_0000300",
+    ]
     kept = {e.name: why for e, why in plan.kept}
-    assert kept == {"iter_0000400": "among the newest 1", "iter_0000200": "named by the tracker",
-                    "iter_0000500.tmp": kept["iter_0000500.tmp"]}
+    assert kept == {
+        "iter_0000400": "among the newest 1",
+        "iter_0000200": "named by the tracker",
+        "iter_0000500.tmp": kept["iter_0000500.tmp"],
+    }
     assert "in flight" in kept["iter_0000500.tmp"]
     assert plan.nbytes > 0 and plan.refused is None
     results = apply_gc(plan)

@@ -3,9 +3,9 @@
 import io
 import pickle
 import zipfile
-import crc32c
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import msgpack
 import pytest
 import torch
@@ -26,8 +26,9 @@ def _items() -> list[PlannedItem]:
     view = torch.arange(100, dtype=torch.float16)[10:30]  # a slice of a larger storage
     out = []
     for i, t in enumerate((big, strided, view)):
-        rec = ItemRecord(f"t{i}", TENSOR, 0, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                         (0,) * t.dim(), tuple(t.shape))
+        rec = ItemRecord(
+            f"t{i}", TENSOR, 0, str(t.dtype).removeprefix("torch."), tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
+        )
         out.append(PlannedItem(rec, t))
     out.append(plan_object(ShardedObject("obj", {"a": [1, 2]}, (1,), (0,)), 0))
     return out
@@ -159,8 +160,16 @@ def test_checkpoints_with_crc32_tables_of_older_versions_still_verify(tmp_path):
     for r in records_from_index(index):
         data = (c / r.relative_path).read_bytes()[r.file_offset : r.file_offset + r.length]
         items[(r.fqn, tuple(r.offsets) if r.kind == TENSOR else ())] = zlib.crc32(data)
-    setattr(raw, CHECKSUMS_ATTR, {"version": 1, "algorithm": "crc32", "items": items,
-                                  "files": {"common.pt": zlib.crc32((c / "common.pt").read_bytes())}})
+    setattr(
+        raw,
+        CHECKSUMS_ATTR,
+        {
+            "version": 1,
+            "algorithm": "crc32",
+            "items": items,
+            "files": {"common.pt": zlib.crc32((c / "common.pt").read_bytes())},
+        },
+    )
     (c / ".metadata").unlink()
     write_metadata(c, raw, fsync=False)
     report = verify_checkpoint(c, deep=True)

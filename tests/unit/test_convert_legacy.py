@@ -65,8 +65,9 @@ def _tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return t.clone() if axis is None else t.chunk(tp, axis)[rank].clone()
 
 
-def write_legacy_tree(root: Path, ref: dict[str, torch.Tensor], tp: int, pp: int, ep: int,
-                      numpy_rng: bool = True) -> Path:
+def write_legacy_tree(
+    root: Path, ref: dict[str, torch.Tensor], tp: int, pp: int, ep: int, numpy_rng: bool = True
+) -> Path:
     """Write ``ref`` as Megatron-LM's legacy ``torch`` format would at TP x PP x EP."""
     it = root / "iter_0000100"
     per_stage = L // pp
@@ -90,8 +91,9 @@ def write_legacy_tree(root: Path, ref: dict[str, torch.Tensor], tp: int, pp: int
                             expert = int(key.split("local_experts.")[1].split(".")[0])
                             if expert // per_ep != e:
                                 continue
-                            local_key = local_key.replace(f"local_experts.{expert}.",
-                                                          f"local_experts.{expert % per_ep}.")
+                            local_key = local_key.replace(
+                                f"local_experts.{expert}.", f"local_experts.{expert % per_ep}."
+                            )
                     model[local_key] = _tp_shard(key, full, tp, t)
                 model["decoder.layers.0.self_attention.core_attention._extra_state"] = io.BytesIO(b"te")
                 rng = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
@@ -99,13 +101,20 @@ def write_legacy_tree(root: Path, ref: dict[str, torch.Tensor], tp: int, pp: int
                     rng["np_rng_state"] = np.random.get_state()
                 sd = {
                     "args": argparse.Namespace(
-                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                        expert_model_parallel_size=ep, num_layers=L, swiglu=True, lr=1e-3,
+                        tensor_model_parallel_size=tp,
+                        pipeline_model_parallel_size=pp,
+                        expert_model_parallel_size=ep,
+                        num_layers=L,
+                        swiglu=True,
+                        lr=1e-3,
                     ),
                     "checkpoint_version": 3.0,
                     "iteration": 100,
                     "model": model,
-                    "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
+                    "optimizer": {
+                        "state": {0: {"exp_avg": torch.zeros(3)}},
+                        "param_groups": [{"lr": 1e-3, "params": [0]}],
+                    },
                     "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 100},
                     "rng_state": [rng],
                 }
@@ -126,8 +135,13 @@ def test_legacy_tp2_pp2_converts_and_reshards(tmp_path):
     with pytest.raises(UnsafePickleError, match="allow_unsafe_pickle"):
         convert_legacy(tmp_path / "legacy", tmp_path / "dist0", fsync=False)
     seen: list[tuple[int, int, str]] = []
-    report = convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True,
-                            progress=lambda d, t, label: seen.append((d, t, label)), fsync=False)
+    report = convert_legacy(
+        tmp_path / "legacy",
+        tmp_path / "dist",
+        allow_unsafe_pickle=True,
+        progress=lambda d, t, label: seen.append((d, t, label)),
+        fsync=False,
+    )
     assert report.tensors == len(ref) and report.iteration == 100
     assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] > 0 and len(seen) == 3
     assert any("_extra_state" in k for k in report.skipped)
@@ -144,9 +158,11 @@ def test_legacy_tp2_pp2_converts_and_reshards(tmp_path):
     for rank in range(4):
         req = {
             "qkv": ckptd.ShardedTensor.from_rank_offsets(
-                "decoder.layers.3.self_attention.linear_qkv.weight", torch.empty(3 * H // 4, H), (0, rank, 4)),
+                "decoder.layers.3.self_attention.linear_qkv.weight", torch.empty(3 * H // 4, H), (0, rank, 4)
+            ),
             "proj": ckptd.ShardedTensor.from_rank_offsets(
-                "decoder.layers.2.self_attention.linear_proj.weight", torch.empty(H, H // 4), (1, rank, 4)),
+                "decoder.layers.2.self_attention.linear_proj.weight", torch.empty(H, H // 4), (1, rank, 4)
+            ),
         }
         out = ckptd.load(req, tmp_path / "dist")
         assert torch.equal(out["qkv"], ref["decoder.layers.3.self_attention.linear_qkv.weight"].chunk(4, 0)[rank])
@@ -169,7 +185,9 @@ def test_legacy_experts_and_stacked_layers(tmp_path):
     assert stacked.shape == (L, H, F)
     for i in range(L):
         assert torch.equal(stacked[i], ref[f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc2.weight"])
-        assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][i], ref[f"decoder.layers.{i}.mlp.linear_fc1.weight"])
+        assert torch.equal(
+            plain["decoder.layers.mlp.linear_fc1.weight"][i], ref[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
+        )
     assert torch.equal(plain["output_layer.weight"], ref["output_layer.weight"])
 
 
@@ -187,8 +205,10 @@ def test_legacy_bad_inputs(tmp_path):
     with pytest.raises(ShardingError, match=r"extra\.weight.*no split rule"):
         convert_legacy(tp2, tmp_path / "out1", fsync=False)
     convert_legacy(tp2, tmp_path / "out2", rules=[SplitRule.parse(r"extra\.weight$=0")], fsync=False)
-    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "out2")["decoder.layers.0.extra.weight"],
-                       torch.cat([torch.zeros(2, 4), torch.ones(2, 4)]))
+    assert torch.equal(
+        ckptd.load_plain_tensors(tmp_path / "out2")["decoder.layers.0.extra.weight"],
+        torch.cat([torch.zeros(2, 4), torch.ones(2, 4)]),
+    )
     (tp2 / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointNotFoundError, match="no model_optim_rng.pt"):
         convert_legacy(tp2, tmp_path / "out3", fsync=False)
@@ -202,12 +222,22 @@ def test_cli_is_quiet_off_tty(tmp_path):
     ref = reference(experts=False)
     write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=1, ep=1, numpy_rng=False)
     tool = [sys.executable, "-m", "ckptd.cli", "convert"]
-    run = subprocess.run([*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"),
-                          "--no-fsync"], capture_output=True, text=True, timeout=100, cwd=ROOT)
+    run = subprocess.run(
+        [*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"), "--no-fsync"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stderr == "" and f"converted {len(ref)} tensors" in run.stdout
-    run = subprocess.run([*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
-                         capture_output=True, text=True, timeout=100, cwd=ROOT)
+    run = subprocess.run(
+        [*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+    )
     assert run.returncode == 1 and "already holds a checkpoint" in run.stderr
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-import crc32c
 
+import crc32c
 import pytest
 import torch
 
@@ -26,7 +26,7 @@ def test_buffer_address_matches_tensor_pointer():
     view = memoryview(t.numpy()).cast("B")
     assert buffer_address(view) == t.data_ptr()
     assert buffer_address(view[12:]) == t.data_ptr() + 12
-    assert buffer_address(bytes(b"readonly")) != 0
+    assert buffer_address(b"readonly") != 0
 
 
 @pytest.mark.parametrize("where", ["disk", "shm"])
@@ -68,14 +68,24 @@ def test_items_land_aligned_and_load(tmp_path):
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(4 << 20, generator=gen)
     payloads = [
-        base[: 1 << 20],                           # page-aligned start
-        base[(1 << 20) + 3 : (2 << 20) + 3],       # starts 12 bytes into a page
-        torch.arange(10, dtype=torch.int64),       # small: no alignment needed
-        base[(3 << 20) : (3 << 20) + 300_001],      # odd length
+        base[: 1 << 20],  # page-aligned start
+        base[(1 << 20) + 3 : (2 << 20) + 3],  # starts 12 bytes into a page
+        torch.arange(10, dtype=torch.int64),  # small: no alignment needed
+        base[(3 << 20) : (3 << 20) + 300_001],  # odd length
     ]
     items = [
-        PlannedItem(ItemRecord(f"t{i}", TENSOR, 0, "float32" if p.dtype == torch.float32 else "int64",
-                               tuple(p.shape), (0,), tuple(p.shape)), p)
+        PlannedItem(
+            ItemRecord(
+                f"t{i}",
+                TENSOR,
+                0,
+                "float32" if p.dtype == torch.float32 else "int64",
+                tuple(p.shape),
+                (0,),
+                tuple(p.shape),
+            ),
+            p,
+        )
         for i, p in enumerate(payloads)
     ]
     items.append(plan_object(ShardedObject("obj", {"a": 1}, (1,), (0,)), 0))
@@ -103,7 +113,7 @@ def test_direct_and_buffered_files_load_the_same(tmp_path):
     t = torch.randn(2 << 20)
     items = [PlannedItem(ItemRecord("w", TENSOR, 0, "float32", (2 << 20,), (0,), (2 << 20,)), t)]
     direct = write_data_file(tmp_path, "a.distcp", items)
-    buffered = write_data_file(tmp_path, "b.distcp", items, opener=lambda p, m: open(p, m))
+    buffered = write_data_file(tmp_path, "b.distcp", items, opener=lambda p, m: open(p, m))  # noqa: SIM115 - the writer closes it
     for name, rec in (("a.distcp", direct[0]), ("b.distcp", buffered[0])):
         blob = (tmp_path / name).read_bytes()[rec.file_offset : rec.file_offset + rec.length]
         assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)

@@ -39,8 +39,10 @@ def ring():
 
 
 def _items(tensors: list[torch.Tensor], blob: bytes) -> list[PlannedItem]:
-    items = [PlannedItem(ItemRecord(f"t{i}", TENSOR, 0, "float32", tuple(t.shape), (0,) * t.dim(),
-                                    tuple(t.shape)), t) for i, t in enumerate(tensors)]
+    items = [
+        PlannedItem(ItemRecord(f"t{i}", TENSOR, 0, "float32", tuple(t.shape), (0,) * t.dim(), tuple(t.shape)), t)
+        for i, t in enumerate(tensors)
+    ]
     items.append(PlannedItem(ItemRecord("obj", BYTES, 0), blob))
     return items
 
@@ -65,7 +67,7 @@ def test_child_copies_the_values_at_fork_time(ring):
     wait.wait(dring, timeout_s=30)
     assert wait.progress(dring) == start + span(p.offset + p.nbytes for p in placements) and wait.sealed(dring)
     assert reap([snap.pid], block=True) == []
-    for t, p, ref in zip(tensors, placements, expected):
+    for p, ref in zip(placements, expected):
         assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
     assert bytes(dring.view(start + placements[-1].offset, placements[-1].nbytes)) == b"pickled object bytes"
 
@@ -143,7 +145,11 @@ def test_a_child_that_hangs_times_out(ring):
 
 
 def test_malformed_snapshot_requests_are_refused():
-    for pid, seal, at in ((0, b"x" * SEAL_NBYTES, block_offset(0)), (os.getpid(), b"short", block_offset(0)),
-                          (os.getpid(), b"x" * SEAL_NBYTES, block_offset(0) + 1), (os.getpid(), b"x" * SEAL_NBYTES, 0)):
+    for pid, seal, at in (
+        (0, b"x" * SEAL_NBYTES, block_offset(0)),
+        (os.getpid(), b"short", block_offset(0)),
+        (os.getpid(), b"x" * SEAL_NBYTES, block_offset(0) + 1),
+        (os.getpid(), b"x" * SEAL_NBYTES, 0),
+    ):
         with pytest.raises(StagingError, match="malformed snapshot"):
             SnapshotWait.open(0, pid, seal, at)

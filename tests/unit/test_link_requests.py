@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from ckptd.client.link import DaemonLink, RequestNotTaken
 from ckptd.config import CkptdConfig
 from ckptd.control.channel import Endpoint, make_socket
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
@@ -18,7 +19,6 @@ from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import PidLock
 from ckptd.control.protocol import Codec, ErrorReply, Save, SaveAck
 from ckptd.control.security import ZapHandler
-from ckptd.client.link import DaemonLink, RequestNotTaken
 
 ATTEMPT = "0123456789ab-1"
 

@@ -52,8 +52,9 @@ def request(**overrides) -> dict:
 def ckpt(tmp_path: Path):
     """A checkpoint; after the test, any file the test did not damage on purpose is unchanged."""
     path = tmp_path / "c"
-    ckptd.save({"x": ST.from_rank_offsets("x", X.clone()), "o": ShardedObject("o", {"a": 1}, (1,), (0,)),
-                "step": 3}, path)
+    ckptd.save(
+        {"x": ST.from_rank_offsets("x", X.clone()), "o": ShardedObject("o", {"a": 1}, (1,), (0,)), "step": 3}, path
+    )
     yield path
 
 
@@ -96,11 +97,14 @@ def test_missing_common_pt(ckpt: Path):
         ckptd.load_common_state_dict(ckpt)
 
 
-@pytest.mark.parametrize("meta", [
-    {"sharded_backend": "zarr", "sharded_backend_version": 1},
-    {"sharded_backend": "torch_dist", "sharded_backend_version": 99},
-    {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "yaml"},
-])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"sharded_backend": "zarr", "sharded_backend_version": 1},
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 99},
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "yaml"},
+    ],
+)
 def test_unknown_backend(ckpt: Path, meta: dict):
     (ckpt / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(UnsupportedFormatError, match="metadata.json.*not supported"):
@@ -140,17 +144,26 @@ def test_directories_that_are_not_checkpoints(tmp_path: Path):
         "absent": "not a directory",
     }
     for name, pattern in cases.items():
-        for fn in (ckptd.load_common_state_dict, ckptd.load_tensors_metadata, ckptd.load_sharded_metadata,
-                   ckptd.load_plain_tensors, lambda p: ckptd.load(request(), p)):
+        for fn in (
+            ckptd.load_common_state_dict,
+            ckptd.load_tensors_metadata,
+            ckptd.load_sharded_metadata,
+            ckptd.load_plain_tensors,
+            lambda p: ckptd.load(request(), p),
+        ):
             with pytest.raises(CheckpointNotFoundError, match=pattern):
                 fn(tmp_path / name)
 
 
 def test_common_state_with_arbitrary_objects_needs_allow_unsafe_pickle(tmp_path: Path):
     path = tmp_path / "c"
-    ckptd.save({"x": ST.from_rank_offsets("x", X.clone()), "args": Opaque(7),
-                "o": ShardedObject("o", Opaque(8), (1,), (0,))}, path)
-    with pytest.raises(UnsafePickleError, match=r"common.pt contains tests.unit.test_load_errors.Opaque.*allow_unsafe_pickle=True"):
+    ckptd.save(
+        {"x": ST.from_rank_offsets("x", X.clone()), "args": Opaque(7), "o": ShardedObject("o", Opaque(8), (1,), (0,))},
+        path,
+    )
+    with pytest.raises(
+        UnsafePickleError, match=r"common.pt contains tests.unit.test_load_errors.Opaque.*allow_unsafe_pickle=True"
+    ):
         ckptd.load_common_state_dict(path)
     with pytest.raises(UnsafePickleError, match="allow_unsafe_pickle=True"):
         ckptd.load(request(), path)
@@ -169,8 +182,12 @@ def test_sharded_object_with_arbitrary_object_needs_allow_unsafe_pickle(tmp_path
 def test_hostile_dcp_metadata_is_refused(ckpt: Path, tmp_path: Path):
     marker = tmp_path / "pwned"
     (ckpt / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
-    for fn in (lambda: ckptd.load(request(), ckpt), lambda: ckptd.load_tensors_metadata(ckpt),
-               lambda: ckptd.load_sharded_metadata(ckpt), lambda: ckptd.load_plain_tensors(ckpt)):
+    for fn in (
+        lambda: ckptd.load(request(), ckpt),
+        lambda: ckptd.load_tensors_metadata(ckpt),
+        lambda: ckptd.load_sharded_metadata(ckpt),
+        lambda: ckptd.load_plain_tensors(ckpt),
+    ):
         with pytest.raises(UnsafePickleError, match=r"\.metadata references posix\.system.*refusing"):
             fn()
     assert not marker.exists()

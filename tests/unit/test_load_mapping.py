@@ -64,8 +64,9 @@ def test_fuse_and_split_reshard(separate, tmp_path):
                 for name, full in ((f"layers.{i}.qkv", fused[i]), (f"layers.{i}.fc1", fc1[i])):
                     n = full.shape[0]
                     lo, hi = rank * n // tp, (rank + 1) * n // tp
-                    req[name] = ShardedTensor(name, torch.zeros(hi - lo, H), torch.float32, (hi - lo, H),
-                                              tuple(full.shape), (lo, 0), (tp, 1))
+                    req[name] = ShardedTensor(
+                        name, torch.zeros(hi - lo, H), torch.float32, (hi - lo, H), tuple(full.shape), (lo, 0), (tp, 1)
+                    )
             req["embed"] = ShardedTensor.from_rank_offsets("embed", torch.zeros(10, H))
             req["meta"] = ShardedObject("meta", None, (1,), (0,))
             out = ckptd.load(req, d, key_mapping=rules)
@@ -78,16 +79,25 @@ def test_fuse_and_split_reshard(separate, tmp_path):
 
     # Save the fused form, load the separate form back (split, with GQA sizes), flattened too.
     fused_dir = tmp_path / "fused"
-    ckptd.save({f"{i}": ShardedTensor.from_rank_offsets(f"blk.{i}.qkv", fused[i]) for i in range(2)},
-               fused_dir, fsync=False)
-    split_rules = rules_from_config([
-        {"split": "blk.*.qkv", "targets": ["blk.*.q", "blk.*.k", "blk.*.v"], "axis": 0,
-         "sizes": [NQ * D, NG * D, NG * D], "groups": NG},
-    ])
+    ckptd.save(
+        {f"{i}": ShardedTensor.from_rank_offsets(f"blk.{i}.qkv", fused[i]) for i in range(2)}, fused_dir, fsync=False
+    )
+    split_rules = rules_from_config(
+        [
+            {
+                "split": "blk.*.qkv",
+                "targets": ["blk.*.q", "blk.*.k", "blk.*.v"],
+                "axis": 0,
+                "sizes": [NQ * D, NG * D, NG * D],
+                "groups": NG,
+            },
+        ]
+    )
     req = {
         "k": ShardedTensor.from_rank_offsets("blk.1.k", torch.zeros(NG * D // 2, H), (0, 1, 2)),
-        "q": ShardedTensor.from_rank_offsets_flat("blk.0.q", torch.zeros(17), (NQ * D, H),
-                                                  flattened_range=slice(5, 22)),
+        "q": ShardedTensor.from_rank_offsets_flat(
+            "blk.0.q", torch.zeros(17), (NQ * D, H), flattened_range=slice(5, 22)
+        ),
         "v": ShardedTensor.from_rank_offsets("blk.0.v", torch.zeros(NG * D, H)),
     }
     out = ckptd.load(req, fused_dir, key_mapping=split_rules)
@@ -100,7 +110,10 @@ def test_key_mapping_errors(separate):
     d, _ = separate
     req = {"x": ShardedTensor.from_rank_offsets("layers.0.qkv", torch.zeros(24, H))}
     cases = [
-        ([Fuse("layers.*.qkv", ["layers.*.q", "layers.*.kk", "layers.*.v"])], r"\['layers.0.kk'\] are not in the checkpoint.*does not cover"),
+        (
+            [Fuse("layers.*.qkv", ["layers.*.q", "layers.*.kk", "layers.*.v"])],
+            r"\['layers.0.kk'\] are not in the checkpoint.*does not cover",
+        ),
         ([Fuse("layers.*.qkv", ["layers.*.q", "model.embed"])], "different numbers of"),
         ([Fuse("x.*", ["layers.*.q", "layers.*.k"], axis=1)], "cannot fuse.*along axis 1"),
         ([Fuse("x.*", ["layers.*.q", "layers.*.k"], groups=5)], "not divisible into 5 groups"),
@@ -131,8 +144,9 @@ def test_allow_shape_mismatch_pads_and_truncates(tmp_path):
             sh = ShardedTensor.from_rank_offsets("embed", data, (0, rank, tp), allow_shape_mismatch=True)
             out = ckptd.load({"e": sh}, tmp_path / "c")
             assert torch.equal(out["e"], want.chunk(tp, 0)[rank]), (new_vocab, tp, rank)
-    flat = ShardedTensor.from_rank_offsets_flat("embed", torch.full((10,), 9.0), (12, 4),
-                                                flattened_range=slice(36, 46), allow_shape_mismatch=True)
+    flat = ShardedTensor.from_rank_offsets_flat(
+        "embed", torch.full((10,), 9.0), (12, 4), flattened_range=slice(36, 46), allow_shape_mismatch=True
+    )
     want = torch.zeros(12, 4)
     want[:10] = vocab
     assert torch.equal(ckptd.load({"f": flat}, tmp_path / "c")["f"], want.reshape(-1)[36:46])

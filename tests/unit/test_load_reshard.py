@@ -52,11 +52,19 @@ def test_runs_cover_the_box_in_order():
     assert strides((2, 3, 4)) == (12, 4, 1)
 
 
-@pytest.mark.parametrize("t", [
-    torch.randn(3, 4), torch.randn(50, 70).to(torch.bfloat16), torch.arange(5).to(torch.uint16),
-    torch.tensor(3.5), torch.zeros(0, 4), torch.arange(10.0)[2:5], torch.ones(3, dtype=torch.bool),
-    torch.randn(2, 2, dtype=torch.complex64),
-])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(3, 4),
+        torch.randn(50, 70).to(torch.bfloat16),
+        torch.arange(5).to(torch.uint16),
+        torch.tensor(3.5),
+        torch.zeros(0, 4),
+        torch.arange(10.0)[2:5],
+        torch.ones(3, dtype=torch.bool),
+        torch.randn(2, 2, dtype=torch.complex64),
+    ],
+)
 def test_locate_finds_raw_bytes(t):
     buf = io.BytesIO()
     torch.save(t, buf)
@@ -76,8 +84,7 @@ def test_locate_rejects_unusual_items():
         data = bytearray(buf.getvalue())
         if mutate:
             mutate(data)
-        return locate(lambda o, n: bytes(data[o : o + n]), 0, len(data), dtype or t.dtype,
-                      shape or tuple(t.shape))
+        return locate(lambda o, n: bytes(data[o : o + n]), 0, len(data), dtype or t.dtype, shape or tuple(t.shape))
 
     assert probe(torch.randn(3, 4).t()) is None  # non-contiguous strides
     assert probe(torch.randn(3, 4), shape=(4, 3)) is None  # shape differs from the chunk
@@ -95,10 +102,14 @@ def test_fallback_for_non_contiguous_items_and_truncation(tmp_path):
     with open(d / "__0_0.distcp", "wb") as f:
         start = f.tell()
         torch.save(full[:3].t().contiguous().t(), f)
-        rec0 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (0, 0), (3, 8)).stored_at("__0_0.distcp", start, f.tell() - start)
+        rec0 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (0, 0), (3, 8)).stored_at(
+            "__0_0.distcp", start, f.tell() - start
+        )
         start = f.tell()
         torch.save(full[3:].clone(), f)
-        rec1 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (3, 0), (3, 8)).stored_at("__0_0.distcp", start, f.tell() - start)
+        rec1 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (3, 0), (3, 8)).stored_at(
+            "__0_0.distcp", start, f.tell() - start
+        )
     finalize(d, [rec0, rec1], serialize_common({}), fsync=False)
     for tp in (1, 2, 3):
         for r in range(tp):
@@ -125,8 +136,16 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
         chunk = full[:, tp * 4 : tp * 4 + 4].reshape(-1)
         for dp in range(3):
             lo, n = split(24, 3, dp)
-            sh = ShardedTensor("w", chunk[lo : lo + n].clone(), torch.float32, (6, 4), (6, 8), (0, tp * 4),
-                               (1, 2), flattened_range=slice(lo, lo + n))
+            sh = ShardedTensor(
+                "w",
+                chunk[lo : lo + n].clone(),
+                torch.float32,
+                (6, 4),
+                (6, 8),
+                (0, tp * 4),
+                (1, 2),
+                flattened_range=slice(lo, lo + n),
+            )
             gshape, offs, sizes = storage_layout(sh)
             assert gshape == (1, 2, 24)
             rec = ItemRecord("w", TENSOR, 0, "float32", gshape, offs, sizes)
@@ -141,9 +160,12 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
 def test_random_layouts_all_execution_paths(tmp_path):
     """Any saved chunking (N-D / flattened) to any requested chunking, through every read path."""
     rng = random.Random(1)
-    paths = [ExecOptions(), ExecOptions(direct_min_bytes=0, gap_fill_bytes=8),
-             ExecOptions(direct_min_bytes=1 << 30, use_mmap=False, window_bytes=16),
-             ExecOptions(direct_min_bytes=1 << 30, map_window_bytes=4096)]
+    paths = [
+        ExecOptions(),
+        ExecOptions(direct_min_bytes=0, gap_fill_bytes=8),
+        ExecOptions(direct_min_bytes=1 << 30, use_mmap=False, window_bytes=16),
+        ExecOptions(direct_min_bytes=1 << 30, map_window_bytes=4096),
+    ]
 
     def layout(full: torch.Tensor, key: str) -> dict:
         shape = tuple(full.shape)
@@ -158,8 +180,16 @@ def test_random_layouts_all_execution_paths(tmp_path):
                 continue
             for r in range(dp):
                 lo, n = split(math.prod(sizes), dp, r)
-                out[f"{cell}/{r}"] = ShardedTensor(key, box.reshape(-1)[lo : lo + n].clone(), full.dtype,
-                                                   sizes, shape, offs, grid, flattened_range=slice(lo, lo + n))
+                out[f"{cell}/{r}"] = ShardedTensor(
+                    key,
+                    box.reshape(-1)[lo : lo + n].clone(),
+                    full.dtype,
+                    sizes,
+                    shape,
+                    offs,
+                    grid,
+                    flattened_range=slice(lo, lo + n),
+                )
         return out
 
     for trial in range(24):
@@ -203,8 +233,9 @@ def test_dcp_interop_both_ways(tmp_path):
     shards = {}
     for r in range(3):
         lo, n = split(60, 3, r)
-        shards[r] = ShardedTensor.from_rank_offsets_flat("w", full.reshape(-1)[lo : lo + n].clone(), (10, 6),
-                                                         flattened_range=slice(lo, lo + n))
+        shards[r] = ShardedTensor.from_rank_offsets_flat(
+            "w", full.reshape(-1)[lo : lo + n].clone(), (10, 6), flattened_range=slice(lo, lo + n)
+        )
     ckptd.save(shards, tmp_path / "ck", fsync=False)
     target = {"w": torch.zeros(10, 6)}
     dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
@@ -231,9 +262,17 @@ def test_flattened_range_errors(tmp_path):
 
 def test_non_contiguous_destination_and_prepended_axes(tmp_path):
     full = torch.randn(3, 5, 4)
-    ckptd.save({f"l{i}": ShardedTensor.from_rank_offsets("stack", full[i].clone(), (0, i, 3), prepend_axis_num=1)
-                for i in range(3)}, tmp_path / "c", fsync=False)
+    ckptd.save(
+        {
+            f"l{i}": ShardedTensor.from_rank_offsets("stack", full[i].clone(), (0, i, 3), prepend_axis_num=1)
+            for i in range(3)
+        },
+        tmp_path / "c",
+        fsync=False,
+    )
     dst = torch.zeros(4, 5).t()  # a transposed (non-contiguous) view: filled through a temporary
-    out = ckptd.load({"x": ShardedTensor.from_rank_offsets("stack", dst, (0, 1, 3), prepend_axis_num=1)}, tmp_path / "c")
+    out = ckptd.load(
+        {"x": ShardedTensor.from_rank_offsets("stack", dst, (0, 1, 3), prepend_axis_num=1)}, tmp_path / "c"
+    )
     assert out["x"] is dst and torch.equal(dst, full[1])
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["stack"], full)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
@@ -39,16 +39,33 @@ def _build(target: bytes, attrs: dict[str, bytes], slots: bool) -> bytes:
 
 
 HOSTILE = {
-    "class PurePosixPath, slot state": (pathlib.PurePosixPath, "__truediv__",
-                                        _build(_global("pathlib", "PurePosixPath"),
-                                               {"__truediv__": _global("builtins", "set")}, slots=True)),
-    "class Metadata, slot state": (Metadata, "__eq__",
-                                   _build(_global("torch.distributed.checkpoint.metadata", "Metadata"),
-                                          {"__eq__": _global("builtins", "set")}, slots=True)),
-    "shared enum member": (WriteItemType.TENSOR, "_value_",
-                           _build(_global("torch.distributed.checkpoint.planner", "WriteItemType")
-                                  + pickle.BININT1 + bytes([WriteItemType.TENSOR.value]) + pickle.TUPLE1
-                                  + pickle.REDUCE, {"_value_": pickle.BININT1 + b"\x07"}, slots=False)),
+    "class PurePosixPath, slot state": (
+        pathlib.PurePosixPath,
+        "__truediv__",
+        _build(_global("pathlib", "PurePosixPath"), {"__truediv__": _global("builtins", "set")}, slots=True),
+    ),
+    "class Metadata, slot state": (
+        Metadata,
+        "__eq__",
+        _build(
+            _global("torch.distributed.checkpoint.metadata", "Metadata"),
+            {"__eq__": _global("builtins", "set")},
+            slots=True,
+        ),
+    ),
+    "shared enum member": (
+        WriteItemType.TENSOR,
+        "_value_",
+        _build(
+            _global("torch.distributed.checkpoint.planner", "WriteItemType")
+            + pickle.BININT1
+            + bytes([WriteItemType.TENSOR.value])
+            + pickle.TUPLE1
+            + pickle.REDUCE,
+            {"_value_": pickle.BININT1 + b"\x07"},
+            slots=False,
+        ),
+    ),
 }
 
 

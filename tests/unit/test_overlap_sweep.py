@@ -23,8 +23,10 @@ def _chunk(rank: int, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
 
 
 def _brute_force_overlap(chunks: list[ItemRecord]) -> bool:
-    return any(math.prod(a.sizes) and math.prod(b.sizes) and validate._overlap(a, b)
-               for a, b in itertools.combinations(chunks, 2))
+    return any(
+        math.prod(a.sizes) and math.prod(b.sizes) and validate._overlap(a, b)
+        for a, b in itertools.combinations(chunks, 2)
+    )
 
 
 @st.composite

@@ -7,8 +7,9 @@ ranks in one spawned run; each rank returns what it raised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import pytest
 import torch
@@ -127,7 +128,12 @@ def test_bad_multi_rank_saves_raise_on_every_rank_and_touch_nothing(tmp_path: Pa
     # Nothing appeared but the good checkpoint, which still loads (and no rank's file is left).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
     assert sorted(p.name for p in (tmp_path / "good").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "good")["w"], torch.arange(16, dtype=torch.float32))
 
 

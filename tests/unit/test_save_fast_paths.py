@@ -16,10 +16,10 @@ import msgpack
 import pytest
 import torch
 
-from ckptd.gcpause import gc_paused
 from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
+from ckptd.gcpause import gc_paused
 from ckptd.staging.pool import StagingPool, bytes_view, place
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
@@ -37,10 +37,28 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
     assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
     codec = Codec("job")
-    for msg in (Save(3, "0123456789ab-1", 1, 2, "g", 0, [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}], b"common", "", "l", 0, 0, b"", 0),
-                StatusReply({"nested": [rec, {"t": (1, 2)}]})):  # a dataclass inside a field, too
-        old = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)},
-                            use_bin_type=True)
+    for msg in (
+        Save(
+            3,
+            "0123456789ab-1",
+            1,
+            2,
+            "g",
+            0,
+            [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}],
+            b"common",
+            "",
+            "l",
+            0,
+            0,
+            b"",
+            0,
+        ),
+        StatusReply({"nested": [rec, {"t": (1, 2)}]}),
+    ):  # a dataclass inside a field, too
+        old = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)}, use_bin_type=True
+        )
         assert codec.encode(msg)[0] == old
 
 
@@ -50,14 +68,14 @@ def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
     base = torch.randn(64, 64, generator=gen)
     c = torch.randn(8, dtype=torch.complex64, generator=gen)
     payloads = [
-        torch.randn(7, 3, generator=gen),                 # small, contiguous: memmove
-        base[3:9],                                        # a view with a storage offset: memmove
-        base.t()[:5],                                     # not contiguous: copy_
-        c.conj(),                                         # conjugate bit: copy_ resolves it
+        torch.randn(7, 3, generator=gen),  # small, contiguous: memmove
+        base[3:9],  # a view with a storage offset: memmove
+        base.t()[:5],  # not contiguous: copy_
+        c.conj(),  # conjugate bit: copy_ resolves it
         -torch.randn(4, dtype=torch.complex64, generator=gen).conj().imag,  # negative bit view
         torch.randn(10, generator=gen).to(torch.bfloat16),
         torch.empty(0),
-        big,                                              # large: copy_
+        big,  # large: copy_
         torch.nn.Parameter(torch.randn(3, generator=gen)),
     ]
     items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
@@ -69,7 +87,7 @@ def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
         pool.copy_inline(start, block, items, placements, b"s" * 16)
         base_t = pool.segment.base
         for p, pl in zip(payloads, placements):
-            raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset:][: pl.nbytes]
+            raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset :][: pl.nbytes]
             got = bytes_view(raw, p.dtype, p.shape)
             assert torch.equal(got, p.detach().resolve_conj().resolve_neg())
     finally:
@@ -104,10 +122,9 @@ def test_early_writeback_writes_the_same_file(tmp_path, monkeypatch):
 
 def test_gc_paused_restores_the_collector():
     assert gc.isenabled()
-    with pytest.raises(RuntimeError):
-        with gc_paused():
-            assert not gc.isenabled()
-            raise RuntimeError("a failed save")
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed save")
     assert gc.isenabled()
     gc.disable()
     try:
@@ -125,10 +142,13 @@ def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
     from ckptd.statedict.split import split_state_dict
 
     def sd(w, flat, obj="a"):
-        return {"w": ShardedTensor.from_rank_offsets("w", w, (0, 1, 2)),
-                "opt": ShardedTensor.from_rank_offsets_flat("opt", flat, (4, 6), (0, 0, 1),
-                                                             flattened_range=slice(5, 5 + flat.numel())),
-                "o": ShardedObject("o", obj, (1,), (0,))}
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", w, (0, 1, 2)),
+            "opt": ShardedTensor.from_rank_offsets_flat(
+                "opt", flat, (4, 6), (0, 0, 1), flattened_range=slice(5, 5 + flat.numel())
+            ),
+            "o": ShardedObject("o", obj, (1,), (0,)),
+        }
 
     cache = PlanCache()
     first = plan_save(split_state_dict(sd(torch.randn(3, 4), torch.randn(11))), 0, cache)

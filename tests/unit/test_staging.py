@@ -70,8 +70,11 @@ def test_attach_refuses_foreign_permissions(prefix):
 def _state(step: int, for_load: bool = False) -> dict:
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6) + step
     flat = torch.arange(10, dtype=torch.bfloat16) + step
-    opt = (ShardedTensor.from_rank_offsets("opt", flat.reshape(2, 5)) if for_load else
-           ShardedTensor.from_rank_offsets_flat("opt", flat, (2, 5), flattened_range=slice(0, 10)))
+    opt = (
+        ShardedTensor.from_rank_offsets("opt", flat.reshape(2, 5))
+        if for_load
+        else ShardedTensor.from_rank_offsets_flat("opt", flat, (2, 5), flattened_range=slice(0, 10))
+    )
     return {
         "w": ShardedTensor.from_rank_offsets("w", w),
         "opt": opt,  # a distributed-optimizer style flattened shard, stored as N-D pieces

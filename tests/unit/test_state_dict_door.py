@@ -53,11 +53,14 @@ class _Holder:
         self.t = t
 
 
-@pytest.mark.parametrize("value, what", [
-    (torch.ones(3).as_subclass(_Quantized), "a torch.Tensor subclass"),
-    (_TensorLike(torch.ones(3)), "a tensor-like object"),
-    (ShardedTensor2("w", torch.ones(3)), "a sharded object of a library ckptd does not know"),
-])
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        (torch.ones(3).as_subclass(_Quantized), "a torch.Tensor subclass"),
+        (_TensorLike(torch.ones(3)), "a tensor-like object"),
+        (ShardedTensor2("w", torch.ones(3)), "a sharded object of a library ckptd does not know"),
+    ],
+)
 @pytest.mark.parametrize("megatron_style", [False, True])
 def test_values_ckptd_cannot_place_raise_naming_the_key(tmp_path: Path, value, what, megatron_style):
     sd = {"model": {"w": torch.randn(2)}, "opt": {"state": {"x": value}}}
@@ -82,26 +85,44 @@ def test_tensor_data_hidden_in_objects_or_tuples_is_refused(tmp_path: Path):
 
 def test_common_state_is_stored_as_megatron_core_stores_it(tmp_path: Path):
     a, b = torch.randn(3), torch.randn(2)
-    sd = {"layers": [ShardedTensor.from_rank_offsets("layers.a", a)],
-          "blocks": {"x": {"w": ShardedTensor.from_rank_offsets("blocks.x.w", b)}},
-          "groups": [{"lr": 0.1, "w": ShardedObject("g0", 1, (2,), (0,))},
-                     {"lr": 0.2, "w": ShardedObject("g0", 2, (2,), (1,))}],
-          "iteration": 7, "empty": {}, "none": []}
+    sd = {
+        "layers": [ShardedTensor.from_rank_offsets("layers.a", a)],
+        "blocks": {"x": {"w": ShardedTensor.from_rank_offsets("blocks.x.w", b)}},
+        "groups": [
+            {"lr": 0.1, "w": ShardedObject("g0", 1, (2,), (0,))},
+            {"lr": 0.2, "w": ShardedObject("g0", 2, (2,), (1,))},
+        ],
+        "iteration": 7,
+        "empty": {},
+        "none": [],
+    }
     ckptd.save(sd, tmp_path / "c")
     # Subtrees whose entries were all sharded are left out; no placeholders.
     assert torch.load(tmp_path / "c" / "common.pt", weights_only=True) == {
-        "groups": [{"lr": 0.1}, {"lr": 0.2}], "iteration": 7, "empty": {}, "none": []}
-    out = ckptd.load({"layers": [ShardedTensor.from_rank_offsets("layers.a", torch.empty(3))],
-                      "blocks": {"x": {"w": ShardedTensor.from_rank_offsets("blocks.x.w", torch.empty(2))}},
-                      "groups": [{"w": ShardedObject("g0", None, (2,), (i,))} for i in range(2)]}, tmp_path / "c")
+        "groups": [{"lr": 0.1}, {"lr": 0.2}],
+        "iteration": 7,
+        "empty": {},
+        "none": [],
+    }
+    out = ckptd.load(
+        {
+            "layers": [ShardedTensor.from_rank_offsets("layers.a", torch.empty(3))],
+            "blocks": {"x": {"w": ShardedTensor.from_rank_offsets("blocks.x.w", torch.empty(2))}},
+            "groups": [{"w": ShardedObject("g0", None, (2,), (i,))} for i in range(2)],
+        },
+        tmp_path / "c",
+    )
     assert same_bits(out["layers"][0], a) and same_bits(out["blocks"]["x"]["w"], b)
     assert out["groups"] == [{"lr": 0.1, "w": 1}, {"lr": 0.2, "w": 2}] and out["iteration"] == 7
 
 
 def test_a_list_mixing_sharded_and_plain_entries_is_refused(tmp_path: Path):
     st = ShardedTensor.from_rank_offsets("a", torch.randn(3))
-    with pytest.raises(ShardingError, match=r"the list at 'layers' mixes sharded, common and local entries "
-                                            r"\(\[0\]: sharded, \[1\]: common\)"):
+    with pytest.raises(
+        ShardingError,
+        match=r"the list at 'layers' mixes sharded, common and local entries "
+        r"\(\[0\]: sharded, \[1\]: common\)",
+    ):
         ckptd.save({"layers": [st, 5]}, tmp_path / "c")
     with pytest.raises(ShardingError, match=r"the list at 'x' mixes .*\[1\]: local"):
         ckptd.save({"x": [st, ckptd.LocalNonPersistentObject(3)]}, tmp_path / "c")
@@ -113,17 +134,30 @@ def test_dcp_style_state_dict_is_stored_as_dcp_stores_it(tmp_path: Path):
     torch DCP loads it in place, and ckptd.load fills the given dict in place as DCP does."""
     w, step_t = torch.randn(4, 3), torch.tensor(11.0)
     groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["model.w"]}]
-    sd = {"model": {"w": w}, "optim": {"state": {"model.w": {"step": step_t}}, "param_groups": groups},
-          "iteration": 5, "flags": [True, False], "meta": {"x/shard_0_1": 9}}
+    sd = {
+        "model": {"w": w},
+        "optim": {"state": {"model.w": {"step": step_t}}, "param_groups": groups},
+        "iteration": 5,
+        "flags": [True, False],
+        "meta": {"x/shard_0_1": 9},
+    }
     ckptd.save(sd, tmp_path / "c")
     index = read_index(tmp_path / "c")
     assert sorted(index.tensors) == ["model.w", "optim.state.model.w.step"]
-    assert {"iteration", "flags", "meta.x/shard_0_1", "optim.param_groups.0.lr",
-            "optim.param_groups.0.params"} <= set(index.objects)
+    assert {"iteration", "flags", "meta.x/shard_0_1", "optim.param_groups.0.lr", "optim.param_groups.0.params"} <= set(
+        index.objects
+    )
 
-    req = {"model": {"w": torch.zeros(4, 3)}, "optim": {"state": {"model.w": {"step": torch.tensor(0.0)}},
-                                                        "param_groups": [{"lr": 0, "betas": None, "params": None}]},
-           "iteration": 0, "flags": None, "meta": {"x/shard_0_1": 0}}
+    req = {
+        "model": {"w": torch.zeros(4, 3)},
+        "optim": {
+            "state": {"model.w": {"step": torch.tensor(0.0)}},
+            "param_groups": [{"lr": 0, "betas": None, "params": None}],
+        },
+        "iteration": 0,
+        "flags": None,
+        "meta": {"x/shard_0_1": 0},
+    }
     dcp.load(req, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert same_bits(req["model"]["w"], w) and req["optim"]["state"]["model.w"]["step"].item() == 11.0
     assert req["optim"]["param_groups"] == groups and req["iteration"] == 5 and req["flags"] == [True, False]
@@ -141,8 +175,11 @@ def test_dcp_style_state_dict_is_stored_as_dcp_stores_it(tmp_path: Path):
 
 def test_dcp_written_checkpoint_loads_into_a_dcp_style_dict(tmp_path: Path):
     w = torch.randn(5, 2)
-    dcp.save({"model": {"w": w}, "step": 3, "sched": {"last": [1, 2]}, "meta": {"x/shard_0_1": 4}},
-             checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    dcp.save(
+        {"model": {"w": w}, "step": 3, "sched": {"last": [1, 2]}, "meta": {"x/shard_0_1": 4}},
+        checkpoint_id=str(tmp_path / "d"),
+        no_dist=True,
+    )
     req = {"model": {"w": torch.zeros(5, 2)}, "step": 0, "sched": {"last": None}}
     ckptd.load(req, tmp_path / "d")
     assert same_bits(req["model"]["w"], w) and req["step"] == 3 and req["sched"] == {"last": [1, 2]}
@@ -153,8 +190,9 @@ def test_dcp_written_checkpoint_loads_into_a_dcp_style_dict(tmp_path: Path):
 def test_a_request_that_matches_nothing_raises(tmp_path: Path):
     ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.randn(3)), "it": 1}, tmp_path / "c")
     with pytest.raises(LoadMismatchError, match="none of the 1 requested entries is in the checkpoint"):
-        ckptd.load({"w": ShardedTensor.from_rank_offsets("model.w", torch.empty(3))}, tmp_path / "c",
-                   strict="ignore_all")
+        ckptd.load(
+            {"w": ShardedTensor.from_rank_offsets("model.w", torch.empty(3))}, tmp_path / "c", strict="ignore_all"
+        )
     with pytest.raises(LoadMismatchError, match="the request names no tensor"):
         ckptd.load({}, tmp_path / "c")
     with pytest.raises(LoadMismatchError, match="none of the 1 requested"):
@@ -195,8 +233,10 @@ def test_unsafe_pickles_are_decoded_only_when_asked_for(tmp_path: Path):
 def test_strict_all_modes_do_not_count_common_values_as_missing(tmp_path: Path, mode):
     w, v = torch.randn(3), torch.randn(2)
     dcp.save({"w": w, "v": v, "step": 3, "opt": {"lr": 0.1}}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
-    req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(3)),
-           "v": ShardedTensor.from_rank_offsets("v", torch.empty(2))}
+    req = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.empty(3)),
+        "v": ShardedTensor.from_rank_offsets("v", torch.empty(2)),
+    }
     out = ckptd.load(req, tmp_path / "d", strict=mode)
     if mode == "return_all":
         out, missing, unexpected = out

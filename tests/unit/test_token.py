@@ -77,10 +77,15 @@ def _plant_token(ep: Endpoints, how: str) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("how, why", [("owned by another user", f"owned by uid {OTHER_UID}"),
-                                      ("mode 0644", "has mode 0o644"),
-                                      ("link", "symbolic link"),
-                                      ("fifo", "not a regular file")])
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("owned by another user", f"owned by uid {OTHER_UID}"),
+        ("mode 0644", "has mode 0o644"),
+        ("link", "symbolic link"),
+        ("fifo", "not a regular file"),
+    ],
+)
 def test_a_token_file_that_is_not_private_and_ours_is_refused(tmp_path, runtime, how, why):
     ep, cfg = _ep(tmp_path, runtime)
     _plant_token(ep, how)

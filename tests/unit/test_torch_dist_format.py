@@ -32,13 +32,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_layout_is_torch_dist(tmp_path: Path):
     param = torch.nn.Parameter(torch.randn(4, 6))  # a model parameter: requires grad
     x = param.detach()
-    ckptd.save({"x": ST.from_rank_offsets("x", param), "o": ShardedObject("o", {"a": 1}, (1,), (0,)), "step": 2},
-               tmp_path / "c")
+    ckptd.save(
+        {"x": ST.from_rank_offsets("x", param), "o": ShardedObject("o", {"a": 1}, (1,), (0,)), "step": 2},
+        tmp_path / "c",
+    )
     c = tmp_path / "c"
     assert sorted(p.name for p in c.iterdir()) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
     assert json.loads((c / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
-        "common_backend": "torch", "common_backend_version": 1}
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
     assert torch.load(c / "common.pt", weights_only=True) == {"step": 2}
     md = pickle.loads((c / ".metadata").read_bytes())
     assert isinstance(md, Metadata) and set(md.state_dict_metadata) == {"x", "o/shard_0_1"}
@@ -46,9 +51,9 @@ def test_layout_is_torch_dist(tmp_path: Path):
     # Every item is a standalone torch.save stream at the offset .metadata records (DCP's format).
     items = {idx.fqn: info for idx, info in md.storage_data.items()}
     x_info, o_info = items["x"], items["o/shard_0_1"]
-    item = torch.load(io.BytesIO(data[x_info.offset:x_info.offset + x_info.length]), weights_only=True)
+    item = torch.load(io.BytesIO(data[x_info.offset : x_info.offset + x_info.length]), weights_only=True)
     assert same_bits(item, x) and type(item) is torch.Tensor and not item.requires_grad
-    assert torch.load(io.BytesIO(data[o_info.offset:o_info.offset + o_info.length]), weights_only=True) == [{"a": 1}]
+    assert torch.load(io.BytesIO(data[o_info.offset : o_info.offset + o_info.length]), weights_only=True) == [{"a": 1}]
     assert x_info.length + o_info.length == len(data)
 
 
@@ -71,13 +76,16 @@ def test_views_of_larger_buffers_are_stored_compactly(tmp_path: Path):
     tensor_nbytes = 4 * (64 * 512 + 512 * 8 + 2 * 512 + 512 + 16 + 16 + 8)
     assert_compact(tmp_path / "c", tensor_nbytes)
 
-    out = ckptd.load({
-        "rows": ST.from_rank_offsets("rows", torch.empty(64, 512)),
-        "cols": ST.from_rank_offsets("cols", torch.empty(512, 8)),
-        "layers": ST.from_rank_offsets("layers", torch.empty(2, 512)),
-        "flat": ST.from_rank_offsets("flat", torch.empty(16, 32)),
-        "obj": ShardedObject("obj", None, (1,), (0,)),
-    }, tmp_path / "c")
+    out = ckptd.load(
+        {
+            "rows": ST.from_rank_offsets("rows", torch.empty(64, 512)),
+            "cols": ST.from_rank_offsets("cols", torch.empty(512, 8)),
+            "layers": ST.from_rank_offsets("layers", torch.empty(2, 512)),
+            "flat": ST.from_rank_offsets("flat", torch.empty(16, 32)),
+            "obj": ShardedObject("obj", None, (1,), (0,)),
+        },
+        tmp_path / "c",
+    )
     assert same_bits(out["rows"], big[100:164]) and same_bits(out["cols"], big[:, 8:16])
     assert same_bits(out["layers"], big[:2])
     assert same_bits(out["flat"].view(-1), torch.cat([flat[1000:1300], flat[9000:9212]]))
@@ -90,8 +98,10 @@ def test_views_of_larger_buffers_are_stored_compactly(tmp_path: Path):
 def test_large_checkpoint_meets_the_size_bound(tmp_path: Path):
     # Many items, several MiB: the per-item overhead and the 2 % factor together.
     g = torch.Generator().manual_seed(0)
-    tensors = {f"t{i}": torch.randn(64 + i, 97, generator=g).to(dt)
-               for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool] * 4)}
+    tensors = {
+        f"t{i}": torch.randn(64 + i, 97, generator=g).to(dt)
+        for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool] * 4)
+    }
     ckptd.save({k: ST.from_rank_offsets(k, v) for k, v in tensors.items()}, tmp_path / "c")
     assert_compact(tmp_path / "c", sum(v.numel() * v.element_size() for v in tensors.values()))
 
@@ -101,6 +111,7 @@ def test_large_checkpoint_meets_the_size_bound(tmp_path: Path):
 
 def _fused_factory(key: str, data: torch.Tensor) -> ShardedTensorFactory:
     """A fused (q; k) weight stored as two tensors ``<key>.q`` and ``<key>.k``."""
+
     def build(k: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> dict:
         q, kk = t.chunk(2)
         return {"q": ST.from_rank_offsets(f"{k}.q", q), "k": ST.from_rank_offsets(f"{k}.k", kk)}
@@ -123,16 +134,20 @@ def test_factory_round_trip(tmp_path: Path):
 
 def test_local_non_persistent_object(tmp_path: Path):
     handle = object()  # not even picklable by weights_only; never saved
-    ckptd.save({"x": ST.from_rank_offsets("x", torch.ones(2)), "local": LocalNonPersistentObject(lambda: 1),
-                "step": 1}, tmp_path / "c")
+    ckptd.save(
+        {"x": ST.from_rank_offsets("x", torch.ones(2)), "local": LocalNonPersistentObject(lambda: 1), "step": 1},
+        tmp_path / "c",
+    )
     assert ckptd.load_common_state_dict(tmp_path / "c") == {"step": 1}
-    out = ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(2)), "local": LocalNonPersistentObject(handle)},
-                     tmp_path / "c")
+    out = ckptd.load(
+        {"x": ST.from_rank_offsets("x", torch.empty(2)), "local": LocalNonPersistentObject(handle)}, tmp_path / "c"
+    )
     assert out["local"] is handle and out["step"] == 1
 
 
 def test_nested_dicts_and_lists(tmp_path: Path):
     a, b, c = torch.randn(3), torch.randn(2, 2), torch.arange(4)
+
     def state(ta, tb, tc):
         return {
             "model": [{"a": ST.from_rank_offsets("a", ta), "lr": 0.1}, {"b": ST.from_rank_offsets("b", tb), "lr": 0.2}],
@@ -144,7 +159,10 @@ def test_nested_dicts_and_lists(tmp_path: Path):
     ckptd.save(state(a, b, c), tmp_path / "c")
     # As Megatron-Core stores it: subtrees whose entries were all sharded are left out.
     assert ckptd.load_common_state_dict(tmp_path / "c") == {
-        "model": [{"lr": 0.1}, {"lr": 0.2}], "opt": {"groups": [{"wd": 0.0}], "empty": {}}, "iteration": 5}
+        "model": [{"lr": 0.1}, {"lr": 0.2}],
+        "opt": {"groups": [{"wd": 0.0}], "empty": {}},
+        "iteration": 5,
+    }
     req = state(torch.empty(3), torch.empty(2, 2), torch.empty(4, dtype=torch.int64))
     req["rng"][0] = ShardedObject("rng", None, (1,), (0,))
     out = ckptd.load(req, tmp_path / "c")
@@ -156,8 +174,10 @@ def test_nested_dicts_and_lists(tmp_path: Path):
 
 def test_prepend_axis_num_layers(tmp_path: Path):
     layers = torch.randn(3, 4, 5)
-    ckptd.save({f"l{i}": ST.from_rank_offsets("w", layers[i].clone(), (0, i, 3), prepend_axis_num=1)
-                for i in range(3)}, tmp_path / "c")
+    ckptd.save(
+        {f"l{i}": ST.from_rank_offsets("w", layers[i].clone(), (0, i, 3), prepend_axis_num=1) for i in range(3)},
+        tmp_path / "c",
+    )
     assert ckptd.load_tensors_metadata(tmp_path / "c")["w"].global_shape == (3, 4, 5)
     assert same_bits(ckptd.load_plain_tensors(tmp_path / "c")["w"], layers)
     # Per layer again (into the given tensor), and as a stack of layers split along another axis.
@@ -170,9 +190,15 @@ def test_prepend_axis_num_layers(tmp_path: Path):
 
 def test_metadata_functions(tmp_path: Path):
     x, y = torch.randn(4, 6), torch.randint(0, 9, (5,))
-    ckptd.save({"x": [ST.from_rank_offsets("x", x[2 * r:2 * r + 2], (0, r, 2)) for r in range(2)],
-                "y": ST.from_rank_offsets("y", y),
-                "o": [ShardedObject("o", r, (2,), (r,)) for r in range(2)], "step": 9}, tmp_path / "c")
+    ckptd.save(
+        {
+            "x": [ST.from_rank_offsets("x", x[2 * r : 2 * r + 2], (0, r, 2)) for r in range(2)],
+            "y": ST.from_rank_offsets("y", y),
+            "o": [ShardedObject("o", r, (2,), (r,)) for r in range(2)],
+            "step": 9,
+        },
+        tmp_path / "c",
+    )
     c = tmp_path / "c"
     tensors = ckptd.load_tensors_metadata(c)
     assert sorted(tensors) == ["x", "y"]
@@ -203,9 +229,14 @@ def test_plain_dcp_checkpoint_common_state(tmp_path: Path):
     common = ckptd.load_common_state_dict(tmp_path / "dcp")
     assert common == {"step": 5, "opt": {"lr": 0.1, "betas": [0.9, 0.99]}}
     # A Megatron-style request gets the plain values it names (decoded only those) from the items.
-    out = ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(3, 2)),
-                      "scale": ST("opt.scale", torch.empty(()), torch.float32, (), (), (), None),
-                      "opt": {"lr": None, "betas": None}}, tmp_path / "dcp")
+    out = ckptd.load(
+        {
+            "x": ST.from_rank_offsets("x", torch.empty(3, 2)),
+            "scale": ST("opt.scale", torch.empty(()), torch.float32, (), (), (), None),
+            "opt": {"lr": None, "betas": None},
+        },
+        tmp_path / "dcp",
+    )
     assert same_bits(out["x"], x) and out["scale"].item() == 2.0 and out["opt"]["lr"] == 0.1
     assert math.isclose(out["opt"]["betas"][1], 0.99) and "step" not in out
     # A DCP-style request is filled in place, as torch DCP's load does.

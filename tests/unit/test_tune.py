@@ -71,9 +71,9 @@ def test_never_shorter_than_persist_and_rounded_to_steps():
     assert "never queue" in rec.explain(inp)
 
 
-@pytest.mark.parametrize("bad", [dict(mtbf_s=0), dict(stall_s=-1), dict(step_s=0)])
+@pytest.mark.parametrize("bad", [{"mtbf_s": 0}, {"stall_s": -1}, {"step_s": 0}])
 def test_bad_inputs_are_clear_errors(bad):
-    base = dict(stall_s=1.0, persist_s=1.0, mtbf_s=100.0)
+    base = {"stall_s": 1.0, "persist_s": 1.0, "mtbf_s": 100.0}
     base.update(bad)
     with pytest.raises(CkptdError, match="tune:"):
         recommend(TuneInputs(**base))

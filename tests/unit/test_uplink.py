@@ -37,8 +37,16 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
     workers = WorkerPools(1, completions)
     coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", tmp_path, cfg, workers, "c1", [])
     delivered: list[Message] = []
-    link = CoordinatorLink(ctx, codec, keys, coordinator.address, 0, b"node0-test", cfg,
-                           lambda _key, _ranks, outcome: delivered.append(outcome))
+    link = CoordinatorLink(
+        ctx,
+        codec,
+        keys,
+        coordinator.address,
+        0,
+        b"node0-test",
+        cfg,
+        lambda _key, _ranks, outcome: delivered.append(outcome),
+    )
     dropped: list[Message] = []
     send = coordinator.ep.send
 
@@ -50,8 +58,12 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
 
     coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
     loop = EventLoop()
-    for source, handler in ((zap.sock, zap.on_readable), (coordinator.watch.sock, coordinator.watch.on_readable),
-                            (coordinator.ep.sock, coordinator.on_readable), (link.ep.sock, link.on_readable)):
+    for source, handler in (
+        (zap.sock, zap.on_readable),
+        (coordinator.watch.sock, coordinator.watch.on_readable),
+        (coordinator.ep.sock, coordinator.on_readable),
+        (link.ep.sock, link.on_readable),
+    ):
         loop.add(source, handler)
     try:
         link.expect((3, ATTEMPT), b"rank0")

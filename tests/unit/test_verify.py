@@ -50,7 +50,11 @@ def test_bit_flip_in_tensor_data_is_a_checksum_error_naming_the_item(tmp_path):
     [err] = _errors(report)
     assert err.check == "checksum"
     assert (err.file, err.item, err.offset, err.length) == (
-        "__1_0.distcp", "layer.weight chunk (4, 0)", rec.file_offset, rec.length)
+        "__1_0.distcp",
+        "layer.weight chunk (4, 0)",
+        rec.file_offset,
+        rec.length,
+    )
     assert f"{rec.crc32:#010x}" in err.message and "damaged" in err.message
     # Without checksums the flipped element decodes fine: only the checksum can see it.
     item = path.read_bytes()[rec.file_offset : rec.file_offset + rec.length]
@@ -59,8 +63,10 @@ def test_bit_flip_in_tensor_data_is_a_checksum_error_naming_the_item(tmp_path):
 
 def test_truncated_data_file(tmp_path):
     make_checkpoint(tmp_path / "c")
-    last = max((r for r in records_from_index(read_index(tmp_path / "c")) if r.relative_path == "__0_0.distcp"),
-               key=lambda r: r.file_offset)
+    last = max(
+        (r for r in records_from_index(read_index(tmp_path / "c")) if r.relative_path == "__0_0.distcp"),
+        key=lambda r: r.file_offset,
+    )
     path = tmp_path / "c" / "__0_0.distcp"
     os.truncate(path, path.stat().st_size - 10)
     report = verify_checkpoint(tmp_path / "c", deep=True)
@@ -148,8 +154,10 @@ def test_items_sharing_bytes_and_paths_outside(tmp_path):
     make_checkpoint(tmp_path / "c")
     records = records_from_index(read_index(tmp_path / "c"))
     bias = next(r for r in records if r.fqn == "layer.bias")
-    bad = [r.stored_at(r.relative_path, bias.file_offset + 8, r.length, r.crc32) if r.fqn == "rng/shard_0_2" else r
-           for r in records]
+    bad = [
+        r.stored_at(r.relative_path, bias.file_offset + 8, r.length, r.crc32) if r.fqn == "rng/shard_0_2" else r
+        for r in records
+    ]
     bad = [r.stored_at("../evil.distcp", 0, r.length, r.crc32) if r.fqn == "embedding" else r for r in bad]
     write_metadata(tmp_path / "c", build_metadata(bad), fsync=False)
     errs = _errors(verify_checkpoint(tmp_path / "c"))
@@ -171,8 +179,11 @@ def test_plain_torch_dcp_checkpoint_is_sound_with_notes(tmp_path):
 
 def test_objects_needing_unsafe_pickle_are_warnings_not_damage(tmp_path):
     ns = argparse.Namespace(lr=0.1)
-    sd = {"x": ckptd.ShardedTensor.from_rank_offsets("x", torch.ones(2)),
-          "o": ckptd.ShardedObject("args", ns, (1,), (0,)), "args": ns}
+    sd = {
+        "x": ckptd.ShardedTensor.from_rank_offsets("x", torch.ones(2)),
+        "o": ckptd.ShardedObject("args", ns, (1,), (0,)),
+        "args": ns,
+    }
     ckptd.save(sd, tmp_path / "c", fsync=False)
     report = verify_checkpoint(tmp_path / "c", deep=True)
     assert report.ok
@@ -267,10 +278,10 @@ def test_torch_save_archive_damage_is_named_with_and_without_recorded_zip_crcs()
             assert "does not match the CRC-32" in torch_save_problem(bytes(flipped))
         # The directory says the tensor's record is longer than what follows it in the item.
         at = data.index(b"PK\x01\x02")  # the central directory's first entry
-        while data[at + 46:at + 46 + len(b"archive/data/0")] != b"archive/data/0":
+        while data[at + 46 : at + 46 + len(b"archive/data/0")] != b"archive/data/0":
             at = data.index(b"PK\x01\x02", at + 4)
         longer = bytearray(data)
-        longer[at + 20:at + 28] = (len(data) * 2).to_bytes(4, "little") * 2  # compressed, uncompressed sizes
+        longer[at + 20 : at + 28] = (len(data) * 2).to_bytes(4, "little") * 2  # compressed, uncompressed sizes
         assert "truncated" in torch_save_problem(bytes(longer))
         no_header = bytearray(data)
         no_header[0:4] = b"XXXX"

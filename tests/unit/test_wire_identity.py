@@ -71,7 +71,7 @@ def _local_ipv4() -> str | None:
 
 def test_the_coordinator_binds_the_interface_that_reaches_master_addr(tmp_path):
     cfg = CkptdConfig.from_env({}, runtime_dir=str(tmp_path))
-    two_nodes = dict(rank=0, local_rank=0, world_size=4, local_world_size=2, node=0, master_port=29500)
+    two_nodes = {"rank": 0, "local_rank": 0, "world_size": 4, "local_world_size": 2, "node": 0, "master_port": 29500}
     assert coordinator_bind_host("anything", 1) == "127.0.0.1"  # single node: loopback only
     single = Endpoints.for_job(tmp_path, JobEnv(master_addr="10.1.2.3"), cfg)
     assert single.coordinator_bind.startswith("tcp://127.0.0.1:")
@@ -98,7 +98,7 @@ def test_only_node_0_looks_for_a_route_to_the_coordinator(tmp_path):
     """Node 0 binds the coordinator's port on the address of its route to MASTER_ADDR; the other
     nodes only connect, so a host they cannot resolve or reach yet does not stop their start."""
     cfg = CkptdConfig.from_env({}, runtime_dir=str(tmp_path))
-    two_nodes = dict(world_size=4, local_world_size=2, master_port=29500, master_addr="no-such-host.invalid")
+    two_nodes = {"world_size": 4, "local_world_size": 2, "master_port": 29500, "master_addr": "no-such-host.invalid"}
     node1 = Endpoints.for_job(tmp_path, JobEnv(rank=2, local_rank=0, node=1, **two_nodes), cfg)
     assert node1.coordinator_connect == "tcp://no-such-host.invalid:29501"
     with pytest.raises(CkptdError, match="cannot resolve the coordinator host"):
