@@ -75,8 +75,9 @@ class CkptdConfig:
     megatron_tracker: bool = True
     check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
     file_mode: int = dataclasses.field(default=0o640, metadata={"octal": True})
-    # Background work yields to training: CPU niceness of the node daemon and of snapshot
-    # children, and the daemon's I/O runs at the lowest best-effort I/O priority.
+    # Background work yields to training: CPU niceness of the node daemon, whose I/O also runs at
+    # the lowest best-effort I/O priority. (Fork snapshot children are not niced: the sooner they
+    # are done, the fewer pages training writes are copied for them.)
     daemon_nice: int = 10
     policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)
     mtbf_s: float = 0.0  # the job's mean time between failures, for policy="auto"

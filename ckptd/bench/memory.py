@@ -8,8 +8,10 @@ writes into a file) and per *role*, the peak of:
 - ``shm``: the part of it that is shared memory (``RssShmem``: staging rings, DCP's shared stager);
 - ``private``: ``rss - shm`` (heap, tensors, Python objects, libraries and modules);
 
-plus the node's ``/dev/shm`` use above what it was when sampling started (``statvfs``, so the
-segments of every process count, whoever maps them).
+plus the node's ``/dev/shm`` use above what it was when sampling started (``node_shm``:
+``statvfs``, so the segments of every process count, whoever maps them, other tenants' too), and
+the pages of ``/dev/shm`` this benchmark's ckptd segments hold (``ckptd_shm``: the staging rings,
+whatever else happens on the node).
 
 Roles: ``trainer`` (the rank processes, the maximum over ranks), ``dcp_bg`` (their children: torch
 DCP's checkpoint process), ``daemon`` (ckptd node daemons: found by their pid files, or as a
@@ -31,19 +33,20 @@ from typing import Any
 import psutil
 
 from ..control.pidfile import daemon_pid
+from ..staging.segment import SHM_DIR, allocated_nbytes, list_segments
 
 
 def proc_memory(pid: int) -> dict[str, int] | None:
     """``rss``, ``shm`` and ``private`` bytes of ``pid`` (None when it is gone)."""
     try:
         rss = psutil.Process(pid).memory_info().rss
-        shm = _rss_shmem(pid)
+        shm = rss_shmem(pid)
     except (psutil.Error, OSError, ValueError):
         return None
     return {"rss": rss, "shm": shm, "private": rss - shm}
 
 
-def _rss_shmem(pid: int) -> int:
+def rss_shmem(pid: int) -> int:
     """``RssShmem`` of ``/proc/<pid>/status``, read by hand: psutil has no such figure (its
     ``shared`` also counts file-backed pages, ~77 MiB of torch's libraries here, which would make
     the memory "beyond the rings" look smaller than it is)."""
@@ -59,6 +62,17 @@ def shm_used_bytes() -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def segments_nbytes(prefix: str) -> int:
+    """Pages of ``/dev/shm`` the segments named ``prefix*`` hold (allocated, not their size)."""
+    total = 0
+    for name in list_segments(prefix):
+        try:
+            total += allocated_nbytes(SHM_DIR / name)
+        except OSError:  # unlinked meanwhile
+            pass
+    return total
+
+
 def daemon_pids(runtime_dir: Path) -> list[int]:
     """Pids written in the ``*.pid`` files of a (private) runtime directory (ckptd.control.pidfile)."""
     try:
@@ -72,8 +86,9 @@ def daemon_pids(runtime_dir: Path) -> list[int]:
 class MemorySampler:
     """Samples the benchmark's processes in a thread; :meth:`peaks` returns what it saw."""
 
-    def __init__(self, runtime_dir: Path, phase_file: Path, interval_s: float = 0.05) -> None:
+    def __init__(self, runtime_dir: Path, phase_file: Path, shm_prefix: str = "", interval_s: float = 0.05) -> None:
         self.runtime_dir = runtime_dir
+        self.shm_prefix = shm_prefix
         self.phase_file = phase_file
         self.interval_s = interval_s
         self._trainers: Callable[[], Iterable[int]] = lambda: ()
@@ -140,6 +155,8 @@ class MemorySampler:
                 self._bump(phase, f"{role}_{key}", value)
             self._add_cpu(phase, role, pid)
         self._bump(phase, "node_shm", max(0, shm_used_bytes() - self._shm0))
+        if self.shm_prefix:
+            self._bump(phase, "ckptd_shm", segments_nbytes(self.shm_prefix))
         self._add_node_cpu(phase)
 
     def _is_ckptd_daemon(self, proc: psutil.Process) -> bool:

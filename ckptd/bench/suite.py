@@ -83,7 +83,7 @@ class Suite:
         self.dir = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=parent))
         self.runtime = Path(tempfile.mkdtemp(prefix="ckb", dir="/tmp"))  # short: ipc paths <= 107 bytes
         self.phase_file = self.runtime / "phase"
-        self.sampler = MemorySampler(self.runtime, self.phase_file)
+        self.sampler = MemorySampler(self.runtime, self.phase_file, shm_prefix=f"ckptd-{self.job_prefix}")
         self._env_saved: dict[str, str | None] = {}
 
     # --- environment ------------------------------------------------------------------------

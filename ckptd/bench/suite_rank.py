@@ -48,6 +48,7 @@ from .harness import (
     state_nbytes,
     stop_dcp_process,
 )
+from .memory import rss_shmem, segments_nbytes
 from .suite_train import run_training
 
 
@@ -284,20 +285,9 @@ def save_lazy(r: Rank, state: dict[str, torch.Tensor], repeats: int) -> dict[str
 
 def save_soak(r: Rank, state: dict[str, torch.Tensor], saves: int) -> dict[str, Any]:
     """``saves`` back-to-back ckptd saves, each waited for; after every one, the rank's RSS (the
-    maximum over ranks), the daemon's RSS and the /dev/shm pages the node's staging rings hold
-    (sampled here, right after the save: they must stay flat)."""
+    maximum over ranks), the daemon's RSS and its part beyond the shared rings, and the /dev/shm
+    pages the node's staging rings hold (sampled here, right after the save: they must stay flat)."""
     import psutil
-
-    from ckptd.staging.segment import allocated_nbytes, list_segments
-
-    def ring_pages(prefix: str) -> int:
-        total = 0
-        for name in list_segments(prefix):
-            try:
-                total += allocated_nbytes(f"/dev/shm/{name}")
-            except OSError:  # retired meanwhile
-                pass
-        return total
 
     rows = []
     me = psutil.Process()
@@ -308,11 +298,13 @@ def save_soak(r: Rank, state: dict[str, torch.Tensor], saves: int) -> dict[str, 
             h = ckpt.save(sharded(state), step=r.next_step())
             h.wait()
             r.rm(h.path)  # barriers: every rank's save is done
+            daemon_rss = int(daemon.memory_info().rss)
             rows.append(
                 {
                     "rank_rss": int(r.max(float(me.memory_info().rss))),
-                    "daemon_rss": int(daemon.memory_info().rss),
-                    "staging_shm": ring_pages(prefix),
+                    "daemon_rss": daemon_rss,
+                    "daemon_private": daemon_rss - rss_shmem(daemon.pid),
+                    "staging_shm": segments_nbytes(prefix),
                 }
             )
     return {"saves": saves, "samples": rows}
