@@ -52,11 +52,14 @@ class Rank:
         return float(t.item())
 
     def phase(self, name: str) -> None:
-        """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier)."""
+        """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier). Phases of
+        jobs other than ``main`` (the scaling curve's) are named ``<job>:<phase>``: their peaks
+        must not count as the main job's."""
         self.barrier()
         if self.rank == 0:
+            job = self.spec["name"]
             tmp = self.phase_file.with_suffix(".tmp")
-            tmp.write_text(name)
+            tmp.write_text(name if job == "main" else f"{job}:{name}")
             os.replace(tmp, self.phase_file)
 
     def rm_steps(self) -> None:

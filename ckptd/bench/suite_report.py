@@ -125,6 +125,11 @@ def _stall_targets(main: dict[str, Any], res: dict[str, Any]) -> list[dict[str, 
     return out
 
 
+def _quiet(phase: str) -> bool:
+    """Phases between measurements (making a state, tearing down), of any job."""
+    return phase.rsplit(":", 1)[-1] in ("setup", "done")
+
+
 def _budget_target(main: dict[str, Any]) -> list[dict[str, Any]]:
     b = main.get("budget")
     if not b:
@@ -423,7 +428,7 @@ def render(res: dict[str, Any]) -> str:
         )
         lines.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cols))
         for phase, v in mem.items():
-            if phase in ("setup", "done"):
+            if _quiet(phase):
                 continue
             lines.append(f"  {phase:<28}" + "".join(f"{v[k] / MIB:>15.0f}" if k in v else f"{'-':>15}" for k in cols))
         lines.append(
@@ -433,7 +438,7 @@ def render(res: dict[str, Any]) -> str:
         cpu_cols = ("trainer_cpu_s", "dcp_bg_cpu_s", "daemon_cpu_s", "node_cpu_s")
         lines.append(f"  {'phase':<28}" + "".join(f"{k:>15}" for k in cpu_cols))
         for phase, v in mem.items():
-            if phase not in ("setup", "done") and any(k in v for k in cpu_cols):
+            if not _quiet(phase) and any(k in v for k in cpu_cols):
                 lines.append(f"  {phase:<28}" + "".join(f"{v[k]:>15.2f}" if k in v else f"{'-':>15}" for k in cpu_cols))
     lines.append("targets (ratios from this run):")
     for t in res.get("targets", []):

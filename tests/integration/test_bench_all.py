@@ -117,7 +117,7 @@ def test_bench_all_cli_with_dcp_process_reports_first_save_and_memory_targets(tm
             "--small-tensors",
             "0",
             "--scale-ranks",
-            "2",
+            "1,2",
             "--load-gib",
             "0",
             "--train-saves",
@@ -147,6 +147,11 @@ def test_bench_all_cli_with_dcp_process_reports_first_save_and_memory_targets(tm
     for name in ("first_stall", "first_stall_vs_dcp", "node_shm", "budget", "soak_flat"):
         assert targets[name]["value"] is not None and targets[name]["value"] > 0, targets[name]
     assert targets["gpu_lazy_stall"]["ok"] is None  # n/a on a CPU run
+    # The scaling curve's 1-rank job has phases of its own: its rings never count as the main job's.
+    mem = res["memory"]
+    assert "scale1:save:ckptd" in mem
+    assert all(not p.startswith("scale2:") for p in mem)  # 2 ranks: the main job is that point
+    assert mem["save:ckptd"]["ckptd_shm"] <= targets["node_shm"]["limit"] * res["main"]["state_bytes"]
     assert res["main"]["budget"]["bit_exact"] and res["main"]["lazy"]["stall_s_median"] > 0
     assert len(res["main"]["soak"]["samples"]) == 3
     for line in (
