@@ -37,24 +37,25 @@ from ..staging.segment import SHM_DIR, allocated_nbytes, list_segments
 
 
 def proc_memory(pid: int) -> dict[str, int] | None:
-    """``rss``, ``shm`` and ``private`` bytes of ``pid`` (None when it is gone)."""
+    """``rss``, ``shm`` and ``private`` bytes of ``pid`` (None when it is gone), from one read of
+    ``/proc/<pid>/status``: RSS and RssShmem read apart (psutil's RSS, then the file) disagree by
+    whatever the process mapped or unmapped in between (the daemon's peak in the lazy-snapshot
+    phase read 274 MiB "private" that way, 215 MiB read at once). RssShmem is read by hand because
+    psutil has no such figure (its ``shared`` also counts file-backed pages, ~77 MiB of torch's
+    libraries here, which would make the memory "beyond the rings" look smaller than it is)."""
+    fields: dict[bytes, int] = {}
     try:
-        rss = psutil.Process(pid).memory_info().rss
-        shm = rss_shmem(pid)
-    except (psutil.Error, OSError, ValueError):
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                key, _, value = line.partition(b":")
+                if key in (b"VmRSS", b"RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
+    if b"VmRSS" not in fields:  # a zombie: no memory left to count
+        return None
+    rss, shm = fields[b"VmRSS"], fields.get(b"RssShmem", 0)
     return {"rss": rss, "shm": shm, "private": rss - shm}
-
-
-def rss_shmem(pid: int) -> int:
-    """``RssShmem`` of ``/proc/<pid>/status``, read by hand: psutil has no such figure (its
-    ``shared`` also counts file-backed pages, ~77 MiB of torch's libraries here, which would make
-    the memory "beyond the rings" look smaller than it is)."""
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"RssShmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def shm_used_bytes() -> int:

@@ -48,7 +48,7 @@ from .harness import (
     state_nbytes,
     stop_dcp_process,
 )
-from .memory import rss_shmem, segments_nbytes
+from .memory import proc_memory, segments_nbytes
 from .suite_train import run_training
 
 
@@ -292,18 +292,18 @@ def save_soak(r: Rank, state: dict[str, torch.Tensor], saves: int) -> dict[str, 
     rows = []
     me = psutil.Process()
     with checkpointer(r) as ckpt:
-        daemon = psutil.Process(ckpt.status()["pid"])
+        daemon_pid = ckpt.status()["pid"]
         prefix = ckpt.endpoints.shm_prefix
         for _ in range(saves):
             h = ckpt.save(sharded(state), step=r.next_step())
             h.wait()
             r.rm(h.path)  # barriers: every rank's save is done
-            daemon_rss = int(daemon.memory_info().rss)
+            mem = proc_memory(daemon_pid) or {"rss": 0, "private": 0}
             rows.append(
                 {
                     "rank_rss": int(r.max(float(me.memory_info().rss))),
-                    "daemon_rss": daemon_rss,
-                    "daemon_private": daemon_rss - rss_shmem(daemon.pid),
+                    "daemon_rss": mem["rss"],
+                    "daemon_private": mem["private"],
                     "staging_shm": segments_nbytes(prefix),
                 }
             )
