@@ -30,8 +30,10 @@ import errno
 import logging
 import os
 import secrets
+import select
 import signal
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,11 @@ from .ring import (
 )
 
 log = logging.getLogger(__name__)
+
+# A forked child reports within START_TIMEOUT_S that it started (normally well under a
+# millisecond) or is killed and forked again, FORK_TRIES times at most (see fork_started).
+START_TIMEOUT_S = 1.0
+FORK_TRIES = 3
 
 
 def fork_available() -> bool:
@@ -96,27 +103,75 @@ def start_block(pool: StagingPool, block: int) -> bytes:
 
 def fork_snapshot(
     pool: StagingPool, start: int, block: int, copies: list[tuple[int, int, int]], nice: int, daemon_pid: int
-) -> Snapshot:
+) -> Snapshot | None:
     """Fork a child that produces ``copies`` at virtual ``start`` and then seals ``block``;
-    returns at once. The child runs at CPU niceness ``nice`` (added to the trainer's), and gives
-    up when the daemon (``daemon_pid``) is gone or makes no room for ``snapshot_timeout_s``."""
+    returns once it started (None if no child started: :func:`fork_started`). The child runs at
+    CPU niceness ``nice`` (added to the trainer's), and gives up when the daemon (``daemon_pid``)
+    is gone or makes no room for ``snapshot_timeout_s``."""
     seal = start_block(pool, block)
     end = start + span(rel + n for rel, _, n in copies)
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:
-        _child(
-            RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid)),
-            start,
-            end,
-            block,
-            copies,
-            seal,
-            nice,
+    writer = RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid))
+    pid = fork_started(lambda: _child(writer, start, end, block, copies, seal, nice))
+    return None if pid is None else Snapshot(pid, seal, block_offset(block))
+
+
+def fork_started(
+    run: Callable[[], None], start_timeout_s: float = START_TIMEOUT_S, tries: int = FORK_TRIES
+) -> int | None:
+    """fork(); the child tells the parent through a pipe that it started, then calls ``run`` and
+    exits. Returns the pid of a child that started, or None when ``tries`` children in a row did
+    not within ``start_timeout_s`` each (each is killed and reaped).
+
+    Why the handshake: before it runs a line of our code, the child runs the interpreter's own
+    after-fork code, and CPython before 3.12 deadlocks there for good when another thread held
+    the runtime's thread-state lock at the fork (CPython gh-112275: any thread creating or
+    deleting a Python thread state without the GIL, e.g. a C++ thread of a library calling back
+    into Python). A child stuck there never copies its save, which then failed only after
+    ``snapshot_timeout_s``; measured here, 2 in 1,000 forks with six threads creating thread
+    states, and once in a ``ckptd bench all`` run. The trainer has not returned from ``save()``
+    yet, so its memory is unchanged and a second fork snapshots the same state."""
+    for attempt in range(1, tries + 1):
+        r, w = os.pipe()
+        try:
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns about fork() in a threaded process; the child runs no threaded code.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        if pid == 0:
+            try:
+                os.close(r)
+                os.write(w, b"\1")
+                os.close(w)
+                run()
+            finally:
+                os._exit(1)  # run() exits by itself; this only catches an escape
+        os.close(w)
+        try:
+            # poll(), not select(): a trainer may hold more than 1,024 descriptors. It retries
+            # after a signal with the time left (PEP 475).
+            poller = select.poll()
+            poller.register(r, select.POLLIN)
+            started = bool(poller.poll(start_timeout_s * 1000)) and os.read(r, 1) == b"\1"
+        finally:
+            os.close(r)
+        if started:
+            return pid
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        log.warning(
+            "snapshot process %d did not start within %.1f s (try %d of %d; stuck in the interpreter's "
+            "after-fork code, CPython gh-112275 before Python 3.12): killed it%s",
+            pid,
+            start_timeout_s,
+            attempt,
+            tries,
+            ", forking again" if attempt < tries else "",
         )
-    return Snapshot(pid, seal, block_offset(block))
+    return None
 
 
 def _alive(pid: int) -> Any:
@@ -202,7 +257,7 @@ def fork_into(
         return None
     copies, keep = found
     try:
-        return fork_snapshot(pool, start, block, copies, nice, daemon_pid)
+        snap = fork_snapshot(pool, start, block, copies, nice, daemon_pid)
     except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
         log.warning(
             "rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside save() instead", pool.rank, exc
@@ -210,3 +265,6 @@ def fork_into(
         return None
     finally:
         del keep  # the child has its own copy of the buffers now
+    if snap is None:
+        log.warning("rank %d: no snapshot process started; copying inside save() instead", pool.rank)
+    return snap

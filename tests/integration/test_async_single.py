@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,38 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
                 ckpt.save(bad, step=step)
         assert ckpt.save(_sd(w, 3), step=3).wait(timeout_s=30) == tmp_path / "run" / "iter_0000003"
         assert torch.equal(_loaded(ckpt, (512, 1024))["w"], w) and ckpt.latest() == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_child_stuck_in_fork_is_replaced_and_the_save_commits(tmp_path, single_process, monkeypatch):
+    """The child of a fork snapshot can deadlock inside ``os.fork()`` on Python < 3.12 (CPython
+    gh-112275) before it copies anything. Simulated here for the first fork: save() kills it and
+    forks again while the trainer's memory is still as it was, so the save commits with the
+    values of the save() call (the tensor changes right after it returns). Before, the save
+    failed after snapshot_timeout_s."""
+    real_fork = os.fork
+    forks: list[int] = []
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid == 0 and not forks:
+            time.sleep(60)  # stuck in "os.fork()": save() kills it long before
+            os._exit(1)
+        forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, snapshot_timeout_s=10
+    )
+    w = torch.randn(256, 1024)
+    expected = w.clone()
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        h = ckpt.save(_sd(w, 1), step=1)
+        w.add_(1.0)  # training goes on at once
+        assert h.wait(timeout_s=30) == tmp_path / "run" / "iter_0000001"
+        assert len(forks) == 2  # the stuck child, then the one that copied
+        assert torch.equal(_loaded(ckpt, (256, 1024))["w"], expected)
 
 
 @pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.errors import StagingError
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
-from ckptd.staging.fork import child_copies, fork_snapshot, reap, start_block
+from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap, start_block
 from ckptd.staging.pool import StagingPool, bytes_view, place
 from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
@@ -153,3 +153,86 @@ def test_malformed_snapshot_requests_are_refused():
     ):
         with pytest.raises(StagingError, match="malformed snapshot"):
             SnapshotWait.open(0, pid, seal, at)
+
+
+def _fork_stuck_in(monkeypatch, stuck: set[int]) -> list[int]:
+    """Make the children of the forks numbered in ``stuck`` (1 = the first) hang where CPython
+    before 3.12 can deadlock: inside ``os.fork()``, before the child runs a line of its caller's
+    code (CPython gh-112275). Returns the pids forked, in order."""
+    real = os.fork
+    pids: list[int] = []
+
+    def fork() -> int:
+        n = len(pids) + 1
+        pid = real()
+        if pid == 0 and n in stuck:
+            time.sleep(60)  # does not return from "os.fork()" before the parent kills it
+            os._exit(1)
+        pids.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_child_stuck_before_it_starts_is_killed_and_forked_again(monkeypatch, caplog):
+    pids = _fork_stuck_in(monkeypatch, {1})
+    pid = fork_started(lambda: os._exit(7), start_timeout_s=0.5)
+    assert pid is not None and pids == [pids[0], pid]
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7  # the second child ran
+    assert _gone(pids[0])  # the stuck one was killed and reaped
+    assert "did not start within 0.5 s (try 1 of 3" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_when_no_child_starts_there_is_no_snapshot_and_no_process_left(monkeypatch):
+    pids = _fork_stuck_in(monkeypatch, {1, 2})
+    assert fork_started(lambda: os._exit(0), start_timeout_s=0.3, tries=2) is None
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_forks_while_threads_create_thread_states_all_start():
+    """The real deadlock: C threads (here pthreads calling a ctypes callback, which creates and
+    deletes a Python thread state each time, as a C++ library thread calling into Python does)
+    hold the runtime's thread-state lock at some forks. On Python 3.11 about 2 in 1,000 plain
+    forks leave a child stuck for good; every fork_started() child starts."""
+    import ctypes
+    import sys
+    import threading
+
+    libc = ctypes.CDLL(None)
+    callback = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda _: None)
+    stop = threading.Event()
+
+    def churn() -> None:
+        tid = ctypes.c_ulong()
+        while not stop.is_set():
+            libc.pthread_create(ctypes.byref(tid), None, callback, None)
+            libc.pthread_join(tid, None)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    threads = [threading.Thread(target=churn, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(1000):
+            pid = fork_started(lambda: os._exit(0))
+            assert pid is not None
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        sys.setswitchinterval(interval)
