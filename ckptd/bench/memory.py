@@ -98,6 +98,7 @@ class MemorySampler:
         self._cpu_seen: dict[int, float] = {}  # pid -> its CPU seconds at the previous sample
         self._node_busy: float | None = None
         self._daemon_cmd: dict[int, bool] = {}
+        self._descendants: dict[int, psutil.Process] = {}  # every non-daemon child of a rank seen
         self._shm0 = shm_used_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-memory", daemon=True)
@@ -113,6 +114,22 @@ class MemorySampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def kill_leftovers(self) -> list[int]:
+        """Kill the ranks' children seen while sampling that still run (DCP's checkpoint
+        processes, snapshot children); their pids. A job that failed leaves them orphaned: its
+        ranks were killed before they could stop them. (Daemons have pid files and are stopped
+        apart.) psutil checks each process's start time, so a reused pid is never killed."""
+        killed = []
+        for proc in list(self._descendants.values()):  # the sampling thread may still add
+            try:
+                if proc.is_running():
+                    proc.kill()
+                    killed.append(proc)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(killed, timeout=10)
+        return [proc.pid for proc in killed]
 
     def peaks(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {phase: dict(v) for phase, v in self._peaks.items()}
@@ -147,6 +164,7 @@ class MemorySampler:
                     daemons.add(c.pid)  # a daemon a rank is starting, before its pid file exists
                 else:
                     roles.append(("dcp_bg", c.pid))
+                    self._descendants.setdefault(c.pid, c)
         roles = [(r, p) for r, p in roles if p not in daemons] + [("daemon", p) for p in daemons]
         for role, pid in roles:
             mem = proc_memory(pid)

@@ -217,6 +217,7 @@ class Suite:
         from ckptd.control.pidfile import daemon_alive
 
         report: dict[str, Any] = {"daemons_not_stopped": self.stop_daemons()}
+        report["processes_left"] = self.sampler.kill_leftovers()
         report["daemons_alive"] = [p.name for p in self.runtime.glob("*.pid") if daemon_alive(p)]
         for pid in daemon_pids(self.runtime):
             if report["daemons_alive"]:

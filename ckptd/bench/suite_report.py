@@ -446,6 +446,6 @@ def render(res: dict[str, Any]) -> str:
         val = "-" if t["value"] is None else f"{t['value']:.3f}"
         lines.append(f"  {status} {t['text']} = {val} (target {t['op']} {t['limit']:.3g}); {t['detail']}")
     cl = res.get("cleanup", {})
-    left = [k for k in ("daemons_not_stopped", "daemons_alive", "shm_left") if cl.get(k)]
+    left = [k for k in ("daemons_not_stopped", "daemons_alive", "processes_left", "shm_left") if cl.get(k)]
     lines.append("cleanup: " + ("everything removed" if not left and cl.get("dir_removed") else f"LEFT OVER {cl}"))
     return "\n".join(lines)
