@@ -15,6 +15,7 @@ The daemon keeps serving a real Checkpointer throughout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import socket
@@ -216,22 +217,9 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     evil = pickle.dumps(_MarkerOnUnpickle(str(marker)))
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     good = peer.codec.encode(Ping(1))[0]
-    save = {
-        "step": 2**64 - 1,
-        "attempt": "0123456789ab-1",
-        "rank": 0,
-        "world_size": 1,
-        "generation": "g",
-        "block": 0,
-        "items": [],
-        "common": None,
-        "common_digest": "",
-        "layout": "",
-        "ring_start": 0,
-        "snapshot_pid": 0,
-        "seal": b"",
-        "seal_offset": 0,
-    }
+    # The wire fields of a valid SAVE (the message's own), with a step outside the protocol's bound.
+    valid = Save(1, "0123456789ab-1", 0, 1, "g", 0, [], None, "", "", 0, 0, b"", 0)
+    save = {**dataclasses.asdict(valid), "step": 2**64 - 1}
     try:
         rejected = {
             "malformed: an old HMAC frame after the body": [good, b"m" * 32],

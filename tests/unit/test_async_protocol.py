@@ -34,24 +34,8 @@ def _frames(obj: object) -> list[bytes]:
 
 
 def _save_fields(**changes: object) -> dict:
-    f = {
-        "step": 1,
-        "attempt": ATTEMPT,
-        "rank": 0,
-        "world_size": 1,
-        "generation": "g",
-        "block": 0,
-        "items": [],
-        "common": None,
-        "common_digest": "",
-        "layout": "",
-        "ring_start": 0,
-        "snapshot_pid": 0,
-        "seal": b"",
-        "seal_offset": 0,
-    }
-    f.update(changes)
-    return f
+    """The wire fields of a valid SAVE (those the codec sends: the message's own), with ``changes``."""
+    return {**dataclasses.asdict(Save(1, ATTEMPT, 0, 1, "g", 0, [], None, "", "", 0, 0, b"", 0)), **changes}
 
 
 def test_every_message_type_round_trips():
