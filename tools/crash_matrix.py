@@ -4,7 +4,7 @@ Each trial runs a multi-rank job (``--ranks`` trainers on ``--nodes`` simulated 
 node daemon per node, node 0's hosting the coordinator) that saves a small sharded state
 asynchronously every few milliseconds, SIGKILLs one victim at a random moment (a trainer rank, a
 non-coordinator node daemon, or node 0's daemon with the coordinator), restarts the job, which
-resumes through ``Checkpointer.latest()``/``load()``, and checks (see tests/fault/crash_trial.py):
+resumes through ``Checkpointer.latest()``/``load()``, and checks (see tools/harness/crash_trial.py):
 
 - every step any rank saw COMMITTED still loads bit-exact, unless retention removed it after newer
   ones committed; the tracker's checkpoint loads bit-exact and is not older than any of them;
@@ -12,7 +12,7 @@ resumes through ``Checkpointer.latest()``/``load()``, and checks (see tests/faul
   committed checkpoint; the restarted job resumes bit-exact and its next saves commit;
 - no shared memory and no daemon process is left behind.
 
-``--netns`` (root) runs every trial across namespace nodes (tests/netns): each node its own
+``--netns`` (root) runs every trial across namespace nodes (tools/harness/netns.py): each node its own
 network namespace with its own address on a private bridge, its own /dev/shm and runtime directory,
 one shared root; and adds two victims only real nodes have: a whole ``machine`` (every process of a
 node SIGKILLed, its shared memory gone, the node booted empty before the restart) and a ``link``
@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests.fault)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tools.harness)
 
-from tests.fault import crash_trial as ct
+from tools.harness import crash_trial as ct
 
 
 def summary_table(results: list[ct.TrialResult], victims: tuple[str, ...]) -> str:
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials < 1 or args.nodes < 1 or args.ranks < args.nodes or args.ranks % args.nodes:
         ap.error("need --trials >= 1 and --ranks a positive multiple of --nodes")
     if args.netns:
-        # Imported only here: the namespace harness is a test utility of its own (tests/netns).
-        from tests.netns.crash_hosts import NETNS_VICTIMS, NetnsHosts
-        from tests.netns.harness import unavailable_reason
+        # Imported only here: namespace nodes need root and the ip tools.
+        from tools.harness.netns import unavailable_reason
+        from tools.harness.netns_hosts import NETNS_VICTIMS, NetnsHosts
 
         reason = unavailable_reason()
         if reason is not None:

@@ -28,7 +28,7 @@ from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 from tests.multiproc import clear_torchrun_env
-from tests.waiting import wait_for_exit, wait_until
+from tools.harness.waiting import wait_for_exit, wait_until
 
 HEARTBEAT_S = 0.1
 

@@ -29,7 +29,7 @@ from ckptd import ShardedTensor
 from ckptd.client import admin
 from tests.fault.single_job import stop_daemon, tmp_leftovers
 from tests.multiproc import free_port, run_ranks
-from tests.waiting import wait_until
+from tools.harness.waiting import wait_until
 
 
 def _sd(rank: int, step: int, value: float | None = None) -> dict:

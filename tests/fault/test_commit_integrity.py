@@ -29,7 +29,7 @@ from tests.fault.single_job import (
     state_dict,
     tmp_leftovers,
 )
-from tests.waiting import wait_until
+from tools.harness.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Guarantee 2 by crash injection (tests/fault/crash_trial.py, also run by tools/crash_matrix.py).
+"""Guarantee 2 by crash injection (tools/harness/crash_trial.py, also run by tools/crash_matrix.py).
 
 The default suite runs a short matrix: one trial per victim kind (a trainer rank, a non-coordinator
 node daemon, node 0's daemon with the coordinator) plus one random victim, with a fixed seed. The
@@ -19,8 +19,8 @@ from ckptd.format.items import PlannedItem, plan_object, plan_tensor_items
 from ckptd.format.layout import data_file_name
 from ckptd.format.rootlayout import tmp_dir
 from tests.checkpoints import flip_bit
-from tests.fault import crash_job as cj
-from tests.fault import crash_trial as ct
+from tools.harness import crash_job as cj
+from tools.harness import crash_trial as ct
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +30,13 @@ def ctx():
     ct.stop_process_context()
 
 
-def _failures(results: list[ct.TrialResult]) -> list[str]:
-    return [
-        f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} problems={r.problems}"
-        for r in results
-        if not r.ok
-    ]
-
-
 @pytest.mark.timeout(240)
 def test_short_crash_matrix_every_victim_kind(ctx, tmp_path):
     results = [
         ct.run_trial(1000 + i, ct.LoopbackHosts(ctx), ranks=2, nodes=2, victim=victim, workdir=tmp_path)
         for i, victim in enumerate(["rank", "node", "coordinator", None])
     ]
-    assert not _failures(results), "\n".join(_failures(results))
+    assert not ct.failures(results), "\n".join(ct.failures(results))
     assert {r.victim for r in results} >= set(ct.VICTIMS)
     assert sum(r.commits for r in results) > 0 and all(r.recovered for r in results)
 
@@ -53,7 +45,7 @@ def test_short_crash_matrix_every_victim_kind(ctx, tmp_path):
 @pytest.mark.timeout(3600)
 def test_long_crash_matrix(ctx, tmp_path):
     results = [ct.run_trial(seed, ct.LoopbackHosts(ctx), ranks=4, nodes=2, workdir=tmp_path) for seed in range(30)]
-    assert not _failures(results), "\n".join(_failures(results))
+    assert not ct.failures(results), "\n".join(ct.failures(results))
     assert {r.victim for r in results} == set(ct.VICTIMS)
 
 

@@ -55,7 +55,7 @@ from ckptd.daemon.snapshot import boottime_s
 from ckptd.staging.pool import StagingPool
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
-from tests.waiting import wait_until
+from tools.harness.waiting import wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
 

@@ -27,7 +27,7 @@ import ckptd
 from ckptd import ShardedTensor
 from tests.fault.single_job import stop_daemon
 from tests.multiproc import free_port, run_ranks
-from tests.waiting import wait_for_exit, wait_until
+from tools.harness.waiting import wait_for_exit, wait_until
 
 COMMIT_TIMEOUT_S = 1.5
 COORDINATOR_TIMEOUT_S = 2.0

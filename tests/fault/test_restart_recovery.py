@@ -27,7 +27,7 @@ from ckptd.daemon.main import EXIT_BUSY
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.checkpoints import make_root
 from tests.multiproc import free_port, without_torchrun
-from tests.waiting import wait_for_exit, wait_until
+from tools.harness.waiting import wait_for_exit, wait_until
 
 
 def _env(runtime: Path, **extra: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
-from tests.waiting import exited, wait_until
+from tools.harness.waiting import exited, wait_until
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE

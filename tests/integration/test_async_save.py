@@ -30,7 +30,7 @@ from ckptd.control.security import make_client_secure
 from ckptd.format.rootlayout import step_dir_name
 from tests.integration import async_job as aj
 from tests.multiproc import free_port, run_ranks
-from tests.waiting import wait_until
+from tools.harness.waiting import wait_until
 
 WRITE_DELAY_S = 0.4
 STEPS = [10, 20, 30, 40, 50]

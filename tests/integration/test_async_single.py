@@ -17,7 +17,7 @@ from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
 from ckptd.errors import StagingError
 from ckptd.format.dcp_metadata import read_index
-from tests.waiting import wait_for_exit
+from tools.harness.waiting import wait_for_exit
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:

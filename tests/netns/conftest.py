@@ -13,8 +13,8 @@ import pytest
 
 from ckptd.control.endpoints import default_job_id
 from ckptd.staging.segment import list_segments
+from tools.harness.netns import Cluster, NetnsUnavailable, unavailable_reason
 
-from .harness import Cluster, NetnsUnavailable, unavailable_reason
 from .job import NetnsJob
 
 REPO = str(Path(__file__).resolve().parents[2])

@@ -1,7 +1,7 @@
 """A checkpointing job across namespace nodes, driven step by step from the test.
 
 :class:`NetnsJob` launches ``per_node`` trainer ranks (:mod:`tests.netns.agent`) on every node of
-a :class:`~tests.netns.harness.Cluster` with the variables torchrun gives them (``GROUP_RANK``,
+a :class:`~tools.harness.netns.Cluster` with the variables torchrun gives them (``GROUP_RANK``,
 ``MASTER_ADDR`` = node 0's address, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``) plus one random ``CKPTD_JOB_TOKEN``; each node's local rank 0 starts that
 node's daemon, node 0's hosts the coordinator. The test then sends commands to chosen ranks
@@ -31,8 +31,7 @@ from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
-
-from .harness import Cluster, Node
+from tools.harness.netns import Cluster, Node
 
 REPO = str(Path(__file__).resolve().parents[2])
 MASTER_PORT = 29500  # each node has its own ports: no clash with the host or other clusters

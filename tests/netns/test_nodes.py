@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.control.endpoints import default_job_id
+from tools.harness.netns import Cluster, sweep_stale
 
-from .harness import Cluster, sweep_stale
 from .job import MASTER_PORT
 
 _CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)"

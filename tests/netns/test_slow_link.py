@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import NetnsUnavailable
+from tools.harness.netns import NetnsUnavailable
+
 from .job import NetnsJob
 
 NETEM = "delay 50ms 20ms loss 2%"

@@ -1,7 +1,7 @@
 """Crash-matrix trials across namespace nodes (``tools/crash_matrix.py --netns``).
 
-:class:`NetnsHosts` runs the trial of :mod:`tests.fault.crash_trial` on a fresh
-:class:`~tests.netns.harness.Cluster` per trial: each node has its own network, /dev/shm and
+:class:`NetnsHosts` runs the trial of :mod:`tools.harness.crash_trial` on a fresh
+:class:`~tools.harness.netns.Cluster` per trial: each node has its own network, /dev/shm and
 runtime directory, the ranks reach node 0 at its address, and the job token is a random one. Two
 victims only real nodes have join the common ones (a trainer rank, a node daemon, node 0's daemon
 with the coordinator):
@@ -10,7 +10,7 @@ with the coordinator):
   daemon, and on node 0 the coordinator); the node boots again, empty, before the restart;
 - ``link``: a random node is partitioned off inside the network for 0.5-4 s while the job saves.
 
-Only this module and :mod:`tests.netns.crash_rank` tie the crash matrix to namespaces.
+Only this module and :mod:`tools.harness.netns_rank` tie the crash matrix to namespaces.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.staging.segment import list_segments
-from tests.fault import crash_job as cj
-from tests.fault.crash_trial import VICTIMS
-
-from .harness import Cluster
+from tools.harness import crash_job as cj
+from tools.harness.crash_trial import VICTIMS
+from tools.harness.netns import Cluster
 
 REPO = str(Path(__file__).resolve().parents[2])
 COORDINATOR_PORT = 29501  # each node has its own ports
@@ -99,7 +98,7 @@ class NetnsHosts:
             node = c.nodes[rank // spec.per_node]
             with open(Path(spec.events) / f"{phase}.r{rank}.out", "ab") as out:
                 proc = node.spawn(
-                    [sys.executable, "-m", "tests.netns.crash_rank", json.dumps(asdict(spec)), str(rank), phase],
+                    [sys.executable, "-m", "tools.harness.netns_rank", json.dumps(asdict(spec)), str(rank), phase],
                     env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,

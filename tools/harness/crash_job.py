@@ -1,7 +1,7 @@
 """The training job of the crash matrix: what one rank does, and the state it saves.
 
 A job is ``ranks`` trainer processes spread over ``nodes`` nodes (distinct GROUP_RANKs on this
-machine, or namespace nodes: tests/netns/crash_hosts.py), each with its own node daemon, node 0's
+machine, or namespace nodes: tools/harness/netns_hosts.py), each with its own node daemon, node 0's
 hosting the coordinator. Every rank saves a small sharded state whose every value is a function of
 the step, so any checkpoint can be checked bit for bit without remembering what was saved. Each
 rank appends what it observes to its own event file *as it happens* (one ``O_APPEND`` write per
@@ -25,7 +25,7 @@ import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
-from tests.waiting import wait_until
+from tools.harness.waiting import wait_until
 
 ROWS_PER_RANK, COLS = 4, 32
 BIG_ROWS_PER_RANK, BIG_COLS = 32, 256  # 32 KiB per rank: writes take real time
@@ -45,7 +45,7 @@ class JobSpec:
     restart_steps: int = 2  # saves after a restart, each of which must commit
     master_addr: str = "127.0.0.1"  # node 0's address, as the ranks reach it
     # Each node's runtime directory as the harness reaches it, where nodes do not share one
-    # (namespace nodes: tests/netns); empty: CKPTD_RUNTIME_DIR of ``env`` for every node.
+    # (namespace nodes: tools/harness/netns.py); empty: CKPTD_RUNTIME_DIR of ``env`` for every node.
     node_runtime_dirs: tuple[str, ...] = ()
 
     @property

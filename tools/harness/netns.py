@@ -29,8 +29,8 @@ the bridge, and removes its directory; it runs from pytest finalizers (and is id
 carry the creating process's pid, and :func:`sweep_stale` (run by :meth:`Cluster.create`) removes
 what a harness that was killed outright left behind (its pid is gone).
 
-This module depends on nothing of ckptd or of the other test packages, so that tools can use it
-(``tools/crash_matrix.py --netns``) wherever it moves.
+This module depends on nothing of ckptd; the namespace tests (``tests/netns``) and
+``tools/crash_matrix.py --netns`` (through :mod:`.netns_hosts`) use it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Waiting in tests: poll a condition until it holds or a deadline passes, never sleep a guess.
+"""Waiting in tests and harnesses: poll a condition until it holds or a deadline passes, never sleep a guess.
 
 ``wait_until(cond, timeout_s, what)`` returns once ``cond()`` is true and fails the test (naming
 ``what``) when ``timeout_s`` passed first; ``wait_for_exit(pid, timeout_s)`` waits until a process

@@ -1,7 +1,7 @@
-"""A crash-matrix trainer rank inside a namespace node: ``python -m tests.netns.crash_rank SPEC RANK PHASE``.
+"""A crash-matrix trainer rank inside a namespace node: ``python -m tools.harness.netns_rank SPEC RANK PHASE``.
 
-``SPEC`` is the trial's :class:`tests.fault.crash_job.JobSpec` as JSON; the rank runs
-:func:`tests.fault.crash_job.trainer` and exits 0 when it returns.
+``SPEC`` is the trial's :class:`tools.harness.crash_job.JobSpec` as JSON; the rank runs
+:func:`tools.harness.crash_job.trainer` and exits 0 when it returns.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.fault import crash_job as cj
+from tools.harness import crash_job as cj
 
 
 def main(argv: list[str]) -> int:

@@ -2,9 +2,9 @@
 
 Order of :func:`run_trial` (real processes, real daemons, real ZeroMQ, real files), on *hosts*
 (:class:`Hosts`: this machine's loopback, :class:`LoopbackHosts`, or namespace nodes,
-tests/netns/crash_hosts.py, which add victims of their own):
+tools/harness/netns_hosts.py, which add victims of their own):
 
-1. *run*: start every rank (:func:`tests.fault.crash_job.trainer`); their local rank 0s start the
+1. *run*: start every rank (:func:`tools.harness.crash_job.trainer`); their local rank 0s start the
    node daemons. Once every rank saved once, wait a random moment and SIGKILL the victim: a
    trainer rank, a non-coordinator node daemon, or node 0's daemon (which hosts the coordinator),
    or let the hosts' fault strike (a whole machine, a partitioned link).
@@ -52,7 +52,7 @@ from ckptd.errors import DaemonError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
 from ckptd.staging.segment import list_segments, unlink_segments
-from tests.fault import crash_job as cj
+from tools.harness import crash_job as cj
 
 VICTIMS = ("rank", "node", "coordinator")
 MULTI_NODE_VICTIMS = ("node", "link")  # victims that need another node than node 0
@@ -66,7 +66,7 @@ COORDINATOR_TIMEOUT_S = 3.0
 def process_context() -> BaseContext:
     """Forkserver children with torch and ckptd preloaded: a rank starts in milliseconds."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ckptd", "tests.fault.crash_job"])
+    ctx.set_forkserver_preload(["torch", "ckptd", "tools.harness.crash_job"])
     return ctx
 
 
@@ -112,6 +112,15 @@ class TrialResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
+
+
+def failures(results: list[TrialResult]) -> list[str]:
+    """One line per failed trial: its seed, victim and what went wrong (empty: all passed)."""
+    return [
+        f"seed {r.seed} ({r.victim_detail}): corrupt={r.corrupt} lost={r.lost_committed} problems={r.problems}"
+        for r in results
+        if not r.ok
+    ]
 
 
 # --- daemons ---------------------------------------------------------------------------------
@@ -305,7 +314,7 @@ class TrialProcess(Protocol):
 
 class Hosts(Protocol):
     """Where a trial's processes run: this machine's loopback (:class:`LoopbackHosts`), or
-    namespace nodes (tests/netns/crash_hosts.py). Used in this order: :meth:`open`,
+    namespace nodes (tools/harness/netns_hosts.py). Used in this order: :meth:`open`,
     :meth:`job_fields` (what the job spec needs: runtime directory and coordinator port, node 0's
     address...), :meth:`start` once per phase, :meth:`fault` for a victim of the hosts' own kinds,
     :meth:`heal` before the restart, :meth:`segments`, :meth:`logs`, and always :meth:`close`."""
