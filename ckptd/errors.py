@@ -62,6 +62,17 @@ class DaemonError(CkptdError):
 class ProtocolError(CkptdError):
     """A control-plane message was malformed, of a wrong version, too large or out of range."""
 
+    # Travels in the ERROR reply (ckptd.control.protocol.ErrorReply.code), so that a client can act
+    # on a refusal without parsing its text.
+    code = ""
+
+
+class UnknownClientError(ProtocolError):
+    """The daemon does not know this connection (no HELLO, or it forgot the rank): the client
+    must say HELLO and register its staging ring again."""
+
+    code = "unknown_client"
+
 
 class StagingError(CkptdError):
     """Shared-memory staging failed (pool exhausted, segment missing, size mismatch)."""

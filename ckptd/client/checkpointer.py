@@ -162,7 +162,17 @@ class Checkpointer:
         unreachable); failures found later surface on the handle.
         """
         with gc_paused():  # its per-item temporaries must not set off full collections
-            return self._save(sharded_state_dict, step)
+            tries = self._attempts.get(step, 0)
+            try:
+                return self._save(sharded_state_dict, step)
+            except RequestNotTaken as exc:
+                if not exc.unknown_client:
+                    raise
+                self._register_again(exc)
+                # The daemon did not take that try, so the retry is the same try of the step (the
+                # attempt id the other ranks, whose daemons knew them, send for it).
+                self._attempts[step] = tries
+                return self._save(sharded_state_dict, step)
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
@@ -443,6 +453,22 @@ class Checkpointer:
         if self._pool is not None:
             self._pool.close(unlink=True)
             self._pool = None
+
+    def _register_again(self, refusal: RequestNotTaken) -> None:
+        """The daemon refused a request as from an unknown client: it took this rank for gone and
+        retired its staging ring (saves in flight there still finish). Say HELLO again on the same
+        connection and let the next save register a new ring."""
+        log.warning("rank %d: %s; registering with the node daemon again", self.env.rank, refusal)
+        if self._lazy is not None:
+            self._lazy.wait_all()  # the copier writes into the ring unmapped below
+        if self._pool is not None:
+            self._pool.close(unlink=False)  # the daemon unlinks it once its writes finished
+            self._pool = None
+        try:
+            self._link.hello_again()
+        except DaemonLostError as exc:
+            self._daemon_lost(str(exc))
+            raise
 
     def _ensure_pool(self, nbytes: int) -> StagingPool:
         """This rank's staging ring, created (and registered with the daemon) on the first save,

@@ -31,7 +31,7 @@ from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
 from ..control.pidfile import daemon_alive, daemon_pid
 from ..control.protocol import Codec, ErrorReply, Hello, Message, Welcome
-from ..errors import DaemonError
+from ..errors import DaemonError, UnknownClientError
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -47,7 +47,17 @@ class RequestNotTaken(DaemonError):
     """The daemon certainly did not act on a request: it was never sent, or answered ERROR.
 
     (A request that timed out raises plain DaemonError: the daemon may still act on it.)
+    ``code``: the refusal's code (ckptd.errors.ProtocolError.code), "" when there is none.
     """
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def unknown_client(self) -> bool:
+        """The daemon forgot this connection: HELLO and the pool registration must be repeated."""
+        return self.code == UnknownClientError.code
 
 
 class DaemonLink:
@@ -109,14 +119,27 @@ class DaemonLink:
         # Forget the previous daemon's pid: while it is set, a slow WELCOME from its successor
         # would make alive() report the new daemon as dead.
         self.daemon_pid = None
-        welcome = self.request(
-            Hello(self.env.rank, os.getpid(), str(self.ep.root)),
-            Welcome,
-        )
+        welcome = self._hello()
         self.instance = welcome.instance
         self.daemon_pid = welcome.pid
         log.info("rank %d connected to daemon %s (pid %d)", self.env.rank, welcome.instance, welcome.pid)
         return welcome
+
+    def _hello(self) -> Welcome:
+        return self.request(Hello(self.env.rank, os.getpid(), str(self.ep.root)), Welcome)
+
+    def hello_again(self) -> None:
+        """Say HELLO again on this connection, after the daemon refused a request as from an
+        unknown client (it took this rank for gone). The connection, and so the routing of the
+        outcomes of saves in flight, stays; the caller registers a new staging ring."""
+        welcome = self._hello()
+        if welcome.instance != self.instance:
+            self.close_socket()
+            raise DaemonLostError(
+                f"the node daemon of {self.ep.root} node {self.ep.node} was replaced "
+                f"({self.instance} -> {welcome.instance}); see {self.ep.log_path}"
+            )
+        log.warning("rank %d: said HELLO again to daemon %s, which had forgotten this rank", self.env.rank, self.instance)
 
     def _launch(self, deadline: float) -> None:
         cmd = [
@@ -217,7 +240,7 @@ class DaemonLink:
             if isinstance(reply, ErrorReply):
                 asked = getattr(msg, "step", None)
                 if reply.step is None or asked is None or reply.step == asked:
-                    raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}")
+                    raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}", reply.code)
                 # The late refusal of an earlier request (its own wait gave up): not this one's.
                 log.warning(
                     "rank %d: the node daemon refused an earlier request of step %d: %s",

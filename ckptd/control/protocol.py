@@ -60,7 +60,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -134,6 +134,7 @@ class ErrorReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     reason: str
     step: int | None  # of the refused request, if it names one: a late error is not taken for another's
+    code: str = ""  # what the client must do, when it can act on it (ckptd.errors.ProtocolError.code)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import zmq
 
 from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
 from ..control.endpoints import Endpoints
 from ..control.keys import CurveKeys
+from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
     Bye,
     Codec,
@@ -42,7 +42,7 @@ from ..control.protocol import (
     Welcome,
 )
 from ..control.security import HandshakeWatch
-from ..errors import CkptdError, ProtocolError
+from ..errors import CkptdError, ProtocolError, UnknownClientError
 from .intake import SaveIntake
 from .loop import serve_requests
 from .pools import PoolTable
@@ -57,7 +57,7 @@ class Client:
 
     rank: int
     pid: int
-    create_time_s: float | None  # the process's start, so a reused pid is not taken for it
+    start_ticks: int | None  # the process's start (ckptd.control.procid): a reused pid is not it
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class RankServer:
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
-        self.clients[identity] = Client(msg.rank, msg.pid, _create_time_s(msg.pid))
+        self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid))
         self.served_a_rank = True
         self.ep.send(Welcome(self.hooks.instance, os.getpid()), identity)
 
@@ -170,7 +170,10 @@ class RankServer:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""
         c = self.clients.get(identity)
         if c is None:
-            raise ProtocolError("no HELLO from this connection; reconnect")
+            raise UnknownClientError(
+                "this daemon does not know the connection (no HELLO, or it took the rank for gone); "
+                "say HELLO and register the staging ring again"
+            )
         if rank is not None and rank != c.rank:
             raise ProtocolError(f"this connection said HELLO as rank {c.rank}, not rank {rank}")
         return c
@@ -178,7 +181,7 @@ class RankServer:
     def forget_dead(self) -> None:
         """Drop ranks whose process is gone; their rings are released once idle."""
         for identity, c in list(self.clients.items()):
-            if not _alive(c.pid, c.create_time_s):
+            if not same_process(c.pid, c.start_ticks):
                 log.info("rank %d (pid %d) is gone; its ring is released once idle", c.rank, c.pid)
                 del self.clients[identity]
                 self.pools.retire_owner(identity)
@@ -192,19 +195,3 @@ class RankServer:
         self.ep.close()
         self.ep_info.socket_path.unlink(missing_ok=True)
 
-
-def _create_time_s(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def _alive(pid: int, create_time_s: float | None) -> bool:
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return create_time_s is None or abs(p.create_time() - create_time_s) < 1e-3
-    except psutil.Error:
-        return False

@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
-
+from ..control.procid import CLOCK_TICK_S, read_stat, same_process
 from ..errors import StagingError
 from ..staging.ring import (
     ABANDONED,
@@ -37,7 +36,6 @@ from ..staging.segment import shm_free_nbytes
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
 _POLL_S = 0.005
-_CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def boottime_s() -> float:
@@ -53,23 +51,22 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
     finished."""
     if pid == parent_pid:
         return
-    # /proc/<pid>/stat by hand, not psutil: psutil's create_time() adds the start ticks to the boot
-    # time in whole seconds (/proc/stat btime), so it can be off by up to a second against the
-    # pool's registration; the ticks since boot compare exactly with CLOCK_BOOTTIME.
+    # Start ticks since boot (ckptd.control.procid), not psutil's create_time(): that adds the
+    # boot time of /proc/stat in whole seconds, which can be off by up to a second against the
+    # pool's registration and moves when the wall clock is stepped.
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except FileNotFoundError:
-        return
+        st = read_stat(pid)
     except OSError as exc:
         raise StagingError(f"rank {rank}: cannot inspect snapshot process {pid}: {exc}") from None
-    ppid, started_s = int(fields[1]), int(fields[19]) * _CLOCK_TICK_S  # stat fields 4 and 22
+    if st is None:
+        return
+    ppid, started_s = st.ppid, st.started_s
     if ppid != parent_pid:
         raise StagingError(
             f"rank {rank}: snapshot process {pid} is not a child of the rank's process "
             f"{parent_pid}; the daemon waits only on the rank's own snapshot"
         )
-    if started_s + _CLOCK_TICK_S < not_before_s:  # start times are truncated to a clock tick
+    if started_s + CLOCK_TICK_S < not_before_s:  # start times are truncated to a clock tick
         raise StagingError(
             f"rank {rank}: snapshot process {pid} is older than the rank's staging pool; "
             "the daemon waits only on a snapshot of this save"
@@ -218,7 +215,4 @@ class SnapshotWait:
 
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for its parent)."""
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.Error:
-        return False
+    return same_process(pid, None)
