@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .format.commitrecord import commit_seq
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
     STEP_PREFIX,
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
     parse_step_dir,
+    step_dir_name,
 )
 from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
 
@@ -67,6 +69,13 @@ class CheckpointEntry:
     state: EntryState
     usage: DirUsage
     is_latest: bool = False
+    commit_seq: int = 0  # committed ones: their place in commit order (ckptd.format.commitrecord)
+
+    @property
+    def commit_order(self) -> tuple[int, int]:
+        """Sort key of committed checkpoints, oldest commit first: the commit record's sequence
+        number, then (for checkpoints without one) the step."""
+        return (self.commit_seq, self.step)
 
 
 @dataclass
@@ -85,10 +94,29 @@ class RootCatalog:
     def committed(self) -> list[CheckpointEntry]:
         return [e for e in self.entries if e.state is EntryState.COMMITTED]
 
+    @property
+    def newest_first(self) -> list[CheckpointEntry]:
+        """Committed checkpoints, the last committed first (commit order, not step order: a
+        rollback commits a lower step after a higher one)."""
+        return sorted(self.committed, key=lambda e: e.commit_order, reverse=True)
+
     def latest(self) -> CheckpointEntry | None:
         """The entry the tracker names, when it names a committed checkpoint."""
         for e in self.entries:
             if e.is_latest and e.state is EntryState.COMMITTED:
+                return e
+        return None
+
+    def abandoned(self, step: int) -> CheckpointEntry | None:
+        """The committed ``iter_<step>`` when a rollback abandoned it: the tracker names a
+        checkpoint of a lower step that was committed after it (the job resumed from an earlier
+        step and saved again). None when there is no such checkpoint, when it is on the current
+        branch, or when the tracker cannot be trusted (nothing is taken for abandoned then)."""
+        latest = self.latest()
+        if latest is None or self.tracker_problem is not None:
+            return None
+        for e in self.committed:
+            if e.step == step and e is not latest and step > latest.step and e.commit_order < latest.commit_order:
                 return e
         return None
 
@@ -128,8 +156,9 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     return True, name, None
 
 
-def scan_root(root: str | os.PathLike) -> RootCatalog:
-    """List ``root``: step directories with state, size and age, and the tracker's target."""
+def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
+    """List ``root``: step directories with state, commit order, size and age (``usage``: walks
+    every directory), and the tracker's target."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root} is not a directory")
@@ -151,7 +180,15 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
         cat.entries.append(
-            CheckpointEntry(name, path, parsed.step, state, dir_usage(path), is_latest=name == cat.latest_name)
+            CheckpointEntry(
+                name,
+                path,
+                parsed.step,
+                state,
+                dir_usage(path) if usage else DirUsage(0, 0, 0.0),
+                is_latest=name == cat.latest_name,
+                commit_seq=commit_seq(path) if state is EntryState.COMMITTED else 0,
+            )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))
     if cat.latest_name is not None and cat.tracker_problem is None:
@@ -174,11 +211,28 @@ def scan_root(root: str | os.PathLike) -> RootCatalog:
         elif parse_step_dir(cat.latest_name) is None:
             # A committed checkpoint outside the iter_<step> naming: still list it, it is what loads.
             cat.entries.append(
-                CheckpointEntry(cat.latest_name, target, -1, EntryState.COMMITTED, dir_usage(target), is_latest=True)
+                CheckpointEntry(
+                    cat.latest_name,
+                    target,
+                    -1,
+                    EntryState.COMMITTED,
+                    dir_usage(target) if usage else DirUsage(0, 0, 0.0),
+                    is_latest=True,
+                    commit_seq=commit_seq(target),
+                )
             )
             if cat.latest_name in cat.others:
                 cat.others.remove(cat.latest_name)
     return cat
+
+
+def committed_once(root: str | os.PathLike, step: int) -> bool:
+    """``iter_<step>`` of ``root`` is committed and may not be saved again: it exists and is not a
+    checkpoint of a branch a rollback abandoned (:meth:`RootCatalog.abandoned`), which a new save
+    of the step replaces."""
+    if not os.path.lexists(Path(root) / step_dir_name(step)):
+        return False
+    return scan_root(root, usage=False).abandoned(step) is None
 
 
 @dataclass(frozen=True)

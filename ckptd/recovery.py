@@ -6,8 +6,9 @@
    a decodable ``.metadata``, every data file present and long enough, ``common.pt`` intact):
    that one, silently (the normal case);
 2. otherwise (tracker missing, unreadable, naming a missing, incomplete or damaged directory):
-   the newest committed ``iter_<step>`` checkpoint that passes the same check, with a logged WARNING
-   saying why the tracker was not followed;
+   the last committed ``iter_<step>`` checkpoint (in commit order, :mod:`ckptd.format.commitrecord`:
+   after a rollback that is not the highest step) that passes the same check, with a logged
+   WARNING saying why the tracker was not followed;
 3. no such checkpoint: ``None`` when the root never held a checkpoint (a fresh start), else
    :class:`~ckptd.errors.CorruptCheckpointError`: silently starting from scratch would throw away
    the training a damaged root still records.
@@ -55,7 +56,7 @@ def structural_problem(path: Path) -> str | None:
 
 def resolve_latest(root: str | os.PathLike) -> LatestChoice | None:
     """The checkpoint of ``root`` to resume from (see the module docstring)."""
-    cat = scan_root(root)
+    cat = scan_root(root, usage=False)
     tracker = Path(root) / TRACKER_FILE
     named = cat.latest()
     if named is not None:
@@ -69,9 +70,9 @@ def resolve_latest(root: str | os.PathLike) -> LatestChoice | None:
         why = f"tracker {tracker} names {cat.latest_name!r}, which is not a committed checkpoint"
     else:
         why = f"{root} has no tracker file '{TRACKER_FILE}'"
-    candidates = [e for e in cat.committed if e.step >= 0 and not (named is not None and e.path == named.path)]
+    candidates = [e for e in cat.newest_first if e.step >= 0 and not (named is not None and e.path == named.path)]
     rejected: list[str] = []
-    for entry in sorted(candidates, key=lambda e: e.step, reverse=True):
+    for entry in candidates:
         problem = structural_problem(entry.path)
         if problem is None:
             msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"

@@ -2,8 +2,10 @@
 
 Order of one collection (any process may run it; it needs no daemon):
 
-1. :func:`plan_gc` (pure): from a :class:`~ckptd.catalog.RootCatalog`, keep the newest ``keep``
-   committed checkpoints and always the one the tracker names; remove older committed ones,
+1. :func:`plan_gc` (pure): from a :class:`~ckptd.catalog.RootCatalog`, keep the ``keep`` last
+   committed checkpoints (in commit order, :mod:`ckptd.format.commitrecord`: after a rollback the
+   steps saved since are the newest, whatever their numbers) and always the one the tracker names;
+   remove older committed ones,
    ``*.tmp`` directories whose last write is older than ``grace_s`` (a save in flight keeps
    writing, so it stays younger than the grace period), and ``*.deleting`` leftovers.
 2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
@@ -60,16 +62,15 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     plan = GcPlan(cat.root)
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
-    committed = sorted(cat.committed, key=lambda e: e.step, reverse=True)
-    for rank, e in enumerate(committed):
+    for rank, e in enumerate(cat.newest_first):
         if e.is_latest:
             plan.kept.append((e, "named by the tracker"))
         elif rank < keep:
-            plan.kept.append((e, f"among the newest {keep}"))
+            plan.kept.append((e, f"among the {keep} last committed"))
         elif plan.refused is not None:
             plan.kept.append((e, "tracker cannot be trusted"))
         else:
-            plan.remove.append(Removal(e, f"committed, older than the newest {keep}"))
+            plan.remove.append(Removal(e, f"committed before the {keep} last committed"))
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime

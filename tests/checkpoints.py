@@ -97,3 +97,13 @@ def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit
     path.write_bytes(bytes(data))
+
+
+def stamp_commits(root: str | os.PathLike, steps_in_commit_order: list[int]) -> None:
+    """Give ``root``'s ``iter_<step>`` checkpoints commit records, committed in the given order
+    (as the coordinator does: ckptd.format.commitrecord)."""
+    from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord
+
+    for seq, step in enumerate(steps_in_commit_order, start=1):
+        rec = CommitRecord(seq=seq, step=step, attempt="0123456789ab-1", committed_unix_s=1.0e9 + seq)
+        (Path(root) / step_dir_name(step) / COMMIT_RECORD).write_bytes(rec.to_bytes())

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
+from ..catalog import committed_once
 from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
@@ -185,7 +186,7 @@ class Checkpointer:
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = self.root / step_dir_name(step)
-        if final.exists():
+        if committed_once(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         try:
             split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)

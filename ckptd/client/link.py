@@ -139,7 +139,9 @@ class DaemonLink:
                 f"the node daemon of {self.ep.root} node {self.ep.node} was replaced "
                 f"({self.instance} -> {welcome.instance}); see {self.ep.log_path}"
             )
-        log.warning("rank %d: said HELLO again to daemon %s, which had forgotten this rank", self.env.rank, self.instance)
+        log.warning(
+            "rank %d: said HELLO again to daemon %s, which had forgotten this rank", self.env.rank, self.instance
+        )
 
     def _launch(self, deadline: float) -> None:
         cmd = [

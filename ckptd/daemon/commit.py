@@ -7,22 +7,28 @@ ckptd.control.attempt), so files of two attempts never meet in one directory.
 
 1. ``finalize``: validate global coverage of all ranks' records (errors name key and ranks),
    write ``common.pt``, ``.metadata`` and ``metadata.json`` in ``<step>.<attempt>.tmp/`` (each
-   tmp + fsync + rename, directory fsynced);
+   tmp + fsync + rename, directory fsynced), then the commit record (its place in the root's
+   commit order, :mod:`ckptd.format.commitrecord`);
 2. check that every rank's data file is there, a regular file of exactly the size its writer
    reported (at least what its records address), then rename ``<step>.<attempt>.tmp`` ->
    ``<step>`` and fsync the root (after removing ``*.part`` files of writers killed mid-write).
    A message can therefore never commit a checkpoint that does not load. For a crash the rename
    is the point of no return:
    should the coordinator die now, its successor finishes the commit at its start
-   (:func:`finish_interrupted_commit`); a coordinator that lives undoes it if step 3 fails;
-3. replace the ``latest`` tracker atomically (only forward: a step older than the tracker's
-   leaves it alone), then Megatron-LM's ``latest_checkpointed_iteration.txt`` likewise, except
-   for step 0, which Megatron-LM refuses (see :func:`write_megatron_tracker`; its failure is only
-   logged). If ``latest`` cannot be written (disk full...), the directory is renamed back to
-   ``<step>.<attempt>.tmp`` and the commit fails: a step counts as committed once the
-   tracker can name it, and its ranks must never be told otherwise;
-4. retention: keep the newest ``keep_last`` committed checkpoints (and always the tracker's),
-   removing older ones via ``*.deleting`` (:mod:`ckptd.retention`).
+   (:func:`finish_interrupted_commit`); a coordinator that lives undoes it if step 3 fails.
+   A committed ``<step>`` of a branch a rollback abandoned (:meth:`RootCatalog.abandoned`) is
+   renamed to ``<step>.deleting`` first and removed after step 3; any other committed
+   ``<step>`` fails the commit (a step is committed once);
+3. replace the ``latest`` tracker atomically with the step just committed (also when it is older
+   than committed steps: the job went back, and a restart must resume where it went; the ranks
+   are told so in the outcome's warnings), then Megatron-LM's
+   ``latest_checkpointed_iteration.txt`` likewise, except for step 0, which Megatron-LM refuses
+   (see :func:`write_megatron_tracker`; its failure is only logged). If ``latest`` cannot be
+   written (disk full...), the directory is renamed back to ``<step>.<attempt>.tmp`` and the
+   commit fails: a step counts as committed once the tracker can name it, and its ranks must
+   never be told otherwise;
+4. retention: keep the ``keep_last`` last committed checkpoints in commit order (and always the
+   tracker's), removing older ones via ``*.deleting`` (:mod:`ckptd.retention`).
 
 A failure before step 2 leaves no committed directory: the caller aborts and removes the tmp dir.
 Failures in step 4 are logged, never turned into an abort (the checkpoint is already committed).
@@ -34,11 +40,14 @@ import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import EntryState, is_checkpoint_dir, read_tracker, scan_root
+from ..catalog import EntryState, RootCatalog, read_tracker, scan_root
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
+from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
 from ..format.records import ItemRecord
@@ -46,6 +55,7 @@ from ..format.rootlayout import (
     MEGATRON_TRACKER,
     TRACKER_FILE,
     committed_step,
+    deleting_name,
     is_part_file,
     megatron_tracker_bytes,
     parse_step_dir,
@@ -66,6 +76,14 @@ def tracker_step(root: Path) -> int | None:
     return committed_step(name or "")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CommitOutcome:
+    """What :func:`commit_step` committed, and what it noticed on the way (told to the ranks)."""
+
+    name: str
+    warnings: tuple[str, ...] = ()
+
+
 def commit_step(
     root: Path,
     step: int,
@@ -78,8 +96,8 @@ def commit_step(
     keep_last: int,
     megatron_tracker: bool,
     opener: Opener = default_opener,
-) -> str:
-    """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring); returns the committed name.
+) -> CommitOutcome:
+    """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring).
 
     ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``. Every
     file is written relative to the root's and the step directory's fds, the step directory is
@@ -89,47 +107,84 @@ def commit_step(
     name = step_dir_name(step)
     tmp = tmp_dir_name(step, attempt)
     final = root / name
+    cat = scan_root(root, usage=False)
     with Dir.open(root) as rootd:
+        replaced = None
         if rootd.lstat(name) is not None:
-            raise CheckpointExistsError(
-                f"{final} already exists; a step is committed once. Save under a "
-                "new step, or delete the old checkpoint first."
-            )
+            replaced = cat.abandoned(step)
+            if replaced is None:
+                raise CheckpointExistsError(
+                    f"{final} already exists; a step is committed once. Save under a "
+                    "new step, or delete the old checkpoint first."
+                )
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
+        record = CommitRecord(
+            seq=1 + max((e.commit_seq for e in cat.committed), default=0),
+            step=step,
+            attempt=attempt,
+            committed_unix_s=time.time(),
+        )
         with rootd.subdir(tmp) as tmpd:
             _remove_partial_files(tmpd)
             finalize(tmpd, records, common, opener, fsync, checkpoint_id=str(final))
+            atomic_write_bytes(tmpd.entry(COMMIT_RECORD), record.to_bytes(), opener, fsync)
             check_data_files(tmpd, data_files)
+        doomed = deleting_name(name)
+        if replaced is not None:
+            if rootd.lstat(doomed) is not None:
+                rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
+            rootd.rename(name, doomed)
         rootd.rename(tmp, name)
         try:
             if fsync:
                 rootd.fsync()
-            current = tracker_step(root)
-            if current is not None and not _is_step_checkpoint(root, current):
-                # A tracker naming a missing or incomplete checkpoint must not pin `latest` forever.
-                log.warning(
-                    "the tracker of %s names step %d, which is not a committed checkpoint; replacing it", root, current
-                )
-                current = None
-            if current is None or step >= current:
-                atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
+            # Always the step just committed, also after a rollback: it is what a restart resumes.
+            atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
         except BaseException:
             if tracker_step(root) != step:
                 _undo_rename(rootd, name, tmp, fsync)
+                if replaced is not None:
+                    _undo_rename(rootd, doomed, name, fsync)
                 raise
             log.exception("committed %s, but making the tracker durable failed", name)
-            current = None
-        if current is not None and step < current:
-            log.info("committed %s; the tracker stays at the newer step %d", name, current)
-        elif megatron_tracker:
+        if megatron_tracker:
             try:
                 write_megatron_tracker(rootd, step, opener, fsync)
             except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
                 log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
+        if replaced is not None:
+            try:
+                rootd.remove_tree(doomed)
+            except OSError as exc:
+                log.warning("could not remove %s (`ckptd gc` removes it later): %s", root / doomed, exc)
+    warnings = _rollback_warnings(cat, step, name, replaced is not None)
+    for text in warnings:
+        log.warning("%s", text)
     if keep_last > 0:
         _apply_retention(root, keep_last)
-    return name
+    return CommitOutcome(name=name, warnings=warnings)
+
+
+def _rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
+    """What to tell the ranks when the job went back: ``step`` is older than the step committed
+    before it (the tracker's; without one, any committed step). Said once, at the rollback: the
+    saves that follow it on the new branch are not older than their predecessor. And when the
+    commit replaced a checkpoint of a branch an earlier rollback abandoned."""
+    out: list[str] = []
+    newer = sorted(e.step for e in cat.committed if e.step > step)
+    previous = cat.latest()
+    if newer and (previous is None or previous.step > step):
+        shown = ", ".join(map(str, newer[:5])) + (f" and {len(newer) - 5} more" if len(newer) > 5 else "")
+        out.append(
+            f"step {step} is older than committed steps ({shown}): the job went back to an earlier "
+            f"step (a rollback). '{TRACKER_FILE}' now names {name}, which a restart resumes from; the "
+            "newer checkpoints are kept until keep_last newer commits retire them, and a save of one "
+            "of their steps replaces it"
+        )
+    if replaced:
+        out.append(f"{name} of a branch abandoned by an earlier rollback was replaced by this save")
+    return tuple(out)
 
 
 def write_megatron_tracker(rootd: Dir, step: int, opener: Opener, fsync: bool) -> bool:
@@ -171,38 +226,31 @@ def check_data_files(tmpd: Dir, data_files: Mapping[str, tuple[int, int]]) -> No
             )
 
 
-def _is_step_checkpoint(root: Path, step: int) -> bool:
-    """``iter_<step>`` is a committed checkpoint directory itself (not a link to one)."""
-    path = root / step_dir_name(step)
-    return is_real_dir(path) and is_checkpoint_dir(path)
-
-
 def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool) -> str | None:
     """Coordinator start: point the tracker at a checkpoint whose commit a crash interrupted.
 
     A coordinator that dies between step 2 (the rename) and step 3 (the tracker) of
-    :func:`commit_step` leaves a complete, durable checkpoint newer than the tracker. Its successor
-    finishes that commit (the rename is the point of no return), so the job resumes from it and its
-    step number is not left blocked. Only when the tracker is absent or names an older, sound
-    checkpoint; the candidate must be a real directory (not a link) and pass the structural check.
-    Returns the name now tracked.
+    :func:`commit_step` leaves a complete, durable checkpoint committed after the one the tracker
+    names. Its successor finishes that commit (the rename is the point of no return), so the job
+    resumes from it and its step number is not left blocked. Only when the tracker is absent or
+    names a sound checkpoint committed before it (commit order, not step order: a rollback commits
+    lower steps after higher ones); the candidate must be a real directory (not a link) and pass
+    the structural check. Returns the name now tracked.
     """
-    current = tracker_step(root)
-    if current is None and os.path.lexists(root / TRACKER_FILE):
-        return None  # an unreadable tracker: resolve_latest falls back, the next commit replaces it
-    if current is not None and not _is_step_checkpoint(root, current):
-        return None
-    committed = (committed_step(n) for n in os.listdir(root))
-    newer = sorted((s for s in committed if s is not None and (current is None or s > current)), reverse=True)
-    for step in newer:
-        name = step_dir_name(step)
-        if not _is_step_checkpoint(root, step) or structural_problem(root / name) is not None:
+    cat = scan_root(root, usage=False)
+    if cat.tracker_exists and (cat.tracker_problem is not None or cat.latest() is None):
+        return None  # an unreadable tracker, or one naming no checkpoint: resolve_latest falls back
+    current = cat.latest()
+    for entry in cat.newest_first:
+        if current is not None and entry.commit_order <= current.commit_order:
+            return None
+        if entry.step < 0 or structural_problem(entry.path) is not None:
             continue
         with Dir.open(root) as rootd:
-            atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), default_opener, fsync)
+            atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(entry.name), default_opener, fsync)
             if megatron_tracker:
-                write_megatron_tracker(rootd, step, default_opener, fsync)
-        return name
+                write_megatron_tracker(rootd, entry.step, default_opener, fsync)
+        return entry.name
     return None
 
 
@@ -233,7 +281,7 @@ def _remove_partial_files(tmpd: Dir) -> None:
 
 def _apply_retention(root: Path, keep_last: int) -> None:
     try:
-        plan = plan_gc(scan_root(root), keep_last, grace_s=math.inf)
+        plan = plan_gc(scan_root(root, usage=False), keep_last, grace_s=math.inf)
         if plan.refused:
             log.warning("retention skipped: %s", plan.refused)
             return

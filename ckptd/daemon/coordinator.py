@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from ..catalog import committed_once
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
@@ -55,10 +56,9 @@ from ..format.durable import default_opener
 from ..format.finalize import serialize_common
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
-from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
 from ..statedict.digest import differing_ranks
-from .commit import commit_step, remove_tmp
+from .commit import CommitOutcome, commit_step, remove_tmp
 from .faults import fault_opener
 from .loop import serve_requests
 from .workers import Done, WorkerPools
@@ -181,7 +181,7 @@ class Coordinator:
         already, or another attempt of it is in flight)."""
         st = self.attempts[(step, attempt)] = AttemptState(step, attempt, world_size, time.monotonic())
         st.reporters.add(identity)
-        if (self.root / step_dir_name(step)).exists():
+        if committed_once(self.root, step):
             self._abort(
                 st,
                 f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)",
@@ -312,7 +312,7 @@ class Coordinator:
         cfg = self.config
         step, attempt = st.key
 
-        def run() -> str:
+        def run() -> CommitOutcome:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
                     return commit_step(
@@ -349,8 +349,10 @@ class Coordinator:
             return True
         if done.error is None:
             st.phase = Phase.COMMITTED
-            self._finish(st, StepCommitted(step, attempt, str(done.result), _common_warnings(st)))
-            log.info("step %d committed as %s (attempt %s)", step, done.result, attempt)
+            outcome: CommitOutcome = done.result
+            warnings = _common_warnings(st) + list(outcome.warnings)
+            self._finish(st, StepCommitted(step, attempt, outcome.name, warnings))
+            log.info("step %d committed as %s (attempt %s)", step, outcome.name, attempt)
         else:
             st.phase = Phase.ABORTED
             self._finish(st, StepAborted(step, attempt, f"commit failed: {done.error}"))

@@ -194,4 +194,3 @@ class RankServer:
         self.watch.close()
         self.ep.close()
         self.ep_info.socket_path.unlink(missing_ok=True)
-

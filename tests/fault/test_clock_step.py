@@ -44,9 +44,7 @@ def test_wall_clock_step_keeps_live_ranks_saving(tmp_path):
     env = {**_env(runtime), "CKPTD_HEARTBEAT_S": "0.05"}
     ep = Endpoints.for_job(root, JobEnv(), CkptdConfig.from_env(env))
     ensure_private_dir(runtime)
-    daemon = (
-        f'mount --bind {stat_copy} /proc/stat && exec "$0" -m ckptd.cli daemon --root {root} --detach'
-    )
+    daemon = f'mount --bind {stat_copy} /proc/stat && exec "$0" -m ckptd.cli daemon --root {root} --detach'
     try:
         started = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", daemon, sys.executable],

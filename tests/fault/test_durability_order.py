@@ -13,6 +13,7 @@ import torch
 from ckptd import ShardedTensor
 from ckptd.daemon.commit import commit_step
 from ckptd.daemon.workers import write_rank_file
+from ckptd.format.commitrecord import COMMIT_RECORD
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items
 from ckptd.format.rootlayout import MEGATRON_TRACKER, tmp_dir
@@ -88,7 +89,13 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         if parent == tmp:
             assert index[after[0]] < index[publish]
     inside = [e for e in renames if Path(e[2]).parent == Path(tmp)]
-    assert [Path(e[2]).name for e in inside] == ["__0_0.distcp", "common.pt", ".metadata", "metadata.json"]
+    assert [Path(e[2]).name for e in inside] == [
+        "__0_0.distcp",
+        "common.pt",
+        ".metadata",
+        "metadata.json",
+        COMMIT_RECORD,
+    ]
     # The final name appears last inside the save, the root is fsynced, then the trackers move.
     root_sync = next(i for i, e in enumerate(events) if e == ("fsync", str(root), "") and i > index[publish])
     trackers = [e for e in renames if Path(e[2]).parent == root and e is not publish]

@@ -4,11 +4,12 @@ import time
 
 import pytest
 
-from ckptd.catalog import EntryState, resolve_target, scan_root
+from ckptd.catalog import EntryState, committed_once, resolve_target, scan_root
+from ckptd.daemon.commit import finish_interrupted_commit
 from ckptd.errors import CheckpointNotFoundError, CkptdError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.retention import apply_gc, plan_gc
-from tests.checkpoints import make_checkpoint, make_partial, make_root
+from tests.checkpoints import make_checkpoint, make_partial, make_root, stamp_commits
 
 
 def test_scan_root_states_sizes_and_latest(tmp_path):
@@ -76,7 +77,7 @@ def test_gc_keeps_newest_and_latest_and_young_partials(tmp_path):
     ]
     kept = {e.name: why for e, why in plan.kept}
     assert kept == {
-        "iter_0000400": "among the newest 1",
+        "iter_0000400": "among the 1 last committed",
         "iter_0000200": "named by the tracker",
         "iter_0000500.tmp": kept["iter_0000500.tmp"],
     }
@@ -124,3 +125,32 @@ def test_gc_without_tracker_and_bad_arguments(tmp_path):
     assert [r.entry.name for r in plan.remove] == ["iter_0000100"] and plan.refused is None
     with pytest.raises(CkptdError, match="keep must be >= 1"):
         plan_gc(scan_root(root), keep=0)
+
+
+def test_retention_and_abandoned_steps_follow_commit_order_not_step_order(tmp_path):
+    """Issue 25 H2: committed 10, 20, 30, 40, then (a rollback to 30) 31 and 32: the last
+    commits are 32 and 31, whatever the step numbers say, and 40 belongs to the abandoned branch."""
+    root = make_root(tmp_path / "r", [10, 20, 30, 31, 32, 40], latest=32)
+    stamp_commits(root, [10, 20, 30, 40, 31, 32])
+    cat = scan_root(root)
+    assert [e.step for e in cat.newest_first] == [32, 31, 40, 30, 20, 10]
+    assert cat.abandoned(40).step == 40 and cat.abandoned(30) is None and cat.abandoned(32) is None
+    assert committed_once(root, 32) and not committed_once(root, 40) and not committed_once(root, 33)
+    plan = plan_gc(cat, keep=2)
+    assert [r.entry.step for r in plan.remove] == [10, 20, 30, 40]
+    # Without commit records (older checkpoints) the order is the step order, as before.
+    legacy = make_root(tmp_path / "legacy", [10, 20, 30], latest=20)
+    assert [e.step for e in scan_root(legacy).newest_first] == [30, 20, 10]
+    assert scan_root(legacy).abandoned(30) is None  # nothing recorded, nothing taken for abandoned
+
+
+def test_a_restarted_coordinator_finishes_the_last_commit_not_the_highest_step(tmp_path):
+    """A crash between a commit's rename and its tracker update: the successor points the tracker
+    at the checkpoint committed last, also when a rollback made it a lower step."""
+    root = make_root(tmp_path / "r", [30, 31, 40], latest=40)
+    stamp_commits(root, [30, 40, 31])  # 31 was renamed into place after the rollback; then the crash
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000031"
+    assert (root / "latest").read_text() == "iter_0000031\n"
+    # Nothing newer than the tracker's in commit order: the tracker stays, though 40 is a higher step.
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
+    assert (root / "latest").read_text() == "iter_0000031\n"

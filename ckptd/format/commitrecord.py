@@ -1,0 +1,79 @@
+"""The commit record: which commit of its root a checkpoint was, in commit order.
+
+Step numbers do not order commits: a job that resumes from an older step (a rollback after a loss
+spike) commits step 31 after step 40. So the coordinator writes ``ckptd_commit.json`` into each
+checkpoint it commits, before the rename that commits it::
+
+    {"seq": 5, "step": 31, "attempt": "0123456789ab-1", "committed_unix_s": 1764150000.0}
+
+``seq`` is one more than the highest ``seq`` of the root's committed checkpoints. Which
+checkpoint is newest (the ``latest`` tracker after a crash, ``resolve_latest``'s fallback), which
+ones retention keeps and which ones belong to an abandoned branch are decided by it; checkpoints
+without a record (written by ``ckptd.save``, torch DCP, Megatron-Core or ckptd before 0.2) count
+as ``seq`` 0, older than any recorded commit, and among themselves by step. The wall-clock time
+is for people only: clocks are stepped, sequence numbers are not. torch DCP and Megatron-Core
+ignore the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import CorruptCheckpointError
+from .safefs import read_regular
+
+log = logging.getLogger(__name__)
+
+COMMIT_RECORD = "ckptd_commit.json"
+_MAX_NBYTES = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    seq: int
+    step: int
+    attempt: str
+    committed_unix_s: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def read_commit_record(directory: str | os.PathLike) -> CommitRecord | None:
+    """The commit record of a checkpoint directory; None when it has none (or an unreadable one:
+    logged, and the checkpoint then counts as committed before every recorded commit)."""
+    path = Path(directory)
+    try:
+        raw = read_regular(path, COMMIT_RECORD, "commit record", _MAX_NBYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, CorruptCheckpointError) as exc:
+        log.warning("%s: %s; ordering it before every recorded commit", path / COMMIT_RECORD, exc)
+        return None
+    try:
+        obj = json.loads(raw)
+        rec = CommitRecord(
+            seq=obj["seq"], step=obj["step"], attempt=obj["attempt"], committed_unix_s=obj["committed_unix_s"]
+        )
+        if not (
+            type(rec.seq) is int
+            and rec.seq > 0
+            and type(rec.step) is int
+            and isinstance(rec.attempt, str)
+            and isinstance(rec.committed_unix_s, (int, float))
+        ):
+            raise ValueError("unexpected field types")
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        log.warning("%s is damaged (%s); ordering it before every recorded commit", path / COMMIT_RECORD, exc)
+        return None
+    return rec
+
+
+def commit_seq(directory: str | os.PathLike) -> int:
+    """The directory's commit sequence number (0: no record)."""
+    rec = read_commit_record(directory)
+    return 0 if rec is None else rec.seq

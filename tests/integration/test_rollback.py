@@ -1,0 +1,86 @@
+"""Issue 25 H2: a job that goes back to an earlier step (a loss spike: load step 30, train on)
+keeps what it commits from then on, and a restart resumes the new branch, not the abandoned one.
+Real daemon, real files, a single process."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.format.commitrecord import read_commit_record
+from ckptd.format.rootlayout import step_dir_name
+
+
+def _sd(w: torch.Tensor, step: int) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
+
+
+def _config(keep_last: int) -> ckptd.CkptdConfig:
+    runtime = tempfile.mkdtemp(prefix="ckb", dir="/tmp")
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, keep_last=keep_last, idle_exit_s=2.0, heartbeat_s=0.2)
+
+
+def _value(step: int, branch: int) -> torch.Tensor:
+    return torch.full((64,), float(step * 10 + branch))
+
+
+def _steps(root) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("iter_") and "." not in p.name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep_last", [2, 3])
+def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, keep_last):
+    root = tmp_path / "run"
+    cfg = _config(keep_last)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+        # A loss spike: go back to step 30 and train on from there.
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1), step=30)
+        assert torch.equal(w, _value(30, 0))
+        handles = {}
+        for step in (31, 32, 33):
+            handles[step] = ckpt.save(_sd(_value(step, 1), step), step=step)
+            handles[step].wait(timeout_s=30)
+            assert (root / step_dir_name(step)).is_dir(), f"step {step} committed and then deleted"
+            assert ckpt.latest() == step
+        assert any("older than committed steps (40)" in w for w in handles[31].warnings)
+        assert not handles[32].warnings
+    # Retention keeps the last keep_last commits, in commit order: the abandoned step 40 goes
+    # once keep_last newer commits exist.
+    assert _steps(root) == [31, 32, 33][-keep_last:]
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:  # a restart resumes the new branch
+        assert ckpt.latest() == 33
+        w = torch.zeros(64)
+        assert ckpt.load(_sd(w, -1))["iteration"] == 33 and torch.equal(w, _value(33, 1))
+
+
+@pytest.mark.timeout(120)
+def test_a_save_of_an_abandoned_step_replaces_it(tmp_path, single_process):
+    root = tmp_path / "run"
+    with ckptd.Checkpointer(root, config=_config(10)) as ckpt:
+        for step in (10, 20):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+        ckpt.load(_sd(torch.zeros(64), -1), step=10)
+        ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+        # Step 20 of the abandoned branch is still there; the new branch reaches step 20 again.
+        assert _steps(root) == [10, 11, 20]
+        h = ckpt.save(_sd(_value(20, 1), 20), step=20)
+        h.wait(timeout_s=30)
+        assert any("abandoned by an earlier rollback was replaced by this save" in w for w in h.warnings)
+        assert ckpt.latest() == 20
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1))
+        assert torch.equal(w, _value(20, 1))
+        # Step 20 of the current branch is committed once: saving it again is refused.
+        with pytest.raises(ckptd.CheckpointExistsError, match="committed already"):
+            ckpt.save(_sd(_value(20, 1), 20), step=20)
+    seqs = {s: read_commit_record(root / step_dir_name(s)).seq for s in _steps(root)}
+    assert seqs[10] < seqs[11] < seqs[20]
+    assert not [p.name for p in root.iterdir() if p.name.endswith((".deleting", ".tmp"))]
