@@ -41,6 +41,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +124,12 @@ class Checkpointer:
             )
         codec = Codec(self.endpoints.job, self.config.max_message_nbytes)
         keys = derive_keys(load_token(self.endpoints, self.config))
-        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, self._on_notify)
+        # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
+        # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's
+        # Context.__del__ could wait forever on a socket collected in the same pass), and the
+        # finalizer closes its socket within a bounded linger.
+        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, _weakly(self._on_notify))
+        self._finalizer = weakref.finalize(self, _dropped_unclosed, self._link, self.env.rank)
         self._incarnation = incarnation_for(self.config.run_id, self.env.world_size)
         if self._incarnation.weak and self.env.rank == 0:
             log.warning(
@@ -399,6 +406,7 @@ class Checkpointer:
                 self._lazy.wait_all()  # the copier writes into the pool unmapped below
                 self._lazy.close()
             self._disconnect()
+            self._finalizer.detach()
             self._children = reap(self._children, block=True)
         self._raise_unobserved()
 
@@ -647,3 +655,26 @@ class Checkpointer:
                 self._link.pump(min(remaining, 0.2))
             except DaemonLostError as exc:
                 self._daemon_lost(str(exc))
+
+
+def _weakly(method: Callable[[Message], None]) -> Callable[[Message], None]:
+    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(msg: Message) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(msg)
+
+    return call
+
+
+def _dropped_unclosed(link: DaemonLink, rank: int) -> None:
+    """A Checkpointer was garbage-collected without close(): release its connection, never block."""
+    log.warning(
+        "rank %d: a Checkpointer was dropped without close(); its connection is closed now. Saves "
+        "already handed to the daemon still commit, but nobody learns their outcome: call close() "
+        "or use `with ckptd.Checkpointer(...) as ckpt:`",
+        rank,
+    )
+    link.abandon()

@@ -30,13 +30,15 @@ from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Codec, ErrorReply, Hello, Message, Welcome
+from ..control.protocol import Bye, Codec, ErrorReply, Hello, Message, Welcome
 from ..errors import DaemonError, UnknownClientError
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
 _POLL_MS = 50
+# How long a dropped link's BYE may take to leave before its socket goes (ckptd.client.link.abandon).
+_ABANDON_LINGER_MS = 200
 
 
 class DaemonLostError(DaemonError):
@@ -197,9 +199,23 @@ class DaemonLink:
             self.endpoint = None
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close; ``linger_ms`` lets a last message (BYE) leave first."""
+        """Close; ``linger_ms`` lets a last message (BYE) leave first. Idempotent."""
         self.close_socket(linger_ms)
-        self.ctx.term()
+        if not self.ctx.closed:
+            self.ctx.term()  # returns once the socket is gone: it was closed just above
+
+    def abandon(self) -> None:
+        """The owner was dropped without closing (a weakref finalizer calls this, possibly inside
+        a garbage collection): say BYE without waiting, so the daemon releases the ring, and close
+        within a bounded linger. Never blocks longer than that, never raises."""
+        if self.ctx.closed:
+            return
+        try:
+            if self.endpoint is not None:
+                self.endpoint.send(Bye(), block=False)
+        except Exception:  # noqa: BLE001 - a finalizer must not fail; the daemon notices the exit anyway
+            pass
+        self.close(linger_ms=_ABANDON_LINGER_MS)
 
     # --- talking -------------------------------------------------------------------------------
     def alive(self) -> bool:
