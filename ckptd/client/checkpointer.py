@@ -49,7 +49,7 @@ from typing import Any
 from ..api import load as sync_load
 from ..catalog import committed_once
 from ..config import CkptdConfig, parse_budget
-from ..control.attempt import check_save_step, incarnation_for
+from ..control.attempt import Incarnation, check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
 from ..control.protocol import (
@@ -89,6 +89,7 @@ from ..staging.ring import BLOCKS, block_offset, capacity_for
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
 from .handle import SaveHandle, SaveStatus
+from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
 from .policy import AutoInterval
@@ -130,14 +131,7 @@ class Checkpointer:
         # finalizer closes its socket within a bounded linger.
         self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, _weakly(self._on_notify))
         self._finalizer = weakref.finalize(self, _dropped_unclosed, self._link, self.env.rank)
-        self._incarnation = incarnation_for(self.config.run_id, self.env.world_size)
-        if self._incarnation.weak and self.env.rank == 0:
-            log.warning(
-                "no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID): save attempts are "
-                "named after %s; a relaunch on the same address repeats them. Set CKPTD_RUN_ID "
-                "to one value per launch on every rank",
-                self._incarnation.source,
-            )
+        self._incarnation = self._launch_incarnation()
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
@@ -423,6 +417,26 @@ class Checkpointer:
                 log.warning("while closing after an error: %s", exc)
 
     # --- internals -----------------------------------------------------------------------------
+    def _launch_incarnation(self) -> Incarnation:
+        """This launch's incarnation (attempt ids: ckptd.control.attempt): ``CKPTD_RUN_ID`` when
+        set; else, with several ranks, a random one agreed through the launch's torch.distributed
+        store (ckptd.client.incarnation), unique per launch whatever the launcher sets; else one
+        derived from the launcher's variables."""
+        if not self.config.run_id and self.env.world_size > 1:
+            store = launch_store(min(30.0, self.config.daemon_start_timeout_s))
+            agreed = agreed_incarnation(store, self.endpoints.job, self.env.rank) if store is not None else None
+            if agreed is not None:
+                return agreed
+        incarnation = incarnation_for(self.config.run_id, self.env.world_size)
+        if incarnation.weak and self.env.rank == 0:
+            log.warning(
+                "no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID) and no torch.distributed "
+                "store: save attempts are named after %s; a relaunch on the same address repeats them. "
+                "Set CKPTD_RUN_ID to one value per launch on every rank",
+                incarnation.source,
+            )
+        return incarnation
+
     def _check_open(self) -> None:
         if self._closed:
             raise CkptdError("this Checkpointer is closed")

@@ -5,8 +5,9 @@ restarted job saves again steps that its dead predecessor was saving. Every mess
 (SAVE, SKIP, WRITTEN, FAILED, STEP_COMMITTED, STEP_ABORTED) carries an *attempt id*
 ``<incarnation>-<n>`` next to the step, so a report of one try is never counted for another:
 
-- ``incarnation`` (12 hex digits) names one launch of the job and is computed by every rank from
-  the same inputs, without any communication (see :func:`incarnation_for`);
+- ``incarnation`` (12 hex digits) names one launch of the job: a random tag the ranks agree on
+  through the launch's torch.distributed store when there is one (ckptd.client.incarnation), else
+  computed by every rank from the same inputs, without any communication (:func:`incarnation_for`);
 - ``n`` counts this rank's saves of that step in that incarnation (1 for the first try).
 
 Ranks of one launch that save a step the same number of times therefore send the same id. The

@@ -52,10 +52,12 @@ from ..control.protocol import (
 )
 from ..control.security import HandshakeWatch
 from ..errors import ProtocolError, StorageError
+from ..format.commitrecord import read_commit_record
 from ..format.durable import default_opener
 from ..format.finalize import serialize_common
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
+from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
 from ..statedict.digest import differing_ranks
 from .commit import CommitOutcome, commit_step, remove_tmp
@@ -170,11 +172,27 @@ class Coordinator:
         outcome = self.finished.get(key)
         if outcome is None:
             return False
+        if isinstance(outcome, StepCommitted) and not self._still_committed(*key):
+            # The verdict stands for files that are gone (the root was emptied) or hold another
+            # save (a relaunch repeated the attempt id): this report is a new attempt's, never
+            # answered from memory, and its files are not junk.
+            log.warning(
+                "step %d attempt %s: reported again, but %s no longer holds that commit; collecting it anew",
+                key[0],
+                key[1],
+                self.root / step_dir_name(key[0]),
+            )
+            del self.finished[key]
+            return False
         self.ep.send(outcome, identity)
         # A late writer may have re-created the tmp dir; the attempt is decided, so it is junk.
         step, attempt = key
         self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
         return True
+
+    def _still_committed(self, step: int, attempt: str) -> bool:
+        record = read_commit_record(self.root / step_dir_name(step))
+        return record is not None and record.step == step and record.attempt == attempt
 
     def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int, who: str) -> AttemptState | None:
         """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed

@@ -103,3 +103,24 @@ def test_only_node_0_looks_for_a_route_to_the_coordinator(tmp_path):
     assert node1.coordinator_connect == "tcp://no-such-host.invalid:29501"
     with pytest.raises(CkptdError, match="cannot resolve the coordinator host"):
         Endpoints.for_job(tmp_path, JobEnv(rank=0, local_rank=0, node=0, **two_nodes), cfg)
+
+
+def test_ranks_agree_on_a_random_incarnation_through_the_launch_store():
+    """Issue 26.4: whatever the launcher sets, two launches get different incarnations and the
+    ranks of one launch the same, agreed through the launch's store (a real TCPStore)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptd.client.incarnation import agreed_incarnation
+
+    def launch() -> list[str]:
+        server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+        clients = [dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=10)) for _ in range(3)]
+        first = [agreed_incarnation(c, "job1", r).tag for r, c in enumerate(clients)]
+        # A second Checkpointer of the job in the same launch: a new agreement, not the first's.
+        second = [agreed_incarnation(c, "job1", r).tag for r, c in enumerate(clients)]
+        assert len(set(first)) == 1 and len(set(second)) == 1 and first != second
+        return first
+
+    assert launch()[0] != launch()[0]

@@ -1,0 +1,71 @@
+"""This launch's incarnation, agreed by the ranks through torch.distributed's store when there is one.
+
+Attempt ids (:mod:`ckptd.control.attempt`) must differ between launches of a job, or a relaunch
+that saves a step its predecessor saved is answered with the predecessor's verdict. The launcher's
+variables do not always tell launches apart: plain ``torchrun`` without ``--standalone`` sets
+``TORCHELASTIC_RUN_ID=none``, and ``--rdzv-id`` is often the same name for every launch of a job.
+A store, though, lives exactly as long as one launch: the default process group's (once
+``init_process_group`` ran), or torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``)
+that the workers' process group will use. Through it the ranks agree on a random tag:
+
+1. each rank counts its Checkpointers of this job in this launch (``store.add``): the ``n``-th
+   Checkpointer of every rank belongs to the same agreement;
+2. each rank offers a random tag for ``n`` (``store.compare_set``): the first offer wins, every
+   rank reads the winner, nobody waits for another rank.
+
+Without a store (or when it fails) the caller falls back to :func:`ckptd.control.attempt.incarnation_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from datetime import timedelta
+from typing import Any
+
+from ..control.attempt import Incarnation
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"[0-9a-f]{12}")
+
+
+def launch_store(timeout_s: float) -> Any | None:
+    """The store of this launch: the default process group's, or torchrun's agent store; None
+    when there is neither."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    if dist.is_initialized():
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError) as exc:  # a private helper of torch's
+            log.info("no store of the default process group (%s)", exc)
+            return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not addr or not port:
+        return None
+    try:
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        log.info("cannot reach torchrun's agent store at %s:%s (%s)", addr, port, exc)
+        return None
+
+
+def agreed_incarnation(store: Any, job: str, rank: int) -> Incarnation | None:
+    """A random incarnation every rank of this launch agrees on through ``store`` (see the module
+    docstring); None when the store fails."""
+    try:
+        n = store.add(f"ckptd/{job}/checkpointers/rank{rank}", 1)
+        raw = store.compare_set(f"ckptd/{job}/incarnation/{n}", "", secrets.token_hex(6))
+    except (RuntimeError, ValueError, OSError) as exc:
+        log.warning("could not agree on this launch's incarnation through the store (%s)", exc)
+        return None
+    tag = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    if not _TAG.fullmatch(tag):
+        log.warning("the store holds %r as this launch's incarnation, not 12 hex digits; ignored", tag[:40])
+        return None
+    return Incarnation(tag, f"agreed through the launch's torch.distributed store (Checkpointer {n} of the launch)")
