@@ -22,6 +22,7 @@ from .format.rootlayout import (
     STEP_PREFIX,
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
+    is_node_lock,
     parse_step_dir,
     step_dir_name,
 )
@@ -170,7 +171,7 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
         # A link named like a step is not one: loading, resuming or collecting it would act on
         # whatever it points to, outside the root.
         if parsed is None or not is_real_dir(path):
-            if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + "."):
+            if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + ".") and not is_node_lock(name):
                 cat.others.append(name)
             continue
         if parsed.partial:

@@ -23,7 +23,8 @@ CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
 the same way and waits for them (SIGTERM to one that does not answer).
 
 exit status: 0 stopped normally (or --detach: serving / already running; stop: all stopped);
-1 error (stop: a daemon did not stop in time); 3 another daemon of this job and node is running."""
+1 error (stop: a daemon did not stop in time); 3 another daemon of this job and node is running;
+4 another job's daemon holds this node's lock in the root (one job per root)."""
 
 
 def register(subparsers: Any) -> None:

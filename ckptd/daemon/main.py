@@ -3,7 +3,9 @@
 Order of :func:`run_daemon`:
 
 1. take the ``flock`` of ``<job>-n<node>.pid`` (another live daemon of this job and node holds
-   it: exit with :data:`EXIT_BUSY`), write our pid into it;
+   it: exit with :data:`EXIT_BUSY`), write our pid into it; then this node's lock in the root
+   (another job's daemon holds it: exit with :data:`EXIT_ROOT_BUSY`, see
+   :mod:`ckptd.daemon.rootlock`);
 2. clean up after a crashed predecessor: unlink the job's/node's ``/dev/shm`` segments; on
    node 0 (the coordinator) finish a commit that a crash interrupted after its rename (the tracker
    then names it), and remove every ``iter_*.tmp`` of the root (nothing can be in flight: a new
@@ -33,6 +35,7 @@ from ..control.pidfile import PidLock
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
 from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
+from .rootlock import RootBusyError, RootLock
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ def lower_priority(nice: int) -> None:
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BUSY = 3  # another daemon of this job and node is running
+EXIT_ROOT_BUSY = 4  # another job's daemon holds this node's lock in the checkpoint root
 
 
 def run_daemon(
@@ -71,7 +75,11 @@ def run_daemon(
         log.info("a daemon for %s node %d is running already", ep.root, ep.node)
         return EXIT_BUSY
     daemon = None
+    root_lock = RootLock(ep.root, ep.node)
     try:
+        ep.root.mkdir(parents=True, exist_ok=True)
+        # Before anything is cleaned up: what looks like a crash's leftovers may be another job's.
+        root_lock.acquire(runtime_dir=ep.runtime_dir, job=ep.job)
         # torch/zmq imports only in a daemon that will run (seconds)
         from .node import NodeDaemon
 
@@ -87,7 +95,6 @@ def run_daemon(
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
         adopt: list[tuple[int, str]] = []
         if coordinator:
-            ep.root.mkdir(parents=True, exist_ok=True)
             finished = finish_interrupted_commit(ep.root, fsync=config.fsync, megatron_tracker=config.megatron_tracker)
             if finished:
                 log.warning(
@@ -115,6 +122,10 @@ def run_daemon(
         gc.freeze()
         daemon.run()
         return EXIT_OK
+    except RootBusyError as exc:
+        log.error("%s", exc)
+        ready(f"error: {exc}")
+        return EXIT_ROOT_BUSY
     except Exception as exc:
         log.exception("daemon failed")
         ready(f"error: {type(exc).__name__}: {exc}")
@@ -122,7 +133,9 @@ def run_daemon(
     finally:
         if daemon is not None:
             daemon.close()
-        remove_orphans(ep.shm_prefix)
+        if root_lock.acquired:  # only a daemon that held the root cleans up its job's segments
+            remove_orphans(ep.shm_prefix)
+        root_lock.release()
         lock.release()
         log.info("daemon exited")
 

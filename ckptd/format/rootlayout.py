@@ -10,6 +10,8 @@ A *root* is where an asynchronous Checkpointer saves a series of checkpoints::
         __1_0.distcp.<random>.part        a data file its writer has not finished
       iter_0000050.deleting/              being removed by gc (renamed first, so never mistaken
                                           for a committed checkpoint)
+      .ckptd-n0.lock                      held by node 0's daemon while it runs: one job per root
+                                          (ckptd.daemon.rootlock); one per node
 
 ``<attempt>`` is an attempt id ``<12 hex digits>-<n>`` (:mod:`ckptd.control.attempt`); older ckptd
 versions wrote ``iter_0000200.tmp``, which is still a partial save. Every module that names or
@@ -30,6 +32,7 @@ TMP_SUFFIX = ".tmp"  # an attempt's directory until its commit renames it
 DELETING_SUFFIX = ".deleting"
 PART_SUFFIX = ".part"  # a data file being written inside an attempt's directory
 TRACKER_MAX_NBYTES = 4096  # a tracker holds one directory name
+LOCK_PREFIX, LOCK_SUFFIX = ".ckptd-n", ".lock"
 
 # Attempt ids become directory names, so they are checked against this before anything is named
 # after them (ckptd.control.attempt).
@@ -95,6 +98,15 @@ def part_file_name(name: str, token: str) -> str:
 
 def is_part_file(name: str) -> bool:
     return name.endswith(PART_SUFFIX)
+
+
+def node_lock_name(node: int) -> str:
+    """The lock file node ``node``'s daemon holds in the root while it runs."""
+    return f"{LOCK_PREFIX}{node}{LOCK_SUFFIX}"
+
+
+def is_node_lock(name: str) -> bool:
+    return name.startswith(LOCK_PREFIX) and name.endswith(LOCK_SUFFIX)
 
 
 def tracker_bytes(checkpoint_name: str) -> bytes:

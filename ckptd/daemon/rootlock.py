@@ -1,0 +1,117 @@
+"""One job per checkpoint root: each node daemon holds a lock in the root for its whole life.
+
+Two jobs saving into one root (the same job launched twice, with its own runtime directory and
+token) would destroy each other: a starting daemon removes its job's shared-memory segments and
+uncommitted ``.tmp`` saves as a crash's leftovers (the other job's live rings and saves in flight),
+each job's retention deletes the other's checkpoints, and a restart resumes from the other job's
+checkpoint. So before touching anything a daemon takes an exclusive ``flock`` on
+``<root>/.ckptd-n<node>.lock`` (its node's; node 0's is the coordinator's) and writes who it is
+into it; a second job's daemon finds it held and refuses to start with :class:`RootBusyError`,
+naming the holder. The kernel releases the lock when its daemon dies, however it dies, so a crashed
+job never blocks its own restart; a daemon that outlives its trainer (it persists their last saves)
+is the same job's, and a relaunch with the same runtime directory connects to it.
+
+On NFS, ``flock`` is emulated with POSIX locks and held across machines (NFSv4, or v3 with lockd);
+where the filesystem cannot lock at all, the daemon logs that a second job is not detected and
+goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from ..errors import DaemonError
+from ..format.rootlayout import node_lock_name
+
+log = logging.getLogger(__name__)
+
+_HOLDER_MAX_NBYTES = 4096
+
+
+class RootBusyError(DaemonError):
+    """Another job's daemon holds this node's lock in the checkpoint root."""
+
+
+class RootLock:
+    """``<root>/.ckptd-n<node>.lock``, held by a node daemon for its lifetime (see the module docstring)."""
+
+    def __init__(self, root: Path, node: int) -> None:
+        self.root = root
+        self.node = node
+        self.name = node_lock_name(node)
+        self.fd: int | None = None
+        self.acquired = False  # held, or the filesystem cannot lock (tolerated)
+
+    def acquire(self, *, runtime_dir: Path, job: str) -> None:
+        """Take the lock and record this daemon in it; raise RootBusyError when another daemon
+        holds it. A filesystem that cannot lock is logged and tolerated."""
+        dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RootBusyError(self._busy_message(holder)) from None
+            os.close(fd)
+            log.warning(
+                "cannot lock %s (%s): a second job saving into %s is not detected on this filesystem",
+                self.root / self.name,
+                exc,
+                self.root,
+            )
+            self.acquired = True
+            return
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "job": job,
+            "runtime_dir": str(runtime_dir),
+            "since_unix_s": round(time.time(), 3),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self.fd = fd
+        self.acquired = True
+
+    def release(self) -> None:
+        """Release the lock (the file stays: removing it would let a daemon that opened it
+        meanwhile hold a lock on a file nobody else finds)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.acquired = False
+
+    def _busy_message(self, holder: dict) -> str:
+        who = (
+            f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, runtime directory "
+            f"{holder.get('runtime_dir', '?')}"
+        )
+        return (
+            f"another ckptd daemon ({who}) serves node {self.node} of the checkpoint root {self.root}. "
+            "Two jobs saving into one root would remove each other's saves in flight and retire each "
+            "other's checkpoints, so this one is refused: give each job its own root. If that daemon "
+            "belongs to an earlier launch of this job, it exits CKPTD_IDLE_EXIT_S after its last save "
+            "commits, or stop it (`ckptd daemon stop --root ...` with its CKPTD_RUNTIME_DIR, or kill "
+            "its pid); then start again"
+        )
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        raw = os.pread(fd, _HOLDER_MAX_NBYTES, 0)
+        holder = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
