@@ -1,5 +1,7 @@
 """ckptd: asynchronous, crash-consistent checkpoints of sharded PyTorch state (torch_dist format)."""
 
+from importlib import metadata as _metadata
+
 from .api import (
     load,
     load_common_state_dict,
@@ -35,7 +37,10 @@ from .mapping import (
     is_main_replica,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("ckptd")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "save",

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("ckptd.control",)),
     ("daemon", ("ckptd.daemon",)),
     ("client", ("ckptd.client",)),
-    ("tools", ("ckptd.convert", "ckptd.bench", "ckptd.commands", "ckptd.cli")),
+    ("tools", ("ckptd.convert", "ckptd.commands", "ckptd.cli")),
     ("package", ("ckptd",)),
 ]
 

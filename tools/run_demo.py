@@ -7,14 +7,18 @@ Runs ``tools/train_demo.py`` under torchrun three times in a fresh directory:
 3. ``--resume`` from the last committed checkpoint.
 
 Then it checks that the resumed run's losses equal the reference bit for bit, and exits non-zero
-if they do not (or if any step is missing).
+if they do not (or if any step is missing). It prints the story of the three runs; what torchrun
+and the ranks print (torchrun's report of the SIGKILL it was asked for included) goes to one log
+file per run in the work directory, shown only when a run fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +27,8 @@ from pathlib import Path
 DEMO = Path(__file__).with_name("train_demo.py")
 
 
-def torchrun(nproc: int, *args: str) -> int:
+def torchrun(nproc: int, log: Path, *args: str) -> int:
+    """Run train_demo.py under torchrun, its output into ``log``; the exit code."""
     cmd = [
         sys.executable,
         "-m",
@@ -34,19 +39,47 @@ def torchrun(nproc: int, *args: str) -> int:
         str(DEMO),
         *args,
     ]
-    print("$", " ".join(cmd[2:]), flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with log.open("w") as out:
+        out.write("$ " + " ".join(cmd[2:]) + "\n")
+        out.flush()
+        return subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def losses(path: Path) -> list[tuple[int, str]]:
-    """(step, loss as float.hex) per logged line; a resumed run logs re-run steps again."""
+def records(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [(int(r["step"]), r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(recs: list[dict]) -> list[tuple[int, str]]:
+    """(step, loss as float.hex) per trained step; a resumed run logs re-run steps again."""
+    return [(r["step"], r["loss"]) for r in recs if "loss" in r]
+
+
+def event(recs: list[dict], name: str) -> dict | None:
+    return next((r for r in reversed(recs) if r.get("event") == name), None)
+
+
+def stalls_ms(recs: list[dict]) -> str:
+    stalls = [1e3 * r["save_stall_s"] for r in recs if r.get("save_stall_s") is not None]
+    if not stalls:
+        return "no saves"
+    return f"{len(stalls)} saves, each stalled training {statistics.median(stalls):.0f} ms (median)"
+
+
+def failed(what: str, log: Path) -> int:
+    tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
+    print(f"\nFAIL: {what}. The last lines of {log}:\n  " + "\n  ".join(tail), file=sys.stderr)
+    return 1
 
 
 def stop_daemons(root: Path) -> None:
-    subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)], check=False)
+    subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)],
+        check=False,
+        capture_output=True,
+    )
 
 
 def main() -> int:
@@ -66,39 +99,60 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(args.steps), "--save-every", str(args.save_every)]
     ref_log, run_log = work / "reference.jsonl", work / "run.jsonl"
+    logs = [work / f"{i}-{name}.log" for i, name in ((1, "reference"), (2, "killed"), (3, "resumed"))]
     try:
-        print("== 1/3 reference run (uninterrupted)")
-        if torchrun(args.nproc, "--ckpt-dir", str(work / "ref"), "--loss-log", str(ref_log), *common):
-            print("reference run failed", file=sys.stderr)
-            return 1
-        print(f"== 2/3 same run, SIGKILLed at step {args.kill_at}")
-        rc = torchrun(
-            args.nproc,
-            "--ckpt-dir",
-            str(work / "run"),
-            "--loss-log",
-            str(run_log),
-            "--kill-at",
-            str(args.kill_at),
-            *common,
-        )
-        print(f"(killed run exited with code {rc}, as expected)" if rc else "killed run exited 0?!")
-        print("== 3/3 resume from the last committed checkpoint")
-        if torchrun(args.nproc, "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log), "--resume", *common):
-            print("resumed run failed", file=sys.stderr)
-            return 1
-        ref, run = dict(losses(ref_log)), losses(run_log)
-        missing = sorted(set(ref) - {s for s, _ in run})
-        differ = sorted({s for s, loss in run if ref.get(s) != loss})
         print(
-            f"\nreference steps: {len(ref)}; killed+resumed runs logged {len(run)} steps "
+            f"ckptd demo: {args.nproc} ranks train a small Transformer language model (FSDP2, AdamW) for "
+            f"{args.steps} steps, saving asynchronously through the ckptd daemon every {args.save_every} "
+            f"steps. Work directory: {work}"
+        )
+        print("\n1/3 The reference run, uninterrupted ...", flush=True)
+        if torchrun(args.nproc, logs[0], "--ckpt-dir", str(work / "ref"), "--loss-log", str(ref_log), *common):
+            return failed("the reference run failed", logs[0])
+        ref = records(ref_log)
+        start = event(ref, "start") or {}
+        print(
+            f"    {start.get('params', '?'):,} parameters on {start.get('device', '?')}; trained steps "
+            f"1..{args.steps}; {stalls_ms(ref)}"
+        )
+
+        print(f"\n2/3 The same run, killed with SIGKILL at step {args.kill_at} (on purpose) ...", flush=True)
+        rc = torchrun(
+            args.nproc, logs[1], "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log), "--kill-at",
+            str(args.kill_at), *common,
+        )  # fmt: skip
+        killed = event(records(run_log), "killed")
+        if rc == 0 or killed is None:
+            return failed(f"the run was to be killed at step {args.kill_at}, but it exited with {rc}", logs[1])
+        kept = args.keep or args.workdir
+        print(
+            f"    killed at step {killed['step']} as intended (torchrun reports the SIGKILL as a failure: "
+            f"{logs[1] if kept else 'see it with --keep'}); a save handed to the daemon before the kill "
+            "commits without its trainer"
+        )
+
+        print("\n3/3 Resume from the last committed checkpoint ...", flush=True)
+        before = len(records(run_log))
+        if torchrun(
+            args.nproc, logs[2], "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log), "--resume", *common
+        ):
+            return failed("the resumed run failed", logs[2])
+        resumed = records(run_log)[before:]
+        frm = (event(resumed, "start") or {}).get("resumed_from")
+        print(f"    resumed from step {frm} and trained steps {frm + 1 if frm is not None else '?'}..{args.steps}")
+
+        ref_losses, run_losses = dict(losses(ref)), losses(records(run_log))
+        missing = sorted(set(ref_losses) - {s for s, _ in run_losses})
+        differ = sorted({s for s, loss in run_losses if ref_losses.get(s) != loss})
+        print(
+            f"\nreference steps: {len(ref_losses)}; killed+resumed runs logged {len(run_losses)} steps "
             f"(re-run steps included); missing {missing}; differing {differ}"
         )
         if missing or differ:
             print("FAIL: the resumed run does not reproduce the uninterrupted run", file=sys.stderr)
             return 1
         print(
-            f"OK: killed at step {args.kill_at}, resumed from the last committed checkpoint, and "
+            f"OK: killed at step {args.kill_at}, resumed from the last committed checkpoint (step {frm}), and "
             f"every loss of steps 1..{args.steps} equals the uninterrupted run bit for bit"
         )
         return 0

@@ -113,7 +113,11 @@ def main() -> None:
         default="ckptd",
         help="load with ckpt.load (default) or torch.distributed.checkpoint.load",
     )
-    ap.add_argument("--loss-log", default=None, help="append 'step loss' JSON lines here (rank 0)")
+    ap.add_argument(
+        "--loss-log",
+        default=None,
+        help="append the run's story here as JSON lines: start, each step's loss and save stall, kill, done (rank 0)",
+    )
     ap.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -138,6 +142,12 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
     model, opt = build(args, device, world)
 
+    def record(**fields: object) -> None:
+        """One JSON line of the run's story for tools/run_demo.py (rank 0)."""
+        if rank == 0 and args.loss_log:
+            with open(args.loss_log, "a") as f:
+                f.write(json.dumps(fields) + "\n")
+
     with ckptd.Checkpointer(args.ckpt_dir) as ckpt:
         start = 0
         if args.resume:
@@ -152,6 +162,10 @@ def main() -> None:
             start = int(state["step"])
             if rank == 0:
                 log.info("resumed from committed step %d with %s at world size %d", start, args.loader, world)
+        params = sum(p.numel() for p in model.parameters())  # DTensors: their global sizes
+        record(
+            event="start", params=params, world=world, device=device.type, resumed_from=start if args.resume else None
+        )
         handles = []
         for step in range(start + 1, args.steps + 1):
             tokens, targets = (t.to(device) for t in batch(step, rank, world, args.vocab, args.batch, args.seq))
@@ -162,23 +176,23 @@ def main() -> None:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             avg = float(avg / world)
-            if rank == 0 and args.loss_log:
-                with open(args.loss_log, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": avg.hex(), "world": world}) + "\n")
+            stall_s = None
             if step % args.save_every == 0:
                 t0 = time.perf_counter()
                 handles.append(ckpt.save(training_state(model, opt, step), step=step))
+                stall_s = time.perf_counter() - t0
                 if rank == 0:
-                    log.info(
-                        "step %d loss %.4f; save stalled training %.1f ms", step, avg, 1e3 * (time.perf_counter() - t0)
-                    )
+                    log.info("step %d loss %.4f; save stalled training %.1f ms", step, avg, 1e3 * stall_s)
+            record(step=step, loss=avg.hex(), world=world, save_stall_s=stall_s)
             if args.kill_at is not None and step == args.kill_at:
                 log.warning("rank %d: --kill-at %d: SIGKILL now", rank, step)
+                record(event="killed", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
         for h in handles:
             h.wait()
         if rank == 0:
             log.info("done at step %d; newest committed checkpoint: step %s", args.steps, ckpt.latest())
+        record(event="done", step=args.steps, latest=ckpt.latest())
     dist.destroy_process_group()
 
 

@@ -1,12 +1,20 @@
-"""``ckptd bench {all,save,load,checksums,coordinator} ...``: the benchmarks of :mod:`ckptd.bench`."""
+"""``ckptd bench {all,load,checksums,coordinator} ...``: the benchmarks of a source checkout.
+
+The benchmarks are not library code: they live in the checkout's top-level ``benchmarks``
+package, next to ``tools/``, and are not installed with the package. ``ckptd bench`` runs them
+from the checkout ckptd was installed from (``pip install -e .``), or from the current directory
+when that is a checkout.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from pathlib import Path
 from typing import Any
 
-from ._common import add_parser
+from ._common import UsageError, add_parser, guarded
 
 DESCRIPTION = """\
 Measure ckptd against torch DCP on this machine, in one run, and print ratios (and how the
@@ -28,7 +36,7 @@ Arguments after the benchmark's name go to it (ckptd bench all --help lists them
 exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
 
 BENCHMARKS = ("all", "load", "checksums", "coordinator")
-MODULES = {"all": "suite"}  # benchmark name -> module of ckptd.bench, where they differ
+MODULES = {"all": "suite"}  # benchmark name -> module of the benchmarks package, where they differ
 
 
 def register(subparsers: Any) -> None:
@@ -38,6 +46,24 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def checkout_root() -> Path | None:
+    """The source checkout holding the benchmarks: the one ckptd was installed from (editable), or
+    the current directory; None when neither is one."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "benchmarks" / "__init__.py").is_file() and (root / "ckptd" / "__init__.py").is_file():
+            return root
+    return None
+
+
+@guarded("bench")
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"ckptd.bench.{MODULES.get(args.benchmark, args.benchmark)}")
+    root = checkout_root()
+    if root is None:
+        raise UsageError(
+            "the benchmarks are not part of the installed package: run `ckptd bench` from a source "
+            "checkout of ckptd (git clone ...; pip install -e .), or from its directory"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # also the spawned ranks' path (multiprocessing passes it on)
+    module = importlib.import_module(f"benchmarks.{MODULES.get(args.benchmark, args.benchmark)}")
     return int(module.main(args.args) or 0)

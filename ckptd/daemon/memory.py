@@ -10,7 +10,7 @@ Sampled by the daemon's loop once per heartbeat (:meth:`MemoryWatch.sample`) and
   is sparse until the producer writes it), and ``/dev/shm`` as a whole (every user's files).
 
 Peaks of sampled values may miss a spike shorter than a heartbeat; ``ckptd bench`` samples its
-own processes faster (ckptd.bench.memory).
+own processes faster (benchmarks.memory).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ckptd.bench.suite import main
+from benchmarks.suite import main
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ckptd.bench import coordinator as bc
+from benchmarks import coordinator as bc
 from ckptd.cli import main as ckptd_cli
 
 

@@ -1,4 +1,4 @@
-"""The benchmark's memory sampler (ckptd.bench.memory) with real processes: it finds what a
+"""The benchmark's memory sampler (benchmarks.memory) with real processes: it finds what a
 rank process started, and what a failed job orphaned is killed at cleanup."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from ckptd.bench.memory import MemorySampler, proc_memory
+from benchmarks.memory import MemorySampler, proc_memory
 
 # A "rank" that starts a long-lived child (as DCP's checkpoint process is) and then waits.
 RANK = (

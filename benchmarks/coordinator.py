@@ -55,10 +55,10 @@ import psutil
 import torch
 import zmq
 
-from ..control.channel import Endpoint, make_socket
-from ..control.keys import derive_keys
-from ..control.netaddr import tcp_address
-from ..control.protocol import (
+from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.keys import derive_keys
+from ckptd.control.netaddr import tcp_address
+from ckptd.control.protocol import (
     Codec,
     Message,
     Ping,
@@ -67,11 +67,11 @@ from ..control.protocol import (
     StepCommitted,
     Written,
 )
-from ..format.finalize import serialize_common
-from ..format.items import plan_tensor_items, write_data_file
-from ..format.layout import data_file_name
-from ..format.rootlayout import step_dir_name, tmp_dir
-from ..mapping import ShardedTensor
+from ckptd.format.finalize import serialize_common
+from ckptd.format.items import plan_tensor_items, write_data_file
+from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import step_dir_name, tmp_dir
+from ckptd.mapping import ShardedTensor
 
 log = logging.getLogger(__name__)
 

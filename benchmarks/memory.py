@@ -32,8 +32,8 @@ from typing import Any
 
 import psutil
 
-from ..control.pidfile import daemon_pid
-from ..staging.segment import SHM_DIR, allocated_nbytes, list_segments
+from ckptd.control.pidfile import daemon_pid
+from ckptd.staging.segment import SHM_DIR, allocated_nbytes, list_segments
 
 
 def proc_memory(pid: int) -> dict[str, int] | None:
