@@ -1,0 +1,340 @@
+"""A small, bounded client of S3-compatible object storage, for one bucket.
+
+Two libraries, each where it is best (measured here against SeaweedFS, see the README's Object
+stores section): `obstore <https://developmentseed.org/obstore>`_ (Rust's ``object_store``) moves
+the bytes: uploads and ranged reads at the highest throughput and the least client CPU of the
+clients tried, with retries and jittered backoff of 5xx, SlowDown and connection errors built in,
+and conditional PUTs (``If-None-Match: *``, ``If-Match``). botocore resolves the standard AWS
+configuration (``AWS_ENDPOINT_URL[_S3]``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
+``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_PROFILE`` and the shared config and credentials
+files, refreshing temporary credentials) and runs the two calls obstore lacks: listing and
+aborting unfinished multipart uploads.
+
+Every failure is a :class:`~ckptd.errors.StorageError` (or ``CorruptCheckpointError`` for a
+hostile size) naming the object and what to do; credentials are never logged or put in messages.
+Reads are bounded: an object is read whole only up to a stated limit, checked before anything is
+allocated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, StorageError
+from .url import S3Location
+
+log = logging.getLogger(__name__)
+
+# obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
+# errors; a request still failing after them fails the operation.
+RETRIES = 6
+RETRY_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectInfo:
+    key: str  # relative to the client's prefix
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Upload:
+    """An unfinished multipart upload."""
+
+    key: str  # relative to the client's prefix
+    upload_id: str = field(repr=False)
+    initiated_unix_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Settings:
+    """Where and as whom to connect, from the standard AWS configuration (see the module docstring)."""
+
+    endpoint_url: str | None
+    region: str
+    profile: str | None
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | None = None) -> S3Settings:
+        env = os.environ if environ is None else environ
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        profile = env.get("AWS_PROFILE") or None
+        session = _botocore_session(profile)
+        if endpoint is None:
+            endpoint = session.get_scoped_config().get("endpoint_url") or None
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
+        return cls(endpoint_url=endpoint, region=region or "us-east-1", profile=profile)
+
+
+def _botocore_session(profile: str | None) -> Any:
+    import botocore.session
+
+    try:
+        return botocore.session.Session(profile=profile)
+    except Exception as exc:  # noqa: BLE001 - botocore raises its own ProfileNotFound etc.
+        raise StorageError(
+            f"AWS profile {profile!r} cannot be used ({type(exc).__name__}: {exc}); check AWS_PROFILE"
+        ) from None
+
+
+class S3Client:
+    """Objects under ``location`` (keys are relative to its prefix). Thread-safe; reuse it."""
+
+    def __init__(self, location: S3Location, settings: S3Settings | None = None) -> None:
+        from obstore.store import S3Store
+
+        self.location = location
+        self.settings = settings if settings is not None else S3Settings.from_environment()
+        self._session = _botocore_session(self.settings.profile)
+        credentials = self._session.get_credentials()
+        if credentials is None:
+            raise StorageError(
+                f"{location}: no AWS credentials found (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, the shared credentials file or an instance role); set them for every "
+                "process of the job"
+            )
+        self._credentials = credentials
+        endpoint = self.settings.endpoint_url
+        self._store = S3Store(
+            location.bucket,
+            prefix=location.prefix or None,
+            region=self.settings.region,
+            endpoint=endpoint,
+            credential_provider=self._provide_credentials,
+            virtual_hosted_style_request=False,
+            conditional_put="etag",
+            client_options={
+                "allow_http": bool(endpoint and endpoint.startswith("http://")),
+                "timeout": f"{int(REQUEST_TIMEOUT_S)}s",
+                "connect_timeout": "10s",
+            },
+            retry_config={
+                "max_retries": RETRIES,
+                "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT_S),
+                "backoff": {
+                    "init_backoff": datetime.timedelta(milliseconds=100),
+                    "max_backoff": datetime.timedelta(seconds=15),
+                    "base": 2,
+                },
+            },
+        )
+        self._boto: Any = None
+
+    def __repr__(self) -> str:
+        return f"S3Client({self.location})"
+
+    def _provide_credentials(self) -> dict[str, Any]:
+        """obstore's credential provider: botocore's current (refreshed) credentials, asked for
+        again every five minutes."""
+        c = self._credentials.get_frozen_credentials()
+        return {
+            "access_key_id": c.access_key,
+            "secret_access_key": c.secret_key,
+            "token": c.token,
+            "expires_at": datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5),
+        }
+
+    def url(self, key: str) -> str:
+        return self.location.url(key)
+
+    # --- reading --------------------------------------------------------------------------------
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's size and ETag, or None when it does not exist."""
+        import obstore
+
+        try:
+            meta = obstore.head(self._store, key)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - obstore's errors, mapped below
+            raise self._error(exc, key, "read") from None
+        return ObjectInfo(key=key, size=int(meta["size"]), etag=meta.get("e_tag"))
+
+    def get(self, key: str, max_nbytes: int, what: str = "object") -> tuple[bytes, str | None] | None:
+        """The whole object and its ETag, or None when it does not exist. An object larger than
+        ``max_nbytes`` is refused (CorruptCheckpointError) before its bytes are read."""
+        import obstore
+
+        try:
+            result = obstore.get(self._store, key)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "read") from None
+        size = int(result.meta["size"])
+        if size > max_nbytes:
+            raise CorruptCheckpointError(
+                f"{what} {self.url(key)} has {size} bytes, more than the {max_nbytes} such a file may have; "
+                "it is damaged or not a checkpoint file"
+            )
+        try:
+            data = bytes(result.bytes())
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "read") from None
+        if len(data) != size:
+            raise StorageError(f"{self.url(key)}: read {len(data)} bytes of {size}; the object changed while read")
+        return data, result.meta.get("e_tag")
+
+    def get_ranges(self, key: str, starts: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
+        """The byte ranges ``[start, start + length)`` of ``key`` (parallel ranged GETs, nearby
+        ranges coalesced)."""
+        import obstore
+
+        if not starts:
+            return []
+        try:
+            got = obstore.get_ranges(self._store, key, starts=list(starts), lengths=list(lengths))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"data object {self.url(key)} is missing; the checkpoint is incomplete"
+            ) from None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "read") from None
+        out = [memoryview(b) for b in got]
+        for view, length, start in zip(out, lengths, starts):
+            if len(view) != length:
+                raise CorruptCheckpointError(
+                    f"data object {self.url(key)} is truncated: bytes [{start}, {start + length}) are not all there"
+                )
+        return out
+
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under the "directory" ``prefix`` (paged; keys relative to the client's prefix)."""
+        import obstore
+
+        try:
+            for batch in obstore.list(self._store, prefix or None, chunk_size=1000):
+                for meta in batch:
+                    yield ObjectInfo(key=meta["path"], size=int(meta["size"]), etag=meta.get("e_tag"))
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, prefix or "", "list") from None
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The "directories" right under ``prefix`` (common prefixes, without the trailing slash)."""
+        import obstore
+
+        try:
+            result = obstore.list_with_delimiter(self._store, prefix or None)
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, prefix or "", "list") from None
+        return [p.rstrip("/") for p in result["common_prefixes"]]
+
+    # --- writing --------------------------------------------------------------------------------
+    def put(
+        self, key: str, data: bytes | memoryview, *, create_only: bool = False, if_match: str | None = None
+    ) -> str | None:
+        """Write a small object whole; returns its ETag. ``create_only``: ``If-None-Match: *``
+        (FileExistsError when it exists); ``if_match``: only over that ETag (PreconditionFailed:
+        FileExistsError too)."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        mode: Any = None
+        if create_only:
+            mode = "create"
+        elif if_match is not None:
+            mode = {"e_tag": if_match, "version": None}
+        try:
+            result = obstore.put(self._store, key, data, mode=mode, use_multipart=False)
+        except (AlreadyExistsError, PreconditionError) as exc:
+            raise FileExistsError(f"{self.url(key)}: the precondition failed ({type(exc).__name__})") from None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "write") from None
+        return result.get("e_tag")
+
+    def writer(self, key: str, part_nbytes: int, max_concurrency: int) -> Any:
+        """A file-like writer that uploads ``key`` as a multipart upload, ``part_nbytes`` per part,
+        ``max_concurrency`` parts in flight; ``close()`` completes it, an error aborts it."""
+        import obstore
+
+        return obstore.open_writer(self._store, key, buffer_size=part_nbytes, max_concurrency=max_concurrency)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (batched; missing ones are no error)."""
+        import obstore
+
+        for i in range(0, len(keys), 1000):
+            try:
+                obstore.delete(self._store, list(keys[i : i + 1000]))
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc, keys[i], "delete") from None
+
+    # --- unfinished multipart uploads (botocore) ---------------------------------------------------
+    def _boto_client(self) -> Any:
+        if self._boto is None:
+            from botocore.config import Config
+
+            self._boto = self._session.create_client(
+                "s3",
+                region_name=self.settings.region,
+                endpoint_url=self.settings.endpoint_url,
+                config=Config(retries={"max_attempts": RETRIES, "mode": "adaptive"}, s3={"addressing_style": "path"}),
+            )
+        return self._boto
+
+    def uploads(self, prefix: str = "") -> list[Upload]:
+        """Unfinished multipart uploads of keys under ``prefix``."""
+        client = self._boto_client()
+        out: list[Upload] = []
+        kwargs: dict[str, Any] = {"Bucket": self.location.bucket, "Prefix": self.location.key(prefix)}
+        try:
+            while True:
+                page = client.list_multipart_uploads(**kwargs)
+                for u in page.get("Uploads", []):
+                    out.append(
+                        Upload(
+                            key=_relative(u["Key"], self.location.prefix),
+                            upload_id=u["UploadId"],
+                            initiated_unix_s=u["Initiated"].timestamp(),
+                        )
+                    )
+                if not page.get("IsTruncated"):
+                    return out
+                kwargs.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+        except Exception as exc:  # noqa: BLE001 - botocore's ClientError and connection errors
+            raise self._error(exc, prefix, "list the multipart uploads of") from None
+
+    def abort_upload(self, upload: Upload) -> None:
+        try:
+            self._boto_client().abort_multipart_upload(
+                Bucket=self.location.bucket, Key=self.location.key(upload.key), UploadId=upload.upload_id
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, upload.key, "abort the multipart upload of") from None
+
+    # --- errors -----------------------------------------------------------------------------------
+    def _error(self, exc: BaseException, key: str, verb: str) -> StorageError:
+        """A StorageError naming the object and what to do (the exception's text never holds
+        credentials: obstore and botocore do not put them in messages)."""
+        text = str(exc).splitlines()[0][:400] if str(exc) else type(exc).__name__
+        name = type(exc).__name__
+        if (
+            name in ("PermissionDeniedError", "UnauthenticatedError")
+            or "AccessDenied" in text
+            or "InvalidAccessKeyId" in text
+            or "SignatureDoesNotMatch" in text
+        ):
+            hint = (
+                "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the "
+                "bucket's permissions"
+            )
+        elif "NoSuchBucket" in text:
+            hint = f"create the bucket {self.location.bucket!r} first"
+        else:
+            hint = (
+                "check the endpoint (AWS_ENDPOINT_URL), the network and the store's health; the operation was retried"
+            )
+        return StorageError(f"could not {verb} {self.url(key)}: {name}: {text}; {hint}")
+
+
+def _relative(key: str, prefix: str) -> str:
+    return key[len(prefix) + 1 :] if prefix and key.startswith(prefix + "/") else key

