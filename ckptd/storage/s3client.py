@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..errors import CorruptCheckpointError, StorageError
 from .url import S3Location
@@ -107,7 +107,7 @@ class S3Client:
             prefix=location.prefix or None,
             region=self.settings.region,
             endpoint=endpoint,
-            credential_provider=self._provide_credentials,
+            credential_provider=cast(Any, self._provide_credentials),  # returns its S3Credential dict
             virtual_hosted_style_request=False,
             conditional_put="etag",
             client_options={
