@@ -419,12 +419,11 @@ class Checkpointer:
 
     # --- internals -----------------------------------------------------------------------------
     def _stop_producers(self, deadline: float) -> None:
-        """Closing: stop what produces saves into the ring, then disconnect, within ``deadline``
-        (monotonic) plus :data:`CLOSE_MARGIN_S`: the lazy copier thread 0.5 s (it gives up waiting
-        for ring space within 5 ms), the BYE's linger 1 s, the reaping of snapshot children killed
-        at the deadline 1 s (ckptd.staging.children). Each producer only writes into this rank's
-        ring, so stopping one fails its save and nothing else. A fork child runs in its own
-        session and survives the trainer; it is killed only here, when close() runs out of time."""
+        """Closing: stop what produces saves into the ring, then disconnect, by ``deadline``
+        (monotonic) plus :data:`CLOSE_MARGIN_S` (the copier's stop, the BYE's linger, reaping the
+        children killed at the deadline). A producer only writes into this rank's ring: stopping
+        one fails its save, nothing else. A fork child runs in its own session and survives the
+        trainer; it is killed only here, when close() runs out of time."""
         if self._lazy is not None and not self._lazy.stop(deadline) and self._pool is not None:
             self._pool = None  # the copier may still write into it: left mapped, the daemon unlinks it
         self._disconnect()
@@ -434,18 +433,8 @@ class Checkpointer:
         """Before forking the snapshot child of a save ending at ``end``: wait (seconds waited)
         until at most one child of this rank will be waiting for ring space, so children and
         their copy-on-write views do not pile up behind a slow disk (ckptd.staging.backpressure)."""
-
-        def idle(timeout_s: float) -> None:
-            try:
-                self._link.pump(timeout_s)
-            except DaemonLostError as exc:
-                self._daemon_lost(str(exc))
-                raise
-            if self._pool is not pool:
-                raise DaemonError("the staging ring was dropped while waiting for ring space")
-
         waited = self._children.wait_turn(
-            pool.writer.consumed, pool.capacity, end, self.config.snapshot_timeout_s, idle
+            pool.writer.consumed, pool.capacity, end, self.config.snapshot_timeout_s, lambda s: self._idle(pool, s)
         )
         if waited > 0.01:
             log.info("rank %d: waited %.3f s for an earlier snapshot to get its ring space", self.env.rank, waited)
@@ -522,16 +511,21 @@ class Checkpointer:
                     f"rank {self.env.rank}: {BLOCKS} saves still in flight after "
                     f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
                 )
-            try:
-                self._link.pump(0.05)
-            except DaemonLostError as exc:
-                self._daemon_lost(str(exc))
-                raise
-            if self._pool is not pool:
-                raise DaemonError("the staging ring was dropped while waiting for a free block")
+            self._idle(pool, 0.05)
         log.info(
             "rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank, time.monotonic() - t0, step
         )
+
+    def _idle(self, pool: StagingPool, timeout_s: float) -> None:
+        """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
+        raise if it died or the ring was dropped meanwhile."""
+        try:
+            self._link.pump(timeout_s)
+        except DaemonLostError as exc:
+            self._daemon_lost(str(exc))
+            raise
+        if self._pool is not pool:
+            raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
     def _next_attempt(self, step: int) -> str:
         """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
