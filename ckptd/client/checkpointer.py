@@ -17,13 +17,17 @@ Order of one :meth:`Checkpointer.save` on a rank:
 3. create this rank's staging ring on the first save, sized by ``staging_budget`` from that
    save (:mod:`ckptd.staging.ring`), and register it with the daemon, which owns it from then on;
    items larger than the ring are split into chunks;
-4. with ``on_full="skip"`` and no room in the ring for the whole save, skip this step (the daemon
-   tells the coordinator, which aborts the step on every rank, so no partial checkpoint commits);
-   otherwise take a control block and the save's range of the ring;
+4. with ``on_full="skip"``, when earlier saves still hold the ring and this one does not fit
+   beside them, skip this step (the daemon tells the coordinator, which aborts the step on every
+   rank at once, and every rank's save of it resolves as SKIPPED); an idle ring takes a save of
+   any size (:mod:`ckptd.staging.backpressure`); otherwise take a control block and the save's
+   range of the ring;
 5. start producing the items into the ring: with ``snapshot="auto"`` and plain CPU shards,
    ``fork()`` a copy-on-write child that copies them while training goes on
-   (:mod:`ckptd.staging.fork`), with ``snapshot="lazy"`` hand them to the copier thread
-   (:mod:`ckptd.staging.lazy`); each producer waits for ring space the daemon frees;
+   (:mod:`ckptd.staging.fork`; when the child would wait for ring space while an earlier child
+   still waits, wait here first: :mod:`ckptd.staging.children`), with ``snapshot="lazy"`` hand
+   them to the copier thread (:mod:`ckptd.staging.lazy`); each producer waits for ring space
+   the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
    :mod:`ckptd.control.attempt`) and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
@@ -82,10 +86,11 @@ from ..format.rootlayout import step_dir_name
 from ..format.saveplan import PlanCache, plan_save
 from ..gcpause import gc_paused
 from ..recovery import resolve_latest
+from ..staging.children import KILL_REAP_S, SnapshotChildren
 from ..staging.fork import Snapshot, fork_into, reap, start_block
-from ..staging.lazy import LazyCopier
+from ..staging.lazy import STOP_MARGIN_S, LazyCopier
 from ..staging.pool import StagingPool, place
-from ..staging.ring import BLOCKS, block_offset, capacity_for
+from ..staging.ring import BLOCKS, block_offset, capacity_for, span
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
 from .handle import SaveHandle, SaveStatus
@@ -96,6 +101,10 @@ from .policy import AutoInterval
 from .stats import SaveRecord, SaveStats
 
 log = logging.getLogger(__name__)
+
+_BYE_LINGER_MS = 1000  # closing: how long the BYE may take to leave
+# close(timeout_s) returns within timeout_s plus at most this (see Checkpointer._stop_producers).
+CLOSE_MARGIN_S = STOP_MARGIN_S + _BYE_LINGER_MS / 1000 + KILL_REAP_S
 
 
 class Checkpointer:
@@ -136,7 +145,7 @@ class Checkpointer:
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_save)
-        self._children: list[int] = []  # snapshot children not reaped yet (ckptd.staging.fork)
+        self._children = SnapshotChildren(self.env.rank)  # fork snapshot children not reaped yet
         self._lazy = (
             LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
         )
@@ -204,11 +213,12 @@ class Checkpointer:
             items = split_large_items(items, pool.capacity)  # streams through a ring smaller than it
             placements, nbytes = place(items)
         t_slot = time.perf_counter()
-        if self.config.on_full == "skip" and not (pool.has_free_block() and pool.has_room(pool.next_start, placements)):
+        if self.config.on_full == "skip" and pool.must_skip(placements):
             return self._skip(step, t0, nbytes)
         self._wait_block(pool, step)
         pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
         block, start = pool.claim(placements)
+        end = start + span(p.offset + p.nbytes for p in placements)
         queue_wait_s = time.perf_counter() - t_slot
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout = self._layout.items_for(pool.generation, items, placements)
@@ -223,11 +233,10 @@ class Checkpointer:
                 # page the trainer writes while the child lives is copied, so a child that yields
                 # costs the trainer more than it gives (2 GiB rewritten every step, a save every 4:
                 # +127 % loop time with the child at nice 10, +108 % at 0, on the 2-core CI machine).
-                snap = (
-                    fork_into(pool, start, block, items, placements, 0, daemon_pid)
-                    if self.config.snapshot == "auto" and daemon_pid
-                    else None
-                )
+                snap = None
+                if self.config.snapshot == "auto" and daemon_pid:
+                    queue_wait_s += self._fork_turn(pool, end)
+                    snap = fork_into(pool, start, block, items, placements, 0, daemon_pid)
             if snap is None:  # copied here, after the SAVE: the daemon drains the ring meanwhile
                 inline = True
                 snap = Snapshot(os.getpid(), start_block(pool, block), block_offset(block))
@@ -257,7 +266,7 @@ class Checkpointer:
             self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
         except DaemonLostError as exc:
             if child:
-                self._children.append(snap.pid)
+                self._children.add(snap.pid, end)
             self._daemon_lost(str(exc))
             raise
         except (RequestNotTaken, ProtocolError):
@@ -272,7 +281,7 @@ class Checkpointer:
             # No answer (timeout, interrupt): the daemon may still write this save, so its control
             # block stays taken until the daemon's WRITE_DONE for it.
             if child:
-                self._children.append(snap.pid)
+                self._children.add(snap.pid, end)
             self._layout.forget()
             log.warning(
                 "rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
@@ -284,7 +293,7 @@ class Checkpointer:
             raise
         if child:
             # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
-            self._children.append(snap.pid)
+            self._children.add(snap.pid, end)
         if inline:
             queue_wait_s += pool.copy_inline(start, block, items, placements, snap.seal)
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
@@ -355,11 +364,13 @@ class Checkpointer:
         return sorted(self._pending.values(), key=lambda h: h.step)
 
     def wait_all(self, timeout_s: float | None = None) -> None:
-        """Wait for every pending save; raise the first failure (after all finished)."""
+        """Wait for every pending save, ``timeout_s`` in all; raise the first failure (after all
+        finished), or SaveTimeoutError when saves are still pending at the timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         first: SaveFailedError | None = None
         for h in self.pending:
             try:
-                h.wait(timeout_s)
+                h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except SaveSkippedError:
                 pass
             except SaveFailedError as exc:
@@ -383,25 +394,28 @@ class Checkpointer:
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending saves (``wait``), say BYE (the daemon frees our pool), disconnect.
 
-        An auto-started daemon exits by itself once no rank is connected and nothing is in
-        flight for ``idle_exit_s``. Raises the first failure of a save nobody waited for.
+        Returns within ``timeout_s`` (default ``close_timeout_s``) plus at most
+        :data:`CLOSE_MARGIN_S` (2.5 s), whatever the daemon does; raises SaveTimeoutError when
+        ``wait`` and saves were still pending then. Snapshot producers still copying into the
+        staging ring at that deadline are stopped and their saves fail. An auto-started daemon
+        exits by itself once no rank is connected and nothing is in flight for ``idle_exit_s``.
+        Raises the first failure of a save nobody waited for.
         """
         if self._closed:
             return
+        deadline = time.monotonic() + (self.config.close_timeout_s if timeout_s is None else timeout_s)
         try:
             if wait and self._pending and self._link.connected:
+                if self._lazy is not None:
+                    self._lazy.fence(deadline)
                 try:
-                    self.wait_all(self.config.close_timeout_s if timeout_s is None else timeout_s)
+                    self.wait_all(max(0.0, deadline - time.monotonic()))
                 except SaveFailedError:
                     pass  # recorded on the handle; raised below if nobody observed it
         finally:
             self._closed = True
-            if self._lazy is not None:
-                self._lazy.wait_all()  # the copier writes into the pool unmapped below
-                self._lazy.close()
-            self._disconnect()
+            self._stop_producers(deadline)
             self._finalizer.detach()
-            self._children = reap(self._children, block=True)
         self._raise_unobserved()
 
     def __enter__(self) -> Checkpointer:
@@ -437,6 +451,28 @@ class Checkpointer:
             )
         return incarnation
 
+    def _stop_producers(self, deadline: float) -> None:
+        """Closing: stop what produces saves into the ring, then disconnect, by ``deadline``
+        (monotonic) plus :data:`CLOSE_MARGIN_S` (the copier's stop, the BYE's linger, reaping the
+        children killed at the deadline). A producer only writes into this rank's ring: stopping
+        one fails its save, nothing else. A fork child runs in its own session and survives the
+        trainer; it is killed only here, when close() runs out of time."""
+        if self._lazy is not None and not self._lazy.stop(deadline) and self._pool is not None:
+            self._pool = None  # the copier may still write into it: left mapped, the daemon unlinks it
+        self._disconnect()
+        self._children.close(deadline)
+
+    def _fork_turn(self, pool: StagingPool, end: int) -> float:
+        """Before forking the snapshot child of a save ending at ``end``: wait (seconds waited)
+        until at most one child of this rank will be waiting for ring space, so children and
+        their copy-on-write views do not pile up behind a slow disk (ckptd.staging.backpressure)."""
+        waited = self._children.wait_turn(
+            pool.writer.consumed, pool.capacity, end, self.config.snapshot_timeout_s, lambda s: self._idle(pool, s)
+        )
+        if waited > 0.01:
+            log.info("rank %d: waited %.3f s for an earlier snapshot to get its ring space", self.env.rank, waited)
+        return waited
+
     def _check_open(self) -> None:
         if self._closed:
             raise CkptdError("this Checkpointer is closed")
@@ -454,7 +490,7 @@ class Checkpointer:
             self._pool = None
         for h in list(self._pending.values()):
             self._fail(h, "the Checkpointer was closed before the step committed")
-        self._link.close(linger_ms=1000)  # the BYE leaves before the socket goes
+        self._link.close(linger_ms=_BYE_LINGER_MS)  # the BYE leaves before the socket goes
 
     def _ensure_connected(self) -> None:
         if self._link.connected and self._link.alive():
@@ -524,16 +560,21 @@ class Checkpointer:
                     f"rank {self.env.rank}: {BLOCKS} saves still in flight after "
                     f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
                 )
-            try:
-                self._link.pump(0.05)
-            except DaemonLostError as exc:
-                self._daemon_lost(str(exc))
-                raise
-            if self._pool is not pool:
-                raise DaemonError("the staging ring was dropped while waiting for a free block")
+            self._idle(pool, 0.05)
         log.info(
             "rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank, time.monotonic() - t0, step
         )
+
+    def _idle(self, pool: StagingPool, timeout_s: float) -> None:
+        """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
+        raise if it died or the ring was dropped meanwhile."""
+        try:
+            self._link.pump(timeout_s)
+        except DaemonLostError as exc:
+            self._daemon_lost(str(exc))
+            raise
+        if self._pool is not pool:
+            raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
     def _next_attempt(self, step: int) -> str:
         """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
@@ -575,7 +616,7 @@ class Checkpointer:
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
         self._link.request(
-            Skip(step, attempt, self.env.rank, self.env.world_size, reason),
+            Skip(step, attempt, self.env.rank, self.env.world_size, reason, skipped=True),
             SaveAck,
             match=lambda a: a.step == step and a.attempt == attempt,
         )
@@ -623,7 +664,9 @@ class Checkpointer:
                 )
         elif isinstance(msg, StepAborted):
             h = self._pending.get(msg.step)
-            if h is not None:
+            if h is not None and msg.skipped:
+                self._skipped_elsewhere(h, msg.reason)
+            elif h is not None:
                 self._fail(h, msg.reason)
         else:
             log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
@@ -633,6 +676,14 @@ class Checkpointer:
         h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} was not committed: {reason}"))
         self._unobserved.append(h)
         log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)
+
+    def _skipped_elsewhere(self, h: SaveHandle, reason: str) -> None:
+        """Another rank skipped this step by policy (on_full="skip"): the step is aborted on every
+        rank, and this rank's save of it resolves as SKIPPED, as the skipping rank's own does: the
+        policy's choice, never raised by a later call (only ``wait()`` raises SaveSkippedError)."""
+        self._pending.pop(h.step, None)
+        h._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {h.step} was skipped: {reason}"))
+        log.warning("rank %d: step %d skipped: %s", self.env.rank, h.step, reason)
 
     def _raise_unobserved(self) -> None:
         failed = [h for h in self._unobserved if not h._observed]
@@ -644,8 +695,7 @@ class Checkpointer:
             raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
 
     def _pump_quietly(self) -> None:
-        if self._children:
-            self._children = reap(self._children, block=False)
+        self._children.reap()
         if not self._link.connected:
             return
         try:

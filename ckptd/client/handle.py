@@ -18,7 +18,7 @@ class SaveStatus(str, enum.Enum):
     PENDING = "pending"  # handed to the daemon, not committed yet
     COMMITTED = "committed"  # durable, and named by the tracker unless a newer step is
     ABORTED = "aborted"  # failed somewhere (reason in ``error``); nothing of it is visible
-    SKIPPED = "skipped"  # dropped by the on_full="skip" policy before staging
+    SKIPPED = "skipped"  # the on_full="skip" policy dropped the step, on this rank or another
 
 
 class SaveHandle:

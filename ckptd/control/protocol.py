@@ -17,8 +17,9 @@ Order of calls for one save of step ``s`` (who sends each message):
 3. rank takes a control block and the next range of its staging ring (ckptd.staging.ring), starts
    producing its shards into it (a fork child, a copier thread, or itself), then rank -> daemon
    ``SAVE`` -> ``SAVE_ACK``; the daemon now owns the save and ``save()`` returns. When the ring
-   has no room and the policy is ``skip``, rank -> daemon ``SKIP`` -> ``SAVE_ACK`` instead (the
-   step then aborts everywhere).
+   is busy and the policy is ``skip``, rank -> daemon ``SKIP`` (``skipped``) -> ``SAVE_ACK`` instead;
+   a rank that cannot save the step at all (a bad state dict) sends ``SKIP`` without ``skipped``.
+   Either way the step aborts everywhere at once, the daemon passing it on as a ``FAILED``.
 4. daemon writes ``__<rank>_0.distcp`` into ``<step>.<attempt>.tmp/`` as the items are produced
    (one save per ring at a time, in order, freeing ring space behind it), fsyncs it, then daemon ->
    rank ``WRITE_DONE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size;
@@ -26,7 +27,8 @@ Order of calls for one save of step ``s`` (who sends each message):
 5. coordinator, once every rank of the world wrote that attempt: validates coverage, writes the
    metadata files, checks every data file's size, renames ``<step>.<attempt>.tmp`` -> ``<step>``,
    fsyncs, replaces the tracker, then coordinator -> daemons ``STEP_COMMITTED``; on any failure
-   or timeout ``STEP_ABORTED`` (reason).
+   or timeout ``STEP_ABORTED`` (reason; ``skipped`` when the first report that ended the attempt
+   was a rank's policy skip: the ranks resolve their saves of it as SKIPPED, not as failures).
 6. daemon -> ranks that saved step ``s`` in that attempt: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
 7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its pool once idle).
 
@@ -60,7 +62,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -193,12 +195,17 @@ class Save(Message):
 
 @dataclass(frozen=True)
 class Skip(Message):
+    """rank -> daemon: this rank will not save ``step``; the step aborts on every rank at once.
+    ``skipped``: by the ``on_full="skip"`` policy (the other ranks' saves of the step resolve as
+    SKIPPED), not a failure (a state dict the rank could not save: they fail with ``reason``)."""
+
     TYPE: ClassVar[MsgType] = MsgType.SKIP
     step: int
     attempt: str
     rank: int
     world_size: int
     reason: str
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,10 +249,14 @@ class StepCommitted(Message):
 
 @dataclass(frozen=True)
 class StepAborted(Message):
+    """``skipped``: the attempt ended because a rank skipped the step by policy (``on_full="skip"``);
+    its ranks resolve their saves as SKIPPED, never as an error raised later."""
+
     TYPE: ClassVar[MsgType] = MsgType.STEP_ABORTED
     step: int
     attempt: str
     reason: str
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +279,9 @@ class Written(Message):
 
 @dataclass(frozen=True)
 class Failed(Message):
+    """daemon -> coordinator: ``rank`` (-1: the node itself) will not write this attempt.
+    ``skipped``: the rank skipped the step by policy (a :class:`Skip` with ``skipped``)."""
+
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
     attempt: str
@@ -275,6 +289,7 @@ class Failed(Message):
     world_size: int
     node: int
     reason: str
+    skipped: bool = False
 
 
 @dataclass(frozen=True)

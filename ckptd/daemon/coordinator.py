@@ -319,7 +319,7 @@ class Coordinator:
             if st is None:
                 return
         st.reporters.add(identity)
-        self._abort(st, f"{who}: {msg.reason}")
+        self._abort(st, f"{who}: {msg.reason}", skipped=msg.skipped)
 
     # --- the state machine ----------------------------------------------------------------
     def _start_commit(self, st: AttemptState) -> None:
@@ -376,7 +376,9 @@ class Coordinator:
             self._finish(st, StepAborted(step, attempt, f"commit failed: {done.error}"))
         return True
 
-    def _abort(self, st: AttemptState, reason: str) -> None:
+    def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
+        """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the
+        ranks resolve it as SKIPPED (ckptd.control.protocol.StepAborted)."""
         if st.phase is not Phase.COLLECTING:
             log.warning(
                 "step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt, st.phase.value, reason
@@ -386,7 +388,7 @@ class Coordinator:
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         step, attempt = st.key
         self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
-        self._finish(st, StepAborted(step, attempt, reason))
+        self._finish(st, StepAborted(step, attempt, reason, skipped))
 
     def _remember(self, key: Key, outcome: Message) -> None:
         self.finished[key] = outcome

@@ -6,7 +6,9 @@ Order of one save, all on the daemon's loop except step 3:
    records and producer), binds it to the attempt's directory ``<step>.<attempt>.tmp/`` and
    queues the write behind the ring's earlier ones; the rank is then acknowledged and owns
    nothing any more;
-2. once the ring's previous write finished, the write goes to a writer thread;
+2. once the ring's previous write finished, the write goes to a writer thread; if its attempt
+   was aborted meanwhile (another rank skipped or failed the step), nothing is written: the
+   writer only frees the save's ring space as the producer goes (:meth:`SaveIntake._drain`);
 3. the writer thread writes ``__<rank>_0.distcp`` from the ring as the producer fills it
    (ckptd.daemon.workers.write_rank_file) and fsyncs it;
 4. :meth:`SaveIntake.on_done`: the block is free (``WRITE_DONE`` to the rank), and ``WRITTEN``
@@ -23,8 +25,8 @@ from dataclasses import dataclass
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import Failed, Message, Save, WriteDone, Written
-from ..errors import ProtocolError, StagingError
+from ..control.protocol import Failed, Message, Save, StepAborted, WriteDone, Written
+from ..errors import CkptdError, ProtocolError, StagingError
 from ..format.durable import Opener
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir
@@ -39,6 +41,10 @@ from .workers import Done, WorkerPools, WriteRequest, write_rank_file
 log = logging.getLogger(__name__)
 
 _MAX_RING_OFFSET = 1 << 62
+
+
+class NotWritten(CkptdError):
+    """A save whose attempt was decided before its write started (ckptd.daemon.intake._drain)."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,7 @@ class SaveIntake:
             identity,
             msg.common_digest,
         )
-        run = self._writer(job, pool, producer)
-        pool.queue_write(lambda: self.workers.write(job, run))
+        pool.queue_write(lambda: self._start_write(job, pool, producer))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
         log.info(
@@ -129,6 +134,26 @@ class SaveIntake:
             len(records),
             msg.ring_start,
         )
+
+    def _start_write(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> None:
+        """Hand ``job`` to a writer thread (the ring's earlier writes are done)."""
+        aborted = isinstance(self.uplink.verdict(job.key), StepAborted)
+        self.workers.write(job, self._drain(job, pool, producer) if aborted else self._writer(job, pool, producer))
+
+    def _drain(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
+        """The writer thread's work for a save whose attempt aborted before its write started:
+        write nothing (behind a slow disk, a doomed write would hold the ring and make the
+        rank's next saves wait or skip), only free the ring space as the producer goes."""
+        timeout_s = self.config.snapshot_timeout_s
+
+        def run() -> WriteResult:
+            try:
+                producer.drain(pool.ring, job.request.ring_end, timeout_s)
+            finally:
+                producer.close()
+            raise NotWritten(f"{job!r}: the attempt was aborted before its write started; nothing written")
+
+        return run
 
     def _writer(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for ``job`` (its errors fail the save)."""
@@ -165,6 +190,10 @@ class SaveIntake:
         job: WriteJob = done.key
         req = job.request
         self.pools.write_done(req.rank, job.generation, job.block)
+        if isinstance(done.error, NotWritten):  # the rank knows the verdict; nothing to report
+            log.info("%s", done.error)
+            self.send_to_rank(WriteDone(job.generation, job.block, req.step, job.attempt, 0.0, 0.0, 0.0), job.identity)
+            return
         result: WriteResult = done.result if done.error is None else WriteResult([], 0, 0.0, 0.0, 0.0)
         self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         self.send_to_rank(

@@ -122,6 +122,9 @@ class RankServer:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
             self.intake.take(identity, client.pid, msg)
             self.ep.send(SaveAck(msg.step, msg.attempt), identity)
+            decided = self.uplink.verdict((msg.step, msg.attempt))
+            if decided is not None:  # another rank skipped or failed the step before this SAVE came
+                self.ep.send(decided, identity)
         elif isinstance(msg, Skip):
             self.client(identity, msg.rank)
             self.uplink.report(
@@ -132,6 +135,7 @@ class RankServer:
                     msg.world_size,
                     self.ep_info.node,
                     f"skipped the save: {msg.reason}",
+                    msg.skipped,
                 ),
                 (msg.step, msg.attempt),
             )

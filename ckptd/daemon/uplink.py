@@ -5,7 +5,9 @@ node 0). Per save attempt it keeps the ranks to tell the outcome (:class:`Pendin
 (``WRITTEN``/``FAILED``) go out at once or wait in an outbox while the coordinator is unreachable.
 Order of one attempt, as this node sees it:
 
-1. a rank's SAVE is taken: :meth:`CoordinatorLink.expect` records the rank to notify;
+1. a rank's SAVE is taken: :meth:`CoordinatorLink.expect` records the rank to notify (unless the
+   attempt was decided already: another rank skipped or failed it first; :meth:`verdict` then
+   tells the outcome, which the rank gets right after its SAVE_ACK, and its write is skipped);
 2. its write finished: :meth:`CoordinatorLink.report` sends ``WRITTEN`` (or ``FAILED``);
 3. ``STEP_COMMITTED`` / ``STEP_ABORTED`` arrives (:meth:`on_readable`): the step resolves and
    ``deliver`` tells its ranks.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,7 @@ from ..control.protocol import (
 
 log = logging.getLogger(__name__)
 
+_VERDICT_MEMORY = 1024  # verdicts remembered for SAVEs that arrive after them
 StepKey = tuple[int, str]  # (step, attempt)
 Deliver = Callable[[StepKey, set[bytes], Message], None]
 
@@ -104,6 +108,7 @@ class CoordinatorLink:
         sock.connect(address)
         self.ep = Endpoint(sock, codec, "upstream")
         self.steps: dict[StepKey, PendingStep] = {}
+        self.verdicts: OrderedDict[StepKey, Message] = OrderedDict()  # of recently decided attempts
         self.outbox: list[Outgoing] = []
         self.late: list[LateReport] = []
         self.coordinator_instance: str | None = None
@@ -118,8 +123,14 @@ class CoordinatorLink:
         return sorted({step for step, _ in self.steps})
 
     def expect(self, key: StepKey, identity: bytes) -> None:
-        """Tell rank ``identity`` the outcome of attempt ``key`` once it is known."""
-        self.steps.setdefault(key, PendingStep()).notify.add(identity)
+        """Tell rank ``identity`` the outcome of attempt ``key`` once it is known (nothing to do when
+        it is known already: see :meth:`verdict`)."""
+        if key not in self.verdicts:
+            self.steps.setdefault(key, PendingStep()).notify.add(identity)
+
+    def verdict(self, key: StepKey) -> Message | None:
+        """The outcome of attempt ``key`` if it was decided recently (None: undecided, or long ago)."""
+        return self.verdicts.get(key)
 
     def expects(self, key: StepKey, identity: bytes) -> bool:
         """Whether attempt ``key`` is still undecided here with rank ``identity`` in it."""
@@ -187,6 +198,10 @@ class CoordinatorLink:
                 self.outbox.append(Outgoing(time.monotonic(), msg, key))
 
     def _resolve(self, key: StepKey, outcome: Message) -> None:
+        self.verdicts[key] = outcome
+        self.verdicts.move_to_end(key)
+        while len(self.verdicts) > _VERDICT_MEMORY:
+            self.verdicts.popitem(last=False)
         st = self.steps.pop(key, None)
         self.outbox = [o for o in self.outbox if o.key != key]
         if st is not None:

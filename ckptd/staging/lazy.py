@@ -26,8 +26,12 @@ counter by then. Only a snapshot whose sources are unchanged at the fence is sea
 makes the daemon publish the file); one whose source changed is abandoned: the daemon fails the
 save on every rank, and the checkpoint never holds a mix of old and new values. So a lazy save
 commits only once the training thread fenced it, and a save nobody fences is abandoned after
-``snapshot_timeout_s``. (Writes that bypass version counters, through ``tensor.data`` or raw
-pointers, are not seen: fence before them.)
+``snapshot_timeout_s``. Writes that bump no version counter are not seen, and may tear a save:
+through ``tensor.data`` (or into a saved ``param.data``), fused optimizer steps, collectives,
+numpy, DLPack, raw pointers, storage aliases, rebinding ``.data``; the README lists them and what
+to do (fence before them), and tests/integration/test_lazy_snapshot.py checks that list. A
+checksum of the copy compared at the fence would see them, but reads the whole state on the
+training thread at every fence (0.57-0.70 s for 2 GiB, against a stall of some 30 ms).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +50,13 @@ from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
 from .fork import Snapshot, start_block
 from .pool import Placement, StagingPool, plain_values
-from .ring import ABANDONED, HEADER_NBYTES, NO_ROOM, block_offset, span
+from .ring import ABANDONED, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, block_offset, span
 
 log = logging.getLogger(__name__)
+
+# How long past close()'s deadline it waits for the copier thread to stop (it gives up waiting for
+# ring space within a poll, 5 ms; a copy under way finishes its pwrite of at most 64 MiB).
+STOP_MARGIN_S = 0.5
 
 
 @dataclass
@@ -81,6 +90,7 @@ class LazyCopier:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
     def start(
         self,
@@ -112,20 +122,21 @@ class LazyCopier:
         self._jobs.put(job)
         return Snapshot(os.getpid(), seal, block_offset(block))
 
-    def fence(self) -> None:
+    def fence(self, deadline: float | None = None) -> None:
         """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
         its sources changed since ``save()`` (see the module docstring).
 
         CPU copies still running are waited for; CUDA copies only until they are queued, then the
-        current streams wait for them (bounded by ``snapshot_timeout_s`` either way).
+        current streams wait for them. The wait is bounded by ``snapshot_timeout_s`` (raises
+        StagingError after it) or, when given, by ``deadline`` (monotonic; closing): a snapshot
+        not copied by then is abandoned instead.
         """
         for job in self._pending:
-            if job.cuda:
-                self._wait(job.enqueued, job)
+            if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
+                job.torn = job.torn or "the Checkpointer closed before it was copied"
+            elif job.cuda:
                 for device, stream in job.pool._streams.items():
                     torch.cuda.current_stream(device).wait_stream(stream)
-            else:
-                self._wait(job.copied, job)
             changed = next(
                 (
                     i.record.where()
@@ -139,26 +150,44 @@ class LazyCopier:
             job.fenced.set()
         self._pending.clear()
 
-    def _wait(self, event: threading.Event, job: _Job) -> None:
+    def _wait(self, event: threading.Event, job: _Job, deadline: float | None = None) -> bool:
+        """Wait for ``event`` up to ``snapshot_timeout_s`` (raises StagingError after it) or until
+        ``deadline`` (returns False at it)."""
+        if deadline is not None:
+            return event.wait(max(0.0, min(self.timeout_s, deadline - time.monotonic())))
         if not event.wait(self.timeout_s):
             raise StagingError(
                 f"rank {self.rank}: the lazy snapshot of step {job.step} did not finish "
                 f"copying within {self.timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S)"
             )
+        return True
 
     def wait_all(self) -> None:
-        """Fence every pending snapshot and wait until the copier is done with it (closing, or a
-        ring about to be unmapped)."""
+        """Fence every pending snapshot and wait until the copier is done with it (a ring about
+        to be unmapped)."""
         jobs = list(self._pending)
         self.fence()
         for job in jobs:
             self._wait(job.copied, job)
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(self.timeout_s)
-            self._thread = None
+    def stop(self, deadline: float) -> bool:
+        """Closing: fence the pending snapshots (those not copied by ``deadline`` are abandoned),
+        make a copy still waiting for ring space give up, and wait for the copier thread until
+        ``deadline`` plus :data:`STOP_MARGIN_S`. False if it still runs: it may still write into
+        the ring, which must then stay mapped."""
+        self.fence(deadline)
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._jobs.put(None)
+        thread.join(max(0.0, deadline - time.monotonic()) + STOP_MARGIN_S)
+        if thread.is_alive():
+            log.warning(
+                "rank %d: the lazy copier thread did not stop in time; its staging ring stays mapped", self.rank
+            )
+            return False
+        return True
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -184,10 +213,20 @@ class LazyCopier:
         """Produce item by item, each once the ring has room, publishing the progress after each
         (the daemon writes as it goes). A CUDA copy is published once it landed, in order."""
         pool, writer = job.pool, job.pool.writer
+        # Waits for ring space like the pool's writer, giving up at once when the Checkpointer closes.
+        room = RingWriter(writer.fd, writer.capacity, writer.timeout_s, lambda: not self._stopping.is_set())
         landing: list[tuple[Any, int]] = []  # (event or None, virtual end), behind a CUDA copy
         for item, p in zip(job.items, job.placements):
             v = job.start + p.offset
-            pool.wait_room(v + p.nbytes)
+            try:
+                room.wait_room(v + p.nbytes)
+            except RingFull as exc:
+                if self._stopping.is_set():
+                    raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
+                raise StagingError(
+                    f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not "
+                    "persisting: see its log"
+                ) from None
             src = item.payload
             if isinstance(src, torch.Tensor) and src.device.type == "cuda":
                 landing.append((self._enqueue_cuda(job, src, v), v + p.nbytes))

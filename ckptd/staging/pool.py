@@ -16,6 +16,7 @@ import torch
 
 from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
+from .backpressure import must_skip
 from .ring import ABANDONED, BLOCKS, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, span
 from .segment import ShmSegment, new_generation, segment_name
 
@@ -172,9 +173,18 @@ class StagingPool:
         if block not in self._free_blocks:
             self._free_blocks.append(block)
 
-    def has_room(self, start: int, placements: list[Placement]) -> bool:
-        """Whether the whole save fits now, without waiting for the daemon."""
-        return self.writer.has_room(start + span(p.offset + p.nbytes for p in placements))
+    def must_skip(self, placements: list[Placement]) -> bool:
+        """``on_full="skip"``: whether earlier saves hold the ring so that the next save, laid out as
+        ``placements``, must be skipped (:func:`ckptd.staging.backpressure.must_skip`: never on an
+        idle ring, whatever the save's size)."""
+        start = self.next_start
+        return must_skip(
+            free_block=self.has_free_block(),
+            consumed=self.writer.consumed(),
+            start=start,
+            end=start + span(p.offset + p.nbytes for p in placements),
+            capacity=self.capacity,
+        )
 
     def check_room(self, start: int, placements: list[Placement]) -> None:
         """Raise StagingError now if /dev/shm cannot hold the ring pages this save needs (see

@@ -4,14 +4,22 @@ its copy was complete fails the save instead. Real daemon, real files, one proce
 
 from __future__ import annotations
 
+import ctypes
+import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import ckptd
 from ckptd import SaveFailedError, ShardedTensor
 from tests.interop.reference import same_bits
+from tests.multiproc import run_ranks
 
 
 def _config(**kw) -> ckptd.CkptdConfig:
@@ -105,3 +113,164 @@ def test_lazy_save_of_non_contiguous_tensors_and_objects(tmp_path, single_proces
             }
         )
         assert same_bits(out["wt"], (w / 2).t().contiguous()) and out["obj"] == {"a": 1} and out["step"] == 1
+
+
+# What a fence sees (issue 26, item 8): each write the README's lazy-snapshot section lists, made
+# to a saved tensor after its copy and before the fence, keyed by the words the README uses.
+# Seen: the save fails; not seen: it commits what was copied, the write notwithstanding.
+def _plain(write: Callable[[torch.Tensor], Any]) -> Callable[[int], tuple[torch.Tensor, Callable[[], Any]]]:
+    def make(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+        t = torch.full((1024,), float(rank + 1))
+        return t, lambda: write(t)
+
+    return make
+
+
+def _under(mode: Any) -> Callable[[torch.Tensor], None]:
+    def write(t: torch.Tensor) -> None:
+        with mode():
+            t.add_(1)
+
+    return write
+
+
+def _param(rank: int) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.full((1024,), float(rank + 1)))
+    p.grad = torch.ones(1024)
+    return p
+
+
+def _optimizer(**kw: Any) -> Callable[[int], tuple[torch.Tensor, Callable[[], Any]]]:
+    def make(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+        p = _param(rank)
+        return p, torch.optim.Adam([p], lr=0.1, **kw).step
+
+    return make
+
+
+def _through_param(payload: Callable[[torch.nn.Linear], torch.Tensor]) -> Callable[[int], tuple[torch.Tensor, Any]]:
+    def make(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+        m = torch.nn.Linear(32, 32)
+
+        def write() -> None:
+            with torch.no_grad():
+                m.weight.add_(1)
+
+        return payload(m), write
+
+    return make
+
+
+def _load_state_dict(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+    m = torch.nn.Linear(32, 32)
+    return m.weight, lambda: m.load_state_dict({"weight": torch.ones(32, 32), "bias": torch.ones(32)})
+
+
+def _init(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+    p = _param(rank)
+    return p, lambda: torch.nn.init.normal_(p)
+
+
+def _from_numpy(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+    arr = np.zeros(1024, dtype=np.float32)
+    return torch.from_numpy(arr), lambda: arr.__setitem__(0, 5.0)
+
+
+def _rebind(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+    p = _param(rank)
+
+    def write() -> None:
+        p.data = torch.zeros(1024)
+
+    return p, write
+
+
+def _vector_to_parameters(rank: int) -> tuple[torch.Tensor, Callable[[], Any]]:
+    p = _param(rank)
+    return p, lambda: torch.nn.utils.vector_to_parameters(torch.zeros(1024), [p])
+
+
+def _alias(t: torch.Tensor) -> None:
+    torch.empty(0).set_(t.untyped_storage()).add_(1)
+
+
+def _raw(t: torch.Tensor) -> None:
+    ctypes.memset(t.data_ptr(), 0x3F, 4)
+
+
+SEEN = [
+    ("`add_`", _plain(lambda t: t.add_(1))),
+    ("`copy_`", _plain(lambda t: t.copy_(torch.ones_like(t)))),
+    ("`x[i] = v`", _plain(lambda t: t.__setitem__(0, 5.0))),
+    ("`out=`", _plain(lambda t: torch.mul(torch.ones_like(t), 2, out=t))),
+    ("`set_()`", _plain(lambda t: t.set_(torch.ones_like(t)))),
+    ("slices", _plain(lambda t: t[:4].add_(1))),
+    ("`view()`", _plain(lambda t: t.view(4, -1).add_(1))),
+    ("`detach()`", _plain(lambda t: t.detach().add_(1))),
+    ("`module.state_dict()`'s tensors", _through_param(lambda m: m.state_dict()["weight"])),
+    ("`torch.no_grad()`", _plain(_under(torch.no_grad))),
+    ("`torch.inference_mode()`", _plain(_under(torch.inference_mode))),
+    ("torch.optim's single-tensor and foreach steps", _optimizer(foreach=False)),
+    ("torch.optim's single-tensor and foreach steps", _optimizer(foreach=True)),
+    ("`load_state_dict()`", _load_state_dict),
+    ("`torch.nn.init`", _init),
+]
+NOT_SEEN = [
+    ("`tensor.data`", _plain(lambda t: t.data.add_(1))),
+    ("`param.data`", _through_param(lambda m: m.weight.data)),
+    ("`fused=True`", _optimizer(fused=True)),
+    ("`dist.broadcast`", _plain(lambda t: dist.broadcast(t, 0))),
+    ("`dist.all_reduce`", _plain(lambda t: dist.all_reduce(t))),
+    ("`t.numpy()`", _plain(lambda t: t.numpy().__setitem__(0, 5.0))),
+    ("`torch.from_numpy`", _from_numpy),
+    ("DLPack", _plain(lambda t: torch.from_dlpack(t.__dlpack__()).add_(1))),
+    ("`data_ptr()`", _plain(_raw)),
+    ("`untyped_storage()`", _plain(_alias)),
+    ("`param.data = x`", _rebind),
+    ("`vector_to_parameters`", _vector_to_parameters),
+]
+
+
+def _fence_sees(rank: int, world: int, root: str, runtime: str) -> dict[str, list[str]]:
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy")
+    out: dict[str, list[str]] = {}
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        for step, (words, make) in enumerate(SEEN + NOT_SEEN, start=1):
+            payload, write = make(rank)
+            handle = ckpt.save({f"x{rank}": ShardedTensor.from_rank_offsets(f"x{rank}", payload), "i": step}, step)
+            assert ckpt._lazy._pending[-1].copied.wait(30)  # copied; the write comes before the fence
+            write()
+            ckpt.before_update()
+            try:
+                handle.wait(timeout_s=60)
+                outcome = "committed"
+            except SaveFailedError as exc:
+                assert "abandoned its snapshot" in str(exc), exc
+                outcome = "failed"
+            out.setdefault(words, []).append(outcome)
+    return out
+
+
+def _readme_lists() -> tuple[str, str]:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    seen = text[text.index("- *seen* (the save fails)") :]
+    not_seen = seen[seen.index("- *not seen*") :]
+    return seen[: seen.index("- *not seen*")], not_seen[: not_seen.index("So save the tensors")]
+
+
+@pytest.mark.timeout(240)
+def test_the_fence_sees_the_writes_the_readme_says_it_sees(tmp_path):
+    """A lazy save fails when a write the README lists as seen changes a saved tensor before the
+    fence, and commits despite one it lists as not seen (torn values are possible then); two
+    ranks, so that collectives really write."""
+    seen, not_seen = _readme_lists()
+    assert all(words in seen and words not in not_seen for words, _ in SEEN), seen
+    assert all(words in not_seen for words, _ in NOT_SEEN), not_seen
+    runtime = tempfile.mkdtemp(prefix="ckf", dir="/tmp")
+    try:
+        out = run_ranks(_fence_sees, 2, str(tmp_path / "run"), runtime, timeout_s=200)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+    want = {w: {"failed"} for w, _ in SEEN} | {w: {"committed"} for w, _ in NOT_SEEN}
+    for rank_out in out:
+        assert {w: set(o) for w, o in rank_out.items()} == want

@@ -19,6 +19,7 @@ from ckptd.control.protocol import (
     MsgType,
     Ping,
     Save,
+    Skip,
     StatusReply,
     StepAborted,
     Written,
@@ -62,6 +63,9 @@ def test_every_message_type_round_trips():
         Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, "", 4096),
         Failed(100, "fedcba987654-12", -1, 0, 1, "lost the coordinator"),
         StepAborted(10**9 - 1, ATTEMPT, "why"),
+        StepAborted(7, ATTEMPT, "rank 1 skipped it", skipped=True),
+        Skip(7, ATTEMPT, 1, 2, "its ring was busy", skipped=True),
+        Failed(7, ATTEMPT, 1, 2, 0, "skipped the save", skipped=True),
         StatusReply({"pools": [], "x": 1.5}),
     ]
     for msg in samples:
@@ -104,7 +108,7 @@ def test_every_message_type_round_trips():
                     "v": PROTOCOL_VERSION,
                     "t": int(MsgType.STEP_ABORTED),
                     "job": "job1",
-                    "f": {"step": -1, "attempt": ATTEMPT, "reason": ""},
+                    "f": {"step": -1, "attempt": ATTEMPT, "reason": "", "skipped": False},
                 }
             ),
             "STEP_ABORTED: step -1 is outside",

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -86,3 +89,66 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
         workers.shutdown()
         completions.close()
         ctx.term()
+
+
+@contextmanager
+def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[CoordinatorLink, list[Message], Any]]:
+    """A node's link to a coordinator in this process; yields the link, the verdicts it delivered
+    and ``spin(until)``, which runs both until ``until()`` holds (20 s at most)."""
+    keys = derive_keys(secrets.token_bytes(32))
+    codec = Codec("job1")
+    ctx = zmq.Context()
+    zap = ZapHandler(ctx, keys)
+    completions = Completions()
+    workers = WorkerPools(1, completions)
+    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", tmp_path, cfg, workers, "c1", [])
+    delivered: list[Message] = []
+    link = CoordinatorLink(
+        ctx, codec, keys, coordinator.address, 0, b"node0-test", cfg, lambda _k, _r, outcome: delivered.append(outcome)
+    )
+    loop = EventLoop()
+    for source, handler in (
+        (zap.sock, zap.on_readable),
+        (coordinator.watch.sock, coordinator.watch.on_readable),
+        (coordinator.ep.sock, coordinator.on_readable),
+        (link.ep.sock, link.on_readable),
+    ):
+        loop.add(source, handler)
+
+    def spin(until: Any) -> None:
+        t0 = time.monotonic()
+        while not until() and time.monotonic() - t0 < 20:
+            loop.poll(20)
+            now = time.monotonic()
+            coordinator.tick(now)
+            link.tick(now)
+
+    try:
+        yield link, delivered, spin
+    finally:
+        link.close()
+        coordinator.close()
+        zap.close()
+        workers.shutdown()
+        completions.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_policy_skip_is_announced_as_a_skip_and_remembered_for_late_saves(tmp_path: Path):
+    """Rank 1 skips step 5 (on_full="skip"): the coordinator aborts the attempt at once with
+    skipped set, so the ranks resolve it as SKIPPED, not as a failure; a failure is not a skip.
+    The node remembers the verdict: a rank whose SAVE of that attempt comes later is not waited
+    for (the daemon tells it at once and writes nothing)."""
+    cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=30, heartbeat_s=0.05)
+    with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin):
+        link.expect((5, ATTEMPT), b"rank0")
+        link.report(Failed(5, ATTEMPT, 1, 2, 0, "skipped the save: ring busy", skipped=True), (5, ATTEMPT))
+        link.report(Failed(6, ATTEMPT, 1, 2, 0, "writing its data file failed: EIO"), (6, ATTEMPT))
+        spin(lambda: len(delivered) == 2)
+        by_step = {m.step: m for m in delivered if isinstance(m, StepAborted)}
+        assert by_step[5].skipped and "rank 1 (node 0): skipped the save" in by_step[5].reason
+        assert not by_step[6].skipped
+        link.expect((5, ATTEMPT), b"rank0-late")
+        assert not link.expects((5, ATTEMPT), b"rank0-late") and link.verdict((5, ATTEMPT)) == by_step[5]
+        assert link.verdict((7, ATTEMPT)) is None and not link.busy

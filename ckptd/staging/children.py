@@ -1,0 +1,117 @@
+"""A rank's fork snapshot children (ckptd.staging.fork) until they are reaped: how many may wait
+for ring space, and how closing ends them within its deadline.
+
+Order of use, on the training thread: :meth:`SnapshotChildren.wait_turn` before forking a save's
+child (returns once :func:`ckptd.staging.backpressure.may_fork` holds: at most one child per rank
+waits for ring space), :meth:`~SnapshotChildren.add` once the daemon took the save,
+:meth:`~SnapshotChildren.reap` now and then (never blocks), :meth:`~SnapshotChildren.close` when
+the Checkpointer closes: children still running at its deadline are killed. A snapshot child only
+copies the trainer's memory into the ring (``pwrite``, no file, no socket), so killing it fails
+its save and nothing else: the daemon sees it exit unsealed (ckptd.daemon.snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import StagingError
+from .backpressure import may_fork
+from .fork import reap
+
+log = logging.getLogger(__name__)
+
+# After SIGKILL, how long close() waits for the killed children to be reaped (a child killed
+# while the kernel serves it, e.g. a page fault on a slow swap, exits once that returns).
+KILL_REAP_S = 1.0
+_POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class Child:
+    pid: int
+    end: int  # virtual end of the save it produces (ckptd.staging.ring)
+
+
+class SnapshotChildren:
+    """This rank's snapshot children not reaped yet, with the ends of their saves in the ring."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._live: list[Child] = []
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self._live]
+
+    def add(self, pid: int, end: int) -> None:
+        self._live.append(Child(pid, end))
+
+    def reap(self) -> None:
+        """Collect the children that exited (never blocks)."""
+        if self._live:
+            running = set(reap(self.pids, block=False))
+            self._live = [c for c in self._live if c.pid in running]
+
+    def wait_turn(
+        self,
+        consumed: Callable[[], int],
+        capacity: int,
+        end: int,
+        timeout_s: float,
+        idle: Callable[[float], None],
+    ) -> float:
+        """Return once the child of a save ending at ``end`` may be forked (see
+        :func:`~ckptd.staging.backpressure.may_fork`); the seconds waited. ``consumed`` reads the
+        ring's header, ``idle(s)`` waits up to ``s`` seconds for the daemon's notifications (and
+        raises if the daemon died). Raises StagingError after ``timeout_s``: an earlier child
+        waits that long at most before it gives up, so the daemon is not persisting."""
+        t0 = time.monotonic()
+        while True:
+            self.reap()
+            if may_fork(consumed=consumed(), capacity=capacity, end=end, earlier_ends=(c.end for c in self._live)):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise StagingError(
+                    f"rank {self.rank}: the node daemon made no room in the staging ring for "
+                    f"{timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S) while snapshot process(es) "
+                    f"{self.pids} waited for it; the node daemon is not persisting: see its log"
+                )
+            idle(0.05)
+
+    def close(self, deadline: float) -> None:
+        """Reap every child, waiting for them until ``deadline`` (monotonic); kill those still
+        running then (their saves fail) and wait up to :data:`KILL_REAP_S` more for them."""
+        while self._live and time.monotonic() < deadline:
+            self.reap()
+            if self._live:
+                time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        if not self._live:
+            return
+        killed = self.pids
+        for pid in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.warning(
+            "rank %d: snapshot process(es) %s still copying into the staging ring (or waiting for "
+            "room in it) when close() ran out of time: killed, their saves fail",
+            self.rank,
+            killed,
+        )
+        give_up = time.monotonic() + KILL_REAP_S
+        while self._live and time.monotonic() < give_up:
+            self.reap()
+            if self._live:
+                time.sleep(_POLL_S)
+        if self._live:
+            log.warning("rank %d: killed snapshot process(es) %s not reaped yet; left behind", self.rank, self.pids)
+            self._live = []

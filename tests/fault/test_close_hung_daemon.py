@@ -1,0 +1,67 @@
+"""close(timeout_s) returns in time however the daemon hangs (issue 25, M9): a real daemon stopped
+with SIGSTOP while a save waits for ring space behind a slow write. Before, close() reaped the
+snapshot children with a blocking waitpid (fork snapshots) or waited for the lazy copier, and both
+wait up to snapshot_timeout_s for ring space the stopped daemon never frees."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import psutil
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.client.checkpointer import CLOSE_MARGIN_S
+from tools.harness.waiting import wait_for_exit
+
+SNAPSHOT_TIMEOUT_S = 20.0  # what a producer waits for ring space; close(timeout_s=3) must not
+
+
+def _state(w: torch.Tensor, step: int) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("snapshot", ["auto", "lazy"])
+def test_close_honours_its_timeout_with_a_stopped_daemon(tmp_path, single_process, snapshot):
+    runtime = tempfile.mkdtemp(prefix="ckh", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env(
+        {},
+        runtime_dir=runtime,
+        snapshot=snapshot,
+        staging_budget="1x",
+        debug_write_delay_s=3.0,  # step 1 is still in the ring when the daemon stops
+        snapshot_timeout_s=SNAPSHOT_TIMEOUT_S,
+        idle_exit_s=2.0,
+        heartbeat_s=0.2,
+    )
+    w = torch.randn(1024, 1024)  # 4 MiB: one save fills the ring
+    others = {c.pid for c in psutil.Process().children()}  # the session's own (resource tracker)
+    ckpt = ckptd.Checkpointer(tmp_path / "run", config=cfg)
+    daemon = ckpt.status()["pid"]
+    try:
+        h1 = ckpt.save(_state(w, 1), step=1)
+        h2 = ckpt.save(_state(w, 2), step=2)  # its producer waits for the ring space step 1 holds
+        os.kill(daemon, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ckptd.SaveTimeoutError):
+            ckpt.close(timeout_s=3.0)
+        took = time.monotonic() - t0
+        # The bound close() documents, far below the snapshot_timeout_s it waited before.
+        assert took < 3.0 + CLOSE_MARGIN_S, took
+        assert h1.status.value == h2.status.value == "aborted"
+        # No snapshot child is left running (the one waiting for room was killed).
+        assert not [
+            c for c in psutil.Process().children() if c.pid not in others and c.status() != psutil.STATUS_ZOMBIE
+        ]
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+        ckpt.close(wait=False)
+        wait_for_exit(daemon, 60, "the idle daemon to exit")
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""Backpressure behind a slow disk (issue 25, M1-M3): on_full="skip" skips only a save the busy
+ring has no room for, a skip on one rank resolves as SKIPPED on every rank and never fails a
+later save, and fork snapshot children do not pile up waiting for ring space. Real daemons (slowed
+by ``debug_write_delay_s``), real processes, real /dev/shm rings and files."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import psutil
+import pytest
+import torch
+
+import ckptd
+from ckptd import SaveSkippedError, ShardedTensor
+from ckptd.format.rootlayout import step_dir_name
+from tests.multiproc import run_ranks
+from tools.harness.waiting import wait_until
+
+
+def _config(runtime: str, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, **kw)
+
+
+def _state(tensors: dict[str, torch.Tensor], step: int) -> dict:
+    return {**{k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}, "iteration": step}
+
+
+def _live_children(besides: frozenset[int] = frozenset()) -> list[int]:
+    """This process's children that run, but those in ``besides`` (processes of the test session,
+    e.g. multiprocessing's resource tracker): snapshot children (the daemon is detached)."""
+    out = []
+    for c in psutil.Process().children():
+        try:
+            if c.pid not in besides and c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def runtime():
+    path = tempfile.mkdtemp(prefix="ckbp", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+def test_skip_takes_any_save_on_an_idle_ring_and_skips_only_behind_a_busy_one(tmp_path, runtime, single_process):
+    """M2: a ring smaller than the save (budget 0.5x), and a state grown to 3x the first save,
+    stream through an idle ring; only a save that finds earlier saves still holding the ring is
+    skipped. Before: every such save was skipped, forever, on an idle disk too."""
+    cfg = _config(runtime, staging_budget="0.5x", on_full="skip", debug_write_delay_s=1.0)
+    w = torch.randn(1024, 1024)  # 4 MiB: a 2 MiB ring
+    grown = {"w": w, "exp_avg": torch.randn(1024, 1024), "exp_avg_sq": torch.rand(1024, 1024)}
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        h1 = ckpt.save(_state({"w": w}, 1), step=1)
+        assert not h1.skipped
+        h1.wait(timeout_s=60)
+        h2 = ckpt.save(_state(grown, 2), step=2)  # optimizer state created after the first save
+        assert not h2.skipped
+        h2.wait(timeout_s=60)
+        h3 = ckpt.save(_state(grown, 3), step=3)  # streams; its file opens 1 s later
+        h4 = ckpt.save(_state(grown, 4), step=4)  # the ring still holds step 3: skipped
+        assert h4.skipped and not h3.skipped
+        h3.wait(timeout_s=60)
+        assert ckpt.stats()["skipped"] == 1
+        out = ckpt.load(_state({k: torch.zeros_like(v) for k, v in grown.items()}, -1), step=3)
+        assert all(torch.equal(out[k], v) for k, v in grown.items())
+        assert torch.equal(ckpt.load(_state({"w": torch.zeros_like(w)}, -1), step=1)["w"], w)
+        assert ckpt.latest() == 3 and not (tmp_path / "run" / step_dir_name(4)).exists()
+
+
+@pytest.mark.timeout(180)
+def test_fork_children_do_not_pile_up_behind_a_slow_disk(tmp_path, runtime, single_process):
+    """M3: with fork snapshots and on_full="wait", each save's child used to wait for ring space
+    holding its copy-on-write view of the trainer (one per save, up to 32 per rank). Now at most
+    one child waits; a further save waits inside save() (counted in queue_wait_s) until that
+    child has its room, so the live children stay at one waiting plus those still copying."""
+    cfg = _config(runtime, staging_budget="1x", on_full="wait", snapshot="auto", debug_write_delay_s=1.0)
+    w = torch.zeros(1024, 1024)  # 4 MiB: each save fills the ring
+    live, handles = [], []
+    others = frozenset(_live_children())
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        for step in range(1, 9):
+            w.fill_(float(step))
+            handles.append(ckpt.save(_state({"w": w}, step), step=step))
+            live.append(len(_live_children(others)))
+        ckpt.wait_all(timeout_s=120)
+        assert all(h.committed for h in handles)
+        assert torch.equal(ckpt.load(_state({"w": torch.zeros_like(w)}, -1), step=8)["w"], torch.full_like(w, 8.0))
+    # Before: [1, 1, 2, 3, 4, 5, 6, 7] (every child after the second waited for ring space).
+    assert max(live) <= 3, live
+    # The wait moved into save() from the third save on: the ring still held the save before.
+    assert all(h.record.queue_wait_s > 0 for h in handles[2:]), [h.record.queue_wait_s for h in handles]
+    wait_until(lambda: not _live_children(others), 30, "every snapshot child to exit")
+
+
+def _skip_on_one_rank(rank: int, world: int, root: str, runtime: str) -> dict:
+    import torch.distributed as dist
+
+    # Rank 1's state fills its ring (1x): while its step 1 is being written (each file opens 5 s
+    # late), it has no room for steps 2 and 3 and skips them. Rank 0's ring (1 MiB at least)
+    # holds many of its small saves: it saves them, step 2 after rank 1 skipped it (its SAVE
+    # comes after the abort), step 3 before (the abort comes after its SAVE).
+    cfg = _config(runtime, staging_budget="1x", on_full="skip", debug_write_delay_s=5.0, commit_timeout_s=300)
+    w = torch.full((1024, 1024), 1.0) if rank == 1 else torch.full((16, 16), 0.0)
+    out: dict = {}
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        h1 = ckpt.save(_state({f"w{rank}": w}, 1), step=1)
+        h2 = ckpt.save(_state({f"w{rank}": w}, 2), step=2) if rank == 1 else None
+        dist.barrier()
+        if rank == 0:
+            h2 = ckpt.save(_state({f"w{rank}": w}, 2), step=2)
+            h3 = ckpt.save(_state({f"w{rank}": w}, 3), step=3)
+        dist.barrier()
+        if rank == 1:
+            h3 = ckpt.save(_state({f"w{rank}": w}, 3), step=3)
+        assert h2 is not None
+        out["skipped_here"] = [h.step for h in (h2, h3) if h.done() and h.skipped]
+        for h in (h2, h3):  # resolved long before commit_timeout_s, without anyone waiting on them
+            wait_until(h.done, 60, f"rank {rank}'s save of step {h.step} to resolve")
+        out["status"] = [h2.status.value, h3.status.value]
+        out["errors"] = [str(h2.error), str(h3.error)]
+        h1.wait(timeout_s=60)
+        dist.barrier()
+        w.add_(10.0)
+        h4 = ckpt.save(_state({f"w{rank}": w}, 4), step=4)  # before: rank 0 raised step 2's abort here
+        out["h4"] = str(h4.wait(timeout_s=60))
+        for h in (h2, h3):
+            with pytest.raises(SaveSkippedError, match="rank 1"):
+                h.wait()
+        ckpt.wait_all(timeout_s=10)  # a skipped save is no failure
+        out["stats"] = {k: ckpt.stats()[k] for k in ("committed", "aborted", "skipped")}
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_skip_on_one_rank_is_a_skip_on_every_rank_and_fails_no_later_save(tmp_path, runtime):
+    """M1: rank 1 skips steps 2 and 3 (its ring busy), rank 0 saved them. Rank 0's handles
+    resolve at once as SKIPPED, naming rank 1 (before: ABORTED, raised by its next save(), which
+    then did not save its own step, so rank 1's save of that step waited commit_timeout_s and
+    aborted)."""
+    root = tmp_path / "run"
+    out = run_ranks(_skip_on_one_rank, 2, str(root), runtime, timeout_s=200)
+    assert out[1]["skipped_here"] == [2, 3]  # the skipping rank's own handles, at save()
+    for o in out:
+        assert o["status"] == ["skipped", "skipped"], o
+        assert o["h4"] == str(root / step_dir_name(4))
+        assert o["stats"] == {"committed": 2, "aborted": 0, "skipped": 2}
+    assert all("rank 1" in e and "on_full='skip'" in e for e in out[0]["errors"]), out[0]["errors"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == [
+        step_dir_name(1),
+        step_dir_name(4),
+    ]
+    out4 = ckptd.load_plain_tensors(root / step_dir_name(4))
+    assert torch.equal(out4["w0"], torch.full((16, 16), 10.0))
+    assert torch.equal(out4["w1"], torch.full((1024, 1024), 11.0))
