@@ -362,14 +362,8 @@ class Checkpointer:
         return self.root / step_dir_name(step)
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
-        """:func:`ckptd.load` from ``step`` (default: the last committed checkpoint).
-
-        Without ``step``: a checkpoint the load finds damaged (a checksum mismatch, a damaged
-        item) is skipped with a logged WARNING and the newest intact older one is loaded instead
-        (the request is filled anew, so nothing of the damaged one remains in it); one removed
-        while being loaded (retention where loads hold no lease) is loaded again from the latest.
-        Raises CorruptCheckpointError when checkpoints exist but none loads.
-        """
+        """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
+        falling back past damaged ones, every rank alike (:func:`ckptd.client.resume.load_latest`)."""
         if step is not None:
             return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
         return load_latest(self.root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
