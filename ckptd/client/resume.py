@@ -10,10 +10,11 @@ Order of one resume, on every rank:
    ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
    all raise;
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
-   rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the newest intact
-   older checkpoint is loaded (the request is filled anew, so nothing of the damaged one stays in
-   it); one removed after it was chosen (CheckpointNotFoundError, its directory gone) is chosen
-   again from the latest, once per name. Any other error is raised on every rank.
+   rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the intact
+   checkpoint committed last before it is loaded (the request is filled anew, so nothing of the
+   damaged one stays in it); one removed after it was chosen (CheckpointNotFoundError, its
+   directory gone) is chosen again from the latest, once per name. Any other error is raised on
+   every rank.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def load_latest(root: Path, sharded_state_dict: Any, damaged: dict[str, str], ra
         if any(issubclass(k, CorruptCheckpointError) for k in kinds):
             damaged[name] = detail
             log.warning(
-                "rank %d: checkpoint %s is damaged (%s); falling back to the newest intact older one",
+                "rank %d: checkpoint %s is damaged (%s); falling back to the intact one committed last before it",
                 rank,
                 choice.entry.path,
                 detail,

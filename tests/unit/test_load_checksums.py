@@ -124,7 +124,7 @@ def test_an_item_larger_than_a_checksum_block_is_checked_whole(tmp_path):
     ckptd.load({"w": ST.from_rank_offsets("w", torch.empty_like(w))}, tmp_path / "c")
 
 
-def test_resuming_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
+def test_resuming_falls_back_to_the_last_committed_intact_checkpoint(tmp_path, caplog):
     """What Checkpointer.load() without step runs (ckptd.client.resume.load_latest): before, the
     damaged newest checkpoint was loaded silently."""
     root = make_root(tmp_path / "r", [1, 2, 3], latest=3)
@@ -136,7 +136,7 @@ def test_resuming_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
         out = load_latest(root, request(), damaged, 0, {})
     assert out["iteration"] == 1 and torch.equal(out["w"], reference_tensors()["layer.weight"])
     assert sorted(damaged) == [step_dir_name(2), step_dir_name(3)]
-    assert "iter_0000003 is damaged" in caplog.text and "falling back to the newest intact" in caplog.text
+    assert "iter_0000003 is damaged" in caplog.text and "falling back to the intact one committed last" in caplog.text
     assert "a load found damaged" in caplog.text  # the tracker is not followed, and it says why
     c = chunk(root / step_dir_name(1), "layer.weight", 0)
     flip_bit(root / step_dir_name(1) / c.relative_path, c.file_offset + c.length - 8)
