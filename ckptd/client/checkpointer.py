@@ -13,7 +13,10 @@ Typical use, on every rank (torchrun or a single process; no collective is used)
 Order of one :meth:`Checkpointer.save` on a rank:
 
 1. deliver pending notifications; raise an earlier save's failure nobody observed yet;
-2. plan the items (local checks only) and lay them out one after the other (aligned offsets);
+2. take each top-level Stateful's ``state_dict()`` (:mod:`ckptd.statedict.stateful`), plan the
+   items (local checks only): every plain item of a DCP-style state dict the rank holds, or only
+   its share once a verdict confirmed that every rank holds the same plain keys
+   (:mod:`ckptd.statedict.holdings`); lay them out one after the other (aligned offsets);
 3. create this rank's staging ring on the first save, sized by ``staging_budget`` from that
    save (:mod:`ckptd.staging.ring`), and register it with the daemon, which owns it from then on;
    items larger than the ring are split into chunks;
@@ -30,7 +33,8 @@ Order of one :meth:`Checkpointer.save` on a rank:
    the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
-   :mod:`ckptd.control.attempt`) and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
+   :mod:`ckptd.control.attempt`), the rank's plain-key digest and, when its layout changed, the
+   keys it holds without storing them, and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
    ``snapshot="copy"``) copy the items here now, while the daemon drains the ring (DMA on a side
    stream for CUDA tensors); return the :class:`SaveHandle`. The daemon writes each item once it
    is produced and publishes the file once the producer sealed the save; outcomes of
@@ -150,8 +154,6 @@ class Checkpointer:
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_rank)
         self._plain = PlainWriters()  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
-        self._plain_sent: dict[int, tuple[int, str]] = {}  # step -> (save number, plain digest sent)
-        self._saves = 0  # saves sent, numbering them for self._plain
         self._children = SnapshotChildren(self.env.rank)  # fork snapshot children not reaped yet
         self._lazy = (
             LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
@@ -213,7 +215,7 @@ class Checkpointer:
         try:
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
             split = split_state_dict(expand_stateful(sharded_state_dict))
-            plain = plain_digest(split)
+            plain = plain_digest(split) if self.env.world_size > 1 else ""  # one rank holds everything
             skip = self._plain.skip(plain, split, self.env.rank, self.env.world_size)
             plan = plan_rank(split, self.env.rank, self._plan_cache, skip=skip)
             items = plan.items
@@ -316,8 +318,7 @@ class Checkpointer:
             queue_wait_s += pool.copy_inline(start, block, items, placements, snap.seal)
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
-        self._saves += 1
-        self._plain_sent[step] = (self._saves, plain)
+        self._plain.sent(step, plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
             if self._stats.committed == 0:
@@ -668,8 +669,7 @@ class Checkpointer:
             )
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
-            seq, sent = self._plain_sent.pop(msg.step, (0, ""))
-            self._plain.committed(seq, sent, msg.plain_digest)
+            self._plain.committed(msg.step, msg.plain_digest)
             for warning in msg.warnings:
                 log.warning("rank %d: %s", self.env.rank, warning)
             if h is not None:
@@ -698,8 +698,7 @@ class Checkpointer:
 
     def _fail(self, h: SaveHandle, reason: str) -> None:
         self._pending.pop(h.step, None)
-        seq, _ = self._plain_sent.pop(h.step, (self._saves, ""))
-        self._plain.drop(seq)  # the next saves write every plain item they hold
+        self._plain.failed(h.step)  # the next saves write every plain item they hold
         h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} was not committed: {reason}"))
         self._unobserved.append(h)
         log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)

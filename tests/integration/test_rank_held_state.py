@@ -188,6 +188,12 @@ def _spread_then_change(rank: int, world: int, root: str) -> list[str]:
         for step in (1, 2):
             ckpt.save(_uniform(float(step)), step=step).wait(timeout_s=120)
             sizes[step] = os.path.getsize(Path(_committed(root, step)) / f"__{rank}_0.distcp")
+        if rank == 0:  # the copies nobody references are invisible to a reader
+            from ckptd.verify import verify_checkpoint
+
+            report = verify_checkpoint(_committed(root, 1))
+            if not report.ok:
+                problems.append(f"verify: {[f.message for f in report.findings]}")
         if rank == 1 and not sizes[2] < sizes[1]:
             problems.append(f"rank 1 wrote {sizes[1]} then {sizes[2]} bytes: it did not leave 'a' to rank 0")
         # Rank 1 drops 'b', which the confirmed assignment left to it: nobody would store it.

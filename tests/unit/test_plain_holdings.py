@@ -66,18 +66,23 @@ def test_a_rank_spreads_only_while_a_verdict_confirms_its_digest():
     digest = plain_digest(split)
     writers = PlainWriters()
     assert writers.skip(digest, split, 1, 2) == frozenset()  # not confirmed: write everything
-    writers.committed(1, digest, "")  # the ranks' digests differed
+    writers.sent(1, digest)
+    writers.committed(1, "")  # the ranks' digests differed
     assert writers.skip(digest, split, 1, 2) == frozenset()
-    writers.committed(2, digest, digest)
+    writers.sent(2, digest)
+    writers.committed(2, digest)
     assert writers.skip(digest, split, 1, 2) == {"a", "step"}  # a -> rank 0, b -> rank 1, values -> rank 0
     assert writers.skip(digest, split, 0, 2) == {"b"}
     other = _split({**sd, "c": torch.zeros(1)})
     assert writers.skip(plain_digest(other), other, 1, 2) == frozenset()  # its keys changed
-    writers.drop(3)
+    writers.sent(3, digest)
+    writers.sent(4, digest)
+    writers.failed(4)
     assert writers.skip(digest, split, 1, 2) == frozenset()
-    writers.committed(2, digest, digest)  # a late verdict of a save older than the failure
+    writers.committed(3, digest)  # a late verdict of a save older than the failure
     assert writers.confirmed == ""
-    writers.committed(4, digest, digest)
+    writers.sent(5, digest)
+    writers.committed(5, digest)
     assert writers.confirmed == digest
 
 
@@ -147,3 +152,28 @@ def test_plan_rank_reports_replicas_and_skipped_plain_items_as_held():
     plan = plan_rank(dcp, 0, skip=frozenset({"u", "step"}))
     assert [i.record.fqn for i in plan.items] == ["t"] and plan.held == ["u", "step"]
     assert [i.record.fqn for i in plan_rank(dcp, 1).items] == ["t", "u", "step"]  # every plain item
+
+
+def test_a_save_of_10000_replicas_sends_their_keys_once():
+    """A data-parallel rank holding 10,000 replicas sends their keys (not records) with its
+    layout, and nothing more while the layout stays the same."""
+    from ckptd.client.layout import LayoutCache
+    from ckptd.control.protocol import Codec, Save
+    from ckptd.staging.pool import place
+
+    sd = {f"layers.{i}.weight": ShardedTensor.from_rank_offsets(f"layers.{i}.weight", torch.ones(2), replica_id=1)
+          for i in range(10_000)}  # fmt: skip
+    sd["mine"] = ShardedTensor.from_rank_offsets("mine", torch.ones(2), (0, 1, 2))
+    codec, cache = Codec("job"), LayoutCache()
+
+    def save_nbytes() -> tuple[int, int]:
+        plan = plan_rank(split_state_dict(sd), 1)
+        placements, _ = place(plan.items)
+        wire, layout, held = cache.items_for("g", plan.items, placements, plan.held)
+        msg = Save(1, "0123456789ab-1", 1, 2, "g", 0, wire, None, "", layout, 0, 0, b"", 0, held=held)
+        return sum(len(f) for f in codec.encode(msg)), len(held)
+
+    first, held = save_nbytes()
+    assert held == 10_000 and first < 10_000 * 24  # ~19 bytes per key of 17 characters
+    again, held = save_nbytes()
+    assert held == 0 and again < 512
