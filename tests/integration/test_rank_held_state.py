@@ -158,6 +158,16 @@ def _per_rank_state_round_trip(rank: int, world: int, root: str) -> list[str]:
             dcp.load(request, checkpoint_id=directory)
             if not _same(request, _state(rank, value)):
                 problems.append(f"dcp.load of ckptd's checkpoint: rank {rank} did not get its state back")
+    # Ranks that hold different values under one key: the lowest rank's is stored, with a warning.
+    ckptd.save({"seed": 100 + rank}, f"{root}/differ-sync")
+    with ckptd.Checkpointer(f"{root}/differ-async") as ckpt:
+        handle = ckpt.save({"seed": 100 + rank}, step=1)
+        handle.wait(timeout_s=120)
+    if not any("'seed'" in w and "only rank 0's is stored" in w for w in handle.warnings):
+        problems.append(f"no warning about the differing copies: {handle.warnings}")
+    for directory in (f"{root}/differ-sync", _committed(f"{root}/differ-async", 1)):
+        if ckptd.load({"seed": -1}, directory)["seed"] != 100:
+            problems.append(f"{directory}: rank {rank} did not get rank 0's seed")
     return problems
 
 
