@@ -15,6 +15,11 @@ order attempts complete. A report about a finished attempt (a late FAILED, a dup
 answered with that attempt's outcome again, and any tmp dir it may have re-created is removed: it
 is never counted for another attempt, so a step aborted a moment ago can be saved again at once.
 
+Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
+that would not store every key some rank holds (replicas only) aborts, naming the key
+(ckptd.format.coverage); the verdict tells the ranks whether they all hold the same plain keys
+(ckptd.statedict.holdings).
+
 Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt
 (or a restarted job re-saved a step its predecessor was still saving): both abort, naming ranks and
 attempts. Before it renames an attempt's directory the commit checks that every rank's data file
@@ -49,7 +54,8 @@ from ..control.protocol import (
     Written,
 )
 from ..control.security import HandshakeWatch
-from ..errors import ProtocolError, StorageError
+from ..errors import ProtocolError, ShardingError, StorageError
+from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir_name
@@ -83,6 +89,9 @@ class AttemptState:
     nodes: dict[int, int] = field(default_factory=dict)  # rank -> node that reported it
     common: bytes | None = None
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
+    plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
+    held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
+    warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
     adopted: bool = False  # found as <step>.<attempt>.tmp when this coordinator started
@@ -286,9 +295,11 @@ class Coordinator:
         st.file_nbytes[msg.rank] = msg.file_nbytes
         st.nodes[msg.rank] = msg.node
         st.digests[msg.rank] = msg.common_digest
+        st.plain[msg.rank] = msg.plain_digest
+        st.held[msg.rank] = msg.held
         if msg.rank == 0:
             st.common = msg.common
-        if len(st.records) == st.world_size:
+        if len(st.records) == st.world_size and self._settle(st):
             self._start_commit(st)
 
     def _on_failed(self, identity: bytes, msg: Failed) -> None:
@@ -311,6 +322,18 @@ class Coordinator:
         self._abort(st, f"{who}: {msg.reason}", skipped=msg.skipped)
 
     # --- the state machine ----------------------------------------------------------------
+    def _settle(self, st: AttemptState) -> bool:
+        """Keep one copy of each plain item several ranks wrote and check that every key a rank
+        holds is stored (ckptd.format.coverage); False when the attempt aborted instead."""
+        try:
+            st.records, st.warnings = settle(st.records, st.held, st.plain)
+        except ShardingError as exc:
+            self._abort(st, f"the coordinator refused the commit: {exc}")
+            return False
+        for warning in st.warnings:
+            log.warning("step %d attempt %s: %s", st.step, st.attempt, warning)
+        return True
+
     def _start_commit(self, st: AttemptState) -> None:
         st.phase = Phase.COMMITTING
         records = [r for rank in sorted(st.records) for r in st.records[rank]]
@@ -345,8 +368,9 @@ class Coordinator:
         if done.error is None:
             st.phase = Phase.COMMITTED
             outcome: CommitOutcome = done.result
-            warnings = _common_warnings(st) + list(outcome.warnings)
-            self._finish(st, StepCommitted(step, attempt, outcome.name, warnings))
+            warnings = _common_warnings(st) + st.warnings + list(outcome.warnings)
+            uniform = uniform_digest(st.plain, st.world_size)
+            self._finish(st, StepCommitted(step, attempt, outcome.name, warnings, plain_digest=uniform))
             log.info("step %d committed as %s (attempt %s)", step, outcome.name, attempt)
         else:
             st.phase = Phase.ABORTED

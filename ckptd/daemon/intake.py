@@ -58,6 +58,8 @@ class WriteJob:
     block: int
     identity: bytes  # the rank's connection
     common_digest: str
+    plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
+    held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -110,7 +112,7 @@ class SaveIntake:
         pool.check_block(msg.block)
         if not 0 <= msg.ring_start < _MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
-        records, placements = self._items(msg, pool)
+        records, placements, held = self._items(msg, pool)
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, pool.registered_s)
         producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
         pool.take_block(msg.block)
@@ -122,6 +124,8 @@ class SaveIntake:
             msg.block,
             identity,
             msg.common_digest,
+            msg.plain_digest,
+            tuple(held),
         )
         pool.queue_write(lambda: self._start_write(job, pool, producer))
         self.metrics.save_received(msg.step)
@@ -170,19 +174,20 @@ class SaveIntake:
 
         return run
 
-    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement]]:
-        """The SAVE's records and placements: sent, or the rank's unchanged layout it names."""
+    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement], list[str]]:
+        """The SAVE's records, placements and held keys: sent, or the rank's unchanged layout it
+        names."""
         if msg.layout and not msg.items:
             if pool.layout is None or pool.layout[0] != msg.layout:
                 raise ProtocolError(
                     f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
                     "daemon does not hold; send the items"
                 )
-            return pool.layout[1], pool.layout[2]
+            return pool.layout[1], pool.layout[2], pool.layout[3]
         records, placements = decode_items(msg, pool.capacity)
         if msg.layout:
-            pool.layout = (msg.layout, records, placements)
-        return records, placements
+            pool.layout = (msg.layout, records, placements, msg.held)
+        return records, placements, msg.held
 
     def on_done(self, done: Done) -> None:
         """A write finished: free its block, tell the rank, report to the coordinator."""
@@ -213,6 +218,8 @@ class SaveIntake:
                     req.common,
                     job.common_digest,
                     result.file_nbytes,
+                    job.plain_digest,
+                    list(job.held),
                 ),
                 job.key,
             )
