@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,11 @@ from .dist import DistContext
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     SaveFailedError,
-    UnsupportedFormatError,
 )
 from .format.checksum import crc32c
 from .format.coverage import check_coverage, dedup_plain
-from .format.dcp_metadata import CheckpointIndex, read_index
+from .format.dcp_metadata import CheckpointIndex
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
@@ -50,10 +47,8 @@ from .format.layout import (
     data_file_name,
     read_backend_metadata,
 )
-from .format.lease import ReadLease, removed_error
 from .format.reader import DataFiles, read_bytes_item, read_common, read_common_pt
 from .format.records import BYTES, ItemRecord
-from .format.safefs import entry_exists
 from .format.saveplan import plan_rank
 from .format.validate import validate_records
 from .load.execute import LoadStats
@@ -61,6 +56,7 @@ from .load.keymap import Rule
 from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor
+from .opening import OpenedCheckpoint, opened
 from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
 from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
@@ -258,28 +254,6 @@ def warn_differing_common(digests: list[str | None], rank: int, where: str) -> N
         )
 
 
-def _open_checkpoint(checkpoint_dir: str | os.PathLike, allow_unsafe_pickle: bool) -> CheckpointIndex:
-    read_backend_metadata(checkpoint_dir)
-    return read_index(checkpoint_dir, allow_unsafe_pickle)
-
-
-@contextmanager
-def _leased(checkpoint_dir: str | os.PathLike) -> Iterator[bool]:
-    """Hold a read lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`: retention and gc leave
-    it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists: decided
-    once, here, so a checkpoint that disappears later is never taken for a plain DCP one). A read
-    that fails because the directory went away (no lease on this filesystem, or removed by hand)
-    raises CheckpointRemovedError instead."""
-    with ReadLease.acquire(checkpoint_dir) as lease:
-        has_common = entry_exists(checkpoint_dir, METADATA_JSON)
-        try:
-            yield has_common
-        except (OSError, CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError) as exc:
-            if lease.gone():
-                raise removed_error(lease.directory) from exc
-            raise
-
-
 def load(
     sharded_state_dict: dict[str, Any],
     checkpoint_dir: str | os.PathLike,
@@ -337,22 +311,23 @@ def load(
     ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this
     filesystem, or by hand) raises CheckpointRemovedError; nothing half-loaded is returned.
     """
-    with _leased(checkpoint_dir) as has_common:
-        index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
+    with opened(checkpoint_dir) as ckpt:
+        index = ckpt.index(allow_unsafe_pickle)
         return load_stateful(
             sharded_state_dict,
             lambda request: run_load(
                 index,
                 LoadRequest(
                     request,
-                    checkpoint_dir,
+                    ckpt.directory,
                     allow_unsafe_pickle,
                     strict,
                     key_mapping,
                     process_group,
                     stats,
-                    has_common=has_common,
+                    has_common=ckpt.has_common,
                     allow_dtype_cast=allow_dtype_cast,
+                    source=ckpt.source,
                 ),
             ),
         )
@@ -361,9 +336,9 @@ def load(
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
     """The whole common (non-sharded) state: ``common.pt`` (saved by rank 0) plus the values stored
     as DCP bytes items (DCP-style saves, plain torch DCP checkpoints), nested as saved."""
-    with _leased(checkpoint_dir):
-        read_backend_metadata(checkpoint_dir)
-        return read_common(checkpoint_dir, allow_unsafe_pickle)
+    with opened(checkpoint_dir) as ckpt:
+        read_backend_metadata(ckpt.directory)
+        return read_common(ckpt.directory, allow_unsafe_pickle, source=ckpt.source)
 
 
 def load_content_metadata(
@@ -383,23 +358,28 @@ def load_content_metadata(
         return preloaded_state_dict.get(CONTENT_METADATA_KEY)
     if checkpoint_dir is None:
         raise CheckpointNotFoundError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
-    with _leased(checkpoint_dir) as has_common:
-        index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
+    with opened(checkpoint_dir) as ckpt:
+        index = ckpt.index(allow_unsafe_pickle)
         common = read_common_pt(
-            checkpoint_dir, allow_unsafe_pickle, expected=has_common, crc=index.common_crc32, checksum=index.checksum
+            ckpt.directory,
+            allow_unsafe_pickle,
+            expected=ckpt.has_common,
+            crc=index.common_crc32,
+            checksum=index.checksum,
         )
         if isinstance(common, dict) and CONTENT_METADATA_KEY in common:
             return common[CONTENT_METADATA_KEY]
         stored = index.objects.get(CONTENT_METADATA_KEY)
         if stored is None or stored.sharded_object:
             return None
-        with DataFiles(checkpoint_dir) as files:
+        with DataFiles(ckpt.directory, ckpt.source) as files:
             return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor]:
     """Every stored tensor as a data-less ShardedTensor covering the whole global tensor."""
-    return _tensor_templates(_open_checkpoint(checkpoint_dir, False))
+    with opened(checkpoint_dir) as ckpt:
+        return _tensor_templates(ckpt.index())
 
 
 def _tensor_templates(index: CheckpointIndex) -> dict[str, ShardedTensor]:
@@ -415,7 +395,8 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
     Byte items of a plain torch DCP checkpoint that are not ShardedObject shards are common
     state (see :func:`load_common_state_dict`), not listed here.
     """
-    index = _open_checkpoint(checkpoint_dir, False)
+    with opened(checkpoint_dir) as ckpt:
+        index = ckpt.index()
     out: dict[str, ShardedTensor | ShardedObject] = dict(_tensor_templates(index))
     for unique_key, stored in sorted(index.objects.items()):
         if stored.sharded_object:
@@ -439,17 +420,17 @@ def load_plain_tensors(
     Tensors are read in batches of about ``batch_nbytes``; ``progress(nbytes)`` is called after
     each batch (a CLI hands down a progress bar's ``advance``).
     """
-    with _leased(checkpoint_dir):
-        return _load_plain_tensors(checkpoint_dir, progress, batch_nbytes, allow_unsafe_pickle)
+    with opened(checkpoint_dir) as ckpt:
+        return _load_plain_tensors(ckpt, progress, batch_nbytes, allow_unsafe_pickle)
 
 
 def _load_plain_tensors(
-    checkpoint_dir: str | os.PathLike,
+    ckpt: OpenedCheckpoint,
     progress: Callable[[int], None] | None,
     batch_nbytes: int,
     allow_unsafe_pickle: bool,
 ) -> dict[str, torch.Tensor]:
-    index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
+    index = ckpt.index(allow_unsafe_pickle)
     templates = _tensor_templates(index)
     out: dict[str, torch.Tensor] = {}
     batch: dict[str, Any] = {}
@@ -458,7 +439,10 @@ def _load_plain_tensors(
     def flush() -> None:
         nonlocal pending
         if batch:
-            loaded = run_load(index, LoadRequest(batch, checkpoint_dir, allow_unsafe_pickle, with_common=False))
+            loaded = run_load(
+                index,
+                LoadRequest(batch, ckpt.directory, allow_unsafe_pickle, with_common=False, source=ckpt.source),
+            )
             out.update((k, loaded[k]) for k in batch)
             if progress is not None:
                 progress(pending)

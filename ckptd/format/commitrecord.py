@@ -38,9 +38,16 @@ class CommitRecord:
     step: int
     attempt: str
     committed_unix_s: float
+    # Object storage only (ckptd.roots.s3_root): every object of the checkpoint, name ->
+    # {"nbytes": size, "crc32c": checksum (the metadata objects)}, so that a reader checks what it
+    # reads against what was committed, and knows the data objects' sizes without listing.
+    objects: dict[str, dict[str, int]] | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        fields = asdict(self)
+        if self.objects is None:
+            del fields["objects"]
+        return json.dumps(fields).encode()
 
 
 def read_commit_record(directory: str | os.PathLike) -> CommitRecord | None:
@@ -54,10 +61,20 @@ def read_commit_record(directory: str | os.PathLike) -> CommitRecord | None:
     except (OSError, CorruptCheckpointError) as exc:
         log.warning("%s: %s; ordering it before every recorded commit", path / COMMIT_RECORD, exc)
         return None
+    return parse_commit_record(raw, path / COMMIT_RECORD)
+
+
+def parse_commit_record(raw: bytes, where: object) -> CommitRecord | None:
+    """A commit record's bytes read from ``where`` (named in the log); None when damaged (logged:
+    the checkpoint then counts as committed before every recorded commit)."""
     try:
         obj = json.loads(raw)
         rec = CommitRecord(
-            seq=obj["seq"], step=obj["step"], attempt=obj["attempt"], committed_unix_s=obj["committed_unix_s"]
+            seq=obj["seq"],
+            step=obj["step"],
+            attempt=obj["attempt"],
+            committed_unix_s=obj["committed_unix_s"],
+            objects=obj.get("objects"),
         )
         if not (
             type(rec.seq) is int
@@ -65,12 +82,22 @@ def read_commit_record(directory: str | os.PathLike) -> CommitRecord | None:
             and type(rec.step) is int
             and isinstance(rec.attempt, str)
             and isinstance(rec.committed_unix_s, (int, float))
+            and (rec.objects is None or _objects_ok(rec.objects))
         ):
             raise ValueError("unexpected field types")
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        log.warning("%s is damaged (%s); ordering it before every recorded commit", path / COMMIT_RECORD, exc)
+        log.warning("%s is damaged (%s); ordering it before every recorded commit", where, exc)
         return None
     return rec
+
+
+def _objects_ok(objects: object) -> bool:
+    return isinstance(objects, dict) and all(
+        isinstance(name, str)
+        and isinstance(info, dict)
+        and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in info.items())
+        for name, info in objects.items()
+    )
 
 
 def commit_seq(directory: str | os.PathLike) -> int:

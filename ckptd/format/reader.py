@@ -7,7 +7,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
 
@@ -21,16 +21,38 @@ if TYPE_CHECKING:
     from .dcp_metadata import CheckpointIndex, StoredObject
 
 
+class RangeSource(Protocol):
+    """Where the bytes of a checkpoint's data files come from when they are not all on disk yet:
+    a checkpoint on object storage read through a local view (ckptd.storage.s3view). A reader
+    calls :meth:`ensure` before it reads a range of a data file, and may say in advance which
+    ranges it will read (:meth:`prefetch`)."""
+
+    def ensure(self, relative_path: str, offset: int, length: int) -> None: ...
+
+    def prefetch(self, ranges: list[tuple[str, int, int]]) -> None: ...
+
+
 class DataFiles:
     """Open data files of one checkpoint, kept open while a load runs.
 
-    Usage: ``with DataFiles(dir) as files: files.read(rel_path, offset, length)``.
+    Usage: ``with DataFiles(dir) as files: files.read(rel_path, offset, length)``. With a
+    ``source`` (a view of a checkpoint on object storage), every range is fetched before it is
+    read: :meth:`read` does it, a reader using :meth:`fileno_and_size` calls :meth:`ensure`.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, source: RangeSource | None = None) -> None:
         self.directory = Path(directory)
+        self.source = source
         self._open: dict[str, tuple[BinaryIO, int]] = {}
         self._dir_fd = -1
+
+    def ensure(self, relative_path: str, offset: int, length: int) -> None:
+        if self.source is not None:
+            self.source.ensure(relative_path, offset, length)
+
+    def prefetch(self, ranges: list[tuple[str, int, int]]) -> None:
+        if self.source is not None:
+            self.source.prefetch(ranges)
 
     def __enter__(self) -> DataFiles:
         return self
@@ -72,6 +94,8 @@ class DataFiles:
 
     def read(self, relative_path: str, offset: int, length: int, what: str) -> bytes:
         f, size = self._file(relative_path)
+        if offset >= 0 and length >= 0 and offset + length <= size:
+            self.ensure(relative_path, offset, length)
         if offset < 0 or length < 0 or offset + length > size:
             raise CorruptCheckpointError(
                 f"data file {self.directory / relative_path} is truncated: {what} needs bytes "
@@ -237,7 +261,10 @@ def read_bytes_item(
 
 
 def read_common(
-    directory: str | os.PathLike, allow_unsafe_pickle: bool = False, index: CheckpointIndex | None = None
+    directory: str | os.PathLike,
+    allow_unsafe_pickle: bool = False,
+    index: CheckpointIndex | None = None,
+    source: RangeSource | None = None,
 ) -> Any:
     """The whole common (non-sharded) state: ``common.pt`` plus the DCP bytes items.
 
@@ -263,7 +290,7 @@ def read_common(
             f"{root / COMMON_PT} holds a {type(out).__name__}, not a dict, so the checkpoint's "
             f"other values ({', '.join(o.fqn for o in items[:3])}...) cannot be added to it"
         )
-    with DataFiles(root) as files:
+    with DataFiles(root, source) as files:
         for obj in items:
             value = read_bytes_item(files, obj, allow_unsafe_pickle, index.checksum)
             set_path(out, planner_path(index, obj.fqn), value)

@@ -44,7 +44,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.checksum import Checksum
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
-from ..format.reader import DataFiles, check_checksum, checksum_mismatch, load_tensor_bytes
+from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
@@ -240,6 +240,8 @@ class _Executor:
     def run_item(self, entry: ItemReads) -> None:
         item = entry.item
         fd, size = self.files.fileno_and_size(item.relative_path)
+        if item.file_offset >= 0 and item.length >= 0 and item.file_offset + item.length <= size:
+            self.files.ensure(item.relative_path, item.file_offset, item.length)
         where = f"{entry.what} in {self.files.directory / item.relative_path}"
         if item.file_offset < 0 or item.length < 0 or item.file_offset + item.length > size:
             raise CorruptCheckpointError(
@@ -523,18 +525,24 @@ def execute(
     options: ExecOptions | None = None,
     stats: LoadStats | None = None,
     checksum: Checksum | None = None,
+    source: RangeSource | None = None,
 ) -> LoadStats:
     """Run ``plan`` against the data files of ``directory``; returns (and fills) ``stats``.
 
     ``checksum``: the function of the checkpoint's recorded checksums (``CheckpointIndex.checksum``);
-    items are then checked as described in the module docstring. None: nothing is checked."""
+    items are then checked as described in the module docstring. None: nothing is checked.
+    ``source``: where the data files' bytes come from when they are not on disk yet (a checkpoint
+    on object storage, ckptd.format.reader.RangeSource): told every item's range in the order they
+    are read, and asked for each before it is read."""
     stats = stats if stats is not None else LoadStats()
     opts = options or ExecOptions()
-    with DataFiles(directory) as files:
+    with DataFiles(directory, source) as files:
         ex = _Executor(files, opts, stats, checksum)
+        order = [plan.items[key] for key in sorted(plan.items)]
+        files.prefetch([(e.item.relative_path, e.item.file_offset, e.item.length) for e in order])
         try:
-            for key in sorted(plan.items):
-                ex.run_item(plan.items[key])
+            for entry in order:
+                ex.run_item(entry)
         finally:
             if ex.helper is not None:
                 ex.helper.shutdown(wait=True)

@@ -35,7 +35,14 @@ import torch
 from ..dist import DistContext
 from ..errors import CorruptCheckpointError, LoadMismatchError
 from ..format.dcp_metadata import CheckpointIndex
-from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt, read_object_item
+from ..format.reader import (
+    DataFiles,
+    RangeSource,
+    load_object_bytes,
+    read_bytes_item,
+    read_common_pt,
+    read_object_item,
+)
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from ..statedict.assemble import assemble
 from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict
@@ -72,6 +79,7 @@ class LoadRequest:
     with_common: bool = True
     has_common: bool | None = None
     allow_dtype_cast: bool = True
+    source: RangeSource | None = None  # a checkpoint on object storage (ckptd.format.reader.RangeSource)
 
 
 class _Common:
@@ -246,7 +254,9 @@ def _load_tensors(
         buffer = data if direct else torch.empty(data.shape, dtype=sh.dtype)
         planner.add(sh, buffer)
         pending.append((path, data, buffer))
-    run = functools.partial(execute, directory=req.checkpoint_dir, options=req.options, stats=req.stats)
+    run = functools.partial(
+        execute, directory=req.checkpoint_dir, options=req.options, stats=req.stats, source=req.source
+    )
     run(planner.plan, checksum=index.checksum)
     for path, data, buffer in pending:
         if buffer is not data:
@@ -310,7 +320,7 @@ def _load_pickled(
     wanted = [(p, sh) for p, sh in split.sharded.items() if not isinstance(sh, ShardedTensor)]
     if not wanted:
         return
-    with DataFiles(req.checkpoint_dir) as files:
+    with DataFiles(req.checkpoint_dir, req.source) as files:
         for path, sh in wanted:
             if isinstance(sh, ByteItem):
                 loaded[path] = read_bytes_item(files, view.objects[sh.key], req.allow_unsafe_pickle, index.checksum)
@@ -338,7 +348,7 @@ def _megatron_common(
         if stored is not None and not stored.sharded_object and get_path(tree, path, _ABSENT) is _ABSENT:
             wanted.append((path, stored))
     if wanted:
-        with DataFiles(req.checkpoint_dir) as files:
+        with DataFiles(req.checkpoint_dir, req.source) as files:
             for path, stored in wanted:
                 try:
                     value = read_bytes_item(files, stored, req.allow_unsafe_pickle, index.checksum)

@@ -151,7 +151,7 @@ def commit_step(
                 rootd.remove_tree(doomed)
             except OSError as exc:
                 log.warning("could not remove %s (`ckptd gc` removes it later): %s", root / doomed, exc)
-    warnings = _rollback_warnings(cat, step, name, replaced is not None)
+    warnings = rollback_warnings(cat, step, name, replaced is not None)
     for text in warnings:
         log.warning("%s", text)
     if keep_last > 0:
@@ -159,7 +159,7 @@ def commit_step(
     return CommitOutcome(name=name, warnings=warnings)
 
 
-def _rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
+def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
     """What to tell the ranks when the job went back: ``step`` is older than the step committed
     before it (the tracker's; without one, any committed step). Said once, at the rollback: the
     saves that follow it on the new branch are not older than their predecessor. And when the

@@ -1,13 +1,15 @@
 """A data object uploaded as it is written: the sink of ``ckptd.format.items.write_data_file`` on
 object storage.
 
-``torch.save`` streams each item through ``write``; the bytes are copied into the current part's
-buffer (so the caller may reuse its memory, e.g. free staging-ring space, as soon as ``write``
-returns), and every ``part_nbytes`` a part is uploaded while later writes go on, at most
-``max_concurrency`` parts in flight. ``close()`` completes the multipart upload: only then does
-the object exist (under its final key, which names the save attempt: nothing else ever writes
-it). Leaving the context with an exception aborts the upload; one left unfinished by a crash is
-removed by the next coordinator start or ``ckptd gc``.
+``torch.save`` streams each item through ``write``; the bytes are copied once, into the current
+part's buffer, so the caller may reuse its memory (torch.save's own buffers, staging-ring space)
+as soon as ``write`` returns. obstore keeps a reference to what it is given and uploads it later
+(measured: a writer handed torch.save's buffers directly uploaded garbage), so each full part is a
+fresh buffer handed over and never touched again; every ``part_nbytes`` a part is uploaded while
+later writes go on, at most ``max_concurrency`` parts in flight. ``close()`` completes the
+multipart upload: only then does the object exist (under its final key, which names the save
+attempt: nothing else ever writes it). Leaving the context with an exception aborts the upload;
+one left unfinished by a crash is removed by the next coordinator start or ``ckptd gc``.
 """
 
 from __future__ import annotations
@@ -29,18 +31,34 @@ class ObjectSink:
         self.client = client
         self.key = key
         self._pos = 0
+        self._part_nbytes = part_nbytes
+        self._part = bytearray(part_nbytes)
+        self._filled = 0
         self._writer: Any = client.writer(key, part_nbytes, max_concurrency)
         self._writer.__enter__()
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        try:
-            self._writer.write(view)
-        except Exception as exc:  # noqa: BLE001 - obstore's errors
-            raise self.client._error(exc, self.key, "upload") from None
+        done = 0
+        while done < view.nbytes:
+            n = min(view.nbytes - done, self._part_nbytes - self._filled)
+            self._part[self._filled : self._filled + n] = view[done : done + n]
+            self._filled += n
+            done += n
+            if self._filled == self._part_nbytes:
+                self._hand_over()
         self._pos += view.nbytes
         return view.nbytes
+
+    def _hand_over(self) -> None:
+        """Give the filled part to the uploader (which keeps it) and start a fresh one."""
+        part = self._part if self._filled == self._part_nbytes else self._part[: self._filled]
+        self._part, self._filled = bytearray(self._part_nbytes), 0
+        try:
+            self._writer.write(part)
+        except Exception as exc:  # noqa: BLE001 - obstore's errors
+            raise self.client._error(exc, self.key, "upload") from None
 
     def tell(self) -> int:
         return self._pos
@@ -52,6 +70,8 @@ class ObjectSink:
         """Complete the upload (the object appears, whole, under its key)."""
         if self.closed:
             return
+        if self._filled:
+            self._hand_over()
         self.closed = True
         try:
             self._writer.__exit__(None, None, None)

@@ -42,6 +42,17 @@ class ObjectInfo:
     key: str  # relative to the client's prefix
     size: int
     etag: str | None
+    last_modified_unix_s: float = 0.0
+
+    @classmethod
+    def of(cls, meta: Any) -> ObjectInfo:
+        modified = meta.get("last_modified")
+        return cls(
+            key=meta["path"],
+            size=int(meta["size"]),
+            etag=meta.get("e_tag"),
+            last_modified_unix_s=modified.timestamp() if modified is not None else 0.0,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +166,7 @@ class S3Client:
             return None
         except Exception as exc:  # noqa: BLE001 - obstore's errors, mapped below
             raise self._error(exc, key, "read") from None
-        return ObjectInfo(key=key, size=int(meta["size"]), etag=meta.get("e_tag"))
+        return ObjectInfo.of(meta)
 
     def get(self, key: str, max_nbytes: int, what: str = "object") -> tuple[bytes, str | None] | None:
         """The whole object and its ETag, or None when it does not exist. An object larger than
@@ -212,19 +223,20 @@ class S3Client:
         try:
             for batch in obstore.list(self._store, prefix or None, chunk_size=1000):
                 for meta in batch:
-                    yield ObjectInfo(key=meta["path"], size=int(meta["size"]), etag=meta.get("e_tag"))
+                    yield ObjectInfo.of(meta)
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, prefix or "", "list") from None
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        """The "directories" right under ``prefix`` (common prefixes, without the trailing slash)."""
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:
+        """What lies right under the "directory" ``prefix``: its "subdirectories" (common prefixes,
+        relative to the client's prefix, without the trailing slash) and its objects."""
         import obstore
 
         try:
             result = obstore.list_with_delimiter(self._store, prefix or None)
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, prefix or "", "list") from None
-        return [p.rstrip("/") for p in result["common_prefixes"]]
+        return [p.rstrip("/") for p in result["common_prefixes"]], [ObjectInfo.of(m) for m in result["objects"]]
 
     # --- writing --------------------------------------------------------------------------------
     def put(
@@ -240,7 +252,7 @@ class S3Client:
         if create_only:
             mode = "create"
         elif if_match is not None:
-            mode = {"e_tag": if_match, "version": None}
+            mode = {"e_tag": if_match}
         try:
             result = obstore.put(self._store, key, data, mode=mode, use_multipart=False)
         except (AlreadyExistsError, PreconditionError) as exc:

@@ -148,15 +148,20 @@ class SeaweedServer:
         raise RuntimeError(f"weed mini did not serve a PUT/GET round trip within {timeout_s} s: {last}")
 
     def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (one that exists already is fine)."""
         import boto3
 
-        boto3.client(
+        client = boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
             region_name="us-east-1",
-        ).create_bucket(Bucket=name)
+        )
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
 
     def kill(self) -> None:
         """SIGKILL: a crash of the store (its data directory stays; :meth:`start` restarts it)."""

@@ -1,0 +1,72 @@
+"""Opening one checkpoint for reading, wherever it is: a local (or shared POSIX) directory, held by a
+read lease, or an ``s3://`` prefix, read through a local view (ckptd.storage.s3view).
+
+Every reader of :mod:`ckptd.api` opens a checkpoint here::
+
+    with opened(checkpoint_dir) as ckpt:      # ckpt.directory, ckpt.has_common, ckpt.source
+        index = ckpt.index(allow_unsafe_pickle)
+        ...read from ckpt.directory, passing ckpt.source to the readers...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from .format.dcp_metadata import CheckpointIndex, read_index
+from .format.layout import METADATA_JSON, read_backend_metadata
+from .format.lease import ReadLease, removed_error
+from .format.reader import RangeSource
+from .format.safefs import entry_exists
+from .storage.s3view import s3_checkpoint_view
+from .storage.url import S3Location, parse_location
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint open for reading: ``directory`` to read from (for an ``s3://`` checkpoint, its
+    local view), whether it has ``common.pt`` (decided once, at open: a checkpoint that disappears
+    later is never taken for a plain DCP one), and the ``source`` its data files' bytes come from
+    when they are not on disk yet."""
+
+    directory: Path
+    has_common: bool
+    source: RangeSource | None
+    where: str  # the path or URL the caller named, for messages
+
+    def index(self, allow_unsafe_pickle: bool = False) -> CheckpointIndex:
+        read_backend_metadata(self.directory)
+        return read_index(self.directory, allow_unsafe_pickle)
+
+
+@contextmanager
+def opened(checkpoint_dir: str | os.PathLike | S3Location) -> Iterator[OpenedCheckpoint]:
+    location = parse_location(checkpoint_dir)
+    if isinstance(location, S3Location):
+        with s3_checkpoint_view(location) as view:
+            yield OpenedCheckpoint(
+                view.directory, entry_exists(view.directory, METADATA_JSON), view.source, str(location)
+            )
+        return
+    with _leased(location) as has_common:
+        yield OpenedCheckpoint(location, has_common, None, str(location))
+
+
+@contextmanager
+def _leased(checkpoint_dir: Path) -> Iterator[bool]:
+    """Hold a read lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`: retention and gc leave
+    it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists). A
+    read that fails because the directory went away (no lease on this filesystem, or removed by
+    hand) raises CheckpointRemovedError instead."""
+    with ReadLease.acquire(checkpoint_dir) as lease:
+        has_common = entry_exists(checkpoint_dir, METADATA_JSON)
+        try:
+            yield has_common
+        except (OSError, CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError) as exc:
+            if lease.gone():
+                raise removed_error(lease.directory) from exc
+            raise

@@ -1,0 +1,311 @@
+"""A checkpoint root on S3-compatible object storage: commits by a commit-record object.
+
+Layout under ``s3://bucket/prefix`` (the same names as a POSIX root, so torch DCP and
+Megatron-Core read a committed step with ``checkpoint_id="s3://bucket/prefix/iter_0000100"``)::
+
+    latest                                  tracker: the step committed last (compare-and-swap)
+    latest_checkpointed_iteration.txt       Megatron-LM's tracker
+    iter_0000100/__<rank>_0.<attempt>.distcp   data objects: the attempt is in the key
+    iter_0000100/common.pt, .metadata, metadata.json   created once (If-None-Match: *)
+    iter_0000100/ckptd_commit.json          THE commit point, created once, last
+
+Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a time):
+
+1. validate every rank's records (global coverage); check that each rank's data object exists
+   with exactly the size its writer reported (one LIST of the step);
+2. a committed ``iter_<step>`` of a branch a rollback abandoned is retired first (its commit
+   object deleted, then the rest); any other committed one fails the commit;
+3. write ``common.pt``, ``.metadata`` and ``metadata.json`` create-only (leftovers of an aborted
+   attempt of the step, never committed, are removed first);
+4. write ``ckptd_commit.json`` create-only: the commit point. It records the commit's place in
+   the root's commit order and every object's size (and the metadata objects' CRC-32C), which
+   readers check. Two coordinators can never both commit a step (the second create fails);
+5. move ``latest`` by compare-and-swap (``If-Match`` of the ETag read, ``If-None-Match: *`` when
+   absent) to the step just committed; if that fails the commit object is deleted again and the
+   commit fails (a step counts as committed once the tracker can name it); then Megatron-LM's
+   tracker;
+6. retention: the ``keep_last`` last commits stay; a removal deletes the commit object first (the
+   step is invisible from then on), then the rest.
+
+A crashed attempt has no commit object, so it is invisible; the next coordinator start (or
+``ckptd gc``) removes its objects and the root's unfinished multipart uploads. Loads cannot lease
+a checkpoint against retention here (object stores have no locks): a load whose objects vanish
+fails with CheckpointRemovedError and ``Checkpointer.load()`` retries on the new latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import time
+from collections.abc import Mapping
+
+from ..catalog import CheckpointEntry, EntryState, RootCatalog
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
+from ..format.checksum import crc32c
+from ..format.commitrecord import COMMIT_RECORD, CommitRecord
+from ..format.dcp_metadata import build_metadata
+from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
+from ..format.records import ItemRecord
+from ..format.rootlayout import (
+    MEGATRON_TRACKER,
+    TRACKER_FILE,
+    megatron_tracker_bytes,
+    step_dir_name,
+    tracker_bytes,
+)
+from ..format.validate import validate_records
+from ..retention import plan_gc
+from ..s3catalog import read_s3_commit_record, read_s3_tracker, scan_s3_root
+from ..storage.s3client import S3Client
+from ..storage.url import S3Location
+from .base import CommitOutcome, Recovery
+from .posix import rollback_warnings
+from .s3_data import S3DataTarget, s3_data_file_name
+
+log = logging.getLogger(__name__)
+
+METADATA_OBJECTS = (COMMON_PT, DCP_METADATA, METADATA_JSON)
+_TRACKER_TRIES = 5
+
+
+class S3Root:
+    def __init__(
+        self,
+        location: S3Location,
+        *,
+        keep_last: int = 0,
+        megatron_tracker: bool = True,
+        client: S3Client | None = None,
+    ) -> None:
+        self.location = location
+        self.keep_last = keep_last
+        self.megatron_tracker = megatron_tracker
+        self.client = client if client is not None else S3Client(location)
+
+    def __repr__(self) -> str:
+        return f"S3Root({self.location})"
+
+    def display(self, *parts: str) -> str:
+        return self.location.url(*parts)
+
+    # --- writing ----------------------------------------------------------------------------------
+    def data_file_name(self, attempt: str, rank: int) -> str:
+        return s3_data_file_name(attempt, rank)
+
+    def data_target(self, step: int, attempt: str, rank: int) -> S3DataTarget:
+        return S3DataTarget(self.client, step_dir_name(step), s3_data_file_name(attempt, rank))
+
+    # --- committing -------------------------------------------------------------------------------
+    def commit(
+        self,
+        step: int,
+        attempt: str,
+        records: list[ItemRecord],
+        common: bytes,
+        data_files: Mapping[str, tuple[int, int]],
+    ) -> CommitOutcome:
+        name = step_dir_name(step)
+        cat = self.scan(usage=False)
+        replaced = None
+        if any(e.name == name for e in cat.committed):
+            replaced = cat.abandoned(step)
+            if replaced is None:
+                raise CheckpointExistsError(
+                    f"{self.display(name)} is committed already; a step is committed once. Save under "
+                    "a new step, or delete the old checkpoint first."
+                )
+        validate_records(records)
+        objects = self._check_data_objects(name, data_files)
+        if replaced is not None:
+            self._retire(name, keep_attempt=attempt)
+        else:
+            self.client.delete([f"{name}/{n}" for n in METADATA_OBJECTS])  # an aborted attempt's leftovers
+        meta = pickle.dumps(
+            build_metadata(records, self.display(name), common_crc32=crc32c(common)), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        for obj_name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
+            self._create(f"{name}/{obj_name}", data)
+            objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
+        record = CommitRecord(
+            seq=1 + max((e.commit_seq for e in cat.committed), default=0),
+            step=step,
+            attempt=attempt,
+            committed_unix_s=time.time(),
+            objects=objects,
+        )
+        try:
+            self._create(f"{name}/{COMMIT_RECORD}", record.to_bytes())  # the commit point
+        except FileExistsError:
+            raise CheckpointExistsError(f"{self.display(name)} was committed by someone else meanwhile") from None
+        try:
+            self._point_tracker(name)
+        except BaseException:
+            self._uncommit(name)
+            raise
+        if self.megatron_tracker and step > 0:
+            try:
+                self.client.put(MEGATRON_TRACKER, megatron_tracker_bytes(step))
+            except StorageError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
+                log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
+        warnings = rollback_warnings(cat, step, name, replaced is not None)
+        for text in warnings:
+            log.warning("%s", text)
+        if self.keep_last > 0:
+            self._apply_retention()
+        return CommitOutcome(name=name, warnings=warnings)
+
+    def _check_data_objects(self, name: str, data_files: Mapping[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
+        """Every rank's data object exists with the size its writer reported (one LIST)."""
+        _, found = self.client.list_dir(name)
+        sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in found}
+        for file_name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
+            size = sizes.get(file_name)
+            if size is None:
+                raise CorruptCheckpointError(
+                    f"rank {rank}'s data object {self.display(name, file_name)} is missing, though its "
+                    "node reported it written; the step is not committed"
+                )
+            if size != nbytes:
+                raise CorruptCheckpointError(
+                    f"rank {rank}'s data object {self.display(name, file_name)} has {size} bytes, its "
+                    f"writer reported {nbytes}; the step is not committed"
+                )
+        return {file_name: {"nbytes": nbytes} for file_name, (_, nbytes) in data_files.items()}
+
+    def _create(self, key: str, data: bytes) -> None:
+        self.client.put(key, data, create_only=True)
+
+    def _point_tracker(self, name: str) -> None:
+        """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""
+        for _ in range(_TRACKER_TRIES):
+            exists, _current, _problem, etag = read_s3_tracker(self.client)
+            try:
+                if exists and etag is not None:
+                    self.client.put(TRACKER_FILE, tracker_bytes(name), if_match=etag)
+                else:
+                    self.client.put(TRACKER_FILE, tracker_bytes(name), create_only=not exists)
+                return
+            except FileExistsError:
+                continue
+        raise StorageError(
+            f"{self.display(TRACKER_FILE)} changed {_TRACKER_TRIES} times while it was being moved to "
+            f"{name}: another process writes this root's tracker (two jobs on one root?)"
+        )
+
+    def _uncommit(self, name: str) -> None:
+        """Take back a commit whose tracker could not be written: the step is not committed until
+        the tracker can name it, and its ranks are told it aborted."""
+        try:
+            self.client.delete([f"{name}/{COMMIT_RECORD}"])
+        except StorageError as exc:
+            log.error(
+                "the tracker update of %s failed and its commit object could not be removed (%s); it is "
+                "complete but not named by the tracker (the next coordinator start names it)",
+                self.display(name),
+                exc,
+            )
+
+    # --- removing -----------------------------------------------------------------------------------
+    def abort(self, step: int, attempt: str) -> None:
+        """Remove the attempt's data objects and unfinished uploads; its metadata objects too when
+        the step is not committed (a committed step's belong to the attempt that committed it)."""
+        name = step_dir_name(step)
+        try:
+            _, found = self.client.list_dir(name)
+            mine = [i.key for i in found if _attempt_of(i.key) == attempt]
+            if read_s3_commit_record(self.client, name) is None:
+                mine += [f"{name}/{n}" for n in METADATA_OBJECTS]
+            self.client.delete(mine)
+            for upload in self.client.uploads(name):
+                if _attempt_of(upload.key) == attempt:
+                    self.client.abort_upload(upload)
+        except (StorageError, CorruptCheckpointError) as exc:
+            log.warning(
+                "could not remove the aborted save %s (`ckptd gc` removes it later): %s", self.display(name), exc
+            )
+
+    def _retire(self, name: str, keep_attempt: str | None = None) -> None:
+        """Remove a committed step: its commit object first (invisible from then on), then its other
+        objects (but the data objects of ``keep_attempt``, a save about to replace it)."""
+        self.client.delete([f"{name}/{COMMIT_RECORD}"])
+        doomed = [
+            i.key for i in self.client.list_objects(name) if keep_attempt is None or _attempt_of(i.key) != keep_attempt
+        ]
+        self.client.delete(doomed)
+
+    def remove_entry(self, entry: CheckpointEntry) -> None:
+        """Retention and gc: remove a committed or partial step and its unfinished uploads."""
+        if entry.state is EntryState.COMMITTED:
+            self._retire(entry.name)
+        else:
+            self.client.delete([i.key for i in self.client.list_objects(entry.name)])
+        for upload in self.client.uploads(entry.name):
+            self.client.abort_upload(upload)
+
+    def _apply_retention(self) -> None:
+        try:
+            plan = plan_gc(self.scan(usage=False), self.keep_last, grace_s=math.inf)
+            if plan.refused:
+                log.warning("retention skipped: %s", plan.refused)
+                return
+            for removal in plan.remove:
+                if removal.entry.state is EntryState.COMMITTED:
+                    self.remove_entry(removal.entry)
+                    log.info("retention: removed %s (%s)", self.display(removal.entry.name), removal.reason)
+        except (StorageError, CkptdError) as exc:
+            log.warning("retention in %s failed: %s", self.location, exc)
+
+    # --- state ------------------------------------------------------------------------------------
+    def holds_commit(self, step: int, attempt: str) -> bool:
+        record = read_s3_commit_record(self.client, step_dir_name(step))
+        return record is not None and record.step == step and record.attempt == attempt
+
+    def committed_once(self, step: int) -> bool:
+        if read_s3_commit_record(self.client, step_dir_name(step)) is None:
+            return False
+        return self.scan(usage=False).abandoned(step) is None
+
+    def recover(self, *, nnodes: int) -> Recovery:
+        """Name the last commit in the tracker if a crash came between its commit object and the
+        tracker; then, with one node, remove every uncommitted attempt's objects and the root's
+        unfinished uploads (nothing can be in flight), or with several nodes adopt them (another
+        node may still be writing)."""
+        cat = self.scan(usage=False)
+        finished = None
+        current = cat.latest()
+        if not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)):
+            newest = next(iter(cat.newest_first), None)
+            if newest is not None and (current is None or newest.commit_order > current.commit_order):
+                self._point_tracker(newest.name)
+                finished = newest.name
+        partial = [e for e in cat.entries if e.state is EntryState.PARTIAL]
+        if nnodes > 1:
+            adopted = sorted(
+                {(e.step, a) for e in partial for i in self.client.list_objects(e.name) if (a := _attempt_of(i.key))}
+            )
+            return Recovery(finished=finished, adopted=adopted)
+        removed = []
+        for e in partial:
+            self.remove_entry(e)
+            removed.append(self.display(e.name))
+        for upload in self.client.uploads(""):
+            self.client.abort_upload(upload)
+            removed.append(f"an unfinished upload of {self.display(upload.key)}")
+        return Recovery(finished=finished, removed=removed)
+
+    def scan(self, *, usage: bool = True) -> RootCatalog:
+        return scan_s3_root(self.location, self.client, usage=usage)
+
+    def checkpoint_location(self, step: int) -> S3Location:
+        return self.location.child(step_dir_name(step))
+
+
+def _attempt_of(key: str) -> str | None:
+    """The attempt a data object's key names (``.../__<rank>_0.<attempt>.distcp``), else None."""
+    leaf = key.rsplit("/", 1)[-1]
+    parts = leaf.split(".")
+    if len(parts) == 3 and parts[0].startswith("__") and parts[2] == "distcp":
+        return parts[1]
+    return None

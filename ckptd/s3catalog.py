@@ -1,0 +1,99 @@
+"""Listing a checkpoint root on object storage (``s3://bucket/prefix``) into the same
+:class:`~ckptd.catalog.RootCatalog` a POSIX root gives.
+
+A step "directory" ``iter_<step>/`` is COMMITTED when its commit object ``ckptd_commit.json``
+exists (ckptd.roots.s3_root writes it last, create-only: it is the commit point), else PARTIAL
+(an attempt in flight, or one a crash abandoned): readers trust a step only through its commit
+object. The listing is one LIST of the root's "directories" and one GET of each step's commit
+object (``usage``: one LIST of each step's objects for sizes and ages). A listing that fails
+(throttling included, after the client's retries) raises StorageError: it is never read as an
+empty root.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog
+from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
+from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir
+from .storage.s3client import S3Client
+from .storage.url import S3Location
+
+log = logging.getLogger(__name__)
+
+COMMIT_RECORD_MAX_NBYTES = 1 << 20  # a commit record with the sizes and checksums of its objects
+
+
+def read_s3_commit_record(client: S3Client, step_name: str) -> CommitRecord | None:
+    """The commit record of ``<root>/<step_name>``, None when it has none (not committed)."""
+    got = client.get(f"{step_name}/{COMMIT_RECORD}", COMMIT_RECORD_MAX_NBYTES, "commit record")
+    if got is None:
+        return None
+    return parse_commit_record(got[0], client.url(f"{step_name}/{COMMIT_RECORD}"))
+
+
+def read_s3_tracker(client: S3Client) -> tuple[bool, str | None, str | None, str | None]:
+    """``(exists, name, problem, etag)`` of the root's ``latest`` object."""
+    try:
+        got = client.get(TRACKER_FILE, TRACKER_MAX_NBYTES, "tracker")
+    except Exception as exc:  # noqa: BLE001 - a damaged or oversized tracker is a problem, not a crash
+        return True, None, f"tracker {client.url(TRACKER_FILE)} cannot be read ({exc})", None
+    if got is None:
+        return False, None, None, None
+    raw, etag = got
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return True, None, f"tracker {client.url(TRACKER_FILE)} is not UTF-8 text; it is damaged", etag
+    if not name or "/" in name or name in (".", "..") or "\n" in name:
+        return True, None, f"tracker {client.url(TRACKER_FILE)} holds {raw[:80]!r}, not a checkpoint name", etag
+    return True, name, None, etag
+
+
+def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage: bool = True) -> RootCatalog:
+    client = client if client is not None else S3Client(location)
+    cat = RootCatalog(location)  # type: ignore[arg-type]
+    cat.tracker_exists, cat.latest_name, cat.tracker_problem, _ = read_s3_tracker(client)
+    dirs, objects = client.list_dir("")
+    for name in sorted(dirs):
+        parsed = parse_step_dir(name)
+        if parsed is None or parsed.suffix:
+            cat.others.append(name)
+            continue
+        record = read_s3_commit_record(client, name)
+        state = EntryState.COMMITTED if record is not None else EntryState.PARTIAL
+        cat.entries.append(
+            CheckpointEntry(
+                name,
+                location.child(name),  # type: ignore[arg-type]
+                parsed.step,
+                state,
+                _usage(client, name) if usage else DirUsage(0, 0, 0.0),
+                is_latest=name == cat.latest_name,
+                commit_seq=record.seq if record is not None else 0,
+            )
+        )
+    for info in objects:
+        if info.key != TRACKER_FILE and not info.key.startswith(TRACKER_FILE + ".") and not is_node_lock(info.key):
+            cat.others.append(info.key)
+    cat.entries.sort(key=lambda e: (e.step, e.name))
+    if cat.latest_name is not None and cat.tracker_problem is None:
+        named = next((e for e in cat.entries if e.name == cat.latest_name), None)
+        if named is None:
+            cat.tracker_problem = (
+                f"tracker {client.url(TRACKER_FILE)} names {cat.latest_name!r}, which does not exist; "
+                "restore it or rewrite the tracker"
+            )
+        elif named.state is not EntryState.COMMITTED:
+            cat.tracker_problem = (
+                f"tracker {client.url(TRACKER_FILE)} names {cat.latest_name!r}, which has no commit "
+                f"object ({COMMIT_RECORD}): it is not a committed checkpoint"
+            )
+    return cat
+
+
+def _usage(client: S3Client, name: str) -> DirUsage:
+    infos = list(client.list_objects(name))
+    newest = max((i.last_modified_unix_s for i in infos), default=0.0)
+    return DirUsage(sum(i.size for i in infos), len(infos), newest)

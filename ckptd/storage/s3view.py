@@ -1,0 +1,224 @@
+"""A checkpoint on object storage, read through the readers of local checkpoints.
+
+:class:`S3CheckpointView` makes a private temporary directory that looks like the checkpoint:
+``metadata.json``, ``.metadata`` and ``common.pt`` downloaded (each bounded by its size limit and,
+in a root, checked against the CRC-32C its commit record holds), and one *sparse* file per data
+object, of the object's size, whose bytes are fetched only when a reader needs them: the view's
+:class:`S3RangeSource` is handed to the readers (ckptd.format.reader.DataFiles, the load executor),
+which call :meth:`S3RangeSource.ensure` before they read a range and :meth:`S3RangeSource.prefetch`
+with the ranges a load will read, in order. Ranges are fetched in pieces of ``PIECE_NBYTES`` on a
+fixed grid of each object, by parallel ranged GETs, a bounded window ahead of the reader. A range
+is never read before it was fetched (the reader waits), so a sparse file's zeros are never taken
+for data. Everything the readers check (coverage, sizes, archives, CRC-32Cs) is checked as for a
+local checkpoint; messages name the ``s3://`` object, not the temporary file.
+
+The temporary directory (under ``$TMPDIR``) holds what this process read, at most the data it
+loads, and is removed when the view closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
+from ..format.checksum import crc32c
+from ..format.commitrecord import COMMIT_RECORD, parse_commit_record
+from ..format.layout import (
+    COMMON_PT,
+    COMMON_PT_MAX_NBYTES,
+    DATA_SUFFIX,
+    DCP_METADATA,
+    DCP_METADATA_MAX_NBYTES,
+    METADATA_JSON,
+    METADATA_JSON_MAX_NBYTES,
+)
+from .s3client import S3Client
+from .url import S3Location
+
+log = logging.getLogger(__name__)
+
+PIECE_NBYTES = 16 << 20
+WINDOW_NBYTES = 256 << 20  # fetched ahead of the reader at most
+FETCH_THREADS = 4
+_SMALL = (
+    (METADATA_JSON, METADATA_JSON_MAX_NBYTES),
+    (DCP_METADATA, DCP_METADATA_MAX_NBYTES),
+    (COMMON_PT, COMMON_PT_MAX_NBYTES),
+)
+
+
+@dataclass(frozen=True)
+class _Object:
+    key: str
+    size: int
+    path: Path
+
+
+class S3RangeSource:
+    """Fetches byte ranges of the view's data objects into its sparse files (see the module
+    docstring). Thread-safe: loads may read from several threads."""
+
+    def __init__(self, client: S3Client, objects: dict[str, _Object]) -> None:
+        self.client = client
+        self.objects = objects
+        self._pieces: dict[tuple[str, int], Future[None]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ckptd-s3-fetch")
+        self._ahead: list[tuple[str, int]] = []  # pieces the reader will want, in order
+        self._next = 0
+        self.fetched_nbytes = 0
+
+    def _grid(self, relative_path: str, offset: int, length: int) -> Iterator[tuple[str, int]]:
+        obj = self.objects.get(relative_path)
+        if obj is None:
+            return
+        first, last = offset // PIECE_NBYTES, max(offset, offset + length - 1) // PIECE_NBYTES
+        for i in range(first, last + 1):
+            if i * PIECE_NBYTES < obj.size:
+                yield relative_path, i
+
+    def prefetch(self, ranges: list[tuple[str, int, int]]) -> None:
+        """The ranges a reader will read, in its order: fetched a window ahead of it."""
+        seen: set[tuple[str, int]] = set()
+        with self._lock:
+            for rel, off, n in ranges:
+                for piece in self._grid(rel, off, n):
+                    if piece not in seen:
+                        seen.add(piece)
+                        self._ahead.append(piece)
+        self._top_up()
+
+    def ensure(self, relative_path: str, offset: int, length: int) -> None:
+        """Return once bytes ``[offset, offset + length)`` of ``relative_path`` are in its file."""
+        futures = [self._start(piece) for piece in self._grid(relative_path, offset, length)]
+        for f in futures:
+            f.result()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        with self._lock:
+            while self._next < len(self._ahead):
+                in_flight = sum(1 for f in self._pieces.values() if not f.done())
+                if in_flight * PIECE_NBYTES >= WINDOW_NBYTES:
+                    return
+                piece = self._ahead[self._next]
+                self._next += 1
+                if piece not in self._pieces:
+                    self._pieces[piece] = self._pool.submit(self._fetch, *piece)
+
+    def _start(self, piece: tuple[str, int]) -> Future[None]:
+        with self._lock:
+            f = self._pieces.get(piece)
+            if f is None:
+                f = self._pieces[piece] = self._pool.submit(self._fetch, *piece)
+            return f
+
+    def _fetch(self, relative_path: str, index: int) -> None:
+        obj = self.objects[relative_path]
+        start = index * PIECE_NBYTES
+        length = min(PIECE_NBYTES, obj.size - start)
+        (data,) = self.client.get_ranges(obj.key, [start], [length])
+        fd = os.open(obj.path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < length:
+                done += os.pwrite(fd, view[done:], start + done)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.fetched_nbytes += length
+
+    def fetch_all(self) -> None:
+        """Fetch every data object whole (``ckptd verify`` reads every byte)."""
+        self.prefetch([(rel, 0, obj.size) for rel, obj in self.objects.items()])
+        for rel, obj in self.objects.items():
+            self.ensure(rel, 0, obj.size)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class S3View:
+    """The local stand-in of an ``s3://`` checkpoint (see :func:`S3CheckpointView`)."""
+
+    directory: Path
+    source: S3RangeSource
+    location: S3Location
+
+
+@contextmanager
+def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> Iterator[S3View]:
+    """Open the checkpoint at ``location`` for reading (see the module docstring)."""
+    client = client if client is not None else S3Client(location)
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-s3-"))
+    source = None
+    try:
+        objects = _materialize(client, location, tmp)
+        source = S3RangeSource(client, objects)
+        try:
+            yield S3View(tmp, source, location)
+        except CkptdError as exc:
+            _rename_paths(exc, tmp, location)
+            raise
+    finally:
+        if source is not None:
+            source.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _materialize(client: S3Client, location: S3Location, tmp: Path) -> dict[str, _Object]:
+    """Download the small files, make the sparse data files; the data objects by name."""
+    record = None
+    got = client.get(COMMIT_RECORD, 1 << 20, "commit record")
+    if got is not None:
+        record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
+    committed = record.objects if record is not None and record.objects else None
+    found_any = False
+    for name, max_nbytes in _SMALL:
+        got = client.get(name, max_nbytes, name)
+        if got is None:
+            continue
+        data = got[0]
+        expected = (committed or {}).get(name)
+        if expected is not None and (len(data) != expected.get("nbytes") or crc32c(data) != expected.get("crc32c")):
+            raise CorruptCheckpointError(
+                f"{client.url(name)} is not the object its commit ({COMMIT_RECORD}) recorded (size or "
+                "CRC-32C differ): it was replaced or damaged. Load an earlier checkpoint."
+            )
+        (tmp / name).write_bytes(data)
+        found_any = True
+    if not found_any:
+        raise CheckpointNotFoundError(
+            f"{location} is not a checkpoint: it has no {METADATA_JSON} or {DCP_METADATA} object. Pass the "
+            "URL of one checkpoint (s3://bucket/prefix/iter_0000100), or use Checkpointer(root).load()"
+        )
+    if committed is not None:
+        sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
+    else:
+        _, infos = client.list_dir("")
+        sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
+    objects = {}
+    for name, size in sizes.items():
+        if "/" in name or name in (".", ".."):
+            raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
+        path = tmp / name
+        with open(path, "wb") as f:
+            f.truncate(size)
+        objects[name] = _Object(name, size, path)
+    return objects
+
+
+def _rename_paths(exc: CkptdError, tmp: Path, location: S3Location) -> None:
+    """Name the ``s3://`` objects in an error raised about the view's temporary files."""
+    exc.args = tuple(a.replace(str(tmp), str(location)) if isinstance(a, str) else a for a in exc.args)
