@@ -177,7 +177,7 @@ def save_ckptd(r: Rank, state: dict[str, torch.Tensor], repeats: int, ref_stream
                     "snapshot_s": r.max(rec.snapshot_s or 0.0),
                 }
             )
-            r.rm(h.path)
+            r.rm(Path(str(h.path)))  # a local root here
             if ref_streams and i % 2 == 1:
                 reference()
     out = _summary(rows, nbytes)
@@ -245,7 +245,7 @@ def save_budget(r: Rank, state: dict[str, torch.Tensor], budget: str, saves: int
             out = ckpt.load(sharded({k: torch.zeros_like(v) for k, v in state.items()}), step=h.step)
             exact = exact and all(torch.equal(out[k], v) for k, v in expected.items())
             rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable)})
-            r.rm(h.path)
+            r.rm(Path(str(h.path)))  # a local root here
         mine = sum(p["ring_nbytes"] for p in ckpt.status()["pools"] if p["rank"] == r.rank and not p["retired"])
     return {
         "budget": budget,
@@ -279,7 +279,7 @@ def save_lazy(r: Rank, state: dict[str, torch.Tensor], repeats: int) -> dict[str
             rows.append(
                 {"stall_s": r.max(stall), "fence_s": r.max(fence), "durable_s": r.max(time.perf_counter() - t0)}
             )
-            r.rm(h.path)
+            r.rm(Path(str(h.path)))  # a local root here
     return _summary(rows, int(r.sum(state_nbytes(state))))
 
 

@@ -62,6 +62,7 @@ from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
 from .statedict.split import split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
+from .storage.url import S3Location
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ def warn_differing_common(digests: list[str | None], rank: int, where: str) -> N
 
 def load(
     sharded_state_dict: dict[str, Any],
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | S3Location,
     *,
     allow_unsafe_pickle: bool = False,
     strict: StrictHandling | str | bool = StrictHandling.ASSUME_OK_UNEXPECTED,
@@ -333,7 +334,7 @@ def load(
         )
 
 
-def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
+def load_common_state_dict(checkpoint_dir: str | os.PathLike | S3Location, *, allow_unsafe_pickle: bool = False) -> Any:
     """The whole common (non-sharded) state: ``common.pt`` (saved by rank 0) plus the values stored
     as DCP bytes items (DCP-style saves, plain torch DCP checkpoints), nested as saved."""
     with opened(checkpoint_dir) as ckpt:
@@ -342,7 +343,7 @@ def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pi
 
 
 def load_content_metadata(
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_dir: str | os.PathLike | S3Location | None = None,
     *,
     preloaded_state_dict: dict[str, Any] | None = None,
     allow_unsafe_pickle: bool = False,
@@ -376,7 +377,7 @@ def load_content_metadata(
             return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
 
 
-def load_tensors_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor]:
+def load_tensors_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dict[str, ShardedTensor]:
     """Every stored tensor as a data-less ShardedTensor covering the whole global tensor."""
     with opened(checkpoint_dir) as ckpt:
         return _tensor_templates(ckpt.index())
@@ -389,7 +390,7 @@ def _tensor_templates(index: CheckpointIndex) -> dict[str, ShardedTensor]:
     }
 
 
-def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor | ShardedObject]:
+def load_sharded_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dict[str, ShardedTensor | ShardedObject]:
     """Tensors (as in :func:`load_tensors_metadata`) plus data-less ShardedObjects by unique key.
 
     Byte items of a plain torch DCP checkpoint that are not ShardedObject shards are common
@@ -406,7 +407,7 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Sharde
 
 
 def load_plain_tensors(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | S3Location,
     *,
     progress: Callable[[int], None] | None = None,
     batch_nbytes: int = 256 << 20,

@@ -25,10 +25,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .catalog import CheckpointEntry, EntryState, RootCatalog, scan_root
-from .errors import CorruptCheckpointError
+from .catalog import CheckpointEntry, EntryState, RootCatalog
+from .errors import CkptdError, CorruptCheckpointError
 from .format.rootlayout import TRACKER_FILE
-from .verify import verify_checkpoint
+from .s3catalog import scan_any
+from .storage.s3view import s3_checkpoint_view
+from .storage.url import Location, S3Location, parse_location
+from .verify import VerifyReport, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +48,38 @@ class LatestChoice:
         return self.entry.step if self.entry.step >= 0 else None
 
 
-def structural_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None."""
-    report = verify_checkpoint(path, read_items=False)
+def structural_problem(path: Location) -> str | None:
+    """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
+    ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
+    data objects; no data is read)."""
+    if isinstance(path, S3Location):
+        try:
+            with s3_checkpoint_view(path) as view:
+                return _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
+        except CkptdError as exc:
+            return str(exc).rstrip(".")
+    return _report_problem(verify_checkpoint(path, read_items=False), None, None)
+
+
+def _report_problem(report: VerifyReport, view: Path | None, location: S3Location | None) -> str | None:
     if report.ok:
         return None
     errors = report.errors + report.unsupported  # unsupported: not damaged, but ckptd cannot load it
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{errors[0].message.rstrip('.')}{more}"
+    text = f"{errors[0].message.rstrip('.')}{more}"
+    return text.replace(str(view), str(location)) if view is not None else text
 
 
-def resolve_latest(root: str | os.PathLike, *, damaged: Mapping[str, str] | None = None) -> LatestChoice | None:
+def resolve_latest(
+    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None
+) -> LatestChoice | None:
     """The checkpoint of ``root`` to resume from (see the module docstring).
 
     ``damaged``: checkpoint names a load found damaged (a checksum mismatch), with the reason;
     they are never chosen, as if the structural check had refused them."""
-    cat = _without_damaged(scan_root(root, usage=False), damaged or {})
-    tracker = Path(root) / TRACKER_FILE
+    location = parse_location(root)
+    cat = _without_damaged(scan_any(location, usage=False), damaged or {})
+    tracker = location.url(TRACKER_FILE) if isinstance(location, S3Location) else location / TRACKER_FILE
     named = cat.latest()
     if named is not None:
         problem = structural_problem(named.path)
@@ -107,13 +125,14 @@ def _without_damaged(cat: RootCatalog, damaged: Mapping[str, str]) -> RootCatalo
     out = replace(cat, entries=entries)
     if cat.latest_name is not None and cat.latest_name in damaged and cat.tracker_problem is None:
         out.tracker_problem = (
-            f"tracker {Path(cat.root) / TRACKER_FILE} names {cat.latest_name}, which a load found "
-            f"damaged: {damaged[cat.latest_name]}"
+            f"tracker of {cat.root} names {cat.latest_name}, which a load found damaged: {damaged[cat.latest_name]}"
         )
     return out
 
 
-def resolve_resumable(root: str | os.PathLike, *, damaged: Mapping[str, str] | None = None) -> LatestChoice | None:
+def resolve_resumable(
+    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None
+) -> LatestChoice | None:
     """:func:`resolve_latest`, once more when it found nothing loadable: retention may have removed
     the checkpoints it was checking meanwhile (a new one committed), which a fresh scan sees."""
     try:

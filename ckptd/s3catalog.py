@@ -14,23 +14,37 @@ from __future__ import annotations
 
 import logging
 
-from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog
+from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog, committed_once, scan_root
+from .errors import CorruptCheckpointError
 from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
-from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir
+from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
 from .storage.s3client import S3Client
-from .storage.url import S3Location
+from .storage.url import Location, S3Location
 
 log = logging.getLogger(__name__)
 
 COMMIT_RECORD_MAX_NBYTES = 1 << 20  # a commit record with the sizes and checksums of its objects
 
 
+# A commit object that exists but cannot be read (damaged): the step IS committed (its commit
+# object was written last), ordered before every readable commit, as a POSIX commit without a
+# readable record; it is never taken for an abandoned attempt and removed.
+DAMAGED = CommitRecord(seq=0, step=-1, attempt="", committed_unix_s=0.0)
+
+
 def read_s3_commit_record(client: S3Client, step_name: str) -> CommitRecord | None:
-    """The commit record of ``<root>/<step_name>``, None when it has none (not committed)."""
-    got = client.get(f"{step_name}/{COMMIT_RECORD}", COMMIT_RECORD_MAX_NBYTES, "commit record")
+    """The commit record of ``<root>/<step_name>``: None when it has none (not committed),
+    :data:`DAMAGED` when it has one that cannot be read."""
+    key = f"{step_name}/{COMMIT_RECORD}"
+    try:
+        got = client.get(key, COMMIT_RECORD_MAX_NBYTES, "commit record")
+    except CorruptCheckpointError as exc:  # larger than any commit record
+        log.warning("%s", exc)
+        return DAMAGED
     if got is None:
         return None
-    return parse_commit_record(got[0], client.url(f"{step_name}/{COMMIT_RECORD}"))
+    record = parse_commit_record(got[0], client.url(key))
+    return DAMAGED if record is None else record
 
 
 def read_s3_tracker(client: S3Client) -> tuple[bool, str | None, str | None, str | None]:
@@ -91,6 +105,30 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 f"object ({COMMIT_RECORD}): it is not a committed checkpoint"
             )
     return cat
+
+
+def scan_any(root: Location, *, usage: bool = True) -> RootCatalog:
+    """:func:`~ckptd.catalog.scan_root` of a directory, :func:`scan_s3_root` of an ``s3://`` root."""
+    if isinstance(root, S3Location):
+        return scan_s3_root(root, usage=usage)
+    return scan_root(root, usage=usage)
+
+
+def committed_at(root: Location, step: int) -> bool:
+    """:func:`~ckptd.catalog.committed_once` of a directory or an ``s3://`` root."""
+    if not isinstance(root, S3Location):
+        return committed_once(root, step)
+    client = S3Client(root)
+    if read_s3_commit_record(client, step_dir_name(step)) is None:
+        return False
+    return scan_s3_root(root, client, usage=False).abandoned(step) is None
+
+
+def checkpoint_exists(path: Location) -> bool:
+    """The checkpoint directory still exists (an ``s3://`` step: its commit object does)."""
+    if isinstance(path, S3Location):
+        return read_s3_commit_record(S3Client(path.parent), path.name) is not None
+    return path.exists()
 
 
 def _usage(client: S3Client, name: str) -> DirUsage:

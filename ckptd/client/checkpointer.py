@@ -51,11 +51,9 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
-from ..catalog import committed_once
 from ..config import CkptdConfig, parse_budget
 from ..control.attempt import Incarnation, check_save_step, incarnation_for
 from ..control.endpoints import Endpoints, JobEnv, load_token
@@ -90,6 +88,7 @@ from ..format.rootlayout import step_dir_name
 from ..format.saveplan import PlanCache, plan_rank
 from ..gcpause import gc_paused
 from ..recovery import resolve_resumable
+from ..s3catalog import committed_at
 from ..staging.children import KILL_REAP_S, SnapshotChildren
 from ..staging.fork import Snapshot, fork_into, reap, start_block
 from ..staging.lazy import STOP_MARGIN_S, LazyCopier
@@ -100,6 +99,8 @@ from ..statedict.digest import common_digest
 from ..statedict.holdings import PlainWriters, plain_digest
 from ..statedict.split import split_state_dict
 from ..statedict.stateful import expand_stateful
+from ..storage.s3client import S3Client
+from ..storage.url import Location, S3Location, join, parse_location
 from .handle import SaveHandle, SaveStatus
 from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
@@ -128,8 +129,11 @@ class Checkpointer:
     ) -> None:
         self.config = config if config is not None else CkptdConfig.from_env()
         self.env = env if env is not None else JobEnv.detect()
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = parse_location(root)  # a directory, or s3://bucket/prefix (URLs of other schemes are refused)
+        if isinstance(self.root, S3Location):
+            S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         if (
             self.env.nnodes > 1
@@ -209,8 +213,8 @@ class Checkpointer:
         check_save_step(step)
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
-        final = self.root / step_dir_name(step)
-        if committed_once(self.root, step):
+        final = join(self.root, step_dir_name(step))
+        if committed_at(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         try:
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
@@ -367,13 +371,13 @@ class Checkpointer:
         choice = resolve_resumable(self.root, damaged=self._damaged)
         return None if choice is None else choice.step
 
-    def checkpoint_dir(self, step: int | None = None) -> Path:
+    def checkpoint_dir(self, step: int | None = None) -> Location:
         """Directory of ``step`` (default: the latest committed one)."""
         if step is None:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
-        return self.root / step_dir_name(step)
+        return join(self.root, step_dir_name(step))
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
@@ -606,7 +610,7 @@ class Checkpointer:
         return self._incarnation.attempt(n)
 
     def _new_handle(
-        self, step: int, attempt: str, path: Path, t0: float, nbytes: int, queue_wait_s: float
+        self, step: int, attempt: str, path: Location, t0: float, nbytes: int, queue_wait_s: float
     ) -> SaveHandle:
         record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
         self._stats.add(record)
@@ -644,7 +648,7 @@ class Checkpointer:
             SaveAck,
             match=lambda a: a.step == step and a.attempt == attempt,
         )
-        handle = self._new_handle(step, attempt, self.root / step_dir_name(step), t0, 0, 0.0)
+        handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
         handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 

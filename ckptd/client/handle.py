@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
+from ..storage.url import Location
 from .stats import SaveRecord, SaveStats
 
 if TYPE_CHECKING:
@@ -25,13 +25,13 @@ class SaveHandle:
     """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
 
     def __init__(
-        self, owner: Checkpointer, step: int, path: Path, record: SaveRecord, stats: SaveStats, attempt: str = ""
+        self, owner: Checkpointer, step: int, path: Location, record: SaveRecord, stats: SaveStats, attempt: str = ""
     ) -> None:
         self._owner = owner
         self._stats = stats
         self.step = step
         self.attempt = attempt  # this try's attempt id (ckptd.control.attempt)
-        self.path = path  # the committed directory (exists once COMMITTED)
+        self.path = path  # the committed directory or s3:// prefix (exists once COMMITTED)
         self.record = record  # this save's measurements (bytes, stall, persist, commit latency)
         self.stall_s = record.stall_s  # how long save() blocked the caller
         self.status = SaveStatus.PENDING
@@ -58,7 +58,7 @@ class SaveHandle:
             self._owner._pump_quietly()
         return self.status is not SaveStatus.PENDING
 
-    def wait(self, timeout_s: float | None = None) -> Path:
+    def wait(self, timeout_s: float | None = None) -> Location:
         """Block until committed and return the checkpoint directory; raise the save's error.
 
         Raises :class:`SaveFailedError` (with every known reason) if the save aborted,

@@ -20,18 +20,21 @@ Order of one resume, on every rank:
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..recovery import resolve_resumable
+from ..s3catalog import checkpoint_exists
+from ..storage.url import Location
 
 log = logging.getLogger(__name__)
 
 
-def load_latest(root: Path, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]) -> Any:
+def load_latest(
+    root: Location, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
+) -> Any:
     """Steps 1-4 above; ``damaged`` (checkpoint name -> what a load found) is updated in place.
 
     Raises CheckpointNotFoundError when ``root`` has no committed checkpoint, and
@@ -67,7 +70,7 @@ def load_latest(root: Path, sharded_state_dict: Any, damaged: dict[str, str], ra
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
-            and not choice.entry.path.exists()
+            and not checkpoint_exists(choice.entry.path)
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..config import CkptdConfig
 from ..errors import CkptdError, DaemonError
+from ..storage.url import Location, S3Location, parse_location
 from .netaddr import coordinator_bind_host, tcp_address
 
 SHM_DIR = Path("/dev/shm")
@@ -91,8 +92,14 @@ def _torch_dist_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def default_job_id(root: str | os.PathLike) -> str:
-    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:12]
+def canonical_root(root: str | os.PathLike | S3Location) -> Location:
+    """The one spelling of a root: a directory's real path, or the ``s3://`` location."""
+    location = parse_location(root)
+    return location if isinstance(location, S3Location) else Path(os.path.realpath(location))
+
+
+def default_job_id(root: str | os.PathLike | S3Location) -> str:
+    return hashlib.sha256(str(canonical_root(root)).encode()).hexdigest()[:12]
 
 
 def default_runtime_dir() -> Path:
@@ -167,7 +174,7 @@ def check_daemon_file(path: Path) -> None:
 class Endpoints:
     """Paths and addresses of one job's node daemon and coordinator."""
 
-    root: Path
+    root: Location  # a directory (its real path) or an s3:// location
     job: str
     node: int
     runtime_dir: Path
@@ -175,8 +182,8 @@ class Endpoints:
     coordinator_bind: str  # tcp://host:port node 0's daemon binds (port 0: ephemeral)
 
     @classmethod
-    def for_job(cls, root: str | os.PathLike, env: JobEnv, config: CkptdConfig) -> Endpoints:
-        root = Path(os.path.realpath(root))
+    def for_job(cls, root: str | os.PathLike | S3Location, env: JobEnv, config: CkptdConfig) -> Endpoints:
+        root = canonical_root(root)
         job = config.job_id or default_job_id(root)
         if not job.replace("-", "").replace("_", "").isalnum() or len(job) > 40:
             raise CkptdError(f"job id {job!r}: use up to 40 letters, digits, '-' or '_'")

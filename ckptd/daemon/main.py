@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -75,9 +76,10 @@ def run_daemon(
         log.info("a daemon for %s node %d is running already", ep.root, ep.node)
         return EXIT_BUSY
     daemon = None
-    root_lock = RootLock(ep.root, ep.node)
+    root_lock = RootLock(ep.root, ep.node, ep.job)
     try:
-        ep.root.mkdir(parents=True, exist_ok=True)
+        if isinstance(ep.root, Path):
+            ep.root.mkdir(parents=True, exist_ok=True)
         # Before anything is cleaned up: what looks like a crash's leftovers may be another job's.
         root_lock.acquire(runtime_dir=ep.runtime_dir, job=ep.job)
         # torch/zmq imports only in a daemon that will run (seconds)

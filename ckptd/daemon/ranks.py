@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
-from ..control.endpoints import Endpoints
+from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
 from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
@@ -153,7 +153,11 @@ class RankServer:
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
         root = self.ep_info.root
-        if os.path.realpath(msg.root) != str(root):
+        try:
+            asked = canonical_root(msg.root)
+        except CkptdError as exc:
+            raise ProtocolError(f"HELLO names the root {msg.root!r}: {exc}") from None
+        if str(asked) != str(root):
             raise ProtocolError(f"this daemon serves {root}, not {msg.root}")
         # The kernel's credentials of the connection (SO_PEERCRED): a process speaks for itself only.
         pid, uid = peer_pid(peer), peer_uid(peer)

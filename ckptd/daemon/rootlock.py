@@ -13,7 +13,10 @@ is the same job's, and a relaunch with the same runtime directory connects to it
 
 On NFS, ``flock`` is emulated with POSIX locks and held across machines (NFSv4, or v3 with lockd);
 where the filesystem cannot lock at all, the daemon logs that a second job is not detected and
-goes on.
+goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine
+(``/dev/shm/.ckptd-<job>-n<node>.lock``), which keeps a second job on the same machine from
+removing the first one's rings and saves; two jobs on one ``s3://`` root on different machines
+are not detected.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from pathlib import Path
 
 from ..errors import DaemonError
 from ..format.rootlayout import node_lock_name
+from ..staging.segment import SHM_DIR
+from ..storage.url import Location, S3Location
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +47,13 @@ class RootBusyError(DaemonError):
 class RootLock:
     """``<root>/.ckptd-n<node>.lock``, held by a node daemon for its lifetime (see the module docstring)."""
 
-    def __init__(self, root: Path, node: int) -> None:
-        self.root = root
+    def __init__(self, root: Location, node: int, job: str) -> None:
         self.node = node
-        self.name = node_lock_name(node)
+        self.where = str(root)
+        if isinstance(root, S3Location):
+            self.root, self.name = SHM_DIR, f".ckptd-{job}-n{node}.lock"
+        else:
+            self.root, self.name = root, node_lock_name(node)
         self.fd: int | None = None
         self.acquired = False  # held, or the filesystem cannot lock (tolerated)
 
@@ -99,7 +107,7 @@ class RootLock:
             f"{holder.get('runtime_dir', '?')}"
         )
         return (
-            f"another ckptd daemon ({who}) serves node {self.node} of the checkpoint root {self.root}. "
+            f"another ckptd daemon ({who}) serves node {self.node} of the checkpoint root {self.where}. "
             "Two jobs saving into one root would remove each other's saves in flight and retire each "
             "other's checkpoints, so this one is refused: give each job its own root. If that daemon "
             "belongs to an earlier launch of this job, it exits CKPTD_IDLE_EXIT_S after its last save "

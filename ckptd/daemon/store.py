@@ -8,14 +8,18 @@ from ..format.direct import open_data_file
 from ..format.durable import default_opener
 from ..roots.base import RootStore
 from ..roots.posix_root import PosixRoot
-from ..storage.url import Location
+from ..roots.s3_root import S3Root
+from ..storage.url import Location, S3Location
 from .faults import debug_opener, fault_opener
 
 
 def daemon_store(root: Location, config: CkptdConfig) -> RootStore:
-    """``root``'s store with the daemon's settings (fsync, retention, Megatron-LM tracker)."""
+    """``root``'s store with the daemon's settings (fsync, retention, Megatron-LM tracker). An
+    ``s3://`` root's faults are real ones (the tests stop, fill and cut off a real server)."""
+    if isinstance(root, S3Location):
+        return S3Root(root, keep_last=config.keep_last, megatron_tracker=config.megatron_tracker)
     return PosixRoot(
-        root,  # type: ignore[arg-type]
+        root,
         fsync=config.fsync,
         keep_last=config.keep_last,
         megatron_tracker=config.megatron_tracker,

@@ -235,14 +235,20 @@ class S3Root:
         ]
         self.client.delete(doomed)
 
-    def remove_entry(self, entry: CheckpointEntry) -> None:
-        """Retention and gc: remove a committed or partial step and its unfinished uploads."""
+    def remove_entry(self, entry: CheckpointEntry) -> bool:
+        """Retention and gc: remove a committed or partial step and its unfinished uploads; False
+        when there was nothing (a store that lists emptied "directories", as SeaweedFS does)."""
         if entry.state is EntryState.COMMITTED:
             self._retire(entry.name)
+            found = True
         else:
-            self.client.delete([i.key for i in self.client.list_objects(entry.name)])
+            keys = [i.key for i in self.client.list_objects(entry.name)]
+            self.client.delete(keys)
+            found = bool(keys)
         for upload in self.client.uploads(entry.name):
             self.client.abort_upload(upload)
+            found = True
+        return found
 
     def _apply_retention(self) -> None:
         try:
@@ -260,7 +266,7 @@ class S3Root:
     # --- state ------------------------------------------------------------------------------------
     def holds_commit(self, step: int, attempt: str) -> bool:
         record = read_s3_commit_record(self.client, step_dir_name(step))
-        return record is not None and record.step == step and record.attempt == attempt
+        return record is not None and record.step == step and record.attempt == attempt  # DAMAGED: step -1
 
     def committed_once(self, step: int) -> bool:
         if read_s3_commit_record(self.client, step_dir_name(step)) is None:
@@ -288,8 +294,8 @@ class S3Root:
             return Recovery(finished=finished, adopted=adopted)
         removed = []
         for e in partial:
-            self.remove_entry(e)
-            removed.append(self.display(e.name))
+            if self.remove_entry(e):
+                removed.append(self.display(e.name))
         for upload in self.client.uploads(""):
             self.client.abort_upload(upload)
             removed.append(f"an unfinished upload of {self.display(upload.key)}")

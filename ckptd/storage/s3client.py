@@ -99,7 +99,12 @@ class S3Client:
     """Objects under ``location`` (keys are relative to its prefix). Thread-safe; reuse it."""
 
     def __init__(self, location: S3Location, settings: S3Settings | None = None) -> None:
-        from obstore.store import S3Store
+        try:
+            from obstore.store import S3Store
+        except ImportError:
+            raise StorageError(
+                f"{location}: checkpoints on object storage need obstore and boto3: pip install 'ckptd[s3]'"
+            ) from None
 
         self.location = location
         self.settings = settings if settings is not None else S3Settings.from_environment()
@@ -154,6 +159,11 @@ class S3Client:
 
     def url(self, key: str) -> str:
         return self.location.url(key)
+
+    def check_access(self) -> None:
+        """One cheap request (a HEAD), so that a wrong endpoint, bucket or credentials fail at once
+        with a clear StorageError instead of at the first save."""
+        self.head(".ckptd-access-check")
 
     # --- reading --------------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo | None:
@@ -329,11 +339,8 @@ class S3Client:
         credentials: obstore and botocore do not put them in messages)."""
         text = str(exc).splitlines()[0][:400] if str(exc) else type(exc).__name__
         name = type(exc).__name__
-        if (
-            name in ("PermissionDeniedError", "UnauthenticatedError")
-            or "AccessDenied" in text
-            or "InvalidAccessKeyId" in text
-            or "SignatureDoesNotMatch" in text
+        if name in ("PermissionDeniedError", "UnauthenticatedError") or any(
+            marker in text for marker in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")
         ):
             hint = (
                 "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the "

@@ -85,5 +85,10 @@ def parse_location(where: str | os.PathLike | S3Location) -> Location:
     return S3Location(bucket=bucket, prefix=prefix)
 
 
+def join(location: Location, *parts: str) -> Location:
+    """``location / parts``: a path below a directory, or a prefix below an ``s3://`` prefix."""
+    return location.child(*parts) if isinstance(location, S3Location) else location.joinpath(*parts)
+
+
 def is_s3(where: str | os.PathLike | S3Location) -> bool:
     return isinstance(parse_location(where), S3Location)

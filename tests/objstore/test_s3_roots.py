@@ -1,0 +1,111 @@
+"""Checkpoints on S3-compatible object storage against a real server (SeaweedFS): a Checkpointer
+on ``s3://bucket/prefix`` commits, loads bit-exact and resumes; a crashed attempt is invisible and
+cleaned up; the commit point is one object; other URLs are refused instead of becoming local
+directories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.errors import CheckpointExistsError, StorageError
+from ckptd.format.commitrecord import COMMIT_RECORD
+from ckptd.storage.s3client import S3Client
+from ckptd.storage.url import UnsupportedLocationError, parse_location
+from tests.multiproc import without_torchrun
+
+
+def _config(runtime_dir: str, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime_dir, idle_exit_s=2.0, heartbeat_s=0.2, **kw)
+
+
+def _sd(w: torch.Tensor, step: int) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
+
+
+def _stop_daemon(root: str, runtime_dir: str) -> None:
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
+    subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", root], env=env, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
+    root = f"s3://{s3_bucket}/runs/job1"
+    cfg = _config(runtime_dir, keep_last=2)
+    values = {}
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            assert ckpt.latest() is None
+            w = torch.randn(3 << 20)  # 12 MiB: several parts of a multipart upload
+            for step in (10, 20, 30):
+                values[step] = w.clone()
+                h = ckpt.save(_sd(w, step), step=step)
+                w.add_(1.0)  # training goes on while the daemon uploads
+                assert h.wait(timeout_s=120) == parse_location(f"{root}/iter_{step:07d}")
+            assert ckpt.latest() == 30
+            with pytest.raises(CheckpointExistsError):
+                ckpt.save(_sd(w, 30), step=30)
+        client = S3Client(parse_location(root))
+        steps = sorted(d for d in client.list_dir("")[0] if d.startswith("iter_") and list(client.list_objects(d)))
+        assert steps == ["iter_0000020", "iter_0000030"]  # keep_last=2 (SeaweedFS lists emptied "directories")
+        names = {i.key.rsplit("/", 1)[-1] for i in client.list_objects("iter_0000030")}
+        assert {".metadata", "metadata.json", "common.pt", COMMIT_RECORD} < names
+        assert any(n.startswith("__0_0.") and n.endswith(".distcp") for n in names)  # the attempt is in the key
+        assert client.get("latest", 100)[0] == b"iter_0000030\n"
+        # A new job resumes from the object store, bit-exact.
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            x = torch.zeros(3 << 20)
+            out = ckpt.load(_sd(x, -1))
+            assert out["iteration"] == 30 and torch.equal(x, values[30])
+            y = torch.zeros(3 << 20)
+            ckpt.load(_sd(y, -1), step=20)
+            assert torch.equal(y, values[20])
+        assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000020")["w"], values[20])
+    finally:
+        _stop_daemon(root, runtime_dir)
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_attempt_is_invisible_and_the_next_start_removes_it(s3_bucket, runtime_dir):
+    root = f"s3://{s3_bucket}/r"
+    client = S3Client(parse_location(root))
+    # What a crash leaves: a step's data object of an attempt that never committed, an unfinished
+    # multipart upload, and the metadata objects of a commit that died before its commit object.
+    client.put("iter_0000005/__0_0.0123456789ab-1.distcp", b"x" * 100)
+    client.put("iter_0000005/.metadata", b"not committed")
+    writer = client.writer("iter_0000005/__1_0.0123456789ab-1.distcp", 5 << 20, 1)
+    writer.write(bytes(6 << 20))  # one part uploaded, never completed
+    assert client.uploads("")
+    cfg = _config(runtime_dir)
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:  # starts the daemon: its coordinator cleans up
+            assert ckpt.latest() is None
+            assert not list(client.list_objects("iter_0000005")) and not client.uploads("")
+            w = torch.arange(16.0)
+            ckpt.save(_sd(w, 5), step=5).wait(timeout_s=60)
+            assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000005")["w"], w)
+    finally:
+        _stop_daemon(root, runtime_dir)
+
+
+def test_urls_ckptd_cannot_store_at_are_refused(tmp_path, monkeypatch, single_process):
+    monkeypatch.chdir(tmp_path)
+    for url in ("gs://bucket/run", "http://host/run", "azure://c/run"):
+        with pytest.raises(UnsupportedLocationError, match="is not supported"):
+            ckptd.Checkpointer(url)
+        with pytest.raises(UnsupportedLocationError):
+            ckptd.load({}, url)
+    assert not list(tmp_path.iterdir())  # no local directory named after a URL
+
+
+def test_wrong_credentials_fail_at_once_with_a_clear_error(s3_bucket, monkeypatch, runtime_dir):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0123456789")
+    with pytest.raises(StorageError, match="check the credentials") as err:
+        ckptd.Checkpointer(f"s3://{s3_bucket}/run", config=_config(runtime_dir))
+    assert "not-the-secret" not in str(err.value)
