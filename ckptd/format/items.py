@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardingError
+from ..errors import ShardingError, StorageError
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from .checksum import crc32c
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
@@ -338,16 +338,17 @@ class _Writeback:
 
 
 class _OSErrorKeeper:
-    """Write-through wrapper remembering the first OSError a write raised (see _write_data_file)."""
+    """Write-through wrapper remembering the first storage error a write raised (an OSError of a
+    file, a StorageError of an object upload; see _write_data_file)."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
-        self.error: OSError | None = None
+        self.error: OSError | StorageError | None = None
 
     def write(self, data: Any) -> int:
         try:
             return self._f.write(data)
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
             self.error = self.error or exc
             raise
 

@@ -31,7 +31,8 @@ from .url import S3Location
 log = logging.getLogger(__name__)
 
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
-# errors; a request still failing after them fails the operation.
+# errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES and
+# CKPTD_S3_RETRY_TIMEOUT_S override the defaults (a save's deadline is commit_timeout_s anyway).
 RETRIES = 6
 RETRY_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
@@ -71,6 +72,8 @@ class S3Settings:
     endpoint_url: str | None
     region: str
     profile: str | None
+    retries: int = RETRIES
+    retry_timeout_s: float = RETRY_TIMEOUT_S
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> S3Settings:
@@ -81,7 +84,18 @@ class S3Settings:
         if endpoint is None:
             endpoint = session.get_scoped_config().get("endpoint_url") or None
         region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
-        return cls(endpoint_url=endpoint, region=region or "us-east-1", profile=profile)
+        try:
+            retries = int(env.get("CKPTD_S3_RETRIES", RETRIES))
+            retry_timeout_s = float(env.get("CKPTD_S3_RETRY_TIMEOUT_S", RETRY_TIMEOUT_S))
+        except ValueError as exc:
+            raise StorageError(f"CKPTD_S3_RETRIES / CKPTD_S3_RETRY_TIMEOUT_S: {exc}") from None
+        return cls(
+            endpoint_url=endpoint,
+            region=region or "us-east-1",
+            profile=profile,
+            retries=retries,
+            retry_timeout_s=retry_timeout_s,
+        )
 
 
 def _botocore_session(profile: str | None) -> Any:
@@ -132,8 +146,8 @@ class S3Client:
                 "connect_timeout": "10s",
             },
             retry_config={
-                "max_retries": RETRIES,
-                "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT_S),
+                "max_retries": self.settings.retries,
+                "retry_timeout": datetime.timedelta(seconds=self.settings.retry_timeout_s),
                 "backoff": {
                     "init_backoff": datetime.timedelta(milliseconds=100),
                     "max_backoff": datetime.timedelta(seconds=15),
@@ -299,7 +313,10 @@ class S3Client:
                 "s3",
                 region_name=self.settings.region,
                 endpoint_url=self.settings.endpoint_url,
-                config=Config(retries={"max_attempts": RETRIES, "mode": "adaptive"}, s3={"addressing_style": "path"}),
+                config=Config(
+                    retries={"max_attempts": self.settings.retries, "mode": "adaptive"},
+                    s3={"addressing_style": "path"},
+                ),
             )
         return self._boto
 

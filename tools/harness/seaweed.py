@@ -136,8 +136,8 @@ class SeaweedServer:
                 bucket = "ready-probe"
                 try:
                     client.create_bucket(Bucket=bucket)
-                except client.exceptions.BucketAlreadyOwnedByYou:
-                    pass
+                except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+                    pass  # a restart on the same data
                 client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
                 if client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"ok":
                     return
@@ -160,7 +160,7 @@ class SeaweedServer:
         )
         try:
             client.create_bucket(Bucket=name)
-        except client.exceptions.BucketAlreadyOwnedByYou:
+        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
             pass
 
     def kill(self) -> None:
