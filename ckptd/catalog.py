@@ -27,6 +27,7 @@ from .format.rootlayout import (
     step_dir_name,
 )
 from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
+from .storage.url import Location
 
 
 class EntryState(str, enum.Enum):
@@ -240,7 +241,7 @@ def committed_once(root: str | os.PathLike, step: int) -> bool:
 class Target:
     """What a path given on the command line is: one checkpoint, or a root of several."""
 
-    path: Path
+    path: Location  # a directory, or an s3:// prefix
     is_root: bool
 
 

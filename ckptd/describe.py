@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +21,8 @@ from .format.dcp_metadata import read_index
 from .format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, read_backend_metadata
 from .format.reader import read_common
 from .format.safefs import entry_exists, is_entry_name, is_regular_file
+from .storage.s3view import s3_checkpoint_view
+from .storage.url import S3Location, parse_location
 
 
 @dataclass
@@ -81,9 +82,18 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def describe_checkpoint(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> CheckpointSummary:
-    """Summarize one checkpoint directory; raises a CkptdError when its index cannot be read."""
-    root = Path(checkpoint_dir)
+def describe_checkpoint(
+    checkpoint_dir: str | os.PathLike | S3Location, *, allow_unsafe_pickle: bool = False
+) -> CheckpointSummary:
+    """Summarize one checkpoint directory (or ``s3://`` checkpoint, through its local view: only
+    its metadata is read); raises a CkptdError when its index cannot be read."""
+    location = parse_location(checkpoint_dir)
+    if isinstance(location, S3Location):
+        with s3_checkpoint_view(location) as view:
+            return replace(
+                describe_checkpoint(view.directory, allow_unsafe_pickle=allow_unsafe_pickle), path=str(location)
+            )
+    root = location
     backend = read_backend_metadata(root) if entry_exists(root, METADATA_JSON) else None
     if backend is None and not entry_exists(root, DCP_METADATA):
         raise CheckpointNotFoundError(f"{root} is not a checkpoint: neither {METADATA_JSON} nor {DCP_METADATA} exists")

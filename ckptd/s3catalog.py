@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 
-from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog, committed_once, scan_root
-from .errors import CorruptCheckpointError
+from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog, Target, committed_once, scan_root
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
+from .format.layout import DCP_METADATA, METADATA_JSON
 from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
 from .storage.s3client import S3Client
 from .storage.url import Location, S3Location
@@ -77,13 +78,16 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
             continue
         record = read_s3_commit_record(client, name)
         state = EntryState.COMMITTED if record is not None else EntryState.PARTIAL
+        used = _usage(client, name) if usage else DirUsage(0, 0, 0.0)
+        if usage and state is EntryState.PARTIAL and used.files == 0:
+            continue  # an emptied "directory" some stores (SeaweedFS) go on listing
         cat.entries.append(
             CheckpointEntry(
                 name,
                 location.child(name),  # type: ignore[arg-type]
                 parsed.step,
                 state,
-                _usage(client, name) if usage else DirUsage(0, 0, 0.0),
+                used,
                 is_latest=name == cat.latest_name,
                 commit_seq=record.seq if record is not None else 0,
             )
@@ -112,6 +116,35 @@ def scan_any(root: Location, *, usage: bool = True) -> RootCatalog:
     if isinstance(root, S3Location):
         return scan_s3_root(root, usage=usage)
     return scan_root(root, usage=usage)
+
+
+def resolve_s3_target(location: S3Location) -> Target:
+    """:func:`~ckptd.catalog.resolve_target` of an ``s3://`` prefix: one checkpoint (it holds
+    ``metadata.json`` or ``.metadata``), or a root (a tracker or ``iter_*`` prefixes)."""
+    client = S3Client(location)
+    dirs, objects = client.list_dir("")
+    names = {o.key for o in objects}
+    if METADATA_JSON in names or DCP_METADATA in names:
+        return Target(location, is_root=False)
+    if TRACKER_FILE in names or any(parse_step_dir(d) for d in dirs):
+        return Target(location, is_root=True)
+    raise CheckpointNotFoundError(
+        f"{location} is neither a checkpoint (no {METADATA_JSON} or {DCP_METADATA} object) nor a checkpoint "
+        f"root (no '{TRACKER_FILE}' object or iter_* prefixes)"
+    )
+
+
+def s3_checkpoint_entry(location: S3Location) -> CheckpointEntry:
+    """One ``s3://`` checkpoint as a listing entry (committed when it has ``metadata.json`` or
+    ``.metadata``; its size and age from one LIST)."""
+    client = S3Client(location)
+    _, objects = client.list_dir("")
+    names = {o.key for o in objects}
+    state = EntryState.COMMITTED if METADATA_JSON in names or DCP_METADATA in names else EntryState.INCOMPLETE
+    used = DirUsage(
+        sum(o.size for o in objects), len(objects), max((o.last_modified_unix_s for o in objects), default=0.0)
+    )
+    return CheckpointEntry(location.name, location, -1, state, used)  # type: ignore[arg-type]
 
 
 def committed_at(root: Location, step: int) -> bool:

@@ -32,7 +32,7 @@ import os
 import re
 from collections import defaultdict
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +59,8 @@ from .format.records import TENSOR, ItemRecord, dtype_from_name
 from .format.rootlayout import TRACKER_FILE
 from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
+from .storage.s3view import s3_checkpoint_view
+from .storage.url import S3Location, parse_location
 
 ERROR = "error"
 # The checkpoint uses a feature ckptd cannot read (a DCP stream transform): not damage, but not
@@ -444,7 +446,7 @@ def _check_common(
 
 
 def verify_checkpoint(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | S3Location,
     *,
     deep: bool = False,
     allow_unsafe_pickle: bool = False,
@@ -459,7 +461,10 @@ def verify_checkpoint(
     Raises CheckpointNotFoundError only when ``checkpoint_dir`` is not a directory; every kind of
     damage is returned as an error :class:`Finding` (``report.ok`` is False).
     """
-    directory = Path(checkpoint_dir)
+    location = parse_location(checkpoint_dir)
+    if isinstance(location, S3Location):
+        return _verify_s3(location, deep, allow_unsafe_pickle, progress, read_items)
+    directory = location
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"{directory} is not a directory")
     report = VerifyReport(str(directory), deep)
@@ -569,6 +574,26 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
     if not chosen and cat.tracker_problem is None:
         findings.append(Finding(ERROR, "tracker", f"{cat.root} holds no committed checkpoint"))
     return chosen, findings
+
+
+def _verify_s3(
+    location: S3Location, deep: bool, allow_unsafe_pickle: bool, progress: ProgressSink | None, read_items: bool
+) -> VerifyReport:
+    """:func:`verify_checkpoint` of an ``s3://`` checkpoint, through its local view (every data
+    object downloaded when items are read); findings name the objects."""
+    with s3_checkpoint_view(location) as view:
+        if read_items:
+            view.source.fetch_all()
+        report = verify_checkpoint(
+            view.directory, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle, progress=progress, read_items=read_items
+        )
+    local, url = str(view.directory), str(location)
+    report.checkpoint = url
+    report.findings = [
+        replace(f, message=f.message.replace(local, url), file=f.file.replace(local, url) if f.file else f.file)
+        for f in report.findings
+    ]
+    return report
 
 
 def verify_root(

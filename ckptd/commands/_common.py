@@ -8,13 +8,14 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from ..catalog import RootCatalog, Target, resolve_target, scan_root
+from ..catalog import RootCatalog, Target, resolve_target
 from ..errors import CheckpointNotFoundError, CkptdError
 from ..format.rootlayout import TRACKER_FILE
 from ..progress import format_bytes, format_duration
+from ..s3catalog import resolve_s3_target, scan_any
+from ..storage.url import Location, S3Location, parse_location
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # damage found, or the operation failed
@@ -66,17 +67,21 @@ def add_parser(subparsers: Any, name: str, summary: str, description: str) -> ar
 
 
 def resolve(path: str) -> Target:
+    """What ``path`` names: a checkpoint or a root, a directory or an ``s3://`` prefix."""
     try:
-        return resolve_target(path)
+        location = parse_location(path)
+        if isinstance(location, S3Location):
+            return resolve_s3_target(location)
+        return resolve_target(location)
     except CheckpointNotFoundError as exc:
         raise UsageError(str(exc)) from None
 
 
-def checkpoint_of(target: Target, command: str) -> tuple[Path, RootCatalog | None]:
+def checkpoint_of(target: Target, command: str) -> tuple[Location, RootCatalog | None]:
     """The checkpoint a command acts on: the path itself, or the one a root's tracker names."""
     if not target.is_root:
         return target.path, None
-    cat = scan_root(target.path)
+    cat = scan_any(target.path)
     latest = cat.latest()
     if latest is not None:
         return latest.path, cat

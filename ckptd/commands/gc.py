@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..catalog import scan_root
-from ..retention import DEFAULT_GRACE_S, apply_gc, plan_gc
+from ..retention import DEFAULT_GRACE_S, Removal, apply_gc, plan_gc
+from ..roots.s3_root import S3Root, apply_s3_gc
+from ..s3catalog import scan_any
+from ..storage.url import S3Location
 from ._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -63,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
             f"{target.path} is a single checkpoint; gc works on a checkpoint root "
             "(the directory holding iter_* checkpoints and the 'latest' tracker)"
         )
-    plan = plan_gc(scan_root(target.path), args.keep, args.grace_s)
-    results = [(r, None) for r in plan.remove] if args.dry_run else apply_gc(plan)
+    plan = plan_gc(scan_any(target.path), args.keep, args.grace_s)
+    if args.dry_run:
+        results: list[tuple[Removal, str | None]] = [(r, None) for r in plan.remove]
+    elif isinstance(target.path, S3Location):
+        results = apply_s3_gc(S3Root(target.path), plan, args.grace_s)
+    else:
+        results = apply_gc(plan)
     failed = [(r, err) for r, err in results if err is not None]
     if args.json:
         emit_json(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
-from ..catalog import CheckpointEntry, EntryState, dir_usage, is_checkpoint_dir, scan_root
+from ..catalog import CheckpointEntry, EntryState, dir_usage, is_checkpoint_dir
+from ..s3catalog import s3_checkpoint_entry, scan_any
+from ..storage.url import Location, S3Location
 from ._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -55,12 +58,17 @@ def _entry_dict(e: CheckpointEntry, now: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     target = resolve(args.path)
     now = time.time()
-    if not target.is_root:
-        state = EntryState.COMMITTED if is_checkpoint_dir(target.path) else EntryState.INCOMPLETE
-        entries = [CheckpointEntry(target.path.name, target.path, -1, state, dir_usage(target.path))]
-        root, latest, problem = target.path.parent, None, None
+    path = target.path
+    latest: str | None = None
+    problem: str | None = None
+    root: Location = path.parent
+    if not target.is_root and isinstance(path, S3Location):
+        entries = [s3_checkpoint_entry(path)]
+    elif not target.is_root and isinstance(path, Path):
+        state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
+        entries = [CheckpointEntry(path.name, path, -1, state, dir_usage(path))]
     else:
-        cat = scan_root(target.path)
+        cat = scan_any(target.path)
         entries, root, latest, problem = cat.entries, cat.root, cat.latest_name, cat.tracker_problem
     if args.json:
         emit_json(

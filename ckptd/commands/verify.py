@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from ..catalog import scan_root
 from ..progress import Progress
+from ..s3catalog import scan_any
+from ..storage.url import Location
 from ..verify import Finding, RootVerifyReport, VerifyReport, verify_checkpoint, verify_root
 from ._common import (
     EXIT_FAILURE,
@@ -87,7 +87,7 @@ def _summary(r: VerifyReport) -> str:
     return "\n".join(lines)
 
 
-def _bar(path: Path) -> Progress:
+def _bar(path: Location) -> Progress:
     return Progress(0, f"verify {path.name}")
 
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     result: VerifyReport | RootVerifyReport
     if target.is_root:
         result = verify_root(
-            scan_root(target.path),
+            scan_any(target.path),
             all_checkpoints=args.all_checkpoints,
             deep=args.deep,
             allow_unsafe_pickle=args.allow_unsafe_pickle,

@@ -56,7 +56,7 @@ from ..format.rootlayout import (
     tracker_bytes,
 )
 from ..format.validate import validate_records
-from ..retention import plan_gc
+from ..retention import GcPlan, Removal, plan_gc
 from ..s3catalog import read_s3_commit_record, read_s3_tracker, scan_s3_root
 from ..storage.s3client import S3Client
 from ..storage.url import S3Location
@@ -315,3 +315,24 @@ def _attempt_of(key: str) -> str | None:
     if len(parts) == 3 and parts[0].startswith("__") and parts[2] == "distcp":
         return parts[1]
     return None
+
+
+def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Removal, str | None]]:
+    """``ckptd gc`` of an ``s3://`` root: carry out ``plan`` (each removal retires the commit object
+    first), then abort the root's unfinished multipart uploads older than ``grace_s`` (a crashed
+    writer's: the store keeps and bills them forever otherwise). Returns each removal with None or
+    the error that stopped it."""
+    done: list[tuple[Removal, str | None]] = []
+    for removal in plan.remove:
+        try:
+            root.remove_entry(removal.entry)
+        except CkptdError as exc:
+            done.append((removal, str(exc)))
+        else:
+            done.append((removal, None))
+    cutoff = time.time() - grace_s
+    for upload in root.client.uploads(""):
+        if upload.initiated_unix_s <= cutoff:
+            root.client.abort_upload(upload)
+            log.info("gc: aborted the unfinished upload of %s", root.display(upload.key))
+    return done

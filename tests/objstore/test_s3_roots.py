@@ -109,3 +109,44 @@ def test_wrong_credentials_fail_at_once_with_a_clear_error(s3_bucket, monkeypatc
     with pytest.raises(StorageError, match="check the credentials") as err:
         ckptd.Checkpointer(f"s3://{s3_bucket}/run", config=_config(runtime_dir))
     assert "not-the-secret" not in str(err.value)
+
+
+@pytest.mark.timeout(180)
+def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir):
+    root = f"s3://{s3_bucket}/cli"
+    cfg = _config(runtime_dir)
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(_sd(torch.full((256,), float(step)), step), step=step).wait(timeout_s=60)
+        run = cli("ls", root)
+        assert run.returncode == 0 and "(latest: iter_0000003)" in run.stdout, run.stdout + run.stderr
+        assert run.stdout.count("committed") == 3
+        run = cli("verify", root)
+        assert run.returncode == 0 and f"{root}/iter_0000003: OK" in run.stdout, run.stdout + run.stderr
+        run = cli("inspect", f"{root}/iter_0000002")
+        assert run.returncode == 0 and "w" in run.stdout, run.stderr
+        # Bit rot in a data object: verify names the object.
+        client = S3Client(parse_location(root))
+        (data,) = [i.key for i in client.list_objects("iter_0000003") if i.key.endswith(".distcp")]
+        raw = bytearray(client.get(data, 1 << 30)[0])
+        raw[-200] ^= 0xFF
+        client.delete([data])
+        client.put(data, bytes(raw))
+        run = cli("verify", f"{root}/iter_0000003")
+        assert run.returncode == 1 and f"{root}/iter_0000003: DAMAGED" in run.stdout, run.stdout
+        assert f"of {data.rsplit('/', 1)[-1]} have CRC-32C" in run.stdout
+        run = cli("gc", root, "--keep", "1", "--grace-s", "0")
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "removed iter_0000001" in run.stdout and "removed iter_0000002" in run.stdout
+        run = cli("ls", root)
+        assert "iter_0000001" not in run.stdout and "iter_0000003" in run.stdout
+    finally:
+        _stop_daemon(root, runtime_dir)
