@@ -57,12 +57,13 @@ from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
+from .s3save import S3SaveTarget
 from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
 from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
 from .statedict.split import split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
-from .storage.url import S3Location
+from .storage.url import S3Location, parse_location
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _remove_partial(root: Path, ctx: DistContext, created_root: bool) -> None:
 
 def save(
     sharded_state_dict: dict[str, Any],
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | S3Location,
     *,
     process_group: Any = None,
     opener: Opener | None = None,
@@ -113,7 +114,9 @@ def save(
     checksums: bool = True,
     content_metadata: dict | None = None,
 ) -> None:
-    """Save a sharded state dict into ``checkpoint_dir`` (created if needed; must hold no checkpoint).
+    """Save a sharded state dict into ``checkpoint_dir`` (created if needed; must hold no checkpoint),
+    a directory or an ``s3://bucket/prefix`` (ckptd.s3save: every rank uploads its data object,
+    rank 0 the metadata objects, ``metadata.json`` last).
 
     Call on every rank of ``process_group`` (default: the world, or a single process when
     torch.distributed is not initialized). Blocks until the checkpoint is complete and durable.
@@ -138,14 +141,19 @@ def save(
     """
     sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
     ctx = DistContext.current(process_group)
-    root = Path(checkpoint_dir)
+    location = parse_location(checkpoint_dir)
+    s3 = S3SaveTarget(location) if isinstance(location, S3Location) else None
+    root = Path(str(location))  # a directory's path; for object storage only named in messages
     prepared: list[PlannedItem] = []
     common: list[bytes] = []
 
     def prepare() -> dict:
         split = split_state_dict(expand_stateful(sharded_state_dict))
         if ctx.rank == 0:
-            check_save_target(root)
+            if s3 is not None:
+                s3.check()
+            else:
+                check_save_target(root)
             common.append(serialize_common(split.common))
         plan = plan_rank(split, ctx.rank)
         prepared.extend(plan.items)
@@ -156,9 +164,11 @@ def save(
             "held": plan.held,
             "plain": plain,
             "common_digest": digest,
+            "token": S3SaveTarget.new_token() if s3 is not None and ctx.rank == 0 else "",
         }
 
     planned = ctx.agree("checkpoint planning", prepare)
+    token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
     writers = _plain_writers([p["plain"] for p in planned])
     mine = planned[ctx.rank]["plain"]  # copies another rank writes are dropped
@@ -173,14 +183,17 @@ def save(
                 log.warning("save of %s: %s", root, warning)
             check_coverage(kept, {r: p["held"] for r, p in enumerate(planned)})
             validate_records(kept)
-            created_root[0] = not root.exists()
-            root.mkdir(parents=True, exist_ok=True)
+            if s3 is None:
+                created_root[0] = not root.exists()
+                root.mkdir(parents=True, exist_ok=True)
 
     ctx.agree("checkpoint validation", validate)
 
     def write() -> list[dict]:
         if not prepared:
             return []
+        if s3 is not None:
+            return [r.to_wire() for r in s3.write(ctx.rank, token, prepared, checksums)]
         name = data_file_name(ctx.rank)
         try:
             stored = write_data_file(root, name, prepared, opener or open_data_file, fsync, checksums)
@@ -193,7 +206,9 @@ def save(
         return [r.to_wire() for r in stored]
 
     def commit() -> None:
-        if ctx.rank == 0:
+        if ctx.rank == 0 and s3 is not None:
+            s3.finalize([ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs], common[0])
+        elif ctx.rank == 0:
             records = [ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs]
             try:
                 finalize(root, records, common[0], opener or default_opener, fsync)
@@ -209,7 +224,9 @@ def save(
         stored_by_rank = ctx.agree("writing data files", write)
         ctx.agree("checkpoint finalization", commit)
     except Exception:
-        if not (root / METADATA_JSON).exists():
+        if s3 is not None:
+            s3.remove_partial(ctx.rank, ctx.world_size, token)
+        elif not (root / METADATA_JSON).exists():
             _remove_partial(root, ctx, created_root[0])
         raise
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))

@@ -150,3 +150,44 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir):
         assert "iter_0000001" not in run.stdout and "iter_0000003" in run.stdout
     finally:
         _stop_daemon(root, runtime_dir)
+
+
+def _sync_save_ranks(rank: int, world_size: int, url: str, env: dict) -> list[float]:
+    os.environ.update(env)
+    w = torch.arange(64.0) + 100 * rank
+    sd = {"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world_size)), "epoch": 7}
+    ckptd.save(sd, url)
+    with pytest.raises(CheckpointExistsError):
+        ckptd.save(sd, url)
+    full = ckptd.load_plain_tensors(url)["w"]
+    return full.tolist()
+
+
+@pytest.mark.timeout(180)
+def test_a_synchronous_save_to_s3_on_two_ranks(s3_bucket, s3_env):
+    from tests.multiproc import run_ranks
+
+    url = f"s3://{s3_bucket}/sync/ckpt1"
+    results = run_ranks(_sync_save_ranks, 2, url, s3_env.env())
+    expected = torch.arange(64.0).tolist() + (torch.arange(64.0) + 100).tolist()  # the two ranks' chunks
+    assert results[0] == results[1] == expected
+    assert ckptd.load_common_state_dict(url)["epoch"] == 7
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dcp_reads_a_committed_step_from_the_object_store(s3_bucket, runtime_dir):
+    """torch DCP's fsspec reader (s3fs) loads a step ckptd committed, with its URL as checkpoint_id."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    root = f"s3://{s3_bucket}/dcp"
+    w = torch.randn(256, 64)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            ckpt.save({"model": {"w": w}, "step": 5}, step=5).wait(timeout_s=60)
+        state = {"model": {"w": torch.zeros(256, 64)}, "step": 0}
+        dcp.load(state, storage_reader=FsspecReader(f"{root}/iter_0000005"))
+        assert torch.equal(state["model"]["w"], w) and state["step"] == 5
+    finally:
+        _stop_daemon(root, runtime_dir)
