@@ -30,12 +30,14 @@ coordinator scales):
   ckptd bench coordinator  how the coordinator scales: commit latency, CPU, memory, .metadata size
                          and messages per commit for 64 to 4,096 played ranks (real sockets,
                          CurveZMQ, records and files) against a real coordinator
+  ckptd bench objstore   ckptd on S3-compatible object storage (a SeaweedFS server it starts) vs
+                         torch DCP's fsspec writer and reader, and the S3 clients' raw upload speed
 
 Arguments after the benchmark's name go to it (ckptd bench all --help lists them).
 
 exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
 
-BENCHMARKS = ("all", "load", "checksums", "coordinator")
+BENCHMARKS = ("all", "load", "checksums", "coordinator", "objstore")
 MODULES = {"all": "suite"}  # benchmark name -> module of the benchmarks package, where they differ
 
 
