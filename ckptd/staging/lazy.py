@@ -48,9 +48,10 @@ import torch
 
 from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
+from .devcopy import DeviceCopier
 from .fork import Snapshot, start_block
-from .pool import Placement, StagingPool, plain_values
-from .ring import ABANDONED, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, block_offset, span
+from .pool import Placement, StagingPool
+from .ring import ABANDONED, NO_ROOM, RingFull, RingWriter, block_offset, span
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class _Job:
     versions: list[int]
     seal: bytes
     step: int
-    ready: Any = None  # CUDA: an event on the current stream at save()
+    ready: dict[Any, Any] | None = None  # CUDA: per device, an event on its current stream at save()
     enqueued: threading.Event = field(default_factory=threading.Event)  # every copy issued
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
@@ -114,9 +115,12 @@ class LazyCopier:
             seal,
             step,
         )
-        if any(isinstance(i.payload, torch.Tensor) and i.payload.device.type == "cuda" for i in items):
-            job.ready = torch.cuda.Event()
-            job.ready.record(torch.cuda.current_stream())
+        devices = {i.payload.device for i in items if isinstance(i.payload, torch.Tensor) and i.payload.is_cuda}
+        if devices:
+            job.ready = {}
+            for device in devices:  # the copies read what was queued before save(), on each device
+                event = job.ready[device] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
         self._ensure_thread()
         self._jobs.put(job)
@@ -211,15 +215,15 @@ class LazyCopier:
 
     def _copy(self, job: _Job) -> None:
         """Produce item by item, each once the ring has room, publishing the progress after each
-        (the daemon writes as it goes). A CUDA copy is published once it landed, in order."""
-        pool, writer = job.pool, job.pool.writer
+        (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
+        that) and published once they landed, in order (ckptd.staging.devcopy)."""
+        pool = job.pool
         # Waits for ring space like the pool's writer, giving up at once when the Checkpointer closes.
-        room = RingWriter(writer.fd, writer.capacity, writer.timeout_s, lambda: not self._stopping.is_set())
-        landing: list[tuple[Any, int]] = []  # (event or None, virtual end), behind a CUDA copy
-        for item, p in zip(job.items, job.placements):
-            v = job.start + p.offset
+        room = RingWriter(pool.writer.fd, pool.capacity, pool.writer.timeout_s, lambda: not self._stopping.is_set())
+
+        def wait_room(v_end: int) -> float:
             try:
-                room.wait_room(v + p.nbytes)
+                return room.wait_room(v_end)
             except RingFull as exc:
                 if self._stopping.is_set():
                     raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
@@ -227,43 +231,25 @@ class LazyCopier:
                     f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not "
                     "persisting: see its log"
                 ) from None
-            src = item.payload
-            if isinstance(src, torch.Tensor) and src.device.type == "cuda":
-                landing.append((self._enqueue_cuda(job, src, v), v + p.nbytes))
-            else:
-                pool.produce(item, p, v)
-                if landing:
-                    landing.append((None, v + p.nbytes))
-                else:
-                    writer.publish(job.block, v + p.nbytes)
-        job.enqueued.set()
-        for event, end in landing:
-            if event is not None:
-                event.synchronize()
-            writer.publish(job.block, end)
-        writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
 
-    def _enqueue_cuda(self, job: _Job, src: torch.Tensor, v: int) -> Any:
-        pool = job.pool
-        base = pool.segment.base
-        if base is None:
-            raise StagingError(f"rank {self.rank}: the staging ring is not mapped")
-        pool.segment.reserve()
-        stream = pool._streams.get(src.device)
-        if stream is None:
-            stream = pool._streams[src.device] = torch.cuda.Stream(device=src.device)
-        stream.wait_event(job.ready)
-        flat = plain_values(src).reshape(-1).view(torch.uint8)
-        with torch.cuda.stream(stream):
-            done = 0
-            while done < flat.numel():
-                at = (v + done) % pool.capacity
-                n = min(flat.numel() - done, pool.capacity - at)
-                base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(flat[done : done + n], non_blocking=True)
-                done += n
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        copier = DeviceCopier(pool, job.block, wait_room, self.timeout_s, job.ready)
+        try:
+            for item, p in zip(job.items, job.placements):
+                v = job.start + p.offset
+                src = item.payload
+                if isinstance(src, torch.Tensor) and src.is_cuda:
+                    copier.copy(src, v)
+                else:
+                    copier.room(v + p.nbytes)
+                    pool.produce(item, p, v)
+                    copier.wrote(v + p.nbytes)
+            copier.flush()
+            job.enqueued.set()
+            copier.land()
+        except BaseException:
+            copier.abort()
+            raise
+        pool.writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
 
     def _decide(self, job: _Job) -> None:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""

@@ -20,6 +20,7 @@ from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.gcpause import gc_paused
+from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.pool import StagingPool, bytes_view, place
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
@@ -81,10 +82,10 @@ def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
     items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
     placements, nbytes = place(items)
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, pin=False, timeout_s=10)
+    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, timeout_s=10)
     try:
         block, start = pool.claim(placements)
-        pool.copy_inline(start, block, items, placements, b"s" * 16)
+        copy_inline(pool, start, block, items, placements, b"s" * 16)
         base_t = pool.segment.base
         for p, pl in zip(payloads, placements):
             raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset :][: pl.nbytes]

@@ -19,6 +19,7 @@ from ckptd.errors import StagingError
 from ckptd.format.finalize import finalize, serialize_common
 from ckptd.format.items import split_large_items
 from ckptd.format.saveplan import plan_save
+from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
 from ckptd.staging.ring import block_offset
@@ -89,7 +90,7 @@ def _produce(pool: StagingPool, items: list, placements: list):
     """Produce a save inline (as snapshot="copy" does); the daemon's snapshot watch of it."""
     block, start = pool.claim(placements)
     seal = start_block(pool, block)
-    pool.copy_inline(start, block, items, placements, seal)
+    copy_inline(pool, start, block, items, placements, seal)
     return block, start, SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
 
 
@@ -98,7 +99,7 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
     items = plan_save(split, 0)
     placements, nbytes = place(items)
     assert all(p.offset % ALIGN_NBYTES == 0 for p in placements)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=True, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
     table = PoolTable(prefix)
     try:
         assert not pool.pinned  # no CUDA here: staging is pwrite
@@ -139,7 +140,7 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
     items = split_large_items(plan_save(split, 0), 1 << 20)
     assert len(items) == 8 and all(i.record.sizes == (1 << 17,) for i in items)
     placements, _ = place(items)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=False, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
     table = PoolTable(prefix)
     try:
         dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
@@ -149,7 +150,7 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
         wait = SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
         with ThreadPoolExecutor(1) as writer:  # the daemon drains while this thread produces
             written = writer.submit(write_rank_file, tmp_path, dpool.ring, req, open, False, True, wait, 30)
-            waited = pool.copy_inline(start, block, items, placements, seal)
+            waited = copy_inline(pool, start, block, items, placements, seal)
             stored, _ = written.result(timeout=60)
         assert waited > 0  # it really had to wait for room
         finalize(tmp_path, stored, serialize_common(split.common))
