@@ -77,6 +77,35 @@ class Rank:
         self.barrier()
 
 
+def start_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> Rank:
+    """Set up a spawned rank of a job: its output (and that of DCP's checkpoint process, which
+    inherits it) into a log of the run's runtime directory, torchrun's variables, one CPU thread,
+    its GPU (``spec["device"] == "cuda"``: ranks share the visible GPUs round-robin), one gloo group."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    log = os.open(
+        Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+    )
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+    )
+    torch.set_num_threads(1)
+    if spec.get("device", "cpu") == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return Rank(rank, world, spec)
+
+
 def make_state(
     rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
