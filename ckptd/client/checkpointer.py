@@ -22,12 +22,12 @@ Order of one :meth:`Checkpointer.save` on a rank:
    rank at once, and every rank's save of it resolves as SKIPPED); an idle ring takes a save of
    any size (:mod:`ckptd.staging.backpressure`); otherwise take a control block and the save's
    range of the ring;
-5. start producing the items into the ring: with ``snapshot="auto"`` and plain CPU shards,
-   ``fork()`` a copy-on-write child that copies them while training goes on
-   (:mod:`ckptd.staging.fork`; when the child would wait for ring space while an earlier child
-   still waits, wait here first: :mod:`ckptd.staging.children`), with ``snapshot="lazy"`` hand
-   them to the copier thread (:mod:`ckptd.staging.lazy`); each producer waits for ring space
-   the daemon frees;
+5. start producing the items into the ring: with ``snapshot="lazy"`` (or ``"auto"`` while an
+   optimizer is attached) hand them to the copier thread (:mod:`ckptd.staging.lazy`); with
+   ``snapshot="auto"`` and plain CPU shards, ``fork()`` a copy-on-write child that copies them
+   while training goes on (:mod:`ckptd.staging.fork`; when the child would wait for ring space
+   while an earlier child still waits, wait here first: :mod:`ckptd.staging.children`); each
+   producer waits for ring space the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
    :mod:`ckptd.control.attempt`) and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
@@ -151,6 +151,7 @@ class Checkpointer:
         self._lazy = (
             LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
         )
+        self._attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
         self._pending: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
         self._stats = SaveStats()
@@ -227,10 +228,11 @@ class Checkpointer:
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout = self._layout.items_for(pool.generation, items, placements)
         inline = False
+        lazy = self._lazy if self._saves_lazily() else None
         try:
             snap: Snapshot | None
-            if self._lazy is not None:
-                snap = self._lazy.start(pool, start, block, items, placements, step)
+            if lazy is not None:
+                snap = lazy.start(pool, start, block, items, placements, step)
             else:
                 daemon_pid = self._link.daemon_pid
                 # The snapshot child runs at the trainer's priority, not niced like the daemon: every
@@ -248,7 +250,7 @@ class Checkpointer:
             pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
             raise
-        child = not inline and self._lazy is None  # a forked child, reaped by this process
+        child = not inline and lazy is None  # a forked child, reaped by this process
         attempt = self._next_attempt(step)
         msg = Save(
             step,
@@ -276,8 +278,8 @@ class Checkpointer:
         except (RequestNotTaken, ProtocolError):
             if child:
                 reap([snap.pid], block=True)  # the ring is given back only once the child is done
-            elif self._lazy is not None:
-                self._lazy.wait_all()  # likewise for the copier thread
+            elif lazy is not None:
+                lazy.wait_all()  # likewise for the copier thread
             pool.unclaim(block, start, placements)  # not sent, or refused: the daemon never took it
             self._layout.forget()
             raise
@@ -328,7 +330,7 @@ class Checkpointer:
         self._ensure_pool(nbytes)
 
     def before_update(self) -> None:
-        """With ``snapshot="lazy"``: call before changing saved tensors (the optimizer step); returns
+        """With lazy snapshots: call before changing saved tensors (the optimizer step); returns
         once they may change. CPU copies still running are waited for; CUDA copies are ordered
         before the work queued next on the current streams, without blocking. This *fences* the
         pending lazy saves: each is sealed (and commits) if none of its tensors changed since
@@ -340,8 +342,19 @@ class Checkpointer:
 
     def attach(self, optimizer: Any) -> Any:
         """Call :meth:`before_update` before every ``optimizer.step()`` (a step pre-hook); returns
-        the hook's handle (``.remove()`` detaches it)."""
-        return optimizer.register_step_pre_hook(lambda *_: self.before_update())
+        a handle whose ``.remove()`` detaches it. With ``snapshot="auto"`` (the default) the saves
+        are lazy snapshots while an optimizer is attached: the fence is then guaranteed before
+        every update, and a lazy snapshot costs the loop least (see the README's "Choosing a
+        snapshot mode"); after the last ``remove()`` they are fork/DMA snapshots again."""
+        if self.config.snapshot == "auto" and self._lazy is None:
+            self._lazy = LazyCopier(self.env.rank, self.config.snapshot_timeout_s)
+        self._attached += 1
+        return _Attachment(self, optimizer.register_step_pre_hook(lambda *_: self.before_update()))
+
+    def _saves_lazily(self) -> bool:
+        """Whether the next save is a lazy snapshot: ``snapshot="lazy"``, or ``"auto"`` with an
+        optimizer attached."""
+        return self._lazy is not None and (self.config.snapshot == "lazy" or self._attached > 0)
 
     def due(self, step: int) -> bool:
         """policy="auto": whether to save at ``step``; call it once per training step on every rank.
@@ -746,6 +759,21 @@ class Checkpointer:
                 self._link.pump(min(remaining, 0.2))
             except DaemonLostError as exc:
                 self._daemon_lost(str(exc))
+
+
+class _Attachment:
+    """What :meth:`Checkpointer.attach` returns: ``remove()`` detaches the optimizer's hook."""
+
+    def __init__(self, ckpt: Checkpointer, hook: Any) -> None:
+        self._ckpt: Checkpointer | None = ckpt
+        self._hook = hook
+
+    def remove(self) -> None:
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            self._hook.remove()
+            ckpt.before_update()  # a lazy save in flight is decided while the hook still counted
+            ckpt._attached -= 1
 
 
 def _weakly(method: Callable[[Message], None]) -> Callable[[Message], None]:
