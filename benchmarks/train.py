@@ -340,7 +340,7 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"a save every {every} steps, {res['config']['saves']} saves per run (means of 2 runs):")
         lines.append(
             f"  {'mode':<20}{'loop s':>8}{'overhead':>10}{'1st stall':>11}{'stall med':>11}{'fence s':>9}"
-            f"{'daemon MiB':>12}"
+            f"{'daemon MiB':>12}{'pin s':>7}"
         )
         for mode, x in iv.items():
             if not isinstance(x, dict) or mode in ("dcp_failed",):
@@ -355,7 +355,7 @@ def render(res: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<20}{x['loop_s']:>8.2f}{_f(x.get('overhead'), '{:+.1%}'):>10}"
                 f"{_f(x.get('first_stall_s')):>11}{_f(x.get('stall_s_median')):>11}{x['fence_s']:>9.3f}"
-                f"{_f(daemon / MIB if daemon else None, '{:.0f}'):>12}"
+                f"{_f(daemon / MIB if daemon else None, '{:.0f}'):>12}{_f(x.get('pin_s'), '{:.2f}'):>7}"
             )
         for kind, err in iv.get("dcp_failed", {}).items():
             lines.append(f"  ({_NAMES.get(kind, kind)} failed: {err})")

@@ -66,6 +66,7 @@ class Saver:
     """No checkpointing; the protocol the others follow."""
 
     fence_s = 0.0
+    pin_s: float | None = None  # ckptd on CUDA: seconds the ring's background pinning took
 
     def save(self, state: dict[str, Any], step: int) -> None:
         pass
@@ -107,6 +108,9 @@ class CkptdSaver(Saver):
             self.handle.wait()
 
     def close(self) -> None:
+        pool = self.ckpt._pool
+        if pool is not None and pool.pinner is not None:  # how long pinning the ring took (CUDA)
+            self.pin_s = pool.pinner.pinned_s
         self.ckpt.close()
 
 
@@ -229,6 +233,8 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     finally:
         saver.close()
     res: dict[str, Any] = {"loop_s": r.max(loop_s), "steps": steps, "fence_s": r.max(saver.fence_s)}
+    if saver.pin_s is not None:
+        res["pin_s"] = r.max(saver.pin_s)
     if isinstance(saver, DcpSaver):
         for d in saver.dirs:
             r.rm(d)
@@ -281,6 +287,9 @@ def run_modes(
         if base_s:
             res["overhead"] = res["loop_s"] / base_s - 1.0
         res["fence_s"] = _mean([x["fence_s"] for x in loops])
+        pins = [x["pin_s"] for x in loops if "pin_s" in x]
+        if pins:
+            res["pin_s"] = max(pins)
         for key in ("first_stall_s", "stall_s_median", "stall_s_max"):
             if key in loops[0]:
                 res[key] = max(x[key] for x in loops) if key.endswith("max") else _mean([x[key] for x in loops])
