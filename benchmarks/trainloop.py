@@ -7,7 +7,9 @@ CUDA). A *workload* says what one step does and what a save saves; a *saver* che
 - ``none``: no checkpointing (the baseline);
 - ``ckptd``: ``Checkpointer.save`` with the default settings; ``ckptd_copy``: ``snapshot="copy"``;
   ``ckptd_lazy``: ``snapshot="lazy"``, fenced before each update (``attach(optimizer)`` where the
-  workload has an optimizer, else ``before_update()``);
+  workload has an optimizer, else ``before_update()``); each also as ``<mode>_prepared``, with
+  ``Checkpointer.prepare(state)`` before the loop (the staging ring made and, on CUDA, pinned
+  ahead of the first save);
 - ``dcp_async_thread`` / ``dcp_async_process``: ``async_save(..., THREAD / PROCESS)`` with one
   ``DefaultStager`` reused (shared memory for PROCESS);
 - ``dcp_async_pinned``: TorchTitan's ``async_with_pinned_mem``: ``async_save`` PROCESS with one
@@ -37,6 +39,8 @@ import torch
 from .harness import Rank, checkpointer
 
 CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
+# The same with Checkpointer.prepare(state) before the loop (the ring sized and pinned ahead).
+CKPTD_MODES = {**CKPTD_SNAPSHOTS, **{f"{m}_prepared": v for m, v in CKPTD_SNAPSHOTS.items()}}
 DCP_BEST_ORDER = ("dcp_async_pinned", "dcp_async_thread", "dcp_async_as_called")
 
 
@@ -82,14 +86,16 @@ class Saver:
 
 
 class CkptdSaver(Saver):
-    def __init__(self, r: Rank, workload: Workload, snapshot: str, **config: Any) -> None:
+    def __init__(self, r: Rank, workload: Workload, snapshot: str, prepare: bool = False) -> None:
         self.r = r
-        self.ckpt = checkpointer(r, snapshot=snapshot, **config)
+        self.ckpt = checkpointer(r, snapshot=snapshot)
         self.lazy = snapshot == "lazy"
         self.handle: Any = None
         self.steps: list[int] = []
         if self.lazy and workload.optimizer is not None:
             self.ckpt.attach(workload.optimizer)
+        if prepare:
+            self.ckpt.prepare(workload.state(0))
 
     def save(self, state: dict[str, Any], step: int) -> None:
         self.handle = self.ckpt.save(state, step=step)
@@ -203,8 +209,8 @@ class DcpSaver(Saver):
 def make_saver(r: Rank, workload: Workload, mode: str) -> Saver:
     if mode == "none":
         return Saver()
-    if mode in CKPTD_SNAPSHOTS:
-        return CkptdSaver(r, workload, CKPTD_SNAPSHOTS[mode])
+    if mode in CKPTD_MODES:
+        return CkptdSaver(r, workload, CKPTD_MODES[mode], prepare=mode.endswith("_prepared"))
     return DcpSaver(r, workload, mode)
 
 

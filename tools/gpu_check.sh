@@ -17,7 +17,8 @@
 #     -d WHEELS_DIR pyzmq crc32c megatron-core==0.16.1
 # Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
 # benchmark, the test log) go to $OUT when set, else to a temporary directory.
-# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 2"), GPU_CHECK_TEST_TIMEOUT_S (150),
+# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 2 --modes none,dcp_best,ckptd,ckptd_lazy,
+# ckptd_lazy_prepared"), GPU_CHECK_TEST_TIMEOUT_S (150),
 # GPU_CHECK_TRAIN_TIMEOUT_S (210).
 set -uo pipefail
 
@@ -26,7 +27,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="${1:-}"
 OUTDIR="${OUT:-$(mktemp -d /tmp/ckptd-gpu-check.XXXXXX)}"
 SITE="$(mktemp -d /tmp/ckptd-site.XXXXXX)"
-TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 2}"
+TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 2 --modes none,dcp_best,ckptd,ckptd_lazy,ckptd_lazy_prepared}"
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
