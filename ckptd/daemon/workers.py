@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import StorageError
 from ..format.durable import Opener
 from ..format.items import PlannedItem, write_data_file
 from ..format.layout import data_file_name
-from ..format.records import TENSOR, ItemRecord, dtype_from_name
+from ..format.records import TENSOR, ItemRecord
 from ..format.rootlayout import part_file_name
 from ..format.safefs import Dir
-from ..staging.pool import Placement, bytes_view
+from ..format.tensorzip import RawTensor
+from ..staging.pool import Placement
 from ..staging.ring import RingMap, span
 from .snapshot import SnapshotWait
 
@@ -116,13 +115,12 @@ class WriteRequest:
 
 
 def planned_items(ring: RingMap, req: WriteRequest) -> list[PlannedItem]:
-    """Items whose payloads are views of the shared-memory ring (zero-copy)."""
+    """Items whose payloads are views of the shared-memory ring (zero-copy): tensors as
+    :class:`~ckptd.format.tensorzip.RawTensor` (written without torch.save)."""
     out = []
     for rec, p in zip(req.records, req.placements):
         raw = ring.view(req.ring_start + p.offset, p.nbytes)
-        payload: torch.Tensor | memoryview = (
-            bytes_view(raw, dtype_from_name(rec.dtype), tuple(rec.sizes)) if rec.kind == TENSOR else raw
-        )
+        payload = RawTensor(rec.dtype, tuple(rec.sizes), raw) if rec.kind == TENSOR else raw
         out.append(PlannedItem(rec, payload))  # type: ignore[arg-type]
     return out
 
