@@ -5,6 +5,7 @@ from importlib import metadata as _metadata
 from .api import (
     load,
     load_common_state_dict,
+    load_content_metadata,
     load_plain_tensors,
     load_sharded_metadata,
     load_tensors_metadata,
@@ -15,6 +16,7 @@ from .config import CkptdConfig
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointRemovedError,
     CkptdError,
     CorruptCheckpointError,
     DaemonError,
@@ -27,7 +29,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .load.execute import LoadStats
-from .load.keymap import Fuse, Rename, Split
+from .load.keymap import Fuse, Rename, Split, rules_from_config
 from .load.strict import StrictHandling
 from .mapping import (
     LocalNonPersistentObject,
@@ -54,6 +56,7 @@ __all__ = [
     "SaveTimeoutError",
     "DaemonError",
     "load_common_state_dict",
+    "load_content_metadata",
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_tensors_metadata",
@@ -66,11 +69,13 @@ __all__ = [
     "Rename",
     "Fuse",
     "Split",
+    "rules_from_config",
     "LoadStats",
     "CkptdError",
     "ShardingError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointRemovedError",
     "CorruptCheckpointError",
     "LoadMismatchError",
     "UnsafePickleError",

@@ -14,15 +14,23 @@ Nothing is written before step 2 succeeded, so bad input never touches the targe
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .dist import DistContext
-from .errors import CheckpointExistsError, SaveFailedError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SaveFailedError,
+    UnsupportedFormatError,
+)
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
@@ -35,8 +43,10 @@ from .format.layout import (
     data_file_name,
     read_backend_metadata,
 )
-from .format.reader import read_common
+from .format.lease import ReadLease, removed_error
+from .format.reader import DataFiles, read_bytes_item, read_common, read_common_pt
 from .format.records import ItemRecord
+from .format.safefs import entry_exists
 from .format.saveplan import plan_save
 from .format.validate import validate_records
 from .load.execute import LoadStats
@@ -44,6 +54,7 @@ from .load.keymap import Rule
 from .load.loader import LoadRequest, run_load
 from .load.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor
+from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
 from .statedict.digest import common_digest, differing_ranks
 from .statedict.split import split_state_dict
 
@@ -94,6 +105,7 @@ def save(
     opener: Opener | None = None,
     fsync: bool = True,
     checksums: bool = True,
+    content_metadata: dict | None = None,
 ) -> None:
     """Save a sharded state dict into ``checkpoint_dir`` (created if needed; must hold no checkpoint).
 
@@ -102,10 +114,16 @@ def save(
     ``checksums`` records a CRC-32 of every stored item in ``.metadata`` (checked by
     ``ckptd verify``); it is computed while writing, overlapped with the file I/O.
 
+    ``content_metadata`` (a dict describing the checkpoint's content, as Megatron-Core's
+    ``save(..., content_metadata=...)``) is stored as Megatron-Core stores it: the state dict's
+    ``content_metadata`` entry, in the common state; :func:`load_content_metadata` (or
+    Megatron-Core's) reads it back.
+
     Errors are raised on every rank (a ckptd exception naming key, rank and file). Bad input is
     detected before anything is written; if writing fails, the files of this save are removed
     again, so ``checkpoint_dir`` never holds a partial checkpoint.
     """
+    sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
     ctx = DistContext.current(process_group)
     root = Path(checkpoint_dir)
     prepared: list[PlannedItem] = []
@@ -197,6 +215,23 @@ def _open_checkpoint(checkpoint_dir: str | os.PathLike, allow_unsafe_pickle: boo
     return read_index(checkpoint_dir, allow_unsafe_pickle)
 
 
+@contextmanager
+def _leased(checkpoint_dir: str | os.PathLike) -> Iterator[bool]:
+    """Hold a read lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`: retention and gc leave
+    it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists: decided
+    once, here, so a checkpoint that disappears later is never taken for a plain DCP one). A read
+    that fails because the directory went away (no lease on this filesystem, or removed by hand)
+    raises CheckpointRemovedError instead."""
+    with ReadLease.acquire(checkpoint_dir) as lease:
+        has_common = entry_exists(checkpoint_dir, METADATA_JSON)
+        try:
+            yield has_common
+        except (OSError, CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError) as exc:
+            if lease.gone():
+                raise removed_error(lease.directory) from exc
+            raise
+
+
 def load(
     sharded_state_dict: dict[str, Any],
     checkpoint_dir: str | os.PathLike,
@@ -206,6 +241,7 @@ def load(
     key_mapping: Sequence[Rule] | None = None,
     process_group: Any = None,
     stats: LoadStats | None = None,
+    allow_dtype_cast: bool = True,
 ) -> Any:
     """Load the entries described by ``sharded_state_dict`` and return the loaded state dict.
 
@@ -236,27 +272,76 @@ def load(
     state that is decoded (``common.pt`` for Megatron-style requests, requested ShardedObjects
     and values; only for trusted checkpoints). No daemon and no collective is needed (except for
     ``*_all``).
+
+    ``allow_dtype_cast`` (default True, as ``dcp.load`` and Megatron-Core's load do): a tensor
+    requested in another dtype than stored is read in the stored dtype and cast with
+    ``Tensor.copy_`` (float32 to bfloat16 rounds, float to int truncates); False raises
+    LoadMismatchError instead.
+
+    Every item read whole is checked against the CRC-32C recorded at save time (a mismatch is a
+    CorruptCheckpointError naming key, file and byte range); so is ``common.pt``. A rank that reads
+    only part of an item larger than 1 MiB (a load onto a finer layout) does not check that item:
+    its checksum covers bytes it does not read (``ckptd verify`` checks every byte).
+
+    The load holds a lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`): retention and
+    ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this
+    filesystem, or by hand) raises CheckpointRemovedError; nothing half-loaded is returned.
     """
-    index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
-    return run_load(
-        index,
-        LoadRequest(
-            sharded_state_dict,
-            checkpoint_dir,
-            allow_unsafe_pickle,
-            strict,
-            key_mapping,
-            process_group,
-            stats,
-        ),
-    )
+    with _leased(checkpoint_dir) as has_common:
+        index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
+        return run_load(
+            index,
+            LoadRequest(
+                sharded_state_dict,
+                checkpoint_dir,
+                allow_unsafe_pickle,
+                strict,
+                key_mapping,
+                process_group,
+                stats,
+                has_common=has_common,
+                allow_dtype_cast=allow_dtype_cast,
+            ),
+        )
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> Any:
     """The whole common (non-sharded) state: ``common.pt`` (saved by rank 0) plus the values stored
     as DCP bytes items (DCP-style saves, plain torch DCP checkpoints), nested as saved."""
-    read_backend_metadata(checkpoint_dir)
-    return read_common(checkpoint_dir, allow_unsafe_pickle)
+    with _leased(checkpoint_dir):
+        read_backend_metadata(checkpoint_dir)
+        return read_common(checkpoint_dir, allow_unsafe_pickle)
+
+
+def load_content_metadata(
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    preloaded_state_dict: dict[str, Any] | None = None,
+    allow_unsafe_pickle: bool = False,
+) -> dict | None:
+    """The ``content_metadata`` saved with the checkpoint (``save(..., content_metadata=...)``, by
+    ckptd or Megatron-Core), or None when it has none; as Megatron-Core's ``load_content_metadata``.
+
+    ``preloaded_state_dict``: a state dict already loaded (e.g. ``ckpt.load(...)``'s result), read
+    instead of the checkpoint. Otherwise only ``common.pt`` is decoded (or, for a DCP-style save,
+    the one ``content_metadata`` value).
+    """
+    if preloaded_state_dict is not None:
+        return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+    if checkpoint_dir is None:
+        raise CheckpointNotFoundError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
+    with _leased(checkpoint_dir) as has_common:
+        index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
+        common = read_common_pt(
+            checkpoint_dir, allow_unsafe_pickle, expected=has_common, crc=index.common_crc32, checksum=index.checksum
+        )
+        if isinstance(common, dict) and CONTENT_METADATA_KEY in common:
+            return common[CONTENT_METADATA_KEY]
+        stored = index.objects.get(CONTENT_METADATA_KEY)
+        if stored is None or stored.sharded_object:
+            return None
+        with DataFiles(checkpoint_dir) as files:
+            return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike) -> dict[str, ShardedTensor]:
@@ -301,6 +386,16 @@ def load_plain_tensors(
     Tensors are read in batches of about ``batch_nbytes``; ``progress(nbytes)`` is called after
     each batch (a CLI hands down a progress bar's ``advance``).
     """
+    with _leased(checkpoint_dir):
+        return _load_plain_tensors(checkpoint_dir, progress, batch_nbytes, allow_unsafe_pickle)
+
+
+def _load_plain_tensors(
+    checkpoint_dir: str | os.PathLike,
+    progress: Callable[[int], None] | None,
+    batch_nbytes: int,
+    allow_unsafe_pickle: bool,
+) -> dict[str, torch.Tensor]:
     index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
     templates = _tensor_templates(index)
     out: dict[str, torch.Tensor] = {}
@@ -319,7 +414,7 @@ def load_plain_tensors(
 
     for key, sh in templates.items():
         batch[key] = sh
-        pending += sh.init_data("cpu").nbytes
+        pending += math.prod(sh.local_shape) * sh.dtype.itemsize  # allocated by the load, once checked
         if pending >= batch_nbytes:
             flush()
     flush()
@@ -330,6 +425,7 @@ __all__ = [
     "save",
     "load",
     "load_common_state_dict",
+    "load_content_metadata",
     "load_tensors_metadata",
     "load_sharded_metadata",
     "load_plain_tensors",

@@ -58,12 +58,13 @@ class DistContext:
             if error is not None:
                 raise error
             detail = "; ".join(f"rank {r}: {p[1]}: {p[2]}" for r, p in failures)
-            exc_cls = _error_class(failures[0][1][1])
+            exc_cls = error_class(failures[0][1][1])
             raise exc_cls(f"{step} failed on another rank: {detail}")
         return [p[1] for p in gathered]
 
 
-def _error_class(name: str) -> type[Exception]:
+def error_class(name: str) -> type[Exception]:
+    """The ckptd exception class named ``name`` (another rank's error), else CkptdError."""
     from . import errors
 
     cls = getattr(errors, name, None)

@@ -26,6 +26,13 @@ class CheckpointNotFoundError(CkptdError):
     """The directory is not a (committed) ckptd / torch_dist checkpoint."""
 
 
+class CheckpointRemovedError(CheckpointNotFoundError):
+    """The checkpoint was removed or moved away while it was being loaded (retention or
+    ``ckptd gc`` where loads cannot hold a lease, or by hand). Nothing half-loaded is returned:
+    load it again from another checkpoint (``Checkpointer.load()`` without ``step`` does so once
+    by itself)."""
+
+
 class CorruptCheckpointError(CkptdError):
     """A checkpoint's files are missing, truncated or do not match their metadata."""
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .catalog import CheckpointEntry, EntryState, scan_root
+from .catalog import CheckpointEntry, EntryState, RootCatalog, scan_root
 from .errors import CorruptCheckpointError
 from .format.rootlayout import TRACKER_FILE
 from .verify import verify_checkpoint
@@ -54,9 +55,12 @@ def structural_problem(path: Path) -> str | None:
     return f"{errors[0].message.rstrip('.')}{more}"
 
 
-def resolve_latest(root: str | os.PathLike) -> LatestChoice | None:
-    """The checkpoint of ``root`` to resume from (see the module docstring)."""
-    cat = scan_root(root, usage=False)
+def resolve_latest(root: str | os.PathLike, *, damaged: Mapping[str, str] | None = None) -> LatestChoice | None:
+    """The checkpoint of ``root`` to resume from (see the module docstring).
+
+    ``damaged``: checkpoint names a load found damaged (a checksum mismatch), with the reason;
+    they are never chosen, as if the structural check had refused them."""
+    cat = _without_damaged(scan_root(root, usage=False), damaged or {})
     tracker = Path(root) / TRACKER_FILE
     named = cat.latest()
     if named is not None:
@@ -89,3 +93,31 @@ def resolve_latest(root: str | os.PathLike) -> LatestChoice | None:
         f"checkpoint from a backup, or move the damaged directories and '{TRACKER_FILE}' away to "
         "start from scratch."
     )
+
+
+def _without_damaged(cat: RootCatalog, damaged: Mapping[str, str]) -> RootCatalog:
+    """``cat`` with the checkpoints in ``damaged`` taken out of the committed ones (a tracker naming
+    one is not followed, and says why)."""
+    if not damaged:
+        return cat
+    entries = [
+        replace(e, state=EntryState.INCOMPLETE) if e.state is EntryState.COMMITTED and e.name in damaged else e
+        for e in cat.entries
+    ]
+    out = replace(cat, entries=entries)
+    if cat.latest_name is not None and cat.latest_name in damaged and cat.tracker_problem is None:
+        out.tracker_problem = (
+            f"tracker {Path(cat.root) / TRACKER_FILE} names {cat.latest_name}, which a load found "
+            f"damaged: {damaged[cat.latest_name]}"
+        )
+    return out
+
+
+def resolve_resumable(root: str | os.PathLike, *, damaged: Mapping[str, str] | None = None) -> LatestChoice | None:
+    """:func:`resolve_latest`, once more when it found nothing loadable: retention may have removed
+    the checkpoints it was checking meanwhile (a new one committed), which a fresh scan sees."""
+    try:
+        return resolve_latest(root, damaged=damaged)
+    except CorruptCheckpointError as first:
+        log.info("resolving the latest checkpoint again (%s)", first)
+        return resolve_latest(root, damaged=damaged)

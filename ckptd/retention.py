@@ -11,7 +11,9 @@ Order of one collection (any process may run it; it needs no daemon):
 2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
    the root), then deletes it. A crash midway therefore never leaves a half-deleted directory
    under a committed name, and a save still writing into a ``.tmp`` that is collected by mistake
-   fails its commit rename instead of committing a partial checkpoint.
+   fails its commit rename instead of committing a partial checkpoint. A checkpoint a load holds
+   a lease on (:mod:`ckptd.format.lease`) is skipped and stays in ``plan.kept``: the next
+   collection removes it.
 
 The tracker is never modified. When it cannot be trusted (unreadable, or naming a missing or
 incomplete checkpoint) nothing committed is removed: what a restart would load is unknown.
@@ -20,12 +22,16 @@ incomplete checkpoint) nothing committed is removed: what a restart would load i
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
 from .errors import CkptdError
+from .format.lease import try_exclusive
 from .format.rootlayout import deleting_name
 from .format.safefs import Dir
 
@@ -88,14 +94,35 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     return plan
 
 
+class CheckpointInUse(CkptdError):
+    """A load holds a lease on the checkpoint a collection was about to remove."""
+
+
+@contextmanager
+def _removal_lock(rootd: Dir, name: str) -> Iterator[None]:
+    """Hold the exclusive lock of ``rootd/name`` while it is removed (see :mod:`ckptd.format.lease`);
+    raises CheckpointInUse when a load holds its lease. A link is not opened (it is removed itself)."""
+    if not rootd.is_real_dir(name):
+        yield
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rootd.fd)
+    try:
+        if not try_exclusive(fd, rootd.path / name):
+            raise CheckpointInUse(f"{rootd.path / name} is being loaded (a load holds its lease)")
+        yield
+    finally:
+        os.close(fd)
+
+
 def remove_entry(entry: CheckpointEntry) -> None:
-    """Rename ``entry`` to ``*.deleting`` (made durable), then delete it.
+    """Rename ``entry`` to ``*.deleting`` (made durable), then delete it; raises CheckpointInUse,
+    touching nothing, while a load holds a lease on it.
 
     Both act on entries of the root's open directory: a link (at either name, or anywhere inside)
     is removed itself, never followed, so a collection never deletes anything outside the root.
     """
     name = entry.path.name
-    with Dir.open(entry.path.parent) as rootd:
+    with Dir.open(entry.path.parent) as rootd, _removal_lock(rootd, name):
         if entry.state is not EntryState.DELETING:
             doomed = deleting_name(name)
             if rootd.lstat(doomed) is not None:
@@ -109,12 +136,15 @@ def remove_entry(entry: CheckpointEntry) -> None:
 def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
     """Carry out ``plan``; returns each removal with None or the error that stopped it.
 
-    One failed removal does not stop the others; the caller reports every failure.
+    One failed removal does not stop the others; the caller reports every failure. A checkpoint
+    being loaded is not removed: it moves from ``plan.remove`` to ``plan.kept``.
     """
     done: list[tuple[Removal, str | None]] = []
-    for removal in plan.remove:
+    for removal in list(plan.remove):
         try:
             remove_entry(removal.entry)
+        except CheckpointInUse:
+            _postpone(plan, removal)
         except OSError as exc:
             log.warning("gc: could not remove %s: %s", removal.entry.path, exc)
             done.append((removal, f"{type(exc).__name__}: {exc}"))
@@ -122,3 +152,10 @@ def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
             log.info("gc: removed %s (%s)", removal.entry.path, removal.reason)
             done.append((removal, None))
     return done
+
+
+def _postpone(plan: GcPlan, removal: Removal) -> None:
+    why = "being loaded (a load holds its lease); removed by a later collection"
+    log.info("gc: kept %s for now: %s", removal.entry.path, why)
+    plan.remove.remove(removal)
+    plan.kept.append((removal.entry, why))

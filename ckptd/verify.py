@@ -16,8 +16,10 @@ reports every problem it can see:
 6. ``deep``: every item is a well-formed ``torch.save`` archive whose records match the CRC-32s
    it holds (no unpickling: :mod:`ckptd.format.archive`), and decodes (``torch.load``,
    weights-only) as a tensor of the recorded shape and dtype, as a ShardedObject's one-element
-   list (torch_dist checkpoints), or as any value (byte items of a plain torch DCP checkpoint:
-   ints, optimizer param_groups...). A value outside the weights-only allow-list is a warning.
+   list (a ShardedObject shard, ``<key>/shard_<offsets>_<shape>``, of a torch_dist checkpoint), or
+   as any value (every other byte item: the values of DCP-style state dicts, which torch DCP and
+   ckptd store as ``torch.save(value)``: ints, optimizer param_groups...). A value outside the
+   weights-only allow-list is a warning.
 7. ``common.pt`` matches its recorded checksum and decodes weights-only.
 
 Items are read in bounded blocks (a deep check reads one whole item at a time). Nothing is
@@ -303,11 +305,12 @@ def _read_item(
 
 
 def _decode_item(
-    r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, megatron_objects: bool, report: VerifyReport
+    r: ItemRecord, data: bytes, allow_unsafe_pickle: bool, sharded_object: bool, report: VerifyReport
 ) -> None:
-    """Step 6 for one item. A byte item of a torch_dist checkpoint (``megatron_objects``) is a
-    ShardedObject: a one-element list. One of a plain torch DCP checkpoint is any non-tensor value
-    DCP saved (an int, an optimizer's param_groups, an ``io.BytesIO``): any value is sound."""
+    """Step 6 for one item, decoded by the dialect that wrote it: a ShardedObject shard
+    (``sharded_object``) is a one-element list, as Megatron-Core writes it; any other byte item is a
+    value as torch DCP (and ckptd for DCP-style state dicts) writes it, ``torch.save(value)`` (an
+    int, an optimizer's param_groups, an ``io.BytesIO``): any value is sound."""
     where = {"file": r.relative_path, "item": _item_name(r), "offset": r.file_offset, "length": r.length}
     what = f"item {_item_name(r)}"
     # The archive first: it needs no unpickling, so it is checked even where decoding is refused.
@@ -328,7 +331,7 @@ def _decode_item(
                     **where,
                 )
                 return
-        elif megatron_objects:
+        elif sharded_object:
             load_object_bytes(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
         else:
             unpickle_torch(data, f"{what} in {r.relative_path}", allow_unsafe_pickle)
@@ -348,12 +351,13 @@ def _check_items(
     sizes: dict[str, int],
     deep: bool,
     allow_unsafe_pickle: bool,
-    megatron_objects: bool,
+    sharded_objects: set[str],
     report: VerifyReport,
     progress: ProgressSink | None,
     checksum: Checksum,
 ) -> None:
-    """Steps 5 and 6, file by file in offset order (sequential reads)."""
+    """Steps 5 and 6, file by file in offset order (sequential reads); ``sharded_objects``: the
+    keys of the byte items that are ShardedObject shards."""
     readable = [
         r
         for r in records
@@ -393,7 +397,7 @@ def _check_items(
                     )
                     continue  # decoding damaged bytes would only add a second error
             if deep and data is not None:
-                _decode_item(r, data, allow_unsafe_pickle, megatron_objects, report)
+                _decode_item(r, data, allow_unsafe_pickle, r.kind != TENSOR and r.fqn in sharded_objects, report)
     finally:
         prefetch.shutdown(wait=True)
         for fd in fds.values():
@@ -486,7 +490,8 @@ def verify_checkpoint(
                 sizes,
                 deep,
                 allow_unsafe_pickle,
-                has_marker,
+                # Plain torch DCP checkpoints (no marker) hold no ShardedObjects, only values.
+                {k for k, o in index.objects.items() if o.sharded_object} if has_marker else set(),
                 report,
                 progress,
                 index.checksum or crc32c,

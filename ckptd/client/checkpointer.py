@@ -85,7 +85,7 @@ from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
 from ..format.saveplan import PlanCache, plan_save
 from ..gcpause import gc_paused
-from ..recovery import resolve_latest
+from ..recovery import resolve_resumable
 from ..staging.children import KILL_REAP_S, SnapshotChildren
 from ..staging.devcopy import copy_inline
 from ..staging.fork import Snapshot, fork_into, reap, start_block
@@ -93,6 +93,7 @@ from ..staging.lazy import STOP_MARGIN_S, LazyCopier
 from ..staging.pinning import cuda_registrar
 from ..staging.pool import StagingPool, place
 from ..staging.ring import BLOCKS, block_offset, capacity_for, span
+from ..statedict.content import with_content_metadata
 from ..statedict.digest import common_digest
 from ..statedict.split import split_state_dict
 from .handle import SaveHandle, SaveStatus
@@ -100,6 +101,7 @@ from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
 from .policy import AutoInterval
+from .resume import load_latest
 from .stats import SaveRecord, SaveStats
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,7 @@ class Checkpointer:
             else None
         )
         self._closed = False
+        self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
@@ -170,14 +173,18 @@ class Checkpointer:
             raise
 
     # --- public API -------------------------------------------------------------------------
-    def save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
+    def save(
+        self, sharded_state_dict: dict[str, Any], step: int, *, content_metadata: dict | None = None
+    ) -> SaveHandle:
         """Stage this rank's shards of ``step`` and hand them to the daemon (see module docstring).
 
         Returns once the bytes are in shared memory and the daemon acknowledged the request.
         Raises at once for local problems (bad state dict, step already committed, daemon
-        unreachable); failures found later surface on the handle.
+        unreachable); failures found later surface on the handle. ``content_metadata`` is stored
+        as :func:`ckptd.save` stores it (Megatron-Core's ``content_metadata``).
         """
         with gc_paused():  # its per-item temporaries must not set off full collections
+            sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
             tries = self._attempts.get(step, 0)
             try:
                 return self._save(sharded_state_dict, step)
@@ -374,11 +381,11 @@ class Checkpointer:
         """The newest committed step, as the root's ``latest`` tracker names it (None: none yet).
 
         When the tracker is missing, unreadable or names a missing, incomplete or damaged
-        checkpoint, this is the newest valid committed step instead, and a warning is logged
-        (see :func:`ckptd.recovery.resolve_latest`, which raises CorruptCheckpointError when
-        checkpoints exist but none is loadable).
+        checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
+        committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
+        which raises CorruptCheckpointError when checkpoints exist but none is loadable).
         """
-        choice = resolve_latest(self.root)
+        choice = resolve_resumable(self.root, damaged=self._damaged)
         return None if choice is None else choice.step
 
     def checkpoint_dir(self, step: int | None = None) -> Path:
@@ -390,8 +397,11 @@ class Checkpointer:
         return self.root / step_dir_name(step)
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
-        """:func:`ckptd.load` from ``step`` (default: the last committed checkpoint)."""
-        return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
+        """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
+        falling back past damaged ones, every rank alike (:func:`ckptd.client.resume.load_latest`)."""
+        if step is not None:
+            return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
+        return load_latest(self.root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
 
     @property
     def pending(self) -> list[SaveHandle]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import pickle
 from collections import defaultdict
@@ -409,6 +410,7 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                     raise CorruptCheckpointError(f"{where}: tensor '{fqn}' chunk at {offsets} has no storage entry")
                 _refuse_transforms(where, f"tensor '{fqn}'", info)
                 rel, offset, length = _location(info, where, f"tensor '{fqn}' chunk {offsets}")
+                _check_chunk_bytes(where, fqn, dtype, offsets, sizes, rel, offset, length)
                 st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length, item_crcs.get((fqn, offsets))))
             tensors[fqn] = st
         elif isinstance(entry, BytesStorageMetadata):
@@ -421,6 +423,29 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                 fqn, rel, offset, length, item_crcs.get((fqn, ())), _is_shard_key(fqn, _planner_path(md, fqn))
             )
     return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT), checksum)
+
+
+def _check_chunk_bytes(
+    where: Path | str,
+    fqn: str,
+    dtype: torch.dtype,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    rel: str,
+    offset: int,
+    length: int,
+) -> None:
+    """A chunk's elements must fit in its item: every torch_dist tensor item is a torch.save
+    stream holding at least their bytes. A shape or dtype that says otherwise contradicts the data
+    (and would make a load allocate what the file does not hold), so it is refused here, before
+    any reader allocates from it."""
+    need = math.prod(sizes) * dtype.itemsize
+    if need > length:
+        raise CorruptCheckpointError(
+            f"{where}: tensor '{fqn}' chunk at {offsets} is recorded as {dtype} of sizes {sizes} "
+            f"({need} bytes), but its item in {rel} (bytes [{offset}, {offset + length})) holds only "
+            f"{length} bytes; the metadata contradicts the data (damaged). Load an earlier checkpoint."
+        )
 
 
 def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafePickleError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from .archive import decode_problem
+from .checksum import Checksum, checksum_name
 from .layout import COMMON_PT, COMMON_PT_MAX_NBYTES, METADATA_JSON
 from .safefs import entry_exists, open_regular
 
@@ -46,7 +48,13 @@ class DataFiles:
             # Only regular files inside the directory (ckptd.format.safefs): a link, a FIFO or a
             # name reaching outside is a CorruptCheckpointError, never followed or waited on.
             if self._dir_fd < 0:
-                self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except (FileNotFoundError, NotADirectoryError):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint directory {self.directory} is gone (removed or renamed while it "
+                        "was being read, e.g. by retention or ckptd gc); load another checkpoint"
+                    ) from None
             try:
                 fd, size = open_regular(self.directory, relative_path, "data file", dir_fd=self._dir_fd)
             except FileNotFoundError:
@@ -76,9 +84,44 @@ class DataFiles:
         return data
 
 
+def check_checksum(data: Any, recorded: int | None, checksum: Checksum | None, what: str) -> None:
+    """Raise CorruptCheckpointError unless ``data`` (an item's bytes, any buffer) has the checksum
+    recorded at save time (nothing to check when none was recorded). ``what`` names the item, its
+    file and byte range."""
+    if recorded is not None and checksum is not None:
+        checksum_mismatch(checksum(data, 0), recorded, checksum, what)
+
+
+def checksum_mismatch(crc: int, recorded: int, checksum: Checksum, what: str) -> None:
+    """Raise CorruptCheckpointError when the computed ``crc`` differs from the ``recorded`` one."""
+    if crc != recorded:
+        raise CorruptCheckpointError(
+            f"{what} has {checksum_name(checksum)} {crc:#010x}, but {recorded:#010x} was recorded at "
+            "save time: the checkpoint is damaged (bit rot, or changed on disk). Load an earlier "
+            "checkpoint; ckptd verify lists every damaged item."
+        )
+
+
+def _decode(stream: BinaryIO, what: str, weights_only: bool) -> Any:
+    """``torch.load`` of ``stream`` once :func:`ckptd.format.archive.decode_problem` found nothing
+    that would make decoding allocate more than the stream's bytes."""
+    try:
+        problem = decode_problem(stream)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{what} cannot be read ({exc})") from exc
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{what} {problem}; the file is damaged or was not written by torch.save. Load an earlier checkpoint."
+        )
+    stream.seek(0)
+    return torch.load(stream, map_location="cpu", weights_only=weights_only)
+
+
 def load_tensor_bytes(data: bytes, what: str, where: str) -> torch.Tensor:
     try:
-        t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        t = _decode(io.BytesIO(data), f"{what} in {where}", True)
+    except CorruptCheckpointError:
+        raise
     except Exception as exc:
         raise CorruptCheckpointError(f"{what} in {where} cannot be decoded ({exc}); the file is damaged") from exc
     if not isinstance(t, torch.Tensor):
@@ -87,10 +130,14 @@ def load_tensor_bytes(data: bytes, what: str, where: str) -> torch.Tensor:
 
 
 def unpickle_torch(data: bytes | BinaryIO, what: str, allow_unsafe_pickle: bool) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless the caller opted into arbitrary pickles."""
+    """``torch.load`` with ``weights_only=True`` unless the caller opted into arbitrary pickles;
+    first the archive is checked so that decoding allocates no more than its bytes (see
+    :func:`ckptd.format.archive.decode_problem`)."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     try:
-        return torch.load(stream, map_location="cpu", weights_only=not allow_unsafe_pickle)
+        return _decode(stream, what, not allow_unsafe_pickle)
+    except CorruptCheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         if allow_unsafe_pickle:
             raise CorruptCheckpointError(f"{what} cannot be decoded ({exc})") from exc
@@ -115,19 +162,40 @@ def load_object_bytes(data: bytes, what: str, allow_unsafe_pickle: bool) -> Any:
     raise CorruptCheckpointError(f"{what} does not hold a one-element list as Megatron-Core writes")
 
 
-def read_common_pt(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) -> Any:
+def read_common_pt(
+    directory: str | os.PathLike,
+    allow_unsafe_pickle: bool = False,
+    *,
+    expected: bool | None = None,
+    crc: int | None = None,
+    checksum: Checksum | None = None,
+) -> Any:
     """``common.pt`` (rank 0's common state), or None for a plain torch DCP checkpoint, which has
-    neither it nor ``metadata.json``."""
+    neither it nor ``metadata.json``.
+
+    ``expected``: whether the checkpoint has one, as known from what was read when it was opened
+    (``metadata.json`` present); a missing ``common.pt`` is then damage (or, if the directory went
+    away meanwhile, :class:`~ckptd.errors.CheckpointNotFoundError`) and is never mistaken for a
+    plain DCP checkpoint. None: decided now from ``metadata.json``. ``crc``/``checksum``: the
+    checksum recorded at save time, checked before anything is decoded.
+    """
     root = Path(directory)
     path = root / COMMON_PT
     try:
-        fd, _ = open_regular(root, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
-    except FileNotFoundError:
+        fd, size = open_regular(root, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+    except (FileNotFoundError, NotADirectoryError):
         fd = -1
     if fd >= 0:
         with os.fdopen(fd, "rb") as f:
+            if crc is not None and checksum is not None:
+                checksum_mismatch(_file_checksum(f, size, checksum, path), crc, checksum, f"{path} ({size} bytes)")
             return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
-    if entry_exists(root, METADATA_JSON):
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint directory {root} is gone (removed or renamed while it was being read, e.g. by "
+            "retention or ckptd gc); load another checkpoint"
+        )
+    if expected if expected is not None else entry_exists(root, METADATA_JSON):
         raise CorruptCheckpointError(
             f"{path} is missing, but {root / METADATA_JSON} says the checkpoint has one; the "
             "checkpoint is damaged. Restore the file, or load an earlier checkpoint."
@@ -135,11 +203,37 @@ def read_common_pt(directory: str | os.PathLike, allow_unsafe_pickle: bool = Fal
     return None
 
 
-def read_bytes_item(files: DataFiles, obj: StoredObject, allow_unsafe_pickle: bool) -> Any:
-    """A DCP bytes item (``torch.save(value)``), decoded."""
-    what = f"the value '{obj.fqn}' in {files.directory / obj.relative_path}"
+def _file_checksum(f: BinaryIO, size: int, checksum: Checksum, path: Path) -> int:
+    """The checksum of the open file's ``size`` bytes, read in blocks; then back at its start."""
+    buf = memoryview(bytearray(min(size, 16 << 20)))
+    crc = done = 0
+    while done < size:
+        n = f.readinto(buf[: min(len(buf), size - done)])  # type: ignore[attr-defined]
+        if not n:
+            raise CorruptCheckpointError(f"{path} shrank while being read ({done} of {size} bytes)")
+        crc = checksum(buf[:n], crc)
+        done += n
+    f.seek(0)
+    return crc
+
+
+def read_object_item(files: DataFiles, obj: StoredObject, what: str, checksum: Checksum | None) -> bytes:
+    """The bytes of a bytes item (a ShardedObject or a DCP value), checked against the checksum
+    recorded at save time (when one was)."""
     raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
-    return unpickle_torch(raw, what, allow_unsafe_pickle)
+    where = (
+        f"{what} (bytes [{obj.file_offset}, {obj.file_offset + obj.length}) of {files.directory / obj.relative_path})"
+    )
+    check_checksum(raw, obj.crc32, checksum, where)
+    return raw
+
+
+def read_bytes_item(
+    files: DataFiles, obj: StoredObject, allow_unsafe_pickle: bool, checksum: Checksum | None = None
+) -> Any:
+    """A DCP bytes item (``torch.save(value)``), checked (see :func:`read_object_item`), decoded."""
+    what = f"the value '{obj.fqn}' in {files.directory / obj.relative_path}"
+    return unpickle_torch(read_object_item(files, obj, f"the value '{obj.fqn}'", checksum), what, allow_unsafe_pickle)
 
 
 def read_common(
@@ -157,10 +251,10 @@ def read_common(
     from .dcp_metadata import common_items, planner_path, read_index
 
     root = Path(directory)
-    common = read_common_pt(root, allow_unsafe_pickle)
-    out = common if common is not None else {}
     if index is None:
         index = read_index(root, allow_unsafe_pickle)
+    common = read_common_pt(root, allow_unsafe_pickle, crc=index.common_crc32, checksum=index.checksum)
+    out = common if common is not None else {}
     items = common_items(index)
     if not items:
         return out
@@ -171,5 +265,6 @@ def read_common(
         )
     with DataFiles(root) as files:
         for obj in items:
-            set_path(out, planner_path(index, obj.fqn), read_bytes_item(files, obj, allow_unsafe_pickle))
+            value = read_bytes_item(files, obj, allow_unsafe_pickle, index.checksum)
+            set_path(out, planner_path(index, obj.fqn), value)
     return out

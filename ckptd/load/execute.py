@@ -15,6 +15,17 @@ For each stored item (in file order) the raw element bytes are located inside it
 
 Items that are not plain contiguous tensor streams fall back to ``torch.load`` of the item.
 Extra memory is thus bounded by one slab (plus whole fallback items), whatever the tensor sizes.
+
+**Checksums.** An item whose CRC-32C was recorded at save time is checked as it is read when the
+plan reads all of it (one copy covering the whole chunk: every same-layout load, and any load
+onto a coarser layout): the bytes are checksummed in file order as they arrive, in blocks of
+``_CRC_BLOCK_NBYTES`` read and checksummed while still in the CPU cache, plus the item's few
+header bytes. A plan that reads only part of an item (a finer layout) cannot check the item's
+checksum without reading the rest: items up to 64 KiB are checked all the same (locating their
+elements read them whole already), larger ones are not (``LoadStats.items_unverified``; reading
+them whole would multiply what such a load reads; ``ckptd verify`` checks every byte). A mismatch
+raises CorruptCheckpointError naming key, chunk, file and byte range, after the destination may
+already hold the damaged bytes.
 """
 
 from __future__ import annotations
@@ -24,20 +35,28 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..format.checksum import Checksum
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
-from ..format.reader import DataFiles, load_tensor_bytes
+from ..format.reader import DataFiles, check_checksum, checksum_mismatch, load_tensor_bytes
 from .plan import CopyOp, ItemReads, ReadPlan
-from .rawitem import RawLayout, locate
+from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
 log = logging.getLogger("ckptd.load")
 
 _MADV_POPULATE_READ = 22 if os.uname().sysname == "Linux" else None  # Linux >= 5.14
 _DENSE_FRACTION = 0.9
+# Reads of a checked item go in blocks of this size, each checksummed right after it landed.
+_CRC_BLOCK_NBYTES = 4 << 20
+# A partly read item up to this size is checked too: locating its elements read all of it
+# already (ckptd.load.rawitem reads items up to this size whole).
+_VERIFY_WHOLE_NBYTES = SMALL_ITEM_NBYTES
 
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
@@ -69,6 +88,8 @@ class LoadStats:
     read_calls: int = 0
     bytes_mapped: int = 0  # span of strided copies served from a read-only mapping
     peak_scratch_bytes: int = 0
+    items_verified: int = 0  # items whose recorded checksum was checked
+    items_unverified: int = 0  # items with a recorded checksum read only in part (not checked)
 
     def merge(self, other: LoadStats) -> None:
         for name in (
@@ -79,6 +100,8 @@ class LoadStats:
             "bytes_read",
             "read_calls",
             "bytes_mapped",
+            "items_verified",
+            "items_unverified",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, other.peak_scratch_bytes)
@@ -92,15 +115,84 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+class _RunningCrc:
+    """The checksum of one item's bytes, fed in file order; ``ok`` turns False for good if a piece
+    arrives out of order (the caller then checks the item by reading it again).
+
+    :meth:`add_later` checksums a piece on ``helper`` (one thread: pieces are checksummed in the
+    order they were added) while the caller reads the next one; CRC-32C releases the GIL, so the
+    two overlap. Same-layout load of 512 MiB in 64 MiB tensors, warm page cache, 2-core CI
+    machine, best of 30 interleaved runs: 136 ms without checksums, 156 ms with the helper, 185 ms
+    checksumming each block on the loading thread; with the other core busy with other work the
+    helper gains nothing (medians 322 ms against 301 ms). :attr:`value` waits for the pieces still
+    being checksummed.
+    """
+
+    def __init__(self, checksum: Checksum, start: int, helper: ThreadPoolExecutor | None = None) -> None:
+        self.checksum = checksum
+        self.pos = start
+        self.crc = 0
+        self.ok = True
+        self._helper = helper
+        self._last: Future[None] | None = None
+
+    def add(self, offset: int, data: memoryview | bytes) -> None:
+        if self._advance(offset, len(data)):
+            self.settle()
+            self.crc = self.checksum(data, self.crc)
+
+    def add_later(self, offset: int, data: memoryview) -> None:
+        """As :meth:`add`, computed on the helper thread; ``data`` must stay unchanged until
+        :attr:`value` returned."""
+        if self._helper is None:
+            self.add(offset, data)
+        elif self._advance(offset, len(data)):
+            self._last = self._helper.submit(self._fold, data)
+
+    def _fold(self, data: memoryview) -> None:
+        self.crc = self.checksum(data, self.crc)
+
+    def _advance(self, offset: int, nbytes: int) -> bool:
+        if not self.ok or offset != self.pos:
+            self.ok = False
+            return False
+        self.pos += nbytes
+        return True
+
+    def settle(self) -> None:
+        """Wait for the pieces still being checksummed (raises what checksumming raised)."""
+        if self._last is not None:
+            last, self._last = self._last, None
+            last.result()
+
+    @property
+    def value(self) -> int:
+        self.settle()
+        return self.crc
+
+
+def _covers_whole(entry: ItemReads) -> bool:
+    """Whether the plan reads every element of the item, in one copy."""
+    if len(entry.copies) != 1:
+        return False
+    op, shape = entry.copies[0], tuple(entry.item.shape)
+    return (
+        op.elem_offset == 0 and tuple(op.array_shape) == shape and tuple(op.sizes) == shape and not any(op.src_origin)
+    )
+
+
 class _Executor:
-    def __init__(self, files: DataFiles, opts: ExecOptions, stats: LoadStats) -> None:
+    def __init__(self, files: DataFiles, opts: ExecOptions, stats: LoadStats, checksum: Checksum | None) -> None:
         self.files = files
         self.opts = opts
         self.stats = stats
+        self.checksum = checksum
         self._views: dict[int, memoryview] = {}
         self._sink = memoryview(bytearray(opts.gap_fill_bytes))
         self._scratch: torch.Tensor | None = None
         self._use_mmap = opts.use_mmap
+        self._crc: _RunningCrc | None = None  # the item being read and checked, if any
+        self.helper: ThreadPoolExecutor | None = None  # checksums blocks while the next is read
 
     # --- reading -------------------------------------------------------------------------
     def _pread(self, fd: int, offset: int, n: int) -> bytes:
@@ -157,9 +249,12 @@ class _Executor:
             )
         self.stats.items += 1
         before = self.stats.bytes_read
+        probed: list[tuple[int, bytes]] = []  # what locate() read: the item's headers, mostly
 
         def read(off: int, n: int) -> bytes:
-            return self._pread(fd, off, n)
+            data = self._pread(fd, off, n)
+            probed.append((off, data))
+            return data
 
         layout = locate(read, item.file_offset, item.length, entry.dtype, item.shape)
         esize = entry.dtype.itemsize
@@ -168,9 +263,71 @@ class _Executor:
             self._fallback(entry, where)
             return
         self.stats.raw_items += 1
-        for op in entry.copies:
-            self.stats.bytes_copied += math.prod(op.sizes) * esize
-            self._copy_raw(fd, layout, esize, op, where)
+        checksum, recorded = self.checksum, item.crc32
+        crc = None
+        if checksum is not None and recorded is not None and _covers_whole(entry):
+            if self.helper is None and layout.nbytes > _CRC_BLOCK_NBYTES:
+                self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-load-crc")
+            crc = _RunningCrc(checksum, item.file_offset, self.helper)
+            crc.add(item.file_offset, self._span(fd, item.file_offset, layout.data_offset, probed))
+        self._crc = crc
+        try:
+            for op in entry.copies:
+                self.stats.bytes_copied += math.prod(op.sizes) * esize
+                self._copy_raw(fd, layout, esize, op, where)
+        finally:
+            self._crc = None
+            if crc is not None:
+                crc.settle()  # no checksum may still read the destination once the item is done
+        if checksum is None or recorded is None:
+            return
+        if crc is not None:
+            end = item.file_offset + item.length
+            data_end = layout.data_offset + layout.nbytes
+            if crc.ok and crc.pos == data_end:
+                for off, piece in self._blocks(fd, data_end, end, probed):
+                    crc.add(off, piece)
+            if crc.ok and crc.pos == end:
+                checksum_mismatch(crc.value, recorded, checksum, self._item_what(entry))
+                self.stats.items_verified += 1
+            else:  # not fed in file order: check it by reading it again
+                self._verify_by_reading(fd, entry, checksum, recorded, [])
+        elif item.length <= _VERIFY_WHOLE_NBYTES:
+            self._verify_by_reading(fd, entry, checksum, recorded, probed)
+        else:
+            self.stats.items_unverified += 1
+
+    def _item_what(self, entry: ItemReads) -> str:
+        item = entry.item
+        return (
+            f"{entry.what} chunk at offsets {tuple(item.offsets)} (bytes [{item.file_offset}, "
+            f"{item.file_offset + item.length}) of {self.files.directory / item.relative_path})"
+        )
+
+    def _span(self, fd: int, start: int, end: int, probed: list[tuple[int, bytes]]) -> bytes:
+        """File bytes ``[start, end)`` of a few KiB: from what was probed, else read."""
+        for off, data in probed:
+            if off <= start and end <= off + len(data):
+                return data[start - off : end - off]
+        return self._pread(fd, start, end - start)
+
+    def _blocks(self, fd: int, start: int, end: int, probed: list[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
+        """File bytes ``[start, end)`` as ``(offset, bytes)`` pieces of at most a block each, read
+        one at a time."""
+        for pos in range(start, end, _CRC_BLOCK_NBYTES):
+            yield pos, self._span(fd, pos, min(end, pos + _CRC_BLOCK_NBYTES), probed)
+
+    def _verify_by_reading(
+        self, fd: int, entry: ItemReads, checksum: Checksum, recorded: int, probed: list[tuple[int, bytes]]
+    ) -> None:
+        """Check an item's recorded checksum over all of its bytes: those ``probed`` already, the
+        rest read block by block."""
+        item = entry.item
+        crc = _RunningCrc(checksum, item.file_offset)
+        for off, piece in self._blocks(fd, item.file_offset, item.file_offset + item.length, probed):
+            crc.add(off, piece)
+        checksum_mismatch(crc.value, recorded, checksum, self._item_what(entry))
+        self.stats.items_verified += 1
 
     def _fallback(self, entry: ItemReads, where: str) -> None:
         item = entry.item
@@ -178,6 +335,9 @@ class _Executor:
         data = self.files.read(item.relative_path, item.file_offset, item.length, entry.what)
         self.stats.read_calls += 1
         self.stats.bytes_read += len(data)
+        if self.checksum is not None and item.crc32 is not None:
+            check_checksum(data, item.crc32, self.checksum, self._item_what(entry))
+            self.stats.items_verified += 1
         source = load_tensor_bytes(data, entry.what, item.relative_path)
         del data
         if tuple(source.shape) != tuple(item.shape) or source.dtype != entry.dtype:
@@ -225,12 +385,40 @@ class _Executor:
                 batch.append(piece)
             else:
                 if batch:
-                    self._preadv(fd, batch, batch_start, what)
+                    self._read_batch(fd, batch, batch_start, what)
                 batch = [piece]
                 batch_start = file_off
             expected = file_off + run_bytes
         if batch:
-            self._preadv(fd, batch, batch_start, what)
+            self._read_batch(fd, batch, batch_start, what)
+
+    def _read_batch(self, fd: int, batch: list[memoryview], offset: int, what: str) -> None:
+        """``preadv`` of contiguous file bytes into ``batch``; for an item being checked, in blocks
+        of at most ``_CRC_BLOCK_NBYTES``, each checksummed right after it landed (still in cache)."""
+        crc = self._crc
+        if crc is None:
+            self._preadv(fd, batch, offset, what)
+            return
+        group: list[memoryview] = []
+        nbytes = 0
+        for buf in batch:
+            while len(buf):
+                take = buf[: _CRC_BLOCK_NBYTES - nbytes]
+                group.append(take)
+                nbytes += len(take)
+                buf = buf[len(take) :]
+                if nbytes == _CRC_BLOCK_NBYTES:
+                    self._read_group(fd, group, offset, what, crc)
+                    offset += nbytes
+                    group, nbytes = [], 0
+        if group:
+            self._read_group(fd, group, offset, what, crc)
+
+    def _read_group(self, fd: int, group: list[memoryview], offset: int, what: str, crc: _RunningCrc) -> None:
+        self._preadv(fd, group, offset, what)
+        for piece in group:
+            crc.add_later(offset, piece)  # the destination's bytes: unchanged until the item is done
+            offset += len(piece)
 
     def _windowed(self, fd: int, layout: RawLayout, esize: int, op: CopyOp, what: str) -> None:
         base = layout.data_offset + op.elem_offset * esize
@@ -278,6 +466,8 @@ class _Executor:
                 continue
             buf = self._scratch_bytes(n_elems * esize)
             self._preadv(fd, [byte_view(buf)], start, what)
+            if self._crc is not None:
+                self._crc.add(start, byte_view(buf))
             dst.copy_(buf.view(op.dst.dtype).as_strided(box, box_strides, 0))
 
     def _copy_mapped(
@@ -317,6 +507,9 @@ class _Executor:
             flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start - aligned)
             src = flat.view(dst.dtype).as_strided(box, box_strides, 0)
             dst.copy_(src)
+            if self._crc is not None:
+                with memoryview(mm) as whole, whole[start - aligned : start - aligned + nbytes] as span:
+                    self._crc.add(start, span)
             del src, flat
         finally:
             mm.close()
@@ -324,15 +517,27 @@ class _Executor:
 
 
 def execute(
-    plan: ReadPlan, directory: str | os.PathLike, *, options: ExecOptions | None = None, stats: LoadStats | None = None
+    plan: ReadPlan,
+    directory: str | os.PathLike,
+    *,
+    options: ExecOptions | None = None,
+    stats: LoadStats | None = None,
+    checksum: Checksum | None = None,
 ) -> LoadStats:
-    """Run ``plan`` against the data files of ``directory``; returns (and fills) ``stats``."""
+    """Run ``plan`` against the data files of ``directory``; returns (and fills) ``stats``.
+
+    ``checksum``: the function of the checkpoint's recorded checksums (``CheckpointIndex.checksum``);
+    items are then checked as described in the module docstring. None: nothing is checked."""
     stats = stats if stats is not None else LoadStats()
     opts = options or ExecOptions()
     with DataFiles(directory) as files:
-        ex = _Executor(files, opts, stats)
-        for key in sorted(plan.items):
-            ex.run_item(plan.items[key])
+        ex = _Executor(files, opts, stats, checksum)
+        try:
+            for key in sorted(plan.items):
+                ex.run_item(plan.items[key])
+        finally:
+            if ex.helper is not None:
+                ex.helper.shutdown(wait=True)
     log.debug("load executed: %s", stats)
     return stats
 

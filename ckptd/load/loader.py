@@ -23,6 +23,8 @@ result is built on it, as Megatron-Core's is), bytes items only when requested.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +33,9 @@ from typing import Any
 import torch
 
 from ..dist import DistContext
-from ..errors import LoadMismatchError
+from ..errors import CorruptCheckpointError, LoadMismatchError
 from ..format.dcp_metadata import CheckpointIndex
-from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt
+from ..format.reader import DataFiles, load_object_bytes, read_bytes_item, read_common_pt, read_object_item
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from ..statedict.assemble import assemble
 from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict
@@ -53,7 +55,10 @@ class LoadRequest:
     """Everything :func:`run_load` needs besides the checkpoint index.
 
     ``with_common=False`` leaves ``common.pt`` undecoded (the result then holds only what was
-    requested; :func:`ckptd.load_plain_tensors` uses it).
+    requested; :func:`ckptd.load_plain_tensors` uses it). ``has_common``: whether the checkpoint
+    has ``common.pt``, as known when it was opened (None: decided when it is read).
+    ``allow_dtype_cast``: read a tensor requested in another dtype in the stored one and cast it
+    (as ``dcp.load``); False raises LoadMismatchError.
     """
 
     sharded_state_dict: Any
@@ -65,18 +70,27 @@ class LoadRequest:
     stats: LoadStats | None = None
     options: ExecOptions | None = None
     with_common: bool = True
+    has_common: bool | None = None
+    allow_dtype_cast: bool = True
 
 
 class _Common:
-    """``common.pt``, decoded on first use only."""
+    """``common.pt``, checked against its recorded checksum and decoded on first use only."""
 
-    def __init__(self, req: LoadRequest) -> None:
+    def __init__(self, req: LoadRequest, index: CheckpointIndex) -> None:
         self._req = req
+        self._index = index
         self._tree: Any = _ABSENT
 
     def tree(self) -> Any:
         if self._tree is _ABSENT:
-            self._tree = read_common_pt(self._req.checkpoint_dir, self._req.allow_unsafe_pickle)
+            self._tree = read_common_pt(
+                self._req.checkpoint_dir,
+                self._req.allow_unsafe_pickle,
+                expected=self._req.has_common,
+                crc=self._index.common_crc32,
+                checksum=self._index.checksum,
+            )
         return self._tree
 
     def get(self, path: SdPath) -> Any:
@@ -89,7 +103,7 @@ def _requested_key(sh: ShardedTensor | ShardedObject | ByteItem) -> str:
 
 
 def _match(
-    view: CheckpointView, split: SplitStateDict, common: _Common
+    view: CheckpointView, split: SplitStateDict, common: _Common, cast: bool
 ) -> tuple[set[str], dict[SdPath, tuple[ShardedTensor | ByteItem, Any]], int]:
     """``(unexpected keys, entries taken from common.pt by path, number of matched entries)``.
 
@@ -110,7 +124,7 @@ def _match(
         if not found and split.dialect is Dialect.DCP and FACTORY_PART not in path:
             value = common.get(path)
             if value is not _ABSENT and (
-                isinstance(sh, ByteItem) or (isinstance(sh, ShardedTensor) and _fits(sh, value))
+                isinstance(sh, ByteItem) or (isinstance(sh, ShardedTensor) and _fits(sh, value, cast))
             ):
                 from_common[path] = (sh, value)
                 found = True
@@ -121,8 +135,10 @@ def _match(
     return unexpected, from_common, matched
 
 
-def _fits(sh: ShardedTensor, value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == sh.dtype and tuple(value.shape) == sh.global_shape
+def _fits(sh: ShardedTensor, value: Any, cast: bool) -> bool:
+    return (
+        isinstance(value, torch.Tensor) and (cast or value.dtype == sh.dtype) and tuple(value.shape) == sh.global_shape
+    )
 
 
 def _missing(view: CheckpointView, split: SplitStateDict, group: Any) -> set[str]:
@@ -134,22 +150,18 @@ def _missing(view: CheckpointView, split: SplitStateDict, group: Any) -> set[str
 
 
 def _check_something_matched(view: CheckpointView, split: SplitStateDict, matched: int, where: str) -> None:
+    """A request of entries none of which is stored raises. An empty request (no entry at all) is
+    fine, as for ``dcp.load``: torch's ``broadcast_from_rank0`` full-state loads pass ``{}`` on
+    every rank but 0 (a Megatron-style one still gets the common state)."""
     stored = len(view.tensors) + sum(o.sharded_object for o in view.objects.values())
-    if matched or not stored:
+    if matched or not stored or not split.sharded:
         return
-    if split.sharded:
-        sample = sorted({_requested_key(sh) for sh in split.sharded.values()})[:5]
-        close = sorted(view.tensors)[:5]
-        raise LoadMismatchError(
-            f"load of {where}: none of the {len(split.sharded)} requested entries is in the checkpoint "
-            f"(requested e.g. {sample}; stored e.g. {close}). Nothing was loaded. Check the keys "
-            "(a prefix such as 'model.'?) or map them with key_mapping=[...]"
-        )
+    sample = sorted({_requested_key(sh) for sh in split.sharded.values()})[:5]
+    close = sorted(view.tensors)[:5]
     raise LoadMismatchError(
-        f"load of {where}: the request names no tensor, object or value, but the checkpoint holds "
-        f"{stored} sharded entries; nothing would be loaded. Pass the state dict to fill (e.g. "
-        "model.sharded_state_dict() or get_state_dict(model, optimizer)); for the common state "
-        "alone use ckptd.load_common_state_dict"
+        f"load of {where}: none of the {len(split.sharded)} requested entries is in the checkpoint "
+        f"(requested e.g. {sample}; stored e.g. {close}). Nothing was loaded. Check the keys "
+        "(a prefix such as 'model.'?) or map them with key_mapping=[...]"
     )
 
 
@@ -161,10 +173,10 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
     if req.key_mapping:
         apply_key_mapping(view, list(req.key_mapping))
     split = split_state_dict(req.sharded_state_dict)
-    common = _Common(req)
+    common = _Common(req, index)
     where = str(req.checkpoint_dir)
 
-    unexpected, from_common, matched = _match(view, split, common)
+    unexpected, from_common, matched = _match(view, split, common, req.allow_dtype_cast)
     mismatch = Mismatch(set(), unexpected)
     if mode is StrictHandling.ASSUME_OK_UNEXPECTED:
         if unexpected:
@@ -178,11 +190,11 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
         del split.sharded[path]
 
     loaded: dict[SdPath, Any] = {}
-    _load_tensors(view, split, req, loaded)
-    _load_pickled(view, split, req, loaded)
+    _load_tensors(view, split, req, index, loaded)
+    _load_pickled(view, split, req, index, loaded)
     for path, (sh, value) in from_common.items():
         loaded[path] = value if isinstance(sh, ByteItem) else _fill(sh, value)
-    tree = _megatron_common(view, split, common, req) if split.dialect is Dialect.MEGATRON else {}
+    tree = _megatron_common(view, split, common, req, index) if split.dialect is Dialect.MEGATRON else {}
     result = assemble(split, req.sharded_state_dict, tree, loaded)
     if mode.returns_mismatch:
         missing = mismatch.missing if mode is StrictHandling.RETURN_ALL else set()
@@ -203,46 +215,115 @@ def _raise_unexpected(view: CheckpointView, split: SplitStateDict, unexpected: s
 
 def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
     if sh.data is None:
-        return value.clone()
+        return value.clone().to(sh.dtype)
     sh.data.detach().copy_(value)
     return sh.data
 
 
-def _load_tensors(view: CheckpointView, split: SplitStateDict, req: LoadRequest, loaded: dict[SdPath, Any]) -> None:
-    planner = Planner(view)
+def _load_tensors(
+    view: CheckpointView, split: SplitStateDict, req: LoadRequest, index: CheckpointIndex, loaded: dict[SdPath, Any]
+) -> None:
+    """Every requested tensor, read straight into its data where it is contiguous CPU memory of the
+    stored dtype; into a buffer otherwise. Tensors to cast are read one at a time, each through a
+    buffer of the stored dtype freed before the next, so a cast load needs at most one chunk of
+    extra memory."""
+    planner = Planner(view, allow_cast=req.allow_dtype_cast, dcp_style=split.dialect is Dialect.DCP)
+    checks = _AllocationCheck(view, req.checkpoint_dir)
     pending: list[tuple[SdPath, torch.Tensor, torch.Tensor]] = []
+    casts: list[tuple[SdPath, ShardedTensor, torch.dtype]] = []
     for path, sh in split.sharded.items():
         if not isinstance(sh, ShardedTensor):
             continue
         sh.validate_metadata_integrity()
+        stored = planner.resolve(sh)
+        if sh.data is None:
+            checks.check(sh, stored.dtype)
+        if stored.dtype != sh.dtype:
+            casts.append((path, sh, stored.dtype))
+            continue
         data = sh.init_data("cpu").detach()  # parameters that require grad are filled in place too
         direct = data.device.type == "cpu" and data.is_contiguous()
         buffer = data if direct else torch.empty(data.shape, dtype=sh.dtype)
         planner.add(sh, buffer)
         pending.append((path, data, buffer))
-    execute(planner.plan, req.checkpoint_dir, options=req.options, stats=req.stats)
+    run = functools.partial(execute, directory=req.checkpoint_dir, options=req.options, stats=req.stats)
+    run(planner.plan, checksum=index.checksum)
     for path, data, buffer in pending:
         if buffer is not data:
             data.copy_(buffer)
         loaded[path] = split.sharded[path].data
+    for path, sh, stored_dtype in casts:
+        data = sh.init_data("cpu").detach()
+        buffer = torch.empty(data.shape, dtype=stored_dtype)
+        one = Planner(view, allow_cast=True)
+        one.add(sh, buffer)
+        run(one.plan, checksum=index.checksum)
+        data.copy_(buffer)
+        del buffer
+        loaded[path] = sh.data
 
 
-def _load_pickled(view: CheckpointView, split: SplitStateDict, req: LoadRequest, loaded: dict[SdPath, Any]) -> None:
+class _AllocationCheck:
+    """Before a load allocates a tensor the checkpoint describes (a template without data, as
+    :func:`ckptd.load_plain_tensors` and ``load_tensors_metadata`` give), check that the data files
+    hold at least its bytes: a ``.metadata`` that declares more (a global shape of 2^40 x 256
+    over one small chunk) is damage, reported before anything is allocated."""
+
+    def __init__(self, view: CheckpointView, directory: str | os.PathLike) -> None:
+        self.view = view
+        self.directory = directory
+        self.sizes: dict[str, int] = {}
+
+    def check(self, sh: ShardedTensor, stored_dtype: torch.dtype) -> None:
+        if sh.allow_shape_mismatch:
+            return  # padded: more than stored is expected
+        stored = self.view.tensors[sh.key]
+        numel = (
+            math.prod(sh.local_shape)
+            if sh.flattened_range is None
+            else sh.flattened_range.stop - sh.flattened_range.start
+        )
+        need = numel * stored_dtype.itemsize
+        items = {src.item.key: src.item for src in stored.sources}
+        held = 0
+        for item in items.values():
+            size = self._size(item.relative_path)
+            held += max(0, min(item.length, size - item.file_offset))
+        if need > held:
+            raise CorruptCheckpointError(
+                f"tensor '{sh.key}': .metadata of {self.directory} describes {stored_dtype} of shape "
+                f"{stored.shape} (this request: {need} bytes), but its {len(items)} stored items hold "
+                f"{held} bytes in the data files; the metadata contradicts the data (damaged). Nothing "
+                "was allocated. Load an earlier checkpoint."
+            )
+
+    def _size(self, relative_path: str) -> int:
+        if relative_path not in self.sizes:
+            with DataFiles(self.directory) as files:  # a missing file raises, naming it
+                self.sizes[relative_path] = files.fileno_and_size(relative_path)[1]
+        return self.sizes[relative_path]
+
+
+def _load_pickled(
+    view: CheckpointView, split: SplitStateDict, req: LoadRequest, index: CheckpointIndex, loaded: dict[SdPath, Any]
+) -> None:
     wanted = [(p, sh) for p, sh in split.sharded.items() if not isinstance(sh, ShardedTensor)]
     if not wanted:
         return
     with DataFiles(req.checkpoint_dir) as files:
         for path, sh in wanted:
             if isinstance(sh, ByteItem):
-                loaded[path] = read_bytes_item(files, view.objects[sh.key], req.allow_unsafe_pickle)
+                loaded[path] = read_bytes_item(files, view.objects[sh.key], req.allow_unsafe_pickle, index.checksum)
                 continue
             stored = view.objects[sh.unique_key]
             what = f"ShardedObject '{sh.unique_key}'"
-            raw = files.read(stored.relative_path, stored.file_offset, stored.length, what)
+            raw = read_object_item(files, stored, what, index.checksum)
             loaded[path] = load_object_bytes(raw, f"{what} in {stored.relative_path}", req.allow_unsafe_pickle)
 
 
-def _megatron_common(view: CheckpointView, split: SplitStateDict, common: _Common, req: LoadRequest) -> Any:
+def _megatron_common(
+    view: CheckpointView, split: SplitStateDict, common: _Common, req: LoadRequest, index: CheckpointIndex
+) -> Any:
     """The common state a Megatron-style result starts from: ``common.pt``, plus the requested
     plain values it lacks that the checkpoint stores as DCP bytes items (a torch DCP checkpoint
     has no ``common.pt``: only what is requested is decoded)."""
@@ -260,7 +341,7 @@ def _megatron_common(view: CheckpointView, split: SplitStateDict, common: _Commo
         with DataFiles(req.checkpoint_dir) as files:
             for path, stored in wanted:
                 try:
-                    set_path(tree, path, read_bytes_item(files, stored, req.allow_unsafe_pickle))
+                    set_path(tree, path, read_bytes_item(files, stored, req.allow_unsafe_pickle, index.checksum))
                 except ValueError as exc:
                     raise LoadMismatchError(
                         f"the value at '{path_str(path)}' does not fit the common state: {exc}"

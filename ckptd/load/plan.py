@@ -97,21 +97,30 @@ def targets_for(sh: ShardedTensor, data: torch.Tensor) -> list[Target]:
 
 
 class Planner:
-    """Builds a ReadPlan from requests against one CheckpointView (the caller runs it)."""
+    """Builds a ReadPlan from requests against one CheckpointView (the caller runs it).
 
-    def __init__(self, view: CheckpointView) -> None:
+    ``allow_cast``: a request in another dtype than stored resolves (the caller reads it into a
+    buffer of the stored dtype and casts); else it raises. ``dcp_style``: requests come from a
+    DCP-style state dict (plain tensors, DTensors), which cannot set ``allow_shape_mismatch``, so
+    errors suggest what such a request can do instead.
+    """
+
+    def __init__(self, view: CheckpointView, *, allow_cast: bool = False, dcp_style: bool = False) -> None:
         self.view = view
         self.plan = ReadPlan()
+        self.allow_cast = allow_cast
+        self.dcp_style = dcp_style
         self._translated: dict[tuple[str, Shape], VirtualTensor] = {}
 
     def resolve(self, sh: ShardedTensor) -> VirtualTensor:
         stored = self.view.tensors.get(sh.key)
         if stored is None:
             raise missing_key_error(sh.key, sorted(self.view.tensors))
-        if stored.dtype != sh.dtype:
+        if stored.dtype != sh.dtype and not self.allow_cast:
             raise LoadMismatchError(
                 f"tensor '{sh.key}': the checkpoint stores {stored.dtype} but {sh.dtype} was "
-                "requested; request the stored dtype and cast after loading"
+                "requested; request the stored dtype, or pass allow_dtype_cast=True to cast as "
+                "dcp.load does"
             )
         gshape = sh.global_shape
         if stored.shape != gshape and is_legacy_grid(stored, gshape):
@@ -121,10 +130,21 @@ class Planner:
             stored = self._translated[cache_key]
         if len(gshape) != len(stored.shape) or (gshape != stored.shape and not sh.allow_shape_mismatch):
             where = f" ({stored.origin})" if stored.origin else ""
+            if self.dcp_style:
+                fix = (
+                    "fix the model config; to pad or truncate, load that key alone as a "
+                    f"ckptd.ShardedTensor with allow_shape_mismatch=True (the stored shape is {stored.shape}, "
+                    "e.g. from ckptd.load_tensors_metadata) or with ckptd.load_plain_tensors, and copy what "
+                    "fits into your tensor: plain tensors and DTensors cannot say allow_shape_mismatch"
+                )
+            else:
+                fix = (
+                    "fix the model config, or set allow_shape_mismatch=True to zero-pad / truncate "
+                    "along the differing axes"
+                )
             raise LoadMismatchError(
                 f"tensor '{sh.key}': the checkpoint stores global shape {stored.shape}{where} but "
-                f"{gshape} was requested; fix the model config, or set allow_shape_mismatch=True "
-                "to zero-pad / truncate along the differing axes"
+                f"{gshape} was requested; {fix}"
             )
         return stored
 

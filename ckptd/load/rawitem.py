@@ -43,7 +43,7 @@ _CENTRAL = b"PK\x01\x02"
 _LOCAL = b"PK\x03\x04"
 _TAIL_BYTES = 4096
 _HEAD_BYTES = 4096
-_SMALL_ITEM_BYTES = 64 * 1024
+SMALL_ITEM_NBYTES = 64 * 1024
 _U32 = 0xFFFFFFFF
 
 
@@ -250,7 +250,7 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
     try:
         win = _Window(read, item_offset, item_length)
         # Small items are read whole; large ones need only their first and last few KiB.
-        win.get(0, item_length if item_length <= _SMALL_ITEM_BYTES else min(item_length, _HEAD_BYTES))
+        win.get(0, item_length if item_length <= SMALL_ITEM_NBYTES else min(item_length, _HEAD_BYTES))
         entries = _central_directory(win)
         pkl_names = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkl_names) != 1:

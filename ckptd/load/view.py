@@ -27,6 +27,8 @@ class ItemRef:
     file_offset: int
     length: int
     shape: Shape  # the chunk's sizes as stored (the torch.save'd tensor's shape)
+    offsets: Shape = ()  # the stored chunk's global offsets (for messages)
+    crc32: int | None = None  # the item's checksum recorded at save time, if any
 
     @property
     def key(self) -> tuple[str, int]:
@@ -50,7 +52,9 @@ class Source:
 
     @classmethod
     def of_chunk(cls, chunk: StoredChunk) -> Source:
-        ref = ItemRef(chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes))
+        ref = ItemRef(
+            chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes), tuple(chunk.offsets), chunk.crc32
+        )
         return cls(tuple(chunk.offsets), tuple(chunk.sizes), ref, tuple(chunk.sizes), (0,) * len(chunk.sizes))
 
     def restrict(self, axis: int, lo: int, hi: int) -> Source | None:

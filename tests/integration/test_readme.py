@@ -129,11 +129,13 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
     optimizer = adamw(model)
     train_a_little(model, optimizer, seed=0)  # replicated parameters stay equal across TP ranks, as in training
     saved = [p.detach().clone() for p in model.parameters()]
+    content = {"distrib_optim_sharding_type": "dp_reshardable"}
     scope = {
         "ckptd": ckptd,
         "save_dir": root,
         "iteration": 12,
         "state_dict": sharded_state(model, optimizer, iteration=12),
+        "sharded_sd_metadata": content,
     }
     exec(save_code, scope)
     scope["handle"].wait(timeout_s=120)
@@ -141,10 +143,12 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
         for p in model.parameters():
             p.zero_()
     scope["state_dict"] = sharded_state(model, optimizer, iteration=0)
+    scope["sharded_sd_metadata"] = None
     exec(load_code, scope)
     scope["ckpt"].close()
     ok = scope["iteration"] == 12 and all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
-    return [] if ok else [f"iteration {scope['iteration']}, parameters restored: {ok}"]
+    ok = ok and scope["sharded_sd_metadata"] == content
+    return [] if ok else [f"iteration {scope['iteration']}, content {scope['sharded_sd_metadata']}, restored: {ok}"]
 
 
 @pytest.mark.timeout(240)

@@ -125,8 +125,9 @@ def test_keys_that_do_not_exist(ckpt: Path):
 
 
 def test_dtype_and_shape_mismatch(ckpt: Path):
-    with pytest.raises(LoadMismatchError, match=r"'x'.*stores torch.float32 but torch.bfloat16.*cast"):
-        ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(4, 6, dtype=torch.bfloat16))}, ckpt)
+    with pytest.raises(LoadMismatchError, match=r"'x'.*stores torch.float32 but torch.bfloat16.*allow_dtype_cast"):
+        req = {"x": ST.from_rank_offsets("x", torch.empty(4, 6, dtype=torch.bfloat16))}
+        ckptd.load(req, ckpt, allow_dtype_cast=False)
     with pytest.raises(LoadMismatchError, match=r"'x'.*global shape \(4, 6\).*\(4, 8\).*allow_shape_mismatch"):
         ckptd.load({"x": ST.from_rank_offsets("x", torch.empty(4, 4), (1, 0, 2))}, ckpt)
     with pytest.raises(LoadMismatchError, match=r"'x'.*\(4, 6\).*\(24,\)"):

@@ -4,9 +4,11 @@ import argparse
 import dataclasses
 import io
 import os
+import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import ckptd
 from ckptd.format.dcp_metadata import build_metadata, read_index, records_from_index, write_metadata
@@ -286,3 +288,31 @@ def test_torch_save_archive_damage_is_named_with_and_without_recorded_zip_crcs()
         no_header = bytearray(data)
         no_header[0:4] = b"XXXX"
         assert "local header" in torch_save_problem(bytes(no_header))
+
+
+def test_deep_decodes_each_byte_item_by_the_dialect_that_wrote_it(tmp_path):
+    """ckptd's own DCP-style checkpoints hold values as torch DCP does (``torch.save(value)``), next
+    to ShardedObjects (``torch.save([obj])``) in Megatron-style ones (issue 26 item 7): before,
+    --deep called every value of a checkpoint with metadata.json DAMAGED ("does not hold a
+    one-element list")."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "loss": 0.25, "name": "run"}
+    ckptd.save(sd, tmp_path / "dcp_style")
+    report = verify_checkpoint(tmp_path / "dcp_style", deep=True)
+    assert report.status == "OK" and report.items_decoded == report.items, report.findings
+    # A ShardedObject shard is still held to Megatron-Core's one-element list.
+    path = tmp_path / "megatron_style"
+    ckptd.save({"o": ckptd.ShardedObject("o", {"a": 1}, (1,), (0,)), "step": 1}, path, checksums=False)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    (idx,) = [i for i in md.storage_data if i.fqn == "o/shard_0_1"]
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf)  # not wrapped in a list
+    with open(path / md.storage_data[idx].relative_path, "ab") as f:
+        md.storage_data[idx] = _StorageInfo(md.storage_data[idx].relative_path, f.tell(), len(buf.getvalue()))
+        f.write(buf.getvalue())
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    report = verify_checkpoint(path, deep=True)
+    assert report.status == "DAMAGED" and "one-element list" in report.errors[0].message, report.findings

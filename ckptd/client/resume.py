@@ -1,0 +1,77 @@
+"""Resuming from the latest intact checkpoint of a root (:meth:`ckptd.Checkpointer.load` without
+``step``).
+
+Order of one resume, on every rank:
+
+1. :func:`ckptd.recovery.resolve_resumable` chooses the checkpoint (the tracker's, else the newest
+   valid committed one), leaving out those a load already found damaged;
+2. :func:`ckptd.load` loads it, holding a lease so that retention leaves it alone meanwhile;
+3. with several ranks (torch.distributed initialized), the ranks gather every rank's outcome (one
+   ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
+   all raise;
+4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
+   rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the intact
+   checkpoint committed last before it is loaded (the request is filled anew, so nothing of the
+   damaged one stays in it); one removed after it was chosen (CheckpointNotFoundError, its
+   directory gone) is chosen again from the latest, once per name. Any other error is raised on
+   every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..api import load as sync_load
+from ..dist import DistContext, error_class
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..recovery import resolve_resumable
+
+log = logging.getLogger(__name__)
+
+
+def load_latest(root: Path, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]) -> Any:
+    """Steps 1-4 above; ``damaged`` (checkpoint name -> what a load found) is updated in place.
+
+    Raises CheckpointNotFoundError when ``root`` has no committed checkpoint, and
+    CorruptCheckpointError when checkpoints exist but none loads.
+    """
+    ctx = DistContext.current(kwargs.get("process_group"))
+    removed: set[str] = set()
+    while True:
+        choice = resolve_resumable(root, damaged=damaged)
+        if choice is None:
+            raise CheckpointNotFoundError(f"{root} has no committed checkpoint yet")
+        name = choice.entry.name
+        error: Exception | None = None
+        result: Any = None
+        try:
+            result = sync_load(sharded_state_dict, choice.entry.path, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
+            error = exc
+        outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)))
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            return result
+        kinds = {error_class(o[0]) for _, o in failed}
+        detail = "; ".join(f"rank {r}: {o[1]}" for r, o in failed)
+        if any(issubclass(k, CorruptCheckpointError) for k in kinds):
+            damaged[name] = detail
+            log.warning(
+                "rank %d: checkpoint %s is damaged (%s); falling back to the intact one committed last before it",
+                rank,
+                choice.entry.path,
+                detail,
+            )
+        elif (
+            all(issubclass(k, CheckpointNotFoundError) for k in kinds)
+            and name not in removed
+            and not choice.entry.path.exists()
+        ):
+            removed.add(name)
+            log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)
+        elif error is not None:
+            raise error
+        else:
+            raise next(iter(kinds))(f"loading {choice.entry.path} failed on another rank: {detail}")

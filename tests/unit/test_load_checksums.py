@@ -1,0 +1,164 @@
+"""Loads check the CRC-32Cs recorded at save time (issue 25 M5): bit rot is a CorruptCheckpointError
+naming key, file and byte range, never values returned silently; resuming without a step falls
+back to the newest intact checkpoint with a warning, every rank alike."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import CorruptCheckpointError, LoadStats, ShardedObject, ShardedTensor
+from ckptd.client.resume import load_latest
+from ckptd.format.dcp_metadata import read_index
+from ckptd.format.rootlayout import step_dir_name
+from ckptd.load.execute import ExecOptions
+from ckptd.load.loader import LoadRequest, run_load
+from tests.checkpoints import flip_bit, make_checkpoint, make_root, reference_tensors
+
+ST = ShardedTensor
+
+
+def request() -> dict:
+    return {
+        "w": ST.from_rank_offsets("layer.weight", torch.empty(8, 6)),
+        "b": ST.from_rank_offsets("layer.bias", torch.empty(6)),
+        "e": ST.from_rank_offsets("embedding", torch.empty(4, 4, dtype=torch.bfloat16)),
+        "rng": ShardedObject("rng", None, (2,), (1,)),
+    }
+
+
+def chunk(path: Path, key: str, i: int = 0):
+    return read_index(path).tensors[key].chunks[i]
+
+
+def test_a_flipped_bit_in_a_tensor_item_fails_the_load_naming_key_file_and_bytes(tmp_path):
+    make_checkpoint(tmp_path / "c")
+    c = chunk(tmp_path / "c", "layer.weight", 1)
+    flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length - 200)  # in the elements
+    with pytest.raises(CorruptCheckpointError) as err:
+        ckptd.load(request(), tmp_path / "c")  # before: loaded, with one value changed
+    msg = str(err.value)
+    assert "tensor 'layer.weight' chunk at offsets (4, 0)" in msg and c.relative_path in msg
+    assert f"bytes [{c.file_offset}, {c.file_offset + c.length})" in msg and "CRC-32C" in msg
+
+
+@pytest.mark.parametrize("what", ["object", "common"])
+def test_a_flipped_bit_in_a_sharded_object_or_common_pt_fails_the_load(tmp_path, what):
+    make_checkpoint(tmp_path / "c")
+    if what == "object":
+        o = read_index(tmp_path / "c").objects["rng/shard_1_2"]
+        flip_bit(tmp_path / "c" / o.relative_path, o.file_offset + o.length // 2)
+        match = r"ShardedObject 'rng/shard_1_2' \(bytes \["
+    else:
+        data = (tmp_path / "c" / "common.pt").read_bytes()
+        flip_bit(tmp_path / "c" / "common.pt", data.index(b"test"))  # "test" -> "uest": still decodes
+        match = r"common.pt \(\d+ bytes\) has CRC-32C"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        ckptd.load(request(), tmp_path / "c")
+    if what == "common":
+        with pytest.raises(CorruptCheckpointError, match=match):
+            ckptd.load_common_state_dict(tmp_path / "c")
+
+
+def test_a_flipped_bit_in_a_dcp_value_fails_the_load(tmp_path):
+    ckptd.save({"w": torch.arange(6.0), "step": 1234567, "opt": {"lr": 0.5}}, tmp_path / "d")
+    o = read_index(tmp_path / "d").objects["step"]
+    raw = (tmp_path / "d" / o.relative_path).read_bytes()[o.file_offset : o.file_offset + o.length]
+    at = raw.index((1234567).to_bytes(4, "little"))
+    flip_bit(tmp_path / "d" / o.relative_path, o.file_offset + at)  # decodes as another int
+    req = {"w": torch.empty(6), "step": 0, "opt": {"lr": 0.0}}
+    with pytest.raises(CorruptCheckpointError, match="the value 'step'"):
+        ckptd.load(req, tmp_path / "d")
+
+
+def test_what_a_partial_read_checks(tmp_path):
+    """Whole items are checked whatever the path (straight into the tensor, a strided copy out of a
+    mapping, or through pread); a part of an item is checked when the item is at most 64 KiB (it
+    was read whole anyway), and counted as unchecked otherwise."""
+    big = torch.randn(1024, 256)  # 1 MiB
+    small = torch.randn(64, 32)  # 8 KiB
+    sd = {
+        "big": ST.from_rank_offsets("big", big),
+        "small": ST.from_rank_offsets("small", small),
+        **{f"col{i}": ST.from_rank_offsets("cols", big[:, i * 128 : (i + 1) * 128].clone(), (1, i, 2)) for i in (0, 1)},
+    }
+    ckptd.save(sd, tmp_path / "c")
+    stats = LoadStats()
+    half = {
+        "big": ST.from_rank_offsets("big", torch.empty(512, 256), (0, 0, 2)),
+        "small": ST.from_rank_offsets("small", torch.empty(32, 32), (0, 1, 2)),
+        "cols": ST.from_rank_offsets("cols", torch.empty(1024, 256)),  # both column chunks, strided
+    }
+    out = ckptd.load(half, tmp_path / "c", stats=stats)
+    assert torch.equal(out["cols"], big) and torch.equal(out["small"], small[32:])
+    assert (stats.items_verified, stats.items_unverified) == (3, 1)  # small, both column chunks; big's half
+
+    c = chunk(tmp_path / "c", "small")
+    flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length - 100)  # in the half NOT read
+    with pytest.raises(CorruptCheckpointError, match="tensor 'small'"):
+        ckptd.load({"small": half["small"]}, tmp_path / "c")
+    c = chunk(tmp_path / "c", "cols", 1)
+    flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length // 2)
+    for mmap in (True, False):  # out of a read-only mapping, or pread into a scratch buffer
+        req = LoadRequest({"cols": half["cols"]}, tmp_path / "c", options=ExecOptions(use_mmap=mmap))
+        with pytest.raises(CorruptCheckpointError, match=r"tensor 'cols' chunk at offsets \(0, 128\)"):
+            run_load(read_index(tmp_path / "c"), req)
+
+
+def test_an_item_larger_than_a_checksum_block_is_checked_whole(tmp_path):
+    w = torch.randn(9 << 20 >> 2)  # 9 MiB: three blocks, checksummed while the next is read
+    ckptd.save({"w": ST.from_rank_offsets("w", w)}, tmp_path / "c")
+    stats = LoadStats()
+    out = ckptd.load({"w": ST.from_rank_offsets("w", torch.empty_like(w))}, tmp_path / "c", stats=stats)
+    assert torch.equal(out["w"], w) and stats.items_verified == 1
+    c = chunk(tmp_path / "c", "w")
+    for at in (c.file_offset + 5, c.file_offset + (6 << 20), c.file_offset + c.length - 3):  # header, data, tail
+        flip_bit(tmp_path / "c" / c.relative_path, at)
+        with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
+            ckptd.load({"w": ST.from_rank_offsets("w", torch.empty_like(w))}, tmp_path / "c")
+        flip_bit(tmp_path / "c" / c.relative_path, at)
+    ckptd.load({"w": ST.from_rank_offsets("w", torch.empty_like(w))}, tmp_path / "c")
+
+
+def test_resuming_falls_back_to_the_last_committed_intact_checkpoint(tmp_path, caplog):
+    """What Checkpointer.load() without step runs (ckptd.client.resume.load_latest): before, the
+    damaged newest checkpoint was loaded silently."""
+    root = make_root(tmp_path / "r", [1, 2, 3], latest=3)
+    for step in (3, 2):  # bit rot in the two newest
+        c = chunk(root / step_dir_name(step), "layer.weight", 0)
+        flip_bit(root / step_dir_name(step) / c.relative_path, c.file_offset + c.length - 8)
+    damaged: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING, logger="ckptd"):
+        out = load_latest(root, request(), damaged, 0, {})
+    assert out["iteration"] == 1 and torch.equal(out["w"], reference_tensors()["layer.weight"])
+    assert sorted(damaged) == [step_dir_name(2), step_dir_name(3)]
+    assert "iter_0000003 is damaged" in caplog.text and "falling back to the intact one committed last" in caplog.text
+    assert "a load found damaged" in caplog.text  # the tracker is not followed, and it says why
+    c = chunk(root / step_dir_name(1), "layer.weight", 0)
+    flip_bit(root / step_dir_name(1) / c.relative_path, c.file_offset + c.length - 8)
+    with pytest.raises(CorruptCheckpointError, match="no other committed checkpoint"):
+        load_latest(root, request(), damaged, 0, {})
+
+
+def _resume_rows(rank: int, world: int, root: str) -> tuple[int, bool]:
+    """Each rank loads its half of the rows of layer.weight: only rank 1 reads the damaged chunk."""
+    damaged: dict[str, str] = {}
+    req = {"w": ST.from_rank_offsets("layer.weight", torch.empty(4, 6), (0, rank, world))}
+    out = load_latest(Path(root), req, damaged, rank, {})
+    rows = reference_tensors()["layer.weight"][rank * 4 : (rank + 1) * 4]
+    return out["iteration"], torch.equal(out["w"], rows)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_fall_back_together_when_only_one_reads_the_damage(tmp_path):
+    from tests.multiproc import run_ranks
+
+    root = make_root(tmp_path / "r", [1, 2], latest=2)
+    c = chunk(root / step_dir_name(2), "layer.weight", 1)  # rows 4..8, which only rank 1 reads
+    flip_bit(root / step_dir_name(2) / c.relative_path, c.file_offset + c.length - 8)
+    # Before: rank 0 resumed step 2 and rank 1 step 2 with a damaged value (or step 1 on its own).
+    assert run_ranks(_resume_rows, 2, str(root), timeout_s=100) == [(1, True), (1, True)]

@@ -1,0 +1,94 @@
+"""Loads behave as ``dcp.load`` where users switching from DCP expect it (issue 26 item 10): an empty
+request, a dtype different from the stored one (cast, as dcp.load and Megatron-Core's load do,
+unless ``allow_dtype_cast=False``), the README's key-mapping call, and what a DCP-style request
+is told to do about a shape mismatch."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptd
+from ckptd import LoadMismatchError, ShardedTensor
+
+ST = ShardedTensor
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_an_empty_request_loads_nothing_as_dcp_load_does(tmp_path):
+    """torch's broadcast_from_rank0 full-state loads give every rank but 0 an empty state dict."""
+    sd = {"model": {"w": torch.randn(3)}, "optim": {"state": {}, "param_groups": [{"lr": 0.1}]}, "step": 4}
+    ckptd.save(sd, tmp_path / "c")
+    for empty in ({}, {"model": {}, "optim": {"state": {}}}):
+        want = dict(empty)
+        dcp.load(want, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+        assert ckptd.load(empty, tmp_path / "c") == want  # before: LoadMismatchError
+    # A Megatron-style request of only local objects still gets the common state.
+    out = ckptd.load({"x": ckptd.LocalNonPersistentObject(5)}, tmp_path / "c")
+    assert out["x"] == 5
+
+
+def test_a_dtype_mismatch_is_cast_as_dcp_load_casts(tmp_path):
+    w = torch.randn(8, 6)
+    ckptd.save({"w": w, "common_t": torch.randn(3)}, tmp_path / "dcp_style")
+    mine, theirs = {"w": torch.zeros(8, 6, dtype=torch.bfloat16)}, {"w": torch.zeros(8, 6, dtype=torch.bfloat16)}
+    ckptd.load(mine, tmp_path / "dcp_style")  # before: LoadMismatchError
+    dcp.load(theirs, checkpoint_id=str(tmp_path / "dcp_style"), no_dist=True)
+    assert mine["w"].dtype == torch.bfloat16 and torch.equal(mine["w"], theirs["w"])
+    assert torch.equal(mine["w"], w.to(torch.bfloat16))
+    with pytest.raises(LoadMismatchError, match=r"stores torch.float32 but torch.bfloat16.*allow_dtype_cast"):
+        ckptd.load({"w": torch.zeros(8, 6, dtype=torch.bfloat16)}, tmp_path / "dcp_style", allow_dtype_cast=False)
+
+    # Megatron-style: into the given data, into a template without data, and a flattened range.
+    ckptd.save({"w": ST.from_rank_offsets("w", w), "t": torch.arange(4.0)}, tmp_path / "megatron_style")
+    out = ckptd.load(
+        {
+            "a": ST.from_rank_offsets("w", torch.zeros(4, 6, dtype=torch.float16), (0, 1, 2)),
+            "b": ST.from_rank_offsets("w", torch.zeros(8, 6, dtype=torch.float64)).without_data(),
+            "c": ST.from_rank_offsets_flat(
+                "w", torch.zeros(5, dtype=torch.bfloat16), (8, 6), flattened_range=slice(3, 8)
+            ),
+        },
+        tmp_path / "megatron_style",
+    )
+    assert torch.equal(out["a"], w[4:].to(torch.float16)) and out["a"].dtype == torch.float16
+    assert torch.equal(out["b"], w.to(torch.float64))
+    assert torch.equal(out["c"], w.reshape(-1)[3:8].to(torch.bfloat16))
+    # A DCP-style request of a tensor the checkpoint keeps in common.pt (saved Megatron-style).
+    req = {"t": torch.zeros(4, dtype=torch.int64)}
+    ckptd.load(req, tmp_path / "megatron_style")
+    assert torch.equal(req["t"], torch.arange(4)) and req["t"].dtype == torch.int64
+
+
+def test_the_readmes_key_mapping_config_call_works(tmp_path):
+    """The README showed ckptd.load.keymap.rules_from_config(...), an AttributeError (ckptd.load
+    is the function)."""
+    text = (REPO / "README.md").read_text()
+    (call,) = set(re.findall(r"`(ckptd\.[\w.]*rules_from_config)\(", text))
+    fn = ckptd
+    for name in call.split(".")[1:]:
+        fn = getattr(fn, name)
+    w = torch.randn(4, 2)
+    ckptd.save({"model.w": ST.from_rank_offsets("model.w", w)}, tmp_path / "c")
+    out = ckptd.load(
+        {"w": ST.from_rank_offsets("w", torch.empty(4, 2))},
+        tmp_path / "c",
+        key_mapping=fn([{"rename": ["model.*", "*"]}]),
+    )
+    assert torch.equal(out["w"], w)
+
+
+def test_a_dcp_style_shape_mismatch_says_what_such_a_request_can_do(tmp_path):
+    ckptd.save({"w": torch.randn(6)}, tmp_path / "c")
+    with pytest.raises(LoadMismatchError) as err:
+        ckptd.load({"w": torch.empty(5)}, tmp_path / "c")
+    msg = str(err.value)
+    # Before: "set allow_shape_mismatch=True", which a plain tensor or DTensor cannot.
+    assert "plain tensors and DTensors cannot say allow_shape_mismatch" in msg
+    assert "ckptd.load_plain_tensors" in msg and "stored shape is (6,)" in msg
+    with pytest.raises(LoadMismatchError, match="or set allow_shape_mismatch=True"):
+        ckptd.load({"w": ST.from_rank_offsets("w", torch.empty(5))}, tmp_path / "c")
