@@ -276,7 +276,11 @@ class Checkpointer:
             snap.seal_offset,
         )
         try:
-            self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
+            try:
+                self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
+            finally:
+                if lazy is not None:
+                    lazy.go()  # the copier starts once the SAVE's round trip is over
         except DaemonLostError as exc:
             if child:
                 self._children.add(snap.pid, end)

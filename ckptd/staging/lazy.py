@@ -90,6 +90,7 @@ class LazyCopier:
         self.timeout_s = timeout_s
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
+        self._held: list[_Job] = []  # started, handed to the copier thread by go()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
@@ -102,8 +103,10 @@ class LazyCopier:
         placements: list[Placement],
         step: int,
     ) -> Snapshot:
-        """Queue the production of one save; returns the snapshot the SAVE announces (its pid is
-        this process: the daemon fails the save if it dies before sealing)."""
+        """Prepare the production of one save; returns the snapshot the SAVE announces (its pid is
+        this process: the daemon fails the save if it dies before sealing). The copier thread
+        starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile would
+        compete with ``save()`` for the interpreter, and the stall is what matters here)."""
         seal = start_block(pool, block)
         job = _Job(
             pool,
@@ -122,9 +125,16 @@ class LazyCopier:
                 event = job.ready[device] = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
-        self._ensure_thread()
-        self._jobs.put(job)
+        self._held.append(job)
         return Snapshot(os.getpid(), seal, block_offset(block))
+
+    def go(self) -> None:
+        """Hand the saves :meth:`start` prepared to the copier thread."""
+        if self._held:
+            self._ensure_thread()
+            for job in self._held:
+                self._jobs.put(job)
+            self._held.clear()
 
     def fence(self, deadline: float | None = None) -> None:
         """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
@@ -135,6 +145,7 @@ class LazyCopier:
         StagingError after it) or, when given, by ``deadline`` (monotonic; closing): a snapshot
         not copied by then is abandoned instead.
         """
+        self.go()
         for job in self._pending:
             if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
