@@ -2,8 +2,12 @@
 
 Order of a multi-rank :func:`save` (every rank calls it; collectives over torch.distributed):
 
-1. (all ranks) apply factories, split the state dict, build item records; local checks.
-2. (all ranks) gather records; rank 0 validates global coverage; everyone agrees or raises.
+1. (all ranks) take each top-level Stateful's ``state_dict()``, apply factories, split the state
+   dict, build item records of everything the rank holds; local checks.
+2. (all ranks) gather records, the keys each rank holds without storing them (replicas) and the
+   plain items each holds (DCP-style plain tensors and values); every rank assigns each plain
+   item held by several ranks to one writer (:func:`ckptd.statedict.holdings.assign_writers`) and
+   drops its other copies; rank 0 validates global coverage; everyone agrees or raises.
 3. (all ranks) write ``__<rank>_0.distcp`` and fsync it.
 4. (rank 0) gather stored records, write ``common.pt``, ``.metadata``, ``metadata.json`` (last).
 
@@ -18,6 +22,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,8 @@ from .errors import (
     SaveFailedError,
     UnsupportedFormatError,
 )
+from .format.checksum import crc32c
+from .format.coverage import check_coverage, dedup_plain
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
@@ -45,9 +52,9 @@ from .format.layout import (
 )
 from .format.lease import ReadLease, removed_error
 from .format.reader import DataFiles, read_bytes_item, read_common, read_common_pt
-from .format.records import ItemRecord
+from .format.records import BYTES, ItemRecord
 from .format.safefs import entry_exists
-from .format.saveplan import plan_save
+from .format.saveplan import plan_rank
 from .format.validate import validate_records
 from .load.execute import LoadStats
 from .load.keymap import Rule
@@ -56,7 +63,9 @@ from .load.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor
 from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
 from .statedict.digest import common_digest, differing_ranks
+from .statedict.holdings import assign_writers, plain_sizes
 from .statedict.split import split_state_dict
+from .statedict.stateful import expand_stateful, load_stateful
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +128,15 @@ def save(
     ``content_metadata`` entry, in the common state; :func:`load_content_metadata` (or
     Megatron-Core's) reads it back.
 
+    What is stored is what ``torch.distributed.checkpoint.save`` stores: a top-level Stateful
+    value (``state_dict()``/``load_state_dict()``) as its ``state_dict()``; a DCP-style plain
+    tensor or value held by any set of ranks once, by one of them (see
+    :mod:`ckptd.statedict.holdings`; differing copies of a value: the lowest rank's, with a
+    warning).
+
     Errors are raised on every rank (a ckptd exception naming key, rank and file). Bad input is
-    detected before anything is written; if writing fails, the files of this save are removed
+    detected before anything is written (also a key that ranks hold only as replicas, which no
+    rank would store); if writing fails, the files of this save are removed
     again, so ``checkpoint_dir`` never holds a partial checkpoint.
     """
     sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
@@ -130,22 +146,36 @@ def save(
     common: list[bytes] = []
 
     def prepare() -> dict:
-        split = split_state_dict(sharded_state_dict, rank=ctx.rank, world_size=ctx.world_size)
+        split = split_state_dict(expand_stateful(sharded_state_dict))
         if ctx.rank == 0:
             check_save_target(root)
             common.append(serialize_common(split.common))
-        items_ = plan_save(split, ctx.rank)
-        prepared.extend(items_)
+        plan = plan_rank(split, ctx.rank)
+        prepared.extend(plan.items)
         digest = common_digest(split.common) if ctx.world_size > 1 else None
-        return {"records": [i.record.to_wire() for i in items_], "common_digest": digest}
+        plain = plain_sizes(split)
+        return {
+            "records": [_planned_wire(i, plain, ctx.world_size) for i in plan.items],
+            "held": plan.held,
+            "plain": plain,
+            "common_digest": digest,
+        }
 
     planned = ctx.agree("checkpoint planning", prepare)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
+    writers = _plain_writers([p["plain"] for p in planned])
+    mine = planned[ctx.rank]["plain"]  # copies another rank writes are dropped
+    prepared[:] = [i for i in prepared if not (i.record.fqn in mine and writers[i.record.fqn] != ctx.rank)]
     created_root = [False]
 
     def validate() -> None:
         if ctx.rank == 0:
-            validate_records([ItemRecord.from_wire(r) for p in planned for r in p["records"]])
+            records = [ItemRecord.from_wire(r) for p in planned for r in p["records"]]
+            kept, differing = dedup_plain(records, writers)
+            for warning in differing:
+                log.warning("save of %s: %s", root, warning)
+            check_coverage(kept, {r: p["held"] for r, p in enumerate(planned)})
+            validate_records(kept)
             created_root[0] = not root.exists()
             root.mkdir(parents=True, exist_ok=True)
 
@@ -186,6 +216,24 @@ def save(
             _remove_partial(root, ctx, created_root[0])
         raise
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
+
+
+def _planned_wire(item: PlannedItem, plain: dict[str, int], world_size: int) -> dict:
+    """A planned record for the planning exchange; a plain value held by several ranks may
+    differ between them, so its bytes' CRC-32C goes along (rank 0 warns about differing copies)."""
+    record = item.record
+    if world_size > 1 and record.kind == BYTES and record.fqn in plain and isinstance(item.payload, bytes):
+        record = replace(record, crc32=crc32c(item.payload))
+    return record.to_wire()
+
+
+def _plain_writers(plains: list[dict[str, int]]) -> dict[str, int]:
+    """Who writes each plain item, from every rank's plain items (key -> bytes or VALUE)."""
+    holdings: dict[str, dict[int, int]] = {}
+    for rank, plain in enumerate(plains):
+        for key, nbytes in plain.items():
+            holdings.setdefault(key, {})[rank] = nbytes
+    return assign_writers(holdings)
 
 
 def warn_differing_common(digests: list[str | None], rank: int, where: str) -> None:
@@ -268,7 +316,9 @@ def load(
     stored while the checkpoint holds tensors raises LoadMismatchError in every mode.
     ``key_mapping`` is a list of :mod:`ckptd.load.keymap` rules (rename / fuse / split) applied to the
     checkpoint's keys before resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is
-    filled with what was read. ``allow_unsafe_pickle`` permits arbitrary objects in the pickled
+    filled with what was read. A top-level Stateful value (``state_dict()``/``load_state_dict()``)
+    is loaded as ``dcp.load`` does: its ``state_dict()`` is filled, then its ``load_state_dict()``
+    is called with it. ``allow_unsafe_pickle`` permits arbitrary objects in the pickled
     state that is decoded (``common.pt`` for Megatron-style requests, requested ShardedObjects
     and values; only for trusted checkpoints). No daemon and no collective is needed (except for
     ``*_all``).
@@ -289,18 +339,21 @@ def load(
     """
     with _leased(checkpoint_dir) as has_common:
         index = _open_checkpoint(checkpoint_dir, allow_unsafe_pickle)
-        return run_load(
-            index,
-            LoadRequest(
-                sharded_state_dict,
-                checkpoint_dir,
-                allow_unsafe_pickle,
-                strict,
-                key_mapping,
-                process_group,
-                stats,
-                has_common=has_common,
-                allow_dtype_cast=allow_dtype_cast,
+        return load_stateful(
+            sharded_state_dict,
+            lambda request: run_load(
+                index,
+                LoadRequest(
+                    request,
+                    checkpoint_dir,
+                    allow_unsafe_pickle,
+                    strict,
+                    key_mapping,
+                    process_group,
+                    stats,
+                    has_common=has_common,
+                    allow_dtype_cast=allow_dtype_cast,
+                ),
             ),
         )
 

@@ -297,7 +297,8 @@ ShardedBase = ShardedTensor | ShardedObject
 class ByteItem:
     """A non-tensor value stored as an item of its own under ``key``: torch DCP's bytes item.
 
-    Its bytes are ``torch.save(data)``, written once (by rank 0). State dicts without Megatron-style
+    Its bytes are ``torch.save(data)``, stored once, by one of the ranks holding it (the lowest,
+    see :mod:`ckptd.statedict.holdings`). State dicts without Megatron-style
     sharded entries (DTensor / plain-tensor state dicts, as FSDP2 and torch DCP use) store their
     non-tensor values this way, under their flattened keys, so that ``torch.distributed.checkpoint``
     loads them (see :mod:`ckptd.statedict.split`).

@@ -26,11 +26,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("ckptd.mapping",)),
     ("statedict", ("ckptd.statedict",)),
     ("format", ("ckptd.format",)),
+    ("storage", ("ckptd.storage",)),
     ("load", ("ckptd.load",)),
     (
         "checkpoints",
         ("ckptd.catalog", "ckptd.recovery", "ckptd.retention", "ckptd.verify", "ckptd.describe", "ckptd.tune"),
     ),
+    ("roots", ("ckptd.roots",)),
     ("sync api", ("ckptd.api", "ckptd.optim")),
     ("staging", ("ckptd.staging",)),
     ("control", ("ckptd.control",)),

@@ -13,7 +13,10 @@ Typical use, on every rank (torchrun or a single process; no collective is used)
 Order of one :meth:`Checkpointer.save` on a rank:
 
 1. deliver pending notifications; raise an earlier save's failure nobody observed yet;
-2. plan the items (local checks only) and lay them out one after the other (aligned offsets);
+2. take each top-level Stateful's ``state_dict()`` (:mod:`ckptd.statedict.stateful`), plan the
+   items (local checks only): every plain item of a DCP-style state dict the rank holds, or only
+   its share once a verdict confirmed that every rank holds the same plain keys
+   (:mod:`ckptd.statedict.holdings`); lay them out one after the other (aligned offsets);
 3. create this rank's staging ring on the first save, sized by ``staging_budget`` from that
    save (:mod:`ckptd.staging.ring`), and register it with the daemon, which owns it from then on;
    items larger than the ring are split into chunks;
@@ -30,7 +33,8 @@ Order of one :meth:`Checkpointer.save` on a rank:
    producer waits for ring space the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
-   :mod:`ckptd.control.attempt`) and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
+   :mod:`ckptd.control.attempt`), the rank's plain-key digest and, when its layout changed, the
+   keys it holds without storing them, and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
    ``snapshot="copy"``) copy the items here now, while the daemon drains the ring (DMA on a side
    stream for CUDA tensors); return the :class:`SaveHandle`. The daemon writes each item once it
    is produced and publishes the file once the producer sealed the save; outcomes of
@@ -83,7 +87,7 @@ from ..errors import (
 from ..format.finalize import serialize_common
 from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
-from ..format.saveplan import PlanCache, plan_save
+from ..format.saveplan import PlanCache, plan_rank
 from ..gcpause import gc_paused
 from ..recovery import resolve_resumable
 from ..staging.children import KILL_REAP_S, SnapshotChildren
@@ -95,7 +99,9 @@ from ..staging.pool import StagingPool, place
 from ..staging.ring import BLOCKS, block_offset, capacity_for, span
 from ..statedict.content import with_content_metadata
 from ..statedict.digest import common_digest
+from ..statedict.holdings import PlainWriters, plain_digest
 from ..statedict.split import split_state_dict
+from ..statedict.stateful import expand_stateful
 from .handle import SaveHandle, SaveStatus
 from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
@@ -148,7 +154,8 @@ class Checkpointer:
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._pool: StagingPool | None = None
         self._layout = LayoutCache()
-        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_save)
+        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_rank)
+        self._plain = PlainWriters()  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
         self._children = SnapshotChildren(self.env.rank)  # fork snapshot children not reaped yet
         self._lazy = (
             LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
@@ -211,8 +218,12 @@ class Checkpointer:
         if committed_once(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         try:
-            split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)
-            items = plan_save(split, self.env.rank, self._plan_cache)
+            # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
+            split = split_state_dict(expand_stateful(sharded_state_dict))
+            plain = plain_digest(split) if self.env.world_size > 1 else ""  # one rank holds everything
+            skip = self._plain.skip(plain, split, self.env.rank, self.env.world_size)
+            plan = plan_rank(split, self.env.rank, self._plan_cache, skip=skip)
+            items = plan.items
             common = serialize_common(split.common) if self.env.rank == 0 else None
         except CkptdError as exc:
             self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
@@ -233,7 +244,7 @@ class Checkpointer:
         end = start + span(p.offset + p.nbytes for p in placements)
         queue_wait_s = time.perf_counter() - t_slot
         # Before the fork: while the child runs, every page the trainer writes is copied.
-        wire, layout = self._layout.items_for(pool.generation, items, placements)
+        wire, layout, held = self._layout.items_for(pool.generation, items, placements, plan.held)
         inline = False
         lazy = self._lazy if self._saves_lazily() else None
         try:
@@ -274,6 +285,8 @@ class Checkpointer:
             snap.pid,
             snap.seal,
             snap.seal_offset,
+            plain_digest=plain,
+            held=held,
         )
         try:
             try:
@@ -316,6 +329,7 @@ class Checkpointer:
             queue_wait_s += copy_inline(pool, start, block, items, placements, snap.seal, timeout_s)
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
+        self._plain.sent(step, plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
             if self._stats.committed == 0:
@@ -335,8 +349,8 @@ class Checkpointer:
         self._check_open()
         nbytes = 0
         if self._pool is None:
-            split = split_state_dict(sharded_state_dict, rank=self.env.rank, world_size=self.env.world_size)
-            nbytes = place(plan_save(split, self.env.rank, self._plan_cache))[1]
+            split = split_state_dict(expand_stateful(sharded_state_dict))
+            nbytes = place(plan_rank(split, self.env.rank, self._plan_cache).items)[1]
         self._ensure_connected()
         self._ensure_pool(nbytes)
 
@@ -699,6 +713,7 @@ class Checkpointer:
             )
         elif isinstance(msg, StepCommitted):
             h = self._pending.pop(msg.step, None)
+            self._plain.committed(msg.step, msg.plain_digest)
             for warning in msg.warnings:
                 log.warning("rank %d: %s", self.env.rank, warning)
             if h is not None:
@@ -727,6 +742,7 @@ class Checkpointer:
 
     def _fail(self, h: SaveHandle, reason: str) -> None:
         self._pending.pop(h.step, None)
+        self._plain.failed(h.step)  # the next saves write every plain item they hold
         h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} was not committed: {reason}"))
         self._unobserved.append(h)
         log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)

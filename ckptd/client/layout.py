@@ -1,7 +1,8 @@
 """Sending a save's item list once: later saves with the same structure send only its id.
 
 A training job saves the same state structure again and again: same keys, shapes, dtypes and
-shard offsets, so the same records at the same offsets in the ring. Encoding, sending, decoding and
+shard offsets, so the same records at the same offsets in the ring (and the same keys held as
+replicas). Encoding, sending, decoding and
 checking every record each time costs ~10 us per item on both sides (10,000 small tensors:
 tens of milliseconds of the training stall). The rank remembers the last item list it sent for
 its pool; when the next save's records and placements are equal, the SAVE carries only the
@@ -26,21 +27,30 @@ class LayoutCache:
     layout_id: str = ""
     records: tuple[ItemRecord, ...] = ()
     placements: tuple[Placement, ...] = field(default_factory=tuple)
+    held: tuple[str, ...] = ()
 
     def items_for(
-        self, generation: str, items: list[PlannedItem], placements: list[Placement]
-    ) -> tuple[list[dict], str]:
-        """``(items, layout)`` fields of the SAVE for these items (see :class:`~ckptd.control.protocol.Save`)."""
+        self, generation: str, items: list[PlannedItem], placements: list[Placement], held: list[str]
+    ) -> tuple[list[dict], str, list[str]]:
+        """``(items, layout, held)`` fields of the SAVE for these items and held keys (see
+        :class:`~ckptd.control.protocol.Save`): a layout equal to the last one sends neither."""
         if not items:
-            return [], ""
+            return [], "", held
         records = tuple(it.record for it in items)
         placed = tuple(placements)
-        if self.layout_id and generation == self.generation and records == self.records and placed == self.placements:
-            return [], self.layout_id
+        kept = tuple(held)
+        if (
+            self.layout_id
+            and generation == self.generation
+            and records == self.records
+            and placed == self.placements
+            and kept == self.held
+        ):
+            return [], self.layout_id, []
         wire = [{"record": r.to_wire(), "offset": p.offset, "nbytes": p.nbytes} for r, p in zip(records, placed)]
-        self.generation, self.records, self.placements = generation, records, placed
+        self.generation, self.records, self.placements, self.held = generation, records, placed, kept
         self.layout_id = secrets.token_hex(8)
-        return wire, self.layout_id
+        return wire, self.layout_id, held
 
     def forget(self) -> None:
         """The daemon may not hold the last layout (it refused the SAVE, or restarted)."""

@@ -12,7 +12,7 @@ restarted job saves again steps that its dead predecessor was saving. Every mess
 
 Ranks of one launch that save a step the same number of times therefore send the same id. The
 coordinator collects each attempt on its own, in its own ``<step>.<attempt>.tmp`` directory
-(ckptd.daemon.commit), and aborts a step whose ranks send different attempts, naming them.
+(ckptd.roots), and aborts a step whose ranks send different attempts, naming them.
 """
 
 from __future__ import annotations

@@ -22,13 +22,17 @@ Order of calls for one save of step ``s`` (who sends each message):
    Either way the step aborts everywhere at once, the daemon passing it on as a ``FAILED``.
 4. daemon writes ``__<rank>_0.distcp`` into ``<step>.<attempt>.tmp/`` as the items are produced
    (one save per ring at a time, in order, freeing ring space behind it), fsyncs it, then daemon ->
-   rank ``WRITE_DONE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size;
-   rank 0 adds the common state). A failed write sends ``FAILED`` instead.
-5. coordinator, once every rank of the world wrote that attempt: validates coverage, writes the
-   metadata files, checks every data file's size, renames ``<step>.<attempt>.tmp`` -> ``<step>``,
-   fsyncs, replaces the tracker, then coordinator -> daemons ``STEP_COMMITTED``; on any failure
-   or timeout ``STEP_ABORTED`` (reason; ``skipped`` when the first report that ended the attempt
-   was a rank's policy skip: the ranks resolve their saves of it as SKIPPED, not as failures).
+   rank ``WRITE_DONE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size,
+   the keys the rank holds without storing them, its plain-key digest; rank 0 adds the common
+   state). A failed write sends ``FAILED`` instead.
+5. coordinator, once every rank of the world wrote that attempt: keeps one copy of each plain
+   item several ranks wrote, checks that every key some rank holds is stored and validates
+   coverage, writes the metadata files, checks every data file's size, renames
+   ``<step>.<attempt>.tmp`` -> ``<step>``, fsyncs, replaces the tracker, then coordinator ->
+   daemons ``STEP_COMMITTED`` (with the plain-key digest if every rank sent the same one); on any
+   failure or timeout ``STEP_ABORTED`` (reason; ``skipped`` when the first report that ended the
+   attempt was a rank's policy skip: the ranks resolve their saves of it as SKIPPED, not as
+   failures).
 6. daemon -> ranks that saved step ``s`` in that attempt: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
 7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its pool once idle).
 
@@ -54,7 +58,7 @@ from __future__ import annotations
 import enum
 import types
 import typing
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Union
 
 import msgpack
@@ -62,7 +66,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -174,7 +178,13 @@ class Save(Message):
     control block at ``seal_offset``.
 
     ``common_digest``: a digest of this rank's common state ("" when not computed), compared by
-    the coordinator across ranks (ckptd.statedict.digest)."""
+    the coordinator across ranks (ckptd.statedict.digest).
+
+    ``plain_digest``: a digest of the rank's DCP-style plain keys ("" for Megatron-style state
+    dicts; ckptd.statedict.holdings), compared by the coordinator across ranks. ``held``: the keys
+    (unique keys of ShardedObjects) the rank holds but stores no item of (replicas, plain items
+    another rank writes), for the coordinator's coverage check (ckptd.format.coverage); sent with
+    the items, so a SAVE that reuses a layout reuses its ``held`` too."""
 
     TYPE: ClassVar[MsgType] = MsgType.SAVE
     step: int
@@ -191,6 +201,8 @@ class Save(Message):
     snapshot_pid: int
     seal: bytes
     seal_offset: int
+    plain_digest: str = ""
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -238,13 +250,16 @@ class Bye(Message):
 @dataclass(frozen=True)
 class StepCommitted(Message):
     """``warnings``: what the commit noticed but did not refuse (ranks whose common state differed
-    from rank 0's, which is the one saved)."""
+    from rank 0's, which is the one saved; plain items whose copies differed). ``plain_digest``:
+    the plain-key digest every rank sent, "" when they differed (a rank that sent it may leave
+    plain items to other ranks from now on: ckptd.statedict.holdings)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_COMMITTED
     step: int
     attempt: str
     name: str
     warnings: list[str]
+    plain_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,7 +278,7 @@ class StepAborted(Message):
 class Written(Message):
     """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps,
     ``file_nbytes`` the size of the data file as written (the coordinator checks it before the
-    commit)."""
+    commit); ``plain_digest`` and ``held`` are the SAVE's."""
 
     TYPE: ClassVar[MsgType] = MsgType.WRITTEN
     step: int
@@ -275,6 +290,8 @@ class Written(Message):
     common: bytes | None
     common_digest: str
     file_nbytes: int
+    plain_digest: str = ""
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ order attempts complete. A report about a finished attempt (a late FAILED, a dup
 answered with that attempt's outcome again, and any tmp dir it may have re-created is removed: it
 is never counted for another attempt, so a step aborted a moment ago can be saved again at once.
 
+Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
+that would not store every key some rank holds (replicas only) aborts, naming the key
+(ckptd.format.coverage); the verdict tells the ranks whether they all hold the same plain keys
+(ckptd.statedict.holdings).
+
 Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt
 (or a restarted job re-saved a step its predecessor was still saving): both abort, naming ranks and
 attempts. Before it renames an attempt's directory the commit checks that every rank's data file
@@ -29,12 +34,10 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-from ..catalog import committed_once
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
@@ -51,17 +54,14 @@ from ..control.protocol import (
     Written,
 )
 from ..control.security import HandshakeWatch
-from ..errors import ProtocolError, StorageError
-from ..format.commitrecord import read_commit_record
-from ..format.durable import default_opener
+from ..errors import ProtocolError, ShardingError, StorageError
+from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
-from ..format.layout import data_file_name
 from ..format.records import ItemRecord
-from ..format.rootlayout import step_dir_name
+from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..gcpause import gc_paused
+from ..roots.base import CommitOutcome, RootStore
 from ..statedict.digest import differing_ranks
-from .commit import CommitOutcome, commit_step, remove_tmp
-from .faults import fault_opener
 from .loop import serve_requests
 from .workers import Done, WorkerPools
 
@@ -89,6 +89,9 @@ class AttemptState:
     nodes: dict[int, int] = field(default_factory=dict)  # rank -> node that reported it
     common: bytes | None = None
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
+    plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
+    held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
+    warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
     adopted: bool = False  # found as <step>.<attempt>.tmp when this coordinator started
@@ -110,18 +113,17 @@ class Coordinator:
         codec: Codec,
         keys: CurveKeys,
         bind: str,
-        root: Path,
+        store: RootStore,
         config: CkptdConfig,
         workers: WorkerPools,
         instance: str,
         adopt: list[Key] | None = None,
     ) -> None:
-        self.root = root
+        self.store = store
+        self.root = store.location
         self.config = config
         self.workers = workers
         self.instance = instance
-        # Test hook: the fault file also reaches the commit's files (see ckptd.daemon.faults).
-        self.opener = fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
         replace_dead_links(sock, config.heartbeat_s, link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
         if bind.startswith("tcp://[") or bind.count(":") > 2:
@@ -141,7 +143,7 @@ class Coordinator:
             # Another node may still be writing it (it may even commit); if it does not complete
             # within the commit timeout, it aborts like any attempt and its tmp dir is removed.
             self.attempts[(step, attempt)] = AttemptState(step, attempt, 0, now, adopted=True)
-        log.info("coordinator of %s listening on %s", root, self.address)
+        log.info("coordinator of %s listening on %s", store.display(), self.address)
 
     @property
     def busy(self) -> bool:
@@ -172,7 +174,7 @@ class Coordinator:
         outcome = self.finished.get(key)
         if outcome is None:
             return False
-        if isinstance(outcome, StepCommitted) and not self._still_committed(*key):
+        if isinstance(outcome, StepCommitted) and not self.store.holds_commit(*key):
             # The verdict stands for files that are gone (the root was emptied) or hold another
             # save (a relaunch repeated the attempt id): this report is a new attempt's, never
             # answered from memory, and its files are not junk.
@@ -180,26 +182,22 @@ class Coordinator:
                 "step %d attempt %s: reported again, but %s no longer holds that commit; collecting it anew",
                 key[0],
                 key[1],
-                self.root / step_dir_name(key[0]),
+                self.store.display(step_dir_name(key[0])),
             )
             del self.finished[key]
             return False
         self.ep.send(outcome, identity)
         # A late writer may have re-created the tmp dir; the attempt is decided, so it is junk.
         step, attempt = key
-        self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
+        self.workers.commit(("cleanup", step, attempt), lambda: self.store.abort(step, attempt))
         return True
-
-    def _still_committed(self, step: int, attempt: str) -> bool:
-        record = read_commit_record(self.root / step_dir_name(step))
-        return record is not None and record.step == step and record.attempt == attempt
 
     def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int, who: str) -> AttemptState | None:
         """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed
         already, or another attempt of it is in flight)."""
         st = self.attempts[(step, attempt)] = AttemptState(step, attempt, world_size, time.monotonic())
         st.reporters.add(identity)
-        if committed_once(self.root, step):
+        if self.store.committed_once(step):
             self._abort(
                 st,
                 f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)",
@@ -277,7 +275,7 @@ class Coordinator:
                 raise ProtocolError(
                     f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} twice, differently"
                 )
-            name = data_file_name(msg.rank)
+            name = self.store.data_file_name(msg.attempt, msg.rank)
             for r in records:
                 if r.rank != msg.rank:
                     raise ProtocolError(f"rank {msg.rank} sent records of rank {r.rank}")
@@ -297,9 +295,11 @@ class Coordinator:
         st.file_nbytes[msg.rank] = msg.file_nbytes
         st.nodes[msg.rank] = msg.node
         st.digests[msg.rank] = msg.common_digest
+        st.plain[msg.rank] = msg.plain_digest
+        st.held[msg.rank] = msg.held
         if msg.rank == 0:
             st.common = msg.common
-        if len(st.records) == st.world_size:
+        if len(st.records) == st.world_size and self._settle(st):
             self._start_commit(st)
 
     def _on_failed(self, identity: bytes, msg: Failed) -> None:
@@ -322,34 +322,34 @@ class Coordinator:
         self._abort(st, f"{who}: {msg.reason}", skipped=msg.skipped)
 
     # --- the state machine ----------------------------------------------------------------
+    def _settle(self, st: AttemptState) -> bool:
+        """Keep one copy of each plain item several ranks wrote and check that every key a rank
+        holds is stored (ckptd.format.coverage); False when the attempt aborted instead."""
+        try:
+            st.records, st.warnings = settle(st.records, st.held, st.plain)
+        except ShardingError as exc:
+            self._abort(st, f"the coordinator refused the commit: {exc}")
+            return False
+        for warning in st.warnings:
+            log.warning("step %d attempt %s: %s", st.step, st.attempt, warning)
+        return True
+
     def _start_commit(self, st: AttemptState) -> None:
         st.phase = Phase.COMMITTING
         records = [r for rank in sorted(st.records) for r in st.records[rank]]
         common = st.common if st.common is not None else serialize_common({})
-        files = {data_file_name(rank): (rank, nbytes) for rank, nbytes in st.file_nbytes.items()}
-        cfg = self.config
+        files = {self.store.data_file_name(st.attempt, rank): (rank, n) for rank, n in st.file_nbytes.items()}
         step, attempt = st.key
 
         def run() -> CommitOutcome:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
-                    return commit_step(
-                        self.root,
-                        step,
-                        attempt,
-                        records,
-                        common,
-                        files,
-                        fsync=cfg.fsync,
-                        keep_last=cfg.keep_last,
-                        megatron_tracker=cfg.megatron_tracker,
-                        opener=self.opener,
-                    )
+                    return self.store.commit(step, attempt, records, common, files)
             except OSError as exc:
-                remove_tmp(self.root, step, attempt)
-                raise StorageError.from_oserror(exc, self.root) from exc
+                self.store.abort(step, attempt)
+                raise StorageError.from_oserror(exc, self.store.display(tmp_dir_name(step, attempt))) from exc
             except BaseException:
-                remove_tmp(self.root, step, attempt)
+                self.store.abort(step, attempt)
                 raise
 
         log.info("step %d attempt %s: all %d ranks wrote; committing", step, attempt, st.world_size)
@@ -368,8 +368,9 @@ class Coordinator:
         if done.error is None:
             st.phase = Phase.COMMITTED
             outcome: CommitOutcome = done.result
-            warnings = _common_warnings(st) + list(outcome.warnings)
-            self._finish(st, StepCommitted(step, attempt, outcome.name, warnings))
+            warnings = _common_warnings(st) + st.warnings + list(outcome.warnings)
+            uniform = uniform_digest(st.plain, st.world_size)
+            self._finish(st, StepCommitted(step, attempt, outcome.name, warnings, plain_digest=uniform))
             log.info("step %d committed as %s (attempt %s)", step, outcome.name, attempt)
         else:
             st.phase = Phase.ABORTED
@@ -387,7 +388,7 @@ class Coordinator:
         st.phase = Phase.ABORTED
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         step, attempt = st.key
-        self.workers.commit(("cleanup", step, attempt), lambda: remove_tmp(self.root, step, attempt))
+        self.workers.commit(("cleanup", step, attempt), lambda: self.store.abort(step, attempt))
         self._finish(st, StepAborted(step, attempt, reason, skipped))
 
     def _remember(self, key: Key, outcome: Message) -> None:

@@ -9,8 +9,9 @@ Order of one save, all on the daemon's loop except step 3:
 2. once the ring's previous write finished, the write goes to a writer thread; if its attempt
    was aborted meanwhile (another rank skipped or failed the step), nothing is written: the
    writer only frees the save's ring space as the producer goes (:meth:`SaveIntake._drain`);
-3. the writer thread writes ``__<rank>_0.distcp`` from the ring as the producer fills it
-   (ckptd.daemon.workers.write_rank_file) and fsyncs it;
+3. the writer thread writes the rank's data file into the root (ckptd.roots: a file of the
+   attempt's directory, or an object) from the ring as the producer fills it
+   (ckptd.daemon.workers.write_rank_file) and makes it durable;
 4. :meth:`SaveIntake.on_done`: the block is free (``WRITE_DONE`` to the rank), and ``WRITTEN``
    (or ``FAILED``) goes to the coordinator. A write that finished after its attempt was decided
    is reported as FAILED, never WRITTEN.
@@ -27,9 +28,8 @@ from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
 from ..control.protocol import Failed, Message, Save, StepAborted, WriteDone, Written
 from ..errors import CkptdError, ProtocolError, StagingError
-from ..format.durable import Opener
 from ..format.records import ItemRecord
-from ..format.rootlayout import tmp_dir
+from ..roots.base import RootStore
 from ..staging.pool import Placement
 from ..staging.ring import ALIGN
 from .metrics import DaemonMetrics
@@ -58,6 +58,8 @@ class WriteJob:
     block: int
     identity: bytes  # the rank's connection
     common_digest: str
+    plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
+    held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -91,7 +93,7 @@ class SaveIntake:
         workers: WorkerPools,
         metrics: DaemonMetrics,
         uplink: CoordinatorLink,
-        opener: Opener,
+        store: RootStore,
         send_to_rank: Callable[[Message, bytes], None],
     ) -> None:
         self.ep = ep
@@ -100,7 +102,7 @@ class SaveIntake:
         self.workers = workers
         self.metrics = metrics
         self.uplink = uplink
-        self.opener = opener
+        self.store = store
         self.send_to_rank = send_to_rank
 
     def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
@@ -110,7 +112,7 @@ class SaveIntake:
         pool.check_block(msg.block)
         if not 0 <= msg.ring_start < _MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
-        records, placements = self._items(msg, pool)
+        records, placements, held = self._items(msg, pool)
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, pool.registered_s)
         producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
         pool.take_block(msg.block)
@@ -122,6 +124,8 @@ class SaveIntake:
             msg.block,
             identity,
             msg.common_digest,
+            msg.plain_digest,
+            tuple(held),
         )
         pool.queue_write(lambda: self._start_write(job, pool, producer))
         self.metrics.save_received(msg.step)
@@ -157,33 +161,33 @@ class SaveIntake:
 
     def _writer(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for ``job`` (its errors fail the save)."""
-        directory = tmp_dir(self.ep.root, job.request.step, job.attempt)  # created by the writer
+        req = job.request
+        target = self.store.data_target(req.step, job.attempt, req.rank)  # created by the writer
         cfg, ring, queued_s = self.config, pool.ring, time.monotonic()
 
         def run() -> WriteResult:
             started_s = time.monotonic()
-            stored, file_nbytes = write_rank_file(
-                directory, ring, job.request, self.opener, cfg.fsync, cfg.checksums, producer, cfg.snapshot_timeout_s
-            )
+            stored, file_nbytes = write_rank_file(target, ring, req, cfg.checksums, producer, cfg.snapshot_timeout_s)
             # The write overlaps the producer's copy; the time it only waited is reported apart.
             write_s = time.monotonic() - started_s - producer.waited_s
             return WriteResult(stored, file_nbytes, started_s - queued_s, write_s, producer.waited_s)
 
         return run
 
-    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement]]:
-        """The SAVE's records and placements: sent, or the rank's unchanged layout it names."""
+    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement], list[str]]:
+        """The SAVE's records, placements and held keys: sent, or the rank's unchanged layout it
+        names."""
         if msg.layout and not msg.items:
             if pool.layout is None or pool.layout[0] != msg.layout:
                 raise ProtocolError(
                     f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
                     "daemon does not hold; send the items"
                 )
-            return pool.layout[1], pool.layout[2]
+            return pool.layout[1], pool.layout[2], pool.layout[3]
         records, placements = decode_items(msg, pool.capacity)
         if msg.layout:
-            pool.layout = (msg.layout, records, placements)
-        return records, placements
+            pool.layout = (msg.layout, records, placements, msg.held)
+        return records, placements, msg.held
 
     def on_done(self, done: Done) -> None:
         """A write finished: free its block, tell the rank, report to the coordinator."""
@@ -214,6 +218,8 @@ class SaveIntake:
                     req.common,
                     job.common_digest,
                     result.file_nbytes,
+                    job.plain_digest,
+                    list(job.held),
                 ),
                 job.key,
             )

@@ -34,8 +34,8 @@ from ..control.keys import derive_keys
 from ..control.pidfile import PidLock
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
-from .commit import finish_interrupted_commit, remove_all_tmp, tmp_attempts
 from .rootlock import RootBusyError, RootLock
+from .store import daemon_store
 
 log = logging.getLogger(__name__)
 
@@ -93,22 +93,22 @@ def run_daemon(
         stale = remove_orphans(ep.shm_prefix)
         if stale:
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
+        store = daemon_store(ep.root, config)
         adopt: list[tuple[int, str]] = []
         if coordinator:
-            finished = finish_interrupted_commit(ep.root, fsync=config.fsync, megatron_tracker=config.megatron_tracker)
-            if finished:
+            recovered = store.recover(nnodes=nnodes)
+            if recovered.finished:
                 log.warning(
                     "the tracker now names %s: a crash had interrupted its commit after the checkpoint was complete",
-                    finished,
+                    recovered.finished,
                 )
-            if nnodes == 1:
-                tmp = remove_all_tmp(ep.root)
-                if tmp:
-                    log.warning("removed uncommitted saves left by a crash: %s", tmp)
-            else:
-                # Other nodes may be writing these right now: adopt them as steps in flight.
-                adopt = tmp_attempts(ep.root)
-        daemon = NodeDaemon(ep, config, keys, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt)
+            if recovered.removed:
+                log.warning("removed uncommitted saves left by a crash: %s", recovered.removed)
+            # With several nodes other nodes may be writing these right now: adopted as steps in flight.
+            adopt = recovered.adopted
+        daemon = NodeDaemon(
+            ep, config, keys, store, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt
+        )
 
         def on_signal(signum: int, _frame: object) -> None:
             daemon.wake()

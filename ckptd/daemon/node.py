@@ -32,9 +32,8 @@ from ..control.endpoints import Endpoints
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, Message, StepCommitted
 from ..control.security import ZapHandler
-from ..format.direct import open_data_file
+from ..roots.base import RootStore
 from .coordinator import Coordinator
-from .faults import debug_opener
 from .intake import SaveIntake
 from .loop import EventLoop
 from .memory import MemoryWatch
@@ -53,12 +52,14 @@ class NodeDaemon:
         ep: Endpoints,
         config: CkptdConfig,
         keys: CurveKeys,
+        store: RootStore,
         *,
         coordinator: bool,
         exit_when_idle: bool,
         adopt: list[StepKey] | None = None,
     ) -> None:
         self.ep = ep
+        self.store = store
         self.config = config
         self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.exit_when_idle = exit_when_idle
@@ -74,7 +75,7 @@ class NodeDaemon:
         self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
         self.coordinator = (
             Coordinator(
-                self.ctx, codec, keys, ep.coordinator_bind, ep.root, config, self.workers, self.instance, adopt or []
+                self.ctx, codec, keys, ep.coordinator_bind, store, config, self.workers, self.instance, adopt or []
             )
             if coordinator
             else None
@@ -83,7 +84,6 @@ class NodeDaemon:
         self.uplink = CoordinatorLink(
             self.ctx, codec, keys, upstream, ep.node, f"node{ep.node}-{self.instance}".encode(), config, self._deliver
         )
-        opener = debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file)
         self.intake = SaveIntake(
             ep,
             config,
@@ -91,7 +91,7 @@ class NodeDaemon:
             self.workers,
             self.metrics,
             self.uplink,
-            opener,
+            store,
             lambda msg, identity: self.ranks.send(msg, identity),
         )
         hooks = DaemonHooks(self.instance, self.status, self.request_stop, self._stopping)

@@ -42,10 +42,10 @@ class DaemonPool:
     retired: bool = False
     writing: bool = False  # a write of this ring is running
     queued: deque[Callable[[], None]] = field(default_factory=deque)  # writes waiting for it
-    # The item layout of the rank's last SAVE that named one: ``(layout id, records, placements)``.
-    # A rank whose state keeps its structure from save to save sends only the id (see
+    # The item layout of the rank's last SAVE that named one: ``(layout id, records, placements,
+    # held keys)``. A rank whose state keeps its structure from save to save sends only the id (see
     # ckptd.client.layout), so neither side re-encodes, re-decodes or re-checks 10,000 records.
-    layout: tuple[str, list[ItemRecord], list[Placement]] | None = None
+    layout: tuple[str, list[ItemRecord], list[Placement], list[str]] | None = None
 
     def check_block(self, block: int) -> None:
         """Raise StagingError unless control block ``block`` exists and is free."""

@@ -129,7 +129,8 @@ class CoordinatorLink:
             self.steps.setdefault(key, PendingStep()).notify.add(identity)
 
     def verdict(self, key: StepKey) -> Message | None:
-        """The outcome of attempt ``key`` if it was decided recently (None: undecided, or long ago)."""
+        """The abort of attempt ``key`` if it was aborted recently (None: undecided, committed, or
+        decided long ago)."""
         return self.verdicts.get(key)
 
     def expects(self, key: StepKey, identity: bytes) -> bool:
@@ -198,10 +199,14 @@ class CoordinatorLink:
                 self.outbox.append(Outgoing(time.monotonic(), msg, key))
 
     def _resolve(self, key: StepKey, outcome: Message) -> None:
-        self.verdicts[key] = outcome
-        self.verdicts.move_to_end(key)
-        while len(self.verdicts) > _VERDICT_MEMORY:
-            self.verdicts.popitem(last=False)
+        # Only aborts are remembered: a SAVE of a committed attempt can only come from a relaunch
+        # that repeated the attempt id, and a commit is never answered from memory (the coordinator
+        # checks the root holds it: ckptd.daemon.coordinator).
+        if isinstance(outcome, StepAborted):
+            self.verdicts[key] = outcome
+            self.verdicts.move_to_end(key)
+            while len(self.verdicts) > _VERDICT_MEMORY:
+                self.verdicts.popitem(last=False)
         st = self.steps.pop(key, None)
         self.outbox = [o for o in self.outbox if o.key != key]
         if st is not None:

@@ -7,28 +7,19 @@ and the loop handles it. Worker threads never touch sockets or daemon state.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
 import os
 import queue
-import secrets
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..errors import StorageError
-from ..format.durable import Opener
-from ..format.items import PlannedItem, write_data_file
-from ..format.layout import data_file_name
+from ..format.items import PlannedItem
 from ..format.records import TENSOR, ItemRecord
-from ..format.rootlayout import part_file_name
-from ..format.safefs import Dir
 from ..format.tensorzip import RawTensor
+from ..roots.base import DataTarget
 from ..staging.pool import Placement
 from ..staging.ring import RingMap, span
 from .snapshot import SnapshotWait
@@ -126,50 +117,25 @@ def planned_items(ring: RingMap, req: WriteRequest) -> list[PlannedItem]:
 
 
 def write_rank_file(
-    directory: Path,
+    target: DataTarget,
     ring: RingMap,
     req: WriteRequest,
-    opener: Opener,
-    fsync: bool,
     checksums: bool,
     snapshot: SnapshotWait,
     snapshot_timeout_s: float,
 ) -> tuple[list[ItemRecord], int]:
-    """Write ``__<rank>_0.distcp`` of ``req`` into ``directory`` from the ring; returns the stored
-    records and the file's size (the coordinator checks it before it commits).
+    """Write the data file of ``req`` into ``target`` (ckptd.roots.base.DataTarget: a file of a
+    POSIX root or an object of an S3 root) from the ring; returns the stored records and the
+    file's size (the coordinator checks it before it commits).
 
     The ``snapshot``'s producer (the rank's fork child, or the rank itself) may still be copying:
-    each item is written once it was produced, its ring space is freed once it was written (so
-    the producer can go on with a save bigger than the ring), and the file is published only
-    after the producer sealed the save; a producer that died early fails the write. The save's
+    each item is written once it was produced, its ring space is freed once it was handed to the
+    target (so the producer can go on with a save bigger than the ring), and the file is published
+    only after the producer sealed the save; a producer that died early fails the write. The save's
     whole ring space is free again when this returns or raises (after a failure, once the
     producer stopped writing: :meth:`SnapshotWait.drain`).
-
-    The file is written under a private ``.part`` name, fsynced, then renamed into place *by path*
-    (relative to the root's fd). A write that outlives its attempt therefore never rewrites a file
-    of a committed checkpoint: once its attempt's directory was renamed, the final rename fails
-    instead. The directory is created here, on the writer thread, so that a directory the daemon
-    may not write (permissions, read-only or full filesystem) fails this save on its handle; a link
-    in its place fails it with StorageError naming the link, and the ``.part`` file is created
-    relative to the directory's fd, so nothing is written through a link planted in the root (see
-    ckptd.format.safefs).
     """
-    name = data_file_name(req.rank)
-    part = part_file_name(name, secrets.token_hex(8))
-    step_name = directory.name
     t0 = time.perf_counter()
-    try:
-        rootd = Dir.open(directory.parent, create=True)
-        try:
-            # Held so that the .part file can be removed wherever the directory was renamed to meanwhile.
-            stepd = rootd.subdir(step_name, create=True)
-        except BaseException:
-            rootd.close()
-            raise
-    except OSError as exc:
-        snapshot.drain(ring, req.ring_end, snapshot_timeout_s)
-        snapshot.close()
-        raise StorageError.from_oserror(exc, directory) from exc
     items = planned_items(ring, req)
     ends = [req.ring_start + p.offset + p.nbytes for p in req.placements]
 
@@ -181,28 +147,19 @@ def write_rank_file(
 
     try:
         try:
-            stored = write_data_file(stepd, part, items, opener, fsync, checksums, ready, written)
+            stored = target.write(items, checksums=checksums, ready=ready, written=written)
             snapshot.wait(ring, snapshot_timeout_s)  # sealed: every byte written was final
         except BaseException:
             del items
             snapshot.drain(ring, req.ring_end, snapshot_timeout_s)
             raise
         ring.set_consumed(req.ring_end)
-        _publish(rootd, stepd, step_name, part, name)
-        st = stepd.lstat(name)
-        file_nbytes = st.st_size if st is not None else -1
-        if fsync:
-            stepd.fsync()  # the new name is durable before WRITTEN goes out
-    except BaseException as exc:
-        stepd.unlink(part)
-        if isinstance(exc, OSError):
-            raise StorageError.from_oserror(exc, directory / part) from exc
+        file_nbytes = target.publish()
+    except BaseException:
+        target.discard()
         raise
     finally:
-        stepd.close()
-        rootd.close()
         snapshot.close()
-    stored = [dataclasses.replace(r, relative_path=name) for r in stored]
     nbytes = sum(p.nbytes for p in req.placements)
     dt = time.perf_counter() - t0
     log.info(
@@ -214,17 +171,6 @@ def write_rank_file(
         nbytes / max(dt, 1e-9) / 1e9,
     )
     return stored, file_nbytes
-
-
-def _publish(rootd: Dir, stepd: Dir, step_name: str, part: str, name: str) -> None:
-    """Rename ``part`` to ``name`` in ``<root>/<step_name>``, by path, and only while that name
-    still is the directory written into (not renamed by a commit, not replaced by a link)."""
-    st = rootd.lstat(step_name)
-    if st is None or not stat.S_ISDIR(st.st_mode) or not os.path.samestat(st, os.fstat(stepd.fd)):
-        raise OSError(
-            errno.ENOENT, f"{os.strerror(errno.ENOENT)} (renamed or replaced meanwhile)", str(rootd.path / step_name)
-        )
-    os.rename(f"{step_name}/{part}", f"{step_name}/{name}", src_dir_fd=rootd.fd, dst_dir_fd=rootd.fd)
 
 
 class WorkerPools:

@@ -1,7 +1,8 @@
 """Planning one rank's save: which items it stores, each a record plus the payload to write.
 
-:func:`plan_save` turns a split state dict (:mod:`ckptd.statedict.split`) into the rank's
-:class:`~ckptd.format.items.PlannedItem` list, checking locally what can be checked without the
+:func:`plan_rank` turns a split state dict (:mod:`ckptd.statedict.split`) into the rank's
+:class:`~ckptd.format.items.PlannedItem` list and the keys it holds without storing them
+(replicas), checking locally what can be checked without the
 other ranks (data present, metadata consistent, no duplicate within the rank); global coverage is
 checked later, by rank 0 of a synchronous save (:func:`ckptd.save`) or by the coordinator of an
 asynchronous one. Both kinds of save plan with it; an asynchronous Checkpointer passes a
@@ -55,8 +56,28 @@ class PlanCache:
     values: dict[Any, tuple[Any, PlannedItem]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank stores: ``items``; and ``held``, the keys (unique keys of ShardedObjects) it
+    holds but stores no item of: replicas (``replica_id != 0``) and plain items left to another
+    rank. The global coverage check (:mod:`ckptd.format.coverage`) refuses a checkpoint in which
+    some rank's held key is stored by nobody."""
+
+    items: list[PlannedItem]
+    held: list[str]
+
+
 def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) -> list[PlannedItem]:
-    """Items this rank stores: main replicas only, in state-dict order.
+    """:func:`plan_rank`'s items (every plain item written)."""
+    return plan_rank(split, rank, cache).items
+
+
+def plan_rank(
+    split: SplitStateDict, rank: int, cache: PlanCache | None = None, *, skip: frozenset[str] = frozenset()
+) -> RankPlan:
+    """Items this rank stores, in state-dict order: main replicas, and every plain item of a
+    DCP-style split (``split.dcp_plain``) except those keyed in ``skip`` (another rank writes
+    them, see :mod:`ckptd.statedict.holdings`).
 
     Raises ShardingError (naming key and rank) for data that cannot be saved: a ShardedTensor
     without data, with non-tensor or meta data, or a ShardedObject that cannot be pickled.
@@ -66,11 +87,18 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
     one checked is not checked for duplicates again.
     """
     items: list[PlannedItem] = []
+    held: list[str] = []
     fresh: dict[Any, _PlanEntry] = {}
     fresh_values: dict[Any, tuple[Any, PlannedItem]] = {}
     old = cache.entries if cache is not None else {}
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):
+            if skip and sh.key in skip:
+                _check_tensor_data(sh, path, rank)
+                held.append(sh.key)
+                continue
+            if not is_main_replica(sh.replica_id):
+                held.append(sh.key)
             sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
             hit = old.get(path) if sig is not None else None
             if hit is not None and hit.signature == sig:
@@ -97,7 +125,9 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
             if sig is not None:
                 fresh[path] = hit  # type: ignore[assignment]
         elif isinstance(sh, ByteItem):
-            if rank == 0:
+            if skip and sh.key in skip:
+                held.append(sh.key)
+            else:
                 # Plain values (a DCP-style state dict's step, learning rate, param_groups...) are
                 # mostly the same every save, and pickling each costs ~0.5 ms (torch.save): an
                 # equal value reuses the last save's bytes, which would be the same.
@@ -111,6 +141,8 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
                 items.append(item)
         elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
+        else:
+            held.append(sh.unique_key)
     records = tuple(i.record for i in items)
     # Equal records pass the check equally; the comparison is by identity for reused records.
     if cache is None or records != cache.checked:
@@ -119,7 +151,10 @@ def plan_save(split: SplitStateDict, rank: int, cache: PlanCache | None = None) 
         cache.entries = fresh
         cache.checked = records
         cache.values = fresh_values
-    return items
+    if held:
+        written = {r.fqn for r in records}
+        held = [k for k in dict.fromkeys(held) if k not in written]
+    return RankPlan(items, held)
 
 
 _PLAIN = (bool, int, float, str, bytes, type(None))

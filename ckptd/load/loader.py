@@ -341,7 +341,8 @@ def _megatron_common(
         with DataFiles(req.checkpoint_dir) as files:
             for path, stored in wanted:
                 try:
-                    set_path(tree, path, read_bytes_item(files, stored, req.allow_unsafe_pickle, index.checksum))
+                    value = read_bytes_item(files, stored, req.allow_unsafe_pickle, index.checksum)
+                    set_path(tree, path, value, req.sharded_state_dict)
                 except ValueError as exc:
                     raise LoadMismatchError(
                         f"the value at '{path_str(path)}' does not fit the common state: {exc}"

@@ -16,21 +16,23 @@ def assemble(split: SplitStateDict, request: dict, common: Any, loaded: dict[Pat
     unwrapped local objects put in at their paths (a new dict, as Megatron-Core returns).
     DCP-style: ``request`` itself, with every loaded value set at its path (tensors were filled in
     place, so they are the caller's own objects), as ``torch.distributed.checkpoint.load`` does.
+    Containers the common state lacks are made like the request's (a dict keyed by ints stays a
+    dict, as in Megatron-Core's result).
     """
     result = request if split.dialect is Dialect.DCP else (common if isinstance(common, dict) else {})
     try:
         for path, value in loaded.items():
             if FACTORY_PART not in path:
-                set_path(result, path, value)
+                set_path(result, path, value, request)
         for path, (factory, built) in split.factories.items():
 
             def fill(sub_path: Path, leaf: Any, _prefix: Path = path + (FACTORY_PART,)) -> Any:
                 return loaded.get(_prefix + sub_path, leaf)
 
             pieces = map_leaves(built, fill) if isinstance(built, (dict, list)) else fill((), built)
-            set_path(result, path, factory.merge_fn(pieces))
+            set_path(result, path, factory.merge_fn(pieces), request)
         for path, value in split.local.items():
-            set_path(result, path, value)
+            set_path(result, path, value, request)
     except ValueError as exc:
         raise LoadMismatchError(
             f"the loaded entries do not fit the checkpoint's common state: {exc}. The request's "

@@ -10,10 +10,10 @@ A state dict is read in one of two dialects, decided by what it holds:
 - **DCP-style** (tensors, DTensors and plain values only: what ``model.state_dict()``, FSDP2 and
   ``torch.distributed.checkpoint.state_dict.get_state_dict`` produce): every leaf, as torch DCP's
   ``flatten_state_dict`` walks the dict, is an item under its dotted key, as ``dcp.save`` stores
-  it: a DTensor as the chunks each rank holds, a plain tensor as one whole tensor (the same on
-  every rank; each is written once, by one rank, spread over the ranks by size), any other value
-  as a bytes item (``torch.save(value)``, written by rank 0). A load fills the given dict in place,
-  as ``dcp.load`` does.
+  it: a DTensor as the chunks each rank holds, a plain tensor as one whole tensor, any other value
+  as a bytes item (``torch.save(value)``). Plain tensors and values may be held by any set of
+  ranks; each is stored once, by one of its holders, as DCP does (:mod:`ckptd.statedict.holdings`
+  decides which). A load fills the given dict in place, as ``dcp.load`` does.
 
 DTensors are stored under their flattened key in both dialects. A value that holds tensor data
 ckptd cannot place raises ShardingError naming its key (:mod:`ckptd.statedict.kinds`); so does a
@@ -56,7 +56,10 @@ class SplitStateDict:
     state tree (Megatron-style; ``{}`` for DCP-style); ``local``: unwrapped
     LocalNonPersistentObjects; ``plain``: the common leaves of a Megatron-style *request*, by path
     (filled from a DCP bytes item when ``common.pt`` lacks them); ``dcp_paths``: DCP-style only,
-    each item key's path as DCP's ``planner_data`` records it.
+    each item key's path as DCP's ``planner_data`` records it; ``dcp_plain``: DCP-style only, the
+    plain tensors (as whole ShardedTensors, main replicas) and values by key: whole items this
+    rank holds, which other ranks may hold too (the writer of each is decided across ranks, see
+    :mod:`ckptd.statedict.holdings`).
     """
 
     dialect: Dialect
@@ -66,12 +69,12 @@ class SplitStateDict:
     local: dict[Path, Any] = field(default_factory=dict)
     plain: dict[Path, Any] = field(default_factory=dict)
     dcp_paths: dict[str, Path] = field(default_factory=dict)
+    dcp_plain: dict[str, ShardedTensor | ByteItem] = field(default_factory=dict)
 
 
-def split_state_dict(state_dict: Any, *, rank: int = 0, world_size: int = 1) -> SplitStateDict:
+def split_state_dict(state_dict: Any) -> SplitStateDict:
     """Take a state dict apart (see the module docstring); nothing is copied.
 
-    ``rank``/``world_size`` decide which rank writes each plain tensor of a DCP-style state dict.
     Raises ShardingError, naming the key, for a value holding tensor data that ckptd cannot place,
     a sharded entry inside a tuple or another object, a factory that builds something other than
     sharded entries, two leaves with the same DCP key, and a list whose entries are partly sharded
@@ -87,7 +90,7 @@ def split_state_dict(state_dict: Any, *, rank: int = 0, world_size: int = 1) -> 
         megatron = megatron or kind.megatron_style
     if megatron:
         return _split_megatron(state_dict)
-    return _split_dcp(state_dict, rank, world_size)
+    return _split_dcp(state_dict)
 
 
 def _where(path: Path) -> str:
@@ -244,9 +247,8 @@ def _add_dtensor(out: SplitStateDict, path: Path, key: str, dt: Any) -> None:
 # --- DCP-style --------------------------------------------------------------------------------
 
 
-def _split_dcp(state_dict: dict, rank: int, world_size: int) -> SplitStateDict:
+def _split_dcp(state_dict: dict) -> SplitStateDict:
     out = SplitStateDict(Dialect.DCP, common={})
-    tensors: list[tuple[Path, str, torch.Tensor]] = []
     for path, dcp_path, leaf in _dcp_leaves(state_dict):
         key = dcp_fqn(dcp_path)
         if key in out.dcp_paths:
@@ -259,13 +261,9 @@ def _split_dcp(state_dict: dict, rank: int, world_size: int) -> SplitStateDict:
         kind = classify(leaf)
         if kind is Kind.DTENSOR:
             _add_dtensor(out, path, key, leaf)
-        elif kind is Kind.TENSOR:
-            tensors.append((path, key, leaf))
         else:
-            out.sharded[path] = ByteItem(key, leaf)
-    owners = _spread(tensors, world_size)
-    for path, key, t in tensors:
-        out.sharded[path] = ShardedTensor.from_rank_offsets(key, t, replica_id=0 if owners[key] == rank else 1)
+            item = ShardedTensor.from_rank_offsets(key, leaf) if kind is Kind.TENSOR else ByteItem(key, leaf)
+            out.sharded[path] = out.dcp_plain[key] = item
     return out
 
 
@@ -288,19 +286,3 @@ def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path,
 
 def _dcp_terminal(v: list) -> bool:
     return not any(isinstance(e, (dict, torch.Tensor)) or (isinstance(e, list) and not _dcp_terminal(e)) for e in v)
-
-
-def _spread(tensors: list[tuple[Path, str, torch.Tensor]], world_size: int) -> dict[str, int]:
-    """Which rank writes each plain tensor: largest first onto the least loaded rank.
-
-    Every rank computes this from its own state dict; DCP-style plain tensors are the same on
-    every rank, so every rank gets the same answer (if not, the commit's coverage check fails
-    the save instead of storing a mix).
-    """
-    loads = [0] * max(1, world_size)
-    owners: dict[str, int] = {}
-    for _, key, t in sorted(tensors, key=lambda e: (-e[2].numel() * e[2].element_size(), e[1])):
-        r = min(range(len(loads)), key=loads.__getitem__)
-        owners[key] = r
-        loads[r] += t.numel() * t.element_size()
-    return owners

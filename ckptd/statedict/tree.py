@@ -28,36 +28,65 @@ def iter_leaves(x: Any, path: Path = (), *, into_tuples: bool = False) -> Iterat
         yield path, x
 
 
-def set_path(root: Any, path: Path, value: Any) -> None:
-    """Set ``root[p0][p1]...`` creating dicts (and lists, for int keys after a list) on the way.
+def set_path(root: Any, path: Path, value: Any, like: Any = None) -> None:
+    """Set ``root[p0][p1]...``, creating the missing containers on the way.
 
-    Lists grow with ``None`` up to the index being set; a caller only relies on that where every
-    position of the list is set (see :func:`ckptd.statedict.split.check_lists_restorable`).
+    A missing container is of the type of the one at the same path in ``like`` (the request a
+    load fills: a dict keyed by ints stays a dict, as Megatron-Core's ``merge`` keeps it); where
+    ``like`` has none, a list when the next part is an int, else a dict. Lists grow with ``None``
+    up to the index being set (a caller relies on that only where every position is set).
+    Raises ValueError when a part does not fit the container found (a str index into a list, a
+    leaf where a container is needed).
     """
     node = root
+    shape = like
     for i, p in enumerate(path):
         last = i == len(path) - 1
+        shape = _child(shape, p)
         if isinstance(node, list):
+            if type(p) is not int or p < 0:
+                raise ValueError(f"'{path_str(path[:i])}' is a list, which has no entry {p!r} for '{path_str(path)}'")
             while len(node) <= p:
                 node.append(None)
             if last:
                 node[p] = value
             else:
                 if node[p] is None:
-                    node[p] = [] if isinstance(path[i + 1], int) else {}
+                    node[p] = _container(shape, path[i + 1])
                 node = node[p]
+        elif not isinstance(node, dict):
+            raise ValueError(
+                f"'{path_str(path[:i])}' holds a {type(node).__name__}, not a container for '{path_str(path)}'"
+            )
         elif last:
             node[p] = value
         else:
             child = node.get(p)
             if child is None:  # absent, or a placeholder older ckptd versions left in common.pt
-                child = node[p] = [] if isinstance(path[i + 1], int) else {}
+                child = node[p] = _container(shape, path[i + 1])
             elif not isinstance(child, (dict, list)):
                 raise ValueError(
                     f"'{path_str(path[: i + 1])}' holds a {type(child).__name__}, "
                     f"not a container for '{path_str(path)}'"
                 )
             node = child
+
+
+def _child(shape: Any, p: Any) -> Any:
+    """``shape[p]`` when ``shape`` is a container that has it, else None."""
+    if isinstance(shape, dict):
+        return shape.get(p)
+    if isinstance(shape, list) and type(p) is int and 0 <= p < len(shape):
+        return shape[p]
+    return None
+
+
+def _container(shape: Any, next_part: Any) -> dict | list:
+    if isinstance(shape, dict):
+        return {}
+    if isinstance(shape, list):
+        return []
+    return [] if type(next_part) is int else {}
 
 
 def get_path(root: Any, path: Path, default: Any = _MISSING) -> Any:

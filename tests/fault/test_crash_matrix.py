@@ -13,11 +13,11 @@ import zlib
 
 import pytest
 
-from ckptd.daemon.commit import commit_step
 from ckptd.format.finalize import serialize_common, write_rank_files
 from ckptd.format.items import PlannedItem, plan_object, plan_tensor_items
 from ckptd.format.layout import data_file_name
 from ckptd.format.rootlayout import tmp_dir
+from ckptd.roots.posix import commit_step
 from tests.checkpoints import flip_bit
 from tools.harness import crash_job as cj
 from tools.harness import crash_trial as ct

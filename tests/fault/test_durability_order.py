@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from ckptd import ShardedTensor
-from ckptd.daemon.commit import commit_step
 from ckptd.daemon.workers import write_rank_file
 from ckptd.format.commitrecord import COMMIT_RECORD
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items
 from ckptd.format.rootlayout import MEGATRON_TRACKER, tmp_dir
+from ckptd.roots.posix import commit_step
+from ckptd.roots.posix_data import PosixDataTarget
 from tests.rings import produced_save
 
 ATTEMPT = "0123456789ab-1"
@@ -56,7 +57,7 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
         monkeypatch.setattr(os, "replace", replace)
         try:
             stored, file_nbytes = write_rank_file(
-                tmp_dir(root, 5, ATTEMPT), save.ring, save.request, open, True, True, save.wait, 30
+                PosixDataTarget(tmp_dir(root, 5, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
             )
             commit_step(
                 root,

@@ -14,6 +14,7 @@ from ckptd.daemon.faults import fault_opener, parse_fault_spec
 from ckptd.daemon.workers import write_rank_file
 from ckptd.errors import CkptdError, StorageError
 from ckptd.format.items import plan_tensor_items
+from ckptd.roots.posix_data import PosixDataTarget
 from tests.rings import produced_save
 
 
@@ -49,7 +50,7 @@ def _items(value: float) -> list:
 def test_a_late_write_never_touches_a_committed_checkpoint(tmp_path):
     tmp, final = tmp_path / "iter_0000007.tmp", tmp_path / "iter_0000007"
     with produced_save(7, _items(1.0)) as save:  # the attempt that commits
-        write_rank_file(tmp, save.ring, save.request, open, True, True, save.wait, 30)
+        write_rank_file(PosixDataTarget(tmp, 0, open, True), save.ring, save.request, True, save.wait, 30)
     committed = (tmp / "__0_0.distcp").read_bytes()
 
     def commit_meanwhile(path: str, mode: str):
@@ -59,7 +60,9 @@ def test_a_late_write_never_touches_a_committed_checkpoint(tmp_path):
 
     with produced_save(7, _items(2.0)) as late:
         with pytest.raises(StorageError, match="No such file or directory"):
-            write_rank_file(tmp, late.ring, late.request, commit_meanwhile, True, True, late.wait, 30)
+            write_rank_file(
+                PosixDataTarget(tmp, 0, commit_meanwhile, True), late.ring, late.request, True, late.wait, 30
+            )
         assert late.ring.consumed() == late.request.ring_end  # its ring space was given back
     assert (final / "__0_0.distcp").read_bytes() == committed
     assert sorted(os.listdir(final)) == ["__0_0.distcp"]  # its .part file was removed too

@@ -125,9 +125,9 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
         items_for = ckpt._layout.items_for
 
         def spy(*args):
-            wire, layout = items_for(*args)
+            wire, layout, held = items_for(*args)
             sent.append(len(wire))
-            return wire, layout
+            return wire, layout, held
 
         monkeypatch.setattr(ckpt._layout, "items_for", spy)
         ref = {}

@@ -93,6 +93,7 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
     for step in range(1, 5):
         trainer(model, optimizer)(step)
     reference = [p.full_tensor().clone() for p in model.parameters()]
+    closed = []
     for _ in range(2):  # the README's lines, twice: steps 1-2 and save; then resume, steps 3-4
         model, optimizer = build()
         scope = {
@@ -103,10 +104,11 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
             "train_step": trainer(model, optimizer),
         }
         exec(code, scope)
-        scope["ckpt"].close()
+        closed.append(scope["ckpt"]._closed)  # the README's lines close what they open
         dist.barrier()
     params = [p.full_tensor() for p in model.parameters()]
-    return [] if all(torch.equal(a, b) for a, b in zip(params, reference)) else ["not bit-exact"]
+    problems = [] if all(torch.equal(a, b) for a, b in zip(params, reference)) else ["not bit-exact"]
+    return problems + ([] if closed == [True, True] else ["the Checkpointer was left open"])
 
 
 @pytest.mark.timeout(240)
@@ -124,7 +126,7 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
     import ckptd
     from tests.real.megatron_gpt import adamw, build_gpt, sharded_state, train_a_little
 
-    save_code, load_code = readme_blocks("### Using it from Megatron-Core / Megatron-LM")
+    save_code, load_code, close_code = readme_blocks("### Using it from Megatron-Core / Megatron-LM")
     model = build_gpt(tp=world)
     optimizer = adamw(model)
     train_a_little(model, optimizer, seed=0)  # replicated parameters stay equal across TP ranks, as in training
@@ -145,7 +147,9 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
     scope["state_dict"] = sharded_state(model, optimizer, iteration=0)
     scope["sharded_sd_metadata"] = None
     exec(load_code, scope)
-    scope["ckpt"].close()
+    exec(close_code, scope)
+    if not scope["ckpt"]._closed:
+        return ["the README's lines leave the Checkpointer open"]
     ok = scope["iteration"] == 12 and all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
     ok = ok and scope["sharded_sd_metadata"] == content
     return [] if ok else [f"iteration {scope['iteration']}, content {scope['sharded_sd_metadata']}, restored: {ok}"]
@@ -160,6 +164,69 @@ def test_readme_megatron_lines_save_and_load(tmp_path):
         [],
         [],
     ]
+
+
+def _torchtitan_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
+    """The README's TorchTitan lines on Stateful objects over an FSDP2 model, twice (steps 1-2,
+    then resumed: 3-4), against an uninterrupted run: model, optimizer, train state and each
+    rank's dataloader position."""
+    import torch
+    import torch.distributed as dist
+
+    import ckptd
+    from tests.integration import titan
+
+    (code,) = readme_blocks("### Using it from TorchTitan")
+
+    def job() -> dict:
+        model, optimizer = titan.build(0, world)
+        train_state, dataloader = titan.TrainState(), titan.Dataloader(rank, world)
+
+        def train_step(step: int) -> None:
+            titan.train_step(model, optimizer, step)
+            dataloader.next_batch()
+            train_state.step = step
+            train_state.ntokens_seen += 4
+
+        return {
+            "ckptd": ckptd,
+            "ckpt_root": root,
+            "model_wrapper": titan.ModelWrapper(model),
+            "optimizers": titan.OptimizersContainer(model, optimizer),
+            "train_state": train_state,
+            "dataloader": dataloader,
+            "train_step": train_step,
+        }
+
+    reference = job()
+    for step in range(1, 5):
+        reference["train_step"](step)
+    problems = []
+    for run in range(2):
+        scope = job()
+        exec(code, scope)
+        if not scope["ckpt"]._closed:
+            problems.append("the README's lines leave the Checkpointer open")
+        dist.barrier()
+        if run == 1 and scope["train_state"].loaded != 1:
+            problems.append("the second run did not resume")
+    got = (scope["train_state"].state_dict(), scope["dataloader"].position)
+    want = (reference["train_state"].state_dict(), reference["dataloader"].position)
+    if got != want:
+        problems.append(f"train state and dataloader position {got}, uninterrupted {want}")
+    params = titan.full_params(scope["model_wrapper"].model)
+    if not all(torch.equal(a, b) for a, b in zip(params, titan.full_params(reference["model_wrapper"].model))):
+        problems.append("the model is not bit-exact")
+    return problems
+
+
+@pytest.mark.timeout(300)
+def test_readme_torchtitan_lines_resume_bit_exact(tmp_path):
+    from tests.multiproc import run_ranks
+
+    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
+    assert run_ranks(_torchtitan_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=260, env=env) == [[], []]
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [step_dir_name(s) for s in (1, 2, 3, 4)]
 
 
 def _table(heading: str, first_header: str) -> list[list[str]]:

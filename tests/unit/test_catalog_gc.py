@@ -5,10 +5,10 @@ import time
 import pytest
 
 from ckptd.catalog import EntryState, committed_once, resolve_target, scan_root
-from ckptd.daemon.commit import finish_interrupted_commit
 from ckptd.errors import CheckpointNotFoundError, CkptdError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.retention import apply_gc, plan_gc
+from ckptd.roots.posix import finish_interrupted_commit
 from tests.checkpoints import make_checkpoint, make_partial, make_root, stamp_commits
 
 

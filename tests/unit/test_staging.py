@@ -20,6 +20,7 @@ from ckptd.format.finalize import finalize, serialize_common
 from ckptd.format.items import split_large_items
 from ckptd.format.saveplan import plan_save
 from ckptd.format.tensorzip import RawTensor
+from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
@@ -110,7 +111,9 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
         split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
         req = WriteRequest(5, 0, [i.record for i in items], placements, None, start)
         assert all(isinstance(p.payload, (RawTensor, memoryview)) for p in planned_items(dpool.ring, req))
-        stored, file_nbytes = write_rank_file(tmp_path, dpool.ring, req, open, False, True, wait, 30)
+        stored, file_nbytes = write_rank_file(
+            PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
+        )
         assert file_nbytes == (tmp_path / "__0_0.distcp").stat().st_size
         assert dpool.ring.consumed() == req.ring_end  # the ring space is free again
         finalize(tmp_path, stored, serialize_common(split.common))
@@ -150,7 +153,9 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
         req = WriteRequest(1, 0, [i.record for i in items], placements, None, start)
         wait = SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
         with ThreadPoolExecutor(1) as writer:  # the daemon drains while this thread produces
-            written = writer.submit(write_rank_file, tmp_path, dpool.ring, req, open, False, True, wait, 30)
+            written = writer.submit(
+                write_rank_file, PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
+            )
             waited = copy_inline(pool, start, block, items, placements, seal)
             stored, _ = written.result(timeout=60)
         assert waited > 0  # it really had to wait for room

@@ -1,4 +1,5 @@
-"""The coordinator's commit of one step, and the tracker files of a checkpoint root.
+"""The commit of one step in a POSIX root (the rename is the commit point), its recovery after a
+crash, and the tracker files of a checkpoint root.
 
 Order of :func:`commit_step` (runs on the coordinator's commit thread, one step at a time):
 
@@ -42,7 +43,6 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog import EntryState, RootCatalog, read_tracker, scan_root
@@ -66,6 +66,7 @@ from ..format.rootlayout import (
 from ..format.safefs import Dir, is_real_dir
 from ..recovery import structural_problem
 from ..retention import apply_gc, plan_gc
+from .base import CommitOutcome
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,6 @@ def tracker_step(root: Path) -> int | None:
     """The step the ``latest`` tracker names, or None (no tracker, or not a step's name)."""
     _, name, _ = read_tracker(root)
     return committed_step(name or "")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitOutcome:
-    """What :func:`commit_step` committed, and what it noticed on the way (told to the ranks)."""
-
-    name: str
-    warnings: tuple[str, ...] = ()
 
 
 def commit_step(

@@ -1,0 +1,106 @@
+"""A checkpoint root in a local or shared POSIX directory: rename commits (ckptd.roots.base)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..catalog import RootCatalog, committed_once, scan_root
+from ..format.commitrecord import read_commit_record
+from ..format.direct import open_data_file
+from ..format.durable import Opener, default_opener
+from ..format.layout import data_file_name
+from ..format.records import ItemRecord
+from ..format.rootlayout import step_dir_name, tmp_dir
+from .base import CommitOutcome, Recovery
+from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
+from .posix_data import PosixDataTarget
+
+log = logging.getLogger(__name__)
+
+
+class PosixRoot:
+    """``root`` on a filesystem. ``data_opener`` opens data files (O_DIRECT by default),
+    ``opener`` the commit's metadata files and trackers: fault tests pass openers that fail or
+    slow down writes (ckptd.daemon.faults), the one place faults enter."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fsync: bool = True,
+        keep_last: int = 0,
+        megatron_tracker: bool = True,
+        data_opener: Opener = open_data_file,
+        opener: Opener = default_opener,
+    ) -> None:
+        self.location = Path(root)
+        self.fsync = fsync
+        self.keep_last = keep_last
+        self.megatron_tracker = megatron_tracker
+        self.data_opener = data_opener
+        self.opener = opener
+
+    def __repr__(self) -> str:
+        return f"PosixRoot({self.location})"
+
+    def display(self, *parts: str) -> str:
+        return str(self.location.joinpath(*parts))
+
+    def data_file_name(self, attempt: str, rank: int) -> str:
+        return data_file_name(rank)  # the attempt's own directory keeps attempts apart
+
+    def data_target(self, step: int, attempt: str, rank: int) -> PosixDataTarget:
+        return PosixDataTarget(tmp_dir(self.location, step, attempt), rank, self.data_opener, self.fsync)
+
+    def commit(
+        self,
+        step: int,
+        attempt: str,
+        records: list[ItemRecord],
+        common: bytes,
+        data_files: Mapping[str, tuple[int, int]],
+    ) -> CommitOutcome:
+        return commit_step(
+            self.location,
+            step,
+            attempt,
+            records,
+            common,
+            data_files,
+            fsync=self.fsync,
+            keep_last=self.keep_last,
+            megatron_tracker=self.megatron_tracker,
+            opener=self.opener,
+        )
+
+    def abort(self, step: int, attempt: str) -> None:
+        remove_tmp(self.location, step, attempt)
+
+    def holds_commit(self, step: int, attempt: str) -> bool:
+        record = read_commit_record(self.location / step_dir_name(step))
+        return record is not None and record.step == step and record.attempt == attempt
+
+    def committed_once(self, step: int) -> bool:
+        return committed_once(self.location, step)
+
+    def recover(self, *, nnodes: int) -> Recovery:
+        """Finish a commit a crash interrupted after its rename; then remove every attempt's
+        directory (one node: nothing can be in flight) or adopt them (several nodes: another node
+        may still be writing)."""
+        self.location.mkdir(parents=True, exist_ok=True)
+        finished = finish_interrupted_commit(self.location, fsync=self.fsync, megatron_tracker=self.megatron_tracker)
+        if nnodes == 1:
+            return Recovery(finished=finished, removed=remove_all_tmp(self.location))
+        return Recovery(finished=finished, adopted=tmp_attempts(self.location))
+
+    def scan(self, *, usage: bool = True) -> RootCatalog:
+        return scan_root(self.location, usage=usage)
+
+    def checkpoint_location(self, step: int) -> Path:
+        return self.location / step_dir_name(step)
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.location)
