@@ -205,12 +205,6 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
                 stall, durable = r.max(stall), r.max(durable)
                 rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
             else:
-                if cuda and i and stager is not None:
-                    # torch 2.11's DefaultStager cannot stage a CUDA state twice (the second
-                    # stage() raises KeyError: <class 'type'>), so each save gets a new one, as
-                    # async_save builds when given none: its pinned buffers are allocated per save.
-                    stager.close()
-                    stager = dcp_stager(kind, cuda)
                 fut = dcp_async(state, d, kind, stager)
                 stall = time.perf_counter() - t0
                 fut.result()
@@ -220,7 +214,7 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
             r.rm(d)
     finally:
         if stager is not None:
-            stager.close()
+            stager.release()
     return _summary(rows, nbytes)
 
 

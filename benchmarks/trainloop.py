@@ -28,7 +28,6 @@ of a CUDA workload ends with a device synchronisation.
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .harness import Rank, checkpointer
+from .harness import Rank, checkpointer, dcp_stager, kept_stager
 
 CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
 # The same with Checkpointer.prepare(state) before the loop (the ring sized and pinned ahead).
@@ -120,25 +119,6 @@ class CkptdSaver(Saver):
         self.ckpt.close()
 
 
-@functools.cache
-def _kept_stager_class() -> Any:
-    """A DCP ``DefaultStager`` that ``async_save`` cannot close: torch 2.11's ``async_save`` closed
-    the stager it was given once the upload finished, and a closed stager's next ``stage()`` raises
-    ``KeyError: <class 'type'>`` (its ``close()`` clears its deepcopy dispatch table, so the first
-    class object it meets, e.g. in a dict's reduction, is looked up in an empty table). torch 2.13
-    closes only the stagers it made. ``release()`` closes it for real."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    class KeptStager(DefaultStager):
-        def close(self) -> None:
-            pass
-
-        def release(self) -> None:
-            DefaultStager.close(self)
-
-    return KeptStager
-
-
 def dcp_stager_for(kind: str, cuda: bool) -> Any:
     """The stager of a DCP mode (None: async_save builds one per call)."""
     from torch.distributed.checkpoint.staging import StagingOptions
@@ -146,15 +126,8 @@ def dcp_stager_for(kind: str, cuda: bool) -> Any:
     if kind == "dcp_async_as_called":
         return None
     if kind == "dcp_async_pinned":
-        return _kept_stager_class()(StagingOptions(cuda, True, True, cuda))
-    return _kept_stager_class()(
-        StagingOptions(
-            use_pinned_memory=cuda,
-            use_shared_memory=kind == "dcp_async_process",
-            use_async_staging=False,
-            use_non_blocking_copy=cuda,
-        )
-    )
+        return kept_stager(StagingOptions(cuda, True, True, cuda))
+    return dcp_stager(kind, cuda)
 
 
 class DcpSaver(Saver):
