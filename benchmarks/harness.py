@@ -7,6 +7,7 @@ benchmark's own barriers and maxima; ckptd's saves use no collective).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -77,6 +78,35 @@ class Rank:
         self.barrier()
 
 
+def start_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> Rank:
+    """Set up a spawned rank of a job: its output (and that of DCP's checkpoint process, which
+    inherits it) into a log of the run's runtime directory, torchrun's variables, one CPU thread,
+    its GPU (``spec["device"] == "cuda"``: ranks share the visible GPUs round-robin), one gloo group."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    log = os.open(
+        Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+    )
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+    )
+    torch.set_num_threads(1)
+    if spec.get("device", "cpu") == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return Rank(rank, world, spec)
+
+
 def make_state(
     rank: int, nbytes: int, tensor_nbytes: int, count: int | None = None, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -111,17 +141,43 @@ def checkpointer(r: Rank, **config: Any) -> Any:
     return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], **config))
 
 
+@functools.cache
+def _kept_stager_class() -> Any:
+    """A DCP ``DefaultStager`` that ``async_save`` cannot close: torch 2.11's ``async_save`` closed
+    the stager it was given once the upload finished, and a closed stager's next ``stage()`` raises
+    ``KeyError: <class 'type'>`` (its ``close()`` clears its deepcopy dispatch table, so the first
+    class object it meets, e.g. in a dict's reduction, is looked up in an empty table). torch 2.13
+    closes only the stagers it made. ``release()`` closes it for real."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:
+            pass
+
+        def release(self) -> None:
+            DefaultStager.close(self)
+
+    return KeptStager
+
+
+def kept_stager(options: Any) -> Any:
+    """A DCP ``DefaultStager`` of ``options`` that ``async_save`` cannot close (see
+    :func:`_kept_stager_class`); ``release()`` closes it."""
+    return _kept_stager_class()(options)
+
+
 def dcp_stager(kind: str, cuda: bool = False) -> Any:
     """DCP's DefaultStager as async_save would build it, kept across saves so that its staging
     buffers are reused (DCP's fastest CPU setting); shared memory for the PROCESS executor, so the
     staged tensors reach its checkpoint process without another copy. A CUDA state is staged
     into pinned memory with non-blocking copies, DCP's fastest GPU setting. None for
-    ``dcp_async_process_new``: async_save then builds a stager per call, as when called plainly."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    ``dcp_async_process_new``: async_save then builds a stager per call, as when called plainly.
+    Close it with ``release()``."""
+    from torch.distributed.checkpoint.staging import StagingOptions
 
     if kind == "dcp_async_process_new":
         return None
-    return DefaultStager(
+    return kept_stager(
         StagingOptions(
             use_pinned_memory=cuda,
             use_shared_memory=kind == "dcp_async_process",

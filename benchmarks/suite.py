@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,13 +136,15 @@ class Suite:
         Path(spec["dir"]).mkdir(parents=True)
         return spec
 
-    def run_job(self, ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    def run_job(self, ranks: int, spec: dict[str, Any], entry: Callable[..., None] | None = None) -> dict[str, Any]:
+        """Run ``ranks`` spawned processes of ``entry(rank, ranks, port, spec)`` (default: the
+        suite's :func:`.suite_rank.rank_main`) beside the job's daemon; rank 0's JSON results."""
         import torch.multiprocessing as mp
 
-        _log(f"job {spec['name']}: {ranks} ranks, parts {spec['parts']}")
+        _log(f"job {spec['name']}: {ranks} ranks, parts {spec.get('parts', '-')}")
         daemon = self._start_daemon(spec)
         ctx = mp.start_processes(
-            _rank_entry, args=(ranks, _free_port(), spec), nprocs=ranks, start_method="spawn", join=False
+            entry or _rank_entry, args=(ranks, _free_port(), spec), nprocs=ranks, start_method="spawn", join=False
         )
         self.sampler.watch(lambda: [p.pid for p in ctx.processes])
         deadline = time.monotonic() + self.args.timeout_s

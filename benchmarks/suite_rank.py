@@ -27,7 +27,6 @@ import os
 import statistics
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from .harness import (
     dcp_stager,
     make_state,
     sharded,
+    start_rank,
     state_nbytes,
     stop_dcp_process,
 )
@@ -205,12 +205,6 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
                 stall, durable = r.max(stall), r.max(durable)
                 rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
             else:
-                if cuda and i and stager is not None:
-                    # torch 2.11's DefaultStager cannot stage a CUDA state twice (the second
-                    # stage() raises KeyError: <class 'type'>), so each save gets a new one, as
-                    # async_save builds when given none: its pinned buffers are allocated per save.
-                    stager.close()
-                    stager = dcp_stager(kind, cuda)
                 fut = dcp_async(state, d, kind, stager)
                 stall = time.perf_counter() - t0
                 fut.result()
@@ -220,7 +214,7 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
             r.rm(d)
     finally:
         if stager is not None:
-            stager.close()
+            stager.release()
     return _summary(rows, nbytes)
 
 
@@ -354,29 +348,8 @@ def _profiled(r: Rank, fn: Callable[[], Any], name: str) -> Any:
 
 def rank_main(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     """Entry point of a spawned rank (see the module docstring)."""
-    warnings.filterwarnings("ignore")
-    # This rank's output (and that of DCP's checkpoint process, which inherits it) goes to a log.
-    log = os.open(
-        Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-    )
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-    )
-    torch.set_num_threads(1)
+    r = start_rank(rank, world, port, spec)
     device = spec.get("device", "cpu")
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    r = Rank(rank, world, spec)
     res: dict[str, Any] = {"ranks": world}
     try:
         parts = spec["parts"]

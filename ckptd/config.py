@@ -45,13 +45,15 @@ class CkptdConfig:
     node, shared by its ranks. ``on_full`` decides what a save does when the ring has no room for it yet:
     ``"wait"`` (default: the producer waits for the daemon, outside ``save()`` for fork and lazy
     snapshots) or ``"skip"`` (logged, reported on the handle, and the step is aborted on every
-    rank). ``pin_memory`` registers the ring with CUDA (when CUDA is available).
-    ``snapshot`` says who copies the shards into the ring: with ``"auto"`` (default), when every
-    shard is plain CPU memory, a forked copy-on-write child does while training goes on
-    (ckptd.staging.fork; ``save()`` stalls for the fork only), otherwise (CUDA tensors: a
-    device-to-host copy) the trainer inside ``save()``; with ``"copy"`` always the trainer; with
-    ``"lazy"`` a copier thread of the trainer (CUDA: the side stream) after ``save()`` returned,
-    fenced by ``Checkpointer.before_update()`` before the next optimizer step (ckptd.staging.lazy).
+    rank). ``pin_memory`` pins the ring for CUDA in the background (in a process that uses CUDA;
+    ckptd.staging.pinning). ``snapshot`` says who copies the shards into the ring: with
+    ``"auto"`` (default), while an optimizer is attached (``Checkpointer.attach(optimizer)``: a
+    fence before every update is guaranteed) as ``"lazy"``; otherwise, when every shard is plain
+    CPU memory, a forked copy-on-write child does while training goes on (ckptd.staging.fork;
+    ``save()`` stalls for the fork only), else (CUDA tensors: a device-to-host copy) the trainer
+    inside ``save()``; with ``"copy"`` always the trainer; with ``"lazy"`` a copier thread of the
+    trainer (CUDA: the side stream) after ``save()`` returned, fenced by
+    ``Checkpointer.before_update()`` before the next optimizer step (ckptd.staging.lazy).
 
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
@@ -66,7 +68,7 @@ class CkptdConfig:
     staging_budget: str = "1.25x"  # "<f>x": f x the rank's first save; "<n>[KMG]iB": bytes per node
     on_full: str = "wait"
     pin_memory: bool = True
-    snapshot: str = "auto"  # "auto": fork for plain CPU shards; "copy": copy in save(); "lazy": copy behind it
+    snapshot: str = "auto"  # "auto": lazy with attach(optimizer), else fork (CPU) / DMA in save() (CUDA)
     # persisting
     writer_threads: int = 2
     fsync: bool = True

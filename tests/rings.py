@@ -17,6 +17,7 @@ from ckptd.daemon.pools import PoolTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest
 from ckptd.format.items import PlannedItem
+from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import StagingPool, place
 from ckptd.staging.ring import RingMap, block_offset
@@ -34,14 +35,14 @@ def produced_save(step: int, items: list[PlannedItem], capacity: int = 1 << 20) 
     """Produce ``items`` as rank 0's save of ``step`` into a fresh ring of ``capacity`` bytes;
     every segment is unlinked on exit (the test fails if one leaked)."""
     prefix = f"ckptd-test{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, capacity=capacity, pin=False, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, capacity=capacity, timeout_s=30)
     table = PoolTable(prefix)
     try:
         dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"test")
         placements, _ = place(items)
         block, start = pool.claim(placements)
         seal = start_block(pool, block)
-        pool.copy_inline(start, block, items, placements, seal)
+        copy_inline(pool, start, block, items, placements, seal)
         req = WriteRequest(step, 0, [i.record for i in items], placements, None, start)
         yield ProducedSave(dpool.ring, req, SnapshotWait.open(0, os.getpid(), seal, block_offset(block)))
     finally:

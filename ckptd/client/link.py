@@ -168,6 +168,7 @@ class DaemonLink:
         ]
         env = {**os.environ, **self.config.to_env()}
         env["CKPTD_JOB_ID"] = self.ep.job
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the daemon never uses a GPU (ckptd.commands.daemon)
         log.info("rank %d: starting the node daemon: %s", self.env.rank, " ".join(cmd))
         try:
             proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""``ckptd bench {all,load,checksums,coordinator} ...``: the benchmarks of a source checkout.
+"""``ckptd bench {all,train,load,checksums,coordinator} ...``: the benchmarks of a source checkout.
 
 The benchmarks are not library code: they live in the checkout's top-level ``benchmarks``
 package, next to ``tools/``, and are not installed with the package. ``ckptd bench`` runs them
@@ -25,6 +25,10 @@ coordinator scales):
                          reused and as called); lazy snapshots; a quarter staging budget; memory
                          over many saves; training-loop overhead; many small tensors; stall vs
                          ranks; load; memory and CPU; reference limits; the targets (--check)
+  ckptd bench train      a GPT-like training loop (CPU or CUDA) checkpointed by ckptd and by DCP's
+                         best working configuration: loop overhead, first and steady stall, fence
+                         wait, device-to-host floor, a save taken while training goes on loaded
+                         back bit-exact, two save intervals (with and without backpressure)
   ckptd bench load       same-layout and resharded load throughput vs DCP load
   ckptd bench checksums  what per-item CRC-32C costs on the persist path
   ckptd bench coordinator  how the coordinator scales: commit latency, CPU, memory, .metadata size
@@ -37,7 +41,7 @@ Arguments after the benchmark's name go to it (ckptd bench all --help lists them
 
 exit status: 0 ok; 1 a target was missed (with --check); 2 usage error."""
 
-BENCHMARKS = ("all", "load", "checksums", "coordinator", "objstore")
+BENCHMARKS = ("all", "train", "load", "checksums", "coordinator", "objstore")
 MODULES = {"all": "suite"}  # benchmark name -> module of the benchmarks package, where they differ
 
 

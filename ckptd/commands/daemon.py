@@ -77,7 +77,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from dataclasses import replace
+
+    if args.action == "run":
+        # The daemon never touches a GPU: hide them, so that nothing it runs (torch.save, a
+        # library it imports) can create a CUDA context, which costs host memory (hundreds of
+        # MiB) and device memory on every GPU of a training node.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
     from ..config import CkptdConfig
     from ..control.endpoints import Endpoints, JobEnv

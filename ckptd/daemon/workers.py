@@ -16,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..format.items import PlannedItem
-from ..format.records import TENSOR, ItemRecord, dtype_from_name
+from ..format.records import TENSOR, ItemRecord
+from ..format.tensorzip import RawTensor
 from ..roots.base import DataTarget
-from ..staging.pool import Placement, bytes_view
+from ..staging.pool import Placement
 from ..staging.ring import RingMap, span
 from .snapshot import SnapshotWait
 
@@ -107,13 +106,12 @@ class WriteRequest:
 
 
 def planned_items(ring: RingMap, req: WriteRequest) -> list[PlannedItem]:
-    """Items whose payloads are views of the shared-memory ring (zero-copy)."""
+    """Items whose payloads are views of the shared-memory ring (zero-copy): tensors as
+    :class:`~ckptd.format.tensorzip.RawTensor` (written without torch.save)."""
     out = []
     for rec, p in zip(req.records, req.placements):
         raw = ring.view(req.ring_start + p.offset, p.nbytes)
-        payload: torch.Tensor | memoryview = (
-            bytes_view(raw, dtype_from_name(rec.dtype), tuple(rec.sizes)) if rec.kind == TENSOR else raw
-        )
+        payload = RawTensor(rec.dtype, tuple(rec.sizes), raw) if rec.kind == TENSOR else raw
         out.append(PlannedItem(rec, payload))  # type: ignore[arg-type]
     return out
 

@@ -26,6 +26,7 @@ from .durable import Opener
 from .pickled import exact_storage, serialize_pickled
 from .records import (
     ItemRecord,
+    dtype_from_name,
     object_record,
     storage_layout,
     storage_pieces,
@@ -33,11 +34,14 @@ from .records import (
     tensor_records,
 )
 from .safefs import Dir, entry_path
+from .tensorzip import RawTensor, fits, write_raw_tensor
 
 
 @dataclass
 class PlannedItem:
-    """A record plus the payload to write: a chunk-shaped tensor, or serialized object bytes."""
+    """A record plus the payload to write: a chunk-shaped tensor, or serialized object bytes. (The
+    daemon writes views of its staging rings: a tensor's as a :class:`~ckptd.format.tensorzip.RawTensor`,
+    an object's as a memoryview; see :func:`write_item`.)"""
 
     record: ItemRecord
     payload: torch.Tensor | bytes
@@ -219,12 +223,27 @@ def _zip_crc32_omitted(omit: bool) -> Iterator[None]:
         config.save.compute_crc32 = before
 
 
-def write_item(f: Any, payload: torch.Tensor | bytes) -> None:
+def write_item(f: Any, payload: torch.Tensor | RawTensor | bytes | memoryview, zip_crc32: bool = True) -> None:
+    """One item into ``f``: bytes as they are; a tensor as ``torch.save`` writes it (zip CRC-32s
+    per ``zip_crc32``, which must match torch's setting, see :func:`_zip_crc32_omitted`)."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         f.write(payload)
+    elif isinstance(payload, RawTensor):
+        if fits(payload):
+            write_raw_tensor(f, payload, zip_crc32)  # the same bytes, without torch
+        else:
+            torch.save(_raw_as_tensor(payload), f)
     else:
         # Plain data, as DCP writes it: no requires_grad flag or autograd history in the item.
         torch.save(exact_storage(payload.detach()), f)
+
+
+def _raw_as_tensor(raw: RawTensor) -> torch.Tensor:
+    """A tensor over ``raw``'s bytes (no copy): for the items torch.save still writes."""
+    dtype = dtype_from_name(raw.dtype)
+    if not memoryview(raw.data).nbytes:
+        return torch.empty(raw.shape, dtype=dtype)
+    return torch.frombuffer(raw.data, dtype=torch.uint8).view(dtype).view(raw.shape)
 
 
 def write_data_file(
@@ -273,7 +292,7 @@ def _write_data_file(
                 ready(i)
             sink.begin()
             try:
-                write_item(sink, item.payload)
+                write_item(sink, item.payload, zip_crc32=not checksums)
                 start, length, crc = sink.end()
             except RuntimeError:
                 # torch.save reports a failed write of its stream as "RuntimeError: [enforce fail

@@ -47,10 +47,13 @@ class PlanCache:
 
     ``entries``: per state-dict path of a ShardedTensor, what its last save planned.
     ``checked``: the last record list that passed the duplicate check.
+    ``values``: per state-dict path of a plain value saved as a DCP bytes item, a frozen copy of
+    it (:func:`_frozen`) and its planned item: an equal value reuses the serialized bytes.
     """
 
     entries: dict[Any, _PlanEntry] = field(default_factory=dict)
     checked: tuple[ItemRecord, ...] = ()
+    values: dict[Any, tuple[Any, PlannedItem]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def plan_rank(
     items: list[PlannedItem] = []
     held: list[str] = []
     fresh: dict[Any, _PlanEntry] = {}
+    fresh_values: dict[Any, tuple[Any, PlannedItem]] = {}
     old = cache.entries if cache is not None else {}
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):
@@ -124,7 +128,17 @@ def plan_rank(
             if skip and sh.key in skip:
                 held.append(sh.key)
             else:
-                items.append(plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ())))
+                # Plain values (a DCP-style state dict's step, learning rate, param_groups...) are
+                # mostly the same every save, and pickling each costs ~0.5 ms (torch.save): an
+                # equal value reuses the last save's bytes, which would be the same.
+                frozen = _frozen(sh.data) if cache is not None else None
+                prev = cache.values.get(path) if cache is not None and frozen is not None else None
+                item = prev[1] if prev is not None and prev[0] == frozen else None
+                if item is None or item.record.fqn != sh.key:
+                    item = plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ()))
+                if frozen is not None:
+                    fresh_values[path] = (frozen, item)
+                items.append(item)
         elif is_main_replica(sh.replica_id):
             items.append(plan_object(sh, rank))
         else:
@@ -136,10 +150,33 @@ def plan_rank(
     if cache is not None:
         cache.entries = fresh
         cache.checked = records
+        cache.values = fresh_values
     if held:
         written = {r.fqn for r in records}
         held = [k for k in dict.fromkeys(held) if k not in written]
     return RankPlan(items, held)
+
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _frozen(value: Any, depth: int = 0) -> Any:
+    """An immutable copy of a plain value (None, bool, int, float, str, bytes, and lists, tuples and
+    dicts of them) that compares equal exactly when the value would pickle the same; None for
+    anything else (never reused). Types are part of it (``1``, ``1.0`` and ``True`` differ), and so
+    are dicts' key order and -0.0 against 0.0 (a NaN may be pickled again: it equals only itself)."""
+    if depth > 8:
+        return None
+    kind = type(value)
+    if kind in _PLAIN:
+        return (kind, value, repr(value)) if kind is float else (kind, value)
+    if kind in (list, tuple):
+        parts = tuple(_frozen(v, depth + 1) for v in value)
+        return None if any(p is None for p in parts) else (kind, parts)
+    if kind is dict:
+        pairs = tuple((_frozen(k, depth + 1), _frozen(v, depth + 1)) for k, v in value.items())
+        return None if any(k is None or v is None for k, v in pairs) else (kind, pairs)
+    return None
 
 
 def _tensor_signature(sh: ShardedTensor) -> tuple:

@@ -48,9 +48,10 @@ import torch
 
 from ..errors import SharedMemoryFullError, StagingError
 from ..format.items import PlannedItem
+from .devcopy import DeviceCopier
 from .fork import Snapshot, start_block
-from .pool import Placement, StagingPool, plain_values
-from .ring import ABANDONED, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, block_offset, span
+from .pool import Placement, StagingPool
+from .ring import ABANDONED, NO_ROOM, RingFull, RingWriter, block_offset, span
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class _Job:
     versions: list[int]
     seal: bytes
     step: int
-    ready: Any = None  # CUDA: an event on the current stream at save()
+    ready: dict[Any, Any] | None = None  # CUDA: per device, an event on its current stream at save()
     enqueued: threading.Event = field(default_factory=threading.Event)  # every copy issued
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
@@ -89,6 +90,7 @@ class LazyCopier:
         self.timeout_s = timeout_s
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
+        self._held: list[_Job] = []  # started, handed to the copier thread by go()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
@@ -101,8 +103,10 @@ class LazyCopier:
         placements: list[Placement],
         step: int,
     ) -> Snapshot:
-        """Queue the production of one save; returns the snapshot the SAVE announces (its pid is
-        this process: the daemon fails the save if it dies before sealing)."""
+        """Prepare the production of one save; returns the snapshot the SAVE announces (its pid is
+        this process: the daemon fails the save if it dies before sealing). The copier thread
+        starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile would
+        compete with ``save()`` for the interpreter, and the stall is what matters here)."""
         seal = start_block(pool, block)
         job = _Job(
             pool,
@@ -114,13 +118,23 @@ class LazyCopier:
             seal,
             step,
         )
-        if any(isinstance(i.payload, torch.Tensor) and i.payload.device.type == "cuda" for i in items):
-            job.ready = torch.cuda.Event()
-            job.ready.record(torch.cuda.current_stream())
+        devices = {i.payload.device for i in items if isinstance(i.payload, torch.Tensor) and i.payload.is_cuda}
+        if devices:
+            job.ready = {}
+            for device in devices:  # the copies read what was queued before save(), on each device
+                event = job.ready[device] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
-        self._ensure_thread()
-        self._jobs.put(job)
+        self._held.append(job)
         return Snapshot(os.getpid(), seal, block_offset(block))
+
+    def go(self) -> None:
+        """Hand the saves :meth:`start` prepared to the copier thread."""
+        if self._held:
+            self._ensure_thread()
+            for job in self._held:
+                self._jobs.put(job)
+            self._held.clear()
 
     def fence(self, deadline: float | None = None) -> None:
         """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
@@ -131,6 +145,7 @@ class LazyCopier:
         StagingError after it) or, when given, by ``deadline`` (monotonic; closing): a snapshot
         not copied by then is abandoned instead.
         """
+        self.go()
         for job in self._pending:
             if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
@@ -211,15 +226,15 @@ class LazyCopier:
 
     def _copy(self, job: _Job) -> None:
         """Produce item by item, each once the ring has room, publishing the progress after each
-        (the daemon writes as it goes). A CUDA copy is published once it landed, in order."""
-        pool, writer = job.pool, job.pool.writer
+        (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
+        that) and published once they landed, in order (ckptd.staging.devcopy)."""
+        pool = job.pool
         # Waits for ring space like the pool's writer, giving up at once when the Checkpointer closes.
-        room = RingWriter(writer.fd, writer.capacity, writer.timeout_s, lambda: not self._stopping.is_set())
-        landing: list[tuple[Any, int]] = []  # (event or None, virtual end), behind a CUDA copy
-        for item, p in zip(job.items, job.placements):
-            v = job.start + p.offset
+        room = RingWriter(pool.writer.fd, pool.capacity, pool.writer.timeout_s, lambda: not self._stopping.is_set())
+
+        def wait_room(v_end: int) -> float:
             try:
-                room.wait_room(v + p.nbytes)
+                return room.wait_room(v_end)
             except RingFull as exc:
                 if self._stopping.is_set():
                     raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
@@ -227,43 +242,25 @@ class LazyCopier:
                     f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not "
                     "persisting: see its log"
                 ) from None
-            src = item.payload
-            if isinstance(src, torch.Tensor) and src.device.type == "cuda":
-                landing.append((self._enqueue_cuda(job, src, v), v + p.nbytes))
-            else:
-                pool.produce(item, p, v)
-                if landing:
-                    landing.append((None, v + p.nbytes))
-                else:
-                    writer.publish(job.block, v + p.nbytes)
-        job.enqueued.set()
-        for event, end in landing:
-            if event is not None:
-                event.synchronize()
-            writer.publish(job.block, end)
-        writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
 
-    def _enqueue_cuda(self, job: _Job, src: torch.Tensor, v: int) -> Any:
-        pool = job.pool
-        base = pool.segment.base
-        if base is None:
-            raise StagingError(f"rank {self.rank}: the staging ring is not mapped")
-        pool.segment.reserve()
-        stream = pool._streams.get(src.device)
-        if stream is None:
-            stream = pool._streams[src.device] = torch.cuda.Stream(device=src.device)
-        stream.wait_event(job.ready)
-        flat = plain_values(src).reshape(-1).view(torch.uint8)
-        with torch.cuda.stream(stream):
-            done = 0
-            while done < flat.numel():
-                at = (v + done) % pool.capacity
-                n = min(flat.numel() - done, pool.capacity - at)
-                base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(flat[done : done + n], non_blocking=True)
-                done += n
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        copier = DeviceCopier(pool, job.block, wait_room, self.timeout_s, job.ready)
+        try:
+            for item, p in zip(job.items, job.placements):
+                v = job.start + p.offset
+                src = item.payload
+                if isinstance(src, torch.Tensor) and src.is_cuda:
+                    copier.copy(src, v)
+                else:
+                    copier.room(v + p.nbytes)
+                    pool.produce(item, p, v)
+                    copier.wrote(v + p.nbytes)
+            copier.flush()
+            job.enqueued.set()
+            copier.land()
+        except BaseException:
+            copier.abort()
+            raise
+        pool.writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
 
     def _decide(self, job: _Job) -> None:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""

@@ -2,8 +2,9 @@
 layout of a save's items in it.
 
 :func:`place` lays a save's items out one after the other (aligned offsets relative to the
-save's start); :class:`StagingPool` owns the rank's ring and produces items into it when the
-training thread copies them itself (``snapshot="copy"``, or CUDA tensors).
+save's start); :class:`StagingPool` owns the rank's ring, its pinning for CUDA
+(:mod:`ckptd.staging.pinning`) and its side streams, and writes host items into it
+(:meth:`StagingPool.produce`). CUDA tensors are copied by :mod:`ckptd.staging.devcopy`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import SharedMemoryFullError, StagingError
+from ..errors import StagingError
 from ..format.items import PlannedItem
 from .backpressure import must_skip
-from .ring import ABANDONED, BLOCKS, HEADER_NBYTES, NO_ROOM, RingFull, RingWriter, span
+from .pinning import CHUNK_NBYTES, HostRegistrar, RingPinner
+from .ring import BLOCKS, HEADER_NBYTES, RingFull, RingWriter, span
 from .segment import ShmSegment, new_generation, segment_name
 
 log = logging.getLogger(__name__)
@@ -93,11 +95,12 @@ class StagingPool:
     capacity`` bytes named ``<prefix>r<rank>-<generation>-s0``, the saves it streams, and the
     control blocks free for the next ones.
 
-    Order of use (training thread): :meth:`create` (on the first save; sized by the staging
-    budget), then per save :meth:`claim` a control block and the save's virtual range, produce
-    its items into the ring (a fork child, the lazy copier, or :meth:`copy_inline`), and get the
-    block back from the daemon's WRITE_DONE (:meth:`release`; :meth:`unclaim` if the daemon never
-    took the save); :meth:`close` unmaps (and unlinks only a segment no daemon took over).
+    Order of use (training thread): :meth:`create` (once the size of a save is known; sized by the
+    staging budget), :meth:`start_pinning` when CUDA tensors will be copied into it, then per save
+    :meth:`claim` a control block and the save's virtual range, produce its items into the ring (a
+    fork child, the lazy copier, or ``ckptd.staging.devcopy.copy_inline``), and get the block
+    back from the daemon's WRITE_DONE (:meth:`release`; :meth:`unclaim` if the daemon never took
+    the save); :meth:`close` unpins and unmaps (and unlinks only a segment no daemon took over).
     """
 
     def __init__(
@@ -108,7 +111,11 @@ class StagingPool:
         self.capacity = capacity
         self.segment = segment
         self.generation = generation
-        self.pinned = False
+        self.pinner: RingPinner | None = None
+        # Device-to-host copies into this ring so far: by DMA into pinned chunks, and through
+        # pageable memory (no pinned chunk: pinning off or failed). ckptd.staging.devcopy counts.
+        self.dma_pieces = 0
+        self.pageable_pieces = 0
         self.writer = RingWriter(segment.fileno(), capacity, timeout_s)
         self._free_blocks: list[int] = list(range(BLOCKS))  # control blocks not in use
         self.next_start = 0  # virtual offset of the next save
@@ -119,14 +126,13 @@ class StagingPool:
         return [self.segment.name]
 
     @classmethod
-    def create(cls, prefix: str, rank: int, capacity: int, pin: bool, timeout_s: float) -> StagingPool:
+    def create(cls, prefix: str, rank: int, capacity: int, timeout_s: float) -> StagingPool:
+        """A new, sparse ring (nothing is allocated but its header page; nothing is pinned)."""
         generation = new_generation()
         segment = ShmSegment.create(segment_name(prefix, rank, generation, 0), HEADER_NBYTES + capacity)
         try:
             segment.write(0, bytes(HEADER_NBYTES))  # the header's page is allocated from here on
             pool = cls(prefix, rank, capacity, segment, generation, timeout_s)
-            if pin and torch.cuda.is_available():
-                pool._pin()
         except BaseException:
             segment.close()
             segment.unlink()
@@ -134,23 +140,22 @@ class StagingPool:
         log.info("rank %d: staging ring %s: %d bytes", rank, generation, capacity)
         return pool
 
-    def _pin(self) -> None:
-        seg = self.segment
-        if seg.base is None:
-            return
-        seg.reserve()  # registering faults every page in: a full /dev/shm must fail cleanly
-        err = torch.cuda.cudart().cudaHostRegister(seg.base.data_ptr(), seg.nbytes, 0)
-        if int(err) != 0:
-            raise StagingError(
-                f"cudaHostRegister of {seg.path} ({seg.nbytes} bytes) failed "
-                f"with CUDA error {int(err)}; set CKPTD_PIN_MEMORY=0 to stage unpinned"
-            )
-        self.pinned = True
+    def start_pinning(self, registrar: HostRegistrar, chunk_nbytes: int | None = None) -> None:
+        """Pin the ring's data region in the background, chunk by chunk (ckptd.staging.pinning);
+        CUDA copies use each chunk once it is pinned. Does nothing when pinning started already."""
+        if self.pinner is None:
+            chunk = chunk_nbytes or CHUNK_NBYTES
+            self.pinner = RingPinner(self.segment, HEADER_NBYTES, self.capacity, registrar, chunk, self.rank).start()
 
-    def _unpin(self) -> None:
-        if self.pinned and self.segment.base is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.segment.base.data_ptr())
-        self.pinned = False
+    @property
+    def pinned(self) -> bool:
+        """Whether the whole ring is pinned (every chunk registered)."""
+        return self.pinner is not None and self.pinner.complete
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Pinned chunk size: a device-to-host copy never spans two chunks."""
+        return self.pinner.chunk_nbytes if self.pinner is not None else CHUNK_NBYTES
 
     def has_free_block(self) -> bool:
         """Whether a control block is free (fewer than BLOCKS saves of this rank in flight)."""
@@ -192,26 +197,6 @@ class StagingPool:
         end = HEADER_NBYTES + start % self.capacity + span(p.offset + p.nbytes for p in placements)
         self.segment.check_room(min(end, self.segment.nbytes))
 
-    def copy_inline(
-        self, start: int, block: int, items: list[PlannedItem], placements: list[Placement], seal: bytes
-    ) -> float:
-        """Produce every item here (``snapshot="copy"``), then seal; returns the seconds spent
-        waiting for ring room. CPU tensors and bytes by ``pwrite``; CUDA tensors by device-to-host
-        copies on a side stream into the pinned ring. On failure the save is marked never to
-        be sealed (the daemon fails it) and the error is raised."""
-        try:
-            waited = 0.0
-            for item, p in zip(items, placements):
-                v = start + p.offset
-                waited += self.wait_room(v + p.nbytes)
-                self.produce(item, p, v)
-                self.writer.publish(block, v + p.nbytes)
-        except BaseException as exc:
-            self.writer.publish(block, NO_ROOM if isinstance(exc, SharedMemoryFullError) else ABANDONED)
-            raise
-        self.writer.seal(block, seal)
-        return waited
-
     def wait_room(self, v_end: int) -> float:
         try:
             return self.writer.wait_room(v_end)
@@ -237,42 +222,23 @@ class StagingPool:
             ) from exc
 
     def _write_tensor(self, src: torch.Tensor, v: int) -> None:
-        if src.device.type == "cuda":
-            self._copy_cuda(src, v)
-        else:
-            values = src if plain_cpu_bytes(src) else plain_values(src).cpu()  # alive until written
-            self.writer.write(v, tensor_bytes(values))
+        # Not CUDA tensors (ckptd.staging.devcopy); another device's are copied to the host first.
+        values = src if plain_cpu_bytes(src) else plain_values(src).cpu()  # alive until written
+        self.writer.write(v, tensor_bytes(values))
 
-    def _copy_cuda(self, src: torch.Tensor, v: int) -> None:
-        """Device-to-host copy of ``src`` into the pinned ring at ``v`` (two copies where it wraps),
-        on a side stream that first waits for the current one; returns once it landed."""
-        base = self.segment.base
-        if base is None:
-            raise StagingError(f"rank {self.rank}: the staging ring is not mapped")
-        self.segment.reserve()
-        flat = plain_values(src).reshape(-1).view(torch.uint8)
-        stream = self._side_stream(src.device)
-        with torch.cuda.stream(stream):
-            done = 0
-            while done < flat.numel():
-                at = (v + done) % self.capacity
-                n = min(flat.numel() - done, self.capacity - at)
-                base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(flat[done : done + n], non_blocking=True)
-                done += n
-        stream.synchronize()
-
-    def _side_stream(self, device: torch.device) -> Any:
-        """A copy stream per device that first waits for the work already queued on the current one."""
+    def side_stream(self, device: torch.device) -> Any:
+        """This ring's copy stream on ``device`` (one per device, reused by every save)."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
         return stream
 
     def close(self, unlink: bool) -> None:
         """Unmap the ring; ``unlink`` only when no daemon owns the segment."""
         try:
-            self._unpin()
+            if self.pinner is not None:
+                self.pinner.close()  # before the pages are unmapped
+                self.pinner = None
         finally:
             self.segment.close()
             if unlink:

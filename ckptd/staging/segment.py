@@ -131,11 +131,16 @@ class ShmSegment:
         """Allocate every page now (``posix_fallocate``), before writes through the mapping."""
         if self.reserved:
             return
-        try:
-            os.posix_fallocate(self._fd, 0, self.nbytes)
-        except OSError as exc:
-            raise self.no_room(exc, self.nbytes) from exc
+        self.reserve_range(0, self.nbytes)
         self.reserved = True
+
+    def reserve_range(self, offset: int, nbytes: int) -> None:
+        """Allocate the pages of ``[offset, offset + nbytes)`` now (a full ``/dev/shm`` raises
+        SharedMemoryFullError), before they are written through the mapping or pinned."""
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as exc:
+            raise self.no_room(exc, nbytes) from exc
 
     def check_room(self, nbytes: int) -> None:
         """Raise StagingError, before anything is written, when ``/dev/shm`` cannot hold the pages

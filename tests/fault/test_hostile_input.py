@@ -301,7 +301,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its pool
     started = boottime_s()
     wait_until(lambda: boottime_s() > started + 0.1, 5, "the clock to move past the child's start")
-    own = StagingPool.create(ep.shm_prefix, 0, 1 << 20, pin=False, timeout_s=5)
+    own = StagingPool.create(ep.shm_prefix, 0, 1 << 20, timeout_s=5)
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731

@@ -60,6 +60,37 @@ def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, sin
             assert all(same_bits(out[k], expected[step][k]) for k in expected[step]), step
 
 
+@pytest.mark.timeout(180)
+def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, single_process):
+    """snapshot="auto" (the default): attach(optimizer) makes the saves lazy snapshots (fenced by
+    the optimizer's step); after the attachment is removed they are fork snapshots again. Seen by
+    what each does with a write before the next optimizer step: a lazy save fails (its fence sees
+    the change), a fork snapshot keeps the values of save() time. Before this, attach() only
+    registered the fence and the default stayed a fork snapshot."""
+    w = torch.nn.Parameter(torch.zeros(1 << 16))
+    opt = torch.optim.SGD([w], lr=0.5)
+    cfg = _config().replace(snapshot="auto")
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        attachment = ckpt.attach(opt)
+        w.grad = torch.ones_like(w)
+        h1 = ckpt.save(_state({"w": w.detach()}, 1), step=1)
+        opt.step()  # fenced first: commits the values of save() time
+        h1.wait(timeout_s=60)
+        assert same_bits(_load(ckpt, {"w": w.detach()}, 1)["w"], torch.zeros(1 << 16))
+        h2 = ckpt.save(_state({"w": w.detach()}, 2), step=2)
+        with torch.no_grad():
+            w.add_(1.0)  # an update the fence did not precede: the lazy save must fail
+        with pytest.raises(SaveFailedError, match="abandoned its snapshot"):
+            h2.wait(timeout_s=60)
+        attachment.remove()
+        saved = w.detach().clone()
+        h3 = ckpt.save(_state({"w": w.detach()}, 3), step=3)
+        with torch.no_grad():
+            w.add_(1.0)  # a fork snapshot has its copy-on-write view of save() time
+        h3.wait(timeout_s=60)
+        assert same_bits(_load(ckpt, {"w": saved}, 3)["w"], saved)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fenced", [False, True])
 def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_path, single_process, fenced):

@@ -29,7 +29,7 @@ from ckptd.staging.segment import unlink_segments
 def ring():
     """A rank's ring of 8 MiB, and the daemon's mapping of it."""
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, 8 << 20, pin=False, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, 8 << 20, timeout_s=30)
     table = PoolTable(prefix)
     dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
     yield pool, dpool.ring

@@ -20,6 +20,7 @@ from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.gcpause import gc_paused
+from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.pool import StagingPool, bytes_view, place
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
@@ -81,10 +82,10 @@ def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
     items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
     placements, nbytes = place(items)
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, pin=False, timeout_s=10)
+    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, timeout_s=10)
     try:
         block, start = pool.claim(placements)
-        pool.copy_inline(start, block, items, placements, b"s" * 16)
+        copy_inline(pool, start, block, items, placements, b"s" * 16)
         base_t = pool.segment.base
         for p, pl in zip(payloads, placements):
             raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset :][: pl.nbytes]
@@ -174,3 +175,35 @@ def test_plan_cache_reuses_checked_records_only_for_unchanged_shards():
     assert changed[0].record.global_shape == (10, 4) and changed[0].record is not second[0].record
     with pytest.raises(ShardingError, match="meta"):
         plan_save(split_state_dict(sd(torch.empty(5, 4, device="meta"), flat)), 0, cache)
+
+
+def test_unchanged_plain_values_reuse_their_serialized_bytes():
+    """A DCP-style state dict's plain values (step, param_groups...) become bytes items pickled
+    with torch.save, ~0.5 ms each; with a PlanCache an equal value reuses the last save's bytes
+    (the same object), a changed one, also changed in place, is pickled again, and the bytes
+    always equal a plan without the cache. Before, every save pickled every value again."""
+    from ckptd.format.saveplan import PlanCache, plan_save
+    from ckptd.statedict.split import split_state_dict
+
+    groups = [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1], "fused": None}]
+
+    def sd(step, lr=0.1):
+        groups[0]["lr"] = lr
+        return {"model": {"w": torch.ones(4)}, "optim": {"param_groups": groups}, "step": step, "tag": "x"}
+
+    def byte_items(items):
+        return {i.record.fqn: i.payload for i in items if i.record.kind != TENSOR}
+
+    cache = PlanCache()
+    first = byte_items(plan_save(split_state_dict(sd(1)), 0, cache))
+    second = byte_items(plan_save(split_state_dict(sd(2)), 0, cache))
+    params, lr = "optim.param_groups.0.params", "optim.param_groups.0.lr"
+    assert len(first) == 6
+    assert all(second[k] is first[k] for k in first if k != "step")  # reused
+    assert second["step"] != first["step"]  # changed: pickled again
+    groups[0]["params"].append(2)  # changed in place
+    third = byte_items(plan_save(split_state_dict(sd(2, lr=0.1)), 0, cache))
+    assert third[params] is not second[params] and third["step"] is second["step"]
+    fresh = byte_items(plan_save(split_state_dict(sd(2, lr=0.1)), 0))
+    assert third == fresh  # the same bytes as without the cache
+    assert byte_items(plan_save(split_state_dict(sd(2, lr=0.2)), 0, cache))[lr] != fresh[lr]

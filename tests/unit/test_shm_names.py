@@ -26,7 +26,7 @@ def job() -> str:
 
 
 def test_pool_segments_have_unguessable_private_names(job):
-    pool = StagingPool.create(f"ckptd-{job}-n0-", 3, 4096, pin=False, timeout_s=1)
+    pool = StagingPool.create(f"ckptd-{job}-n0-", 3, 4096, timeout_s=1)
     try:
         assert len(pool.names) == 1
         for i, name in enumerate(pool.names):

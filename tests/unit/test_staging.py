@@ -19,7 +19,9 @@ from ckptd.errors import StagingError
 from ckptd.format.finalize import finalize, serialize_common
 from ckptd.format.items import split_large_items
 from ckptd.format.saveplan import plan_save
+from ckptd.format.tensorzip import RawTensor
 from ckptd.roots.posix_data import PosixDataTarget
+from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
 from ckptd.staging.ring import block_offset
@@ -90,7 +92,7 @@ def _produce(pool: StagingPool, items: list, placements: list):
     """Produce a save inline (as snapshot="copy" does); the daemon's snapshot watch of it."""
     block, start = pool.claim(placements)
     seal = start_block(pool, block)
-    pool.copy_inline(start, block, items, placements, seal)
+    copy_inline(pool, start, block, items, placements, seal)
     return block, start, SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
 
 
@@ -99,7 +101,7 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
     items = plan_save(split, 0)
     placements, nbytes = place(items)
     assert all(p.offset % ALIGN_NBYTES == 0 for p in placements)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=True, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
     table = PoolTable(prefix)
     try:
         assert not pool.pinned  # no CUDA here: staging is pwrite
@@ -108,7 +110,7 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
         block, start, wait = _produce(pool, items, placements)
         split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
         req = WriteRequest(5, 0, [i.record for i in items], placements, None, start)
-        assert all(isinstance(p.payload, (torch.Tensor, memoryview)) for p in planned_items(dpool.ring, req))
+        assert all(isinstance(p.payload, (RawTensor, memoryview)) for p in planned_items(dpool.ring, req))
         stored, file_nbytes = write_rank_file(
             PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
         )
@@ -142,7 +144,7 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
     items = split_large_items(plan_save(split, 0), 1 << 20)
     assert len(items) == 8 and all(i.record.sizes == (1 << 17,) for i in items)
     placements, _ = place(items)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, pin=False, timeout_s=30)
+    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
     table = PoolTable(prefix)
     try:
         dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
@@ -154,7 +156,7 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
             written = writer.submit(
                 write_rank_file, PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
             )
-            waited = pool.copy_inline(start, block, items, placements, seal)
+            waited = copy_inline(pool, start, block, items, placements, seal)
             stored, _ = written.result(timeout=60)
         assert waited > 0  # it really had to wait for room
         finalize(tmp_path, stored, serialize_common(split.common))

@@ -1,0 +1,279 @@
+"""A training loop that saves every ``every`` steps, timed, for each way of checkpointing.
+
+Shared by ``ckptd bench all``'s training part (:mod:`.suite_train`: a flat state that a matmul
+loop rewrites) and ``ckptd bench train`` (:mod:`.train`: a GPT-like model with AdamW, on CPU or
+CUDA). A *workload* says what one step does and what a save saves; a *saver* checkpoints it:
+
+- ``none``: no checkpointing (the baseline);
+- ``ckptd``: ``Checkpointer.save`` with the default settings; ``ckptd_copy``: ``snapshot="copy"``;
+  ``ckptd_lazy``: ``snapshot="lazy"``, fenced before each update (``attach(optimizer)`` where the
+  workload has an optimizer, else ``before_update()``); each also as ``<mode>_prepared``, with
+  ``Checkpointer.prepare(state)`` before the loop (the staging ring made and, on CUDA, pinned
+  ahead of the first save);
+- ``dcp_async_thread`` / ``dcp_async_process``: ``async_save(..., THREAD / PROCESS)`` with one
+  ``DefaultStager`` reused (shared memory for PROCESS);
+- ``dcp_async_pinned``: TorchTitan's ``async_with_pinned_mem``: ``async_save`` PROCESS with one
+  ``DefaultStager(StagingOptions(True, True, True, True))`` reused (pinned, shared memory,
+  staging in a background thread, non-blocking copies; on CPU the pinned and non-blocking parts,
+  which need an accelerator, are off), staging waited for before the next update;
+- ``dcp_async_as_called``: ``async_save`` PROCESS without a stager (one built per call);
+- ``dcp_best``: the first of ``dcp_async_pinned``, ``dcp_async_thread``, ``dcp_async_as_called``
+  that works on the installed torch (see :class:`DcpSaver`; what failed, and why, is reported).
+
+As DCP requires, a DCP save waits for the previous one's upload before it starts. The first save
+is part of the timed loop, as in a training run (ckptd creates and pins its staging ring, DCP's
+stager allocates its buffers); the last save is waited for after the loop, untimed. The loop time
+of a CUDA workload ends with a device synchronisation.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .harness import Rank, checkpointer, dcp_stager, kept_stager
+
+CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
+# The same with Checkpointer.prepare(state) before the loop (the ring sized and pinned ahead).
+CKPTD_MODES = {**CKPTD_SNAPSHOTS, **{f"{m}_prepared": v for m, v in CKPTD_SNAPSHOTS.items()}}
+DCP_BEST_ORDER = ("dcp_async_pinned", "dcp_async_thread", "dcp_async_as_called")
+
+
+class Workload(Protocol):
+    """One rank's training: what a step does and what a save saves."""
+
+    optimizer: Any  # a torch.optim.Optimizer, or None (the update is not an optimizer step)
+    cuda: bool
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a save of ``step`` saves (built anew each time, as get_state_dict would be)."""
+
+    def compute(self) -> None:
+        """Forward and backward: reads the saved state, writes none of it."""
+
+    def update(self) -> None:
+        """The optimizer step: rewrites the saved state in place."""
+
+
+def sync(w: Workload) -> None:
+    if w.cuda:
+        torch.cuda.synchronize()
+
+
+# --- savers ------------------------------------------------------------------------------------
+class Saver:
+    """No checkpointing; the protocol the others follow."""
+
+    fence_s = 0.0
+    pin_s: float | None = None  # ckptd on CUDA: seconds the ring's background pinning took
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        pass
+
+    def before_update(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Wait for the last save (untimed)."""
+
+    def close(self) -> None:
+        pass
+
+
+class CkptdSaver(Saver):
+    def __init__(self, r: Rank, workload: Workload, snapshot: str, prepare: bool = False) -> None:
+        self.r = r
+        self.ckpt = checkpointer(r, snapshot=snapshot)
+        self.lazy = snapshot == "lazy"
+        self.handle: Any = None
+        self.steps: list[int] = []
+        if self.lazy and workload.optimizer is not None:
+            self.ckpt.attach(workload.optimizer)
+        if prepare:
+            self.ckpt.prepare(workload.state(0))
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        self.handle = self.ckpt.save(state, step=step)
+        self.steps.append(step)
+
+    def before_update(self) -> None:
+        if self.lazy:
+            # attach(optimizer) fences from the optimizer's pre-hook; calling it here first times
+            # the fence (the hook's call then finds nothing to wait for).
+            t0 = time.perf_counter()
+            self.ckpt.before_update()
+            self.fence_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+    def close(self) -> None:
+        pool = self.ckpt._pool
+        if pool is not None and pool.pinner is not None:  # how long pinning the ring took (CUDA)
+            self.pin_s = pool.pinner.pinned_s
+        self.ckpt.close()
+
+
+def dcp_stager_for(kind: str, cuda: bool) -> Any:
+    """The stager of a DCP mode (None: async_save builds one per call)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    if kind == "dcp_async_as_called":
+        return None
+    if kind == "dcp_async_pinned":
+        return kept_stager(StagingOptions(cuda, True, True, cuda))
+    return dcp_stager(kind, cuda)
+
+
+class DcpSaver(Saver):
+    """``async_save`` of one DCP mode; the previous save's upload is waited for before the next
+    starts, and (async staging) the staging before the next update, as TorchTitan does."""
+
+    def __init__(self, r: Rank, workload: Workload, kind: str) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.r = r
+        self.kind = kind
+        self.base = Path(r.spec["dir"]) / f"dcp-{kind}"
+        self.ctype = AsyncCheckpointerType.THREAD if kind == "dcp_async_thread" else AsyncCheckpointerType.PROCESS
+        self.stager = dcp_stager_for(kind, workload.cuda)
+        self.upload: Any = None
+        self.staging: Any = None
+        self.dirs: list[Path] = []
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.upload is not None:
+            self.upload.result()
+        d = self.base / f"step{step}"
+        self.dirs.append(d)
+        kw: dict[str, Any] = {"checkpoint_id": str(d), "async_checkpointer_type": self.ctype}
+        if self.stager is not None:
+            kw["async_stager"] = self.stager
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fut = dcp.async_save(state, **kw)
+        self.upload = getattr(fut, "upload_completion", fut)
+        self.staging = getattr(fut, "staging_completion", None)
+
+    def before_update(self) -> None:
+        if self.staging is not None:
+            t0 = time.perf_counter()
+            self.staging.result()
+            self.fence_s += time.perf_counter() - t0
+            self.staging = None
+
+    def finish(self) -> None:
+        self.before_update()
+        if self.upload is not None:
+            self.upload.result()
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.release()
+
+
+def make_saver(r: Rank, workload: Workload, mode: str) -> Saver:
+    if mode == "none":
+        return Saver()
+    if mode in CKPTD_MODES:
+        return CkptdSaver(r, workload, CKPTD_MODES[mode], prepare=mode.endswith("_prepared"))
+    return DcpSaver(r, workload, mode)
+
+
+# --- the loop ------------------------------------------------------------------------------------
+def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -> dict[str, Any]:
+    """``steps`` steps saving every ``every`` (the first step included); the slowest rank's loop
+    time, first and median stall, and fence wait (the time updates waited for a save)."""
+    stalls: list[float] = []
+    saver = make_saver(r, workload, mode)
+    try:
+        r.barrier()
+        sync(workload)
+        t0 = time.perf_counter()
+        for step in range(steps):
+            if mode != "none" and step % every == 0:
+                state = workload.state(step)
+                t1 = time.perf_counter()
+                saver.save(state, r.next_step())
+                stalls.append(time.perf_counter() - t1)
+            workload.compute()
+            saver.before_update()
+            workload.update()
+        sync(workload)
+        loop_s = time.perf_counter() - t0
+        saver.finish()
+    finally:
+        saver.close()
+    res: dict[str, Any] = {"loop_s": r.max(loop_s), "steps": steps, "fence_s": r.max(saver.fence_s)}
+    if saver.pin_s is not None:
+        res["pin_s"] = r.max(saver.pin_s)
+    if isinstance(saver, DcpSaver):
+        for d in saver.dirs:
+            r.rm(d)
+    r.rm_steps()
+    if stalls:
+        res["first_stall_s"] = r.max(stalls[0])
+        rest = stalls[1:] or stalls
+        res["stall_s_median"] = r.max(sorted(rest)[len(rest) // 2])
+        res["stall_s_max"] = r.max(max(rest))
+    return res
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def run_modes(
+    r: Rank, modes: list[str], workload: Workload, steps: int, every: int, phase: str = "train"
+) -> dict[str, Any]:
+    """Each mode twice, in the order A-B-C-C-B-A (each meets early and late conditions alike:
+    page cache, memory a VM host handed back, other load), then the means. ``dcp_best`` runs the
+    first DCP mode that works (:data:`DCP_BEST_ORDER`); the others' errors are reported."""
+    out: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}
+    chosen: str | None = None
+    for mode in modes + modes[::-1]:
+        r.phase(f"{phase}:{mode}")
+        if mode != "dcp_best":
+            runs[mode].append(timed_loop(r, mode, workload, steps, every))
+            continue
+        for kind in [chosen] if chosen else [k for k in DCP_BEST_ORDER if k not in failed]:
+            try:
+                runs[mode].append(timed_loop(r, kind, workload, steps, every))
+                chosen = kind
+                break
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, then the next tried
+                # Every rank runs the same calls on the same kind of state: all fail alike.
+                failed[kind] = f"{type(exc).__name__}: {exc}"[:300]
+                r.barrier()
+    base_s = _mean([x["loop_s"] for x in runs["none"]]) if runs.get("none") else None
+    for mode in modes:
+        loops = runs[mode]
+        if not loops:
+            out[mode] = {"error": "; ".join(f"{k}: {v}" for k, v in failed.items())}
+            continue
+        res: dict[str, Any] = {"runs_s": [x["loop_s"] for x in loops], "steps": loops[0]["steps"]}
+        res["loop_s"] = _mean(res["runs_s"])
+        res["steps_per_s"] = res["steps"] / res["loop_s"]
+        if base_s:
+            res["overhead"] = res["loop_s"] / base_s - 1.0
+        res["fence_s"] = _mean([x["fence_s"] for x in loops])
+        pins = [x["pin_s"] for x in loops if "pin_s" in x]
+        if pins:
+            res["pin_s"] = max(pins)
+        for key in ("first_stall_s", "stall_s_median", "stall_s_max"):
+            if key in loops[0]:
+                res[key] = max(x[key] for x in loops) if key.endswith("max") else _mean([x[key] for x in loops])
+        out[mode] = res
+    if "dcp_best" in modes:
+        out["dcp_best_kind"] = chosen
+        out["dcp_failed"] = failed
+    return out

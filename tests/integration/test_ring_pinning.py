@@ -1,0 +1,104 @@
+"""The Checkpointer pins its staging ring in the background, never inside ``save()``
+(ckptd.staging.pinning), with a real daemon, real ``/dev/shm`` and real threads.
+
+The registrar is :class:`tests.unit.test_pinning.CountingRegistrar`: the real ``cudaHostRegister``
+cannot run without a GPU, and the registrar is the one seam every CUDA pinning call goes through,
+so it is the one stand-in here (tests/integration/test_cuda_staging.py uses the real one on a GPU).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.client import checkpointer as checkpointer_mod
+from tests.unit.test_pinning import CountingRegistrar
+
+
+def _state(n: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((n,), float(i)) for i in range(4)}
+
+
+def _sharded(state: dict[str, torch.Tensor]) -> dict:
+    return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
+
+
+def _config(**kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2, **kw
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
+def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_process, monkeypatch, snapshot):
+    """Every cudaHostRegister runs on the pinner thread, none on the thread calling save(), and
+    none while save() runs once the ring is pinned (``prepare()``); close() releases them all. The
+    code before this (StagingPool._pin) registered the whole ring inside the first save(), on the
+    training thread."""
+    reg = CountingRegistrar()
+    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    state = _state(300_000)  # 4.6 MiB: the default 1.25x ring is 5.7 MiB, 23 chunks of 256 KiB
+    monkeypatch.setattr("ckptd.staging.pool.CHUNK_NBYTES", 256 << 10)
+    me = threading.get_ident()
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
+        ckpt.prepare(_sharded(state))
+        pool = ckpt._pool
+        assert pool is not None and pool.pinner is not None
+        assert pool.pinner.wait(pool.capacity - 1, timeout_s=30)
+        before = len(reg.calls)
+        for step in (1, 2):
+            h = ckpt.save(_sharded(state), step=step)
+            assert len(reg.calls) == before  # nothing registered (or released) inside save()
+            ckpt.before_update()
+            h.wait(timeout_s=60)
+        assert reg.registered_nbytes() == pool.capacity and reg.registered_nbytes(thread=me) == 0
+    assert reg.live == {}  # close() unregistered every chunk
+
+
+@pytest.mark.timeout(120)
+def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(tmp_path, single_process, monkeypatch):
+    """Without prepare(), the ring is created by the first save and pinned behind it: that save
+    (CPU tensors here, which need no pinned chunk) returns while the pinner still works."""
+    gate = threading.Event()
+    reg = CountingRegistrar(gate=gate)
+    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    state = _state(100_000)
+    try:
+        with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot="copy")) as ckpt:
+            h = ckpt.save(_sharded(state), step=1)
+            assert reg.registered() == [] and not ckpt._pool.pinned  # the pinner waits at the gate
+            gate.set()
+            h.wait(timeout_s=60)
+            assert ckpt._pool.pinner.wait(ckpt._pool.capacity - 1, timeout_s=30)
+            assert reg.registered_nbytes(thread=threading.get_ident()) == 0
+    finally:
+        gate.set()
+    assert reg.live == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(tmp_path, single_process, monkeypatch):
+    reg = CountingRegistrar()
+    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="4MiB")) as ckpt:
+        pool = ckpt._pool
+        assert pool is not None and pool.capacity == 4 << 20 and pool.pinner is not None
+        assert pool.pinner.wait(pool.capacity - 1, timeout_s=30)
+        h = ckpt.save(_sharded(_state(1000)), step=1)
+        h.wait(timeout_s=60)
+        assert ckpt._pool is pool and reg.registered_nbytes() == 4 << 20
+    assert reg.live == {}
+
+
+@pytest.mark.timeout(60)
+def test_no_pinning_without_cuda_in_use(tmp_path, single_process):
+    """A process that never used CUDA pins nothing (and creates no CUDA context to do it)."""
+    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+        ckpt.prepare(_sharded(_state(1000)))
+        assert ckpt._pool is not None and ckpt._pool.pinner is None

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Every GPU check of ckptd in one run (<= 6 minutes on one H100), ending with one table:
+#   the CUDA tests (tests/integration/test_cuda_staging.py, test_daemon_no_gpu.py) and
+#   `ckptd bench train --device cuda` (the GPT-like loop: ckptd defaults and lazy+attach against
+#   no checkpointing and DCP's best working configuration; stalls, fence wait, device-to-host
+#   floor, ring pinning time, daemon memory, bit-exact checks, the issue's targets).
+#
+#   tools/gpu_check.sh [WHEELS_DIR]
+#
+# Run from the repository root with the python that has torch (PYTHON, default python3). ckptd
+# runs from the checkout (PYTHONPATH), nothing is installed into the system. A GPU machine may
+# lack ckptd's other dependencies (pyzmq, crc32c; megatron-core for one test): WHEELS_DIR holds
+# their wheels for that python, installed with --no-index into a private directory; made on a
+# machine with network, e.g. for Python 3.12 on x86-64:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d WHEELS_DIR pyzmq crc32c megatron-core==0.16.1
+# Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
+# benchmark, the test log) go to $OUT when set, else to a temporary directory.
+# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 2 --modes none,dcp_best,ckptd,ckptd_lazy,
+# ckptd_lazy_prepared"), GPU_CHECK_TEST_TIMEOUT_S (150),
+# GPU_CHECK_TRAIN_TIMEOUT_S (210).
+set -uo pipefail
+
+PY="${PYTHON:-python3}"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+WHEELS="${1:-}"
+OUTDIR="${OUT:-$(mktemp -d /tmp/ckptd-gpu-check.XXXXXX)}"
+SITE="$(mktemp -d /tmp/ckptd-site.XXXXXX)"
+TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 2 --modes none,dcp_best,ckptd,ckptd_lazy,ckptd_lazy_prepared}"
+cd "$REPO" || exit 2
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+say() { echo "[gpu_check $(date +%H:%M:%S)] $*" >&2; }
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: $PY has no torch that sees a CUDA device; run this on a GPU machine" >&2
+    exit 2
+fi
+
+missing() {  # the modules ckptd, its tests and the benchmark need that this python cannot import
+    "$PY" - <<'EOF'
+import importlib.util
+need = ["zmq", "msgpack", "psutil", "tqdm", "crc32c", "prometheus_client", "numpy", "pytest", "pytest_timeout"]
+print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+EOF
+}
+
+MISSING="$(missing)"
+if [ -n "$MISSING" ] && [ -n "$WHEELS" ]; then
+    say "installing the wheels of $WHEELS into $SITE (for: $MISSING)"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl; then
+        echo "gpu_check: pip could not install the wheels in $WHEELS (wrong Python version or platform?)" >&2
+        exit 2
+    fi
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+    MISSING="$(missing)"
+elif [ -n "$WHEELS" ]; then  # nothing missing; megatron-core may still come from there
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:$SITE"
+fi
+if [ -n "$MISSING" ]; then
+    echo "gpu_check: $PY cannot import: $MISSING. Pass a directory of their wheels for this python" \
+         "(python package names: pyzmq for zmq, crc32c, prometheus-client, pytest-timeout...; see the" \
+         "header of tools/gpu_check.sh for the pip download command)" >&2
+    exit 2
+fi
+
+say "CUDA tests"
+timeout "${GPU_CHECK_TEST_TIMEOUT_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
+    --junitxml "$OUTDIR/gpu_tests.xml" \
+    tests/integration/test_cuda_staging.py tests/integration/test_daemon_no_gpu.py >"$OUTDIR/gpu_tests.log" 2>&1
+TESTS_RC=$?
+tail -n 25 "$OUTDIR/gpu_tests.log" >&2
+
+say "ckptd bench train --device cuda $TRAIN_ARGS"
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+timeout "${GPU_CHECK_TRAIN_TIMEOUT_S:-210}" "$PY" -m ckptd.cli bench train --device cuda $TRAIN_ARGS \
+    --out "$OUTDIR/train.json" >"$OUTDIR/train.txt" 2>"$OUTDIR/train.err"
+TRAIN_RC=$?
+tail -n 5 "$OUTDIR/train.err" >&2
+
+"$PY" - "$OUTDIR" "$TESTS_RC" "$TRAIN_RC" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, tests_rc, train_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+import torch
+
+print(f"== ckptd GPU check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, python {sys.version.split()[0]}")
+rows = []
+try:
+    suite = ET.parse(out / "gpu_tests.xml").getroot().iter("testcase")
+    for case in suite:
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "FAILED"
+            elif child.tag == "skipped":
+                outcome = "skipped: " + (child.get("message") or "")[:60]
+        rows.append((case.get("name"), outcome, f"{float(case.get('time', 0)):.1f} s"))
+except (OSError, ET.ParseError) as exc:
+    rows.append(("(tests)", f"no results ({exc}); exit {tests_rc}", ""))
+print(f"{'test':<78}{'outcome':<30}{'time':>8}")
+for name, outcome, t in rows:
+    print(f"{name[:77]:<78}{outcome:<30}{t:>8}")
+if tests_rc == 124:
+    print("tests: TIMED OUT (GPU_CHECK_TEST_TIMEOUT_S)")
+print()
+try:
+    print((out / "train.txt").read_text().rstrip())
+except OSError:
+    pass
+if train_rc:
+    print(f"bench train: exit {train_rc}{' (timed out: GPU_CHECK_TRAIN_TIMEOUT_S)' if train_rc == 124 else ''}; see {out}/train.err")
+EOF
+[ "$TESTS_RC" -eq 0 ] && [ "$TRAIN_RC" -eq 0 ]
