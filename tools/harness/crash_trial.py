@@ -42,7 +42,7 @@ import psutil
 import torch
 
 import ckptd
-from ckptd.catalog import EntryState, scan_root
+from ckptd.catalog import EntryState
 from ckptd.cli import main as ckptd_cli
 from ckptd.client import admin
 from ckptd.config import CkptdConfig
@@ -51,7 +51,9 @@ from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
+from ckptd.s3catalog import scan_any
 from ckptd.staging.segment import list_segments, unlink_segments
+from ckptd.storage.url import Location, parse_location
 from tools.harness import crash_job as cj
 
 VICTIMS = ("rank", "node", "coordinator")
@@ -202,7 +204,7 @@ def job_processes(job: str) -> list[int]:
 
 
 # --- checks ------------------------------------------------------------------------------------
-def _verify_all(root: Path) -> dict[str, Any]:
+def _verify_all(root: Location) -> dict[str, Any]:
     """``ckptd verify ROOT --all --json``, run in this process (the command's own code path)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -212,7 +214,7 @@ def _verify_all(root: Path) -> dict[str, Any]:
     return report
 
 
-def check_checkpoint(path: Path, step: int, world: int) -> str | None:
+def check_checkpoint(path: Location, step: int, world: int) -> str | None:
     """None when ``path`` holds exactly the job's state of ``step`` for every rank."""
     full = cj.full_tensors(step, world)
     plain = ckptd.load_plain_tensors(path)
@@ -227,11 +229,11 @@ def check_checkpoint(path: Path, step: int, world: int) -> str | None:
 
 
 def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
-    root = Path(spec.root)
+    root = parse_location(spec.root)  # a directory, or an s3:// root
     committed = sorted({e.step for e in events if e.ev == "committed" and e.step is not None})
     result.commits = len(committed)
     result.aborted = len({e.step for e in events if e.ev == "aborted" and e.step is not None})
-    cat = scan_root(root)
+    cat = scan_any(root)
     on_disk = {e.step: e for e in cat.entries if e.state is EntryState.COMMITTED and e.step >= 0}
     for e in cat.entries:
         if e.state is EntryState.INCOMPLETE:
@@ -371,9 +373,15 @@ class LoopbackHosts:
 
 
 # --- the trial ---------------------------------------------------------------------------------
-def job_spec(workdir: Path, ranks: int, nodes: int, rng: random.Random, fields: dict[str, Any]) -> cj.JobSpec:
-    """The job of one trial; ``fields``: what its hosts add (:meth:`Hosts.job_fields`)."""
+def job_spec(
+    workdir: Path, ranks: int, nodes: int, rng: random.Random, fields: dict[str, Any], root: str | None = None
+) -> cj.JobSpec:
+    """The job of one trial; ``fields``: what its hosts add (:meth:`Hosts.job_fields`); ``root``:
+    where it saves (default: a directory of the trial; an ``s3://`` root runs the trial on object
+    storage, whose client settings come from this process's AWS_* variables)."""
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k.startswith("CKPTD_S3_")}
     env = {
+        **(aws if root is not None and root.startswith("s3://") else {}),
         **fields.pop("env", {}),
         "CKPTD_HEARTBEAT_S": "0.1",
         "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
@@ -389,7 +397,7 @@ def job_spec(workdir: Path, ranks: int, nodes: int, rng: random.Random, fields: 
     }
     events = workdir / "events"
     events.mkdir(parents=True)
-    return cj.JobSpec(str(workdir / "ckpts"), str(events), ranks, nodes, env, **fields)
+    return cj.JobSpec(root or str(workdir / "ckpts"), str(events), ranks, nodes, env, **fields)
 
 
 def _wait_for(cond: Any, timeout_s: float) -> bool:
@@ -426,6 +434,7 @@ def run_trial(
     victim: str | None = None,
     workdir: str | os.PathLike | None = None,
     keep: bool = False,
+    root: str | None = None,
 ) -> TrialResult:
     """One trial (see the module docstring) on ``hosts``; ``victim`` None picks one at random
     among the hosts' kinds (those needing several nodes only when there are)."""
@@ -443,7 +452,7 @@ def run_trial(
     job = ""
     try:
         hosts.open(nodes)
-        spec = job_spec(base, ranks, nodes, rng, hosts.job_fields())
+        spec = job_spec(base, ranks, nodes, rng, hosts.job_fields(), root)
         job = spec.endpoints(0).job
         procs = hosts.start(spec, "run")
         started = _wait_for(
