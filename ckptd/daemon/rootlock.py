@@ -59,39 +59,65 @@ class RootLock:
 
     def acquire(self, *, runtime_dir: Path, job: str) -> None:
         """Take the lock and record this daemon in it; raise RootBusyError when another daemon
-        holds it. A filesystem that cannot lock is logged and tolerated."""
+        holds it. A filesystem that cannot lock is logged and tolerated.
+
+        The lock is held on a descriptor open for reading only, so the daemon keeps no file of the
+        root open for writing (a filesystem with a file open for writing cannot be remounted
+        read-only); only where ``flock`` is emulated with POSIX locks, which need a file open for
+        writing (NFS: EBADF on a read-only descriptor), is it taken on a read-write one."""
         dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            fd, writable = self._lock(dir_fd)
+            if fd < 0:
+                self.acquired = True  # tolerated: the filesystem cannot lock (logged)
+                return
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "job": job,
+                "runtime_dir": str(runtime_dir),
+                "since_unix_s": round(time.time(), 3),
+            }
+            record = json.dumps(holder).encode()
+            if writable:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, record, 0)
+            else:  # another descriptor: closing it leaves the flock of ``fd`` in place
+                w = os.open(self.name, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                try:
+                    os.write(w, record)
+                finally:
+                    os.close(w)
         finally:
             os.close(dir_fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                holder = _read_holder(fd)
-                os.close(fd)
-                raise RootBusyError(self._busy_message(holder)) from None
-            os.close(fd)
-            log.warning(
-                "cannot lock %s (%s): a second job saving into %s is not detected on this filesystem",
-                self.root / self.name,
-                exc,
-                self.root,
-            )
-            self.acquired = True
-            return
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "job": job,
-            "runtime_dir": str(runtime_dir),
-            "since_unix_s": round(time.time(), 3),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
         self.fd = fd
         self.acquired = True
+
+    def _lock(self, dir_fd: int) -> tuple[int, bool]:
+        """``(fd, writable)`` holding the exclusive lock; ``(-1, False)`` where locking is not
+        possible; raises RootBusyError when another daemon holds it."""
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT
+        for mode in (os.O_RDONLY, os.O_RDWR):
+            fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    holder = _read_holder(fd)
+                    os.close(fd)
+                    raise RootBusyError(self._busy_message(holder)) from None
+                os.close(fd)
+                if exc.errno == errno.EBADF and mode == os.O_RDONLY:
+                    continue  # flock emulated by POSIX locks (NFS): a descriptor open for writing
+                log.warning(
+                    "cannot lock %s (%s): a second job saving into %s is not detected on this filesystem",
+                    self.root / self.name,
+                    exc,
+                    self.where,
+                )
+                return -1, False
+            return fd, mode == os.O_RDWR
+        return -1, False
 
     def release(self) -> None:
         """Release the lock (the file stays: removing it would let a daemon that opened it

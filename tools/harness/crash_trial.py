@@ -215,7 +215,15 @@ def _verify_all(root: Location) -> dict[str, Any]:
 
 
 def check_checkpoint(path: Location, step: int, world: int) -> str | None:
-    """None when ``path`` holds exactly the job's state of ``step`` for every rank."""
+    """None when ``path`` holds exactly the job's state of ``step`` for every rank; else what is
+    wrong (a load that refuses damage, a checksum mismatch, is reported too)."""
+    try:
+        return _check_checkpoint(path, step, world)
+    except ckptd.CkptdError as exc:
+        return f"{path.name}: {exc}"
+
+
+def _check_checkpoint(path: Location, step: int, world: int) -> str | None:
     full = cj.full_tensors(step, world)
     plain = ckptd.load_plain_tensors(path)
     for k, t in full.items():
