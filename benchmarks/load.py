@@ -35,7 +35,7 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.format.finalize import write_checkpoint as write_whole_checkpoint
 from ckptd.format.items import plan_tensor_items
-from ckptd.load.execute import LoadStats
+from ckptd.loading.execute import LoadStats
 
 
 def model_spec(hidden: int, layers: int, vocab: int) -> dict[str, tuple[tuple[int, ...], int | None]]:

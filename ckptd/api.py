@@ -51,10 +51,10 @@ from .format.reader import DataFiles, read_bytes_item, read_common, read_common_
 from .format.records import BYTES, ItemRecord
 from .format.saveplan import plan_rank
 from .format.validate import validate_records
-from .load.execute import LoadStats
-from .load.keymap import Rule
-from .load.loader import LoadRequest, run_load
-from .load.strict import StrictHandling
+from .loading.execute import LoadStats
+from .loading.keymap import Rule
+from .loading.loader import LoadRequest, run_load
+from .loading.strict import StrictHandling
 from .mapping import ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
@@ -306,8 +306,8 @@ def load(
     modes return ``(state_dict, missing_keys, unexpected_keys)``, and the ``*_all`` modes exchange
     requested keys over ``process_group`` (call on every rank). A request that matches nothing
     stored while the checkpoint holds tensors raises LoadMismatchError in every mode.
-    ``key_mapping`` is a list of :mod:`ckptd.load.keymap` rules (rename / fuse / split) applied to the
-    checkpoint's keys before resharding. ``stats`` (a :class:`ckptd.load.execute.LoadStats`) is
+    ``key_mapping`` is a list of :mod:`ckptd.loading.keymap` rules (rename / fuse / split) applied to the
+    checkpoint's keys before resharding. ``stats`` (a :class:`ckptd.loading.execute.LoadStats`) is
     filled with what was read. A top-level Stateful value (``state_dict()``/``load_state_dict()``)
     is loaded as ``dcp.load`` does: its ``state_dict()`` is filled, then its ``load_state_dict()``
     is called with it. ``allow_unsafe_pickle`` permits arbitrary objects in the pickled

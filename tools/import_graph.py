@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("statedict", ("ckptd.statedict",)),
     ("format", ("ckptd.format",)),
     ("storage", ("ckptd.storage",)),
-    ("load", ("ckptd.load",)),
+    ("loading", ("ckptd.loading",)),
     (
         "checkpoints",
         (

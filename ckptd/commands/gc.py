@@ -6,7 +6,6 @@ import argparse
 from typing import Any
 
 from ..retention import DEFAULT_GRACE_S, Removal, apply_gc, plan_gc
-from ..roots.s3_root import S3Root, apply_s3_gc
 from ..s3catalog import scan_any
 from ..storage.url import S3Location
 from ._common import (
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         results: list[tuple[Removal, str | None]] = [(r, None) for r in plan.remove]
     elif isinstance(target.path, S3Location):
+        from ..roots.s3_root import S3Root, apply_s3_gc  # torch: only for an s3:// root
+
         results = apply_s3_gc(S3Root(target.path), plan, args.grace_s)
     else:
         results = apply_gc(plan)

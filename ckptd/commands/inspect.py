@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..describe import CheckpointSummary, TensorInfo, describe_checkpoint
 from ._common import EXIT_OK, add_parser, checkpoint_of, emit_json, format_bytes, guarded, resolve, table
+
+if TYPE_CHECKING:
+    from ..describe import CheckpointSummary, TensorInfo
 
 DESCRIPTION = """\
 Show what a checkpoint holds, from its index (no tensor data is read): every tensor with dtype,
@@ -85,6 +87,8 @@ def _text(s: CheckpointSummary) -> str:
 @guarded("inspect")
 def run(args: argparse.Namespace) -> int:
     path, _ = checkpoint_of(resolve(args.path), "inspect")
+    from ..describe import describe_checkpoint  # torch: imported by the command that needs it
+
     summary = describe_checkpoint(path, allow_unsafe_pickle=args.allow_unsafe_pickle)
     if args.json:
         emit_json(summary.to_dict())

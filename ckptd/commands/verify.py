@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..progress import Progress
 from ..s3catalog import scan_any
 from ..storage.url import Location
-from ..verify import Finding, RootVerifyReport, VerifyReport, verify_checkpoint, verify_root
 from ._common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -20,6 +19,9 @@ from ._common import (
     guarded,
     resolve,
 )
+
+if TYPE_CHECKING:
+    from ..verify import Finding, RootVerifyReport, VerifyReport
 
 DESCRIPTION = """\
 Verify a checkpoint end to end, without loading it into a model:
@@ -94,6 +96,8 @@ def _bar(path: Location) -> Progress:
 @guarded("verify")
 def run(args: argparse.Namespace) -> int:
     target = resolve(args.path)
+    from ..verify import verify_checkpoint, verify_root  # torch: imported by the command that needs it
+
     result: VerifyReport | RootVerifyReport
     if target.is_root:
         result = verify_root(

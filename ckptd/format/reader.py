@@ -272,7 +272,7 @@ def read_common(
     stores non-tensor values as bytes items instead, which are nested again along DCP's
     ``planner_data`` (``{"step": 5, "opt": {"lr": 0.1}}`` saved by DCP reads as it was saved).
     Every value is decoded: pass ``allow_unsafe_pickle`` for objects outside torch's weights-only
-    allow-list (loads decode only what they are asked for, see :mod:`ckptd.load.loader`).
+    allow-list (loads decode only what they are asked for, see :mod:`ckptd.loading.loader`).
     """
     from ..statedict.tree import set_path
     from .dcp_metadata import common_items, planner_path, read_index

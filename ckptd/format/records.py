@@ -211,7 +211,7 @@ def storage_layout(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...],
     (< 0.14) stored distributed-optimizer state in torch_dist: the global tensor becomes a grid of
     flattened local chunks, shape ``axis_fragmentations + (chunk_numel,)``, and the shard is the
     slice ``flattened_range`` of its grid cell. ckptd now writes flattened shards as N-D pieces
-    (:func:`storage_pieces`); the loader still reads this grid layout (ckptd.load.view).
+    (:func:`storage_pieces`); the loader still reads this grid layout (ckptd.loading.view).
     """
     if sh.flattened_range is None:
         return sh.global_shape, sh.global_offset, sh.chunk_shape()

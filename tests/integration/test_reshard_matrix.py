@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ckptd
-from ckptd.load.execute import LoadStats
+from ckptd.loading.execute import LoadStats
 from tests.integration.layouts import (
     MODEL,
     Layout,

@@ -15,8 +15,8 @@ from ckptd import CorruptCheckpointError, LoadStats, ShardedObject, ShardedTenso
 from ckptd.client.resume import load_latest
 from ckptd.format.dcp_metadata import read_index
 from ckptd.format.rootlayout import step_dir_name
-from ckptd.load.execute import ExecOptions
-from ckptd.load.loader import LoadRequest, run_load
+from ckptd.loading.execute import ExecOptions
+from ckptd.loading.loader import LoadRequest, run_load
 from tests.checkpoints import flip_bit, make_checkpoint, make_root, reference_tensors
 
 ST = ShardedTensor

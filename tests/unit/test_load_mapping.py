@@ -10,8 +10,8 @@ import torch
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.errors import LoadMismatchError
-from ckptd.load.keymap import Fuse, Rename, Split, rules_from_config
-from ckptd.load.strict import StrictHandling
+from ckptd.loading.keymap import Fuse, Rename, Split, rules_from_config
+from ckptd.loading.strict import StrictHandling
 
 H, NQ, NG, D = 4, 4, 2, 3  # hidden, query heads, KV groups, head dim
 

@@ -18,9 +18,9 @@ from ckptd.format.finalize import finalize, serialize_common, write_checkpoint
 from ckptd.format.geometry import enumerate_runs, flat_range_boxes, strides
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import TENSOR, ItemRecord, storage_layout
-from ckptd.load.execute import ExecOptions, LoadStats
-from ckptd.load.loader import LoadRequest, run_load
-from ckptd.load.rawitem import locate
+from ckptd.loading.execute import ExecOptions, LoadStats
+from ckptd.loading.loader import LoadRequest, run_load
+from ckptd.loading.rawitem import locate
 from tests.integration.layouts import split
 
 

@@ -21,6 +21,7 @@ from ckptd.daemon.coordinator import Coordinator
 from ckptd.daemon.loop import EventLoop
 from ckptd.daemon.uplink import CoordinatorLink
 from ckptd.daemon.workers import Completions, WorkerPools
+from ckptd.roots.posix_root import PosixRoot
 
 ATTEMPT = "0123456789ab-1"
 
@@ -38,7 +39,7 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
     zap = ZapHandler(ctx, keys)
     completions = Completions()
     workers = WorkerPools(1, completions)
-    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", tmp_path, cfg, workers, "c1", [])
+    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", PosixRoot(tmp_path), cfg, workers, "c1", [])
     delivered: list[Message] = []
     link = CoordinatorLink(
         ctx,
@@ -101,7 +102,7 @@ def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[Co
     zap = ZapHandler(ctx, keys)
     completions = Completions()
     workers = WorkerPools(1, completions)
-    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", tmp_path, cfg, workers, "c1", [])
+    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", PosixRoot(tmp_path), cfg, workers, "c1", [])
     delivered: list[Message] = []
     link = CoordinatorLink(
         ctx, codec, keys, coordinator.address, 0, b"node0-test", cfg, lambda _k, _r, outcome: delivered.append(outcome)

@@ -4,5 +4,5 @@
 ``plan`` (requested boxes, N-D or flattened, intersected with sources) -> ``execute`` (byte-range
 reads located by ``rawitem`` inside each item's torch.save stream); ``strict`` handles key
 mismatches and ``loader`` runs the pipeline behind :func:`ckptd.load`. Key mapping rules live in
-:mod:`ckptd.load.keymap`.
+:mod:`ckptd.loading.keymap`.
 """

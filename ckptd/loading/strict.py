@@ -18,7 +18,7 @@ from enum import Enum
 
 from ..errors import LoadMismatchError
 
-log = logging.getLogger("ckptd.load")
+log = logging.getLogger("ckptd.loading")
 
 
 class StrictHandling(Enum):

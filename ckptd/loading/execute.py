@@ -48,14 +48,14 @@ from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mis
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
-log = logging.getLogger("ckptd.load")
+log = logging.getLogger("ckptd.loading")
 
 _MADV_POPULATE_READ = 22 if os.uname().sysname == "Linux" else None  # Linux >= 5.14
 _DENSE_FRACTION = 0.9
 # Reads of a checked item go in blocks of this size, each checksummed right after it landed.
 _CRC_BLOCK_NBYTES = 4 << 20
 # A partly read item up to this size is checked too: locating its elements read all of it
-# already (ckptd.load.rawitem reads items up to this size whole).
+# already (ckptd.loading.rawitem reads items up to this size whole).
 _VERIFY_WHOLE_NBYTES = SMALL_ITEM_NBYTES
 
 try:
