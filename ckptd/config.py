@@ -10,6 +10,7 @@ Timeouts are in seconds and bound every wait in the control plane: no call waits
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -82,7 +83,9 @@ class CkptdConfig:
     policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)
     mtbf_s: float = 0.0  # the job's mean time between failures, for policy="auto"
     restart_s: float = 0.0  # time to restart and reload after a failure, for policy="auto"
-    metrics_port: int = 0  # >0: the node daemon serves Prometheus text on 127.0.0.1:<port>/metrics
+    metrics_port: int = 0  # >0: the node daemon serves Prometheus text on <metrics_host>:<port>/metrics
+    # Loopback by default: metrics are then readable by every local user, and by nobody else.
+    metrics_host: str = "127.0.0.1"
     # control plane
     runtime_dir: str = ""  # default: $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-<uid>
     job_id: str = ""  # default: derived from the checkpoint root's real path
@@ -123,6 +126,15 @@ class CkptdConfig:
                 f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "
                 "sticky bits), including owner read-write (0o600), e.g. 0o640 or 0o600"
             )
+        try:
+            ipaddress.ip_address(self.metrics_host)
+        except ValueError:
+            raise CkptdError(
+                f"config metrics_host={self.metrics_host!r}: give a numeric IP address of this machine "
+                "(127.0.0.1, the default, serves this machine only; 0.0.0.0 every interface)"
+            ) from None
+        if not 0 <= self.metrics_port <= 65535:
+            raise CkptdError(f"config metrics_port={self.metrics_port}: a TCP port (1-65535), or 0 for no metrics")
         for f in fields(self):
             if f.name.endswith("_s") and getattr(self, f.name) < 0:
                 raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")
