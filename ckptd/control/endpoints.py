@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import secrets
 import stat
@@ -237,16 +238,51 @@ class Endpoints:
 TOKEN_MIN_CHARS = 32
 _TOKEN_MIN_DISTINCT = 8
 _TOKEN_MAX_NBYTES = 4096
+# A run of this many characters in arithmetic order ("abcdefghij", "9876543210", "0000000000"):
+# 10 random hex digits form one with probability 16**-8; anywhere in a 4 KiB token, below 1e-6.
+_TOKEN_MAX_RUN = 10
 _MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
+def _repeat_length(n: int) -> int:
+    """The length of a substring whose second occurrence in a token of ``n`` characters marks a
+    pattern: one that ``n`` random hex digits repeat with probability below 1e-6 (8 up to 64
+    characters, 11 at 4 KiB)."""
+    return max(8, math.ceil(math.log(n * n / 2 * 1e6, 16)))
+
+
+def token_pattern(token: bytes) -> str | None:
+    """What makes ``token`` a pattern rather than random bytes, or None: too few distinct
+    characters, a repeated substring (``"01234567" * 4``, ``"deadbeef" * 8``), or a run in
+    arithmetic order (``"0123456789"``). Random tokens of 32 to 4,096 hex digits or URL-safe
+    base64 characters trip none of them but with probability below 1e-6."""
+    distinct = len(set(token))
+    if distinct < _TOKEN_MIN_DISTINCT:
+        return f"only {distinct} distinct characters"
+    size = _repeat_length(len(token))
+    seen: dict[bytes, int] = {}
+    for i in range(len(token) - size + 1):
+        chunk = token[i : i + size]
+        first = seen.setdefault(chunk, i)
+        if first != i:
+            return f"{chunk.decode(errors='replace')!r} occurs at characters {first} and {i}"
+    run = 1
+    for i in range(2, len(token)):
+        run = run + 1 if token[i] - token[i - 1] == token[i - 1] - token[i - 2] else 1
+        if run + 1 >= _TOKEN_MAX_RUN:
+            start = i + 1 - _TOKEN_MAX_RUN
+            return f"{token[start : i + 1].decode(errors='replace')!r} runs in sequence"
+    return None
 
 
 def check_token(token: bytes, source: str) -> bytes:
     """``token`` if it is long and varied enough to carry >= 16 random bytes, else DaemonError."""
-    if len(token) < TOKEN_MIN_CHARS or len(set(token)) < _TOKEN_MIN_DISTINCT:
+    problem = f"{len(token)} characters" if len(token) < TOKEN_MIN_CHARS else token_pattern(token)
+    if problem is not None:
         raise DaemonError(
-            f"the job token from {source} is too weak ({len(token)} characters, {len(set(token))} "
-            f"distinct): it must carry at least 16 random bytes, i.e. at least {TOKEN_MIN_CHARS} "
-            f"characters such as hex digits. Make one with {_MAKE_TOKEN}"
+            f"the job token from {source} is too weak ({problem}): it must carry at least 16 random "
+            f"bytes, i.e. at least {TOKEN_MIN_CHARS} random characters such as hex digits, without "
+            f"repeats or sequences. Make one with {_MAKE_TOKEN}"
         )
     return token
 
