@@ -57,10 +57,11 @@ class CkptdConfig:
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
     deleted only after a newer one committed; ``megatron_tracker`` also writes Megatron-LM's
-    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o640:
-    owner read-write, group read, others nothing) is the mode of every file the daemon writes into
-    the root (data, metadata, trackers); step directories get it plus x wherever r is set (0o750).
-    The process umask may narrow it further.
+    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o600:
+    owner read-write only, since a shared primary group such as ``users`` would otherwise let
+    anyone copy the weights; 0o640 opens them to the group) is the mode of every file the daemon
+    writes into the root (data, metadata, trackers); step directories get it plus x wherever r is
+    set (0o700). The process umask may narrow it further.
     """
 
     # staging
@@ -75,7 +76,7 @@ class CkptdConfig:
     keep_last: int = 0
     megatron_tracker: bool = True
     check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
-    file_mode: int = dataclasses.field(default=0o640, metadata={"octal": True})
+    file_mode: int = dataclasses.field(default=0o600, metadata={"octal": True})
     # Background work yields to training: CPU niceness of the node daemon, whose I/O also runs at
     # the lowest best-effort I/O priority. (Fork snapshot children are not niced: the sooner they
     # are done, the fewer pages training writes are copied for them.)
