@@ -17,9 +17,11 @@ never sets them:
       the file (the bytes up to the limit are written, as a filling disk does). ``ERRNO`` is a
       name from :mod:`errno` (``ENOSPC``, ``EACCES``, ``EROFS``, ``EIO``, ``EDQUOT``...).
 
-A missing or empty fault file means no fault. The raised errors are ordinary ``OSError``s with the
-real ``strerror`` and file name, so everything downstream handles them exactly like real ones;
-each injection is logged as such at WARNING so a daemon log never hides that a fault was staged.
+A missing or empty fault file means no fault. The raised errors are the ``OSError``s the kernel
+gives, with the real ``strerror``: a failed open names its file, a failed write names none (as
+``write(2)`` does), so everything downstream handles them exactly like real ones and must say
+itself which file failed; each injection is logged as such at WARNING so a daemon log never
+hides that a fault was staged.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class FailingFile:
                 self._f.write(view[: self._left])
             self._left = 0
             log.warning("injected fault: %s while writing %s", errno.errorcode[self._code], self._path)
-            raise OSError(self._code, os.strerror(self._code), self._path)
+            raise OSError(self._code, os.strerror(self._code))  # write(2) names no file
         self._left -= view.nbytes
         return self._f.write(view)
 
