@@ -207,6 +207,7 @@ class NodeDaemon:
         if self.coordinator is not None:
             coordinator = self.coordinator
             chore("coordinator's timeouts", lambda: coordinator.tick(now))
+        chore("write timeouts", lambda: self.intake.tick(now))
         chore("coordinator link's heartbeat", lambda: self.uplink.tick(now))
         if now - self.last_check_s >= self.config.heartbeat_s:
             self.last_check_s = now

@@ -23,7 +23,9 @@ def test_fault_rules_parse_and_apply(tmp_path):
     assert plan.delay_s == 0.5
     assert plan.failure_for("__0_0.distcp").errno_code == errno.ENOSPC
     assert plan.failure_for("common.pt").errno_code == errno.EROFS
-    for bad in ("fail ENOPE", "fail ENOSPC -1", "delay soon", "explode"):
+    hangs = parse_fault_spec("hang __*\nhang\n")
+    assert hangs.hangs == ("__*", "*") and hangs.hangs_for("common.pt") and not parse_fault_spec("").hangs_for("x")
+    for bad in ("fail ENOPE", "fail ENOSPC -1", "delay soon", "explode", "hang a b"):
         with pytest.raises(CkptdError, match="is not 'delay <seconds>'"):
             parse_fault_spec(bad)
 
