@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..catalog import is_checkpoint_dir
 from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
+from ..format.safefs import is_real_dir
 from .stats import SaveRecord, SaveStats
 
 if TYPE_CHECKING:
@@ -90,3 +92,21 @@ class SaveHandle:
 
 
 __all__ = ["SaveHandle", "SaveStatus", "SaveFailedError", "SaveSkippedError"]
+
+
+def daemon_lost_reason(reason: str, step: int, path: Path) -> str:
+    """Why a pending save of ``step`` fails when its node daemon is lost (``reason``), as far as
+    this rank can know: a daemon that is also the coordinator may have died after the commit's
+    rename (the point of no return: the next coordinator makes that checkpoint latest), so the
+    committed directory ``path`` is looked at before anything is said about the outcome."""
+    if is_real_dir(path) and is_checkpoint_dir(path):
+        return (
+            f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
+            "commit had renamed it into place, and the next daemon makes it latest "
+            "(Checkpointer.latest() tells)"
+        )
+    return (
+        f"{reason} before confirming step {step}; its checkpoint {path} is not in place now, so it "
+        "did not commit unless the job's coordinator on another node still completes it "
+        "(Checkpointer.latest() tells)"
+    )
