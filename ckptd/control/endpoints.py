@@ -11,9 +11,10 @@ trainer finds the daemon that still persists its last saves). Per job and node:
   nodes of a multi-machine job must share it through ``CKPTD_JOB_TOKEN``;
 - ``/dev/shm/ckptd-<job>-n<node>-*``: the staging segments of the node's ranks.
 
-``runtime_dir`` is created with mode 0700 and must be a directory (not a link) owned by the
-current user; the token file must be a private regular file of this user, and a client refuses a
-daemon whose pid file or socket another user owns (:func:`check_daemon_file`).
+``runtime_dir`` (default: ckptd.control.rundir) is created with mode 0700 and must be a directory
+(not a link) owned by the current user; the token file must be a private regular file of this
+user, and a client refuses a daemon whose pid file or socket another user owns
+(:func:`check_daemon_file`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from ..config import CkptdConfig
 from ..errors import CkptdError, DaemonError
 from .netaddr import coordinator_bind_host, tcp_address
+from .rundir import runtime_dir_for
 
 SHM_DIR = Path("/dev/shm")
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -97,10 +99,9 @@ def default_job_id(root: str | os.PathLike) -> str:
 
 
 def default_runtime_dir() -> Path:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "ckptd"
-    return Path(f"/tmp/ckptd-{os.getuid()}")
+    """This user's runtime directory when none is configured (ckptd.control.rundir): found again
+    by every process of the user, and never one another user created."""
+    return runtime_dir_for(os.environ)
 
 
 def open_private_dir(path: Path) -> int:
