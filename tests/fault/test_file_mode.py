@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.config import CkptdConfig
 from ckptd.errors import CkptdError
-from ckptd.format.rootlayout import MEGATRON_TRACKER
+from ckptd.format.rootlayout import MEGATRON_TRACKER, node_lock_name
 from tests.fault.single_job import single_job
 
 
@@ -50,6 +50,7 @@ def test_the_daemon_writes_checkpoints_with_file_mode(tmp_path, monkeypatch, fil
         assert modes.pop(name) == want_file, (name, oct(want_file))
     for name in ("iter_0000001", "iter_0000002"):
         assert modes.pop(name) == dir_mode, name
+    assert modes.pop(node_lock_name(0)) == 0o600  # the daemon's root lock: no checkpoint, owner-only always
     assert all(m == want_file for m in modes.values()), {k: oct(v) for k, v in modes.items()}
 
 
