@@ -112,7 +112,7 @@ class MetricsServer:
             # Linux still refuses a port another socket listens on (so a squatter is noticed).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr)
-            sock.listen(MAX_CONNECTIONS)
+            sock.listen(128)  # waiting in the kernel costs the daemon no descriptor
             sock.setblocking(False)
         except BaseException:
             sock.close()

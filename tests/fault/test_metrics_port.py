@@ -101,9 +101,10 @@ def test_idle_connections_cannot_exhaust_the_daemon(tmp_path, monkeypatch, many_
             wait_until(
                 lambda: job.ckpt.status()["prometheus"]["accepted"] >= FLOOD + 1, 60, "the daemon to accept the flood"
             )
-            # One thread serves them all, and at most 32 stay open; the rest were closed.
+            # One thread serves them all, and at most 32 stay open (+ a few descriptors of the
+            # daemon's own work); the rest were closed.
             assert daemon.num_threads() <= threads + 2  # + the writer pool's second thread
-            assert daemon.num_fds() <= fds + 32
+            assert daemon.num_fds() <= fds + 32 + 8
             served = job.ckpt.status()["prometheus"]
             assert served["connections"] <= 32 and served["dropped"] >= FLOOD - 32
             # While the flood's connections are held: saves commit, metrics are served.
@@ -112,7 +113,7 @@ def test_idle_connections_cannot_exhaust_the_daemon(tmp_path, monkeypatch, many_
             samples = _scrape(url)
             assert _sample(samples, "ckptd_steps_committed_total") == 3
             assert _sample(samples, "ckptd_internal_errors_total") == 0
-            assert daemon.is_running() and daemon.num_fds() <= fds + 32
+            assert daemon.is_running() and daemon.num_fds() <= fds + 32 + 8
         finally:
             for s in idle:
                 s.close()
