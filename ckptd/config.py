@@ -10,6 +10,7 @@ Timeouts are in seconds and bound every wait in the control plane: no call waits
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -58,10 +59,11 @@ class CkptdConfig:
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
     deleted only after a newer one committed; ``megatron_tracker`` also writes Megatron-LM's
-    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o640:
-    owner read-write, group read, others nothing) is the mode of every file the daemon writes into
-    the root (data, metadata, trackers); step directories get it plus x wherever r is set (0o750).
-    The process umask may narrow it further.
+    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o600:
+    owner read-write only, since a shared primary group such as ``users`` would otherwise let
+    anyone copy the weights; 0o640 opens them to the group) is the mode of every file the daemon
+    writes into the root (data, metadata, trackers); step directories get it plus x wherever r is
+    set (0o700). The process umask may narrow it further.
     """
 
     # staging
@@ -76,7 +78,7 @@ class CkptdConfig:
     keep_last: int = 0
     megatron_tracker: bool = True
     check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
-    file_mode: int = dataclasses.field(default=0o640, metadata={"octal": True})
+    file_mode: int = dataclasses.field(default=0o600, metadata={"octal": True})
     # Background work yields to training: CPU niceness of the node daemon, whose I/O also runs at
     # the lowest best-effort I/O priority. (Fork snapshot children are not niced: the sooner they
     # are done, the fewer pages training writes are copied for them.)
@@ -84,7 +86,9 @@ class CkptdConfig:
     policy: str = "manual"  # "auto": Checkpointer.due() picks the interval (ckptd.client.policy)
     mtbf_s: float = 0.0  # the job's mean time between failures, for policy="auto"
     restart_s: float = 0.0  # time to restart and reload after a failure, for policy="auto"
-    metrics_port: int = 0  # >0: the node daemon serves Prometheus text on 127.0.0.1:<port>/metrics
+    metrics_port: int = 0  # >0: the node daemon serves Prometheus text on <metrics_host>:<port>/metrics
+    # Loopback by default: metrics are then readable by every local user, and by nobody else.
+    metrics_host: str = "127.0.0.1"
     # control plane
     runtime_dir: str = ""  # default: $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-<uid>
     job_id: str = ""  # default: derived from the checkpoint root's real path
@@ -125,6 +129,15 @@ class CkptdConfig:
                 f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "
                 "sticky bits), including owner read-write (0o600), e.g. 0o640 or 0o600"
             )
+        try:
+            ipaddress.ip_address(self.metrics_host)
+        except ValueError:
+            raise CkptdError(
+                f"config metrics_host={self.metrics_host!r}: give a numeric IP address of this machine "
+                "(127.0.0.1, the default, serves this machine only; 0.0.0.0 every interface)"
+            ) from None
+        if not 0 <= self.metrics_port <= 65535:
+            raise CkptdError(f"config metrics_port={self.metrics_port}: a TCP port (1-65535), or 0 for no metrics")
         for f in fields(self):
             if f.name.endswith("_s") and getattr(self, f.name) < 0:
                 raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")

@@ -103,6 +103,8 @@ class StorageError(CkptdError):
     def from_oserror(cls, exc: OSError, path: str | os.PathLike) -> StorageError:
         """``<path>: <strerror> (<ERRNO>); <what to do>`` for the OSError of writing ``path``."""
         where = exc.filename if exc.filename is not None else path
+        if exc.filename2 is not None:
+            where = f"{where} -> {exc.filename2}"
         name = errno.errorcode.get(exc.errno or 0, "unknown errno")
         hint = _STORAGE_HINTS.get(exc.errno or 0, "check the storage (dmesg, the filesystem's health)")
         return cls(f"{where}: {exc.strerror or exc} ({name}); {hint}")

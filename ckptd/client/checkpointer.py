@@ -103,7 +103,7 @@ from ..statedict.split import split_state_dict
 from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, join, parse_location
-from .handle import SaveHandle, SaveStatus
+from .handle import SaveHandle, SaveStatus, daemon_lost_reason
 from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
@@ -573,7 +573,7 @@ class Checkpointer:
         """Fail every pending save and drop the pool: nobody owns it any more."""
         self._link.close_socket()
         for h in list(self._pending.values()):
-            self._fail(h, f"{reason} before step {h.step} committed")
+            self._fail(h, daemon_lost_reason(reason, h.step, h.path), unconfirmed=True)
         if self._lazy is not None:
             self._lazy.wait_all()
         if self._pool is not None:
@@ -744,10 +744,12 @@ class Checkpointer:
         else:
             log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
 
-    def _fail(self, h: SaveHandle, reason: str) -> None:
+    def _fail(self, h: SaveHandle, reason: str, *, unconfirmed: bool = False) -> None:
+        """Abort ``h``; ``unconfirmed``: nobody can say it did not commit (its daemon was lost)."""
         self._pending.pop(h.step, None)
         self._plain.failed(h.step)  # the next saves write every plain item they hold
-        h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} was not committed: {reason}"))
+        what = "was not confirmed" if unconfirmed else "was not committed"
+        h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} {what}: {reason}"))
         self._unobserved.append(h)
         log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)
 

@@ -6,8 +6,11 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
-from ..storage.url import Location
+from ..catalog import is_checkpoint_dir
+from ..errors import CkptdError, SaveFailedError, SaveSkippedError, SaveTimeoutError
+from ..format.safefs import is_real_dir
+from ..s3catalog import checkpoint_exists
+from ..storage.url import Location, S3Location
 from .stats import SaveRecord, SaveStats
 
 if TYPE_CHECKING:
@@ -90,3 +93,31 @@ class SaveHandle:
 
 
 __all__ = ["SaveHandle", "SaveStatus", "SaveFailedError", "SaveSkippedError"]
+
+
+def daemon_lost_reason(reason: str, step: int, path: Location) -> str:
+    """Why a pending save of ``step`` fails when its node daemon is lost (``reason``), as far as
+    this rank can know: a daemon that is also the coordinator may have died after the commit's
+    rename (the point of no return: the next coordinator makes that checkpoint latest), so the
+    committed directory ``path`` is looked at before anything is said about the outcome."""
+    if _in_place(path):
+        return (
+            f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
+            "commit had renamed it into place, and the next daemon makes it latest "
+            "(Checkpointer.latest() tells)"
+        )
+    return (
+        f"{reason} before confirming step {step}; its checkpoint {path} is not in place now, so it "
+        "did not commit unless the job's coordinator on another node still completes it "
+        "(Checkpointer.latest() tells)"
+    )
+
+
+def _in_place(path: Location) -> bool:
+    """The step's checkpoint is complete where it commits (on S3: its commit object exists)."""
+    if isinstance(path, S3Location):
+        try:
+            return checkpoint_exists(path)
+        except CkptdError:  # the store is unreachable too: say what is known, not in place
+            return False
+    return is_real_dir(path) and is_checkpoint_dir(path)

@@ -14,8 +14,10 @@ staging rings, data-file writes in flight, steps awaiting the coordinator, measu
 daemon's and each rank's RSS, the /dev/shm its staging rings hold, current and peak), and what its
 sockets rejected (malformed or oversized messages, handshakes without the job's keys,
 connections dropped before authenticating). Node 0's daemon also reports its coordinator's
-steps and port. --prometheus prints the Prometheus text format (the same
-a daemon serves on CKPTD_METRICS_PORT).
+steps and port. It says where the daemon really serves its Prometheus metrics (or why it does not:
+another process may hold CKPTD_METRICS_PORT), and counts the daemon's internal errors (logged with
+their traceback). --prometheus prints the Prometheus text format (the same a daemon serves on
+CKPTD_METRICS_PORT).
 
 exit status: 0 at least one daemon answered; 1 none runs, or one did not answer."""
 
@@ -74,6 +76,7 @@ def _print(info: dict[str, Any]) -> None:
             + table(("RANK", "RING", "SAVES IN FLIGHT", "QUEUED", ""), rows, right=(0, 1, 2, 3)).replace("\n", "\n  ")
         )
     _print_memory(info.get("memory"))
+    _print_health(info)
     recent = m.get("recent_steps", [])[-5:]
     if recent:
         step_rows = [
@@ -102,6 +105,24 @@ def _print(info: dict[str, Any]) -> None:
                 ", ".join(f"{s} {v['phase']} ({len(v['written'])}/{v['world_size']} written)" for s, v in steps.items())
                 or "none"
             )
+        )
+
+
+def _print_health(info: dict[str, Any]) -> None:
+    served = info.get("prometheus")
+    if served is not None and served.get("serving"):
+        print(
+            f"  metrics served on {served['url']} ({served['connections']} connections open; "
+            f"{served['served']} served, {served['dropped']} dropped at the limit, {served['timed_out']} timed out)"
+        )
+    elif served is not None:
+        print(f"  metrics NOT served: {served['problem']}")
+    errors = info.get("internal_errors") or {}
+    if errors.get("count"):
+        print(
+            f"  INTERNAL ERRORS: {errors['count']} ("
+            + ", ".join(f"{chore} {n}" for chore, n in errors["by_chore"].items())
+            + f"); last: {errors['last']}; the daemon kept running; its log has the tracebacks"
         )
 
 

@@ -11,15 +11,17 @@ trainer finds the daemon that still persists its last saves). Per job and node:
   nodes of a multi-machine job must share it through ``CKPTD_JOB_TOKEN``;
 - ``/dev/shm/ckptd-<job>-n<node>-*``: the staging segments of the node's ranks.
 
-``runtime_dir`` is created with mode 0700 and must be a directory (not a link) owned by the
-current user; the token file must be a private regular file of this user, and a client refuses a
-daemon whose pid file or socket another user owns (:func:`check_daemon_file`).
+``runtime_dir`` (default: ckptd.control.rundir) is created with mode 0700 and must be a directory
+(not a link) owned by the current user; the token file must be a private regular file of this
+user, and a client refuses a daemon whose pid file or socket another user owns
+(:func:`check_daemon_file`).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import secrets
 import stat
@@ -31,6 +33,7 @@ from ..config import CkptdConfig
 from ..errors import CkptdError, DaemonError
 from ..storage.url import Location, S3Location, parse_location
 from .netaddr import coordinator_bind_host, tcp_address
+from .rundir import runtime_dir_for
 
 SHM_DIR = Path("/dev/shm")
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -103,10 +106,9 @@ def default_job_id(root: str | os.PathLike | S3Location) -> str:
 
 
 def default_runtime_dir() -> Path:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "ckptd"
-    return Path(f"/tmp/ckptd-{os.getuid()}")
+    """This user's runtime directory when none is configured (ckptd.control.rundir): found again
+    by every process of the user, and never one another user created."""
+    return runtime_dir_for(os.environ)
 
 
 def open_private_dir(path: Path) -> int:
@@ -244,16 +246,51 @@ class Endpoints:
 TOKEN_MIN_CHARS = 32
 _TOKEN_MIN_DISTINCT = 8
 _TOKEN_MAX_NBYTES = 4096
+# A run of this many characters in arithmetic order ("abcdefghij", "9876543210", "0000000000"):
+# 10 random hex digits form one with probability 16**-8; anywhere in a 4 KiB token, below 1e-6.
+_TOKEN_MAX_RUN = 10
 _MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
+def _repeat_length(n: int) -> int:
+    """The length of a substring whose second occurrence in a token of ``n`` characters marks a
+    pattern: one that ``n`` random hex digits repeat with probability below 1e-6 (8 up to 64
+    characters, 11 at 4 KiB)."""
+    return max(8, math.ceil(math.log(n * n / 2 * 1e6, 16)))
+
+
+def token_pattern(token: bytes) -> str | None:
+    """What makes ``token`` a pattern rather than random bytes, or None: too few distinct
+    characters, a repeated substring (``"01234567" * 4``, ``"deadbeef" * 8``), or a run in
+    arithmetic order (``"0123456789"``). Random tokens of 32 to 4,096 hex digits or URL-safe
+    base64 characters trip none of them but with probability below 1e-6."""
+    distinct = len(set(token))
+    if distinct < _TOKEN_MIN_DISTINCT:
+        return f"only {distinct} distinct characters"
+    size = _repeat_length(len(token))
+    seen: dict[bytes, int] = {}
+    for i in range(len(token) - size + 1):
+        chunk = token[i : i + size]
+        first = seen.setdefault(chunk, i)
+        if first != i:
+            return f"{chunk.decode(errors='replace')!r} occurs at characters {first} and {i}"
+    run = 1
+    for i in range(2, len(token)):
+        run = run + 1 if token[i] - token[i - 1] == token[i - 1] - token[i - 2] else 1
+        if run + 1 >= _TOKEN_MAX_RUN:
+            start = i + 1 - _TOKEN_MAX_RUN
+            return f"{token[start : i + 1].decode(errors='replace')!r} runs in sequence"
+    return None
 
 
 def check_token(token: bytes, source: str) -> bytes:
     """``token`` if it is long and varied enough to carry >= 16 random bytes, else DaemonError."""
-    if len(token) < TOKEN_MIN_CHARS or len(set(token)) < _TOKEN_MIN_DISTINCT:
+    problem = f"{len(token)} characters" if len(token) < TOKEN_MIN_CHARS else token_pattern(token)
+    if problem is not None:
         raise DaemonError(
-            f"the job token from {source} is too weak ({len(token)} characters, {len(set(token))} "
-            f"distinct): it must carry at least 16 random bytes, i.e. at least {TOKEN_MIN_CHARS} "
-            f"characters such as hex digits. Make one with {_MAKE_TOKEN}"
+            f"the job token from {source} is too weak ({problem}): it must carry at least 16 random "
+            f"bytes, i.e. at least {TOKEN_MIN_CHARS} random characters such as hex digits, without "
+            f"repeats or sequences. Make one with {_MAKE_TOKEN}"
         )
     return token
 

@@ -11,15 +11,21 @@ never sets them:
 
   ``delay <seconds>``
       sleep before opening a file for writing (a slow disk);
+  ``hang [glob]``
+      an open for writing of a file whose name matches ``glob`` (default ``*``) blocks for as long
+      as this rule stays in the fault file (checked every 50 ms, at most :data:`HANG_MAX_S`): a
+      disk that stopped answering, until the test removes the rule;
   ``fail <ERRNO> [after_nbytes] [glob]``
       files whose name matches ``glob`` (default ``*``) fail with ``OSError(ERRNO)``: at open when
       ``after_nbytes`` is 0 or absent, else once more than ``after_nbytes`` bytes were written to
       the file (the bytes up to the limit are written, as a filling disk does). ``ERRNO`` is a
       name from :mod:`errno` (``ENOSPC``, ``EACCES``, ``EROFS``, ``EIO``, ``EDQUOT``...).
 
-A missing or empty fault file means no fault. The raised errors are ordinary ``OSError``s with the
-real ``strerror`` and file name, so everything downstream handles them exactly like real ones;
-each injection is logged as such at WARNING so a daemon log never hides that a fault was staged.
+A missing or empty fault file means no fault. The raised errors are the ``OSError``s the kernel
+gives, with the real ``strerror``: a failed open names its file, a failed write names none (as
+``write(2)`` does), so everything downstream handles them exactly like real ones and must say
+itself which file failed; each injection is logged as such at WARNING so a daemon log never
+hides that a fault was staged.
 """
 
 from __future__ import annotations
@@ -46,18 +52,26 @@ class FailRule:
     glob: str
 
 
+HANG_MAX_S = 600.0
+_HANG_POLL_S = 0.05
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     delay_s: float = 0.0
     failures: tuple[FailRule, ...] = ()
+    hangs: tuple[str, ...] = ()  # globs of the files whose open hangs
 
     def failure_for(self, name: str) -> FailRule | None:
         return next((r for r in self.failures if fnmatch.fnmatch(name, r.glob)), None)
 
+    def hangs_for(self, name: str) -> bool:
+        return any(fnmatch.fnmatch(name, glob) for glob in self.hangs)
+
 
 def parse_fault_spec(text: str, source: str = "fault file") -> FaultPlan:
     """Parse the rules of a fault file (see the module docstring); raise CkptdError on a bad line."""
-    delay, failures = 0.0, []
+    delay, failures, hangs = 0.0, [], []
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words or words[0].startswith("#"):
@@ -65,6 +79,9 @@ def parse_fault_spec(text: str, source: str = "fault file") -> FaultPlan:
         try:
             if words[0] == "delay" and len(words) == 2:
                 delay += float(words[1])
+                continue
+            if words[0] == "hang" and len(words) <= 2:
+                hangs.append(words[1] if len(words) > 1 else "*")
                 continue
             if words[0] == "fail" and 2 <= len(words) <= 4:
                 code = getattr(errno, words[1])
@@ -76,9 +93,10 @@ def parse_fault_spec(text: str, source: str = "fault file") -> FaultPlan:
         except (AttributeError, ValueError):
             pass
         raise CkptdError(
-            f"{source} line {n}: {line!r} is not 'delay <seconds>' or 'fail <ERRNO> [after_nbytes] [glob]'"
+            f"{source} line {n}: {line!r} is not 'delay <seconds>', 'hang [glob]' or "
+            "'fail <ERRNO> [after_nbytes] [glob]'"
         )
-    return FaultPlan(delay, tuple(failures))
+    return FaultPlan(delay, tuple(failures), tuple(hangs))
 
 
 def read_fault_plan(path: str) -> FaultPlan:
@@ -105,7 +123,7 @@ class FailingFile:
                 self._f.write(view[: self._left])
             self._left = 0
             log.warning("injected fault: %s while writing %s", errno.errorcode[self._code], self._path)
-            raise OSError(self._code, os.strerror(self._code), self._path)
+            raise OSError(self._code, os.strerror(self._code))  # write(2) names no file
         self._left -= view.nbytes
         return self._f.write(view)
 
@@ -140,7 +158,10 @@ def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
         plan = read_fault_plan(fault_file)
         if plan.delay_s:
             time.sleep(plan.delay_s)
-        rule = plan.failure_for(os.path.basename(path))
+        name = os.path.basename(path)
+        if plan.hangs_for(name):
+            plan = _hang(fault_file, name, path)
+        rule = plan.failure_for(name)
         if rule is None:
             return base(path, mode)
         if rule.after_nbytes == 0:
@@ -149,6 +170,19 @@ def fault_opener(fault_file: str, base: Opener = default_opener) -> Opener:
         return FailingFile(base(path, mode), path, rule.errno_code, rule.after_nbytes)
 
     return opener
+
+
+def _hang(fault_file: str, name: str, path: str) -> FaultPlan:
+    """Block while a ``hang`` rule of ``fault_file`` matches ``name`` (at most HANG_MAX_S);
+    returns the rules as they are when it ends."""
+    log.warning("injected fault: the open of %s hangs until the rule is removed", path)
+    deadline = time.monotonic() + HANG_MAX_S
+    while True:
+        time.sleep(_HANG_POLL_S)
+        plan = read_fault_plan(fault_file)
+        if not plan.hangs_for(name) or time.monotonic() > deadline:
+            log.warning("injected fault: the hang of %s ends", path)
+            return plan
 
 
 def delayed_opener(delay_s: float, base: Opener = default_opener) -> Opener:

@@ -15,6 +15,12 @@ Order of one save, all on the daemon's loop except step 3:
 4. :meth:`SaveIntake.on_done`: the block is free (``WRITE_DONE`` to the rank), and ``WRITTEN``
    (or ``FAILED``) goes to the coordinator. A write that finished after its attempt was decided
    is reported as FAILED, never WRITTEN.
+
+A write not finished ``commit_timeout_s`` after its SAVE was taken (queued, waiting for its
+producer, or writing) is reported as ``FAILED`` at once by :meth:`SaveIntake.tick`: the coordinator
+learns of a step only from a report, so a disk that hangs before any write of a step completes
+would otherwise never abort it. The write itself goes on (a thread blocked in the kernel cannot be
+stopped); when it ends, step 4 reports it as a late write and its directory is removed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ..control.endpoints import Endpoints
 from ..control.protocol import Failed, Message, Save, StepAborted, WriteDone, Written
 from ..errors import CkptdError, ProtocolError, StagingError
 from ..format.records import ItemRecord
+from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
 from ..staging.pool import Placement
 from ..staging.ring import ALIGN
@@ -104,6 +111,8 @@ class SaveIntake:
         self.uplink = uplink
         self.store = store
         self.send_to_rank = send_to_rank
+        # Writes not finished yet, by (generation, block): (the job, when its SAVE was taken).
+        self.unfinished: dict[tuple[str, int], tuple[WriteJob, float]] = {}
 
     def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
         """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and queue its
@@ -130,6 +139,7 @@ class SaveIntake:
         pool.queue_write(lambda: self._start_write(job, pool, producer))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
+        self.unfinished[(job.generation, job.block)] = (job, time.monotonic())
         log.info(
             "step %d attempt %s rank %d: %d items queued from ring offset %d",
             msg.step,
@@ -193,6 +203,7 @@ class SaveIntake:
         """A write finished: free its block, tell the rank, report to the coordinator."""
         job: WriteJob = done.key
         req = job.request
+        self.unfinished.pop((job.generation, job.block), None)
         self.pools.write_done(req.rank, job.generation, job.block)
         if isinstance(done.error, NotWritten):  # the rank knows the verdict; nothing to report
             log.info("%s", done.error)
@@ -232,6 +243,27 @@ class SaveIntake:
             else "its data file was written after the attempt had been decided (late write)"
         )
         self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
+
+    def tick(self, now: float) -> None:
+        """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken
+        (see the module docstring), once."""
+        limit_s = self.config.commit_timeout_s
+        for slot, (job, taken_s) in list(self.unfinished.items()):
+            if now - taken_s <= limit_s:
+                continue
+            del self.unfinished[slot]
+            if not self.uplink.expects(job.key, job.identity):
+                continue  # decided already (another rank failed it, say)
+            req = job.request
+            name = self.store.data_file_name(job.attempt, req.rank)
+            why = (
+                f"its data file {self.store.display(tmp_dir_name(req.step, job.attempt), name)} was "
+                f"not written within {limit_s:g} s of its SAVE (CKPTD_COMMIT_TIMEOUT_S): the storage hangs "
+                "or is too slow (raise the timeout if it is only slow); the write goes on, and its files "
+                "are removed once it ends"
+            )
+            log.warning("step %d attempt %s rank %d: %s", req.step, job.attempt, req.rank, why)
+            self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
 
 
 def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:

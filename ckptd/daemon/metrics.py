@@ -2,9 +2,9 @@
 
 The daemon's event loop updates a :class:`DaemonMetrics`; ``STATUS`` replies carry its
 :meth:`~DaemonMetrics.snapshot`, and :class:`StatusCollector` turns STATUS replies into
-Prometheus metric families (prometheus_client renders them: served over HTTP when
-``CKPTD_METRICS_PORT`` is set, and printed by ``ckptd status --prometheus``). A lock guards the
-counters because the loop refreshes the status the HTTP thread reads.
+Prometheus metric families (prometheus_client renders them: served over HTTP by
+ckptd.daemon.metrics_http when ``CKPTD_METRICS_PORT`` is set, and printed by ``ckptd status
+--prometheus``). A lock guards the counters because writer threads report into them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -140,6 +140,11 @@ _GAUGES: tuple[tuple[str, str], ...] = (
     ("ckptd_dev_shm_used_bytes", "/dev/shm in use on this node, by anyone"),
     ("ckptd_dev_shm_used_peak_bytes", "peak /dev/shm in use on this node (sampled)"),
 )
+_INTERNAL_ERRORS = (
+    "ckptd_internal_errors",
+    "errors of the daemon's own housekeeping and metrics server, logged with their traceback: a bug "
+    "or an exhausted resource (the daemon keeps running)",
+)
 _REJECTED = (
     "ckptd_rejected_messages",
     "messages and connections rejected on the ranks' socket and the coordinator's port "
@@ -190,6 +195,11 @@ class StatusCollector(Collector):
             if st.get("rejected_messages") is not None:
                 rejected.add_metric(values, st["rejected_messages"])
         yield rejected
+        internal = CounterMetricFamily(*_INTERNAL_ERRORS, labels=labels)
+        for values, st in keyed:
+            if st.get("internal_errors") is not None:
+                internal.add_metric(values, st["internal_errors"]["count"])
+        yield internal
         gauges = [(values, _gauge_values(st)) for values, st in keyed]
         for name, help_text in _GAUGES:
             gauge = GaugeMetricFamily(name, help_text, labels=labels)
@@ -221,8 +231,6 @@ def prometheus_text(statuses: list[dict[str, Any]]) -> str:
     return generate_latest(_registry(lambda: statuses)).decode()
 
 
-def serve_metrics(port: int, status: Callable[[], dict[str, Any]]) -> Any:
-    """Serve ``GET /metrics`` on 127.0.0.1:``port`` from a daemon thread of prometheus_client;
-    returns the server (``shutdown()`` and ``server_close()`` stop it)."""
-    server, _ = start_http_server(port, addr="127.0.0.1", registry=_registry(lambda: [status()]))
-    return server
+def render_status(status: dict[str, Any]) -> bytes:
+    """One daemon's ``STATUS`` as the page its metrics endpoint serves."""
+    return generate_latest(_registry(lambda: [status]))

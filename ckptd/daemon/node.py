@@ -13,12 +13,16 @@ Single-threaded around one event loop (ckptd.daemon.loop); what it is made of, e
 - the ZAP handler that admits only holders of the job's keys (ckptd.control.security).
 
 Everything keeps working when the ranks die after their SAVE was acknowledged: the bytes are in
-rings the daemon owns. Stopping (a signal, ``SHUTDOWN``, or idleness of an auto-started daemon)
-lets work in flight finish for ``shutdown_grace_s``, then aborts what is left.
+rings the daemon owns. The periodic chores of the loop's tick never end the daemon: their errors
+are logged and counted (ckptd.daemon.guard); the Prometheus endpoint runs on a thread of its own,
+bounded in connections and time (ckptd.daemon.metrics_http), and only reads a copy of the status.
+Stopping (a signal, ``SHUTDOWN``, or idleness of an auto-started daemon) lets work in flight
+finish for ``shutdown_grace_s``, then aborts what is left.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -34,10 +38,12 @@ from ..control.protocol import Codec, Message, StepCommitted
 from ..control.security import ZapHandler
 from ..roots.base import RootStore
 from .coordinator import Coordinator
+from .guard import InternalErrors
 from .intake import SaveIntake
 from .loop import EventLoop
 from .memory import MemoryWatch
-from .metrics import DaemonMetrics, serve_metrics
+from .metrics import DaemonMetrics, render_status
+from .metrics_http import MetricsServer, http_url
 from .pools import PoolTable
 from .ranks import DaemonHooks, RankServer
 from .uplink import CoordinatorLink, StepKey
@@ -68,6 +74,7 @@ class NodeDaemon:
         self.stop_reason = ""
         self.last_check_s = 0.0
         self.metrics, self.memory, self.completions = DaemonMetrics(), MemoryWatch(), Completions()
+        self.internal = InternalErrors()
         self.workers = WorkerPools(config.writer_threads, self.completions)
         self.pools = PoolTable(ep.shm_prefix)
         codec = Codec(ep.job, config.max_message_nbytes)
@@ -115,18 +122,41 @@ class NodeDaemon:
             upstream,
         )
         self.status_cache: dict[str, Any] = {}
-        self.metrics_server: Any = None  # prometheus_client's HTTP server
+        self.metrics_server: MetricsServer | None = None
+        self.metrics_problem: str | None = None  # why metrics are not served, when asked for
         if config.metrics_port:
-            self._serve_metrics(config.metrics_port)
+            self._serve_metrics(config.metrics_host, config.metrics_port)
 
-    def _serve_metrics(self, port: int) -> None:
-        # The HTTP thread reads only this cache, which the loop refreshes: no shared state.
+    def _serve_metrics(self, host: str, port: int) -> None:
+        # The HTTP thread reads only this cache, which the loop replaces: no shared state.
         self.status_cache = self.status()
+        url = http_url(host, port)
         try:
-            self.metrics_server = serve_metrics(port, lambda: self.status_cache)
-            log.info("serving Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+            self.metrics_server = MetricsServer.bind(host, port, lambda: self.status_cache, render_status)
         except OSError as exc:  # metrics are optional: never fail the checkpoints for them
-            log.warning("cannot serve metrics on port %d (%s); CKPTD_METRICS_PORT ignored", port, exc)
+            taken = exc.errno == errno.EADDRINUSE
+            self.metrics_problem = (
+                f"could not bind {url}: {exc.strerror or exc}"
+                + (
+                    f"; another process listens there (`ss -ltnp 'sport = :{port}'` names it), so "
+                    "whatever answers there is not this daemon"
+                    if taken
+                    else ""
+                )
+                + "; checkpoints are unaffected, restart the daemon with a free CKPTD_METRICS_PORT"
+            )
+            log.warning("metrics NOT served: %s", self.metrics_problem)
+            return
+        self.metrics_server.start()
+        log.info("serving Prometheus metrics on %s", self.metrics_server.url)
+
+    def _metrics_status(self) -> dict[str, Any] | None:
+        if self.metrics_server is not None:
+            return self.metrics_server.status()
+        if self.metrics_problem is not None:
+            url = http_url(self.config.metrics_host, self.config.metrics_port)
+            return {"url": url, "serving": False, "problem": self.metrics_problem}
+        return None
 
     # --- loop ---------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -171,15 +201,26 @@ class NodeDaemon:
             self.ranks.send(outcome, identity)
 
     def _tick(self, now: float) -> None:
-        if self.metrics_server is not None:
-            self.status_cache = self.status()
+        """The periodic chores; each one's error is logged and counted, never fatal (see
+        ckptd.daemon.guard), and the others still run."""
+        chore = self.internal.run
         if self.coordinator is not None:
-            self.coordinator.tick(now)
-        self.uplink.tick(now)
+            coordinator = self.coordinator
+            chore("coordinator's timeouts", lambda: coordinator.tick(now))
+        chore("write timeouts", lambda: self.intake.tick(now))
+        chore("coordinator link's heartbeat", lambda: self.uplink.tick(now))
         if now - self.last_check_s >= self.config.heartbeat_s:
             self.last_check_s = now
-            self.ranks.forget_dead()
-            self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.pools.segment_paths())
+            chore("rank liveness check", self.ranks.forget_dead)
+            chore("memory sample", self._sample_memory)
+        if self.metrics_server is not None:
+            chore("status for the metrics", self._refresh_status_cache)
+
+    def _sample_memory(self) -> None:
+        self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.pools.segment_paths())
+
+    def _refresh_status_cache(self) -> None:
+        self.status_cache = self.status()
 
     def _busy(self) -> bool:
         return bool(
@@ -214,8 +255,7 @@ class NodeDaemon:
     def close(self) -> None:
         """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+            self.metrics_server.close()
         self.workers.shutdown()
         self._on_completions()
         self.pools.release_all()
@@ -249,4 +289,15 @@ class NodeDaemon:
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
             "memory": self.memory.report(),
+            "prometheus": self._metrics_status(),  # where metrics are served, or why they are not
+            "internal_errors": self._internal_errors(),
         }
+
+    def _internal_errors(self) -> dict[str, Any]:
+        """Housekeeping errors, and the metrics server's (see ckptd.daemon.guard)."""
+        out = self.internal.status()
+        if self.metrics_server is not None and self.metrics_server.counts["errors"]:
+            out["by_chore"]["metrics server"] = self.metrics_server.counts["errors"]
+            out["count"] += self.metrics_server.counts["errors"]
+            out["last"] = out["last"] or f"metrics server: {self.metrics_server.last_error}"
+        return out

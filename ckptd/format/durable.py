@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
-from .safefs import AtPath, Dir, create_fd
+from .safefs import AtPath, Dir, create_fd, located
 
 ATOMIC_TMP_SUFFIX = ".tmp"
 
@@ -66,7 +66,8 @@ def atomic_write(
 ) -> None:
     """Write ``path`` via ``<path>.tmp``: write, flush, fsync, rename, fsync the directory.
 
-    The previous file (if any) stays in place until the rename replaces it atomically. Everything
+    The previous file (if any) stays in place until the rename replaces it atomically. An OSError
+    names the file it concerns in full (see :func:`~ckptd.format.safefs.located`). Everything
     happens relative to one open directory (an :class:`AtPath`'s, else ``path``'s parent opened
     once); a stale ``.tmp`` entry (a crash's leftover, or a planted link) is removed first, never
     followed, and a link at ``path`` itself is replaced, not written through.
@@ -80,12 +81,22 @@ def atomic_write(
     try:
         parent.unlink(tmp)
         try:
-            with opener(parent.entry(tmp), "wb") as f:
-                write(f)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+            try:
+                with opener(parent.entry(tmp), "wb") as f:
+                    write(f)
+                    f.flush()
+                    if fsync:
+                        os.fsync(f.fileno())
+            except OSError as exc:
+                if exc.filename is not None:  # the open's own error
+                    raise
+                # The kernel names no file for a failed write or fsync, nor does the close that
+                # tries again to flush what a failed flush left in the buffer.
+                raise located(exc, parent.path / tmp) from exc
+            try:
+                os.replace(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+            except OSError as exc:
+                raise located(exc, parent.path / tmp, parent.path / name) from exc
         except BaseException:
             parent.unlink(tmp)
             raise

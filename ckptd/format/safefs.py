@@ -88,6 +88,14 @@ def create_fd(path: str, mode: int = 0o666) -> int:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
+def located(exc: OSError, path: str | os.PathLike, path2: str | os.PathLike | None = None) -> OSError:
+    """``exc`` naming ``path`` (and ``path2``) in full: the kernel names no file for a failed
+    write or fsync, and an operation relative to a directory fd names only the entry."""
+    if path2 is None:
+        return OSError(exc.errno, exc.strerror or str(exc), str(path))
+    return OSError(exc.errno, exc.strerror or str(exc), str(path), None, str(path2))
+
+
 def same_file(fd: int, other_fd: int) -> bool:
     a, b = os.fstat(fd), os.fstat(other_fd)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
@@ -146,17 +154,25 @@ class Dir:
             return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise located(exc, self.path / name) from exc
 
     def is_real_dir(self, name: str) -> bool:
         st = self.lstat(name)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
     def listdir(self) -> list[str]:
-        return os.listdir(self.fd)
+        try:
+            return os.listdir(self.fd)
+        except OSError as exc:
+            raise located(exc, self.path) from exc
 
     def rename(self, src: str, dst: str) -> None:
         """Rename the entry ``src`` to ``dst`` (a link is renamed itself, never followed)."""
-        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        try:
+            os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError as exc:
+            raise located(exc, self.path / src, self.path / dst) from exc
 
     def unlink(self, name: str) -> bool:
         """Remove the non-directory entry ``name`` (a link itself); False if there was none."""
@@ -164,6 +180,8 @@ class Dir:
             os.unlink(name, dir_fd=self.fd)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            raise located(exc, self.path / name) from exc
         return True
 
     def remove_tree(self, name: str) -> None:
@@ -178,7 +196,10 @@ class Dir:
         shutil.rmtree(name, dir_fd=self.fd)
 
     def fsync(self) -> None:
-        os.fsync(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise located(exc, self.path) from exc
 
     def close(self) -> None:
         if self.fd >= 0:

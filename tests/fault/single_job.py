@@ -3,7 +3,8 @@
 :func:`single_job` yields a :class:`SingleJob` whose daemon reads its fault rules from
 ``job.fault_file`` (see :mod:`ckptd.daemon.faults`) at every file it opens, so a test switches a
 disk fault on and off while everything runs. On exit the daemon is stopped and the test fails if
-it left shared memory, socket or pid files, or a process behind.
+it left shared memory, socket or pid files, or a process behind, or if the daemon logged an internal
+error (ckptd.daemon.guard) that the test did not expect (``job.internal_errors_expected``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.daemon.guard import MARKER as INTERNAL_ERROR
 from ckptd.format.durable import ATOMIC_TMP_SUFFIX, atomic_tmp_name
 from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_dir_name
 from ckptd.staging.segment import list_segments
@@ -75,6 +77,17 @@ class SingleJob:
     fault_file: Path
     config: ckptd.CkptdConfig
     ckpt: ckptd.Checkpointer
+    internal_errors_expected: bool = False
+
+    @property
+    def daemon_pid(self) -> int:
+        pid = daemon_pid(self.ckpt.endpoints.pid_path)
+        assert pid is not None and daemon_alive(self.ckpt.endpoints.pid_path)
+        return pid
+
+    def daemon_log(self) -> str:
+        path = self.ckpt.endpoints.log_path
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def fault(self, rules: str) -> None:
         """Switch the daemon's disk faults to ``rules`` ('' clears them)."""
@@ -130,13 +143,17 @@ def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[Sing
     cfg = ckptd.CkptdConfig.from_env({}, **settings)
     ckpt = ckptd.Checkpointer(root, config=cfg)
     ep = ckpt.endpoints
+    job = SingleJob(root, runtime, fault_file, cfg, ckpt)
     try:
-        yield SingleJob(root, runtime, fault_file, cfg, ckpt)
+        yield job
         ckpt.close()
     finally:
         ckpt.close(wait=False)
         stop_daemon(ep.pid_path)
         left = list_segments(ep.shm_prefix)
         files = [p.name for p in (ep.socket_path, ep.pid_path) if p.exists()]
+        daemon_log = job.daemon_log()
         shutil.rmtree(runtime, ignore_errors=True)
     assert not left and not files, (left, files)
+    if not job.internal_errors_expected:
+        assert INTERNAL_ERROR not in daemon_log, daemon_log[daemon_log.index(INTERNAL_ERROR) - 200 :][:4000]

@@ -23,7 +23,9 @@ def test_fault_rules_parse_and_apply(tmp_path):
     assert plan.delay_s == 0.5
     assert plan.failure_for("__0_0.distcp").errno_code == errno.ENOSPC
     assert plan.failure_for("common.pt").errno_code == errno.EROFS
-    for bad in ("fail ENOPE", "fail ENOSPC -1", "delay soon", "explode"):
+    hangs = parse_fault_spec("hang __*\nhang\n")
+    assert hangs.hangs == ("__*", "*") and hangs.hangs_for("common.pt") and not parse_fault_spec("").hangs_for("x")
+    for bad in ("fail ENOPE", "fail ENOSPC -1", "delay soon", "explode", "hang a b"):
         with pytest.raises(CkptdError, match="is not 'delay <seconds>'"):
             parse_fault_spec(bad)
 
@@ -37,7 +39,7 @@ def test_fault_rules_parse_and_apply(tmp_path):
     with pytest.raises(OSError) as err, opener(str(tmp_path / "b"), "wb") as f:
         f.write(b"12345678")
         f.write(b"9abc")  # crosses 10 bytes: the first two land, as on a filling disk
-    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "b")
+    assert err.value.errno == errno.ENOSPC and err.value.filename is None  # as write(2): no file named
     assert (tmp_path / "b").read_bytes() == b"123456789a"
     with opener(str(tmp_path / "b"), "rb") as f:
         assert f.read() == b"123456789a"  # reads are never faulted

@@ -1,6 +1,7 @@
 """``file_mode`` (CKPTD_FILE_MODE): every file a real daemon writes into the root (data, metadata,
-trackers) gets it, and step directories get it plus x where r is set. The default, 0o640, keeps
-checkpoints from being world-readable under the usual umask 0o022 (they were 0o644)."""
+trackers) gets it, and step directories get it plus x where r is set. The default, 0o600, keeps
+checkpoints owner-only under the usual umask 0o022 (they were 0o644, then 0o640: readable by a
+shared primary group such as ``users``); 0o640 is there for who asks for it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from ckptd.config import CkptdConfig
 from ckptd.errors import CkptdError
-from ckptd.format.rootlayout import MEGATRON_TRACKER
+from ckptd.format.rootlayout import MEGATRON_TRACKER, node_lock_name
 from tests.fault.single_job import single_job
 
 
@@ -26,7 +27,7 @@ def _modes(root: Path) -> dict[str, int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("file_mode, dir_mode", [(None, 0o750), (0o600, 0o700)])
+@pytest.mark.parametrize("file_mode, dir_mode", [(None, 0o700), (0o640, 0o750)])
 def test_the_daemon_writes_checkpoints_with_file_mode(tmp_path, monkeypatch, file_mode, dir_mode):
     old_umask = os.umask(0o022)  # the usual default: it used to leave checkpoints world-readable
     try:
@@ -37,7 +38,7 @@ def test_the_daemon_writes_checkpoints_with_file_mode(tmp_path, monkeypatch, fil
             modes = _modes(job.root)
     finally:
         os.umask(old_umask)
-    want_file = 0o640 if file_mode is None else file_mode
+    want_file = 0o600 if file_mode is None else file_mode
     for name in (
         "latest",
         MEGATRON_TRACKER,
@@ -49,6 +50,7 @@ def test_the_daemon_writes_checkpoints_with_file_mode(tmp_path, monkeypatch, fil
         assert modes.pop(name) == want_file, (name, oct(want_file))
     for name in ("iter_0000001", "iter_0000002"):
         assert modes.pop(name) == dir_mode, name
+    assert modes.pop(node_lock_name(0)) == 0o600  # the daemon's root lock: no checkpoint, owner-only always
     assert all(m == want_file for m in modes.values()), {k: oct(v) for k, v in modes.items()}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import re
 import shutil
 import subprocess
 import traceback
@@ -69,6 +70,23 @@ def test_real_full_disk_then_read_only_filesystem(tmpfs, tmp_path, monkeypatch):
         job.committed(4)
         loads_bit_exact(job.ckpt, 1)
         assert job.ckpt.latest() == 4 and not tmp_leftovers(job.root)
+
+
+@pytest.mark.timeout(90)
+def test_real_full_disk_during_the_commit_names_the_file(tmpfs, tmp_path, monkeypatch):
+    """The disk fills up after the data file was written: the commit's error names the file it
+    was writing (write(2) names none; the error used to name the root)."""
+    with single_job(tmp_path, monkeypatch, root=tmpfs / "ckpts") as job:
+        job.committed(1)
+        data_nbytes = os.lstat(job.root / "iter_0000001" / "__0_0.distcp").st_blocks * 512
+        st = os.statvfs(tmpfs)
+        (tmpfs / "ballast").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - data_nbytes))  # room for it only
+        err = job.failed(2)
+        where = rf"{re.escape(str(job.root))}/iter_0000002\.[0-9a-f]{{12}}-\d+\.tmp/common\.pt\.tmp: No space left"
+        assert re.search(where, err), err
+        (tmpfs / "ballast").unlink()
+        job.committed(2)
+        loads_bit_exact(job.ckpt, 1)
 
 
 def _drop_dac_capabilities() -> None:

@@ -11,6 +11,7 @@ causes the same failures for real where the machine allows.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -93,3 +94,20 @@ def test_slow_disk_does_not_stall_training(job):
     job.fault("")
     assert h.wait(timeout_s=30) and h2.wait(timeout_s=30)
     _intact(job, 1, 2, 5, 6, 8, 9, 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_storage_error_of_the_commit_names_its_file(job):
+    """A write that fails mid-file names no file (write(2) does not; the fault hook raises it
+    so): the commit's error still names the file it was writing, not the root."""
+    for step, rules, name in (
+        (11, "fail ENOSPC 1 common.pt*", "common.pt.tmp"),
+        (12, "fail EIO 64 .metadata*", ".metadata.tmp"),
+    ):
+        job.fault(rules)
+        err = job.failed(step)
+        where = rf"{re.escape(str(job.root))}/iter_{step:07d}\.[0-9a-f]{{12}}-\d+\.tmp/{re.escape(name)}: "
+        assert re.search(where, err) and "commit failed" in err, err
+    job.fault("")
+    job.committed(11)
+    _intact(job, 1, 2, 5, 6, 8, 9, 10, 11)

@@ -6,6 +6,11 @@ own user's, and a daemon cleans up only its own job's shared memory.
   (fake, test-run) daemon listening there.
 - A daemon of job ``llama`` starts although an empty file of another user carries its shared
   memory prefix, and removes neither it nor job ``llama-n0``'s segments.
+- With no runtime directory configured, another user who created ``/tmp/ckptd-<uid>`` first (and
+  a decoy fallback of theirs) no longer stops this user's jobs: they meet in an unpredictable
+  ``/tmp/ckptd-<uid>-<random>`` of this user, ranks starting together agree on it, and a restarted
+  trainer finds its daemon there. This runs in a private mount namespace with its own ``/tmp``
+  (the machine's ``/tmp/ckptd-<uid>`` belongs to other tests).
 
 Other users are simulated by chowning real files to uid 65534 (the tests run as root).
 """
@@ -13,9 +18,11 @@ Other users are simulated by chowning real files to uid 65534 (the tests run as 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -28,6 +35,7 @@ from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
 from ckptd.errors import DaemonError
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.fault.test_restart_recovery import _daemon, _env, _stop
+from tests.multiproc import without_torchrun
 
 OTHER_UID = 65534
 
@@ -109,3 +117,78 @@ def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments
         _stop(ep)
         for path in (mine, neighbour, foreign):
             path.unlink(missing_ok=True)
+
+
+# Run inside the namespace; prints one JSON line. "resolve": the runtime directory and token a
+# process finds; "train": a trainer that saves a step and leaves (its daemon stays); "stop".
+_CHILD = """
+import json, os, sys
+import torch
+import ckptd
+from ckptd.config import CkptdConfig
+from ckptd.control.endpoints import Endpoints, JobEnv, load_token
+what, root = sys.argv[1], sys.argv[2]
+cfg = CkptdConfig.from_env()
+ep = Endpoints.for_job(root, JobEnv(), cfg)
+out = {"runtime_dir": str(ep.runtime_dir)}
+if what == "resolve":
+    out["token"] = load_token(ep, cfg).decode()
+elif what == "train":
+    step = int(sys.argv[3])
+    ckpt = ckptd.Checkpointer(root, config=cfg)
+    w = torch.full((16,), float(step))
+    ckpt.save({"w": ckptd.ShardedTensor.from_rank_offsets("w", w)}, step=step).wait(60)
+    out.update(latest=ckpt.latest(), daemon=ckpt.status()["pid"])
+    ckpt.close()
+print(json.dumps(out))
+"""
+
+_SCRIPT = """
+set -e
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mkdir -m 0755 /tmp/ckptd-0 && chown 65534:65534 /tmp/ckptd-0        # there first
+mkdir -m 0700 /tmp/ckptd-0-0decoy && chown 65534:65534 /tmp/ckptd-0-0decoy
+echo '#concurrent'
+for i in 1 2 3 4 5 6; do python -c "$CHILD" resolve /tmp/job/ckpts & done; wait
+echo '#trainers'
+python -c "$CHILD" train /tmp/job/ckpts 1
+python -c "$CHILD" train /tmp/job/ckpts 2
+python -m ckptd.cli daemon stop --root /tmp/job/ckpts >&2
+echo '#dirs'
+for d in /tmp/ckptd-0*; do echo "$(stat -c '%U %a' $d) $d"; done
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_squatted_default_runtime_dir_does_not_stop_the_users_jobs():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a private /tmp needs root and unshare(1)")
+    env = without_torchrun(os.environ)
+    for var in ("XDG_RUNTIME_DIR", "CKPTD_RUNTIME_DIR"):
+        env.pop(var, None)
+    env.update(CHILD=_CHILD, CKPTD_HEARTBEAT_S="0.1", CKPTD_IDLE_EXIT_S="60")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", _SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    if run.returncode != 0 and "mount" in run.stderr and "ckptd" not in run.stderr:
+        pytest.skip(f"cannot mount a private /tmp here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    parts = run.stdout.split("#")
+    concurrent = [json.loads(line) for line in parts[1].splitlines()[1:] if line.strip()]
+    trainers = [json.loads(line) for line in parts[2].splitlines()[1:] if line.strip()]
+    dirs = [line.split() for line in parts[3].splitlines()[1:] if line.strip()]
+    # Ranks starting together meet in one directory of this user, with one token.
+    assert len(concurrent) == 6 and len({(c["runtime_dir"], c["token"]) for c in concurrent}) == 1, concurrent
+    mine = concurrent[0]["runtime_dir"]
+    assert mine.startswith("/tmp/ckptd-0-") and mine != "/tmp/ckptd-0-0decoy"
+    assert ["root", "700", mine] in dirs and ["nobody", "755", "/tmp/ckptd-0"] in dirs, dirs
+    assert len([d for d in dirs if d[0] == "root"]) == 1, dirs  # no stray fallback left
+    # A restarted trainer finds the daemon its predecessor left running, and resumes.
+    first, second = trainers
+    assert first["runtime_dir"] == second["runtime_dir"] == mine
+    assert first["latest"] == 1 and second["latest"] == 2 and first["daemon"] == second["daemon"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import CkptdConfig
-from ckptd.control.endpoints import Endpoints, JobEnv, default_runtime_dir, load_token
+from ckptd.control.endpoints import Endpoints, JobEnv, default_runtime_dir, load_token, token_pattern
 from ckptd.errors import DaemonError
 
 OTHER_UID = 65534
@@ -32,17 +32,43 @@ def runtime(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("token", ["a", "short-but-not-16-bytes", "a" * 64, "ab" * 32])
-def test_weak_job_tokens_are_refused_with_how_to_make_one(tmp_path, runtime, token):
+@pytest.mark.parametrize(
+    "token, why",
+    [
+        ("a", "1 characters"),
+        ("short-but-not-16-bytes", "22 characters"),
+        ("a" * 64, "only 1 distinct"),
+        ("ab" * 32, "only 2 distinct"),
+        # Patterns with enough distinct characters (issue 25): repeats and sequences.
+        ("01234567" * 4, "'01234567' occurs at characters 0 and 8"),
+        ("0123456789abcdef" * 2, "occurs at characters 0 and 16"),
+        ("my-job-token-" * 4, "occurs at characters 0 and 13"),
+        ("abcdefghijklmnopqrstuvwxyz012345", "'abcdefghij' runs in sequence"),
+        ("f3a91c0e7d" + "9876543210" + "b4c2e8a1d6f0", "'9876543210' runs in sequence"),
+        (secrets.token_hex(8) + "0" * 24, "'00000000' occurs"),
+    ],
+)
+def test_weak_job_tokens_are_refused_with_how_to_make_one(tmp_path, runtime, token, why):
     ep, cfg = _ep(tmp_path, runtime, job_token=token)
-    with pytest.raises(DaemonError, match=r"too weak.*secrets\.token_hex\(32\)"):
+    with pytest.raises(DaemonError, match=r"too weak.*secrets\.token_hex\(32\)") as err:
         load_token(ep, cfg)
+    assert why in str(err.value) and "CKPTD_JOB_TOKEN" in str(err.value)
 
 
 def test_random_job_tokens_are_accepted(tmp_path, runtime):
     for token in (secrets.token_hex(16), secrets.token_hex(32), secrets.token_urlsafe(32)):
         ep, cfg = _ep(tmp_path, runtime, job_token=token)
         assert load_token(ep, cfg) == token.encode()
+
+
+def test_the_pattern_checks_pass_random_tokens():
+    """10,000 random tokens of each usual form: none refused (each check errs with probability
+    below 1e-6 per token)."""
+    for make in (secrets.token_hex, secrets.token_urlsafe):
+        for nbytes in (16, 32, 64, 2048):
+            for _ in range(10_000 if nbytes < 2048 else 200):
+                token = make(nbytes).encode()
+                assert token_pattern(token) is None, token
 
 
 def test_the_token_file_is_created_once_private_and_shared(tmp_path, runtime):

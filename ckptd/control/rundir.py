@@ -1,0 +1,123 @@
+"""The runtime directory a user's ckptd processes meet in when ``CKPTD_RUNTIME_DIR`` is not set.
+
+A restarted trainer finds the daemon that still persists its last saves by looking where every
+process of its user looks: this module's answer must be the same for all of them, and no other
+user may choose it. In order:
+
+1. ``$XDG_RUNTIME_DIR/ckptd`` when ``XDG_RUNTIME_DIR`` names a directory (the login session's own,
+   ``/run/user/<uid>``: nobody else can create anything in it);
+2. a directory of this user named ``/tmp/ckptd-<uid>-<random>``, if one exists (the first by
+   name): a fallback made earlier, because
+3. ``/tmp/ckptd-<uid>``, created (mode 0700) if absent, belongs to someone else or is not a
+   directory. Its name is predictable, so any local user can create it first, which used to stop
+   every job of this user; the fallback's name is not, and a directory that another user created
+   is never taken for one (the owner is checked; in the sticky ``/tmp`` nobody else can remove or
+   rename ours).
+
+Fallbacks are made under an ``flock`` of ``/tmp`` itself (waited for at most
+:data:`LOCK_WAIT_S`), so that ranks starting together agree on one. Should another user hold that
+lock, the wait ends and the processes making a fallback in that very moment may each keep their
+own; every later process takes the first by name.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TMP = Path("/tmp")
+LOCK_WAIT_S = 5.0
+_LOCK_POLL_S = 0.01
+
+
+def runtime_dir_for(environ: Mapping[str, str], tmp: Path = TMP, uid: int | None = None) -> Path:
+    """This user's runtime directory (see the module docstring); creates it under ``tmp`` when
+    needed. ``tmp`` and ``uid`` are for tests (another user's ``/tmp`` view)."""
+    uid = os.getuid() if uid is None else uid
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "ckptd"
+    canonical = tmp / f"ckptd-{uid}"
+    if _is_own_dir(canonical, uid):
+        return canonical
+    found = _fallbacks(tmp, uid)
+    if found:
+        return found[0]
+    try:
+        os.mkdir(canonical, 0o700)
+        return canonical
+    except FileExistsError:
+        if _is_own_dir(canonical, uid):  # another process of this user made it just now
+            return canonical
+    return _make_fallback(tmp, uid, canonical)
+
+
+def _is_own_dir(path: Path, uid: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid
+
+
+def _fallbacks(tmp: Path, uid: int) -> list[Path]:
+    """This user's fallback directories under ``tmp``, in name order."""
+    prefix = f"ckptd-{uid}-"
+    try:
+        names = sorted(n for n in os.listdir(tmp) if n.startswith(prefix))
+    except OSError:
+        return []
+    return [tmp / n for n in names if _is_own_dir(tmp / n, uid)]
+
+
+def _make_fallback(tmp: Path, uid: int, squatted: Path) -> Path:
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        locked = _lock(fd, tmp)
+        found = _fallbacks(tmp, uid)  # made by another process of this user while we waited
+        if not found:
+            made = Path(tempfile.mkdtemp(prefix=f"ckptd-{uid}-", dir=tmp))
+            log.warning(
+                "%s is not a directory of uid %d (someone else created it first); using %s, which "
+                "every later ckptd process of this user finds again",
+                squatted,
+                uid,
+                made,
+            )
+            # Without the lock (another user holds it) processes racing here may each have made
+            # one: the first by name is everyone's from now on; an empty loser is removed.
+            found = [made] if locked else _fallbacks(tmp, uid)
+            if found[0] != made:
+                _remove_empty(made)
+        return found[0]
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _lock(fd: int, tmp: Path) -> bool:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                log.warning("could not lock %s to make a runtime directory (%s); going on without", tmp, exc)
+                return False
+        time.sleep(_LOCK_POLL_S)
+
+
+def _remove_empty(path: Path) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass

@@ -1,0 +1,59 @@
+"""What a rank says when its node daemon, the coordinator too, dies with a save pending (issue 25):
+the truth. SIGKILLed right after the commit's rename (the tracker write hangs, by the fault file's
+``hang`` rule), the step is complete and the next daemon makes it latest: the reason says so
+(it used to say "died before step 2 committed"). Killed while the data file is still being
+written, the checkpoint is not in place and the reason says that instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import ckptd
+from tests.fault.single_job import loads_bit_exact, single_job, state_dict
+from tools.harness.waiting import wait_for_exit, wait_until
+
+
+def _kill_daemon_when(job, what: str) -> None:
+    pid = job.daemon_pid
+    wait_until(lambda: what in job.daemon_log(), 30, f"the daemon to log {what!r}")
+    os.kill(pid, signal.SIGKILL)
+    wait_for_exit(pid, 30, f"daemon {pid} to exit")
+    job.fault("")
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_killed_after_the_rename_says_the_step_is_complete(tmp_path, monkeypatch):
+    with single_job(tmp_path, monkeypatch) as job:
+        job.committed(1)
+        job.fault("hang latest.tmp")  # the tracker's write: after the checkpoint was renamed
+        h = job.ckpt.save(state_dict(2), step=2)
+        _kill_daemon_when(job, "injected fault: the open of")
+        with pytest.raises(ckptd.SaveFailedError) as err:
+            h.wait(timeout_s=30)
+        reason = str(err.value)
+        assert f"its checkpoint {job.root / 'iter_0000002'} is complete" in reason, reason
+        assert "Checkpointer.latest() tells" in reason and "not committed" not in reason
+        job.committed(3)  # the next daemon finished the interrupted commit first
+        assert "the tracker now names iter_0000002" in job.daemon_log()
+        loads_bit_exact(job.ckpt, 2)
+        assert job.ckpt.latest() == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_killed_mid_write_says_the_checkpoint_is_not_in_place(tmp_path, monkeypatch):
+    with single_job(tmp_path, monkeypatch) as job:
+        job.committed(1)
+        job.fault("hang __*")  # the data file's write
+        h = job.ckpt.save(state_dict(2), step=2)
+        _kill_daemon_when(job, "injected fault: the open of")
+        with pytest.raises(ckptd.SaveFailedError) as err:
+            h.wait(timeout_s=30)
+        reason = str(err.value)
+        assert f"its checkpoint {job.root / 'iter_0000002'} is not in place now" in reason, reason
+        assert reason.startswith("step 2 was not confirmed: ")
+        assert job.ckpt.latest() == 1
+        job.committed(2)
