@@ -66,6 +66,27 @@ class DaemonError(CkptdError):
     """The node daemon could not be reached, started, or answered with an error."""
 
 
+class DaemonLostError(DaemonError):
+    """The node daemon died (or was replaced) while a client depended on it."""
+
+
+class RequestNotTaken(DaemonError):
+    """The daemon certainly did not act on a request: it was never sent, or answered ERROR.
+
+    (A request that timed out raises plain DaemonError: the daemon may still act on it.)
+    ``code``: the refusal's code (:attr:`ProtocolError.code`), "" when there is none.
+    """
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def unknown_client(self) -> bool:
+        """The daemon forgot this connection: HELLO and the pool registration must be repeated."""
+        return self.code == UnknownClientError.code
+
+
 class ProtocolError(CkptdError):
     """A control-plane message was malformed, of a wrong version, too large or out of range."""
 

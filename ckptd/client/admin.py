@@ -11,7 +11,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -20,8 +20,11 @@ from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Codec, Shutdown, ShutdownAck, Status, StatusReply
-from ..errors import DaemonError
+from ..control.protocol import Codec, Message, Shutdown, ShutdownAck, Status, StatusReply
+from ..control.requests import RequestClient
+from ..errors import DaemonError, DaemonLostError
+
+M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -46,27 +49,30 @@ def local_daemons(root: str | os.PathLike, config: CkptdConfig | None = None) ->
     return sorted(found, key=lambda d: d.node)
 
 
-def _request(ep: Endpoints, config: CkptdConfig, msg: Any, reply_type: type, timeout_s: float) -> Any:
+def request(ep: Endpoints, config: CkptdConfig, msg: Message, reply_type: type[M], timeout_s: float) -> M:
+    """Ask the daemon of ``ep`` one thing over its owner-only socket (ckptd.control.requests): its
+    ``reply_type`` answer; its ERROR at once as RequestNotTaken (reason and code); a daemon that is
+    not running as DaemonLostError at once; no answer within ``timeout_s`` as DaemonError."""
     codec = Codec(ep.job, config.max_message_nbytes)
     keys = derive_keys(load_token(ep, config))
+    peer = f"the daemon of {ep.root} node {ep.node}"
+
+    def check_alive() -> None:
+        if not daemon_alive(ep.pid_path):
+            raise DaemonLostError(f"{peer} is not running (no process holds {ep.pid_path}); see {ep.log_path}")
+
     ctx = zmq.Context()
     try:
-        sock = make_socket(
-            ctx, zmq.DEALER, codec, keys, server=False, identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode()
-        )
+        identity = f"admin-{os.getpid()}-{time.monotonic_ns()}".encode()
+        sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False, identity=identity)
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         sock.connect(ep.ipc_address)
-        end = Endpoint(sock, codec, "admin")
-        end.send(msg, block=False)
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if sock.poll(int(min(remaining, 0.1) * 1000), zmq.POLLIN):
-                _, reply, _ = end.recv()
-                if isinstance(reply, reply_type):
-                    return reply
-        raise DaemonError(
-            f"the daemon of {ep.root} node {ep.node} did not answer {msg.TYPE.name} "
-            f"within {timeout_s:.0f} s; see {ep.log_path}"
+        hint = (
+            f"see its log {ep.log_path}; a daemon busy beyond that, or started with another "
+            "CKPTD_JOB_TOKEN (it refuses the handshake), does not answer"
         )
+        client = RequestClient(Endpoint(sock, codec, "admin"), peer, hint, check_alive=check_alive)
+        return client.request(msg, reply_type, timeout_s)
     finally:
         ctx.destroy(linger=0)
 
@@ -74,7 +80,7 @@ def _request(ep: Endpoints, config: CkptdConfig, msg: Any, reply_type: type, tim
 def daemon_status(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
     """The daemon's STATUS reply: clients, pools, writes in flight, pending steps, metrics."""
     config = config if config is not None else CkptdConfig.from_env()
-    return _request(d.endpoints, config, Status(), StatusReply, timeout_s).info
+    return request(d.endpoints, config, Status(), StatusReply, timeout_s).info
 
 
 def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: float = 60.0) -> bool:
@@ -82,8 +88,8 @@ def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: fl
     and wait until it is gone; SIGTERM if it does not answer. True when it stopped in time."""
     config = config if config is not None else CkptdConfig.from_env()
     try:
-        _request(d.endpoints, config, Shutdown(), ShutdownAck, min(timeout_s, 5.0))
-    except DaemonError:
+        request(d.endpoints, config, Shutdown(), ShutdownAck, min(timeout_s, 5.0))
+    except DaemonError:  # not answered, or refused: ask as the signal does
         if d.pid is not None:
             try:
                 os.kill(d.pid, signal.SIGTERM)

@@ -30,36 +30,17 @@ from ..control.channel import Endpoint, make_socket
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.keys import CurveKeys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Bye, Codec, ErrorReply, Hello, Message, Welcome
-from ..errors import DaemonError, UnknownClientError
+from ..control.protocol import Bye, Codec, Hello, Message, Welcome
+from ..control.requests import RequestClient
+from ..errors import DaemonError, DaemonLostError, RequestNotTaken
+
+__all__ = ["DaemonLink", "DaemonLostError", "RequestNotTaken"]
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
-_POLL_MS = 50
 # How long a dropped link's BYE may take to leave before its socket goes (ckptd.client.link.abandon).
 _ABANDON_LINGER_MS = 200
-
-
-class DaemonLostError(DaemonError):
-    """The node daemon died (or was replaced) while this rank depended on it."""
-
-
-class RequestNotTaken(DaemonError):
-    """The daemon certainly did not act on a request: it was never sent, or answered ERROR.
-
-    (A request that timed out raises plain DaemonError: the daemon may still act on it.)
-    ``code``: the refusal's code (ckptd.errors.ProtocolError.code), "" when there is none.
-    """
-
-    def __init__(self, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-
-    @property
-    def unknown_client(self) -> bool:
-        """The daemon forgot this connection: HELLO and the pool registration must be repeated."""
-        return self.code == UnknownClientError.code
 
 
 class DaemonLink:
@@ -80,6 +61,7 @@ class DaemonLink:
         self.on_notify = on_notify
         self.ctx = zmq.Context()
         self.endpoint: Endpoint | None = None
+        self.requests: RequestClient | None = None
         self.instance: str | None = None
         self.daemon_pid: int | None = None
 
@@ -193,11 +175,20 @@ class DaemonLink:
         sock.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
         sock.connect(self.ep.ipc_address)
         self.endpoint = Endpoint(sock, self.codec, f"rank{self.env.rank}")
+        self.requests = RequestClient(
+            self.endpoint,
+            f"the node daemon of {self.ep.root} node {self.ep.node}",
+            f"see {self.ep.log_path} (a daemon started with another CKPTD_JOB_TOKEN refuses this "
+            "rank's handshake; CKPTD_REQUEST_TIMEOUT_S bounds the wait)",
+            on_other=self.on_notify,
+            check_alive=self._check_alive,
+        )
 
     def close_socket(self, linger_ms: int = 0) -> None:
         if self.endpoint is not None:
             self.endpoint.sock.close(linger=linger_ms)
             self.endpoint = None
+            self.requests = None
 
     def close(self, linger_ms: int = 0) -> None:
         """Close; ``linger_ms`` lets a last message (BYE) leave first. Idempotent."""
@@ -227,13 +218,7 @@ class DaemonLink:
         return self.daemon_pid is None or pid is None or pid == self.daemon_pid
 
     def send(self, msg: Message) -> None:
-        if self.endpoint is None:
-            raise DaemonLostError("not connected to the node daemon")
-        if not self.endpoint.send(msg):
-            raise RequestNotTaken(
-                f"could not send {msg.TYPE.name} to the node daemon within "
-                f"{self.config.request_timeout_s:.0f} s; see {self.ep.log_path}"
-            )
+        self._requests().send(msg)
 
     def request(
         self,
@@ -243,57 +228,28 @@ class DaemonLink:
         match: Callable[[M], bool] | None = None,
     ) -> M:
         """Send ``msg``, wait for a ``reply_type`` answer (one ``match`` accepts, when given: a late
-        answer to an earlier request is not taken for this one's); ``ERROR`` raises DaemonError."""
-        self.send(msg)
-        deadline = time.monotonic() + (self.config.request_timeout_s if timeout_s is None else timeout_s)
-        while True:
-            reply = self._next(deadline)
-            if reply is None:
-                raise DaemonError(
-                    f"the node daemon did not answer {msg.TYPE.name} within "
-                    f"{self.config.request_timeout_s:.0f} s (CKPTD_REQUEST_TIMEOUT_S); see {self.ep.log_path} "
-                    "(a daemon started with another CKPTD_JOB_TOKEN refuses this rank's handshake)"
-                )
-            if isinstance(reply, reply_type) and (match is None or match(reply)):
-                return reply
-            if isinstance(reply, ErrorReply):
-                asked = getattr(msg, "step", None)
-                if reply.step is None or asked is None or reply.step == asked:
-                    raise RequestNotTaken(f"the node daemon refused {msg.TYPE.name}: {reply.reason}", reply.code)
-                # The late refusal of an earlier request (its own wait gave up): not this one's.
-                log.warning(
-                    "rank %d: the node daemon refused an earlier request of step %d: %s",
-                    self.env.rank,
-                    reply.step,
-                    reply.reason,
-                )
-                continue
-            self.on_notify(reply)
+        answer to an earlier request is not taken for this one's); notifications meanwhile go to
+        ``on_notify``; ``ERROR`` raises RequestNotTaken (ckptd.control.requests)."""
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        return self._requests().request(msg, reply_type, timeout_s, match)
 
     def pump(self, timeout_s: float = 0.0) -> None:
         """Wait up to ``timeout_s`` for a notification, then deliver all that are here."""
-        msg = self._next(time.monotonic() + timeout_s)
+        requests = self._requests()
+        msg = requests.next(time.monotonic() + timeout_s)
         while msg is not None:
             self.on_notify(msg)
-            msg = self._next(0.0)
+            msg = requests.next(0.0)
 
-    def _next(self, deadline: float) -> Message | None:
-        """The next valid message before ``deadline``, or None; raises if the daemon died."""
-        ep = self.endpoint
-        if ep is None:
+    def _requests(self) -> RequestClient:
+        if self.requests is None:
             raise DaemonLostError("not connected to the node daemon")
-        while True:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if ep.sock.poll(max(0, min(_POLL_MS, int(remaining_ms))), zmq.POLLIN):
-                _, msg, _ = ep.recv()
-                if msg is not None:
-                    return msg
-                continue
-            if not self.alive():
-                pid = self.daemon_pid
-                self.close_socket()
-                raise DaemonLostError(
-                    f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} died; see {self.ep.log_path}"
-                )
-            if remaining_ms <= 0:
-                return None
+        return self.requests
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            pid = self.daemon_pid
+            self.close_socket()
+            raise DaemonLostError(
+                f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} died; see {self.ep.log_path}"
+            )

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     from ..client.admin import daemon_status, local_daemons
     from ..config import CkptdConfig
     from ..daemon.metrics import prometheus_text
-    from ..errors import DaemonError
+    from ..errors import DaemonError, ProtocolError
 
     config = CkptdConfig.from_env()
     if args.job:
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     for d in daemons:
         try:
             replies.append(daemon_status(d, config))
-        except DaemonError as exc:
+        except (DaemonError, ProtocolError) as exc:  # not answered, refused, or answered wrongly
             failed = True
             replies.append({"node": d.node, "pid": d.pid, "error": str(exc)})
     if args.json:
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for r in replies:
             if "error" in r:
-                print(f"node {r['node']}: daemon pid {r['pid']} did not answer: {r['error']}")
+                print(f"node {r['node']}: daemon pid {r['pid']}: {r['error']}")
             else:
                 _print(r)
     return EXIT_FAILURE if failed else EXIT_OK

@@ -21,7 +21,10 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
+from ckptd.client import admin
 from ckptd.control.endpoints import JobEnv
+from ckptd.control.protocol import Pong, Status, StatusReply
+from ckptd.errors import DaemonLostError, RequestNotTaken
 from ckptd.tune import recommend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +91,11 @@ def test_stats_status_metrics_and_stop(single):
         run = _ckptd(env, "status", str(root))
         assert run.returncode == 0 and "saves received 3, committed 3" in run.stdout
         assert "memory: daemon RSS" in run.stdout and "rank 0 " in run.stdout, run.stdout
+        # The daemon refuses what it does not serve: its ERROR reaches the caller at once (the
+        # wait allowed is far beyond this test's timeout), with the daemon's reason.
+        (d,) = admin.local_daemons(root, cfg)
+        with pytest.raises(RequestNotTaken, match=f"the daemon of {root} node 0 refused PONG: .*does not accept PONG"):
+            admin.request(d.endpoints, cfg, Pong(1, "x", 1), StatusReply, timeout_s=600)
         run = _ckptd(env, "status", str(root), "--prometheus")
         assert run.returncode == 0 and "ckptd_steps_committed_total{" in run.stdout
         served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -101,6 +109,8 @@ def test_stats_status_metrics_and_stop(single):
     assert run.returncode == 0 and "stopped the daemon of node 0" in run.stdout
     run = _ckptd(env, "status", str(root))
     assert run.returncode == 1 and "no ckptd daemon" in run.stdout
+    with pytest.raises(DaemonLostError, match=f"the daemon of {root} node 0 is not running"):
+        admin.request(d.endpoints, cfg, Status(), StatusReply, timeout_s=600)  # no wait for a dead one
     job = info["job"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptd-{job}-")]
     assert _ckptd(env, "daemon", "stop", "--root", str(root)).returncode == 0  # nothing to stop

@@ -1,0 +1,180 @@
+"""The control plane's request client (ckptd.control.requests): how a reply is read, pure, and
+over a real CurveZMQ DEALER -> ROUTER pair on ipc:// (real keys, real codec)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.keys import derive_keys
+from ckptd.control.protocol import (
+    Codec,
+    ErrorReply,
+    Message,
+    Ping,
+    Pong,
+    Save,
+    SaveAck,
+    Status,
+    StatusReply,
+    StepCommitted,
+)
+from ckptd.control.requests import RequestClient, answer
+from ckptd.control.security import ZapHandler
+from ckptd.errors import DaemonError, DaemonLostError, ProtocolError, RequestNotTaken, UnknownClientError
+
+ATTEMPT = "0123456789ab-1"
+
+
+def _save(step: int) -> Save:
+    return Save(step, ATTEMPT, 0, 1, "g", 0, [], None, "", "", 0, 4242, b"s" * 16, 4096)
+
+
+# ------------------------------------------------------------------------------ answer(), pure
+
+
+def test_the_expected_reply_answers_and_anything_else_does_not():
+    assert answer(Status(), StatusReply({"x": 1}), StatusReply) == StatusReply({"x": 1})
+    assert answer(Status(), Pong(1, "i", 2), StatusReply) is None  # not an answer: the caller decides
+    ack = SaveAck(2, ATTEMPT)
+    assert answer(_save(2), ack, SaveAck, match=lambda a: a.step == 2) == ack
+    assert answer(_save(3), ack, SaveAck, match=lambda a: a.step == 3) is None  # an earlier request's
+
+
+@pytest.mark.parametrize(
+    "request_, error, refused",
+    [
+        (Status(), ErrorReply("no", None), True),  # a request without a step: any ERROR is its
+        (_save(3), ErrorReply("no", None), True),  # an ERROR without a step refuses whatever was asked
+        (_save(3), ErrorReply("no", 3), True),
+        (_save(3), ErrorReply("no", 1), False),  # the late refusal of step 1's SAVE
+    ],
+)
+def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorReply, refused: bool):
+    if not refused:
+        assert answer(request_, error, SaveAck) is None
+        return
+    with pytest.raises(RequestNotTaken, match=f"the daemon refused {request_.TYPE.name}: no"):
+        answer(request_, error, SaveAck)
+
+
+def test_a_refusal_carries_its_code():
+    with pytest.raises(RequestNotTaken) as info:
+        answer(_save(1), ErrorReply("forgot you", 1, UnknownClientError.code), SaveAck, peer="node 3's daemon")
+    assert info.value.unknown_client and info.value.code == "unknown_client"
+    assert str(info.value) == "node 3's daemon refused SAVE: forgot you"
+
+
+# ----------------------------------------------------------------- RequestClient, real sockets
+
+
+class FakeServer:
+    """A CurveZMQ ROUTER on ipc:// that answers each request with ``replies[request type]``
+    (a list of messages, possibly empty: no answer)."""
+
+    def __init__(self, path: Path, replies: dict[type[Message], list[Message]]) -> None:
+        self.keys = derive_keys(secrets.token_bytes(32))
+        self.codec = Codec("job1")
+        self.address = f"ipc://{path}"
+        self.ctx = zmq.Context()
+        self.zap = ZapHandler(self.ctx, self.keys)
+        self.server = Endpoint(
+            make_socket(self.ctx, zmq.ROUTER, self.codec, self.keys, server=True), self.codec, "fake daemon"
+        )
+        self.server.sock.bind(self.address)
+        self.replies = replies
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.zap.sock, zmq.POLLIN)
+        poller.register(self.server.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            events = dict(poller.poll(20))
+            if self.zap.sock in events:
+                self.zap.on_readable()
+            if self.server.sock in events:
+                identity, msg, _ = self.server.recv()
+                for reply in self.replies[type(msg)]:
+                    self.server.send(reply, identity)
+
+    def client(self, **kwargs) -> RequestClient:
+        sock = make_socket(self.ctx, zmq.DEALER, self.codec, self.keys, server=False)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)
+        sock.connect(self.address)
+        return RequestClient(Endpoint(sock, self.codec, "test"), "the test daemon", "see its log", **kwargs)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.server.close()
+        self.zap.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator:
+    servers: list[FakeServer] = []
+
+    def start(replies: dict[type[Message], list[Message]]) -> FakeServer:
+        servers.append(FakeServer(tmp_path / f"s{len(servers)}.sock", replies))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_error_reply_is_raised_with_its_reason_and_code(serve):
+    """The wait is 10 minutes: an ERROR that were ignored would time the test out."""
+    server = serve({Status: [ErrorReply("the daemon is shutting down", None, "busy")]})
+    with pytest.raises(RequestNotTaken, match="the test daemon refused STATUS: the daemon is shutting down") as info:
+        server.client().request(Status(), StatusReply, timeout_s=600)
+    assert info.value.code == "busy"
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_reply_type_is_a_protocol_error_unless_the_caller_takes_notifications(serve):
+    notification = StepCommitted(1, ATTEMPT, "iter_0000001", [])
+    server = serve({Status: [notification, StatusReply({"ok": 1})]})
+    with pytest.raises(
+        ProtocolError, match="the test daemon answered STATUS with STEP_COMMITTED, expected STATUS_REPLY"
+    ):
+        server.client().request(Status(), StatusReply, timeout_s=600)
+    seen: list[Message] = []
+    assert server.client(on_other=seen.append).request(Status(), StatusReply, timeout_s=600) == StatusReply({"ok": 1})
+    assert seen == [notification]
+
+
+@pytest.mark.timeout(60)
+def test_a_late_refusal_is_logged_and_the_wait_goes_on(serve, caplog):
+    server = serve({Save: [ErrorReply("the save of step 1 was refused", 1), SaveAck(2, ATTEMPT)]})
+    assert server.client().request(_save(2), SaveAck, timeout_s=600) == SaveAck(2, ATTEMPT)
+    assert "the test daemon refused an earlier request of step 1" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_no_answer_names_the_peer_the_wait_and_what_to_do(serve):
+    server = serve({Ping: []})
+    with pytest.raises(DaemonError, match=r"the test daemon did not answer PING within 0.3 s; see its log"):
+        server.client().request(Ping(1), Pong, timeout_s=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_found_dead_ends_the_wait_at_once(serve):
+    server = serve({Ping: []})
+
+    def gone() -> None:
+        raise DaemonLostError("the test daemon died")
+
+    with pytest.raises(DaemonLostError, match="the test daemon died"):
+        server.client(check_alive=gone).request(Ping(1), Pong, timeout_s=600)
