@@ -63,7 +63,7 @@ from ..gcpause import gc_paused
 from ..roots.base import CommitOutcome, RootStore
 from ..statedict.digest import differing_ranks
 from .loop import serve_requests
-from .workers import Done, WorkerPools
+from .workers import CleanupFinished, CommitFinished, WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Coordinator:
         self.ep.send(outcome, identity)
         # A late writer may have re-created the tmp dir; the attempt is decided, so it is junk.
         step, attempt = key
-        self.workers.commit(("cleanup", step, attempt), lambda: self.store.abort(step, attempt))
+        self.workers.cleanup(step, attempt, lambda: self.store.abort(step, attempt))
         return True
 
     def _new_attempt(self, identity: bytes, step: int, attempt: str, world_size: int, who: str) -> AttemptState | None:
@@ -353,18 +353,16 @@ class Coordinator:
                 raise
 
         log.info("step %d attempt %s: all %d ranks wrote; committing", step, attempt, st.world_size)
-        self.workers.commit(("commit", step, attempt), run)
+        self.workers.commit(step, attempt, run)
 
-    def on_done(self, done: Done) -> bool:
-        """Handle a finished commit-thread job; False when it is not the coordinator's."""
-        if done.kind != "commit":
-            return False
-        kind, step, attempt = done.key
-        if kind == "cleanup":
-            return True
+    def on_done(self, done: CommitFinished | CleanupFinished) -> None:
+        """Handle a finished commit-thread job."""
+        if isinstance(done, CleanupFinished):
+            return
+        step, attempt = done.step, done.attempt
         st = self.attempts.get((step, attempt))
         if st is None:
-            return True
+            return
         if done.error is None:
             st.phase = Phase.COMMITTED
             outcome: CommitOutcome = done.result
@@ -374,8 +372,7 @@ class Coordinator:
             log.info("step %d committed as %s (attempt %s)", step, outcome.name, attempt)
         else:
             st.phase = Phase.ABORTED
-            self._finish(st, StepAborted(step, attempt, f"commit failed: {done.error}"))
-        return True
+            self._finish(st, StepAborted(step, attempt, f"commit failed: {done.reason}"))
 
     def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
         """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the
@@ -388,7 +385,7 @@ class Coordinator:
         st.phase = Phase.ABORTED
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         step, attempt = st.key
-        self.workers.commit(("cleanup", step, attempt), lambda: self.store.abort(step, attempt))
+        self.workers.cleanup(step, attempt, lambda: self.store.abort(step, attempt))
         self._finish(st, StepAborted(step, attempt, reason, skipped))
 
     def _remember(self, key: Key, outcome: Message) -> None:

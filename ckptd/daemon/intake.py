@@ -43,7 +43,7 @@ from .metrics import DaemonMetrics
 from .pools import DaemonPool, PoolTable
 from .snapshot import SnapshotWait, check_snapshot_child
 from .uplink import CoordinatorLink
-from .workers import Done, WorkerPools, WriteRequest, write_rank_file
+from .workers import WorkerPools, WriteFinished, WriteRequest, write_rank_file
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +199,9 @@ class SaveIntake:
             pool.layout = (msg.layout, records, placements, msg.held)
         return records, placements, msg.held
 
-    def on_done(self, done: Done) -> None:
+    def on_done(self, done: WriteFinished) -> None:
         """A write finished: free its block, tell the rank, report to the coordinator."""
-        job: WriteJob = done.key
+        job: WriteJob = done.job
         req = job.request
         self.unfinished.pop((job.generation, job.block), None)
         self.pools.write_done(req.rank, job.generation, job.block)
@@ -238,7 +238,7 @@ class SaveIntake:
         # The coordinator answers a report of a decided attempt with its outcome and removes the
         # directory the late write re-created.
         why = (
-            f"writing its data file failed: {done.error}"
+            f"writing its data file failed: {done.reason}"
             if done.error is not None
             else "its data file was written after the attempt had been decided (late write)"
         )

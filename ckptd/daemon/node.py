@@ -47,7 +47,7 @@ from .metrics_http import MetricsServer, http_url
 from .pools import PoolTable
 from .ranks import DaemonHooks, RankServer
 from .uplink import CoordinatorLink, StepKey
-from .workers import Completions, Done, WorkerPools
+from .workers import Completion, Completions, WorkerPools, WriteFinished
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +187,12 @@ class NodeDaemon:
         for done in self.completions.drain():
             self._on_done(done)
 
-    def _on_done(self, done: Done) -> None:
+    def _on_done(self, done: Completion) -> None:
         self.workers.finished()
-        if self.coordinator is not None and self.coordinator.on_done(done):
-            return
-        if done.kind == "write":
+        if isinstance(done, WriteFinished):
             self.intake.on_done(done)
+        elif self.coordinator is not None:  # commits and cleanups are the coordinator's only
+            self.coordinator.on_done(done)
 
     def _deliver(self, key: StepKey, identities: set[bytes], outcome: Message) -> None:
         """A step resolved: count it and tell its ranks."""

@@ -1,12 +1,14 @@
 """Background work of a daemon: data-file writers and the commit thread, reporting to the loop.
 
 The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
-each finished job posts a :class:`Done` into :class:`Completions`, whose pipe wakes the poller,
-and the loop handles it. Worker threads never touch sockets or daemon state.
+each finished job posts its :data:`Completion` (one type per kind of job: :class:`WriteFinished`,
+:class:`CommitFinished`, :class:`CleanupFinished`) into :class:`Completions`, whose pipe wakes the
+poller, and the loop routes it by its type. Worker threads never touch sockets or daemon state.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -27,21 +29,51 @@ from .snapshot import SnapshotWait
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Done:
-    """A finished background job: ``kind`` names the handler, ``error`` is None on success."""
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    """What every completion carries: the job's result, or the exception it raised (None on
+    success; kept as the exception, so that a handler can tell its kinds apart)."""
 
-    kind: str
-    key: Any
     result: Any = None
-    error: str | None = None
+    error: Exception | None = None
+
+    @property
+    def reason(self) -> str:
+        """The error as one line for reports and logs ("" on success)."""
+        return "" if self.error is None else f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteFinished(Finished):
+    """A data-file write (the intake's ``WriteJob``) finished."""
+
+    job: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitFinished(Finished):
+    """The commit of ``attempt`` of ``step`` finished (result: the store's CommitOutcome)."""
+
+    step: int
+    attempt: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanupFinished(Finished):
+    """The removal of a decided attempt's leftovers finished."""
+
+    step: int
+    attempt: str
+
+
+Completion = WriteFinished | CommitFinished | CleanupFinished
 
 
 class Completions:
     """A thread-safe queue whose read end (:attr:`fd`) a zmq poller can watch."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue[Done] = queue.Queue()
+        self._q: queue.Queue[Completion] = queue.Queue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
 
@@ -62,14 +94,14 @@ class Completions:
     def signalled(self) -> bool:
         return self._signalled
 
-    def post(self, done: Done) -> None:
+    def post(self, done: Completion) -> None:
         self._q.put(done)
         try:
             os.write(self._w, b"x")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
-    def drain(self) -> list[Done]:
+    def drain(self) -> list[Completion]:
         try:
             while os.read(self._r, 4096):
                 pass
@@ -182,22 +214,32 @@ class WorkerPools:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-commit")
         self.in_flight = 0
 
-    def _run(self, kind: str, key: Any, fn: Callable[[], Any]) -> None:
+    def _run(self, done: Callable[..., Completion], what: str, fn: Callable[[], Any]) -> None:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - reported to the loop, which aborts the step
-            log.warning("%s %r failed: %s: %s", kind, key, type(exc).__name__, exc)
-            self.completions.post(Done(kind, key, error=f"{type(exc).__name__}: {exc}"))
+            log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+            self.completions.post(done(error=exc))
         else:
-            self.completions.post(Done(kind, key, result))
+            self.completions.post(done(result=result))
 
-    def write(self, key: Any, fn: Callable[[], Any]) -> None:
+    def write(self, job: Any, fn: Callable[[], Any]) -> None:
+        """Run the write of ``job`` on a writer thread; a :class:`WriteFinished` tells its end."""
         self.in_flight += 1
-        self._writers.submit(self._run, "write", key, fn)
+        self._writers.submit(self._run, functools.partial(WriteFinished, job=job), f"write {job!r}", fn)
 
-    def commit(self, key: Any, fn: Callable[[], Any]) -> None:
+    def commit(self, step: int, attempt: str, fn: Callable[[], Any]) -> None:
+        """Run a commit on the commit thread; a :class:`CommitFinished` tells its end."""
         self.in_flight += 1
-        self._committer.submit(self._run, "commit", key, fn)
+        done = functools.partial(CommitFinished, step=step, attempt=attempt)
+        self._committer.submit(self._run, done, f"commit of step {step} attempt {attempt}", fn)
+
+    def cleanup(self, step: int, attempt: str, fn: Callable[[], Any]) -> None:
+        """Run a cleanup on the commit thread (after any commit of the attempt); a
+        :class:`CleanupFinished` tells its end."""
+        self.in_flight += 1
+        done = functools.partial(CleanupFinished, step=step, attempt=attempt)
+        self._committer.submit(self._run, done, f"cleanup of step {step} attempt {attempt}", fn)
 
     def finished(self) -> None:
         self.in_flight -= 1

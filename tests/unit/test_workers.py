@@ -1,0 +1,53 @@
+"""The daemon's background jobs report typed completions (ckptd.daemon.workers), routed by type."""
+
+from __future__ import annotations
+
+import select
+
+import pytest
+
+from ckptd.daemon.intake import NotWritten
+from ckptd.daemon.workers import CleanupFinished, CommitFinished, Completion, Completions, WorkerPools, WriteFinished
+
+
+def _wait_for(completions: Completions, n: int) -> list[Completion]:
+    out: list[Completion] = []
+    while len(out) < n:
+        ready, _, _ = select.select([completions.fd], [], [], 30)
+        assert ready, f"only {len(out)} of {n} completions within 30 s"
+        out += completions.drain()
+    return out
+
+
+def _raise(exc: Exception):
+    def run():
+        raise exc
+
+    return run
+
+
+@pytest.mark.timeout(60)
+def test_each_kind_of_job_finishes_as_its_own_type_with_its_exception():
+    """The exception a job raised is kept as itself: a write drained because its attempt was
+    aborted (NotWritten) is told apart from a failed write (the error used to travel as a
+    string, so the intake's isinstance check for NotWritten could never hold)."""
+    completions = Completions()
+    workers = WorkerPools(2, completions)
+    try:
+        workers.write("job-a", lambda: "written")
+        workers.write("job-b", _raise(NotWritten("aborted before its write started")))
+        workers.commit(7, "0123456789ab-1", lambda: "outcome")
+        workers.cleanup(7, "0123456789ab-1", _raise(OSError(5, "I/O error")))
+        done = _wait_for(completions, 4)
+    finally:
+        workers.shutdown()
+        completions.close()
+    writes = {d.job: d for d in done if isinstance(d, WriteFinished)}
+    assert writes["job-a"].result == "written" and writes["job-a"].error is None and writes["job-a"].reason == ""
+    assert isinstance(writes["job-b"].error, NotWritten)
+    assert writes["job-b"].reason == "NotWritten: aborted before its write started"
+    (commit,) = [d for d in done if isinstance(d, CommitFinished)]
+    assert (commit.step, commit.attempt, commit.result, commit.error) == (7, "0123456789ab-1", "outcome", None)
+    (cleanup,) = [d for d in done if isinstance(d, CleanupFinished)]
+    assert isinstance(cleanup.error, OSError) and cleanup.reason == "OSError: [Errno 5] I/O error"
+    assert workers.in_flight == 4  # the loop calls finished() per completion it handles
