@@ -1,5 +1,7 @@
 """A node daemon's link to the coordinator (ckptd.daemon.uplink), against a real coordinator in
-this process: real CurveZMQ sockets on loopback, real reports and verdicts, no daemon process."""
+this process: real CurveZMQ sockets on loopback, real reports and verdicts, no daemon process.
+The wiring of the shells; the decisions alone, event by event: test_uplink_state.py and
+test_commit_state.py."""
 
 from __future__ import annotations
 
