@@ -6,7 +6,9 @@
 Every ``import``/``from ... import`` of a ckptd module counts, also those inside functions (a lazy
 import is still a dependency). A module belongs to the first layer whose prefix matches its
 dotted name; it may import modules of its own layer or of lower ones, and the module graph must
-have no cycle. CI runs this (``.ci/run``).
+have no cycle. The daemon's pure state machines (``PURE``) import nothing that reaches a socket,
+a thread, the clock or the file system (``IMPURE_IMPORTS``): their inputs come with the events.
+CI runs this (``.ci/run``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("ckptd.convert", "ckptd.commands", "ckptd.cli")),
     ("package", ("ckptd",)),
 ]
+
+
+# Decisions as pure functions of events and time (``handle(event, now) -> actions``).
+PURE = ("ckptd.daemon.commitstate", "ckptd.daemon.uplinkstate")
+IMPURE_IMPORTS = ("zmq", "threading", "time", "os", "socket", "select", "concurrent", "subprocess", "asyncio")
 
 
 def module_name(path: Path) -> str:
@@ -107,6 +114,20 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
+def impure_imports(path: Path) -> set[str]:
+    """The modules of ``IMPURE_IMPORTS`` that ``path`` imports (also inside functions)."""
+    out: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        out.update(n for n in names if n.split(".")[0] in IMPURE_IMPORTS)
+    return out
+
+
 def graph() -> dict[str, set[str]]:
     files = {module_name(p): p for p in (ROOT / PACKAGE).rglob("*.py")}
     known = set(files)
@@ -162,6 +183,8 @@ def main() -> int:
     upward = [(m, d) for m, deps in g.items() for d in deps if d != PACKAGE and layer_of(d) > layer_of(m)]
     loops = cycles({m: {d for d in deps if d != PACKAGE} for m, deps in g.items()})
     into_init = [(m, PACKAGE) for m, deps in g.items() if PACKAGE in deps and layer_of(m) < tools]
+    impure = [(m, sorted(impure_imports(ROOT / (m.replace(".", "/") + ".py")))) for m in PURE]
+    impure = [(m, names) for m, names in impure if names]
     if not args.quiet:
         by_layer: dict[int, list[str]] = defaultdict(list)
         for m in g:
@@ -177,7 +200,9 @@ def main() -> int:
         print(f"UP: {m} imports the package's __init__ (import the defining module instead)")
     for c in loops:
         print(f"CYCLE: {' -> '.join(c)}")
-    if upward or loops or into_init:
+    for m, names in impure:
+        print(f"IMPURE: {m} is a pure state machine but imports {', '.join(names)} (pass what it needs in events)")
+    if upward or loops or into_init or impure:
         return 1
     if not args.quiet:
         print(f"OK: {len(g)} modules, {sum(map(len, g.values()))} imports, no cycle, nothing imported upward")

@@ -8,8 +8,10 @@ Single-threaded around one event loop (ckptd.daemon.loop); what it is made of, e
   writer thread (ckptd.daemon.workers), ``WRITE_DONE`` to the rank and ``WRITTEN``/``FAILED``
   upstream;
 - :class:`~ckptd.daemon.uplink.CoordinatorLink`: the connection to the coordinator and the steps
-  awaiting its verdict, which it forwards to their ranks;
-- on node 0, the :class:`~ckptd.daemon.coordinator.Coordinator` itself, on its own ``tcp://`` port;
+  awaiting its verdict, which it forwards to their ranks (its decisions:
+  ckptd.daemon.uplinkstate);
+- on node 0, the :class:`~ckptd.daemon.coordinator.Coordinator` itself, on its own ``tcp://`` port
+  (its decisions: ckptd.daemon.commitstate);
 - the ZAP handler that admits only holders of the job's keys (ckptd.control.security).
 
 Everything keeps working when the ranks die after their SAVE was acknowledged: the bytes are in

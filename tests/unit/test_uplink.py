@@ -1,5 +1,7 @@
 """A node daemon's link to the coordinator (ckptd.daemon.uplink), against a real coordinator in
-this process: real CurveZMQ sockets on loopback, real reports and verdicts, no daemon process."""
+this process: real CurveZMQ sockets on loopback, real reports and verdicts, no daemon process.
+The wiring of the shells; the decisions alone, event by event: test_uplink_state.py and
+test_commit_state.py."""
 
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
         assert dropped and len(delivered) == 1, (dropped, delivered)
         assert isinstance(delivered[0], StepAborted) and "the disk is full" in delivered[0].reason
         assert waited_s >= cfg.commit_timeout_s + cfg.coordinator_timeout_s  # chased, not answered at once
-        assert not link.steps and not link.busy
+        assert not link.state.unacked and not link.busy
     finally:
         link.close()
         coordinator.close()

@@ -1,0 +1,486 @@
+"""The coordinator's decisions: a pure state machine over the job's save attempts.
+
+:class:`CommitState` knows every attempt in flight and the outcome of recently finished ones;
+``handle(event, now)`` applies one event and returns the actions that follow, in order. It reads no
+clock (``now`` comes with the event), opens no socket and no file: the shell
+(ckptd.daemon.coordinator) feeds it what arrived on the coordinator's port and what the commit
+thread finished, asks the root what the machine needs to know first (:meth:`CommitState.remembers_commit`,
+:meth:`CommitState.may_start`),
+and executes the actions: sends, the commit itself (via the RootStore, on the commit thread) and
+the removal of an attempt's files.
+
+Each attempt of a step (ckptd.control.attempt)::
+
+    COLLECTING --(all world_size ranks WRITTEN)--> COMMITTING --(commit ok)--> COMMITTED
+        |                                              |
+        +--(FAILED / SKIP / bad records / timeout)-----+--(commit error)-----> ABORTED
+
+COMMITTED and ABORTED are announced to every node known and to the attempt's reporters
+(``STEP_COMMITTED`` / ``STEP_ABORTED``); an aborted attempt's files are removed. A report about a
+finished attempt (a late FAILED, a duplicate) is answered with that outcome again and its files,
+which a late writer may have re-created, are removed: it is never counted for another attempt, so
+a step aborted a moment ago can be saved again at once. A commit is answered from memory only
+while the root still holds it (else the report starts a new attempt).
+
+Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
+that would not store every key some rank holds aborts, naming the key (ckptd.format.coverage).
+Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt:
+both abort, naming ranks and attempts. Attempts adopted at start (``<step>.<attempt>.tmp`` left by
+a crashed coordinator) are collected like others and time out like others, but do not keep the
+daemon busy until someone reports on them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import CkptdConfig
+from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
+from ..errors import ProtocolError, ShardingError
+from ..format.coverage import settle, uniform_digest
+from ..format.finalize import serialize_common
+from ..format.records import ItemRecord
+from ..roots.base import CommitOutcome
+from ..statedict.digest import differing_ranks
+
+log = logging.getLogger(__name__)
+
+FINISHED_MEMORY = 1024  # outcomes remembered, for late and repeated reports
+Key = tuple[int, str]  # (step, attempt)
+
+
+class Phase(str, enum.Enum):
+    COLLECTING = "collecting"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+# --- events ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RootFacts:
+    """What the root says, asked by the shell before a report is handled (only where
+    :meth:`CommitState.remembers_commit` / :meth:`CommitState.may_start` say so): whether
+    ``iter_<step>`` is committed by the remembered attempt, and whether the step is committed
+    already (so it may not be saved again)."""
+
+    holds_commit: bool = True
+    committed_once: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSeen:
+    """A node daemon pinged: it is told every outcome from now on."""
+
+    identity: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportIn:
+    """A node's ``WRITTEN`` or ``FAILED``, with the root's answers (:class:`RootFacts`)."""
+
+    identity: bytes
+    msg: Written | Failed
+    facts: RootFacts = RootFacts()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitEnded:
+    """The commit thread finished committing an attempt: ``outcome`` or ``error``."""
+
+    step: int
+    attempt: str
+    outcome: CommitOutcome | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tick:
+    """Time passed: attempts collecting longer than ``commit_timeout_s`` abort."""
+
+
+Event = NodeSeen | ReportIn | CommitEnded | Tick
+
+
+# --- actions -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Send:
+    """Send ``msg`` to node ``identity`` (``block``: wait for room rather than drop)."""
+
+    identity: bytes
+    msg: Message
+    block: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Commit:
+    """Commit the attempt on the commit thread (RootStore.commit; its abort on any error), then
+    feed back :class:`CommitEnded`."""
+
+    step: int
+    attempt: str
+    records: list[ItemRecord]
+    common: bytes
+    files: dict[str, tuple[int, int]]  # data file name -> (rank, bytes its writer reported)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Remove:
+    """Remove the attempt's files (RootStore.abort on the commit thread, after any commit queued)."""
+
+    step: int
+    attempt: str
+
+
+Action = Send | Commit | Remove
+
+
+@dataclass
+class AttemptState:
+    step: int
+    attempt: str
+    world_size: int
+    started_s: float
+    records: dict[int, list[ItemRecord]] = field(default_factory=dict)
+    file_nbytes: dict[int, int] = field(default_factory=dict)  # rank -> its data file's size
+    nodes: dict[int, int] = field(default_factory=dict)  # rank -> node that reported it
+    common: bytes | None = None
+    digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
+    plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
+    held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
+    warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
+    phase: Phase = Phase.COLLECTING
+    reporters: set[bytes] = field(default_factory=set)
+    adopted: bool = False  # found as <step>.<attempt>.tmp when this coordinator started
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.attempt)
+
+    def describe(self) -> str:
+        ranks = sorted(self.records)
+        nodes = sorted(set(self.nodes.values()))
+        return f"ranks {ranks} (nodes {nodes}) saved attempt {self.attempt}"
+
+
+class CommitState:
+    """The attempts of one job's coordinator. Order of use: construct (with the attempts the
+    root's recovery adopted), then for each report ask :meth:`remembers_commit` and
+    :meth:`may_start`, build the facts, and
+    :meth:`handle` it; :meth:`handle` every finished commit and a :class:`Tick` now and then."""
+
+    def __init__(
+        self,
+        config: CkptdConfig,
+        data_file_name: Callable[[str, int], str],
+        *,
+        adopted: list[Key] | None = None,
+        now: float,
+    ) -> None:
+        self.config = config
+        self.data_file_name = data_file_name  # the root's naming of a rank's data file (pure)
+        self.duplicates = 0  # repeated WRITTENs ignored (identical to the one counted)
+        self.nodes: dict[bytes, int] = {}
+        self.attempts: dict[Key, AttemptState] = {}
+        self.finished: OrderedDict[Key, Message] = OrderedDict()
+        self._out: list[Action] = []
+        for step, attempt in adopted or []:
+            # Another node may still be writing it (it may even commit); if it does not complete
+            # within the commit timeout, it aborts like any attempt and its files are removed.
+            self.attempts[(step, attempt)] = AttemptState(step, attempt, 0, now, adopted=True)
+
+    @property
+    def busy(self) -> bool:
+        """Attempts are in flight (adopted leftovers nobody reported on do not count)."""
+        return any(not st.adopted or st.reporters for st in self.attempts.values())
+
+    def remembers_commit(self, key: Key) -> bool:
+        """A report of ``key`` needs ``RootFacts.holds_commit``: its commit is remembered."""
+        return isinstance(self.finished.get(key), StepCommitted)
+
+    def may_start(self, msg: Written | Failed, holds_commit: bool) -> bool:
+        """A report ``msg`` needs ``RootFacts.committed_once``: it starts collecting a new attempt
+        (a node's local abort of an unknown attempt never does)."""
+        key = (msg.step, msg.attempt)
+        if key in self.attempts or (isinstance(msg, Failed) and msg.rank < 0):
+            return False
+        return key not in self.finished or (self.remembers_commit(key) and not holds_commit)
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event`` at time ``now``; the actions to execute, in order."""
+        self._out = []
+        if isinstance(event, NodeSeen):
+            self.nodes.setdefault(event.identity, -1)
+        elif isinstance(event, ReportIn):
+            self.nodes[event.identity] = event.msg.node
+            if isinstance(event.msg, Written):
+                self._on_written(event.identity, event.msg, event.facts, now)
+            else:
+                self._on_failed(event.identity, event.msg, event.facts, now)
+        elif isinstance(event, CommitEnded):
+            self._on_commit_ended(event)
+        elif isinstance(event, Tick):
+            self._on_tick(now)
+        out, self._out = self._out, []
+        return out
+
+    # --- reports -----------------------------------------------------------------------------
+    def _finished_reply(self, identity: bytes, key: Key, facts: RootFacts) -> bool:
+        """Answer a report about a finished attempt with its outcome; False if it is not finished."""
+        outcome = self.finished.get(key)
+        if outcome is None:
+            return False
+        if isinstance(outcome, StepCommitted) and not facts.holds_commit:
+            # The verdict stands for files that are gone (the root was emptied) or hold another
+            # save (a relaunch repeated the attempt id): this report is a new attempt's, never
+            # answered from memory, and its files are not junk.
+            del self.finished[key]
+            return False
+        self._out.append(Send(identity=identity, msg=outcome, block=True))
+        # A late writer may have re-created the attempt's files; the attempt is decided, so they are junk.
+        self._out.append(Remove(step=key[0], attempt=key[1]))
+        return True
+
+    def _new_attempt(
+        self, identity: bytes, msg: Written | Failed, facts: RootFacts, who: str, now: float
+    ) -> AttemptState | None:
+        """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed
+        already, or another attempt of it is in flight)."""
+        step, attempt = msg.step, msg.attempt
+        st = self.attempts[(step, attempt)] = AttemptState(step, attempt, msg.world_size, now)
+        st.reporters.add(identity)
+        if facts.committed_once:
+            self._abort(
+                st,
+                f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)",
+            )
+            return None
+        for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
+            if other.adopted and not other.reporters:
+                continue  # a leftover of a crashed coordinator: it times out on its own
+            if other.phase is Phase.COMMITTING:
+                self._abort(
+                    st,
+                    f"step {step}: {who} saved attempt {attempt} while attempt "
+                    f"{other.attempt} of that step is being committed",
+                )
+                return None
+            reason = (
+                f"step {step}: ranks disagree on the save attempt: {other.describe()}, but {who} "
+                f"saved attempt {attempt}. Every rank of one launch must derive the same attempt "
+                "id (set CKPTD_RUN_ID to one value per launch on every rank); a job restarted "
+                "while its predecessor was still saving this step ends here too, and its next "
+                "step saves normally"
+            )
+            self._abort(other, reason)
+            self._abort(st, reason)
+            return None
+        return st
+
+    def _on_written(self, identity: bytes, msg: Written, facts: RootFacts, now: float) -> None:
+        key = (msg.step, msg.attempt)
+        if self._finished_reply(identity, key, facts):
+            return
+        who = f"rank {msg.rank} (node {msg.node})"
+        st = self.attempts.get(key)
+        if st is None:
+            st = self._new_attempt(identity, msg, facts, who, now)
+            if st is None:
+                return
+        st.reporters.add(identity)
+        if st.world_size == 0:  # adopted: the first report tells
+            st.world_size = msg.world_size
+        if st.phase is not Phase.COLLECTING:
+            log.warning(
+                "step %d attempt %s: WRITTEN from rank %d while %s; ignored",
+                msg.step,
+                msg.attempt,
+                msg.rank,
+                st.phase.value,
+            )
+            return
+        try:
+            records = self._checked_records(st, msg)
+        except ProtocolError as exc:
+            self._abort(st, f"{who}: {exc}")
+            return
+        if records is None:
+            return  # a repeated WRITTEN, identical to the one counted
+        st.records[msg.rank] = records
+        st.file_nbytes[msg.rank] = msg.file_nbytes
+        st.nodes[msg.rank] = msg.node
+        st.digests[msg.rank] = msg.common_digest
+        st.plain[msg.rank] = msg.plain_digest
+        st.held[msg.rank] = msg.held
+        if msg.rank == 0:
+            st.common = msg.common
+        if len(st.records) == st.world_size and self._settle(st):
+            self._start_commit(st)
+
+    def _checked_records(self, st: AttemptState, msg: Written) -> list[ItemRecord] | None:
+        """The records of ``msg`` once checked against the attempt; None for an identical repeat.
+        Raises ProtocolError (the attempt aborts) for a report that contradicts the attempt or
+        itself."""
+        if msg.world_size != st.world_size:
+            raise ProtocolError(
+                f"world size {msg.world_size}, other ranks of attempt {msg.attempt} "
+                f"said {st.world_size}; every rank of the job must use one "
+                "Checkpointer setup"
+            )
+        if not 0 <= msg.rank < st.world_size:
+            raise ProtocolError(f"rank {msg.rank} outside world size {st.world_size}")
+        records = [ItemRecord.from_wire(r) for r in msg.records]
+        if msg.rank in st.records:
+            if (
+                records == st.records[msg.rank]
+                and msg.file_nbytes == st.file_nbytes[msg.rank]
+                and (msg.rank != 0 or msg.common == st.common)
+            ):
+                self.duplicates += 1
+                log.warning(
+                    "step %d attempt %s: ignored a repeated WRITTEN of rank %d (node %d)",
+                    msg.step,
+                    msg.attempt,
+                    msg.rank,
+                    msg.node,
+                )
+                return None
+            raise ProtocolError(f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} twice, differently")
+        name = self.data_file_name(msg.attempt, msg.rank)
+        for r in records:
+            if r.rank != msg.rank:
+                raise ProtocolError(f"rank {msg.rank} sent records of rank {r.rank}")
+            if r.relative_path != name:
+                raise ProtocolError(
+                    f"rank {msg.rank} sent a record stored in {r.relative_path!r}, not in its data file {name}"
+                )
+        end = max((r.file_offset + r.length for r in records), default=0)
+        if msg.file_nbytes < end:
+            raise ProtocolError(
+                f"rank {msg.rank}'s data file {name} has {msg.file_nbytes} bytes, but its records address {end}"
+            )
+        return records
+
+    def _on_failed(self, identity: bytes, msg: Failed, facts: RootFacts, now: float) -> None:
+        key = (msg.step, msg.attempt)
+        if self._finished_reply(identity, key, facts):
+            return
+        who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
+        st = self.attempts.get(key)
+        if st is None:
+            if msg.rank < 0:
+                # A node's local abort (it lost its coordinator) of an attempt this coordinator
+                # never saw: record the outcome, so reports of it are answered, and clean up.
+                self._remember(key, StepAborted(msg.step, msg.attempt, f"{who}: {msg.reason}"))
+                self._finished_reply(identity, key, facts)
+                return
+            st = self._new_attempt(identity, msg, facts, who, now)
+            if st is None:
+                return
+        st.reporters.add(identity)
+        self._abort(st, f"{who}: {msg.reason}", skipped=msg.skipped)
+
+    # --- transitions ---------------------------------------------------------------------------
+    def _settle(self, st: AttemptState) -> bool:
+        """Keep one copy of each plain item several ranks wrote and check that every key a rank
+        holds is stored (ckptd.format.coverage); False when the attempt aborted instead."""
+        try:
+            st.records, st.warnings = settle(st.records, st.held, st.plain)
+        except ShardingError as exc:
+            self._abort(st, f"the coordinator refused the commit: {exc}")
+            return False
+        for warning in st.warnings:
+            log.warning("step %d attempt %s: %s", st.step, st.attempt, warning)
+        return True
+
+    def _start_commit(self, st: AttemptState) -> None:
+        st.phase = Phase.COMMITTING
+        records = [r for rank in sorted(st.records) for r in st.records[rank]]
+        common = st.common if st.common is not None else serialize_common({})
+        files = {self.data_file_name(st.attempt, rank): (rank, n) for rank, n in st.file_nbytes.items()}
+        log.info("step %d attempt %s: all %d ranks wrote; committing", st.step, st.attempt, st.world_size)
+        self._out.append(Commit(step=st.step, attempt=st.attempt, records=records, common=common, files=files))
+
+    def _on_commit_ended(self, event: CommitEnded) -> None:
+        st = self.attempts.get((event.step, event.attempt))
+        if st is None:
+            return
+        if event.error is None and event.outcome is not None:
+            st.phase = Phase.COMMITTED
+            warnings = _common_warnings(st) + st.warnings + list(event.outcome.warnings)
+            uniform = uniform_digest(st.plain, st.world_size)
+            name = event.outcome.name
+            self._finish(st, StepCommitted(st.step, st.attempt, name, warnings, plain_digest=uniform))
+            log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
+        else:
+            st.phase = Phase.ABORTED
+            self._finish(st, StepAborted(st.step, st.attempt, f"commit failed: {event.error}"))
+
+    def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
+        """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the
+        ranks resolve it as SKIPPED (ckptd.control.protocol.StepAborted)."""
+        if st.phase is not Phase.COLLECTING:
+            log.warning(
+                "step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt, st.phase.value, reason
+            )
+            return
+        st.phase = Phase.ABORTED
+        log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
+        self._out.append(Remove(step=st.step, attempt=st.attempt))
+        self._finish(st, StepAborted(st.step, st.attempt, reason, skipped))
+
+    def _remember(self, key: Key, outcome: Message) -> None:
+        self.finished[key] = outcome
+        while len(self.finished) > FINISHED_MEMORY:
+            self.finished.popitem(last=False)
+
+    def _finish(self, st: AttemptState, outcome: Message) -> None:
+        self.attempts.pop(st.key, None)
+        self._remember(st.key, outcome)
+        for identity in sorted(set(self.nodes) | st.reporters):
+            self._out.append(Send(identity=identity, msg=outcome))
+
+    def _on_tick(self, now: float) -> None:
+        for st in list(self.attempts.values()):
+            if st.phase is Phase.COLLECTING and now - st.started_s > self.config.commit_timeout_s:
+                missing = sorted(set(range(st.world_size)) - set(st.records))
+                self._abort(
+                    st,
+                    f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
+                    "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
+                    "their storage is too slow (raise the timeout if so)",
+                )
+
+    def status(self) -> dict[str, Any]:
+        """The nodes known and the attempts in flight."""
+        return {
+            "nodes": sorted(n for n in self.nodes.values() if n >= 0),
+            "steps": {
+                f"{s}/{a}": {
+                    "step": s,
+                    "attempt": a,
+                    "phase": st.phase.value,
+                    "written": sorted(st.records),
+                    "world_size": st.world_size,
+                }
+                for (s, a), st in self.attempts.items()
+            },
+        }
+
+
+def _common_warnings(st: AttemptState) -> list[str]:
+    """A warning when some ranks' common state differs from rank 0's (only rank 0's is saved)."""
+    differing = differing_ranks([st.digests.get(r) or None for r in range(st.world_size)])
+    if not differing:
+        return []
+    text = (
+        f"step {st.step}: the common state of ranks {differing} differs from rank 0's; only rank 0's "
+        "is saved (keep per-rank values in ShardedObjects)"
+    )
+    log.warning("%s", text)
+    return [text]

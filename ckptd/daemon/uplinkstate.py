@@ -1,0 +1,349 @@
+"""A node daemon's decisions about its reports to the coordinator: a pure state machine.
+
+:class:`UplinkState` holds one table, :attr:`UplinkState.unacked`: per save attempt this node
+writes for, the ranks to tell the outcome, the reports (``WRITTEN``/``FAILED``) sent and not yet
+acknowledged by a verdict, those not sent yet, and a local abort the coordinator has not learnt
+yet. ``handle(event, now)`` applies one event and returns the actions that follow: sends, and
+verdicts to deliver to ranks. It reads no clock and opens no socket; the shell
+(ckptd.daemon.uplink) executes the actions and feeds back whether each send went out
+(:class:`Sent`): a DEALER with ``IMMEDIATE`` refuses a send while the coordinator is unreachable.
+
+Order of one attempt, as this node sees it: :class:`Expect` (a rank's SAVE taken: the rank is told
+the outcome; nothing to do when the attempt was decided already, see :meth:`UplinkState.verdict`),
+:class:`Report` (its write finished), :class:`Verdict` (``STEP_COMMITTED`` / ``STEP_ABORTED``:
+the ranks are told, the reports acknowledged).
+
+The one resend timer, on every :class:`Tick`: reports not sent yet are retried; a step still
+without a verdict ``commit_timeout_s + coordinator_timeout_s`` after its first report (the
+coordinator decides every attempt within ``commit_timeout_s`` of its first report, plus the
+commit) resends its reports, and again every ``coordinator_timeout_s`` (a verdict lost while the
+coordinator stays reachable); local aborts are retried until sent, for ``commit_timeout_s``. A
+``PING`` goes out every heartbeat. When the coordinator answers (:class:`Pong`) after a silence
+long enough for the connection to have been replaced (ckptd.control.channel.replace_dead_links
+loses what was in it), every unacknowledged report is sent again; the coordinator counts a report
+once and answers one about a decided attempt with its outcome.
+
+Liveness: a new coordinator instance (it restarted), or silence longer than
+``coordinator_timeout_s`` while reports wait, aborts those steps locally with the reason; such
+local aborts are reported (``FAILED`` of rank -1) once a coordinator is reachable, so it learns
+the outcome and removes the attempt's files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import CkptdConfig
+from ..control.protocol import Failed, Message, Ping, StepAborted
+
+log = logging.getLogger(__name__)
+
+VERDICT_MEMORY = 1024  # verdicts remembered for SAVEs that arrive after them
+StepKey = tuple[int, str]  # (step, attempt)
+
+
+# --- events ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Expect:
+    """Rank ``identity`` saves attempt ``key``: tell it the outcome once known."""
+
+    key: StepKey
+    identity: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """A WRITTEN/FAILED of attempt ``key``, to send now or as soon as the coordinator is reachable."""
+
+    key: StepKey
+    msg: Message
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sent:
+    """Whether a :class:`Send` of attempt ``key`` went out (fed back by the shell)."""
+
+    key: StepKey
+    msg: Message
+    ok: bool
+    resend: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pong:
+    """The coordinator answered a ping; ``instance`` names it (a new one: it restarted)."""
+
+    instance: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """``STEP_COMMITTED`` / ``STEP_ABORTED`` of attempt ``key`` arrived."""
+
+    key: StepKey
+    outcome: Message
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbortAll:
+    """Abort locally every attempt whose reports went out (the node daemon shuts down)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tick:
+    """Time passed: heartbeat, coordinator timeout, the resend timer."""
+
+
+Event = Expect | Report | Sent | Pong | Verdict | AbortAll | Tick
+
+
+# --- actions -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Send:
+    """Send ``msg`` to the coordinator without blocking; for a ``key``, feed back :class:`Sent`
+    (with ``resend``: a report sent again, which does not change the instance it went to)."""
+
+    msg: Message
+    key: StepKey | None = None
+    resend: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deliver:
+    """Attempt ``key`` resolved: tell ranks ``identities`` its ``outcome`` (and count it)."""
+
+    key: StepKey
+    identities: frozenset[bytes]
+    outcome: Message
+
+
+Action = Send | Deliver
+
+
+@dataclass
+class Unacked:
+    """One attempt in the table: open (awaiting its verdict) and/or holding a local abort to tell."""
+
+    open: bool = True  # undecided here: ranks to tell, reports awaiting a verdict
+    notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
+    reports: list[Message] = field(default_factory=list)  # WRITTEN/FAILED sent, resent when overdue
+    unsent: list[Message] = field(default_factory=list)  # could not be sent yet: retried every tick
+    sent_to: str | None = None  # coordinator instance known when a report went out
+    waiting_since: float | None = None  # when the first report went upstream
+    resend_at: float | None = None  # the resend timer: reports resent at this time for want of a verdict
+    late: Failed | None = None  # a local abort the coordinator has not learnt yet
+    late_until: float | None = None  # given up then (the coordinator's commit timeout ended it anyway)
+
+
+class UplinkState:
+    """The reports of one node daemon to its coordinator (see the module docstring)."""
+
+    def __init__(self, config: CkptdConfig, *, address: str, node: int, link_timeout_s: float, now: float) -> None:
+        self.config = config
+        self.address = address  # of the coordinator, for messages
+        self.node = node
+        self.link_timeout_s = link_timeout_s
+        self.unacked: dict[StepKey, Unacked] = {}
+        self.verdicts: OrderedDict[StepKey, Message] = OrderedDict()  # of recently aborted attempts
+        self.coordinator_instance: str | None = None
+        self.last_pong_s = now
+        self.last_ping_s = 0.0
+        self._out: list[Action] = []
+
+    # --- queries -------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return any(u.open for u in self.unacked.values())
+
+    def pending_steps(self) -> list[int]:
+        return sorted({step for (step, _), u in self.unacked.items() if u.open})
+
+    def verdict(self, key: StepKey) -> Message | None:
+        """The abort of attempt ``key`` if it was aborted recently (None: undecided, committed, or
+        decided long ago)."""
+        return self.verdicts.get(key)
+
+    def expects(self, key: StepKey, identity: bytes) -> bool:
+        """Whether attempt ``key`` is still undecided here with rank ``identity`` in it."""
+        u = self.unacked.get(key)
+        return u is not None and u.open and identity in u.notify
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The coordinator as this node knows it: its instance, and how long it has not answered
+        a ping while steps wait for it (0 while none does)."""
+        return {
+            "address": self.address,
+            "instance": self.coordinator_instance,
+            "silent_s": round(now - self.last_pong_s, 3),
+        }
+
+    # --- events --------------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event`` at time ``now``; the actions to execute, in order."""
+        self._out = []
+        if isinstance(event, Expect):
+            if event.key not in self.verdicts:
+                self._open(event.key).notify.add(event.identity)
+        elif isinstance(event, Report):
+            self._on_report(event.key, event.msg, now)
+        elif isinstance(event, Sent):
+            self._on_sent(event)
+        elif isinstance(event, Pong):
+            self._on_pong(event.instance, now)
+        elif isinstance(event, Verdict):
+            self._resolve(event.key, event.outcome)
+        elif isinstance(event, AbortAll):
+            self._abort_pending(event.reason, now)
+        elif isinstance(event, Tick):
+            self._on_tick(now)
+        out, self._out = self._out, []
+        return out
+
+    def _open(self, key: StepKey) -> Unacked:
+        u = self.unacked.setdefault(key, Unacked())
+        if not u.open:  # only a local abort to tell was left: the attempt is reported on again
+            u.open = True
+        return u
+
+    def _on_report(self, key: StepKey, msg: Message, now: float) -> None:
+        u = self._open(key)
+        if u.waiting_since is None:
+            u.waiting_since = now
+            u.resend_at = now + self.config.commit_timeout_s + self.config.coordinator_timeout_s
+        u.reports.append(msg)
+        self._out.append(Send(msg=msg, key=key))
+
+    def _on_sent(self, event: Sent) -> None:
+        u = self.unacked.get(event.key)
+        if u is None:
+            return
+        if u.late is not None and event.msg is u.late:
+            if event.ok:
+                u.late = u.late_until = None
+                self._drop_if_done(event.key, u)
+            return
+        if not u.open:
+            return
+        if event.ok:
+            if not event.resend:
+                u.sent_to = u.sent_to or self.coordinator_instance
+        elif event.msg not in u.unsent:
+            u.unsent.append(event.msg)
+
+    def _on_pong(self, instance: str, now: float) -> None:
+        silent_s = now - self.last_pong_s
+        self.last_pong_s = now
+        if self.coordinator_instance != instance:
+            if self.coordinator_instance is not None:
+                log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, instance)
+            self.coordinator_instance = instance
+            self._abort_pending(
+                "the coordinator restarted before confirming the step (had its commit "
+                "already renamed the checkpoint, the restarted coordinator completes it)",
+                now,
+                keep_instance=instance,
+            )
+        if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
+            self._resend_reports(silent_s)
+
+    def _resend_reports(self, silent_s: float) -> None:
+        """The coordinator answers again after a silence long enough for the connection to have
+        been replaced, which loses what was in it (a report, or the verdict on it: without a
+        resend this node would wait for it forever, since the coordinator answers its pings
+        again). Resend every report still awaiting a verdict."""
+        waiting = [(key, msg) for key, u in self.unacked.items() if u.open for msg in u.reports]
+        if waiting:
+            log.warning(
+                "the coordinator answers again after %.1f s; resending %d reports of steps %s",
+                silent_s,
+                len(waiting),
+                sorted({key for key, _ in waiting}),
+            )
+        self._out.extend(Send(msg=msg, key=key, resend=True) for key, msg in waiting)
+
+    def _resolve(self, key: StepKey, outcome: Message) -> None:
+        # Only aborts are remembered: a SAVE of a committed attempt can only come from a relaunch
+        # that repeated the attempt id, and a commit is never answered from memory (the coordinator
+        # checks the root holds it: ckptd.daemon.commitstate).
+        if isinstance(outcome, StepAborted):
+            self.verdicts[key] = outcome
+            self.verdicts.move_to_end(key)
+            while len(self.verdicts) > VERDICT_MEMORY:
+                self.verdicts.popitem(last=False)
+        u = self.unacked.get(key)
+        if u is None or not u.open:
+            return
+        notify = frozenset(u.notify)
+        u.open, u.notify, u.reports, u.unsent = False, set(), [], []
+        u.sent_to = u.waiting_since = u.resend_at = None
+        self._drop_if_done(key, u)
+        self._out.append(Deliver(key=key, identities=notify, outcome=outcome))
+
+    def _drop_if_done(self, key: StepKey, u: Unacked) -> None:
+        if not u.open and u.late is None:
+            del self.unacked[key]
+
+    def _abort_pending(self, reason: str, now: float, keep_instance: str | None = None) -> None:
+        """Abort locally every attempt whose reports went out (those still writing report when
+        done), except those sent to coordinator ``keep_instance``, which still decides them."""
+        for (step, attempt), u in list(self.unacked.items()):
+            if not u.open or u.waiting_since is None:
+                continue
+            if keep_instance is not None and u.sent_to in (None, keep_instance):
+                continue
+            log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
+            self._resolve((step, attempt), StepAborted(step, attempt, reason))
+            late = self.unacked.setdefault((step, attempt), Unacked(open=False))
+            late.late = Failed(step, attempt, -1, 0, self.node, reason)
+            late.late_until = now + self.config.commit_timeout_s
+
+    def _on_tick(self, now: float) -> None:
+        cfg = self.config
+        if now - self.last_ping_s >= cfg.heartbeat_s:
+            self.last_ping_s = now
+            self._out.append(Send(msg=Ping(int(now * 1000))))
+        waiting = [u.waiting_since for u in self.unacked.values() if u.open and u.waiting_since is not None]
+        if waiting:
+            silent_s = now - max(self.last_pong_s, min(waiting))
+            if silent_s > cfg.coordinator_timeout_s:
+                self._abort_pending(
+                    f"the coordinator at {self.address} did not answer for {silent_s:.0f} s "
+                    "(node 0's daemon may have died, or the network between this node and "
+                    "node 0 failed; a step whose reports all reached the coordinator may "
+                    "still commit: Checkpointer.latest() tells)",
+                    now,
+                )
+        else:
+            self.last_pong_s = now
+        self._resend_overdue(now)
+        for key, u in list(self.unacked.items()):
+            if u.late is not None and u.late_until is not None:
+                if now >= u.late_until:
+                    u.late = u.late_until = None
+                    self._drop_if_done(key, u)
+                else:
+                    self._out.append(Send(msg=u.late, key=key))
+            if u.open and u.unsent:
+                retry, u.unsent = u.unsent, []
+                self._out.extend(Send(msg=msg, key=key) for msg in retry)
+
+    def _resend_overdue(self, now: float) -> None:
+        """Bound the wait for a verdict that got lost while the coordinator stays reachable (no
+        silence, so no abort): the coordinator answers a report of a decided attempt with its
+        outcome."""
+        for key, u in self.unacked.items():
+            if not u.open or u.resend_at is None or u.waiting_since is None or now < u.resend_at:
+                continue
+            u.resend_at = now + self.config.coordinator_timeout_s
+            log.warning(
+                "step %d attempt %s: no verdict %.0f s after its reports; resending them",
+                key[0],
+                key[1],
+                now - u.waiting_since,
+            )
+            self._out.extend(Send(msg=msg, key=key, resend=True) for msg in u.reports)

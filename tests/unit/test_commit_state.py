@@ -1,0 +1,328 @@
+"""The coordinator's decisions (ckptd.daemon.commitstate), event by event with an injected clock:
+no sockets, no threads, no files. The process versions of some scenarios are in
+tests/fault/test_attempts.py (ranks that disagree on the attempt, a retry after an abort with the
+aborted attempt's write landing late) and tests/unit/test_uplink.py (a coordinator and a node
+link on real sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.config import CkptdConfig
+from ckptd.control.protocol import Failed, StepAborted, StepCommitted, Written
+from ckptd.daemon.commitstate import (
+    FINISHED_MEMORY,
+    Action,
+    Commit,
+    CommitEnded,
+    CommitState,
+    NodeSeen,
+    Remove,
+    ReportIn,
+    RootFacts,
+    Send,
+    Tick,
+)
+from ckptd.format.layout import data_file_name
+from ckptd.format.records import BYTES, ItemRecord
+from ckptd.roots.base import CommitOutcome
+
+A, B = "0123456789ab-1", "0123456789ab-2"  # two attempts of one launch
+N0, N1 = b"node0", b"node1"
+CFG = CkptdConfig(commit_timeout_s=10, coordinator_timeout_s=5, heartbeat_s=1)
+
+
+def _name(_attempt: str, rank: int) -> str:
+    return data_file_name(rank)
+
+
+def record(rank: int, *, fqn: str = "", path: str = "", offset: int = 0, length: int = 4) -> dict:
+    rec = ItemRecord(fqn or f"x{rank}", BYTES, rank, relative_path=path or _name(A, rank))
+    return rec.stored_at(rec.relative_path, offset, length).to_wire()
+
+
+def written(step: int, rank: int, *, attempt: str = A, world: int = 2, **kw: object) -> Written:
+    fields: dict = {
+        "records": [record(rank)],
+        "common": b"common" if rank == 0 else None,
+        "common_digest": "c",
+        "file_nbytes": 4,
+        "plain_digest": "p",
+        "held": [],
+    }
+    fields.update(kw)
+    return Written(step, attempt, rank, world, rank, **fields)
+
+
+def failed(step: int, rank: int, reason: str = "the disk is full", *, attempt: str = A, **kw: object) -> Failed:
+    return Failed(step, attempt, rank, 2, max(rank, 0), reason, **kw)  # type: ignore[arg-type]
+
+
+class Coordinator:
+    """The shell's part that tests need: ask the root's facts only where the state says (a root
+    whose answers the test sets), feed events at a clock the test moves."""
+
+    def __init__(self, *, adopted: list[tuple[int, str]] | None = None) -> None:
+        self.now = 100.0
+        self.state = CommitState(CFG, _name, adopted=adopted, now=self.now)
+        self.holds: set[tuple[int, str]] = set()  # commits the root holds
+        self.committed: set[int] = set()  # steps committed once
+        self.asked: list[str] = []
+
+    def report(self, identity: bytes, msg: Written | Failed) -> list[Action]:
+        key = (msg.step, msg.attempt)
+        holds = True
+        if self.state.remembers_commit(key):
+            self.asked.append("holds_commit")
+            holds = key in self.holds
+        committed = False
+        if self.state.may_start(msg, holds):
+            self.asked.append("committed_once")
+            committed = msg.step in self.committed
+        facts = RootFacts(holds_commit=holds, committed_once=committed)
+        return self.state.handle(ReportIn(identity=identity, msg=msg, facts=facts), self.now)
+
+    def commit_ended(self, step: int, attempt: str = A, error: str | None = None) -> list[Action]:
+        outcome = None if error else CommitOutcome(name=f"iter_{step:07d}")
+        if outcome is not None:
+            self.holds.add((step, attempt))
+            self.committed.add(step)
+        return self.state.handle(CommitEnded(step=step, attempt=attempt, outcome=outcome, error=error), self.now)
+
+    def tick(self, after_s: float) -> list[Action]:
+        self.now += after_s
+        return self.state.handle(Tick(), self.now)
+
+
+def outcomes(actions: list[Action]) -> dict[bytes, object]:
+    return {a.identity: a.msg for a in actions if isinstance(a, Send)}
+
+
+def only_outcome(actions: list[Action]) -> StepAborted | StepCommitted:
+    msgs = {id(m): m for m in outcomes(actions).values()}
+    assert len(msgs) == 1, actions
+    (msg,) = msgs.values()
+    assert isinstance(msg, (StepAborted, StepCommitted))
+    return msg
+
+
+def committed_step(c: Coordinator, step: int, attempt: str = A) -> None:
+    assert c.report(N0, written(step, 0, attempt=attempt)) == []
+    (commit,) = c.report(N1, written(step, 1, attempt=attempt))
+    assert isinstance(commit, Commit)
+    assert isinstance(only_outcome(c.commit_ended(step, attempt)), StepCommitted)
+
+
+# --- the way to a commit -----------------------------------------------------------------------------
+def test_every_rank_written_commits_once_and_announces_to_every_node():
+    c = Coordinator()
+    c.state.handle(NodeSeen(identity=b"node2"), c.now)  # a node that pinged, but writes nothing
+    assert c.report(N1, written(3, 1)) == [] and c.state.busy
+    (commit,) = c.report(N0, written(3, 0))
+    assert isinstance(commit, Commit) and (commit.step, commit.attempt) == (3, A)
+    assert [r.rank for r in commit.records] == [0, 1]  # by rank, whatever order they arrived in
+    assert commit.files == {_name(A, 0): (0, 4), _name(A, 1): (1, 4)} and commit.common == b"common"
+    assert c.state.status()["steps"]["3/" + A]["phase"] == "committing"
+    done = c.commit_ended(3)
+    assert set(outcomes(done)) == {N0, N1, b"node2"} and not any(isinstance(a, Remove) for a in done)
+    msg = only_outcome(done)
+    assert isinstance(msg, StepCommitted) and msg.name == "iter_0000003" and msg.plain_digest == "p"
+    assert not c.state.busy and c.state.status()["nodes"] == [0, 1]
+
+
+def test_a_commit_that_fails_aborts_the_attempt():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    c.report(N1, written(3, 1))
+    msg = only_outcome(c.commit_ended(3, error="StorageError: disk full"))
+    assert isinstance(msg, StepAborted) and msg.reason == "commit failed: StorageError: disk full"
+
+
+def test_ranks_whose_common_state_differs_from_rank_0s_are_named_in_the_verdict():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    c.report(N1, written(3, 1, common_digest="other"))
+    msg = only_outcome(c.commit_ended(3))
+    assert isinstance(msg, StepCommitted) and "common state of ranks [1] differs" in msg.warnings[0]
+
+
+# --- repeated and late reports -------------------------------------------------------------------------
+def test_a_repeated_written_is_counted_once_and_a_differing_one_aborts():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    assert c.report(N0, written(3, 0)) == [] and c.state.duplicates == 1
+    msg = only_outcome(c.report(N0, written(3, 0, file_nbytes=8)))
+    assert isinstance(msg, StepAborted) and f"rank 0 reported attempt {A} of step 3 twice, differently" in msg.reason
+
+
+@pytest.mark.parametrize("late", [written(3, 1), failed(3, 1)], ids=["WRITTEN", "FAILED"])
+def test_a_report_of_a_committed_attempt_is_answered_with_its_commit_and_its_files_removed(late):
+    c = Coordinator()
+    committed_step(c, 3)
+    c.asked.clear()
+    actions = c.report(N1, late)
+    assert actions == [
+        Send(identity=N1, msg=c.state.finished[(3, A)], block=True),
+        Remove(step=3, attempt=A),
+    ]
+    assert isinstance(actions[0].msg, StepCommitted)  # type: ignore[union-attr]
+    assert c.asked == ["holds_commit"] and not c.state.busy  # never a new attempt
+
+
+def test_a_late_failed_of_an_aborted_attempt_is_answered_with_the_abort_and_the_step_saves_again_at_once():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    timeout = c.tick(CFG.commit_timeout_s + 1)
+    assert Remove(step=3, attempt=A) in timeout and "ranks [1] did not report" in only_outcome(timeout).reason
+    c.asked.clear()
+    late = c.report(N1, failed(3, 1, "its data file was not written"))
+    assert late[1:] == [Remove(step=3, attempt=A)] and "did not report" in only_outcome(late).reason
+    assert c.asked == [] and not c.state.busy
+    committed_step(c, 3, attempt=B)  # the retry: never mixed with the aborted attempt's reports
+
+
+def test_a_commit_the_root_no_longer_holds_is_not_answered_from_memory():
+    """The root was emptied (or a relaunch repeated the attempt id): the report starts collecting
+    anew, and its files are not removed as junk."""
+    c = Coordinator()
+    committed_step(c, 3)
+    c.holds.clear()
+    c.committed.clear()
+    assert c.report(N0, written(3, 0)) == []
+    assert c.asked[-2:] == ["holds_commit", "committed_once"] and c.state.busy
+
+
+def test_a_step_committed_already_is_not_saved_again():
+    c = Coordinator()
+    c.committed.add(3)
+    actions = c.report(N0, written(3, 0, attempt=B))
+    assert Remove(step=3, attempt=B) in actions
+    assert "step 3 is committed already; rank 0 (node 0) saved it again" in only_outcome(actions).reason
+
+
+def test_a_restarted_coordinator_answers_a_report_of_its_predecessors_commit_with_an_abort():
+    """A new incarnation remembers no outcome: the root tells it the step is committed, so a
+    late report of that attempt can never start a second commit."""
+    c = Coordinator()
+    c.committed.add(3)
+    c.holds.add((3, A))
+    actions = c.report(N1, written(3, 1))
+    assert c.asked == ["committed_once"] and not any(isinstance(a, Commit) for a in actions)
+    assert "committed already" in only_outcome(actions).reason
+
+
+# --- aborts -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("msg", "reason"),
+    [
+        (written(3, 1, world=3), "world size 3, other ranks of attempt"),
+        (written(3, 5, world=2), "rank 5 outside world size 2"),
+        (written(3, 1, records=[record(0)]), "rank 1 sent records of rank 0"),
+        (written(3, 1, records=[record(1, path="elsewhere")]), "not in its data file __1_0.distcp"),
+        (written(3, 1, file_nbytes=2), "has 2 bytes, but its records address 4"),
+        (written(3, 1, records=[{"fqn": "x"}]), "malformed item record"),
+        (failed(3, 1), "rank 1 (node 1): the disk is full"),
+    ],
+    ids=["world size", "rank", "other rank's records", "other file", "short file", "malformed", "FAILED"],
+)
+def test_a_report_that_contradicts_the_attempt_aborts_it_everywhere(msg, reason):
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    actions = c.report(N1, msg)
+    verdict = only_outcome(actions)
+    assert isinstance(verdict, StepAborted) and reason in verdict.reason and not verdict.skipped
+    assert set(outcomes(actions)) == {N0, N1} and Remove(step=3, attempt=A) in actions
+    assert c.report(N0, written(3, 0))[0] == Send(identity=N0, msg=verdict, block=True)  # decided
+
+
+def test_a_policy_skip_aborts_as_a_skip():
+    c = Coordinator()
+    verdict = only_outcome(c.report(N1, failed(5, 1, "skipped the save: ring busy", skipped=True)))
+    assert isinstance(verdict, StepAborted) and verdict.skipped
+
+
+def test_a_commit_that_would_lack_a_held_key_is_refused():
+    c = Coordinator()
+    c.report(N0, written(3, 0, held=["replicated"]))
+    verdict = only_outcome(c.report(N1, written(3, 1, held=["replicated"])))
+    assert isinstance(verdict, StepAborted) and "the coordinator refused the commit" in verdict.reason
+
+
+def test_ranks_that_disagree_on_the_attempt_abort_both_attempts_naming_them():
+    c = Coordinator()
+    c.report(N0, written(3, 0, attempt=A))
+    actions = c.report(N1, written(3, 1, attempt=B))
+    reasons = {a.msg.reason for a in actions if isinstance(a, Send)}  # type: ignore[union-attr]
+    assert {r for a in actions if isinstance(a, Remove) for r in [a.attempt]} == {A, B}
+    (reason,) = reasons
+    assert "ranks disagree on the save attempt: ranks [0] (nodes [0]) saved attempt " + A in reason
+    assert "rank 1 (node 1) saved attempt " + B in reason and "CKPTD_RUN_ID" in reason
+
+
+def test_an_attempt_started_while_another_of_its_step_commits_aborts_alone():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    c.report(N1, written(3, 1))  # committing
+    actions = c.report(N0, written(3, 0, attempt=B))
+    assert Remove(step=3, attempt=B) in actions and "while attempt " + A in only_outcome(actions).reason
+    assert isinstance(only_outcome(c.commit_ended(3)), StepCommitted)
+
+
+def test_the_commit_timeout_counts_from_the_first_report_and_names_the_missing_ranks():
+    c = Coordinator()
+    c.report(N0, written(3, 0, world=3))
+    assert c.tick(CFG.commit_timeout_s) == []  # not over yet
+    actions = c.tick(0.5)
+    assert "ranks [1, 2] did not report within 10 s (CKPTD_COMMIT_TIMEOUT_S)" in only_outcome(actions).reason
+    assert c.tick(100) == []  # aborted once
+
+
+def test_a_commit_in_progress_never_times_out():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    c.report(N1, written(3, 1))
+    assert c.tick(CFG.commit_timeout_s * 10) == []
+    assert isinstance(only_outcome(c.commit_ended(3)), StepCommitted)
+
+
+def test_a_node_local_abort_of_an_unknown_attempt_is_remembered_and_cleaned_up():
+    c = Coordinator()
+    actions = c.report(N1, failed(3, -1, "the coordinator restarted"))
+    assert actions[1:] == [Remove(step=3, attempt=A)] and c.asked == []  # never a new attempt
+    verdict = only_outcome(actions)
+    assert isinstance(verdict, StepAborted) and verdict.reason == "node 0: the coordinator restarted"
+    assert c.report(N0, written(3, 0))[0] == Send(identity=N0, msg=verdict, block=True)
+
+
+# --- adopted leftovers ------------------------------------------------------------------------------
+def test_an_adopted_leftover_nobody_reports_on_does_not_keep_the_daemon_busy_and_times_out():
+    c = Coordinator(adopted=[(3, A)])
+    assert not c.state.busy
+    assert c.tick(CFG.commit_timeout_s) == []
+    assert c.tick(0.5) == [Remove(step=3, attempt=A)]  # no node to tell: none reported on it
+    assert (3, A) not in c.state.attempts and isinstance(c.state.finished[(3, A)], StepAborted)
+
+
+def test_an_adopted_leftover_reported_on_learns_its_world_size_and_commits():
+    c = Coordinator(adopted=[(3, A)])
+    assert c.report(N0, written(3, 0)) == [] and c.state.busy and c.asked == []
+    (commit,) = c.report(N1, written(3, 1))
+    assert isinstance(commit, Commit)
+
+
+def test_a_new_attempt_of_an_adopted_leftovers_step_is_no_disagreement():
+    c = Coordinator(adopted=[(3, A)])
+    assert c.report(N0, written(3, 0, attempt=B)) == []
+    (commit,) = c.report(N1, written(3, 1, attempt=B))
+    assert isinstance(commit, Commit) and commit.attempt == B
+
+
+# --- memory ---------------------------------------------------------------------------------------
+def test_outcomes_are_remembered_for_a_bounded_number_of_attempts():
+    c = Coordinator()
+    for step in range(FINISHED_MEMORY + 5):
+        c.report(N0, failed(step, 0))
+    assert len(c.state.finished) == FINISHED_MEMORY and (0, A) not in c.state.finished
+    c.asked.clear()
+    actions = c.report(N1, failed(0, 1))  # forgotten: a new attempt, aborted
+    assert c.asked == ["committed_once"] and Remove(step=0, attempt=A) in actions

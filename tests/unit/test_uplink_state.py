@@ -1,0 +1,249 @@
+"""A node daemon's decisions about its reports to the coordinator (ckptd.daemon.uplinkstate),
+event by event with an injected clock: no sockets. The process versions: tests/unit/test_uplink.py
+(a lost verdict chased, a skip remembered, on real sockets) and tests/fault/test_node_faults.py
+(a coordinator that dies or restarts under real daemons)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.config import CkptdConfig
+from ckptd.control.protocol import Failed, Message, Ping, StepAborted, StepCommitted, Written
+from ckptd.daemon.uplinkstate import (
+    VERDICT_MEMORY,
+    AbortAll,
+    Deliver,
+    Event,
+    Expect,
+    Pong,
+    Report,
+    Send,
+    Sent,
+    StepKey,
+    Tick,
+    UplinkState,
+    Verdict,
+)
+
+A = "0123456789ab-1"
+K3, K4 = (3, A), (4, A)
+CFG = CkptdConfig(commit_timeout_s=10, coordinator_timeout_s=5, heartbeat_s=1)
+LINK_TIMEOUT_S = 4.0
+
+
+def written(step: int, rank: int = 0) -> Written:
+    return Written(step, A, rank, 2, 1, [], None, "", 0)
+
+
+class Node:
+    """The shell's part that tests need: sends succeed while ``reachable``, each result fed back."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.state = UplinkState(CFG, address="tcp://node0:29500", node=1, link_timeout_s=LINK_TIMEOUT_S, now=self.now)
+        self.reachable = True
+        self.sent: list[Message] = []
+        self.delivered: list[tuple[StepKey, frozenset[bytes], Message]] = []
+
+    def handle(self, event: Event) -> None:
+        for action in self.state.handle(event, self.now):
+            if isinstance(action, Send):
+                if self.reachable:
+                    self.sent.append(action.msg)
+                if action.key is not None:
+                    fed = Sent(key=action.key, msg=action.msg, ok=self.reachable, resend=action.resend)
+                    assert self.state.handle(fed, self.now) == []
+            elif isinstance(action, Deliver):
+                self.delivered.append((action.key, action.identities, action.outcome))
+
+    def at(self, after_s: float) -> None:
+        """Let ``after_s`` pass, ticking like the loop does (every 0.25 s)."""
+        end = self.now + after_s
+        while self.now < end:
+            self.now = min(end, self.now + 0.25)
+            self.handle(Tick())
+
+    def answered(self, after_s: float) -> None:
+        """Let ``after_s`` pass with the coordinator answering every ping."""
+        end = self.now + after_s
+        while self.now < end:
+            self.at(min(0.25, end - self.now))
+            self.pong()
+
+    def reports_sent(self) -> list[Message]:
+        return [m for m in self.sent if not isinstance(m, Ping)]
+
+    def take(self) -> list[Message]:
+        out, self.sent = self.reports_sent(), []
+        return out
+
+    def pong(self, instance: str = "c1") -> None:
+        self.handle(Pong(instance=instance))
+
+
+def saving(node: Node, key: StepKey = K3, rank: bytes = b"rank0") -> Written:
+    node.handle(Expect(key=key, identity=rank))
+    msg = written(key[0])
+    node.handle(Report(key=key, msg=msg))
+    return msg
+
+
+def test_a_report_goes_out_at_once_and_its_verdict_reaches_the_ranks_that_wait():
+    node = Node()
+    node.pong()
+    msg = saving(node)
+    node.handle(Expect(key=K3, identity=b"rank1"))
+    assert node.take() == [msg] and node.state.busy and node.state.pending_steps() == [3]
+    assert node.state.expects(K3, b"rank1") and node.state.unacked[K3].sent_to == "c1"
+    verdict = StepCommitted(3, A, "iter_0000003", [])
+    node.handle(Verdict(key=K3, outcome=verdict))
+    assert node.delivered == [(K3, frozenset({b"rank0", b"rank1"}), verdict)]
+    assert not node.state.unacked and not node.state.busy
+    assert node.state.verdict(K3) is None  # a commit is never answered from memory
+    node.handle(Verdict(key=K3, outcome=verdict))
+    assert len(node.delivered) == 1  # a repeated verdict is told once
+
+
+def test_a_report_the_coordinator_could_not_take_is_retried_every_tick_until_it_goes_out():
+    node = Node()
+    node.reachable = False
+    msg = saving(node)
+    assert node.state.unacked[K3].unsent == [msg] and node.state.unacked[K3].sent_to is None
+    node.at(1)
+    assert node.state.unacked[K3].unsent == [msg]  # still unreachable: kept, once
+    node.reachable = True
+    node.pong()
+    node.at(0.25)
+    assert node.take() == [msg] and not node.state.unacked[K3].unsent
+    assert node.state.unacked[K3].sent_to == "c1"
+
+
+def test_a_verdict_lost_while_the_coordinator_answers_is_chased_when_overdue_and_again_later():
+    """The coordinator decides within commit_timeout_s of the first report (plus the commit): a
+    step waiting commit_timeout_s + coordinator_timeout_s resends its reports, then every
+    coordinator_timeout_s, until a verdict comes."""
+    node = Node()
+    msg = saving(node)
+    node.take()
+    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s - 0.25)
+    assert node.take() == []
+    node.answered(0.25)
+    assert node.take() == [msg]
+    node.answered(CFG.coordinator_timeout_s - 0.25)
+    assert node.take() == []
+    node.answered(0.25)
+    assert node.take() == [msg]
+    node.handle(Verdict(key=K3, outcome=StepAborted(3, A, "rank 0: the disk is full")))
+    assert node.delivered and not node.state.busy
+
+
+def test_a_silent_coordinator_aborts_waiting_steps_locally_and_the_abort_is_reported_when_it_answers():
+    node = Node()
+    node.pong()
+    saving(node)
+    node.handle(Expect(key=K4, identity=b"rank0"))  # still writing: no report yet, not aborted
+    node.take()
+    node.reachable = False
+    node.at(CFG.coordinator_timeout_s)
+    assert node.delivered == []
+    node.at(0.25)
+    ((key, ranks, verdict),) = node.delivered
+    assert key == K3 and ranks == {b"rank0"} and isinstance(verdict, StepAborted)
+    assert "the coordinator at tcp://node0:29500 did not answer for 5 s" in verdict.reason
+    assert node.state.verdict(K3) == verdict and node.state.pending_steps() == [4]
+    node.handle(Expect(key=K3, identity=b"rank1"))  # a rank whose SAVE comes after it
+    assert not node.state.expects(K3, b"rank1")
+    node.at(1)
+    node.reachable = True
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and (late.step, late.rank, late.node) == (3, -1, 1)
+    assert late.reason in verdict.reason
+    node.at(1)
+    assert node.take() == [] and K3 not in node.state.unacked  # told once
+
+
+def test_a_local_abort_the_coordinator_never_hears_of_is_given_up_after_the_commit_timeout():
+    node = Node()
+    saving(node)
+    node.take()
+    node.reachable = False
+    node.at(CFG.coordinator_timeout_s + 0.25)
+    assert K3 in node.state.unacked and not node.state.busy  # only the abort to tell: not busy
+    node.at(CFG.commit_timeout_s)
+    assert K3 not in node.state.unacked
+    node.reachable = True
+    node.at(1)
+    assert node.take() == []
+
+
+def test_an_idle_node_never_counts_the_time_before_its_first_report_as_silence():
+    node = Node()
+    node.at(60)  # no pong at all, nothing waiting
+    saving(node)
+    node.at(CFG.coordinator_timeout_s - 0.25)
+    assert node.delivered == [] and node.state.busy
+
+
+def test_pings_go_out_every_heartbeat():
+    node = Node()
+    node.at(3)
+    pings = [m for m in node.sent if isinstance(m, Ping)]
+    assert len(pings) == 3 and pings[0].nonce == 100_250
+
+
+@pytest.mark.parametrize(
+    ("first", "kept"),
+    [("c1", False), (None, True)],
+    ids=["sent to the old instance: aborted", "sent before any pong: kept"],
+)
+def test_a_restarted_coordinator_aborts_the_steps_its_predecessor_had(first, kept):
+    node = Node()
+    if first:
+        node.pong(first)
+    saving(node)
+    node.pong("c2")
+    assert (node.delivered == []) is kept
+    if not kept:
+        ((key, _, verdict),) = node.delivered
+        assert key == K3 and "the coordinator restarted before confirming the step" in verdict.reason
+
+
+def test_a_resend_does_not_change_the_instance_a_report_went_to():
+    node = Node()
+    saving(node)  # before any pong: sent_to stays unknown
+    node.take()
+    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s)  # answered by c1, chased
+    assert node.take() and node.state.unacked[K3].sent_to is None
+    node.pong("c2")
+    assert node.delivered == []  # the new coordinator decides it
+
+
+def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report_is_resent():
+    node = Node()
+    node.pong()
+    msg3 = saving(node, K3)
+    msg4 = saving(node, K4)
+    node.take()
+    node.at(LINK_TIMEOUT_S / 2 - 0.25)
+    node.pong()
+    assert node.take() == []  # a short silence: nothing lost
+    node.at(LINK_TIMEOUT_S / 2 + 0.25)
+    node.pong()
+    assert node.take() == [msg3, msg4]
+
+
+def test_a_shutdown_aborts_only_steps_whose_reports_went_out():
+    node = Node()
+    saving(node, K3)
+    node.handle(Expect(key=K4, identity=b"rank0"))
+    node.handle(AbortAll(reason="the node daemon shut down before the step committed"))
+    assert [d[0] for d in node.delivered] == [K3] and node.state.pending_steps() == [4]
+
+
+def test_aborts_are_remembered_for_a_bounded_number_of_attempts():
+    node = Node()
+    for step in range(VERDICT_MEMORY + 3):
+        node.handle(Verdict(key=(step, A), outcome=StepAborted(step, A, "x")))
+    assert len(node.state.verdicts) == VERDICT_MEMORY and node.state.verdict((0, A)) is None
+    assert node.state.verdict((VERDICT_MEMORY + 2, A)) is not None and not node.state.unacked
