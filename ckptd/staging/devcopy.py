@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from ..errors import SharedMemoryFullError, StagingError
+from ..errors import StagingError
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_values, tensor_bytes
-from .ring import ABANDONED, ALIGN, HEADER_NBYTES, NO_ROOM
+from .ring import ALIGN, HEADER_NBYTES, give_up_mark
 
 # Tensors smaller than this are gathered with their neighbours into one copy (a DMA of a few
 # bytes costs as much as one of 1 MiB: its launch and completion, ~10 us).
@@ -70,34 +70,57 @@ class DeviceCopier:
     """Produces one save's items into the ring from the thread that copies them (the training
     thread inside ``save()``, or the lazy copier thread).
 
-    Order of use: per item in ring order, :meth:`copy` (a CUDA tensor) or :meth:`room` then a
-    host write then :meth:`wrote` (bytes, CPU tensors); then :meth:`finish` (waits until every copy
-    landed and publishes the save's progress), or :meth:`flush` and later :meth:`land` (lazy: the
-    fence needs only every copy *issued*). ``ready`` (lazy) holds an event per device recorded at
-    ``save()``, which the copies wait for instead of the current streams; ``wait_room(v_end)``
-    waits for ring space (raises StagingError). :attr:`waited_s` is the time spent waiting for
-    ring space or pinning.
+    Order of use: :meth:`produce` the save's items (per item in ring order, :meth:`copy` for a
+    CUDA tensor, :meth:`room`, a host write and :meth:`wrote` for the rest); then :meth:`finish`
+    (waits until every copy landed and publishes the save's progress), or :meth:`flush` and later
+    :meth:`land` (lazy: the fence needs only every copy *issued*); :meth:`abort` on failure.
+    ``ready`` (lazy) holds an event per device recorded at ``save()``, which the copies wait for
+    instead of the current streams; a wait for ring space gives up at once when ``stop()``
+    (closing). :attr:`waited_s` is the time spent waiting for ring space or pinning.
     """
 
     def __init__(
         self,
         pool: StagingPool,
         block: int,
-        wait_room: Callable[[int], float],
         pin_timeout_s: float,
         ready: dict[Any, Any] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.pool = pool
         self.block = block
-        self._wait_room = wait_room
         self.pin_timeout_s = pin_timeout_s
         self.ready = ready
+        self.stop = stop
         self.waited_s = 0.0
         self._streams: dict[Any, Any] = {}
         self._landing: deque[tuple[Any, int]] = deque()  # (event or None, virtual end), in ring order
         self._batch: _Batch | None = None
 
     # --- producing -----------------------------------------------------------------------------
+    def produce(self, start: int, items: list[PlannedItem], placements: list[Placement]) -> None:
+        """Issue every item of a save starting at virtual ``start``, in ring order: CUDA tensors by
+        :meth:`copy`, bytes and host tensors by ``pwrite`` once the ring has room. A failure is
+        raised as StagingError naming the item."""
+        pool = self.pool
+        for item, p in zip(items, placements):
+            v = start + p.offset
+            src = item.payload
+            if isinstance(src, torch.Tensor) and src.is_cuda:
+                try:
+                    self.copy(src, v)
+                except StagingError:
+                    raise
+                except Exception as exc:  # name the item, as StagingPool.produce does
+                    raise StagingError(
+                        f"rank {pool.rank}: copying {item.record.where()} into the staging ring "
+                        f"failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+            else:
+                self.room(v + p.nbytes)
+                pool.produce(item, p, v)
+                self.wrote(v + p.nbytes)
+
     def copy(self, src: torch.Tensor, v: int) -> None:
         """Queue the copy of CUDA tensor ``src`` to virtual offset ``v``."""
         nbytes = src.numel() * src.element_size()
@@ -124,7 +147,7 @@ class DeviceCopier:
         if self.pool.writer.has_room(v_end):
             return
         self.land()
-        self.waited_s += self._wait_room(v_end)
+        self.waited_s += self.pool.wait_room(v_end, self.stop)
 
     def wrote(self, v_end: int) -> None:
         """A host write ending at virtual ``v_end`` is done: publish it once earlier copies landed."""
@@ -260,29 +283,13 @@ def copy_inline(
     marked never to be sealed (the daemon fails it) and the error is raised. A chunk not pinned yet
     is waited for up to ``pin_timeout_s`` (default: the ring's ``snapshot_timeout_s``)."""
     timeout_s = pool.writer.timeout_s if pin_timeout_s is None else pin_timeout_s
-    copier = DeviceCopier(pool, block, pool.wait_room, timeout_s)
+    copier = DeviceCopier(pool, block, timeout_s)
     try:
-        for item, p in zip(items, placements):
-            v = start + p.offset
-            src = item.payload
-            if isinstance(src, torch.Tensor) and src.is_cuda:
-                try:
-                    copier.copy(src, v)
-                except StagingError:
-                    raise
-                except Exception as exc:  # name the item, as StagingPool.produce does
-                    raise StagingError(
-                        f"rank {pool.rank}: copying {item.record.where()} into the staging ring "
-                        f"failed: {type(exc).__name__}: {exc}"
-                    ) from exc
-            else:
-                copier.room(v + p.nbytes)
-                pool.produce(item, p, v)
-                copier.wrote(v + p.nbytes)
+        copier.produce(start, items, placements)
         copier.finish()
     except BaseException as exc:
         copier.abort()
-        pool.writer.publish(block, NO_ROOM if isinstance(exc, SharedMemoryFullError) else ABANDONED)
+        pool.writer.publish(block, give_up_mark(exc))
         raise
     pool.writer.seal(block, seal)
     return copier.waited_s

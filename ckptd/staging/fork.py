@@ -26,7 +26,6 @@ runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sock
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import secrets
@@ -41,16 +40,7 @@ import torch
 
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_cpu_bytes
-from .ring import (
-    ABANDONED,
-    NO_ROOM,
-    PROGRESS_NBYTES,
-    SEAL_NBYTES,
-    RingFull,
-    RingWriter,
-    block_offset,
-    span,
-)
+from .ring import PROGRESS_NBYTES, SEAL_NBYTES, RingFull, RingWriter, block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +197,8 @@ def _child(
                 pass
         try:
             writer.copy(start, copies, block)
-        except OSError as exc:  # ENOSPC: say so in the (allocated) control block, then die
-            writer.publish(block, NO_ROOM if exc.errno == errno.ENOSPC else ABANDONED)
-            raise
-        except RingFull:
-            writer.publish(block, ABANDONED)
+        except (OSError, RingFull) as exc:  # say why in the (allocated) control block, then die
+            writer.publish(block, give_up_mark(exc))
             raise
         writer.publish(block, end)
         writer.seal(block, seal)

@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from ..errors import SharedMemoryFullError, StagingError
+from ..errors import StagingError
 from ..format.items import PlannedItem
 from .devcopy import DeviceCopier
 from .fork import Snapshot, start_block
 from .pool import Placement, StagingPool
-from .ring import ABANDONED, NO_ROOM, RingFull, RingWriter, block_offset, span
+from .ring import block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
     torn: str = ""  # why the snapshot is abandoned ("" : seal it)
-    no_room: bool = False  # abandoned because /dev/shm is full
+    failure: BaseException | None = None  # the copy's error, if it failed
 
     @property
     def cuda(self) -> bool:
@@ -150,8 +150,7 @@ class LazyCopier:
             if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
             elif job.cuda:
-                for device, stream in job.pool._streams.items():
-                    torch.cuda.current_stream(device).wait_stream(stream)
+                job.pool.order_after_copies()
             changed = next(
                 (
                     i.record.where()
@@ -218,7 +217,7 @@ class LazyCopier:
                 self._copy(job)
             except Exception as exc:  # noqa: BLE001 - the save fails on its handle via the daemon
                 job.torn = job.torn or f"the copy failed: {type(exc).__name__}: {exc}"
-                job.no_room = isinstance(exc, SharedMemoryFullError)
+                job.failure = exc
             finally:
                 job.enqueued.set()
                 job.copied.set()
@@ -229,31 +228,10 @@ class LazyCopier:
         (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
         that) and published once they landed, in order (ckptd.staging.devcopy)."""
         pool = job.pool
-        # Waits for ring space like the pool's writer, giving up at once when the Checkpointer closes.
-        room = RingWriter(pool.writer.fd, pool.capacity, pool.writer.timeout_s, lambda: not self._stopping.is_set())
-
-        def wait_room(v_end: int) -> float:
-            try:
-                return room.wait_room(v_end)
-            except RingFull as exc:
-                if self._stopping.is_set():
-                    raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
-                raise StagingError(
-                    f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not "
-                    "persisting: see its log"
-                ) from None
-
-        copier = DeviceCopier(pool, job.block, wait_room, self.timeout_s, job.ready)
+        # A wait for ring space gives up at once when the Checkpointer closes.
+        copier = DeviceCopier(pool, job.block, self.timeout_s, job.ready, self._stopping.is_set)
         try:
-            for item, p in zip(job.items, job.placements):
-                v = job.start + p.offset
-                src = item.payload
-                if isinstance(src, torch.Tensor) and src.is_cuda:
-                    copier.copy(src, v)
-                else:
-                    copier.room(v + p.nbytes)
-                    pool.produce(item, p, v)
-                    copier.wrote(v + p.nbytes)
+            copier.produce(job.start, job.items, job.placements)
             copier.flush()
             job.enqueued.set()
             copier.land()
@@ -276,7 +254,7 @@ class LazyCopier:
                 job.step,
                 job.torn,
             )
-            writer.publish(job.block, NO_ROOM if job.no_room else ABANDONED)
+            writer.publish(job.block, give_up_mark(job.failure))
             return
         writer.seal(job.block, job.seal)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -197,10 +198,17 @@ class StagingPool:
         end = HEADER_NBYTES + start % self.capacity + span(p.offset + p.nbytes for p in placements)
         self.segment.check_room(min(end, self.segment.nbytes))
 
-    def wait_room(self, v_end: int) -> float:
+    def wait_room(self, v_end: int, stop: Callable[[], bool] | None = None) -> float:
+        """Return once ``[.., v_end)`` may be written (the seconds waited). Raises StagingError when
+        the daemon made no room for ``snapshot_timeout_s``, or at once when ``stop()`` (closing)."""
+        writer = self.writer
+        if stop is not None:
+            writer = RingWriter(writer.fd, self.capacity, writer.timeout_s, lambda: not stop())
         try:
-            return self.writer.wait_room(v_end)
+            return writer.wait_room(v_end)
         except RingFull as exc:
+            if stop is not None and stop():
+                raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
             raise StagingError(
                 f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not persisting: see its log"
             ) from None
@@ -232,6 +240,12 @@ class StagingPool:
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
+
+    def order_after_copies(self) -> None:
+        """Make each device's current stream wait for this ring's copy stream there: the work queued
+        next (the optimizer's kernels) runs after the copies issued so far, without the host waiting."""
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
 
     def close(self, unlink: bool) -> None:
         """Unmap the ring; ``unlink`` only when no daemon owns the segment."""

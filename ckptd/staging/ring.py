@@ -28,12 +28,15 @@ must not call into torch.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ..errors import SharedMemoryFullError
 
 HEADER_NBYTES = 4096
 CONSUMED_AT = 0
@@ -54,6 +57,17 @@ MIN_CAPACITY = 1 << 20
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
 _CHUNK_NBYTES = 64 << 20
+
+
+def give_up_mark(failure: BaseException | None) -> int:
+    """The progress value a producer publishes when it will never seal its save: NO_ROOM when it
+    failed because /dev/shm is full (the SharedMemoryFullError of a rank's write, or ENOSPC from a
+    snapshot child's ``pwrite``), else ABANDONED (also with no ``failure``: abandoned by choice).
+    The daemon fails the save with the reason each value names (ckptd.daemon.snapshot)."""
+    full = isinstance(failure, SharedMemoryFullError) or (
+        isinstance(failure, OSError) and failure.errno == errno.ENOSPC
+    )
+    return NO_ROOM if full else ABANDONED
 
 
 def block_offset(block: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -15,7 +16,7 @@ from ckptd import ShardedObject, ShardedTensor
 from ckptd.daemon.pools import PoolTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest, planned_items, write_rank_file
-from ckptd.errors import StagingError
+from ckptd.errors import SharedMemoryFullError, StagingError
 from ckptd.format.finalize import finalize, serialize_common
 from ckptd.format.items import split_large_items
 from ckptd.format.saveplan import plan_save
@@ -24,7 +25,7 @@ from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
-from ckptd.staging.ring import block_offset
+from ckptd.staging.ring import ABANDONED, NO_ROOM, RingFull, block_offset, give_up_mark
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
 from ckptd.statedict.split import split_state_dict
 
@@ -165,3 +166,14 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
     finally:
         pool.close(unlink=True)
         table.release_all()
+
+
+def test_every_producer_gives_up_with_the_mark_its_failure_calls_for():
+    # A full /dev/shm, whether a rank's write (SharedMemoryFullError) or a child's pwrite (ENOSPC)
+    # hit it, is NO_ROOM: the daemon then says so; anything else, or no failure, is ABANDONED.
+    assert give_up_mark(SharedMemoryFullError("full")) == NO_ROOM
+    assert give_up_mark(OSError(errno.ENOSPC, "No space left on device")) == NO_ROOM
+    assert give_up_mark(OSError(errno.EIO, "I/O error")) == ABANDONED
+    assert give_up_mark(RingFull("no room")) == ABANDONED
+    assert give_up_mark(StagingError("copy failed")) == ABANDONED
+    assert give_up_mark(None) == ABANDONED
