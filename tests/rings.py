@@ -18,8 +18,8 @@ from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest
 from ckptd.format.items import PlannedItem
 from ckptd.staging.devcopy import copy_inline
-from ckptd.staging.fork import start_block
 from ckptd.staging.pool import StagingPool, place
+from ckptd.staging.producer import start_block
 from ckptd.staging.ring import RingMap, block_offset
 from ckptd.staging.segment import unlink_segments
 

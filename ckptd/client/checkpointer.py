@@ -90,12 +90,12 @@ from ..gcpause import gc_paused
 from ..recovery import resolve_resumable
 from ..s3catalog import committed_at
 from ..staging.children import KILL_REAP_S, SnapshotChildren
-from ..staging.devcopy import copy_inline
-from ..staging.fork import Snapshot, fork_into, reap, start_block
+from ..staging.devcopy import InlineProducer
 from ..staging.lazy import STOP_MARGIN_S, LazyCopier
 from ..staging.pinning import cuda_registrar
 from ..staging.pool import StagingPool, place
-from ..staging.ring import BLOCKS, block_offset, capacity_for, span
+from ..staging.producer import Claim, Producer
+from ..staging.ring import BLOCKS, capacity_for
 from ..statedict.content import with_content_metadata
 from ..statedict.digest import common_digest
 from ..statedict.holdings import PlainWriters, plain_digest
@@ -245,35 +245,19 @@ class Checkpointer:
         self._wait_block(pool, step)
         pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
         block, start = pool.claim(placements)
-        end = start + span(p.offset + p.nbytes for p in placements)
+        claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
         queue_wait_s = time.perf_counter() - t_slot
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout, held = self._layout.items_for(pool.generation, items, placements, plan.held)
-        inline = False
-        lazy = self._lazy if self._saves_lazily() else None
         try:
-            snap: Snapshot | None
-            if lazy is not None:
-                snap = lazy.start(pool, start, block, items, placements, step)
-            else:
-                daemon_pid = self._link.daemon_pid
-                # The snapshot child runs at the trainer's priority, not niced like the daemon: every
-                # page the trainer writes while the child lives is copied, so a child that yields
-                # costs the trainer more than it gives (2 GiB rewritten every step, a save every 4:
-                # +127 % loop time with the child at nice 10, +108 % at 0, on the 2-core CI machine).
-                snap = None
-                if self.config.snapshot == "auto" and daemon_pid:
-                    queue_wait_s += self._fork_turn(pool, end)
-                    snap = fork_into(pool, start, block, items, placements, 0, daemon_pid)
-            if snap is None:  # copied here, after the SAVE: the daemon drains the ring meanwhile
-                inline = True
-                snap = Snapshot(os.getpid(), start_block(pool, block), block_offset(block))
+            producer, waited_s = self._start_producer(pool, claim)
         except BaseException:
             pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
             raise
-        child = not inline and lazy is None  # a forked child, reaped by this process
+        queue_wait_s += waited_s
         attempt = self._next_attempt(step)
+        snap = producer.snapshot
         msg = Save(
             step,
             attempt,
@@ -292,45 +276,8 @@ class Checkpointer:
             plain_digest=plain,
             held=held,
         )
-        try:
-            try:
-                self._link.request(msg, SaveAck, match=lambda a: a.step == step and a.attempt == attempt)
-            finally:
-                if lazy is not None:
-                    lazy.go()  # the copier starts once the SAVE's round trip is over
-        except DaemonLostError as exc:
-            if child:
-                self._children.add(snap.pid, end)
-            self._daemon_lost(str(exc))
-            raise
-        except (RequestNotTaken, ProtocolError):
-            if child:
-                reap([snap.pid], block=True)  # the ring is given back only once the child is done
-            elif lazy is not None:
-                lazy.wait_all()  # likewise for the copier thread
-            pool.unclaim(block, start, placements)  # not sent, or refused: the daemon never took it
-            self._layout.forget()
-            raise
-        except BaseException:
-            # No answer (timeout, interrupt): the daemon may still write this save, so its control
-            # block stays taken until the daemon's WRITE_DONE for it.
-            if child:
-                self._children.add(snap.pid, end)
-            self._layout.forget()
-            log.warning(
-                "rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
-                "until the daemon frees it",
-                self.env.rank,
-                step,
-                block,
-            )
-            raise
-        if child:
-            # Reaped only now: the daemon holds a pidfd of the child, so its pid cannot be reused.
-            self._children.add(snap.pid, end)
-        if inline:
-            timeout_s = self.config.snapshot_timeout_s
-            queue_wait_s += copy_inline(pool, start, block, items, placements, snap.seal, timeout_s)
+        self._send_save(msg, producer, pool, claim)
+        queue_wait_s += producer.after_ack()
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending[step] = handle
         self._plain.sent(step, plain)
@@ -340,6 +287,48 @@ class Checkpointer:
                 handle.wait()  # policy="auto" measures one commit latency before it can plan
             self._policy.after_save(step, self.stats())
         return handle
+
+    def _start_producer(self, pool: StagingPool, claim: Claim) -> tuple[Producer, float]:
+        """Start what produces the claimed save (module docstring, step 5): the lazy copier, a
+        fork child, else ``save()`` itself after the SAVE; and the seconds waited for a fork's turn."""
+        lazy = self._lazy if self._saves_lazily() else None
+        if lazy is not None:
+            return lazy.start(pool, claim), 0.0
+        waited_s = 0.0
+        daemon_pid = self._link.daemon_pid
+        if self.config.snapshot == "auto" and daemon_pid:
+            child, waited_s = self._children.fork(pool, claim, daemon_pid, lambda s: self._idle(pool, s))
+            if child is not None:
+                return child, waited_s
+        return InlineProducer(pool, claim, self.config.snapshot_timeout_s), waited_s
+
+    def _send_save(self, msg: Save, producer: Producer, pool: StagingPool, claim: Claim) -> None:
+        """Send the SAVE and wait for its SAVE_ACK; when none comes, tell the producer whether the
+        daemon never took the save (cancel: the range is given back) or may still write it (detach)."""
+        try:
+            self._link.request(msg, SaveAck, match=lambda a: a.step == msg.step and a.attempt == msg.attempt)
+        except DaemonLostError as exc:
+            producer.detach()
+            self._daemon_lost(str(exc))
+            raise
+        except (RequestNotTaken, ProtocolError):
+            producer.cancel()
+            pool.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
+            self._layout.forget()
+            raise
+        except BaseException:
+            # No answer (timeout, interrupt): the daemon may still write this save, so its control
+            # block stays taken until the daemon's WRITE_DONE for it.
+            producer.detach()
+            self._layout.forget()
+            log.warning(
+                "rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
+                "until the daemon frees it",
+                self.env.rank,
+                msg.step,
+                claim.block,
+            )
+            raise
 
     def prepare(self, sharded_state_dict: dict[str, Any]) -> None:
         """Create this rank's staging ring now, sized for saves of ``sharded_state_dict`` as its
@@ -528,17 +517,6 @@ class Checkpointer:
             self._pool = None  # the copier may still write into it: left mapped, the daemon unlinks it
         self._disconnect()
         self._children.close(deadline)
-
-    def _fork_turn(self, pool: StagingPool, end: int) -> float:
-        """Before forking the snapshot child of a save ending at ``end``: wait (seconds waited)
-        until at most one child of this rank will be waiting for ring space, so children and
-        their copy-on-write views do not pile up behind a slow disk (ckptd.staging.backpressure)."""
-        waited = self._children.wait_turn(
-            pool.writer.consumed, pool.capacity, end, self.config.snapshot_timeout_s, lambda s: self._idle(pool, s)
-        )
-        if waited > 0.01:
-            log.info("rank %d: waited %.3f s for an earlier snapshot to get its ring space", self.env.rank, waited)
-        return waited
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,11 +1,12 @@
 """A rank's fork snapshot children (ckptd.staging.fork) until they are reaped: how many may wait
 for ring space, and how closing ends them within its deadline.
 
-Order of use, on the training thread: :meth:`SnapshotChildren.wait_turn` before forking a save's
-child (returns once :func:`ckptd.staging.backpressure.may_fork` holds: at most one child per rank
-waits for ring space), :meth:`~SnapshotChildren.add` once the daemon took the save,
-:meth:`~SnapshotChildren.reap` now and then (never blocks), :meth:`~SnapshotChildren.close` when
-the Checkpointer closes: children still running at its deadline are killed. A snapshot child only
+Order of use, on the training thread: :meth:`SnapshotChildren.fork` a save's child (after
+:meth:`~SnapshotChildren.wait_turn`: at most one child per rank waits for ring space, see
+:func:`ckptd.staging.backpressure.may_fork`); its :class:`ForkProducer` adds it to the children
+once the daemon took the save (or may have); :meth:`~SnapshotChildren.reap` now and then (never
+blocks), :meth:`~SnapshotChildren.close` when the Checkpointer closes: children still running at
+its deadline are killed. A snapshot child only
 copies the trainer's memory into the ring (``pwrite``, no file, no socket), so killing it fails
 its save and nothing else: the daemon sees it exit unsealed (ckptd.daemon.snapshot).
 """
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 
 from ..errors import StagingError
 from .backpressure import may_fork
-from .fork import reap
+from .fork import fork_into, reap
+from .pool import StagingPool
+from .producer import Claim, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,22 @@ class SnapshotChildren:
         if self._live:
             running = set(reap(self.pids, block=False))
             self._live = [c for c in self._live if c.pid in running]
+
+    def fork(
+        self, pool: StagingPool, claim: Claim, daemon_pid: int, idle: Callable[[float], None]
+    ) -> tuple[ForkProducer | None, float]:
+        """Fork the snapshot child of the claimed save once it is its turn (:meth:`wait_turn`, up
+        to the ring's ``snapshot_timeout_s``); its producer (None: no child started, the caller
+        produces the save itself) and the seconds waited for the turn."""
+        waited = self.wait_turn(pool.writer.consumed, pool.capacity, claim.end, pool.writer.timeout_s, idle)
+        if waited > 0.01:
+            log.info("rank %d: waited %.3f s for an earlier snapshot to get its ring space", self.rank, waited)
+        # The child runs at the trainer's priority, not niced like the daemon: every page the
+        # trainer writes while the child lives is copied, so a child that yields costs the trainer
+        # more than it gives (2 GiB rewritten every step, a save every 4: +127 % loop time with the
+        # child at nice 10, +108 % at 0, on the 2-core CI machine).
+        snap = fork_into(pool, claim, 0, daemon_pid)
+        return (None if snap is None else ForkProducer(self, snap, claim.end)), waited
 
     def wait_turn(
         self,
@@ -115,3 +134,24 @@ class SnapshotChildren:
         if self._live:
             log.warning("rank %d: killed snapshot process(es) %s not reaped yet; left behind", self.rank, self.pids)
             self._live = []
+
+
+class ForkProducer:
+    """A :class:`~ckptd.staging.producer.Producer` that is a forked snapshot child
+    (ckptd.staging.fork), copying while training goes on; :class:`SnapshotChildren` reaps it."""
+
+    def __init__(self, children: SnapshotChildren, snapshot: Snapshot, end: int) -> None:
+        self.children = children
+        self.snapshot = snapshot
+        self.end = end
+
+    def after_ack(self) -> float:
+        # Reaped only from now on: the daemon holds a pidfd of the child, so its pid cannot be reused.
+        self.children.add(self.snapshot.pid, self.end)
+        return 0.0
+
+    def cancel(self) -> None:
+        reap([self.snapshot.pid], block=True)  # the ring is given back only once the child is done
+
+    def detach(self) -> None:
+        self.children.add(self.snapshot.pid, self.end)

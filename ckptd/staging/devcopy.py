@@ -23,6 +23,7 @@ would silently turn into a slow pageable copy.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,7 +35,8 @@ import torch
 from ..errors import StagingError
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_values, tensor_bytes
-from .ring import ALIGN, HEADER_NBYTES, give_up_mark
+from .producer import Claim, Snapshot, start_block
+from .ring import ALIGN, HEADER_NBYTES, block_offset, give_up_mark
 
 # Tensors smaller than this are gathered with their neighbours into one copy (a DMA of a few
 # bytes costs as much as one of 1 MiB: its launch and completion, ~10 us).
@@ -293,3 +295,24 @@ def copy_inline(
         raise
     pool.writer.seal(block, seal)
     return copier.waited_s
+
+
+class InlineProducer:
+    """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself: it copies the items
+    after the SAVE's acknowledgement (:func:`copy_inline`), while the daemon drains the ring."""
+
+    def __init__(self, pool: StagingPool, claim: Claim, pin_timeout_s: float) -> None:
+        self.pool = pool
+        self.claim = claim
+        self.pin_timeout_s = pin_timeout_s
+        self.snapshot = Snapshot(os.getpid(), start_block(pool, claim.block), block_offset(claim.block))
+
+    def after_ack(self) -> float:
+        c = self.claim
+        return copy_inline(self.pool, c.start, c.block, c.items, c.placements, self.snapshot.seal, self.pin_timeout_s)
+
+    def cancel(self) -> None:
+        """Nothing was written yet."""
+
+    def detach(self) -> None:
+        """Nothing is written: the save is never sealed, and the daemon fails it."""

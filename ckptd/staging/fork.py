@@ -28,19 +28,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import secrets
 import select
 import signal
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..format.items import PlannedItem
 from .pool import Placement, StagingPool, plain_cpu_bytes
-from .ring import PROGRESS_NBYTES, SEAL_NBYTES, RingFull, RingWriter, block_offset, give_up_mark, span
+from .producer import Claim, Snapshot, start_block
+from .ring import RingFull, RingWriter, block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +51,6 @@ FORK_TRIES = 3
 
 def fork_available() -> bool:
     return hasattr(os, "fork") and hasattr(os, "setsid")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Who produces a save's items (a forked child, or the rank's own process), and the seal it
-    writes in the save's control block at ``seal_offset`` when done."""
-
-    pid: int
-    seal: bytes
-    seal_offset: int
 
 
 def child_copies(
@@ -83,12 +72,6 @@ def child_copies(
             keep.append(buf)
             copies.append((p.offset, ctypes.addressof(buf), p.nbytes))
     return copies, keep
-
-
-def start_block(pool: StagingPool, block: int) -> bytes:
-    """Clear a control block for a new save (no stale seal or progress); the save's seal."""
-    pool.segment.write(block_offset(block), bytes(SEAL_NBYTES + PROGRESS_NBYTES))
-    return secrets.token_bytes(SEAL_NBYTES)
 
 
 def fork_snapshot(
@@ -226,25 +209,17 @@ def reap(pids: list[int], block: bool) -> list[int]:
     return left
 
 
-def fork_into(
-    pool: StagingPool,
-    start: int,
-    block: int,
-    items: list[PlannedItem],
-    placements: list[Placement],
-    nice: int,
-    daemon_pid: int,
-) -> Snapshot | None:
-    """A fork snapshot of this save, or None when it cannot fork (payloads the child cannot copy,
-    no fork on this system, or fork() failing): the caller then produces the items itself."""
+def fork_into(pool: StagingPool, claim: Claim, nice: int, daemon_pid: int) -> Snapshot | None:
+    """A fork snapshot of the claimed save, or None when it cannot fork (payloads the child cannot
+    copy, no fork on this system, or fork() failing): the caller then produces the items itself."""
     if not fork_available():
         return None
-    found = child_copies(items, placements)
+    found = child_copies(claim.items, claim.placements)
     if found is None:
         return None
     copies, keep = found
     try:
-        snap = fork_snapshot(pool, start, block, copies, nice, daemon_pid)
+        snap = fork_snapshot(pool, claim.start, claim.block, copies, nice, daemon_pid)
     except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
         log.warning(
             "rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside save() instead", pool.rank, exc

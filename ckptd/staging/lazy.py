@@ -49,8 +49,8 @@ import torch
 from ..errors import StagingError
 from ..format.items import PlannedItem
 from .devcopy import DeviceCopier
-from .fork import Snapshot, start_block
 from .pool import Placement, StagingPool
+from .producer import Claim, Snapshot, start_block
 from .ring import block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
@@ -94,29 +94,22 @@ class LazyCopier:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
-    def start(
-        self,
-        pool: StagingPool,
-        start: int,
-        block: int,
-        items: list[PlannedItem],
-        placements: list[Placement],
-        step: int,
-    ) -> Snapshot:
-        """Prepare the production of one save; returns the snapshot the SAVE announces (its pid is
-        this process: the daemon fails the save if it dies before sealing). The copier thread
-        starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile would
-        compete with ``save()`` for the interpreter, and the stall is what matters here)."""
-        seal = start_block(pool, block)
+    def start(self, pool: StagingPool, claim: Claim) -> LazyProducer:
+        """Prepare the production of one save; its producer, whose snapshot the SAVE announces (its
+        pid is this process: the daemon fails the save if it dies before sealing). The copier
+        thread starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile
+        would compete with ``save()`` for the interpreter, and the stall is what matters here)."""
+        seal = start_block(pool, claim.block)
+        items = claim.items
         job = _Job(
             pool,
-            start,
-            block,
+            claim.start,
+            claim.block,
             items,
-            placements,
+            claim.placements,
             [_version(i.payload) if isinstance(i.payload, torch.Tensor) else 0 for i in items],
             seal,
-            step,
+            claim.step,
         )
         devices = {i.payload.device for i in items if isinstance(i.payload, torch.Tensor) and i.payload.is_cuda}
         if devices:
@@ -126,7 +119,7 @@ class LazyCopier:
                 event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
         self._held.append(job)
-        return Snapshot(os.getpid(), seal, block_offset(block))
+        return LazyProducer(self, Snapshot(os.getpid(), seal, block_offset(claim.block)))
 
     def go(self) -> None:
         """Hand the saves :meth:`start` prepared to the copier thread."""
@@ -257,6 +250,25 @@ class LazyCopier:
             writer.publish(job.block, give_up_mark(job.failure))
             return
         writer.seal(job.block, job.seal)
+
+
+class LazyProducer:
+    """A :class:`~ckptd.staging.producer.Producer` that is the lazy copier thread: it copies behind
+    training once the daemon took the save, and seals it at the fence."""
+
+    def __init__(self, copier: LazyCopier, snapshot: Snapshot) -> None:
+        self.copier = copier
+        self.snapshot = snapshot
+
+    def after_ack(self) -> float:
+        self.copier.go()
+        return 0.0
+
+    def cancel(self) -> None:
+        self.copier.wait_all()  # the copier is done with the range before it is given back
+
+    def detach(self) -> None:
+        self.copier.go()
 
 
 def _version(t: torch.Tensor) -> int:

@@ -19,8 +19,9 @@ from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.errors import StagingError
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
-from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap, start_block
+from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap
 from ckptd.staging.pool import StagingPool, bytes_view, place
+from ckptd.staging.producer import start_block
 from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
 

@@ -23,8 +23,8 @@ from ckptd.format.saveplan import plan_save
 from ckptd.format.tensorzip import RawTensor
 from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.staging.devcopy import copy_inline
-from ckptd.staging.fork import start_block
 from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
+from ckptd.staging.producer import start_block
 from ckptd.staging.ring import ABANDONED, NO_ROOM, RingFull, block_offset, give_up_mark
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
 from ckptd.statedict.split import split_state_dict
