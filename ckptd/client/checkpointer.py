@@ -103,10 +103,11 @@ from ..statedict.split import split_state_dict
 from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, join, parse_location
-from .handle import SaveHandle, SaveStatus, daemon_lost_reason
+from .handle import SaveFuture, SaveHandle, SaveStatus
 from .incarnation import agreed_incarnation, launch_store
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
+from .pending import PendingSaves
 from .policy import AutoInterval
 from .resume import load_latest
 from .stats import SaveRecord, SaveStats
@@ -165,8 +166,7 @@ class Checkpointer:
             LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
         )
         self._attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
-        self._pending: dict[int, SaveHandle] = {}
-        self._unobserved: list[SaveHandle] = []
+        self._pending = PendingSaves(self.env.rank, self._plain)  # handles in flight, failures not observed yet
         self._stats = SaveStats()
         self._policy = (
             AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
@@ -214,7 +214,7 @@ class Checkpointer:
         if self._lazy is not None:
             self._lazy.fence()  # an earlier lazy save is decided before this one is planned
         self._pump_quietly()
-        self._raise_unobserved()
+        self._pending.raise_unobserved()
         check_save_step(step)
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
@@ -279,7 +279,7 @@ class Checkpointer:
         self._send_save(msg, producer, pool, claim)
         queue_wait_s += producer.after_ack()
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
-        self._pending[step] = handle
+        self._pending.add(handle)
         self._plain.sent(step, plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
@@ -417,7 +417,7 @@ class Checkpointer:
     @property
     def pending(self) -> list[SaveHandle]:
         self._pump_quietly()
-        return sorted(self._pending.values(), key=lambda h: h.step)
+        return self._pending.handles()
 
     def wait_all(self, timeout_s: float | None = None) -> None:
         """Wait for every pending save, ``timeout_s`` in all; raise the first failure (after all
@@ -472,7 +472,7 @@ class Checkpointer:
             self._closed = True
             self._stop_producers(deadline)
             self._finalizer.detach()
-        self._raise_unobserved()
+        self._pending.raise_unobserved()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -533,8 +533,7 @@ class Checkpointer:
         if self._pool is not None:
             self._pool.close(unlink=not owned_by_daemon)
             self._pool = None
-        for h in list(self._pending.values()):
-            self._fail(h, "the Checkpointer was closed before the step committed")
+        self._pending.fail_all("the Checkpointer was closed before the step committed")
         self._link.close(linger_ms=_BYE_LINGER_MS)  # the BYE leaves before the socket goes
 
     def _ensure_connected(self) -> None:
@@ -550,8 +549,7 @@ class Checkpointer:
     def _daemon_lost(self, reason: str) -> None:
         """Fail every pending save and drop the pool: nobody owns it any more."""
         self._link.close_socket()
-        for h in list(self._pending.values()):
-            self._fail(h, daemon_lost_reason(reason, h.step, h.path), unconfirmed=True)
+        self._pending.daemon_lost(reason)
         if self._lazy is not None:
             self._lazy.wait_all()
         if self._pool is not None:
@@ -636,7 +634,8 @@ class Checkpointer:
     ) -> SaveHandle:
         record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
         self._stats.add(record)
-        return SaveHandle(self, step, path, record, self._stats, attempt)
+        # The handle resolves through its future, which this Checkpointer drives while it is waited for.
+        return SaveHandle(SaveFuture(step, record, self._stats, self._pump_quietly, self._wait_for), path, attempt)
 
     def _abort_everywhere(self, step: int, reason: str) -> None:
         """Tell the coordinator that this rank will not save ``step`` (a SKIP with the reason), so
@@ -671,7 +670,7 @@ class Checkpointer:
             match=lambda a: a.step == step and a.attempt == attempt,
         )
         handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
-        handle._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
+        handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 
     def _on_notify(self, msg: Message) -> None:
@@ -679,74 +678,11 @@ class Checkpointer:
             pool = self._pool
             if pool is not None and msg.generation == pool.generation:
                 pool.release(msg.block)
-            h = self._pending.get(msg.step)
-            if h is not None and h.attempt == msg.attempt:
-                h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
-                h.record.snapshot_s = msg.snapshot_s
-        elif isinstance(msg, (StepCommitted, StepAborted)) and (
-            msg.step not in self._pending or self._pending[msg.step].attempt != msg.attempt
-        ):
-            log.debug(
-                "rank %d: %s of step %d attempt %s, which this rank is not waiting for",
-                self.env.rank,
-                msg.TYPE.name,
-                msg.step,
-                msg.attempt,
-            )
-        elif isinstance(msg, StepCommitted):
-            h = self._pending.pop(msg.step, None)
-            self._plain.committed(msg.step, msg.plain_digest)
-            for warning in msg.warnings:
-                log.warning("rank %d: %s", self.env.rank, warning)
-            if h is not None:
-                h.warnings = list(msg.warnings)
-                h._resolve(SaveStatus.COMMITTED)
-                r = h.record
-                log.info(
-                    "rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "
-                    "committed %.3f s after save() returned",
-                    self.env.rank,
-                    msg.step,
-                    msg.name,
-                    r.nbytes,
-                    r.stall_s,
-                    "?" if r.persist_s is None else f"{r.persist_s:.3f}",
-                    r.commit_latency_s or 0.0,
-                )
-        elif isinstance(msg, StepAborted):
-            h = self._pending.get(msg.step)
-            if h is not None and msg.skipped:
-                self._skipped_elsewhere(h, msg.reason)
-            elif h is not None:
-                self._fail(h, msg.reason)
+            self._pending.wrote(msg)
+        elif isinstance(msg, (StepCommitted, StepAborted)):
+            self._pending.resolve(msg)
         else:
             log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
-
-    def _fail(self, h: SaveHandle, reason: str, *, unconfirmed: bool = False) -> None:
-        """Abort ``h``; ``unconfirmed``: nobody can say it did not commit (its daemon was lost)."""
-        self._pending.pop(h.step, None)
-        self._plain.failed(h.step)  # the next saves write every plain item they hold
-        what = "was not confirmed" if unconfirmed else "was not committed"
-        h._resolve(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} {what}: {reason}"))
-        self._unobserved.append(h)
-        log.warning("rank %d: step %d aborted: %s", self.env.rank, h.step, reason)
-
-    def _skipped_elsewhere(self, h: SaveHandle, reason: str) -> None:
-        """Another rank skipped this step by policy (on_full="skip"): the step is aborted on every
-        rank, and this rank's save of it resolves as SKIPPED, as the skipping rank's own does: the
-        policy's choice, never raised by a later call (only ``wait()`` raises SaveSkippedError)."""
-        self._pending.pop(h.step, None)
-        h._resolve(SaveStatus.SKIPPED, SaveSkippedError(f"step {h.step} was skipped: {reason}"))
-        log.warning("rank %d: step %d skipped: %s", self.env.rank, h.step, reason)
-
-    def _raise_unobserved(self) -> None:
-        failed = [h for h in self._unobserved if not h._observed]
-        self._unobserved.clear()
-        if failed:
-            for h in failed:
-                h._observed = True
-            detail = "; ".join(str(h.error) for h in failed)
-            raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
 
     def _pump_quietly(self) -> None:
         self._children.reap()
@@ -757,17 +693,18 @@ class Checkpointer:
         except DaemonLostError as exc:
             self._daemon_lost(str(exc))
 
-    def _wait_for(self, h: SaveHandle, timeout_s: float | None) -> None:
+    def _wait_for(self, future: SaveFuture, timeout_s: float | None) -> None:
+        """Deliver notifications until ``future`` is resolved or ``timeout_s`` passed (a SaveFuture's wait)."""
         if self._lazy is not None:
             self._lazy.fence()  # the training thread waits here, so nothing changes meanwhile
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        while h.status is SaveStatus.PENDING:
+        while future.status is SaveStatus.PENDING:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             if not self._link.connected:
-                self._fail(h, "the node daemon connection was lost")
+                self._pending.fail_future(future, "the node daemon connection was lost")
                 return
             try:
                 self._link.pump(min(remaining, 0.2))

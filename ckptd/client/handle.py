@@ -1,20 +1,15 @@
-"""The handle an asynchronous save returns: poll it, wait for it, read its outcome."""
+"""The handle an asynchronous save returns (poll it, wait for it, read its outcome), and the
+future it resolves through."""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from ..catalog import is_checkpoint_dir
-from ..errors import CkptdError, SaveFailedError, SaveSkippedError, SaveTimeoutError
-from ..format.safefs import is_real_dir
-from ..s3catalog import checkpoint_exists
-from ..storage.url import Location, S3Location
+from ..errors import SaveFailedError, SaveSkippedError, SaveTimeoutError
+from ..storage.url import Location
 from .stats import SaveRecord, SaveStats
-
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
 
 
 class SaveStatus(str, enum.Enum):
@@ -24,28 +19,84 @@ class SaveStatus(str, enum.Enum):
     SKIPPED = "skipped"  # the on_full="skip" policy dropped the step, on this rank or another
 
 
+class SaveFuture:
+    """One save's outcome as its rank learns it: PENDING until :meth:`set_result` sets it, once.
+
+    The owning Checkpointer drives it: ``poll()`` delivers the notifications that arrived (never
+    blocks), ``wait(future, timeout_s)`` delivers them until the future is resolved or the timeout
+    passed; the notifications resolve it through the rank's pending saves (ckptd.client.pending).
+    It also finishes the save's :class:`SaveRecord` in ``stats``.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        record: SaveRecord,
+        stats: SaveStats,
+        poll: Callable[[], None],
+        wait: Callable[[SaveFuture, float | None], None],
+    ) -> None:
+        self.step = step
+        self.record = record
+        self.status = SaveStatus.PENDING
+        self.error: SaveFailedError | None = None
+        self.finished_s: float | None = None
+        self.observed = False  # the outcome reached the caller: a failure is not raised again later
+        self._stats = stats
+        self._poll = poll
+        self._wait = wait
+        self._started_s = time.monotonic()
+
+    def done(self) -> bool:
+        if self.status is SaveStatus.PENDING:
+            self._poll()
+        return self.status is not SaveStatus.PENDING
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Return once resolved, or after ``timeout_s`` (None: the owner's default) still pending."""
+        self._wait(self, timeout_s)
+
+    def set_result(self, status: SaveStatus, error: SaveFailedError | None = None) -> None:
+        if self.status is not SaveStatus.PENDING:
+            return
+        self.status = status
+        self.error = error
+        self.finished_s = time.monotonic() - self._started_s
+        if status is SaveStatus.COMMITTED:
+            self.record.commit_latency_s = self.finished_s
+        self._stats.finished(self.record, status.value)
+        if status is SaveStatus.SKIPPED:
+            self.observed = True  # the policy's choice, logged: not an error to re-raise later
+
+
 class SaveHandle:
     """One rank's view of one asynchronous save. Use on the thread that owns the Checkpointer."""
 
-    def __init__(
-        self, owner: Checkpointer, step: int, path: Location, record: SaveRecord, stats: SaveStats, attempt: str = ""
-    ) -> None:
-        self._owner = owner
-        self._stats = stats
-        self.step = step
+    def __init__(self, future: SaveFuture, path: Location, attempt: str = "") -> None:
+        self.future = future
+        self.step = future.step
         self.attempt = attempt  # this try's attempt id (ckptd.control.attempt)
         self.path = path  # the committed directory or s3:// prefix (exists once COMMITTED)
-        self.record = record  # this save's measurements (bytes, stall, persist, commit latency)
-        self.stall_s = record.stall_s  # how long save() blocked the caller
-        self.status = SaveStatus.PENDING
-        self.error: SaveFailedError | None = None
+        self.record = future.record  # this save's measurements (bytes, stall, persist, commit latency)
+        self.stall_s = self.record.stall_s  # how long save() blocked the caller
         self.warnings: list[str] = []  # what the commit noticed (e.g. ranks' common state differed)
-        self.finished_s: float | None = None
-        self._observed = False
-        self._started_s = time.monotonic()
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, status={self.status.value})"
+
+    @property
+    def status(self) -> SaveStatus:
+        return self.future.status
+
+    @property
+    def error(self) -> SaveFailedError | None:
+        """Why the save aborted or was skipped (None while pending or once committed)."""
+        return self.future.error
+
+    @property
+    def finished_s(self) -> float | None:
+        """Seconds from ``save()`` returning to the outcome (None while pending)."""
+        return self.future.finished_s
 
     @property
     def committed(self) -> bool:
@@ -57,9 +108,7 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True once the save committed, failed or was skipped (never blocks)."""
-        if self.status is SaveStatus.PENDING:
-            self._owner._pump_quietly()
-        return self.status is not SaveStatus.PENDING
+        return self.future.done()
 
     def wait(self, timeout_s: float | None = None) -> Location:
         """Block until committed and return the checkpoint directory; raise the save's error.
@@ -68,8 +117,8 @@ class SaveHandle:
         :class:`SaveSkippedError` if it was skipped, :class:`SaveTimeoutError` after ``timeout_s``
         (default: the config's ``commit_timeout_s`` plus a margin) while still pending.
         """
-        self._owner._wait_for(self, timeout_s)
-        self._observed = True
+        self.future.wait(timeout_s)
+        self.future.observed = True
         if self.status is SaveStatus.COMMITTED:
             return self.path
         if self.error is not None:
@@ -79,45 +128,5 @@ class SaveHandle:
             "still commit later (check handle.done() or Checkpointer.latest())"
         )
 
-    def _resolve(self, status: SaveStatus, error: SaveFailedError | None = None) -> None:
-        if self.status is not SaveStatus.PENDING:
-            return
-        self.status = status
-        self.error = error
-        self.finished_s = time.monotonic() - self._started_s
-        if status is SaveStatus.COMMITTED:
-            self.record.commit_latency_s = self.finished_s
-        self._stats.finished(self.record, status.value)
-        if status is SaveStatus.SKIPPED:
-            self._observed = True  # the policy's choice, logged: not an error to re-raise later
 
-
-__all__ = ["SaveHandle", "SaveStatus", "SaveFailedError", "SaveSkippedError"]
-
-
-def daemon_lost_reason(reason: str, step: int, path: Location) -> str:
-    """Why a pending save of ``step`` fails when its node daemon is lost (``reason``), as far as
-    this rank can know: a daemon that is also the coordinator may have died after the commit's
-    rename (the point of no return: the next coordinator makes that checkpoint latest), so the
-    committed directory ``path`` is looked at before anything is said about the outcome."""
-    if _in_place(path):
-        return (
-            f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
-            "commit had renamed it into place, and the next daemon makes it latest "
-            "(Checkpointer.latest() tells)"
-        )
-    return (
-        f"{reason} before confirming step {step}; its checkpoint {path} is not in place now, so it "
-        "did not commit unless the job's coordinator on another node still completes it "
-        "(Checkpointer.latest() tells)"
-    )
-
-
-def _in_place(path: Location) -> bool:
-    """The step's checkpoint is complete where it commits (on S3: its commit object exists)."""
-    if isinstance(path, S3Location):
-        try:
-            return checkpoint_exists(path)
-        except CkptdError:  # the store is unreachable too: say what is known, not in place
-            return False
-    return is_real_dir(path) and is_checkpoint_dir(path)
+__all__ = ["SaveFuture", "SaveHandle", "SaveStatus", "SaveFailedError", "SaveSkippedError"]

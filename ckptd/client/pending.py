@@ -1,0 +1,161 @@
+"""A rank's saves the daemon took and has not resolved yet, and how its notifications resolve them.
+
+:class:`PendingSaves` holds one :class:`~ckptd.client.handle.SaveHandle` per step in flight and
+the failed ones nobody observed yet. The Checkpointer hands it the daemon's notifications
+(``WRITE_DONE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) and the failures it learns itself (its
+daemon lost, closing); each resolves the handle's future once. Outcomes of other attempts of a
+step never resolve its handle.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..catalog import is_checkpoint_dir
+from ..control.protocol import StepAborted, StepCommitted, WriteDone
+from ..errors import CkptdError, SaveFailedError, SaveSkippedError
+from ..format.safefs import is_real_dir
+from ..s3catalog import checkpoint_exists
+from ..statedict.holdings import PlainWriters
+from ..storage.url import Location, S3Location
+from .handle import SaveFuture, SaveHandle, SaveStatus
+
+log = logging.getLogger(__name__)
+
+
+class PendingSaves:
+    """This rank's handles in flight, by step, and the failures not observed yet."""
+
+    def __init__(self, rank: int, plain: PlainWriters) -> None:
+        self.rank = rank
+        self._plain = plain  # told which steps committed or failed (ckptd.statedict.holdings)
+        self._by_step: dict[int, SaveHandle] = {}
+        self._unobserved: list[SaveHandle] = []
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._by_step
+
+    def __bool__(self) -> bool:
+        return bool(self._by_step)
+
+    def handles(self) -> list[SaveHandle]:
+        """The pending handles, by step."""
+        return sorted(self._by_step.values(), key=lambda h: h.step)
+
+    def add(self, handle: SaveHandle) -> None:
+        self._by_step[handle.step] = handle
+
+    def wrote(self, msg: WriteDone) -> None:
+        """The daemon wrote this rank's file of a save: note its timings on the handle."""
+        h = self._by_step.get(msg.step)
+        if h is not None and h.attempt == msg.attempt:
+            h.record.persist_s, h.record.write_queue_s = msg.write_s, msg.queue_s
+            h.record.snapshot_s = msg.snapshot_s
+
+    def resolve(self, msg: StepCommitted | StepAborted) -> None:
+        """A step's verdict: resolve its handle when it is about this rank's attempt."""
+        h = self._by_step.get(msg.step)
+        if h is None or h.attempt != msg.attempt:
+            log.debug(
+                "rank %d: %s of step %d attempt %s, which this rank is not waiting for",
+                self.rank,
+                msg.TYPE.name,
+                msg.step,
+                msg.attempt,
+            )
+        elif isinstance(msg, StepCommitted):
+            self._committed(h, msg)
+        elif msg.skipped:
+            self._skipped_elsewhere(h, msg.reason)
+        else:
+            self.fail(h, msg.reason)
+
+    def _committed(self, h: SaveHandle, msg: StepCommitted) -> None:
+        del self._by_step[msg.step]
+        self._plain.committed(msg.step, msg.plain_digest)
+        for warning in msg.warnings:
+            log.warning("rank %d: %s", self.rank, warning)
+        h.warnings = list(msg.warnings)
+        h.future.set_result(SaveStatus.COMMITTED)
+        r = h.record
+        log.info(
+            "rank %d: step %d committed as %s: %d bytes, stall %.3f s, persist %s s, "
+            "committed %.3f s after save() returned",
+            self.rank,
+            msg.step,
+            msg.name,
+            r.nbytes,
+            r.stall_s,
+            "?" if r.persist_s is None else f"{r.persist_s:.3f}",
+            r.commit_latency_s or 0.0,
+        )
+
+    def fail(self, h: SaveHandle, reason: str, *, unconfirmed: bool = False) -> None:
+        """Abort ``h``; ``unconfirmed``: nobody can say it did not commit (its daemon was lost)."""
+        self._by_step.pop(h.step, None)
+        self._plain.failed(h.step)  # the next saves write every plain item they hold
+        what = "was not confirmed" if unconfirmed else "was not committed"
+        h.future.set_result(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} {what}: {reason}"))
+        self._unobserved.append(h)
+        log.warning("rank %d: step %d aborted: %s", self.rank, h.step, reason)
+
+    def fail_future(self, future: SaveFuture, reason: str) -> None:
+        """Abort the pending save that resolves ``future``."""
+        h = self._by_step.get(future.step)
+        if h is not None and h.future is future:
+            self.fail(h, reason)
+
+    def fail_all(self, reason: str) -> None:
+        for h in list(self._by_step.values()):
+            self.fail(h, reason)
+
+    def daemon_lost(self, reason: str) -> None:
+        """The node daemon was lost (``reason``): fail every pending save with what is known of it."""
+        for h in list(self._by_step.values()):
+            self.fail(h, daemon_lost_reason(reason, h.step, h.path), unconfirmed=True)
+
+    def _skipped_elsewhere(self, h: SaveHandle, reason: str) -> None:
+        """Another rank skipped this step by policy (on_full="skip"): the step is aborted on every
+        rank, and this rank's save of it resolves as SKIPPED, as the skipping rank's own does: the
+        policy's choice, never raised by a later call (only ``wait()`` raises SaveSkippedError)."""
+        self._by_step.pop(h.step, None)
+        h.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {h.step} was skipped: {reason}"))
+        log.warning("rank %d: step %d skipped: %s", self.rank, h.step, reason)
+
+    def raise_unobserved(self) -> None:
+        """Raise the failures of earlier saves nobody observed (each once)."""
+        failed = [h for h in self._unobserved if not h.future.observed]
+        self._unobserved.clear()
+        if failed:
+            for h in failed:
+                h.future.observed = True
+            detail = "; ".join(str(h.error) for h in failed)
+            raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
+
+
+def daemon_lost_reason(reason: str, step: int, path: Location) -> str:
+    """Why a pending save of ``step`` fails when its node daemon is lost (``reason``), as far as
+    this rank can know: a daemon that is also the coordinator may have died after the commit's
+    rename (the point of no return: the next coordinator makes that checkpoint latest), so the
+    committed directory ``path`` is looked at before anything is said about the outcome."""
+    if _in_place(path):
+        return (
+            f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
+            "commit had renamed it into place, and the next daemon makes it latest "
+            "(Checkpointer.latest() tells)"
+        )
+    return (
+        f"{reason} before confirming step {step}; its checkpoint {path} is not in place now, so it "
+        "did not commit unless the job's coordinator on another node still completes it "
+        "(Checkpointer.latest() tells)"
+    )
+
+
+def _in_place(path: Location) -> bool:
+    """The step's checkpoint is complete where it commits (on S3: its commit object exists)."""
+    if isinstance(path, S3Location):
+        try:
+            return checkpoint_exists(path)
+        except CkptdError:  # the store is unreachable too: say what is known, not in place
+            return False
+    return is_real_dir(path) and is_checkpoint_dir(path)
