@@ -113,7 +113,7 @@ class CkptdSaver(Saver):
             self.handle.wait()
 
     def close(self) -> None:
-        pool = self.ckpt._pool
+        pool = self.ckpt._ring.pool
         if pool is not None and pool.pinner is not None:  # how long pinning the ring took (CUDA)
             self.pin_s = pool.pinner.pinned_s
         self.ckpt.close()

@@ -25,20 +25,24 @@ Order of one :meth:`Checkpointer.save` on a rank:
    rank at once, and every rank's save of it resolves as SKIPPED); an idle ring takes a save of
    any size (:mod:`ckptd.staging.backpressure`); otherwise take a control block and the save's
    range of the ring;
-5. start producing the items into the ring: with ``snapshot="lazy"`` (or ``"auto"`` while an
-   optimizer is attached) hand them to the copier thread (:mod:`ckptd.staging.lazy`); with
-   ``snapshot="auto"`` and plain CPU shards, ``fork()`` a copy-on-write child that copies them
-   while training goes on (:mod:`ckptd.staging.fork`; when the child would wait for ring space
-   while an earlier child still waits, wait here first: :mod:`ckptd.staging.children`); each
-   producer waits for ring space the daemon frees;
+5. start the save's producer (:mod:`ckptd.staging.producer`, chosen by
+   :class:`~ckptd.client.rankring.RankRing`): with ``snapshot="lazy"`` (or ``"auto"`` while an
+   optimizer is attached) the copier thread (:mod:`ckptd.staging.lazy`); with ``snapshot="auto"``
+   and plain CPU shards, a forked copy-on-write child that copies them while training goes on
+   (:mod:`ckptd.staging.fork`; when the child would wait for ring space while an earlier child
+   still waits, wait here first: :mod:`ckptd.staging.children`); otherwise (CUDA shards,
+   ``snapshot="copy"``) ``save()`` itself, after the SAVE, while the daemon drains the ring (DMA
+   on a side stream for CUDA tensors: :mod:`ckptd.staging.devcopy`); each producer waits for
+   ring space the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
    :mod:`ckptd.control.attempt`), the rank's plain-key digest and, when its layout changed, the
-   keys it holds without storing them, and wait for its ``SAVE_ACK``; otherwise (CUDA shards,
-   ``snapshot="copy"``) copy the items here now, while the daemon drains the ring (DMA on a side
-   stream for CUDA tensors); return the :class:`SaveHandle`. The daemon writes each item once it
-   is produced and publishes the file once the producer sealed the save; outcomes of
-   other attempts of the step never resolve the handle.
+   keys it holds without storing them, and wait for its ``SAVE_ACK``; tell the producer whether
+   the daemon took the save (``after_ack``: an inline producer copies now), never took it
+   (``cancel``) or may have (``detach``); return the :class:`SaveHandle`, which resolves through
+   its future as the daemon's notifications arrive (:mod:`ckptd.client.pending`). The daemon
+   writes each item once it is produced and publishes the file once the producer sealed the
+   save; outcomes of other attempts of the step never resolve the handle.
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
 Not thread-safe: use a Checkpointer from one thread.
@@ -50,22 +54,16 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ..api import load as sync_load
 from ..config import CkptdConfig, parse_budget
-from ..control.attempt import Incarnation, check_save_step, incarnation_for
-from ..control.endpoints import Endpoints, JobEnv, load_token
-from ..control.keys import derive_keys
+from ..control.attempt import check_save_step
+from ..control.endpoints import Endpoints, JobEnv
 from ..control.protocol import (
     Bye,
-    Codec,
     Message,
-    PoolOk,
-    RegisterPool,
     Save,
-    SaveAck,
     Skip,
     Status,
     StatusReply,
@@ -89,13 +87,10 @@ from ..format.saveplan import PlanCache, plan_rank
 from ..gcpause import gc_paused
 from ..recovery import resolve_resumable
 from ..s3catalog import committed_at
-from ..staging.children import KILL_REAP_S, SnapshotChildren
-from ..staging.devcopy import InlineProducer
-from ..staging.lazy import STOP_MARGIN_S, LazyCopier
-from ..staging.pinning import cuda_registrar
+from ..staging.children import KILL_REAP_S
+from ..staging.lazy import STOP_MARGIN_S
 from ..staging.pool import StagingPool, place
 from ..staging.producer import Claim, Producer
-from ..staging.ring import BLOCKS, capacity_for
 from ..statedict.content import with_content_metadata
 from ..statedict.digest import common_digest
 from ..statedict.holdings import PlainWriters, plain_digest
@@ -104,11 +99,12 @@ from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, join, parse_location
 from .handle import SaveFuture, SaveHandle, SaveStatus
-from .incarnation import agreed_incarnation, launch_store
+from .incarnation import launch_incarnation
 from .layout import LayoutCache
-from .link import DaemonLink, DaemonLostError, RequestNotTaken
+from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped, weakly
 from .pending import PendingSaves
 from .policy import AutoInterval
+from .rankring import RankRing
 from .resume import load_latest
 from .stats import SaveRecord, SaveStats
 
@@ -138,34 +134,20 @@ class Checkpointer:
         else:
             self.root.mkdir(parents=True, exist_ok=True)
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
-        if (
-            self.env.nnodes > 1
-            and not self.config.job_token
-            and self.env.master_addr not in ("127.0.0.1", "localhost", "::1")
-        ):
-            raise CkptdError(
-                "a job spanning machines needs a shared secret: set CKPTD_JOB_TOKEN to the same "
-                "random string on every node (every socket's CurveZMQ keys are derived from it)"
-            )
-        codec = Codec(self.endpoints.job, self.config.max_message_nbytes)
-        keys = derive_keys(load_token(self.endpoints, self.config))
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
         # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's
         # Context.__del__ could wait forever on a socket collected in the same pass), and the
         # finalizer closes its socket within a bounded linger.
-        self._link = DaemonLink(self.endpoints, self.env, self.config, codec, keys, _weakly(self._on_notify))
-        self._finalizer = weakref.finalize(self, _dropped_unclosed, self._link, self.env.rank)
-        self._incarnation = self._launch_incarnation()
+        self._link = DaemonLink.for_job(self.endpoints, self.env, self.config, weakly(self._on_notify))
+        self._finalizer = weakref.finalize(self, abandon_dropped, self._link, self.env.rank)
+        self._incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
-        self._pool: StagingPool | None = None
         self._layout = LayoutCache()
         self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_rank)
         self._plain = PlainWriters()  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
-        self._children = SnapshotChildren(self.env.rank)  # fork snapshot children not reaped yet
-        self._lazy = (
-            LazyCopier(self.env.rank, self.config.snapshot_timeout_s) if self.config.snapshot == "lazy" else None
+        self._ring = RankRing(
+            self.env.rank, self.env.local_world_size, self.endpoints.shm_prefix, self.config, self._link
         )
-        self._attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
         self._pending = PendingSaves(self.env.rank, self._plain)  # handles in flight, failures not observed yet
         self._stats = SaveStats()
         self._policy = (
@@ -178,7 +160,7 @@ class Checkpointer:
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
-                self._ensure_pool(0)  # a byte budget: the ring's size, so its pinning, can start now
+                self._ring.ensure(0)  # a byte budget: the ring's size, so its pinning, can start now
         except BaseException:
             self._link.close()
             raise
@@ -211,8 +193,7 @@ class Checkpointer:
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
         t0 = time.perf_counter()
-        if self._lazy is not None:
-            self._lazy.fence()  # an earlier lazy save is decided before this one is planned
+        self._ring.fence()  # an earlier lazy save is decided before this one is planned
         self._pump_quietly()
         self._pending.raise_unobserved()
         check_save_step(step)
@@ -235,14 +216,14 @@ class Checkpointer:
         digest = (common_digest(split.common) or "") if self.config.check_common and self.env.world_size > 1 else ""
         placements, nbytes = place(items)
         self._ensure_connected()
-        pool = self._ensure_pool(nbytes)
+        pool = self._ring.ensure(nbytes)
         if any(p.nbytes > pool.capacity for p in placements):
             items = split_large_items(items, pool.capacity)  # streams through a ring smaller than it
             placements, nbytes = place(items)
         t_slot = time.perf_counter()
         if self.config.on_full == "skip" and pool.must_skip(placements):
             return self._skip(step, t0, nbytes)
-        self._wait_block(pool, step)
+        self._ring.wait_block(pool, step, lambda s: self._idle(pool, s))
         pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
         block, start = pool.claim(placements)
         claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
@@ -250,7 +231,7 @@ class Checkpointer:
         # Before the fork: while the child runs, every page the trainer writes is copied.
         wire, layout, held = self._layout.items_for(pool.generation, items, placements, plan.held)
         try:
-            producer, waited_s = self._start_producer(pool, claim)
+            producer, waited_s = self._ring.start(pool, claim, self._link.daemon_pid, lambda s: self._idle(pool, s))
         except BaseException:
             pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
@@ -288,25 +269,11 @@ class Checkpointer:
             self._policy.after_save(step, self.stats())
         return handle
 
-    def _start_producer(self, pool: StagingPool, claim: Claim) -> tuple[Producer, float]:
-        """Start what produces the claimed save (module docstring, step 5): the lazy copier, a
-        fork child, else ``save()`` itself after the SAVE; and the seconds waited for a fork's turn."""
-        lazy = self._lazy if self._saves_lazily() else None
-        if lazy is not None:
-            return lazy.start(pool, claim), 0.0
-        waited_s = 0.0
-        daemon_pid = self._link.daemon_pid
-        if self.config.snapshot == "auto" and daemon_pid:
-            child, waited_s = self._children.fork(pool, claim, daemon_pid, lambda s: self._idle(pool, s))
-            if child is not None:
-                return child, waited_s
-        return InlineProducer(pool, claim, self.config.snapshot_timeout_s), waited_s
-
     def _send_save(self, msg: Save, producer: Producer, pool: StagingPool, claim: Claim) -> None:
         """Send the SAVE and wait for its SAVE_ACK; when none comes, tell the producer whether the
         daemon never took the save (cancel: the range is given back) or may still write it (detach)."""
         try:
-            self._link.request(msg, SaveAck, match=lambda a: a.step == msg.step and a.attempt == msg.attempt)
+            self._link.announce(msg)
         except DaemonLostError as exc:
             producer.detach()
             self._daemon_lost(str(exc))
@@ -341,11 +308,11 @@ class Checkpointer:
         """
         self._check_open()
         nbytes = 0
-        if self._pool is None:
+        if self._ring.pool is None:
             split = split_state_dict(expand_stateful(sharded_state_dict))
             nbytes = place(plan_rank(split, self.env.rank, self._plan_cache).items)[1]
         self._ensure_connected()
-        self._ensure_pool(nbytes)
+        self._ring.ensure(nbytes)
 
     def before_update(self) -> None:
         """With lazy snapshots: call before changing saved tensors (the optimizer step); returns
@@ -355,8 +322,7 @@ class Checkpointer:
         ``save()``, and fails otherwise, never saving torn values. ``save()``, ``handle.wait()``
         and ``close()`` fence too. Without lazy snapshots it does nothing.
         """
-        if self._lazy is not None:
-            self._lazy.fence()
+        self._ring.fence()
 
     def attach(self, optimizer: Any) -> Any:
         """Call :meth:`before_update` before every ``optimizer.step()`` (a step pre-hook); returns
@@ -364,15 +330,7 @@ class Checkpointer:
         are lazy snapshots while an optimizer is attached: the fence is then guaranteed before
         every update, and a lazy snapshot costs the loop least (see the README's "Choosing a
         snapshot mode"); after the last ``remove()`` they are fork/DMA snapshots again."""
-        if self.config.snapshot == "auto" and self._lazy is None:
-            self._lazy = LazyCopier(self.env.rank, self.config.snapshot_timeout_s)
-        self._attached += 1
-        return _Attachment(self, optimizer.register_step_pre_hook(lambda *_: self.before_update()))
-
-    def _saves_lazily(self) -> bool:
-        """Whether the next save is a lazy snapshot: ``snapshot="lazy"``, or ``"auto"`` with an
-        optimizer attached."""
-        return self._lazy is not None and (self.config.snapshot == "lazy" or self._attached > 0)
+        return self._ring.attach(optimizer.register_step_pre_hook(lambda *_: self.before_update()))
 
     def due(self, step: int) -> bool:
         """policy="auto": whether to save at ``step``; call it once per training step on every rank.
@@ -462,8 +420,7 @@ class Checkpointer:
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout_s is None else timeout_s)
         try:
             if wait and self._pending and self._link.connected:
-                if self._lazy is not None:
-                    self._lazy.fence(deadline)
+                self._ring.fence(deadline)
                 try:
                     self.wait_all(max(0.0, deadline - time.monotonic()))
                 except SaveFailedError:
@@ -487,36 +444,15 @@ class Checkpointer:
                 log.warning("while closing after an error: %s", exc)
 
     # --- internals -----------------------------------------------------------------------------
-    def _launch_incarnation(self) -> Incarnation:
-        """This launch's incarnation (attempt ids: ckptd.control.attempt): ``CKPTD_RUN_ID`` when
-        set; else, with several ranks, a random one agreed through the launch's torch.distributed
-        store (ckptd.client.incarnation), unique per launch whatever the launcher sets; else one
-        derived from the launcher's variables."""
-        if not self.config.run_id and self.env.world_size > 1:
-            store = launch_store(min(30.0, self.config.daemon_start_timeout_s))
-            agreed = agreed_incarnation(store, self.endpoints.job, self.env.rank) if store is not None else None
-            if agreed is not None:
-                return agreed
-        incarnation = incarnation_for(self.config.run_id, self.env.world_size)
-        if incarnation.weak and self.env.rank == 0:
-            log.warning(
-                "no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID) and no torch.distributed "
-                "store: save attempts are named after %s; a relaunch on the same address repeats them. "
-                "Set CKPTD_RUN_ID to one value per launch on every rank",
-                incarnation.source,
-            )
-        return incarnation
-
     def _stop_producers(self, deadline: float) -> None:
         """Closing: stop what produces saves into the ring, then disconnect, by ``deadline``
         (monotonic) plus :data:`CLOSE_MARGIN_S` (the copier's stop, the BYE's linger, reaping the
         children killed at the deadline). A producer only writes into this rank's ring: stopping
         one fails its save, nothing else. A fork child runs in its own session and survives the
         trainer; it is killed only here, when close() runs out of time."""
-        if self._lazy is not None and not self._lazy.stop(deadline) and self._pool is not None:
-            self._pool = None  # the copier may still write into it: left mapped, the daemon unlinks it
+        self._ring.stop_copier(deadline)
         self._disconnect()
-        self._children.close(deadline)
+        self._ring.children.close(deadline)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -530,9 +466,7 @@ class Checkpointer:
                 owned_by_daemon = True
             except DaemonError:
                 pass
-        if self._pool is not None:
-            self._pool.close(unlink=not owned_by_daemon)
-            self._pool = None
+        self._ring.drop(unlink=not owned_by_daemon)
         self._pending.fail_all("the Checkpointer was closed before the step committed")
         self._link.close(linger_ms=_BYE_LINGER_MS)  # the BYE leaves before the socket goes
 
@@ -550,68 +484,21 @@ class Checkpointer:
         """Fail every pending save and drop the pool: nobody owns it any more."""
         self._link.close_socket()
         self._pending.daemon_lost(reason)
-        if self._lazy is not None:
-            self._lazy.wait_all()
-        if self._pool is not None:
-            self._pool.close(unlink=True)
-            self._pool = None
+        self._ring.quiesce()
+        self._ring.drop(unlink=True)
 
     def _register_again(self, refusal: RequestNotTaken) -> None:
         """The daemon refused a request as from an unknown client: it took this rank for gone and
         retired its staging ring (saves in flight there still finish). Say HELLO again on the same
         connection and let the next save register a new ring."""
         log.warning("rank %d: %s; registering with the node daemon again", self.env.rank, refusal)
-        if self._lazy is not None:
-            self._lazy.wait_all()  # the copier writes into the ring unmapped below
-        if self._pool is not None:
-            self._pool.close(unlink=False)  # the daemon unlinks it once its writes finished
-            self._pool = None
+        self._ring.quiesce()  # the copier writes into the ring unmapped below
+        self._ring.drop(unlink=False)  # the daemon unlinks it once its writes finished
         try:
             self._link.hello_again()
         except DaemonLostError as exc:
             self._daemon_lost(str(exc))
             raise
-
-    def _ensure_pool(self, nbytes: int) -> StagingPool:
-        """This rank's staging ring, created (and registered with the daemon) once the size of a
-        save is known (``prepare()``, ``load()``, a byte budget, else the first save), sized by the
-        staging budget from that save's ``nbytes``; later saves of any size stream through it.
-        In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning)."""
-        pool = self._pool
-        if pool is None:
-            fraction, node_nbytes = parse_budget(self.config.staging_budget)
-            capacity = capacity_for(fraction, node_nbytes, nbytes, self.env.local_world_size)
-            pool = StagingPool.create(
-                self.endpoints.shm_prefix, self.env.rank, capacity, self.config.snapshot_timeout_s
-            )
-            try:
-                self._link.request(RegisterPool(self.env.rank, pool.generation, pool.capacity, pool.names), PoolOk)
-            except BaseException:
-                pool.close(unlink=True)  # the daemon never took it over
-                raise
-            self._pool = pool
-        if pool.pinner is None and self.config.pin_memory:
-            registrar = cuda_registrar()  # None until this process uses CUDA
-            if registrar is not None:
-                pool.start_pinning(registrar)
-        return pool
-
-    def _wait_block(self, pool: StagingPool, step: int) -> None:
-        """Wait for a free control block (BLOCKS saves of this rank in flight at most)."""
-        if pool.has_free_block():
-            return
-        t0 = time.monotonic()
-        deadline = t0 + self.config.slot_wait_timeout_s
-        while not pool.has_free_block():
-            if time.monotonic() > deadline:
-                raise DaemonError(
-                    f"rank {self.env.rank}: {BLOCKS} saves still in flight after "
-                    f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
-                )
-            self._idle(pool, 0.05)
-        log.info(
-            "rank %d: waited %.3f s for a save of its to finish (step %d)", self.env.rank, time.monotonic() - t0, step
-        )
 
     def _idle(self, pool: StagingPool, timeout_s: float) -> None:
         """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
@@ -621,7 +508,7 @@ class Checkpointer:
         except DaemonLostError as exc:
             self._daemon_lost(str(exc))
             raise
-        if self._pool is not pool:
+        if self._ring.pool is not pool:
             raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
     def _next_attempt(self, step: int) -> str:
@@ -644,11 +531,7 @@ class Checkpointer:
         attempt = self._next_attempt(step)
         try:
             self._ensure_connected()
-            self._link.request(
-                Skip(step, attempt, self.env.rank, self.env.world_size, reason),
-                SaveAck,
-                match=lambda a: a.step == step and a.attempt == attempt,
-            )
+            self._link.announce(Skip(step, attempt, self.env.rank, self.env.world_size, reason))
         except CkptdError as exc:
             log.warning(
                 "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
@@ -664,18 +547,14 @@ class Checkpointer:
         )
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
-        self._link.request(
-            Skip(step, attempt, self.env.rank, self.env.world_size, reason, skipped=True),
-            SaveAck,
-            match=lambda a: a.step == step and a.attempt == attempt,
-        )
+        self._link.announce(Skip(step, attempt, self.env.rank, self.env.world_size, reason, skipped=True))
         handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 
     def _on_notify(self, msg: Message) -> None:
         if isinstance(msg, WriteDone):
-            pool = self._pool
+            pool = self._ring.pool
             if pool is not None and msg.generation == pool.generation:
                 pool.release(msg.block)
             self._pending.wrote(msg)
@@ -685,7 +564,7 @@ class Checkpointer:
             log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
 
     def _pump_quietly(self) -> None:
-        self._children.reap()
+        self._ring.children.reap()
         if not self._link.connected:
             return
         try:
@@ -695,8 +574,7 @@ class Checkpointer:
 
     def _wait_for(self, future: SaveFuture, timeout_s: float | None) -> None:
         """Deliver notifications until ``future`` is resolved or ``timeout_s`` passed (a SaveFuture's wait)."""
-        if self._lazy is not None:
-            self._lazy.fence()  # the training thread waits here, so nothing changes meanwhile
+        self._ring.fence()  # the training thread waits here, so nothing changes meanwhile
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         while future.status is SaveStatus.PENDING:
@@ -710,41 +588,3 @@ class Checkpointer:
                 self._link.pump(min(remaining, 0.2))
             except DaemonLostError as exc:
                 self._daemon_lost(str(exc))
-
-
-class _Attachment:
-    """What :meth:`Checkpointer.attach` returns: ``remove()`` detaches the optimizer's hook."""
-
-    def __init__(self, ckpt: Checkpointer, hook: Any) -> None:
-        self._ckpt: Checkpointer | None = ckpt
-        self._hook = hook
-
-    def remove(self) -> None:
-        ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            self._hook.remove()
-            ckpt.before_update()  # a lazy save in flight is decided while the hook still counted
-            ckpt._attached -= 1
-
-
-def _weakly(method: Callable[[Message], None]) -> Callable[[Message], None]:
-    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(msg: Message) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(msg)
-
-    return call
-
-
-def _dropped_unclosed(link: DaemonLink, rank: int) -> None:
-    """A Checkpointer was garbage-collected without close(): release its connection, never block."""
-    log.warning(
-        "rank %d: a Checkpointer was dropped without close(); its connection is closed now. Saves "
-        "already handed to the daemon still commit, but nobody learns their outcome: call close() "
-        "or use `with ckptd.Checkpointer(...) as ckpt:`",
-        rank,
-    )
-    link.abandon()

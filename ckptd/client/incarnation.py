@@ -25,7 +25,9 @@ import secrets
 from datetime import timedelta
 from typing import Any
 
-from ..control.attempt import Incarnation
+from ..config import CkptdConfig
+from ..control.attempt import Incarnation, incarnation_for
+from ..control.endpoints import JobEnv
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +71,24 @@ def agreed_incarnation(store: Any, job: str, rank: int) -> Incarnation | None:
         log.warning("the store holds %r as this launch's incarnation, not 12 hex digits; ignored", tag[:40])
         return None
     return Incarnation(tag, f"agreed through the launch's torch.distributed store (Checkpointer {n} of the launch)")
+
+
+def launch_incarnation(config: CkptdConfig, env: JobEnv, job: str) -> Incarnation:
+    """This launch's incarnation (attempt ids: ckptd.control.attempt): ``CKPTD_RUN_ID`` when set;
+    else, with several ranks, a random one agreed through the launch's torch.distributed store
+    (:func:`agreed_incarnation`), unique per launch whatever the launcher sets; else one derived
+    from the launcher's variables."""
+    if not config.run_id and env.world_size > 1:
+        store = launch_store(min(30.0, config.daemon_start_timeout_s))
+        agreed = agreed_incarnation(store, job, env.rank) if store is not None else None
+        if agreed is not None:
+            return agreed
+    incarnation = incarnation_for(config.run_id, env.world_size)
+    if incarnation.weak and env.rank == 0:
+        log.warning(
+            "no launch id (CKPTD_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID) and no torch.distributed "
+            "store: save attempts are named after %s; a relaunch on the same address repeats them. "
+            "Set CKPTD_RUN_ID to one value per launch on every rank",
+            incarnation.source,
+        )
+    return incarnation

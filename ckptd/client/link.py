@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,12 +28,12 @@ import zmq
 
 from ..config import CkptdConfig
 from ..control.channel import Endpoint, make_socket
-from ..control.endpoints import Endpoints, JobEnv
-from ..control.keys import CurveKeys
+from ..control.endpoints import Endpoints, JobEnv, load_token
+from ..control.keys import CurveKeys, derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Bye, Codec, Hello, Message, Welcome
+from ..control.protocol import Bye, Codec, Hello, Message, Save, SaveAck, Skip, Welcome
 from ..control.requests import RequestClient
-from ..errors import DaemonError, DaemonLostError, RequestNotTaken
+from ..errors import CkptdError, DaemonError, DaemonLostError, RequestNotTaken
 
 __all__ = ["DaemonLink", "DaemonLostError", "RequestNotTaken"]
 
@@ -64,6 +65,19 @@ class DaemonLink:
         self.requests: RequestClient | None = None
         self.instance: str | None = None
         self.daemon_pid: int | None = None
+
+    @classmethod
+    def for_job(
+        cls, ep: Endpoints, env: JobEnv, config: CkptdConfig, on_notify: Callable[[Message], None]
+    ) -> DaemonLink:
+        """A link (not connected yet) authenticated with the job's keys (ckptd.control.keys)."""
+        if env.nnodes > 1 and not config.job_token and env.master_addr not in ("127.0.0.1", "localhost", "::1"):
+            raise CkptdError(
+                "a job spanning machines needs a shared secret: set CKPTD_JOB_TOKEN to the same "
+                "random string on every node (every socket's CurveZMQ keys are derived from it)"
+            )
+        keys = derive_keys(load_token(ep, config))
+        return cls(ep, env, config, Codec(ep.job, config.max_message_nbytes), keys, on_notify)
 
     @property
     def connected(self) -> bool:
@@ -220,6 +234,10 @@ class DaemonLink:
     def send(self, msg: Message) -> None:
         self._requests().send(msg)
 
+    def announce(self, msg: Save | Skip) -> None:
+        """Send a SAVE or SKIP and wait for its SAVE_ACK (the one of its step and attempt)."""
+        self.request(msg, SaveAck, match=lambda a: a.step == msg.step and a.attempt == msg.attempt)
+
     def request(
         self,
         msg: Message,
@@ -253,3 +271,26 @@ class DaemonLink:
             raise DaemonLostError(
                 f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} died; see {self.ep.log_path}"
             )
+
+
+def weakly(method: Callable[[Message], None]) -> Callable[[Message], None]:
+    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(msg: Message) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(msg)
+
+    return call
+
+
+def abandon_dropped(link: DaemonLink, rank: int) -> None:
+    """A Checkpointer was garbage-collected without close(): release its connection, never block."""
+    log.warning(
+        "rank %d: a Checkpointer was dropped without close(); its connection is closed now. Saves "
+        "already handed to the daemon still commit, but nobody learns their outcome: call close() "
+        "or use `with ckptd.Checkpointer(...) as ckpt:`",
+        rank,
+    )
+    link.abandon()

@@ -296,7 +296,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     true pid) can neither save from nor retire the Checkpointer's pool, nor speak for rank 1, nor
     make a writer wait on a process that is not its own snapshot child."""
     ep = job.ckpt.endpoints
-    victim = job.ckpt._pool
+    victim = job.ckpt._ring.pool
     assert victim is not None
     old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its pool
     started = boottime_s()
@@ -326,7 +326,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
         old_child.kill()
         old_child.wait()
     job.committed(5)
-    assert job.ckpt._pool is victim  # the Checkpointer never had to register a new pool
+    assert job.ckpt._ring.pool is victim  # the Checkpointer never had to register a new pool
 
 
 @pytest.mark.timeout(60)

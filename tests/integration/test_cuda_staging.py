@@ -42,12 +42,12 @@ def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process)
             h = ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, step=step)
             for t in tensors.values():
                 t.fill_(float("nan"))  # training overwrites on the GPU right after save() returned
-            assert ckpt._pool is not None and ckpt._pool.pinner is not None  # pinned in the background
+            assert ckpt._ring.pool is not None and ckpt._ring.pool.pinner is not None  # pinned in the background
             h.wait(timeout_s=60)
             for k, v in refs[step].items():
                 tensors[k].copy_(v)
-        assert ckpt._pool.pinner.wait(ckpt._pool.capacity - 1, timeout_s=60) and ckpt._pool.pinned
-        assert ckpt._pool.dma_pieces > 0 and ckpt._pool.pageable_pieces == 0  # every copy by DMA
+        assert ckpt._ring.pool.pinner.wait(ckpt._ring.pool.capacity - 1, timeout_s=60) and ckpt._ring.pool.pinned
+        assert ckpt._ring.pool.dma_pieces > 0 and ckpt._ring.pool.pageable_pieces == 0  # every copy by DMA
         for step in (1, 3):
             want = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}
             out = ckpt.load(want, step=step)
@@ -128,7 +128,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
     with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
         if prepared:
             ckpt.prepare(_sharded(tensors))
-            assert ckpt._pool.pinner.wait(ckpt._pool.capacity - 1, timeout_s=120)
+            assert ckpt._ring.pool.pinner.wait(ckpt._ring.pool.capacity - 1, timeout_s=120)
         ref = {k: v.cpu() for k, v in tensors.items()}
         h = ckpt.save(_sharded(tensors), step=1)
         assert threading.get_ident() not in reg.threads  # nothing registered on this thread
@@ -136,7 +136,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
         for t in tensors.values():
             t.fill_(float("nan"))  # training overwrites right after (default) / after the fence (lazy)
         h.wait(timeout_s=120)
-        pool = ckpt._pool
+        pool = ckpt._ring.pool
         assert pool.pageable_pieces == 0 and pool.dma_pieces > 0
         assert pool.dma_pieces < len(sizes)  # small tensors were gathered into shared copies
         out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=1)
@@ -151,7 +151,8 @@ def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explici
     tensors = {f"w{i}": torch.full((1 << 20,), float(i), device="cuda") for i in range(4)}
     with ckptd.Checkpointer(tmp_path / "run", config=_config(pin_memory=False)) as ckpt:
         ckpt.save(_sharded(tensors), step=1).wait(timeout_s=60)
-        assert ckpt._pool.pinner is None and ckpt._pool.dma_pieces == 0 and ckpt._pool.pageable_pieces > 0
+        pool = ckpt._ring.pool
+        assert pool.pinner is None and pool.dma_pieces == 0 and pool.pageable_pieces > 0
         out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=1)
         assert all(torch.equal(out[k], v) for k, v in tensors.items())
 
@@ -178,7 +179,7 @@ def test_lazy_fence_under_fused_adamw_kernels(tmp_path, single_process):
                     if isinstance(v, torch.Tensor) and v.is_cuda:
                         state[f"s{i}.{name}"] = v
             expected[step] = {k: v.to("cpu", copy=True) for k, v in state.items()}
-            assert ckpt._saves_lazily()
+            assert ckpt._ring.saves_lazily()
             handles.append(ckpt.save(_sharded(state), step=step))
         for h in handles:
             h.wait(timeout_s=120)
@@ -202,7 +203,7 @@ def _two_ranks_one_gpu(rank: int, world: int, root: str, runtime: str) -> bool:
         h = ckpt.save(sd, step=1)
         local.fill_(float("nan"))
         h.wait(timeout_s=120)
-        assert ckpt._pool.pageable_pieces == 0
+        assert ckpt._ring.pool.pageable_pieces == 0
         want = {
             "w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(local), (0, rank, world)),
             f"m{rank}": ShardedTensor.from_rank_offsets(f"m{rank}", torch.zeros_like(moment)),

@@ -108,7 +108,7 @@ def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_pat
                 saved = {k: v.clone() for k, v in tensors.items()}
                 handle = ckpt.save(_state(tensors, step), step=step)
                 if when == "after the copy":
-                    assert ckpt._lazy._pending[-1].copied.wait(30)  # the copier is done, not fenced yet
+                    assert ckpt._ring.lazy._pending[-1].copied.wait(30)  # the copier is done, not fenced yet
                 if fenced:
                     ckpt.before_update()
                 tensors[victim].add_(1000.0)
@@ -269,7 +269,7 @@ def _fence_sees(rank: int, world: int, root: str, runtime: str) -> dict[str, lis
         for step, (words, make) in enumerate(SEEN + NOT_SEEN, start=1):
             payload, write = make(rank)
             handle = ckpt.save({f"x{rank}": ShardedTensor.from_rank_offsets(f"x{rank}", payload), "i": step}, step)
-            assert ckpt._lazy._pending[-1].copied.wait(30)  # copied; the write comes before the fence
+            assert ckpt._ring.lazy._pending[-1].copied.wait(30)  # copied; the write comes before the fence
             write()
             ckpt.before_update()
             try:

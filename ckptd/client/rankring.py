@@ -1,0 +1,157 @@
+"""A Checkpointer's staging ring and what produces its saves into it.
+
+:class:`RankRing` owns the rank's :class:`~ckptd.staging.pool.StagingPool` (created once the size
+of a save is known, and registered with the daemon), and the producers of
+:mod:`ckptd.staging.producer`: the lazy copier (``snapshot="lazy"``, or ``"auto"`` while an
+optimizer is attached), the fork snapshot children (``"auto"``), else ``save()`` itself.
+
+Order of use, on the training thread: :meth:`~RankRing.ensure` the ring; per save
+:meth:`~RankRing.wait_block`, claim its range (``StagingPool.claim``), :meth:`~RankRing.start`
+its producer and tell it what became of the SAVE; :meth:`~RankRing.fence` before the tensors
+change (lazy saves); :meth:`~RankRing.drop` the ring when the daemon no longer owns it or the
+rank disconnects; :meth:`~RankRing.stop_copier` and ``children.close`` when closing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import CkptdConfig, parse_budget
+from ..control.protocol import PoolOk, RegisterPool
+from ..errors import DaemonError
+from ..staging.children import SnapshotChildren
+from ..staging.devcopy import InlineProducer
+from ..staging.lazy import LazyCopier
+from ..staging.pinning import cuda_registrar
+from ..staging.pool import StagingPool
+from ..staging.producer import Claim, Producer
+from ..staging.ring import BLOCKS, capacity_for
+from .link import DaemonLink
+
+log = logging.getLogger(__name__)
+
+
+class RankRing:
+    """One Checkpointer's staging ring (``pool``, None until created or after a drop) and its
+    producers (``lazy``: the copier, None until lazy saves are used; ``children``: fork snapshots)."""
+
+    def __init__(
+        self, rank: int, local_world_size: int, shm_prefix: str, config: CkptdConfig, link: DaemonLink
+    ) -> None:
+        self.rank = rank
+        self.link = link  # registers the ring with the daemon
+        self.local_world_size = local_world_size
+        self.shm_prefix = shm_prefix
+        self.config = config
+        self.pool: StagingPool | None = None
+        self.children = SnapshotChildren(rank)  # fork snapshot children not reaped yet
+        self.lazy = LazyCopier(rank, config.snapshot_timeout_s) if config.snapshot == "lazy" else None
+        self.attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
+
+    def ensure(self, nbytes: int) -> StagingPool:
+        """The ring, created (and registered with the daemon, which owns it from then on) once the
+        size of a save is known (``prepare()``, ``load()``, a byte budget, else the first save),
+        sized by the staging budget from that save's ``nbytes``; later saves of any size stream
+        through it. In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning)."""
+        pool = self.pool
+        if pool is None:
+            fraction, node_nbytes = parse_budget(self.config.staging_budget)
+            capacity = capacity_for(fraction, node_nbytes, nbytes, self.local_world_size)
+            pool = StagingPool.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
+            try:
+                self.link.request(RegisterPool(self.rank, pool.generation, pool.capacity, pool.names), PoolOk)
+            except BaseException:
+                pool.close(unlink=True)  # the daemon never took it over
+                raise
+            self.pool = pool
+        if pool.pinner is None and self.config.pin_memory:
+            registrar = cuda_registrar()  # None until this process uses CUDA
+            if registrar is not None:
+                pool.start_pinning(registrar)
+        return pool
+
+    def wait_block(self, pool: StagingPool, step: int, idle: Callable[[float], None]) -> None:
+        """Wait for a free control block (BLOCKS saves of this rank in flight at most); ``idle(s)``
+        takes the daemon's notifications for up to ``s`` seconds meanwhile."""
+        if pool.has_free_block():
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.config.slot_wait_timeout_s
+        while not pool.has_free_block():
+            if time.monotonic() > deadline:
+                raise DaemonError(
+                    f"rank {self.rank}: {BLOCKS} saves still in flight after "
+                    f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
+                )
+            idle(0.05)
+        log.info("rank %d: waited %.3f s for a save of its to finish (step %d)", self.rank, time.monotonic() - t0, step)
+
+    def attach(self, hook: Any) -> Attachment:
+        """An optimizer is attached by ``hook`` (its step pre-hook that fences): with
+        ``snapshot="auto"`` the saves are lazy from now on, until the last ``remove()``."""
+        if self.config.snapshot == "auto" and self.lazy is None:
+            self.lazy = LazyCopier(self.rank, self.config.snapshot_timeout_s)
+        self.attached += 1
+        return Attachment(self, hook)
+
+    def saves_lazily(self) -> bool:
+        """Whether the next save is a lazy snapshot: ``snapshot="lazy"``, or ``"auto"`` with an
+        optimizer attached."""
+        return self.lazy is not None and (self.config.snapshot == "lazy" or self.attached > 0)
+
+    def start(
+        self, pool: StagingPool, claim: Claim, daemon_pid: int | None, idle: Callable[[float], None]
+    ) -> tuple[Producer, float]:
+        """Start what produces the claimed save: the lazy copier, a fork child (``snapshot="auto"``
+        with a daemon to watch), else ``save()`` itself after the SAVE; and the seconds waited for
+        a fork's turn (``idle`` as for :meth:`wait_block`)."""
+        lazy = self.lazy if self.saves_lazily() else None
+        if lazy is not None:
+            return lazy.start(pool, claim), 0.0
+        waited_s = 0.0
+        if self.config.snapshot == "auto" and daemon_pid:
+            child, waited_s = self.children.fork(pool, claim, daemon_pid, idle)
+            if child is not None:
+                return child, waited_s
+        return InlineProducer(pool, claim, self.config.snapshot_timeout_s), waited_s
+
+    def fence(self, deadline: float | None = None) -> None:
+        """Decide the pending lazy saves (ckptd.staging.lazy.LazyCopier.fence); else nothing."""
+        if self.lazy is not None:
+            self.lazy.fence(deadline)
+
+    def quiesce(self) -> None:
+        """Return once the lazy copier no longer writes into the ring (about to be unmapped)."""
+        if self.lazy is not None:
+            self.lazy.wait_all()
+
+    def drop(self, *, unlink: bool) -> None:
+        """Unmap the ring (``unlink``: no daemon owns it); the next save makes a new one."""
+        if self.pool is not None:
+            self.pool.close(unlink=unlink)
+            self.pool = None
+
+    def stop_copier(self, deadline: float) -> None:
+        """Closing: stop the lazy copier by ``deadline`` (plus its STOP_MARGIN_S); a copier that
+        still runs may write into the ring, which then stays mapped (the daemon unlinks it)."""
+        if self.lazy is not None and not self.lazy.stop(deadline) and self.pool is not None:
+            self.pool = None
+
+
+class Attachment:
+    """What :meth:`Checkpointer.attach <ckptd.client.checkpointer.Checkpointer.attach>` returns:
+    ``remove()`` detaches the optimizer's hook."""
+
+    def __init__(self, ring: RankRing, hook: Any) -> None:
+        self._ring: RankRing | None = ring
+        self._hook = hook
+
+    def remove(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            self._hook.remove()
+            ring.fence()  # a lazy save in flight is decided while the hook still counted
+            ring.attached -= 1
