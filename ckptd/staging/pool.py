@@ -99,7 +99,7 @@ class StagingPool:
     Order of use (training thread): :meth:`create` (once the size of a save is known; sized by the
     staging budget), :meth:`start_pinning` when CUDA tensors will be copied into it, then per save
     :meth:`claim` a control block and the save's virtual range, produce its items into the ring (a
-    fork child, the lazy copier, or ``ckptd.staging.devcopy.copy_inline``), and get the block
+    :class:`~ckptd.staging.producer.Producer`: fork child, lazy copier or inline copy), get the block
     back from the daemon's WRITE_DONE (:meth:`release`; :meth:`unclaim` if the daemon never took
     the save); :meth:`close` unpins and unmaps (and unlinks only a segment no daemon took over).
     """
