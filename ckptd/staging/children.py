@@ -6,9 +6,9 @@ Order of use, on the training thread: :meth:`SnapshotChildren.fork` a save's chi
 :func:`ckptd.staging.backpressure.may_fork`); its :class:`ForkProducer` adds it to the children
 once the daemon took the save (or may have); :meth:`~SnapshotChildren.reap` now and then (never
 blocks), :meth:`~SnapshotChildren.close` when the Checkpointer closes: children still running at
-its deadline are killed. A snapshot child only
-copies the trainer's memory into the ring (``pwrite``, no file, no socket), so killing it fails
-its save and nothing else: the daemon sees it exit unsealed (ckptd.daemon.snapshot).
+its deadline are killed. A snapshot child only copies the trainer's memory into the ring
+(``pwrite``, no file, no socket), so killing it fails its save and nothing else: the daemon sees
+it exit unsealed (ckptd.daemon.snapshot).
 """
 
 from __future__ import annotations
