@@ -19,9 +19,12 @@ from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.errors import StagingError
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
+from ckptd.staging.children import SnapshotChildren
+from ckptd.staging.devcopy import InlineProducer
 from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap
+from ckptd.staging.lazy import LazyCopier
 from ckptd.staging.pool import StagingPool, bytes_view, place
-from ckptd.staging.producer import start_block
+from ckptd.staging.producer import Claim, Producer, start_block
 from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
 
@@ -237,3 +240,54 @@ def test_forks_while_threads_create_thread_states_all_start():
         for t in threads:
             t.join(10)
         sys.setswitchinterval(interval)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fork", "lazy", "inline"])
+def test_every_producer_kind_produces_and_seals_the_claimed_save(ring, kind):
+    # The three producers behind one type: started on a claim, told that the daemon took the save
+    # (after_ack), each leaves the values of save() time in the ring and the seal the SAVE announced.
+    pool, dring = ring
+    tensors = [torch.randn(1000), torch.randn(256, 1024)]
+    expected = [t.clone() for t in tensors]
+    items = _items(tensors, b"pickled object bytes")
+    placements, _ = place(items)
+    block, start = pool.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    children, copier = SnapshotChildren(0), LazyCopier(0, timeout_s=30)
+    producer: Producer | None
+    if kind == "fork":
+        producer, waited_s = children.fork(pool, claim, os.getpid(), time.sleep)
+        assert waited_s >= 0
+    elif kind == "lazy":
+        producer = copier.start(pool, claim)
+    else:
+        producer = InlineProducer(pool, claim, pin_timeout_s=30)
+    assert producer is not None
+    snap = producer.snapshot
+    assert producer.after_ack() >= 0
+    copier.fence()  # a lazy save is sealed once fenced unchanged
+    for t in tensors:
+        t.fill_(float("nan"))  # training goes on
+    wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset)
+    wait.wait(dring, timeout_s=30)
+    for p, ref in zip(placements, expected):
+        assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
+    children.close(time.monotonic() + 30)
+    assert len(children) == 0 and copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(ring):
+    pool, _ = ring
+    items = _items([torch.randn(4096)], b"x")
+    placements, _ = place(items)
+    block, start = pool.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    children = SnapshotChildren(0)
+    producer, _ = children.fork(pool, claim, os.getpid(), time.sleep)
+    assert producer is not None
+    producer.cancel()  # the daemon never took the save: its range may be given back now
+    with pytest.raises(ChildProcessError):
+        os.waitpid(producer.snapshot.pid, os.WNOHANG)  # exited and reaped already
+    assert len(children) == 0
