@@ -18,7 +18,7 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
-from ckptd.client import checkpointer as checkpointer_mod
+from ckptd.client import rankring as rankring_mod
 from ckptd.staging.pinning import CudaRegistrar
 from tests.multiproc import run_ranks
 
@@ -121,7 +121,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
     save; without it the first save waits for its own chunks (ckptd bench train reports both
     stalls). Many tensors of mixed sizes, as a model's state dict."""
     reg = RecordingRegistrar(torch.cuda.current_device())
-    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes = [1 << 24, 3 << 20, 1000, 1, 4096, 1 << 22] * 20  # 120 tensors, 1.6 GiB of float32
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate(sizes)}

@@ -16,7 +16,7 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
-from ckptd.client import checkpointer as checkpointer_mod
+from ckptd.client import rankring as rankring_mod
 from tests.unit.test_pinning import CountingRegistrar
 
 
@@ -42,7 +42,7 @@ def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_proc
     code before this (StagingPool._pin) registered the whole ring inside the first save(), on the
     training thread."""
     reg = CountingRegistrar()
-    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     state = _state(300_000)  # 4.6 MiB: the default 1.25x ring is 5.7 MiB, 23 chunks of 256 KiB
     monkeypatch.setattr("ckptd.staging.pool.CHUNK_NBYTES", 256 << 10)
     me = threading.get_ident()
@@ -67,7 +67,7 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
     (CPU tensors here, which need no pinned chunk) returns while the pinner still works."""
     gate = threading.Event()
     reg = CountingRegistrar(gate=gate)
-    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     state = _state(100_000)
     try:
         with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot="copy")) as ckpt:
@@ -85,7 +85,7 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
 @pytest.mark.timeout(120)
 def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(tmp_path, single_process, monkeypatch):
     reg = CountingRegistrar()
-    monkeypatch.setattr(checkpointer_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="4MiB")) as ckpt:
         pool = ckpt._ring.pool
         assert pool is not None and pool.capacity == 4 << 20 and pool.pinner is not None
