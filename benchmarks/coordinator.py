@@ -268,9 +268,11 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
     """Start a coordinator, play ``commits`` saves of ``ranks`` ranks, measure, stop it."""
     nodes = math.ceil(ranks / ranks_per_node)
     base = Path(tempfile.mkdtemp(prefix=f"bench-coord-{ranks}-", dir=workdir))
-    root, runtime, template = base / "root", base / "run", base / "files"
-    for d in (root, runtime, template):
+    root, template = base / "root", base / "files"
+    for d in (root, template):
         d.mkdir(mode=0o700)
+    # the ipc socket's path must fit in 107 bytes, however deep the work directory is
+    runtime = Path(tempfile.mkdtemp(prefix="ckbc", dir="/tmp"))
     token = secrets.token_hex(32)
     records, file_nbytes = rank_files(template, ranks, items_per_rank)
     coord = Coordinator(root, runtime, token)
@@ -314,6 +316,7 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
         played.close()
         coord.stop()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     latencies = [r[0] for r in runs]
     return Point(
         ranks,

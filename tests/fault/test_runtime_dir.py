@@ -145,7 +145,9 @@ print(json.dumps(out))
 
 _SCRIPT = """
 set -e
+exec 9< "$REPO"  # the checkout may live under /tmp (a CI clone): keep it reachable past the mount
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+case "$REPO" in /tmp/*) mkdir -p "$REPO" && mount --bind /proc/self/fd/9 "$REPO";; esac
 mkdir -m 0755 /tmp/ckptd-0 && chown 65534:65534 /tmp/ckptd-0        # there first
 mkdir -m 0700 /tmp/ckptd-0-0decoy && chown 65534:65534 /tmp/ckptd-0-0decoy
 echo '#concurrent'
@@ -167,7 +169,9 @@ def test_a_squatted_default_runtime_dir_does_not_stop_the_users_jobs():
     for var in ("XDG_RUNTIME_DIR", "CKPTD_RUNTIME_DIR"):
         env.pop(var, None)
     env.update(CHILD=_CHILD, CKPTD_HEARTBEAT_S="0.1", CKPTD_IDLE_EXIT_S="60")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    repo = str(Path(__file__).resolve().parents[2])
+    env["REPO"] = repo
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     run = subprocess.run(
         ["unshare", "-m", "--propagation", "private", "sh", "-c", _SCRIPT],
         env=env,

@@ -300,7 +300,8 @@ def _documented_params(text: str, positional_names: bool = True) -> list[tuple[s
         star = star or name == "*"
         if not positional_names and not star and not name.startswith("**"):
             name = "_"
-        value = eval(default, vars(ckptd)) if default else (None if name == "*" else inspect.Parameter.empty)
+        names = {n: getattr(ckptd, n) for n in dir(ckptd)}  # ckptd's names are imported lazily
+        value = eval(default, names) if default else (None if name == "*" else inspect.Parameter.empty)
         out.append((name, value))
     return out
 
