@@ -69,8 +69,12 @@ def stalls_ms(recs: list[dict]) -> str:
 
 
 def failed(what: str, log: Path) -> int:
-    tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
-    print(f"\nFAIL: {what}. The last lines of {log}:\n  " + "\n  ".join(tail), file=sys.stderr)
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    # A rank's own traceback tells why (torchrun prefixes it with [rankN]:); torchrun's report of
+    # the failed child, which ends the log, does not.
+    ranks = [line for line in lines if line.startswith("[rank")]
+    shown = ranks[-40:] if ranks else lines[-40:]
+    print(f"\nFAIL: {what}. From {log}:\n  " + "\n  ".join(shown), file=sys.stderr)
     return 1
 
 

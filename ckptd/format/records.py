@@ -49,7 +49,9 @@ def _storable(dtype: torch.dtype) -> bool:
         return False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32: "ComplexHalf support is experimental"
-        return not torch.empty(0, dtype=dtype).is_quantized
+        # on the meta device: no memory, and no fill (deterministic mode fills every new tensor,
+        # which is not implemented for float4 on CPU)
+        return not torch.empty(0, dtype=dtype, device="meta").is_quantized
 
 
 # Canonical names (str(dtype) without "torch.") of every dtype ckptd saves; records and the
