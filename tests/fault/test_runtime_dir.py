@@ -146,8 +146,9 @@ print(json.dumps(out))
 _SCRIPT = """
 set -e
 exec 9< "$REPO"  # the checkout may live under /tmp (a CI clone): keep it reachable past the mount
+# (--no-canonicalize: mount(8) would resolve fd 9 to its path, which the new /tmp hides)
 mount -t tmpfs -o mode=1777 tmpfs /tmp
-case "$REPO" in /tmp/*) mkdir -p "$REPO" && mount --bind /proc/self/fd/9 "$REPO";; esac
+case "$REPO" in /tmp/*) mkdir -p "$REPO" && mount --no-canonicalize --bind /proc/self/fd/9 "$REPO";; esac
 mkdir -m 0755 /tmp/ckptd-0 && chown 65534:65534 /tmp/ckptd-0        # there first
 mkdir -m 0700 /tmp/ckptd-0-0decoy && chown 65534:65534 /tmp/ckptd-0-0decoy
 echo '#concurrent'
