@@ -213,9 +213,15 @@ class S3Root:
         the step is not committed (a committed step's belong to the attempt that committed it)."""
         name = step_dir_name(step)
         try:
+            record = read_s3_commit_record(self.client, name)
+            if record is not None and record.attempt == attempt:
+                # This attempt committed (a coordinator died after its commit object, and a node
+                # that lost it aborted locally): its objects are the checkpoint, never junk.
+                log.warning("not removing %s: attempt %s committed it", self.display(name), attempt)
+                return
             _, found = self.client.list_dir(name)
             mine = [i.key for i in found if _attempt_of(i.key) == attempt]
-            if read_s3_commit_record(self.client, name) is None:
+            if record is None:
                 mine += [f"{name}/{n}" for n in METADATA_OBJECTS]
             self.client.delete(mine)
             for upload in self.client.uploads(name):

@@ -16,6 +16,8 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.errors import CheckpointExistsError, StorageError
 from ckptd.format.commitrecord import COMMIT_RECORD
+from ckptd.roots.s3_root import S3Root
+from ckptd.s3catalog import read_s3_commit_record
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import UnsupportedLocationError, parse_location
 from tests.multiproc import without_torchrun
@@ -69,6 +71,25 @@ def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
         assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000020")["w"], values[20])
     finally:
         _stop_daemon(root, runtime_dir)
+
+
+@pytest.mark.timeout(120)
+def test_removing_the_committed_attempt_of_a_step_removes_nothing(s3_bucket, runtime_dir):
+    """A coordinator killed after a step's commit object, and a node that aborted that attempt
+    locally meanwhile: the next coordinator cleans up the node's abort. That removed the committed
+    attempt's data objects (the crash matrix on S3 found step 4 loading wrong values)."""
+    root = f"s3://{s3_bucket}/runs/committed-abort"
+    w = torch.randn(1 << 16)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            ckpt.save(_sd(w, 4), step=4).wait(timeout_s=120)
+    finally:
+        _stop_daemon(root, runtime_dir)
+    location = parse_location(root)
+    record = read_s3_commit_record(S3Client(location), "iter_0000004")
+    assert record is not None
+    S3Root(location).abort(4, record.attempt)
+    assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000004")["w"], w)
 
 
 @pytest.mark.timeout(120)
