@@ -202,15 +202,22 @@ def _survive_daemon_kill(rank: int, world: int, env: dict, root: str, marks: str
     with ckptd.Checkpointer(root) as ckpt:
         before = ckpt.latest()
         aj.fill(state, rank, 200)
+        # Every rank saves at once: ranks that start seconds apart on a loaded machine would let
+        # node 0 finish its writes before the last rank's save() returns, and the kill below
+        # would no longer land mid-write.
+        (marks_dir / f"ready{rank}").touch()
+        wait_until(lambda: len(list(marks_dir.glob("ready*"))) == world, 60, "every rank to be ready to save")
         h = ckpt.save(aj.sharded(state, rank, 200), step=200)
         (marks_dir / f"returned{rank}").touch()
         if rank == 0:
             # Kill node 0's daemon (which hosts the coordinator) while the writes are delayed.
             wait_until(lambda: len(list(marks_dir.glob("returned*"))) == world, 60, "every rank's save() to return")
-            status = ckpt.status()
+            busy = wait_until(
+                lambda: ckpt.status()["jobs_in_flight"], 10, "node 0's writes of step 200 to be in flight"
+            )
             pid = daemon_pid(ckpt.endpoints.pid_path)
             os.kill(pid, signal.SIGKILL)
-            (marks_dir / f"killed{pid}-busy{status['jobs_in_flight']}").touch()
+            (marks_dir / f"killed{pid}-busy{busy}").touch()
         with pytest.raises(ckptd.SaveFailedError) as err:
             h.wait(timeout_s=60)
         assert h.status is ckptd.SaveStatus.ABORTED

@@ -1,6 +1,6 @@
 """Waiting in tests and harnesses: poll a condition until it holds or a deadline passes, never sleep a guess.
 
-``wait_until(cond, timeout_s, what)`` returns once ``cond()`` is true and fails the test (naming
+``wait_until(cond, timeout_s, what)`` returns ``cond()``'s first true value and fails the test (naming
 ``what``) when ``timeout_s`` passed first; ``wait_for_exit(pid, timeout_s)`` waits until a process
 is gone (or a zombie: exited, not yet reaped by its parent).
 """
@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 
 POLL_INTERVAL_S = 0.02
+T = TypeVar("T")
 
 
-def wait_until(cond: Callable[[], object], timeout_s: float, what: str) -> None:
+def wait_until(cond: Callable[[], T], timeout_s: float, what: str) -> T:
+    """The first true value of ``cond()``."""
     deadline = time.monotonic() + timeout_s
-    while not cond():
+    while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(POLL_INTERVAL_S)
+    return value
 
 
 def exited(pid: int) -> bool:
