@@ -59,11 +59,13 @@ class CkptdConfig:
     Persisting: ``writer_threads`` per node daemon; ``fsync`` and ``checksums`` as in
     :func:`ckptd.save`; ``keep_last`` committed checkpoints are kept (0: keep all), older ones are
     deleted only after a newer one committed; ``megatron_tracker`` also writes Megatron-LM's
-    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``file_mode`` (octal; default 0o600:
-    owner read-write only, since a shared primary group such as ``users`` would otherwise let
-    anyone copy the weights; 0o640 opens them to the group) is the mode of every file the daemon
-    writes into the root (data, metadata, trackers); step directories get it plus x wherever r is
-    set (0o700). The process umask may narrow it further.
+    ``latest_checkpointed_iteration.txt`` next to ``latest``. ``mirror`` (``s3://bucket/prefix``)
+    adds a second tier to a local root: every step committed locally is then copied there in the
+    background, keeping ``mirror_keep_last`` copies (0: all; see ckptd.roots.mirror).
+    ``file_mode`` (octal; default 0o600: owner read-write only, since a shared primary group such
+    as ``users`` would otherwise let anyone copy the weights; 0o640 opens them to the group) is
+    the mode of every file the daemon writes into the root (data, metadata, trackers); step
+    directories get it plus x wherever r is set (0o700). The process umask may narrow it further.
     """
 
     # staging
@@ -77,6 +79,9 @@ class CkptdConfig:
     checksums: bool = True
     keep_last: int = 0
     megatron_tracker: bool = True
+    # two tiers (ckptd.roots.mirror): an s3://bucket/prefix every locally committed step is copied to
+    mirror: str = ""
+    mirror_keep_last: int = 0  # committed copies kept in the mirror (0: keep all)
     check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
     file_mode: int = dataclasses.field(default=0o600, metadata={"octal": True})
     # Background work yields to training: CPU niceness of the node daemon, whose I/O also runs at
@@ -122,8 +127,9 @@ class CkptdConfig:
         parse_budget(self.staging_budget)  # raises CkptdError naming the setting
         if self.writer_threads < 1:
             raise CkptdError(f"config writer_threads={self.writer_threads}: need at least 1")
-        if self.keep_last < 0:
-            raise CkptdError(f"config keep_last={self.keep_last}: use 0 to keep all, or K >= 1")
+        for name in ("keep_last", "mirror_keep_last"):
+            if getattr(self, name) < 0:
+                raise CkptdError(f"config {name}={getattr(self, name)}: use 0 to keep all, or K >= 1")
         if self.file_mode & ~0o666 or self.file_mode & 0o600 != 0o600:
             raise CkptdError(
                 f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "

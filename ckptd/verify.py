@@ -29,7 +29,6 @@ written. Findings carry the file, item, byte offset and length involved.
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -49,6 +48,7 @@ from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
 from .format.layout import (
     COMMON_PT,
     COMMON_PT_MAX_NBYTES,
+    DATA_FILE_PATTERN,
     DATA_SUFFIX,
     DCP_METADATA,
     METADATA_JSON,
@@ -70,7 +70,6 @@ WARNING = "warning"
 NOTE = "note"
 
 _BLOCK_BYTES = 16 << 20
-_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class ProgressSink(Protocol):
@@ -150,7 +149,7 @@ def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
     """Records from ``.metadata`` carry no rank; the data file name ``__<rank>_<n>`` has it."""
     out = []
     for r in records:
-        m = _DATA_FILE.match(r.relative_path)
+        m = DATA_FILE_PATTERN.match(r.relative_path)
         out.append(ItemRecord(**{**asdict(r), "rank": int(m.group(1)) if m else -1}))
     return out
 

@@ -107,6 +107,7 @@ from .policy import AutoInterval
 from .rankring import RankRing
 from .resume import load_latest
 from .stats import SaveRecord, SaveStats
+from .tiers import Levels, mirror_location
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class Checkpointer:
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
             self.root.mkdir(parents=True, exist_ok=True)
+        self._levels = Levels(self.root, mirror_location(self.config.mirror, self.root))
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
         # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's
@@ -354,7 +356,7 @@ class Checkpointer:
         committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
         which raises CorruptCheckpointError when checkpoints exist but none is loadable).
         """
-        choice = resolve_resumable(self.root, damaged=self._damaged)
+        choice = resolve_resumable(self._levels.resume_root(self._damaged), damaged=self._damaged)
         return None if choice is None else choice.step
 
     def checkpoint_dir(self, step: int | None = None) -> Location:
@@ -363,14 +365,22 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
-        return join(self.root, step_dir_name(step))
+        return self._levels.step_location(step)
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
         falling back past damaged ones, every rank alike (:func:`ckptd.client.resume.load_latest`)."""
         if step is not None:
             return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
-        return load_latest(self.root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
+        root = self._levels.resume_root(self._damaged, collective=True, group=kwargs.get("process_group"))
+        return load_latest(root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
+
+    def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:
+        """With a mirror (config ``mirror="s3://..."``): return once ``step`` is committed in the
+        object store too (a local commit is copied in the background, newest first, so a step that
+        a newer one overtook before its copy started is never mirrored); SaveTimeoutError after
+        ``timeout_s``."""
+        self._levels.wait_mirrored(step, timeout_s)
 
     @property
     def pending(self) -> list[SaveHandle]:

@@ -106,6 +106,22 @@ def _print(info: dict[str, Any]) -> None:
                 or "none"
             )
         )
+    _print_mirror(info.get("mirror"))
+
+
+def _print_mirror(mirror: dict[str, Any] | None) -> None:
+    if mirror is None:
+        return
+    last = mirror.get("last_upload")
+    copied = mirror["mirrored_step"]
+    line = f"  mirror {mirror['url']}: latest copy step {'none' if copied is None else copied}"
+    if mirror.get("uploading_step") is not None:
+        line += f"; copying step {mirror['uploading_step']}"
+    if last:
+        line += f"; last copy step {last['step']} in {last['seconds']:.1f}s"
+    print(line)
+    if mirror.get("error"):
+        print(f"  mirror problem: {mirror['error']}")
 
 
 def _print_health(info: dict[str, Any]) -> None:

@@ -48,8 +48,9 @@ from .metrics import DaemonMetrics, render_status
 from .metrics_http import MetricsServer, http_url
 from .pools import PoolTable
 from .ranks import DaemonHooks, RankServer
+from .store import daemon_mirror
 from .uplink import CoordinatorLink, StepKey
-from .workers import Completion, Completions, WorkerPools, WriteFinished
+from .workers import CommitFinished, Completion, Completions, WorkerPools, WriteFinished
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class NodeDaemon:
             if coordinator
             else None
         )
+        self.mirror = daemon_mirror(ep.root, config) if coordinator else None
         upstream = self.coordinator.address if self.coordinator is not None else ep.coordinator_connect
         self.uplink = CoordinatorLink(
             self.ctx, codec, keys, upstream, ep.node, f"node{ep.node}-{self.instance}".encode(), config, self._deliver
@@ -176,6 +178,8 @@ class NodeDaemon:
 
     def run(self) -> None:
         tick_ms = max(10, int(min(self.config.heartbeat_s, 0.25) * 1000))
+        if self.mirror is not None:
+            self.mirror.start()
         while True:
             self.loop.poll(tick_ms)
             if self.completions.signalled():
@@ -195,6 +199,8 @@ class NodeDaemon:
             self.intake.on_done(done)
         elif self.coordinator is not None:  # commits and cleanups are the coordinator's only
             self.coordinator.on_done(done)
+            if self.mirror is not None and isinstance(done, CommitFinished) and done.error is None:
+                self.mirror.kick()
 
     def _deliver(self, key: StepKey, identities: set[bytes], outcome: Message) -> None:
         """A step resolved: count it and tell its ranks."""
@@ -226,7 +232,10 @@ class NodeDaemon:
 
     def _busy(self) -> bool:
         return bool(
-            self.workers.in_flight or self.uplink.busy or (self.coordinator is not None and self.coordinator.busy)
+            self.workers.in_flight
+            or self.uplink.busy
+            or (self.coordinator is not None and self.coordinator.busy)
+            or (self.mirror is not None and self.mirror.busy)
         )
 
     def _should_exit(self, now: float) -> bool:
@@ -258,6 +267,8 @@ class NodeDaemon:
         """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.mirror is not None:
+            self.mirror.stop(self.config.request_timeout_s)
         self.workers.shutdown()
         self._on_completions()
         self.pools.release_all()
@@ -288,6 +299,7 @@ class NodeDaemon:
             "rejected_messages": sum(rejected.values()) + (coordinator["rejected_messages"] if coordinator else 0),
             "rejected": rejected,
             "coordinator": coordinator,
+            "mirror": self.mirror.status() if self.mirror is not None else None,
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
             "memory": self.memory.report(),

@@ -4,13 +4,15 @@ place the test hooks of ckptd.daemon.faults enter (production configurations nev
 from __future__ import annotations
 
 from ..config import CkptdConfig
+from ..errors import CkptdError
 from ..format.direct import open_data_file
 from ..format.durable import default_opener
 from ..roots.base import RootStore
 from ..roots.posix_root import PosixRoot
 from ..roots.s3_root import S3Root
-from ..storage.url import Location, S3Location
+from ..storage.url import Location, S3Location, parse_location
 from .faults import debug_opener, fault_opener
+from .mirror import MirrorUploader
 
 
 def daemon_store(root: Location, config: CkptdConfig) -> RootStore:
@@ -26,3 +28,16 @@ def daemon_store(root: Location, config: CkptdConfig) -> RootStore:
         data_opener=debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file),
         opener=fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener,
     )
+
+
+def daemon_mirror(root: Location, config: CkptdConfig) -> MirrorUploader | None:
+    """The coordinator's mirror thread (not started) when ``config.mirror`` names one."""
+    if not config.mirror:
+        return None
+    mirror = parse_location(config.mirror)
+    if not isinstance(mirror, S3Location) or isinstance(root, S3Location):
+        raise CkptdError(
+            f"config mirror={config.mirror!r} for root {root}: a mirror is an s3://bucket/prefix of a local root"
+        )
+    store = S3Root(mirror, keep_last=config.mirror_keep_last, megatron_tracker=config.megatron_tracker)
+    return MirrorUploader(root, store)

@@ -42,11 +42,15 @@ class CommitRecord:
     # {"nbytes": size, "crc32c": checksum (the metadata objects)}, so that a reader checks what it
     # reads against what was committed, and knows the data objects' sizes without listing.
     objects: dict[str, dict[str, int]] | None = None
+    # A mirror's copy only (ckptd.roots.mirror): the local commit it copies, {"seq": its seq in
+    # the local root, "attempt": its attempt}, so that a resume tells which level is newer.
+    source: dict[str, int | str] | None = None
 
     def to_bytes(self) -> bytes:
         fields = asdict(self)
-        if self.objects is None:
-            del fields["objects"]
+        for optional in ("objects", "source"):
+            if fields[optional] is None:
+                del fields[optional]
         return json.dumps(fields).encode()
 
 
@@ -75,6 +79,7 @@ def parse_commit_record(raw: bytes, where: object) -> CommitRecord | None:
             attempt=obj["attempt"],
             committed_unix_s=obj["committed_unix_s"],
             objects=obj.get("objects"),
+            source=obj.get("source"),
         )
         if not (
             type(rec.seq) is int
@@ -83,6 +88,7 @@ def parse_commit_record(raw: bytes, where: object) -> CommitRecord | None:
             and isinstance(rec.attempt, str)
             and isinstance(rec.committed_unix_s, (int, float))
             and (rec.objects is None or _objects_ok(rec.objects))
+            and (rec.source is None or _source_ok(rec.source))
         ):
             raise ValueError("unexpected field types")
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
@@ -97,6 +103,15 @@ def _objects_ok(objects: object) -> bool:
         and isinstance(info, dict)
         and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in info.items())
         for name, info in objects.items()
+    )
+
+
+def _source_ok(source: object) -> bool:
+    return (
+        isinstance(source, dict)
+        and set(source) == {"seq", "attempt"}
+        and type(source["seq"]) is int
+        and isinstance(source["attempt"], str)
     )
 
 

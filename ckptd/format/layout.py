@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
@@ -23,6 +24,8 @@ METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
 DCP_METADATA = ".metadata"
 DATA_SUFFIX = ".distcp"
+# A data file of DCP's naming; group 1 is the rank that wrote it.
+DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 # Size limits of the files read whole: far above what a real checkpoint writes (metadata.json:
 # ~150 bytes; .metadata: ~100 bytes per chunk; common.pt: the non-sharded state), so that a damaged

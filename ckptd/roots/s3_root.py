@@ -105,7 +105,11 @@ class S3Root:
         records: list[ItemRecord],
         common: bytes,
         data_files: Mapping[str, tuple[int, int]],
+        *,
+        source: dict[str, int | str] | None = None,
     ) -> CommitOutcome:
+        """``source``: the local commit a mirror's copy is of (ckptd.roots.mirror), recorded in
+        the commit record."""
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None
@@ -134,6 +138,7 @@ class S3Root:
             attempt=attempt,
             committed_unix_s=time.time(),
             objects=objects,
+            source=source,
         )
         try:
             self._create(f"{name}/{COMMIT_RECORD}", record.to_bytes())  # the commit point

@@ -1,0 +1,256 @@
+"""Two tiers: a local root (node-local disk or a shared filesystem) mirrored to an ``s3://`` root.
+
+Saves commit to the local root as without a mirror (the rename is the commit point, at disk
+speed); the coordinator's daemon then copies each committed step into the mirror in the
+background, where it is committed as any object-store save is (a commit object written last,
+``latest`` moved by compare-and-swap; ckptd.roots.s3_root). The two levels commit separately:
+"committed" on the local level means "renamed into place and durable on that disk", on the
+mirror level "its commit object exists", which may come seconds to minutes later, or never for
+a step a newer one overtook.
+
+Order of one mirror upload (the mirror thread of the coordinator's daemon, ckptd.daemon.mirror):
+
+1. :func:`next_upload` compares the local root's latest commit with the commit the mirror's
+   latest copies (its commit record's ``source``): only the newest local commit is ever copied,
+   so a mirror that lags behind frequent saves skips steps rather than queueing them;
+2. :func:`mirror_step` takes a read lease on the local step directory (retention leaves it in
+   place meanwhile), streams each data file into a new data object whose key names a fresh
+   mirror attempt, checking every item's CRC-32C against ``.metadata`` on the way (a local bit
+   flip is refused, never copied), and commits the copy with the local step's records and common
+   state; its commit record names the local commit in ``source``;
+3. a failed upload removes its objects (:meth:`S3Root.abort`) and is retried after
+   :data:`RETRY_AFTER_S`, or at once when a newer step commits locally.
+
+A resume picks the level with :func:`resume_level`: the local copy, unless the local root has
+no checkpoint or only older steps than the mirror's latest (a replaced node, a lost disk), or the
+ranks do not all see the same local checkpoint (node-local disks): then the mirror.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass, replace
+from io import FileIO
+from pathlib import Path
+
+from ..catalog import scan_root
+from ..errors import CkptdError, CorruptCheckpointError, StorageError
+from ..format.checksum import Checksum, crc32c
+from ..format.commitrecord import read_commit_record
+from ..format.dcp_metadata import read_index, records_from_index
+from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES, DATA_FILE_PATTERN
+from ..format.lease import ReadLease
+from ..format.records import ItemRecord
+from ..format.rootlayout import step_dir_name
+from ..format.safefs import open_regular, read_regular
+from ..s3catalog import read_s3_commit_record, read_s3_tracker
+from ..storage.objwriter import ObjectSink
+from .base import CommitOutcome
+from .s3_data import s3_data_file_name
+from .s3_root import S3Root
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"
+MIRROR = "mirror"
+RETRY_AFTER_S = 30.0
+_CHUNK_NBYTES = 8 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRef:
+    """One commit of the local root: its step, attempt and place in the root's commit order."""
+
+    step: int
+    attempt: str
+    seq: int
+
+    def source(self) -> dict[str, int | str]:
+        return {"seq": self.seq, "attempt": self.attempt}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailedUpload:
+    commit: CommitRef
+    retry_at_s: float  # monotonic
+
+
+def next_upload(
+    local: CommitRef | None, mirrored: CommitRef | None, failed: FailedUpload | None, now_s: float
+) -> CommitRef | None:
+    """The local commit to copy now, or None: the local latest, unless the mirror's latest is a
+    copy of it, or its last upload failed less than :data:`RETRY_AFTER_S` ago."""
+    if local is None or (mirrored is not None and (mirrored.step, mirrored.attempt) == (local.step, local.attempt)):
+        return None
+    if failed is not None and failed.commit == local and now_s < failed.retry_at_s:
+        return None
+    return local
+
+
+def resume_level(
+    local: CommitRef | None, mirrored: CommitRef | None, *, local_holds_mirrored: bool, same_on_every_rank: bool = True
+) -> str:
+    """:data:`LOCAL` or :data:`MIRROR`: where a job resumes from.
+
+    ``local``: the local root's latest commit; ``mirrored``: the local commit the mirror's latest
+    copies; ``local_holds_mirrored``: that commit is still in the local root (then the local root
+    knows everything the mirror does, a rollback after it included); ``same_on_every_rank``:
+    every rank found this ``local`` (node-local disks of a replaced node do not). Otherwise the
+    higher step wins: a local root that lost the mirrored commit and holds only older steps (a
+    lost or replaced disk) resumes from the mirror.
+    """
+    if mirrored is None:
+        return LOCAL
+    if local is None or not same_on_every_rank:
+        return MIRROR
+    if local_holds_mirrored or local.step >= mirrored.step:
+        return LOCAL
+    return MIRROR
+
+
+def local_latest(root: Path) -> CommitRef | None:
+    """The commit the local root's tracker names; None when there is none, no tracker to trust,
+    or the checkpoint is not a Checkpointer's commit (no commit record: ``ckptd.save``, DCP)."""
+    entry = scan_root(root, usage=False).latest()
+    record = None if entry is None else read_commit_record(entry.path)
+    return None if record is None else CommitRef(step=record.step, attempt=record.attempt, seq=record.seq)
+
+
+def mirrored_latest(mirror: S3Root) -> CommitRef | None:
+    """The local commit the mirror's latest checkpoint is a copy of (None: none, or not a copy)."""
+    _, name, _, _ = read_s3_tracker(mirror.client)
+    if name is None:
+        return None
+    record = read_s3_commit_record(mirror.client, name)
+    if record is None or record.source is None:
+        return None
+    return CommitRef(step=record.step, attempt=str(record.source["attempt"]), seq=int(record.source["seq"]))
+
+
+def new_mirror_attempt(commit: CommitRef) -> str:
+    """A fresh attempt id for one upload: data object keys are never reused, not even by a retry."""
+    return f"{commit.attempt or 'x'}-m{secrets.token_hex(4)}"
+
+
+def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
+    """Copy the committed local ``iter_<step>`` of ``commit`` into ``mirror`` and commit it there
+    (steps 2-3 of the module docstring). Raises CkptdError (StorageError, CorruptCheckpointError)
+    naming the file or object; nothing of a failed copy stays in the mirror."""
+    name = step_dir_name(commit.step)
+    attempt = new_mirror_attempt(commit)
+    with ReadLease.acquire(root / name) as lease:
+        directory = lease.directory
+        record = read_commit_record(directory)
+        if record is None or (record.step, record.attempt) != (commit.step, commit.attempt):
+            raise CkptdError(
+                f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
+                "save of the step); the mirror copies the newer one next"
+            )
+        index = read_index(directory)
+        records = _with_file_ranks(records_from_index(index))
+        common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+        recorded = index.common_crc32
+        if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
+            raise CorruptCheckpointError(
+                f"{directory / COMMON_PT} no longer matches its recorded checksum (bit rot on the local disk?); "
+                "it is not copied to the mirror. Run `ckptd verify` on the checkpoint."
+            )
+        try:
+            renamed, data_files = _upload_data(directory, records, index.checksum, name, attempt, mirror)
+            return mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+        except BaseException:
+            mirror.abort(commit.step, attempt)
+            raise
+
+
+def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
+    """``.metadata`` carries no rank; a ckptd data file's name ``__<rank>_0.distcp`` has it."""
+    out = []
+    for r in records:
+        m = DATA_FILE_PATTERN.match(r.relative_path)
+        if m is None:
+            raise CorruptCheckpointError(
+                f"{r.where()} is stored in {r.relative_path!r}, not in a data file of ckptd's layout "
+                "(__<rank>_<n>.distcp); only ckptd's own commits are mirrored"
+            )
+        out.append(replace(r, rank=int(m.group(1))))
+    return out
+
+
+def _upload_data(
+    directory: Path, records: list[ItemRecord], checksum: Checksum | None, name: str, attempt: str, mirror: S3Root
+) -> tuple[list[ItemRecord], dict[str, tuple[int, int]]]:
+    """Upload every data file the records name, checking each item against its recorded
+    ``checksum``; returns the records pointing at the new objects (with the CRC-32C of each item,
+    which the mirror's ``.metadata`` records) and ``{object name: (rank, nbytes)}``."""
+    by_file: dict[str, list[ItemRecord]] = {}
+    for r in records:
+        by_file.setdefault(r.relative_path, []).append(r)
+    renamed: list[ItemRecord] = []
+    data_files: dict[str, tuple[int, int]] = {}
+    for rel, items in sorted(by_file.items()):
+        rank = items[0].rank
+        target = s3_data_file_name(attempt, rank)
+        ordered = sorted(items, key=lambda r: r.file_offset)
+        nbytes, crcs = _copy_checked(directory, rel, ordered, checksum, mirror, f"{name}/{target}")
+        data_files[target] = (rank, nbytes)
+        renamed += [replace(r, relative_path=target, crc32=crc) for r, crc in zip(ordered, crcs, strict=True)]
+    return renamed, data_files
+
+
+def _copy_checked(
+    directory: Path, rel: str, items: list[ItemRecord], checksum: Checksum | None, mirror: S3Root, key: str
+) -> tuple[int, list[int]]:
+    """Stream ``directory/rel`` into object ``key``; every item with a recorded checksum is checked
+    on the way. Returns the bytes copied and each item's CRC-32C."""
+    path = directory / rel
+    fd, size = open_regular(directory, rel, "data file")
+    crcs: list[int] = []
+    try:
+        with FileIO(fd, "rb", closefd=False) as f, ObjectSink(mirror.client, key) as sink:
+            pos = 0
+            for item in items:
+                end = item.file_offset + item.length
+                if item.file_offset < pos or end > size:
+                    raise CorruptCheckpointError(
+                        f"{item.where()} is recorded at bytes [{item.file_offset}, {end}) of {path}, which has "
+                        f"{size} bytes (or overlaps the item before it); the checkpoint is damaged and is not "
+                        "mirrored. Run `ckptd verify` on it."
+                    )
+                _copy(f, sink, item.file_offset - pos, path)
+                check = checksum if item.crc32 is not None and checksum not in (None, crc32c) else None
+                crc, recorded = _copy(f, sink, item.length, path, check)
+                if item.crc32 is not None and checksum is not None and (recorded if check else crc) != item.crc32:
+                    raise CorruptCheckpointError(
+                        f"{item.where()} in {path} no longer matches its recorded checksum (bit rot on the local "
+                        "disk?); it is not copied to the mirror. Run `ckptd verify` on the checkpoint."
+                    )
+                crcs.append(crc)
+                pos = end
+            _copy(f, sink, size - pos, path)
+        return size, crcs
+    except OSError as exc:
+        raise StorageError.from_oserror(exc, str(path)) from exc
+    finally:
+        os.close(fd)
+
+
+def _copy(f: FileIO, sink: ObjectSink, nbytes: int, path: Path, other: Checksum | None = None) -> tuple[int, int]:
+    """Copy ``nbytes`` from ``f``'s position into ``sink``: ``(CRC-32C, other checksum or 0)`` of
+    the bytes copied."""
+    buf = bytearray(min(nbytes, _CHUNK_NBYTES))
+    view = memoryview(buf)
+    crc = alt = 0
+    left = nbytes
+    while left > 0:
+        n = f.readinto(view[: min(left, len(buf))])
+        if not n:
+            raise CorruptCheckpointError(f"{path} ended {left} bytes early while it was mirrored; it was truncated")
+        sink.write(view[:n])
+        crc = crc32c(view[:n], crc)
+        if other is not None:
+            alt = other(view[:n], alt)
+        left -= n
+    return crc, alt
