@@ -220,9 +220,11 @@ class S3Root:
         try:
             record = read_s3_commit_record(self.client, name)
             if record is not None and record.attempt == attempt:
-                # This attempt committed (a coordinator died after its commit object, and a node
-                # that lost it aborted locally): its objects are the checkpoint, never junk.
-                log.warning("not removing %s: attempt %s committed it", self.display(name), attempt)
+                # This attempt committed: its objects are the checkpoint, never junk (a report
+                # answered after the commit asks to remove a late writer's files, which on object
+                # storage are the committed ones; or a coordinator died after its commit object
+                # and a node that lost it aborted locally).
+                log.info("not removing %s: attempt %s committed it", self.display(name), attempt)
                 return
             _, found = self.client.list_dir(name)
             mine = [i.key for i in found if _attempt_of(i.key) == attempt]

@@ -31,8 +31,10 @@ from .url import S3Location
 log = logging.getLogger(__name__)
 
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
-# errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES and
-# CKPTD_S3_RETRY_TIMEOUT_S override the defaults (a save's deadline is commit_timeout_s anyway).
+# errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES,
+# CKPTD_S3_RETRY_TIMEOUT_S and CKPTD_S3_REQUEST_TIMEOUT_S (one request, a 32 MiB part included: a
+# connection the network dropped silently fails after it) override the defaults (a save's deadline
+# is commit_timeout_s anyway).
 RETRIES = 6
 RETRY_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
@@ -74,6 +76,7 @@ class S3Settings:
     profile: str | None
     retries: int = RETRIES
     retry_timeout_s: float = RETRY_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> S3Settings:
@@ -87,14 +90,20 @@ class S3Settings:
         try:
             retries = int(env.get("CKPTD_S3_RETRIES", RETRIES))
             retry_timeout_s = float(env.get("CKPTD_S3_RETRY_TIMEOUT_S", RETRY_TIMEOUT_S))
+            request_timeout_s = float(env.get("CKPTD_S3_REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S))
+            if not (retries >= 0 and retry_timeout_s > 0 and request_timeout_s >= 1):
+                raise ValueError("need retries >= 0, a retry timeout > 0 and a request timeout >= 1 s")
         except ValueError as exc:
-            raise StorageError(f"CKPTD_S3_RETRIES / CKPTD_S3_RETRY_TIMEOUT_S: {exc}") from None
+            raise StorageError(
+                f"CKPTD_S3_RETRIES / CKPTD_S3_RETRY_TIMEOUT_S / CKPTD_S3_REQUEST_TIMEOUT_S: {exc}"
+            ) from None
         return cls(
             endpoint_url=endpoint,
             region=region or "us-east-1",
             profile=profile,
             retries=retries,
             retry_timeout_s=retry_timeout_s,
+            request_timeout_s=request_timeout_s,
         )
 
 
@@ -142,7 +151,7 @@ class S3Client:
             conditional_put="etag",
             client_options={
                 "allow_http": bool(endpoint and endpoint.startswith("http://")),
-                "timeout": f"{int(REQUEST_TIMEOUT_S)}s",
+                "timeout": f"{int(self.settings.request_timeout_s)}s",
                 "connect_timeout": "10s",
             },
             retry_config={

@@ -6,6 +6,7 @@ Every test here skips, with the reason, where namespaces cannot be made (not roo
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import pytest
 
 from ckptd.control.endpoints import default_job_id
 from ckptd.staging.segment import list_segments
+from ckptd.storage.url import Location, S3Location
 from tools.harness.netns import Cluster, NetnsUnavailable, unavailable_reason
+from tools.harness.seaweed import SeaweedServer
 
 from .job import NetnsJob
 
@@ -37,23 +40,36 @@ def netns_available() -> None:
 
 @pytest.fixture
 def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., NetnsJob]]:
-    """``make_job(nnodes, per_node=1, **settings)``: a cluster and a job on it, ranks launched.
+    """``make_job(nnodes, per_node=1, s3=False, **settings)``: a cluster and a job on it, ranks
+    launched; with ``s3`` the root is an ``s3://`` prefix of a real server (SeaweedFS) on the host's
+    address on the nodes' bridge (``job.store``).
     At the end: logs copied to ``tmp_path/logs``, ranks stopped, everything the cluster made
     removed; the test fails if anything of it, or a staging segment in the host's /dev/shm, is
     left."""
     made: list[tuple[Cluster, NetnsJob]] = []
 
-    def make(nnodes: int, per_node: int = 1, launch: bool = True, **settings: str) -> NetnsJob:
+    def make(nnodes: int, per_node: int = 1, launch: bool = True, s3: bool = False, **settings: str) -> NetnsJob:
         try:
             cluster = Cluster.create(nnodes, cwd=REPO)
         except NetnsUnavailable as exc:
             pytest.skip(f"namespace nodes unavailable: {exc}")
-        job = NetnsJob(cluster, tmp_path / "ckpts", per_node, {**FAST, **settings})
+        root: Location = tmp_path / "ckpts"
+        store = None
+        if s3:  # a real S3 server on the host's address on the bridge: a node's link down cuts it off
+            store = SeaweedServer(tmp_path / "weed", ip=cluster.host_address())
+            stores.append(store)
+            store.start()
+            bucket = f"n{secrets.token_hex(6)}"
+            store.create_bucket(bucket)
+            root = S3Location(bucket=bucket, prefix="job")
+            settings = {**store.env(), **settings}
+        job = NetnsJob(cluster, root, per_node, {**FAST, **settings}, store=store)
         made.append((cluster, job))
         if launch:
             job.launch()
         return job
 
+    stores: list[SeaweedServer] = []
     yield make
     problems = []
     for cluster, job in made:
@@ -61,6 +77,8 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
             job.collect_logs(tmp_path / "logs")
         finally:
             job.close()
+            for store in stores:
+                store.stop()
             problems += cluster.destroy()
         problems += cluster.leftovers()
         problems += list_segments(f"ckptd-{default_job_id(job.root)}-")

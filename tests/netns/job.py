@@ -31,7 +31,9 @@ from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
+from ckptd.storage.url import Location
 from tools.harness.netns import Cluster, Node
+from tools.harness.seaweed import SeaweedServer
 
 REPO = str(Path(__file__).resolve().parents[2])
 MASTER_PORT = 29500  # each node has its own ports: no clash with the host or other clusters
@@ -123,12 +125,13 @@ class RankProc:
 @dataclass
 class NetnsJob:
     cluster: Cluster
-    root: Path
+    root: Location
     per_node: int = 1
     settings: dict[str, str] = field(default_factory=dict)  # CKPTD_* of ranks and daemons
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     launches: int = 0
     ranks: list[RankProc] = field(default_factory=list)
+    store: SeaweedServer | None = None  # the S3 server of an s3:// root
 
     @property
     def world(self) -> int:

@@ -3,7 +3,8 @@
 A :class:`Cluster` of N nodes is what a multi-node job sees on real machines, as far as one host
 can show it:
 
-- a bridge ``ckn<pid>b`` (no address: the host has no route into the nodes' subnet) and, per node,
+- a bridge ``ckn<pid>b`` (no address, unless :meth:`Cluster.host_address` gives the host one:
+  the host has no route into the nodes' subnet) and, per node,
   a named network namespace ``ckn<pid>-n<i>`` joined to the bridge by a veth pair (host end
   ``ckn<pid>h<i>``, node end renamed ``eth0``), with one address on a private /24 that overlaps
   no address or route of the host (:func:`pick_subnet`) and no default route: traffic flows only
@@ -411,6 +412,16 @@ class Cluster:
             self.nodes.append(node)
         for node in self.nodes:
             node.boot()
+
+    def host_address(self) -> str:
+        """Give the host an address on the bridge (the subnet's first) and return it: a service
+        the host runs there (an object store) is then reachable from every node over its link, and
+        :meth:`Node.link_down` cuts a node off from it too."""
+        assert self.subnet is not None
+        address = str(next(self.subnet.hosts()))
+        if address not in _run(["ip", "-o", "addr", "show", "dev", self.bridge]).stdout:
+            _run(["ip", "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", self.bridge])
+        return address
 
     def destroy(self) -> list[str]:
         """Kill every node's processes, delete links, namespaces and bridge, remove the

@@ -30,8 +30,8 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-def _free_port_pair(taken: set[int]) -> int:
-    """A port P with P and P + 10000 free on loopback."""
+def _free_port_pair(taken: set[int], ip: str = "127.0.0.1") -> int:
+    """A port P with P and P + 10000 free on ``ip``."""
     for _ in range(200):
         port = secrets.randbelow(_PORT_RANGE[1] - _PORT_RANGE[0]) + _PORT_RANGE[0]
         if port in taken or port + 10000 in taken:
@@ -40,7 +40,7 @@ def _free_port_pair(taken: set[int]) -> int:
         for p in (port, port + 10000):
             with socket.socket() as s:
                 try:
-                    s.bind(("127.0.0.1", p))
+                    s.bind((ip, p))
                 except OSError:
                     ok = False
                     break
@@ -51,15 +51,18 @@ def _free_port_pair(taken: set[int]) -> int:
 
 
 class SeaweedServer:
-    def __init__(self, workdir: Path, *, volume_max: int = 0) -> None:
+    def __init__(self, workdir: Path, *, volume_max: int = 0, ip: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)
         self.volume_max = volume_max
+        self.ip = ip  # where it listens: loopback, or e.g. the host's address on a namespace bridge
         taken: set[int] = set()
-        self.ports = {name: _free_port_pair(taken) for name in ("master", "volume", "filer", "s3", "admin", "debug")}
+        self.ports = {
+            name: _free_port_pair(taken, ip) for name in ("master", "volume", "filer", "s3", "admin", "debug")
+        }
         self.access_key = "ck" + secrets.token_hex(8)
         self.secret_key = secrets.token_hex(20)
         self.proc: subprocess.Popen | None = None
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.endpoint = f"http://{ip}:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
         return {
@@ -93,8 +96,8 @@ class SeaweedServer:
             weed,
             "mini",
             f"-dir={self.workdir / 'data'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             f"-master.port={p['master']}",
             f"-volume.port={p['volume']}",
             f"-filer.port={p['filer']}",
