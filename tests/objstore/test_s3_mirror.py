@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -14,13 +15,14 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.control.pidfile import daemon_pid
 from ckptd.format.commitrecord import read_commit_record
 from ckptd.s3catalog import read_s3_commit_record, scan_s3_root
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import UnsupportedLocationError, parse_location
 from tests.multiproc import without_torchrun
 from tests.objstore.test_s3_roots import _config, _sd, _stop_daemon
-from tools.harness.waiting import wait_until
+from tools.harness.waiting import wait_for_exit, wait_until
 
 
 @pytest.mark.timeout(240)
@@ -100,6 +102,34 @@ def test_a_local_bit_flip_is_never_copied_to_the_mirror(s3_bucket, runtime_dir, 
     location = parse_location(mirror)
     assert not scan_s3_root(location, usage=False).committed
     assert not list(S3Client(location).list_objects("")) and not S3Client(location).uploads("")
+
+
+@pytest.mark.timeout(240)
+def test_a_copy_killed_midway_leaves_nothing_and_the_next_daemon_copies_again(s3_bucket, runtime_dir, tmp_path):
+    local = tmp_path / "local"
+    mirror = f"s3://{s3_bucket}/mirror/killed"
+    cfg = _config(runtime_dir, mirror=mirror)
+    w = torch.randn(24 << 20)  # 96 MiB: three multipart parts, seconds of copying
+    location = parse_location(mirror)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(local, config=cfg) as ckpt:
+            ckpt.save(_sd(w, 5), step=5).wait(timeout_s=120)
+            wait_until(lambda: ckpt.status()["mirror"]["uploading_step"] == 5, 60, "the copy of step 5 to start")
+            wait_until(lambda: client.uploads(""), 60, "a multipart upload of the copy")  # mid-copy
+            pid = daemon_pid(ckpt.endpoints.pid_path)
+            os.kill(pid, signal.SIGKILL)
+            wait_for_exit(pid, 30)
+        assert not scan_s3_root(location, usage=False).committed  # nothing of the copy is visible
+        # The next coordinator start removes the dead copy's upload and copies the step again.
+        with ckptd.Checkpointer(local, config=cfg) as ckpt:
+            ckpt.wait_mirrored(5, timeout_s=120)
+        assert not client.uploads("")
+        keys = [i.key for i in client.list_objects("iter_0000005") if i.key.endswith(".distcp")]
+        assert len(keys) == 1, keys  # the dead copy's data object never completed
+        assert torch.equal(ckptd.load_plain_tensors(f"{mirror}/iter_0000005")["w"], w)
+    finally:
+        _stop_daemon(str(local), runtime_dir)
 
 
 def test_a_mirror_must_be_an_s3_prefix_of_a_local_root(s3_bucket, runtime_dir, tmp_path):
