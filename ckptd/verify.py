@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from .catalog import RootCatalog
 from .errors import (
     CheckpointNotFoundError,
     CkptdError,
@@ -44,11 +43,10 @@ from .errors import (
 )
 from .format.archive import is_zip_stream, torch_save_problem
 from .format.checksum import Checksum, checksum_name, crc32c
-from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index
+from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index, with_file_ranks
 from .format.layout import (
     COMMON_PT,
     COMMON_PT_MAX_NBYTES,
-    DATA_FILE_PATTERN,
     DATA_SUFFIX,
     DCP_METADATA,
     METADATA_JSON,
@@ -56,7 +54,6 @@ from .format.layout import (
 )
 from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
 from .format.records import TENSOR, ItemRecord, dtype_from_name
-from .format.rootlayout import TRACKER_FILE
 from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
 from .storage.s3view import s3_checkpoint_view
@@ -143,15 +140,6 @@ class VerifyReport:
 
 def _item_name(r: ItemRecord) -> str:
     return f"{r.fqn} chunk {tuple(r.offsets)}" if r.kind == TENSOR else r.fqn
-
-
-def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
-    """Records from ``.metadata`` carry no rank; the data file name ``__<rank>_<n>`` has it."""
-    out = []
-    for r in records:
-        m = DATA_FILE_PATTERN.match(r.relative_path)
-        out.append(ItemRecord(**{**asdict(r), "rank": int(m.group(1)) if m else -1}))
-    return out
 
 
 def _check_backend(directory: Path, report: VerifyReport) -> bool:
@@ -480,7 +468,7 @@ def verify_checkpoint(
     records: list[ItemRecord] | None = None
     if index is not None:
         try:
-            records = _with_file_ranks(records_from_index(index))
+            records = with_file_ranks(records_from_index(index))
         except CkptdError as exc:
             report.add(ERROR, "metadata", f"{DCP_METADATA}: {exc}", file=DCP_METADATA)
     if index is not None and records is not None:
@@ -517,64 +505,6 @@ def verify_checkpoint(
     return report
 
 
-@dataclass
-class RootVerifyReport:
-    """Verification of a root: the tracker, and the checkpoints chosen from it."""
-
-    root: str
-    reports: list[VerifyReport] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings) and all(r.ok for r in self.reports)
-
-    @property
-    def status(self) -> str:
-        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK."""
-        if any(f.severity == ERROR for f in self.findings) or any(r.errors for r in self.reports):
-            return "DAMAGED"
-        return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "ok": self.ok,
-            "status": self.status,
-            "findings": [f.to_dict() for f in self.findings],
-            "checkpoints": [r.to_dict() for r in self.reports],
-        }
-
-
-def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Path], list[Finding]]:
-    """The checkpoints of a root to verify: the tracker's (or every committed one), plus findings.
-
-    Without a tracker the newest committed checkpoint is chosen (and a note says so).
-    """
-    findings: list[Finding] = []
-    if cat.tracker_problem is not None:
-        findings.append(Finding(ERROR, "tracker", cat.tracker_problem, file=TRACKER_FILE))
-    if all_checkpoints:
-        chosen = [e.path for e in cat.committed]
-    elif (latest := cat.latest()) is not None:
-        chosen = [latest.path]
-    elif not cat.tracker_exists and cat.committed:
-        chosen = [cat.committed[-1].path]
-        findings.append(
-            Finding(
-                NOTE,
-                "tracker",
-                f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
-                f"newest committed checkpoint {cat.committed[-1].name}",
-            )
-        )
-    else:
-        chosen = []
-    if not chosen and cat.tracker_problem is None:
-        findings.append(Finding(ERROR, "tracker", f"{cat.root} holds no committed checkpoint"))
-    return chosen, findings
-
-
 def _verify_s3(
     location: S3Location, deep: bool, allow_unsafe_pickle: bool, progress: ProgressSink | None, read_items: bool
 ) -> VerifyReport:
@@ -593,28 +523,3 @@ def _verify_s3(
         for f in report.findings
     ]
     return report
-
-
-def verify_root(
-    cat: RootCatalog,
-    *,
-    all_checkpoints: bool = False,
-    deep: bool = False,
-    allow_unsafe_pickle: bool = False,
-    progress_for: Any = None,
-) -> RootVerifyReport:
-    """Verify the tracker's checkpoint (or all committed ones) of a scanned root.
-
-    ``progress_for(path)`` may return a context-managed :class:`ProgressSink` per checkpoint.
-    """
-    chosen, findings = select_for_verify(cat, all_checkpoints)
-    out = RootVerifyReport(str(cat.root), findings=findings)
-    for path in chosen:
-        if progress_for is None:
-            out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle))
-        else:
-            with progress_for(path) as bar:
-                out.reports.append(
-                    verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle, progress=bar)
-                )
-    return out

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.recovery",
             "ckptd.retention",
             "ckptd.verify",
+            "ckptd.verifyroot",
             "ckptd.describe",
             "ckptd.tune",
         ),

@@ -21,7 +21,8 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from ..verify import Finding, RootVerifyReport, VerifyReport
+    from ..verify import Finding, VerifyReport
+    from ..verifyroot import RootVerifyReport
 
 DESCRIPTION = """\
 Verify a checkpoint end to end, without loading it into a model:
@@ -96,7 +97,8 @@ def _bar(path: Location) -> Progress:
 @guarded("verify")
 def run(args: argparse.Namespace) -> int:
     target = resolve(args.path)
-    from ..verify import verify_checkpoint, verify_root  # torch: imported by the command that needs it
+    from ..verify import verify_checkpoint  # torch: imported by the command that needs it
+    from ..verifyroot import verify_root
 
     result: VerifyReport | RootVerifyReport
     if target.is_root:

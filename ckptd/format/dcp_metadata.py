@@ -14,7 +14,7 @@ import os
 import pickle
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
@@ -39,7 +39,7 @@ from ..errors import (
 )
 from .checksum import ALGORITHM, TABLE_VERSION, Checksum, checksum_for
 from .durable import Opener, atomic_write, default_opener
-from .layout import COMMON_PT, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
+from .layout import COMMON_PT, DATA_FILE_PATTERN, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
 from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
 from .safefs import Dir, entry_exists, entry_path, read_regular
 
@@ -481,6 +481,16 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
         )
         for o in index.objects.values()
     ]
+    return out
+
+
+def with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
+    """Records from ``.metadata`` carry no rank; the data file name ``__<rank>_<n>.distcp`` has it
+    (-1 where the file is named otherwise)."""
+    out = []
+    for r in records:
+        m = DATA_FILE_PATTERN.match(r.relative_path)
+        out.append(replace(r, rank=int(m.group(1)) if m else -1))
     return out
 
 

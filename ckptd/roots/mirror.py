@@ -39,8 +39,8 @@ from ..catalog import scan_root
 from ..errors import CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import Checksum, crc32c
 from ..format.commitrecord import read_commit_record
-from ..format.dcp_metadata import read_index, records_from_index
-from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES, DATA_FILE_PATTERN
+from ..format.dcp_metadata import read_index, records_from_index, with_file_ranks
+from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
 from ..format.lease import ReadLease
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name
@@ -149,7 +149,7 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
                 "save of the step); the mirror copies the newer one next"
             )
         index = read_index(directory)
-        records = _with_file_ranks(records_from_index(index))
+        records = _ranked(records_from_index(index))
         common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
         recorded = index.common_crc32
         if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
@@ -165,17 +165,15 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
             raise
 
 
-def _with_file_ranks(records: list[ItemRecord]) -> list[ItemRecord]:
-    """``.metadata`` carries no rank; a ckptd data file's name ``__<rank>_0.distcp`` has it."""
-    out = []
-    for r in records:
-        m = DATA_FILE_PATTERN.match(r.relative_path)
-        if m is None:
+def _ranked(records: list[ItemRecord]) -> list[ItemRecord]:
+    """``records`` with the rank their data file's name gives; only ckptd's layout is mirrored."""
+    out = with_file_ranks(records)
+    for r in out:
+        if r.rank < 0:
             raise CorruptCheckpointError(
                 f"{r.where()} is stored in {r.relative_path!r}, not in a data file of ckptd's layout "
                 "(__<rank>_<n>.distcp); only ckptd's own commits are mirrored"
             )
-        out.append(replace(r, rank=int(m.group(1))))
     return out
 
 
