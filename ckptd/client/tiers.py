@@ -61,7 +61,7 @@ class Levels:
         local = self._local(self.root, damaged)
         same = True
         if collective:
-            found = DistContext.current(group).all_gather(None if local is None else (local.step, local.attempt))
+            found = DistContext.current(group).all_gather(local)
             same = len(set(found)) == 1
         mirrored = self._mirrored(self.mirror, damaged)
         holds = mirrored is not None and _local_holds(self.root, mirrored)
@@ -94,7 +94,9 @@ class Levels:
         if choice is None or choice.step is None:
             return None
         record = read_commit_record(choice.entry.path)
-        return CommitRef(step=choice.step, attempt="" if record is None else record.attempt, seq=0)
+        if record is None:
+            return CommitRef(step=choice.step, attempt="", seq=0)
+        return CommitRef(step=choice.step, attempt=record.attempt, seq=record.seq)
 
     @staticmethod
     def _mirrored(mirror: S3Location, damaged: dict[str, str]) -> CommitRef | None:
@@ -111,4 +113,4 @@ def _local_holds(root: Path, commit: CommitRef) -> bool:
     if not commit.attempt:
         return False
     record = read_commit_record(root / step_dir_name(commit.step))
-    return record is not None and (record.step, record.attempt) == (commit.step, commit.attempt)
+    return record is not None and (record.step, record.attempt, record.seq) == (commit.step, commit.attempt, commit.seq)

@@ -82,7 +82,7 @@ def next_upload(
 ) -> CommitRef | None:
     """The local commit to copy now, or None: the local latest, unless the mirror's latest is a
     copy of it, or its last upload failed less than :data:`RETRY_AFTER_S` ago."""
-    if local is None or (mirrored is not None and (mirrored.step, mirrored.attempt) == (local.step, local.attempt)):
+    if local is None or mirrored == local:
         return None
     if failed is not None and failed.commit == local and now_s < failed.retry_at_s:
         return None
@@ -143,7 +143,7 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
     with ReadLease.acquire(root / name) as lease:
         directory = lease.directory
         record = read_commit_record(directory)
-        if record is None or (record.step, record.attempt) != (commit.step, commit.attempt):
+        if record is None or (record.step, record.attempt, record.seq) != (commit.step, commit.attempt, commit.seq):
             raise CkptdError(
                 f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
                 "save of the step); the mirror copies the newer one next"

@@ -115,6 +115,8 @@ class S3Root:
         replaced = None
         if any(e.name == name for e in cat.committed):
             replaced = cat.abandoned(step)
+            if replaced is None and source is not None:
+                replaced = self._copy_of_another_commit(cat, name, source)
             if replaced is None:
                 raise CheckpointExistsError(
                     f"{self.display(name)} is committed already; a step is committed once. Save under "
@@ -160,6 +162,17 @@ class S3Root:
         if self.keep_last > 0:
             self._apply_retention()
         return CommitOutcome(name=name, warnings=warnings)
+
+    def _copy_of_another_commit(
+        self, cat: RootCatalog, name: str, source: dict[str, int | str]
+    ) -> CheckpointEntry | None:
+        """A mirror's committed ``name`` when it copies another local commit of the step than
+        ``source``: the local root replaced that one (a re-save after a rollback the mirror did not
+        see, its copies having lagged), so the newer copy replaces it as the local commit did."""
+        record = read_s3_commit_record(self.client, name)
+        if record is None or record.source is None or record.source == source:
+            return None
+        return next((e for e in cat.committed if e.name == name), None)
 
     def _check_data_objects(self, name: str, data_files: Mapping[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
         """Every rank's data object exists with the size its writer reported (one LIST)."""

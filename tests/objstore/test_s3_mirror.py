@@ -16,7 +16,10 @@ import torch
 
 import ckptd
 from ckptd.control.pidfile import daemon_pid
+from ckptd.errors import CheckpointExistsError
 from ckptd.format.commitrecord import read_commit_record
+from ckptd.roots.mirror import local_latest, mirror_step
+from ckptd.roots.s3_root import S3Root
 from ckptd.s3catalog import read_s3_commit_record, scan_s3_root
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import UnsupportedLocationError, parse_location
@@ -130,6 +133,31 @@ def test_a_copy_killed_midway_leaves_nothing_and_the_next_daemon_copies_again(s3
         assert torch.equal(ckptd.load_plain_tensors(f"{mirror}/iter_0000005")["w"], w)
     finally:
         _stop_daemon(str(local), runtime_dir)
+
+
+@pytest.mark.timeout(180)
+def test_a_re_save_after_a_rollback_replaces_the_mirrors_copy_of_the_step(s3_bucket, runtime_dir, tmp_path):
+    local = tmp_path / "local"
+    store = S3Root(parse_location(f"s3://{s3_bucket}/mirror/rollback"))
+    w = torch.randn(1 << 16)
+    try:
+        with ckptd.Checkpointer(local, config=_config(runtime_dir)) as ckpt:  # copies made by hand below
+            ckpt.save(_sd(w, 10), step=10).wait(timeout_s=60)
+            ckpt.save(_sd(w + 1, 20), step=20).wait(timeout_s=60)
+            first = local_latest(local)
+            mirror_step(local, first, store)  # the mirror holds the first 20
+            ckpt.save(_sd(w + 2, 15), step=15).wait(timeout_s=60)  # a rollback: 15 after 20 ...
+            ckpt.save(_sd(w + 3, 20), step=20).wait(timeout_s=60)  # ... and 20 again, replacing it locally
+    finally:
+        _stop_daemon(str(local), runtime_dir)
+    second = local_latest(local)
+    assert second is not None and second.step == 20 and second != first
+    mirror_step(local, second, store)  # the mirror lagged past 15: the copy of the replaced 20 goes
+    record = read_s3_commit_record(store.client, "iter_0000020")
+    assert record is not None and record.source == second.source()
+    assert torch.equal(ckptd.load_plain_tensors(store.location.child("iter_0000020"))["w"], w + 3)
+    with pytest.raises(CheckpointExistsError):
+        mirror_step(local, second, store)  # one local commit is copied once
 
 
 def test_a_mirror_must_be_an_s3_prefix_of_a_local_root(s3_bucket, runtime_dir, tmp_path):
