@@ -126,8 +126,7 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
         wait_until(lambda: not partial.exists(), 20, "the adopted, abandoned save to be removed")
         assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
     finally:
-        for ep in eps:
-            stop_daemons([ep.pid_path])
+        stop_daemons(ep.pid_path for ep in eps)
         for seg in segments:
             seg.unlink(missing_ok=True)
         shutil.rmtree(runtime, ignore_errors=True)
