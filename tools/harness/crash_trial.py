@@ -53,7 +53,7 @@ from ckptd.s3catalog import scan_any
 from ckptd.staging.segment import list_segments, unlink_segments
 from ckptd.storage.url import Location, parse_location
 from tools.harness import crash_job as cj
-from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, stop_daemons
+from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, signal_process, stop_daemons
 from tools.harness.ports import free_port
 
 VICTIMS = ("rank", "node", "coordinator")
@@ -80,13 +80,6 @@ def stop_process_context() -> None:
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass  # it exited meanwhile
 
 
 @dataclass
@@ -372,7 +365,7 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: 
     if victim == "rank":
         rank = rng.randrange(spec.ranks)
         if procs[rank].pid:
-            _kill(procs[rank].pid, signal.SIGKILL)
+            signal_process(procs[rank].pid, signal.SIGKILL)
         return f"rank {rank} (pid {procs[rank].pid})"
     node = 0 if victim == "coordinator" else rng.randrange(1, spec.nodes)
     ep = spec.endpoints(node)
@@ -380,7 +373,7 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: 
     _wait_for(lambda: daemon_alive(ep.pid_path) and daemon_pid(ep.pid_path), 20)
     pid = daemon_pid(ep.pid_path)
     if pid:
-        _kill(pid, signal.SIGKILL)
+        signal_process(pid, signal.SIGKILL)
     return f"node {node} daemon (pid {pid})"
 
 
@@ -465,7 +458,7 @@ def run_trial(
                 p.kill()
                 p.join(5)
         for pid in daemon_processes(job) if job else []:
-            _kill(pid, signal.SIGKILL)
+            signal_process(pid, signal.SIGKILL)
         if not result.ok:
             for log_file in hosts.logs():
                 shutil.copy(log_file, base / f"daemon-{log_file.name}")

@@ -46,7 +46,8 @@ def daemon_processes(job: str) -> list[int]:
     return found
 
 
-def _signal(pid: int, sig: int) -> None:
+def signal_process(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` unless it is gone already."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
@@ -67,7 +68,7 @@ def stop_daemons(pid_paths: Iterable[Path], timeout_s: float = 30.0, *, job: str
         for path in pid_paths:
             pid = live_pid(path)
             if pid and pid not in signalled:
-                _signal(pid, signal.SIGTERM)
+                signal_process(pid, signal.SIGTERM)
                 signalled.append(pid)
         running = [pid for pid in signalled if not exited(pid)]
         running += [pid for pid in (daemon_processes(job) if job else []) if pid not in running]
@@ -75,7 +76,7 @@ def stop_daemons(pid_paths: Iterable[Path], timeout_s: float = 30.0, *, job: str
             return signalled
         if time.monotonic() > deadline:
             for pid in running:
-                _signal(pid, signal.SIGKILL)
+                signal_process(pid, signal.SIGKILL)
             raise DaemonsDidNotStop(f"daemon processes {running} still ran {timeout_s:.0f} s after SIGTERM")
         time.sleep(POLL_INTERVAL_S)
 

@@ -75,16 +75,21 @@ def spawned(
                 procs.killed.append(i)
 
 
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of a one-node job whose rank 0 listens on ``port``."""
+    return {
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
 def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple) -> None:
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_env(rank, world_size, port))
     import torch.distributed as dist
 
     try:
