@@ -41,7 +41,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,6 +71,7 @@ from ckptd.format.items import plan_tensor_items, write_data_file
 from ckptd.format.layout import data_file_name
 from ckptd.format.rootlayout import step_dir_name, tmp_dir
 from ckptd.mapping import ShardedTensor
+from tools.harness.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +118,11 @@ def rank_files(directory: Path, ranks: int, items_per_rank: int) -> tuple[list[l
     return records, nbytes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Coordinator:
     """Node 0's daemon (with the job's coordinator) in a process of its own."""
 
     def __init__(self, root: Path, runtime: Path, token: str) -> None:
-        port = _free_port()
+        port = free_port()
         self.address = tcp_address("127.0.0.1", port)
         self.log_path = runtime / "coordinator.log"
         # At normal priority (a daemon yields to training with nice 10): this measures the

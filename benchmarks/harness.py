@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.format.rootlayout import STEP_PREFIX
+from tools.harness.ranks import rank_env
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -91,15 +92,7 @@ def start_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> Rank:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-    )
+    os.environ.update(rank_env(rank, world, port), GROUP_RANK="0")
     torch.set_num_threads(1)
     if spec.get("device", "cpu") == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -40,7 +40,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ import psutil
 import torch
 
 from ckptd.config import parse_budget
+from tools.harness.ports import free_port
 
 from .harness import DCP_METHODS, GIB
 from .memory import MemorySampler, daemon_pids
@@ -64,12 +64,6 @@ MIB = 1 << 20
 
 def _log(msg: str) -> None:
     print(f"[bench all {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Suite:
@@ -144,7 +138,7 @@ class Suite:
         _log(f"job {spec['name']}: {ranks} ranks, parts {spec.get('parts', '-')}")
         daemon = self._start_daemon(spec)
         ctx = mp.start_processes(
-            entry or _rank_entry, args=(ranks, _free_port(), spec), nprocs=ranks, start_method="spawn", join=False
+            entry or _rank_entry, args=(ranks, free_port(), spec), nprocs=ranks, start_method="spawn", join=False
         )
         self.sampler.watch(lambda: [p.pid for p in ctx.processes])
         deadline = time.monotonic() + self.args.timeout_s

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tools.harness)
+
 DEMO = Path(__file__).with_name("train_demo.py")
 
 
@@ -79,11 +81,13 @@ def failed(what: str, log: Path) -> int:
 
 
 def stop_daemons(root: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)],
-        check=False,
-        capture_output=True,
-    )
+    """Stop the daemons the ranks started for ``root`` (imported here: ``--help`` stays instant)."""
+    from tools.harness.daemons import DaemonsDidNotStop, stop_root_daemons
+
+    try:
+        stop_root_daemons(root)
+    except DaemonsDidNotStop as exc:
+        print(f"FAIL: the daemons of {root} did not stop: {exc}; see their logs", file=sys.stderr)
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_
 from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 from tests.multiproc import clear_torchrun_env
-from tools.harness.waiting import wait_for_exit, wait_until
+from tools.harness.daemons import stop_daemons
+from tools.harness.waiting import wait_until
 
 HEARTBEAT_S = 0.1
 
@@ -116,15 +116,6 @@ class SingleJob:
         raise AssertionError(f"step {step} committed despite the fault")
 
 
-def stop_daemon(pid_path: Path, timeout_s: float = 30) -> None:
-    if not daemon_alive(pid_path):
-        return
-    pid = daemon_pid(pid_path)
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        wait_for_exit(pid, timeout_s, f"daemon {pid} to exit")
-
-
 @contextlib.contextmanager
 def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[SingleJob]:
     clear_torchrun_env(monkeypatch)
@@ -149,7 +140,7 @@ def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[Sing
         ckpt.close()
     finally:
         ckpt.close(wait=False)
-        stop_daemon(ep.pid_path)
+        stop_daemons([ep.pid_path])
         left = list_segments(ep.shm_prefix)
         files = [p.name for p in (ep.socket_path, ep.pid_path) if p.exists()]
         daemon_log = job.daemon_log()

@@ -30,8 +30,10 @@ import torch.distributed as dist
 import ckptd
 from ckptd import ShardedTensor
 from ckptd.client import admin
-from tests.fault.single_job import stop_daemon, tmp_leftovers
-from tests.multiproc import free_port, run_ranks
+from tests.fault.single_job import tmp_leftovers
+from tools.harness.daemons import stop_daemons
+from tools.harness.ports import free_port
+from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
 
 
@@ -70,8 +72,7 @@ def _env(runtime: Path, **extra: str) -> dict[str, str]:
 
 
 def _stop_all(runtime: Path, keep: Path) -> None:
-    for pid_path in runtime.glob("*.pid"):
-        stop_daemon(pid_path)
+    stop_daemons(runtime.glob("*.pid"))
     for log_file in runtime.glob("*.log"):  # kept with the test's files, for a failure's story
         shutil.copy(log_file, keep / log_file.name)
     shutil.rmtree(runtime, ignore_errors=True)

@@ -30,6 +30,8 @@ from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
 from ckptd.retention import apply_gc, plan_gc
 from tests.checkpoints import make_root, reference_tensors
 from tests.multiproc import without_torchrun
+from tools.harness.ranks import spawn_queue, spawned
+from tools.harness.waiting import wait_until
 
 
 class ActsMidLoad(LoadStats):
@@ -174,30 +176,22 @@ def _loader(root: str, mode: str, duration_s: float, out: mp.Queue) -> None:
 def test_concurrent_loads_racing_retention_return_whole_checkpoints(tmp_path):
     root = tmp_path / "r"
     root.mkdir()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = spawn_queue()
     env_before = dict(os.environ)
     os.environ.clear()
     os.environ.update(without_torchrun(env_before))  # the children are single processes to ckptd
+    results = {}
     try:
-        saver = ctx.Process(target=_saver, args=(str(root), 10.0, out))
-        saver.start()
-        while not (root / TRACKER_FILE).exists():
-            time.sleep(0.01)
-        loaders = [ctx.Process(target=_loader, args=(str(root), m, 8.0, out)) for m in ("direct", "resume")]
-        for p in loaders:
-            p.start()
-        results = {}
-        for _ in range(3):
-            who, count, detail = out.get(timeout=120)
-            results[who] = (count, detail)
+        with spawned([(_saver, (str(root), 10.0, out))], join_timeout_s=30):
+            wait_until(lambda: (root / TRACKER_FILE).exists(), 60, "the saver's first commit")
+            loaders = [(_loader, (str(root), m, 8.0, out)) for m in ("direct", "resume")]
+            with spawned(loaders, join_timeout_s=30):
+                for _ in range(3):
+                    who, count, detail = out.get(timeout=120)
+                    results[who] = (count, detail)
     finally:
         os.environ.clear()
         os.environ.update(env_before)
-        for p in [saver, *loaders] if "loaders" in locals() else [saver]:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     assert results["saver"][0] > 10, results["saver"]
     for mode in ("direct", "resume"):
         count, detail = results[mode]

@@ -27,17 +27,12 @@ import psutil
 import pytest
 
 from tests.fault.single_job import single_job
+from tools.harness.ports import free_port
 from tools.harness.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 FLOOD = 1500
 COMMON_FD_LIMIT = 1024  # the usual soft RLIMIT_NOFILE (this machine's is higher)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -85,7 +80,7 @@ def many_fds():
 
 @pytest.mark.timeout(180)
 def test_idle_connections_cannot_exhaust_the_daemon(tmp_path, monkeypatch, many_fds):
-    port = _free_port()
+    port = free_port()
     with single_job(tmp_path, monkeypatch, metrics_port=port) as job:
         job.committed(1)
         pid = job.daemon_pid
@@ -166,7 +161,7 @@ def test_a_squatted_metrics_port_is_reported_and_the_daemon_runs_on(tmp_path, mo
 
 @pytest.mark.timeout(120)
 def test_metrics_bind_loopback_unless_configured(tmp_path, monkeypatch):
-    port = _free_port()
+    port = free_port()
     with single_job(tmp_path, monkeypatch, metrics_port=port) as job:
         job.committed(1)
         listening = [
@@ -177,7 +172,7 @@ def test_metrics_bind_loopback_unless_configured(tmp_path, monkeypatch):
         assert served["serving"] and served["url"] == f"http://127.0.0.1:{port}/metrics"
         run = _status_cli(job)
         assert f"metrics served on http://127.0.0.1:{port}/metrics" in run.stdout, run.stdout
-    port = _free_port()
+    port = free_port()
     with single_job(tmp_path / "other", monkeypatch, metrics_port=port, metrics_host="127.0.0.2") as job:
         job.committed(1)
         assert job.ckpt.status()["prometheus"]["url"] == f"http://127.0.0.2:{port}/metrics"

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd import ShardedTensor
-from tests.fault.single_job import stop_daemon
-from tests.multiproc import free_port, run_ranks
+from tools.harness.daemons import stop_daemons
+from tools.harness.ports import free_port
+from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_for_exit, wait_until
 
 # long enough for a first save on a loaded machine (3 test workers on 2 cores) to report in time
@@ -131,8 +132,7 @@ def test_slow_node_and_unreachable_coordinator(tmp_path):
     try:
         out = run_ranks(_node_faults, 2, env, str(root), str(tmp_path), timeout_s=150)
     finally:
-        for pid_path in runtime.glob("*.pid"):
-            stop_daemon(pid_path)
+        stop_daemons(runtime.glob("*.pid"))
         for log_file in runtime.glob("*.log"):  # kept with the test's files, for a failure's story
             shutil.copy(log_file, tmp_path / log_file.name)
         shutil.rmtree(runtime, ignore_errors=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault.single_job import loads_bit_exact, single_job, tmp_leftovers
+from tools.harness.ranks import spawn_queue, spawned
 
 PR_CAPBSET_DROP = 24
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
@@ -122,16 +123,9 @@ def _permission_scenario(tmp: str, queue: mp.Queue) -> None:
 
 @pytest.mark.timeout(120)
 def test_real_permission_denied(tmp_path):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_permission_scenario, args=(str(tmp_path), queue))
-    child.start()
-    try:
+    queue = spawn_queue()
+    with spawned([(_permission_scenario, (str(tmp_path), queue))], join_timeout_s=30):
         kind, detail = queue.get(timeout=100)
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
     if kind == "skip":
         pytest.skip(detail)
     assert kind == "ok", detail

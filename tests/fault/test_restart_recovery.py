@@ -26,8 +26,10 @@ from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.daemon.main import EXIT_BUSY
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.checkpoints import make_root
-from tests.multiproc import free_port, without_torchrun
-from tools.harness.waiting import wait_for_exit, wait_until
+from tests.multiproc import without_torchrun
+from tools.harness.daemons import stop_daemons
+from tools.harness.ports import free_port
+from tools.harness.waiting import wait_until
 
 
 def _env(runtime: Path, **extra: str) -> dict[str, str]:
@@ -44,14 +46,6 @@ def _daemon(env: dict[str, str], root: Path, *args: str, detach: bool = True) ->
 def _orphan_segment(name: str) -> Path:
     ShmSegment.create(name, 4096).close()  # created and never unlinked: what a crash leaves
     return SHM_DIR / name
-
-
-def _stop(ep: Endpoints) -> None:
-    pid = daemon_pid(ep.pid_path) if daemon_alive(ep.pid_path) else None
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    wait_for_exit(pid, 30, f"daemon {pid} to exit after SIGTERM")
 
 
 @pytest.mark.timeout(120)
@@ -97,10 +91,10 @@ def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp
             assert ckpt.status()["pid"] == pid
             ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=8).wait(timeout_s=30)
         assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000008")["w"], w)
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         assert not ep.socket_path.exists() and not ep.pid_path.exists()
     finally:
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         foreign.unlink(missing_ok=True)
         shutil.rmtree(runtime, ignore_errors=True)
 
@@ -132,8 +126,7 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
         wait_until(lambda: not partial.exists(), 20, "the adopted, abandoned save to be removed")
         assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
     finally:
-        for ep in eps:
-            _stop(ep)
+        stop_daemons(ep.pid_path for ep in eps)
         for seg in segments:
             seg.unlink(missing_ok=True)
         shutil.rmtree(runtime, ignore_errors=True)
@@ -175,5 +168,5 @@ def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypa
             ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=1).wait(timeout_s=60)
             assert ckpt.latest() == 1
     finally:
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         shutil.rmtree(runtime, ignore_errors=True)

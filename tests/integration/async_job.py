@@ -7,18 +7,15 @@ real node daemon (auto-started by its local rank 0), node 0's daemon hosting the
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
-import psutil
 import torch
 
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, default_job_id
-from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
-from tools.harness.waiting import exited, wait_until
+from tools.harness.daemons import daemon_processes
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -109,29 +106,11 @@ def endpoints(root: Path, env: dict[str, str], node: int) -> Endpoints:
     return Endpoints.for_job(root, job, cfg)
 
 
-def stop_daemons(eps: list[Endpoints], timeout_s: float = 30.0) -> list[int]:
-    """SIGTERM every live daemon of ``eps`` and wait until it exited; returns their pids."""
-    pids = []
-    for ep in eps:
-        if daemon_alive(ep.pid_path):
-            pid = daemon_pid(ep.pid_path)
-            if pid:
-                os.kill(pid, signal.SIGTERM)
-                pids.append(pid)
-    wait_until(lambda: all(map(exited, pids)), timeout_s, f"daemons {pids} to exit after SIGTERM")
-    return pids
-
-
 def leftovers(root: Path, eps: list[Endpoints]) -> dict[str, list]:
     """Everything a stopped job must not leave: segments, socket/pid files, processes."""
     job = default_job_id(root)
-    procs = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ckptd.cli" in cmd and job in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            procs.append(p.pid)
     return {
         "segments": list_segments(f"ckptd-{job}-"),
         "files": [str(f) for ep in eps for f in (ep.socket_path, ep.pid_path) if f.exists()],
-        "processes": procs,
+        "processes": daemon_processes(job),
     }

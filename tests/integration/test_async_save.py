@@ -9,7 +9,6 @@ and "after the trainer died" are real, not lucky timing.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -29,7 +28,9 @@ from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
 from ckptd.format.rootlayout import step_dir_name
 from tests.integration import async_job as aj
-from tests.multiproc import free_port, run_ranks
+from tools.harness.daemons import stop_daemons
+from tools.harness.ports import free_port
+from tools.harness.ranks import run_ranks, spawned
 from tools.harness.waiting import wait_until
 
 WRITE_DELAY_S = 0.4
@@ -52,7 +53,7 @@ def job(tmp_path_factory):
     eps = [aj.endpoints(root, env, n) for n in range(aj.NODES)]
     yield {"root": root, "env": env, "eps": eps}
     try:
-        aj.stop_daemons(eps)  # in case a test failed before the shutdown test
+        stop_daemons(ep.pid_path for ep in eps)  # in case a test failed before the shutdown test
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 
@@ -160,20 +161,10 @@ def _save_then_die(rank: int, env: dict, root: str, step: int, marks: str) -> No
 @pytest.mark.timeout(120)
 def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     root, step = job["root"], 100
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_save_then_die, args=(r, job["env"], str(root), step, str(tmp_path)))
-        for r in range(aj.WORLD)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=90)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    targets = [(_save_then_die, (r, job["env"], str(root), step, str(tmp_path))) for r in range(aj.WORLD)]
+    with spawned(targets, join_timeout_s=90) as procs:
+        pass  # each trainer SIGKILLs itself once its save() returned
+    assert not procs.killed, f"trainers {procs.killed} did not finish their save in 90 s"
     assert sorted(p.name for p in tmp_path.glob("returned*")) == [f"returned{r}" for r in range(aj.WORLD)]
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * aj.WORLD
     # Every trainer is dead; each data file takes >= WRITE_DELAY_S, so the commit is still ahead.
@@ -251,7 +242,7 @@ def test_daemon_killed_mid_write_aborts_then_recovers(job, tmp_path):
 # --- 4. orderly shutdown leaves nothing behind -----------------------------------------------
 @pytest.mark.timeout(60)
 def test_sigterm_shutdown_leaves_no_segments_files_or_processes(job):
-    pids = aj.stop_daemons(job["eps"])
+    pids = stop_daemons(ep.pid_path for ep in job["eps"])
     assert len(pids) == aj.NODES
     assert aj.leftovers(job["root"], job["eps"]) == {"segments": [], "files": [], "processes": []}
     # Committed checkpoints are untouched by the shutdown.

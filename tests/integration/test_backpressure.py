@@ -15,7 +15,7 @@ import torch
 import ckptd
 from ckptd import SaveSkippedError, ShardedTensor
 from ckptd.format.rootlayout import step_dir_name
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
 
 

@@ -20,7 +20,7 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.client import rankring as rankring_mod
 from ckptd.staging.pinning import CudaRegistrar
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

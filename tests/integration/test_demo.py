@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.harness.daemons import stop_root_daemons
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -92,12 +94,7 @@ def test_demo_killed_and_resumed_matches_uninterrupted_run(tmp_path):
     try:
         by_ckptd, by_dcp = resume_at_one_rank("ckptd"), resume_at_one_rank("dcp")
     finally:
-        subprocess.run(
-            [sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", str(root)],
-            env=env,
-            capture_output=True,
-            timeout=60,
-        )
+        stop_root_daemons(root, runtime, timeout_s=60)
     assert [(r["step"], r["world"]) for r in by_ckptd] == [(13, 1), (14, 1)]
     assert by_ckptd == by_dcp  # bit for bit: ckptd restored what torch's own loader restores
     shutil.rmtree(runtime, ignore_errors=True)

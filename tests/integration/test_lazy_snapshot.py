@@ -19,7 +19,7 @@ import torch.distributed as dist
 import ckptd
 from ckptd import SaveFailedError, ShardedTensor
 from tests.interop.reference import same_bits
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 
 def _config(**kw) -> ckptd.CkptdConfig:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,10 @@ from ckptd.control.endpoints import JobEnv
 from ckptd.control.protocol import Pong, Status, StatusReply
 from ckptd.errors import DaemonLostError, RequestNotTaken
 from ckptd.tune import recommend
+from tools.harness.daemons import stop_root_daemons
+from tools.harness.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
@@ -47,14 +42,14 @@ def single(single_process, tmp_path):
     runtime = tempfile.mkdtemp(prefix="cko", dir="/tmp")
     env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
     yield tmp_path / "run", runtime, env
-    _ckptd(env, "daemon", "stop", "--root", str(tmp_path / "run"))
+    stop_root_daemons(tmp_path / "run", runtime)
     shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
 def test_stats_status_metrics_and_stop(single):
     root, runtime, env = single
-    port = _free_port()
+    port = free_port()
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, metrics_port=port)
     w = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
     with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:

@@ -19,7 +19,7 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.optim import optimizer_load_template, param_shardings, restore_optimizer_state, sharded_optimizer_state
 from tests.integration.layouts import split
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 SHAPES = {
     "embed.weight": ((10, 4), 0),

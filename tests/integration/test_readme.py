@@ -113,7 +113,7 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_readme_fsdp2_lines_resume_bit_exact(tmp_path):
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_fsdp2_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=200, env=env) == [[], []]
@@ -157,7 +157,7 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_readme_megatron_lines_save_and_load(tmp_path):
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_megatron_blocks_round_trip, 2, str(tmp_path / "run"), timeout_s=200, daemon=False, env=env) == [
@@ -222,7 +222,7 @@ def _torchtitan_blocks_resume_exactly(rank: int, world: int, root: str) -> list[
 
 @pytest.mark.timeout(300)
 def test_readme_torchtitan_lines_resume_bit_exact(tmp_path):
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_torchtitan_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=260, env=env) == [[], []]

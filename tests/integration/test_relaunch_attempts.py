@@ -49,7 +49,7 @@ def _launch(rank: int, world_size: int, root: str, runtime: str) -> tuple[str, s
 def test_ranks_of_a_torchrun_launch_without_a_run_id_agree_on_a_fresh_incarnation(tmp_path):
     """Plain torchrun (TORCHELASTIC_RUN_ID=none): the ranks agree through the process group's store,
     and the next launch gets another incarnation."""
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     runtime = tempfile.mkdtemp(prefix="ckl", dir="/tmp")
     env = {"TORCHELASTIC_RUN_ID": "none"}

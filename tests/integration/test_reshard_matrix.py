@@ -26,7 +26,7 @@ from tests.integration.layouts import (
     optim_reference,
     reference,
 )
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 SAVE_LAYOUTS = [Layout(2, 1), Layout(1, 2), Layout(2, 2), Layout(4, 1), Layout(3, 1), Layout(1, 3)]
 KEYS = list(MODEL)

@@ -23,7 +23,7 @@ from ckptd.format.dcp_metadata import read_index
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import SHM_DIR, allocated_nbytes, list_segments
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 ROWS, COLS = 1024, 1024  # 4 MiB per rank and tensor; the state of a rank is 8 MiB
 

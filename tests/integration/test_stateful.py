@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

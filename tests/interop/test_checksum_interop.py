@@ -2,7 +2,7 @@
 accepts Megatron-Core's own checkpoints (which carry no checksums).
 
 One real subprocess (a one-rank gloo group: Megatron-Core needs a process group, and its save
-starts a multiprocessing Manager, which a daemonic worker of tests.multiproc may not) does the
+starts a multiprocessing Manager, which a daemonic worker of tools.harness.ranks may not) does the
 Megatron-Core and DCP jobs; the checks of the results run here.
 """
 

@@ -3,7 +3,7 @@
 Megatron-Core 0.16's own ``dist_checkpointing``.
 
 Megatron-Core imports allow-list classes for the whole process, so everything runs in a spawned
-rank (tests/multiproc.py)."""
+rank (tools/harness/ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 import ckptd
 from tests.interop.test_torch_dist_interop import _patch_megatron_cpu_save
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 META = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True, "version": 2}
 

@@ -18,7 +18,7 @@ import torch
 
 import ckptd
 from tests.interop.reference import same_bits
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -36,7 +36,7 @@ from tests.interop.reference import (
     save_slices,
     single_rank_request,
 )
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

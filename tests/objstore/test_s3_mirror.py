@@ -24,7 +24,8 @@ from ckptd.s3catalog import read_s3_commit_record, scan_s3_root
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import UnsupportedLocationError, parse_location
 from tests.multiproc import without_torchrun
-from tests.objstore.test_s3_roots import _config, _sd, _stop_daemon
+from tests.objstore.test_s3_roots import _config, _sd
+from tools.harness.daemons import stop_root_daemons
 from tools.harness.waiting import wait_for_exit, wait_until
 
 
@@ -50,7 +51,7 @@ def test_a_mirrored_root_resumes_from_the_store_on_a_replaced_node(s3_bucket, ru
             shown = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
             assert f"mirror {mirror}: latest copy step 30" in shown.stdout, shown.stdout + shown.stderr
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
     location = parse_location(mirror)
     cat = scan_s3_root(location, usage=False)
     mirrored = [e.step for e in cat.committed]
@@ -77,7 +78,7 @@ def test_a_mirrored_root_resumes_from_the_store_on_a_replaced_node(s3_bucket, ru
             assert torch.equal(y, x)
             ckpt.wait_mirrored(40, timeout_s=120)
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
 
 
 @pytest.mark.timeout(180)
@@ -89,7 +90,7 @@ def test_a_local_bit_flip_is_never_copied_to_the_mirror(s3_bucket, runtime_dir, 
         with ckptd.Checkpointer(local, config=_config(runtime_dir)) as ckpt:  # no mirror yet
             ckpt.save(_sd(w, 7), step=7).wait(timeout_s=120)
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
     data = local / "iter_0000007" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
@@ -101,7 +102,7 @@ def test_a_local_bit_flip_is_never_copied_to_the_mirror(s3_bucket, runtime_dir, 
             assert "iter_0000007" in status and "no longer matches its recorded checksum" in status, status
             assert ckpt.status()["mirror"]["failed_step"] == 7
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
     location = parse_location(mirror)
     assert not scan_s3_root(location, usage=False).committed
     assert not list(S3Client(location).list_objects("")) and not S3Client(location).uploads("")
@@ -132,7 +133,7 @@ def test_a_copy_killed_midway_leaves_nothing_and_the_next_daemon_copies_again(s3
         assert len(keys) == 1, keys  # the dead copy's data object never completed
         assert torch.equal(ckptd.load_plain_tensors(f"{mirror}/iter_0000005")["w"], w)
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
 
 
 @pytest.mark.timeout(180)

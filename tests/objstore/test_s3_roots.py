@@ -21,6 +21,7 @@ from ckptd.s3catalog import read_s3_commit_record
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import UnsupportedLocationError, parse_location
 from tests.multiproc import without_torchrun
+from tools.harness.daemons import stop_root_daemons
 
 
 def _config(runtime_dir: str, **kw) -> ckptd.CkptdConfig:
@@ -29,11 +30,6 @@ def _config(runtime_dir: str, **kw) -> ckptd.CkptdConfig:
 
 def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
-
-
-def _stop_daemon(root: str, runtime_dir: str) -> None:
-    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
-    subprocess.run([sys.executable, "-m", "ckptd.cli", "daemon", "stop", "--root", root], env=env, timeout=60)
 
 
 @pytest.mark.timeout(180)
@@ -70,7 +66,7 @@ def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
             assert torch.equal(y, values[20])
         assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000020")["w"], values[20])
     finally:
-        _stop_daemon(root, runtime_dir)
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
 
 
 @pytest.mark.timeout(120)
@@ -84,7 +80,7 @@ def test_removing_the_committed_attempt_of_a_step_removes_nothing(s3_bucket, run
         with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
             ckpt.save(_sd(w, 4), step=4).wait(timeout_s=120)
     finally:
-        _stop_daemon(root, runtime_dir)
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
     location = parse_location(root)
     record = read_s3_commit_record(S3Client(location), "iter_0000004")
     assert record is not None
@@ -112,7 +108,7 @@ def test_a_crashed_attempt_is_invisible_and_the_next_start_removes_it(s3_bucket,
             ckpt.save(_sd(w, 5), step=5).wait(timeout_s=60)
             assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000005")["w"], w)
     finally:
-        _stop_daemon(root, runtime_dir)
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
 
 
 def test_urls_ckptd_cannot_store_at_are_refused(tmp_path, monkeypatch, single_process):
@@ -170,7 +166,7 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir):
         run = cli("ls", root)
         assert "iter_0000001" not in run.stdout and "iter_0000003" in run.stdout
     finally:
-        _stop_daemon(root, runtime_dir)
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
 
 
 def _sync_save_ranks(rank: int, world_size: int, url: str, env: dict) -> list[float]:
@@ -186,7 +182,7 @@ def _sync_save_ranks(rank: int, world_size: int, url: str, env: dict) -> list[fl
 
 @pytest.mark.timeout(180)
 def test_a_synchronous_save_to_s3_on_two_ranks(s3_bucket, s3_env):
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     url = f"s3://{s3_bucket}/sync/ckpt1"
     results = run_ranks(_sync_save_ranks, 2, url, s3_env.env())
@@ -211,4 +207,4 @@ def test_torch_dcp_reads_a_committed_step_from_the_object_store(s3_bucket, runti
         dcp.load(state, storage_reader=FsspecReader(f"{root}/iter_0000005"))
         assert torch.equal(state["model"]["w"], w) and state["step"] == 5
     finally:
-        _stop_daemon(root, runtime_dir)
+        stop_root_daemons(root, runtime_dir, timeout_s=60)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptd
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

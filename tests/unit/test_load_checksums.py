@@ -155,7 +155,7 @@ def _resume_rows(rank: int, world: int, root: str) -> tuple[int, bool]:
 
 @pytest.mark.timeout(120)
 def test_ranks_fall_back_together_when_only_one_reads_the_damage(tmp_path):
-    from tests.multiproc import run_ranks
+    from tools.harness.ranks import run_ranks
 
     root = make_root(tmp_path / "r", [1, 2], latest=2)
     c = chunk(root / step_dir_name(2), "layer.weight", 1)  # rows 4..8, which only rank 1 reads

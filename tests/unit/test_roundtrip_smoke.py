@@ -1,7 +1,7 @@
 import torch
 
 import ckptd
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 
 def _save_two_ranks(rank: int, world: int, root: str) -> None:

@@ -17,7 +17,7 @@ import torch
 import ckptd
 from ckptd import CheckpointExistsError, ShardedObject, ShardedTensor, ShardingError
 from ckptd.errors import SaveFailedError
-from tests.multiproc import run_ranks
+from tools.harness.ranks import run_ranks
 
 ST = ShardedTensor
 

@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,7 +37,6 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
 import torch
 
 import ckptd
@@ -55,6 +53,8 @@ from ckptd.s3catalog import scan_any
 from ckptd.staging.segment import list_segments, unlink_segments
 from ckptd.storage.url import Location, parse_location
 from tools.harness import crash_job as cj
+from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, signal_process, stop_daemons
+from tools.harness.ports import free_port
 
 VICTIMS = ("rank", "node", "coordinator")
 MULTI_NODE_VICTIMS = ("node", "link")  # victims that need another node than node 0
@@ -63,6 +63,7 @@ KEEP_LAST = 3
 # not wait for a node daemon being started; these only bound how long survivors wait for the dead.
 COMMIT_TIMEOUT_S = 2.5
 COORDINATOR_TIMEOUT_S = 3.0
+STOP_TIMEOUT_S = 20.0  # from SIGTERM until every daemon of the job exited
 
 
 def process_context() -> BaseContext:
@@ -79,19 +80,6 @@ def stop_process_context() -> None:
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass  # it exited meanwhile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -157,50 +145,6 @@ def quiesce(spec: cj.JobSpec, timeout_s: float) -> str | None:
             return None
         time.sleep(0.1)
     return f"daemons still busy after {timeout_s:.0f} s:{busy}"
-
-
-def live_daemon_pids(spec: cj.JobSpec) -> dict[int, int]:
-    out = {}
-    for node in range(spec.nodes):
-        ep = spec.endpoints(node)
-        pid = daemon_pid(ep.pid_path) if daemon_alive(ep.pid_path) else None
-        if pid:
-            out[node] = pid
-    return out
-
-
-def stop_daemons(spec: cj.JobSpec, timeout_s: float = 20.0) -> list[str]:
-    """SIGTERM every daemon of the job until none is left; returns problems.
-
-    A daemon launched by a trainer that was killed meanwhile may still be starting (importing
-    torch); it takes the pid-file lock only once the running one released it, so this repeats
-    until no daemon process of the job is left. SIGKILL after ``timeout_s``.
-    """
-    job = spec.endpoints(0).job
-    signalled: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while job_processes(job):
-        for pid in live_daemon_pids(spec).values():
-            if pid not in signalled:
-                _kill(pid, signal.SIGTERM)
-                signalled.add(pid)
-        if time.monotonic() > deadline:
-            stuck = job_processes(job)
-            for pid in stuck:
-                _kill(pid, signal.SIGKILL)
-            return [f"daemon processes {stuck} still ran {timeout_s:.0f} s after SIGTERM"]
-        time.sleep(0.05)
-    return []
-
-
-def job_processes(job: str) -> list[int]:
-    """Daemon processes of ``job`` still running (the daemon's command line names the job)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ckptd.cli" in cmd and job in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p.pid)
-    return found
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -421,7 +365,7 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: 
     if victim == "rank":
         rank = rng.randrange(spec.ranks)
         if procs[rank].pid:
-            _kill(procs[rank].pid, signal.SIGKILL)
+            signal_process(procs[rank].pid, signal.SIGKILL)
         return f"rank {rank} (pid {procs[rank].pid})"
     node = 0 if victim == "coordinator" else rng.randrange(1, spec.nodes)
     ep = spec.endpoints(node)
@@ -429,7 +373,7 @@ def _kill_victim(spec: cj.JobSpec, victim: str, procs: list[TrialProcess], rng: 
     _wait_for(lambda: daemon_alive(ep.pid_path) and daemon_pid(ep.pid_path), 20)
     pid = daemon_pid(ep.pid_path)
     if pid:
-        _kill(pid, signal.SIGKILL)
+        signal_process(pid, signal.SIGKILL)
     return f"node {node} daemon (pid {pid})"
 
 
@@ -492,15 +436,20 @@ def run_trial(
         for r, p in enumerate(procs):
             if p.exitcode != 0:
                 result.problems.append(f"restarted rank {r} exited with {p.exitcode}; see {spec.events}")
-        result.problems += stop_daemons(spec)
+        # A daemon launched by a trainer killed meanwhile may still be starting: wait for the job's.
+        pid_paths = [spec.endpoints(node).pid_path for node in range(spec.nodes)]
+        try:
+            stop_daemons(pid_paths, STOP_TIMEOUT_S, job=job)
+        except DaemonsDidNotStop as exc:
+            result.problems.append(str(exc))
         events = cj.read_events(spec.events)
         check_restart(spec, events, result)
         check_root(spec, events, result)
         left = hosts.segments(f"ckptd-{job}-")
         if left:
             result.problems.append(f"shared-memory segments left behind: {left}")
-        if job_processes(job):
-            result.problems.append(f"daemon processes left behind: {job_processes(job)}")
+        if daemon_processes(job):
+            result.problems.append(f"daemon processes left behind: {daemon_processes(job)}")
     except Exception as exc:  # noqa: BLE001 - a harness failure fails the trial, with the reason
         result.problems.append(f"harness error: {type(exc).__name__}: {exc}")
     finally:
@@ -508,8 +457,8 @@ def run_trial(
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for pid in job_processes(job) if job else []:
-            _kill(pid, signal.SIGKILL)
+        for pid in daemon_processes(job) if job else []:
+            signal_process(pid, signal.SIGKILL)
         if not result.ok:
             for log_file in hosts.logs():
                 shutil.copy(log_file, base / f"daemon-{log_file.name}")

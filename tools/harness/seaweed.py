@@ -18,10 +18,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tools.harness.ports import port_is_free
 
 _PORT_RANGE = (20000, 45000)  # gRPC ports are +10000: they must stay below 65536 and free
 
@@ -34,18 +35,9 @@ def _free_port_pair(taken: set[int], ip: str = "127.0.0.1") -> int:
     """A port P with P and P + 10000 free on ``ip``."""
     for _ in range(200):
         port = secrets.randbelow(_PORT_RANGE[1] - _PORT_RANGE[0]) + _PORT_RANGE[0]
-        if port in taken or port + 10000 in taken:
-            continue
-        ok = True
-        for p in (port, port + 10000):
-            with socket.socket() as s:
-                try:
-                    s.bind((ip, p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            taken.update((port, port + 10000))
+        pair = (port, port + 10000)
+        if not taken.intersection(pair) and all(port_is_free(p, ip) for p in pair):
+            taken.update(pair)
             return port
     raise RuntimeError("no free port pair for SeaweedFS")
 

@@ -1,0 +1,93 @@
+"""The test harness's own bounds (tools/harness): stopping daemons and spawned processes never
+waits past its bound, and what outlives it is killed and reported, not left running.
+
+The daemons here are stand-ins that hold a pid file with ckptd's own PidLock (what makes a daemon
+live to everyone else) and whose command line names ``ckptd.cli`` and the job, as a daemon's does."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptd.control.pidfile import daemon_alive
+from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, stop_daemons
+from tools.harness.ranks import spawned
+from tools.harness.waiting import wait_until
+
+STAND_IN = """
+import signal, sys, time
+from pathlib import Path
+from ckptd.control.pidfile import PidLock
+if sys.argv[2] == "ignore-sigterm":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[1] and not PidLock(Path(sys.argv[1])).acquire():
+    sys.exit(3)
+time.sleep(300)
+"""
+
+
+def _stand_in(pid_path: Path | None, on_sigterm: str, job: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", STAND_IN, str(pid_path or ""), on_sigterm, "ckptd.cli", job])
+
+
+@pytest.fixture
+def stand_ins():
+    procs: list[subprocess.Popen] = []
+
+    def start(pid_path: Path | None, on_sigterm: str = "die", job: str = "harnesstest") -> subprocess.Popen:
+        proc = _stand_in(pid_path, on_sigterm, job)
+        procs.append(proc)
+        if pid_path is not None:
+            wait_until(lambda: daemon_alive(pid_path) or proc.poll() is not None, 60, f"{pid_path} to be locked")
+            assert proc.poll() is None, proc.returncode
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_stop_daemons_sigterms_each_and_returns_their_pids(tmp_path, stand_ins):
+    paths = [tmp_path / "j-n0.pid", tmp_path / "j-n1.pid"]
+    procs = [stand_ins(p) for p in paths]
+    assert stop_daemons(paths, 30) == [p.pid for p in procs]
+    assert [p.wait(timeout=10) for p in procs] == [-signal.SIGTERM] * 2
+    assert stop_daemons(paths, 30) == []  # nothing left to stop
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_ignores_sigterm_is_killed_and_fails_the_stop(tmp_path, stand_ins):
+    path = tmp_path / "j-n0.pid"
+    proc = stand_ins(path, "ignore-sigterm")
+    t0 = time.monotonic()
+    with pytest.raises(DaemonsDidNotStop, match=rf"\[{proc.pid}\] still ran 1 s after SIGTERM"):
+        stop_daemons([path], 1.0)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 30  # bounded: 1 s, the kill, and the poll
+
+
+@pytest.mark.timeout(120)
+def test_a_job_process_without_a_pid_file_is_waited_for(tmp_path, stand_ins):
+    """A daemon still starting (no pid file yet) counts when the job is named: the stop waits for it."""
+    job = f"harness{time.monotonic_ns()}"
+    proc = stand_ins(None, "ignore-sigterm", job=job)
+    wait_until(lambda: proc.pid in daemon_processes(job), 30, "the stand-in to be listed")
+    assert stop_daemons([tmp_path / "none-n0.pid"], 1.0) == []  # without the job: nothing to stop
+    with pytest.raises(DaemonsDidNotStop):
+        stop_daemons([tmp_path / "none-n0.pid"], 1.0, job=job)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_spawned_kills_what_outlives_its_join_bound():
+    with spawned([(time.sleep, (300,)), (time.sleep, (0,))], join_timeout_s=5) as procs:
+        pass
+    assert procs.killed == [0]
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL, 0]

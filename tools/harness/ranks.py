@@ -1,0 +1,148 @@
+"""Spawned processes for tests and harnesses: started together, never outliving their bound.
+
+Two ways in, one lifecycle (:func:`spawned`):
+
+- ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size``
+  spawned processes joined in a gloo process group and returns every rank's return value in rank
+  order, or raises with each failed rank's traceback. ``fn`` must be a module-level function (it
+  is pickled by reference for the spawned interpreters). A hung rank is killed after ``timeout_s``
+  so a deadlock fails the test instead of stalling CI.
+- ``with spawned([(fn, args), ...], join_timeout_s=...) as procs:`` starts one spawned process
+  per target (no process group: the target sets up what it needs) for a test that watches the
+  processes itself (exit codes, a queue of its own from :func:`spawn_queue`).
+
+Either way, on leaving, the processes get ``join_timeout_s`` (together) to exit; the ones still
+running are SIGKILLed and reaped, and listed in ``procs.killed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.context import SpawnProcess
+from multiprocessing.queues import Queue
+from typing import Any
+
+from tools.harness.ports import LOOPBACK, free_port
+
+REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone at once; this only bounds the reaping
+
+
+def spawn_queue() -> Queue:
+    """A queue the spawned processes can put their results on."""
+    return mp.get_context("spawn").Queue()
+
+
+class Spawned(list[SpawnProcess]):
+    """The processes of :func:`spawned`, in the order of their targets."""
+
+    killed: list[int]  # indices of the processes that had to be SIGKILLed on leaving
+
+
+@contextlib.contextmanager
+def spawned(
+    targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]],
+    *,
+    join_timeout_s: float,
+    daemon: bool = True,
+) -> Iterator[Spawned]:
+    """Start a spawned process per ``(fn, args)``; on leaving, wait ``join_timeout_s`` for them all,
+    then SIGKILL and reap the ones still running.
+
+    ``daemon=False`` lets the processes start processes of their own (Megatron-Core's save forks
+    writer processes and starts a multiprocessing Manager)."""
+    ctx = mp.get_context("spawn")
+    procs = Spawned(ctx.Process(target=fn, args=args, daemon=daemon) for fn, args in targets)
+    procs.killed = []
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        deadline = time.monotonic() + join_timeout_s
+        for p in procs:
+            if p.pid is not None:  # started
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for i, p in enumerate(procs):
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(timeout=REAP_TIMEOUT_S)
+                procs.killed.append(i)
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of a one-node job whose rank 0 listens on ``port``."""
+    return {
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
+def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update(rank_env(rank, world_size, port))
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    daemon: bool = True,
+) -> list[Any]:
+    """Every rank's return value of ``fn(rank, world_size, *args)``, in rank order.
+
+    ``env`` is added to each rank's environment; ``daemon=False`` as for :func:`spawned`. Raises
+    TimeoutError when a rank has not finished after ``timeout_s``, RuntimeError when a rank died
+    without reporting, AssertionError with the tracebacks of the ranks whose ``fn`` raised."""
+    queue = spawn_queue()
+    port = free_port()
+    targets = [(_rank_entry, (fn, r, world_size, port, env or {}, queue, args)) for r in range(world_size)]
+    results: dict[int, tuple[bool, Any]] = {}
+    # The ranks reported, so they are only tearing their process group down: 5 s is plenty.
+    with spawned(targets, join_timeout_s=5 * world_size, daemon=daemon) as procs:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s"
+                )
+            try:
+                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+                results[rank] = (ok, value)
+            except queue_mod.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                ]
+                if dead:
+                    raise RuntimeError(
+                        f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                    ) from None
+    failures = {r: v for r, (ok, v) in results.items() if not ok}
+    if failures:
+        raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))
+    return [results[r][1] for r in range(world_size)]
