@@ -43,7 +43,8 @@ from .commitstate import (
     Tick,
 )
 from .loop import serve_requests
-from .workers import CleanupFinished, CommitFinished, WorkerPools
+from .rootquestions import Question, answer
+from .workers import CleanupFinished, CommitFinished, RootAnswered, WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Coordinator:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ep = Endpoint(sock, codec, "coordinator")
         self.state = CommitState(config, store.data_file_name, adopted=adopt, now=time.monotonic())
+        # reports waiting for the root's answer to the first of them, by attempt
+        self.asking: dict[Key, list[tuple[bytes, Written | Failed]]] = {}
         log.info("coordinator of %s listening on %s", store.display(), self.address)
 
     @property
@@ -93,26 +96,67 @@ class Coordinator:
             self._handle(NodeSeen(identity=identity))
             self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
         elif isinstance(msg, (Written, Failed)):
-            self._handle(ReportIn(identity=identity, msg=msg, facts=self._facts(msg)))
+            self._report(identity, msg)
         elif isinstance(msg, Status):
             self.ep.send(StatusReply(self.status()), identity)
         else:
             raise ProtocolError(f"the coordinator does not accept {msg.TYPE.name}")
 
-    def _facts(self, msg: Written | Failed) -> RootFacts:
-        """Ask the root only what the state machine needs to decide on ``msg``."""
-        holds = True
-        if self.state.remembers_commit((msg.step, msg.attempt)):
-            holds = self.store.holds_commit(msg.step, msg.attempt)
-            if not holds:
-                log.warning(
-                    "step %d attempt %s: reported again, but %s no longer holds that commit; collecting it anew",
-                    msg.step,
-                    msg.attempt,
-                    self.store.display(step_dir_name(msg.step)),
-                )
-        committed = self.state.may_start(msg, holds) and self.store.committed_once(msg.step)
-        return RootFacts(holds_commit=holds, committed_once=committed)
+    def _question(self, msg: Written | Failed) -> Question | None:
+        """What the root must be asked before the state machine decides on ``msg`` (None: nothing)."""
+        key = (msg.step, msg.attempt)
+        remembered = self.state.remembers_commit(key)
+        question = Question(
+            step=msg.step,
+            attempt=msg.attempt,
+            holds_commit=remembered,
+            committed_once_if_held=self.state.may_start(msg, True),
+            committed_once_if_not=self.state.may_start(msg, False),
+        )
+        return question if question.asks else None
+
+    def _report(self, identity: bytes, msg: Written | Failed) -> None:
+        """Handle a report, after the root answered what its decision needs. The root is asked on
+        a worker thread (an object store that hangs must not stop the coordinator's loop), and
+        later reports of the attempt wait behind the one asking, so they are handled in order."""
+        key = (msg.step, msg.attempt)
+        waiting = self.asking.get(key)
+        if waiting is not None:
+            waiting.append((identity, msg))
+            return
+        question = self._question(msg)
+        if question is None:
+            self._handle(ReportIn(identity=identity, msg=msg))
+            return
+        self.asking[key] = [(identity, msg)]
+        self.workers.ask(question, lambda: answer(self.store, question))
+
+    def _on_answer(self, done: RootAnswered) -> None:
+        question: Question = done.question
+        key = (question.step, question.attempt)
+        waiting = self.asking.pop(key, [])
+        if done.error is not None:
+            log.warning(
+                "step %d attempt %s: %s could not be asked about the step (%s); deciding without it "
+                "(the commit checks again)",
+                question.step,
+                question.attempt,
+                self.store.display(),
+                done.reason,
+            )
+        facts = done.result if isinstance(done.result, RootFacts) else question.unknown()
+        for n, (identity, msg) in enumerate(waiting):
+            if n == 0 and self._question(msg) == question:
+                if not facts.holds_commit:
+                    log.warning(
+                        "step %d attempt %s: reported again, but %s no longer holds that commit; collecting it anew",
+                        msg.step,
+                        msg.attempt,
+                        self.store.display(step_dir_name(msg.step)),
+                    )
+                self._handle(ReportIn(identity=identity, msg=msg, facts=facts))
+            else:  # the state moved on meanwhile (or a later report): decide afresh, asking again if need be
+                self._report(identity, msg)
 
     def _handle(self, event: Event) -> None:
         for action in self.state.handle(event, time.monotonic()):
@@ -141,9 +185,11 @@ class Coordinator:
 
         self.workers.commit(c.step, c.attempt, run)
 
-    def on_done(self, done: CommitFinished | CleanupFinished) -> None:
-        """Handle a finished commit-thread job (a cleanup needs nothing more)."""
-        if isinstance(done, CommitFinished):
+    def on_done(self, done: CommitFinished | CleanupFinished | RootAnswered) -> None:
+        """Handle a finished commit-thread job (a cleanup needs nothing more) or a root's answer."""
+        if isinstance(done, RootAnswered):
+            self._on_answer(done)
+        elif isinstance(done, CommitFinished):
             outcome = done.result if done.error is None else None
             error = None if done.error is None else done.reason
             self._handle(CommitEnded(step=done.step, attempt=done.attempt, outcome=outcome, error=error))

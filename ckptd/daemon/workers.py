@@ -2,8 +2,8 @@
 
 The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
 each finished job posts its :data:`Completion` (one type per kind of job: :class:`WriteFinished`,
-:class:`CommitFinished`, :class:`CleanupFinished`) into :class:`Completions`, whose pipe wakes the
-poller, and the loop routes it by its type. Worker threads never touch sockets or daemon state.
+:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootAnswered`) into :class:`Completions`,
+whose pipe wakes the poller, and the loop routes it by its type. Worker threads never touch sockets or daemon state.
 """
 
 from __future__ import annotations
@@ -66,7 +66,14 @@ class CleanupFinished(Finished):
     attempt: str
 
 
-Completion = WriteFinished | CommitFinished | CleanupFinished
+@dataclass(frozen=True, kw_only=True)
+class RootAnswered(Finished):
+    """The root answered a coordinator's ``question`` (ckptd.daemon.rootquestions; result: RootFacts)."""
+
+    question: Any
+
+
+Completion = WriteFinished | CommitFinished | CleanupFinished | RootAnswered
 
 
 class Completions:
@@ -206,12 +213,14 @@ def write_rank_file(
 
 
 class WorkerPools:
-    """``writer_threads`` data-file writers and one commit thread, reporting into ``completions``."""
+    """``writer_threads`` data-file writers, one commit thread and one thread that asks the root,
+    reporting into ``completions``."""
 
     def __init__(self, writer_threads: int, completions: Completions) -> None:
         self.completions = completions
         self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="ckptd-writer")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-commit")
+        self._asker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-ask")
         self.in_flight = 0
 
     def _run(self, done: Callable[..., Completion], what: str, fn: Callable[[], Any]) -> None:
@@ -241,9 +250,17 @@ class WorkerPools:
         done = functools.partial(CleanupFinished, step=step, attempt=attempt)
         self._committer.submit(self._run, done, f"cleanup of step {step} attempt {attempt}", fn)
 
+    def ask(self, question: Any, fn: Callable[[], Any]) -> None:
+        """Ask the root ``question`` on the asking thread (never behind a long commit); a
+        :class:`RootAnswered` tells the answer."""
+        self.in_flight += 1
+        done = functools.partial(RootAnswered, question=question)
+        self._asker.submit(self._run, done, f"asking the root {question!r}", fn)
+
     def finished(self) -> None:
         self.in_flight -= 1
 
     def shutdown(self) -> None:
         self._writers.shutdown(wait=True, cancel_futures=True)
         self._committer.shutdown(wait=True, cancel_futures=True)
+        self._asker.shutdown(wait=True, cancel_futures=True)

@@ -4,6 +4,8 @@ Each test runs its own SeaweedFS server (tools.harness.seaweed), which it kills 
 
 from __future__ import annotations
 
+import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +77,42 @@ def test_the_store_killed_and_restarted_mid_upload(own_server):
             assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000002")["w"], w + 1)
         else:
             assert not list(S3Client(parse_location(root)).list_objects("iter_0000002"))
+    finally:
+        stop_root_daemons(root, runtime, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stays_responsive(own_server, monkeypatch):
+    """The store stops answering (SIGSTOP: connections open, no reply) while a save uploads. The
+    upload fails at its request timeout and the save aborts with that error. The coordinator asks
+    the store about the step off its loop: when it asked on the loop, it went silent for as long as
+    the store hung, and the node declared it lost (the ranks were told the coordinator failed)."""
+    server = own_server()
+    server.create_bucket("hang")
+    monkeypatch.setenv("CKPTD_S3_REQUEST_TIMEOUT_S", "3")
+    monkeypatch.setenv("CKPTD_S3_RETRY_TIMEOUT_S", "2")
+    monkeypatch.setenv("CKPTD_S3_RETRIES", "1")
+    root, runtime = "s3://hang/run", tempfile.mkdtemp(prefix="cko", dir="/tmp")
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=runtime, idle_exit_s=5.0, heartbeat_s=0.2, coordinator_timeout_s=2.0, commit_timeout_s=60.0
+    )
+    assert server.proc is not None
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            w = torch.randn(16 << 20)  # 64 MiB: still uploading when the store hangs
+            ckpt.save(_sd(w, 1), step=1).wait(timeout_s=120)
+            h = ckpt.save(_sd(w + 1, 2), step=2)
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(SaveFailedError) as err:
+                    h.wait(timeout_s=60)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert "s3://hang/run/iter_0000002/__0_0." in str(err.value), err.value
+            assert "coordinator" not in str(err.value), err.value
+            ckpt.save(_sd(w + 3, 3), step=3).wait(timeout_s=120)
+            assert ckpt.latest() == 3
+        assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000003")["w"], w + 3)
     finally:
         stop_root_daemons(root, runtime, timeout_s=60)
 

@@ -150,7 +150,7 @@ def test_a_re_save_after_a_rollback_replaces_the_mirrors_copy_of_the_step(s3_buc
             ckpt.save(_sd(w + 2, 15), step=15).wait(timeout_s=60)  # a rollback: 15 after 20 ...
             ckpt.save(_sd(w + 3, 20), step=20).wait(timeout_s=60)  # ... and 20 again, replacing it locally
     finally:
-        _stop_daemon(str(local), runtime_dir)
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
     second = local_latest(local)
     assert second is not None and second.step == 20 and second != first
     mirror_step(local, second, store)  # the mirror lagged past 15: the copy of the replaced 20 goes

@@ -28,6 +28,17 @@ from ckptd.roots.posix_root import PosixRoot
 ATTEMPT = "0123456789ab-1"
 
 
+def _router(completions: Completions, workers: WorkerPools, coordinator: Coordinator) -> Any:
+    """The node daemon's routing of finished worker jobs to the coordinator (ckptd.daemon.node)."""
+
+    def route() -> None:
+        for done in completions.drain():
+            workers.finished()
+            coordinator.on_done(done)
+
+    return route
+
+
 @pytest.mark.timeout(60)
 def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path: Path):
     """The coordinator answers every ping, but its verdict on a step never arrives (lost in a
@@ -69,6 +80,7 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
         (coordinator.watch.sock, coordinator.watch.on_readable),
         (coordinator.ep.sock, coordinator.on_readable),
         (link.ep.sock, link.on_readable),
+        (completions.fd, _router(completions, workers, coordinator)),
     ):
         loop.add(source, handler)
     try:
@@ -115,6 +127,7 @@ def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[Co
         (coordinator.watch.sock, coordinator.watch.on_readable),
         (coordinator.ep.sock, coordinator.on_readable),
         (link.ep.sock, link.on_readable),
+        (completions.fd, _router(completions, workers, coordinator)),
     ):
         loop.add(source, handler)
 
