@@ -2,7 +2,7 @@
 
 The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
 each finished job posts its :data:`Completion` (one type per kind of job: :class:`WriteFinished`,
-:class:`CommitFinished`, :class:`CleanupFinished`) into :class:`Completions`, whose pipe wakes the
+:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootChecked`) into :class:`Completions`, whose pipe wakes the
 poller, and the loop routes it by its type. Worker threads never touch sockets or daemon state.
 """
 
@@ -66,7 +66,16 @@ class CleanupFinished(Finished):
     attempt: str
 
 
-Completion = WriteFinished | CommitFinished | CleanupFinished
+@dataclass(frozen=True, kw_only=True)
+class RootChecked(Finished):
+    """The root was asked whether ``attempt`` of ``step`` committed (result: a bool); a node
+    daemon asks when its coordinator was lost (ckptd.daemon.uplinkstate)."""
+
+    step: int
+    attempt: str
+
+
+Completion = WriteFinished | CommitFinished | CleanupFinished | RootChecked
 
 
 class Completions:
@@ -240,6 +249,13 @@ class WorkerPools:
         self.in_flight += 1
         done = functools.partial(CleanupFinished, step=step, attempt=attempt)
         self._committer.submit(self._run, done, f"cleanup of step {step} attempt {attempt}", fn)
+
+    def check(self, step: int, attempt: str, fn: Callable[[], bool]) -> None:
+        """Ask the root on the commit thread (where the root's other work runs; on a node without
+        the coordinator it is idle); a :class:`RootChecked` tells the answer."""
+        self.in_flight += 1
+        done = functools.partial(RootChecked, step=step, attempt=attempt)
+        self._committer.submit(self._run, done, f"the root's check of step {step} attempt {attempt}", fn)
 
     def finished(self) -> None:
         self.in_flight -= 1
