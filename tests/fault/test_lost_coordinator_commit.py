@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd import ShardedTensor
-from tests.fault.single_job import stop_daemon
-from tests.multiproc import free_port, run_ranks
+from tools.harness.daemons import stop_daemons
+from tools.harness.ports import free_port
+from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_for_exit, wait_until
 
 COMMIT_TIMEOUT_S = 8.0
@@ -117,8 +118,7 @@ def test_ranks_of_another_node_see_committed_when_the_coordinator_died_after_its
     try:
         out = run_ranks(_lose_the_coordinator_after_its_commit, 2, env, str(root), str(tmp_path), how, timeout_s=150)
     finally:
-        for pid_path in runtime.glob("*.pid"):
-            stop_daemon(pid_path)
+        stop_daemons(runtime.glob("*.pid"))
         for log_file in runtime.glob("*.log"):  # kept with the test's files, for a failure's story
             shutil.copy(log_file, tmp_path / log_file.name)
         shutil.rmtree(runtime, ignore_errors=True)
