@@ -50,7 +50,7 @@ from .pools import PoolTable
 from .ranks import DaemonHooks, RankServer
 from .store import daemon_mirror
 from .uplink import CoordinatorLink, StepKey
-from .workers import CommitFinished, Completion, Completions, WorkerPools, WriteFinished
+from .workers import CommitFinished, Completion, Completions, RootChecked, WorkerPools, WriteFinished
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,16 @@ class NodeDaemon:
         self.mirror = daemon_mirror(ep.root, config) if coordinator else None
         upstream = self.coordinator.address if self.coordinator is not None else ep.coordinator_connect
         self.uplink = CoordinatorLink(
-            self.ctx, codec, keys, upstream, ep.node, f"node{ep.node}-{self.instance}".encode(), config, self._deliver
+            self.ctx,
+            codec,
+            keys,
+            upstream,
+            ep.node,
+            f"node{ep.node}-{self.instance}".encode(),
+            config,
+            self._deliver,
+            store=store,
+            workers=self.workers,
         )
         self.intake = SaveIntake(
             ep,
@@ -197,6 +206,8 @@ class NodeDaemon:
         self.workers.finished()
         if isinstance(done, WriteFinished):
             self.intake.on_done(done)
+        elif isinstance(done, RootChecked):
+            self.uplink.on_root_checked(done)
         elif self.coordinator is not None:  # commits and cleanups are the coordinator's only
             self.coordinator.on_done(done)
             if self.mirror is not None and isinstance(done, CommitFinished) and done.error is None:

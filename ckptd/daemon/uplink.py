@@ -12,7 +12,9 @@ hands verdicts to ``deliver``. Order of one attempt, as this node sees it:
    tells the outcome, which the rank gets right after its SAVE_ACK, and its write is skipped);
 2. its write finished: :meth:`CoordinatorLink.report` sends ``WRITTEN`` (or ``FAILED``);
 3. ``STEP_COMMITTED`` / ``STEP_ABORTED`` arrives (:meth:`on_readable`): the step resolves and
-   ``deliver`` tells its ranks.
+   ``deliver`` tells its ranks. If the coordinator is lost first, the root is asked on the
+   asking thread whether the attempt committed (``RootStore.holds_commit``; its answer comes back
+   through :meth:`on_root_checked`), and the ranks are told that instead.
 
 A connection that carried nothing for the link timeout is replaced
 (ckptd.control.channel.replace_dead_links: a partition must not leave reports stuck in TCP's
@@ -21,6 +23,7 @@ retransmission back-off).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -32,8 +35,10 @@ from ..config import CkptdConfig
 from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, ErrorReply, Message, Pong, StepAborted, StepCommitted
+from ..roots.base import RootStore
 from . import uplinkstate as us
 from .uplinkstate import StepKey, UplinkState
+from .workers import RootChecked, WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +57,16 @@ class CoordinatorLink:
         identity: bytes,
         config: CkptdConfig,
         deliver: Deliver,
+        *,
+        store: RootStore,
+        workers: WorkerPools,
     ) -> None:
         self.address = address
         self.node = node
         self.config = config
         self.deliver = deliver  # tells a resolved step's ranks its outcome
+        self.store = store  # asked whether an attempt committed when the coordinator was lost
+        self.workers = workers
         sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False, identity=identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
         self.link_timeout_s = link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s)
@@ -113,6 +123,11 @@ class CoordinatorLink:
             elif msg is not None:
                 log.warning("unexpected %s from the coordinator", msg.TYPE.name)
 
+    def on_root_checked(self, done: RootChecked) -> None:
+        """The root's answer to whether an attempt committed (asked when the coordinator was lost)."""
+        holds = bool(done.result) if done.error is None else None
+        self._handle(us.RootAnswer(key=(done.step, done.attempt), holds_commit=holds, problem=done.reason))
+
     def tick(self, now: float) -> None:
         """Heartbeat, coordinator timeout, and retries of what could not be sent."""
         self._handle(us.Tick(), now)
@@ -125,6 +140,9 @@ class CoordinatorLink:
                 if action.key is not None:
                     # Feeding back a send's result only updates the table: it never sends.
                     self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok, resend=action.resend), now)
+            elif isinstance(action, us.AskRoot):
+                step, attempt = action.key
+                self.workers.check(step, attempt, functools.partial(self.store.holds_commit, step, attempt))
             else:
                 self.deliver(action.key, set(action.identities), action.outcome)
 

@@ -24,9 +24,18 @@ loses what was in it), every unacknowledged report is sent again; the coordinato
 once and answers one about a decided attempt with its outcome.
 
 Liveness: a new coordinator instance (it restarted), or silence longer than
-``coordinator_timeout_s`` while reports wait, aborts those steps locally with the reason; such
-local aborts are reported (``FAILED`` of rank -1) once a coordinator is reachable, so it learns
-the outcome and removes the attempt's files.
+``coordinator_timeout_s`` while reports wait, means the coordinator was lost with those steps
+undecided here. It may have committed one just before (its commit point passed: a POSIX rename,
+an S3 commit object) without announcing it, so before telling the ranks anything the node asks the
+root whether that exact attempt committed (:class:`AskRoot`, answered by :class:`RootAnswer`: the
+shell runs ``RootStore.holds_commit`` off the loop). Committed: the ranks are told
+``STEP_COMMITTED``, with a warning that the coordinator was lost after the commit. Not committed
+now (or no answer within ``coordinator_timeout_s``): the step aborts locally with the reason, and
+such local aborts are reported (``FAILED`` of rank -1) once a coordinator is reachable, so it
+learns the outcome and removes the attempt's files. The answer is "committed now": a coordinator
+still alive behind a partition may commit later, which the abort's reason says
+(``Checkpointer.latest()`` tells). A shutdown of the node daemon itself (:class:`AbortAll`) aborts
+at once, without asking.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import CkptdConfig
-from ..control.protocol import Failed, Message, Ping, StepAborted
+from ..control.protocol import Failed, Message, Ping, StepAborted, StepCommitted
+from ..format.rootlayout import step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +98,17 @@ class Verdict:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RootAnswer:
+    """The root's answer to :class:`AskRoot` for attempt ``key``: whether ``iter_<step>`` is
+    committed by exactly that attempt now (``RootStore.holds_commit``); None when the root could
+    not be read, ``problem`` saying why."""
+
+    key: StepKey
+    holds_commit: bool | None
+    problem: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AbortAll:
     """Abort locally every attempt whose reports went out (the node daemon shuts down)."""
 
@@ -99,7 +120,7 @@ class Tick:
     """Time passed: heartbeat, coordinator timeout, the resend timer."""
 
 
-Event = Expect | Report | Sent | Pong | Verdict | AbortAll | Tick
+Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Tick
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -122,7 +143,25 @@ class Deliver:
     outcome: Message
 
 
-Action = Send | Deliver
+@dataclass(frozen=True, kw_only=True)
+class AskRoot:
+    """Ask the root whether attempt ``key`` committed (``RootStore.holds_commit``) without blocking
+    the loop; feed back :class:`RootAnswer` (the state gives up waiting for it after
+    ``coordinator_timeout_s``)."""
+
+    key: StepKey
+
+
+Action = Send | Deliver | AskRoot
+
+
+@dataclass(frozen=True, kw_only=True)
+class LostCoordinator:
+    """Why an attempt's coordinator was lost, while the root is asked whether it committed."""
+
+    cause: str  # "the coordinator restarted", "the coordinator at ... did not answer for 5 s"
+    restarted: bool
+    until: float  # no answer by then: aborted, saying the root could not tell
 
 
 @dataclass
@@ -138,6 +177,7 @@ class Unacked:
     resend_at: float | None = None  # the resend timer: reports resent at this time for want of a verdict
     late: Failed | None = None  # a local abort the coordinator has not learnt yet
     late_until: float | None = None  # given up then (the coordinator's commit timeout ended it anyway)
+    lost: LostCoordinator | None = None  # its coordinator was lost: the root is asked whether it committed
 
 
 class UplinkState:
@@ -169,9 +209,10 @@ class UplinkState:
         return self.verdicts.get(key)
 
     def expects(self, key: StepKey, identity: bytes) -> bool:
-        """Whether attempt ``key`` is still undecided here with rank ``identity`` in it."""
+        """Whether attempt ``key`` is still undecided here with rank ``identity`` in it (not while
+        its coordinator was lost: a write of it that finishes now cannot make it commit)."""
         u = self.unacked.get(key)
-        return u is not None and u.open and identity in u.notify
+        return u is not None and u.open and u.lost is None and identity in u.notify
 
     def status(self, now: float) -> dict[str, Any]:
         """The coordinator as this node knows it: its instance, and how long it has not answered
@@ -197,6 +238,8 @@ class UplinkState:
             self._on_pong(event.instance, now)
         elif isinstance(event, Verdict):
             self._resolve(event.key, event.outcome)
+        elif isinstance(event, RootAnswer):
+            self._on_root_answer(event, now)
         elif isinstance(event, AbortAll):
             self._abort_pending(event.reason, now)
         elif isinstance(event, Tick):
@@ -242,12 +285,7 @@ class UplinkState:
             if self.coordinator_instance is not None:
                 log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, instance)
             self.coordinator_instance = instance
-            self._abort_pending(
-                "the coordinator restarted before confirming the step (had its commit "
-                "already renamed the checkpoint, the restarted coordinator completes it)",
-                now,
-                keep_instance=instance,
-            )
+            self._lose_coordinator("the coordinator restarted", now, restarted=True, keep_instance=instance)
         if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
             self._resend_reports(silent_s)
 
@@ -256,7 +294,7 @@ class UplinkState:
         been replaced, which loses what was in it (a report, or the verdict on it: without a
         resend this node would wait for it forever, since the coordinator answers its pings
         again). Resend every report still awaiting a verdict."""
-        waiting = [(key, msg) for key, u in self.unacked.items() if u.open for msg in u.reports]
+        waiting = [(key, msg) for key, u in self.unacked.items() if u.open and u.lost is None for msg in u.reports]
         if waiting:
             log.warning(
                 "the coordinator answers again after %.1f s; resending %d reports of steps %s",
@@ -280,7 +318,7 @@ class UplinkState:
             return
         notify = frozenset(u.notify)
         u.open, u.notify, u.reports, u.unsent = False, set(), [], []
-        u.sent_to = u.waiting_since = u.resend_at = None
+        u.sent_to = u.waiting_since = u.resend_at = u.lost = None
         self._drop_if_done(key, u)
         self._out.append(Deliver(key=key, identities=notify, outcome=outcome))
 
@@ -288,39 +326,83 @@ class UplinkState:
         if not u.open and u.late is None:
             del self.unacked[key]
 
-    def _abort_pending(self, reason: str, now: float, keep_instance: str | None = None) -> None:
+    def _abort_pending(self, reason: str, now: float) -> None:
         """Abort locally every attempt whose reports went out (those still writing report when
-        done), except those sent to coordinator ``keep_instance``, which still decides them."""
-        for (step, attempt), u in list(self.unacked.items()):
-            if not u.open or u.waiting_since is None:
+        done), also those whose root is being asked."""
+        for key, u in list(self.unacked.items()):
+            if u.open and u.waiting_since is not None:
+                self._abort_locally(key, reason, now)
+
+    def _abort_locally(self, key: StepKey, reason: str, now: float) -> None:
+        """Tell the ranks attempt ``key`` aborted, and the coordinator once one is reachable."""
+        step, attempt = key
+        log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
+        self._resolve(key, StepAborted(step, attempt, reason))
+        late = self.unacked.setdefault(key, Unacked(open=False))
+        late.late = Failed(step, attempt, -1, 0, self.node, reason)
+        late.late_until = now + self.config.commit_timeout_s
+
+    def _lose_coordinator(self, cause: str, now: float, *, restarted: bool, keep_instance: str | None = None) -> None:
+        """The coordinator was lost (``cause``) with attempts undecided here whose reports went
+        out (except those sent to coordinator ``keep_instance``, which still decides them): ask
+        the root whether each committed before saying anything (see the module docstring)."""
+        for key, u in self.unacked.items():
+            if not u.open or u.waiting_since is None or u.lost is not None:
                 continue
             if keep_instance is not None and u.sent_to in (None, keep_instance):
                 continue
-            log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
-            self._resolve((step, attempt), StepAborted(step, attempt, reason))
-            late = self.unacked.setdefault((step, attempt), Unacked(open=False))
-            late.late = Failed(step, attempt, -1, 0, self.node, reason)
-            late.late_until = now + self.config.commit_timeout_s
+            log.warning("step %d attempt %s: %s before confirming it; asking the root if it committed", *key, cause)
+            u.lost = LostCoordinator(cause=cause, restarted=restarted, until=now + self.config.coordinator_timeout_s)
+            u.unsent = []
+            self._out.append(AskRoot(key=key))
+
+    def _on_root_answer(self, answer: RootAnswer, now: float) -> None:
+        u = self.unacked.get(answer.key)
+        if u is None or not u.open or u.lost is None:
+            return  # decided meanwhile (a verdict came after all), or asked for nothing
+        if answer.holds_commit:
+            self._committed_without_verdict(answer.key, u.lost)
+            return
+        if answer.holds_commit is None:
+            found = f"the root could not tell whether it committed ({answer.problem})"
+        else:
+            found = "the root holds no commit of this attempt now"
+        self._abort_locally(answer.key, lost_reason(u.lost, found, known=answer.holds_commit is not None), now)
+
+    def _committed_without_verdict(self, key: StepKey, lost: LostCoordinator) -> None:
+        step, attempt = key
+        name = step_dir_name(step)
+        warning = (
+            f"step {step} committed as {name}, but {lost.cause} before confirming it: the root holds "
+            f"{name} committed by attempt {attempt} (the commit point had passed); if the `latest` "
+            "tracker does not name it yet, the coordinator's next start does"
+        )
+        log.warning("%s", warning)
+        self._resolve(key, StepCommitted(step, attempt, name, [warning]))
 
     def _on_tick(self, now: float) -> None:
         cfg = self.config
         if now - self.last_ping_s >= cfg.heartbeat_s:
             self.last_ping_s = now
             self._out.append(Send(msg=Ping(int(now * 1000))))
-        waiting = [u.waiting_since for u in self.unacked.values() if u.open and u.waiting_since is not None]
+        waiting = [
+            u.waiting_since for u in self.unacked.values() if u.open and u.lost is None and u.waiting_since is not None
+        ]
         if waiting:
             silent_s = now - max(self.last_pong_s, min(waiting))
             if silent_s > cfg.coordinator_timeout_s:
-                self._abort_pending(
-                    f"the coordinator at {self.address} did not answer for {silent_s:.0f} s "
-                    "(node 0's daemon may have died, or the network between this node and "
-                    "node 0 failed; a step whose reports all reached the coordinator may "
-                    "still commit: Checkpointer.latest() tells)",
-                    now,
-                )
+                cause = f"the coordinator at {self.address} did not answer for {silent_s:.0f} s"
+                self._lose_coordinator(cause, now, restarted=False)
         else:
             self.last_pong_s = now
         self._resend_overdue(now)
+        for key, u in list(self.unacked.items()):
+            if u.open and u.lost is not None and now >= u.lost.until:
+                found = (
+                    f"the root did not tell within {cfg.coordinator_timeout_s:g} s whether it committed "
+                    "(CKPTD_COORDINATOR_TIMEOUT_S)"
+                )
+                self._abort_locally(key, lost_reason(u.lost, found, known=False), now)
         for key, u in list(self.unacked.items()):
             if u.late is not None and u.late_until is not None:
                 if now >= u.late_until:
@@ -328,7 +410,7 @@ class UplinkState:
                     self._drop_if_done(key, u)
                 else:
                     self._out.append(Send(msg=u.late, key=key))
-            if u.open and u.unsent:
+            if u.open and u.lost is None and u.unsent:
                 retry, u.unsent = u.unsent, []
                 self._out.extend(Send(msg=msg, key=key) for msg in retry)
 
@@ -337,7 +419,9 @@ class UplinkState:
         silence, so no abort): the coordinator answers a report of a decided attempt with its
         outcome."""
         for key, u in self.unacked.items():
-            if not u.open or u.resend_at is None or u.waiting_since is None or now < u.resend_at:
+            if not u.open or u.lost is not None or u.resend_at is None or u.waiting_since is None:
+                continue
+            if now < u.resend_at:
                 continue
             u.resend_at = now + self.config.coordinator_timeout_s
             log.warning(
@@ -347,3 +431,17 @@ class UplinkState:
                 now - u.waiting_since,
             )
             self._out.extend(Send(msg=msg, key=key, resend=True) for msg in u.reports)
+
+
+def lost_reason(lost: LostCoordinator, found: str, *, known: bool) -> str:
+    """Why an attempt whose coordinator was lost (``lost``) aborts here, with what the root said
+    (``found``): the commit point had not passed when it was asked (``known``), or it could not
+    tell."""
+    if lost.restarted:
+        outcome = "it did not commit unless a commit still in flight completes it" if known else "it may have committed"
+        return f"{lost.cause} before confirming the step, and {found}: {outcome} (Checkpointer.latest() tells)"
+    return (
+        f"{lost.cause}, and {found} (node 0's daemon may have died, or the network between this "
+        "node and node 0 failed; a step whose reports all reached the coordinator may still "
+        "commit: Checkpointer.latest() tells)"
+    )

@@ -2,8 +2,9 @@
 
 The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
 each finished job posts its :data:`Completion` (one type per kind of job: :class:`WriteFinished`,
-:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootAnswered`) into :class:`Completions`,
-whose pipe wakes the poller, and the loop routes it by its type. Worker threads never touch sockets or daemon state.
+:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootAnswered`, :class:`RootChecked`) into
+:class:`Completions`, whose pipe wakes the poller, and the loop routes it by its type. Worker threads
+never touch sockets or daemon state.
 """
 
 from __future__ import annotations
@@ -73,7 +74,16 @@ class RootAnswered(Finished):
     question: Any
 
 
-Completion = WriteFinished | CommitFinished | CleanupFinished | RootAnswered
+@dataclass(frozen=True, kw_only=True)
+class RootChecked(Finished):
+    """The root was asked whether ``attempt`` of ``step`` committed (result: a bool); a node
+    daemon asks when its coordinator was lost (ckptd.daemon.uplinkstate)."""
+
+    step: int
+    attempt: str
+
+
+Completion = WriteFinished | CommitFinished | CleanupFinished | RootAnswered | RootChecked
 
 
 class Completions:
@@ -256,6 +266,13 @@ class WorkerPools:
         self.in_flight += 1
         done = functools.partial(RootAnswered, question=question)
         self._asker.submit(self._run, done, f"asking the root {question!r}", fn)
+
+    def check(self, step: int, attempt: str, fn: Callable[[], bool]) -> None:
+        """Ask the root whether ``attempt`` of ``step`` committed, on the asking thread (on node 0
+        never behind a commit); a :class:`RootChecked` tells the answer."""
+        self.in_flight += 1
+        done = functools.partial(RootChecked, step=step, attempt=attempt)
+        self._asker.submit(self._run, done, f"the root's check of step {step} attempt {attempt}", fn)
 
     def finished(self) -> None:
         self.in_flight -= 1

@@ -9,8 +9,8 @@ namespaces, opens a :class:`ckptd.Checkpointer` (local rank 0 starts the node's 
 - ``{"op": "train"}``: an all_reduce over every rank (a training step's collective);
 - ``{"op": "save", "step": s}``: ``Checkpointer.save`` of this rank's state of step ``s`` (see
   :func:`state`; ``CKN_COMMON_NBYTES`` and ``CKN_ITEMS_PER_RANK`` make it bigger);
-- ``{"op": "wait", "step": s, "timeout_s": t}``: the save's outcome (``committed``, ``aborted``
-  with the reason, or ``pending`` once ``t`` passed);
+- ``{"op": "wait", "step": s, "timeout_s": t}``: the save's outcome (``committed`` with the
+  commit's warnings, ``aborted`` with the reason, or ``pending`` once ``t`` passed);
 - ``{"op": "check", "step": s}``: load step ``s`` and compare it bit for bit (``mismatch``);
 - ``{"op": "latest"}``, ``{"op": "status"}`` (the node daemon's), ``{"op": "exit"}``.
 
@@ -94,7 +94,7 @@ class Agent:
             h.wait(timeout_s=timeout_s)
         except (ckptd.SaveFailedError, ckptd.errors.SaveTimeoutError) as exc:
             return {"outcome": h.status.value, "reason": str(exc)}
-        return {"outcome": h.status.value, "reason": ""}
+        return {"outcome": h.status.value, "reason": "", "warnings": h.warnings}
 
     def check(self, step: int) -> dict[str, Any]:
         request = state(self.rank, self.world, -1, 0, self.items, torch.zeros(ROWS_PER_RANK, COLS))

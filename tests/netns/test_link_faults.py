@@ -9,9 +9,12 @@ configured bounds with a reason, and the first save after the heal commits on ev
 - link down on node 1 while it persists (longer than the coordinator timeout): the step aborts on
   both ranks, its files are removed, step 1 stays latest; then, on the same job, link down on
   node 1 while the coordinator commits, for longer than the coordinator timeout: the commit
-  completes (it needs only the shared filesystem); node 1's rank cannot learn that and is told
-  its save aborted, with a reason saying the step may still have committed (the known limit: a
-  rank's ABORTED after a lost coordinator is not a promise that nothing committed);
+  completes (it needs only the shared filesystem). Node 1 asks the root once the coordinator is
+  silent for the timeout: held before its commit point (the metadata's write hangs), the step is
+  not committed then, and node 1's rank is told its save aborted, with a reason saying the step
+  may still commit (the known limit: a rank's ABORTED after a lost coordinator is not a promise
+  that nothing committed); held after it (the tracker's write hangs), node 1's rank is told
+  COMMITTED, with a warning that the coordinator did not answer;
 - node 1 partitioned off between its WRITTEN and the coordinator's COMMITTED, for longer than the
   link timeout (so the connection is replaced and the verdict in it lost) but shorter than the
   coordinator timeout: once healed, node 1 resends its report and learns the verdict: every rank
@@ -68,10 +71,9 @@ def test_link_down_during_persist_then_during_commit(make_job):
     _latest_everywhere(job, 3)
     assert _steps_on_disk(job) == ["iter_0000001", "iter_0000003"]
 
-    # --- commit: node 0's every file open waits 0.5 s (its own data file, then each file of the
-    # commit); node 1's link goes down while the coordinator commits, for longer than the
-    # coordinator timeout
-    job.fault(0, "delay 0.5")
+    # --- commit, held before its commit point (metadata.json's write hangs); node 1's link goes
+    # down for longer than the coordinator timeout: the root holds no commit when node 1 asks
+    job.fault(0, "hang metadata.json.tmp")
     job.save(4)
     wait_until(
         lambda: any(s["phase"] == "committing" for s in job.coordinator_steps().values()),
@@ -79,22 +81,36 @@ def test_link_down_during_persist_then_during_commit(make_job):
         "the coordinator to commit step 4",
     )
     job.cluster.nodes[1].link_down()
-    out = job.outcomes(4, timeout_s=30)
+    (out1,) = job.outcomes(4, ranks=[1], timeout_s=30)
     job.fault(0, "")
-    assert out[0]["outcome"] == "committed", out
-    assert (
-        out[1]["outcome"] == "aborted"
-        and "did not answer" in out[1]["reason"]
-        and "may still commit" in out[1]["reason"]
-    ), out
+    (out0,) = job.outcomes(4, ranks=[0], timeout_s=30)
+    assert out0["outcome"] == "committed", out0
+    assert out1["outcome"] == "aborted" and "did not answer" in out1["reason"], out1
+    assert "the root holds no commit of this attempt now" in out1["reason"] and "may still commit" in out1["reason"]
     job.cluster.nodes[1].link_up()
     _latest_everywhere(job, 4)  # the commit is complete and durable: every rank loads it bit-exact
+
+    # --- commit, held after its commit point (the tracker's write hangs); node 1's link goes down
+    # for longer than the coordinator timeout: node 1 finds the commit in the root
+    job.fault(0, "hang latest.tmp")
     job.save(5)
-    job.committed(5)
+    wait_until(lambda: (job.root / "iter_0000005").is_dir(), 15, "the coordinator to rename step 5 into place")
+    job.cluster.nodes[1].link_down()
+    (out1,) = job.outcomes(5, ranks=[1], timeout_s=30)
+    job.fault(0, "")
+    (out0,) = job.outcomes(5, ranks=[0], timeout_s=30)
+    assert out0["outcome"] == "committed", out0
+    assert out1["outcome"] == "committed", out1
+    (warning,) = out1["warnings"]
+    assert "did not answer" in warning and "the root holds iter_0000005 committed by attempt" in warning, warning
+    job.cluster.nodes[1].link_up()
     _latest_everywhere(job, 5)
+    job.save(6)
+    job.committed(6)
+    _latest_everywhere(job, 6)
     job.check(1)
     wait_until(lambda: _no_partial_saves(job), 15, "no partial save to remain")
-    assert _steps_on_disk(job) == ["iter_0000001", "iter_0000003", "iter_0000004", "iter_0000005"]
+    assert _steps_on_disk(job) == ["iter_0000001", "iter_0000003", "iter_0000004", "iter_0000005", "iter_0000006"]
 
 
 @pytest.mark.timeout(120)

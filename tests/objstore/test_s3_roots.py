@@ -84,8 +84,13 @@ def test_removing_the_committed_attempt_of_a_step_removes_nothing(s3_bucket, run
     location = parse_location(root)
     record = read_s3_commit_record(S3Client(location), "iter_0000004")
     assert record is not None
-    S3Root(location).abort(4, record.attempt)
+    store = S3Root(location)
+    # What a node asks when its coordinator was lost with the step pending (ckptd.daemon.uplinkstate).
+    assert store.holds_commit(4, record.attempt)
+    assert not store.holds_commit(4, "0123456789ab-9") and not store.holds_commit(5, record.attempt)
+    store.abort(4, record.attempt)
     assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000004")["w"], w)
+    assert store.holds_commit(4, record.attempt)
 
 
 @pytest.mark.timeout(120)

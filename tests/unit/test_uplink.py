@@ -63,6 +63,8 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
         b"node0-test",
         cfg,
         lambda _key, _ranks, outcome: delivered.append(outcome),
+        store=coordinator.store,
+        workers=workers,
     )
     dropped: list[Message] = []
     send = coordinator.ep.send
@@ -119,7 +121,16 @@ def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[Co
     coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", PosixRoot(tmp_path), cfg, workers, "c1", [])
     delivered: list[Message] = []
     link = CoordinatorLink(
-        ctx, codec, keys, coordinator.address, 0, b"node0-test", cfg, lambda _k, _r, outcome: delivered.append(outcome)
+        ctx,
+        codec,
+        keys,
+        coordinator.address,
+        0,
+        b"node0-test",
+        cfg,
+        lambda _k, _r, outcome: delivered.append(outcome),
+        store=coordinator.store,
+        workers=workers,
     )
     loop = EventLoop()
     for source, handler in (

@@ -12,11 +12,13 @@ from ckptd.control.protocol import Failed, Message, Ping, StepAborted, StepCommi
 from ckptd.daemon.uplinkstate import (
     VERDICT_MEMORY,
     AbortAll,
+    AskRoot,
     Deliver,
     Event,
     Expect,
     Pong,
     Report,
+    RootAnswer,
     Send,
     Sent,
     StepKey,
@@ -36,7 +38,9 @@ def written(step: int, rank: int = 0) -> Written:
 
 
 class Node:
-    """The shell's part that tests need: sends succeed while ``reachable``, each result fed back."""
+    """The shell's part that tests need: sends succeed while ``reachable``, each result fed back;
+    the root is asked at once (``committed``: the attempts it holds commits of) unless
+    ``root_answers`` is False (a slow root: the questions wait in ``asked``)."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -44,8 +48,12 @@ class Node:
         self.reachable = True
         self.sent: list[Message] = []
         self.delivered: list[tuple[StepKey, frozenset[bytes], Message]] = []
+        self.committed: set[StepKey] = set()
+        self.root_answers = True
+        self.asked: list[StepKey] = []
 
     def handle(self, event: Event) -> None:
+        answers = []
         for action in self.state.handle(event, self.now):
             if isinstance(action, Send):
                 if self.reachable:
@@ -55,6 +63,12 @@ class Node:
                     assert self.state.handle(fed, self.now) == []
             elif isinstance(action, Deliver):
                 self.delivered.append((action.key, action.identities, action.outcome))
+            elif isinstance(action, AskRoot):
+                self.asked.append(action.key)
+                if self.root_answers:
+                    answers.append(RootAnswer(key=action.key, holds_commit=action.key in self.committed))
+        for answer in answers:  # a worker thread's answer comes after the event's actions
+            self.handle(answer)
 
     def at(self, after_s: float) -> None:
         """Let ``after_s`` pass, ticking like the loop does (every 0.25 s)."""
@@ -247,3 +261,105 @@ def test_aborts_are_remembered_for_a_bounded_number_of_attempts():
         node.handle(Verdict(key=(step, A), outcome=StepAborted(step, A, "x")))
     assert len(node.state.verdicts) == VERDICT_MEMORY and node.state.verdict((0, A)) is None
     assert node.state.verdict((VERDICT_MEMORY + 2, A)) is not None and not node.state.unacked
+
+
+# --- the coordinator lost after its commit point: the root says what happened -----------------
+@pytest.mark.parametrize("cause", ["restarted", "silent"])
+def test_a_step_the_lost_coordinator_committed_is_reported_committed(cause):
+    """Node 0's daemon renamed the checkpoint into place (or wrote the S3 commit object) and died
+    before announcing it: the node asks the root, which holds that attempt's commit, and tells its
+    ranks COMMITTED with a warning (it used to tell them ABORTED)."""
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.committed.add(K3)
+    if cause == "restarted":
+        node.pong("c2")
+    else:
+        node.reachable = False
+        node.at(CFG.coordinator_timeout_s + 0.25)
+    assert node.asked == [K3]
+    ((key, ranks, verdict),) = node.delivered
+    assert key == K3 and ranks == {b"rank0"} and isinstance(verdict, StepCommitted)
+    assert (verdict.step, verdict.attempt, verdict.name) == (3, A, "iter_0000003")
+    (warning,) = verdict.warnings
+    lost = "the coordinator restarted" if cause == "restarted" else "did not answer for 5 s"
+    assert lost in warning and f"the root holds iter_0000003 committed by attempt {A}" in warning, warning
+    assert node.state.verdict(K3) is None and not node.state.unacked and not node.state.busy
+    node.reachable = True
+    node.at(CFG.commit_timeout_s)
+    assert node.take() == []  # no local abort to report: it committed
+
+
+@pytest.mark.parametrize("cause", ["restarted", "silent"])
+def test_a_step_the_root_holds_no_commit_of_aborts_saying_so(cause):
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.committed.add((3, "0123456789ab-2"))  # another attempt of the step: not this one's commit
+    if cause == "restarted":
+        node.pong("c2")
+    else:
+        node.reachable = False
+        node.at(CFG.coordinator_timeout_s + 0.25)
+    assert node.asked == [K3]
+    ((key, _, verdict),) = node.delivered
+    assert key == K3 and isinstance(verdict, StepAborted)
+    assert "the root holds no commit of this attempt now" in verdict.reason
+    assert "Checkpointer.latest() tells" in verdict.reason
+    if cause == "restarted":
+        assert verdict.reason.startswith("the coordinator restarted before confirming the step, and the root")
+        assert "it did not commit unless" in verdict.reason
+    node.reachable = True
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and late.rank == -1 and late.reason == verdict.reason
+
+
+def test_a_root_that_does_not_answer_in_time_aborts_the_step_once_saying_it_could_not_tell():
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.root_answers = False
+    node.pong("c2")
+    assert node.asked == [K3] and node.delivered == [] and node.state.busy
+    assert not node.state.expects(K3, b"rank0")  # a write finishing now is a late one
+    node.answered(CFG.coordinator_timeout_s - 0.25)
+    assert node.delivered == [] and node.asked == [K3]  # asked once
+    assert node.take() == []  # nothing resent to the new coordinator meanwhile
+    node.answered(0.25)
+    ((_, _, verdict),) = node.delivered
+    assert isinstance(verdict, StepAborted)
+    assert "the root did not tell within 5 s whether it committed" in verdict.reason
+    assert "it may have committed (Checkpointer.latest() tells)" in verdict.reason
+    node.handle(RootAnswer(key=K3, holds_commit=True))  # too late: the ranks were told
+    assert len(node.delivered) == 1
+
+
+def test_a_root_that_cannot_be_read_aborts_the_step_saying_why():
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.root_answers = False
+    node.pong("c2")
+    node.handle(RootAnswer(key=K3, holds_commit=None, problem="StorageError: 503 SlowDown"))
+    ((_, _, verdict),) = node.delivered
+    assert isinstance(verdict, StepAborted)
+    assert "the root could not tell whether it committed (StorageError: 503 SlowDown)" in verdict.reason
+
+
+def test_a_verdict_that_comes_while_the_root_is_asked_decides_and_the_answer_is_ignored():
+    node = Node()
+    saving(node)
+    node.take()
+    node.root_answers = False
+    node.reachable = False
+    node.at(CFG.coordinator_timeout_s + 0.25)
+    assert node.asked == [K3]
+    verdict = StepCommitted(3, A, "iter_0000003", [])
+    node.handle(Verdict(key=K3, outcome=verdict))
+    node.handle(RootAnswer(key=K3, holds_commit=False))
+    assert node.delivered == [(K3, frozenset({b"rank0"}), verdict)] and not node.state.unacked
