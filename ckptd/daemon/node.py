@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import secrets
 import time
 from typing import Any
@@ -303,6 +304,9 @@ class NodeDaemon:
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
             "memory": self.memory.report(),
+            # The daemon saves and commits without torch (README: Daemon memory); True once
+            # something imported it (a mirror's upload, a crash recovery's check, a bug).
+            "torch_imported": "torch" in sys.modules,
             "prometheus": self._metrics_status(),  # where metrics are served, or why they are not
             "internal_errors": self._internal_errors(),
         }
