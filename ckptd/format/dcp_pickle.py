@@ -22,7 +22,7 @@ import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pickle import encode_long  # type: ignore[attr-defined]
+from pickle import encode_long
 from typing import Any
 
 from .checksum import ALGORITHM, TABLE_VERSION

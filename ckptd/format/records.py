@@ -26,7 +26,7 @@ BYTES = "bytes"
 # Bytes per element of every dtype ckptd saves on torch 2.13, by canonical name (str(dtype)
 # without "torch."): what the node daemon, which never imports torch, checks records and sizes
 # items with. The table ckptd derives from torch (:func:`_torch_dtypes`) is the authority:
-# tests/unit/test_records.py checks this one against it, and a name only a newer torch has is
+# tests/unit/test_dcp_pickle.py checks this one against it, and a name only a newer torch has is
 # looked up there (importing torch in that process).
 _ITEMSIZE: dict[str, int] = {
     "bfloat16": 2,
