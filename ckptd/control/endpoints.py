@@ -23,9 +23,9 @@ import errno
 import hashlib
 import math
 import os
-import sys
 import secrets
 import stat
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path

@@ -27,8 +27,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 import secrets
+import sys
 import time
 from typing import Any
 

@@ -22,11 +22,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -38,10 +35,10 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from .checksum import Checksum, checksum_for
-from .dcp_pickle import CHECKSUMS_ATTR, DCP_VERSION, metadata_pickle
+from .dcp_pickle import CHECKSUMS_ATTR, metadata_pickle
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DATA_FILE_PATTERN, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
-from .records import BYTES, TENSOR, ItemRecord, dtype_from_name, dtype_name
+from .records import BYTES, TENSOR, ItemRecord, dtype_name
 from .safefs import Dir, entry_exists, entry_path, read_regular
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Any
 
 from .checksum import ALGORITHM, TABLE_VERSION
 from .layout import COMMON_PT
-from .records import BYTES, TENSOR, ItemRecord, check_dtype_name
+from .records import TENSOR, ItemRecord, check_dtype_name
 
 DCP_VERSION = "1.0.0"
 # Extra attribute of the pickled Metadata holding ckptd's checksums (see ckptd.format.dcp_metadata).
@@ -109,12 +109,10 @@ class _Dtypes:
 
 def _size(dims: Iterable[int]) -> Reduce:
     """``torch.Size(dims)``: its ``__reduce__`` gives ``(torch.Size, (tuple(self),))``, a new tuple."""
-    return Reduce(TORCH_SIZE, (tuple(list(dims)),))
+    return Reduce(TORCH_SIZE, ((*dims,),))  # a new tuple even of a tuple (tuple(t) is t)
 
 
-def metadata_graph(
-    records: list[ItemRecord], checkpoint_id: str | None = None, common_crc32: int | None = None
-) -> New:
+def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, common_crc32: int | None = None) -> New:
     """The DCP Metadata of all ranks' stored records (chunk lists in offset order), as stand-ins.
 
     Item checksums (``ItemRecord.crc32``) and ``common_crc32`` are kept in the extra attribute
@@ -155,9 +153,7 @@ def metadata_graph(
     for fqn, items in chunks.items():
         items.sort(key=lambda r: r.offsets)
         properties = New(TENSOR_PROPERTIES, (dtype(items[0].dtype), _STRIDED, False, _CONTIGUOUS, False))
-        chunk_list = [
-            New(CHUNK_STORAGE_METADATA, {"offsets": _size(r.offsets), "sizes": size(r.sizes)}) for r in items
-        ]
+        chunk_list = [New(CHUNK_STORAGE_METADATA, {"offsets": _size(r.offsets), "sizes": size(r.sizes)}) for r in items]
         state[fqn] = New(
             TENSOR_STORAGE_METADATA,
             {"properties": properties, "size": _size(items[0].global_shape), "chunks": chunk_list},

@@ -51,7 +51,8 @@ def finalize(
     atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
     # The pickle of DCP's Metadata, written without DCP's classes (ckptd.format.dcp_pickle): the
     # node daemon that commits a save never imports torch.
-    metadata = metadata_pickle(records, str(directory) if checkpoint_id is None else checkpoint_id, crc32c(common_bytes))
+    name = str(directory) if checkpoint_id is None else checkpoint_id
+    metadata = metadata_pickle(records, name, crc32c(common_bytes))
     atomic_write_bytes(entry_path(directory, DCP_METADATA), metadata, opener, fsync)
     atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)
 

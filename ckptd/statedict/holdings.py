@@ -34,7 +34,6 @@ import hashlib
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import msgpack

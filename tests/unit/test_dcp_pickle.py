@@ -100,7 +100,8 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
             crc = rng.randrange(2**32) if i % 3 else None
             length = rng.randint(1, 2**33)
             rel = f"__{i % ranks}_0.distcp"
-            out.append(ItemRecord(fqn, BYTES, i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc))
+            rec = ItemRecord(fqn, BYTES, i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc)
+            out.append(rec)
             continue
         shape = tuple(rng.randint(1, 70000) for _ in range(rng.randint(0, 3)))
         dtype = rng.choice(names)
@@ -128,12 +129,16 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
 
 CASES = {
     "empty": ([], None, None),
-    "one tensor, no checksums": ([ItemRecord("w", TENSOR, 0, "float32", (2,), (0,), (2,), "__0_0.distcp", 0, 8)], "/c", None),
+    "one tensor, no checksums": ([ItemRecord("w", TENSOR, 0, "float32", (2,), (0,), (2,), "d", 0, 8)], "/c", None),
     "one value": ([ItemRecord("v", BYTES, 0, relative_path="__0_0.distcp", file_offset=0, length=9)], None, 7),
     "small": (_records(12, 1), "/ckpt/iter_0000001", 12345),
     # 1,000 and 1,001 keys: the C pickler's batches of 1,000 (an empty batch after a multiple)
-    "1000 values": ([ItemRecord(f"k{i:04}", BYTES, 0, relative_path="d", file_offset=i, length=1) for i in range(1000)], "/c", 1),
-    "1001 chunks": ([ItemRecord("w", TENSOR, 0, "int8", (1001,), (i,), (1,), "d", i, 1) for i in range(1001)], "/c", None),
+    "1000 values": ([ItemRecord(f"k{i:04}", BYTES, 0, "", (), (), (), "d", i, 1) for i in range(1000)], "/c", 1),
+    "1001 chunks": (
+        [ItemRecord("w", TENSOR, 0, "int8", (1001,), (i,), (1,), "d", i, 1) for i in range(1001)],
+        "/",
+        None,
+    ),
     # many frames of 64 KiB; memo indices beyond 256 (LONG_BINGET)
     "3000 keys": (_records(3000, 2), "/ckpt/iter_0000002", 2**32 - 1),
     "a 70,000-character id": ([ItemRecord("w", TENSOR, 0, "bool", (1,), (0,), (1,), "d", 0, 1)], "x" * 70000, None),
@@ -164,7 +169,7 @@ def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
 def test_the_static_dtype_table_is_torchs():
     """The node daemon sizes items from a table it has without torch; it must be the table ckptd
     derives from the installed torch (a new torch dtype: add it to records._ITEMSIZE)."""
-    assert _ITEMSIZE == {str(d).removeprefix("torch."): d.itemsize for d in supported_dtypes()}
+    assert {str(d).removeprefix("torch."): d.itemsize for d in supported_dtypes()} == _ITEMSIZE
 
 
 def test_the_daemons_modules_import_no_torch():
