@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
 from .errors import CkptdError, CorruptCheckpointError
@@ -31,7 +32,9 @@ from .format.rootlayout import TRACKER_FILE
 from .s3catalog import scan_any
 from .storage.s3view import s3_checkpoint_view
 from .storage.url import Location, S3Location, parse_location
-from .verify import VerifyReport, verify_checkpoint
+
+if TYPE_CHECKING:
+    from .verify import VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,10 @@ class LatestChoice:
 def structural_problem(path: Location) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
-    data objects; no data is read)."""
+    data objects; no data is read). Imports torch and DCP's metadata classes (to read
+    ``.metadata``): a node daemon calls it only when it finishes a commit a crash interrupted."""
+    from .verify import verify_checkpoint
+
     if isinstance(path, S3Location):
         try:
             with s3_checkpoint_view(path) as view:

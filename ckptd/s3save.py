@@ -16,7 +16,7 @@ import secrets
 
 from .errors import CheckpointExistsError, SaveFailedError, StorageError
 from .format.checksum import crc32c
-from .format.dcp_metadata import build_metadata
+from .format.dcp_pickle import metadata_pickle
 from .format.items import PlannedItem
 from .format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
 from .format.records import ItemRecord
@@ -66,9 +66,7 @@ class S3SaveTarget:
     def finalize(self, records: list[ItemRecord], common: bytes) -> None:
         """Rank 0: validate, then the metadata objects, ``metadata.json`` last."""
         validate_records(records)
-        meta = pickle.dumps(
-            build_metadata(records, str(self.location), common_crc32=crc32c(common)), protocol=pickle.HIGHEST_PROTOCOL
-        )
+        meta = metadata_pickle(records, str(self.location), crc32c(common), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
                 self.client.put(name, data, create_only=True)

@@ -25,6 +25,7 @@ import math
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,10 @@ class JobEnv:
 
 
 def _torch_dist_rank() -> tuple[int, int]:
+    # A process that has not imported torch.distributed has no process group: no import here (the
+    # node daemon detects its place without torch).
+    if "torch.distributed" not in sys.modules:
+        return 0, 1
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():

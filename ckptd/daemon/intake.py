@@ -37,8 +37,7 @@ from ..errors import CkptdError, ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
-from ..staging.pool import Placement
-from ..staging.ring import ALIGN
+from ..staging.ring import ALIGN, Placement
 from .metrics import DaemonMetrics
 from .pools import DaemonPool, PoolTable
 from .snapshot import SnapshotWait, check_snapshot_child

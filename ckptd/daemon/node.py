@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import secrets
+import sys
 import time
 from typing import Any
 
@@ -114,7 +115,7 @@ class NodeDaemon:
             store,
             lambda msg, identity: self.ranks.send(msg, identity),
         )
-        hooks = DaemonHooks(self.instance, self.status, self.request_stop, self._stopping)
+        hooks = DaemonHooks(self.instance, self._status_now, self.request_stop, self._stopping)
         self.ranks = RankServer(self.ctx, codec, keys, ep, self.pools, self.intake, self.uplink, hooks)
         self.loop = EventLoop()
         self.loop.add(self.zap.sock, self.zap.on_readable)
@@ -238,6 +239,13 @@ class NodeDaemon:
     def _sample_memory(self) -> None:
         self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.pools.segment_paths())
 
+    def _status_now(self) -> dict[str, Any]:
+        """What a STATUS request gets: memory sampled now, not up to ``heartbeat_s`` ago (a save
+        that commits within a heartbeat of the ring's first pages is otherwise reported with
+        none of them)."""
+        self.internal.run("memory sample", self._sample_memory)
+        return self.status()
+
     def _refresh_status_cache(self) -> None:
         self.status_cache = self.status()
 
@@ -314,6 +322,9 @@ class NodeDaemon:
             "stopping": self.stopping_since is not None,
             "metrics": self.metrics.snapshot(),
             "memory": self.memory.report(),
+            # The daemon saves and commits without torch (README: Daemon memory); True once
+            # something imported it (a mirror's upload, a crash recovery's check, a bug).
+            "torch_imported": "torch" in sys.modules,
             "prometheus": self._metrics_status(),  # where metrics are served, or why they are not
             "internal_errors": self._internal_errors(),
         }

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import StagingError
 from ..format.records import ItemRecord
-from ..staging.pool import Placement
-from ..staging.ring import BLOCKS, HEADER_NBYTES, PAGE, RingMap
+from ..staging.ring import BLOCKS, HEADER_NBYTES, PAGE, Placement, RingMap
 from ..staging.segment import ShmSegment, segment_name
 from .snapshot import boottime_s
 

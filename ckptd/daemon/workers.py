@@ -17,15 +17,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..format.items import PlannedItem
 from ..format.records import TENSOR, ItemRecord
 from ..format.tensorzip import RawTensor
 from ..roots.base import DataTarget
-from ..staging.pool import Placement
 from ..staging.ring import RingMap, span
 from .snapshot import SnapshotWait
+
+if TYPE_CHECKING:
+    from ..staging.ring import Placement
 
 log = logging.getLogger(__name__)
 

@@ -15,19 +15,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .checksum import crc32c
-from .dcp_metadata import build_metadata, write_metadata
+from .dcp_pickle import metadata_pickle
 from .direct import open_data_file
 from .durable import Opener, atomic_write_bytes, default_opener
 from .items import PlannedItem, write_data_file
-from .layout import COMMON_PT, METADATA_JSON, backend_metadata_bytes, data_file_name
-from .pickled import serialize_pickled
+from .layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes, data_file_name
 from .records import ItemRecord
 from .safefs import Dir, entry_path
 from .validate import validate_records
 
 
 def serialize_common(common: Any) -> bytes:
-    """``common.pt``'s bytes (tensors compacted, unpicklable values named; see .pickled)."""
+    """``common.pt``'s bytes (tensors compacted, unpicklable values named; see .pickled).
+    Imports torch (a rank's step: rank 0 sends the node daemon these bytes)."""
+    from .pickled import serialize_pickled
+
     return serialize_pickled(common, "common state")
 
 
@@ -47,10 +49,11 @@ def finalize(
     """
     validate_records(records)
     atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
-    metadata = build_metadata(
-        records, str(directory) if checkpoint_id is None else checkpoint_id, common_crc32=crc32c(common_bytes)
-    )
-    write_metadata(directory, metadata, opener, fsync)
+    # The pickle of DCP's Metadata, written without DCP's classes (ckptd.format.dcp_pickle): the
+    # node daemon that commits a save never imports torch.
+    name = str(directory) if checkpoint_id is None else checkpoint_id
+    metadata = metadata_pickle(records, name, crc32c(common_bytes))
+    atomic_write_bytes(entry_path(directory, DCP_METADATA), metadata, opener, fsync)
     atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)
 
 

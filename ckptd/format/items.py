@@ -14,16 +14,12 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardingError, StorageError
-from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from .checksum import crc32c
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
-from .pickled import exact_storage, serialize_pickled
 from .records import (
     ItemRecord,
     dtype_from_name,
@@ -35,6 +31,15 @@ from .records import (
 )
 from .safefs import Dir, entry_path
 from .tensorzip import RawTensor, fits, write_raw_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..mapping import ByteItem, ShardedObject, ShardedTensor
+
+# torch, ckptd.mapping and ckptd.format.pickled (which import torch) are imported where a rank
+# plans or serializes items: the node daemon writes its items (RawTensor, bytes) with this module
+# and never imports torch (README: Daemon memory).
 
 
 @dataclass
@@ -49,6 +54,8 @@ class PlannedItem:
 
 def serialize_object(data: Any, what: str = "ShardedObject") -> bytes:
     """Megatron-Core's ShardedObject item: ``torch.save([data])`` (compacted, see .pickled)."""
+    from .pickled import serialize_pickled
+
     return serialize_pickled(data, what, in_list=True)
 
 
@@ -109,6 +116,8 @@ def plan_object(sh: ShardedObject, rank: int) -> PlannedItem:
 
 def plan_bytes(item: ByteItem, rank: int, path: tuple[str | int, ...] = ()) -> PlannedItem:
     """A DCP bytes item: ``torch.save(value)`` (not in a list, unlike a ShardedObject)."""
+    from .pickled import serialize_pickled
+
     what = f"the value '{item.key}' (rank {rank})"
     return PlannedItem(object_record(item, rank, path), serialize_pickled(item.data, what))
 
@@ -224,22 +233,31 @@ def _zip_crc32_omitted(omit: bool) -> Iterator[None]:
 
 
 def write_item(f: Any, payload: torch.Tensor | RawTensor | bytes | memoryview, zip_crc32: bool = True) -> None:
-    """One item into ``f``: bytes as they are; a tensor as ``torch.save`` writes it (zip CRC-32s
-    per ``zip_crc32``, which must match torch's setting, see :func:`_zip_crc32_omitted`)."""
+    """One item into ``f``: bytes as they are; a tensor as ``torch.save`` writes it, with zip
+    CRC-32s or, with ``zip_crc32`` False, zeros where torch writes them (:func:`_zip_crc32_omitted`).
+    torch is imported only for a tensor ckptd's own writer does not write (ckptd.format.tensorzip)."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         f.write(payload)
-    elif isinstance(payload, RawTensor):
-        if fits(payload):
-            write_raw_tensor(f, payload, zip_crc32)  # the same bytes, without torch
-        else:
+        return
+    if isinstance(payload, RawTensor) and fits(payload):
+        write_raw_tensor(f, payload, zip_crc32)  # the same bytes, without torch
+        return
+    import torch
+
+    from .pickled import exact_storage
+
+    with _zip_crc32_omitted(not zip_crc32):
+        if isinstance(payload, RawTensor):  # too large for ckptd's writer (zip64)
             torch.save(_raw_as_tensor(payload), f)
-    else:
-        # Plain data, as DCP writes it: no requires_grad flag or autograd history in the item.
-        torch.save(exact_storage(payload.detach()), f)
+        else:
+            # Plain data, as DCP writes it: no requires_grad flag or autograd history in the item.
+            torch.save(exact_storage(payload.detach()), f)
 
 
 def _raw_as_tensor(raw: RawTensor) -> torch.Tensor:
     """A tensor over ``raw``'s bytes (no copy): for the items torch.save still writes."""
+    import torch
+
     dtype = dtype_from_name(raw.dtype)
     if not memoryview(raw.data).nbytes:
         return torch.empty(raw.shape, dtype=dtype)
@@ -283,7 +301,7 @@ def _write_data_file(
 ) -> list[ItemRecord]:
     path = entry_path(directory, file_name)  # in an open Dir: created relative to its fd
     stored: list[ItemRecord] = []
-    with _zip_crc32_omitted(checksums), opener(path, "wb") as raw:
+    with opener(path, "wb") as raw:
         keeper = _OSErrorKeeper(raw)
         sink = ItemSink(keeper, checksums, crc_executor)
         writeback = _Writeback(raw) if fsync else None
@@ -384,8 +402,11 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
     which torch DCP, Megatron-Core and ckptd load like any other chunking. Objects cannot be
     split: one larger than ``max_nbytes`` raises StagingError.
     """
+    import torch
+
     from ..errors import StagingError
     from .geometry import flat_range_boxes
+    from .pickled import exact_storage
 
     out: list[PlannedItem] = []
     for item in items:

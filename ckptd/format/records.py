@@ -7,23 +7,58 @@ and the coordinator turns all of them into the DCP ``.metadata``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError, ShardingError
-from ..mapping import ByteItem, ShardedObject, ShardedTensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..mapping import ByteItem, ShardedObject, ShardedTensor
 
 TENSOR = "tensor"
 BYTES = "bytes"
+
+# Bytes per element of every dtype ckptd saves on torch 2.13, by canonical name (str(dtype)
+# without "torch."): what the node daemon, which never imports torch, checks records and sizes
+# items with. The table ckptd derives from torch (:func:`_torch_dtypes`) is the authority:
+# tests/unit/test_dcp_pickle.py checks this one against it, and a name only a newer torch has is
+# looked up there (importing torch in that process).
+_ITEMSIZE: dict[str, int] = {
+    "bfloat16": 2,
+    "bool": 1,
+    "complex128": 16,
+    "complex32": 4,
+    "complex64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float4_e2m1fn_x2": 1,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "int8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "uint8": 1,
+}
 
 
 def _dcp_element_nbytes(dtype: torch.dtype) -> int | None:
     """A dtype's element size as torch DCP's save planner computes it (``torch._utils._element_size``,
     from finfo/iinfo bits), or None where that fails: DCP cannot save a tensor of that dtype."""
+    import torch
+
     try:
         if dtype.is_complex:
             return torch.finfo(dtype).bits >> 2
@@ -45,6 +80,8 @@ def _storable(dtype: torch.dtype) -> bool:
     no finfo/iinfo: DCP's save fails on them, and torch.save refuses most), and it must not be
     a quantized dtype (its tensors carry scale and zero point, which DCP cannot save either).
     """
+    import torch
+
     if _dcp_element_nbytes(dtype) != dtype.itemsize:
         return False
     with warnings.catch_warnings():
@@ -54,41 +91,58 @@ def _storable(dtype: torch.dtype) -> bool:
         return not torch.empty(0, dtype=dtype, device="meta").is_quantized
 
 
-# Canonical names (str(dtype) without "torch.") of every dtype ckptd saves; records and the
-# wire carry these names.
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-    if _storable(dt)
-}
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """Canonical names of every dtype ckptd saves and the dtypes they name, derived from the
+    installed torch (imported here, on first use); records and the wire carry these names."""
+    import torch
 
-_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+    by_name = {
+        str(dt).removeprefix("torch."): dt
+        for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+        if _storable(dt)
+    }
+    return by_name, {dt: name for name, dt in by_name.items()}
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     """Every dtype ckptd saves (the dtypes torch DCP saves), sorted by name."""
-    return tuple(_DTYPES[name] for name in sorted(_DTYPES))
+    by_name, _ = _torch_dtypes()
+    return tuple(by_name[name] for name in sorted(by_name))
 
 
 def dtype_name(dtype: torch.dtype, key: str = "") -> str:
     """The canonical name of a storable ``dtype``; a ShardingError naming ``key`` otherwise."""
-    name = _NAMES.get(dtype)
+    by_name, names = _torch_dtypes()
+    name = names.get(dtype)
     if name is None:
         what = f"tensor '{key}'" if key else "a tensor"
         raise ShardingError(
             f"{what} has dtype {dtype}, which the torch_dist format cannot store (torch DCP "
             "saves only dtypes of whole bytes per element, not sub-byte, bits or quantized "
             "dtypes); convert it (e.g. to uint8 holding its packed bytes) before saving. "
-            f"Storable dtypes: {', '.join(sorted(_DTYPES))}"
+            f"Storable dtypes: {', '.join(sorted(by_name))}"
         )
     return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return _torch_dtypes()[0][name]
     except KeyError:
         raise ProtocolError(f"unknown dtype name {name!r}") from None
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the dtype ``name`` names (torch imported only for a name missing
+    from :data:`_ITEMSIZE`); ProtocolError for an unknown name."""
+    itemsize = _ITEMSIZE.get(name)
+    return itemsize if itemsize is not None else dtype_from_name(name).itemsize
+
+
+def check_dtype_name(name: str) -> None:
+    """ProtocolError unless ``name`` names a storable dtype (see :func:`dtype_itemsize`)."""
+    dtype_itemsize(name)
 
 
 @dataclass(frozen=True)
@@ -118,10 +172,7 @@ class ItemRecord:
         """Raw tensor bytes of the chunk (0 for byte items)."""
         if self.kind != TENSOR:
             return 0
-        itemsize = _ITEMSIZE.get(self.dtype)
-        if itemsize is None:
-            itemsize = dtype_from_name(self.dtype).itemsize  # raises ProtocolError for an unknown name
-        return math.prod(self.sizes) * itemsize
+        return math.prod(self.sizes) * dtype_itemsize(self.dtype)  # ProtocolError for an unknown name
 
     def stored_at(self, relative_path: str, file_offset: int, length: int, crc32: int | None = None) -> ItemRecord:
         return replace(self, relative_path=relative_path, file_offset=file_offset, length=length, crc32=crc32)
@@ -160,7 +211,7 @@ class ItemRecord:
         if rec.kind not in (TENSOR, BYTES):
             raise ProtocolError(f"malformed item record: unknown kind {rec.kind!r}")
         if rec.kind == TENSOR:
-            dtype_from_name(rec.dtype)
+            check_dtype_name(rec.dtype)
             if not len(rec.global_shape) == len(rec.offsets) == len(rec.sizes):
                 raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
         return rec
@@ -173,7 +224,6 @@ def _path_part(p: Any) -> str | int:
 
 
 _RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ItemRecord))
-_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in _DTYPES.items()}
 
 
 def storage_pieces(sh: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
@@ -249,5 +299,7 @@ def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
 
 
 def object_record(sh: ShardedObject | ByteItem, rank: int, path: tuple[str | int, ...] = ()) -> ItemRecord:
+    from ..mapping import ShardedObject
+
     key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
     return ItemRecord(fqn=key, kind=BYTES, rank=rank, path=path)

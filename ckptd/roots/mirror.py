@@ -39,7 +39,6 @@ from ..catalog import scan_root
 from ..errors import CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import Checksum, crc32c
 from ..format.commitrecord import read_commit_record
-from ..format.dcp_metadata import read_index, records_from_index, with_file_ranks
 from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
 from ..format.lease import ReadLease
 from ..format.records import ItemRecord
@@ -148,6 +147,10 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
                 f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
                 "save of the step); the mirror copies the newer one next"
             )
+        # .metadata is read with DCP's classes: the daemon imports torch here, on its first
+        # upload, and only when a mirror is configured (README: Daemon memory).
+        from ..format.dcp_metadata import read_index, records_from_index
+
         index = read_index(directory)
         records = _ranked(records_from_index(index))
         common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
@@ -167,6 +170,8 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
 
 def _ranked(records: list[ItemRecord]) -> list[ItemRecord]:
     """``records`` with the rank their data file's name gives; only ckptd's layout is mirrored."""
+    from ..format.dcp_metadata import with_file_ranks  # torch: see mirror_step
+
     out = with_file_ranks(records)
     for r in out:
         if r.rank < 0:

@@ -45,7 +45,7 @@ from ..catalog import CheckpointEntry, EntryState, RootCatalog
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
-from ..format.dcp_metadata import build_metadata
+from ..format.dcp_pickle import metadata_pickle
 from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
 from ..format.records import ItemRecord
 from ..format.rootlayout import (
@@ -128,9 +128,7 @@ class S3Root:
             self._retire(name, keep_attempt=attempt)
         else:
             self.client.delete([f"{name}/{n}" for n in METADATA_OBJECTS])  # an aborted attempt's leftovers
-        meta = pickle.dumps(
-            build_metadata(records, self.display(name), common_crc32=crc32c(common)), protocol=pickle.HIGHEST_PROTOCOL
-        )
+        meta = metadata_pickle(records, self.display(name), crc32c(common), protocol=pickle.HIGHEST_PROTOCOL)
         for obj_name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
             self._create(f"{name}/{obj_name}", data)
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}

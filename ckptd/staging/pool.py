@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -20,7 +20,7 @@ from ..errors import StagingError
 from ..format.items import PlannedItem
 from .backpressure import must_skip
 from .pinning import CHUNK_NBYTES, HostRegistrar, RingPinner
-from .ring import BLOCKS, HEADER_NBYTES, RingFull, RingWriter, span
+from .ring import BLOCKS, HEADER_NBYTES, Placement, RingFull, RingWriter, span
 from .segment import ShmSegment, new_generation, segment_name
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,6 @@ def plain_cpu_bytes(t: torch.Tensor) -> bool:
         and not t.is_conj()
         and not t.is_neg()
     )
-
-
-class Placement(NamedTuple):
-    """Where an item's bytes lie, relative to its save's start in the ring. A tuple: a save makes
-    and compares one per item, and tuples are built and compared in C (a frozen dataclass costs
-    ~1 us per item more)."""
-
-    offset: int
-    nbytes: int
 
 
 def plain_values(t: torch.Tensor) -> torch.Tensor:

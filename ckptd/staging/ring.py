@@ -34,7 +34,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import SharedMemoryFullError
 
@@ -57,6 +57,15 @@ MIN_CAPACITY = 1 << 20
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
 _CHUNK_NBYTES = 64 << 20
+
+
+class Placement(NamedTuple):
+    """Where an item's bytes lie, relative to its save's start in the ring. A tuple: a save makes
+    and compares one per item, and tuples are built and compared in C (a frozen dataclass costs
+    ~1 us per item more)."""
+
+    offset: int
+    nbytes: int
 
 
 def give_up_mark(failure: BaseException | None) -> int:

@@ -27,11 +27,12 @@ import re
 import secrets
 import stat
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SharedMemoryFullError, StagingError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def _check_name(name: str) -> None:
 
 
 class ShmSegment:
-    """A mapped segment ``/dev/shm/<name>``; :attr:`base` is a uint8 tensor over all its bytes.
+    """A mapped segment ``/dev/shm/<name>``; :attr:`base` is a uint8 tensor over all its bytes
+    (made on first use).
 
     tmpfs allocates a page when it is first written. A write *through the mapping* to a page that
     cannot be allocated (``/dev/shm`` full, by this job or by anyone) kills the process with
@@ -74,7 +76,17 @@ class ShmSegment:
         self._mm: mmap.mmap | None = mm
         self._fd = fd  # kept by the creator, for pwrite and fallocate
         self.reserved = False
-        self.base: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8) if nbytes else None
+        self._base: torch.Tensor | None = None
+
+    @property
+    def base(self) -> torch.Tensor | None:
+        """A uint8 tensor over all the segment's bytes (None once closed). Made on first use: the
+        node daemon, which maps the rings to read them, never uses it and never imports torch."""
+        if self._base is None and self._mm is not None and self.nbytes:
+            import torch
+
+            self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._base
 
     @property
     def path(self) -> Path:
@@ -193,7 +205,7 @@ class ShmSegment:
 
     def close(self) -> None:
         """Unmap (the segment itself stays until unlinked)."""
-        self.base = None
+        self._base = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -13,16 +13,22 @@ import io
 import pickle
 from typing import Any
 
-import torch
-
 
 class _DigestPickler(pickle.Pickler):
     """Pickles tensors as (dtype, shape, digest of their bytes) so equal values give equal bytes."""
 
+    def __init__(self, file: io.BytesIO, protocol: int) -> None:
+        # torch is imported by the ranks that digest (the node daemon compares digests without it)
+        import torch
+
+        super().__init__(file, protocol=protocol)
+        self._tensor_types = (torch.Tensor, torch.nn.Parameter)
+        self._uint8 = torch.uint8
+
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+        if isinstance(obj, self._tensor_types[0]) and type(obj) in self._tensor_types:
             t = obj.detach().cpu().contiguous().reshape(-1)
-            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            raw = t.view(self._uint8).numpy().tobytes() if t.numel() else b""
             return ("tensor", str(obj.dtype), tuple(obj.shape), hashlib.blake2b(raw, digest_size=16).hexdigest())
         return None
 

@@ -34,12 +34,18 @@ import hashlib
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
-import torch
 
-from ..mapping import ByteItem, ShardedTensor
-from .split import Dialect, SplitStateDict
+if TYPE_CHECKING:
+    import torch
+
+    from ..mapping import ShardedTensor
+    from .split import SplitStateDict
+
+# ckptd.mapping and .split (torch) are imported where a rank uses them: the node daemon assigns
+# writers with this module and never imports torch.
 
 VALUE = -1  # the size a holding gives for a value (a bytes item): values go to the lowest holder
 
@@ -88,6 +94,8 @@ def spread(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
 
 def plain_sizes(split: SplitStateDict) -> dict[str, int]:
     """Each plain item of a DCP-style split: key -> its tensor's bytes, or VALUE."""
+    from ..mapping import ByteItem
+
     out: dict[str, int] = {}
     for key, item in split.dcp_plain.items():
         if isinstance(item, ByteItem):
@@ -109,6 +117,9 @@ def plain_digest(split: SplitStateDict) -> str:
     Megatron-style state dict, which has none): equal digests on every rank mean every rank holds
     the same plain items, so :func:`spread` is the global assignment. (msgpack, not pickle: its
     bytes depend only on the values, never on which objects are shared; ~2 us per key.)"""
+    from ..mapping import ShardedTensor
+    from .split import Dialect
+
     if split.dialect is not Dialect.DCP:
         return ""
     names: dict[torch.dtype, str] = {}

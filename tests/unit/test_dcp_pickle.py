@@ -1,0 +1,186 @@
+"""ckptd.format.dcp_pickle writes, without torch, the bytes pickle.dumps gives for DCP's Metadata.
+
+The reference builds the Metadata from torch DCP's own classes (as ckptd did before the node
+daemon stopped importing torch) and pickles it as DCP's FileSystemWriter does (``pickle.dump``,
+the default protocol) and as ckptd's object-store roots do (the highest protocol).
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptd.format.checksum import ALGORITHM, TABLE_VERSION
+from ckptd.format.dcp_metadata import build_metadata, read_index
+from ckptd.format.dcp_pickle import CHECKSUMS_ATTR, DCP_VERSION, metadata_pickle
+from ckptd.format.records import _ITEMSIZE, BYTES, TENSOR, ItemRecord, dtype_from_name, supported_dtypes
+
+
+def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc32: int | None) -> Metadata:
+    """The Metadata of ``records`` built from DCP's classes, sharing objects as ckptd always did."""
+    state: dict = {}
+    storage: dict = {}
+    chunks: dict[str, list[ItemRecord]] = defaultdict(list)
+    paths: dict[str, tuple] = {}
+    shared: dict = {}
+    sizes: dict = {}
+
+    def size(shape: tuple[int, ...]) -> torch.Size:
+        found = sizes.get(shape)
+        if found is None:
+            found = sizes[shape] = torch.Size(shape)
+        return found
+
+    for r in records:
+        if r.path:
+            paths[r.fqn] = tuple(r.path)
+        if r.kind == TENSOR:
+            chunks[shared.setdefault(r.fqn, r.fqn)].append(r)
+        else:
+            state[r.fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(r.fqn)] = _StorageInfo(
+                shared.setdefault(r.relative_path, r.relative_path), r.file_offset, r.length
+            )
+    for fqn, items in chunks.items():
+        items.sort(key=lambda r: r.offsets)
+        state[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_from_name(items[0].dtype)),
+            size=torch.Size(items[0].global_shape),
+            chunks=[ChunkStorageMetadata(torch.Size(r.offsets), size(r.sizes)) for r in items],
+        )
+        for i, r in enumerate(items):
+            storage[MetadataIndex(fqn, r.offsets, i)] = _StorageInfo(
+                shared.setdefault(r.relative_path, r.relative_path), r.file_offset, r.length
+            )
+    md = Metadata(
+        state_dict_metadata=dict(sorted(state.items())),
+        planner_data={fqn: paths.get(fqn, (fqn,)) for fqn in sorted(state)},
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id),
+        version=DCP_VERSION,
+    )
+    item_crcs = {
+        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets) if r.kind == TENSOR else ()): r.crc32
+        for r in records
+        if r.crc32 is not None
+    }
+    if item_crcs or common_crc32 is not None:
+        files = {} if common_crc32 is None else {"common.pt": common_crc32}
+        table = {"version": TABLE_VERSION, "algorithm": ALGORITHM, "items": item_crcs, "files": files}
+        setattr(md, CHECKSUMS_ATTR, table)
+    return md
+
+
+def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
+    """``n`` keys of every storable dtype, 0-3 dimensions, split over ``ranks`` ranks, values and
+    ShardedObject shards among them, large offsets and lengths, records in random order."""
+    rng = random.Random(seed)
+    names = [str(d).removeprefix("torch.") for d in supported_dtypes()]
+    out = []
+    for i in range(n):
+        if rng.random() < 0.1:
+            fqn = f"obj{i}/shard_0_1" if i % 2 else f"v{i}"
+            crc = rng.randrange(2**32) if i % 3 else None
+            length = rng.randint(1, 2**33)
+            rel = f"__{i % ranks}_0.distcp"
+            rec = ItemRecord(fqn, BYTES, i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc)
+            out.append(rec)
+            continue
+        shape = tuple(rng.randint(1, 70000) for _ in range(rng.randint(0, 3)))
+        dtype = rng.choice(names)
+        for rk in range(ranks if shape else 1):
+            offsets = ((rk * shape[0],) + (0,) * (len(shape) - 1)) if shape else ()
+            global_shape = ((shape[0] * ranks,) + shape[1:]) if shape else ()
+            rec = ItemRecord(
+                f"model.layers.{i}.ü.weight",
+                TENSOR,
+                rk,
+                dtype,
+                global_shape,
+                offsets,
+                shape,
+                f"__{rk}_0.distcp",
+                rng.randint(0, 2**40),
+                rng.randint(1, 2**31),
+                crc32=rng.randrange(2**32),
+                path=("model", "layers", i, "weight") if i % 2 else (),
+            )
+            out.append(rec)
+    rng.shuffle(out)
+    return out
+
+
+CASES = {
+    "empty": ([], None, None),
+    "one tensor, no checksums": ([ItemRecord("w", TENSOR, 0, "float32", (2,), (0,), (2,), "d", 0, 8)], "/c", None),
+    "one value": ([ItemRecord("v", BYTES, 0, relative_path="__0_0.distcp", file_offset=0, length=9)], None, 7),
+    "small": (_records(12, 1), "/ckpt/iter_0000001", 12345),
+    # 1,000 and 1,001 keys: the C pickler's batches of 1,000 (an empty batch after a multiple)
+    "1000 values": ([ItemRecord(f"k{i:04}", BYTES, 0, "", (), (), (), "d", i, 1) for i in range(1000)], "/c", 1),
+    "1001 chunks": (
+        [ItemRecord("w", TENSOR, 0, "int8", (1001,), (i,), (1,), "d", i, 1) for i in range(1001)],
+        "/",
+        None,
+    ),
+    # many frames of 64 KiB; memo indices beyond 256 (LONG_BINGET)
+    "3000 keys": (_records(3000, 2), "/ckpt/iter_0000002", 2**32 - 1),
+    "a 70,000-character id": ([ItemRecord("w", TENSOR, 0, "bool", (1,), (0,), (1,), "d", 0, 1)], "x" * 70000, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("protocol", [pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL])
+def test_metadata_pickle_is_dcps_pickle(case, protocol):
+    records, checkpoint_id, common_crc32 = CASES[case]
+    expected = pickle.dumps(_reference(records, checkpoint_id, common_crc32), protocol=protocol)
+    assert metadata_pickle(records, checkpoint_id, common_crc32, protocol=protocol) == expected
+
+
+def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
+    records, checkpoint_id, common_crc32 = CASES["small"]
+    # lengths that hold the chunks (read_index refuses a chunk larger than its item)
+    records = [replace(r, length=max(r.length, r.nbytes + 64)) for r in records]
+    md = build_metadata(records, checkpoint_id, common_crc32)
+    ref = _reference(records, checkpoint_id, common_crc32)
+    assert md == ref and getattr(md, CHECKSUMS_ATTR) == getattr(ref, CHECKSUMS_ATTR)
+    (tmp_path / ".metadata").write_bytes(metadata_pickle(records, checkpoint_id, common_crc32))
+    index = read_index(tmp_path)
+    assert index.common_crc32 == common_crc32
+    assert set(index.tensors) | set(index.objects) == {r.fqn for r in records}
+
+
+def test_the_static_dtype_table_is_torchs():
+    """The node daemon sizes items from a table it has without torch; it must be the table ckptd
+    derives from the installed torch (a new torch dtype: add it to records._ITEMSIZE)."""
+    assert {str(d).removeprefix("torch."): d.itemsize for d in supported_dtypes()} == _ITEMSIZE
+
+
+def test_the_daemons_modules_import_no_torch():
+    """What a node daemon process imports to start, save and commit leaves torch out."""
+    code = (
+        "import sys\n"
+        "import ckptd.commands, ckptd.commands.daemon, ckptd.daemon.main, ckptd.daemon.node\n"
+        "import ckptd.format.finalize, ckptd.format.dcp_pickle, ckptd.roots.posix_root, ckptd.roots.s3_root\n"
+        "import ckptd.daemon.mirror, ckptd.daemon.workers, ckptd.daemon.coordinator\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
