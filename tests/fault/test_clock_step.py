@@ -23,7 +23,8 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
-from tests.fault.test_restart_recovery import _env, _stop
+from tests.fault.test_restart_recovery import _env
+from tools.harness.daemons import stop_daemons
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
 
@@ -72,7 +73,7 @@ def test_wall_clock_step_keeps_live_ranks_saving(tmp_path):
         assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000003")["w"], w)
         assert "is gone" not in ep.log_path.read_text()
     finally:
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -99,5 +100,5 @@ def test_a_rank_the_daemon_forgot_registers_again_and_saves(tmp_path, single_pro
         assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000002")["w"], w)
         assert "registering with the node daemon again" in caplog.text
     finally:
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         shutil.rmtree(runtime, ignore_errors=True)

@@ -34,8 +34,9 @@ from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
 from ckptd.errors import DaemonError
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
-from tests.fault.test_restart_recovery import _daemon, _env, _stop
+from tests.fault.test_restart_recovery import _daemon, _env
 from tests.multiproc import without_torchrun
+from tools.harness.daemons import stop_daemons
 
 OTHER_UID = 65534
 
@@ -114,7 +115,7 @@ def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments
         assert not mine.exists() and neighbour.exists() and foreign.exists()
         assert "not regular files of this user" in ep.log_path.read_text()
     finally:
-        _stop(ep)
+        stop_daemons([ep.pid_path])
         for path in (mine, neighbour, foreign):
             path.unlink(missing_ok=True)
 
