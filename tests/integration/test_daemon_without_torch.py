@@ -9,12 +9,6 @@ serves Megatron-style and DCP-style saves here, then reports through ``ckptd sta
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,23 +17,7 @@ import torch.distributed.checkpoint as dcp
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True, text=True, timeout=90, cwd=REPO
-    )
-
-
-@pytest.fixture
-def single(single_process, tmp_path):
-    runtime = tempfile.mkdtemp(prefix="ckn", dir="/tmp")
-    env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
-    yield tmp_path / "run", runtime, env
-    _ckptd(env, "daemon", "stop", "--root", str(tmp_path / "run"))
-    shutil.rmtree(runtime, ignore_errors=True)
+from tests.integration.cli import ckptd_cli
 
 
 @pytest.mark.timeout(150)
@@ -57,7 +35,7 @@ def test_daemon_saves_and_commits_without_importing_torch(single):
         ckpt.save(megatron, step=1).wait(60)
         # DCP-style: plain tensors and values, planned and assigned to writers by the daemon.
         ckpt.save({"model": {"w": w, "b": b}, "step": 2}, step=2).wait(60)
-        run = _ckptd(env, "status", str(root), "--json")
+        run = ckptd_cli(env, "status", str(root), "--json")
     assert run.returncode == 0, run.stderr
     (info,) = json.loads(run.stdout)["daemons"]
     assert info["metrics"]["steps_committed"] == 2

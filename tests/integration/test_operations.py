@@ -7,13 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,25 +20,8 @@ from ckptd.control.endpoints import JobEnv
 from ckptd.control.protocol import Pong, Status, StatusReply
 from ckptd.errors import DaemonLostError, RequestNotTaken
 from ckptd.tune import recommend
-from tools.harness.daemons import stop_root_daemons
+from tests.integration.cli import ckptd_cli
 from tools.harness.ports import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _ckptd(env: dict, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True, text=True, timeout=90, cwd=REPO
-    )
-
-
-@pytest.fixture
-def single(single_process, tmp_path):
-    runtime = tempfile.mkdtemp(prefix="cko", dir="/tmp")
-    env = {**os.environ, "CKPTD_RUNTIME_DIR": runtime}
-    yield tmp_path / "run", runtime, env
-    stop_root_daemons(tmp_path / "run", runtime)
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
@@ -66,7 +44,7 @@ def test_stats_status_metrics_and_stop(single):
             assert rec["persist_s"] > 0 and rec["commit_latency_s"] > 0
         assert stats["stall_s"]["max"] == max(r["stall_s"] for r in stats["recent"])
 
-        run = _ckptd(env, "status", str(root), "--json")
+        run = ckptd_cli(env, "status", str(root), "--json")
         assert run.returncode == 0, run.stderr
         (info,) = json.loads(run.stdout)["daemons"]
         m = info["metrics"]
@@ -83,7 +61,7 @@ def test_stats_status_metrics_and_stop(single):
         (me,) = mem["ranks_rss"]
         assert (me["rank"], me["pid"]) == (0, os.getpid()) and me["peak"] >= me["current"] > w.nbytes
 
-        run = _ckptd(env, "status", str(root))
+        run = ckptd_cli(env, "status", str(root))
         assert run.returncode == 0 and "saves received 3, committed 3" in run.stdout
         assert "memory: daemon RSS" in run.stdout and "rank 0 " in run.stdout, run.stdout
         # The daemon refuses what it does not serve: its ERROR reaches the caller at once (the
@@ -91,7 +69,7 @@ def test_stats_status_metrics_and_stop(single):
         (d,) = admin.local_daemons(root, cfg)
         with pytest.raises(RequestNotTaken, match=f"the daemon of {root} node 0 refused PONG: .*does not accept PONG"):
             admin.request(d.endpoints, cfg, Pong(1, "x", 1), StatusReply, timeout_s=600)
-        run = _ckptd(env, "status", str(root), "--prometheus")
+        run = ckptd_cli(env, "status", str(root), "--prometheus")
         assert run.returncode == 0 and "ckptd_steps_committed_total{" in run.stdout
         served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         samples = dict(line.rsplit(" ", 1) for line in served.splitlines() if not line.startswith("#"))
@@ -100,15 +78,15 @@ def test_stats_status_metrics_and_stop(single):
         assert served.count("# TYPE ckptd_writes_total counter") == 1
         assert float(samples[next(k for k in samples if k.startswith("ckptd_staging_shm_peak_bytes"))]) > 0
 
-    run = _ckptd(env, "daemon", "stop", "--root", str(root))
+    run = ckptd_cli(env, "daemon", "stop", "--root", str(root))
     assert run.returncode == 0 and "stopped the daemon of node 0" in run.stdout
-    run = _ckptd(env, "status", str(root))
+    run = ckptd_cli(env, "status", str(root))
     assert run.returncode == 1 and "no ckptd daemon" in run.stdout
     with pytest.raises(DaemonLostError, match=f"the daemon of {root} node 0 is not running"):
         admin.request(d.endpoints, cfg, Status(), StatusReply, timeout_s=600)  # no wait for a dead one
     job = info["job"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptd-{job}-")]
-    assert _ckptd(env, "daemon", "stop", "--root", str(root)).returncode == 0  # nothing to stop
+    assert ckptd_cli(env, "daemon", "stop", "--root", str(root)).returncode == 0  # nothing to stop
 
 
 @pytest.mark.timeout(120)
