@@ -85,7 +85,6 @@ from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
 from ..format.saveplan import PlanCache, plan_rank
 from ..gcpause import gc_paused
-from ..recovery import resolve_resumable
 from ..s3catalog import committed_at
 from ..staging.children import KILL_REAP_S
 from ..staging.lazy import STOP_MARGIN_S
@@ -356,7 +355,7 @@ class Checkpointer:
         committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
         which raises CorruptCheckpointError when checkpoints exist but none is loadable).
         """
-        choice = resolve_resumable(self._levels.resume_root(self._damaged), damaged=self._damaged)
+        _, choice = self._levels.resume(self._damaged)
         return None if choice is None else choice.step
 
     def checkpoint_dir(self, step: int | None = None) -> Location:
@@ -372,7 +371,7 @@ class Checkpointer:
         falling back past damaged ones, every rank alike (:func:`ckptd.client.resume.load_latest`)."""
         if step is not None:
             return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
-        root = self._levels.resume_root(self._damaged, collective=True, group=kwargs.get("process_group"))
+        root, _ = self._levels.resume(self._damaged, collective=True, group=kwargs.get("process_group"))
         return load_latest(root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
 
     def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:

@@ -3,7 +3,7 @@
 
 Order for one resume (:meth:`ckptd.Checkpointer.load` without ``step``), on every rank:
 
-1. :meth:`Levels.resume_root` resolves the latest intact checkpoint of each level
+1. :meth:`Levels.resume` resolves the latest intact checkpoint of each level
    (:func:`ckptd.recovery.resolve_resumable`) and the local commit the mirror's copies;
 2. with torch.distributed initialized, the ranks gather what each found locally (one
    ``all_gather_object`` of a few bytes): a rank that sees another local checkpoint than the
@@ -21,7 +21,7 @@ from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import step_dir_name
-from ..recovery import resolve_resumable
+from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import MIRROR, CommitRef, resume_level
 from ..s3catalog import committed_at, read_s3_commit_record
 from ..storage.s3client import S3Client
@@ -54,19 +54,30 @@ class Levels:
         self.root = root
         self.mirror = mirror
 
-    def resume_root(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Location:
-        """The root to resume from (steps 1-2 above); ``collective``: every rank calls it."""
+    def resume(
+        self, damaged: dict[str, str], *, collective: bool = False, group: Any = None
+    ) -> tuple[Location, LatestChoice | None]:
+        """The root to resume from and its latest intact checkpoint (steps 1-2 above);
+        ``collective``: every rank calls it."""
+        local_choice = resolve_resumable(self.root, damaged=damaged)
         if self.mirror is None or not isinstance(self.root, Path):  # no mirror without a local root
-            return self.root
-        local = self._local(self.root, damaged)
+            return self.root, local_choice
+        local_record = None if local_choice is None else read_commit_record(local_choice.entry.path)
+        local = _ref(local_choice, None if local_record is None else (local_record.attempt, local_record.seq))
         same = True
         if collective:
             found = DistContext.current(group).all_gather(local)
             same = len(set(found)) == 1
-        mirrored = self._mirrored(self.mirror, damaged)
+        mirror_choice = resolve_resumable(self.mirror, damaged=damaged)
+        source = None
+        if mirror_choice is not None:
+            record = read_s3_commit_record(S3Client(self.mirror), mirror_choice.entry.name)
+            source = None if record is None else record.source
+        mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
         holds = mirrored is not None and _local_holds(self.root, mirrored)
-        level = resume_level(local, mirrored, local_holds_mirrored=holds, same_on_every_rank=same)
-        return self.mirror if level == MIRROR else self.root
+        if resume_level(local, mirrored, local_holds_mirrored=holds, same_on_every_rank=same) == MIRROR:
+            return self.mirror, mirror_choice
+        return self.root, local_choice
 
     def step_location(self, step: int) -> Location:
         """Where ``iter_<step>`` is read from: the local root, or the mirror when only it has the step."""
@@ -88,25 +99,15 @@ class Levels:
                 )
             time.sleep(_POLL_S)
 
-    @staticmethod
-    def _local(root: Path, damaged: dict[str, str]) -> CommitRef | None:
-        choice = resolve_resumable(root, damaged=damaged)
-        if choice is None or choice.step is None:
-            return None
-        record = read_commit_record(choice.entry.path)
-        if record is None:
-            return CommitRef(step=choice.step, attempt="", seq=0)
-        return CommitRef(step=choice.step, attempt=record.attempt, seq=record.seq)
 
-    @staticmethod
-    def _mirrored(mirror: S3Location, damaged: dict[str, str]) -> CommitRef | None:
-        choice = resolve_resumable(mirror, damaged=damaged)
-        if choice is None or choice.step is None:
-            return None
-        record = read_s3_commit_record(S3Client(mirror), choice.entry.name)
-        if record is None or record.source is None:
-            return CommitRef(step=choice.step, attempt="", seq=0)  # not a copy of a local commit
-        return CommitRef(step=choice.step, attempt=str(record.source["attempt"]), seq=int(record.source["seq"]))
+def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitRef | None:
+    """The commit a resolved checkpoint is: ``commit`` (attempt, seq) from its record (or, for a
+    mirror's, the local commit it copies); none known: attempt "" (a checkpoint of ckptd.save,
+    DCP or Megatron-Core, or a mirror's that copies nothing)."""
+    if choice is None or choice.step is None:
+        return None
+    attempt, seq = commit if commit is not None else ("", 0)
+    return CommitRef(step=choice.step, attempt=attempt, seq=seq)
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:
