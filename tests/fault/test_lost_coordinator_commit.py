@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd import ShardedTensor
+from tests.fault.test_node_faults import as_node_rank
 from tools.harness.daemons import stop_daemons
 from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks
@@ -49,11 +50,7 @@ def _check(ckpt: ckptd.Checkpointer, rank: int, step: int) -> None:
 
 
 def _lose_the_coordinator_after_its_commit(rank: int, world: int, env: dict, root: str, faults: str, how: str) -> dict:
-    os.environ.update(env)
-    os.environ.update(
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}"
-    )
-    fault_file = Path(faults) / f"node{rank}"
+    fault_file = as_node_rank(rank, env, faults)
     out: dict = {}
     ckpt = ckptd.Checkpointer(root)
     try:

@@ -36,6 +36,17 @@ COMMIT_TIMEOUT_S = 4.0
 COORDINATOR_TIMEOUT_S = 2.0
 
 
+def as_node_rank(rank: int, env: dict[str, str], faults: str) -> Path:
+    """This process is rank ``rank``, alone on node ``rank``, whose daemon reads its disk faults
+    from the file returned (under ``faults``)."""
+    os.environ.update(env)
+    fault_file = Path(faults) / f"node{rank}"
+    os.environ.update(
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_DEBUG_FAULT_FILE=str(fault_file)
+    )
+    return fault_file
+
+
 def _sd(rank: int, step: int, w: torch.Tensor | None = None) -> dict:
     w = torch.full((4, 8), float(step * 10 + rank)) if w is None else w
     return {"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, 2)), "iteration": step}
@@ -53,11 +64,7 @@ def _failure(h: ckptd.SaveHandle, timeout_s: float) -> str:
 
 
 def _node_faults(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:
-    os.environ.update(env)
-    os.environ.update(
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_DEBUG_FAULT_FILE=f"{faults}/node{rank}"
-    )
-    fault_file = Path(faults) / f"node{rank}"
+    fault_file = as_node_rank(rank, env, faults)
     out: dict = {}
     ckpt = ckptd.Checkpointer(root)
     try:

@@ -46,72 +46,34 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
     must have decided (commit timeout + coordinator timeout after the first report) and gets
     the verdict again, instead of waiting for ever."""
     cfg = CkptdConfig(commit_timeout_s=0.4, coordinator_timeout_s=0.4, heartbeat_s=0.05)
-    keys = derive_keys(secrets.token_bytes(32))
-    codec = Codec("job1")
-    ctx = zmq.Context()
-    zap = ZapHandler(ctx, keys)
-    completions = Completions()
-    workers = WorkerPools(1, completions)
-    coordinator = Coordinator(ctx, codec, keys, "tcp://127.0.0.1:0", PosixRoot(tmp_path), cfg, workers, "c1", [])
-    delivered: list[Message] = []
-    link = CoordinatorLink(
-        ctx,
-        codec,
-        keys,
-        coordinator.address,
-        0,
-        b"node0-test",
-        cfg,
-        lambda _key, _ranks, outcome: delivered.append(outcome),
-        store=coordinator.store,
-        workers=workers,
-    )
-    dropped: list[Message] = []
-    send = coordinator.ep.send
+    with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, coordinator):
+        dropped: list[Message] = []
+        send = coordinator.ep.send
 
-    def lose_the_first_verdict(msg: Message, identity: bytes | None = None, block: bool = True) -> bool:
-        if isinstance(msg, StepAborted) and not dropped:
-            dropped.append(msg)
-            return True
-        return send(msg, identity, block)
+        def lose_the_first_verdict(msg: Message, identity: bytes | None = None, block: bool = True) -> bool:
+            if isinstance(msg, StepAborted) and not dropped:
+                dropped.append(msg)
+                return True
+            return send(msg, identity, block)
 
-    coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
-    loop = EventLoop()
-    for source, handler in (
-        (zap.sock, zap.on_readable),
-        (coordinator.watch.sock, coordinator.watch.on_readable),
-        (coordinator.ep.sock, coordinator.on_readable),
-        (link.ep.sock, link.on_readable),
-        (completions.fd, _router(completions, workers, coordinator)),
-    ):
-        loop.add(source, handler)
-    try:
+        coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
         link.expect((3, ATTEMPT), b"rank0")
         link.report(Failed(3, ATTEMPT, 0, 1, 0, "the disk is full"), (3, ATTEMPT))
         t0 = time.monotonic()
-        while not delivered and time.monotonic() - t0 < 20:
-            loop.poll(20)
-            now = time.monotonic()
-            coordinator.tick(now)
-            link.tick(now)
+        spin(lambda: delivered)
         waited_s = time.monotonic() - t0
         assert dropped and len(delivered) == 1, (dropped, delivered)
         assert isinstance(delivered[0], StepAborted) and "the disk is full" in delivered[0].reason
         assert waited_s >= cfg.commit_timeout_s + cfg.coordinator_timeout_s  # chased, not answered at once
         assert not link.state.unacked and not link.busy
-    finally:
-        link.close()
-        coordinator.close()
-        zap.close()
-        workers.shutdown()
-        completions.close()
-        ctx.term()
 
 
 @contextmanager
-def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[CoordinatorLink, list[Message], Any]]:
-    """A node's link to a coordinator in this process; yields the link, the verdicts it delivered
-    and ``spin(until)``, which runs both until ``until()`` holds (20 s at most)."""
+def _node_and_coordinator(
+    tmp_path: Path, cfg: CkptdConfig
+) -> Iterator[tuple[CoordinatorLink, list[Message], Any, Coordinator]]:
+    """A node's link to a coordinator in this process; yields the link, the verdicts it delivered,
+    ``spin(until)``, which runs both until ``until()`` holds (20 s at most), and the coordinator."""
     keys = derive_keys(secrets.token_bytes(32))
     codec = Codec("job1")
     ctx = zmq.Context()
@@ -151,7 +113,7 @@ def _node_and_coordinator(tmp_path: Path, cfg: CkptdConfig) -> Iterator[tuple[Co
             link.tick(now)
 
     try:
-        yield link, delivered, spin
+        yield link, delivered, spin, coordinator
     finally:
         link.close()
         coordinator.close()
@@ -168,7 +130,7 @@ def test_a_policy_skip_is_announced_as_a_skip_and_remembered_for_late_saves(tmp_
     The node remembers the verdict: a rank whose SAVE of that attempt comes later is not waited
     for (the daemon tells it at once and writes nothing)."""
     cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=30, heartbeat_s=0.05)
-    with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin):
+    with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, _):
         link.expect((5, ATTEMPT), b"rank0")
         link.report(Failed(5, ATTEMPT, 1, 2, 0, "skipped the save: ring busy", skipped=True), (5, ATTEMPT))
         link.report(Failed(6, ATTEMPT, 1, 2, 0, "writing its data file failed: EIO"), (6, ATTEMPT))

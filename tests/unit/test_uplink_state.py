@@ -264,6 +264,15 @@ def test_aborts_are_remembered_for_a_bounded_number_of_attempts():
 
 
 # --- the coordinator lost after its commit point: the root says what happened -----------------
+def lose_the_coordinator(node: Node, cause: str) -> None:
+    """The coordinator restarts (a new instance answers) or goes silent past its timeout."""
+    if cause == "restarted":
+        node.pong("c2")
+    else:
+        node.reachable = False
+        node.at(CFG.coordinator_timeout_s + 0.25)
+
+
 @pytest.mark.parametrize("cause", ["restarted", "silent"])
 def test_a_step_the_lost_coordinator_committed_is_reported_committed(cause):
     """Node 0's daemon renamed the checkpoint into place (or wrote the S3 commit object) and died
@@ -274,11 +283,7 @@ def test_a_step_the_lost_coordinator_committed_is_reported_committed(cause):
     saving(node)
     node.take()
     node.committed.add(K3)
-    if cause == "restarted":
-        node.pong("c2")
-    else:
-        node.reachable = False
-        node.at(CFG.coordinator_timeout_s + 0.25)
+    lose_the_coordinator(node, cause)
     assert node.asked == [K3]
     ((key, ranks, verdict),) = node.delivered
     assert key == K3 and ranks == {b"rank0"} and isinstance(verdict, StepCommitted)
@@ -299,11 +304,7 @@ def test_a_step_the_root_holds_no_commit_of_aborts_saying_so(cause):
     saving(node)
     node.take()
     node.committed.add((3, "0123456789ab-2"))  # another attempt of the step: not this one's commit
-    if cause == "restarted":
-        node.pong("c2")
-    else:
-        node.reachable = False
-        node.at(CFG.coordinator_timeout_s + 0.25)
+    lose_the_coordinator(node, cause)
     assert node.asked == [K3]
     ((key, _, verdict),) = node.delivered
     assert key == K3 and isinstance(verdict, StepAborted)
