@@ -207,7 +207,7 @@ class PlayedNodes:
         """PING on every connection until each has its PONG; the coordinator's pid."""
         pending = set(range(len(self.links)))
         for link in self.links:
-            link.send(Ping(0))
+            link.send(Ping(nonce=0))
         pid = 0
         for i, msg in self._replies(pending, timeout_s, "PONG"):
             if isinstance(msg, Pong):
@@ -290,15 +290,15 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
                 wire += played.send(
                     rank // ranks_per_node,
                     Written(
-                        step,
-                        attempt,
-                        rank,
-                        ranks,
-                        rank // ranks_per_node,
-                        records[rank],
-                        common if rank == 0 else None,
-                        "",
-                        file_nbytes[rank],
+                        step=step,
+                        attempt=attempt,
+                        rank=rank,
+                        world_size=ranks,
+                        node=rank // ranks_per_node,
+                        records=records[rank],
+                        common=common if rank == 0 else None,
+                        common_digest="",
+                        file_nbytes=file_nbytes[rank],
                     ),
                 )
             t_last = time.perf_counter()

@@ -241,20 +241,20 @@ class Checkpointer:
         attempt = self._next_attempt(step)
         snap = producer.snapshot
         msg = Save(
-            step,
-            attempt,
-            self.env.rank,
-            self.env.world_size,
-            pool.generation,
-            block,
-            wire,
-            common,
-            digest,
-            layout,
-            start,
-            snap.pid,
-            snap.seal,
-            snap.seal_offset,
+            step=step,
+            attempt=attempt,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            generation=pool.generation,
+            block=block,
+            items=wire,
+            common=common,
+            common_digest=digest,
+            layout=layout,
+            ring_start=start,
+            snapshot_pid=snap.pid,
+            seal=snap.seal,
+            seal_offset=snap.seal_offset,
             plain_digest=plain,
             held=held,
         )
@@ -540,7 +540,9 @@ class Checkpointer:
         attempt = self._next_attempt(step)
         try:
             self._ensure_connected()
-            self._link.announce(Skip(step, attempt, self.env.rank, self.env.world_size, reason))
+            self._link.announce(
+                Skip(step=step, attempt=attempt, rank=self.env.rank, world_size=self.env.world_size, reason=reason)
+            )
         except CkptdError as exc:
             log.warning(
                 "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
@@ -556,7 +558,16 @@ class Checkpointer:
         )
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
-        self._link.announce(Skip(step, attempt, self.env.rank, self.env.world_size, reason, skipped=True))
+        self._link.announce(
+            Skip(
+                step=step,
+                attempt=attempt,
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                reason=reason,
+                skipped=True,
+            )
+        )
         handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle

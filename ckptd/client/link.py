@@ -124,7 +124,7 @@ class DaemonLink:
         return welcome
 
     def _hello(self) -> Welcome:
-        return self.request(Hello(self.env.rank, os.getpid(), str(self.ep.root)), Welcome)
+        return self.request(Hello(rank=self.env.rank, pid=os.getpid(), root=str(self.ep.root)), Welcome)
 
     def hello_again(self) -> None:
         """Say HELLO again on this connection, after the daemon refused a request as from an

@@ -62,7 +62,12 @@ class RankRing:
             capacity = capacity_for(fraction, node_nbytes, nbytes, self.local_world_size)
             pool = StagingPool.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
             try:
-                self.link.request(RegisterPool(self.rank, pool.generation, pool.capacity, pool.names), PoolOk)
+                self.link.request(
+                    RegisterPool(
+                        rank=self.rank, generation=pool.generation, ring_nbytes=pool.capacity, names=pool.names
+                    ),
+                    PoolOk,
+                )
             except BaseException:
                 pool.close(unlink=True)  # the daemon never took it over
                 raise

@@ -97,18 +97,18 @@ class MsgType(enum.IntEnum):
     SHUTDOWN_ACK = 43
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Message:
     TYPE: ClassVar[MsgType]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ping(Message):
     TYPE: ClassVar[MsgType] = MsgType.PING
     nonce: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Pong(Message):
     TYPE: ClassVar[MsgType] = MsgType.PONG
     nonce: int
@@ -116,7 +116,7 @@ class Pong(Message):
     pid: int  # its process (tools check that they talk to the daemon they started)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Hello(Message):
     """rank -> daemon, first on a connection: the rank this connection speaks for, its process
     (checked against the connection's kernel credentials) and the checkpoint root it saves into.
@@ -128,14 +128,14 @@ class Hello(Message):
     root: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Welcome(Message):
     TYPE: ClassVar[MsgType] = MsgType.WELCOME
     instance: str
     pid: int  # the daemon's process: the rank watches it (a pid-file lock held by another pid is a new daemon)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ErrorReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     reason: str
@@ -143,7 +143,7 @@ class ErrorReply(Message):
     code: str = ""  # what the client must do, when it can act on it (ckptd.errors.ProtocolError.code)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RegisterPool(Message):
     """rank -> daemon: the rank's staging ring, one segment (created by the rank, 0600) whose data
     region holds ``ring_nbytes`` bytes (ckptd.staging.ring)."""
@@ -155,13 +155,13 @@ class RegisterPool(Message):
     names: list[str]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PoolOk(Message):
     TYPE: ClassVar[MsgType] = MsgType.POOL_OK
     generation: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Save(Message):
     """rank -> daemon. ``items``: ``{"record": ItemRecord wire map, "offset": int, "nbytes": int}``
     in write order, offsets relative to ``ring_start``, the save's virtual start in the rank's
@@ -205,7 +205,7 @@ class Save(Message):
     held: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Skip(Message):
     """rank -> daemon: this rank will not save ``step``; the step aborts on every rank at once.
     ``skipped``: by the ``on_full="skip"`` policy (the other ranks' saves of the step resolve as
@@ -220,14 +220,14 @@ class Skip(Message):
     skipped: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAVE_ACK
     step: int
     attempt: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteDone(Message):
     """daemon -> rank: the write of a save finished (or failed); its control block ``block`` and
     its ring space are free again."""
@@ -242,12 +242,12 @@ class WriteDone(Message):
     snapshot_s: float  # how long the write then waited for the rank's snapshot child to finish copying
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Bye(Message):
     TYPE: ClassVar[MsgType] = MsgType.BYE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepCommitted(Message):
     """``warnings``: what the commit noticed but did not refuse (ranks whose common state differed
     from rank 0's, which is the one saved; plain items whose copies differed). ``plain_digest``:
@@ -262,7 +262,7 @@ class StepCommitted(Message):
     plain_digest: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepAborted(Message):
     """``skipped``: the attempt ended because a rank skipped the step by policy (``on_full="skip"``);
     its ranks resolve their saves as SKIPPED, never as an error raised later."""
@@ -274,7 +274,7 @@ class StepAborted(Message):
     skipped: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Written(Message):
     """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps,
     ``file_nbytes`` the size of the data file as written (the coordinator checks it before the
@@ -294,7 +294,7 @@ class Written(Message):
     held: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Failed(Message):
     """daemon -> coordinator: ``rank`` (-1: the node itself) will not write this attempt.
     ``skipped``: the rank skipped the step by policy (a :class:`Skip` with ``skipped``)."""
@@ -309,23 +309,23 @@ class Failed(Message):
     skipped: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Status(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StatusReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
     info: dict
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shutdown(Message):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShutdownAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN_ACK
 

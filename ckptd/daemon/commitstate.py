@@ -376,7 +376,7 @@ class CommitState:
             if msg.rank < 0:
                 # A node's local abort (it lost its coordinator) of an attempt this coordinator
                 # never saw: record the outcome, so reports of it are answered, and clean up.
-                self._remember(key, StepAborted(msg.step, msg.attempt, f"{who}: {msg.reason}"))
+                self._remember(key, StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}"))
                 self._finished_reply(identity, key, facts)
                 return
             st = self._new_attempt(identity, msg, facts, who, now)
@@ -415,11 +415,13 @@ class CommitState:
             warnings = _common_warnings(st) + st.warnings + list(event.outcome.warnings)
             uniform = uniform_digest(st.plain, st.world_size)
             name = event.outcome.name
-            self._finish(st, StepCommitted(st.step, st.attempt, name, warnings, plain_digest=uniform))
+            self._finish(
+                st, StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform)
+            )
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
             st.phase = Phase.ABORTED
-            self._finish(st, StepAborted(st.step, st.attempt, f"commit failed: {event.error}"))
+            self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=f"commit failed: {event.error}"))
 
     def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
         """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the
@@ -432,7 +434,7 @@ class CommitState:
         st.phase = Phase.ABORTED
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         self._out.append(Remove(step=st.step, attempt=st.attempt))
-        self._finish(st, StepAborted(st.step, st.attempt, reason, skipped))
+        self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
 
     def _remember(self, key: Key, outcome: Message) -> None:
         self.finished[key] = outcome

@@ -94,11 +94,11 @@ class Coordinator:
     def _dispatch(self, identity: bytes, msg: Message, _peer: str | None) -> None:
         if isinstance(msg, Ping):
             self._handle(NodeSeen(identity=identity))
-            self.ep.send(Pong(msg.nonce, self.instance, os.getpid()), identity)
+            self.ep.send(Pong(nonce=msg.nonce, instance=self.instance, pid=os.getpid()), identity)
         elif isinstance(msg, (Written, Failed)):
             self._report(identity, msg)
         elif isinstance(msg, Status):
-            self.ep.send(StatusReply(self.status()), identity)
+            self.ep.send(StatusReply(info=self.status()), identity)
         else:
             raise ProtocolError(f"the coordinator does not accept {msg.TYPE.name}")
 

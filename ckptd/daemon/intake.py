@@ -206,30 +206,47 @@ class SaveIntake:
         self.pools.write_done(req.rank, job.generation, job.block)
         if isinstance(done.error, NotWritten):  # the rank knows the verdict; nothing to report
             log.info("%s", done.error)
-            self.send_to_rank(WriteDone(job.generation, job.block, req.step, job.attempt, 0.0, 0.0, 0.0), job.identity)
+            self.send_to_rank(
+                WriteDone(
+                    generation=job.generation,
+                    block=job.block,
+                    step=req.step,
+                    attempt=job.attempt,
+                    write_s=0.0,
+                    queue_s=0.0,
+                    snapshot_s=0.0,
+                ),
+                job.identity,
+            )
             return
         result: WriteResult = done.result if done.error is None else WriteResult([], 0, 0.0, 0.0, 0.0)
         self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         self.send_to_rank(
             WriteDone(
-                job.generation, job.block, req.step, job.attempt, result.write_s, result.queue_s, result.snapshot_s
+                generation=job.generation,
+                block=job.block,
+                step=req.step,
+                attempt=job.attempt,
+                write_s=result.write_s,
+                queue_s=result.queue_s,
+                snapshot_s=result.snapshot_s,
             ),
             job.identity,
         )
         if done.error is None and self.uplink.expects(job.key, job.identity):
             self.uplink.report(
                 Written(
-                    req.step,
-                    job.attempt,
-                    req.rank,
-                    job.world_size,
-                    self.ep.node,
-                    [r.to_wire() for r in result.stored],
-                    req.common,
-                    job.common_digest,
-                    result.file_nbytes,
-                    job.plain_digest,
-                    list(job.held),
+                    step=req.step,
+                    attempt=job.attempt,
+                    rank=req.rank,
+                    world_size=job.world_size,
+                    node=self.ep.node,
+                    records=[r.to_wire() for r in result.stored],
+                    common=req.common,
+                    common_digest=job.common_digest,
+                    file_nbytes=result.file_nbytes,
+                    plain_digest=job.plain_digest,
+                    held=list(job.held),
                 ),
                 job.key,
             )
@@ -241,7 +258,17 @@ class SaveIntake:
             if done.error is not None
             else "its data file was written after the attempt had been decided (late write)"
         )
-        self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
+        self.uplink.report(
+            Failed(
+                step=req.step,
+                attempt=job.attempt,
+                rank=req.rank,
+                world_size=job.world_size,
+                node=self.ep.node,
+                reason=why,
+            ),
+            job.key,
+        )
 
     def tick(self, now: float) -> None:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken
@@ -262,7 +289,17 @@ class SaveIntake:
                 "are removed once it ends"
             )
             log.warning("step %d attempt %s rank %d: %s", req.step, job.attempt, req.rank, why)
-            self.uplink.report(Failed(req.step, job.attempt, req.rank, job.world_size, self.ep.node, why), job.key)
+            self.uplink.report(
+                Failed(
+                    step=req.step,
+                    attempt=job.attempt,
+                    rank=req.rank,
+                    world_size=job.world_size,
+                    node=self.ep.node,
+                    reason=why,
+                ),
+                job.key,
+            )
 
 
 def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:

@@ -60,11 +60,14 @@ def serve_requests(endpoint: Endpoint, handle: RequestHandler) -> None:
             handle(identity, msg, peer)
         except (CkptdError, OSError) as exc:
             log.warning("%s: %s from %r failed: %s", endpoint.name, msg.TYPE.name, identity, exc)
-            endpoint.send(ErrorReply(str(exc), step, getattr(exc, "code", "")), identity, block=False)
+            endpoint.send(ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", "")), identity, block=False)
         except Exception as exc:
             log.exception("%s: %s from %r could not be handled", endpoint.name, msg.TYPE.name, identity)
             endpoint.send(
-                ErrorReply(f"the {endpoint.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}", step),
+                ErrorReply(
+                    reason=f"the {endpoint.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
+                    step=step,
+                ),
                 identity,
                 block=False,
             )

@@ -108,20 +108,20 @@ class RankServer:
 
     def _on_request(self, identity: bytes, msg: Message, peer: str | None) -> None:
         if isinstance(msg, Ping):
-            self.ep.send(Pong(msg.nonce, self.hooks.instance, os.getpid()), identity)
+            self.ep.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterPool):
             self.client(identity, msg.rank)
             self.pools.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
-            self.ep.send(PoolOk(msg.generation), identity)
+            self.ep.send(PoolOk(generation=msg.generation), identity)
         elif isinstance(msg, Save):
             client = self.client(identity, msg.rank)
             stopping = self.hooks.stopping()
             if stopping is not None:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
             self.intake.take(identity, client.pid, msg)
-            self.ep.send(SaveAck(msg.step, msg.attempt), identity)
+            self.ep.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
             decided = self.uplink.verdict((msg.step, msg.attempt))
             if decided is not None:  # another rank skipped or failed the step before this SAVE came
                 self.ep.send(decided, identity)
@@ -129,22 +129,22 @@ class RankServer:
             self.client(identity, msg.rank)
             self.uplink.report(
                 Failed(
-                    msg.step,
-                    msg.attempt,
-                    msg.rank,
-                    msg.world_size,
-                    self.ep_info.node,
-                    f"skipped the save: {msg.reason}",
-                    msg.skipped,
+                    step=msg.step,
+                    attempt=msg.attempt,
+                    rank=msg.rank,
+                    world_size=msg.world_size,
+                    node=self.ep_info.node,
+                    reason=f"skipped the save: {msg.reason}",
+                    skipped=msg.skipped,
                 ),
                 (msg.step, msg.attempt),
             )
-            self.ep.send(SaveAck(msg.step, msg.attempt), identity)
+            self.ep.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
             self.pools.retire_owner(identity)
         elif isinstance(msg, Status):
-            self.ep.send(StatusReply(self.hooks.status()), identity)
+            self.ep.send(StatusReply(info=self.hooks.status()), identity)
         elif isinstance(msg, Shutdown):
             self.ep.send(ShutdownAck(), identity)
             self.hooks.request_stop("SHUTDOWN requested")
@@ -172,7 +172,7 @@ class RankServer:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
         self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid))
         self.served_a_rank = True
-        self.ep.send(Welcome(self.hooks.instance, os.getpid()), identity)
+        self.ep.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""

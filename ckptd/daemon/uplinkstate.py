@@ -337,9 +337,9 @@ class UplinkState:
         """Tell the ranks attempt ``key`` aborted, and the coordinator once one is reachable."""
         step, attempt = key
         log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
-        self._resolve(key, StepAborted(step, attempt, reason))
+        self._resolve(key, StepAborted(step=step, attempt=attempt, reason=reason))
         late = self.unacked.setdefault(key, Unacked(open=False))
-        late.late = Failed(step, attempt, -1, 0, self.node, reason)
+        late.late = Failed(step=step, attempt=attempt, rank=-1, world_size=0, node=self.node, reason=reason)
         late.late_until = now + self.config.commit_timeout_s
 
     def _lose_coordinator(self, cause: str, now: float, *, restarted: bool, keep_instance: str | None = None) -> None:
@@ -378,13 +378,13 @@ class UplinkState:
             "tracker does not name it yet, the coordinator's next start does"
         )
         log.warning("%s", warning)
-        self._resolve(key, StepCommitted(step, attempt, name, [warning]))
+        self._resolve(key, StepCommitted(step=step, attempt=attempt, name=name, warnings=[warning]))
 
     def _on_tick(self, now: float) -> None:
         cfg = self.config
         if now - self.last_ping_s >= cfg.heartbeat_s:
             self.last_ping_s = now
-            self._out.append(Send(msg=Ping(int(now * 1000))))
+            self._out.append(Send(msg=Ping(nonce=int(now * 1000))))
         waiting = [
             u.waiting_since for u in self.unacked.values() if u.open and u.lost is None and u.waiting_since is not None
         ]

@@ -100,7 +100,17 @@ class NodePeer:
 
 def _written(step: int, attempt: str, rank: int, world: int) -> Written:
     rec = ItemRecord("w", TENSOR, rank, "float32", (2, 4), (rank, 0), (1, 4), f"__{rank}_0.distcp", 0, 16)
-    return Written(step, attempt, rank, world, 7, [rec.to_wire()], None, "", 16)
+    return Written(
+        step=step,
+        attempt=attempt,
+        rank=rank,
+        world_size=world,
+        node=7,
+        records=[rec.to_wire()],
+        common=None,
+        common_digest="",
+        file_nbytes=16,
+    )
 
 
 def _collecting(job) -> dict:
@@ -142,7 +152,19 @@ def test_a_repeated_written_is_never_counted_twice_nor_for_another_attempt(job):
         # A report of the committed step's real attempt gets COMMITTED back and changes nothing.
         h = job.ckpt.save(state_dict(4), step=4)
         h.wait(timeout_s=30)
-        peer.send(Written(4, h.attempt, 0, 1, 7, [], None, "", 0))
+        peer.send(
+            Written(
+                step=4,
+                attempt=h.attempt,
+                rank=0,
+                world_size=1,
+                node=7,
+                records=[],
+                common=None,
+                common_digest="",
+                file_nbytes=0,
+            )
+        )
         (done,) = peer.replies(1)
         assert isinstance(done, StepCommitted) and done.attempt == h.attempt and done.name == "iter_0000004"
         assert not _collecting(job) and job.ckpt.latest() == 4

@@ -133,7 +133,7 @@ def _wait_for_counts(job, where: str, before: dict[str, int], **at_least: int) -
 def _strangers(address: str, job) -> None:
     """Everyone without the job's keys: each sends a valid plaintext PING and must get no answer."""
     ep = job.ckpt.endpoints
-    valid = Codec(ep.job, LIMIT).encode(Ping(1))  # what a captured plaintext message would be
+    valid = Codec(ep.job, LIMIT).encode(Ping(nonce=1))  # what a captured plaintext message would be
     mine, other = _keys(job), _random_keys()
     foreign_client = CurveKeys(mine.server_public, b"", other.client_public, other.client_secret)
     wrong_server = CurveKeys(other.server_public, b"", mine.client_public, mine.client_secret)
@@ -216,9 +216,24 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     marker = tmp_path / "pickle-ran"
     evil = pickle.dumps(_MarkerOnUnpickle(str(marker)))
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
-    good = peer.codec.encode(Ping(1))[0]
+    good = peer.codec.encode(Ping(nonce=1))[0]
     # The wire fields of a valid SAVE (the message's own), with a step outside the protocol's bound.
-    valid = Save(1, "0123456789ab-1", 0, 1, "g", 0, [], None, "", "", 0, 0, b"", 0)
+    valid = Save(
+        step=1,
+        attempt="0123456789ab-1",
+        rank=0,
+        world_size=1,
+        generation="g",
+        block=0,
+        items=[],
+        common=None,
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=0,
+        seal=b"",
+        seal_offset=0,
+    )
     save = {**dataclasses.asdict(valid), "step": 2**64 - 1}
     try:
         rejected = {
@@ -243,16 +258,16 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         for frames in rejected.values():
             peer.sock.send_multipart(frames)
         # None of them is answered; the next good request is, on the same connection.
-        reply = peer.ask(peer.codec.encode(Ping(7)))
+        reply = peer.ask(peer.codec.encode(Ping(nonce=7)))
         assert isinstance(reply, Pong) and reply.nonce == 7, reply
         assert not marker.exists(), "a pickle from the socket was decoded"
         # Authenticated but impossible requests get an ERROR reply naming the problem.
-        reply = peer.ask(peer.codec.encode(Hello(0, 1, str(job.root))))
+        reply = peer.ask(peer.codec.encode(Hello(rank=0, pid=1, root=str(job.root))))
         assert (
             isinstance(reply, ErrorReply)
             and f"HELLO says pid 1, but the connecting process is pid {os.getpid()}" in reply.reason
         ), reply
-        reply = peer.ask(peer.codec.encode(Hello(0, os.getpid(), "/elsewhere")))
+        reply = peer.ask(peer.codec.encode(Hello(rank=0, pid=os.getpid(), root="/elsewhere")))
         assert "serves" in str(reply), reply
         status = peer.ask(peer.codec.encode(Status()))
         assert isinstance(status, StatusReply)
@@ -268,7 +283,7 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         huge.close()
     fresh = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
-        assert isinstance(fresh.ask(fresh.codec.encode(Ping(8))), Pong)
+        assert isinstance(fresh.ask(fresh.codec.encode(Ping(nonce=8))), Pong)
     finally:
         fresh.close()
     log = _log(job)
@@ -305,21 +320,57 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
-        assert isinstance(ask(Hello(0, os.getpid(), str(job.root))), Welcome)
-        reply = ask(Save(5, "0123456789ab-1", 0, 1, victim.generation, 0, [], None, "", "", 0, 0, b"", 0))
+        assert isinstance(ask(Hello(rank=0, pid=os.getpid(), root=str(job.root))), Welcome)
+        reply = ask(
+            Save(
+                step=5,
+                attempt="0123456789ab-1",
+                rank=0,
+                world_size=1,
+                generation=victim.generation,
+                block=0,
+                items=[],
+                common=None,
+                common_digest="",
+                layout="",
+                ring_start=0,
+                snapshot_pid=0,
+                seal=b"",
+                seal_offset=0,
+            )
+        )
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
-        reply = ask(RegisterPool(1, own.generation, own.capacity, own.names))
+        reply = ask(RegisterPool(rank=1, generation=own.generation, ring_nbytes=own.capacity, names=own.names))
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
         # Its own pool of rank 0 does not retire the Checkpointer's pool of rank 0.
-        assert isinstance(ask(RegisterPool(0, own.generation, own.capacity, own.names)), PoolOk)
+        assert isinstance(
+            ask(RegisterPool(rank=0, generation=own.generation, ring_nbytes=own.capacity, names=own.names)), PoolOk
+        )
         for pid, why in (
             (1, "is not a child of the rank's process"),
             (old_child.pid, "is older than the rank's staging pool"),
         ):
-            reply = ask(Save(5, "0123456789ab-1", 0, 1, own.generation, 0, [], None, "", "", 0, pid, b"s" * 16, 0))
+            reply = ask(
+                Save(
+                    step=5,
+                    attempt="0123456789ab-1",
+                    rank=0,
+                    world_size=1,
+                    generation=own.generation,
+                    block=0,
+                    items=[],
+                    common=None,
+                    common_digest="",
+                    layout="",
+                    ring_start=0,
+                    snapshot_pid=pid,
+                    seal=b"s" * 16,
+                    seal_offset=0,
+                )
+            )
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own pool only
-        assert isinstance(ask(Ping(3)), Pong)
+        assert isinstance(ask(Ping(nonce=3)), Pong)
     finally:
         peer.close()
         own.close(unlink=False)  # the daemon owns it since POOL_OK
@@ -350,8 +401,8 @@ def test_sockets_runtime_dir_and_shared_memory_are_owner_only(job):
         os.fchmod(fd, 0o640)
         peer = Peer(ep.ipc_address, ep.job, _keys(job))
         try:
-            assert isinstance(peer.ask(peer.codec.encode(Hello(0, os.getpid(), str(job.root)))), Welcome)
-            reply = peer.ask(peer.codec.encode(RegisterPool(0, "open", 4096, [name])))
+            assert isinstance(peer.ask(peer.codec.encode(Hello(rank=0, pid=os.getpid(), root=str(job.root)))), Welcome)
+            reply = peer.ask(peer.codec.encode(RegisterPool(rank=0, generation="open", ring_nbytes=4096, names=[name])))
             assert isinstance(reply, ErrorReply) and "not a private (0600) file" in reply.reason, reply
         finally:
             peer.close()

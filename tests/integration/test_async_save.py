@@ -127,11 +127,11 @@ def test_two_nodes_consecutive_saves_commit_bit_exact(job):
         s.setsockopt(zmq.LINGER, 0)
         s.connect(ep.ipc_address)
     try:
-        stranger.send_multipart(good.encode(Ping(1)))
+        stranger.send_multipart(good.encode(Ping(nonce=1)))
         sock.send_multipart([b"\x93garbage", b"x" * 32])
         sock.send_multipart([b"not msgpack"])
-        sock.send_multipart(Codec("otherjob").encode(Ping(2)))
-        sock.send_multipart(good.encode(Ping(3)))
+        sock.send_multipart(Codec("otherjob").encode(Ping(nonce=2)))
+        sock.send_multipart(good.encode(Ping(nonce=3)))
         assert sock.poll(10_000)
         pong = good.decode(sock.recv_multipart())
         assert isinstance(pong, Pong) and pong.nonce == 3

@@ -68,7 +68,7 @@ def test_stats_status_metrics_and_stop(single):
         # wait allowed is far beyond this test's timeout), with the daemon's reason.
         (d,) = admin.local_daemons(root, cfg)
         with pytest.raises(RequestNotTaken, match=f"the daemon of {root} node 0 refused PONG: .*does not accept PONG"):
-            admin.request(d.endpoints, cfg, Pong(1, "x", 1), StatusReply, timeout_s=600)
+            admin.request(d.endpoints, cfg, Pong(nonce=1, instance="x", pid=1), StatusReply, timeout_s=600)
         run = ckptd_cli(env, "status", str(root), "--prometheus")
         assert run.returncode == 0 and "ckptd_steps_committed_total{" in run.stdout
         served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -36,37 +36,82 @@ def _frames(obj: object) -> list[bytes]:
 
 def _save_fields(**changes: object) -> dict:
     """The wire fields of a valid SAVE (those the codec sends: the message's own), with ``changes``."""
-    return {**dataclasses.asdict(Save(1, ATTEMPT, 0, 1, "g", 0, [], None, "", "", 0, 0, b"", 0)), **changes}
+    return {
+        **dataclasses.asdict(
+            Save(
+                step=1,
+                attempt=ATTEMPT,
+                rank=0,
+                world_size=1,
+                generation="g",
+                block=0,
+                items=[],
+                common=None,
+                common_digest="",
+                layout="",
+                ring_start=0,
+                snapshot_pid=0,
+                seal=b"",
+                seal_offset=0,
+            )
+        ),
+        **changes,
+    }
 
 
 def test_every_message_type_round_trips():
     samples = [
-        Ping(7),
-        Hello(3, 1234, "/ckpts/run1"),
+        Ping(nonce=7),
+        Hello(rank=3, pid=1234, root="/ckpts/run1"),
         Save(
-            100,
-            ATTEMPT,
-            3,
-            4,
-            "abcd",
-            1,
-            [{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}],
-            b"\x00\x01",
-            "digest",
-            "l1",
-            0,
-            4242,
-            b"s" * 16,
-            4096,
+            step=100,
+            attempt=ATTEMPT,
+            rank=3,
+            world_size=4,
+            generation="abcd",
+            block=1,
+            items=[{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}],
+            common=b"\x00\x01",
+            common_digest="digest",
+            layout="l1",
+            ring_start=0,
+            snapshot_pid=4242,
+            seal=b"s" * 16,
+            seal_offset=4096,
         ),
-        Save(100, ATTEMPT, 3, 4, "abcd", 1, [], None, "", "", 0, 0, b"", 0),
-        Written(100, ATTEMPT, 3, 4, 1, [{"fqn": "w"}], None, "", 4096),
-        Failed(100, "fedcba987654-12", -1, 0, 1, "lost the coordinator"),
-        StepAborted(10**9 - 1, ATTEMPT, "why"),
-        StepAborted(7, ATTEMPT, "rank 1 skipped it", skipped=True),
-        Skip(7, ATTEMPT, 1, 2, "its ring was busy", skipped=True),
-        Failed(7, ATTEMPT, 1, 2, 0, "skipped the save", skipped=True),
-        StatusReply({"pools": [], "x": 1.5}),
+        Save(
+            step=100,
+            attempt=ATTEMPT,
+            rank=3,
+            world_size=4,
+            generation="abcd",
+            block=1,
+            items=[],
+            common=None,
+            common_digest="",
+            layout="",
+            ring_start=0,
+            snapshot_pid=0,
+            seal=b"",
+            seal_offset=0,
+        ),
+        Written(
+            step=100,
+            attempt=ATTEMPT,
+            rank=3,
+            world_size=4,
+            node=1,
+            records=[{"fqn": "w"}],
+            common=None,
+            common_digest="",
+            file_nbytes=4096,
+        ),
+        Failed(step=100, attempt="fedcba987654-12", rank=-1, world_size=0, node=1, reason="lost the coordinator"),
+        StepAborted(step=10**9 - 1, attempt=ATTEMPT, reason="why"),
+        StepAborted(step=7, attempt=ATTEMPT, reason="rank 1 skipped it", skipped=True),
+        Skip(step=7, attempt=ATTEMPT, rank=1, world_size=2, reason="its ring was busy", skipped=True),
+        Failed(step=7, attempt=ATTEMPT, rank=1, world_size=2, node=0, reason="skipped the save", skipped=True),
+        StatusReply(info={"pools": [], "x": 1.5}),
     ]
     for msg in samples:
         frames = codec.encode(msg)
@@ -152,7 +197,22 @@ def test_malformed_messages_are_rejected(frames, why):
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], b"x" * (1 << 16), "", "", 0, 0, b"", 0)
+    big = Save(
+        step=1,
+        attempt=ATTEMPT,
+        rank=0,
+        world_size=1,
+        generation="g",
+        block=0,
+        items=[],
+        common=b"x" * (1 << 16),
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=0,
+        seal=b"",
+        seal_offset=0,
+    )
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         codec.encode(big)
     roomy = Codec("job1", max_nbytes=1 << 20)
@@ -163,7 +223,22 @@ def test_size_limit_applies_before_anything_is_unpacked():
 
 def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
     roomy = Codec("job1", max_nbytes=8 << 20)
-    big = Save(1, ATTEMPT, 0, 1, "g", 0, [], os.urandom(3 * FRAME_NBYTES + 5), "", "", 0, 0, b"", 0)
+    big = Save(
+        step=1,
+        attempt=ATTEMPT,
+        rank=0,
+        world_size=1,
+        generation="g",
+        block=0,
+        items=[],
+        common=os.urandom(3 * FRAME_NBYTES + 5),
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=0,
+        seal=b"",
+        seal_offset=0,
+    )
     frames = roomy.encode(big)
     assert len(frames) == 4 and all(len(f) <= FRAME_NBYTES for f in frames)
     assert roomy.decode([bytes(f) for f in frames]) == big
@@ -172,7 +247,7 @@ def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
 
 
 def test_no_pickle_on_the_wire():
-    body = codec.encode(Hello(0, 1, "/r"))[0]
+    body = codec.encode(Hello(rank=0, pid=1, root="/r"))[0]
     assert b"\x80\x04" not in body and b"\x80\x05" not in body  # no pickle protocol headers
     assert msgpack.unpackb(body)["t"] == int(MsgType.HELLO)
 

@@ -51,11 +51,11 @@ def written(step: int, rank: int, *, attempt: str = A, world: int = 2, **kw: obj
         "held": [],
     }
     fields.update(kw)
-    return Written(step, attempt, rank, world, rank, **fields)
+    return Written(step=step, attempt=attempt, rank=rank, world_size=world, node=rank, **fields)
 
 
 def failed(step: int, rank: int, reason: str = "the disk is full", *, attempt: str = A, **kw: object) -> Failed:
-    return Failed(step, attempt, rank, 2, max(rank, 0), reason, **kw)  # type: ignore[arg-type]
+    return Failed(step=step, attempt=attempt, rank=rank, world_size=2, node=max(rank, 0), reason=reason, **kw)  # type: ignore[arg-type]
 
 
 class Coordinator:

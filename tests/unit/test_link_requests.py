@@ -24,7 +24,22 @@ ATTEMPT = "0123456789ab-1"
 
 
 def _save(step: int) -> Save:
-    return Save(step, ATTEMPT, 0, 1, "g", 0, [], None, "", "", 0, 4242, b"s" * 16, 4096)
+    return Save(
+        step=step,
+        attempt=ATTEMPT,
+        rank=0,
+        world_size=1,
+        generation="g",
+        block=0,
+        items=[],
+        common=None,
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=4242,
+        seal=b"s" * 16,
+        seal_offset=4096,
+    )
 
 
 @pytest.mark.timeout(60)
@@ -57,10 +72,10 @@ def test_a_late_refusal_of_an_earlier_request_is_not_taken_for_this_one(tmp_path
             if server.sock in events:
                 identity, msg, _ = server.recv()
                 if msg.step == 2:
-                    server.send(ErrorReply("the earlier save of step 1 was refused", 1), identity)
-                    server.send(SaveAck(2, ATTEMPT), identity)
+                    server.send(ErrorReply(reason="the earlier save of step 1 was refused", step=1), identity)
+                    server.send(SaveAck(step=2, attempt=ATTEMPT), identity)
                 else:
-                    server.send(ErrorReply("step 3 is refused", 3), identity)
+                    server.send(ErrorReply(reason="step 3 is refused", step=3), identity)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -41,25 +41,25 @@ class Owner:
 def test_a_verdict_resolves_only_the_attempt_it_is_about():
     o = Owner()
     h = o.handle(5, "a-2")
-    o.pending.resolve(StepAborted(5, "a-1", "an earlier try failed"))  # another attempt's verdict
-    o.pending.resolve(StepCommitted(5, "a-1", "step_5", []))
+    o.pending.resolve(StepAborted(step=5, attempt="a-1", reason="an earlier try failed"))  # another attempt's verdict
+    o.pending.resolve(StepCommitted(step=5, attempt="a-1", name="step_5", warnings=[]))
     assert not h.done() and o.polls == 1 and 5 in o.pending
-    o.pending.wrote(WriteDone("g", 0, 5, "a-2", write_s=0.5, queue_s=0.1, snapshot_s=0.2))
-    o.inbox.append(StepCommitted(5, "a-2", "step_5", ["common state differed"]))
+    o.pending.wrote(WriteDone(generation="g", block=0, step=5, attempt="a-2", write_s=0.5, queue_s=0.1, snapshot_s=0.2))
+    o.inbox.append(StepCommitted(step=5, attempt="a-2", name="step_5", warnings=["common state differed"]))
     assert h.wait() == Path("/r/5")
     assert h.committed and h.warnings == ["common state differed"] and 5 not in o.pending
     assert h.record.persist_s == 0.5 and h.record.commit_latency_s == h.finished_s is not None
     assert o.stats.committed == 1
     assert h.done() and o.polls == 1  # a resolved future does not poll
-    o.pending.resolve(StepAborted(5, "a-2", "late"))  # a late verdict changes nothing
+    o.pending.resolve(StepAborted(step=5, attempt="a-2", reason="late"))  # a late verdict changes nothing
     assert h.committed and h.error is None
 
 
 def test_a_failure_is_raised_once_by_wait_or_else_by_the_next_call():
     o = Owner()
     waited, unwaited = o.handle(1, "a-1"), o.handle(2, "a-1")
-    o.pending.resolve(StepAborted(1, "a-1", "disk full on node 1"))
-    o.pending.resolve(StepAborted(2, "a-1", "rank 4 died"))
+    o.pending.resolve(StepAborted(step=1, attempt="a-1", reason="disk full on node 1"))
+    o.pending.resolve(StepAborted(step=2, attempt="a-1", reason="rank 4 died"))
     with pytest.raises(SaveFailedError, match="step 1 was not committed: disk full on node 1"):
         waited.wait()
     with pytest.raises(SaveFailedError, match=r"^1 earlier asynchronous save\(s\) failed: step 2 was not committed"):
@@ -71,7 +71,7 @@ def test_a_failure_is_raised_once_by_wait_or_else_by_the_next_call():
 def test_a_step_another_rank_skipped_resolves_as_skipped_and_is_never_raised_later():
     o = Owner()
     h = o.handle(7, "a-1")
-    o.pending.resolve(StepAborted(7, "a-1", "rank 0's ring was full", skipped=True))
+    o.pending.resolve(StepAborted(step=7, attempt="a-1", reason="rank 0's ring was full", skipped=True))
     assert h.skipped and h.future.observed
     o.pending.raise_unobserved()
     with pytest.raises(SaveSkippedError, match="step 7 was skipped: rank 0's ring was full"):

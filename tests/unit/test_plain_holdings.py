@@ -170,7 +170,23 @@ def test_a_save_of_10000_replicas_sends_their_keys_once():
         plan = plan_rank(split_state_dict(sd), 1)
         placements, _ = place(plan.items)
         wire, layout, held = cache.items_for("g", plan.items, placements, plan.held)
-        msg = Save(1, "0123456789ab-1", 1, 2, "g", 0, wire, None, "", layout, 0, 0, b"", 0, held=held)
+        msg = Save(
+            step=1,
+            attempt="0123456789ab-1",
+            rank=1,
+            world_size=2,
+            generation="g",
+            block=0,
+            items=wire,
+            common=None,
+            common_digest="",
+            layout=layout,
+            ring_start=0,
+            snapshot_pid=0,
+            seal=b"",
+            seal_offset=0,
+            held=held,
+        )
         return sum(len(f) for f in codec.encode(msg)), len(held)
 
     first, held = save_nbytes()

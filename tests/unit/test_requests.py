@@ -33,16 +33,33 @@ ATTEMPT = "0123456789ab-1"
 
 
 def _save(step: int) -> Save:
-    return Save(step, ATTEMPT, 0, 1, "g", 0, [], None, "", "", 0, 4242, b"s" * 16, 4096)
+    return Save(
+        step=step,
+        attempt=ATTEMPT,
+        rank=0,
+        world_size=1,
+        generation="g",
+        block=0,
+        items=[],
+        common=None,
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=4242,
+        seal=b"s" * 16,
+        seal_offset=4096,
+    )
 
 
 # ------------------------------------------------------------------------------ answer(), pure
 
 
 def test_the_expected_reply_answers_and_anything_else_does_not():
-    assert answer(Status(), StatusReply({"x": 1}), StatusReply) == StatusReply({"x": 1})
-    assert answer(Status(), Pong(1, "i", 2), StatusReply) is None  # not an answer: the caller decides
-    ack = SaveAck(2, ATTEMPT)
+    assert answer(Status(), StatusReply(info={"x": 1}), StatusReply) == StatusReply(info={"x": 1})
+    assert (
+        answer(Status(), Pong(nonce=1, instance="i", pid=2), StatusReply) is None
+    )  # not an answer: the caller decides
+    ack = SaveAck(step=2, attempt=ATTEMPT)
     assert answer(_save(2), ack, SaveAck, match=lambda a: a.step == 2) == ack
     assert answer(_save(3), ack, SaveAck, match=lambda a: a.step == 3) is None  # an earlier request's
 
@@ -50,10 +67,10 @@ def test_the_expected_reply_answers_and_anything_else_does_not():
 @pytest.mark.parametrize(
     "request_, error, refused",
     [
-        (Status(), ErrorReply("no", None), True),  # a request without a step: any ERROR is its
-        (_save(3), ErrorReply("no", None), True),  # an ERROR without a step refuses whatever was asked
-        (_save(3), ErrorReply("no", 3), True),
-        (_save(3), ErrorReply("no", 1), False),  # the late refusal of step 1's SAVE
+        (Status(), ErrorReply(reason="no", step=None), True),  # a request without a step: any ERROR is its
+        (_save(3), ErrorReply(reason="no", step=None), True),  # an ERROR without a step refuses whatever was asked
+        (_save(3), ErrorReply(reason="no", step=3), True),
+        (_save(3), ErrorReply(reason="no", step=1), False),  # the late refusal of step 1's SAVE
     ],
 )
 def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorReply, refused: bool):
@@ -66,7 +83,12 @@ def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorRe
 
 def test_a_refusal_carries_its_code():
     with pytest.raises(RequestNotTaken) as info:
-        answer(_save(1), ErrorReply("forgot you", 1, UnknownClientError.code), SaveAck, peer="node 3's daemon")
+        answer(
+            _save(1),
+            ErrorReply(reason="forgot you", step=1, code=UnknownClientError.code),
+            SaveAck,
+            peer="node 3's daemon",
+        )
     assert info.value.unknown_client and info.value.code == "unknown_client"
     assert str(info.value) == "node 3's daemon refused SAVE: forgot you"
 
@@ -136,7 +158,7 @@ def serve(tmp_path: Path) -> Iterator:
 @pytest.mark.timeout(60)
 def test_an_error_reply_is_raised_with_its_reason_and_code(serve):
     """The wait is 10 minutes: an ERROR that were ignored would time the test out."""
-    server = serve({Status: [ErrorReply("the daemon is shutting down", None, "busy")]})
+    server = serve({Status: [ErrorReply(reason="the daemon is shutting down", step=None, code="busy")]})
     with pytest.raises(RequestNotTaken, match="the test daemon refused STATUS: the daemon is shutting down") as info:
         server.client().request(Status(), StatusReply, timeout_s=600)
     assert info.value.code == "busy"
@@ -144,21 +166,25 @@ def test_an_error_reply_is_raised_with_its_reason_and_code(serve):
 
 @pytest.mark.timeout(60)
 def test_a_wrong_reply_type_is_a_protocol_error_unless_the_caller_takes_notifications(serve):
-    notification = StepCommitted(1, ATTEMPT, "iter_0000001", [])
-    server = serve({Status: [notification, StatusReply({"ok": 1})]})
+    notification = StepCommitted(step=1, attempt=ATTEMPT, name="iter_0000001", warnings=[])
+    server = serve({Status: [notification, StatusReply(info={"ok": 1})]})
     with pytest.raises(
         ProtocolError, match="the test daemon answered STATUS with STEP_COMMITTED, expected STATUS_REPLY"
     ):
         server.client().request(Status(), StatusReply, timeout_s=600)
     seen: list[Message] = []
-    assert server.client(on_other=seen.append).request(Status(), StatusReply, timeout_s=600) == StatusReply({"ok": 1})
+    assert server.client(on_other=seen.append).request(Status(), StatusReply, timeout_s=600) == StatusReply(
+        info={"ok": 1}
+    )
     assert seen == [notification]
 
 
 @pytest.mark.timeout(60)
 def test_a_late_refusal_is_logged_and_the_wait_goes_on(serve, caplog):
-    server = serve({Save: [ErrorReply("the save of step 1 was refused", 1), SaveAck(2, ATTEMPT)]})
-    assert server.client().request(_save(2), SaveAck, timeout_s=600) == SaveAck(2, ATTEMPT)
+    server = serve(
+        {Save: [ErrorReply(reason="the save of step 1 was refused", step=1), SaveAck(step=2, attempt=ATTEMPT)]}
+    )
+    assert server.client().request(_save(2), SaveAck, timeout_s=600) == SaveAck(step=2, attempt=ATTEMPT)
     assert "the test daemon refused an earlier request of step 1" in caplog.text
 
 
@@ -166,7 +192,7 @@ def test_a_late_refusal_is_logged_and_the_wait_goes_on(serve, caplog):
 def test_no_answer_names_the_peer_the_wait_and_what_to_do(serve):
     server = serve({Ping: []})
     with pytest.raises(DaemonError, match=r"the test daemon did not answer PING within 0.3 s; see its log"):
-        server.client().request(Ping(1), Pong, timeout_s=0.3)
+        server.client().request(Ping(nonce=1), Pong, timeout_s=0.3)
 
 
 @pytest.mark.timeout(60)
@@ -177,4 +203,4 @@ def test_a_peer_found_dead_ends_the_wait_at_once(serve):
         raise DaemonLostError("the test daemon died")
 
     with pytest.raises(DaemonLostError, match="the test daemon died"):
-        server.client(check_alive=gone).request(Ping(1), Pong, timeout_s=600)
+        server.client(check_alive=gone).request(Ping(nonce=1), Pong, timeout_s=600)

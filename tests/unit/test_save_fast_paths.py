@@ -40,22 +40,22 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
     codec = Codec("job")
     for msg in (
         Save(
-            3,
-            "0123456789ab-1",
-            1,
-            2,
-            "g",
-            0,
-            [{"record": rec.to_wire(), "offset": 0, "nbytes": 24}],
-            b"common",
-            "",
-            "l",
-            0,
-            0,
-            b"",
-            0,
+            step=3,
+            attempt="0123456789ab-1",
+            rank=1,
+            world_size=2,
+            generation="g",
+            block=0,
+            items=[{"record": rec.to_wire(), "offset": 0, "nbytes": 24}],
+            common=b"common",
+            common_digest="",
+            layout="l",
+            ring_start=0,
+            snapshot_pid=0,
+            seal=b"",
+            seal_offset=0,
         ),
-        StatusReply({"nested": [rec, {"t": (1, 2)}]}),
+        StatusReply(info={"nested": [rec, {"t": (1, 2)}]}),
     ):  # a dataclass inside a field, too
         old = msgpack.packb(
             {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": "job", "f": asdict(msg)}, use_bin_type=True

@@ -58,7 +58,9 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
 
         coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
         link.expect((3, ATTEMPT), b"rank0")
-        link.report(Failed(3, ATTEMPT, 0, 1, 0, "the disk is full"), (3, ATTEMPT))
+        link.report(
+            Failed(step=3, attempt=ATTEMPT, rank=0, world_size=1, node=0, reason="the disk is full"), (3, ATTEMPT)
+        )
         t0 = time.monotonic()
         spin(lambda: delivered)
         waited_s = time.monotonic() - t0
@@ -132,8 +134,22 @@ def test_a_policy_skip_is_announced_as_a_skip_and_remembered_for_late_saves(tmp_
     cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=30, heartbeat_s=0.05)
     with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, _):
         link.expect((5, ATTEMPT), b"rank0")
-        link.report(Failed(5, ATTEMPT, 1, 2, 0, "skipped the save: ring busy", skipped=True), (5, ATTEMPT))
-        link.report(Failed(6, ATTEMPT, 1, 2, 0, "writing its data file failed: EIO"), (6, ATTEMPT))
+        link.report(
+            Failed(
+                step=5,
+                attempt=ATTEMPT,
+                rank=1,
+                world_size=2,
+                node=0,
+                reason="skipped the save: ring busy",
+                skipped=True,
+            ),
+            (5, ATTEMPT),
+        )
+        link.report(
+            Failed(step=6, attempt=ATTEMPT, rank=1, world_size=2, node=0, reason="writing its data file failed: EIO"),
+            (6, ATTEMPT),
+        )
         spin(lambda: len(delivered) == 2)
         by_step = {m.step: m for m in delivered if isinstance(m, StepAborted)}
         assert by_step[5].skipped and "rank 1 (node 0): skipped the save" in by_step[5].reason

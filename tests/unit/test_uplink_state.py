@@ -34,7 +34,9 @@ LINK_TIMEOUT_S = 4.0
 
 
 def written(step: int, rank: int = 0) -> Written:
-    return Written(step, A, rank, 2, 1, [], None, "", 0)
+    return Written(
+        step=step, attempt=A, rank=rank, world_size=2, node=1, records=[], common=None, common_digest="", file_nbytes=0
+    )
 
 
 class Node:
@@ -109,7 +111,7 @@ def test_a_report_goes_out_at_once_and_its_verdict_reaches_the_ranks_that_wait()
     node.handle(Expect(key=K3, identity=b"rank1"))
     assert node.take() == [msg] and node.state.busy and node.state.pending_steps() == [3]
     assert node.state.expects(K3, b"rank1") and node.state.unacked[K3].sent_to == "c1"
-    verdict = StepCommitted(3, A, "iter_0000003", [])
+    verdict = StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[])
     node.handle(Verdict(key=K3, outcome=verdict))
     assert node.delivered == [(K3, frozenset({b"rank0", b"rank1"}), verdict)]
     assert not node.state.unacked and not node.state.busy
@@ -147,7 +149,7 @@ def test_a_verdict_lost_while_the_coordinator_answers_is_chased_when_overdue_and
     assert node.take() == []
     node.answered(0.25)
     assert node.take() == [msg]
-    node.handle(Verdict(key=K3, outcome=StepAborted(3, A, "rank 0: the disk is full")))
+    node.handle(Verdict(key=K3, outcome=StepAborted(step=3, attempt=A, reason="rank 0: the disk is full")))
     assert node.delivered and not node.state.busy
 
 
@@ -258,7 +260,7 @@ def test_a_shutdown_aborts_only_steps_whose_reports_went_out():
 def test_aborts_are_remembered_for_a_bounded_number_of_attempts():
     node = Node()
     for step in range(VERDICT_MEMORY + 3):
-        node.handle(Verdict(key=(step, A), outcome=StepAborted(step, A, "x")))
+        node.handle(Verdict(key=(step, A), outcome=StepAborted(step=step, attempt=A, reason="x")))
     assert len(node.state.verdicts) == VERDICT_MEMORY and node.state.verdict((0, A)) is None
     assert node.state.verdict((VERDICT_MEMORY + 2, A)) is not None and not node.state.unacked
 
@@ -360,7 +362,7 @@ def test_a_verdict_that_comes_while_the_root_is_asked_decides_and_the_answer_is_
     node.reachable = False
     node.at(CFG.coordinator_timeout_s + 0.25)
     assert node.asked == [K3]
-    verdict = StepCommitted(3, A, "iter_0000003", [])
+    verdict = StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[])
     node.handle(Verdict(key=K3, outcome=verdict))
     node.handle(RootAnswer(key=K3, holds_commit=False))
     assert node.delivered == [(K3, frozenset({b"rank0"}), verdict)] and not node.state.unacked
