@@ -38,7 +38,15 @@ def make_items(total_bytes: int, item_bytes: int) -> list[PlannedItem]:
     items = []
     for i in range(max(1, total_bytes // item_bytes)):
         t = torch.randn(item_bytes // 4)
-        rec = ItemRecord(f"t{i}", TENSOR, 0, "float32", (t.numel(),), (0,), (t.numel(),))
+        rec = ItemRecord(
+            fqn=f"t{i}",
+            kind=TENSOR,
+            rank=0,
+            dtype="float32",
+            global_shape=(t.numel(),),
+            offsets=(0,),
+            sizes=(t.numel(),),
+        )
         items.append(PlannedItem(rec, t))
     return items
 

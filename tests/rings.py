@@ -43,7 +43,9 @@ def produced_save(step: int, items: list[PlannedItem], capacity: int = 1 << 20) 
         block, start = pool.claim(placements)
         seal = start_block(pool, block)
         copy_inline(pool, start, block, items, placements, seal)
-        req = WriteRequest(step, 0, [i.record for i in items], placements, None, start)
+        req = WriteRequest(
+            step=step, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
+        )
         yield ProducedSave(dpool.ring, req, SnapshotWait.open(0, os.getpid(), seal, block_offset(block)))
     finally:
         pool.close(unlink=False)

@@ -70,7 +70,9 @@ def agreed_incarnation(store: Any, job: str, rank: int) -> Incarnation | None:
     if not _TAG.fullmatch(tag):
         log.warning("the store holds %r as this launch's incarnation, not 12 hex digits; ignored", tag[:40])
         return None
-    return Incarnation(tag, f"agreed through the launch's torch.distributed store (Checkpointer {n} of the launch)")
+    return Incarnation(
+        tag=tag, source=f"agreed through the launch's torch.distributed store (Checkpointer {n} of the launch)"
+    )
 
 
 def launch_incarnation(config: CkptdConfig, env: JobEnv, job: str) -> Incarnation:

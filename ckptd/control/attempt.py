@@ -35,7 +35,7 @@ _ATTEMPT = re.compile(ATTEMPT_PATTERN)
 _TAG_NCHARS = 12
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Incarnation:
     """One launch of the job: ``tag`` goes on the wire, ``source`` says where it came from."""
 
@@ -83,7 +83,7 @@ def incarnation_for(run_id: str, world_size: int, environ: Mapping[str, str] | N
     if "TORCHELASTIC_RESTART_COUNT" in env:
         parts.append(f"TORCHELASTIC_RESTART_COUNT={env['TORCHELASTIC_RESTART_COUNT']}")
     source = ", ".join(parts)
-    return Incarnation(_tag(source), source, weak)
+    return Incarnation(tag=_tag(source), source=source, weak=weak)
 
 
 def check_step(step: int) -> None:

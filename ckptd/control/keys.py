@@ -25,7 +25,7 @@ SERVER_LABEL = b"ckptd curve server key"
 CLIENT_LABEL = b"ckptd curve client key"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CurveKeys:
     """Both key pairs of a job, Z85-encoded as libzmq's socket options take them (40 bytes each)."""
 
@@ -58,4 +58,9 @@ def derive_keys(token: bytes) -> CurveKeys:
         )
     server_secret = z85.encode(_hkdf_sha256(token, SERVER_LABEL))
     client_secret = z85.encode(_hkdf_sha256(token, CLIENT_LABEL))
-    return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
+    return CurveKeys(
+        server_public=zmq.curve_public(server_secret),
+        server_secret=server_secret,
+        client_public=zmq.curve_public(client_secret),
+        client_secret=client_secret,
+    )

@@ -398,7 +398,13 @@ class _Converter:
                     pieces = [(p.unsqueeze(0), (layer,) + o) for p, o in pieces]
                 for payload, offs in pieces:
                     rec = ItemRecord(
-                        gkey, TENSOR, index, dtype_name(payload.dtype, gkey), tuple(gshape), offs, tuple(payload.shape)
+                        fqn=gkey,
+                        kind=TENSOR,
+                        rank=index,
+                        dtype=dtype_name(payload.dtype, gkey),
+                        global_shape=tuple(gshape),
+                        offsets=offs,
+                        sizes=tuple(payload.shape),
                     )
                     items.append(PlannedItem(rec, payload))
                     self.report.chunks += 1

@@ -53,7 +53,7 @@ class NotWritten(CkptdError):
     """A save whose attempt was decided before its write started (ckptd.daemon.intake._drain)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteJob:
     """A SAVE the daemon took: what its writer writes and where the outcome goes."""
 
@@ -79,7 +79,7 @@ class WriteJob:
         return f"step {self.request.step} attempt {self.attempt} rank {self.request.rank}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteResult:
     """What a finished write hands back to the loop."""
 
@@ -125,15 +125,22 @@ class SaveIntake:
         producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
         pool.take_block(msg.block)
         job = WriteJob(
-            WriteRequest(msg.step, msg.rank, records, placements, msg.common, msg.ring_start),
-            msg.attempt,
-            msg.world_size,
-            msg.generation,
-            msg.block,
-            identity,
-            msg.common_digest,
-            msg.plain_digest,
-            tuple(held),
+            request=WriteRequest(
+                step=msg.step,
+                rank=msg.rank,
+                records=records,
+                placements=placements,
+                common=msg.common,
+                ring_start=msg.ring_start,
+            ),
+            attempt=msg.attempt,
+            world_size=msg.world_size,
+            generation=msg.generation,
+            block=msg.block,
+            identity=identity,
+            common_digest=msg.common_digest,
+            plain_digest=msg.plain_digest,
+            held=tuple(held),
         )
         pool.queue_write(lambda: self._start_write(job, pool, producer))
         self.metrics.save_received(msg.step)
@@ -179,7 +186,13 @@ class SaveIntake:
             stored, file_nbytes = write_rank_file(target, ring, req, cfg.checksums, producer, cfg.snapshot_timeout_s)
             # The write overlaps the producer's copy; the time it only waited is reported apart.
             write_s = time.monotonic() - started_s - producer.waited_s
-            return WriteResult(stored, file_nbytes, started_s - queued_s, write_s, producer.waited_s)
+            return WriteResult(
+                stored=stored,
+                file_nbytes=file_nbytes,
+                queue_s=started_s - queued_s,
+                write_s=write_s,
+                snapshot_s=producer.waited_s,
+            )
 
         return run
 
@@ -219,7 +232,11 @@ class SaveIntake:
                 job.identity,
             )
             return
-        result: WriteResult = done.result if done.error is None else WriteResult([], 0, 0.0, 0.0, 0.0)
+        result: WriteResult = (
+            done.result
+            if done.error is None
+            else WriteResult(stored=[], file_nbytes=0, queue_s=0.0, write_s=0.0, snapshot_s=0.0)
+        )
         self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         self.send_to_rank(
             WriteDone(

@@ -138,7 +138,7 @@ class Completions:
         os.close(self._w)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteRequest:
     """One rank's save as the daemon received it: records, where each payload sits relative to
     the save's virtual start ``ring_start`` in the rank's ring, and rank 0's common state."""

@@ -389,16 +389,16 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     """The stored records of an existing checkpoint (rank is unknown: -1)."""
     out = [
         ItemRecord(
-            t.fqn,
-            TENSOR,
-            -1,
-            dtype_name(t.dtype, t.fqn),
-            t.shape,
-            c.offsets,
-            c.sizes,
-            c.relative_path,
-            c.file_offset,
-            c.length,
+            fqn=t.fqn,
+            kind=TENSOR,
+            rank=-1,
+            dtype=dtype_name(t.dtype, t.fqn),
+            global_shape=t.shape,
+            offsets=c.offsets,
+            sizes=c.sizes,
+            relative_path=c.relative_path,
+            file_offset=c.file_offset,
+            length=c.length,
             crc32=c.crc32,
             path=planner_path(index, t.fqn),
         )
@@ -407,9 +407,9 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
     ]
     out += [
         ItemRecord(
-            o.fqn,
-            BYTES,
-            -1,
+            fqn=o.fqn,
+            kind=BYTES,
+            rank=-1,
             relative_path=o.relative_path,
             file_offset=o.file_offset,
             length=o.length,

@@ -145,7 +145,7 @@ def check_dtype_name(name: str) -> None:
     dtype_itemsize(name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ItemRecord:
     """One stored item. Storage fields are empty until the item is written."""
 

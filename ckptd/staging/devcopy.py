@@ -305,7 +305,9 @@ class InlineProducer:
         self.pool = pool
         self.claim = claim
         self.pin_timeout_s = pin_timeout_s
-        self.snapshot = Snapshot(os.getpid(), start_block(pool, claim.block), block_offset(claim.block))
+        self.snapshot = Snapshot(
+            pid=os.getpid(), seal=start_block(pool, claim.block), seal_offset=block_offset(claim.block)
+        )
 
     def after_ack(self) -> float:
         c = self.claim

@@ -85,7 +85,7 @@ def fork_snapshot(
     end = start + span(rel + n for rel, _, n in copies)
     writer = RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid))
     pid = fork_started(lambda: _child(writer, start, end, block, copies, seal, nice))
-    return None if pid is None else Snapshot(pid, seal, block_offset(block))
+    return None if pid is None else Snapshot(pid=pid, seal=seal, seal_offset=block_offset(block))
 
 
 def fork_started(

@@ -119,7 +119,7 @@ class LazyCopier:
                 event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
         self._held.append(job)
-        return LazyProducer(self, Snapshot(os.getpid(), seal, block_offset(claim.block)))
+        return LazyProducer(self, Snapshot(pid=os.getpid(), seal=seal, seal_offset=block_offset(claim.block)))
 
     def go(self) -> None:
         """Hand the saves :meth:`start` prepared to the copier thread."""

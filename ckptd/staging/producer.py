@@ -38,7 +38,7 @@ from .pool import Placement, StagingPool
 from .ring import PROGRESS_NBYTES, SEAL_NBYTES, block_offset, span
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Snapshot:
     """Who produces a save's items (a forked child, or the rank's own process), and the seal it
     writes in the save's control block at ``seal_offset`` when done."""

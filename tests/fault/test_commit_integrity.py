@@ -99,7 +99,18 @@ class NodePeer:
 
 
 def _written(step: int, attempt: str, rank: int, world: int) -> Written:
-    rec = ItemRecord("w", TENSOR, rank, "float32", (2, 4), (rank, 0), (1, 4), f"__{rank}_0.distcp", 0, 16)
+    rec = ItemRecord(
+        fqn="w",
+        kind=TENSOR,
+        rank=rank,
+        dtype="float32",
+        global_shape=(2, 4),
+        offsets=(rank, 0),
+        sizes=(1, 4),
+        relative_path=f"__{rank}_0.distcp",
+        file_offset=0,
+        length=16,
+    )
     return Written(
         step=step,
         attempt=attempt,

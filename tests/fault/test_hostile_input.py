@@ -73,7 +73,7 @@ def job(tmp_path_factory):
 def _random_keys() -> CurveKeys:
     spub, ssec = zmq.curve_keypair()
     cpub, csec = zmq.curve_keypair()
-    return CurveKeys(spub, ssec, cpub, csec)
+    return CurveKeys(server_public=spub, server_secret=ssec, client_public=cpub, client_secret=csec)
 
 
 class Peer:
@@ -135,8 +135,18 @@ def _strangers(address: str, job) -> None:
     ep = job.ckpt.endpoints
     valid = Codec(ep.job, LIMIT).encode(Ping(nonce=1))  # what a captured plaintext message would be
     mine, other = _keys(job), _random_keys()
-    foreign_client = CurveKeys(mine.server_public, b"", other.client_public, other.client_secret)
-    wrong_server = CurveKeys(other.server_public, b"", mine.client_public, mine.client_secret)
+    foreign_client = CurveKeys(
+        server_public=mine.server_public,
+        server_secret=b"",
+        client_public=other.client_public,
+        client_secret=other.client_secret,
+    )
+    wrong_server = CurveKeys(
+        server_public=other.server_public,
+        server_secret=b"",
+        client_public=mine.client_public,
+        client_secret=mine.client_secret,
+    )
     for keys in (None, foreign_client, wrong_server):  # plaintext; another job's client; a fake server
         peer = Peer(address, ep.job, keys)
         try:

@@ -27,7 +27,13 @@ def _items() -> list[PlannedItem]:
     out = []
     for i, t in enumerate((big, strided, view)):
         rec = ItemRecord(
-            f"t{i}", TENSOR, 0, str(t.dtype).removeprefix("torch."), tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
+            fqn=f"t{i}",
+            kind=TENSOR,
+            rank=0,
+            dtype=str(t.dtype).removeprefix("torch."),
+            global_shape=tuple(t.shape),
+            offsets=(0,) * t.dim(),
+            sizes=tuple(t.shape),
         )
         out.append(PlannedItem(rec, t))
     out.append(plan_object(ShardedObject("obj", {"a": [1, 2]}, (1,), (0,)), 0))
@@ -74,7 +80,19 @@ def test_crc_covers_exactly_each_items_bytes_and_replaces_the_zip_crc(tmp_path):
 
 
 def test_record_wire_format_keeps_crc_and_reads_old_records():
-    rec = ItemRecord("w", TENSOR, 3, "float32", (4,), (0,), (4,), "__3_0.distcp", 0, 100, crc32=0xDEADBEEF)
+    rec = ItemRecord(
+        fqn="w",
+        kind=TENSOR,
+        rank=3,
+        dtype="float32",
+        global_shape=(4,),
+        offsets=(0,),
+        sizes=(4,),
+        relative_path="__3_0.distcp",
+        file_offset=0,
+        length=100,
+        crc32=0xDEADBEEF,
+    )
     wire = msgpack.unpackb(msgpack.packb(rec.to_wire()))
     assert ItemRecord.from_wire(wire) == rec
     old = {k: v for k, v in rec.to_wire().items() if k != "crc32"}  # a record from before checksums
@@ -100,7 +118,7 @@ def test_checksums_land_in_metadata_and_index(tmp_path):
 
 
 def test_no_checksums_means_no_table(tmp_path):
-    recs = [ItemRecord("o", BYTES, 0, relative_path="__0_0.distcp", file_offset=0, length=3)]
+    recs = [ItemRecord(fqn="o", kind=BYTES, rank=0, relative_path="__0_0.distcp", file_offset=0, length=3)]
     assert not hasattr(build_metadata(recs), CHECKSUMS_ATTR)
     make_checkpoint(tmp_path / "c", checksums=False)
     index = read_index(tmp_path / "c")

@@ -37,7 +37,7 @@ def _name(_attempt: str, rank: int) -> str:
 
 
 def record(rank: int, *, fqn: str = "", path: str = "", offset: int = 0, length: int = 4) -> dict:
-    rec = ItemRecord(fqn or f"x{rank}", BYTES, rank, relative_path=path or _name(A, rank))
+    rec = ItemRecord(fqn=fqn or f"x{rank}", kind=BYTES, rank=rank, relative_path=path or _name(A, rank))
     return rec.stored_at(rec.relative_path, offset, length).to_wire()
 
 

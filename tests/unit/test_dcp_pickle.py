@@ -100,7 +100,9 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
             crc = rng.randrange(2**32) if i % 3 else None
             length = rng.randint(1, 2**33)
             rel = f"__{i % ranks}_0.distcp"
-            rec = ItemRecord(fqn, BYTES, i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc)
+            rec = ItemRecord(
+                fqn=fqn, kind=BYTES, rank=i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc
+            )
             out.append(rec)
             continue
         shape = tuple(rng.randint(1, 70000) for _ in range(rng.randint(0, 3)))
@@ -109,16 +111,16 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
             offsets = ((rk * shape[0],) + (0,) * (len(shape) - 1)) if shape else ()
             global_shape = ((shape[0] * ranks,) + shape[1:]) if shape else ()
             rec = ItemRecord(
-                f"model.layers.{i}.ü.weight",
-                TENSOR,
-                rk,
-                dtype,
-                global_shape,
-                offsets,
-                shape,
-                f"__{rk}_0.distcp",
-                rng.randint(0, 2**40),
-                rng.randint(1, 2**31),
+                fqn=f"model.layers.{i}.ü.weight",
+                kind=TENSOR,
+                rank=rk,
+                dtype=dtype,
+                global_shape=global_shape,
+                offsets=offsets,
+                sizes=shape,
+                relative_path=f"__{rk}_0.distcp",
+                file_offset=rng.randint(0, 2**40),
+                length=rng.randint(1, 2**31),
                 crc32=rng.randrange(2**32),
                 path=("model", "layers", i, "weight") if i % 2 else (),
             )
@@ -129,19 +131,89 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
 
 CASES = {
     "empty": ([], None, None),
-    "one tensor, no checksums": ([ItemRecord("w", TENSOR, 0, "float32", (2,), (0,), (2,), "d", 0, 8)], "/c", None),
-    "one value": ([ItemRecord("v", BYTES, 0, relative_path="__0_0.distcp", file_offset=0, length=9)], None, 7),
+    "one tensor, no checksums": (
+        [
+            ItemRecord(
+                fqn="w",
+                kind=TENSOR,
+                rank=0,
+                dtype="float32",
+                global_shape=(2,),
+                offsets=(0,),
+                sizes=(2,),
+                relative_path="d",
+                file_offset=0,
+                length=8,
+            )
+        ],
+        "/c",
+        None,
+    ),
+    "one value": (
+        [ItemRecord(fqn="v", kind=BYTES, rank=0, relative_path="__0_0.distcp", file_offset=0, length=9)],
+        None,
+        7,
+    ),
     "small": (_records(12, 1), "/ckpt/iter_0000001", 12345),
     # 1,000 and 1,001 keys: the C pickler's batches of 1,000 (an empty batch after a multiple)
-    "1000 values": ([ItemRecord(f"k{i:04}", BYTES, 0, "", (), (), (), "d", i, 1) for i in range(1000)], "/c", 1),
+    "1000 values": (
+        [
+            ItemRecord(
+                fqn=f"k{i:04}",
+                kind=BYTES,
+                rank=0,
+                dtype="",
+                global_shape=(),
+                offsets=(),
+                sizes=(),
+                relative_path="d",
+                file_offset=i,
+                length=1,
+            )
+            for i in range(1000)
+        ],
+        "/c",
+        1,
+    ),
     "1001 chunks": (
-        [ItemRecord("w", TENSOR, 0, "int8", (1001,), (i,), (1,), "d", i, 1) for i in range(1001)],
+        [
+            ItemRecord(
+                fqn="w",
+                kind=TENSOR,
+                rank=0,
+                dtype="int8",
+                global_shape=(1001,),
+                offsets=(i,),
+                sizes=(1,),
+                relative_path="d",
+                file_offset=i,
+                length=1,
+            )
+            for i in range(1001)
+        ],
         "/",
         None,
     ),
     # many frames of 64 KiB; memo indices beyond 256 (LONG_BINGET)
     "3000 keys": (_records(3000, 2), "/ckpt/iter_0000002", 2**32 - 1),
-    "a 70,000-character id": ([ItemRecord("w", TENSOR, 0, "bool", (1,), (0,), (1,), "d", 0, 1)], "x" * 70000, None),
+    "a 70,000-character id": (
+        [
+            ItemRecord(
+                fqn="w",
+                kind=TENSOR,
+                rank=0,
+                dtype="bool",
+                global_shape=(1,),
+                offsets=(0,),
+                sizes=(1,),
+                relative_path="d",
+                file_offset=0,
+                length=1,
+            )
+        ],
+        "x" * 70000,
+        None,
+    ),
 }
 
 

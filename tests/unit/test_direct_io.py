@@ -76,13 +76,13 @@ def test_items_land_aligned_and_load(tmp_path):
     items = [
         PlannedItem(
             ItemRecord(
-                f"t{i}",
-                TENSOR,
-                0,
-                "float32" if p.dtype == torch.float32 else "int64",
-                tuple(p.shape),
-                (0,),
-                tuple(p.shape),
+                fqn=f"t{i}",
+                kind=TENSOR,
+                rank=0,
+                dtype="float32" if p.dtype == torch.float32 else "int64",
+                global_shape=tuple(p.shape),
+                offsets=(0,),
+                sizes=tuple(p.shape),
             ),
             p,
         )
@@ -111,7 +111,14 @@ def test_items_land_aligned_and_load(tmp_path):
 def test_direct_and_buffered_files_load_the_same(tmp_path):
     """Same items, with and without O_DIRECT: every item decodes to the same tensor."""
     t = torch.randn(2 << 20)
-    items = [PlannedItem(ItemRecord("w", TENSOR, 0, "float32", (2 << 20,), (0,), (2 << 20,)), t)]
+    items = [
+        PlannedItem(
+            ItemRecord(
+                fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(2 << 20,), offsets=(0,), sizes=(2 << 20,)
+            ),
+            t,
+        )
+    ]
     direct = write_data_file(tmp_path, "a.distcp", items)
     buffered = write_data_file(tmp_path, "b.distcp", items, opener=lambda p, m: open(p, m))  # noqa: SIM115 - the writer closes it
     for name, rec in (("a.distcp", direct[0]), ("b.distcp", buffered[0])):

@@ -44,10 +44,21 @@ def ring():
 
 def _items(tensors: list[torch.Tensor], blob: bytes) -> list[PlannedItem]:
     items = [
-        PlannedItem(ItemRecord(f"t{i}", TENSOR, 0, "float32", tuple(t.shape), (0,) * t.dim(), tuple(t.shape)), t)
+        PlannedItem(
+            ItemRecord(
+                fqn=f"t{i}",
+                kind=TENSOR,
+                rank=0,
+                dtype="float32",
+                global_shape=tuple(t.shape),
+                offsets=(0,) * t.dim(),
+                sizes=tuple(t.shape),
+            ),
+            t,
+        )
         for i, t in enumerate(tensors)
     ]
-    items.append(PlannedItem(ItemRecord("obj", BYTES, 0), blob))
+    items.append(PlannedItem(ItemRecord(fqn="obj", kind=BYTES, rank=0), blob))
     return items
 
 

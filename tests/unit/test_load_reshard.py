@@ -102,14 +102,14 @@ def test_fallback_for_non_contiguous_items_and_truncation(tmp_path):
     with open(d / "__0_0.distcp", "wb") as f:
         start = f.tell()
         torch.save(full[:3].t().contiguous().t(), f)
-        rec0 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (0, 0), (3, 8)).stored_at(
-            "__0_0.distcp", start, f.tell() - start
-        )
+        rec0 = ItemRecord(
+            fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(6, 8), offsets=(0, 0), sizes=(3, 8)
+        ).stored_at("__0_0.distcp", start, f.tell() - start)
         start = f.tell()
         torch.save(full[3:].clone(), f)
-        rec1 = ItemRecord("w", TENSOR, 0, "float32", (6, 8), (3, 0), (3, 8)).stored_at(
-            "__0_0.distcp", start, f.tell() - start
-        )
+        rec1 = ItemRecord(
+            fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(6, 8), offsets=(3, 0), sizes=(3, 8)
+        ).stored_at("__0_0.distcp", start, f.tell() - start)
     finalize(d, [rec0, rec1], serialize_common({}), fsync=False)
     for tp in (1, 2, 3):
         for r in range(tp):
@@ -148,7 +148,9 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
             )
             gshape, offs, sizes = storage_layout(sh)
             assert gshape == (1, 2, 24)
-            rec = ItemRecord("w", TENSOR, 0, "float32", gshape, offs, sizes)
+            rec = ItemRecord(
+                fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=gshape, offsets=offs, sizes=sizes
+            )
             items.append(PlannedItem(rec, sh.data.reshape(sizes)))
     write_checkpoint(d, [items], {}, fsync=False)
     out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, d)

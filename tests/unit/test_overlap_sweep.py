@@ -19,7 +19,9 @@ from ckptd.format.validate import validate_records
 
 
 def _chunk(rank: int, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ItemRecord:
-    return ItemRecord("t", TENSOR, rank, "float32", shape, offsets, sizes)
+    return ItemRecord(
+        fqn="t", kind=TENSOR, rank=rank, dtype="float32", global_shape=shape, offsets=offsets, sizes=sizes
+    )
 
 
 def _brute_force_overlap(chunks: list[ItemRecord]) -> bool:

@@ -88,8 +88,18 @@ def test_a_rank_spreads_only_while_a_verdict_confirms_its_digest():
 
 def _plain(key: str, rank: int, nbytes: int = 0, crc: int | None = None, shape=(4,)) -> ItemRecord:
     if nbytes == VALUE:
-        return ItemRecord(key, BYTES, rank, path=(key,), crc32=crc)
-    return ItemRecord(key, TENSOR, rank, "uint8", shape, (0,) * len(shape), shape, path=(key,), crc32=crc)
+        return ItemRecord(fqn=key, kind=BYTES, rank=rank, path=(key,), crc32=crc)
+    return ItemRecord(
+        fqn=key,
+        kind=TENSOR,
+        rank=rank,
+        dtype="uint8",
+        global_shape=shape,
+        offsets=(0,) * len(shape),
+        sizes=shape,
+        path=(key,),
+        crc32=crc,
+    )
 
 
 def test_dedup_keeps_the_assigned_writers_copy_and_warns_when_copies_differ():
@@ -100,8 +110,11 @@ def test_dedup_keeps_the_assigned_writers_copy_and_warns_when_copies_differ():
     (warning,) = warnings
     assert "'step'" in warning and "only rank 0's is stored" in warning and "ranks [1] differ" in warning
     # Megatron-style records (no path) are never merged: duplicates reach validate_records.
-    obj = ItemRecord("o/shard_0_1", BYTES, 0)
-    assert dedup_plain([obj, ItemRecord("o/shard_0_1", BYTES, 1)])[0] == [obj, ItemRecord("o/shard_0_1", BYTES, 1)]
+    obj = ItemRecord(fqn="o/shard_0_1", kind=BYTES, rank=0)
+    assert dedup_plain([obj, ItemRecord(fqn="o/shard_0_1", kind=BYTES, rank=1)])[0] == [
+        obj,
+        ItemRecord(fqn="o/shard_0_1", kind=BYTES, rank=1),
+    ]
 
 
 def test_dedup_refuses_copies_that_are_not_the_same_item():
@@ -112,7 +125,7 @@ def test_dedup_refuses_copies_that_are_not_the_same_item():
 
 
 def test_coverage_names_each_key_nobody_stores_with_its_holders():
-    stored = [ItemRecord("w", TENSOR, 0, "float32", (2,), (0,), (2,))]
+    stored = [ItemRecord(fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(2,), offsets=(0,), sizes=(2,))]
     check_coverage(stored, {0: [], 1: ["w"]})  # rank 1's replica of w is stored by rank 0
     with pytest.raises(ShardingError) as err:
         check_coverage(stored, {0: ["emb", "opt/shard_0_1"], 1: ["emb", "w"], 2: ["emb"]})

@@ -34,7 +34,19 @@ def _old_wire(rec: ItemRecord) -> dict:
 
 
 def test_records_and_messages_encode_to_the_same_bytes_as_before():
-    rec = ItemRecord("w", TENSOR, 1, "bfloat16", (4, 6), (2, 0), (2, 6), "__1_0.distcp", 128, 96, 7)
+    rec = ItemRecord(
+        fqn="w",
+        kind=TENSOR,
+        rank=1,
+        dtype="bfloat16",
+        global_shape=(4, 6),
+        offsets=(2, 0),
+        sizes=(2, 6),
+        relative_path="__1_0.distcp",
+        file_offset=128,
+        length=96,
+        crc32=7,
+    )
     assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
     codec = Codec("job")
@@ -101,7 +113,15 @@ def test_early_writeback_writes_the_same_file(tmp_path, monkeypatch):
     recs_items = []
     for i in range(5):
         t = torch.randn(1000 + i, generator=gen)
-        rec = ItemRecord(f"t{i}", TENSOR, 0, "float32", (t.numel(),), (0,), (t.numel(),))
+        rec = ItemRecord(
+            fqn=f"t{i}",
+            kind=TENSOR,
+            rank=0,
+            dtype="float32",
+            global_shape=(t.numel(),),
+            offsets=(0,),
+            sizes=(t.numel(),),
+        )
         recs_items.append(items_mod.PlannedItem(rec, t))
     plain = items_mod.write_data_file(tmp_path, "plain", recs_items, fsync=False)
     calls = []

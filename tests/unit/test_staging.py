@@ -110,7 +110,9 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
         dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
         block, start, wait = _produce(pool, items, placements)
         split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
-        req = WriteRequest(5, 0, [i.record for i in items], placements, None, start)
+        req = WriteRequest(
+            step=5, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
+        )
         assert all(isinstance(p.payload, (RawTensor, memoryview)) for p in planned_items(dpool.ring, req))
         stored, file_nbytes = write_rank_file(
             PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
@@ -151,7 +153,9 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
         dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
         block, start = pool.claim(placements)
         seal = start_block(pool, block)
-        req = WriteRequest(1, 0, [i.record for i in items], placements, None, start)
+        req = WriteRequest(
+            step=1, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
+        )
         wait = SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
         with ThreadPoolExecutor(1) as writer:  # the daemon drains while this thread produces
             written = writer.submit(
