@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("cpu", "cuda"),
         default="cpu",
         help="where the state lives (cuda: ranks share the visible GPUs round-robin; "
-        "ckptd stages by device-to-host DMA into its pinned pool, DCP into pinned "
+        "ckptd stages by device-to-host DMA into its pinned ring, DCP into pinned "
         "memory; no training loop)",
     )
     p.add_argument("--dir", default=None, help="checkpoint filesystem to test (a temp dir is made inside)")

@@ -240,7 +240,7 @@ def save_budget(r: Rank, state: dict[str, torch.Tensor], budget: str, saves: int
             exact = exact and all(torch.equal(out[k], v) for k, v in expected.items())
             rows.append({"stall_s": r.max(stall), "durable_s": r.max(durable)})
             r.rm(Path(str(h.path)))  # a local root here
-        mine = sum(p["ring_nbytes"] for p in ckpt.status()["pools"] if p["rank"] == r.rank and not p["retired"])
+        mine = sum(p["ring_nbytes"] for p in ckpt.status()["rings"] if p["rank"] == r.rank and not p["retired"])
     return {
         "budget": budget,
         "saves": rows,

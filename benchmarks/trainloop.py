@@ -113,9 +113,9 @@ class CkptdSaver(Saver):
             self.handle.wait()
 
     def close(self) -> None:
-        pool = self.ckpt._ring.pool
-        if pool is not None and pool.pinner is not None:  # how long pinning the ring took (CUDA)
-            self.pin_s = pool.pinner.pinned_s
+        ring = self.ckpt._ring.current
+        if ring is not None and ring.pinner is not None:  # how long pinning the ring took (CUDA)
+            self.pin_s = ring.pinner.pinned_s
         self.ckpt.close()
 
 

@@ -83,7 +83,7 @@ class RequestNotTaken(DaemonError):
 
     @property
     def unknown_client(self) -> bool:
-        """The daemon forgot this connection: HELLO and the pool registration must be repeated."""
+        """The daemon forgot this connection: HELLO and the ring registration must be repeated."""
         return self.code == UnknownClientError.code
 
 
@@ -103,7 +103,7 @@ class UnknownClientError(ProtocolError):
 
 
 class StagingError(CkptdError):
-    """Shared-memory staging failed (pool exhausted, segment missing, size mismatch)."""
+    """Shared-memory staging failed (ring full, segment missing, size mismatch)."""
 
 
 class SharedMemoryFullError(StagingError):

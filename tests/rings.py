@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.rings import RingTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest
 from ckptd.format.items import PlannedItem
 from ckptd.staging.devcopy import copy_inline
-from ckptd.staging.pool import StagingPool, place
 from ckptd.staging.producer import start_block
+from ckptd.staging.rankside import StagingRing, place
 from ckptd.staging.ring import RingMap, block_offset
 from ckptd.staging.segment import unlink_segments
 
@@ -35,20 +35,20 @@ def produced_save(step: int, items: list[PlannedItem], capacity: int = 1 << 20) 
     """Produce ``items`` as rank 0's save of ``step`` into a fresh ring of ``capacity`` bytes;
     every segment is unlinked on exit (the test fails if one leaked)."""
     prefix = f"ckptd-test{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, capacity=capacity, timeout_s=30)
-    table = PoolTable(prefix)
+    ring = StagingRing.create(prefix, 0, capacity=capacity, timeout_s=30)
+    table = RingTable(prefix)
     try:
-        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"test")
+        daemon_ring = table.register(0, ring.generation, ring.capacity, ring.names, b"test")
         placements, _ = place(items)
-        block, start = pool.claim(placements)
-        seal = start_block(pool, block)
-        copy_inline(pool, start, block, items, placements, seal)
+        block, start = ring.claim(placements)
+        seal = start_block(ring, block)
+        copy_inline(ring, start, block, items, placements, seal)
         req = WriteRequest(
             step=step, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
         )
-        yield ProducedSave(dpool.ring, req, SnapshotWait.open(0, os.getpid(), seal, block_offset(block)))
+        yield ProducedSave(daemon_ring.map, req, SnapshotWait.open(0, os.getpid(), seal, block_offset(block)))
     finally:
-        pool.close(unlink=False)
+        ring.close(unlink=False)
         table.release_all()
         leaked = unlink_segments(prefix)
     if leaked:

@@ -78,7 +78,7 @@ def request(ep: Endpoints, config: CkptdConfig, msg: Message, reply_type: type[M
 
 
 def daemon_status(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The daemon's STATUS reply: clients, pools, writes in flight, pending steps, metrics."""
+    """The daemon's STATUS reply: clients, rings, writes in flight, pending steps, metrics."""
     config = config if config is not None else CkptdConfig.from_env()
     return request(d.endpoints, config, Status(), StatusReply, timeout_s).info
 

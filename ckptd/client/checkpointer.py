@@ -88,8 +88,8 @@ from ..gcpause import gc_paused
 from ..s3catalog import committed_at
 from ..staging.children import KILL_REAP_S
 from ..staging.lazy import STOP_MARGIN_S
-from ..staging.pool import StagingPool, place
 from ..staging.producer import Claim, Producer
+from ..staging.rankside import StagingRing, place
 from ..statedict.content import with_content_metadata
 from ..statedict.digest import common_digest
 from ..statedict.holdings import PlainWriters, plain_digest
@@ -217,24 +217,24 @@ class Checkpointer:
         digest = (common_digest(split.common) or "") if self.config.check_common and self.env.world_size > 1 else ""
         placements, nbytes = place(items)
         self._ensure_connected()
-        pool = self._ring.ensure(nbytes)
-        if any(p.nbytes > pool.capacity for p in placements):
-            items = split_large_items(items, pool.capacity)  # streams through a ring smaller than it
+        ring = self._ring.ensure(nbytes)
+        if any(p.nbytes > ring.capacity for p in placements):
+            items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
             placements, nbytes = place(items)
         t_slot = time.perf_counter()
-        if self.config.on_full == "skip" and pool.must_skip(placements):
+        if self.config.on_full == "skip" and ring.must_skip(placements):
             return self._skip(step, t0, nbytes)
-        self._ring.wait_block(pool, step, lambda s: self._idle(pool, s))
-        pool.check_room(pool.next_start, placements)  # a full /dev/shm fails here, cleanly
-        block, start = pool.claim(placements)
+        self._ring.wait_block(ring, step, lambda s: self._idle(ring, s))
+        ring.check_room(ring.next_start, placements)  # a full /dev/shm fails here, cleanly
+        block, start = ring.claim(placements)
         claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
         queue_wait_s = time.perf_counter() - t_slot
         # Before the fork: while the child runs, every page the trainer writes is copied.
-        wire, layout, held = self._layout.items_for(pool.generation, items, placements, plan.held)
+        wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
         try:
-            producer, waited_s = self._ring.start(pool, claim, self._link.daemon_pid, lambda s: self._idle(pool, s))
+            producer, waited_s = self._ring.start(ring, claim, self._link.daemon_pid, lambda s: self._idle(ring, s))
         except BaseException:
-            pool.unclaim(block, start, placements)  # nothing was sent, no child copies into it
+            ring.unclaim(block, start, placements)  # nothing was sent, no child copies into it
             self._layout.forget()
             raise
         queue_wait_s += waited_s
@@ -245,7 +245,7 @@ class Checkpointer:
             attempt=attempt,
             rank=self.env.rank,
             world_size=self.env.world_size,
-            generation=pool.generation,
+            generation=ring.generation,
             block=block,
             items=wire,
             common=common,
@@ -258,7 +258,7 @@ class Checkpointer:
             plain_digest=plain,
             held=held,
         )
-        self._send_save(msg, producer, pool, claim)
+        self._send_save(msg, producer, ring, claim)
         queue_wait_s += producer.after_ack()
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending.add(handle)
@@ -270,7 +270,7 @@ class Checkpointer:
             self._policy.after_save(step, self.stats())
         return handle
 
-    def _send_save(self, msg: Save, producer: Producer, pool: StagingPool, claim: Claim) -> None:
+    def _send_save(self, msg: Save, producer: Producer, ring: StagingRing, claim: Claim) -> None:
         """Send the SAVE and wait for its SAVE_ACK; when none comes, tell the producer whether the
         daemon never took the save (cancel: the range is given back) or may still write it (detach)."""
         try:
@@ -281,7 +281,7 @@ class Checkpointer:
             raise
         except (RequestNotTaken, ProtocolError):
             producer.cancel()
-            pool.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
+            ring.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
             self._layout.forget()
             raise
         except BaseException:
@@ -309,7 +309,7 @@ class Checkpointer:
         """
         self._check_open()
         nbytes = 0
-        if self._ring.pool is None:
+        if self._ring.current is None:
             split = split_state_dict(expand_stateful(sharded_state_dict))
             nbytes = place(plan_rank(split, self.env.rank, self._plan_cache).items)[1]
         self._ensure_connected()
@@ -409,13 +409,13 @@ class Checkpointer:
         return self._stats.as_dict()
 
     def status(self) -> dict[str, Any]:
-        """The node daemon's status (pools, writes in flight, pending steps, coordinator)."""
+        """The node daemon's status (rings, writes in flight, pending steps, coordinator)."""
         self._check_open()
         self._ensure_connected()
         return self._link.request(Status(), StatusReply).info
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
-        """Wait for pending saves (``wait``), say BYE (the daemon frees our pool), disconnect.
+        """Wait for pending saves (``wait``), say BYE (the daemon frees our ring), disconnect.
 
         Returns within ``timeout_s`` (default ``close_timeout_s``) plus at most
         :data:`CLOSE_MARGIN_S` (2.5 s), whatever the daemon does; raises SaveTimeoutError when
@@ -490,7 +490,7 @@ class Checkpointer:
             log.warning("rank %d: node daemon restarted (%s -> %s)", self.env.rank, old, self._link.instance)
 
     def _daemon_lost(self, reason: str) -> None:
-        """Fail every pending save and drop the pool: nobody owns it any more."""
+        """Fail every pending save and drop the ring: nobody owns it any more."""
         self._link.close_socket()
         self._pending.daemon_lost(reason)
         self._ring.quiesce()
@@ -509,7 +509,7 @@ class Checkpointer:
             self._daemon_lost(str(exc))
             raise
 
-    def _idle(self, pool: StagingPool, timeout_s: float) -> None:
+    def _idle(self, ring: StagingRing, timeout_s: float) -> None:
         """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
         raise if it died or the ring was dropped meanwhile."""
         try:
@@ -517,7 +517,7 @@ class Checkpointer:
         except DaemonLostError as exc:
             self._daemon_lost(str(exc))
             raise
-        if self._ring.pool is not pool:
+        if self._ring.current is not ring:
             raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
     def _next_attempt(self, step: int) -> str:
@@ -574,9 +574,9 @@ class Checkpointer:
 
     def _on_notify(self, msg: Message) -> None:
         if isinstance(msg, WriteDone):
-            pool = self._ring.pool
-            if pool is not None and msg.generation == pool.generation:
-                pool.release(msg.block)
+            ring = self._ring.current
+            if ring is not None and msg.generation == ring.generation:
+                ring.release(msg.block)
             self._pending.wrote(msg)
         elif isinstance(msg, (StepCommitted, StepAborted)):
             self._pending.resolve(msg)

@@ -5,8 +5,8 @@ shard offsets, so the same records at the same offsets in the ring (and the same
 replicas). Encoding, sending, decoding and
 checking every record each time costs ~10 us per item on both sides (10,000 small tensors:
 tens of milliseconds of the training stall). The rank remembers the last item list it sent for
-its pool; when the next save's records and placements are equal, the SAVE carries only the
-layout id and the daemon reuses what it decoded and checked before (ckptd.daemon.pools).
+its ring; when the next save's records and placements are equal, the SAVE carries only the
+layout id and the daemon reuses what it decoded and checked before (ckptd.daemon.rings).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from ..format.items import PlannedItem
 from ..format.records import ItemRecord
-from ..staging.pool import Placement
+from ..staging.rankside import Placement
 
 
 @dataclass
 class LayoutCache:
-    """The item list this rank last sent for pool ``generation`` under ``layout_id``."""
+    """The item list this rank last sent for ring ``generation`` under ``layout_id``."""
 
     generation: str = ""
     layout_id: str = ""

@@ -1,12 +1,12 @@
 """A Checkpointer's staging ring and what produces its saves into it.
 
-:class:`RankRing` owns the rank's :class:`~ckptd.staging.pool.StagingPool` (created once the size
+:class:`RankRing` owns the rank's :class:`~ckptd.staging.rankside.StagingRing` (created once the size
 of a save is known, and registered with the daemon), and the producers of
 :mod:`ckptd.staging.producer`: the lazy copier (``snapshot="lazy"``, or ``"auto"`` while an
 optimizer is attached), the fork snapshot children (``"auto"``), else ``save()`` itself.
 
 Order of use, on the training thread: :meth:`~RankRing.ensure` the ring; per save
-:meth:`~RankRing.wait_block`, claim its range (``StagingPool.claim``), :meth:`~RankRing.start`
+:meth:`~RankRing.wait_block`, claim its range (``StagingRing.claim``), :meth:`~RankRing.start`
 its producer and tell it what became of the SAVE; :meth:`~RankRing.fence` before the tensors
 change (lazy saves); :meth:`~RankRing.drop` the ring when the daemon no longer owns it or the
 rank disconnects; :meth:`~RankRing.stop_copier` and ``children.close`` when closing.
@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import CkptdConfig, parse_budget
-from ..control.protocol import PoolOk, RegisterPool
+from ..control.protocol import RegisterRing, RingOk
 from ..errors import DaemonError
 from ..staging.children import SnapshotChildren
 from ..staging.devcopy import InlineProducer
 from ..staging.lazy import LazyCopier
 from ..staging.pinning import cuda_registrar
-from ..staging.pool import StagingPool
 from ..staging.producer import Claim, Producer
+from ..staging.rankside import StagingRing
 from ..staging.ring import BLOCKS, capacity_for
 from .link import DaemonLink
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class RankRing:
-    """One Checkpointer's staging ring (``pool``, None until created or after a drop) and its
+    """One Checkpointer's staging ring (``current``, None until created or after a drop) and its
     producers (``lazy``: the copier, None until lazy saves are used; ``children``: fork snapshots)."""
 
     def __init__(
@@ -46,46 +46,46 @@ class RankRing:
         self.local_world_size = local_world_size
         self.shm_prefix = shm_prefix
         self.config = config
-        self.pool: StagingPool | None = None
+        self.current: StagingRing | None = None
         self.children = SnapshotChildren(rank)  # fork snapshot children not reaped yet
         self.lazy = LazyCopier(rank, config.snapshot_timeout_s) if config.snapshot == "lazy" else None
         self.attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
 
-    def ensure(self, nbytes: int) -> StagingPool:
+    def ensure(self, nbytes: int) -> StagingRing:
         """The ring, created (and registered with the daemon, which owns it from then on) once the
         size of a save is known (``prepare()``, ``load()``, a byte budget, else the first save),
         sized by the staging budget from that save's ``nbytes``; later saves of any size stream
         through it. In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning)."""
-        pool = self.pool
-        if pool is None:
+        ring = self.current
+        if ring is None:
             fraction, node_nbytes = parse_budget(self.config.staging_budget)
             capacity = capacity_for(fraction, node_nbytes, nbytes, self.local_world_size)
-            pool = StagingPool.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
+            ring = StagingRing.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
             try:
                 self.link.request(
-                    RegisterPool(
-                        rank=self.rank, generation=pool.generation, ring_nbytes=pool.capacity, names=pool.names
+                    RegisterRing(
+                        rank=self.rank, generation=ring.generation, ring_nbytes=ring.capacity, names=ring.names
                     ),
-                    PoolOk,
+                    RingOk,
                 )
             except BaseException:
-                pool.close(unlink=True)  # the daemon never took it over
+                ring.close(unlink=True)  # the daemon never took it over
                 raise
-            self.pool = pool
-        if pool.pinner is None and self.config.pin_memory:
+            self.current = ring
+        if ring.pinner is None and self.config.pin_memory:
             registrar = cuda_registrar()  # None until this process uses CUDA
             if registrar is not None:
-                pool.start_pinning(registrar)
-        return pool
+                ring.start_pinning(registrar)
+        return ring
 
-    def wait_block(self, pool: StagingPool, step: int, idle: Callable[[float], None]) -> None:
+    def wait_block(self, ring: StagingRing, step: int, idle: Callable[[float], None]) -> None:
         """Wait for a free control block (BLOCKS saves of this rank in flight at most); ``idle(s)``
         takes the daemon's notifications for up to ``s`` seconds meanwhile."""
-        if pool.has_free_block():
+        if ring.has_free_block():
             return
         t0 = time.monotonic()
         deadline = t0 + self.config.slot_wait_timeout_s
-        while not pool.has_free_block():
+        while not ring.has_free_block():
             if time.monotonic() > deadline:
                 raise DaemonError(
                     f"rank {self.rank}: {BLOCKS} saves still in flight after "
@@ -108,20 +108,20 @@ class RankRing:
         return self.lazy is not None and (self.config.snapshot == "lazy" or self.attached > 0)
 
     def start(
-        self, pool: StagingPool, claim: Claim, daemon_pid: int | None, idle: Callable[[float], None]
+        self, ring: StagingRing, claim: Claim, daemon_pid: int | None, idle: Callable[[float], None]
     ) -> tuple[Producer, float]:
         """Start what produces the claimed save: the lazy copier, a fork child (``snapshot="auto"``
         with a daemon to watch), else ``save()`` itself after the SAVE; and the seconds waited for
         a fork's turn (``idle`` as for :meth:`wait_block`)."""
         lazy = self.lazy if self.saves_lazily() else None
         if lazy is not None:
-            return lazy.start(pool, claim), 0.0
+            return lazy.start(ring, claim), 0.0
         waited_s = 0.0
         if self.config.snapshot == "auto" and daemon_pid:
-            child, waited_s = self.children.fork(pool, claim, daemon_pid, idle)
+            child, waited_s = self.children.fork(ring, claim, daemon_pid, idle)
             if child is not None:
                 return child, waited_s
-        return InlineProducer(pool, claim, self.config.snapshot_timeout_s), waited_s
+        return InlineProducer(ring, claim, self.config.snapshot_timeout_s), waited_s
 
     def fence(self, deadline: float | None = None) -> None:
         """Decide the pending lazy saves (ckptd.staging.lazy.LazyCopier.fence); else nothing."""
@@ -135,15 +135,15 @@ class RankRing:
 
     def drop(self, *, unlink: bool) -> None:
         """Unmap the ring (``unlink``: no daemon owns it); the next save makes a new one."""
-        if self.pool is not None:
-            self.pool.close(unlink=unlink)
-            self.pool = None
+        if self.current is not None:
+            self.current.close(unlink=unlink)
+            self.current = None
 
     def stop_copier(self, deadline: float) -> None:
         """Closing: stop the lazy copier by ``deadline`` (plus its STOP_MARGIN_S); a copier that
         still runs may write into the ring, which then stays mapped (the daemon unlinks it)."""
-        if self.lazy is not None and not self.lazy.stop(deadline) and self.pool is not None:
-            self.pool = None
+        if self.lazy is not None and not self.lazy.stop(deadline) and self.current is not None:
+            self.current = None
 
 
 class Attachment:

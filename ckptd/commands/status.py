@@ -65,11 +65,11 @@ def _print(info: dict[str, Any]) -> None:
                 for where, counts in parts
             )
         )
-    pools = info.get("pools", [])
-    if pools:
+    rings = info.get("rings", [])
+    if rings:
         rows = [
             (p["rank"], format_bytes(p["ring_nbytes"]), len(p["busy"]), p["queued"], "retired" if p["retired"] else "")
-            for p in pools
+            for p in rings
         ]
         print(
             "  "

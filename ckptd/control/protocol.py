@@ -12,7 +12,7 @@ Order of calls for one save of step ``s`` (who sends each message):
    the coordinator: daemon -> coordinator ``PING`` -> ``PONG`` every heartbeat tells the
    coordinator's liveness and instance (a new one: it restarted). Daemon and coordinator answer
    a ``PING`` from any authenticated peer.
-2. rank -> daemon ``REGISTER_POOL`` -> ``POOL_OK`` once per staging ring: from then on the daemon
+2. rank -> daemon ``REGISTER_RING`` -> ``RING_OK`` once per staging ring: from then on the daemon
    owns its shared-memory segment (and unlinks it); only this connection saves from it.
 3. rank takes a control block and the next range of its staging ring (ckptd.staging.ring), starts
    producing its shards into it (a fork child, a copier thread, or itself), then rank -> daemon
@@ -34,7 +34,7 @@ Order of calls for one save of step ``s`` (who sends each message):
    attempt was a rank's policy skip: the ranks resolve their saves of it as SKIPPED, not as
    failures).
 6. daemon -> ranks that saved step ``s`` in that attempt: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
-7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its pool once idle).
+7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its ring once idle).
 
 ``STATUS`` -> ``STATUS_REPLY`` and ``SHUTDOWN`` -> ``SHUTDOWN_ACK`` serve tools and tests. Any
 request can be answered with ``ERROR`` (reason).
@@ -66,7 +66,7 @@ import msgpack
 from ..errors import ProtocolError
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -80,8 +80,8 @@ class MsgType(enum.IntEnum):
     HELLO = 3
     WELCOME = 4
     ERROR = 5
-    REGISTER_POOL = 10
-    POOL_OK = 11
+    REGISTER_RING = 10
+    RING_OK = 11
     SAVE = 12
     SAVE_ACK = 13
     SKIP = 14
@@ -144,11 +144,11 @@ class ErrorReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RegisterPool(Message):
+class RegisterRing(Message):
     """rank -> daemon: the rank's staging ring, one segment (created by the rank, 0600) whose data
     region holds ``ring_nbytes`` bytes (ckptd.staging.ring)."""
 
-    TYPE: ClassVar[MsgType] = MsgType.REGISTER_POOL
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER_RING
     rank: int
     generation: str
     ring_nbytes: int
@@ -156,8 +156,8 @@ class RegisterPool(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PoolOk(Message):
-    TYPE: ClassVar[MsgType] = MsgType.POOL_OK
+class RingOk(Message):
+    TYPE: ClassVar[MsgType] = MsgType.RING_OK
     generation: str
 
 
@@ -169,7 +169,7 @@ class Save(Message):
     ``common`` is the serialized common state (global rank 0 only).
 
     ``layout``: an id the rank gives this item list ("" for none). The daemon keeps the last
-    layout per pool; a later SAVE with the same id and no ``items`` reuses it (same records at
+    layout per ring; a later SAVE with the same id and no ``items`` reuses it (same records at
     the same relative offsets: the rank's state kept its structure).
 
     ``snapshot_pid``: who produces the items into the ring while the daemon writes them: a
@@ -338,8 +338,8 @@ REGISTRY: dict[int, type[Message]] = {
         Hello,
         Welcome,
         ErrorReply,
-        RegisterPool,
-        PoolOk,
+        RegisterRing,
+        RingOk,
         Save,
         Skip,
         SaveAck,

@@ -39,7 +39,7 @@ from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
 from ..staging.ring import ALIGN, Placement
 from .metrics import DaemonMetrics
-from .pools import DaemonPool, PoolTable
+from .rings import DaemonRing, RingTable
 from .snapshot import SnapshotWait, check_snapshot_child
 from .uplink import CoordinatorLink
 from .workers import WorkerPools, WriteFinished, WriteRequest, write_rank_file
@@ -95,7 +95,7 @@ class SaveIntake:
         self,
         ep: Endpoints,
         config: CkptdConfig,
-        pools: PoolTable,
+        rings: RingTable,
         workers: WorkerPools,
         metrics: DaemonMetrics,
         uplink: CoordinatorLink,
@@ -104,7 +104,7 @@ class SaveIntake:
     ) -> None:
         self.ep = ep
         self.config = config
-        self.pools = pools
+        self.rings = rings
         self.workers = workers
         self.metrics = metrics
         self.uplink = uplink
@@ -116,14 +116,14 @@ class SaveIntake:
     def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
         """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and queue its
         write; raises (StagingError, ProtocolError) when the request cannot be served."""
-        pool = self.pools.get(msg.rank, msg.generation, identity)
-        pool.check_block(msg.block)
+        ring = self.rings.get(msg.rank, msg.generation, identity)
+        ring.check_block(msg.block)
         if not 0 <= msg.ring_start < _MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
-        records, placements, held = self._items(msg, pool)
-        check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, pool.registered_s)
+        records, placements, held = self._items(msg, ring)
+        check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, ring.registered_s)
         producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
-        pool.take_block(msg.block)
+        ring.take_block(msg.block)
         job = WriteJob(
             request=WriteRequest(
                 step=msg.step,
@@ -142,7 +142,7 @@ class SaveIntake:
             plain_digest=msg.plain_digest,
             held=tuple(held),
         )
-        pool.queue_write(lambda: self._start_write(job, pool, producer))
+        ring.queue_write(lambda: self._start_write(job, ring, producer))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
         self.unfinished[(job.generation, job.block)] = (job, time.monotonic())
@@ -155,12 +155,12 @@ class SaveIntake:
             msg.ring_start,
         )
 
-    def _start_write(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> None:
+    def _start_write(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> None:
         """Hand ``job`` to a writer thread (the ring's earlier writes are done)."""
         aborted = isinstance(self.uplink.verdict(job.key), StepAborted)
-        self.workers.write(job, self._drain(job, pool, producer) if aborted else self._writer(job, pool, producer))
+        self.workers.write(job, self._drain(job, ring, producer) if aborted else self._writer(job, ring, producer))
 
-    def _drain(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
+    def _drain(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for a save whose attempt aborted before its write started:
         write nothing (behind a slow disk, a doomed write would hold the ring and make the
         rank's next saves wait or skip), only free the ring space as the producer goes."""
@@ -168,22 +168,22 @@ class SaveIntake:
 
         def run() -> WriteResult:
             try:
-                producer.drain(pool.ring, job.request.ring_end, timeout_s)
+                producer.drain(ring.map, job.request.ring_end, timeout_s)
             finally:
                 producer.close()
             raise NotWritten(f"{job!r}: the attempt was aborted before its write started; nothing written")
 
         return run
 
-    def _writer(self, job: WriteJob, pool: DaemonPool, producer: SnapshotWait) -> Callable[[], WriteResult]:
+    def _writer(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for ``job`` (its errors fail the save)."""
         req = job.request
         target = self.store.data_target(req.step, job.attempt, req.rank)  # created by the writer
-        cfg, ring, queued_s = self.config, pool.ring, time.monotonic()
+        cfg, rmap, queued_s = self.config, ring.map, time.monotonic()
 
         def run() -> WriteResult:
             started_s = time.monotonic()
-            stored, file_nbytes = write_rank_file(target, ring, req, cfg.checksums, producer, cfg.snapshot_timeout_s)
+            stored, file_nbytes = write_rank_file(target, rmap, req, cfg.checksums, producer, cfg.snapshot_timeout_s)
             # The write overlaps the producer's copy; the time it only waited is reported apart.
             write_s = time.monotonic() - started_s - producer.waited_s
             return WriteResult(
@@ -196,19 +196,19 @@ class SaveIntake:
 
         return run
 
-    def _items(self, msg: Save, pool: DaemonPool) -> tuple[list[ItemRecord], list[Placement], list[str]]:
+    def _items(self, msg: Save, ring: DaemonRing) -> tuple[list[ItemRecord], list[Placement], list[str]]:
         """The SAVE's records, placements and held keys: sent, or the rank's unchanged layout it
         names."""
         if msg.layout and not msg.items:
-            if pool.layout is None or pool.layout[0] != msg.layout:
+            if ring.layout is None or ring.layout[0] != msg.layout:
                 raise ProtocolError(
                     f"rank {msg.rank}: SAVE names item layout {msg.layout!r}, which this "
                     "daemon does not hold; send the items"
                 )
-            return pool.layout[1], pool.layout[2], pool.layout[3]
-        records, placements = decode_items(msg, pool.capacity)
+            return ring.layout[1], ring.layout[2], ring.layout[3]
+        records, placements = decode_items(msg, ring.capacity)
         if msg.layout:
-            pool.layout = (msg.layout, records, placements, msg.held)
+            ring.layout = (msg.layout, records, placements, msg.held)
         return records, placements, msg.held
 
     def on_done(self, done: WriteFinished) -> None:
@@ -216,7 +216,7 @@ class SaveIntake:
         job: WriteJob = done.job
         req = job.request
         self.unfinished.pop((job.generation, job.block), None)
-        self.pools.write_done(req.rank, job.generation, job.block)
+        self.rings.write_done(req.rank, job.generation, job.block)
         if isinstance(done.error, NotWritten):  # the rank knows the verdict; nothing to report
             log.info("%s", done.error)
             self.send_to_rank(

@@ -3,7 +3,7 @@
 Single-threaded around one event loop (ckptd.daemon.loop); what it is made of, each in its module:
 
 - :class:`~ckptd.daemon.ranks.RankServer`: the ranks' ``ipc://`` socket, their HELLOs, rings
-  (ckptd.daemon.pools) and liveness;
+  (ckptd.daemon.rings) and liveness;
 - :class:`~ckptd.daemon.intake.SaveIntake`: a SAVE in, the data file written from the ring by a
   writer thread (ckptd.daemon.workers), ``WRITE_DONE`` to the rank and ``WRITTEN``/``FAILED``
   upstream;
@@ -47,8 +47,8 @@ from .loop import EventLoop
 from .memory import MemoryWatch
 from .metrics import DaemonMetrics, render_status
 from .metrics_http import MetricsServer, http_url
-from .pools import PoolTable
 from .ranks import DaemonHooks, RankServer
+from .rings import RingTable
 from .store import daemon_mirror
 from .uplink import CoordinatorLink, StepKey
 from .workers import CommitFinished, Completion, Completions, RootChecked, WorkerPools, WriteFinished
@@ -80,7 +80,7 @@ class NodeDaemon:
         self.metrics, self.memory, self.completions = DaemonMetrics(), MemoryWatch(), Completions()
         self.internal = InternalErrors()
         self.workers = WorkerPools(config.writer_threads, self.completions)
-        self.pools = PoolTable(ep.shm_prefix)
+        self.rings = RingTable(ep.shm_prefix)
         codec = Codec(ep.job, config.max_message_nbytes)
         self.ctx = zmq.Context()
         self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
@@ -108,7 +108,7 @@ class NodeDaemon:
         self.intake = SaveIntake(
             ep,
             config,
-            self.pools,
+            self.rings,
             self.workers,
             self.metrics,
             self.uplink,
@@ -116,7 +116,7 @@ class NodeDaemon:
             lambda msg, identity: self.ranks.send(msg, identity),
         )
         hooks = DaemonHooks(self.instance, self._status_now, self.request_stop, self._stopping)
-        self.ranks = RankServer(self.ctx, codec, keys, ep, self.pools, self.intake, self.uplink, hooks)
+        self.ranks = RankServer(self.ctx, codec, keys, ep, self.rings, self.intake, self.uplink, hooks)
         self.loop = EventLoop()
         self.loop.add(self.zap.sock, self.zap.on_readable)
         self.loop.add(self.ranks.watch.sock, self.ranks.watch.on_readable)
@@ -237,7 +237,7 @@ class NodeDaemon:
             chore("status for the metrics", self._refresh_status_cache)
 
     def _sample_memory(self) -> None:
-        self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.pools.segment_paths())
+        self.memory.sample([(c.rank, c.pid) for c in self.ranks.clients.values()], self.rings.segment_paths())
 
     def _status_now(self) -> dict[str, Any]:
         """What a STATUS request gets: memory sampled now, not up to ``heartbeat_s`` ago (a save
@@ -290,7 +290,7 @@ class NodeDaemon:
             self.mirror.stop(self.config.request_timeout_s)
         self.workers.shutdown()
         self._on_completions()
-        self.pools.release_all()
+        self.rings.release_all()
         self.ranks.close()
         self.uplink.close()
         if self.coordinator is not None:
@@ -310,7 +310,7 @@ class NodeDaemon:
             "root": str(self.ep.root),
             "job": self.ep.job,
             "clients": [{"rank": c.rank, "pid": c.pid} for c in self.ranks.clients.values()],
-            "pools": self.pools.summary(),
+            "rings": self.rings.summary(),
             "jobs_in_flight": self.workers.in_flight,
             "pending_steps": self.uplink.pending_steps(),
             "upstream": self.uplink.status(),

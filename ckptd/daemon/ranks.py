@@ -2,7 +2,7 @@
 
 Ranks connect to a CurveZMQ ROUTER on ``ipc://`` in the owner-only runtime directory. Order per
 connection (see ckptd.control.protocol): ``HELLO`` (its pid must be the connecting process's, as
-the kernel reports it, of this daemon's user) -> ``REGISTER_POOL`` (the rank's staging ring, bound
+the kernel reports it, of this daemon's user) -> ``REGISTER_RING`` (the rank's staging ring, bound
 to this connection) -> ``SAVE``/``SKIP`` per save -> ``BYE``. ``PING``, ``STATUS`` and
 ``SHUTDOWN`` are served at any time. Every heartbeat the ranks' processes are checked: a dead
 rank's ring is released once its writes finished.
@@ -30,8 +30,8 @@ from ..control.protocol import (
     Message,
     Ping,
     Pong,
-    PoolOk,
-    RegisterPool,
+    RegisterRing,
+    RingOk,
     Save,
     SaveAck,
     Shutdown,
@@ -45,7 +45,7 @@ from ..control.security import HandshakeWatch
 from ..errors import CkptdError, ProtocolError, UnknownClientError
 from .intake import SaveIntake
 from .loop import serve_requests
-from .pools import PoolTable
+from .rings import RingTable
 from .uplink import CoordinatorLink
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,13 @@ class RankServer:
         codec: Codec,
         keys: CurveKeys,
         ep: Endpoints,
-        pools: PoolTable,
+        rings: RingTable,
         intake: SaveIntake,
         uplink: CoordinatorLink,
         hooks: DaemonHooks,
     ) -> None:
         self.ep_info = ep
-        self.pools = pools
+        self.rings = rings
         self.intake = intake
         self.uplink = uplink
         self.hooks = hooks
@@ -111,10 +111,10 @@ class RankServer:
             self.ep.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
-        elif isinstance(msg, RegisterPool):
+        elif isinstance(msg, RegisterRing):
             self.client(identity, msg.rank)
-            self.pools.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
-            self.ep.send(PoolOk(generation=msg.generation), identity)
+            self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
+            self.ep.send(RingOk(generation=msg.generation), identity)
         elif isinstance(msg, Save):
             client = self.client(identity, msg.rank)
             stopping = self.hooks.stopping()
@@ -142,7 +142,7 @@ class RankServer:
             self.ep.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
-            self.pools.retire_owner(identity)
+            self.rings.retire_owner(identity)
         elif isinstance(msg, Status):
             self.ep.send(StatusReply(info=self.hooks.status()), identity)
         elif isinstance(msg, Shutdown):
@@ -192,7 +192,7 @@ class RankServer:
             if not same_process(c.pid, c.start_ticks):
                 log.info("rank %d (pid %d) is gone; its ring is released once idle", c.rank, c.pid)
                 del self.clients[identity]
-                self.pools.retire_owner(identity)
+                self.rings.retire_owner(identity)
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the ranks' socket, by kind."""

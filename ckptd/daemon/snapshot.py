@@ -8,7 +8,7 @@ child publishes its progress after each copy, so the writer thread writes each i
 its bytes are complete (copy and disk write overlap), and before the file is published it
 checks the seal. No seal: the child died before it finished, and the save fails with that reason
 instead of persisting half-copied shards. The daemon waits only on a child of the rank's own
-process created after the rank registered the pool, or on the rank's process itself for a lazy
+process created after the rank registered the ring, or on the rank's process itself for a lazy
 snapshot (:func:`check_snapshot_child`): a connection cannot make a writer wait on any other
 process.
 """
@@ -45,7 +45,7 @@ def boottime_s() -> float:
 
 def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: float) -> None:
     """Raise StagingError unless ``pid`` is a child of ``parent_pid`` (the rank's process) started
-    after ``not_before_s`` (its pool's registration, :func:`boottime_s`), or the rank's process
+    after ``not_before_s`` (its ring's registration, :func:`boottime_s`), or the rank's process
     itself (a lazy snapshot, copied by a thread of the rank: ckptd.staging.lazy). A child that is
     gone already passes: there is nothing to wait on, and its seal in the ring tells whether it
     finished."""
@@ -53,7 +53,7 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
         return
     # Start ticks since boot (ckptd.control.procid), not psutil's create_time(): that adds the
     # boot time of /proc/stat in whole seconds, which can be off by up to a second against the
-    # pool's registration and moves when the wall clock is stepped.
+    # ring's registration and moves when the wall clock is stepped.
     try:
         st = read_stat(pid)
     except OSError as exc:
@@ -68,7 +68,7 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
         )
     if started_s + CLOCK_TICK_S < not_before_s:  # start times are truncated to a clock tick
         raise StagingError(
-            f"rank {rank}: snapshot process {pid} is older than the rank's staging pool; "
+            f"rank {rank}: snapshot process {pid} is older than the rank's staging ring; "
             "the daemon waits only on a snapshot of this save"
         )
 

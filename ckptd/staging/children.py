@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from ..errors import StagingError
 from .backpressure import may_fork
 from .fork import fork_into, reap
-from .pool import StagingPool
 from .producer import Claim, Snapshot
+from .rankside import StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,19 @@ class SnapshotChildren:
             self._live = [c for c in self._live if c.pid in running]
 
     def fork(
-        self, pool: StagingPool, claim: Claim, daemon_pid: int, idle: Callable[[float], None]
+        self, ring: StagingRing, claim: Claim, daemon_pid: int, idle: Callable[[float], None]
     ) -> tuple[ForkProducer | None, float]:
         """Fork the snapshot child of the claimed save once it is its turn (:meth:`wait_turn`, up
         to the ring's ``snapshot_timeout_s``); its producer (None: no child started, the caller
         produces the save itself) and the seconds waited for the turn."""
-        waited = self.wait_turn(pool.writer.consumed, pool.capacity, claim.end, pool.writer.timeout_s, idle)
+        waited = self.wait_turn(ring.writer.consumed, ring.capacity, claim.end, ring.writer.timeout_s, idle)
         if waited > 0.01:
             log.info("rank %d: waited %.3f s for an earlier snapshot to get its ring space", self.rank, waited)
         # The child runs at the trainer's priority, not niced like the daemon: every page the
         # trainer writes while the child lives is copied, so a child that yields costs the trainer
         # more than it gives (2 GiB rewritten every step, a save every 4: +127 % loop time with the
         # child at nice 10, +108 % at 0, on the 2-core CI machine).
-        snap = fork_into(pool, claim, 0, daemon_pid)
+        snap = fork_into(ring, claim, 0, daemon_pid)
         return (None if snap is None else ForkProducer(self, snap, claim.end)), waited
 
     def wait_turn(

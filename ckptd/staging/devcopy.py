@@ -34,8 +34,8 @@ import torch
 
 from ..errors import StagingError
 from ..format.items import PlannedItem
-from .pool import Placement, StagingPool, plain_values, tensor_bytes
 from .producer import Claim, Snapshot, start_block
+from .rankside import Placement, StagingRing, plain_values, tensor_bytes
 from .ring import ALIGN, HEADER_NBYTES, block_offset, give_up_mark
 
 # Tensors smaller than this are gathered with their neighbours into one copy (a DMA of a few
@@ -83,13 +83,13 @@ class DeviceCopier:
 
     def __init__(
         self,
-        pool: StagingPool,
+        ring: StagingRing,
         block: int,
         pin_timeout_s: float,
         ready: dict[Any, Any] | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> None:
-        self.pool = pool
+        self.ring = ring
         self.block = block
         self.pin_timeout_s = pin_timeout_s
         self.ready = ready
@@ -104,7 +104,7 @@ class DeviceCopier:
         """Issue every item of a save starting at virtual ``start``, in ring order: CUDA tensors by
         :meth:`copy`, bytes and host tensors by ``pwrite`` once the ring has room. A failure is
         raised as StagingError naming the item."""
-        pool = self.pool
+        ring = self.ring
         for item, p in zip(items, placements):
             v = start + p.offset
             src = item.payload
@@ -113,14 +113,14 @@ class DeviceCopier:
                     self.copy(src, v)
                 except StagingError:
                     raise
-                except Exception as exc:  # name the item, as StagingPool.produce does
+                except Exception as exc:  # name the item, as StagingRing.produce does
                     raise StagingError(
-                        f"rank {pool.rank}: copying {item.record.where()} into the staging ring "
+                        f"rank {ring.rank}: copying {item.record.where()} into the staging ring "
                         f"failed: {type(exc).__name__}: {exc}"
                     ) from exc
             else:
                 self.room(v + p.nbytes)
-                pool.produce(item, p, v)
+                ring.produce(item, p, v)
                 self.wrote(v + p.nbytes)
 
     def copy(self, src: torch.Tensor, v: int) -> None:
@@ -146,10 +146,10 @@ class DeviceCopier:
     def room(self, v_end: int) -> None:
         """Wait until the ring may be written up to virtual ``v_end``. Copies issued but not
         published yet hold the daemon back, so they are waited for and published first."""
-        if self.pool.writer.has_room(v_end):
+        if self.ring.writer.has_room(v_end):
             return
         self.land()
-        self.waited_s += self.pool.wait_room(v_end, self.stop)
+        self.waited_s += self.ring.wait_room(v_end, self.stop)
 
     def wrote(self, v_end: int) -> None:
         """A host write ending at virtual ``v_end`` is done: publish it once earlier copies landed."""
@@ -197,7 +197,7 @@ class DeviceCopier:
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = self.pool.side_stream(device)
+            stream = self._streams[device] = self.ring.side_stream(device)
             if self.ready is None:
                 stream.wait_stream(torch.cuda.current_stream(device))
             else:
@@ -207,17 +207,17 @@ class DeviceCopier:
     def _joins_batch(self, b: _Batch, device: torch.device, v: int, nbytes: int) -> bool:
         if b.device != device or v - b.end >= ALIGN or v + nbytes - b.start > BATCH_NBYTES:
             return False
-        cap, chunk = self.pool.capacity, self.pool.chunk_nbytes
+        cap, chunk = self.ring.capacity, self.ring.chunk_nbytes
         at = b.start % cap
         return at + (v + nbytes - b.start) <= min(cap, (at // chunk + 1) * chunk)  # one chunk, no wrap
 
     def _copy_flat(self, stream: Any, flat: torch.Tensor, v: int) -> None:
         """DMA ``flat`` (uint8, on ``stream``'s device) to virtual ``v``, piece by piece."""
-        pool = self.pool
-        base = pool.segment.base
+        ring = self.ring
+        base = ring.segment.base
         if base is None:
-            raise StagingError(f"rank {pool.rank}: the staging ring is not mapped")
-        for src_at, at, n in ring_pieces(v, flat.numel(), pool.capacity, pool.chunk_nbytes):
+            raise StagingError(f"rank {ring.rank}: the staging ring is not mapped")
+        for src_at, at, n in ring_pieces(v, flat.numel(), ring.capacity, ring.chunk_nbytes):
             end = v + src_at + n
             self.room(end)
             piece = flat[src_at : src_at + n]
@@ -226,18 +226,18 @@ class DeviceCopier:
                     base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(piece, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
-                pool.dma_pieces += 1
+                ring.dma_pieces += 1
                 self._landing.append((event, end))
                 self._publish_landed()
             else:
                 with torch.cuda.stream(stream):
                     host = piece.to("cpu")  # synchronous, after the stream's earlier work
-                pool.writer.write(v + src_at, tensor_bytes(host))
-                pool.pageable_pieces += 1
+                ring.writer.write(v + src_at, tensor_bytes(host))
+                ring.pageable_pieces += 1
                 self._landing.append((None, end))
 
     def _pinned(self, at: int) -> bool:
-        pinner = self.pool.pinner
+        pinner = self.ring.pinner
         if pinner is None:
             return False
         if pinner.pinned(at):
@@ -256,7 +256,7 @@ class DeviceCopier:
 
     def _publish(self, end: int) -> None:
         if end > 0:
-            self.pool.writer.publish(self.block, end)
+            self.ring.writer.publish(self.block, end)
 
     def abort(self) -> None:
         """A failed save: wait for the copies already issued (they must not land in ring space a
@@ -271,7 +271,7 @@ class DeviceCopier:
 
 
 def copy_inline(
-    pool: StagingPool,
+    ring: StagingRing,
     start: int,
     block: int,
     items: list[PlannedItem],
@@ -284,16 +284,16 @@ def copy_inline(
     and CPU tensors by ``pwrite``, CUDA tensors by :class:`DeviceCopier`. On failure the save is
     marked never to be sealed (the daemon fails it) and the error is raised. A chunk not pinned yet
     is waited for up to ``pin_timeout_s`` (default: the ring's ``snapshot_timeout_s``)."""
-    timeout_s = pool.writer.timeout_s if pin_timeout_s is None else pin_timeout_s
-    copier = DeviceCopier(pool, block, timeout_s)
+    timeout_s = ring.writer.timeout_s if pin_timeout_s is None else pin_timeout_s
+    copier = DeviceCopier(ring, block, timeout_s)
     try:
         copier.produce(start, items, placements)
         copier.finish()
     except BaseException as exc:
         copier.abort()
-        pool.writer.publish(block, give_up_mark(exc))
+        ring.writer.publish(block, give_up_mark(exc))
         raise
-    pool.writer.seal(block, seal)
+    ring.writer.seal(block, seal)
     return copier.waited_s
 
 
@@ -301,17 +301,17 @@ class InlineProducer:
     """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself: it copies the items
     after the SAVE's acknowledgement (:func:`copy_inline`), while the daemon drains the ring."""
 
-    def __init__(self, pool: StagingPool, claim: Claim, pin_timeout_s: float) -> None:
-        self.pool = pool
+    def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float) -> None:
+        self.ring = ring
         self.claim = claim
         self.pin_timeout_s = pin_timeout_s
         self.snapshot = Snapshot(
-            pid=os.getpid(), seal=start_block(pool, claim.block), seal_offset=block_offset(claim.block)
+            pid=os.getpid(), seal=start_block(ring, claim.block), seal_offset=block_offset(claim.block)
         )
 
     def after_ack(self) -> float:
         c = self.claim
-        return copy_inline(self.pool, c.start, c.block, c.items, c.placements, self.snapshot.seal, self.pin_timeout_s)
+        return copy_inline(self.ring, c.start, c.block, c.items, c.placements, self.snapshot.seal, self.pin_timeout_s)
 
     def cancel(self) -> None:
         """Nothing was written yet."""

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from ..format.items import PlannedItem
-from .pool import Placement, StagingPool, plain_cpu_bytes
 from .producer import Claim, Snapshot, start_block
+from .rankside import Placement, StagingRing, plain_cpu_bytes
 from .ring import RingFull, RingWriter, block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
@@ -75,15 +75,15 @@ def child_copies(
 
 
 def fork_snapshot(
-    pool: StagingPool, start: int, block: int, copies: list[tuple[int, int, int]], nice: int, daemon_pid: int
+    ring: StagingRing, start: int, block: int, copies: list[tuple[int, int, int]], nice: int, daemon_pid: int
 ) -> Snapshot | None:
     """Fork a child that produces ``copies`` at virtual ``start`` and then seals ``block``;
     returns once it started (None if no child started: :func:`fork_started`). The child runs at
     CPU niceness ``nice`` (added to the trainer's), and gives up when the daemon (``daemon_pid``)
     is gone or makes no room for ``snapshot_timeout_s``."""
-    seal = start_block(pool, block)
+    seal = start_block(ring, block)
     end = start + span(rel + n for rel, _, n in copies)
-    writer = RingWriter(pool.segment.fileno(), pool.capacity, pool.writer.timeout_s, _alive(daemon_pid))
+    writer = RingWriter(ring.segment.fileno(), ring.capacity, ring.writer.timeout_s, _alive(daemon_pid))
     pid = fork_started(lambda: _child(writer, start, end, block, copies, seal, nice))
     return None if pid is None else Snapshot(pid=pid, seal=seal, seal_offset=block_offset(block))
 
@@ -209,7 +209,7 @@ def reap(pids: list[int], block: bool) -> list[int]:
     return left
 
 
-def fork_into(pool: StagingPool, claim: Claim, nice: int, daemon_pid: int) -> Snapshot | None:
+def fork_into(ring: StagingRing, claim: Claim, nice: int, daemon_pid: int) -> Snapshot | None:
     """A fork snapshot of the claimed save, or None when it cannot fork (payloads the child cannot
     copy, no fork on this system, or fork() failing): the caller then produces the items itself."""
     if not fork_available():
@@ -219,14 +219,14 @@ def fork_into(pool: StagingPool, claim: Claim, nice: int, daemon_pid: int) -> Sn
         return None
     copies, keep = found
     try:
-        snap = fork_snapshot(pool, claim.start, claim.block, copies, nice, daemon_pid)
+        snap = fork_snapshot(ring, claim.start, claim.block, copies, nice, daemon_pid)
     except OSError as exc:  # EAGAIN/ENOMEM: too many processes, or no memory for page tables
         log.warning(
-            "rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside save() instead", pool.rank, exc
+            "rank %d: fork() for a copy-on-write snapshot failed (%s); copying inside save() instead", ring.rank, exc
         )
         return None
     finally:
         del keep  # the child has its own copy of the buffers now
     if snap is None:
-        log.warning("rank %d: no snapshot process started; copying inside save() instead", pool.rank)
+        log.warning("rank %d: no snapshot process started; copying inside save() instead", ring.rank)
     return snap

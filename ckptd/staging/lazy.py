@@ -49,8 +49,8 @@ import torch
 from ..errors import StagingError
 from ..format.items import PlannedItem
 from .devcopy import DeviceCopier
-from .pool import Placement, StagingPool
 from .producer import Claim, Snapshot, start_block
+from .rankside import Placement, StagingRing
 from .ring import block_offset, give_up_mark, span
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ STOP_MARGIN_S = 0.5
 
 @dataclass
 class _Job:
-    pool: StagingPool
+    ring: StagingRing
     start: int
     block: int
     items: list[PlannedItem]
@@ -94,15 +94,15 @@ class LazyCopier:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
-    def start(self, pool: StagingPool, claim: Claim) -> LazyProducer:
+    def start(self, ring: StagingRing, claim: Claim) -> LazyProducer:
         """Prepare the production of one save; its producer, whose snapshot the SAVE announces (its
         pid is this process: the daemon fails the save if it dies before sealing). The copier
         thread starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile
         would compete with ``save()`` for the interpreter, and the stall is what matters here)."""
-        seal = start_block(pool, claim.block)
+        seal = start_block(ring, claim.block)
         items = claim.items
         job = _Job(
-            pool,
+            ring,
             claim.start,
             claim.block,
             items,
@@ -143,7 +143,7 @@ class LazyCopier:
             if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
             elif job.cuda:
-                job.pool.order_after_copies()
+                job.ring.order_after_copies()
             changed = next(
                 (
                     i.record.where()
@@ -220,9 +220,9 @@ class LazyCopier:
         """Produce item by item, each once the ring has room, publishing the progress after each
         (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
         that) and published once they landed, in order (ckptd.staging.devcopy)."""
-        pool = job.pool
+        ring = job.ring
         # A wait for ring space gives up at once when the Checkpointer closes.
-        copier = DeviceCopier(pool, job.block, self.timeout_s, job.ready, self._stopping.is_set)
+        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._stopping.is_set)
         try:
             copier.produce(job.start, job.items, job.placements)
             copier.flush()
@@ -231,11 +231,11 @@ class LazyCopier:
         except BaseException:
             copier.abort()
             raise
-        pool.writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
+        ring.writer.publish(job.block, job.start + span(p.offset + p.nbytes for p in job.placements))
 
     def _decide(self, job: _Job) -> None:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""
-        writer = job.pool.writer
+        writer = job.ring.writer
         if not job.fenced.wait(self.timeout_s):
             job.torn = job.torn or f"it was not fenced within {self.timeout_s:g} s (no before_update())"
         if job.torn:

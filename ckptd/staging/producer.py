@@ -10,7 +10,7 @@ A save's bytes reach the ring (:mod:`ckptd.staging.ring`) through exactly one pr
   ``snapshot="copy"``, or when no child could be forked).
 
 Order of one save (``ckptd.client.checkpointer``): claim a control block and the save's range of
-the ring (:meth:`StagingPool.claim <ckptd.staging.pool.StagingPool.claim>`, described by a
+the ring (:meth:`StagingRing.claim <ckptd.staging.rankside.StagingRing.claim>`, described by a
 :class:`Claim`); start its producer (it clears the block and draws the seal: :func:`start_block`;
 a fork child starts copying here); send the SAVE announcing :attr:`Producer.snapshot`; then
 exactly one of
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..format.items import PlannedItem
-from .pool import Placement, StagingPool
+from .rankside import Placement, StagingRing
 from .ring import PROGRESS_NBYTES, SEAL_NBYTES, block_offset, span
 
 
@@ -87,7 +87,7 @@ class Producer(Protocol):
         ...
 
 
-def start_block(pool: StagingPool, block: int) -> bytes:
+def start_block(ring: StagingRing, block: int) -> bytes:
     """Clear a control block for a new save (no stale seal or progress); the save's seal."""
-    pool.segment.write(block_offset(block), bytes(SEAL_NBYTES + PROGRESS_NBYTES))
+    ring.segment.write(block_offset(block), bytes(SEAL_NBYTES + PROGRESS_NBYTES))
     return secrets.token_bytes(SEAL_NBYTES)

@@ -42,7 +42,7 @@ _SEGMENT_TAIL = re.compile(r"r(\d+)-([0-9a-f]{32})-s(\d+)")
 
 
 def new_generation() -> str:
-    """The random part of a new pool's segment names (128 bits: unguessable)."""
+    """The random part of a new ring's segment names (128 bits: unguessable)."""
     return secrets.token_hex(16)
 
 

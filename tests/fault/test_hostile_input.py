@@ -7,7 +7,7 @@ make it misbehave.
   refused and counted (``ckptd status``, ``ckptd_rejected_messages_total``).
 - From an authenticated connection: malformed, truncated, oversized, wrong-version, foreign-job,
   pickled messages, out-of-range steps and attempt ids are rejected and logged; a HELLO must name
-  the connecting process; a connection saves only from its own pools and waits only on its own
+  the connecting process; a connection saves only from its own rings and waits only on its own
   snapshot child.
 - Sockets, the runtime directory and shared memory are owner-only.
 The daemon keeps serving a real Checkpointer throughout.
@@ -42,8 +42,8 @@ from ckptd.control.protocol import (
     MsgType,
     Ping,
     Pong,
-    PoolOk,
-    RegisterPool,
+    RegisterRing,
+    RingOk,
     Save,
     Status,
     StatusReply,
@@ -52,7 +52,7 @@ from ckptd.control.protocol import (
 from ckptd.control.security import make_client_secure
 from ckptd.daemon.metrics import prometheus_text
 from ckptd.daemon.snapshot import boottime_s
-from ckptd.staging.pool import StagingPool
+from ckptd.staging.rankside import StagingRing
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
 from tools.harness.waiting import wait_until
@@ -318,15 +318,15 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
 @pytest.mark.timeout(60)
 def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_child(job):
     """Another connection of the same job (here: the test process, saying HELLO as rank 0 with its
-    true pid) can neither save from nor retire the Checkpointer's pool, nor speak for rank 1, nor
+    true pid) can neither save from nor retire the Checkpointer's ring, nor speak for rank 1, nor
     make a writer wait on a process that is not its own snapshot child."""
     ep = job.ckpt.endpoints
-    victim = job.ckpt._ring.pool
+    victim = job.ckpt._ring.current
     assert victim is not None
-    old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its pool
+    old_child = subprocess.Popen(["sleep", "60"])  # a child of this process, older than its ring
     started = boottime_s()
     wait_until(lambda: boottime_s() > started + 0.1, 5, "the clock to move past the child's start")
-    own = StagingPool.create(ep.shm_prefix, 0, 1 << 20, timeout_s=5)
+    own = StagingRing.create(ep.shm_prefix, 0, 1 << 20, timeout_s=5)
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
@@ -350,15 +350,15 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
             )
         )
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
-        reply = ask(RegisterPool(rank=1, generation=own.generation, ring_nbytes=own.capacity, names=own.names))
+        reply = ask(RegisterRing(rank=1, generation=own.generation, ring_nbytes=own.capacity, names=own.names))
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
-        # Its own pool of rank 0 does not retire the Checkpointer's pool of rank 0.
+        # Its own ring of rank 0 does not retire the Checkpointer's ring of rank 0.
         assert isinstance(
-            ask(RegisterPool(rank=0, generation=own.generation, ring_nbytes=own.capacity, names=own.names)), PoolOk
+            ask(RegisterRing(rank=0, generation=own.generation, ring_nbytes=own.capacity, names=own.names)), RingOk
         )
         for pid, why in (
             (1, "is not a child of the rank's process"),
-            (old_child.pid, "is older than the rank's staging pool"),
+            (old_child.pid, "is older than the rank's staging ring"),
         ):
             reply = ask(
                 Save(
@@ -379,15 +379,15 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
                 )
             )
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
-        peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own pool only
+        peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own ring only
         assert isinstance(ask(Ping(nonce=3)), Pong)
     finally:
         peer.close()
-        own.close(unlink=False)  # the daemon owns it since POOL_OK
+        own.close(unlink=False)  # the daemon owns it since RING_OK
         old_child.kill()
         old_child.wait()
     job.committed(5)
-    assert job.ckpt._ring.pool is victim  # the Checkpointer never had to register a new pool
+    assert job.ckpt._ring.current is victim  # the Checkpointer never had to register a new ring
 
 
 @pytest.mark.timeout(60)
@@ -399,7 +399,7 @@ def test_sockets_runtime_dir_and_shared_memory_are_owner_only(job):
         assert st.st_uid == os.getuid() and not stat.S_IMODE(st.st_mode) & 0o077, (path, oct(st.st_mode))
     assert stat.S_ISSOCK(ep.socket_path.stat().st_mode)
     segments = list_segments(ep.shm_prefix)
-    assert segments, "the Checkpointer's staging pool should exist"
+    assert segments, "the Checkpointer's staging ring should exist"
     for name in segments:
         st = (SHM_DIR / name).stat()
         assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600, (name, oct(st.st_mode))
@@ -412,7 +412,7 @@ def test_sockets_runtime_dir_and_shared_memory_are_owner_only(job):
         peer = Peer(ep.ipc_address, ep.job, _keys(job))
         try:
             assert isinstance(peer.ask(peer.codec.encode(Hello(rank=0, pid=os.getpid(), root=str(job.root)))), Welcome)
-            reply = peer.ask(peer.codec.encode(RegisterPool(rank=0, generation="open", ring_nbytes=4096, names=[name])))
+            reply = peer.ask(peer.codec.encode(RegisterRing(rank=0, generation="open", ring_nbytes=4096, names=[name])))
             assert isinstance(reply, ErrorReply) and "not a private (0600) file" in reply.reason, reply
         finally:
             peer.close()

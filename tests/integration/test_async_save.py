@@ -181,8 +181,8 @@ def test_checkpoint_commits_after_trainers_are_killed(job, tmp_path):
     assert torch.equal(plain["emb"], aj.full_emb(step))
     for r in range(aj.WORLD):
         aj.check_loaded(ckptd.load(aj.request(r), d), r, step)
-    # The daemons noticed the dead trainers and freed their pools (no shared memory held for them).
-    wait_until(lambda: not aj.leftovers(root, job["eps"])["segments"], 30, "the dead trainers' pools to be freed")
+    # The daemons noticed the dead trainers and freed their rings (no shared memory held for them).
+    wait_until(lambda: not aj.leftovers(root, job["eps"])["segments"], 30, "the dead trainers' rings to be freed")
 
 
 # --- 3. the coordinator's daemon SIGKILLed while it writes -------------------------------------

@@ -1,4 +1,4 @@
-"""A single process without torch.distributed: backpressure (skip, wait), retention, pool growth,
+"""A single process without torch.distributed: backpressure (skip, wait), retention, ring growth,
 and an auto-started daemon that exits by itself and leaves nothing behind. Real daemon, real files.
 """
 
@@ -160,17 +160,17 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
     is abandoned and its ring space is free again (a ring of one save: otherwise the next save
     would wait until it times out). The failure is injected into the copy of one tensor, as a
     failing device copy would raise."""
-    from ckptd.staging.pool import StagingPool
+    from ckptd.staging.rankside import StagingRing
 
     refused = torch.ones(2, 4).t()
-    real_write = StagingPool._write_tensor
+    real_write = StagingRing._write_tensor
 
     def write_tensor(self, src, v):
         if src.data_ptr() == refused.data_ptr():
             raise RuntimeError("copy refused by the device")
         return real_write(self, src, v)
 
-    monkeypatch.setattr(StagingPool, "_write_tensor", write_tensor)
+    monkeypatch.setattr(StagingRing, "_write_tensor", write_tensor)
     runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env(
         {},

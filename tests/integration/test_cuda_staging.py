@@ -42,12 +42,13 @@ def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process)
             h = ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, step=step)
             for t in tensors.values():
                 t.fill_(float("nan"))  # training overwrites on the GPU right after save() returned
-            assert ckpt._ring.pool is not None and ckpt._ring.pool.pinner is not None  # pinned in the background
+            assert ckpt._ring.current is not None and ckpt._ring.current.pinner is not None  # pinned in the background
             h.wait(timeout_s=60)
             for k, v in refs[step].items():
                 tensors[k].copy_(v)
-        assert ckpt._ring.pool.pinner.wait(ckpt._ring.pool.capacity - 1, timeout_s=60) and ckpt._ring.pool.pinned
-        assert ckpt._ring.pool.dma_pieces > 0 and ckpt._ring.pool.pageable_pieces == 0  # every copy by DMA
+        ring = ckpt._ring.current
+        assert ring.pinner.wait(ring.capacity - 1, timeout_s=60) and ring.pinned
+        assert ring.dma_pieces > 0 and ring.pageable_pieces == 0  # every copy by DMA
         for step in (1, 3):
             want = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}
             out = ckpt.load(want, step=step)
@@ -128,7 +129,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
     with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
         if prepared:
             ckpt.prepare(_sharded(tensors))
-            assert ckpt._ring.pool.pinner.wait(ckpt._ring.pool.capacity - 1, timeout_s=120)
+            assert ckpt._ring.current.pinner.wait(ckpt._ring.current.capacity - 1, timeout_s=120)
         ref = {k: v.cpu() for k, v in tensors.items()}
         h = ckpt.save(_sharded(tensors), step=1)
         assert threading.get_ident() not in reg.threads  # nothing registered on this thread
@@ -136,9 +137,9 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
         for t in tensors.values():
             t.fill_(float("nan"))  # training overwrites right after (default) / after the fence (lazy)
         h.wait(timeout_s=120)
-        pool = ckpt._ring.pool
-        assert pool.pageable_pieces == 0 and pool.dma_pieces > 0
-        assert pool.dma_pieces < len(sizes)  # small tensors were gathered into shared copies
+        ring = ckpt._ring.current
+        assert ring.pageable_pieces == 0 and ring.dma_pieces > 0
+        assert ring.dma_pieces < len(sizes)  # small tensors were gathered into shared copies
         out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=1)
         assert all(torch.equal(out[k].cpu(), ref[k]) for k in ref)
         print(f"first save ({snapshot}, prepared={prepared}): stall {h.stall_s:.3f} s")
@@ -151,8 +152,8 @@ def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explici
     tensors = {f"w{i}": torch.full((1 << 20,), float(i), device="cuda") for i in range(4)}
     with ckptd.Checkpointer(tmp_path / "run", config=_config(pin_memory=False)) as ckpt:
         ckpt.save(_sharded(tensors), step=1).wait(timeout_s=60)
-        pool = ckpt._ring.pool
-        assert pool.pinner is None and pool.dma_pieces == 0 and pool.pageable_pieces > 0
+        ring = ckpt._ring.current
+        assert ring.pinner is None and ring.dma_pieces == 0 and ring.pageable_pieces > 0
         out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=1)
         assert all(torch.equal(out[k], v) for k, v in tensors.items())
 
@@ -203,7 +204,7 @@ def _two_ranks_one_gpu(rank: int, world: int, root: str, runtime: str) -> bool:
         h = ckpt.save(sd, step=1)
         local.fill_(float("nan"))
         h.wait(timeout_s=120)
-        assert ckpt._ring.pool.pageable_pieces == 0
+        assert ckpt._ring.current.pageable_pieces == 0
         want = {
             "w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(local), (0, rank, world)),
             f"m{rank}": ShardedTensor.from_rank_offsets(f"m{rank}", torch.zeros_like(moment)),

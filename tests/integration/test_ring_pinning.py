@@ -44,20 +44,20 @@ def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_proc
     reg = CountingRegistrar()
     monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     state = _state(300_000)  # 4.6 MiB: the default 1.25x ring is 5.7 MiB, 23 chunks of 256 KiB
-    monkeypatch.setattr("ckptd.staging.pool.CHUNK_NBYTES", 256 << 10)
+    monkeypatch.setattr("ckptd.staging.rankside.CHUNK_NBYTES", 256 << 10)
     me = threading.get_ident()
     with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
         ckpt.prepare(_sharded(state))
-        pool = ckpt._ring.pool
-        assert pool is not None and pool.pinner is not None
-        assert pool.pinner.wait(pool.capacity - 1, timeout_s=30)
+        ring = ckpt._ring.current
+        assert ring is not None and ring.pinner is not None
+        assert ring.pinner.wait(ring.capacity - 1, timeout_s=30)
         before = len(reg.calls)
         for step in (1, 2):
             h = ckpt.save(_sharded(state), step=step)
             assert len(reg.calls) == before  # nothing registered (or released) inside save()
             ckpt.before_update()
             h.wait(timeout_s=60)
-        assert reg.registered_nbytes() == pool.capacity and reg.registered_nbytes(thread=me) == 0
+        assert reg.registered_nbytes() == ring.capacity and reg.registered_nbytes(thread=me) == 0
     assert reg.live == {}  # close() unregistered every chunk
 
 
@@ -72,10 +72,10 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
     try:
         with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot="copy")) as ckpt:
             h = ckpt.save(_sharded(state), step=1)
-            assert reg.registered() == [] and not ckpt._ring.pool.pinned  # the pinner waits at the gate
+            assert reg.registered() == [] and not ckpt._ring.current.pinned  # the pinner waits at the gate
             gate.set()
             h.wait(timeout_s=60)
-            assert ckpt._ring.pool.pinner.wait(ckpt._ring.pool.capacity - 1, timeout_s=30)
+            assert ckpt._ring.current.pinner.wait(ckpt._ring.current.capacity - 1, timeout_s=30)
             assert reg.registered_nbytes(thread=threading.get_ident()) == 0
     finally:
         gate.set()
@@ -87,12 +87,12 @@ def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(tmp_path,
     reg = CountingRegistrar()
     monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="4MiB")) as ckpt:
-        pool = ckpt._ring.pool
-        assert pool is not None and pool.capacity == 4 << 20 and pool.pinner is not None
-        assert pool.pinner.wait(pool.capacity - 1, timeout_s=30)
+        ring = ckpt._ring.current
+        assert ring is not None and ring.capacity == 4 << 20 and ring.pinner is not None
+        assert ring.pinner.wait(ring.capacity - 1, timeout_s=30)
         h = ckpt.save(_sharded(_state(1000)), step=1)
         h.wait(timeout_s=60)
-        assert ckpt._ring.pool is pool and reg.registered_nbytes() == 4 << 20
+        assert ckpt._ring.current is ring and reg.registered_nbytes() == 4 << 20
     assert reg.live == {}
 
 
@@ -101,4 +101,4 @@ def test_no_pinning_without_cuda_in_use(tmp_path, single_process):
     """A process that never used CUDA pins nothing (and creates no CUDA context to do it)."""
     with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
         ckpt.prepare(_sharded(_state(1000)))
-        assert ckpt._ring.pool is not None and ckpt._ring.pool.pinner is None
+        assert ckpt._ring.current is not None and ckpt._ring.current.pinner is None

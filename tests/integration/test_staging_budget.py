@@ -68,7 +68,7 @@ def _saves(rank: int, world: int, root: str, snapshot: str, budget: str) -> dict
         for h in handles:
             h.wait(timeout_s=120)
             peak_shm = max(peak_shm, _ring_shm_nbytes(ckpt.endpoints.shm_prefix))
-        ring_nbytes = ckpt.status()["pools"][0]["ring_nbytes"]
+        ring_nbytes = ckpt.status()["rings"][0]["ring_nbytes"]
         for step in (1, 2, 3):
             want = {k: torch.zeros(ROWS, COLS) for k in ("a", "b")}
             out = ckpt.load(_sharded(want, rank, world, -1), step=step)

@@ -111,7 +111,7 @@ def test_every_message_type_round_trips():
         StepAborted(step=7, attempt=ATTEMPT, reason="rank 1 skipped it", skipped=True),
         Skip(step=7, attempt=ATTEMPT, rank=1, world_size=2, reason="its ring was busy", skipped=True),
         Failed(step=7, attempt=ATTEMPT, rank=1, world_size=2, node=0, reason="skipped the save", skipped=True),
-        StatusReply(info={"pools": [], "x": 1.5}),
+        StatusReply(info={"rings": [], "x": 1.5}),
     ]
     for msg in samples:
         frames = codec.encode(msg)

@@ -47,8 +47,8 @@ def _zip_crcs(item: bytes) -> list[int]:
 
 def _write_on_thread(*args, **kwargs):
     """write_data_file on a fresh thread, as the daemon's writer pool runs it."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(write_data_file, *args, **kwargs).result()
+    with ThreadPoolExecutor(1) as ring:
+        return ring.submit(write_data_file, *args, **kwargs).result()
 
 
 def test_crc_covers_exactly_each_items_bytes_and_replaces_the_zip_crc(tmp_path):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.rings import RingTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.errors import StagingError
 from ckptd.format.items import PlannedItem
@@ -23,21 +23,21 @@ from ckptd.staging.children import SnapshotChildren
 from ckptd.staging.devcopy import InlineProducer
 from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap
 from ckptd.staging.lazy import LazyCopier
-from ckptd.staging.pool import StagingPool, bytes_view, place
 from ckptd.staging.producer import Claim, Producer, start_block
+from ckptd.staging.rankside import StagingRing, bytes_view, place
 from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
 
 
 @pytest.fixture
-def ring():
+def rings():
     """A rank's ring of 8 MiB, and the daemon's mapping of it."""
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, 8 << 20, timeout_s=30)
-    table = PoolTable(prefix)
-    dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
-    yield pool, dpool.ring
-    pool.close(unlink=False)
+    ring = StagingRing.create(prefix, 0, 8 << 20, timeout_s=30)
+    table = RingTable(prefix)
+    daemon_ring = table.register(0, ring.generation, ring.capacity, ring.names, b"id")
+    yield ring, daemon_ring.map
+    ring.close(unlink=False)
     table.release_all()
     assert not unlink_segments(prefix)
 
@@ -63,16 +63,16 @@ def _items(tensors: list[torch.Tensor], blob: bytes) -> list[PlannedItem]:
 
 
 @pytest.mark.timeout(60)
-def test_child_copies_the_values_at_fork_time(ring):
-    pool, dring = ring
+def test_child_copies_the_values_at_fork_time(rings):
+    ring, dring = rings
     tensors = [torch.randn(1000), torch.randn(256, 1024), torch.randn(0)]
     expected = [t.clone() for t in tensors]
     items = _items(tensors, b"pickled object bytes")
     placements, nbytes = place(items)
     found = child_copies(items, placements)
     assert found is not None
-    block, start = pool.claim(placements)
-    snap = fork_snapshot(pool, start, block, found[0], nice=0, daemon_pid=os.getpid())
+    block, start = ring.claim(placements)
+    snap = fork_snapshot(ring, start, block, found[0], nice=0, daemon_pid=os.getpid())
     for t in tensors:
         t.fill_(float("nan"))  # training overwrites right after save() returned
     wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset)
@@ -88,15 +88,15 @@ def test_child_copies_the_values_at_fork_time(ring):
 
 
 @pytest.mark.timeout(60)
-def test_a_save_bigger_than_the_ring_streams_through_it_and_wraps(ring):
+def test_a_save_bigger_than_the_ring_streams_through_it_and_wraps(rings):
     """The child waits for room; the consumer frees it item by item; items that cross the end
     of the ring are contiguous in the daemon's double mapping."""
-    pool, dring = ring
+    ring, dring = rings
     tensors = [torch.randn(3 << 18) for _ in range(8)]  # 3 MiB each, 24 MiB through an 8 MiB ring
     items = _items(tensors, b"")[:-1]
     placements, _ = place(items)
-    block, start = pool.claim(placements)
-    snap = fork_snapshot(pool, start, block, child_copies(items, placements)[0], nice=0, daemon_pid=os.getpid())
+    block, start = ring.claim(placements)
+    snap = fork_snapshot(ring, start, block, child_copies(items, placements)[0], nice=0, daemon_pid=os.getpid())
     wait = SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset)
     wrapped = 0
     for t, p in zip(tensors, placements):
@@ -119,12 +119,12 @@ def test_non_plain_shards_are_not_forked():
 
 
 @pytest.mark.timeout(60)
-def test_a_child_that_dies_before_sealing_fails_the_save_and_frees_its_space(ring):
-    pool, dring = ring
+def test_a_child_that_dies_before_sealing_fails_the_save_and_frees_its_space(rings):
+    ring, dring = rings
     pid = os.fork()
     if pid == 0:
         os._exit(0)  # exits without copying or sealing: as if killed half-way
-    seal = start_block(pool, 3)
+    seal = start_block(ring, 3)
     wait = SnapshotWait.open(3, pid, seal, block_offset(3))
     with pytest.raises(StagingError, match=f"rank 3: snapshot process {pid} exited before it had copied"):
         wait.wait_for(dring, 100, timeout_s=30)  # nothing was copied: no progress, no seal
@@ -142,14 +142,14 @@ def test_a_child_that_dies_before_sealing_fails_the_save_and_frees_its_space(rin
 
 
 @pytest.mark.timeout(60)
-def test_a_child_that_hangs_times_out(ring):
-    pool, dring = ring
+def test_a_child_that_hangs_times_out(rings):
+    ring, dring = rings
     pid = os.fork()
     if pid == 0:
         time.sleep(30)  # the hang under test (killed below), not a wait for anything
         os._exit(0)
     try:
-        wait = SnapshotWait.open(1, pid, start_block(pool, 0), block_offset(0))
+        wait = SnapshotWait.open(1, pid, start_block(ring, 0), block_offset(0))
         t0 = time.monotonic()
         with pytest.raises(StagingError, match="did not finish copying within 0.3 s"):
             wait.wait(dring, timeout_s=0.3)
@@ -255,25 +255,25 @@ def test_forks_while_threads_create_thread_states_all_start():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["fork", "lazy", "inline"])
-def test_every_producer_kind_produces_and_seals_the_claimed_save(ring, kind):
+def test_every_producer_kind_produces_and_seals_the_claimed_save(rings, kind):
     # The three producers behind one type: started on a claim, told that the daemon took the save
     # (after_ack), each leaves the values of save() time in the ring and the seal the SAVE announced.
-    pool, dring = ring
+    ring, dring = rings
     tensors = [torch.randn(1000), torch.randn(256, 1024)]
     expected = [t.clone() for t in tensors]
     items = _items(tensors, b"pickled object bytes")
     placements, _ = place(items)
-    block, start = pool.claim(placements)
+    block, start = ring.claim(placements)
     claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
     children, copier = SnapshotChildren(0), LazyCopier(0, timeout_s=30)
     producer: Producer | None
     if kind == "fork":
-        producer, waited_s = children.fork(pool, claim, os.getpid(), time.sleep)
+        producer, waited_s = children.fork(ring, claim, os.getpid(), time.sleep)
         assert waited_s >= 0
     elif kind == "lazy":
-        producer = copier.start(pool, claim)
+        producer = copier.start(ring, claim)
     else:
-        producer = InlineProducer(pool, claim, pin_timeout_s=30)
+        producer = InlineProducer(ring, claim, pin_timeout_s=30)
     assert producer is not None
     snap = producer.snapshot
     assert producer.after_ack() >= 0
@@ -289,14 +289,14 @@ def test_every_producer_kind_produces_and_seals_the_claimed_save(ring, kind):
 
 
 @pytest.mark.timeout(60)
-def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(ring):
-    pool, _ = ring
+def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(rings):
+    ring, _ = rings
     items = _items([torch.randn(4096)], b"x")
     placements, _ = place(items)
-    block, start = pool.claim(placements)
+    block, start = ring.claim(placements)
     claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
     children = SnapshotChildren(0)
-    producer, _ = children.fork(pool, claim, os.getpid(), time.sleep)
+    producer, _ = children.fork(ring, claim, os.getpid(), time.sleep)
     assert producer is not None
     producer.cancel()  # the daemon never took the save: its range may be given back now
     with pytest.raises(ChildProcessError):

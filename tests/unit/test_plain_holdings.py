@@ -172,7 +172,7 @@ def test_a_save_of_10000_replicas_sends_their_keys_once():
     layout, and nothing more while the layout stays the same."""
     from ckptd.client.layout import LayoutCache
     from ckptd.control.protocol import Codec, Save
-    from ckptd.staging.pool import place
+    from ckptd.staging.rankside import place
 
     sd = {f"layers.{i}.weight": ShardedTensor.from_rank_offsets(f"layers.{i}.weight", torch.ones(2), replica_id=1)
           for i in range(10_000)}  # fmt: skip

@@ -21,7 +21,7 @@ from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.gcpause import gc_paused
 from ckptd.staging.devcopy import copy_inline
-from ckptd.staging.pool import StagingPool, bytes_view, place
+from ckptd.staging.rankside import StagingRing, bytes_view, place
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
 
@@ -94,17 +94,17 @@ def test_staging_copies_exactly_the_values_of_every_kind_of_tensor():
     items = [items_mod.PlannedItem(None, p) for p in payloads]  # type: ignore[arg-type]
     placements, nbytes = place(items)
     prefix = f"ckptd-unit{secrets.token_hex(3)}-n0-"
-    pool = StagingPool.create(prefix, 0, -(-nbytes // 4096) * 4096, timeout_s=10)
+    ring = StagingRing.create(prefix, 0, -(-nbytes // 4096) * 4096, timeout_s=10)
     try:
-        block, start = pool.claim(placements)
-        copy_inline(pool, start, block, items, placements, b"s" * 16)
-        base_t = pool.segment.base
+        block, start = ring.claim(placements)
+        copy_inline(ring, start, block, items, placements, b"s" * 16)
+        base_t = ring.segment.base
         for p, pl in zip(payloads, placements):
             raw = memoryview(base_t.numpy()).cast("B")[HEADER_NBYTES + start + pl.offset :][: pl.nbytes]
             got = bytes_view(raw, p.dtype, p.shape)
             assert torch.equal(got, p.detach().resolve_conj().resolve_neg())
     finally:
-        pool.close(unlink=True)
+        ring.close(unlink=True)
         assert not unlink_segments(prefix)
 
 

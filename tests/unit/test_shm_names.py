@@ -1,4 +1,4 @@
-"""Staging segment names: 128 random bits per pool, created O_EXCL|O_NOFOLLOW 0600, and parsed
+"""Staging segment names: 128 random bits per ring, created O_EXCL|O_NOFOLLOW 0600, and parsed
 exactly when a daemon cleans up after a crash: job ``llama``'s cleanup never touches job
 ``llama-n0``'s segments, nor a file of another user (chowned to 65534: these tests run as root)."""
 
@@ -12,7 +12,7 @@ import stat
 import pytest
 
 from ckptd.errors import StagingError
-from ckptd.staging.pool import StagingPool
+from ckptd.staging.rankside import StagingRing
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, remove_orphans, segment_name, unlink_segments
 
 
@@ -25,16 +25,16 @@ def job() -> str:
             os.unlink(SHM_DIR / name)
 
 
-def test_pool_segments_have_unguessable_private_names(job):
-    pool = StagingPool.create(f"ckptd-{job}-n0-", 3, 4096, timeout_s=1)
+def test_ring_segments_have_unguessable_private_names(job):
+    ring = StagingRing.create(f"ckptd-{job}-n0-", 3, 4096, timeout_s=1)
     try:
-        assert len(pool.names) == 1
-        for i, name in enumerate(pool.names):
+        assert len(ring.names) == 1
+        for i, name in enumerate(ring.names):
             assert re.fullmatch(rf"ckptd-{job}-n0-r3-[0-9a-f]{{32}}-s{i}", name), name
             st = os.lstat(SHM_DIR / name)
             assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
     finally:
-        pool.close(unlink=True)
+        ring.close(unlink=True)
     assert new_generation() != new_generation()
 
 

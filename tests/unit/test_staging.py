@@ -13,7 +13,7 @@ import torch
 
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
-from ckptd.daemon.pools import PoolTable
+from ckptd.daemon.rings import RingTable
 from ckptd.daemon.snapshot import SnapshotWait
 from ckptd.daemon.workers import WriteRequest, planned_items, write_rank_file
 from ckptd.errors import SharedMemoryFullError, StagingError
@@ -23,8 +23,8 @@ from ckptd.format.saveplan import plan_save
 from ckptd.format.tensorzip import RawTensor
 from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.staging.devcopy import copy_inline
-from ckptd.staging.pool import ALIGN_NBYTES, StagingPool, place
 from ckptd.staging.producer import start_block
+from ckptd.staging.rankside import ALIGN_NBYTES, StagingRing, place
 from ckptd.staging.ring import ABANDONED, NO_ROOM, RingFull, block_offset, give_up_mark
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
 from ckptd.statedict.split import split_state_dict
@@ -41,7 +41,7 @@ def prefix():
 def test_segment_is_private_sparse_and_survives_its_creator_closing(prefix):
     seg = ShmSegment.create(prefix + "a", 1 << 20)
     st = os.stat(SHM_DIR / seg.name)
-    # Nothing pre-faulted: creating a pool costs no time in the first save.
+    # Nothing pre-faulted: creating a ring costs no time in the first save.
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_blocks == 0
     seg.write(0, bytes([1, 2, 3, 4]))
     seg.reserve()
@@ -89,11 +89,11 @@ def _state(step: int, for_load: bool = False) -> dict:
     }
 
 
-def _produce(pool: StagingPool, items: list, placements: list):
+def _produce(ring: StagingRing, items: list, placements: list):
     """Produce a save inline (as snapshot="copy" does); the daemon's snapshot watch of it."""
-    block, start = pool.claim(placements)
-    seal = start_block(pool, block)
-    copy_inline(pool, start, block, items, placements, seal)
+    block, start = ring.claim(placements)
+    seal = start_block(ring, block)
+    copy_inline(ring, start, block, items, placements, seal)
     return block, start, SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
 
 
@@ -102,23 +102,23 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
     items = plan_save(split, 0)
     placements, nbytes = place(items)
     assert all(p.offset % ALIGN_NBYTES == 0 for p in placements)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
-    table = PoolTable(prefix)
+    ring = StagingRing.create(prefix, 0, capacity=1 << 20, timeout_s=30)
+    table = RingTable(prefix)
     try:
-        assert not pool.pinned  # no CUDA here: staging is pwrite
+        assert not ring.pinned  # no CUDA here: staging is pwrite
         # The daemon side: attach by name, write the rank file from views of the ring.
-        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
-        block, start, wait = _produce(pool, items, placements)
+        daemon_ring = table.register(0, ring.generation, ring.capacity, ring.names, b"id")
+        block, start, wait = _produce(ring, items, placements)
         split.sharded[("w",)].data.fill_(-1)  # training mutates right after staging
         req = WriteRequest(
             step=5, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
         )
-        assert all(isinstance(p.payload, (RawTensor, memoryview)) for p in planned_items(dpool.ring, req))
+        assert all(isinstance(p.payload, (RawTensor, memoryview)) for p in planned_items(daemon_ring.map, req))
         stored, file_nbytes = write_rank_file(
-            PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
+            PosixDataTarget(tmp_path, 0, open, False), daemon_ring.map, req, True, wait, 30
         )
         assert file_nbytes == (tmp_path / "__0_0.distcp").stat().st_size
-        assert dpool.ring.consumed() == req.ring_end  # the ring space is free again
+        assert daemon_ring.map.consumed() == req.ring_end  # the ring space is free again
         finalize(tmp_path, stored, serialize_common(split.common))
         loaded = ckptd.load(_state(0, for_load=True), tmp_path)
         ref = _state(5, for_load=True)
@@ -127,15 +127,15 @@ def test_a_staged_save_writes_a_loadable_checkpoint_independent_of_later_mutatio
         assert loaded["obj"] == {"step": 5, "blob": b"x" * 100} and loaded["iteration"] == 5
         # A second rank's ring with a foreign name is refused; re-registering retires the old.
         with pytest.raises(StagingError, match="are not its staging ring"):
-            table.register(1, "zz", pool.capacity, [prefix + "r9-zz-s0"], b"id")
-        dpool.busy.add(1)
+            table.register(1, "zz", ring.capacity, [prefix + "r9-zz-s0"], b"id")
+        daemon_ring.busy.add(1)
         table.retire_owner(b"id")
         assert list_segments(prefix)  # a save is still in flight: kept
-        dpool.busy.clear()
+        daemon_ring.busy.clear()
         table.collect()
         assert list_segments(prefix) == []  # the daemon unlinked what it owned
     finally:
-        pool.close(unlink=True)
+        ring.close(unlink=True)
         table.release_all()
 
 
@@ -147,28 +147,28 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
     items = split_large_items(plan_save(split, 0), 1 << 20)
     assert len(items) == 8 and all(i.record.sizes == (1 << 17,) for i in items)
     placements, _ = place(items)
-    pool = StagingPool.create(prefix, 0, capacity=1 << 20, timeout_s=30)
-    table = PoolTable(prefix)
+    ring = StagingRing.create(prefix, 0, capacity=1 << 20, timeout_s=30)
+    table = RingTable(prefix)
     try:
-        dpool = table.register(0, pool.generation, pool.capacity, pool.names, b"id")
-        block, start = pool.claim(placements)
-        seal = start_block(pool, block)
+        daemon_ring = table.register(0, ring.generation, ring.capacity, ring.names, b"id")
+        block, start = ring.claim(placements)
+        seal = start_block(ring, block)
         req = WriteRequest(
             step=1, rank=0, records=[i.record for i in items], placements=placements, common=None, ring_start=start
         )
         wait = SnapshotWait.open(0, os.getpid(), seal, block_offset(block))
         with ThreadPoolExecutor(1) as writer:  # the daemon drains while this thread produces
             written = writer.submit(
-                write_rank_file, PosixDataTarget(tmp_path, 0, open, False), dpool.ring, req, True, wait, 30
+                write_rank_file, PosixDataTarget(tmp_path, 0, open, False), daemon_ring.map, req, True, wait, 30
             )
-            waited = copy_inline(pool, start, block, items, placements, seal)
+            waited = copy_inline(ring, start, block, items, placements, seal)
             stored, _ = written.result(timeout=60)
         assert waited > 0  # it really had to wait for room
         finalize(tmp_path, stored, serialize_common(split.common))
         out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(1 << 20))}, tmp_path)
         assert torch.equal(out["w"], w)
     finally:
-        pool.close(unlink=True)
+        ring.close(unlink=True)
         table.release_all()
 
 

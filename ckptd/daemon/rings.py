@@ -5,10 +5,10 @@ A rank's saves stream through its ring in order, so the daemon writes them in or
 write per ring at a time, the next queued until it finished (it frees the ring space the next
 save's producer may be waiting for).
 
-A pool registered by a rank belongs to the daemon: it is unmapped and unlinked here once it is
-*retired* (its rank closed, died, or registered a newer pool) and no write still reads from it.
-A pool is bound to the connection that registered it: only that connection saves from it, and
-only its own later pools or its own BYE retire it.
+A ring registered by a rank belongs to the daemon: it is unmapped and unlinked here once it is
+*retired* (its rank closed, died, or registered a newer ring) and no write still reads from it.
+A ring is bound to the connection that registered it: only that connection saves from it, and
+only its own later rings or its own BYE retire it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class DaemonPool:
+class DaemonRing:
     rank: int
     generation: str
     capacity: int  # the ring's data bytes
-    ring: RingMap
+    map: RingMap  # the daemon's double mapping of the ring's data region
     segment: ShmSegment  # for unlinking
     owner: bytes  # the registering client's socket identity
     registered_s: float = field(default_factory=boottime_s)  # on the clock of process start times
@@ -76,12 +76,12 @@ class DaemonPool:
             self.queued.popleft()()
 
 
-class PoolTable:
+class RingTable:
     def __init__(self, shm_prefix: str) -> None:
         self.shm_prefix = shm_prefix
-        self.pools: dict[tuple[int, str], DaemonPool] = {}
+        self.rings: dict[tuple[int, str], DaemonRing] = {}
 
-    def register(self, rank: int, generation: str, capacity: int, names: list[str], owner: bytes) -> DaemonPool:
+    def register(self, rank: int, generation: str, capacity: int, names: list[str], owner: bytes) -> DaemonRing:
         """Map a rank's new ring; older rings this connection registered retire."""
         if len(names) != 1 or names[0] != segment_name(self.shm_prefix, rank, generation, 0):
             raise StagingError(
@@ -89,68 +89,68 @@ class PoolTable:
                 f"{segment_name(self.shm_prefix, rank, generation, 0)}; they belong to "
                 "another job or node"
             )
-        if (rank, generation) in self.pools:
-            raise StagingError(f"rank {rank}: pool {generation} is registered already")
+        if (rank, generation) in self.rings:
+            raise StagingError(f"rank {rank}: ring {generation} is registered already")
         if not 0 < capacity <= (1 << 48) or capacity % PAGE:
             raise StagingError(f"rank {rank}: a ring of {capacity} bytes is not a positive number of pages")
-        segment, ring = attach_ring(names[0], capacity)
-        for pool in self.pools.values():
-            if pool.owner == owner:
-                pool.retired = True
-        pool = DaemonPool(rank, generation, capacity, ring, segment, owner)
-        self.pools[(rank, generation)] = pool
+        segment, rmap = attach_ring(names[0], capacity)
+        for ring in self.rings.values():
+            if ring.owner == owner:
+                ring.retired = True
+        ring = DaemonRing(rank=rank, generation=generation, capacity=capacity, map=rmap, segment=segment, owner=owner)
+        self.rings[(rank, generation)] = ring
         self.collect()
-        return pool
+        return ring
 
-    def get(self, rank: int, generation: str, owner: bytes) -> DaemonPool:
-        """The live pool ``generation`` of ``rank``, if the connection ``owner`` registered it."""
-        pool = self.pools.get((rank, generation))
-        if pool is None or pool.retired:
+    def get(self, rank: int, generation: str, owner: bytes) -> DaemonRing:
+        """The live ring ``generation`` of ``rank``, if the connection ``owner`` registered it."""
+        ring = self.rings.get((rank, generation))
+        if ring is None or ring.retired:
             raise StagingError(
-                f"rank {rank}: no live staging pool {generation} here (the daemon may "
-                "have restarted); the Checkpointer registers a new pool"
+                f"rank {rank}: no live staging ring {generation} here (the daemon may "
+                "have restarted); the Checkpointer registers a new ring"
             )
-        if pool.owner != owner:
+        if ring.owner != owner:
             raise StagingError(
-                f"rank {rank}: staging pool {generation} was registered by another "
-                "connection; a rank saves from its own pools only"
+                f"rank {rank}: staging ring {generation} was registered by another "
+                "connection; a rank saves from its own rings only"
             )
-        return pool
+        return ring
 
     def write_done(self, rank: int, generation: str, block: int) -> None:
         """A write from ``block`` of that ring finished; a retired ring is released once idle."""
-        pool = self.pools.get((rank, generation))
-        if pool is not None:
-            pool.write_done(block)
+        ring = self.rings.get((rank, generation))
+        if ring is not None:
+            ring.write_done(block)
             self.collect()
 
     def retire_owner(self, owner: bytes) -> None:
-        for pool in self.pools.values():
-            if pool.owner == owner:
-                pool.retired = True
+        for ring in self.rings.values():
+            if ring.owner == owner:
+                ring.retired = True
         self.collect()
 
     def collect(self) -> None:
-        """Unlink retired pools that no write uses any more."""
-        for key, pool in list(self.pools.items()):
-            if pool.retired and not pool.busy:
-                self._release(pool)
-                del self.pools[key]
+        """Unlink retired rings that no write uses any more."""
+        for key, ring in list(self.rings.items()):
+            if ring.retired and not ring.busy:
+                self._release(ring)
+                del self.rings[key]
 
-    def _release(self, pool: DaemonPool) -> None:
-        pool.ring.close()
-        pool.segment.close()
-        pool.segment.unlink()
-        log.info("released staging ring %s of rank %d (%d bytes)", pool.generation, pool.rank, pool.capacity)
+    def _release(self, ring: DaemonRing) -> None:
+        ring.map.close()
+        ring.segment.close()
+        ring.segment.unlink()
+        log.info("released staging ring %s of rank %d (%d bytes)", ring.generation, ring.rank, ring.capacity)
 
     def release_all(self) -> None:
-        for pool in self.pools.values():
-            self._release(pool)
-        self.pools.clear()
+        for ring in self.rings.values():
+            self._release(ring)
+        self.rings.clear()
 
     def segment_paths(self) -> list[str]:
         """The /dev/shm files of the rings mapped here (for memory accounting)."""
-        return [str(p.segment.path) for p in self.pools.values()]
+        return [str(p.segment.path) for p in self.rings.values()]
 
     def summary(self) -> list[dict]:
         return [
@@ -158,12 +158,12 @@ class PoolTable:
                 "rank": p.rank,
                 "generation": p.generation,
                 "ring_nbytes": p.capacity,
-                "consumed": p.ring.consumed(),
+                "consumed": p.map.consumed(),
                 "busy": sorted(p.busy),
                 "queued": len(p.queued),
                 "retired": p.retired,
             }
-            for p in self.pools.values()
+            for p in self.rings.values()
         ]
 
 

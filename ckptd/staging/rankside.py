@@ -2,9 +2,9 @@
 layout of a save's items in it.
 
 :func:`place` lays a save's items out one after the other (aligned offsets relative to the
-save's start); :class:`StagingPool` owns the rank's ring, its pinning for CUDA
+save's start); :class:`StagingRing` owns the rank's ring, its pinning for CUDA
 (:mod:`ckptd.staging.pinning`) and its side streams, and writes host items into it
-(:meth:`StagingPool.produce`). CUDA tensors are copied by :mod:`ckptd.staging.devcopy`.
+(:meth:`StagingRing.produce`). CUDA tensors are copied by :mod:`ckptd.staging.devcopy`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def bytes_view(raw: memoryview, dtype: torch.dtype, shape: tuple[int, ...] | tor
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
 
-class StagingPool:
+class StagingRing:
     """A rank's staging ring (:mod:`ckptd.staging.ring`): one segment of ``HEADER_NBYTES +
     capacity`` bytes named ``<prefix>r<rank>-<generation>-s0``, the saves it streams, and the
     control blocks free for the next ones.
@@ -118,19 +118,19 @@ class StagingPool:
         return [self.segment.name]
 
     @classmethod
-    def create(cls, prefix: str, rank: int, capacity: int, timeout_s: float) -> StagingPool:
+    def create(cls, prefix: str, rank: int, capacity: int, timeout_s: float) -> StagingRing:
         """A new, sparse ring (nothing is allocated but its header page; nothing is pinned)."""
         generation = new_generation()
         segment = ShmSegment.create(segment_name(prefix, rank, generation, 0), HEADER_NBYTES + capacity)
         try:
             segment.write(0, bytes(HEADER_NBYTES))  # the header's page is allocated from here on
-            pool = cls(prefix, rank, capacity, segment, generation, timeout_s)
+            ring = cls(prefix, rank, capacity, segment, generation, timeout_s)
         except BaseException:
             segment.close()
             segment.unlink()
             raise
         log.info("rank %d: staging ring %s: %d bytes", rank, generation, capacity)
-        return pool
+        return ring
 
     def start_pinning(self, registrar: HostRegistrar, chunk_nbytes: int | None = None) -> None:
         """Pin the ring's data region in the background, chunk by chunk (ckptd.staging.pinning);
