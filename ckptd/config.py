@@ -1,8 +1,10 @@
 """Every tunable of asynchronous saving, in one frozen dataclass, overridable from the environment.
 
 ``CkptdConfig.from_env()`` is the only place that reads ``CKPTD_*`` variables: each field ``x``
-is overridden by ``CKPTD_X`` (upper case), parsed as the field's type. A Checkpointer passes its
-config to the daemon it auto-starts through :meth:`CkptdConfig.to_env`, so both sides agree.
+is overridden by ``CKPTD_X`` (upper case), parsed as the field's type. A renamed field's old name
+(:data:`DEPRECATED_NAMES`) still works, as a keyword and as a variable, with a FutureWarning. A
+Checkpointer passes its config to the daemon it auto-starts through :meth:`CkptdConfig.to_env`,
+so both sides agree.
 
 Timeouts are in seconds and bound every wait in the control plane: no call waits forever.
 """
@@ -12,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import Any
 
 from .errors import CkptdError
@@ -32,6 +35,8 @@ _UNITS = {
     "TB": 10**12,
 }
 ON_FULL_POLICIES = ("wait", "skip")
+# Old config names that still work, with the field each now sets (a FutureWarning says so).
+DEPRECATED_NAMES = {"slot_wait_timeout_s": "in_flight_wait_timeout_s"}
 SNAPSHOT_MODES = ("auto", "copy", "lazy")
 
 
@@ -105,7 +110,7 @@ class CkptdConfig:
     # timeouts (seconds)
     request_timeout_s: float = 30.0
     daemon_start_timeout_s: float = 60.0
-    slot_wait_timeout_s: float = 600.0
+    in_flight_wait_timeout_s: float = 600.0  # a save waiting for one of the rank's BLOCKS saves in flight to end
     snapshot_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
     coordinator_timeout_s: float = 30.0
@@ -116,8 +121,14 @@ class CkptdConfig:
     # Test hooks (fault injection, see ckptd.daemon.faults); never set them in production.
     debug_write_delay_s: float = 0.0  # seconds slept before the daemon opens each file for writing
     debug_fault_file: str = ""  # file of fault rules ("fail ENOSPC 4096", "delay 2"), re-read per open
+    # Deprecated: sets in_flight_wait_timeout_s (the name is from when the ring had slots). Not a
+    # field, so to_env() and fields() know the new name only.
+    slot_wait_timeout_s: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, slot_wait_timeout_s: float | None) -> None:
+        if slot_wait_timeout_s is not None:
+            _warn_deprecated("slot_wait_timeout_s", stacklevel=4)  # the caller of CkptdConfig()
+            object.__setattr__(self, "in_flight_wait_timeout_s", slot_wait_timeout_s)
         if self.on_full not in ON_FULL_POLICIES:
             raise CkptdError(f"config on_full={self.on_full!r}: choose one of {ON_FULL_POLICIES}")
         if self.snapshot not in SNAPSHOT_MODES:
@@ -157,6 +168,14 @@ class CkptdConfig:
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
                 values[f.name] = _parse(f.name, "octal" if f.metadata.get("octal") else f.type, raw)
+        for old, new in DEPRECATED_NAMES.items():  # the new name wins where both are given
+            raw = environ.get(ENV_PREFIX + old.upper())
+            if raw is not None:
+                _warn_deprecated(old, env=True, stacklevel=3)  # the caller of from_env()
+                values.setdefault(new, _parse(old, {f.name: f.type for f in fields(cls)}[new], raw))
+            if old in overrides:
+                _warn_deprecated(old, stacklevel=3)
+                overrides.setdefault(new, overrides.pop(old))
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise CkptdError(f"unknown config fields {sorted(unknown)}")
@@ -176,6 +195,13 @@ class CkptdConfig:
             else:
                 out[ENV_PREFIX + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out
+
+
+def _warn_deprecated(old: str, *, stacklevel: int, env: bool = False) -> None:
+    # A FutureWarning is shown to users by default, once per place that raised it.
+    new = DEPRECATED_NAMES[old]
+    name, now = (ENV_PREFIX + old.upper(), ENV_PREFIX + new.upper()) if env else (old, new)
+    warnings.warn(f"ckptd config {name} is deprecated; use {now} (same meaning)", FutureWarning, stacklevel=stacklevel)
 
 
 def parse_budget(budget: str) -> tuple[float, int]:

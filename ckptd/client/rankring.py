@@ -84,12 +84,12 @@ class RankRing:
         if ring.has_free_block():
             return
         t0 = time.monotonic()
-        deadline = t0 + self.config.slot_wait_timeout_s
+        deadline = t0 + self.config.in_flight_wait_timeout_s
         while not ring.has_free_block():
             if time.monotonic() > deadline:
                 raise DaemonError(
                     f"rank {self.rank}: {BLOCKS} saves still in flight after "
-                    f"{self.config.slot_wait_timeout_s:.0f} s (CKPTD_SLOT_WAIT_TIMEOUT_S) for step {step}"
+                    f"{self.config.in_flight_wait_timeout_s:.0f} s (CKPTD_IN_FLIGHT_WAIT_TIMEOUT_S) for step {step}"
                 )
             idle(0.05)
         log.info("rank %d: waited %.3f s for a save of its to finish (step %d)", self.rank, time.monotonic() - t0, step)

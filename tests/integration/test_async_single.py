@@ -112,7 +112,7 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
         idle_exit_s=2.0,
         heartbeat_s=0.2,
         staging_budget="1x",
-        slot_wait_timeout_s=20,
+        in_flight_wait_timeout_s=20,
         snapshot_timeout_s=20,
     )
     sent: list[int] = []
@@ -178,7 +178,7 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
         idle_exit_s=2.0,
         heartbeat_s=0.2,
         staging_budget="1x",
-        slot_wait_timeout_s=5,
+        in_flight_wait_timeout_s=5,
         snapshot_timeout_s=10,
         snapshot="copy",
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import msgpack
 import pytest
@@ -283,3 +284,38 @@ def test_config_env_overrides_in_one_place():
         CkptdConfig.from_env({}, pool_size=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.writer_threads = 5  # type: ignore[misc]  # frozen
+
+
+def test_the_old_name_of_the_in_flight_wait_still_sets_it_with_a_warning():
+    """slot_wait_timeout_s (there are no slots any more) is a deprecated alias of
+    in_flight_wait_timeout_s: as a keyword, an override and CKPTD_SLOT_WAIT_TIMEOUT_S; the new
+    name wins where both are given, and only the new one is passed on to the daemon."""
+    deprecated = "slot_wait_timeout_s is deprecated; use in_flight_wait_timeout_s"
+    with pytest.warns(FutureWarning, match=deprecated):
+        assert CkptdConfig(slot_wait_timeout_s=7.0).in_flight_wait_timeout_s == 7.0
+    with pytest.warns(FutureWarning, match=deprecated):
+        assert CkptdConfig.from_env({}, slot_wait_timeout_s=8.0).in_flight_wait_timeout_s == 8.0
+    with pytest.warns(
+        FutureWarning, match="CKPTD_SLOT_WAIT_TIMEOUT_S is deprecated; use CKPTD_IN_FLIGHT_WAIT_TIMEOUT_S"
+    ):
+        cfg = CkptdConfig.from_env({"CKPTD_SLOT_WAIT_TIMEOUT_S": "9"})
+    assert cfg.in_flight_wait_timeout_s == 9.0
+    assert "CKPTD_SLOT_WAIT_TIMEOUT_S" not in cfg.to_env() and CkptdConfig.from_env(cfg.to_env()) == cfg
+    with pytest.warns(FutureWarning, match="CKPTD_SLOT_WAIT_TIMEOUT_S is deprecated"):
+        both = {"CKPTD_SLOT_WAIT_TIMEOUT_S": "9", "CKPTD_IN_FLIGHT_WAIT_TIMEOUT_S": "5"}
+        assert CkptdConfig.from_env(both).in_flight_wait_timeout_s == 5.0
+    with pytest.warns(FutureWarning, match=deprecated):
+        assert (
+            CkptdConfig.from_env({}, slot_wait_timeout_s=8.0, in_flight_wait_timeout_s=4.0).in_flight_wait_timeout_s
+            == 4.0
+        )
+    with (
+        pytest.raises(CkptdError, match="CKPTD_SLOT_WAIT_TIMEOUT_S='soon' is not a valid float"),
+        pytest.warns(FutureWarning),
+    ):
+        CkptdConfig.from_env({"CKPTD_SLOT_WAIT_TIMEOUT_S": "soon"})
+    with pytest.warns(FutureWarning, match=deprecated):
+        old = CkptdConfig(slot_wait_timeout_s=3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replace() keeps the value and warns no more
+        assert old.replace(snapshot_timeout_s=1.0).in_flight_wait_timeout_s == 3.0
