@@ -237,7 +237,7 @@ def _planned_wire(item: PlannedItem, plain: dict[str, int], world_size: int) -> 
     differ between them, so its bytes' CRC-32C goes along (rank 0 warns about differing copies)."""
     record = item.record
     if world_size > 1 and record.kind == BYTES and record.fqn in plain and isinstance(item.payload, bytes):
-        record = replace(record, crc32=crc32c(item.payload))
+        record = replace(record, crc=crc32c(item.payload))
     return record.to_wire()
 
 
@@ -382,7 +382,7 @@ def load_content_metadata(
             ckpt.directory,
             allow_unsafe_pickle,
             expected=ckpt.has_common,
-            crc=index.common_crc32,
+            crc=index.common_crc,
             checksum=index.checksum,
         )
         if isinstance(common, dict) and CONTENT_METADATA_KEY in common:

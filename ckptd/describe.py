@@ -105,7 +105,7 @@ def describe_checkpoint(
         shapes = Counter(c.sizes for c in t.chunks)
         chunk_files = sorted({c.relative_path for c in t.chunks})
         files.update(chunk_files)
-        done = sum(c.crc32 is not None for c in t.chunks)
+        done = sum(c.crc is not None for c in t.chunks)
         out.tensors.append(
             TensorInfo(
                 key,
@@ -121,10 +121,10 @@ def describe_checkpoint(
         out.items += len(t.chunks)
         out.checksummed_items += done
     for key, o in sorted(index.objects.items()):
-        out.objects.append(ObjectInfo(key, o.relative_path, o.file_offset, o.length, o.crc32 is not None))
+        out.objects.append(ObjectInfo(key, o.relative_path, o.file_offset, o.length, o.crc is not None))
         files.add(o.relative_path)
         out.items += 1
-        out.checksummed_items += o.crc32 is not None
+        out.checksummed_items += o.crc is not None
     for name in sorted(files):
         path = root / name
         # Sizes of regular files inside the checkpoint only: a link is not followed (-1, as missing).

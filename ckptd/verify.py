@@ -371,16 +371,16 @@ def _check_items(
                 report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
                 continue
             report.bytes_read += r.length
-            if r.crc32 is None:
+            if r.crc is None:
                 report.items_without_checksum += 1
             else:
                 report.items_checksummed += 1
-                if crc != r.crc32:
+                if crc != r.crc:
                     report.add(
                         ERROR,
                         "checksum",
                         f"{_item_name(r)}: bytes [{r.file_offset}, {r.file_offset + r.length}) "
-                        f"of {r.relative_path} have {checksum_name(checksum)} {crc:#010x}, but {r.crc32:#010x} was "
+                        f"of {r.relative_path} have {checksum_name(checksum)} {crc:#010x}, but {r.crc:#010x} was "
                         "recorded at save time; the item is damaged",
                         **where,
                     )
@@ -409,7 +409,7 @@ def _check_common(
         report.add(ERROR, "common", str(exc), file=COMMON_PT)
         return
     report.bytes_read += len(data)
-    recorded = index.common_crc32 if index is not None else None
+    recorded = index.common_crc if index is not None else None
     if index is not None and recorded is not None:
         checksum = index.checksum or crc32c
         crc = checksum(data, 0)

@@ -89,7 +89,7 @@ def _what(r: ItemRecord) -> str:
 
 
 def _differing(key: str, copies: list[ItemRecord], writer: int) -> str:
-    crcs = {r.rank: r.crc32 for r in copies}
+    crcs = {r.rank: r.crc for r in copies}
     if None in crcs.values() or len(set(crcs.values())) < 2:
         return ""
     kept = crcs[writer]

@@ -152,7 +152,7 @@ class StoredChunk:
     relative_path: str
     file_offset: int
     length: int
-    crc32: int | None = None  # recorded at save time by ckptd; None for other writers
+    crc: int | None = None  # recorded at save time by ckptd; None for other writers
 
 
 @dataclass
@@ -169,7 +169,7 @@ class StoredObject:
     relative_path: str
     file_offset: int
     length: int
-    crc32: int | None = None
+    crc: int | None = None
     # A ShardedObject shard (torch.save([obj])) rather than a DCP value (torch.save(value)).
     sharded_object: bool = False
 
@@ -181,8 +181,10 @@ class CheckpointIndex:
     tensors: dict[str, StoredTensor]
     objects: dict[str, StoredObject]
     raw: Metadata
-    common_crc32: int | None = None  # checksum of common.pt, when ckptd recorded it
-    checksum: Checksum | None = None  # computes the recorded checksums (ckptd.format.checksum)
+    # The checksum of common.pt, when ckptd recorded it; it and the chunks' ``crc`` are CRC-32C or,
+    # in tables of older ckptd, zlib CRC-32: ``checksum`` computes them (ckptd.format.checksum).
+    common_crc: int | None = None
+    checksum: Checksum | None = None
 
     @property
     def has_checksums(self) -> bool:
@@ -190,15 +192,15 @@ class CheckpointIndex:
 
 
 def build_metadata(
-    records: list[ItemRecord], checkpoint_id: str | None = None, common_crc32: int | None = None
+    records: list[ItemRecord], checkpoint_id: str | None = None, common_crc: int | None = None
 ) -> Metadata:
     """Turn all ranks' stored records into the DCP Metadata (chunk lists in offset order): the
     object ``.metadata`` holds (:func:`ckptd.format.dcp_pickle.metadata_pickle` writes its bytes).
 
-    Item checksums (``ItemRecord.crc32``) and ``common_crc32`` are kept in the extra attribute
+    Item checksums (``ItemRecord.crc``) and ``common_crc`` are kept in the extra attribute
     :data:`CHECKSUMS_ATTR`, which DCP and Megatron-Core ignore.
     """
-    md = pickle.loads(metadata_pickle(records, checkpoint_id, common_crc32))
+    md = pickle.loads(metadata_pickle(records, checkpoint_id, common_crc))
     if not isinstance(md, Metadata):
         raise TypeError(f"the metadata pickle gave a {type(md).__name__}")  # cannot happen
     return md
@@ -399,7 +401,7 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
             relative_path=c.relative_path,
             file_offset=c.file_offset,
             length=c.length,
-            crc32=c.crc32,
+            crc=c.crc,
             path=planner_path(index, t.fqn),
         )
         for t in index.tensors.values()
@@ -413,7 +415,7 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
             relative_path=o.relative_path,
             file_offset=o.file_offset,
             length=o.length,
-            crc32=o.crc32,
+            crc=o.crc,
             path=planner_path(index, o.fqn),
         )
         for o in index.objects.values()

@@ -121,10 +121,10 @@ def _size(dims: Iterable[int]) -> Reduce:
     return Reduce(TORCH_SIZE, ((*dims,),))  # a new tuple even of a tuple (tuple(t) is t)
 
 
-def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, common_crc32: int | None = None) -> New:
+def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, common_crc: int | None = None) -> New:
     """The DCP Metadata of all ranks' stored records (chunk lists in offset order), as stand-ins.
 
-    Item checksums (``ItemRecord.crc32``) and ``common_crc32`` are kept in the extra attribute
+    Item checksums (``ItemRecord.crc``) and ``common_crc`` are kept in the extra attribute
     :data:`CHECKSUMS_ATTR`, which DCP and Megatron-Core ignore. Objects are shared exactly as
     ``ckptd.format.dcp_metadata`` built them with DCP's classes (what decides the memo, and so the
     bytes).
@@ -181,16 +181,16 @@ def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, 
         "version": DCP_VERSION,
     }
     item_crcs = {
-        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets) if r.kind == TENSOR else ()): r.crc32
+        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets) if r.kind == TENSOR else ()): r.crc
         for r in records
-        if r.crc32 is not None
+        if r.crc is not None
     }
-    if item_crcs or common_crc32 is not None:
+    if item_crcs or common_crc is not None:
         md_state[CHECKSUMS_ATTR] = {
             "version": TABLE_VERSION,
             "algorithm": ALGORITHM,
             "items": item_crcs,
-            "files": {} if common_crc32 is None else {COMMON_PT: common_crc32},
+            "files": {} if common_crc is None else {COMMON_PT: common_crc},
         }
     return New(METADATA, md_state)
 
@@ -198,13 +198,13 @@ def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, 
 def metadata_pickle(
     records: list[ItemRecord],
     checkpoint_id: str | None = None,
-    common_crc32: int | None = None,
+    common_crc: int | None = None,
     protocol: int = 4,
 ) -> bytes:
     """``.metadata``'s bytes: ``pickle.dumps(Metadata, protocol)`` of the records' Metadata
     (:func:`metadata_graph`). ``protocol`` 4 (``pickle.DEFAULT_PROTOCOL``, what DCP writes) or 5
     (the same opcodes here)."""
-    return dumps(metadata_graph(records, checkpoint_id, common_crc32), protocol)
+    return dumps(metadata_graph(records, checkpoint_id, common_crc), protocol)
 
 
 def dumps(obj: Any, protocol: int = 4) -> bytes:

@@ -199,7 +199,7 @@ class ItemSink:
         """Called by torch.save after each item; the file is flushed once, at its end."""
 
     def end(self) -> tuple[int, int, int | None]:
-        """``(offset, length, crc32)`` of the item written since :meth:`begin`."""
+        """``(offset, length, CRC-32C)`` of the item written since :meth:`begin`."""
         if self._held is not None:
             held, self._held = self._held, None
             self._start = self._f.tell()
@@ -276,14 +276,14 @@ def write_data_file(
 ) -> list[ItemRecord]:
     """Write ``items`` into ``directory/file_name``, fsync it, and return the stored records.
 
-    With ``checksums`` each record carries the CRC-32 of its item's bytes (``ItemRecord.crc32``),
+    With ``checksums`` each record carries the CRC-32C of its item's bytes (``ItemRecord.crc``),
     computed as the bytes are written (see :class:`ItemSink`); ``ckptd verify`` checks them.
     ``ready(i)`` is called before item ``i`` is written and returns once its payload is complete
     (the daemon: a snapshot child may still be copying later items); ``written(i)`` after it was
     handed to the file (its payload may be overwritten from then on: the daemon frees ring space).
     """
     if checksums:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32") as executor:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc32c") as executor:
             return _write_data_file(directory, file_name, items, opener, fsync, checksums, executor, ready, written)
     return _write_data_file(directory, file_name, items, opener, fsync, checksums, None, ready, written)
 

@@ -248,7 +248,7 @@ def read_object_item(files: DataFiles, obj: StoredObject, what: str, checksum: C
     where = (
         f"{what} (bytes [{obj.file_offset}, {obj.file_offset + obj.length}) of {files.directory / obj.relative_path})"
     )
-    check_checksum(raw, obj.crc32, checksum, where)
+    check_checksum(raw, obj.crc, checksum, where)
     return raw
 
 
@@ -280,7 +280,7 @@ def read_common(
     root = Path(directory)
     if index is None:
         index = read_index(root, allow_unsafe_pickle)
-    common = read_common_pt(root, allow_unsafe_pickle, crc=index.common_crc32, checksum=index.checksum)
+    common = read_common_pt(root, allow_unsafe_pickle, crc=index.common_crc, checksum=index.checksum)
     out = common if common is not None else {}
     items = common_items(index)
     if not items:

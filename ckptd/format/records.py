@@ -159,10 +159,11 @@ class ItemRecord:
     relative_path: str = ""
     file_offset: int = -1
     length: int = -1
-    # Checksum (CRC-32C, ckptd.format.checksum) of the item's stored bytes
-    # (file[file_offset : file_offset + length]), computed while writing; None when not recorded
-    # (checksums off, or written by torch DCP/megatron-core).
-    crc32: int | None = None
+    # Checksum of the item's stored bytes (file[file_offset : file_offset + length]), computed while
+    # writing: a CRC-32C for what ckptd writes; a record read back from ``.metadata`` holds what the
+    # checkpoint's table recorded (zlib CRC-32 in tables of older ckptd: CheckpointIndex.checksum
+    # says which). None when not recorded (checksums off, or written by torch DCP/megatron-core).
+    crc: int | None = None
     # The state-dict path the key was flattened from (DCP's ``planner_data``), for DCP-style state
     # dicts; empty: the key itself.
     path: tuple[str | int, ...] = ()
@@ -174,8 +175,8 @@ class ItemRecord:
             return 0
         return math.prod(self.sizes) * dtype_itemsize(self.dtype)  # ProtocolError for an unknown name
 
-    def stored_at(self, relative_path: str, file_offset: int, length: int, crc32: int | None = None) -> ItemRecord:
-        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length, crc32=crc32)
+    def stored_at(self, relative_path: str, file_offset: int, length: int, crc: int | None = None) -> ItemRecord:
+        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length, crc=crc)
 
     def where(self) -> str:
         if self.kind == TENSOR:
@@ -203,7 +204,7 @@ class ItemRecord:
                 relative_path=str(d.get("relative_path", "")),
                 file_offset=int(d.get("file_offset", -1)),
                 length=int(d.get("length", -1)),
-                crc32=None if d.get("crc32") is None else int(d["crc32"]),
+                crc=None if d.get("crc") is None else int(d["crc"]),
                 path=tuple(_path_part(p) for p in d.get("path", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -265,7 +265,7 @@ class _Executor:
             self._fallback(entry, where)
             return
         self.stats.raw_items += 1
-        checksum, recorded = self.checksum, item.crc32
+        checksum, recorded = self.checksum, item.crc
         crc = None
         if checksum is not None and recorded is not None and _covers_whole(entry):
             if self.helper is None and layout.nbytes > _CRC_BLOCK_NBYTES:
@@ -337,8 +337,8 @@ class _Executor:
         data = self.files.read(item.relative_path, item.file_offset, item.length, entry.what)
         self.stats.read_calls += 1
         self.stats.bytes_read += len(data)
-        if self.checksum is not None and item.crc32 is not None:
-            check_checksum(data, item.crc32, self.checksum, self._item_what(entry))
+        if self.checksum is not None and item.crc is not None:
+            check_checksum(data, item.crc, self.checksum, self._item_what(entry))
             self.stats.items_verified += 1
         source = load_tensor_bytes(data, entry.what, item.relative_path)
         del data

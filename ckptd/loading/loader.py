@@ -96,7 +96,7 @@ class _Common:
                 self._req.checkpoint_dir,
                 self._req.allow_unsafe_pickle,
                 expected=self._req.has_common,
-                crc=self._index.common_crc32,
+                crc=self._index.common_crc,
                 checksum=self._index.checksum,
             )
         return self._tree

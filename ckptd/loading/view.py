@@ -28,7 +28,7 @@ class ItemRef:
     length: int
     shape: Shape  # the chunk's sizes as stored (the torch.save'd tensor's shape)
     offsets: Shape = ()  # the stored chunk's global offsets (for messages)
-    crc32: int | None = None  # the item's checksum recorded at save time, if any
+    crc: int | None = None  # the item's checksum recorded at save time, if any
 
     @property
     def key(self) -> tuple[str, int]:
@@ -53,7 +53,7 @@ class Source:
     @classmethod
     def of_chunk(cls, chunk: StoredChunk) -> Source:
         ref = ItemRef(
-            chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes), tuple(chunk.offsets), chunk.crc32
+            chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes), tuple(chunk.offsets), chunk.crc
         )
         return cls(tuple(chunk.offsets), tuple(chunk.sizes), ref, tuple(chunk.sizes), (0,) * len(chunk.sizes))
 

@@ -154,7 +154,7 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
         index = read_index(directory)
         records = _ranked(records_from_index(index))
         common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
-        recorded = index.common_crc32
+        recorded = index.common_crc
         if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
             raise CorruptCheckpointError(
                 f"{directory / COMMON_PT} no longer matches its recorded checksum (bit rot on the local disk?); "
@@ -199,7 +199,7 @@ def _upload_data(
         ordered = sorted(items, key=lambda r: r.file_offset)
         nbytes, crcs = _copy_checked(directory, rel, ordered, checksum, mirror, f"{name}/{target}")
         data_files[target] = (rank, nbytes)
-        renamed += [replace(r, relative_path=target, crc32=crc) for r, crc in zip(ordered, crcs, strict=True)]
+        renamed += [replace(r, relative_path=target, crc=crc) for r, crc in zip(ordered, crcs, strict=True)]
     return renamed, data_files
 
 
@@ -223,9 +223,9 @@ def _copy_checked(
                         "mirrored. Run `ckptd verify` on it."
                     )
                 _copy(f, sink, item.file_offset - pos, path)
-                check = checksum if item.crc32 is not None and checksum not in (None, crc32c) else None
+                check = checksum if item.crc is not None and checksum not in (None, crc32c) else None
                 crc, recorded = _copy(f, sink, item.length, path, check)
-                if item.crc32 is not None and checksum is not None and (recorded if check else crc) != item.crc32:
+                if item.crc is not None and checksum is not None and (recorded if check else crc) != item.crc:
                     raise CorruptCheckpointError(
                         f"{item.where()} in {path} no longer matches its recorded checksum (bit rot on the local "
                         "disk?); it is not copied to the mirror. Run `ckptd verify` on the checkpoint."

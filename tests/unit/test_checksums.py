@@ -58,8 +58,8 @@ def test_crc_covers_exactly_each_items_bytes_and_replaces_the_zip_crc(tmp_path):
     off = write_data_file(tmp_path, "off.distcp", items, fsync=False, checksums=False)
     data, plain = (tmp_path / "on.distcp").read_bytes(), (tmp_path / "off.distcp").read_bytes()
     for rec in on:
-        assert rec.crc32 == crc32c.crc32c(data[rec.file_offset : rec.file_offset + rec.length]), rec.fqn
-    assert [r.crc32 for r in off] == [None] * len(items)
+        assert rec.crc == crc32c.crc32c(data[rec.file_offset : rec.file_offset + rec.length]), rec.fqn
+    assert [r.crc for r in off] == [None] * len(items)
     assert [(r.file_offset, r.length) for r in on] == [(r.file_offset, r.length) for r in off]
     for rec, item in zip(on, items):
         mine = data[rec.file_offset : rec.file_offset + rec.length]
@@ -91,13 +91,13 @@ def test_record_wire_format_keeps_crc_and_reads_old_records():
         relative_path="__3_0.distcp",
         file_offset=0,
         length=100,
-        crc32=0xDEADBEEF,
+        crc=0xDEADBEEF,
     )
     wire = msgpack.unpackb(msgpack.packb(rec.to_wire()))
     assert ItemRecord.from_wire(wire) == rec
-    old = {k: v for k, v in rec.to_wire().items() if k != "crc32"}  # a record from before checksums
-    assert ItemRecord.from_wire(old).crc32 is None
-    assert ItemRecord.from_wire(rec.stored_at("f", 1, 2).to_wire()).crc32 is None
+    old = {k: v for k, v in rec.to_wire().items() if k != "crc"}  # a record from before checksums
+    assert ItemRecord.from_wire(old).crc is None
+    assert ItemRecord.from_wire(rec.stored_at("f", 1, 2).to_wire()).crc is None
 
 
 def test_checksums_land_in_metadata_and_index(tmp_path):
@@ -107,14 +107,14 @@ def test_checksums_land_in_metadata_and_index(tmp_path):
     assert table["algorithm"] == "crc32c" and table["version"] == 2
     assert table["files"]["common.pt"] == crc32c.crc32c((tmp_path / "c" / "common.pt").read_bytes())
     index = read_index(tmp_path / "c")
-    assert index.has_checksums and index.common_crc32 == table["files"]["common.pt"]
+    assert index.has_checksums and index.common_crc == table["files"]["common.pt"]
     records = records_from_index(index)
     assert len(records) == len(table["items"]) == 6
     for r in records:
         data = (tmp_path / "c" / r.relative_path).read_bytes()[r.file_offset : r.file_offset + r.length]
-        assert r.crc32 == crc32c.crc32c(data), r.fqn
+        assert r.crc == crc32c.crc32c(data), r.fqn
         key = (r.fqn, tuple(r.offsets) if r.kind == TENSOR else ())
-        assert table["items"][key] == r.crc32
+        assert table["items"][key] == r.crc
 
 
 def test_no_checksums_means_no_table(tmp_path):
@@ -122,8 +122,8 @@ def test_no_checksums_means_no_table(tmp_path):
     assert not hasattr(build_metadata(recs), CHECKSUMS_ATTR)
     make_checkpoint(tmp_path / "c", checksums=False)
     index = read_index(tmp_path / "c")
-    assert all(r.crc32 is None for r in records_from_index(index))
-    assert index.common_crc32 is not None  # common.pt is always checksummed (cheap, written whole)
+    assert all(r.crc is None for r in records_from_index(index))
+    assert index.common_crc is not None  # common.pt is always checksummed (cheap, written whole)
 
 
 def test_malformed_checksum_table_is_a_corrupt_checkpoint(tmp_path):
@@ -141,7 +141,7 @@ def test_checksum_table_of_a_newer_version_is_ignored(tmp_path):
     setattr(md, CHECKSUMS_ATTR, {"version": 2, "algorithm": "xxh3", "items": {}})
     write_metadata(tmp_path / "c", md, fsync=False)
     index = read_index(tmp_path / "c")
-    assert index.common_crc32 is None and all(r.crc32 is None for r in records_from_index(index))
+    assert index.common_crc is None and all(r.crc is None for r in records_from_index(index))
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["layer.bias"], ref["layer.bias"])
 
 
@@ -159,8 +159,8 @@ def test_sync_save_switch(tmp_path):
     x = torch.randn(3, 3)
     ckptd.save({"x": ckptd.ShardedTensor.from_rank_offsets("x", x)}, tmp_path / "a", checksums=False)
     ckptd.save({"x": ckptd.ShardedTensor.from_rank_offsets("x", x)}, tmp_path / "b")
-    assert read_index(tmp_path / "a").tensors["x"].chunks[0].crc32 is None
-    assert read_index(tmp_path / "b").tensors["x"].chunks[0].crc32 is not None
+    assert read_index(tmp_path / "a").tensors["x"].chunks[0].crc is None
+    assert read_index(tmp_path / "b").tensors["x"].chunks[0].crc is not None
 
 
 def test_checkpoints_with_crc32_tables_of_older_versions_still_verify(tmp_path):

@@ -33,7 +33,7 @@ from ckptd.format.dcp_pickle import CHECKSUMS_ATTR, DCP_VERSION, metadata_pickle
 from ckptd.format.records import _ITEMSIZE, BYTES, TENSOR, ItemRecord, dtype_from_name, supported_dtypes
 
 
-def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc32: int | None) -> Metadata:
+def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc: int | None) -> Metadata:
     """The Metadata of ``records`` built from DCP's classes, sharing objects as ckptd always did."""
     state: dict = {}
     storage: dict = {}
@@ -77,12 +77,12 @@ def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc3
         version=DCP_VERSION,
     )
     item_crcs = {
-        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets) if r.kind == TENSOR else ()): r.crc32
+        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets) if r.kind == TENSOR else ()): r.crc
         for r in records
-        if r.crc32 is not None
+        if r.crc is not None
     }
-    if item_crcs or common_crc32 is not None:
-        files = {} if common_crc32 is None else {"common.pt": common_crc32}
+    if item_crcs or common_crc is not None:
+        files = {} if common_crc is None else {"common.pt": common_crc}
         table = {"version": TABLE_VERSION, "algorithm": ALGORITHM, "items": item_crcs, "files": files}
         setattr(md, CHECKSUMS_ATTR, table)
     return md
@@ -101,7 +101,7 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
             length = rng.randint(1, 2**33)
             rel = f"__{i % ranks}_0.distcp"
             rec = ItemRecord(
-                fqn=fqn, kind=BYTES, rank=i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc32=crc
+                fqn=fqn, kind=BYTES, rank=i % ranks, relative_path=rel, file_offset=i * 10**6, length=length, crc=crc
             )
             out.append(rec)
             continue
@@ -121,7 +121,7 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
                 relative_path=f"__{rk}_0.distcp",
                 file_offset=rng.randint(0, 2**40),
                 length=rng.randint(1, 2**31),
-                crc32=rng.randrange(2**32),
+                crc=rng.randrange(2**32),
                 path=("model", "layers", i, "weight") if i % 2 else (),
             )
             out.append(rec)
@@ -220,21 +220,21 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("protocol", [pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL])
 def test_metadata_pickle_is_dcps_pickle(case, protocol):
-    records, checkpoint_id, common_crc32 = CASES[case]
-    expected = pickle.dumps(_reference(records, checkpoint_id, common_crc32), protocol=protocol)
-    assert metadata_pickle(records, checkpoint_id, common_crc32, protocol=protocol) == expected
+    records, checkpoint_id, common_crc = CASES[case]
+    expected = pickle.dumps(_reference(records, checkpoint_id, common_crc), protocol=protocol)
+    assert metadata_pickle(records, checkpoint_id, common_crc, protocol=protocol) == expected
 
 
 def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
-    records, checkpoint_id, common_crc32 = CASES["small"]
+    records, checkpoint_id, common_crc = CASES["small"]
     # lengths that hold the chunks (read_index refuses a chunk larger than its item)
     records = [replace(r, length=max(r.length, r.nbytes + 64)) for r in records]
-    md = build_metadata(records, checkpoint_id, common_crc32)
-    ref = _reference(records, checkpoint_id, common_crc32)
+    md = build_metadata(records, checkpoint_id, common_crc)
+    ref = _reference(records, checkpoint_id, common_crc)
     assert md == ref and getattr(md, CHECKSUMS_ATTR) == getattr(ref, CHECKSUMS_ATTR)
-    (tmp_path / ".metadata").write_bytes(metadata_pickle(records, checkpoint_id, common_crc32))
+    (tmp_path / ".metadata").write_bytes(metadata_pickle(records, checkpoint_id, common_crc))
     index = read_index(tmp_path)
-    assert index.common_crc32 == common_crc32
+    assert index.common_crc == common_crc
     assert set(index.tensors) | set(index.objects) == {r.fqn for r in records}
 
 

@@ -96,7 +96,7 @@ def test_items_land_aligned_and_load(tmp_path):
         assert rec.file_offset >= ends  # items never overlap; gaps are allowed
         ends = rec.file_offset + rec.length
         blob = data[rec.file_offset : ends]
-        assert rec.crc32 == crc32c.crc32c(blob), rec.fqn
+        assert rec.crc == crc32c.crc32c(blob), rec.fqn
         loaded = torch.load(io.BytesIO(blob), weights_only=False)
         if isinstance(item.payload, torch.Tensor):
             assert torch.equal(loaded, item.payload), rec.fqn

@@ -88,7 +88,7 @@ def test_a_rank_spreads_only_while_a_verdict_confirms_its_digest():
 
 def _plain(key: str, rank: int, nbytes: int = 0, crc: int | None = None, shape=(4,)) -> ItemRecord:
     if nbytes == VALUE:
-        return ItemRecord(fqn=key, kind=BYTES, rank=rank, path=(key,), crc32=crc)
+        return ItemRecord(fqn=key, kind=BYTES, rank=rank, path=(key,), crc=crc)
     return ItemRecord(
         fqn=key,
         kind=TENSOR,
@@ -98,7 +98,7 @@ def _plain(key: str, rank: int, nbytes: int = 0, crc: int | None = None, shape=(
         offsets=(0,) * len(shape),
         sizes=shape,
         path=(key,),
-        crc32=crc,
+        crc=crc,
     )
 
 

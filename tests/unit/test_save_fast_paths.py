@@ -45,7 +45,7 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
         relative_path="__1_0.distcp",
         file_offset=128,
         length=96,
-        crc32=7,
+        crc=7,
     )
     assert rec.to_wire() == _old_wire(rec) and list(rec.to_wire()) == list(_old_wire(rec))
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
@@ -138,7 +138,7 @@ def test_early_writeback_writes_the_same_file(tmp_path, monkeypatch):
     synced = items_mod.write_data_file(tmp_path, "synced", recs_items, fsync=True)
     assert len(calls) == 5 and calls[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))
     assert (tmp_path / "plain").read_bytes() == (tmp_path / "synced").read_bytes()
-    assert [(r.file_offset, r.length, r.crc32) for r in plain] == [(r.file_offset, r.length, r.crc32) for r in synced]
+    assert [(r.file_offset, r.length, r.crc) for r in plain] == [(r.file_offset, r.length, r.crc) for r in synced]
 
 
 def test_gc_paused_restores_the_collector():

@@ -57,7 +57,7 @@ def test_bit_flip_in_tensor_data_is_a_checksum_error_naming_the_item(tmp_path):
         rec.file_offset,
         rec.length,
     )
-    assert f"{rec.crc32:#010x}" in err.message and "damaged" in err.message
+    assert f"{rec.crc:#010x}" in err.message and "damaged" in err.message
     # Without checksums the flipped element decodes fine: only the checksum can see it.
     item = path.read_bytes()[rec.file_offset : rec.file_offset + rec.length]
     assert torch.load(io.BytesIO(item), weights_only=True).shape == (4, 6)
@@ -157,10 +157,10 @@ def test_items_sharing_bytes_and_paths_outside(tmp_path):
     records = records_from_index(read_index(tmp_path / "c"))
     bias = next(r for r in records if r.fqn == "layer.bias")
     bad = [
-        r.stored_at(r.relative_path, bias.file_offset + 8, r.length, r.crc32) if r.fqn == "rng/shard_0_2" else r
+        r.stored_at(r.relative_path, bias.file_offset + 8, r.length, r.crc) if r.fqn == "rng/shard_0_2" else r
         for r in records
     ]
-    bad = [r.stored_at("../evil.distcp", 0, r.length, r.crc32) if r.fqn == "embedding" else r for r in bad]
+    bad = [r.stored_at("../evil.distcp", 0, r.length, r.crc) if r.fqn == "embedding" else r for r in bad]
     write_metadata(tmp_path / "c", build_metadata(bad), fsync=False)
     errs = _errors(verify_checkpoint(tmp_path / "c"))
     checks = {(e.check, e.file) for e in errs}
@@ -211,7 +211,7 @@ def test_progress_sink_sees_every_byte(tmp_path):
     verify_checkpoint(tmp_path / "c", progress=sink)
     records = records_from_index(read_index(tmp_path / "c"))
     assert sink.total == sink.done == sum(r.length for r in records)
-    assert all(r.kind != TENSOR or r.crc32 is not None for r in records)
+    assert all(r.kind != TENSOR or r.crc is not None for r in records)
 
 
 def test_every_single_bit_flip_in_data_and_common_state_is_found(tmp_path):
