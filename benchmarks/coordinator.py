@@ -54,7 +54,7 @@ import psutil
 import torch
 import zmq
 
-from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.channel import Channel, make_socket
 from ckptd.control.keys import derive_keys
 from ckptd.control.netaddr import tcp_address
 from ckptd.control.protocol import (
@@ -193,14 +193,14 @@ class PlayedNodes:
         self.codec = Codec("bench")
         self.ctx = zmq.Context()
         keys = derive_keys(token.encode())
-        self.links: list[Endpoint] = []
+        self.links: list[Channel] = []
         self.poller = zmq.Poller()
         for node in range(nodes):
             sock = make_socket(
                 self.ctx, zmq.DEALER, self.codec, keys, server=False, identity=f"node{node}-bench{os.getpid()}".encode()
             )
             sock.connect(address)
-            self.links.append(Endpoint(sock, self.codec, f"node{node}"))
+            self.links.append(Channel(sock, self.codec, f"node{node}"))
             self.poller.register(sock, zmq.POLLIN)
 
     def handshake(self, timeout_s: float) -> int:

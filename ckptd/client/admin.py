@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Channel, make_socket
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
@@ -71,7 +71,7 @@ def request(ep: Endpoints, config: CkptdConfig, msg: Message, reply_type: type[M
             f"see its log {ep.log_path}; a daemon busy beyond that, or started with another "
             "CKPTD_JOB_TOKEN (it refuses the handshake), does not answer"
         )
-        client = RequestClient(Endpoint(sock, codec, "admin"), peer, hint, check_alive=check_alive)
+        client = RequestClient(Channel(sock, codec, "admin"), peer, hint, check_alive=check_alive)
         return client.request(msg, reply_type, timeout_s)
     finally:
         ctx.destroy(linger=0)

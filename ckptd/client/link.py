@@ -27,7 +27,7 @@ from typing import TypeVar
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, make_socket
+from ..control.channel import Channel, make_socket
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import CurveKeys, derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
@@ -61,7 +61,7 @@ class DaemonLink:
         self.keys = keys
         self.on_notify = on_notify
         self.ctx = zmq.Context()
-        self.endpoint: Endpoint | None = None
+        self.channel: Channel | None = None
         self.requests: RequestClient | None = None
         self.instance: str | None = None
         self.daemon_pid: int | None = None
@@ -81,7 +81,7 @@ class DaemonLink:
 
     @property
     def connected(self) -> bool:
-        return self.endpoint is not None
+        return self.channel is not None
 
     # --- connecting ------------------------------------------------------------------------
     def connect(self) -> Welcome:
@@ -188,9 +188,9 @@ class DaemonLink:
         sock = make_socket(self.ctx, zmq.DEALER, self.codec, self.keys, server=False, identity=ident)
         sock.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
         sock.connect(self.ep.ipc_address)
-        self.endpoint = Endpoint(sock, self.codec, f"rank{self.env.rank}")
+        self.channel = Channel(sock, self.codec, f"rank{self.env.rank}")
         self.requests = RequestClient(
-            self.endpoint,
+            self.channel,
             f"the node daemon of {self.ep.root} node {self.ep.node}",
             f"see {self.ep.log_path} (a daemon started with another CKPTD_JOB_TOKEN refuses this "
             "rank's handshake; CKPTD_REQUEST_TIMEOUT_S bounds the wait)",
@@ -199,9 +199,9 @@ class DaemonLink:
         )
 
     def close_socket(self, linger_ms: int = 0) -> None:
-        if self.endpoint is not None:
-            self.endpoint.sock.close(linger=linger_ms)
-            self.endpoint = None
+        if self.channel is not None:
+            self.channel.sock.close(linger=linger_ms)
+            self.channel = None
             self.requests = None
 
     def close(self, linger_ms: int = 0) -> None:
@@ -217,8 +217,8 @@ class DaemonLink:
         if self.ctx.closed:
             return
         try:
-            if self.endpoint is not None:
-                self.endpoint.send(Bye(), block=False)
+            if self.channel is not None:
+                self.channel.send(Bye(), block=False)
         except Exception:  # noqa: BLE001 - a finalizer must not fail; the daemon notices the exit anyway
             pass
         self.close(linger_ms=_ABANDON_LINGER_MS)

@@ -106,7 +106,7 @@ def peer_uid(peer: str | None) -> int | None:
     return int(peer.rsplit(":", 3)[1])  # type: ignore[union-attr]
 
 
-class Endpoint:
+class Channel:
     """One socket plus the codec of its job. ROUTER sockets address peers by identity."""
 
     def __init__(self, sock: zmq.Socket, codec: Codec, name: str) -> None:

@@ -13,7 +13,7 @@ Every caller that asks a daemon something (a rank's Checkpointer through ckptd.c
 - no answer within ``timeout_s`` raises :class:`~ckptd.errors.DaemonError` naming the peer, the
   wait and where to look; a peer that is found dead meanwhile (``check_alive``) raises at once.
 
-Order of use: ``RequestClient(endpoint, peer, ...)`` on a connected DEALER, then
+Order of use: ``RequestClient(channel, peer, ...)`` on a connected DEALER, then
 :meth:`~RequestClient.request` (and :meth:`~RequestClient.next` for notifications) any number of
 times, on one thread; the owner closes the socket.
 """
@@ -28,7 +28,7 @@ from typing import TypeVar
 import zmq
 
 from ..errors import DaemonError, ProtocolError, RequestNotTaken
-from .channel import Endpoint
+from .channel import Channel
 from .protocol import ErrorReply, Message
 
 log = logging.getLogger(__name__)
@@ -72,14 +72,14 @@ class RequestClient:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        channel: Channel,
         peer: str,
         hint: str,
         *,
         on_other: Callable[[Message], None] | None = None,
         check_alive: Callable[[], None] | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        self.channel = channel
         self.peer = peer
         self.hint = hint
         self.on_other = on_other
@@ -87,7 +87,7 @@ class RequestClient:
 
     def send(self, msg: Message) -> None:
         """Send ``msg`` (bounded by the socket's send timeout); RequestNotTaken when it cannot."""
-        if not self.endpoint.send(msg):
+        if not self.channel.send(msg):
             raise RequestNotTaken(f"could not send {msg.TYPE.name} to {self.peer}; {self.hint}")
 
     def request(
@@ -116,11 +116,11 @@ class RequestClient:
     def next(self, deadline: float) -> Message | None:
         """The next valid message before ``deadline`` (monotonic), or None; ``check_alive`` runs
         between polls, so a dead peer raises at once instead of after the wait."""
-        sock = self.endpoint.sock
+        sock = self.channel.sock
         while True:
             remaining_s = deadline - time.monotonic()
             if sock.poll(max(0, int(min(POLL_S, remaining_s) * 1000)), zmq.POLLIN):
-                _, msg, _ = self.endpoint.recv()
+                _, msg, _ = self.channel.recv()
                 if msg is not None:
                     return msg
                 continue

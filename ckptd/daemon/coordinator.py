@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
+from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, Failed, Message, Ping, Pong, Status, StatusReply, Written
 from ..control.security import HandshakeWatch
@@ -76,7 +76,7 @@ class Coordinator:
         self.watch = HandshakeWatch(sock, "coordinator")  # before bind: no connection unwatched
         sock.bind(bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.ep = Endpoint(sock, codec, "coordinator")
+        self.channel = Channel(sock, codec, "coordinator")
         self.state = CommitState(config, store.data_file_name, adopted=adopt, now=time.monotonic())
         # reports waiting for the root's answer to the first of them, by attempt
         self.asking: dict[Key, list[tuple[bytes, Written | Failed]]] = {}
@@ -89,16 +89,16 @@ class Coordinator:
 
     # --- messages -----------------------------------------------------------------------------
     def on_readable(self) -> None:
-        serve_requests(self.ep, self._dispatch)
+        serve_requests(self.channel, self._dispatch)
 
     def _dispatch(self, identity: bytes, msg: Message, _peer: str | None) -> None:
         if isinstance(msg, Ping):
             self._handle(NodeSeen(identity=identity))
-            self.ep.send(Pong(nonce=msg.nonce, instance=self.instance, pid=os.getpid()), identity)
+            self.channel.send(Pong(nonce=msg.nonce, instance=self.instance, pid=os.getpid()), identity)
         elif isinstance(msg, (Written, Failed)):
             self._report(identity, msg)
         elif isinstance(msg, Status):
-            self.ep.send(StatusReply(info=self.status()), identity)
+            self.channel.send(StatusReply(info=self.status()), identity)
         else:
             raise ProtocolError(f"the coordinator does not accept {msg.TYPE.name}")
 
@@ -164,7 +164,7 @@ class Coordinator:
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, Send):
-            self.ep.send(action.msg, action.identity, block=action.block)
+            self.channel.send(action.msg, action.identity, block=action.block)
         elif isinstance(action, Remove):
             step, attempt = action.step, action.attempt
             self.workers.cleanup(step, attempt, lambda: self.store.abort(step, attempt))
@@ -200,7 +200,7 @@ class Coordinator:
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the coordinator's port, by kind."""
-        return {"malformed": self.ep.rejected, "duplicate": self.state.duplicates, **self.watch.counts()}
+        return {"malformed": self.channel.rejected, "duplicate": self.state.duplicates, **self.watch.counts()}
 
     def status(self) -> dict[str, Any]:
         rejected = self.rejected()
@@ -213,4 +213,4 @@ class Coordinator:
 
     def close(self) -> None:
         self.watch.close()
-        self.ep.close()
+        self.channel.close()

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from ..control.channel import Endpoint
+from ..control.channel import Channel
 from ..control.protocol import ErrorReply, Message
 from ..errors import CkptdError
 
@@ -42,15 +42,15 @@ class EventLoop:
             self._handlers[source]()
 
 
-def serve_requests(endpoint: Endpoint, handle: RequestHandler) -> None:
-    """Receive every message waiting on the ROUTER ``endpoint`` and pass it to ``handle(identity,
+def serve_requests(channel: Channel, handle: RequestHandler) -> None:
+    """Receive every message waiting on the ROUTER ``channel`` and pass it to ``handle(identity,
     message, peer)``. A request the handler fails on is answered with ``ERROR``: a CkptdError or
     OSError with its message (logged as a warning), anything else with its type (logged with its
     traceback); either way the server goes on serving. Malformed input was already rejected,
-    counted and logged by the endpoint."""
+    counted and logged by the channel."""
     while True:
         try:
-            identity, msg, peer = endpoint.recv()
+            identity, msg, peer = channel.recv()
         except zmq.Again:
             return
         if msg is None or identity is None:
@@ -59,13 +59,13 @@ def serve_requests(endpoint: Endpoint, handle: RequestHandler) -> None:
         try:
             handle(identity, msg, peer)
         except (CkptdError, OSError) as exc:
-            log.warning("%s: %s from %r failed: %s", endpoint.name, msg.TYPE.name, identity, exc)
-            endpoint.send(ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", "")), identity, block=False)
+            log.warning("%s: %s from %r failed: %s", channel.name, msg.TYPE.name, identity, exc)
+            channel.send(ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", "")), identity, block=False)
         except Exception as exc:
-            log.exception("%s: %s from %r could not be handled", endpoint.name, msg.TYPE.name, identity)
-            endpoint.send(
+            log.exception("%s: %s from %r could not be handled", channel.name, msg.TYPE.name, identity)
+            channel.send(
                 ErrorReply(
-                    reason=f"the {endpoint.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
+                    reason=f"the {channel.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
                     step=step,
                 ),
                 identity,

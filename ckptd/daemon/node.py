@@ -122,10 +122,10 @@ class NodeDaemon:
         self.loop.add(self.ranks.watch.sock, self.ranks.watch.on_readable)
         if self.coordinator is not None:
             self.loop.add(self.coordinator.watch.sock, self.coordinator.watch.on_readable)
-        self.loop.add(self.ranks.ep.sock, self.ranks.on_readable)
-        self.loop.add(self.uplink.ep.sock, self.uplink.on_readable)
+        self.loop.add(self.ranks.channel.sock, self.ranks.on_readable)
+        self.loop.add(self.uplink.channel.sock, self.uplink.on_readable)
         if self.coordinator is not None:
-            self.loop.add(self.coordinator.ep.sock, self.coordinator.on_readable)
+            self.loop.add(self.coordinator.channel.sock, self.coordinator.on_readable)
         self.loop.add(self.completions.fd, self._on_completions)
         log.info(
             "daemon %s for %s node %d: ranks on %s, coordinator %s",
@@ -301,7 +301,7 @@ class NodeDaemon:
 
     def status(self) -> dict[str, Any]:
         rejected = self.ranks.rejected()
-        rejected["malformed"] += self.uplink.ep.rejected
+        rejected["malformed"] += self.uplink.channel.rejected
         coordinator = self.coordinator.status() if self.coordinator is not None else None
         return {
             "instance": self.instance,

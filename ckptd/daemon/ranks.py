@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from ..control.channel import Endpoint, make_socket, peer_pid, peer_uid
+from ..control.channel import Channel, make_socket, peer_pid, peer_uid
 from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
 from ..control.procid import same_process, start_ticks_of
@@ -82,7 +82,7 @@ class RankServer:
         uplink: CoordinatorLink,
         hooks: DaemonHooks,
     ) -> None:
-        self.ep_info = ep
+        self.ep = ep
         self.rings = rings
         self.intake = intake
         self.uplink = uplink
@@ -94,37 +94,37 @@ class RankServer:
             ep.socket_path.unlink(missing_ok=True)
             sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
             self.watch = HandshakeWatch(sock, "daemon")  # before bind: no connection unwatched
-            self.ep = Endpoint(sock, codec, "node daemon")
+            self.channel = Channel(sock, codec, "node daemon")
             sock.bind(ep.ipc_address)
         finally:
             os.umask(old_umask)
 
     def send(self, msg: Message, identity: bytes) -> None:
         """Send to a rank without blocking (a rank that is gone misses it)."""
-        self.ep.send(msg, identity, block=False)
+        self.channel.send(msg, identity, block=False)
 
     def on_readable(self) -> None:
-        serve_requests(self.ep, self._on_request)
+        serve_requests(self.channel, self._on_request)
 
     def _on_request(self, identity: bytes, msg: Message, peer: str | None) -> None:
         if isinstance(msg, Ping):
-            self.ep.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
+            self.channel.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterRing):
             self.client(identity, msg.rank)
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
-            self.ep.send(RingOk(generation=msg.generation), identity)
+            self.channel.send(RingOk(generation=msg.generation), identity)
         elif isinstance(msg, Save):
             client = self.client(identity, msg.rank)
             stopping = self.hooks.stopping()
             if stopping is not None:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
             self.intake.take(identity, client.pid, msg)
-            self.ep.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
+            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
             decided = self.uplink.verdict((msg.step, msg.attempt))
             if decided is not None:  # another rank skipped or failed the step before this SAVE came
-                self.ep.send(decided, identity)
+                self.channel.send(decided, identity)
         elif isinstance(msg, Skip):
             self.client(identity, msg.rank)
             self.uplink.report(
@@ -133,26 +133,26 @@ class RankServer:
                     attempt=msg.attempt,
                     rank=msg.rank,
                     world_size=msg.world_size,
-                    node=self.ep_info.node,
+                    node=self.ep.node,
                     reason=f"skipped the save: {msg.reason}",
                     skipped=msg.skipped,
                 ),
                 (msg.step, msg.attempt),
             )
-            self.ep.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
+            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
             self.rings.retire_owner(identity)
         elif isinstance(msg, Status):
-            self.ep.send(StatusReply(info=self.hooks.status()), identity)
+            self.channel.send(StatusReply(info=self.hooks.status()), identity)
         elif isinstance(msg, Shutdown):
-            self.ep.send(ShutdownAck(), identity)
+            self.channel.send(ShutdownAck(), identity)
             self.hooks.request_stop("SHUTDOWN requested")
         else:
             raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
-        root = self.ep_info.root
+        root = self.ep.root
         try:
             asked = canonical_root(msg.root)
         except CkptdError as exc:
@@ -164,7 +164,7 @@ class RankServer:
         if pid is None or uid is None:
             raise ProtocolError(
                 f"HELLO over a connection without process credentials ({peer!r}); "
-                f"ranks connect over {self.ep_info.ipc_address}"
+                f"ranks connect over {self.ep.ipc_address}"
             )
         if uid != os.getuid():
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
@@ -172,7 +172,7 @@ class RankServer:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
         self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid))
         self.served_a_rank = True
-        self.ep.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
+        self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""
@@ -196,9 +196,9 @@ class RankServer:
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the ranks' socket, by kind."""
-        return {"malformed": self.ep.rejected, **self.watch.counts()}
+        return {"malformed": self.channel.rejected, **self.watch.counts()}
 
     def close(self) -> None:
         self.watch.close()
-        self.ep.close()
-        self.ep_info.socket_path.unlink(missing_ok=True)
+        self.channel.close()
+        self.ep.socket_path.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from ..config import CkptdConfig
-from ..control.channel import Endpoint, link_timeout_s, make_socket, replace_dead_links
+from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, ErrorReply, Message, Pong, StepAborted, StepCommitted
 from ..roots.base import RootStore
@@ -74,7 +74,7 @@ class CoordinatorLink:
         if address.startswith("tcp://[") or address.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
-        self.ep = Endpoint(sock, codec, "upstream")
+        self.channel = Channel(sock, codec, "upstream")
         self.state = UplinkState(
             config, address=address, node=node, link_timeout_s=self.link_timeout_s, now=time.monotonic()
         )
@@ -111,7 +111,7 @@ class CoordinatorLink:
     def on_readable(self) -> None:
         while True:
             try:
-                _, msg, _ = self.ep.recv()
+                _, msg, _ = self.channel.recv()
             except zmq.Again:
                 return
             if isinstance(msg, Pong):
@@ -136,7 +136,7 @@ class CoordinatorLink:
         now = time.monotonic() if now is None else now
         for action in self.state.handle(event, now):
             if isinstance(action, us.Send):
-                ok = self.ep.send(action.msg, block=False)
+                ok = self.channel.send(action.msg, block=False)
                 if action.key is not None:
                     # Feeding back a send's result only updates the table: it never sends.
                     self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok, resend=action.resend), now)
@@ -152,4 +152,4 @@ class CoordinatorLink:
         return self.state.status(time.monotonic())
 
     def close(self) -> None:
-        self.ep.close()
+        self.channel.close()

@@ -13,7 +13,7 @@ import zmq
 
 from ckptd.client.link import DaemonLink, RequestNotTaken
 from ckptd.config import CkptdConfig
-from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.channel import Channel, make_socket
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
 from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import PidLock
@@ -57,7 +57,7 @@ def test_a_late_refusal_of_an_earlier_request_is_not_taken_for_this_one(tmp_path
     zap = ZapHandler(ctx, keys)
     lock = PidLock(ep.pid_path)  # this process plays the daemon: the rank checks the lock
     assert lock.acquire()
-    server = Endpoint(make_socket(ctx, zmq.ROUTER, codec, keys, server=True), codec, "fake daemon")
+    server = Channel(make_socket(ctx, zmq.ROUTER, codec, keys, server=True), codec, "fake daemon")
     server.sock.bind(ep.ipc_address)
     stop = threading.Event()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ckptd.control.channel import Endpoint, make_socket
+from ckptd.control.channel import Channel, make_socket
 from ckptd.control.keys import derive_keys
 from ckptd.control.protocol import (
     Codec,
@@ -106,7 +106,7 @@ class FakeServer:
         self.address = f"ipc://{path}"
         self.ctx = zmq.Context()
         self.zap = ZapHandler(self.ctx, self.keys)
-        self.server = Endpoint(
+        self.server = Channel(
             make_socket(self.ctx, zmq.ROUTER, self.codec, self.keys, server=True), self.codec, "fake daemon"
         )
         self.server.sock.bind(self.address)
@@ -132,7 +132,7 @@ class FakeServer:
         sock = make_socket(self.ctx, zmq.DEALER, self.codec, self.keys, server=False)
         sock.setsockopt(zmq.SNDTIMEO, 5000)
         sock.connect(self.address)
-        return RequestClient(Endpoint(sock, self.codec, "test"), "the test daemon", "see its log", **kwargs)
+        return RequestClient(Channel(sock, self.codec, "test"), "the test daemon", "see its log", **kwargs)
 
     def close(self) -> None:
         self.stop.set()

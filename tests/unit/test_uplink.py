@@ -48,7 +48,7 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
     cfg = CkptdConfig(commit_timeout_s=0.4, coordinator_timeout_s=0.4, heartbeat_s=0.05)
     with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, coordinator):
         dropped: list[Message] = []
-        send = coordinator.ep.send
+        send = coordinator.channel.send
 
         def lose_the_first_verdict(msg: Message, identity: bytes | None = None, block: bool = True) -> bool:
             if isinstance(msg, StepAborted) and not dropped:
@@ -56,7 +56,7 @@ def test_a_verdict_lost_while_the_coordinator_stays_reachable_is_chased(tmp_path
                 return True
             return send(msg, identity, block)
 
-        coordinator.ep.send = lose_the_first_verdict  # type: ignore[method-assign]
+        coordinator.channel.send = lose_the_first_verdict  # type: ignore[method-assign]
         link.expect((3, ATTEMPT), b"rank0")
         link.report(
             Failed(step=3, attempt=ATTEMPT, rank=0, world_size=1, node=0, reason="the disk is full"), (3, ATTEMPT)
@@ -100,8 +100,8 @@ def _node_and_coordinator(
     for source, handler in (
         (zap.sock, zap.on_readable),
         (coordinator.watch.sock, coordinator.watch.on_readable),
-        (coordinator.ep.sock, coordinator.on_readable),
-        (link.ep.sock, link.on_readable),
+        (coordinator.channel.sock, coordinator.on_readable),
+        (link.channel.sock, link.on_readable),
         (completions.fd, _router(completions, workers, coordinator)),
     ):
         loop.add(source, handler)
