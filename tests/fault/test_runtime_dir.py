@@ -120,9 +120,10 @@ def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments
             path.unlink(missing_ok=True)
 
 
-# Run inside the namespace; prints one JSON line, in one write(2) (six of them print at once into one
-# pipe: print() may reach it in two writes, and lines came out interleaved). "resolve": the runtime directory and token a
-# process finds; "train": a trainer that saves a step and leaves (its daemon stays); "stop".
+# Run inside the namespace; prints one JSON line, in one write(2) (six of them print at once into
+# one pipe: print() may reach it in two writes, and lines came out interleaved). "resolve": the
+# runtime directory and token a process finds; "train": a trainer that saves a step and leaves
+# (its daemon stays); "stop".
 _CHILD = """
 import json, os, sys
 import torch

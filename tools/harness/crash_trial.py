@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -55,6 +54,7 @@ from ckptd.storage.url import Location, parse_location
 from tools.harness import crash_job as cj
 from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, signal_process, stop_daemons
 from tools.harness.ports import free_port
+from tools.harness.ranks import process_context, stop_process_context  # noqa: F401 - the trial API
 
 VICTIMS = ("rank", "node", "coordinator")
 MULTI_NODE_VICTIMS = ("node", "link")  # victims that need another node than node 0
@@ -64,22 +64,6 @@ KEEP_LAST = 3
 COMMIT_TIMEOUT_S = 2.5
 COORDINATOR_TIMEOUT_S = 3.0
 STOP_TIMEOUT_S = 20.0  # from SIGTERM until every daemon of the job exited
-
-
-def process_context() -> BaseContext:
-    """Forkserver children with torch and ckptd preloaded: a rank starts in milliseconds."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ckptd", "tools.harness.crash_job"])
-    return ctx
-
-
-def stop_process_context() -> None:
-    """Stop the forkserver process (it would otherwise live as long as this interpreter)."""
-    from multiprocessing import forkserver
-
-    stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
 
 
 @dataclass
