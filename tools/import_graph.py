@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 
 # Decisions as pure functions of events and time (``handle(event, now) -> actions``).
-PURE = ("ckptd.daemon.commitstate", "ckptd.daemon.uplinkstate")
+PURE = ("ckptd.daemon.commitstate", "ckptd.daemon.uplinkstate", "ckptd.daemon.intakestate")
 IMPURE_IMPORTS = ("zmq", "threading", "time", "os", "socket", "select", "concurrent", "subprocess", "asyncio")
 
 

@@ -16,11 +16,9 @@ Order of one save, all on the daemon's loop except step 3:
    (or ``FAILED``) goes to the coordinator. A write that finished after its attempt was decided
    is reported as FAILED, never WRITTEN.
 
-A write not finished ``commit_timeout_s`` after its SAVE was taken (queued, waiting for its
-producer, or writing) is reported as ``FAILED`` at once by :meth:`SaveIntake.tick`: the coordinator
-learns of a step only from a report, so a disk that hangs before any write of a step completes
-would otherwise never abort it. The write itself goes on (a thread blocked in the kernel cannot be
-stopped); when it ends, step 4 reports it as a late write and its directory is removed.
+What happens to a save after step 1 (drain or write, what is reported, the write timeout) is
+decided by :class:`~ckptd.daemon.intakestate.IntakeState`, a pure state machine; this module checks
+SAVEs against the rings and executes its actions.
 """
 
 from __future__ import annotations
@@ -28,16 +26,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import Failed, Message, Save, StepAborted, WriteDone, Written
-from ..errors import CkptdError, ProtocolError, StagingError
+from ..control.protocol import Message, Save, WriteDone
+from ..errors import ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
 from ..staging.ring import ALIGN, Placement
+from .intakestate import (
+    Action,
+    Ended,
+    IntakeState,
+    NotWritten,
+    Ready,
+    Report,
+    StartWrite,
+    Taken,
+    TellRank,
+    Tick,
+    WriteJob,
+    WriteResult,
+)
 from .metrics import DaemonMetrics
 from .rings import DaemonRing, RingTable
 from .snapshot import SnapshotWait, check_snapshot_child
@@ -47,47 +58,6 @@ from .workers import WorkerPools, WriteFinished, WriteRequest, write_rank_file
 log = logging.getLogger(__name__)
 
 _MAX_RING_OFFSET = 1 << 62
-
-
-class NotWritten(CkptdError):
-    """A save whose attempt was decided before its write started (ckptd.daemon.intake._drain)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriteJob:
-    """A SAVE the daemon took: what its writer writes and where the outcome goes."""
-
-    request: WriteRequest
-    attempt: str
-    world_size: int
-    generation: str
-    block: int
-    identity: bytes  # the rank's connection
-    common_digest: str
-    plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
-    held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return (self.request.step, self.attempt)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.request.placements)
-
-    def __repr__(self) -> str:  # logged when a write fails: never the common state's bytes
-        return f"step {self.request.step} attempt {self.attempt} rank {self.request.rank}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriteResult:
-    """What a finished write hands back to the loop."""
-
-    stored: list[ItemRecord]  # the records as stored in the data file
-    file_nbytes: int  # the data file's size (the coordinator checks it before the commit)
-    queue_s: float  # waiting for a writer thread
-    write_s: float  # writing and fsyncing, minus the time spent waiting for the producer
-    snapshot_s: float  # waiting for the producer (fork child, copier) to produce items
 
 
 class SaveIntake:
@@ -110,8 +80,10 @@ class SaveIntake:
         self.uplink = uplink
         self.store = store
         self.send_to_rank = send_to_rank
-        # Writes not finished yet, by (generation, block): (the job, when its SAVE was taken).
-        self.unfinished: dict[tuple[str, int], tuple[WriteJob, float]] = {}
+        self.state = IntakeState(config, uplink.state, node=ep.node, data_file=self._data_file)
+
+    def _data_file(self, step: int, attempt: str, rank: int) -> str:
+        return self.store.display(tmp_dir_name(step, attempt), self.store.data_file_name(attempt, rank))
 
     def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
         """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and queue its
@@ -142,10 +114,10 @@ class SaveIntake:
             plain_digest=msg.plain_digest,
             held=tuple(held),
         )
-        ring.queue_write(lambda: self._start_write(job, ring, producer))
+        self._handle(Taken(job=job))
+        ring.queue_write(lambda: self._ready(job, ring, producer))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
-        self.unfinished[(job.generation, job.block)] = (job, time.monotonic())
         log.info(
             "step %d attempt %s rank %d: %d items queued from ring offset %d",
             msg.step,
@@ -155,10 +127,37 @@ class SaveIntake:
             msg.ring_start,
         )
 
-    def _start_write(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> None:
-        """Hand ``job`` to a writer thread (the ring's earlier writes are done)."""
-        aborted = isinstance(self.uplink.verdict(job.key), StepAborted)
-        self.workers.write(job, self._drain(job, ring, producer) if aborted else self._writer(job, ring, producer))
+    def _handle(self, event: Taken | Ended) -> None:
+        for action in self.state.handle(event, time.monotonic()):
+            self._execute(action)
+
+    def _ready(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> None:
+        """The ring's earlier writes are done: write ``job`` (or drain it, if its attempt was
+        aborted meanwhile) on a writer thread."""
+        for action in self.state.handle(Ready(job=job), time.monotonic()):
+            if isinstance(action, StartWrite):
+                run = self._drain(job, ring, producer) if action.drain else self._writer(job, ring, producer)
+                self.workers.write(job, run)
+            else:
+                self._execute(action)
+
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, StartWrite):  # only Ready starts a write (_ready)
+            raise RuntimeError(f"{action.job!r}: a write may only start when its ring is ready")
+        if isinstance(action, TellRank):
+            job, r = action.job, action.result
+            done = WriteDone(
+                generation=job.generation,
+                block=job.block,
+                step=job.request.step,
+                attempt=job.attempt,
+                write_s=r.write_s,
+                queue_s=r.queue_s,
+                snapshot_s=r.snapshot_s,
+            )
+            self.send_to_rank(done, job.identity)
+        elif isinstance(action, Report):
+            self.uplink.report(action.msg, action.key)
 
     def _drain(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for a save whose attempt aborted before its write started:
@@ -215,108 +214,19 @@ class SaveIntake:
         """A write finished: free its block, tell the rank, report to the coordinator."""
         job: WriteJob = done.job
         req = job.request
-        self.unfinished.pop((job.generation, job.block), None)
         self.rings.write_done(req.rank, job.generation, job.block)
-        if isinstance(done.error, NotWritten):  # the rank knows the verdict; nothing to report
+        if isinstance(done.error, NotWritten):
             log.info("%s", done.error)
-            self.send_to_rank(
-                WriteDone(
-                    generation=job.generation,
-                    block=job.block,
-                    step=req.step,
-                    attempt=job.attempt,
-                    write_s=0.0,
-                    queue_s=0.0,
-                    snapshot_s=0.0,
-                ),
-                job.identity,
-            )
-            return
-        result: WriteResult = (
-            done.result
-            if done.error is None
-            else WriteResult(stored=[], file_nbytes=0, queue_s=0.0, write_s=0.0, snapshot_s=0.0)
-        )
-        self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
-        self.send_to_rank(
-            WriteDone(
-                generation=job.generation,
-                block=job.block,
-                step=req.step,
-                attempt=job.attempt,
-                write_s=result.write_s,
-                queue_s=result.queue_s,
-                snapshot_s=result.snapshot_s,
-            ),
-            job.identity,
-        )
-        if done.error is None and self.uplink.expects(job.key, job.identity):
-            self.uplink.report(
-                Written(
-                    step=req.step,
-                    attempt=job.attempt,
-                    rank=req.rank,
-                    world_size=job.world_size,
-                    node=self.ep.node,
-                    records=[r.to_wire() for r in result.stored],
-                    common=req.common,
-                    common_digest=job.common_digest,
-                    file_nbytes=result.file_nbytes,
-                    plain_digest=job.plain_digest,
-                    held=list(job.held),
-                ),
-                job.key,
-            )
-            return
-        # The coordinator answers a report of a decided attempt with its outcome and removes the
-        # directory the late write re-created.
-        why = (
-            f"writing its data file failed: {done.reason}"
-            if done.error is not None
-            else "its data file was written after the attempt had been decided (late write)"
-        )
-        self.uplink.report(
-            Failed(
-                step=req.step,
-                attempt=job.attempt,
-                rank=req.rank,
-                world_size=job.world_size,
-                node=self.ep.node,
-                reason=why,
-            ),
-            job.key,
-        )
+        else:
+            result: WriteResult = done.result if done.error is None else WriteResult()
+            self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
+        self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
 
     def tick(self, now: float) -> None:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken
-        (see the module docstring), once."""
-        limit_s = self.config.commit_timeout_s
-        for slot, (job, taken_s) in list(self.unfinished.items()):
-            if now - taken_s <= limit_s:
-                continue
-            del self.unfinished[slot]
-            if not self.uplink.expects(job.key, job.identity):
-                continue  # decided already (another rank failed it, say)
-            req = job.request
-            name = self.store.data_file_name(job.attempt, req.rank)
-            why = (
-                f"its data file {self.store.display(tmp_dir_name(req.step, job.attempt), name)} was "
-                f"not written within {limit_s:g} s of its SAVE (CKPTD_COMMIT_TIMEOUT_S): the storage hangs "
-                "or is too slow (raise the timeout if it is only slow); the write goes on, and its files "
-                "are removed once it ends"
-            )
-            log.warning("step %d attempt %s rank %d: %s", req.step, job.attempt, req.rank, why)
-            self.uplink.report(
-                Failed(
-                    step=req.step,
-                    attempt=job.attempt,
-                    rank=req.rank,
-                    world_size=job.world_size,
-                    node=self.ep.node,
-                    reason=why,
-                ),
-                job.key,
-            )
+        (ckptd.daemon.intakestate, rule 4), once."""
+        for action in self.state.handle(Tick(), now):
+            self._execute(action)
 
 
 def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:

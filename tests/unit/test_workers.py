@@ -6,7 +6,7 @@ import select
 
 import pytest
 
-from ckptd.daemon.intake import NotWritten
+from ckptd.daemon.intakestate import NotWritten
 from ckptd.daemon.workers import CleanupFinished, CommitFinished, Completion, Completions, WorkerPools, WriteFinished
 
 

@@ -1,0 +1,152 @@
+"""A node daemon's decisions on the saves it took (ckptd.daemon.intakestate), event by event with an
+injected clock: no sockets, no threads. The process versions of the same rules:
+tests/fault/test_attempts.py (a save of an aborted attempt is drained, a late write reported
+FAILED) and tests/fault/test_hung_disk.py (a write that hangs is reported at the commit timeout)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.config import CkptdConfig
+from ckptd.control.protocol import Failed, StepAborted, StepCommitted, Written
+from ckptd.daemon.intakestate import (
+    Action,
+    Ended,
+    IntakeState,
+    NotWritten,
+    Ready,
+    Report,
+    StartWrite,
+    Taken,
+    TellRank,
+    Tick,
+    WriteJob,
+    WriteResult,
+)
+from ckptd.daemon.uplinkstate import Expect, UplinkState, Verdict
+from ckptd.daemon.workers import WriteRequest
+from ckptd.format.records import ItemRecord
+from ckptd.staging.ring import Placement
+
+A = "0123456789ab-1"
+CFG = CkptdConfig(commit_timeout_s=10, coordinator_timeout_s=5, heartbeat_s=1)
+RECORD = ItemRecord(fqn="w", kind="tensor", rank=1, dtype="float32", global_shape=(4,), offsets=(0,), sizes=(4,))
+
+
+def job(step: int = 3, block: int = 0) -> WriteJob:
+    request = WriteRequest(
+        step=step, rank=1, records=[RECORD], placements=[Placement(0, 16)], common=None, ring_start=0
+    )
+    return WriteJob(
+        request=request, attempt=A, world_size=2, generation="g1", block=block, identity=b"rank1", common_digest="d"
+    )
+
+
+class Node:
+    """The intake's state with the uplink state it reads, at an injected time."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.uplink = UplinkState(CFG, address="tcp://node0:29500", node=0, link_timeout_s=4.0, now=self.now)
+        self.state = IntakeState(
+            CFG, self.uplink, node=0, data_file=lambda s, a, r: f"/ckpt/{s}.{a}.tmp/__{r}_0.distcp"
+        )
+
+    def take(self, j: WriteJob) -> list[Action]:
+        """What the intake does with a checked SAVE: the uplink expects the verdict for its rank."""
+        out = self.state.handle(Taken(job=j), self.now)
+        self.uplink.handle(Expect(key=j.key, identity=j.identity), self.now)
+        return out
+
+    def handle(self, event: Taken | Ready | Ended | Tick) -> list[Action]:
+        return self.state.handle(event, self.now)
+
+    def decide(self, j: WriteJob, outcome: StepAborted | StepCommitted) -> None:
+        self.uplink.handle(Verdict(key=j.key, outcome=outcome), self.now)
+
+
+def aborted(j: WriteJob) -> StepAborted:
+    return StepAborted(step=j.request.step, attempt=j.attempt, reason="rank 0 skipped it")
+
+
+def report(actions: list[Action]) -> Written | Failed:
+    (msg,) = [a.msg for a in actions if isinstance(a, Report)]
+    return msg
+
+
+@pytest.mark.parametrize("decided, drain", [(None, False), ("aborted", True)])
+def test_a_write_starts_when_its_ring_is_ready_unless_its_attempt_was_aborted_meanwhile(decided, drain):
+    node, j = Node(), job()
+    assert node.take(j) == []
+    if decided:
+        node.decide(j, aborted(j))
+    assert node.handle(Ready(job=j)) == [StartWrite(job=j, drain=drain)]
+
+
+def test_a_finished_write_frees_the_block_then_reports_written_with_its_stored_records():
+    node, j = Node(), job()
+    node.take(j)
+    result = WriteResult(stored=[RECORD], file_nbytes=4096, queue_s=0.1, write_s=0.5, snapshot_s=0.2)
+    actions = node.handle(Ended(job=j, result=result))
+    assert actions[0] == TellRank(job=j, result=result)
+    msg = report(actions)
+    assert isinstance(msg, Written) and msg.records == [RECORD.to_wire()] and msg.file_nbytes == 4096
+    assert (msg.step, msg.attempt, msg.rank, msg.world_size, msg.common_digest) == (3, A, 1, 2, "d")
+    assert node.handle(Tick()) == [] and not node.state.unfinished
+
+
+def test_a_write_that_ends_after_its_attempt_was_decided_is_reported_failed_as_a_late_write():
+    node, j = Node(), job()
+    node.take(j)
+    node.decide(j, aborted(j))
+    actions = node.handle(Ended(job=j, result=WriteResult(stored=[RECORD], file_nbytes=4096)))
+    msg = report(actions)
+    assert isinstance(msg, Failed) and "written after the attempt had been decided (late write)" in msg.reason
+    assert isinstance(actions[0], TellRank)
+
+
+def test_a_failed_write_tells_the_rank_and_reports_why():
+    node, j = Node(), job()
+    node.take(j)
+    actions = node.handle(Ended(job=j, error=OSError(28, "No space left"), reason="OSError: No space left"))
+    assert actions[0] == TellRank(job=j, result=WriteResult())
+    msg = report(actions)
+    assert isinstance(msg, Failed) and msg.reason == "writing its data file failed: OSError: No space left"
+
+
+def test_a_drained_save_only_frees_its_block():
+    node, j = Node(), job()
+    node.take(j)
+    node.decide(j, aborted(j))
+    error = NotWritten("nothing written")
+    assert node.handle(Ended(job=j, error=error, reason="NotWritten: nothing written")) == [
+        TellRank(job=j, result=WriteResult())
+    ]
+
+
+def test_a_write_not_finished_within_the_commit_timeout_is_reported_failed_once_naming_its_file():
+    node, j = Node(), job()
+    node.take(j)
+    node.now += CFG.commit_timeout_s  # not yet: the bound is inclusive
+    assert node.handle(Tick()) == []
+    node.now += 0.5
+    msg = report(node.handle(Tick()))
+    assert (
+        isinstance(msg, Failed) and "/ckpt/3.0123456789ab-1.tmp/__1_0.distcp was not written within 10 s" in msg.reason
+    )
+    node.now += 60
+    assert node.handle(Tick()) == []  # once
+    # the hung write ends at last: the rank gets its block back, and the coordinator the report
+    assert isinstance(node.handle(Ended(job=j, result=WriteResult()))[0], TellRank)
+
+
+def test_an_overdue_write_of_an_attempt_decided_meanwhile_is_not_reported():
+    node, j, other = Node(), job(block=0), job(step=4, block=1)
+    node.take(j)
+    node.now += 4
+    node.take(other)
+    node.decide(j, aborted(j))  # another rank failed step 3
+    node.now += CFG.commit_timeout_s - 2  # step 3's write is overdue, step 4's not yet
+    assert node.handle(Tick()) == [] and list(node.state.unfinished) == [("g1", 1)]
+    node.now += 3
+    assert report(node.handle(Tick())).step == 4
