@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
-from .errors import CkptdError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
 from .format.rootlayout import TRACKER_FILE
 from .s3catalog import scan_any
 from .storage.s3view import s3_checkpoint_view
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from .verify import VerifyReport
 
 log = logging.getLogger(__name__)
+
+# Scans of a root while retention removes what a scan found (each commit of a job can remove one).
+_RESOLVE_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -139,10 +142,12 @@ def _without_damaged(cat: RootCatalog, damaged: Mapping[str, str]) -> RootCatalo
 def resolve_resumable(
     root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None
 ) -> LatestChoice | None:
-    """:func:`resolve_latest`, once more when it found nothing loadable: retention may have removed
-    the checkpoints it was checking meanwhile (a new one committed), which a fresh scan sees."""
-    try:
-        return resolve_latest(root, damaged=damaged)
-    except CorruptCheckpointError as first:
-        log.info("resolving the latest checkpoint again (%s)", first)
-        return resolve_latest(root, damaged=damaged)
+    """:func:`resolve_latest`, again (a fresh scan, ``_RESOLVE_TRIES`` in all) when it found nothing
+    loadable or a checkpoint it was checking is gone: retention may have removed it meanwhile,
+    after a newer one committed, which a fresh scan sees."""
+    for _ in range(_RESOLVE_TRIES - 1):
+        try:
+            return resolve_latest(root, damaged=damaged)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            log.info("resolving the latest checkpoint again (%s)", exc)
+    return resolve_latest(root, damaged=damaged)

@@ -115,6 +115,27 @@ def test_a_checkpoint_moved_away_mid_load_is_a_clean_error(tmp_path):
     assert_whole(ckptd.load(request(), src), 100)
 
 
+def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_path, monkeypatch):
+    """Retention removed the checkpoint the tracker named (a newer one committed) between the scan
+    and the structural check of a resume: the check raised CheckpointNotFoundError out of the
+    resume (1 of 26 racing resumes under load). A fresh scan chooses the newer one."""
+    from ckptd import recovery
+    from ckptd.client.resume import load_latest
+
+    root = make_root(tmp_path / "r", [100, 200], latest=100)
+    check = recovery.structural_problem
+
+    def retention_meanwhile(path):
+        if Path(path).name == step_dir_name(100) and Path(path).exists():
+            (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(200)))
+            retention(root)
+        return check(path)
+
+    monkeypatch.setattr(recovery, "structural_problem", retention_meanwhile)
+    assert_whole(load_latest(root, request(), {}, 0, {}), 200)
+    assert not (root / step_dir_name(100)).exists()
+
+
 # --- real loads racing real retention, in processes ------------------------------------------------
 
 # Elements of the tensor each checkpoint holds (16 MiB): a load takes long enough that retention
