@@ -22,6 +22,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.endpoint is None:
         from tools.harness.seaweed import SeaweedServer
 
-        server = SeaweedServer(Path(tempfile.mkdtemp(prefix="ckptd-bench-weed-"))).start()
+        server_dir = Path(tempfile.mkdtemp(prefix="ckptd-bench-weed-"))
+        server = SeaweedServer(server_dir).start()
         os.environ.update(server.env())
         server.create_bucket(args.bucket)
     else:
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(server_dir, ignore_errors=True)  # several GiB of uploads
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -193,12 +193,15 @@ def write_rank_file(
     def ready(i: int) -> None:
         snapshot.wait_for(ring, ends[i], snapshot_timeout_s)
 
+    def produced(i: int) -> bool:
+        return snapshot.progress(ring) >= ends[i]
+
     def written(i: int) -> None:
         ring.set_consumed(ends[i])
 
     try:
         try:
-            stored = target.write(items, checksums=checksums, ready=ready, written=written)
+            stored = target.write(items, checksums=checksums, ready=ready, written=written, produced=produced)
             snapshot.wait(ring, snapshot_timeout_s)  # sealed: every byte written was final
         except BaseException:
             del items

@@ -69,9 +69,12 @@ class DataTarget(Protocol):
         checksums: bool,
         ready: Callable[[int], None],
         written: Callable[[int], None],
+        produced: Callable[[int], bool] | None = None,
     ) -> list[ItemRecord]:
         """Write every item (``ready(i)`` before item ``i``, ``written(i)`` once its bytes may be
-        overwritten); returns the stored records. Nothing is visible yet."""
+        overwritten); returns the stored records. Nothing is visible yet. ``produced(i)``: whether
+        item ``i`` is complete already (``ready(i)`` would not wait; its producer may be waiting
+        for the space of items written before, which a target must not hold back then)."""
         ...
 
     def publish(self) -> int:

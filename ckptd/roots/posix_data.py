@@ -69,6 +69,7 @@ class PosixDataTarget:
         checksums: bool,
         ready: Callable[[int], None],
         written: Callable[[int], None],
+        produced: Callable[[int], bool] | None = None,  # a file frees each item as it is written
     ) -> list[ItemRecord]:
         stepd = self._open()
         try:

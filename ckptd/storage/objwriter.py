@@ -1,49 +1,100 @@
 """A data object uploaded as it is written: the sink of ``ckptd.format.items.write_data_file`` on
 object storage.
 
-``torch.save`` streams each item through ``write``; the bytes are copied once, into the current
-part's buffer, so the caller may reuse its memory (torch.save's own buffers, staging-ring space)
-as soon as ``write`` returns. obstore keeps a reference to what it is given and uploads it later
-(measured: a writer handed torch.save's buffers directly uploaded garbage), so each full part is a
-fresh buffer handed over and never touched again; every ``part_nbytes`` a part is uploaded while
-later writes go on, at most ``max_concurrency`` parts in flight. ``close()`` completes the
-multipart upload: only then does the object exist (under its final key, which names the save
-attempt: nothing else ever writes it). Leaving the context with an exception aborts the upload;
-one left unfinished by a crash is removed by the next coordinator start or ``ckptd gc``.
+Writes are cut into parts of ``part_nbytes`` (the last one shorter); every full part is handed to
+obstore's multipart writer, which uploads it while later writes go on, at most ``max_concurrency``
+parts in flight (a write waits for room). obstore keeps a *reference* to each buffer it is given
+until that buffer's part was uploaded (measured: a writer handed torch.save's own buffers uploaded
+garbage), so a part is made of
+
+- *copies*: bytes copied into a buffer of the sink's own, never written again once handed over
+  (small writes: archive headers, small items; and everything when nothing may be lent);
+- *lent* buffers: views of the caller's memory that ``lendable`` accepts (the daemon's staging
+  ring: ckptd.roots.s3_data), handed over without a copy. The caller must not change that memory
+  until the sink says it was let go: ``on_release()`` runs (on any thread) whenever lent buffers
+  were let go, :attr:`released` is how many of the first lent buffers were (they count in the order
+  they were lent, :attr:`lent` so far). A part being assembled is the sink's own until it is full;
+  :meth:`let_go` copies its lent pieces so that the caller can have that memory back at once (the
+  daemon calls it before it waits for its producer, who may be waiting for exactly that memory).
+
+``close()`` completes the multipart upload: only then does the object exist (under its final key,
+which names the save attempt: nothing else ever writes it). Leaving the context with an exception
+aborts the upload; one left unfinished by a crash is removed by the next coordinator start or
+``ckptd gc``. Both return only once obstore let go of every lent buffer (it may still hold some
+for a moment after an abort), so that the caller may reuse or unmap that memory then.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import StorageError
 from .s3client import S3Client
 
+log = logging.getLogger(__name__)
+
 # S3's smallest part is 5 MiB (except the last); larger parts mean fewer requests.
 PART_NBYTES = 32 << 20
 MAX_CONCURRENCY = 8
+# Writes smaller than this are copied even where they could be lent: a few bytes of archive
+# headers are cheaper to copy than to track.
+LEND_MIN_NBYTES = 64 << 10
+# Copies of small writes go into buffers of this size (or the rest of the part, if less).
+COPY_NBYTES = 1 << 20
 
 
 class ObjectSink:
     def __init__(
-        self, client: S3Client, key: str, part_nbytes: int = PART_NBYTES, max_concurrency: int = MAX_CONCURRENCY
+        self,
+        client: S3Client,
+        key: str,
+        part_nbytes: int = PART_NBYTES,
+        max_concurrency: int = MAX_CONCURRENCY,
+        lendable: Callable[[memoryview], bool] | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
         self.key = key
         self._pos = 0
         self._part_nbytes = part_nbytes
-        self._part = bytearray(part_nbytes)
+        self._lendable = lendable
+        self._on_release = on_release
+        # The part being assembled: (piece, lent) in order, then the copy buffer's unsealed bytes.
+        self._pieces: list[tuple[memoryview, bool]] = []
         self._filled = 0
+        self._copy: bytearray | None = None
+        self._copy_from = 0  # bytes of _copy before it are in _pieces already
+        self._copy_at = 0
+        self._lock = threading.Lock()
+        self.lent = 0
+        self._back: set[int] = set()  # lent pieces let go out of order
+        self._released = 0
         self._writer: Any = client.writer(key, part_nbytes, max_concurrency)
         self._writer.__enter__()
         self.closed = False
+        self.completed = False  # the object exists
+
+    @property
+    def released(self) -> int:
+        """How many of the first lent buffers obstore (and this sink) let go of."""
+        with self._lock:
+            return self._released
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        lend = self._lendable is not None and view.nbytes >= LEND_MIN_NBYTES and self._lendable(view)
         done = 0
         while done < view.nbytes:
             n = min(view.nbytes - done, self._part_nbytes - self._filled)
-            self._part[self._filled : self._filled + n] = view[done : done + n]
+            if lend:
+                self._lend(view[done : done + n])
+            else:
+                self._copy_in(view[done : done + n])
             self._filled += n
             done += n
             if self._filled == self._part_nbytes:
@@ -51,14 +102,77 @@ class ObjectSink:
         self._pos += view.nbytes
         return view.nbytes
 
+    def _copy_in(self, chunk: memoryview) -> None:
+        n = chunk.nbytes
+        if self._copy is None or len(self._copy) - self._copy_at < n:
+            self._seal_copy()
+            # A fresh buffer: obstore may hold the last one's bytes, which are never written again.
+            self._copy = bytearray(max(n, min(COPY_NBYTES, self._part_nbytes - self._filled)))
+            self._copy_from = self._copy_at = 0
+        self._copy[self._copy_at : self._copy_at + n] = chunk
+        self._copy_at += n
+
+    def _seal_copy(self) -> None:
+        """The copied bytes not yet in the part's pieces become its next piece."""
+        if self._copy is not None and self._copy_at > self._copy_from:
+            self._pieces.append((memoryview(self._copy)[self._copy_from : self._copy_at], False))
+            self._copy_from = self._copy_at
+
+    def _lend(self, piece: memoryview) -> None:
+        """``piece`` (a fresh view, referenced only by the part and then by obstore) joins the part;
+        when the last reference goes, it counts as let go."""
+        self._seal_copy()
+        done = weakref.finalize(piece, self._let_go_of, self.lent)
+        done.atexit = False
+        self.lent += 1
+        self._pieces.append((piece, True))
+
+    def _let_go_of(self, seq: int) -> None:
+        """Lent piece ``seq`` is referenced no more (runs on obstore's threads, or this one)."""
+        with self._lock:
+            self._back.add(seq)
+            while self._released in self._back:
+                self._back.discard(self._released)
+                self._released += 1
+        if self._on_release is not None:
+            try:
+                self._on_release()
+            except Exception:  # on obstore's thread: nobody to raise to
+                log.exception("releasing the memory lent to the upload of %s failed", self.client.url(self.key))
+
+    def let_go(self) -> None:
+        """Copy the lent pieces of the part being assembled (obstore holds only whole parts):
+        afterwards the sink holds none of the caller's memory that obstore was not given."""
+        if not any(lent for _, lent in self._pieces):
+            return
+        self._seal_copy()
+        buf = bytearray(self._part_nbytes)  # also the copy buffer of the rest of this part
+        at = 0
+        for piece, _ in self._pieces:
+            buf[at : at + piece.nbytes] = piece
+            at += piece.nbytes
+        self._pieces = []  # the lent pieces go: their finalizers run
+        self._copy, self._copy_from, self._copy_at = buf, 0, at
+
     def _hand_over(self) -> None:
-        """Give the filled part to the uploader (which keeps it) and start a fresh one."""
-        part = self._part if self._filled == self._part_nbytes else self._part[: self._filled]
-        self._part, self._filled = bytearray(self._part_nbytes), 0
+        """Give the part's pieces to the uploader, which keeps them until the part is uploaded."""
+        self._seal_copy()
+        pieces, self._pieces = self._pieces, []
+        self._copy, self._filled = None, 0
+        failure: Exception | None = None
         try:
-            self._writer.write(part)
+            for i in range(len(pieces)):
+                piece, pieces[i] = pieces[i][0], (memoryview(b""), False)
+                try:
+                    self._writer.write(piece)
+                finally:
+                    del piece  # only obstore may hold it now
         except Exception as exc:  # noqa: BLE001 - obstore's errors
-            raise self.client._error(exc, self.key, "upload") from None
+            failure = exc
+        finally:
+            pieces.clear()
+        if failure is not None:
+            raise self.client._error(failure, self.key, "upload") from None
 
     def tell(self) -> int:
         return self._pos
@@ -67,25 +181,56 @@ class ObjectSink:
         """Parts go out as they fill; the object is complete only at :meth:`close`."""
 
     def close(self) -> None:
-        """Complete the upload (the object appears, whole, under its key)."""
+        """Complete the upload (the object appears, whole, under its key); returns once every
+        lent buffer was let go."""
         if self.closed:
             return
         if self._filled:
             self._hand_over()
         self.closed = True
+        failure: Exception | None = None
         try:
             self._writer.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001
-            raise self.client._error(exc, self.key, "complete the upload of") from None
+            failure = exc
+        if failure is not None:
+            self._wait_released()
+            raise self.client._error(failure, self.key, "complete the upload of") from None
+        self.completed = True
+        if not self._wait_released():
+            raise StorageError(
+                f"{self.client.url(self.key)}: the upload completed, but its client still holds "
+                f"{self.lent - self.released} of the buffers it was lent after "
+                f"{self.client.settings.request_timeout_s:g} s; the save fails (report this as a bug)"
+            )
 
     def abort(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self._pieces, self._copy = [], None
         try:
             self._writer.__exit__(StorageError, StorageError("aborted"), None)
         except Exception:  # noqa: BLE001 - the upload is left for gc; nothing to add to the error already raised
             pass
+        if not self._wait_released():
+            log.error(
+                "%s: the aborted upload's client still holds %d of the buffers it was lent",
+                self.client.url(self.key),
+                self.lent - self.released,
+            )
+
+    def _wait_released(self) -> bool:
+        """Wait until every lent buffer was let go (obstore drops an aborted part's buffers a moment
+        after the abort returns), at most one request's timeout; whether they were."""
+        deadline = time.monotonic() + self.client.settings.request_timeout_s
+        pause = 0.0005
+        while self.released < self.lent:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return True
 
     def __enter__(self) -> ObjectSink:
         return self
