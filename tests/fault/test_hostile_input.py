@@ -44,7 +44,6 @@ from ckptd.control.protocol import (
     Pong,
     RegisterRing,
     RingOk,
-    Save,
     Status,
     StatusReply,
     Welcome,
@@ -55,6 +54,7 @@ from ckptd.daemon.snapshot import boottime_s
 from ckptd.staging.rankside import StagingRing
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
+from tests.messages import a_save
 from tools.harness.waiting import wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
@@ -228,22 +228,7 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
     peer = Peer(ep.ipc_address, ep.job, _keys(job))
     good = peer.codec.encode(Ping(nonce=1))[0]
     # The wire fields of a valid SAVE (the message's own), with a step outside the protocol's bound.
-    valid = Save(
-        step=1,
-        attempt="0123456789ab-1",
-        rank=0,
-        world_size=1,
-        generation="g",
-        block=0,
-        items=[],
-        common=None,
-        common_digest="",
-        layout="",
-        ring_start=0,
-        snapshot_pid=0,
-        seal=b"",
-        seal_offset=0,
-    )
+    valid = a_save()
     save = {**dataclasses.asdict(valid), "step": 2**64 - 1}
     try:
         rejected = {
@@ -331,24 +316,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
     try:
         ask = lambda msg: peer.ask(peer.codec.encode(msg))  # noqa: E731
         assert isinstance(ask(Hello(rank=0, pid=os.getpid(), root=str(job.root))), Welcome)
-        reply = ask(
-            Save(
-                step=5,
-                attempt="0123456789ab-1",
-                rank=0,
-                world_size=1,
-                generation=victim.generation,
-                block=0,
-                items=[],
-                common=None,
-                common_digest="",
-                layout="",
-                ring_start=0,
-                snapshot_pid=0,
-                seal=b"",
-                seal_offset=0,
-            )
-        )
+        reply = ask(a_save(step=5, generation=victim.generation))
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
         reply = ask(RegisterRing(rank=1, generation=own.generation, ring_nbytes=own.capacity, names=own.names))
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
@@ -360,24 +328,7 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
             (1, "is not a child of the rank's process"),
             (old_child.pid, "is older than the rank's staging ring"),
         ):
-            reply = ask(
-                Save(
-                    step=5,
-                    attempt="0123456789ab-1",
-                    rank=0,
-                    world_size=1,
-                    generation=own.generation,
-                    block=0,
-                    items=[],
-                    common=None,
-                    common_digest="",
-                    layout="",
-                    ring_start=0,
-                    snapshot_pid=pid,
-                    seal=b"s" * 16,
-                    seal_offset=0,
-                )
-            )
+            reply = ask(a_save(step=5, generation=own.generation, snapshot_pid=pid, seal=b"s" * 16))
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         peer.sock.send_multipart(peer.codec.encode(Bye()))  # retires its own ring only
         assert isinstance(ask(Ping(nonce=3)), Pong)

@@ -19,16 +19,14 @@ from ckptd.control.protocol import (
     Hello,
     MsgType,
     Ping,
-    Save,
     Skip,
     StatusReply,
     StepAborted,
-    Written,
 )
 from ckptd.errors import CkptdError, ProtocolError
+from tests.messages import ATTEMPT, a_save, a_written
 
 codec = Codec("job1", max_nbytes=1 << 16)
-ATTEMPT = "0123456789ab-1"
 
 
 def _frames(obj: object) -> list[bytes]:
@@ -37,36 +35,15 @@ def _frames(obj: object) -> list[bytes]:
 
 def _save_fields(**changes: object) -> dict:
     """The wire fields of a valid SAVE (those the codec sends: the message's own), with ``changes``."""
-    return {
-        **dataclasses.asdict(
-            Save(
-                step=1,
-                attempt=ATTEMPT,
-                rank=0,
-                world_size=1,
-                generation="g",
-                block=0,
-                items=[],
-                common=None,
-                common_digest="",
-                layout="",
-                ring_start=0,
-                snapshot_pid=0,
-                seal=b"",
-                seal_offset=0,
-            )
-        ),
-        **changes,
-    }
+    return {**dataclasses.asdict(a_save()), **changes}
 
 
 def test_every_message_type_round_trips():
     samples = [
         Ping(nonce=7),
         Hello(rank=3, pid=1234, root="/ckpts/run1"),
-        Save(
+        a_save(
             step=100,
-            attempt=ATTEMPT,
             rank=3,
             world_size=4,
             generation="abcd",
@@ -75,38 +52,12 @@ def test_every_message_type_round_trips():
             common=b"\x00\x01",
             common_digest="digest",
             layout="l1",
-            ring_start=0,
             snapshot_pid=4242,
             seal=b"s" * 16,
             seal_offset=4096,
         ),
-        Save(
-            step=100,
-            attempt=ATTEMPT,
-            rank=3,
-            world_size=4,
-            generation="abcd",
-            block=1,
-            items=[],
-            common=None,
-            common_digest="",
-            layout="",
-            ring_start=0,
-            snapshot_pid=0,
-            seal=b"",
-            seal_offset=0,
-        ),
-        Written(
-            step=100,
-            attempt=ATTEMPT,
-            rank=3,
-            world_size=4,
-            node=1,
-            records=[{"fqn": "w"}],
-            common=None,
-            common_digest="",
-            file_nbytes=4096,
-        ),
+        a_save(step=100, rank=3, world_size=4, generation="abcd", block=1),
+        a_written(step=100, rank=3, world_size=4, node=1, records=[{"fqn": "w"}], file_nbytes=4096),
         Failed(step=100, attempt="fedcba987654-12", rank=-1, world_size=0, node=1, reason="lost the coordinator"),
         StepAborted(step=10**9 - 1, attempt=ATTEMPT, reason="why"),
         StepAborted(step=7, attempt=ATTEMPT, reason="rank 1 skipped it", skipped=True),
@@ -198,22 +149,7 @@ def test_malformed_messages_are_rejected(frames, why):
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
-    big = Save(
-        step=1,
-        attempt=ATTEMPT,
-        rank=0,
-        world_size=1,
-        generation="g",
-        block=0,
-        items=[],
-        common=b"x" * (1 << 16),
-        common_digest="",
-        layout="",
-        ring_start=0,
-        snapshot_pid=0,
-        seal=b"",
-        seal_offset=0,
-    )
+    big = a_save(common=b"x" * (1 << 16))
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         codec.encode(big)
     roomy = Codec("job1", max_nbytes=1 << 20)
@@ -224,22 +160,7 @@ def test_size_limit_applies_before_anything_is_unpacked():
 
 def test_big_messages_travel_in_frames_no_socket_needs_to_accept_whole():
     roomy = Codec("job1", max_nbytes=8 << 20)
-    big = Save(
-        step=1,
-        attempt=ATTEMPT,
-        rank=0,
-        world_size=1,
-        generation="g",
-        block=0,
-        items=[],
-        common=os.urandom(3 * FRAME_NBYTES + 5),
-        common_digest="",
-        layout="",
-        ring_start=0,
-        snapshot_pid=0,
-        seal=b"",
-        seal_offset=0,
-    )
+    big = a_save(common=os.urandom(3 * FRAME_NBYTES + 5))
     frames = roomy.encode(big)
     assert len(frames) == 4 and all(len(f) <= FRAME_NBYTES for f in frames)
     assert roomy.decode([bytes(f) for f in frames]) == big

@@ -17,29 +17,9 @@ from ckptd.control.channel import Channel, make_socket
 from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
 from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import PidLock
-from ckptd.control.protocol import Codec, ErrorReply, Save, SaveAck
+from ckptd.control.protocol import Codec, ErrorReply, SaveAck
 from ckptd.control.security import ZapHandler
-
-ATTEMPT = "0123456789ab-1"
-
-
-def _save(step: int) -> Save:
-    return Save(
-        step=step,
-        attempt=ATTEMPT,
-        rank=0,
-        world_size=1,
-        generation="g",
-        block=0,
-        items=[],
-        common=None,
-        common_digest="",
-        layout="",
-        ring_start=0,
-        snapshot_pid=4242,
-        seal=b"s" * 16,
-        seal_offset=4096,
-    )
+from tests.messages import ATTEMPT, a_save
 
 
 @pytest.mark.timeout(60)
@@ -82,10 +62,10 @@ def test_a_late_refusal_of_an_earlier_request_is_not_taken_for_this_one(tmp_path
     link = DaemonLink(ep, JobEnv(), cfg, codec, keys, on_notify=lambda _msg: None)
     try:
         link._open_socket()
-        ack = link.request(_save(2), SaveAck)
+        ack = link.request(a_save(step=2), SaveAck)
         assert (ack.step, ack.attempt) == (2, ATTEMPT)
         with pytest.raises(RequestNotTaken, match="step 3 is refused"):
-            link.request(_save(3), SaveAck)
+            link.request(a_save(step=3), SaveAck)
     finally:
         stop.set()
         thread.join(10)

@@ -171,8 +171,9 @@ def test_a_save_of_10000_replicas_sends_their_keys_once():
     """A data-parallel rank holding 10,000 replicas sends their keys (not records) with its
     layout, and nothing more while the layout stays the same."""
     from ckptd.client.layout import LayoutCache
-    from ckptd.control.protocol import Codec, Save
+    from ckptd.control.protocol import Codec
     from ckptd.staging.rankside import place
+    from tests.messages import a_save
 
     sd = {f"layers.{i}.weight": ShardedTensor.from_rank_offsets(f"layers.{i}.weight", torch.ones(2), replica_id=1)
           for i in range(10_000)}  # fmt: skip
@@ -183,23 +184,7 @@ def test_a_save_of_10000_replicas_sends_their_keys_once():
         plan = plan_rank(split_state_dict(sd), 1)
         placements, _ = place(plan.items)
         wire, layout, held = cache.items_for("g", plan.items, placements, plan.held)
-        msg = Save(
-            step=1,
-            attempt="0123456789ab-1",
-            rank=1,
-            world_size=2,
-            generation="g",
-            block=0,
-            items=wire,
-            common=None,
-            common_digest="",
-            layout=layout,
-            ring_start=0,
-            snapshot_pid=0,
-            seal=b"",
-            seal_offset=0,
-            held=held,
-        )
+        msg = a_save(rank=1, world_size=2, items=wire, layout=layout, held=held)
         return sum(len(f) for f in codec.encode(msg)), len(held)
 
     first, held = save_nbytes()

@@ -28,28 +28,7 @@ from ckptd.control.protocol import (
 from ckptd.control.requests import RequestClient, answer
 from ckptd.control.security import ZapHandler
 from ckptd.errors import DaemonError, DaemonLostError, ProtocolError, RequestNotTaken, UnknownClientError
-
-ATTEMPT = "0123456789ab-1"
-
-
-def _save(step: int) -> Save:
-    return Save(
-        step=step,
-        attempt=ATTEMPT,
-        rank=0,
-        world_size=1,
-        generation="g",
-        block=0,
-        items=[],
-        common=None,
-        common_digest="",
-        layout="",
-        ring_start=0,
-        snapshot_pid=4242,
-        seal=b"s" * 16,
-        seal_offset=4096,
-    )
-
+from tests.messages import ATTEMPT, a_save
 
 # ------------------------------------------------------------------------------ answer(), pure
 
@@ -60,17 +39,17 @@ def test_the_expected_reply_answers_and_anything_else_does_not():
         answer(Status(), Pong(nonce=1, instance="i", pid=2), StatusReply) is None
     )  # not an answer: the caller decides
     ack = SaveAck(step=2, attempt=ATTEMPT)
-    assert answer(_save(2), ack, SaveAck, match=lambda a: a.step == 2) == ack
-    assert answer(_save(3), ack, SaveAck, match=lambda a: a.step == 3) is None  # an earlier request's
+    assert answer(a_save(step=2), ack, SaveAck, match=lambda a: a.step == 2) == ack
+    assert answer(a_save(step=3), ack, SaveAck, match=lambda a: a.step == 3) is None  # an earlier request's
 
 
 @pytest.mark.parametrize(
     "request_, error, refused",
     [
         (Status(), ErrorReply(reason="no", step=None), True),  # a request without a step: any ERROR is its
-        (_save(3), ErrorReply(reason="no", step=None), True),  # an ERROR without a step refuses whatever was asked
-        (_save(3), ErrorReply(reason="no", step=3), True),
-        (_save(3), ErrorReply(reason="no", step=1), False),  # the late refusal of step 1's SAVE
+        (a_save(step=3), ErrorReply(reason="no", step=None), True),  # an ERROR without a step refuses any request
+        (a_save(step=3), ErrorReply(reason="no", step=3), True),
+        (a_save(step=3), ErrorReply(reason="no", step=1), False),  # the late refusal of step 1's SAVE
     ],
 )
 def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorReply, refused: bool):
@@ -84,7 +63,7 @@ def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorRe
 def test_a_refusal_carries_its_code():
     with pytest.raises(RequestNotTaken) as info:
         answer(
-            _save(1),
+            a_save(step=1),
             ErrorReply(reason="forgot you", step=1, code=UnknownClientError.code),
             SaveAck,
             peer="node 3's daemon",
@@ -184,7 +163,7 @@ def test_a_late_refusal_is_logged_and_the_wait_goes_on(serve, caplog):
     server = serve(
         {Save: [ErrorReply(reason="the save of step 1 was refused", step=1), SaveAck(step=2, attempt=ATTEMPT)]}
     )
-    assert server.client().request(_save(2), SaveAck, timeout_s=600) == SaveAck(step=2, attempt=ATTEMPT)
+    assert server.client().request(a_save(step=2), SaveAck, timeout_s=600) == SaveAck(step=2, attempt=ATTEMPT)
     assert "the test daemon refused an earlier request of step 1" in caplog.text
 
 

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 
-from ckptd.control.protocol import PROTOCOL_VERSION, Codec, Save, StatusReply
+from ckptd.control.protocol import PROTOCOL_VERSION, Codec, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.gcpause import gc_paused
@@ -24,6 +24,7 @@ from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.rankside import StagingRing, bytes_view, place
 from ckptd.staging.ring import HEADER_NBYTES
 from ckptd.staging.segment import unlink_segments
+from tests.messages import a_save
 
 
 def _old_wire(rec: ItemRecord) -> dict:
@@ -51,21 +52,13 @@ def test_records_and_messages_encode_to_the_same_bytes_as_before():
     assert ItemRecord.from_wire(rec.to_wire()) == rec and rec.nbytes == 2 * 6 * 2
     codec = Codec("job")
     for msg in (
-        Save(
+        a_save(
             step=3,
-            attempt="0123456789ab-1",
             rank=1,
             world_size=2,
-            generation="g",
-            block=0,
             items=[{"record": rec.to_wire(), "offset": 0, "nbytes": 24}],
             common=b"common",
-            common_digest="",
             layout="l",
-            ring_start=0,
-            snapshot_pid=0,
-            seal=b"",
-            seal_offset=0,
         ),
         StatusReply(info={"nested": [rec, {"t": (1, 2)}]}),
     ):  # a dataclass inside a field, too

@@ -26,6 +26,7 @@ from ckptd.daemon.uplinkstate import (
     UplinkState,
     Verdict,
 )
+from tests.messages import a_written
 
 A = "0123456789ab-1"
 K3, K4 = (3, A), (4, A)
@@ -34,9 +35,7 @@ LINK_TIMEOUT_S = 4.0
 
 
 def written(step: int, rank: int = 0) -> Written:
-    return Written(
-        step=step, attempt=A, rank=rank, world_size=2, node=1, records=[], common=None, common_digest="", file_nbytes=0
-    )
+    return a_written(step=step, attempt=A, rank=rank, world_size=2, node=1)
 
 
 class Node:
