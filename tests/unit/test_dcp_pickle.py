@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -129,23 +130,15 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
     return out
 
 
+def _w_chunk(**fields: Any) -> ItemRecord:
+    """A chunk of the tensor "w" that rank 0 stored in the file "d"."""
+    return ItemRecord(fqn="w", kind=TENSOR, rank=0, relative_path="d", **fields)
+
+
 CASES = {
     "empty": ([], None, None),
     "one tensor, no checksums": (
-        [
-            ItemRecord(
-                fqn="w",
-                kind=TENSOR,
-                rank=0,
-                dtype="float32",
-                global_shape=(2,),
-                offsets=(0,),
-                sizes=(2,),
-                relative_path="d",
-                file_offset=0,
-                length=8,
-            )
-        ],
+        [_w_chunk(dtype="float32", global_shape=(2,), offsets=(0,), sizes=(2,), file_offset=0, length=8)],
         "/c",
         None,
     ),
@@ -158,18 +151,7 @@ CASES = {
     # 1,000 and 1,001 keys: the C pickler's batches of 1,000 (an empty batch after a multiple)
     "1000 values": (
         [
-            ItemRecord(
-                fqn=f"k{i:04}",
-                kind=BYTES,
-                rank=0,
-                dtype="",
-                global_shape=(),
-                offsets=(),
-                sizes=(),
-                relative_path="d",
-                file_offset=i,
-                length=1,
-            )
+            ItemRecord(fqn=f"k{i:04}", kind=BYTES, rank=0, relative_path="d", file_offset=i, length=1)
             for i in range(1000)
         ],
         "/c",
@@ -177,18 +159,7 @@ CASES = {
     ),
     "1001 chunks": (
         [
-            ItemRecord(
-                fqn="w",
-                kind=TENSOR,
-                rank=0,
-                dtype="int8",
-                global_shape=(1001,),
-                offsets=(i,),
-                sizes=(1,),
-                relative_path="d",
-                file_offset=i,
-                length=1,
-            )
+            _w_chunk(dtype="int8", global_shape=(1001,), offsets=(i,), sizes=(1,), file_offset=i, length=1)
             for i in range(1001)
         ],
         "/",
@@ -197,20 +168,7 @@ CASES = {
     # many frames of 64 KiB; memo indices beyond 256 (LONG_BINGET)
     "3000 keys": (_records(3000, 2), "/ckpt/iter_0000002", 2**32 - 1),
     "a 70,000-character id": (
-        [
-            ItemRecord(
-                fqn="w",
-                kind=TENSOR,
-                rank=0,
-                dtype="bool",
-                global_shape=(1,),
-                offsets=(0,),
-                sizes=(1,),
-                relative_path="d",
-                file_offset=0,
-                length=1,
-            )
-        ],
+        [_w_chunk(dtype="bool", global_shape=(1,), offsets=(0,), sizes=(1,), file_offset=0, length=1)],
         "x" * 70000,
         None,
     ),
