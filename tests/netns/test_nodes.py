@@ -20,6 +20,7 @@ import pytest
 
 from ckptd.control.endpoints import default_job_id
 from tools.harness.netns import Cluster, sweep_stale
+from tools.harness.waiting import wait_until
 
 from .job import MASTER_PORT
 
@@ -78,6 +79,12 @@ def test_harness_removes_and_sweeps_everything(netns_available):
     subprocess.run(["ip", "netns", "add", f"{stale}-n0"], check=True)
     subprocess.run(["ip", "link", "add", f"{stale}b", "type", "bridge"], check=True)
     sleeper = subprocess.Popen(["ip", "netns", "exec", f"{stale}-n0", "sleep", "600"])
+
+    def in_namespace() -> bool:  # ip has entered it (the sweep kills what is inside, not on the way)
+        out = subprocess.run(["ip", "netns", "pids", f"{stale}-n0"], capture_output=True, text=True, check=False)
+        return str(sleeper.pid) in out.stdout.split()
+
+    wait_until(in_namespace, 30, "the sleeper in its namespace")
     stale_dir = Path(tempfile.gettempdir()) / f"{stale}-x"
     stale_dir.mkdir()
     try:
