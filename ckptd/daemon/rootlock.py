@@ -16,11 +16,14 @@ where the filesystem cannot lock at all, the daemon logs that a second job is no
 goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine
 (``/dev/shm/.ckptd-<job>-n<node>.lock``), which keeps a second job on the same machine from
 removing the first one's rings and saves; two jobs on one ``s3://`` root on different machines
-are not detected.
+are not detected. That file is one per job and node, so its daemon removes it when it exits (while
+still holding the lock; a daemon that locked the removed file meanwhile sees that the name no longer
+leads to it, and takes the lock again on the new one); the file in a POSIX root stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -54,6 +57,7 @@ class RootLock:
             self.root, self.name = SHM_DIR, f".ckptd-{job}-n{node}.lock"
         else:
             self.root, self.name = root, node_lock_name(node)
+        self.removed_on_release = isinstance(root, S3Location)
         self.fd: int | None = None
         self.acquired = False  # held, or the filesystem cannot lock (tolerated)
 
@@ -101,6 +105,9 @@ class RootLock:
             fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self.removed_on_release and not _still_named(fd, self.name, dir_fd):
+                    os.close(fd)  # locked a file its holder removed on release: lock the new one
+                    return self._lock(dir_fd)
             except OSError as exc:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     holder = _read_holder(fd)
@@ -120,9 +127,12 @@ class RootLock:
         return -1, False
 
     def release(self) -> None:
-        """Release the lock (the file stays: removing it would let a daemon that opened it
-        meanwhile hold a lock on a file nobody else finds)."""
+        """Release the lock. The file in a POSIX root stays; the machine's file of an ``s3://``
+        root is removed first, still locked (see the module docstring)."""
         if self.fd is not None:
+            if self.removed_on_release:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.root / self.name)
             os.close(self.fd)
             self.fd = None
         self.acquired = False
@@ -149,3 +159,13 @@ def _read_holder(fd: int) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def _still_named(fd: int, name: str, dir_fd: int) -> bool:
+    """Whether ``name`` in ``dir_fd`` is still the file open as ``fd``."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    st = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)

@@ -1,0 +1,55 @@
+"""The node lock of a checkpoint root (ckptd.daemon.rootlock), in this process: no daemon."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+from ckptd.daemon.rootlock import RootBusyError, RootLock, _still_named
+from ckptd.staging.segment import SHM_DIR
+from ckptd.storage.url import S3Location
+
+
+def test_the_machine_lock_of_an_s3_root_is_removed_when_its_daemon_lets_go(tmp_path):
+    """One file per job and node in /dev/shm: left behind, they piled up (317 on a test machine)."""
+    job = secrets.token_hex(6)
+    first = RootLock(S3Location(bucket="b", prefix="run"), 0, job)
+    first.acquire(runtime_dir=tmp_path, job=job)
+    path = SHM_DIR / first.name
+    assert path.exists()
+    with pytest.raises(RootBusyError, match="another ckptd daemon"):
+        RootLock(S3Location(bucket="b", prefix="run"), 0, job).acquire(runtime_dir=tmp_path, job=job)
+    first.release()
+    assert not path.exists()
+    second = RootLock(S3Location(bucket="b", prefix="run"), 0, job)
+    second.acquire(runtime_dir=tmp_path, job=job)  # a relaunch locks a new file
+    assert path.exists()
+    second.release()
+    assert not path.exists()
+
+
+def test_the_lock_file_of_a_posix_root_stays(tmp_path):
+    lock = RootLock(tmp_path, 0, "job")
+    lock.acquire(runtime_dir=tmp_path, job="job")
+    lock.release()
+    assert (tmp_path / lock.name).is_file()
+
+
+def test_a_lock_taken_on_a_file_removed_meanwhile_is_told_apart(tmp_path: Path):
+    """What a daemon that opened the lock file just before its holder removed it checks once it
+    holds the lock: the name leads to another file, or to none."""
+    (tmp_path / "l").write_bytes(b"")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(tmp_path / "l", os.O_RDONLY)
+    try:
+        assert _still_named(fd, "l", dir_fd)
+        os.unlink(tmp_path / "l")
+        assert not _still_named(fd, "l", dir_fd)
+        (tmp_path / "l").write_bytes(b"")
+        assert not _still_named(fd, "l", dir_fd)
+    finally:
+        os.close(fd)
+        os.close(dir_fd)
