@@ -105,9 +105,6 @@ class RootLock:
             fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if self.removed_on_release and not _still_named(fd, self.name, dir_fd):
-                    os.close(fd)  # locked a file its holder removed on release: lock the new one
-                    return self._lock(dir_fd)
             except OSError as exc:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     holder = _read_holder(fd)
@@ -123,6 +120,9 @@ class RootLock:
                     self.where,
                 )
                 return -1, False
+            if self.removed_on_release and not _still_named(fd, self.name, dir_fd):
+                os.close(fd)  # locked a file its holder removed on release: lock the new one
+                return self._lock(dir_fd)
             return fd, mode == os.O_RDWR
         return -1, False
 
