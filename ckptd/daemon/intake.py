@@ -72,7 +72,6 @@ class SaveIntake:
         store: RootStore,
         send_to_rank: Callable[[Message, bytes], None],
     ) -> None:
-        self.ep = ep
         self.config = config
         self.rings = rings
         self.workers = workers
