@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
 from .errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
+from .format.lease import ReadLease
 from .format.rootlayout import TRACKER_FILE
 from .s3catalog import scan_any
 from .storage.s3view import s3_checkpoint_view
@@ -58,7 +59,11 @@ def structural_problem(path: Location) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
     data objects; no data is read). Imports torch and DCP's metadata classes (to read
-    ``.metadata``): a node daemon calls it only when it finishes a commit a crash interrupted."""
+    ``.metadata``): a node daemon calls it only when it finishes a commit a crash interrupted.
+
+    A directory is checked under a load's lease (ckptd.format.lease), so retention does not remove
+    it half-way through the check (whose missing files would read as damage); one removed before
+    or, where the filesystem cannot lease, during the check raises CheckpointNotFoundError."""
     from .verify import verify_checkpoint
 
     if isinstance(path, S3Location):
@@ -67,7 +72,14 @@ def structural_problem(path: Location) -> str | None:
                 return _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
         except CkptdError as exc:
             return str(exc).rstrip(".")
-    return _report_problem(verify_checkpoint(path, read_items=False), None, None)
+    with ReadLease.acquire(path) as lease:
+        try:
+            report = verify_checkpoint(path, read_items=False)
+        except FileNotFoundError:
+            report = None
+        if report is None or lease.gone():
+            raise CheckpointNotFoundError(f"{path} was removed while it was checked (by retention or `ckptd gc`)")
+    return _report_problem(report, None, None)
 
 
 def _report_problem(report: VerifyReport, view: Path | None, location: S3Location | None) -> str | None:

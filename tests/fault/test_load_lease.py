@@ -136,6 +136,29 @@ def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_
     assert not (root / step_dir_name(100)).exists()
 
 
+def test_retention_leaves_a_checkpoint_alone_while_a_resume_checks_it(tmp_path, monkeypatch):
+    """Retention ran while a resume checked the checkpoint it chose: the check listed a directory
+    that was gone (a raw FileNotFoundError out of Checkpointer.load(), 1 of 64 racing resumes), or
+    found files missing and called the checkpoint damaged. The check holds a load's lease now."""
+    from ckptd import verify
+    from ckptd.client.resume import load_latest
+
+    root = make_root(tmp_path / "r", [100, 200], latest=100)
+    check = verify.verify_checkpoint
+    kept: list[bool] = []
+
+    def retention_meanwhile(path, *args, **kwargs):
+        if Path(path).name == step_dir_name(100) and not kept:
+            (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(200)))
+            retention(root)
+            kept.append((root / step_dir_name(100)).is_dir())
+        return check(path, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "verify_checkpoint", retention_meanwhile)
+    assert_whole(load_latest(root, request(), {}, 0, {}), 100)
+    assert kept == [True]
+
+
 # --- real loads racing real retention, in processes ------------------------------------------------
 
 # Elements of the tensor each checkpoint holds (16 MiB): a load takes long enough that retention

@@ -14,6 +14,7 @@ its HTTP port + 10000, so ports are chosen below 55000; without ``-volume.max=0`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 from tools.harness.ports import port_is_free
+
+_log = logging.getLogger(__name__)
 
 _PORT_RANGE = (20000, 45000)  # gRPC ports are +10000: they must stay below 65536 and free
 
@@ -104,10 +107,25 @@ class SeaweedServer:
             f"-volume.max={self.volume_max}",
         ]
         env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
-        log = (self.workdir / "weed.log").open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        log.close()
-        self._wait_ready(timeout_s)
+        for tries_left in (1, 0):
+            log_path = self.workdir / "weed.log"
+            logged_nbytes = log_path.stat().st_size if log_path.exists() else 0
+            with log_path.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+                )
+            try:
+                self._wait_ready(timeout_s)
+                return self
+            except RuntimeError:
+                # weed 4.x sometimes panics (a nil pointer in its master's gRPC) while it starts
+                # again on the data of a server killed mid-upload: a supervisor would start it again.
+                with log_path.open("rb") as f:
+                    f.seek(logged_nbytes)
+                    panicked = b"panic:" in f.read()
+                if not (tries_left and panicked and self.proc is not None and self.proc.poll() is not None):
+                    raise
+                _log.warning("weed mini panicked while starting (see %s); starting it again", log_path)
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
