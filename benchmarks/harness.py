@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_process", "dcp_async_p
 class Rank:
     """This process's place in the job, and the collectives the benchmark itself uses."""
 
-    def __init__(self, rank: int, world: int, spec: dict[str, Any]) -> None:
+    def __init__(self, rank: int, world: int, spec: dict[str, Any], progress_fd: int | None = None) -> None:
         self.rank, self.world, self.spec = rank, world, spec
+        self._progress_fd = progress_fd
         self.phase_file = Path(spec["phase_file"])
         self._step = 0
         # One checkpoint root (so one daemon) per job; its Checkpointers are opened per part.
@@ -53,6 +55,12 @@ class Rank:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item())
 
+    def progress(self, msg: str) -> None:
+        """A line on the benchmark's own stderr (rank 0): a run stopped by a time limit still says
+        how far it got and how long each part took."""
+        if self.rank == 0 and self._progress_fd is not None:
+            os.write(self._progress_fd, f"[bench {time.strftime('%H:%M:%S')}] {msg}\n".encode())
+
     def phase(self, name: str) -> None:
         """Tell the memory sampler which phase runs now (rank 0 writes, after a barrier). Phases of
         jobs other than ``main`` (the scaling curve's) are named ``<job>:<phase>``: their peaks
@@ -60,6 +68,7 @@ class Rank:
         self.barrier()
         if self.rank == 0:
             job = self.spec["name"]
+            self.progress(f"{job}: {name}")
             tmp = self.phase_file.with_suffix(".tmp")
             tmp.write_text(name if job == "main" else f"{job}:{name}")
             os.replace(tmp, self.phase_file)
@@ -89,6 +98,7 @@ def start_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> Rank:
     log = os.open(
         Path(spec["log_dir"]) / f"{spec['name']}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
     )
+    progress_fd = os.dup(2) if rank == 0 else None
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
@@ -97,7 +107,7 @@ def start_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> Rank:
     if spec.get("device", "cpu") == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    return Rank(rank, world, spec)
+    return Rank(rank, world, spec, progress_fd)
 
 
 def make_state(

@@ -212,6 +212,7 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     finally:
         saver.close()
     res: dict[str, Any] = {"loop_s": r.max(loop_s), "steps": steps, "fence_s": r.max(saver.fence_s)}
+    r.progress(f"  {mode}: loop {res['loop_s']:.2f} s, {len(stalls)} saves, {time.perf_counter() - t0:.1f} s in all")
     if saver.pin_s is not None:
         res["pin_s"] = r.max(saver.pin_s)
     if isinstance(saver, DcpSaver):
