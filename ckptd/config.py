@@ -77,6 +77,9 @@ class CkptdConfig:
     staging_budget: str = "1.25x"  # "<f>x": f x the rank's first save; "<n>[KMG]iB": bytes per node
     on_full: str = "wait"
     pin_memory: bool = True
+    # While the ring is still being pinned, a save's CUDA tensors are copied into free device memory
+    # (at most this fraction of it) instead of waiting for the pinning (ckptd.staging.devsnap); 0: wait.
+    device_snapshot_fraction: float = 0.25
     snapshot: str = "auto"  # "auto": lazy with attach(optimizer), else fork (CPU) / DMA in save() (CUDA)
     # persisting
     writer_threads: int = 2
@@ -136,6 +139,11 @@ class CkptdConfig:
         if self.policy not in ("manual", "auto"):
             raise CkptdError(f"config policy={self.policy!r}: choose 'manual' or 'auto'")
         parse_budget(self.staging_budget)  # raises CkptdError naming the setting
+        if not 0.0 <= self.device_snapshot_fraction <= 1.0:
+            raise CkptdError(
+                f"config device_snapshot_fraction={self.device_snapshot_fraction}: "
+                "a fraction of the free device memory, 0 to 1"
+            )
         if self.writer_threads < 1:
             raise CkptdError(f"config writer_threads={self.writer_threads}: need at least 1")
         for name in ("keep_last", "mirror_keep_last"):

@@ -24,7 +24,14 @@ from ..control.protocol import RegisterRing, RingOk
 from ..errors import DaemonError
 from ..staging.children import SnapshotChildren
 from ..staging.devcopy import InlineProducer
-from ..staging.lazy import LazyCopier
+from ..staging.devsnap import (
+    HOST_COPY_MAX_NBYTES,
+    DeviceSnapshotProducer,
+    device_snapshot_fits,
+    free_device_nbytes,
+    tensor_nbytes_by_device,
+)
+from ..staging.lazy import STOP_MARGIN_S, LazyCopier
 from ..staging.pinning import cuda_registrar
 from ..staging.producer import Claim, Producer
 from ..staging.rankside import StagingRing
@@ -50,6 +57,7 @@ class RankRing:
         self.children = SnapshotChildren(rank)  # fork snapshot children not reaped yet
         self.lazy = LazyCopier(rank, config.snapshot_timeout_s) if config.snapshot == "lazy" else None
         self.attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
+        self.device_snapshots: list[DeviceSnapshotProducer] = []  # their threads may still write
 
     def ensure(self, nbytes: int) -> StagingRing:
         """The ring, created (and registered with the daemon, which owns it from then on) once the
@@ -112,7 +120,12 @@ class RankRing:
     ) -> tuple[Producer, float]:
         """Start what produces the claimed save: the lazy copier, a fork child (``snapshot="auto"``
         with a daemon to watch), else ``save()`` itself after the SAVE; and the seconds waited for
-        a fork's turn (``idle`` as for :meth:`wait_block`)."""
+        a fork's turn (``idle`` as for :meth:`wait_block`). While the ring is still being pinned,
+        a save with CUDA tensors is a device snapshot instead, where device memory allows
+        (ckptd.staging.devsnap)."""
+        snap = self._device_snapshot(ring, claim)
+        if snap is not None:
+            return snap, 0.0
         lazy = self.lazy if self.saves_lazily() else None
         if lazy is not None:
             return lazy.start(ring, claim), 0.0
@@ -123,15 +136,42 @@ class RankRing:
                 return child, waited_s
         return InlineProducer(ring, claim, self.config.snapshot_timeout_s), waited_s
 
+    def _device_snapshot(self, ring: StagingRing, claim: Claim) -> DeviceSnapshotProducer | None:
+        self.device_snapshots = [p for p in self.device_snapshots if p.running]
+        pinner = ring.pinner
+        fraction = self.config.device_snapshot_fraction
+        if pinner is None or not pinner.running or fraction <= 0:
+            return None
+        nbytes = tensor_nbytes_by_device(claim.items)
+        if not any(d.type == "cuda" for d in nbytes):
+            return None
+        if not device_snapshot_fits(True, nbytes, free_device_nbytes(nbytes), fraction):
+            log.info(
+                "rank %d: step %d waits for the staging ring's pinning (tensors by device %s: more "
+                "than device_snapshot_fraction=%g of the device memory free, or over %d host bytes)",
+                self.rank,
+                claim.step,
+                {str(d): n for d, n in nbytes.items()},
+                fraction,
+                HOST_COPY_MAX_NBYTES,
+            )
+            return None
+        producer = DeviceSnapshotProducer(ring, claim, self.config.snapshot_timeout_s)
+        self.device_snapshots.append(producer)
+        return producer
+
     def fence(self, deadline: float | None = None) -> None:
         """Decide the pending lazy saves (ckptd.staging.lazy.LazyCopier.fence); else nothing."""
         if self.lazy is not None:
             self.lazy.fence(deadline)
 
     def quiesce(self) -> None:
-        """Return once the lazy copier no longer writes into the ring (about to be unmapped)."""
+        """Return once the lazy copier and the device snapshots no longer write into the ring
+        (about to be unmapped), each waited for up to ``snapshot_timeout_s``."""
         if self.lazy is not None:
             self.lazy.wait_all()
+        for producer in self.device_snapshots:
+            producer.join(self.config.snapshot_timeout_s)
 
     def drop(self, *, unlink: bool) -> None:
         """Unmap the ring (``unlink``: no daemon owns it); the next save makes a new one."""
@@ -142,8 +182,25 @@ class RankRing:
     def stop_copier(self, deadline: float) -> None:
         """Closing: stop the lazy copier by ``deadline`` (plus its STOP_MARGIN_S); a copier that
         still runs may write into the ring, which then stays mapped (the daemon unlinks it)."""
-        if self.lazy is not None and not self.lazy.stop(deadline) and self.current is not None:
+        stopped = self._stop_device_snapshots(deadline)
+        if self.lazy is not None and not self.lazy.stop(deadline):
+            stopped = False
+        if not stopped and self.current is not None:
             self.current = None
+
+    def _stop_device_snapshots(self, deadline: float) -> bool:
+        """Wait for the device snapshots' threads until ``deadline``, then make those waiting for
+        ring space give up; False if one still runs after STOP_MARGIN_S more."""
+        for producer in self.device_snapshots:
+            producer.join(max(0.0, deadline - time.monotonic()))
+        for producer in self.device_snapshots:
+            producer.stop()
+        done = all(p.join(STOP_MARGIN_S) for p in self.device_snapshots)
+        if not done:
+            log.warning(
+                "rank %d: a device snapshot's thread did not stop in time; its staging ring stays mapped", self.rank
+            )
+        return done
 
 
 class Attachment:

@@ -278,14 +278,18 @@ def copy_inline(
     placements: list[Placement],
     seal: bytes,
     pin_timeout_s: float | None = None,
+    ready: dict[Any, Any] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> float:
     """Produce every item of a save here, in ``save()`` (``snapshot="copy"``, or CUDA tensors),
     then seal; returns the seconds spent waiting for ring space or for the ring's pinning. Bytes
     and CPU tensors by ``pwrite``, CUDA tensors by :class:`DeviceCopier`. On failure the save is
     marked never to be sealed (the daemon fails it) and the error is raised. A chunk not pinned yet
-    is waited for up to ``pin_timeout_s`` (default: the ring's ``snapshot_timeout_s``)."""
+    is waited for up to ``pin_timeout_s`` (default: the ring's ``snapshot_timeout_s``). ``ready``:
+    per device, the event the copies wait for (default: the work queued on the current stream);
+    ``stop()`` true: a wait for ring space gives up (closing)."""
     timeout_s = ring.writer.timeout_s if pin_timeout_s is None else pin_timeout_s
-    copier = DeviceCopier(ring, block, timeout_s)
+    copier = DeviceCopier(ring, block, timeout_s, ready=ready, stop=stop)
     try:
         copier.produce(start, items, placements)
         copier.finish()

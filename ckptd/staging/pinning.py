@@ -148,6 +148,11 @@ class RingPinner:
     def complete(self) -> bool:
         return all(self._registered)
 
+    @property
+    def running(self) -> bool:
+        """Whether chunks are still being registered (started, not finished, stopped or failed)."""
+        return self._thread is not None and not (self._done or self._stop)
+
     def wait(self, at: int, timeout_s: float) -> bool:
         """Wait until the chunk holding data offset ``at`` is registered: True; False at once when
         it never will be (pinning failed or stopped); raises StagingError after ``timeout_s``."""

@@ -112,27 +112,31 @@ class RecordingRegistrar(CudaRegistrar):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("snapshot", ["auto", "lazy"])
-@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("prepared,on_device", [(True, True), (False, True), (False, False)])
 def test_the_first_save_registers_nothing_and_copies_only_by_dma(
-    tmp_path, single_process, monkeypatch, snapshot, prepared
+    tmp_path, single_process, monkeypatch, snapshot, prepared, on_device
 ):
     """Issue 23.1 on a GPU: every cudaHostRegister runs on the pinner thread, none inside save();
     the first save's copies are all DMA into pinned chunks (a chunk not pinned yet is waited for,
-    never copied into as pageable memory); the values are exact. prepare() pins before the first
-    save; without it the first save waits for its own chunks (ckptd bench train reports both
-    stalls). Many tensors of mixed sizes, as a model's state dict."""
+    never copied into as pageable memory); the values are exact although training overwrites them
+    right after save(). prepare() pins before the first save; without it the first save is a
+    device snapshot (ckptd.staging.devsnap: a device copy in save(), the DMA into the ring from a
+    thread as the ring is pinned), or with device_snapshot_fraction=0 waits for its own chunks
+    (ckptd bench train reports the stalls). Many tensors of mixed sizes, as a model's state dict."""
     reg = RecordingRegistrar(torch.cuda.current_device())
     monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes = [1 << 24, 3 << 20, 1000, 1, 4096, 1 << 22] * 20  # 120 tensors, 1.6 GiB of float32
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate(sizes)}
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
+    cfg = _config(snapshot=snapshot, device_snapshot_fraction=0.25 if on_device else 0.0)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         if prepared:
             ckpt.prepare(_sharded(tensors))
             assert ckpt._ring.current.pinner.wait(ckpt._ring.current.capacity - 1, timeout_s=120)
         ref = {k: v.cpu() for k, v in tensors.items()}
         h = ckpt.save(_sharded(tensors), step=1)
         assert threading.get_ident() not in reg.threads  # nothing registered on this thread
+        assert len(ckpt._ring.device_snapshots) == (1 if on_device and not prepared else 0)
         ckpt.before_update()
         for t in tensors.values():
             t.fill_(float("nan"))  # training overwrites right after (default) / after the fence (lazy)

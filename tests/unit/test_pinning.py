@@ -147,6 +147,40 @@ def test_waiting_for_a_chunk_is_bounded(segment):
         pinner.close()
 
 
+def test_running_says_whether_chunks_are_still_being_registered(segment):
+    """What a save asks before taking a device snapshot (ckptd.staging.devsnap): true from start
+    until every chunk is registered, the pinning failed or it was closed; never before start."""
+    seg, capacity = segment
+    gate = threading.Event()
+    pinner = RingPinner(seg, HEADER_NBYTES, capacity, CountingRegistrar(gate=gate), chunk_nbytes=64 * 1024)
+    assert not pinner.running
+    pinner.start()
+    try:
+        assert pinner.running
+        gate.set()
+        assert pinner.wait(capacity - 1, timeout_s=10)
+        _wait_done(pinner)
+        assert not pinner.running and pinner.complete
+    finally:
+        pinner.close()
+    failing = RingPinner(seg, HEADER_NBYTES, capacity, CountingRegistrar(fail_at=1), chunk_nbytes=64 * 1024).start()
+    try:
+        assert not failing.wait(capacity - 1, timeout_s=10)
+        assert not failing.running and failing.error
+    finally:
+        failing.close()
+    gate = threading.Event()
+    stopped = RingPinner(seg, HEADER_NBYTES, capacity, CountingRegistrar(gate=gate), chunk_nbytes=64 * 1024).start()
+    closer = threading.Thread(target=stopped.close)
+    closer.start()  # waits for the registration under way
+    deadline = time.monotonic() + 10
+    while stopped.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not stopped.running  # closing: no longer pinning, though a registration is still under way
+    gate.set()
+    closer.join(10)
+
+
 @pytest.mark.parametrize("capacity,chunk", [(1 << 20, 1 << 16), (5 * 4096, 3 * 4096), (1 << 20, 1 << 20)])
 def test_ring_pieces_never_span_a_chunk_or_the_ring_end(capacity, chunk):
     gen = torch.Generator().manual_seed(0)
