@@ -125,6 +125,28 @@ class ShardedTensor:
         return self.data
 
     @classmethod
+    def whole(cls, key: str, data: torch.Tensor) -> ShardedTensor:
+        """A plain tensor as one whole, unsharded chunk: ``from_rank_offsets(key, data)``, built
+        without re-checking what holds by construction (a DCP-style state dict has hundreds of
+        them per save, and the checks were most of the time ``save()`` spent taking it apart)."""
+        shape = tuple(int(s) for s in data.shape)
+        st = cls.__new__(cls)
+        st.__dict__.update(
+            key=key,
+            data=data,
+            dtype=data.dtype,
+            local_shape=shape,
+            global_shape=shape,
+            global_offset=(0,) * len(shape),
+            axis_fragmentations=(1,) * len(shape),
+            replica_id=0,
+            prepend_axis_num=0,
+            allow_shape_mismatch=False,
+            flattened_range=None,
+        )
+        return st
+
+    @classmethod
     def from_rank_offsets(
         cls,
         key: str,

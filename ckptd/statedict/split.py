@@ -262,7 +262,7 @@ def _split_dcp(state_dict: dict) -> SplitStateDict:
         if kind is Kind.DTENSOR:
             _add_dtensor(out, path, key, leaf)
         else:
-            item = ShardedTensor.from_rank_offsets(key, leaf) if kind is Kind.TENSOR else ByteItem(key, leaf)
+            item = ShardedTensor.whole(key, leaf) if kind is Kind.TENSOR else ByteItem(key, leaf)
             out.sharded[path] = out.dcp_plain[key] = item
     return out
 
