@@ -251,3 +251,17 @@ def test_strict_all_modes_do_not_count_common_values_as_missing(tmp_path: Path, 
 def test_two_values_with_one_flattened_key_are_refused(tmp_path: Path):
     with pytest.raises(ShardingError, match="two values of the state dict flatten to the key 'a.b'"):
         ckptd.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.zeros(()), torch.zeros(0), torch.arange(6.0).reshape(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16).t()],
+)
+def test_a_whole_plain_tensor_is_the_unsharded_chunk_from_rank_offsets_builds(tensor):
+    """ShardedTensor.whole skips the checks that hold by construction; it must build exactly what
+    from_rank_offsets(key, tensor) builds (scalars, empty and non-contiguous tensors too)."""
+    fast, checked = ShardedTensor.whole("k", tensor), ShardedTensor.from_rank_offsets("k", tensor)
+    assert fast.data is tensor
+    assert vars(fast).keys() == vars(checked).keys()
+    assert fast.without_data() == checked.without_data()
+    fast.validate_metadata_integrity()
