@@ -144,27 +144,66 @@ def checkpointer(r: Rank, **config: Any) -> Any:
     return ckptd.Checkpointer(r.ckptd_root, config=ckptd.CkptdConfig.from_env(job_id=r.spec["job_id"], **config))
 
 
+# What torch 2.11 and 2.12 do to a DefaultStager given to async_save more than once (pytorch#183413):
+# a short cause for the benchmark's report (see _kept_stager_class).
+STAGER_CLOSED_CAUSE = (
+    "torch 2.11/2.12's DefaultStager._stage closes its StateDictStager after each stage, "
+    "emptying its deepcopy table (pytorch#183413, fixed in 2.13)"
+)
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """A DCP save's error for the report, with its cause where it is known: the KeyError of a
+    DefaultStager staging after its StateDictStager was closed."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, KeyError) and exc.args == (type,):
+        text += f" ({STAGER_CLOSED_CAUSE})"
+    return text
+
+
 @functools.cache
 def _kept_stager_class() -> Any:
-    """A DCP ``DefaultStager`` that ``async_save`` cannot close: torch 2.11's ``async_save`` closed
-    the stager it was given once the upload finished, and a closed stager's next ``stage()`` raises
-    ``KeyError: <class 'type'>`` (its ``close()`` clears its deepcopy dispatch table, so the first
-    class object it meets, e.g. in a dict's reduction, is looked up in an empty table). torch 2.13
-    closes only the stagers it made. ``release()`` closes it for real."""
+    """A DCP ``DefaultStager`` that stages any number of saves, as torch 2.13's does.
+
+    torch 2.11 and 2.12's ``DefaultStager._stage`` ends with ``self._state_dict_stager.close()``
+    (staging.py, added by pytorch#170431 against a leak of the stagers async_save makes itself).
+    ``StateDictStager.close()`` clears its cache of staged storages and its deepcopy dispatch
+    table, which only ``__init__`` fills: the stager's next ``stage()`` deep-copies the state dict's
+    top ``dict`` through its reduction (``copyreg.__newobj__, (dict,)``), meets the class ``dict``
+    and looks up ``_deepcopy_dispatch[type]`` in the emptied table: ``KeyError: <class 'type'>``.
+    So on those versions no DefaultStager stages twice, whatever the options or the state
+    (pytorch#183413; torch 2.13 dropped that ``close()``, pytorch#183424). async_save itself never
+    closes a stager it is given (2.11, 2.12), or closes only the one it made (2.13).
+
+    This stager ignores the close inside ``_stage`` (a no-op bound on its StateDictStager, where a
+    version has one) and counts it: ``closes_ignored > 0`` says the installed torch would have
+    broken the reuse. That is the upstream fix, so DCP's reused stager keeps its staging buffers
+    (pinned, shared) across saves as designed on every torch. ``release()`` closes it for real.
+    """
     from torch.distributed.checkpoint.staging import DefaultStager
 
     class KeptStager(DefaultStager):
-        def close(self) -> None:
-            pass
+        def __init__(self, options: Any) -> None:
+            super().__init__(options)
+            self.closes_ignored = 0
+            inner = getattr(self, "_state_dict_stager", None)
+            if inner is not None:
+                inner.close = self._ignore_close  # shadows StateDictStager.close on this instance
+
+        def _ignore_close(self) -> None:
+            self.closes_ignored += 1
 
         def release(self) -> None:
+            inner = getattr(self, "_state_dict_stager", None)
+            if inner is not None and "close" in vars(inner):
+                del inner.close
             DefaultStager.close(self)
 
     return KeptStager
 
 
 def kept_stager(options: Any) -> Any:
-    """A DCP ``DefaultStager`` of ``options`` that ``async_save`` cannot close (see
+    """A DCP ``DefaultStager`` of ``options`` that stays usable across saves on every torch (see
     :func:`_kept_stager_class`); ``release()`` closes it."""
     return _kept_stager_class()(options)
 

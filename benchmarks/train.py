@@ -12,9 +12,11 @@ AdamW, fused on CUDA, under bf16 autocast on CUDA) on a fixed random batch, and 
 run, the first save inside the timed loop (:mod:`.trainloop`, whose modes ``--modes`` picks:
 ``dcp_best`` is the first of TorchTitan's pinned async stager, THREAD with a reused stager, and
 ``async_save`` as called that works on the installed torch; what failed is reported with its
-error). ``--model flat`` runs ``ckptd bench all``'s flat loop instead (a matmul, then an in-place
-rewrite of a ``--state-gib`` state of 64 MiB tensors). For every interval of ``--every`` (e.g. one
-where persisting finishes between saves, one where it does not):
+error and, where known, its cause; on torch 2.11/2.12 the reused stagers are kept open across
+saves as torch 2.13 does, and the report says so). ``--model flat`` runs ``ckptd bench all``'s
+flat loop instead (a matmul, then an in-place rewrite of a ``--state-gib`` state of 64 MiB
+tensors). For every interval of ``--every`` (e.g. one where persisting finishes between saves,
+one where it does not):
 
 - loop time of each mode (mean of two runs, A-B-C-C-B-A) and its overhead over no checkpointing;
 - the first save's stall and the median of the others; the fence wait (lazy: ``before_update()``;
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from .harness import GIB, MIB, Rank, make_state, start_rank, state_nbytes
+from .harness import GIB, MIB, STAGER_CLOSED_CAUSE, Rank, make_state, start_rank, state_nbytes
 from .trainloop import CkptdSaver, DcpSaver, Workload, make_saver, run_modes, sync
 
 DEFAULT_MODES = ("none", "dcp_best", "ckptd", "ckptd_lazy")
@@ -383,6 +385,8 @@ def render(res: dict[str, Any]) -> str:
             )
         for kind, err in iv.get("dcp_failed", {}).items():
             lines.append(f"  ({_NAMES.get(kind, kind)} failed: {err})")
+        if iv.get("dcp_best", {}).get("stager_kept_open"):
+            lines.append(f"  (DCP best's stager kept open across saves, as torch 2.13 does: {STAGER_CLOSED_CAUSE})")
     checks = ", ".join(
         f"{_NAMES.get(k, k)} {'bit-exact' if v.get('bit_exact') else 'DIFFERS ' + str(v.get('differ'))}"
         for k, v in main.get("bit_exact", {}).items()

@@ -20,6 +20,10 @@ CUDA). A *workload* says what one step does and what a save saves; a *saver* che
 - ``dcp_best``: the first of ``dcp_async_pinned``, ``dcp_async_thread``, ``dcp_async_as_called``
   that works on the installed torch (see :class:`DcpSaver`; what failed, and why, is reported).
 
+Every reused stager is kept usable across saves on torch 2.11 and 2.12, whose ``DefaultStager``
+closes itself after one stage (``harness._kept_stager_class``, pytorch#183413): as on torch 2.13,
+it reuses its staging buffers; a result says ``stager_kept_open`` where that was needed.
+
 As DCP requires, a DCP save waits for the previous one's upload before it starts. The first save
 is part of the timed loop, as in a training run (ckptd creates and pins its staging ring, DCP's
 stager allocates its buffers); the last save is waited for after the loop, untimed. The loop time
@@ -35,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .harness import Rank, checkpointer, dcp_stager, kept_stager
+from .harness import Rank, checkpointer, dcp_failure, dcp_stager, kept_stager
 
 CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
 # The same with Checkpointer.prepare(state) before the loop (the ring sized and pinned ahead).
@@ -70,6 +74,9 @@ class Saver:
 
     fence_s = 0.0
     pin_s: float | None = None  # ckptd on CUDA: seconds the ring's background pinning took
+    # DCP: closes of its reused stager that the installed torch made inside a stage and the
+    # benchmark ignored (torch 2.11/2.12; see harness._kept_stager_class)
+    stager_closes_ignored = 0
 
     def save(self, state: dict[str, Any], step: int) -> None:
         pass
@@ -176,6 +183,7 @@ class DcpSaver(Saver):
 
     def close(self) -> None:
         if self.stager is not None:
+            self.stager_closes_ignored = self.stager.closes_ignored
             self.stager.release()
 
 
@@ -216,6 +224,8 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     if saver.pin_s is not None:
         res["pin_s"] = r.max(saver.pin_s)
     if isinstance(saver, DcpSaver):
+        res["stager_closes_ignored"] = int(r.max(saver.stager_closes_ignored))
+    if isinstance(saver, DcpSaver):
         for d in saver.dirs:
             r.rm(d)
     r.rm_steps()
@@ -253,7 +263,7 @@ def run_modes(
                 break
             except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, then the next tried
                 # Every rank runs the same calls on the same kind of state: all fail alike.
-                failed[kind] = f"{type(exc).__name__}: {exc}"[:300]
+                failed[kind] = dcp_failure(exc)[:300]
                 r.barrier()
     base_s = _mean([x["loop_s"] for x in runs["none"]]) if runs.get("none") else None
     for mode in modes:
@@ -270,6 +280,8 @@ def run_modes(
         pins = [x["pin_s"] for x in loops if "pin_s" in x]
         if pins:
             res["pin_s"] = max(pins)
+        if any(x.get("stager_closes_ignored") for x in loops):
+            res["stager_kept_open"] = True  # the installed torch would have broken its reuse
         for key in ("first_stall_s", "stall_s_median", "stall_s_max"):
             if key in loops[0]:
                 res[key] = max(x[key] for x in loops) if key.endswith("max") else _mean([x[key] for x in loops])
