@@ -302,23 +302,39 @@ def copy_inline(
 
 
 class InlineProducer:
-    """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself: it copies the items
-    after the SAVE's acknowledgement (:func:`copy_inline`), while the daemon drains the ring."""
+    """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself. It issues the copies
+    when made, before the SAVE is sent (CUDA tensors: DMA on the side stream, so the copies run
+    during the SAVE's round trip instead of after it; bytes and host tensors: ``pwrite``), and
+    after the SAVE_ACK waits until they landed, publishes and seals (:meth:`after_ack`). A save
+    the daemon never took waits for the copies issued before its range is given back."""
 
     def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float) -> None:
         self.ring = ring
         self.claim = claim
-        self.pin_timeout_s = pin_timeout_s
         self.snapshot = Snapshot(
             pid=os.getpid(), seal=start_block(ring, claim.block), seal_offset=block_offset(claim.block)
         )
+        self._copier = DeviceCopier(ring, claim.block, pin_timeout_s)
+        try:
+            self._copier.produce(claim.start, claim.items, claim.placements)
+        except BaseException:
+            self._copier.abort()  # nothing lands in the range after it is given back
+            raise
 
     def after_ack(self) -> float:
-        c = self.claim
-        return copy_inline(self.ring, c.start, c.block, c.items, c.placements, self.snapshot.seal, self.pin_timeout_s)
+        try:
+            self._copier.finish()
+        except BaseException as exc:
+            self._copier.abort()
+            self.ring.writer.publish(self.claim.block, give_up_mark(exc))
+            raise
+        self.ring.writer.seal(self.claim.block, self.snapshot.seal)
+        return self._copier.waited_s
 
     def cancel(self) -> None:
-        """Nothing was written yet."""
+        """Wait for the copies issued: the caller gives the range back."""
+        self._copier.abort()
 
     def detach(self) -> None:
-        """Nothing is written: the save is never sealed, and the daemon fails it."""
+        """The copies land on their own; the save is never sealed, and the daemon fails it."""
+        self._copier.abort()

@@ -6,8 +6,11 @@ A save's bytes reach the ring (:mod:`ckptd.staging.ring`) through exactly one pr
   with plain CPU shards);
 - the lazy copier thread (:class:`ckptd.staging.lazy.LazyProducer`, ``snapshot="lazy"``, or
   ``"auto"`` while an optimizer is attached);
-- ``save()`` itself, after the SAVE (:class:`ckptd.staging.devcopy.InlineProducer`: CUDA shards,
-  ``snapshot="copy"``, or when no child could be forked).
+- ``save()`` itself, issuing its copies before the SAVE and waiting for them after it
+  (:class:`ckptd.staging.devcopy.InlineProducer`: CUDA shards, ``snapshot="copy"``, or when no
+  child could be forked);
+- a thread writing a device snapshot taken in ``save()`` while the ring is still being pinned
+  (:class:`ckptd.staging.devsnap.DeviceSnapshotProducer`).
 
 Order of one save (``ckptd.client.checkpointer``): claim a control block and the save's range of
 the ring (:meth:`StagingRing.claim <ckptd.staging.rankside.StagingRing.claim>`, described by a

@@ -57,10 +57,11 @@ class Kind(enum.Enum):
     @property
     def megatron_style(self) -> bool:
         """Whether values of this kind make a state dict Megatron-style (see ckptd.statedict.split)."""
-        return self in _MEGATRON_KINDS
+        # Identity, not a set of members: an Enum's __hash__ is Python code, and this is asked of
+        # every leaf of every save (hundreds per save).
+        return self is Kind.SHARDED_TENSOR or self is Kind.SHARDED_OBJECT or self is Kind.FACTORY or self is Kind.LOCAL
 
 
-_MEGATRON_KINDS = frozenset({Kind.SHARDED_TENSOR, Kind.SHARDED_OBJECT, Kind.FACTORY, Kind.LOCAL})
 _OWN: dict[type, Kind] = {
     ShardedTensor: Kind.SHARDED_TENSOR,
     ShardedObject: Kind.SHARDED_OBJECT,
@@ -80,9 +81,18 @@ def is_plain_tensor(x: Any) -> bool:
     return type(x) is torch.Tensor or type(x) is torch.nn.Parameter
 
 
+# Leaves whose kind their exact type says (the common ones first: a state dict is mostly these).
+_BY_TYPE: dict[type, Kind] = {
+    torch.Tensor: Kind.TENSOR,
+    torch.nn.Parameter: Kind.TENSOR,
+    **dict.fromkeys((int, float, bool, str, bytes, type(None)), Kind.VALUE),
+    **_OWN,
+}
+
+
 def classify(x: Any) -> Kind:
     """The kind of one leaf of a state dict (dicts and lists are not leaves)."""
-    kind = _OWN.get(type(x))
+    kind = _BY_TYPE.get(type(x))
     if kind is not None:
         return kind
     if isinstance(x, torch.Tensor):

@@ -83,14 +83,48 @@ def split_state_dict(state_dict: Any) -> SplitStateDict:
     """
     if not isinstance(state_dict, dict):
         raise ShardingError(f"a state dict must be a dict, got {type(state_dict).__name__}")
-    megatron = False
-    for path, leaf, kind in _leaves(state_dict):
-        if kind is Kind.UNPLACEABLE:
-            raise unplaceable_error(leaf, _where(path))
-        megatron = megatron or kind.megatron_style
-    if megatron:
+    if _megatron_style(state_dict):
         return _split_megatron(state_dict)
     return _split_dcp(state_dict)
+
+
+def _megatron_style(state_dict: dict) -> bool:
+    """Whether a leaf is one of Megatron-Core's kinds. A value ckptd cannot place, or a sharded
+    entry inside a tuple, raises ShardingError naming its key. One pass without building paths
+    (run at every save over hundreds of leaves); the paths are walked only to name a bad one."""
+    megatron = False
+    stack: list[Any] = [state_dict]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        else:
+            kind = classify(x)
+            if kind is Kind.UNPLACEABLE or (isinstance(x, tuple) and not _tuple_ok(x)):
+                _raise_for_bad_leaf(state_dict)
+            megatron = megatron or kind.megatron_style
+    return megatron
+
+
+def _tuple_ok(t: tuple) -> bool:
+    for v in t:
+        if isinstance(v, tuple):
+            if not _tuple_ok(v):
+                return False
+            continue
+        kind = classify(v)
+        if kind is Kind.UNPLACEABLE or kind.megatron_style or kind is Kind.DTENSOR:
+            return False
+    return True
+
+
+def _raise_for_bad_leaf(state_dict: dict) -> None:
+    for path, leaf, kind in _leaves(state_dict):  # _check_tuple raises for a bad tuple
+        if kind is Kind.UNPLACEABLE:
+            raise unplaceable_error(leaf, _where(path))
+    raise ShardingError("a value of the state dict cannot be placed (internal: no leaf found to name)")
 
 
 def _where(path: Path) -> str:
