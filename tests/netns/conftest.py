@@ -78,7 +78,7 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
         finally:
             job.close()
             for store in stores:
-                store.stop()
+                store.kill()  # its data is the test's; SIGTERM waits 15 s on a store cut off mid-save
             problems += cluster.destroy()
         problems += cluster.leftovers()
         problems += list_segments(f"ckptd-{default_job_id(job.root)}-")

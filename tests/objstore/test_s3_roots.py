@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import ShardedTensor
+from ckptd import ShardedTensor, commands
 from ckptd.errors import CheckpointExistsError, StorageError
 from ckptd.format.commitrecord import COMMIT_RECORD
 from ckptd.roots.s3_root import S3Root
@@ -134,15 +134,24 @@ def test_wrong_credentials_fail_at_once_with_a_clear_error(s3_bucket, monkeypatc
 
 
 @pytest.mark.timeout(180)
-def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir):
+def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir, capsys, monkeypatch):
+    """Each command's logic runs in this process (``ckptd.commands.main``, what ``python -m
+    ckptd.cli`` calls); the verdict on a damaged checkpoint comes from a real ``ckptd`` process."""
     root = f"s3://{s3_bucket}/cli"
     cfg = _config(runtime_dir)
+    monkeypatch.setenv("CKPTD_RUNTIME_DIR", runtime_dir)
     env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
 
-    def cli(*argv: str) -> subprocess.CompletedProcess:
+    def process(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "ckptd.cli", *argv], env=env, capture_output=True, text=True, timeout=120
         )
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        rc = commands.main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["ckptd", *argv], rc, out, err)
 
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
@@ -162,7 +171,7 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir):
         raw[-200] ^= 0xFF
         client.delete([data])
         client.put(data, bytes(raw))
-        run = cli("verify", f"{root}/iter_0000003")
+        run = process("verify", f"{root}/iter_0000003")
         assert run.returncode == 1 and f"{root}/iter_0000003: DAMAGED" in run.stdout, run.stdout
         assert f"of {data.rsplit('/', 1)[-1]} have CRC-32C" in run.stdout
         run = cli("gc", root, "--keep", "1", "--grace-s", "0")

@@ -78,13 +78,22 @@ def _load(rank: int, world: int, root: str, name: str) -> list[str]:
     return bad
 
 
+def _load_then_save(rank: int, world: int, root: str, load_name: str, save_name: str) -> list[str]:
+    """One process loads one TP size's checkpoints and saves its own (a process, its Megatron-Core
+    import and its process group are most of a round's time)."""
+    bad = _load(rank, world, root, load_name)
+    _save(rank, world, root, save_name)
+    return bad
+
+
 @pytest.mark.timeout(400)
 def test_gpt_tp2_to_tp1_and_tp1_to_tp2(tmp_path: Path):
     env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckm", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "2"}
-    run_ranks(_save, 2, str(tmp_path), "tp2", timeout_s=180, daemon=False, env=env)
-    assert run_ranks(_load, 1, str(tmp_path), "tp2", timeout_s=120, daemon=False) == [[]]
     run_ranks(_save, 1, str(tmp_path), "tp1", timeout_s=120, daemon=False, env=env)
-    assert run_ranks(_load, 2, str(tmp_path), "tp1", timeout_s=180, daemon=False) == [[], []]
+    # TP=2 loads the TP=1 checkpoints, then saves its own ...
+    assert run_ranks(_load_then_save, 2, str(tmp_path), "tp1", "tp2", timeout_s=180, daemon=False, env=env) == [[], []]
+    # ... which TP=1 loads.
+    assert run_ranks(_load, 1, str(tmp_path), "tp2", timeout_s=120, daemon=False) == [[]]
     # The checkpoint holds every tensor of the model and its optimizer, not pickled objects.
     tensors = ckptd.load_tensors_metadata(tmp_path / "tp2-ckptd" / "iter_0000007")
     model_keys = [k for k in tensors if not k.startswith("optimizer.")]
