@@ -100,13 +100,21 @@ class DeviceCopier:
         self._batch: _Batch | None = None
 
     # --- producing -----------------------------------------------------------------------------
-    def produce(self, start: int, items: list[PlannedItem], placements: list[Placement]) -> None:
-        """Issue every item of a save starting at virtual ``start``, in ring order: CUDA tensors by
-        :meth:`copy`, bytes and host tensors by ``pwrite`` once the ring has room. A failure is
-        raised as StagingError naming the item."""
+    def produce(
+        self, start: int, items: list[PlannedItem], placements: list[Placement], first: int = 0, wait: bool = True
+    ) -> int:
+        """Issue the items of a save starting at virtual ``start`` from item ``first`` on, in ring
+        order: CUDA tensors by :meth:`copy`, bytes and host tensors by ``pwrite`` once the ring has
+        room. ``wait=False`` stops before the first item the ring has no room for yet (before the
+        SAVE is sent the daemon does not drain this save, so waiting could never end). Returns
+        the index of the first item not issued (``len(items)`` when all were). A failure is raised
+        as StagingError naming the item."""
         ring = self.ring
-        for item, p in zip(items, placements):
+        for index in range(first, len(items)):
+            item, p = items[index], placements[index]
             v = start + p.offset
+            if not wait and not ring.writer.has_room(v + p.nbytes):
+                return index
             src = item.payload
             if isinstance(src, torch.Tensor) and src.is_cuda:
                 try:
@@ -122,6 +130,7 @@ class DeviceCopier:
                 self.room(v + p.nbytes)
                 ring.produce(item, p, v)
                 self.wrote(v + p.nbytes)
+        return len(items)
 
     def copy(self, src: torch.Tensor, v: int) -> None:
         """Queue the copy of CUDA tensor ``src`` to virtual offset ``v``."""
@@ -302,11 +311,13 @@ def copy_inline(
 
 
 class InlineProducer:
-    """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself. It issues the copies
-    when made, before the SAVE is sent (CUDA tensors: DMA on the side stream, so the copies run
-    during the SAVE's round trip instead of after it; bytes and host tensors: ``pwrite``), and
-    after the SAVE_ACK waits until they landed, publishes and seals (:meth:`after_ack`). A save
-    the daemon never took waits for the copies issued before its range is given back."""
+    """A :class:`~ckptd.staging.producer.Producer` that is ``save()`` itself. When made, before
+    the SAVE is sent, it issues the copies of the items the ring has room for already (CUDA
+    tensors: DMA on the side stream, so the copies run during the SAVE's round trip instead of
+    after it; bytes and host tensors: ``pwrite``); after the SAVE_ACK it issues the rest as the
+    daemon drains the ring, waits until every copy landed, publishes and seals
+    (:meth:`after_ack`). A save the daemon never took waits for the copies issued before its
+    range is given back."""
 
     def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float) -> None:
         self.ring = ring
@@ -316,13 +327,15 @@ class InlineProducer:
         )
         self._copier = DeviceCopier(ring, claim.block, pin_timeout_s)
         try:
-            self._copier.produce(claim.start, claim.items, claim.placements)
+            self._issued = self._copier.produce(claim.start, claim.items, claim.placements, wait=False)
         except BaseException:
             self._copier.abort()  # nothing lands in the range after it is given back
             raise
 
     def after_ack(self) -> float:
+        c = self.claim
         try:
+            self._copier.produce(c.start, c.items, c.placements, first=self._issued)
             self._copier.finish()
         except BaseException as exc:
             self._copier.abort()

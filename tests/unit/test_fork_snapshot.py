@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 
 import pytest
@@ -302,3 +303,31 @@ def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(rings
     with pytest.raises(ChildProcessError):
         os.waitpid(producer.snapshot.pid, os.WNOHANG)  # exited and reaped already
     assert len(children) == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_inline_save_copies_what_fits_before_the_save_is_sent_and_the_rest_after(rings):
+    # save() itself issues the copies of the items the ring has room for before the SAVE is
+    # sent (on CUDA they run during its round trip), and never waits there for room: the daemon
+    # drains a save only once it has its SAVE, so an item that does not fit yet is copied after
+    # the acknowledgement (a wait before the SAVE would never end).
+    ring, dring = rings
+    fits, later = torch.randn(1 << 20), torch.randn(1 << 20)  # 4 MiB each
+    items = _items([fits, later], b"x")
+    placements, _ = place(items)
+    dring.set_consumed(0)
+    ring.next_start = 3 << 20  # a previous save holds 3 MiB the daemon has not consumed yet
+    block, start = ring.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    producer = InlineProducer(ring, claim, pin_timeout_s=30)
+    assert torch.equal(
+        bytes_view(dring.view(start + placements[0].offset, placements[0].nbytes), torch.float32, fits.shape), fits
+    )
+    assert producer._issued == 1  # the second tensor does not fit until the daemon consumes
+    dring.set_consumed(start)  # the daemon drains the previous save, then this one's first item
+    drain = threading.Timer(0.2, dring.set_consumed, args=(start + placements[1].offset,))
+    drain.start()
+    producer.after_ack()
+    drain.join()
+    got = bytes_view(dring.view(start + placements[1].offset, placements[1].nbytes), torch.float32, later.shape)
+    assert torch.equal(got, later)
