@@ -15,7 +15,11 @@ Convert checkpoints.
   # Megatron legacy tree (mp_rank_XX[_YYY[_ZZZ]]/model_optim_rng.pt) -> torch_dist
   ckptd convert to-dist /ckpts/legacy /ckpts/iter_0000100 \\
       [--split 'REGEX=AXIS' | 'REGEX=replicated' | 'REGEX=glu:AXIS' ...] \\
-      [--expert-parallel | --no-expert-parallel] [--glu | --no-glu] [--stack-layers]
+      [--expert-parallel | --no-expert-parallel] [--glu | --no-glu] [--stack-layers] \\
+      [--mcore-spec {auto,local,te}]
+
+  # ... that a Megatron-Core GPTModel loads as-is (dist_checkpointing.load, ckptd.load)
+  ckptd convert to-dist /ckpts/legacy /ckpts/iter_0000100 --stack-layers --mcore-spec auto
 
   # torch_dist (written by ckptd, Megatron-Core or torch DCP) -> one consolidated file
   ckptd convert consolidate /ckpts/iter_0000100 model.pt [--with-common]
@@ -84,6 +88,14 @@ def register(subparsers: Any) -> None:
         help="Megatron-Core default naming: decoder.layers.<name> with a layer axis",
     )
     to_dist.add_argument(
+        "--mcore-spec",
+        choices=("auto", "local", "te"),
+        default=None,
+        help="name keys as a Megatron-Core GPTModel with this layer spec (the one that wrote the "
+        "checkpoint; auto: from its keys) asks for them: the spec's renames and `_extra_state` "
+        "objects",
+    )
+    to_dist.add_argument(
         "--allow-unsafe-pickle",
         action="store_true",
         help="unpickle arbitrary objects (numpy RNG states...); trusted files only",
@@ -134,13 +146,16 @@ def run(args: argparse.Namespace) -> int:
             expert_parallel=args.ep,
             glu=args.glu,
             stack_layers=args.stack_layers,
+            mcore_spec=args.mcore_spec,
             progress=legacy_bar,
             fsync=not args.no_fsync,
         )
     finally:
         legacy_bar.close()
     print(
-        f"converted {report.tensors} tensors ({report.chunks} chunks, {report.nbytes / 2**20:.1f} MiB, "
+        f"converted {report.tensors} tensors"
+        + (f" and {report.objects} objects" if report.objects else "")
+        + f" ({report.chunks} chunks, {report.nbytes / 2**20:.1f} MiB, "
         f"iteration {report.iteration}) into {args.dst}"
         + (f"; skipped non-tensor entries: {report.skipped}" if report.skipped else "")
     )

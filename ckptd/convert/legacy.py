@@ -41,10 +41,12 @@ from ..errors import (
     UnsafePickleError,
 )
 from ..format.finalize import write_checkpoint
-from ..format.items import PlannedItem
+from ..format.items import PlannedItem, serialize_object
 from ..format.layout import DCP_METADATA, METADATA_JSON
-from ..format.records import TENSOR, ItemRecord, dtype_name
+from ..format.records import TENSOR, ItemRecord, dtype_name, object_record
 from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
+from ..mapping import ShardedObject
+from . import mcore
 
 log = logging.getLogger("ckptd.convert")
 
@@ -132,6 +134,7 @@ class ConversionReport:
     tensors: int = 0
     chunks: int = 0
     nbytes: int = 0
+    objects: int = 0  # ShardedObjects (`_extra_state`) written, with mcore_spec
     skipped: list[str] = field(default_factory=list)
     iteration: Any = None
 
@@ -274,10 +277,16 @@ def _plain(value: Any) -> Any:
 
 class _Converter:
     def __init__(
-        self, tree: LegacyTree, rules: Sequence[SplitRule], allow_unsafe_pickle: bool, stack_layers: bool
+        self,
+        tree: LegacyTree,
+        rules: Sequence[SplitRule],
+        allow_unsafe_pickle: bool,
+        stack_layers: bool,
+        mcore_map: tuple[tuple[str, str], ...] | None,
     ) -> None:
         self.tree = tree
         self.stack_layers = stack_layers
+        self.mcore_map = mcore_map  # None: keep the legacy names, drop `_extra_state`
         self.num_layers = 0
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.unsafe = allow_unsafe_pickle
@@ -285,6 +294,7 @@ class _Converter:
         self.total = sum(f.path.stat().st_size for f in tree.files)
         self.seen: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.skipped: set[str] = set()
+        self.objects: set[str] = set()
 
     def _rule(self, key: str) -> SplitRule | None:
         for regex, rule in self.rules:
@@ -364,7 +374,11 @@ class _Converter:
             experts = _count(_EXPERT, list(chunk0))
             for key, value in chunk0.items():
                 if not isinstance(value, torch.Tensor):
-                    self.skipped.add(key)  # e.g. TransformerEngine `_extra_state`: not a weight
+                    if self.mcore_map is not None and mcore.is_extra_state(key) and not ep:
+                        gkey = _renumber(key, layer_offsets.get((v, pp), 0), 0)
+                        items += self.extra_state(index, gkey, value, key)
+                    else:
+                        self.skipped.add(key)  # e.g. TransformerEngine `_extra_state`: not a weight
                     continue
                 is_expert = _EXPERT.search(key) is not None
                 if ep and not is_expert:
@@ -381,6 +395,8 @@ class _Converter:
                 rule = self._rule(gkey)
                 if len(shards) > 1 and rule is not None and rule.axis is not None:
                     gshape[rule.axis] *= len(shards)
+                if self.mcore_map is not None:
+                    gkey = mcore.mcore_key(self.mcore_map, gkey)
                 if gkey in self.seen:
                     if self.seen[gkey] != (shards[0].dtype, tuple(gshape)):
                         raise ShardingError(f"'{gkey}' appears in several pipeline stages with different shapes")
@@ -411,6 +427,47 @@ class _Converter:
                     self.report.nbytes += payload.numel() * payload.element_size()
         return items, sds[0], group_bytes, label
 
+    def extra_state(self, index: int, gkey: str, value: object, key: str) -> list[PlannedItem]:
+        """A module's ``_extra_state`` (TP rank 0's) as the ShardedObject Megatron-Core's
+        ``sharded_state_dict`` asks for (``make_sharded_object_for_checkpoint``): one element of a
+        ``(num_layers,)`` array with stacked layers, else a ``(1,)`` array of its own."""
+        if mcore.DROPPED_EXTRA_STATE.search(gkey):
+            self.skipped.add(key)
+            return []
+        gkey = mcore.mcore_key(self.mcore_map or (), gkey)
+        stacked = _STACK.match(gkey) if self.stack_layers else None
+        if stacked:
+            obj = ShardedObject(
+                key=f"{stacked.group(1)}.{stacked.group(3)}",
+                data=value,
+                global_shape=(self.num_layers,),
+                global_offset=(int(stacked.group(2)),),
+            )
+        else:
+            obj = ShardedObject(key=gkey, data=value, global_shape=(1,), global_offset=(0,))
+        if obj.unique_key in self.objects:
+            return []  # held by several pipeline stages (as tensors are, see group())
+        self.objects.add(obj.unique_key)
+        payload = serialize_object(value, f"ShardedObject '{obj.unique_key}'")
+        self.report.objects += 1
+        return [PlannedItem(object_record(obj, index), payload)]
+
+
+def _mcore_map(tree: LegacyTree, spec: str, allow_unsafe_pickle: bool) -> tuple[tuple[str, str], ...]:
+    """The key map of ``spec`` (``"auto"``: the spec that wrote the first pipeline stage holding
+    layers), once every stage's keys (TP rank 0, expert rank 0) are known to be convertible."""
+    stages = []
+    for pp in range(tree.pp_size):
+        path = tree.file(0, pp, 0).path
+        keys = [k for chunk in model_chunks(_read(path, allow_unsafe_pickle)) for k in chunk]
+        mcore.check_convertible(keys, str(path))
+        stages.append((keys, str(path)))
+    if spec == "auto":
+        with_layers = [(keys, where) for keys, where in stages if any(_LAYER.search(k) for k in keys)]
+        spec = mcore.detect_spec(*with_layers[0]) if with_layers else mcore.detect_spec([], str(tree.directory))
+    log.info("naming as a Megatron-Core GPTModel with the %s layer spec", spec)
+    return mcore.key_map(spec, [k for keys, _ in stages for k in keys])
+
 
 def convert_legacy(
     src: str | os.PathLike,
@@ -422,6 +479,7 @@ def convert_legacy(
     expert_parallel: bool | None = None,
     glu: bool | None = None,
     stack_layers: bool = False,
+    mcore_spec: str | None = None,
     progress: Progress | None = None,
     fsync: bool = True,
 ) -> ConversionReport:
@@ -431,7 +489,14 @@ def convert_legacy(
     checkpoint's ``args.swiglu`` / ``args.gated_linear_unit``) stores ``linear_fc1`` TP shards
     ``[gate_r; up_r]`` as ``[gate; up]``, as Megatron-Core's torch_dist does. ``stack_layers``
     names layers as Megatron-Core's default does (``decoder.layers.<name>`` with the layer number
-    as a leading axis) instead of ``decoder.layers.<i>.<name>``. ``progress(done, total, label)``
+    as a leading axis) instead of ``decoder.layers.<i>.<name>``.
+
+    ``mcore_spec`` (``"local"``, ``"te"`` or ``"auto"``: from the keys) names the layer spec of the
+    Megatron-Core GPTModel that wrote the checkpoint; the output then holds what that model's
+    ``sharded_state_dict()`` asks for (with ``stack_layers``; without, what it asks for with
+    ``metadata={"non_homogeneous_layers": True}``): the spec's key renames and every
+    ``_extra_state`` as a ShardedObject (see :mod:`ckptd.convert.mcore`). MoE experts and
+    pre-Megatron-Core (``language_model.*``) names are refused. ``progress(done, total, label)``
     is called after each pipeline/expert group. ``dst`` must not hold a checkpoint.
     """
     tree = discover(src, expert_parallel)
@@ -444,9 +509,16 @@ def convert_legacy(
     for marker in (METADATA_JSON, DCP_METADATA):
         if (root / marker).exists():
             raise CheckpointExistsError(f"{root} already holds a checkpoint ({marker} exists)")
+    mcore_map = None  # decided (or refused) before anything is written
+    if mcore_spec is not None:
+        mcore_map = _mcore_map(tree, mcore.check_spec(mcore_spec), allow_unsafe_pickle)
     root.mkdir(parents=True, exist_ok=True)
     conv = _Converter(
-        tree, list(rules) + (list(DEFAULT_RULES) if use_default_rules else []), allow_unsafe_pickle, stack_layers
+        tree,
+        list(rules) + (list(DEFAULT_RULES) if use_default_rules else []),
+        allow_unsafe_pickle,
+        stack_layers,
+        mcore_map,
     )
     if progress:
         progress(0, conv.total, "start")

@@ -58,7 +58,9 @@ def _tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
         gate, up = t.chunk(2, 0)
         return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]]).clone()
     axis = None
-    if any(s in key for s in ("word_embeddings", "output_layer", "linear_qkv", "linear_fc1")):
+    if "layer_norm_" in key:  # a layernorm fused into a TE linear: replicated
+        pass
+    elif any(s in key for s in ("word_embeddings", "output_layer", "linear_qkv", "linear_fc1")):
         axis = 0
     elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         axis = 1
@@ -214,6 +216,60 @@ def test_legacy_bad_inputs(tmp_path):
         convert_legacy(tp2, tmp_path / "out3", fsync=False)
     with pytest.raises(CheckpointNotFoundError, match="no mp_rank"):
         convert_legacy(tmp_path, tmp_path / "out4", fsync=False)
+
+
+def test_mcore_spec_names_keys_and_writes_extra_states_as_megatron_core_asks(tmp_path):
+    """The TE spec's names stay, stacked over a TP=2 x PP=2 tree; the local spec's layernorms get
+    the TE names; each `_extra_state` (TP rank 0's) is the ShardedObject GPTModel asks for."""
+    local = reference(experts=False)
+    fused = "self_attention.linear_qkv.layer_norm_weight"
+    te = {k.replace("input_layernorm.weight", fused): v for k, v in local.items()}
+    write_legacy_tree(tmp_path / "te", te, tp=2, pp=2, ep=1, numpy_rng=False)
+    report = convert_legacy(tmp_path / "te", tmp_path / "te-dist", stack_layers=True, mcore_spec="auto", fsync=False)
+    assert report.objects == 2 and report.tensors == len(te)
+    plain = ckptd.load_plain_tensors(tmp_path / "te-dist")
+    for i in range(L):
+        assert torch.equal(
+            plain["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i],
+            te[f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"],
+        )
+    # The tree writes an extra state in each stage's local layer 0: global layers 0 and 2 of 4.
+    key = "decoder.layers.self_attention.core_attention._extra_state"
+    req = {f"x{i}": ckptd.ShardedObject(key, None, (L,), (i,)) for i in (0, 2)}
+    out = ckptd.load(req, tmp_path / "te-dist", allow_unsafe_pickle=True)  # TE's BytesIO
+    assert [out[f"x{i}"].getvalue() for i in (0, 2)] == [b"te", b"te"]
+
+    write_legacy_tree(tmp_path / "local", local, tp=1, pp=2, ep=1, numpy_rng=False)
+    report = convert_legacy(tmp_path / "local", tmp_path / "local-dist", mcore_spec="local", fsync=False)
+    plain = ckptd.load_plain_tensors(tmp_path / "local-dist")
+    assert not any("input_layernorm" in k for k in plain)
+    assert torch.equal(
+        plain["decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"],
+        local["decoder.layers.3.input_layernorm.weight"],
+    )
+    req = {"x": ckptd.ShardedObject("decoder.layers.2.self_attention.core_attention._extra_state", None, (1,), (0,))}
+    assert ckptd.load(req, tmp_path / "local-dist", allow_unsafe_pickle=True)["x"].getvalue() == b"te"
+    # Without mcore_spec, the legacy names stay and extra states are skipped.
+    report = convert_legacy(tmp_path / "local", tmp_path / "plain-dist", fsync=False)
+    assert report.objects == 0 and report.skipped
+    assert "decoder.layers.3.input_layernorm.weight" in ckptd.load_plain_tensors(tmp_path / "plain-dist")
+
+
+def test_mcore_spec_refuses_what_it_cannot_name(tmp_path):
+    experts = write_legacy_tree(tmp_path / "moe", reference(experts=True), tp=1, pp=1, ep=1, numpy_rng=False)
+    with pytest.raises(ShardingError, match=r"local_experts.*MoE expert.*without --mcore-spec"):
+        convert_legacy(experts, tmp_path / "o1", mcore_spec="local", fsync=False)
+    old_names = {"language_model.embedding.word_embeddings.weight": torch.ones(V, H)}
+    legacy = write_legacy_tree(tmp_path / "lm", old_names, tp=1, pp=1, ep=1, numpy_rng=False)
+    with pytest.raises(ShardingError, match=r"language_model.*pre-Megatron-Core"):
+        convert_legacy(legacy, tmp_path / "o2", mcore_spec="auto", fsync=False)
+    no_norms = {k: v for k, v in reference(experts=False).items() if "layernorm" not in k}
+    ambiguous = write_legacy_tree(tmp_path / "nn", no_norms, tp=1, pp=1, ep=1, numpy_rng=False)
+    with pytest.raises(ShardingError, match=r"model_optim_rng.pt: cannot tell.*neither.*--mcore-spec"):
+        convert_legacy(ambiguous, tmp_path / "o3", mcore_spec="auto", fsync=False)
+    with pytest.raises(ShardingError, match="'local', 'te', 'auto'"):
+        convert_legacy(ambiguous, tmp_path / "o4", mcore_spec="transformer-engine", fsync=False)
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))  # refused before writing
 
 
 @pytest.mark.timeout(120)
