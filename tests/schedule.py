@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "objstore/test_s3_mirror.py",
     "integration/test_bench_all.py",
     "real/test_megatron_gpt.py",
+    "real/test_convert_mcore.py",
     "fault/test_crash_matrix.py",
 )
 
