@@ -59,8 +59,9 @@ def serialize_object(data: Any, what: str = "ShardedObject") -> bytes:
     return serialize_pickled(data, what, in_list=True)
 
 
-def plan_tensor(sh: ShardedTensor, rank: int) -> PlannedItem:
-    """The single item of an N-D ShardedTensor (flattened shards: use :func:`plan_tensor_items`)."""
+def plan_tensor(sh: ShardedTensor, rank: int, path: tuple[str | int, ...] = ()) -> PlannedItem:
+    """The single item of an N-D ShardedTensor (flattened shards: use :func:`plan_tensor_items`);
+    ``path``: where a DCP-style state dict held it."""
     if sh.data is None:
         raise ValueError(f"ShardedTensor '{sh.key}' has no data to save")
     if sh.flattened_range is not None:
@@ -69,11 +70,12 @@ def plan_tensor(sh: ShardedTensor, rank: int) -> PlannedItem:
         )
     _, _, sizes = storage_layout(sh)
     data = sh.data
-    return PlannedItem(tensor_record(sh, rank), data if data.shape == sizes else data.reshape(sizes))
+    return PlannedItem(tensor_record(sh, rank, path), data if data.shape == sizes else data.reshape(sizes))
 
 
-def plan_tensor_items(sh: ShardedTensor, rank: int) -> list[PlannedItem]:
-    """The items a ShardedTensor is stored as (one per :func:`storage_pieces` entry).
+def plan_tensor_items(sh: ShardedTensor, rank: int, path: tuple[str | int, ...] = ()) -> list[PlannedItem]:
+    """The items a ShardedTensor is stored as (one per :func:`storage_pieces` entry); ``path``:
+    where a DCP-style state dict held it.
 
     Payloads are views of ``sh.data`` (no copy): a flattened shard's pieces are consecutive
     slices of its 1-D data, reshaped to each piece's box.
@@ -81,10 +83,13 @@ def plan_tensor_items(sh: ShardedTensor, rank: int) -> list[PlannedItem]:
     if sh.data is None:
         raise ValueError(f"ShardedTensor '{sh.key}' has no data to save")
     if sh.flattened_range is None:
-        return [plan_tensor(sh, rank)]
+        return [plan_tensor(sh, rank, path)]
     flat = sh.data.reshape(-1)
     return [
-        PlannedItem(record, flat[start : start + math.prod(record.sizes)].reshape(record.sizes))
+        PlannedItem(
+            replace(record, path=path) if path else record,
+            flat[start : start + math.prod(record.sizes)].reshape(record.sizes),
+        )
         for record, (_, _, _, start) in zip(tensor_records(sh, rank), storage_pieces(sh))
     ]
 

@@ -286,7 +286,7 @@ def storage_layout(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...],
     )
 
 
-def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
+def tensor_record(sh: ShardedTensor, rank: int, path: tuple[str | int, ...] = ()) -> ItemRecord:
     gshape, offsets, sizes = storage_layout(sh)
     return ItemRecord(
         fqn=sh.key,
@@ -296,6 +296,7 @@ def tensor_record(sh: ShardedTensor, rank: int) -> ItemRecord:
         global_shape=gshape,
         offsets=offsets,
         sizes=sizes,
+        path=path,
     )
 
 

@@ -11,7 +11,7 @@ asynchronous one. Both kinds of save plan with it; an asynchronous Checkpointer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -110,10 +110,8 @@ def plan_rank(
                     )
             else:
                 _check_tensor_data(sh, path, rank)
-                planned = plan_tensor_items(sh, rank) if is_main_replica(sh.replica_id) else []
-                dcp_path = split.dcp_paths.get(sh.key)
-                if dcp_path is not None:
-                    planned = [PlannedItem(replace(i.record, path=dcp_path), i.payload) for i in planned]
+                dcp_path = split.dcp_paths.get(sh.key, ())
+                planned = plan_tensor_items(sh, rank, dcp_path) if is_main_replica(sh.replica_id) else []
                 items.extend(planned)
                 if sig is not None:
                     hit = _PlanEntry(
