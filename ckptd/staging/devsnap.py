@@ -5,8 +5,9 @@ Copying by DMA needs pinned host memory, and pinning a ring costs far more than 
 that gave no size before it, or a save right after it, would wait for the pinner inside
 ``save()`` (:mod:`ckptd.staging.pinning`). Instead, while the ring's pinner still runs, such a
 save copies its CUDA tensors into free device memory, a device-to-device copy at some 1.5 TB/s
-queued on the ring's side stream after the work queued before ``save()``, and the current stream
-waits for that copy, so the kernels that follow (the optimizer's) cannot change a source before
+queued on a stream of its own after the work queued before ``save()``, and the current stream
+waits for that copy (not for the ring's copy stream, which may still be moving an earlier
+snapshot to the host), so the kernels that follow (the optimizer's) cannot change a source before
 it was read, with no host synchronisation at all. Host tensors are copied in ``save()``; bytes
 are immutable. ``save()`` returns after the SAVE's round trip; a thread of the producer then
 writes the snapshot into the ring exactly as ``save()`` would have (:func:`copy_inline`: DMA into
@@ -76,8 +77,8 @@ def free_device_nbytes(devices: Iterable[Any]) -> dict[Any, int]:
 
 def snapshot_on_device(ring: StagingRing, items: list[PlannedItem]) -> tuple[list[PlannedItem], dict[Any, Any]]:
     """Copies of the save's payloads taken now: CUDA tensors into one device buffer per device
-    (on the ring's side stream, after the work queued before; the current stream then waits for
-    it), host tensors by a host copy, bytes as they are. Returns the items with these payloads
+    (on the ring's snapshot stream, after the work queued before; the current stream then waits
+    for it), host tensors by a host copy, bytes as they are. Returns the items with these payloads
     (CUDA ones as flat uint8 views of the buffers, which is all the ring copies) and, per device,
     an event after the copies (what the copies into the ring wait for)."""
     out = list(items)
@@ -91,12 +92,14 @@ def snapshot_on_device(ring: StagingRing, items: list[PlannedItem]) -> tuple[lis
                 out[i] = PlannedItem(record=item.record, payload=plain_values(t).clone())
     ready: dict[Any, Any] = {}
     for device, tensors in by_device.items():
-        stream = ring.side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # Allocated on the current stream, used on the side stream (record_stream): freed, it goes
-        # back to the pool training allocates from, once the side stream's work on it is done.
+        current = torch.cuda.current_stream(device)
+        stream = ring.snapshot_stream(device)
+        stream.wait_stream(current)
+        # Allocated on the current stream, used on the snapshot and copy streams (record_stream):
+        # freed, it goes back to the pool training allocates from, once their work on it is done.
         buf = torch.empty(sum(t.numel() * t.element_size() for _, t in tensors), dtype=torch.uint8, device=device)
         buf.record_stream(stream)
+        buf.record_stream(ring.side_stream(device))
         with torch.cuda.stream(stream):
             srcs = [plain_values(t).reshape(-1).view(torch.uint8) for _, t in tensors]
             dsts, at = [], 0
@@ -106,9 +109,9 @@ def snapshot_on_device(ring: StagingRing, items: list[PlannedItem]) -> tuple[lis
             torch._foreach_copy_(dsts, srcs)
             event = ready[device] = torch.cuda.Event()
             event.record(stream)
+        current.wait_event(event)  # training's next kernels run after the snapshot read the sources
         for (i, _), dst in zip(tensors, dsts):
             out[i] = PlannedItem(record=items[i].record, payload=dst)
-    ring.order_after_copies()  # training's next kernels run after the snapshot read the sources
     return out, ready
 
 

@@ -112,6 +112,7 @@ class StagingRing:
         self._free_blocks: list[int] = list(range(BLOCKS))  # control blocks not in use
         self.next_start = 0  # virtual offset of the next save
         self._streams: dict[Any, Any] = {}
+        self._snapshot_streams: dict[Any, Any] = {}
 
     @property
     def names(self) -> list[str]:
@@ -230,6 +231,15 @@ class StagingRing:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def snapshot_stream(self, device: torch.device) -> Any:
+        """The stream device snapshots are copied on (ckptd.staging.devsnap): not the copy stream,
+        which may still be busy with an earlier snapshot's device-to-host copies that training's
+        stream must not wait for."""
+        stream = self._snapshot_streams.get(device)
+        if stream is None:
+            stream = self._snapshot_streams[device] = torch.cuda.Stream(device=device)
         return stream
 
     def order_after_copies(self) -> None:
