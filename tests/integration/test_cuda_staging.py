@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -148,6 +149,41 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
         assert all(torch.equal(out[k].cpu(), ref[k]) for k in ref)
         print(f"first save ({snapshot}, prepared={prepared}): stall {h.stall_s:.3f} s")
     assert threading.get_ident() not in reg.threads
+
+
+class SlowRegistrar(CudaRegistrar):
+    """The real registrar, slowed down: the ring is still being pinned for several saves."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        time.sleep(0.3)
+        super().register(address, nbytes)
+
+
+@pytest.mark.timeout(300)
+def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment(tmp_path, single_process, monkeypatch):
+    """Three saves in a row while the ring is still being pinned, the tensors overwritten by
+    kernels right after each save(): each is a device snapshot (ckptd.staging.devsnap), written
+    into the ring by its thread once the chunks are pinned, and each committed checkpoint holds
+    exactly the values of its save(), never a later step's (the stream order protects them, not
+    a host synchronisation)."""
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: SlowRegistrar(torch.cuda.current_device()))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate([1 << 22, 999, 1 << 20] * 8)}
+    expected = {}
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="3.5x")) as ckpt:
+        handles = []
+        for step in (1, 2, 3):
+            expected[step] = {k: v.cpu() for k, v in tensors.items()}
+            handles.append(ckpt.save(_sharded(tensors), step=step))
+            for t in tensors.values():
+                t.mul_(1.5).add_(1.0)  # queued right behind save(), no host wait in between
+        assert len(ckpt._ring.device_snapshots) >= 2  # the pinning (0.3 s a chunk) outlasted them
+        for h in handles:
+            h.wait(timeout_s=120)
+        assert ckpt._ring.current.pageable_pieces == 0
+        for step in (1, 2, 3):
+            out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=step)
+            assert all(torch.equal(out[k].cpu(), expected[step][k]) for k in tensors), step
 
 
 @pytest.mark.timeout(180)
