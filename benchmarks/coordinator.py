@@ -69,6 +69,7 @@ from ckptd.control.protocol import (
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items, write_data_file
 from ckptd.format.layout import data_file_name
+from ckptd.format.records import ItemRecord
 from ckptd.format.rootlayout import step_dir_name, tmp_dir
 from ckptd.mapping import ShardedTensor
 from tools.harness.ports import free_port
@@ -102,8 +103,8 @@ class Point:
 
 
 # --- the played job ----------------------------------------------------------------------------
-def rank_files(directory: Path, ranks: int, items_per_rank: int) -> tuple[list[list[dict]], list[int]]:
-    """Write every rank's real data file into ``directory``; returns each rank's wire records and
+def rank_files(directory: Path, ranks: int, items_per_rank: int) -> tuple[list[list[ItemRecord]], list[int]]:
+    """Write every rank's real data file into ``directory``; returns each rank's stored records and
     file size. Rank ``r`` holds rows ``[r*ROWS, (r+1)*ROWS)`` of ``items_per_rank`` global tensors."""
     records, nbytes = [], []
     for rank in range(ranks):
@@ -113,7 +114,7 @@ def rank_files(directory: Path, ranks: int, items_per_rank: int) -> tuple[list[l
             items += plan_tensor_items(ShardedTensor.from_rank_offsets(f"layers.{i}.w", data, (0, rank, ranks)), rank)
         name = data_file_name(rank)
         stored = write_data_file(directory, name, items, fsync=False)
-        records.append([r.to_wire() for r in stored])
+        records.append(list(stored))
         nbytes.append((directory / name).stat().st_size)
     return records, nbytes
 

@@ -160,7 +160,7 @@ def save(
         digest = common_digest(split.common) if ctx.world_size > 1 else None
         plain = plain_sizes(split)
         return {
-            "records": [_planned_wire(i, plain, ctx.world_size) for i in plan.items],
+            "records": [_planned_record(i, plain, ctx.world_size) for i in plan.items],
             "held": plan.held,
             "plain": plain,
             "common_digest": digest,
@@ -177,7 +177,7 @@ def save(
 
     def validate() -> None:
         if ctx.rank == 0:
-            records = [ItemRecord.from_wire(r) for p in planned for r in p["records"]]
+            records = [r for p in planned for r in p["records"]]
             kept, differing = dedup_plain(records, writers)
             for warning in differing:
                 log.warning("save of %s: %s", root, warning)
@@ -189,11 +189,11 @@ def save(
 
     ctx.agree("checkpoint validation", validate)
 
-    def write() -> list[dict]:
+    def write() -> list[ItemRecord]:
         if not prepared:
             return []
         if s3 is not None:
-            return [r.to_wire() for r in s3.write(ctx.rank, token, prepared, checksums)]
+            return s3.write(ctx.rank, token, prepared, checksums)
         name = data_file_name(ctx.rank)
         try:
             stored = write_data_file(root, name, prepared, opener or open_data_file, fsync, checksums)
@@ -203,13 +203,13 @@ def save(
                 "and this save's files were removed; fix the storage (space, permissions) and "
                 "save again"
             ) from exc
-        return [r.to_wire() for r in stored]
+        return stored
 
     def commit() -> None:
         if ctx.rank == 0 and s3 is not None:
-            s3.finalize([ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs], common[0])
+            s3.finalize([r for recs in stored_by_rank for r in recs], common[0])
         elif ctx.rank == 0:
-            records = [ItemRecord.from_wire(r) for recs in stored_by_rank for r in recs]
+            records = [r for recs in stored_by_rank for r in recs]
             try:
                 finalize(root, records, common[0], opener or default_opener, fsync)
                 if fsync:
@@ -232,13 +232,13 @@ def save(
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
 
 
-def _planned_wire(item: PlannedItem, plain: dict[str, int], world_size: int) -> dict:
+def _planned_record(item: PlannedItem, plain: dict[str, int], world_size: int) -> ItemRecord:
     """A planned record for the planning exchange; a plain value held by several ranks may
     differ between them, so its bytes' CRC-32C goes along (rank 0 warns about differing copies)."""
     record = item.record
     if world_size > 1 and record.kind == BYTES and record.fqn in plain and isinstance(item.payload, bytes):
         record = replace(record, crc=crc32c(item.payload))
-    return record.to_wire()
+    return record
 
 
 def _plain_writers(plains: list[dict[str, int]]) -> dict[str, int]:

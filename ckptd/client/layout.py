@@ -3,8 +3,8 @@
 A training job saves the same state structure again and again: same keys, shapes, dtypes and
 shard offsets, so the same records at the same offsets in the ring (and the same keys held as
 replicas). Encoding, sending, decoding and
-checking every record each time costs ~10 us per item on both sides (10,000 small tensors:
-tens of milliseconds of the training stall). The rank remembers the last item list it sent for
+checking every record each time costs ~2-4 us per item on the rank and ~7 us on the daemon
+(10,000 small tensors: tens of milliseconds of the training stall). The rank remembers the last item list it sent for
 its ring; when the next save's records and placements are equal, the SAVE carries only the
 layout id and the daemon reuses what it decoded and checked before (ckptd.daemon.rings).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+from ..control.protocol import SaveItem
 from ..format.items import PlannedItem
 from ..format.records import ItemRecord
 from ..staging.rankside import Placement
@@ -31,7 +32,7 @@ class LayoutCache:
 
     def items_for(
         self, generation: str, items: list[PlannedItem], placements: list[Placement], held: list[str]
-    ) -> tuple[list[dict], str, list[str]]:
+    ) -> tuple[list[SaveItem], str, list[str]]:
         """``(items, layout, held)`` fields of the SAVE for these items and held keys (see
         :class:`~ckptd.control.protocol.Save`): a layout equal to the last one sends neither."""
         if not items:
@@ -47,7 +48,7 @@ class LayoutCache:
             and kept == self.held
         ):
             return [], self.layout_id, []
-        wire = [{"record": r.to_wire(), "offset": p.offset, "nbytes": p.nbytes} for r, p in zip(records, placed)]
+        wire = [SaveItem(record=r, offset=p.offset, nbytes=p.nbytes) for r, p in zip(records, placed)]
         self.generation, self.records, self.placements, self.held = generation, records, placed, kept
         self.layout_id = secrets.token_hex(8)
         return wire, self.layout_id, held

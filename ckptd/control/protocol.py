@@ -49,24 +49,30 @@ twice, is refused by the session's nonces). On top of that, a message is a msgpa
 ``{"v": version, "t": type, "job": job id, "f": {fields}}``, sent in frames of at most
 :data:`FRAME_NBYTES`, so that every socket refuses larger frames, also from peers that have not
 authenticated yet. A receiver checks the size limit before it unpacks anything, then the version,
-job, type, every field's type, and that steps and attempt ids are in range; anything else is
-rejected with :class:`ProtocolError` (never pickle, never eval).
+job, type and that the fields are exactly the message's; msgspec then decodes the fields straight
+into the message's dataclass (every field's type, down to each SAVE item and WRITTEN record), and
+steps and attempt ids are checked to be in range. Anything else is rejected with
+:class:`ProtocolError`, which names msgspec's path to the offending value (never pickle, never
+eval). What a record's or an item's types cannot say is checked by :func:`check_record` and
+:func:`check_save_items`, where the message is handled (so that a SAVE is answered with an
+ERROR, and a WRITTEN aborts its attempt, naming the problem).
 """
 
 from __future__ import annotations
 
 import enum
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, ClassVar, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
-import msgpack
+import msgspec
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, StagingError
+from ..format.records import BYTES, TENSOR, ItemRecord, check_dtype_name
 from .attempt import check_attempt, check_step
 
-PROTOCOL_VERSION = 10
+# 11: SAVE items and WRITTEN records decoded by msgspec into typed records (the wire layout is
+# that of 10, but a peer of 10 does not check what 11 checks).
+PROTOCOL_VERSION = 11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -162,10 +168,24 @@ class RingOk(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SaveItem:
+    """One item of a SAVE: its record and where its bytes are in the ring, ``offset`` relative to
+    the SAVE's ``ring_start``."""
+
+    record: ItemRecord
+    offset: int
+    nbytes: int
+
+
+# The ring offsets a SAVE may name: far above any ring, far below an int64's end.
+MAX_RING_OFFSET = 1 << 62
+
+
+@dataclass(frozen=True, kw_only=True)
 class Save(Message):
-    """rank -> daemon. ``items``: ``{"record": ItemRecord wire map, "offset": int, "nbytes": int}``
-    in write order, offsets relative to ``ring_start``, the save's virtual start in the rank's
-    staging ring (ckptd.staging.ring); ``block`` is the save's control block in the ring's header;
+    """rank -> daemon. ``items``: :class:`SaveItem` in write order, offsets relative to
+    ``ring_start``, the save's virtual start in the rank's staging ring (ckptd.staging.ring);
+    ``block`` is the save's control block in the ring's header;
     ``common`` is the serialized common state (global rank 0 only).
 
     ``layout``: an id the rank gives this item list ("" for none). The daemon keeps the last
@@ -193,7 +213,7 @@ class Save(Message):
     world_size: int
     generation: str
     block: int
-    items: list[dict]
+    items: list[SaveItem]
     common: bytes | None
     common_digest: str
     layout: str
@@ -276,7 +296,7 @@ class StepAborted(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Written(Message):
-    """daemon -> coordinator: rank's data file is durable; ``records`` are ItemRecord wire maps,
+    """daemon -> coordinator: rank's data file is durable; ``records`` are its stored items,
     ``file_nbytes`` the size of the data file as written (the coordinator checks it before the
     commit); ``plain_digest`` and ``held`` are the SAVE's."""
 
@@ -286,7 +306,7 @@ class Written(Message):
     rank: int
     world_size: int
     node: int
-    records: list[dict]
+    records: list[ItemRecord]
     common: bytes | None
     common_digest: str
     file_nbytes: int
@@ -355,42 +375,68 @@ REGISTRY: dict[int, type[Message]] = {
         ShutdownAck,
     )
 }
-_HINTS: dict[type[Message], dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in REGISTRY.values()}
 
 
-def _matches(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is bytes:
-        return isinstance(value, bytes)
-    if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if item_tp is dict:  # a SAVE's items, a WRITTEN's records: thousands of them
-            return isinstance(value, list) and all(isinstance(v, dict) for v in value)
-        return isinstance(value, list) and all(_matches(v, item_tp) for v in value)
-    if tp is list:
-        return isinstance(value, list)
-    return False
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    """The map around every message's fields (``f``: left encoded until the type is known)."""
+
+    v: Any
+    t: Any
+    job: Any
+    f: msgspec.Raw
 
 
-def _wire_default(obj: Any) -> Any:
-    """msgpack's hook for values it cannot pack: a dataclass goes as its asdict() map."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return asdict(obj)
-    raise TypeError(f"cannot encode a {type(obj).__name__} in a message")
+# A Decoder keeps its state of a call on the stack: one per type serves every thread. (An Encoder
+# reuses its output buffer between calls: encode() uses msgspec.msgpack.encode, fresh each call.)
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_FIELD_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in REGISTRY.values()
+}
+_NAMES: dict[type[Message], frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in REGISTRY.values()}
+
+
+def check_record(rec: ItemRecord) -> None:
+    """ProtocolError unless ``rec`` is a record ckptd can store: its kind, and for a tensor a
+    dtype it knows and shapes of equal rank (what the record's types cannot say)."""
+    if rec.kind == TENSOR:
+        check_dtype_name(rec.dtype)
+        if not len(rec.global_shape) == len(rec.offsets) == len(rec.sizes):
+            raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
+    elif rec.kind != BYTES:
+        raise ProtocolError(f"malformed item record for {rec.fqn!r}: unknown kind {rec.kind!r}")
+
+
+def check_save_items(msg: Save, capacity: int) -> None:
+    """What the types of a SAVE's items cannot say: valid records (:func:`check_record`) of the
+    sending rank, placed in order without overlap, each no larger than the ring (``capacity``
+    bytes) and each tensor's size its shape's. ProtocolError, or StagingError for a placement."""
+    end = 0
+    for it in msg.items:
+        rec, off, n = it.record, it.offset, it.nbytes
+        check_record(rec)
+        if not (end <= off < MAX_RING_OFFSET and 0 <= n <= capacity):
+            raise StagingError(
+                f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
+                f"before it or does not fit the {capacity}-byte ring"
+            )
+        end = off + n
+        if rec.rank != msg.rank:
+            raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
+        if rec.kind == TENSOR and rec.nbytes != n:
+            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
+
+
+def _check_ids(msg: Message) -> None:
+    """Steps and attempt ids in range (they name directories): ProtocolError otherwise."""
+    try:
+        step = getattr(msg, "step", None)
+        if step is not None:
+            check_step(step)
+        if hasattr(msg, "attempt"):
+            check_attempt(msg.attempt)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{msg.TYPE.name}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -405,19 +451,9 @@ class Codec:
     max_nbytes: int = 64 << 20
 
     def encode(self, msg: Message) -> list[bytes | memoryview]:
-        # The fields as they are (not dataclasses.asdict, which deep-copies every nested list and
-        # dict: seconds for a SAVE of 10,000 items); a dataclass nested in a field is still sent
-        # as its asdict() map, by _wire_default, so the bytes are the same.
-        body = msgpack.packb(
-            {
-                "v": PROTOCOL_VERSION,
-                "t": int(msg.TYPE),
-                "job": self.job,
-                "f": {f.name: getattr(msg, f.name) for f in fields(msg)},
-            },
-            use_bin_type=True,
-            default=_wire_default,
-        )
+        # msgspec sends a dataclass (the message, its SaveItems and ItemRecords) as the map of its
+        # fields, tuples as arrays: the bytes msgpack.packb gives for dataclasses.asdict(msg).
+        body = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "job": self.job, "f": msg})
         if len(body) > self.max_nbytes:
             raise ProtocolError(
                 f"{msg.TYPE.name} message of {len(body)} bytes exceeds the limit of "
@@ -437,37 +473,29 @@ class Codec:
             raise ProtocolError(f"message of {nbytes} bytes exceeds the limit of {self.max_nbytes}")
         body = frames[0] if len(frames) == 1 else b"".join(frames)
         try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
-        except (ValueError, msgpack.UnpackException, TypeError) as exc:
-            raise ProtocolError(f"undecodable message body: {exc!r}") from None
-        if not isinstance(obj, dict) or set(obj) != {"v", "t", "job", "f"}:
-            raise ProtocolError("message is not a {v, t, job, f} map")
-        if obj["v"] != PROTOCOL_VERSION:
+            env = _ENVELOPE.decode(body)
+        except msgspec.ValidationError as exc:  # a DecodeError too: caught first
+            raise ProtocolError(f"message is not a {{v, t, job, f}} map: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"undecodable message body: {exc}") from None
+        if env.v != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}; "
+                f"protocol version {env.v!r}, expected {PROTOCOL_VERSION}; "
                 "run the same ckptd version on every process of the job"
             )
-        if obj["job"] != self.job:
-            raise ProtocolError(f"message for job {obj['job']!r}, this is job {self.job!r}")
-        cls = REGISTRY.get(obj["t"]) if isinstance(obj["t"], int) else None
+        if env.job != self.job:
+            raise ProtocolError(f"message for job {env.job!r}, this is job {self.job!r}")
+        cls = REGISTRY.get(env.t) if type(env.t) is int else None
         if cls is None:
-            raise ProtocolError(f"unknown message type {obj['t']!r}")
-        values = obj["f"]
-        hints = _HINTS[cls]
-        names = [f.name for f in fields(cls)]
-        if not isinstance(values, dict) or set(values) != set(names):
-            got = sorted(values) if isinstance(values, dict) else type(values).__name__
-            raise ProtocolError(f"{cls.TYPE.name}: fields {got}, expected {sorted(names)}")
-        for name in names:
-            if not _matches(values[name], hints[name]):
-                raise ProtocolError(
-                    f"{cls.TYPE.name}: field {name!r} has type {type(values[name]).__name__}, expected {hints[name]}"
-                )
+            raise ProtocolError(f"unknown message type {env.t!r}")
+        names = _NAMES[cls]
         try:
-            if isinstance(values.get("step"), int):
-                check_step(values["step"])
-            if "attempt" in values:
-                check_attempt(values["attempt"])
-        except ProtocolError as exc:
+            # Every field present, none unknown (msgspec would fill defaults and skip extras).
+            got = _FIELD_MAP.decode(env.f).keys()
+            if got != names:
+                raise ProtocolError(f"{cls.TYPE.name}: fields {sorted(got)}, expected {sorted(names)}")
+            msg = _DECODERS[cls].decode(env.f)
+        except msgspec.DecodeError as exc:  # ValidationError is one
             raise ProtocolError(f"{cls.TYPE.name}: {exc}") from None
-        return cls(**values)
+        _check_ids(msg)
+        return msg

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import CkptdConfig
-from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
+from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written, check_record
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
@@ -334,7 +334,9 @@ class CommitState:
             )
         if not 0 <= msg.rank < st.world_size:
             raise ProtocolError(f"rank {msg.rank} outside world size {st.world_size}")
-        records = [ItemRecord.from_wire(r) for r in msg.records]
+        for rec in msg.records:
+            check_record(rec)
+        records = msg.records
         if msg.rank in st.records:
             if (
                 records == st.records[msg.rank]

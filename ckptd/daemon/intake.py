@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import Message, Save, WriteDone
+from ..control.protocol import MAX_RING_OFFSET, Message, Save, WriteDone, check_save_items
 from ..errors import ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
@@ -56,8 +56,6 @@ from .uplink import CoordinatorLink
 from .workers import WorkerPools, WriteFinished, WriteRequest, write_rank_file
 
 log = logging.getLogger(__name__)
-
-_MAX_RING_OFFSET = 1 << 62
 
 
 class SaveIntake:
@@ -89,7 +87,7 @@ class SaveIntake:
         write; raises (StagingError, ProtocolError) when the request cannot be served."""
         ring = self.rings.get(msg.rank, msg.generation, identity)
         ring.check_block(msg.block)
-        if not 0 <= msg.ring_start < _MAX_RING_OFFSET or msg.ring_start % ALIGN:
+        if not 0 <= msg.ring_start < MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
         records, placements, held = self._items(msg, ring)
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, ring.registered_s)
@@ -229,25 +227,7 @@ class SaveIntake:
 
 
 def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
-    """Records and relative placements of a SAVE's items, each checked: in order, not
-    overlapping, each no larger than the ring (``capacity``), and the rank's own."""
-    records, placements = [], []
-    end = 0
-    for it in msg.items:
-        if not isinstance(it, dict) or set(it) != {"record", "offset", "nbytes"}:
-            raise ProtocolError("SAVE item must be {record, offset, nbytes}")
-        rec = ItemRecord.from_wire(it["record"])
-        off, n = it["offset"], it["nbytes"]
-        if not (isinstance(off, int) and isinstance(n, int) and end <= off < _MAX_RING_OFFSET and 0 <= n <= capacity):
-            raise StagingError(
-                f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
-                f"before it or does not fit the {capacity}-byte ring"
-            )
-        end = off + n
-        if rec.rank != msg.rank:
-            raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
-        if rec.kind == "tensor" and rec.nbytes != n:
-            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
-        records.append(rec)
-        placements.append(Placement(off, n))
-    return records, placements
+    """Records and relative placements of a SAVE's items, once checked (the rank's own, in order,
+    each fitting the ring of ``capacity`` bytes: ckptd.control.protocol.check_save_items)."""
+    check_save_items(msg, capacity)
+    return [it.record for it in msg.items], [Placement(it.offset, it.nbytes) for it in msg.items]

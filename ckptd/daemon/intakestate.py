@@ -223,7 +223,7 @@ class IntakeState:
             rank=req.rank,
             world_size=job.world_size,
             node=self.node,
-            records=[r.to_wire() for r in result.stored],
+            records=list(result.stored),
             common=req.common,
             common_digest=job.common_digest,
             file_nbytes=result.file_nbytes,

@@ -117,7 +117,7 @@ def _written(step: int, attempt: str, rank: int, world: int) -> Written:
         rank=rank,
         world_size=world,
         node=7,
-        records=[rec.to_wire()],
+        records=[rec],
         common=None,
         common_digest="",
         file_nbytes=16,

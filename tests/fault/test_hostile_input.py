@@ -286,7 +286,7 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         "undecodable message body",
         "not a {v, t, job, f} map",
         "unknown message type",
-        "has type str",
+        "Expected `int`, got `str` - at `$.nonce`",
         "exceeds the limit",
         "protocol version",
         "for job 'otherjob'",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 
 import msgpack
@@ -19,11 +20,18 @@ from ckptd.control.protocol import (
     Hello,
     MsgType,
     Ping,
+    Save,
+    SaveItem,
     Skip,
     StatusReply,
     StepAborted,
+    Written,
+    check_record,
 )
-from ckptd.errors import CkptdError, ProtocolError
+from ckptd.daemon.intake import decode_items
+from ckptd.errors import CkptdError, ProtocolError, StagingError
+from ckptd.format.records import BYTES, TENSOR, ItemRecord
+from ckptd.staging.ring import Placement
 from tests.messages import ATTEMPT, a_save, a_written
 
 codec = Codec("job1", max_nbytes=1 << 16)
@@ -48,7 +56,7 @@ def test_every_message_type_round_trips():
             world_size=4,
             generation="abcd",
             block=1,
-            items=[{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}],
+            items=[SaveItem(record=ItemRecord(fqn="w", kind=BYTES, rank=3), offset=0, nbytes=8)],
             common=b"\x00\x01",
             common_digest="digest",
             layout="l1",
@@ -57,7 +65,9 @@ def test_every_message_type_round_trips():
             seal_offset=4096,
         ),
         a_save(step=100, rank=3, world_size=4, generation="abcd", block=1),
-        a_written(step=100, rank=3, world_size=4, node=1, records=[{"fqn": "w"}], file_nbytes=4096),
+        a_written(
+            step=100, rank=3, world_size=4, node=1, records=[ItemRecord(fqn="w", kind=BYTES, rank=3)], file_nbytes=4096
+        ),
         Failed(step=100, attempt="fedcba987654-12", rank=-1, world_size=0, node=1, reason="lost the coordinator"),
         StepAborted(step=10**9 - 1, attempt=ATTEMPT, reason="why"),
         StepAborted(step=7, attempt=ATTEMPT, reason="rank 1 skipped it", skipped=True),
@@ -88,11 +98,17 @@ def test_every_message_type_round_trips():
         (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "unknown message type"),
         (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {}}), "fields [], expected ['nonce']"),
         (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1, "x": 2}}), "fields"),
-        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": "1"}}), "'nonce' has type str"),
-        (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}), "'nonce' has type bool"),
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": "1"}}),
+            "PING: Expected `int`, got `str` - at `$.nonce`",
+        ),
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": True}}),
+            "Expected `int`, got `bool` - at `$.nonce`",
+        ),
         (
             _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(items=[1, 2])}),
-            "'items' has type list",
+            "SAVE: Expected `object`, got `int` - at `$.items[0]`",
         ),
         # Steps are bounded: a step of 2**64 - 1 would pin `latest` forever.
         (
@@ -142,10 +158,113 @@ def test_every_message_type_round_trips():
     ],
 )
 def test_malformed_messages_are_rejected(frames, why):
-    with pytest.raises(
-        ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]").replace("{", r"\{").replace("}", r"\}")
-    ):
+    with pytest.raises(ProtocolError, match=re.escape(why)):
         codec.decode(frames)
+
+
+def _save_frames(items: list, rank: int = 0) -> list[bytes]:
+    return _frames(
+        {"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(rank=rank, items=items)}
+    )
+
+
+def _written_frames(records: list) -> list[bytes]:
+    fields = dataclasses.asdict(a_written(rank=1, world_size=2))
+    return _frames(
+        {"v": PROTOCOL_VERSION, "t": int(MsgType.WRITTEN), "job": "job1", "f": {**fields, "records": records}}
+    )
+
+
+_W = {"fqn": "w", "kind": TENSOR, "rank": 0, "dtype": "float32", "global_shape": [4], "offsets": [0], "sizes": [4]}
+
+
+@pytest.mark.parametrize(
+    "frames, error, why",
+    [
+        (
+            _save_frames([{"record": _W, "offset": 0}]),
+            ProtocolError,
+            "missing required field `nbytes` - at `$.items[0]`",
+        ),
+        (
+            _save_frames([{"record": {"fqn": "w"}, "offset": 0, "nbytes": 8}]),
+            ProtocolError,
+            "`kind` - at `$.items[0].record`",
+        ),
+        (
+            _save_frames([{"record": {**_W, "path": [1.5]}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "at `$.items[0].record.path[0]`",
+        ),
+        (
+            _save_frames([{"record": {**_W, "dtype": "float7"}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "dtype name 'float7'",
+        ),
+        (
+            _save_frames([{"record": {**_W, "sizes": [2, 2]}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "rank mismatch",
+        ),
+        (
+            _save_frames([{"record": {**_W, "kind": "blob"}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "unknown kind 'blob'",
+        ),
+        (
+            _save_frames([{"record": {**_W, "rank": 1}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "sent a record of rank 1",
+        ),
+        (_save_frames([{"record": _W, "offset": 0, "nbytes": 12}]), StagingError, "has 12 bytes, its shape needs 16"),
+        (
+            _save_frames([{"record": _W, "offset": 64, "nbytes": 16}, {"record": _W, "offset": 0, "nbytes": 16}]),
+            StagingError,
+            "overlaps the one before it",
+        ),
+        (_save_frames([{"record": _W, "offset": -1, "nbytes": 16}]), StagingError, "overlaps the one before it"),
+        (
+            _written_frames([{"fqn": "x"}]),
+            ProtocolError,
+            "WRITTEN: Object missing required field `kind` - at `$.records[0]`",
+        ),
+        (_written_frames([{**_W, "rank": 1, "dtype": "nope"}]), ProtocolError, "dtype name 'nope'"),
+    ],
+    ids=[
+        "item field missing",
+        "record field missing",
+        "path part",
+        "dtype",
+        "shape ranks",
+        "kind",
+        "another rank's record",
+        "size",
+        "order",
+        "negative offset",
+        "WRITTEN record field missing",
+        "WRITTEN dtype",
+    ],
+)
+def test_items_and_records_are_checked_by_their_types_then_by_the_checks_after(frames, error, why):
+    """msgspec refuses what the types say (with the value's path); check_save_items, called by
+    the daemon on a SAVE, and check_record, by the coordinator on a WRITTEN's records, the rest."""
+    with pytest.raises(error) as info:
+        msg = codec.decode(frames)
+        if isinstance(msg, Save):
+            decode_items(msg, capacity=1 << 20)
+        elif isinstance(msg, Written):
+            for rec in msg.records:
+                check_record(rec)
+    assert why in str(info.value)
+
+
+def test_the_daemon_takes_decoded_items_only_if_each_fits_its_ring():
+    msg = codec.decode(_save_frames([{"record": _W, "offset": 0, "nbytes": 16}]))
+    assert isinstance(msg, Save)
+    record = ItemRecord(fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(4,), offsets=(0,), sizes=(4,))
+    assert decode_items(msg, capacity=16) == ([record], [Placement(0, 16)])
+    with pytest.raises(StagingError, match="item 'w' at 0 \\(16 bytes\\) .* does not fit the 8-byte ring"):
+        decode_items(msg, capacity=8)
 
 
 def test_size_limit_applies_before_anything_is_unpacked():

@@ -4,6 +4,7 @@ import io
 import pickle
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 
 import crc32c
 import msgpack
@@ -12,12 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptd
+from ckptd.control.protocol import PROTOCOL_VERSION, Codec, MsgType, Written
 from ckptd.errors import CorruptCheckpointError
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR, build_metadata, read_index, records_from_index, write_metadata
 from ckptd.format.items import PlannedItem, plan_object, write_data_file
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
 from ckptd.mapping import ShardedObject
 from tests.checkpoints import make_checkpoint
+from tests.messages import a_written
 
 
 def _items() -> list[PlannedItem]:
@@ -93,11 +96,23 @@ def test_record_wire_format_keeps_crc_and_reads_old_records():
         length=100,
         crc=0xDEADBEEF,
     )
-    wire = msgpack.unpackb(msgpack.packb(rec.to_wire()))
-    assert ItemRecord.from_wire(wire) == rec
-    old = {k: v for k, v in rec.to_wire().items() if k != "crc"}  # a record from before checksums
-    assert ItemRecord.from_wire(old).crc is None
-    assert ItemRecord.from_wire(rec.stored_at("f", 1, 2).to_wire()).crc is None
+    codec = Codec("job")
+
+    def through_the_wire(*records: object) -> list[ItemRecord]:
+        body = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": int(MsgType.WRITTEN), "job": "job", "f": asdict(a_written(rank=3))},
+            use_bin_type=True,
+        )
+        envelope = msgpack.unpackb(body)
+        envelope["f"]["records"] = list(records)
+        msg = codec.decode([msgpack.packb(envelope, use_bin_type=True)])
+        assert isinstance(msg, Written)
+        return msg.records
+
+    assert codec.decode(codec.encode(a_written(rank=3, records=[rec]))) == a_written(rank=3, records=[rec])
+    old = {k: v for k, v in asdict(rec).items() if k != "crc"}  # a record from before checksums
+    assert through_the_wire(old) == [replace(rec, crc=None)]
+    assert through_the_wire(asdict(rec.stored_at("f", 1, 2)))[0].crc is None
 
 
 def test_checksums_land_in_metadata_and_index(tmp_path):

@@ -36,9 +36,9 @@ def _name(_attempt: str, rank: int) -> str:
     return data_file_name(rank)
 
 
-def record(rank: int, *, fqn: str = "", path: str = "", offset: int = 0, length: int = 4) -> dict:
+def record(rank: int, *, fqn: str = "", path: str = "", offset: int = 0, length: int = 4) -> ItemRecord:
     rec = ItemRecord(fqn=fqn or f"x{rank}", kind=BYTES, rank=rank, relative_path=path or _name(A, rank))
-    return rec.stored_at(rec.relative_path, offset, length).to_wire()
+    return rec.stored_at(rec.relative_path, offset, length)
 
 
 def written(step: int, rank: int, *, attempt: str = A, world: int = 2, **kw: object) -> Written:
@@ -220,7 +220,7 @@ def test_a_restarted_coordinator_answers_a_report_of_its_predecessors_commit_wit
         (written(3, 1, records=[record(0)]), "rank 1 sent records of rank 0"),
         (written(3, 1, records=[record(1, path="elsewhere")]), "not in its data file __1_0.distcp"),
         (written(3, 1, file_nbytes=2), "has 2 bytes, but its records address 4"),
-        (written(3, 1, records=[{"fqn": "x"}]), "malformed item record"),
+        (written(3, 1, records=[ItemRecord(fqn="x", kind="blob", rank=1)]), "malformed item record"),
         (failed(3, 1), "rank 1 (node 1): the disk is full"),
     ],
     ids=["world size", "rank", "other rank's records", "other file", "short file", "malformed", "FAILED"],

@@ -90,7 +90,7 @@ def test_a_finished_write_frees_the_block_then_reports_written_with_its_stored_r
     actions = node.handle(Ended(job=j, result=result))
     assert actions[0] == TellRank(job=j, result=result)
     msg = report(actions)
-    assert isinstance(msg, Written) and msg.records == [RECORD.to_wire()] and msg.file_nbytes == 4096
+    assert isinstance(msg, Written) and msg.records == [RECORD] and msg.file_nbytes == 4096
     assert (msg.step, msg.attempt, msg.rank, msg.world_size, msg.common_digest) == (3, A, 1, 2, "d")
     assert node.handle(Tick()) == [] and not node.state.unfinished
 
