@@ -9,12 +9,12 @@
 #
 # Run from the repository root with the python that has torch (PYTHON, default python3). ckptd
 # runs from the checkout (PYTHONPATH), nothing is installed into the system. A GPU machine may
-# lack ckptd's other dependencies (pyzmq, crc32c; megatron-core for one test): WHEELS_DIR holds
+# lack ckptd's other dependencies (pyzmq, crc32c, msgspec; megatron-core for one test): WHEELS_DIR holds
 # their wheels for that python, installed with --no-index into a private directory; made on a
 # machine with network, e.g. for Python 3.12 on x86-64:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d WHEELS_DIR pyzmq crc32c megatron-core==0.16.1
+#     -d WHEELS_DIR pyzmq crc32c msgspec megatron-core==0.16.1
 # Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
 # benchmark, the test log) go to $OUT when set, else to a temporary directory.
 # Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 2 --dir /dev/shm --modes none,dcp_best,
@@ -43,7 +43,7 @@ fi
 missing() {  # the modules ckptd, its tests and the benchmark need that this python cannot import
     "$PY" - <<'EOF'
 import importlib.util
-need = ["zmq", "msgpack", "psutil", "tqdm", "crc32c", "prometheus_client", "numpy", "pytest", "pytest_timeout"]
+need = ["zmq", "msgpack", "msgspec", "psutil", "tqdm", "crc32c", "prometheus_client", "numpy", "pytest", "pytest_timeout"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 EOF
 }
@@ -63,7 +63,7 @@ elif [ -n "$WHEELS" ]; then  # nothing missing; megatron-core may still come fro
 fi
 if [ -n "$MISSING" ]; then
     echo "gpu_check: $PY cannot import: $MISSING. Pass a directory of their wheels for this python" \
-         "(python package names: pyzmq for zmq, crc32c, prometheus-client, pytest-timeout...; see the" \
+         "(python package names: pyzmq for zmq, crc32c, msgspec, prometheus-client, pytest-timeout...; see the" \
          "header of tools/gpu_check.sh for the pip download command)" >&2
     exit 2
 fi
