@@ -43,8 +43,12 @@ def test_a_mirrored_root_resumes_from_the_store_on_a_replaced_node(s3_bucket, ru
                 ckpt.save(_sd(w, step), step=step).wait(timeout_s=120)
                 w.add_(1.0)
             ckpt.wait_mirrored(30, timeout_s=120)
-            status = ckpt.status()["mirror"]
-            assert status["mirrored_step"] == 30 and status["error"] is None, status
+            # The daemon's status names the copy once its upload returned, a moment after the
+            # commit object that wait_mirrored() polls for appeared in the store.
+            status = wait_until(
+                lambda: (s := ckpt.status()["mirror"])["mirrored_step"] == 30 and s, 30, "the status to name step 30"
+            )
+            assert status["error"] is None, status
             assert ckpt.latest() == 30
             env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
             cli = [sys.executable, "-m", "ckptd.cli", "status", str(local)]
