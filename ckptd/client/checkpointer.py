@@ -493,7 +493,7 @@ class Checkpointer:
         """Fail every pending save and drop the ring: nobody owns it any more."""
         self._link.close_socket()
         self._pending.daemon_lost(reason)
-        self._ring.quiesce()
+        self._ring.quiesce(daemon_gone=True)
         self._ring.drop(unlink=True)
 
     def _register_again(self, refusal: RequestNotTaken) -> None:

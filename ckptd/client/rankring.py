@@ -165,12 +165,16 @@ class RankRing:
         if self.lazy is not None:
             self.lazy.fence(deadline)
 
-    def quiesce(self) -> None:
+    def quiesce(self, *, daemon_gone: bool = False) -> None:
         """Return once the lazy copier and the device snapshots no longer write into the ring
-        (about to be unmapped), each waited for up to ``snapshot_timeout_s``."""
+        (about to be unmapped), each waited for up to ``snapshot_timeout_s``. ``daemon_gone``: no
+        daemon drains the ring any more, so a device snapshot waiting for ring space gives up at
+        once (its save has failed anyway) instead of waiting out that bound."""
         if self.lazy is not None:
             self.lazy.wait_all()
         for producer in self.device_snapshots:
+            if daemon_gone:
+                producer.stop()
             producer.join(self.config.snapshot_timeout_s)
 
     def drop(self, *, unlink: bool) -> None:

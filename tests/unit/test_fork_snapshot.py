@@ -22,11 +22,12 @@ from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
 from ckptd.staging.children import SnapshotChildren
 from ckptd.staging.devcopy import InlineProducer
+from ckptd.staging.devsnap import DeviceSnapshotProducer
 from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap
 from ckptd.staging.lazy import LazyCopier
 from ckptd.staging.producer import Claim, Producer, start_block
 from ckptd.staging.rankside import StagingRing, bytes_view, place
-from ckptd.staging.ring import SEAL_NBYTES, block_offset, span
+from ckptd.staging.ring import ABANDONED, SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
 
 
@@ -331,3 +332,47 @@ def test_an_inline_save_copies_what_fits_before_the_save_is_sent_and_the_rest_af
     drain.join()
     got = bytes_view(dring.view(start + placements[1].offset, placements[1].nbytes), torch.float32, later.shape)
     assert torch.equal(got, later)
+
+
+@pytest.mark.timeout(60)
+def test_a_device_snapshot_is_taken_at_save_and_written_by_its_thread(rings):
+    # The device snapshot's producer (ckptd.staging.devsnap) on host tensors, which need no GPU:
+    # the copy is taken when the producer is made (in save()), its thread writes it into the ring
+    # after the acknowledgement and seals it, so training may overwrite the tensors at once.
+    ring, dring = rings
+    tensors = [torch.randn(1000), torch.randn(256, 1024)]
+    expected = [t.clone() for t in tensors]
+    items = _items(tensors, b"pickled object bytes")
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    producer = DeviceSnapshotProducer(ring, claim, pin_timeout_s=30)
+    for t in tensors:
+        t.fill_(float("nan"))  # training goes on before the thread even started
+    snap = producer.snapshot
+    assert producer.after_ack() == 0.0
+    assert producer.join(30) and not producer.running
+    SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset).wait(dring, timeout_s=30)
+    for p, ref in zip(placements, expected):
+        assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_device_snapshot_waiting_for_ring_space_gives_up_and_marks_its_save(rings):
+    # The daemon is gone (or the Checkpointer closes): a device snapshot whose thread waits for
+    # ring space the daemon will never free gives up when stopped, marks its save as given up
+    # (the daemon, were it there, fails the save) and its thread ends: nothing then writes into
+    # the ring about to be unmapped.
+    ring, dring = rings
+    big = torch.randn(3 << 20)  # 12 MiB: more than the 8 MiB ring holds at once
+    items = _items([big], b"x")
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    producer = DeviceSnapshotProducer(ring, claim, pin_timeout_s=30)
+    producer.after_ack()
+    time.sleep(0.2)
+    assert producer.running  # waiting for the daemon to consume what it wrote
+    producer.stop()
+    assert producer.join(10)
+    assert dring.progress(block) == ABANDONED
