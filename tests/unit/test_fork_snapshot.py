@@ -256,10 +256,12 @@ def test_forks_while_threads_create_thread_states_all_start():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["fork", "lazy", "inline"])
+@pytest.mark.parametrize("kind", ["fork", "lazy", "inline", "device"])
 def test_every_producer_kind_produces_and_seals_the_claimed_save(rings, kind):
-    # The three producers behind one type: started on a claim, told that the daemon took the save
+    # The producers behind one type: started on a claim, told that the daemon took the save
     # (after_ack), each leaves the values of save() time in the ring and the seal the SAVE announced.
+    # A device snapshot (ckptd.staging.devsnap; on host tensors it needs no GPU) is taken when its
+    # producer is made, so training may overwrite the tensors before its thread even started.
     ring, dring = rings
     tensors = [torch.randn(1000), torch.randn(256, 1024)]
     expected = [t.clone() for t in tensors]
@@ -274,8 +276,12 @@ def test_every_producer_kind_produces_and_seals_the_claimed_save(rings, kind):
         assert waited_s >= 0
     elif kind == "lazy":
         producer = copier.start(ring, claim)
-    else:
+    elif kind == "inline":
         producer = InlineProducer(ring, claim, pin_timeout_s=30)
+    else:
+        producer = DeviceSnapshotProducer(ring, claim, pin_timeout_s=30)
+        for t in tensors:
+            t.fill_(float("nan"))  # training goes on before the producer's thread started
     assert producer is not None
     snap = producer.snapshot
     assert producer.after_ack() >= 0
@@ -286,6 +292,8 @@ def test_every_producer_kind_produces_and_seals_the_claimed_save(rings, kind):
     wait.wait(dring, timeout_s=30)
     for p, ref in zip(placements, expected):
         assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
+    if isinstance(producer, DeviceSnapshotProducer):
+        assert producer.join(30) and not producer.running
     children.close(time.monotonic() + 30)
     assert len(children) == 0 and copier.stop(time.monotonic() + 5)
 
@@ -332,29 +340,6 @@ def test_an_inline_save_copies_what_fits_before_the_save_is_sent_and_the_rest_af
     drain.join()
     got = bytes_view(dring.view(start + placements[1].offset, placements[1].nbytes), torch.float32, later.shape)
     assert torch.equal(got, later)
-
-
-@pytest.mark.timeout(60)
-def test_a_device_snapshot_is_taken_at_save_and_written_by_its_thread(rings):
-    # The device snapshot's producer (ckptd.staging.devsnap) on host tensors, which need no GPU:
-    # the copy is taken when the producer is made (in save()), its thread writes it into the ring
-    # after the acknowledgement and seals it, so training may overwrite the tensors at once.
-    ring, dring = rings
-    tensors = [torch.randn(1000), torch.randn(256, 1024)]
-    expected = [t.clone() for t in tensors]
-    items = _items(tensors, b"pickled object bytes")
-    placements, _ = place(items)
-    block, start = ring.claim(placements)
-    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
-    producer = DeviceSnapshotProducer(ring, claim, pin_timeout_s=30)
-    for t in tensors:
-        t.fill_(float("nan"))  # training goes on before the thread even started
-    snap = producer.snapshot
-    assert producer.after_ack() == 0.0
-    assert producer.join(30) and not producer.running
-    SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset).wait(dring, timeout_s=30)
-    for p, ref in zip(placements, expected):
-        assert torch.equal(bytes_view(dring.view(start + p.offset, p.nbytes), torch.float32, ref.shape), ref)
 
 
 @pytest.mark.timeout(60)
