@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import math
 import mmap
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..errors import SharedMemoryFullError
+
+log = logging.getLogger(__name__)
 
 HEADER_NBYTES = 4096
 CONSUMED_AT = 0
@@ -195,11 +199,26 @@ class RingMap:
         return bytes(self.header[at : at + SEAL_NBYTES])
 
     def close(self) -> None:
-        """Unmap (views handed out must be released first)."""
-        self.data = None  # type: ignore[assignment]
-        if self.address:
-            _libc().munmap(ctypes.c_void_p(self.address), ctypes.c_size_t(2 * self.capacity))
+        """Unmap the data region once no view of it is held any more: at once, or, when a view
+        handed out is still held, when the last one is released.
+
+        Every view refers to :attr:`data` (through the buffer it was exported from), so the region
+        is unmapped by a finalizer of that object. An object-store client may hold a part it was
+        lent past its request's timeout, after the write that lent it failed and its ring was
+        released: unmapping under it would crash the daemon, so the mapping outlives the ring
+        until the client lets go (until the daemon exits at the latest).
+        """
+        data, self.data = self.data, None  # type: ignore[assignment]
+        if data is not None:
+            unmapped = weakref.finalize(data, _unmap, self.address, 2 * self.capacity)
             self.address = 0
+            del data  # the last reference, unless a view is held
+            if unmapped.alive:
+                log.warning(
+                    "a staging ring of %d bytes stays mapped until its last view is released (an upload "
+                    "still holds a part of it)",
+                    self.capacity,
+                )
         self.header.close()
 
 
@@ -209,6 +228,10 @@ def _libc() -> Any:
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
+
+
+def _unmap(address: int, nbytes: int) -> None:
+    _libc().munmap(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
 def _double_map(fd: int, capacity: int) -> int:

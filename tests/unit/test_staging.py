@@ -25,7 +25,7 @@ from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.staging.devcopy import copy_inline
 from ckptd.staging.producer import start_block
 from ckptd.staging.rankside import ALIGN_NBYTES, StagingRing, place
-from ckptd.staging.ring import ABANDONED, NO_ROOM, RingFull, block_offset, give_up_mark
+from ckptd.staging.ring import ABANDONED, HEADER_NBYTES, NO_ROOM, RingFull, RingMap, block_offset, give_up_mark
 from ckptd.staging.segment import SHM_DIR, ShmSegment, list_segments, unlink_segments
 from ckptd.statedict.split import split_state_dict
 
@@ -181,3 +181,34 @@ def test_every_producer_gives_up_with_the_mark_its_failure_calls_for():
     assert give_up_mark(RingFull("no room")) == ABANDONED
     assert give_up_mark(StagingError("copy failed")) == ABANDONED
     assert give_up_mark(None) == ABANDONED
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) == address for line in f)
+
+
+def test_a_closed_ring_map_stays_mapped_while_a_view_of_it_is_held(tmp_path):
+    """An upload may hold a part lent from the ring past its request's timeout, after the ring was
+    released: the data region is unmapped only once the last view is let go (unmapping under a held
+    view crashed the daemon when the client touched it)."""
+    capacity = 1 << 16
+    with open(tmp_path / "ring", "wb+") as f:
+        f.truncate(HEADER_NBYTES + capacity)
+        ring = RingMap(f.fileno(), capacity)
+    address = ring.address
+    held = ring.view(capacity - 4, 8)[2:]  # a slice of a view that wraps around, as a client keeps it
+    held[:] = b"abcdef"
+    ring.close()
+    assert _mapped(address)
+    assert bytes(held) == b"abcdef"
+    del held
+    assert not _mapped(address)
+
+    fd = os.open(tmp_path / "ring", os.O_RDWR)
+    unheld = RingMap(fd, capacity)
+    os.close(fd)
+    address = unheld.address
+    unheld.view(0, 8)
+    unheld.close()
+    assert not _mapped(address)
