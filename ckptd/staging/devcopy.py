@@ -299,14 +299,23 @@ def copy_inline(
     ``stop()`` true: a wait for ring space gives up (closing)."""
     timeout_s = ring.writer.timeout_s if pin_timeout_s is None else pin_timeout_s
     copier = DeviceCopier(ring, block, timeout_s, ready=ready, stop=stop)
+    return _produce_and_seal(copier, start, items, placements, seal)
+
+
+def _produce_and_seal(
+    copier: DeviceCopier, start: int, items: list[PlannedItem], placements: list[Placement], seal: bytes, first: int = 0
+) -> float:
+    """Issue the items from ``first`` on, wait until every copy landed and seal; on failure mark
+    the save never to be sealed and raise. The seconds spent waiting for ring space or pinning."""
+    writer = copier.ring.writer
     try:
-        copier.produce(start, items, placements)
+        copier.produce(start, items, placements, first=first)
         copier.finish()
     except BaseException as exc:
         copier.abort()
-        ring.writer.publish(block, give_up_mark(exc))
+        writer.publish(copier.block, give_up_mark(exc))
         raise
-    ring.writer.seal(block, seal)
+    writer.seal(copier.block, seal)
     return copier.waited_s
 
 
@@ -334,15 +343,7 @@ class InlineProducer:
 
     def after_ack(self) -> float:
         c = self.claim
-        try:
-            self._copier.produce(c.start, c.items, c.placements, first=self._issued)
-            self._copier.finish()
-        except BaseException as exc:
-            self._copier.abort()
-            self.ring.writer.publish(self.claim.block, give_up_mark(exc))
-            raise
-        self.ring.writer.seal(self.claim.block, self.snapshot.seal)
-        return self._copier.waited_s
+        return _produce_and_seal(self._copier, c.start, c.items, c.placements, self.snapshot.seal, first=self._issued)
 
     def cancel(self) -> None:
         """Wait for the copies issued: the caller gives the range back."""

@@ -181,7 +181,7 @@ class DeviceSnapshotProducer:
                 stop=self._stop.is_set,
             )
         except Exception as exc:  # noqa: BLE001 - the block is marked given up: the daemon fails the save
-            self.ring.writer.publish(c.block, give_up_mark(exc))
+            self.ring.writer.publish(c.block, give_up_mark(exc))  # copy_inline did, but not set_device
             log.warning(
                 "rank %d: writing the device snapshot of step %d into the staging ring failed: %s: %s",
                 self.ring.rank,
