@@ -196,6 +196,7 @@ class PlayedNodes:
         keys = derive_keys(token.encode())
         self.links: list[Channel] = []
         self.poller = zmq.Poller()
+        self.instance = ""  # the coordinator's, which every WRITTEN is addressed to (from its PONG)
         for node in range(nodes):
             sock = make_socket(
                 self.ctx, zmq.DEALER, self.codec, keys, server=False, identity=f"node{node}-bench{os.getpid()}".encode()
@@ -205,14 +206,15 @@ class PlayedNodes:
             self.poller.register(sock, zmq.POLLIN)
 
     def handshake(self, timeout_s: float) -> int:
-        """PING on every connection until each has its PONG; the coordinator's pid."""
+        """PING on every connection until each has its PONG; the coordinator's pid (and its
+        instance in :attr:`instance`)."""
         pending = set(range(len(self.links)))
         for link in self.links:
             link.send(Ping(nonce=0))
         pid = 0
         for i, msg in self._replies(pending, timeout_s, "PONG"):
             if isinstance(msg, Pong):
-                pid = msg.pid
+                pid, self.instance = msg.pid, msg.instance
                 pending.discard(i)
         return pid
 
@@ -300,6 +302,7 @@ def measure(ranks: int, ranks_per_node: int, items_per_rank: int, commits: int, 
                         common=common if rank == 0 else None,
                         common_digest="",
                         file_nbytes=file_nbytes[rank],
+                        coordinator_instance=played.instance,
                     ),
                 )
             t_last = time.perf_counter()

@@ -24,7 +24,9 @@ Order of calls for one save of step ``s`` (who sends each message):
    (one save per ring at a time, in order, freeing ring space behind it), fsyncs it, then daemon ->
    rank ``WRITE_DONE`` and daemon -> coordinator ``WRITTEN`` (stored records and the file's size,
    the keys the rank holds without storing them, its plain-key digest; rank 0 adds the common
-   state). A failed write sends ``FAILED`` instead.
+   state). A failed write sends ``FAILED`` instead. Both are addressed to the coordinator
+   instance the node's last ``PONG`` named (none goes out before a first ``PONG``); a coordinator
+   drops a report addressed to another instance (its predecessor's, sent as it restarted).
 5. coordinator, once every rank of the world wrote that attempt: keeps one copy of each plain
    item several ranks wrote, checks that every key some rank holds is stored and validates
    coverage, writes the metadata files, checks every data file's size, renames
@@ -70,9 +72,9 @@ from ..errors import ProtocolError, StagingError
 from ..format.records import BYTES, TENSOR, ItemRecord, check_dtype_name
 from .attempt import check_attempt, check_step
 
-# 11: SAVE items and WRITTEN records decoded by msgspec into typed records (the wire layout is
-# that of 10, but a peer of 10 does not check what 11 checks).
-PROTOCOL_VERSION = 11
+# 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
+# would count a report meant for its predecessor).
+PROTOCOL_VERSION = 12
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -298,7 +300,8 @@ class StepAborted(Message):
 class Written(Message):
     """daemon -> coordinator: rank's data file is durable; ``records`` are its stored items,
     ``file_nbytes`` the size of the data file as written (the coordinator checks it before the
-    commit); ``plain_digest`` and ``held`` are the SAVE's."""
+    commit); ``plain_digest`` and ``held`` are the SAVE's. ``coordinator_instance``: the
+    coordinator this report is addressed to (see :class:`Failed`)."""
 
     TYPE: ClassVar[MsgType] = MsgType.WRITTEN
     step: int
@@ -312,12 +315,19 @@ class Written(Message):
     file_nbytes: int
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
+    coordinator_instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Failed(Message):
     """daemon -> coordinator: ``rank`` (-1: the node itself) will not write this attempt.
-    ``skipped``: the rank skipped the step by policy (a :class:`Skip` with ``skipped``)."""
+    ``skipped``: the rank skipped the step by policy (a :class:`Skip` with ``skipped``).
+
+    ``coordinator_instance``: the coordinator instance the node daemon last heard from (its
+    ``PONG``), set by the node's link when it sends the report (ckptd.daemon.uplinkstate; the
+    node sends no report before a coordinator answered). A coordinator refuses a report
+    addressed to another instance: one sent to its predecessor may reach it after a restart,
+    while the node, learning of the restart, aborts that attempt."""
 
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
@@ -327,6 +337,7 @@ class Failed(Message):
     node: int
     reason: str
     skipped: bool = False
+    coordinator_instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,12 @@ Each attempt of a step (ckptd.control.attempt)::
         |                                              |
         +--(FAILED / SKIP / bad records / timeout)-----+--(commit error)-----> ABORTED
 
+Only reports addressed to this coordinator instance count (``coordinator_instance``: the node
+learnt it from a ``PONG``); one addressed to another instance is dropped and counted
+(:attr:`CommitState.misaddressed`): it was sent to a predecessor that is gone, and its node takes
+its attempt for lost (ckptd.daemon.uplinkstate), so counting it here could commit an attempt that
+node's ranks were told aborted.
+
 COMMITTED and ABORTED are announced to every node known and to the attempt's reporters
 (``STEP_COMMITTED`` / ``STEP_ABORTED``); an aborted attempt's files are removed. A report about a
 finished attempt (a late FAILED, a duplicate) is answered with that outcome again and its files,
@@ -169,22 +175,26 @@ class AttemptState:
 
 
 class CommitState:
-    """The attempts of one job's coordinator. Order of use: construct (with the attempts the
-    root's recovery adopted), then for each report ask :meth:`remembers_commit` and
-    :meth:`may_start`, build the facts, and
-    :meth:`handle` it; :meth:`handle` every finished commit and a :class:`Tick` now and then."""
+    """The attempts of one job's coordinator. Order of use: construct (with this coordinator's
+    instance and the attempts the root's recovery adopted), then for each report addressed here
+    (:meth:`addressed_here`; :meth:`handle` drops others) ask :meth:`remembers_commit` and
+    :meth:`may_start`, build the facts, and :meth:`handle` it; :meth:`handle` every finished
+    commit and a :class:`Tick` now and then."""
 
     def __init__(
         self,
         config: CkptdConfig,
         data_file_name: Callable[[str, int], str],
         *,
+        instance: str,
         adopted: list[Key] | None = None,
         now: float,
     ) -> None:
         self.config = config
         self.data_file_name = data_file_name  # the root's naming of a rank's data file (pure)
+        self.instance = instance  # this coordinator's (its daemon's), as its PONGs name it
         self.duplicates = 0  # repeated WRITTENs ignored (identical to the one counted)
+        self.misaddressed = 0  # reports addressed to another coordinator instance, dropped
         self.nodes: dict[bytes, int] = {}
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
@@ -198,6 +208,11 @@ class CommitState:
     def busy(self) -> bool:
         """Attempts are in flight (adopted leftovers nobody reported on do not count)."""
         return any(not st.adopted or st.reporters for st in self.attempts.values())
+
+    def addressed_here(self, msg: Written | Failed) -> bool:
+        """Whether report ``msg`` is addressed to this coordinator instance (else :meth:`handle`
+        drops it, and the root need not be asked anything)."""
+        return msg.coordinator_instance == self.instance
 
     def remembers_commit(self, key: Key) -> bool:
         """A report of ``key`` needs ``RootFacts.holds_commit``: its commit is remembered."""
@@ -216,6 +231,8 @@ class CommitState:
         self._out = []
         if isinstance(event, NodeSeen):
             self.nodes.setdefault(event.identity, -1)
+        elif isinstance(event, ReportIn) and not self.addressed_here(event.msg):
+            self._drop_misaddressed(event.msg)
         elif isinstance(event, ReportIn):
             self.nodes[event.identity] = event.msg.node
             if isinstance(event.msg, Written):
@@ -230,6 +247,20 @@ class CommitState:
         return out
 
     # --- reports -----------------------------------------------------------------------------
+    def _drop_misaddressed(self, msg: Written | Failed) -> None:
+        self.misaddressed += 1
+        log.info(
+            "step %d attempt %s: dropped the %s of rank %d (node %d) addressed to coordinator instance "
+            "%r, not to this one (%s): sent to a predecessor before its node learnt of the restart",
+            msg.step,
+            msg.attempt,
+            msg.TYPE.name,
+            msg.rank,
+            msg.node,
+            msg.coordinator_instance[:64],
+            self.instance,
+        )
+
     def _finished_reply(self, identity: bytes, key: Key, facts: RootFacts) -> bool:
         """Answer a report about a finished attempt with its outcome; False if it is not finished."""
         outcome = self.finished.get(key)

@@ -77,7 +77,7 @@ class Coordinator:
         sock.bind(bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.channel = Channel(sock, codec, "coordinator")
-        self.state = CommitState(config, store.data_file_name, adopted=adopt, now=time.monotonic())
+        self.state = CommitState(config, store.data_file_name, instance=instance, adopted=adopt, now=time.monotonic())
         # reports waiting for the root's answer to the first of them, by attempt
         self.asking: dict[Key, list[tuple[bytes, Written | Failed]]] = {}
         log.info("coordinator of %s listening on %s", store.display(), self.address)
@@ -104,6 +104,8 @@ class Coordinator:
 
     def _question(self, msg: Written | Failed) -> Question | None:
         """What the root must be asked before the state machine decides on ``msg`` (None: nothing)."""
+        if not self.state.addressed_here(msg):
+            return None  # dropped by the state machine
         key = (msg.step, msg.attempt)
         remembered = self.state.remembers_commit(key)
         question = Question(
@@ -200,7 +202,12 @@ class Coordinator:
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the coordinator's port, by kind."""
-        return {"malformed": self.channel.rejected, "duplicate": self.state.duplicates, **self.watch.counts()}
+        return {
+            "malformed": self.channel.rejected,
+            "duplicate": self.state.duplicates,
+            "misaddressed": self.state.misaddressed,
+            **self.watch.counts(),
+        }
 
     def status(self) -> dict[str, Any]:
         rejected = self.rejected()

@@ -148,8 +148,8 @@ _INTERNAL_ERRORS = (
 _REJECTED = (
     "ckptd_rejected_messages",
     "messages and connections rejected on the ranks' socket and the coordinator's port "
-    "(malformed, oversized, duplicate, unauthenticated handshakes, dropped before "
-    "authenticating)",
+    "(malformed, oversized, duplicate, reports addressed to another coordinator instance, "
+    "unauthenticated handshakes, dropped before authenticating)",
 )
 
 

@@ -10,7 +10,8 @@ hands verdicts to ``deliver``. Order of one attempt, as this node sees it:
 1. a rank's SAVE is taken: :meth:`CoordinatorLink.expect` records the rank to notify (unless the
    attempt was decided already: another rank skipped or failed it first; :meth:`verdict` then
    tells the outcome, which the rank gets right after its SAVE_ACK, and its write is skipped);
-2. its write finished: :meth:`CoordinatorLink.report` sends ``WRITTEN`` (or ``FAILED``);
+2. its write finished: :meth:`CoordinatorLink.report` sends ``WRITTEN`` (or ``FAILED``), addressed
+   to the coordinator instance that last answered a ping (none before one answered);
 3. ``STEP_COMMITTED`` / ``STEP_ABORTED`` arrives (:meth:`on_readable`): the step resolves and
    ``deliver`` tells its ranks. If the coordinator is lost first, the root is asked on the
    asking thread whether the attempt committed (``RootStore.holds_commit``; its answer comes back
@@ -34,7 +35,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
-from ..control.protocol import Codec, ErrorReply, Message, Pong, StepAborted, StepCommitted
+from ..control.protocol import Codec, ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
 from ..roots.base import RootStore
 from . import uplinkstate as us
 from .uplinkstate import StepKey, UplinkState
@@ -100,8 +101,9 @@ class CoordinatorLink:
         """Whether attempt ``key`` is still undecided here with rank ``identity`` in it."""
         return self.state.expects(key, identity)
 
-    def report(self, msg: Message, key: StepKey) -> None:
-        """Send a WRITTEN/FAILED of attempt ``key`` now, or as soon as the coordinator is reachable."""
+    def report(self, msg: Written | Failed, key: StepKey) -> None:
+        """Send a WRITTEN/FAILED of attempt ``key`` now, or as soon as the coordinator is reachable
+        (addressed to the coordinator instance answering then)."""
         self._handle(us.Report(key=key, msg=msg))
 
     def abort_pending(self, reason: str) -> None:
@@ -137,9 +139,8 @@ class CoordinatorLink:
         for action in self.state.handle(event, now):
             if isinstance(action, us.Send):
                 ok = self.channel.send(action.msg, block=False)
-                if action.key is not None:
-                    # Feeding back a send's result only updates the table: it never sends.
-                    self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok, resend=action.resend), now)
+                # Feeding back a send's result only updates the table: it never sends.
+                self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok), now)
             elif isinstance(action, us.AskRoot):
                 step, attempt = action.key
                 self.workers.check(step, attempt, functools.partial(self.store.holds_commit, step, attempt))

@@ -13,15 +13,25 @@ the outcome; nothing to do when the attempt was decided already, see :meth:`Upli
 :class:`Report` (its write finished), :class:`Verdict` (``STEP_COMMITTED`` / ``STEP_ABORTED``:
 the ranks are told, the reports acknowledged).
 
+Every report goes out addressed to the coordinator instance the last :class:`Pong` named (its
+``coordinator_instance``), and none before a coordinator answered: a coordinator drops a report
+addressed to another instance. So a report sent to an instance that is gone can never be counted
+by its successor, also when it reaches the successor before this node learns of the restart (the
+node then takes it for lost, below, and the successor, never having counted it, cannot commit the
+attempt). A resend is addressed anew, to the instance answering then (the same one: an attempt
+whose reports went to a lost instance is never resent).
+
 The one resend timer, on every :class:`Tick`: reports not sent yet are retried; a step still
 without a verdict ``commit_timeout_s + coordinator_timeout_s`` after its first report (the
 coordinator decides every attempt within ``commit_timeout_s`` of its first report, plus the
 commit) resends its reports, and again every ``coordinator_timeout_s`` (a verdict lost while the
-coordinator stays reachable); local aborts are retried until sent, for ``commit_timeout_s``. A
-``PING`` goes out every heartbeat. When the coordinator answers (:class:`Pong`) after a silence
-long enough for the connection to have been replaced (ckptd.control.channel.replace_dead_links
-loses what was in it), every unacknowledged report is sent again; the coordinator counts a report
-once and answers one about a decided attempt with its outcome.
+coordinator stays reachable); local aborts are retried until sent to the instance answering, for
+``commit_timeout_s``. A ``PING`` goes out every heartbeat, and at the next tick when the socket
+refused it (no connection yet: the first reports wait for the first answer). When the coordinator
+answers (:class:`Pong`) after a silence long enough for the connection to have been replaced
+(ckptd.control.channel.replace_dead_links loses what was in it), every unacknowledged report is
+sent again; the coordinator counts a report once and answers one about a decided attempt with its
+outcome.
 
 Liveness: a new coordinator instance (it restarted), or silence longer than
 ``coordinator_timeout_s`` while reports wait, means the coordinator was lost with those steps
@@ -32,21 +42,22 @@ shell runs ``RootStore.holds_commit`` off the loop). Committed: the ranks are to
 ``STEP_COMMITTED``, with a warning that the coordinator was lost after the commit. Not committed
 now (or no answer within ``coordinator_timeout_s``): the step aborts locally with the reason, and
 such local aborts are reported (``FAILED`` of rank -1) once a coordinator is reachable, so it
-learns the outcome and removes the attempt's files. The answer is "committed now": a coordinator
-still alive behind a partition may commit later, which the abort's reason says
-(``Checkpointer.latest()`` tells). A shutdown of the node daemon itself (:class:`AbortAll`) aborts
-at once, without asking.
+learns the outcome and removes the attempt's files; within ``commit_timeout_s``, a coordinator
+instance that answers later is told too (the abort may have gone to its predecessor). The answer
+is "committed now": a coordinator still alive behind a partition may commit later, which the
+abort's reason says (``Checkpointer.latest()`` tells). A shutdown of the node daemon itself
+(:class:`AbortAll`) aborts at once, without asking.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CkptdConfig
-from ..control.protocol import Failed, Message, Ping, StepAborted, StepCommitted
+from ..control.protocol import Failed, Message, Ping, StepAborted, StepCommitted, Written
 from ..format.rootlayout import step_dir_name
 
 log = logging.getLogger(__name__)
@@ -66,20 +77,20 @@ class Expect:
 
 @dataclass(frozen=True, kw_only=True)
 class Report:
-    """A WRITTEN/FAILED of attempt ``key``, to send now or as soon as the coordinator is reachable."""
+    """A WRITTEN/FAILED of attempt ``key``, to send now or as soon as the coordinator is reachable
+    (its ``coordinator_instance`` is set when it is sent)."""
 
     key: StepKey
-    msg: Message
+    msg: Written | Failed
 
 
 @dataclass(frozen=True, kw_only=True)
 class Sent:
-    """Whether a :class:`Send` of attempt ``key`` went out (fed back by the shell)."""
+    """Whether a :class:`Send` went out (fed back by the shell for every one)."""
 
-    key: StepKey
+    key: StepKey | None
     msg: Message
     ok: bool
-    resend: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,12 +137,11 @@ Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Tick
 # --- actions -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Send:
-    """Send ``msg`` to the coordinator without blocking; for a ``key``, feed back :class:`Sent`
-    (with ``resend``: a report sent again, which does not change the instance it went to)."""
+    """Send ``msg`` to the coordinator without blocking (a report of attempt ``key``, addressed
+    to an instance, or a ping); feed back :class:`Sent`."""
 
     msg: Message
     key: StepKey | None = None
-    resend: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,13 +180,15 @@ class Unacked:
 
     open: bool = True  # undecided here: ranks to tell, reports awaiting a verdict
     notify: set[bytes] = field(default_factory=set)  # rank identities to tell the outcome
-    reports: list[Message] = field(default_factory=list)  # WRITTEN/FAILED sent, resent when overdue
-    unsent: list[Message] = field(default_factory=list)  # could not be sent yet: retried every tick
-    sent_to: str | None = None  # coordinator instance known when a report went out
+    # WRITTEN/FAILED as reported, unaddressed (each send addresses a copy)
+    reports: list[Written | Failed] = field(default_factory=list)  # sent, resent when overdue
+    unsent: list[Written | Failed] = field(default_factory=list)  # not sent yet: retried every tick
+    sent_to: str | None = None  # the coordinator instance the first report that went out was addressed to
     waiting_since: float | None = None  # when the first report went upstream
     resend_at: float | None = None  # the resend timer: reports resent at this time for want of a verdict
-    late: Failed | None = None  # a local abort the coordinator has not learnt yet
-    late_until: float | None = None  # given up then (the coordinator's commit timeout ended it anyway)
+    late: Failed | None = None  # a local abort to tell the coordinator (unaddressed)
+    late_until: float | None = None  # told until then (the coordinator's commit timeout ended it anyway)
+    late_sent_to: str | None = None  # the instance the local abort last went to
     lost: LostCoordinator | None = None  # its coordinator was lost: the root is asked whether it committed
 
 
@@ -233,7 +245,7 @@ class UplinkState:
         elif isinstance(event, Report):
             self._on_report(event.key, event.msg, now)
         elif isinstance(event, Sent):
-            self._on_sent(event)
+            self._on_sent(event, now)
         elif isinstance(event, Pong):
             self._on_pong(event.instance, now)
         elif isinstance(event, Verdict):
@@ -253,30 +265,49 @@ class UplinkState:
             u.open = True
         return u
 
-    def _on_report(self, key: StepKey, msg: Message, now: float) -> None:
+    def _on_report(self, key: StepKey, msg: Written | Failed, now: float) -> None:
         u = self._open(key)
         if u.waiting_since is None:
             u.waiting_since = now
             u.resend_at = now + self.config.commit_timeout_s + self.config.coordinator_timeout_s
         u.reports.append(msg)
-        self._out.append(Send(msg=msg, key=key))
+        self._send(key, u, msg)
 
-    def _on_sent(self, event: Sent) -> None:
-        u = self.unacked.get(event.key)
-        if u is None:
+    def _send(self, key: StepKey, u: Unacked, msg: Written | Failed) -> None:
+        """Send report ``msg`` of attempt ``key`` addressed to the coordinator instance last heard
+        from; while none has answered yet, keep it for the tick that follows the first answer."""
+        if self.coordinator_instance is None:
+            if msg not in u.unsent:
+                u.unsent.append(msg)
             return
-        if u.late is not None and event.msg is u.late:
+        self._out.append(Send(msg=replace(msg, coordinator_instance=self.coordinator_instance), key=key))
+
+    def _send_all(self, key: StepKey, u: Unacked) -> None:
+        """Send every report of attempt ``key`` again (those not sent yet among them)."""
+        u.unsent = []
+        for msg in u.reports:
+            self._send(key, u, msg)
+
+    def _on_sent(self, event: Sent, now: float) -> None:
+        msg = event.msg
+        if isinstance(msg, Ping):
+            if not event.ok:  # not connected (yet): ping again at the next tick, not a heartbeat later
+                self.last_ping_s = now - self.config.heartbeat_s
+            return
+        u = self.unacked.get(event.key) if event.key is not None else None
+        if u is None or not isinstance(msg, (Written, Failed)):
+            return
+        entry = replace(msg, coordinator_instance="")  # as kept in the table
+        if u.late is not None and entry == u.late:
             if event.ok:
-                u.late = u.late_until = None
-                self._drop_if_done(event.key, u)
+                u.late_sent_to = msg.coordinator_instance
             return
         if not u.open:
             return
         if event.ok:
-            if not event.resend:
-                u.sent_to = u.sent_to or self.coordinator_instance
-        elif event.msg not in u.unsent:
-            u.unsent.append(event.msg)
+            u.sent_to = u.sent_to or msg.coordinator_instance
+        elif entry not in u.unsent:
+            u.unsent.append(entry)
 
     def _on_pong(self, instance: str, now: float) -> None:
         silent_s = now - self.last_pong_s
@@ -294,15 +325,16 @@ class UplinkState:
         been replaced, which loses what was in it (a report, or the verdict on it: without a
         resend this node would wait for it forever, since the coordinator answers its pings
         again). Resend every report still awaiting a verdict."""
-        waiting = [(key, msg) for key, u in self.unacked.items() if u.open and u.lost is None for msg in u.reports]
+        waiting = {key: u for key, u in self.unacked.items() if u.open and u.lost is None and u.reports}
         if waiting:
             log.warning(
                 "the coordinator answers again after %.1f s; resending %d reports of steps %s",
                 silent_s,
-                len(waiting),
-                sorted({key for key, _ in waiting}),
+                sum(len(u.reports) for u in waiting.values()),
+                sorted(waiting),
             )
-        self._out.extend(Send(msg=msg, key=key, resend=True) for key, msg in waiting)
+        for key, u in waiting.items():
+            self._send_all(key, u)
 
     def _resolve(self, key: StepKey, outcome: Message) -> None:
         # Only aborts are remembered: a SAVE of a committed attempt can only come from a relaunch
@@ -341,6 +373,7 @@ class UplinkState:
         late = self.unacked.setdefault(key, Unacked(open=False))
         late.late = Failed(step=step, attempt=attempt, rank=-1, world_size=0, node=self.node, reason=reason)
         late.late_until = now + self.config.commit_timeout_s
+        late.late_sent_to = None
 
     def _lose_coordinator(self, cause: str, now: float, *, restarted: bool, keep_instance: str | None = None) -> None:
         """The coordinator was lost (``cause``) with attempts undecided here whose reports went
@@ -403,16 +436,19 @@ class UplinkState:
                     "(CKPTD_COORDINATOR_TIMEOUT_S)"
                 )
                 self._abort_locally(key, lost_reason(u.lost, found, known=False), now)
+        instance = self.coordinator_instance
         for key, u in list(self.unacked.items()):
             if u.late is not None and u.late_until is not None:
                 if now >= u.late_until:
-                    u.late = u.late_until = None
+                    u.late = u.late_until = u.late_sent_to = None
                     self._drop_if_done(key, u)
-                else:
-                    self._out.append(Send(msg=u.late, key=key))
-            if u.open and u.lost is None and u.unsent:
+                elif instance is not None and instance != u.late_sent_to:
+                    # not told yet, or told a predecessor of the instance answering now
+                    self._out.append(Send(msg=replace(u.late, coordinator_instance=instance), key=key))
+            if u.open and u.lost is None and u.unsent and instance is not None:
                 retry, u.unsent = u.unsent, []
-                self._out.extend(Send(msg=msg, key=key) for msg in retry)
+                for msg in retry:
+                    self._send(key, u, msg)
 
     def _resend_overdue(self, now: float) -> None:
         """Bound the wait for a verdict that got lost while the coordinator stays reachable (no
@@ -430,7 +466,7 @@ class UplinkState:
                 key[1],
                 now - u.waiting_since,
             )
-            self._out.extend(Send(msg=msg, key=key, resend=True) for msg in u.reports)
+            self._send_all(key, u)
 
 
 def lost_reason(lost: LostCoordinator, found: str, *, known: bool) -> str:

@@ -6,12 +6,14 @@
   latest and loads.
 - Within an authenticated session (a real CurveZMQ DEALER with the job's keys), a repeated
   WRITTEN is never counted twice, nor for another attempt; a report about a decided attempt only
-  gets that attempt's outcome back.
+  gets that attempt's outcome back; a report addressed to another coordinator instance (one sent
+  to a predecessor, reaching a restarted coordinator) is dropped and counted.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import zmq
@@ -19,7 +21,7 @@ import zmq
 import ckptd
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import derive_keys
-from ckptd.control.protocol import Codec, StepAborted, StepCommitted, Written
+from ckptd.control.protocol import Codec, Failed, StepAborted, StepCommitted, Written
 from ckptd.control.security import make_client_secure
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.format.rootlayout import step_dir_name
@@ -73,7 +75,9 @@ def test_a_data_file_damaged_after_it_was_reported_aborts_the_commit(job, damage
 
 
 class NodePeer:
-    """An authenticated DEALER to the coordinator, as a node daemon of the job would hold."""
+    """An authenticated DEALER to the coordinator, as a node daemon of the job would hold; it
+    addresses its reports to the coordinator instance the job's node daemon knows (it says no
+    PING: the coordinator would then announce every outcome to it, not just answer its reports)."""
 
     def __init__(self, job) -> None:
         ep = job.ckpt.endpoints
@@ -83,8 +87,12 @@ class NodePeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         make_client_secure(self.sock, derive_keys(load_token(ep, job.config)))
         self.sock.connect(job.ckpt.status()["coordinator"]["address"])
+        self.instance = job.ckpt.status()["upstream"]["instance"]
 
-    def send(self, msg) -> None:
+    def send(self, msg, to: str | None = None) -> None:
+        """Send ``msg``; a report addressed to coordinator instance ``to`` (the one answering if None)."""
+        if isinstance(msg, (Written, Failed)):
+            msg = replace(msg, coordinator_instance=self.instance if to is None else to)
         self.sock.send_multipart(self.codec.encode(msg))
 
     def replies(self, n: int, timeout_s: float = 10.0) -> list:
@@ -183,3 +191,28 @@ def test_a_repeated_written_is_never_counted_twice_nor_for_another_attempt(job):
     finally:
         peer.close()
     job.committed(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_report_addressed_to_another_coordinator_instance_is_dropped_and_counted(job):
+    """The coordinator's shell drops a report its state machine refuses (see test_commit_state)
+    before asking the root anything, and counts it in the status of its port."""
+    peer = NodePeer(job)
+    attempt = "cccccccccccc-1"
+    try:
+        before = job.ckpt.status()["coordinator"]["rejected"]
+        peer.send(_written(60, attempt, 0, 2), to="a-restarted-coordinator's-predecessor")
+        peer.send(_written(60, attempt, 1, 2), to="")
+        wait_until(
+            lambda: job.ckpt.status()["coordinator"]["rejected"]["misaddressed"] == before["misaddressed"] + 2,
+            10,
+            "the two misaddressed reports to be dropped",
+        )
+        assert not _collecting(job) and peer.replies(1, timeout_s=0.2) == []
+        peer.send(_written(60, attempt, 0, 2))  # to this coordinator: collected
+        wait_until(lambda: f"60/{attempt}" in _collecting(job), 10, "the report to be collected")
+        peer.send(Failed(step=60, attempt=attempt, rank=-1, world_size=0, node=7, reason="test over"))
+        (aborted,) = peer.replies(1)
+        assert isinstance(aborted, StepAborted) and aborted.attempt == attempt and not _collecting(job)
+    finally:
+        peer.close()

@@ -6,6 +6,8 @@ link on real sockets)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ckptd.config import CkptdConfig
@@ -29,6 +31,7 @@ from ckptd.roots.base import CommitOutcome
 
 A, B = "0123456789ab-1", "0123456789ab-2"  # two attempts of one launch
 N0, N1 = b"node0", b"node1"
+INSTANCE, PREDECESSOR = "c1", "c0"  # this coordinator's instance, the one it replaced
 CFG = CkptdConfig(commit_timeout_s=10, coordinator_timeout_s=5, heartbeat_s=1)
 
 
@@ -64,12 +67,16 @@ class Coordinator:
 
     def __init__(self, *, adopted: list[tuple[int, str]] | None = None) -> None:
         self.now = 100.0
-        self.state = CommitState(CFG, _name, adopted=adopted, now=self.now)
+        self.state = CommitState(CFG, _name, instance=INSTANCE, adopted=adopted, now=self.now)
         self.holds: set[tuple[int, str]] = set()  # commits the root holds
         self.committed: set[int] = set()  # steps committed once
         self.asked: list[str] = []
 
-    def report(self, identity: bytes, msg: Written | Failed) -> list[Action]:
+    def report(self, identity: bytes, msg: Written | Failed, *, to: str = INSTANCE) -> list[Action]:
+        """Handle ``msg`` addressed to coordinator instance ``to`` (this one unless said)."""
+        msg = replace(msg, coordinator_instance=to)
+        if not self.state.addressed_here(msg):  # dropped: nothing to ask the root
+            return self.state.handle(ReportIn(identity=identity, msg=msg), self.now)
         key = (msg.step, msg.attempt)
         holds = True
         if self.state.remembers_commit(key):
@@ -209,6 +216,41 @@ def test_a_restarted_coordinator_answers_a_report_of_its_predecessors_commit_wit
     actions = c.report(N1, written(3, 1))
     assert c.asked == ["committed_once"] and not any(isinstance(a, Commit) for a in actions)
     assert "committed already" in only_outcome(actions).reason
+
+
+# --- reports addressed to another coordinator instance -------------------------------------------
+@pytest.mark.parametrize("to", [PREDECESSOR, ""], ids=["to its predecessor", "unaddressed"])
+@pytest.mark.parametrize(
+    "msg",
+    [written(3, 1), failed(3, 1), failed(3, -1, "the coordinator restarted")],
+    ids=["WRITTEN", "FAILED", "a node's local abort"],
+)
+def test_a_report_addressed_to_another_coordinator_instance_is_dropped_and_counted(msg, to):
+    """A report its node sent to the coordinator it knew, which reached the restarted one (or one
+    no ckptd node sends: unaddressed) counts for nothing, and the root is not asked about it; the
+    same report addressed to this instance counts."""
+    c = Coordinator()
+    assert c.report(N1, msg, to=to) == [] and c.asked == []
+    assert c.state.misaddressed == 1 and not c.state.busy
+    assert not c.state.attempts and not c.state.finished and N1 not in c.state.nodes
+    c.report(N1, msg)  # addressed to this instance: collected (WRITTEN) or decided (FAILED)
+    assert ((3, A) in c.state.attempts or (3, A) in c.state.finished) and c.state.misaddressed == 1
+
+
+def test_a_restarted_coordinator_never_commits_an_attempt_from_a_report_sent_to_its_predecessor():
+    """Node 1 reported rank 1's write to coordinator c0, which had died; the report reached the
+    restarted c1 before node 1 learnt of the restart (from c1's PONG), so node 1 takes the attempt
+    for lost and aborts it locally. Node 0's report (it knew c1 already) completes the world, yet
+    c1 does not commit: node 1's local abort, addressed to c1, ends the attempt everywhere."""
+    c = Coordinator()
+    assert c.report(N1, written(3, 1), to=PREDECESSOR) == []
+    assert c.report(N0, written(3, 0)) == []  # no Commit: rank 1's write was never counted here
+    assert c.state.status()["steps"][f"3/{A}"]["written"] == [0]
+    actions = c.report(N1, failed(3, -1, "the coordinator restarted before confirming the step"))
+    assert Remove(step=3, attempt=A) in actions and not any(isinstance(a, Commit) for a in actions)
+    verdict = only_outcome(actions)
+    assert isinstance(verdict, StepAborted) and "the coordinator restarted" in verdict.reason
+    assert set(outcomes(actions)) == {N0, N1}
 
 
 # --- aborts -------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ event by event with an injected clock: no sockets. The process versions: tests/u
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ckptd.config import CkptdConfig
@@ -38,8 +40,14 @@ def written(step: int, rank: int = 0) -> Written:
     return a_written(step=step, attempt=A, rank=rank, world_size=2, node=1)
 
 
+def to(msg: Written | Failed, instance: str = "c1") -> Written | Failed:
+    """``msg`` as sent to coordinator ``instance``."""
+    return replace(msg, coordinator_instance=instance)
+
+
 class Node:
-    """The shell's part that tests need: sends succeed while ``reachable``, each result fed back;
+    """The shell's part that tests need: sends (reports and pings) succeed while ``reachable``,
+    each result fed back;
     the root is asked at once (``committed``: the attempts it holds commits of) unless
     ``root_answers`` is False (a slow root: the questions wait in ``asked``)."""
 
@@ -59,9 +67,8 @@ class Node:
             if isinstance(action, Send):
                 if self.reachable:
                     self.sent.append(action.msg)
-                if action.key is not None:
-                    fed = Sent(key=action.key, msg=action.msg, ok=self.reachable, resend=action.resend)
-                    assert self.state.handle(fed, self.now) == []
+                fed = Sent(key=action.key, msg=action.msg, ok=self.reachable)
+                assert self.state.handle(fed, self.now) == []
             elif isinstance(action, Deliver):
                 self.delivered.append((action.key, action.identities, action.outcome))
             elif isinstance(action, AskRoot):
@@ -78,12 +85,12 @@ class Node:
             self.now = min(end, self.now + 0.25)
             self.handle(Tick())
 
-    def answered(self, after_s: float) -> None:
-        """Let ``after_s`` pass with the coordinator answering every ping."""
+    def answered(self, after_s: float, instance: str = "c1") -> None:
+        """Let ``after_s`` pass with coordinator ``instance`` answering every ping."""
         end = self.now + after_s
         while self.now < end:
             self.at(min(0.25, end - self.now))
-            self.pong()
+            self.pong(instance)
 
     def reports_sent(self) -> list[Message]:
         return [m for m in self.sent if not isinstance(m, Ping)]
@@ -108,7 +115,7 @@ def test_a_report_goes_out_at_once_and_its_verdict_reaches_the_ranks_that_wait()
     node.pong()
     msg = saving(node)
     node.handle(Expect(key=K3, identity=b"rank1"))
-    assert node.take() == [msg] and node.state.busy and node.state.pending_steps() == [3]
+    assert node.take() == [to(msg)] and node.state.busy and node.state.pending_steps() == [3]
     assert node.state.expects(K3, b"rank1") and node.state.unacked[K3].sent_to == "c1"
     verdict = StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[])
     node.handle(Verdict(key=K3, outcome=verdict))
@@ -129,7 +136,7 @@ def test_a_report_the_coordinator_could_not_take_is_retried_every_tick_until_it_
     node.reachable = True
     node.pong()
     node.at(0.25)
-    assert node.take() == [msg] and not node.state.unacked[K3].unsent
+    assert node.take() == [to(msg)] and not node.state.unacked[K3].unsent
     assert node.state.unacked[K3].sent_to == "c1"
 
 
@@ -138,16 +145,17 @@ def test_a_verdict_lost_while_the_coordinator_answers_is_chased_when_overdue_and
     step waiting commit_timeout_s + coordinator_timeout_s resends its reports, then every
     coordinator_timeout_s, until a verdict comes."""
     node = Node()
+    node.pong()
     msg = saving(node)
     node.take()
     node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s - 0.25)
     assert node.take() == []
     node.answered(0.25)
-    assert node.take() == [msg]
+    assert node.take() == [to(msg)]
     node.answered(CFG.coordinator_timeout_s - 0.25)
     assert node.take() == []
     node.answered(0.25)
-    assert node.take() == [msg]
+    assert node.take() == [to(msg)]
     node.handle(Verdict(key=K3, outcome=StepAborted(step=3, attempt=A, reason="rank 0: the disk is full")))
     assert node.delivered and not node.state.busy
 
@@ -172,14 +180,17 @@ def test_a_silent_coordinator_aborts_waiting_steps_locally_and_the_abort_is_repo
     node.reachable = True
     node.at(0.25)
     (late,) = node.take()
-    assert isinstance(late, Failed) and (late.step, late.rank, late.node) == (3, -1, 1)
+    assert isinstance(late, Failed) and (late.step, late.rank, late.node, late.coordinator_instance) == (3, -1, 1, "c1")
     assert late.reason in verdict.reason
-    node.at(1)
-    assert node.take() == [] and K3 not in node.state.unacked  # told once
+    node.answered(1)
+    assert node.take() == []  # told once
+    node.answered(CFG.commit_timeout_s)
+    assert K3 not in node.state.unacked  # forgotten once the coordinator's commit timeout ended it anyway
 
 
 def test_a_local_abort_the_coordinator_never_hears_of_is_given_up_after_the_commit_timeout():
     node = Node()
+    node.pong()
     saving(node)
     node.take()
     node.reachable = False
@@ -207,31 +218,93 @@ def test_pings_go_out_every_heartbeat():
     assert len(pings) == 3 and pings[0].nonce == 100_250
 
 
+def test_a_ping_the_socket_refused_is_retried_at_the_next_tick():
+    """No connection yet (the socket refuses the send): the next tick pings again, not a heartbeat
+    later, so the first PONG, which the first reports wait for, comes as soon as one can."""
+    node = Node()
+    node.reachable = False
+    node.at(0.75)
+    node.reachable = True
+    node.at(0.25)
+    assert [m.nonce for m in node.sent if isinstance(m, Ping)] == [101_000]
+
+
 @pytest.mark.parametrize(
     ("first", "kept"),
     [("c1", False), (None, True)],
-    ids=["sent to the old instance: aborted", "sent before any pong: kept"],
+    ids=["sent to the old instance: aborted", "held before any pong: sent to the first that answers"],
 )
 def test_a_restarted_coordinator_aborts_the_steps_its_predecessor_had(first, kept):
     node = Node()
     if first:
         node.pong(first)
-    saving(node)
+    msg = saving(node)
     node.pong("c2")
     assert (node.delivered == []) is kept
-    if not kept:
+    node.at(0.25)
+    if kept:
+        assert node.take() == [to(msg, "c2")] and node.state.unacked[K3].sent_to == "c2"
+    else:
         ((key, _, verdict),) = node.delivered
         assert key == K3 and "the coordinator restarted before confirming the step" in verdict.reason
 
 
-def test_a_resend_does_not_change_the_instance_a_report_went_to():
+@pytest.mark.parametrize("report", [written(3), Failed(step=3, attempt=A, rank=0, world_size=2, node=1, reason="EIO")])
+def test_no_report_goes_out_before_a_coordinator_answered_then_each_names_the_instance_that_did(report):
+    """A report names the coordinator instance it is for, the one the last PONG named: one that
+    reaches another instance (the coordinator restarted meanwhile) is dropped there. A node that
+    never heard from a coordinator cannot name one: its reports wait for the first PONG."""
     node = Node()
-    saving(node)  # before any pong: sent_to stays unknown
-    node.take()
-    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s)  # answered by c1, chased
-    assert node.take() and node.state.unacked[K3].sent_to is None
+    node.handle(Expect(key=K3, identity=b"rank0"))
+    node.handle(Report(key=K3, msg=report))
+    node.at(LINK_TIMEOUT_S)  # connected, say, but no PONG yet (a silence that resends all: sent once)
+    assert node.take() == [] and node.state.unacked[K3].unsent == [report]
+    node.pong("c1")
+    node.at(0.25)
+    assert node.take() == [to(report, "c1")] and node.state.unacked[K3].sent_to == "c1"
+    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s - LINK_TIMEOUT_S - 0.25)  # chased, to c1 again
+    assert node.take() == [to(report, "c1")]
+
+
+def test_a_report_sent_to_the_old_instance_is_never_resent_and_the_abort_goes_to_the_new_one():
+    """The race this addressing closes: node 1 sends its report to c1 while its connection already
+    leads to the restarted c2 (which drops it: addressed to c1). c2's PONG tells the node that c1
+    was lost: the root holds no commit, the ranks are told ABORTED, the report is never sent to c2,
+    and the local abort (FAILED of rank -1) is addressed to c2, which ends the attempt there."""
+    node = Node()
+    node.pong("c1")
+    msg = saving(node)
+    assert node.take() == [to(msg, "c1")]
     node.pong("c2")
-    assert node.delivered == []  # the new coordinator decides it
+    ((_, _, verdict),) = node.delivered
+    assert isinstance(verdict, StepAborted) and verdict.reason.startswith("the coordinator restarted")
+    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s, "c2")
+    (late,) = node.take()
+    assert isinstance(late, Failed) and (late.rank, late.coordinator_instance) == (-1, "c2")
+
+
+def test_a_local_abort_that_went_to_a_lost_instance_is_told_to_the_next_one():
+    """The node aborted the attempt locally after a silence and sent the abort to c1, the last
+    instance it knew, while its connection led to the restarted c2 already (which drops it): once
+    c2 answers, c2 is told too, so that it ends the attempt and removes its files at once rather
+    than after its commit timeout."""
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.reachable = False
+    node.at(CFG.coordinator_timeout_s + 0.25)
+    node.reachable = True
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and (late.rank, late.coordinator_instance) == (-1, "c1")
+    node.answered(1)
+    assert node.take() == []  # c1 answers: told once
+    node.pong("c2")
+    node.at(0.25)
+    assert node.take() == [to(late, "c2")]
+    node.answered(CFG.commit_timeout_s, "c2")
+    assert node.take() == [] and K3 not in node.state.unacked
 
 
 def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report_is_resent():
@@ -245,7 +318,7 @@ def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report
     assert node.take() == []  # a short silence: nothing lost
     node.at(LINK_TIMEOUT_S / 2 + 0.25)
     node.pong()
-    assert node.take() == [msg3, msg4]
+    assert node.take() == [to(msg3), to(msg4)]  # to the same instance: it still decides them
 
 
 def test_a_shutdown_aborts_only_steps_whose_reports_went_out():
@@ -318,6 +391,7 @@ def test_a_step_the_root_holds_no_commit_of_aborts_saying_so(cause):
     node.at(0.25)
     (late,) = node.take()
     assert isinstance(late, Failed) and late.rank == -1 and late.reason == verdict.reason
+    assert late.coordinator_instance == ("c2" if cause == "restarted" else "c1")  # the one answering now
 
 
 def test_a_root_that_does_not_answer_in_time_aborts_the_step_once_saying_it_could_not_tell():
