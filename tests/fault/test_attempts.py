@@ -79,9 +79,14 @@ def _stop_all(runtime: Path, keep: Path) -> None:
 
 
 # --- a retry right after an abort, with the aborted attempt's write landing late ----------------
-COMMIT_TIMEOUT_S = 4.0
-SLOW_S = 8.0  # node 1's first write of step 2: longer than the commit timeout
-COMMIT_DELAY_S = 2.0  # node 0's files while step 2 is saved again: its commit spans the late write
+# Node 1's writes of one ring run in order, so its write of attempt 2 waits for the late write of
+# attempt 1: attempt 1 aborts at ~COMMIT_TIMEOUT_S, attempt 2 is saved at once, node 1's late write
+# lands SLOW_S - COMMIT_TIMEOUT_S (2 s) after that while attempt 2 collects, node 1 writes attempt 2
+# right after it and node 0 COMMIT_DELAY_S (3 s) after the save: at least 2 s within its commit
+# timeout either way (8 s of a late write against 4 s left 0.1-0.3 s: it failed under load).
+COMMIT_TIMEOUT_S = 5.0
+SLOW_S = 7.0  # node 1's first write of step 2: longer than the commit timeout
+COMMIT_DELAY_S = 3.0  # node 0's files while step 2 is saved again: its commit spans the late write
 
 
 def _retry_after_abort(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:

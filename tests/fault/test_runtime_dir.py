@@ -126,8 +126,6 @@ def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments
 # (its daemon stays); "stop".
 _CHILD = """
 import json, os, sys
-import torch
-import ckptd
 from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv, load_token
 what, root = sys.argv[1], sys.argv[2]
@@ -136,7 +134,9 @@ ep = Endpoints.for_job(root, JobEnv(), cfg)
 out = {"runtime_dir": str(ep.runtime_dir)}
 if what == "resolve":
     out["token"] = load_token(ep, cfg).decode()
-elif what == "train":
+elif what == "train":  # torch only here: six resolving processes importing it cost 18 CPU-s
+    import torch
+    import ckptd
     step = int(sys.argv[3])
     ckpt = ckptd.Checkpointer(root, config=cfg)
     w = torch.full((16,), float(step))
