@@ -126,7 +126,7 @@ def _reply(out: TextIO, obj: dict[str, Any]) -> None:
     out.flush()
 
 
-def main() -> int:
+def main(root: str) -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nothing but replies on the reply pipe
     logging.basicConfig(
@@ -136,7 +136,7 @@ def main() -> int:
         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
     )
     try:
-        agent = Agent(sys.argv[1])
+        agent = Agent(root)
     except Exception as exc:  # noqa: BLE001 - reported to the harness, which fails the test
         _reply(out, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
         return 1
@@ -163,4 +163,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))

@@ -1,6 +1,7 @@
 """A checkpointing job across namespace nodes, driven step by step from the test.
 
-:class:`NetnsJob` launches ``per_node`` trainer ranks (:mod:`tests.netns.agent`) on every node of
+:class:`NetnsJob` launches ``per_node`` trainer ranks (:mod:`tests.netns.agent`, forked from the
+preloaded forkserver into the node: tools.harness.nodeprocs) on every node of
 a :class:`~tools.harness.netns.Cluster` with the variables torchrun gives them (``GROUP_RANK``,
 ``MASTER_ADDR`` = node 0's address, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``) plus one random ``CKPTD_JOB_TOKEN``; each node's local rank 0 starts that
@@ -19,7 +20,6 @@ import secrets
 import select
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -33,7 +33,10 @@ from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
 from ckptd.storage.url import Location
 from tools.harness.netns import Cluster, Node
+from tools.harness.nodeprocs import NodeChild, start_in_node
 from tools.harness.seaweed import SeaweedServer
+
+from . import agent
 
 REPO = str(Path(__file__).resolve().parents[2])
 MASTER_PORT = 29500  # each node has its own ports: no clash with the host or other clusters
@@ -80,7 +83,7 @@ class RankProc:
 
     rank: int
     node: Node
-    proc: subprocess.Popen[bytes]
+    proc: NodeChild
     buffer: bytes = b""
 
     def send(self, cmd: dict[str, Any]) -> None:
@@ -178,12 +181,7 @@ class NetnsJob:
         self.ranks = []
         for rank in range(self.world):
             node = self.cluster.nodes[rank // self.per_node]
-            proc = node.spawn(
-                [sys.executable, "-m", "tests.netns.agent", str(self.root)],
-                self.rank_env(rank),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
+            proc = start_in_node(node, agent.main, (str(self.root),), self.rank_env(rank))
             self.ranks.append(RankProc(rank, node, proc))
         for r in self.ranks:
             r.reply(START_TIMEOUT_S)

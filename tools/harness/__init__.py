@@ -1,5 +1,5 @@
 """Process harnesses shared by ``tools/`` and ``tests/``: bounded waits (:mod:`.waiting`), the
 crash matrix's job and trial (:mod:`.crash_job`, :mod:`.crash_trial`), and nodes as Linux
-namespaces (:mod:`.netns`, with the crash matrix's namespace hosts in :mod:`.netns_hosts` and
-:mod:`.netns_rank`). They import ckptd and each other, never the ``tests`` package, so that
+namespaces (:mod:`.netns`, processes forked into them in :mod:`.nodeprocs`, the crash matrix's
+namespace hosts in :mod:`.netns_hosts`). They import ckptd and each other, never the ``tests`` package, so that
 ``tools/crash_matrix.py`` runs without the test suite."""

@@ -10,19 +10,18 @@ with the coordinator):
   daemon, and on node 0 the coordinator); the node boots again, empty, before the restart;
 - ``link``: a random node is partitioned off inside the network for 0.5-4 s while the job saves.
 
-Only this module and :mod:`tools.harness.netns_rank` tie the crash matrix to namespaces.
+The trainers are forked from the preloaded forkserver into their node (:mod:`tools.harness.nodeprocs`),
+each writing its output to ``<phase>.r<rank>.out`` among the trial's events. Only this module ties
+the crash matrix to namespaces.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import secrets
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,36 +29,11 @@ from ckptd.staging.segment import list_segments
 from tools.harness import crash_job as cj
 from tools.harness.crash_trial import VICTIMS
 from tools.harness.netns import Cluster
+from tools.harness.nodeprocs import NodeChild, start_in_node
 
 REPO = str(Path(__file__).resolve().parents[2])
 COORDINATOR_PORT = 29501  # each node has its own ports
 NETNS_VICTIMS = (*VICTIMS, "machine", "link")
-
-
-class NodeProcess:
-    """A trainer started inside a node, with the part of multiprocessing.Process's interface the
-    trial uses (``nsenter`` execs the trainer: the Popen's pid is the trainer's)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self._proc = proc
-        self.pid: int | None = proc.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._proc.poll()
-
-    def is_alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
 
 
 @dataclass
@@ -90,22 +64,19 @@ class NetnsHosts:
             "node_runtime_dirs": tuple(str(n.path(c.runtime_dir)) for n in c.nodes),
         }
 
-    def start(self, spec: cj.JobSpec, phase: str) -> list[NodeProcess]:
+    def start(self, spec: cj.JobSpec, phase: str) -> list[NodeChild]:
         c = self._cluster()
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-        procs = []
-        for rank in range(spec.ranks):
-            node = c.nodes[rank // spec.per_node]
-            with open(Path(spec.events) / f"{phase}.r{rank}.out", "ab") as out:
-                proc = node.spawn(
-                    [sys.executable, "-m", "tools.harness.netns_rank", json.dumps(asdict(spec)), str(rank), phase],
-                    env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=out,
-                )
-            procs.append(NodeProcess(proc))
-        return procs
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return [
+            start_in_node(
+                c.nodes[rank // spec.per_node],
+                cj.trainer,
+                (rank, spec, phase),
+                env,
+                output=str(Path(spec.events) / f"{phase}.r{rank}.out"),
+            )
+            for rank in range(spec.ranks)
+        ]
 
     def fault(self, victim: str, spec: cj.JobSpec, rng: random.Random) -> str:
         c = self._cluster()
