@@ -19,19 +19,22 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 LONGEST_FIRST = (
-    "integration/test_demo.py",
     "netns/test_link_faults.py",
+    "integration/test_demo.py",
     "objstore/test_s3_faults.py",
     "netns/test_s3_link_cut.py",
-    "fault/test_fuzz_checkpoints.py",
-    "objstore/test_s3_roots.py",
-    "netns/test_crash_matrix_netns.py",
-    "integration/test_bench_train.py",
     "objstore/test_s3_mirror.py",
     "integration/test_bench_all.py",
-    "real/test_megatron_gpt.py",
-    "real/test_convert_mcore.py",
+    "fault/test_attempts.py",
     "fault/test_crash_matrix.py",
+    "integration/test_readme.py",
+    "interop/test_dcp_features.py",
+    "integration/test_backpressure.py",
+    "objstore/test_s3_roots.py",
+    "fault/test_fuzz_checkpoints.py",
+    "interop/test_checksum_interop.py",
+    "fault/test_node_faults.py",
+    "fault/test_full_shm.py",
 )
 
 
