@@ -5,10 +5,11 @@ import time
 import pytest
 
 from ckptd.catalog import EntryState, committed_once, resolve_target, scan_root
-from ckptd.errors import CheckpointNotFoundError, CkptdError
+from ckptd.errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
+from ckptd.format.safefs import Dir
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.retention import apply_gc, plan_gc
-from ckptd.roots.posix import finish_interrupted_commit
+from ckptd.roots.posix import check_data_files, finish_interrupted_commit
 from tests.checkpoints import make_checkpoint, make_partial, make_root, stamp_commits
 
 
@@ -154,3 +155,21 @@ def test_a_restarted_coordinator_finishes_the_last_commit_not_the_highest_step(t
     # Nothing newer than the tracker's in commit order: the tracker stays, though 40 is a higher step.
     assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
     assert (root / "latest").read_text() == "iter_0000031\n"
+
+
+def test_the_last_check_before_a_commit_names_what_is_wrong_with_each_data_file(tmp_path):
+    """A data file its node reported written must be in the attempt's directory, a regular file of
+    the reported size; a missing one says what a node-local disk per node would cause."""
+    (tmp_path / "__0_0.distcp").write_bytes(b"x" * 8)
+    (tmp_path / "__1_0.distcp").write_bytes(b"x" * 7)
+    (tmp_path / "__2_0.distcp").symlink_to(tmp_path / "__0_0.distcp")
+    with Dir.open(tmp_path) as tmpd:
+        check_data_files(tmpd, {"__0_0.distcp": (0, 8)})
+        cases = {
+            "__3_0.distcp": (3, "is missing, though its node reported it written.*shared filesystem.*s3://"),
+            "__1_0.distcp": (1, "has 7 bytes, its writer reported 8"),
+            "__2_0.distcp": (2, "is not a regular file"),
+        }
+        for name, (rank, message) in cases.items():
+            with pytest.raises(CorruptCheckpointError, match=f"rank {rank}'s data file .*{name} {message}"):
+                check_data_files(tmpd, {"__0_0.distcp": (0, 8), name: (rank, 8)})
