@@ -267,7 +267,8 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
         raise
     except Exception as exc:
         raise CorruptCheckpointError(f"{path} cannot be decoded ({exc!r}); the file is damaged") from exc
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    # getattr: a damaged pickle may BUILD a Metadata under another attribute name
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CorruptCheckpointError(f"{path} does not hold a DCP Metadata object")
     try:
         return index_metadata(md, path)

@@ -18,8 +18,6 @@ import os
 import pickle
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
 from ckptd.verify import verify_checkpoint
 from tests.checkpoints import make_checkpoint, reference_tensors
+from tests.cli import offline_cli
 from tests.integration.test_cli import _env
 
 FILES = ["metadata.json", ".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"]
@@ -336,11 +335,5 @@ def test_the_cli_exits_1_without_a_traceback_on_damage(tmp_path):
         apply(root / step_dir_name(step), mutation, outside, root / step_dir_name(step))
     (root / "latest").write_text(f"{step_dir_name(len(damage))}\n")
     for argv in (["verify", root, "--all", "--deep"], ["inspect", root / "iter_0000003"]):
-        p = subprocess.run(
-            [sys.executable, "-m", "ckptd.commands", *map(str, argv)],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
+        p = offline_cli(*argv, env=_env(), timeout_s=150)
         assert p.returncode == 1 and "Traceback" not in p.stderr, (argv, p.returncode, p.stdout[-2000:], p.stderr)

@@ -9,8 +9,6 @@ checkpoint is ever returned or copied.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from ckptd.errors import CkptdError
 from ckptd.recovery import resolve_latest
 from ckptd.verify import verify_checkpoint
 from tests.checkpoints import make_checkpoint, reference_tensors
+from tests.cli import offline_cli
 from tests.integration.test_cli import _env, cli
 
 SECRET = "outside the checkpoint"
@@ -153,12 +152,6 @@ def test_cli_reports_links_and_fifos_with_exit_1(tmp_path, capsys):
     assert rc == 1 and "symbolic link" in err and not (tmp_path / "m.pt").exists(), err
     # Real processes: a FIFO must not hang them, and no traceback comes out.
     for argv in (["inspect", fifo], ["verify", fifo, "--deep"]):
-        p = subprocess.run(
-            [sys.executable, "-m", "ckptd.commands", *map(str, argv)],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=100,
-        )
+        p = offline_cli(*argv, env=_env(), timeout_s=100)
         assert p.returncode == 1 and "is a FIFO" in p.stdout + p.stderr, (argv, p.stdout, p.stderr)
         assert "Traceback" not in p.stderr, p.stderr

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from ckptd import CorruptCheckpointError, ShardedTensor
 from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
 from ckptd.recovery import resolve_latest
 from ckptd.verify import verify_checkpoint
+from tests.cli import offline_cli
 from tests.multiproc import without_torchrun
 
 HUGE = 1 << 40  # rows: 2^40 x 256 float32 is 1 PiB
@@ -79,13 +78,7 @@ def test_a_global_shape_the_chunks_do_not_hold_is_refused_before_allocating(tmp_
 def test_consolidate_reports_it_without_a_traceback(tmp_path):
     _, newer = save_root(tmp_path / "r")
     edit_metadata(newer, huge_global)
-    run = subprocess.run(
-        [sys.executable, "-m", "ckptd.cli", "convert", "consolidate", str(newer), str(tmp_path / "out.pt")],
-        env=without_torchrun(os.environ),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    run = offline_cli("convert", "consolidate", newer, tmp_path / "out.pt", env=without_torchrun(os.environ))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "Traceback" not in run.stderr and "Nothing was allocated" in run.stderr
     assert not (tmp_path / "out.pt").exists()

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import ckptd
 from ckptd import ShardedObject, ShardedTensor
 from ckptd.control.endpoints import JobEnv
-from tests.integration.cli import ckptd_cli
+from tests.cli import ckptd_cli
 
 
 @pytest.mark.timeout(150)

@@ -20,7 +20,7 @@ from ckptd.control.endpoints import JobEnv
 from ckptd.control.protocol import Pong, Status, StatusReply
 from ckptd.errors import DaemonLostError, RequestNotTaken
 from ckptd.tune import recommend
-from tests.integration.cli import ckptd_cli
+from tests.cli import ckptd_cli
 from tools.harness.ports import free_port
 
 

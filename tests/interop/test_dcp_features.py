@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import struct
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from ckptd.format.dcp_metadata import read_index, records_from_index
 from ckptd.recovery import structural_problem
 from ckptd.verify import ERROR, verify_checkpoint
 from tests.checkpoints import flip_bit
+from tests.cli import offline_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -46,10 +45,7 @@ def trained_state() -> dict:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd.commands", *argv], env=env, capture_output=True, text=True, timeout=120
-    )
+    return offline_cli(*argv)
 
 
 def _record(directory: Path, fqn: str):

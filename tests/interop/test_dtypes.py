@@ -8,9 +8,6 @@ is checked on the bytes, not on values.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from ckptd import ShardedTensor
 from ckptd.errors import ShardingError
 from ckptd.format.dcp_metadata import read_index
 from ckptd.verify import verify_checkpoint
+from tests.cli import offline_cli
 from tests.dtypes import ALL_DTYPES, dtype_label, random_tensor, same_bits
 from tests.dtypes import dcp_dtypes as dcp_dtypes_of_torch
 
@@ -93,14 +91,7 @@ def test_every_dcp_dtype_round_trips_ckptd_and_dcp_both_ways(tmp_path, dcp_dtype
         report = verify_checkpoint(tmp_path / directory, deep=True)
         assert report.ok and report.items_decoded == len(ref), report.findings
     # And the command line, deep.
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run(
-        [sys.executable, "-m", "ckptd.commands", "verify", "--deep", str(tmp_path / "c")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = offline_cli("verify", "--deep", tmp_path / "c")
     assert run.returncode == 0 and f"{len(ref)} items decoded" in run.stdout, run.stdout + run.stderr
 
 

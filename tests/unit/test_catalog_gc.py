@@ -6,8 +6,8 @@ import pytest
 
 from ckptd.catalog import EntryState, committed_once, resolve_target, scan_root
 from ckptd.errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
-from ckptd.format.safefs import Dir
 from ckptd.format.rootlayout import step_dir_name
+from ckptd.format.safefs import Dir
 from ckptd.retention import apply_gc, plan_gc
 from ckptd.roots.posix import check_data_files, finish_interrupted_commit
 from tests.checkpoints import make_checkpoint, make_partial, make_root, stamp_commits

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 import ckptd
-from ckptd.errors import UnsafePickleError
+from ckptd.errors import CorruptCheckpointError, UnsafePickleError
 from ckptd.format.dcp_metadata import read_index
 from tests.checkpoints import make_checkpoint
 
@@ -105,3 +105,14 @@ def test_real_checkpoints_still_unpickle(tmp_path):
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
         (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(index.raw, protocol=protocol))
         assert set(read_index(Path(tmp_path / "c")).tensors) == set(ref)
+
+
+def test_a_metadata_whose_fields_lost_their_names_is_damaged_not_a_crash(tmp_path):
+    """One flipped byte in a field's name BUILDs a Metadata without ``state_dict_metadata`` (found by
+    test_fuzz_checkpoints): a CorruptCheckpointError naming the file, not an AttributeError."""
+    make_checkpoint(tmp_path)
+    raw = (tmp_path / ".metadata").read_bytes()
+    assert raw.count(b"state_dict_metadata") == 1
+    (tmp_path / ".metadata").write_bytes(raw.replace(b"state_dict_metadata", b"state_dict_metadatb"))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata does not hold a DCP Metadata object"):
+        read_index(tmp_path)

@@ -29,7 +29,7 @@ import os
 import queue as queue_mod
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from multiprocessing.queues import Queue
 from typing import Any
@@ -99,13 +99,15 @@ def spawned(
     *,
     join_timeout_s: float,
     daemon: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Spawned]:
-    """Start a spawned process per ``(fn, args)``; on leaving, wait ``join_timeout_s`` for them all,
-    then SIGKILL and reap the ones still running.
+    """Start a spawned process per ``(fn, args)`` with ``env`` (default: this process's
+    environment); on leaving, wait ``join_timeout_s`` for them all, then SIGKILL and reap the ones
+    still running.
 
     ``daemon=False`` lets the processes start processes of their own (Megatron-Core's save forks
     writer processes and starts a multiprocessing Manager)."""
-    ctx, env = process_context(), dict(os.environ)
+    ctx, env = process_context(), dict(os.environ if env is None else env)
     procs = Spawned(ctx.Process(target=_in_env, args=(env, fn, *args), daemon=daemon) for fn, args in targets)
     procs.killed = []
     try:
