@@ -56,10 +56,11 @@ _PRELOAD_MEGATRON = [
 
 
 def process_context() -> ForkServerContext:
-    """Forkserver children with torch, DCP and ckptd preloaded: a process starts in milliseconds.
-    One server per interpreter, started on first use; :func:`stop_process_context` ends it."""
+    """Forkserver children with torch, DCP, ckptd (and Megatron-Core, where installed) preloaded:
+    a process starts in milliseconds. One server per interpreter, started on first use;
+    :func:`stop_process_context` ends it."""
     ctx = mp.get_context("forkserver")
-    megatron = importlib.util.find_spec("megatron") is not None
+    megatron = importlib.util.find_spec("megatron.core") is not None
     ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_MEGATRON if megatron else []))
     return ctx
 
