@@ -40,20 +40,23 @@ def netns_available() -> None:
 
 @pytest.fixture
 def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., NetnsJob]]:
-    """``make_job(nnodes, per_node=1, s3=False, **settings)``: a cluster and a job on it, ranks
-    launched; with ``s3`` the root is an ``s3://`` prefix of a real server (SeaweedFS) on the host's
-    address on the nodes' bridge (``job.store``).
+    """``make_job(nnodes, per_node=1, s3=False, local=False, **settings)``: a cluster and a job on
+    it, ranks launched; with ``s3`` the root is an ``s3://`` prefix of a real server (SeaweedFS) on
+    the host's address on the nodes' bridge (``job.store``), with ``local`` a directory on each
+    node's own local disk (the same path everywhere, different contents).
     At the end: logs copied to ``tmp_path/logs``, ranks stopped, everything the cluster made
     removed; the test fails if anything of it, or a staging segment in the host's /dev/shm, is
     left."""
     made: list[tuple[Cluster, NetnsJob]] = []
 
-    def make(nnodes: int, per_node: int = 1, launch: bool = True, s3: bool = False, **settings: str) -> NetnsJob:
+    def make(
+        nnodes: int, per_node: int = 1, launch: bool = True, s3: bool = False, local: bool = False, **settings: str
+    ) -> NetnsJob:
         try:
             cluster = Cluster.create(nnodes, cwd=REPO)
         except NetnsUnavailable as exc:
             pytest.skip(f"namespace nodes unavailable: {exc}")
-        root: Location = tmp_path / "ckpts"
+        root: Location = cluster.local_disk / "ckpts" if local else tmp_path / "ckpts"
         store = None
         if s3:  # a real S3 server on the host's address on the bridge: a node's link down cuts it off
             store = SeaweedServer(tmp_path / "weed", ip=cluster.host_address())

@@ -5,6 +5,9 @@
   daemon, a save commits and loads bit-exact on every rank; the coordinator listens on node 0's
   address at MASTER_PORT + 1 and nowhere else (not on loopback); each node's staging segments and
   daemon files live only in that node's private mounts, none in the host's /dev/shm;
+- a root on each node's own disk (mounted alike everywhere, no shared filesystem) cannot hold a
+  multi-node checkpoint: every save aborts on every rank with a reason that says so and what to
+  use instead (a shared filesystem or s3://), and nothing is committed on either disk;
 - the harness removes what it made, and sweeps what a killed harness left.
 """
 
@@ -55,6 +58,21 @@ def test_job_across_namespaces(make_job):
         files = sorted(os.listdir(node.path(cluster.runtime_dir)))
         assert f"{job_id}-n{node.index}.sock" in files and all(f"-n{node.index}." in f for f in files), files
     assert not [s for s in os.listdir("/dev/shm") if s.startswith(f"ckptd-{job_id}")]
+
+
+@pytest.mark.timeout(120)
+def test_a_root_on_each_nodes_own_disk_aborts_every_save_saying_why(make_job):
+    job = make_job(2, local=True)
+    job.save(1)
+    for out in job.outcomes(1, timeout_s=30):
+        assert out["outcome"] == "aborted", out
+        assert "is missing, though its node reported it written" in out["reason"], out["reason"]
+        assert "shared filesystem" in out["reason"] and "s3://" in out["reason"], out["reason"]
+    assert [o["latest"] for o in job.call("latest")] == [None, None]
+    # Nothing committed on either disk. The coordinator removes the aborted attempt's directory on
+    # its own node's disk; the other node's stays until `ckptd gc` runs there.
+    left = [[p for p in os.listdir(node.path(job.root)) if p.startswith("iter_")] for node in job.cluster.nodes]
+    assert left[0] == [] and [p.endswith(".tmp") for p in left[1]] == [True], left
 
 
 @pytest.mark.timeout(60)

@@ -10,8 +10,9 @@ can show it:
   no address or route of the host (:func:`pick_subnet`) and no default route: traffic flows only
   between the harness's namespaces;
 - per node an *anchor* process holding a private mount namespace in which a fresh tmpfs covers
-  ``/dev/shm`` and another the node's runtime directory (one path, :attr:`Cluster.runtime_dir`,
-  which every node sees with its own contents, as real nodes see their own ``/run``). Every
+  ``/dev/shm``, another the node's runtime directory (one path, :attr:`Cluster.runtime_dir`,
+  which every node sees with its own contents, as real nodes see their own ``/run``) and another
+  its local disk (:attr:`Cluster.local_disk`, likewise). Every
   process of the node is started inside both namespaces (``nsenter``), so ckptd's sockets,
   pid files, tokens and staging segments are private to the node, and the host's ``/dev/shm``
   never sees them; the tmpfs vanish with the node's last process (a killed node loses its shared
@@ -60,6 +61,7 @@ SUBNET_CANDIDATES = tuple(ipaddress.ip_network(f"10.231.{k}.0/24") for k in rang
 HOST_BASE = 10  # node i gets <subnet>.(HOST_BASE + i)
 SHM_NBYTES = 256 << 20  # each node's /dev/shm
 RUNTIME_NBYTES = 16 << 20
+DISK_NBYTES = 256 << 20  # each node's local disk
 COMMAND_TIMEOUT_S = 20.0
 ANCHOR_START_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0
@@ -218,13 +220,15 @@ class Node:
     # --- lifecycle ----------------------------------------------------------------------------
     def boot(self) -> None:
         """Start the anchor: a private mount namespace inside the node's network namespace with
-        empty tmpfs over ``/dev/shm`` and the runtime directory; returns once they are mounted."""
+        empty tmpfs over ``/dev/shm``, the runtime directory and the local disk; returns once they
+        are mounted."""
         if self.anchor is not None and self.anchor.poll() is None:
             raise RuntimeError(f"node {self.index} is running already")
         rt = str(self.cluster.runtime_dir)
         script = (
             f"mount -t tmpfs -o size={SHM_NBYTES},mode=1777 tmpfs /dev/shm && "
             f"mount -t tmpfs -o size={RUNTIME_NBYTES},mode=0700 tmpfs {rt} && "
+            f"mount -t tmpfs -o size={DISK_NBYTES},mode=0755 tmpfs {self.cluster.local_disk} && "
             "echo ready && exec sleep 2147483647"
         )
         self.anchor = subprocess.Popen(
@@ -370,6 +374,13 @@ class Cluster:
         assert self.base is not None
         return self.base / "rt"
 
+    @property
+    def local_disk(self) -> Path:
+        """Every node's local disk: the same path, a tmpfs of its own per node (node-local NVMe
+        mounted alike on every machine), where the host's filesystem is the shared one."""
+        assert self.base is not None
+        return self.base / "disk"
+
     @classmethod
     def create(cls, nnodes: int, cwd: str | None = None) -> Cluster:
         """Make the bridge, the namespaces and links, and boot every node; on any failure undo
@@ -393,6 +404,7 @@ class Cluster:
     def _make(self) -> None:
         self.base = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
         self.runtime_dir.mkdir(mode=0o700)
+        self.local_disk.mkdir()
         self.subnet = pick_subnet()
         hosts = list(self.subnet.hosts())
         self._created.append(["ip", "link", "del", self.bridge])
