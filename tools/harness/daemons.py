@@ -133,17 +133,18 @@ def stop_runtime_dir(runtime_dir: Path, keep_logs: Path, timeout_s: float | None
 
 
 @contextlib.contextmanager
-def private_runtime_dir(keep_logs: Path) -> Iterator[Path]:
+def private_runtime_dir(keep_logs: Path, timeout_s: float | None = None) -> Iterator[Path]:
     """A new private runtime directory (mode 0700), ``/tmp/ck<random>``: short, since a daemon's
-    ``ipc://`` socket path in it may have at most 107 bytes. At the end, :func:`stop_runtime_dir`
-    with ``keep_logs``, and the directory is removed; then, unless the body raised, an
-    AssertionError if a daemon had to be killed or a staging segment of the directory's jobs is left."""
+    ``ipc://`` socket path in it may have at most 107 bytes. At the end,
+    :func:`stop_runtime_dir` (``keep_logs``, ``timeout_s``), and the directory is removed; then,
+    unless the body raised, an AssertionError if a daemon had to be killed or a staging segment of
+    the directory's jobs is left."""
     path = Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))
     try:
         yield path
     finally:
         try:
-            problems = stop_runtime_dir(path, keep_logs)
+            problems = stop_runtime_dir(path, keep_logs, timeout_s)
         finally:
             shutil.rmtree(path, ignore_errors=True)
     if problems:
