@@ -1,12 +1,14 @@
 import compileall
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.multiproc import clear_torchrun_env
 from tests.schedule import file_rank
+from tools.harness.daemons import private_runtime_dir
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +22,18 @@ def single_process(monkeypatch):
     """This test process is a single process to ckptd, not a rank of a torchrun job (whose
     variables the test runner may have inherited)."""
     clear_torchrun_env(monkeypatch)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path: Path) -> Iterator[Path]:
+    """The test's private runtime directory, ``/tmp/ck<random>`` (``tmp_path`` is too long for the
+    107 bytes of an ``ipc://`` socket path): pass it as ``CKPTD_RUNTIME_DIR`` or ``runtime_dir=``.
+    At teardown every daemon with a pid file in it is stopped (SIGTERM, then SIGKILL past the
+    shutdown grace and a margin), their logs are copied to ``tmp_path/daemon-logs``, the directory
+    is removed, and the test fails if a daemon had to be killed or a staging segment of one of its
+    jobs is left in /dev/shm (tools.harness.daemons.private_runtime_dir)."""
+    with private_runtime_dir(tmp_path / "daemon-logs") as path:
+        yield path
 
 
 _UNIT = Path(__file__).parent / "unit"

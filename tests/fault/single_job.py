@@ -2,17 +2,17 @@
 
 :func:`single_job` yields a :class:`SingleJob` whose daemon reads its fault rules from
 ``job.fault_file`` (see :mod:`ckptd.daemon.faults`) at every file it opens, so a test switches a
-disk fault on and off while everything runs. On exit the daemon is stopped and the test fails if
-it left shared memory, socket or pid files, or a process behind, or if the daemon logged an internal
-error (ckptd.daemon.guard) that the test did not expect (``job.internal_errors_expected``).
+disk fault on and off while everything runs. Its runtime directory is made, checked and removed
+as the ``runtime_dir`` fixture's (tools.harness.daemons.private_runtime_dir). On exit the daemon
+is stopped and the test fails if it left shared memory, socket or pid files, or a process behind,
+or if the daemon logged an internal error (ckptd.daemon.guard) that the test did not expect
+(``job.internal_errors_expected``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +26,9 @@ from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.daemon.guard import MARKER as INTERNAL_ERROR
 from ckptd.format.durable import ATOMIC_TMP_SUFFIX, atomic_tmp_name
 from ckptd.format.rootlayout import PART_SUFFIX, TMP_SUFFIX, TRACKER_FILE, step_dir_name
-from ckptd.staging.segment import list_segments
 from ckptd.verify import verify_checkpoint
 from tests.multiproc import clear_torchrun_env
-from tools.harness.daemons import stop_daemons
+from tools.harness.daemons import private_runtime_dir, stop_daemons
 from tools.harness.waiting import wait_until
 
 HEARTBEAT_S = 0.1
@@ -120,31 +119,30 @@ class SingleJob:
 def single_job(tmp_path: Path, monkeypatch: Any, **config: Any) -> Iterator[SingleJob]:
     clear_torchrun_env(monkeypatch)
     root = Path(config.pop("root", tmp_path / "ckpts"))
-    runtime = Path(tempfile.mkdtemp(prefix="ckf", dir="/tmp"))
     fault_file = tmp_path / "faults"
-    settings = {
-        "runtime_dir": str(runtime),
-        "heartbeat_s": HEARTBEAT_S,
-        "idle_exit_s": 60.0,
-        "debug_fault_file": str(fault_file),
-        "commit_timeout_s": 10.0,
-        "request_timeout_s": 20.0,
-    }
-    settings.update(config)
-    cfg = ckptd.CkptdConfig.from_env({}, **settings)
-    ckpt = ckptd.Checkpointer(root, config=cfg)
-    ep = ckpt.endpoints
-    job = SingleJob(root, runtime, fault_file, cfg, ckpt)
-    try:
-        yield job
-        ckpt.close()
-    finally:
-        ckpt.close(wait=False)
-        stop_daemons([ep.pid_path])
-        left = list_segments(ep.shm_prefix)
-        files = [p.name for p in (ep.socket_path, ep.pid_path) if p.exists()]
-        daemon_log = job.daemon_log()
-        shutil.rmtree(runtime, ignore_errors=True)
-    assert not left and not files, (left, files)
+    # The runtime_dir fixture's directory: its end checks the job's staging segments.
+    with private_runtime_dir(tmp_path / "daemon-logs") as runtime:
+        settings = {
+            "runtime_dir": str(runtime),
+            "heartbeat_s": HEARTBEAT_S,
+            "idle_exit_s": 60.0,
+            "debug_fault_file": str(fault_file),
+            "commit_timeout_s": 10.0,
+            "request_timeout_s": 20.0,
+        }
+        settings.update(config)
+        cfg = ckptd.CkptdConfig.from_env({}, **settings)
+        ckpt = ckptd.Checkpointer(root, config=cfg)
+        ep = ckpt.endpoints
+        job = SingleJob(root, runtime, fault_file, cfg, ckpt)
+        try:
+            yield job
+            ckpt.close()
+        finally:
+            ckpt.close(wait=False)
+            stop_daemons([ep.pid_path])
+            files = [p.name for p in (ep.socket_path, ep.pid_path) if p.exists()]
+            daemon_log = job.daemon_log()
+        assert not files, files
     if not job.internal_errors_expected:
         assert INTERNAL_ERROR not in daemon_log, daemon_log[daemon_log.index(INTERNAL_ERROR) - 200 :][:4000]

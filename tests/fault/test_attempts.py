@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
-import tempfile
 import threading
 from pathlib import Path
 
@@ -31,7 +29,6 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.client import admin
 from tests.fault.single_job import tmp_leftovers
-from tools.harness.daemons import stop_daemons
 from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
@@ -69,13 +66,6 @@ def _env(runtime: Path, **extra: str) -> dict[str, str]:
         "CKPTD_IDLE_EXIT_S": "60",
         **extra,
     }
-
-
-def _stop_all(runtime: Path, keep: Path) -> None:
-    stop_daemons(runtime.glob("*.pid"))
-    for log_file in runtime.glob("*.log"):  # kept with the test's files, for a failure's story
-        shutil.copy(log_file, keep / log_file.name)
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 # --- a retry right after an abort, with the aborted attempt's write landing late ----------------
@@ -116,23 +106,19 @@ def _retry_after_abort(rank: int, world: int, env: dict[str, str], root: str, fa
 
 
 @pytest.mark.timeout(180)
-def test_a_step_saved_again_after_its_abort_never_takes_the_late_write_of_the_aborted_attempt(tmp_path):
+def test_a_step_saved_again_after_its_abort_never_takes_the_late_write_of_the_aborted_attempt(tmp_path, runtime_dir):
     root = tmp_path / "ckpts"
-    runtime = Path(tempfile.mkdtemp(prefix="cka", dir="/tmp"))
-    env = _env(runtime, CKPTD_COMMIT_TIMEOUT_S=str(COMMIT_TIMEOUT_S), CKPTD_COORDINATOR_TIMEOUT_S="30")
-    try:
-        out = run_ranks(_retry_after_abort, 2, env, str(root), str(tmp_path), timeout_s=150)
-        # The slow write of attempt 1 ends after all that (its directory is gone: it fails, or it
-        # re-creates it and is reported late); either way it is discarded.
-        cfg = ckptd.CkptdConfig.from_env(env)
-        wait_until(
-            lambda: all(not admin.daemon_status(d, cfg)["jobs_in_flight"] for d in admin.local_daemons(root, cfg)),
-            30,
-            "the late write to end",
-        )
-        wait_until(lambda: not tmp_leftovers(root), 20, f"{tmp_leftovers(root)} to be removed")
-    finally:
-        _stop_all(runtime, tmp_path)
+    env = _env(runtime_dir, CKPTD_COMMIT_TIMEOUT_S=str(COMMIT_TIMEOUT_S), CKPTD_COORDINATOR_TIMEOUT_S="30")
+    out = run_ranks(_retry_after_abort, 2, env, str(root), str(tmp_path), timeout_s=150)
+    # The slow write of attempt 1 ends after all that (its directory is gone: it fails, or it
+    # re-creates it and is reported late); either way it is discarded.
+    cfg = ckptd.CkptdConfig.from_env(env)
+    wait_until(
+        lambda: all(not admin.daemon_status(d, cfg)["jobs_in_flight"] for d in admin.local_daemons(root, cfg)),
+        30,
+        "the late write to end",
+    )
+    wait_until(lambda: not tmp_leftovers(root), 20, f"{tmp_leftovers(root)} to be removed")
     for o in out:
         # Whichever clock ends first: the coordinator's, or node 1's for its rank's unfinished write.
         slow = r"ranks \[1\] did not report|rank 1 \(node 1\): its data file \S+ was not written"
@@ -244,17 +230,15 @@ def _replay(rank: int, world: int, env: dict[str, str], root: str, faults: str, 
 
 
 @pytest.mark.timeout(120)
-def test_a_captured_session_replayed_to_the_coordinator_is_refused_and_the_step_commits(tmp_path):
+def test_a_captured_session_replayed_to_the_coordinator_is_refused_and_the_step_commits(tmp_path, runtime_dir):
     root = tmp_path / "ckpts"
-    runtime = Path(tempfile.mkdtemp(prefix="cka", dir="/tmp"))
-    env = _env(runtime, CKPTD_COMMIT_TIMEOUT_S="30", CKPTD_COORDINATOR_TIMEOUT_S="30")
+    env = _env(runtime_dir, CKPTD_COMMIT_TIMEOUT_S="30", CKPTD_COORDINATOR_TIMEOUT_S="30")
     capture = tmp_path / "node1-session.bin"
     relay = CaptureRelay(int(env["CKPTD_COORDINATOR_PORT"]), capture)
     try:
         out = run_ranks(_replay, 2, env, str(root), str(tmp_path), str(capture), relay.port, timeout_s=100)
     finally:
         relay.close()
-        _stop_all(runtime, tmp_path)
     assert out[0]["rejected"] >= 1
     assert capture.stat().st_size > 0 and b"__1_0.distcp" not in capture.read_bytes()  # ciphertext only
     plain = ckptd.load_plain_tensors(root / "iter_0000002")["w"]

@@ -14,10 +14,7 @@ says its daemon died but the checkpoint is complete, both load step 2 bit-exact 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +23,6 @@ import torch.distributed as dist
 import ckptd
 from ckptd import ShardedTensor
 from tests.fault.test_node_faults import as_node_rank
-from tools.harness.daemons import stop_daemons
 from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_for_exit, wait_until
@@ -101,24 +97,17 @@ def _lose_the_coordinator_after_its_commit(rank: int, world: int, env: dict, roo
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["lost", "restarted"])
-def test_ranks_of_another_node_see_committed_when_the_coordinator_died_after_its_commit(tmp_path, how):
+def test_ranks_of_another_node_see_committed_when_the_coordinator_died_after_its_commit(tmp_path, how, runtime_dir):
     root = tmp_path / "ckpts"
-    runtime = Path(tempfile.mkdtemp(prefix="ckl", dir="/tmp"))
     env = {
-        "CKPTD_RUNTIME_DIR": str(runtime),
+        "CKPTD_RUNTIME_DIR": str(runtime_dir),
         "CKPTD_COORDINATOR_PORT": str(free_port()),
         "CKPTD_HEARTBEAT_S": "0.1",
         "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
         "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S[how]),
         "CKPTD_IDLE_EXIT_S": "60",
     }
-    try:
-        out = run_ranks(_lose_the_coordinator_after_its_commit, 2, env, str(root), str(tmp_path), how, timeout_s=150)
-    finally:
-        stop_daemons(runtime.glob("*.pid"))
-        for log_file in runtime.glob("*.log"):  # kept with the test's files, for a failure's story
-            shutil.copy(log_file, tmp_path / log_file.name)
-        shutil.rmtree(runtime, ignore_errors=True)
+    out = run_ranks(_lose_the_coordinator_after_its_commit, 2, env, str(root), str(tmp_path), how, timeout_s=150)
     assert out[1]["status"] == "COMMITTED", out[1]
     (warning,) = out[1]["warnings"]
     cause = "did not answer for" if how == "lost" else "the coordinator restarted"

@@ -7,12 +7,10 @@ daemon for the same node and job exits with 3.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 import ckptd
 from ckptd import ShardedTensor
 from ckptd.config import CkptdConfig
-from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
+from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.daemon.main import EXIT_BUSY
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
@@ -49,13 +47,11 @@ def _orphan_segment(name: str) -> Path:
 
 
 @pytest.mark.timeout(120)
-def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp_path):
+def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp_path, runtime_dir):
     root = tmp_path / "ckpts"
     make_root(root, [5, 6], latest=5)  # iter_6: complete, renamed, but the tracker was not updated
-    runtime = Path(tempfile.mkdtemp(prefix="ckr", dir="/tmp"))
-    env = _env(runtime)
+    env = _env(runtime_dir)
     ep = Endpoints.for_job(root, JobEnv(), CkptdConfig.from_env(env))
-    ensure_private_dir(runtime)
     mine = _orphan_segment(segment_name(ep.shm_prefix, 0, new_generation(), 0))
     # Another node's: not ours to remove.
     foreign = _orphan_segment(segment_name(f"ckptd-{ep.job}-n1-", 0, new_generation(), 0))
@@ -94,21 +90,17 @@ def test_new_daemon_cleans_crash_leftovers_despite_stale_socket_and_pid_file(tmp
         stop_daemons([ep.pid_path])
         assert not ep.socket_path.exists() and not ep.pid_path.exists()
     finally:
-        stop_daemons([ep.pid_path])
         foreign.unlink(missing_ok=True)
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
-def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path):
+def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path, runtime_dir):
     root = tmp_path / "ckpts"
     root.mkdir()
-    runtime = Path(tempfile.mkdtemp(prefix="ckr", dir="/tmp"))
     port = free_port()
-    env = _env(runtime, CKPTD_COMMIT_TIMEOUT_S="1")  # the coordinator's address given explicitly below
+    env = _env(runtime_dir, CKPTD_COMMIT_TIMEOUT_S="1")  # the coordinator's address given explicitly below
     cfg = CkptdConfig.from_env(env, coordinator_port=port)
     eps = [Endpoints.for_job(root, JobEnv(rank=n, world_size=2, node=n, local_world_size=1), cfg) for n in (0, 1)]
-    ensure_private_dir(runtime)
     segments = [_orphan_segment(segment_name(ep.shm_prefix, ep.node, new_generation(), 0)) for ep in eps]
     partial = root / "iter_0000003.0123456789ab-1.tmp"
     partial.mkdir()
@@ -126,27 +118,23 @@ def test_multi_node_restart_adopts_unfinished_saves_and_cleans_per_node(tmp_path
         wait_until(lambda: not partial.exists(), 20, "the adopted, abandoned save to be removed")
         assert "step 3 attempt 0123456789ab-1 aborted" in eps[0].log_path.read_text()
     finally:
-        stop_daemons(ep.pid_path for ep in eps)
         for seg in segments:
             seg.unlink(missing_ok=True)
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
-def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypatch):
+def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypatch, runtime_dir):
     """An auto-started daemon may exit (idle) just as a Checkpointer connects: the HELLO then
     goes to a daemon that is gone. The Checkpointer starts a new one instead of failing. Here the
     daemon is SIGKILLed right after the Checkpointer found it alive, before its HELLO."""
     from ckptd.client import link as link_mod
 
-    runtime = Path(tempfile.mkdtemp(prefix="ckh", dir="/tmp"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(var, raising=False)
     root = tmp_path / "ckpts"
-    cfg = CkptdConfig.from_env({}, runtime_dir=str(runtime), idle_exit_s=5.0, heartbeat_s=0.1)
+    cfg = CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=5.0, heartbeat_s=0.1)
     ep = Endpoints.for_job(root, JobEnv(), cfg)
-    ensure_private_dir(runtime)
-    assert _daemon(_env(runtime), root).returncode == 0
+    assert _daemon(_env(runtime_dir), root).returncode == 0
     first = daemon_pid(ep.pid_path)
     real_alive = link_mod.daemon_alive
     killed: list[int] = []
@@ -161,12 +149,8 @@ def test_a_daemon_that_exits_during_the_handshake_is_replaced(tmp_path, monkeypa
         return found
 
     monkeypatch.setattr(link_mod, "daemon_alive", alive_then_killed)
-    try:
-        with ckptd.Checkpointer(root, config=cfg) as ckpt:
-            assert killed == [first] and ckpt.status()["pid"] not in (first, None)
-            w = torch.arange(8.0)
-            ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=1).wait(timeout_s=60)
-            assert ckpt.latest() == 1
-    finally:
-        stop_daemons([ep.pid_path])
-        shutil.rmtree(runtime, ignore_errors=True)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        assert killed == [first] and ckpt.status()["pid"] not in (first, None)
+        w = torch.arange(8.0)
+        ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=1).wait(timeout_s=60)
+        assert ckpt.latest() == 1

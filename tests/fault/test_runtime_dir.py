@@ -31,12 +31,11 @@ import zmq
 
 import ckptd
 from ckptd.config import CkptdConfig
-from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
+from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.errors import DaemonError
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tests.fault.test_restart_recovery import _daemon, _env
 from tests.multiproc import without_torchrun
-from tools.harness.daemons import stop_daemons
 
 OTHER_UID = 65534
 
@@ -69,8 +68,11 @@ class FakeDaemon:
 
 
 @pytest.fixture
-def runtime() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="ckt", dir="/tmp"))
+def foreign_runtime() -> Path:
+    """A runtime directory whose pid file and socket, or the directory itself, become another
+    user's: no daemon of this user runs there, and the ``runtime_dir`` fixture, as every client,
+    refuses to touch another user's pid file."""
+    path = Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -78,30 +80,33 @@ def runtime() -> Path:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("owned_by_other", ["runtime directory", "pid file and socket"])
 def test_a_client_with_a_job_token_never_talks_to_another_users_daemon(
-    tmp_path, runtime, owned_by_other, single_process
+    tmp_path, foreign_runtime, owned_by_other, single_process
 ):
     cfg = CkptdConfig.from_env(
-        {}, runtime_dir=str(runtime), job_token=secrets.token_hex(32), request_timeout_s=3.0, daemon_start_timeout_s=5.0
+        {},
+        runtime_dir=str(foreign_runtime),
+        job_token=secrets.token_hex(32),
+        request_timeout_s=3.0,
+        daemon_start_timeout_s=5.0,
     )
     ep = Endpoints.for_job(tmp_path / "root", JobEnv(), cfg)
     fake = FakeDaemon(ep)
     if owned_by_other == "runtime directory":
-        os.chown(runtime, OTHER_UID, OTHER_UID)
+        os.chown(foreign_runtime, OTHER_UID, OTHER_UID)
     try:
         with pytest.raises(DaemonError, match=f"owned by uid {OTHER_UID}") as err:
             ckptd.Checkpointer(tmp_path / "root", config=cfg)
-        assert str(runtime if owned_by_other == "runtime directory" else ep.pid_path) in str(err.value)
+        assert str(foreign_runtime if owned_by_other == "runtime directory" else ep.pid_path) in str(err.value)
         assert fake.received() == 0, "the client sent its HELLO to another user's daemon"
     finally:
         fake.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments(tmp_path, runtime):
+def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments(tmp_path, runtime_dir):
     job = f"llama{secrets.token_hex(3)}"
-    env = _env(runtime, CKPTD_JOB_ID=job)
+    env = _env(runtime_dir, CKPTD_JOB_ID=job)
     ep = Endpoints.for_job(tmp_path / "root", JobEnv(), CkptdConfig.from_env(env))
-    ensure_private_dir(runtime)
     mine = SHM_DIR / segment_name(ep.shm_prefix, 0, new_generation(), 0)  # a crashed rank's
     ShmSegment.create(mine.name, 4096).close()
     neighbour = SHM_DIR / segment_name(f"ckptd-{job}-n0-n0-", 0, new_generation(), 0)  # job "<job>-n0"
@@ -115,7 +120,6 @@ def test_a_daemon_starts_despite_a_foreign_file_and_cleans_only_its_own_segments
         assert not mine.exists() and neighbour.exists() and foreign.exists()
         assert "not regular files of this user" in ep.log_path.read_text()
     finally:
-        stop_daemons([ep.pid_path])
         for path in (mine, neighbour, foreign):
             path.unlink(missing_ok=True)
 

@@ -10,9 +10,7 @@ and "after the trainer died" are real, not lucky timing.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
 from ckptd.format.rootlayout import step_dir_name
 from tests.integration import async_job as aj
-from tools.harness.daemons import stop_daemons
+from tools.harness.daemons import private_runtime_dir, stop_daemons
 from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks, spawned
 from tools.harness.waiting import wait_until
@@ -39,8 +37,14 @@ STEPS = [10, 20, 30, 40, 50]
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async") / "ckpts"
-    runtime = Path(tempfile.mkdtemp(prefix="ckt", dir="/tmp"))
+    """One job of the module's tests, its daemons shared (the last test stops them); the end checks
+    what they left as the ``runtime_dir`` fixture does."""
+    tmp = tmp_path_factory.mktemp("async")
+    with private_runtime_dir(tmp / "daemon-logs") as runtime:
+        yield _job(tmp / "ckpts", runtime)
+
+
+def _job(root: Path, runtime: Path) -> dict:
     env = {
         "CKPTD_RUNTIME_DIR": str(runtime),
         "CKPTD_COORDINATOR_PORT": str(free_port()),
@@ -50,12 +54,7 @@ def job(tmp_path_factory):
         "CKPTD_COORDINATOR_TIMEOUT_S": "8",
         "CKPTD_REQUEST_TIMEOUT_S": "30",
     }
-    eps = [aj.endpoints(root, env, n) for n in range(aj.NODES)]
-    yield {"root": root, "env": env, "eps": eps}
-    try:
-        stop_daemons(ep.pid_path for ep in eps)  # in case a test failed before the shutdown test
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+    return {"root": root, "env": env, "eps": [aj.endpoints(root, env, n) for n in range(aj.NODES)]}
 
 
 # --- 1. consecutive saves, tensors mutated right after each save() returns ----------------------

@@ -5,9 +5,7 @@ and an auto-started daemon that exits by itself and leaves nothing behind. Real 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,13 +31,12 @@ def _loaded(ckpt: ckptd.Checkpointer, shape: tuple[int, ...], step: int | None =
 
 
 @pytest.mark.timeout(120)
-def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_process):
+def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_process, runtime_dir):
     assert JobEnv.detect() == JobEnv()
     root = tmp_path / "run"
-    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env(
         {},
-        runtime_dir=runtime,
+        runtime_dir=str(runtime_dir),
         staging_budget="1x",
         on_full="skip",
         keep_last=2,
@@ -93,22 +90,18 @@ def test_single_process_backpressure_retention_and_clean_exit(tmp_path, single_p
     wait_for_exit(daemon_pid, 30, "the idle daemon to exit")
     left = [n for n in os.listdir("/dev/shm") if n.startswith("ckptd-")]
     assert not [n for n in left if ckpt.endpoints.job in n]
-    assert sorted(os.listdir(runtime)) == sorted([f"{ckpt.endpoints.job}.token", f"{ckpt.endpoints.stem}.log"])
+    assert sorted(os.listdir(runtime_dir)) == sorted([f"{ckpt.endpoints.job}.token", f"{ckpt.endpoints.stem}.log"])
     assert (root / "latest").read_text().strip() == "iter_0000006"
-    Path(runtime, f"{ckpt.endpoints.stem}.log").unlink()
-    Path(runtime, f"{ckpt.endpoints.job}.token").unlink()
-    os.rmdir(runtime)
 
 
 @pytest.mark.timeout(120)
-def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, single_process):
+def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, single_process, runtime_dir):
     """Saves of the same structure send the item list once; a changed structure sends it again;
     a layout the daemon does not hold is refused with a clear error and the next save recovers."""
-    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     # A refused SAVE must give its ring space back, or the next save would wait forever.
     cfg = ckptd.CkptdConfig.from_env(
         {},
-        runtime_dir=runtime,
+        runtime_dir=str(runtime_dir),
         idle_exit_s=2.0,
         heartbeat_s=0.2,
         staging_budget="1x",
@@ -155,7 +148,7 @@ def test_unchanged_structure_sends_only_the_layout_id(tmp_path, monkeypatch, sin
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_process, monkeypatch):
+def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_process, monkeypatch, runtime_dir):
     """save() raises a StagingError naming key and rank when a shard cannot be copied; the save
     is abandoned and its ring space is free again (a ring of one save: otherwise the next save
     would wait until it times out). The failure is injected into the copy of one tensor, as a
@@ -171,10 +164,9 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
         return real_write(self, src, v)
 
     monkeypatch.setattr(StagingRing, "_write_tensor", write_tensor)
-    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
     cfg = ckptd.CkptdConfig.from_env(
         {},
-        runtime_dir=runtime,
+        runtime_dir=str(runtime_dir),
         idle_exit_s=2.0,
         heartbeat_s=0.2,
         staging_budget="1x",
@@ -197,7 +189,9 @@ def test_a_failed_copy_names_the_item_and_gives_its_space_back(tmp_path, single_
 
 
 @pytest.mark.timeout(120)
-def test_a_snapshot_child_stuck_in_fork_is_replaced_and_the_save_commits(tmp_path, single_process, monkeypatch):
+def test_a_snapshot_child_stuck_in_fork_is_replaced_and_the_save_commits(
+    tmp_path, single_process, monkeypatch, runtime_dir
+):
     """The child of a fork snapshot can deadlock inside ``os.fork()`` on Python < 3.12 (CPython
     gh-112275) before it copies anything. Simulated here for the first fork: save() kills it and
     forks again while the trainer's memory is still as it was, so the save commits with the
@@ -215,9 +209,7 @@ def test_a_snapshot_child_stuck_in_fork_is_replaced_and_the_save_commits(tmp_pat
         return pid
 
     monkeypatch.setattr(os, "fork", fork)
-    cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, snapshot_timeout_s=10
-    )
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, snapshot_timeout_s=10)
     w = torch.randn(256, 1024)
     expected = w.clone()
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
@@ -230,15 +222,14 @@ def test_a_snapshot_child_stuck_in_fork_is_replaced_and_the_save_commits(tmp_pat
 
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:ComplexHalf support is experimental")
-def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path, single_process):
+def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path, single_process, runtime_dir):
     """float8 variants, complex32, float4, uint64...: staged into the slot (by the fork child, and
     by the trainer's copy for non-contiguous views), written by the daemon, loaded bit-exact and
     verified deep."""
     from ckptd.verify import verify_checkpoint
     from tests.dtypes import dcp_dtypes, dtype_label, random_tensor, same_bits
 
-    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2)
     ref = {dtype_label(dt): random_tensor(dt, i, (8, 6)) for i, dt in enumerate(dcp_dtypes(tmp_path / "probe"))}
     # Step 1: contiguous tensors (the fork child copies them). Step 2: transposed views, which
     # the trainer copies into typed views of the slot.
@@ -261,12 +252,11 @@ def test_every_dtype_torch_dcp_saves_persists_asynchronously_bit_exact(tmp_path,
 
 
 @pytest.mark.timeout(120)
-def test_step_0_never_writes_0_into_megatron_lm_tracker(tmp_path, single_process):
+def test_step_0_never_writes_0_into_megatron_lm_tracker(tmp_path, single_process, runtime_dir):
     """Megatron-LM's read_metadata refuses iteration 0 ("iteration > 0 or release"): after step 0
     its tracker is left as it was (absent here), ckptd's own `latest` names iter_0000000; step 5
     then updates both."""
-    runtime = tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2)
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2)
     root = tmp_path / "run"
     tracker = root / "latest_checkpointed_iteration.txt"
     w = torch.randn(4, 3)

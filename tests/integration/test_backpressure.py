@@ -5,8 +5,7 @@ by ``debug_write_delay_s``), real processes, real /dev/shm rings and files."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,8 +18,8 @@ from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
 
 
-def _config(runtime: str, **kw) -> ckptd.CkptdConfig:
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, **kw)
+def _config(runtime: str | Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
 
 
 def _state(tensors: dict[str, torch.Tensor], step: int) -> dict:
@@ -40,19 +39,12 @@ def _live_children(besides: frozenset[int] = frozenset()) -> list[int]:
     return out
 
 
-@pytest.fixture
-def runtime():
-    path = tempfile.mkdtemp(prefix="ckbp", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.timeout(180)
-def test_skip_takes_any_save_on_an_idle_ring_and_skips_only_behind_a_busy_one(tmp_path, runtime, single_process):
+def test_skip_takes_any_save_on_an_idle_ring_and_skips_only_behind_a_busy_one(tmp_path, runtime_dir, single_process):
     """M2: a ring smaller than the save (budget 0.5x), and a state grown to 3x the first save,
     stream through an idle ring; only a save that finds earlier saves still holding the ring is
     skipped. Before: every such save was skipped, forever, on an idle disk too."""
-    cfg = _config(runtime, staging_budget="0.5x", on_full="skip", debug_write_delay_s=1.0)
+    cfg = _config(runtime_dir, staging_budget="0.5x", on_full="skip", debug_write_delay_s=1.0)
     w = torch.randn(1024, 1024)  # 4 MiB: a 2 MiB ring
     grown = {"w": w, "exp_avg": torch.randn(1024, 1024), "exp_avg_sq": torch.rand(1024, 1024)}
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
@@ -74,12 +66,12 @@ def test_skip_takes_any_save_on_an_idle_ring_and_skips_only_behind_a_busy_one(tm
 
 
 @pytest.mark.timeout(180)
-def test_fork_children_do_not_pile_up_behind_a_slow_disk(tmp_path, runtime, single_process):
+def test_fork_children_do_not_pile_up_behind_a_slow_disk(tmp_path, runtime_dir, single_process):
     """M3: with fork snapshots and on_full="wait", each save's child used to wait for ring space
     holding its copy-on-write view of the trainer (one per save, up to 32 per rank). Now at most
     one child waits; a further save waits inside save() (counted in queue_wait_s) until that
     child has its room, so the live children stay at one waiting plus those still copying."""
-    cfg = _config(runtime, staging_budget="1x", on_full="wait", snapshot="auto", debug_write_delay_s=1.0)
+    cfg = _config(runtime_dir, staging_budget="1x", on_full="wait", snapshot="auto", debug_write_delay_s=1.0)
     w = torch.zeros(1024, 1024)  # 4 MiB: each save fills the ring
     live, handles = [], []
     others = frozenset(_live_children())
@@ -138,13 +130,13 @@ def _skip_on_one_rank(rank: int, world: int, root: str, runtime: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_a_skip_on_one_rank_is_a_skip_on_every_rank_and_fails_no_later_save(tmp_path, runtime):
+def test_a_skip_on_one_rank_is_a_skip_on_every_rank_and_fails_no_later_save(tmp_path, runtime_dir):
     """M1: rank 1 skips steps 2 and 3 (its ring busy), rank 0 saved them. Rank 0's handles
     resolve at once as SKIPPED, naming rank 1 (before: ABORTED, raised by its next save(), which
     then did not save its own step, so rank 1's save of that step waited commit_timeout_s and
     aborted)."""
     root = tmp_path / "run"
-    out = run_ranks(_skip_on_one_rank, 2, str(root), runtime, timeout_s=200)
+    out = run_ranks(_skip_on_one_rank, 2, str(root), str(runtime_dir), timeout_s=200)
     assert out[1]["skipped_here"] == [2, 3]  # the skipping rank's own handles, at save()
     for o in out:
         assert o["status"] == ["skipped", "skipped"], o

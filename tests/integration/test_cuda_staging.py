@@ -10,9 +10,9 @@ copy a DMA into a pinned chunk), and ``ckptd bench train`` reports the stalls ag
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +27,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.timeout(180)
-def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process):
-    cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2
-    )
+def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process, runtime_dir):
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2)
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = {f"w{i}": torch.randn(1 << 20, device="cuda", generator=gen) for i in range(8)}
     tensors["half"] = torch.randn(333, 77, device="cuda", generator=gen).to(torch.bfloat16)
@@ -58,12 +56,12 @@ def test_cuda_shards_stage_pinned_and_commit_bit_exact(tmp_path, single_process)
 
 
 @pytest.mark.timeout(180)
-def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_process):
+def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_process, runtime_dir):
     """snapshot="lazy": save() only enqueues the device-to-host copies; before_update() orders the
     next kernels after them (no host wait), so overwriting right after the fence is safe; a write
     before the fence fails the save."""
     cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy"
+        {}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy"
     )
     gen = torch.Generator(device="cuda").manual_seed(1)
     tensors = {f"w{i}": torch.randn(4 << 20, device="cuda", generator=gen) for i in range(4)}
@@ -85,14 +83,8 @@ def test_cuda_lazy_snapshots_are_fenced_by_the_stream_order(tmp_path, single_pro
             h.wait(timeout_s=60)
 
 
-def _config(runtime: str | None = None, **kw) -> ckptd.CkptdConfig:
-    """A private runtime directory, or ``runtime`` (the ranks of one job must share it)."""
-    runtime = runtime or tempfile.mkdtemp(prefix="cks", dir="/tmp")
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, **kw)
-
-
-def _runtime() -> str:
-    return tempfile.mkdtemp(prefix="cks", dir="/tmp")
+def _config(runtime_dir: str | Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
 
 
 def _sharded(tensors: dict[str, torch.Tensor]) -> dict:
@@ -115,7 +107,7 @@ class RecordingRegistrar(CudaRegistrar):
 @pytest.mark.parametrize("snapshot", ["auto", "lazy"])
 @pytest.mark.parametrize("prepared,on_device", [(True, True), (False, True), (False, False)])
 def test_the_first_save_registers_nothing_and_copies_only_by_dma(
-    tmp_path, single_process, monkeypatch, snapshot, prepared, on_device
+    tmp_path, single_process, monkeypatch, snapshot, prepared, on_device, runtime_dir
 ):
     """Issue 23.1 on a GPU: every cudaHostRegister runs on the pinner thread, none inside save();
     the first save's copies are all DMA into pinned chunks (a chunk not pinned yet is waited for,
@@ -129,7 +121,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes = [1 << 24, 3 << 20, 1000, 1, 4096, 1 << 22] * 20  # 120 tensors, 1.6 GiB of float32
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate(sizes)}
-    cfg = _config(snapshot=snapshot, device_snapshot_fraction=0.25 if on_device else 0.0)
+    cfg = _config(runtime_dir, snapshot=snapshot, device_snapshot_fraction=0.25 if on_device else 0.0)
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         if prepared:
             ckpt.prepare(_sharded(tensors))
@@ -160,7 +152,9 @@ class SlowRegistrar(CudaRegistrar):
 
 
 @pytest.mark.timeout(300)
-def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment(tmp_path, single_process, monkeypatch):
+def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment(
+    tmp_path, single_process, monkeypatch, runtime_dir
+):
     """Three saves in a row while the ring is still being pinned, the tensors overwritten by
     kernels right after each save(): each is a device snapshot (ckptd.staging.devsnap), written
     into the ring by its thread once the chunks are pinned, and each committed checkpoint holds
@@ -170,7 +164,7 @@ def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment
     gen = torch.Generator(device="cuda").manual_seed(5)
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate([1 << 22, 999, 1 << 20] * 8)}
     expected = {}
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="3.5x")) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, staging_budget="3.5x")) as ckpt:
         handles = []
         for step in (1, 2, 3):
             expected[step] = {k: v.cpu() for k, v in tensors.items()}
@@ -187,10 +181,12 @@ def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment
 
 
 @pytest.mark.timeout(180)
-def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explicitly(tmp_path, single_process):
+def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explicitly(
+    tmp_path, single_process, runtime_dir
+):
     """pin_memory=False: no DMA into the (unregistered) ring; an explicit device-to-host copy."""
     tensors = {f"w{i}": torch.full((1 << 20,), float(i), device="cuda") for i in range(4)}
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(pin_memory=False)) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, pin_memory=False)) as ckpt:
         ckpt.save(_sharded(tensors), step=1).wait(timeout_s=60)
         ring = ckpt._ring.current
         assert ring.pinner is None and ring.dma_pieces == 0 and ring.pageable_pieces > 0
@@ -199,7 +195,7 @@ def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explici
 
 
 @pytest.mark.timeout(300)
-def test_lazy_fence_under_fused_adamw_kernels(tmp_path, single_process):
+def test_lazy_fence_under_fused_adamw_kernels(tmp_path, single_process, runtime_dir):
     """A model trained on the GPU with fused AdamW (its kernels bump no version counter): with the
     optimizer attached, every save is a lazy snapshot whose copies the optimizer's kernels are
     ordered after, so each committed checkpoint holds exactly the state of its save()."""
@@ -208,7 +204,7 @@ def test_lazy_fence_under_fused_adamw_kernels(tmp_path, single_process):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x = torch.randn(64, 512, device="cuda")
     expected, handles = {}, []
-    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         ckpt.attach(opt)
         for step in range(1, 9):
             model(x).square().mean().backward()
@@ -254,8 +250,8 @@ def _two_ranks_one_gpu(rank: int, world: int, root: str, runtime: str) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_sharing_one_gpu(tmp_path):
-    assert run_ranks(_two_ranks_one_gpu, 2, str(tmp_path / "run"), _runtime(), timeout_s=240) == [True, True]
+def test_two_ranks_sharing_one_gpu(tmp_path, runtime_dir):
+    assert run_ranks(_two_ranks_one_gpu, 2, str(tmp_path / "run"), str(runtime_dir), timeout_s=240) == [True, True]
 
 
 def _dtensor_on_cuda_mesh(rank: int, world: int, root: str, runtime: str) -> bool:
@@ -276,8 +272,8 @@ def _dtensor_on_cuda_mesh(rank: int, world: int, root: str, runtime: str) -> boo
 
 
 @pytest.mark.timeout(300)
-def test_dtensor_state_dict_on_a_cuda_mesh(tmp_path):
-    assert run_ranks(_dtensor_on_cuda_mesh, 1, str(tmp_path / "run"), _runtime(), timeout_s=240) == [True]
+def test_dtensor_state_dict_on_a_cuda_mesh(tmp_path, runtime_dir):
+    assert run_ranks(_dtensor_on_cuda_mesh, 1, str(tmp_path / "run"), str(runtime_dir), timeout_s=240) == [True]
 
 
 def _megatron_gpt_on_cuda(rank: int, world: int, root: str, runtime: str) -> list[str]:
@@ -313,5 +309,7 @@ def _megatron_gpt_on_cuda(rank: int, world: int, root: str, runtime: str) -> lis
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
-def test_megatron_gpt_trained_on_cuda_saves_and_loads_bit_exact(tmp_path):
-    assert run_ranks(_megatron_gpt_on_cuda, 1, str(tmp_path / "run"), _runtime(), timeout_s=240, daemon=False) == [[]]
+def test_megatron_gpt_trained_on_cuda_saves_and_loads_bit_exact(tmp_path, runtime_dir):
+    assert run_ranks(
+        _megatron_gpt_on_cuda, 1, str(tmp_path / "run"), str(runtime_dir), timeout_s=240, daemon=False
+    ) == [[]]

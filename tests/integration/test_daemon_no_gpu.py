@@ -3,8 +3,6 @@ memory, and device memory on every GPU of the node). Real auto-started daemon.""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 
@@ -13,8 +11,8 @@ from ckptd import ShardedTensor
 
 
 @pytest.mark.timeout(120)
-def test_the_daemon_runs_with_no_visible_gpu(tmp_path, single_process):
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=tempfile.mkdtemp(prefix="ckg", dir="/tmp"), idle_exit_s=2.0)
+def test_the_daemon_runs_with_no_visible_gpu(tmp_path, single_process, runtime_dir):
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0)
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1000))}, step=1).wait(timeout_s=60)
         pid = ckpt.status()["pid"]

@@ -1,5 +1,6 @@
 """The test harness's own bounds (tools/harness): stopping daemons and spawned processes never
-waits past its bound, and what outlives it is killed and reported, not left running.
+waits past its bound, and what outlives it is killed and reported, not left running; a private
+runtime directory (the runtime_dir fixture's) keeps its daemons' logs and reports what they left.
 
 The daemons here are stand-ins that hold a pid file with ckptd's own PidLock (what makes a daemon
 live to everyone else) and whose command line names ``ckptd.cli`` and the job, as a daemon's does."""
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.control.pidfile import daemon_alive
-from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, stop_daemons
+from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
+from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, private_runtime_dir, stop_daemons
 from tools.harness.ranks import spawned
 from tools.harness.waiting import wait_until
 
@@ -83,6 +85,38 @@ def test_a_job_process_without_a_pid_file_is_waited_for(tmp_path, stand_ins):
     with pytest.raises(DaemonsDidNotStop):
         stop_daemons([tmp_path / "none-n0.pid"], 1.0, job=job)
     assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(120)
+def test_a_runtime_dir_is_removed_with_its_daemons_logs_kept(tmp_path, stand_ins):
+    job = f"harness{time.monotonic_ns()}"
+    with private_runtime_dir(tmp_path / "logs", timeout_s=30) as runtime:
+        proc = stand_ins(runtime / f"{job}-n0.pid")
+        (runtime / f"{job}-n0.log").write_text("the daemon's story\n")
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert not runtime.exists()
+    assert (tmp_path / "logs" / f"{job}-n0.log").read_text() == "the daemon's story\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_runtime_dir_fails_on_a_killed_daemon_and_a_leftover_segment(tmp_path, stand_ins):
+    """What the runtime_dir fixture fails a test for: a daemon that outlived its bound (killed),
+    and a staging segment of a job of the directory (its job named by the pid file or the token)."""
+    job, other = f"harness{time.monotonic_ns()}", f"harness{time.monotonic_ns()}x"
+    segments = [SHM_DIR / segment_name(f"ckptd-{j}-n1-", 0, new_generation(), 0) for j in (job, other)]
+    try:
+        with pytest.raises(AssertionError) as failed, private_runtime_dir(tmp_path / "logs", 1.0) as runtime:
+            proc = stand_ins(runtime / f"{job}-n0.pid", "ignore-sigterm")
+            (runtime / f"{other}.token").write_text("a token\n")
+            for segment in segments:
+                ShmSegment.create(segment.name, 4096).close()
+        assert f"[{proc.pid}] still ran 1 s after SIGTERM" in str(failed.value)
+        assert all(str(segment) in str(failed.value) for segment in segments), failed.value
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not runtime.exists()
+    finally:
+        for segment in segments:
+            segment.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(60)

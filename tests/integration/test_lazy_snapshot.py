@@ -5,8 +5,6 @@ its copy was complete fails the save instead. Real daemon, real files, one proce
 from __future__ import annotations
 
 import ctypes
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,10 @@ from tests.interop.reference import same_bits
 from tools.harness.ranks import run_ranks
 
 
-def _config(**kw) -> ckptd.CkptdConfig:
-    runtime = tempfile.mkdtemp(prefix="ckl", dir="/tmp")
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy", **kw)
+def _config(runtime_dir: Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, snapshot="lazy", **kw
+    )
 
 
 def _state(tensors: dict[str, torch.Tensor], step: int) -> dict:
@@ -36,12 +35,12 @@ def _load(ckpt: ckptd.Checkpointer, like: dict[str, torch.Tensor], step: int) ->
 
 
 @pytest.mark.timeout(180)
-def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, single_process):
+def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, single_process, runtime_dir):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     expected = {}
-    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         ckpt.attach(opt)
         handles = []
         for step in range(1, 7):
@@ -61,7 +60,7 @@ def test_lazy_saves_with_an_attached_optimizer_commit_exact_values(tmp_path, sin
 
 
 @pytest.mark.timeout(180)
-def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, single_process):
+def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, single_process, runtime_dir):
     """snapshot="auto" (the default): attach(optimizer) makes the saves lazy snapshots (fenced by
     the optimizer's step); after the attachment is removed they are fork snapshots again. Seen by
     what each does with a write before the next optimizer step: a lazy save fails (its fence sees
@@ -69,7 +68,7 @@ def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, s
     registered the fence and the default stayed a fork snapshot."""
     w = torch.nn.Parameter(torch.zeros(1 << 16))
     opt = torch.optim.SGD([w], lr=0.5)
-    cfg = _config().replace(snapshot="auto")
+    cfg = _config(runtime_dir).replace(snapshot="auto")
     with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
         attachment = ckpt.attach(opt)
         w.grad = torch.ones_like(w)
@@ -93,13 +92,13 @@ def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, s
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fenced", [False, True])
-def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_path, single_process, fenced):
+def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_path, single_process, fenced, runtime_dir):
     """Each save changes one of its tensors (an optimizer step on it) at one point: right after
     save() returned (the copy is running) or once the copy is complete; before the fence
     (before_update()) or after it. Changed before the fence: the save fails, whatever the copy had
     done; after: it commits exactly the saved values. Never a mix."""
     names = [f"t{i}" for i in range(4)]
-    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         step = 0
         for victim in names:
             for when in ("during the copy", "after the copy"):
@@ -125,9 +124,9 @@ def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_lazy_save_of_non_contiguous_tensors_and_objects(tmp_path, single_process):
+def test_lazy_save_of_non_contiguous_tensors_and_objects(tmp_path, single_process, runtime_dir):
     w = torch.randn(64, 32)
-    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         sd = {
             "wt": ShardedTensor.from_rank_offsets("wt", w.t()),
             "obj": ckptd.ShardedObject("obj", {"a": 1}, (1,), (0,)),
@@ -290,18 +289,14 @@ def _readme_lists() -> tuple[str, str]:
 
 
 @pytest.mark.timeout(240)
-def test_the_fence_sees_the_writes_the_readme_says_it_sees(tmp_path):
+def test_the_fence_sees_the_writes_the_readme_says_it_sees(tmp_path, runtime_dir):
     """A lazy save fails when a write the README lists as seen changes a saved tensor before the
     fence, and commits despite one it lists as not seen (torn values are possible then); two
     ranks, so that collectives really write."""
     seen, not_seen = _readme_lists()
     assert all(words in seen and words not in not_seen for words, _ in SEEN), seen
     assert all(words in not_seen for words, _ in NOT_SEEN), not_seen
-    runtime = tempfile.mkdtemp(prefix="ckf", dir="/tmp")
-    try:
-        out = run_ranks(_fence_sees, 2, str(tmp_path / "run"), runtime, timeout_s=200)
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+    out = run_ranks(_fence_sees, 2, str(tmp_path / "run"), str(runtime_dir), timeout_s=200)
     want = {w: {"failed"} for w, _ in SEEN} | {w: {"committed"} for w, _ in NOT_SEEN}
     for rank_out in out:
         assert {w: set(o) for w, o in rank_out.items()} == want

@@ -11,7 +11,6 @@ The pure rules are in tests/unit/test_plain_holdings.py.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ from tools.harness.ranks import run_ranks
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _env() -> dict[str, str]:
-    return {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "2"}
+def _env(runtime_dir: Path) -> dict[str, str]:
+    return {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2"}
 
 
 def _stored_keys(directory: str) -> set[str]:
@@ -94,8 +93,8 @@ def _full_state_dict_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_an_fsdp2_full_state_dict_on_rank_0_only_is_stored_and_loads(tmp_path: Path):
-    assert run_ranks(_full_state_dict_round_trip, 2, str(tmp_path), timeout_s=360, env=_env()) == [[], []]
+def test_an_fsdp2_full_state_dict_on_rank_0_only_is_stored_and_loads(tmp_path: Path, runtime_dir: Path):
+    assert run_ranks(_full_state_dict_round_trip, 2, str(tmp_path), timeout_s=360, env=_env(runtime_dir)) == [[], []]
 
 
 def _state(rank: int, fill: float) -> dict:
@@ -172,8 +171,8 @@ def _per_rank_state_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_per_rank_keys_and_dataloader_state_are_stored_for_every_rank(tmp_path: Path):
-    assert run_ranks(_per_rank_state_round_trip, 2, str(tmp_path), timeout_s=260, env=_env()) == [[], []]
+def test_per_rank_keys_and_dataloader_state_are_stored_for_every_rank(tmp_path: Path, runtime_dir: Path):
+    assert run_ranks(_per_rank_state_round_trip, 2, str(tmp_path), timeout_s=260, env=_env(runtime_dir)) == [[], []]
 
 
 def _uniform(fill: float, with_b: bool = True) -> dict:
@@ -224,8 +223,8 @@ def _spread_then_change(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_plain_items_are_spread_once_confirmed_and_a_changed_rank_cannot_drop_one(tmp_path: Path):
-    assert run_ranks(_spread_then_change, 2, str(tmp_path / "run"), timeout_s=260, env=_env()) == [[], []]
+def test_plain_items_are_spread_once_confirmed_and_a_changed_rank_cannot_drop_one(tmp_path: Path, runtime_dir: Path):
+    assert run_ranks(_spread_then_change, 2, str(tmp_path / "run"), timeout_s=260, env=_env(runtime_dir)) == [[], []]
 
 
 def _no_main_replica(rank: int, world: int, root: str) -> list[str]:
@@ -262,5 +261,5 @@ def _no_main_replica(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_keys_every_rank_holds_only_as_replicas_are_refused_naming_them(tmp_path: Path):
-    assert run_ranks(_no_main_replica, 2, str(tmp_path), timeout_s=260, env=_env()) == [[], []]
+def test_keys_every_rank_holds_only_as_replicas_are_refused_naming_them(tmp_path: Path, runtime_dir: Path):
+    assert run_ranks(_no_main_replica, 2, str(tmp_path), timeout_s=260, env=_env(runtime_dir)) == [[], []]

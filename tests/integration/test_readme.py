@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,11 +23,10 @@ def readme_example() -> str:
 
 
 @pytest.mark.timeout(180)
-def test_readme_example_saves_then_resumes(tmp_path):
+def test_readme_example_saves_then_resumes(tmp_path, runtime_dir):
     code = readme_example()
     assert len(code.strip().splitlines()) <= 22
-    runtime = tempfile.mkdtemp(prefix="ckr", dir="/tmp")
-    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "1"}
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "1"}
     outs = []
     for _ in range(2):
         run = subprocess.run(
@@ -49,7 +46,6 @@ def test_readme_example_saves_then_resumes(tmp_path):
         check=True,
         capture_output=True,
     )
-    shutil.rmtree(runtime)
 
 
 def readme_blocks(heading: str) -> list[str]:
@@ -112,10 +108,10 @@ def _fsdp2_blocks_resume_exactly(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_readme_fsdp2_lines_resume_bit_exact(tmp_path):
+def test_readme_fsdp2_lines_resume_bit_exact(tmp_path, runtime_dir):
     from tools.harness.ranks import run_ranks
 
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_fsdp2_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=200, env=env) == [[], []]
     assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [step_dir_name(s) for s in (1, 2, 3, 4)]
 
@@ -156,10 +152,10 @@ def _megatron_blocks_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_readme_megatron_lines_save_and_load(tmp_path):
+def test_readme_megatron_lines_save_and_load(tmp_path, runtime_dir):
     from tools.harness.ranks import run_ranks
 
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_megatron_blocks_round_trip, 2, str(tmp_path / "run"), timeout_s=200, daemon=False, env=env) == [
         [],
         [],
@@ -221,10 +217,10 @@ def _torchtitan_blocks_resume_exactly(rank: int, world: int, root: str) -> list[
 
 
 @pytest.mark.timeout(300)
-def test_readme_torchtitan_lines_resume_bit_exact(tmp_path):
+def test_readme_torchtitan_lines_resume_bit_exact(tmp_path, runtime_dir):
     from tools.harness.ranks import run_ranks
 
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_torchtitan_blocks_resume_exactly, 2, str(tmp_path / "run"), timeout_s=260, env=env) == [[], []]
     assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == [step_dir_name(s) for s in (1, 2, 3, 4)]
 

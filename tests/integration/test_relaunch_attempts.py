@@ -5,7 +5,6 @@ launch 2's save of step 1 is really committed, not a phantom COMMITTED with noth
 from __future__ import annotations
 
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ from ckptd import ShardedTensor
 
 
 @pytest.mark.timeout(120)
-def test_a_repeated_attempt_id_after_the_root_was_emptied_commits_for_real(tmp_path, single_process):
+def test_a_repeated_attempt_id_after_the_root_was_emptied_commits_for_real(tmp_path, single_process, runtime_dir):
     root = tmp_path / "run"
-    runtime = tempfile.mkdtemp(prefix="ckl", dir="/tmp")
+    runtime = str(runtime_dir)
     # One launch id for both launches (as plain torchrun's TORCHELASTIC_RUN_ID=none once gave):
     # the same attempt ids, sent to the same daemon, which outlives the first launch.
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, run_id="same-every-time", idle_exit_s=5.0)
@@ -46,12 +45,12 @@ def _launch(rank: int, world_size: int, root: str, runtime: str) -> tuple[str, s
 
 
 @pytest.mark.timeout(180)
-def test_ranks_of_a_torchrun_launch_without_a_run_id_agree_on_a_fresh_incarnation(tmp_path):
+def test_ranks_of_a_torchrun_launch_without_a_run_id_agree_on_a_fresh_incarnation(tmp_path, runtime_dir):
     """Plain torchrun (TORCHELASTIC_RUN_ID=none): the ranks agree through the process group's store,
     and the next launch gets another incarnation."""
     from tools.harness.ranks import run_ranks
 
-    runtime = tempfile.mkdtemp(prefix="ckl", dir="/tmp")
+    runtime = str(runtime_dir)
     env = {"TORCHELASTIC_RUN_ID": "none"}
     first = run_ranks(_launch, 2, str(tmp_path / "a"), runtime, env=env)
     second = run_ranks(_launch, 2, str(tmp_path / "b"), runtime, env=env)

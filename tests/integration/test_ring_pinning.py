@@ -8,8 +8,8 @@ so it is the one stand-in here (tests/integration/test_cuda_staging.py uses the 
 
 from __future__ import annotations
 
-import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,15 +28,15 @@ def _sharded(state: dict[str, torch.Tensor]) -> dict:
     return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
 
 
-def _config(**kw) -> ckptd.CkptdConfig:
-    return ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=tempfile.mkdtemp(prefix="cks", dir="/tmp"), idle_exit_s=2.0, heartbeat_s=0.2, **kw
-    )
+def _config(runtime_dir: Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
-def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_process, monkeypatch, snapshot):
+def test_save_never_registers_ring_memory_inside_the_stall(
+    tmp_path, single_process, monkeypatch, snapshot, runtime_dir
+):
     """Every cudaHostRegister runs on the pinner thread, none on the thread calling save(), and
     none while save() runs once the ring is pinned (``prepare()``); close() releases them all. The
     code before this (StagingPool._pin) registered the whole ring inside the first save(), on the
@@ -46,7 +46,7 @@ def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_proc
     state = _state(300_000)  # 4.6 MiB: the default 1.25x ring is 5.7 MiB, 23 chunks of 256 KiB
     monkeypatch.setattr("ckptd.staging.rankside.CHUNK_NBYTES", 256 << 10)
     me = threading.get_ident()
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot=snapshot)) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, snapshot=snapshot)) as ckpt:
         ckpt.prepare(_sharded(state))
         ring = ckpt._ring.current
         assert ring is not None and ring.pinner is not None
@@ -62,7 +62,9 @@ def test_save_never_registers_ring_memory_inside_the_stall(tmp_path, single_proc
 
 
 @pytest.mark.timeout(120)
-def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(tmp_path, single_process, monkeypatch):
+def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
+    tmp_path, single_process, monkeypatch, runtime_dir
+):
     """Without prepare(), the ring is created by the first save and pinned behind it: that save
     (CPU tensors here, which need no pinned chunk) returns while the pinner still works."""
     gate = threading.Event()
@@ -70,7 +72,7 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
     monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
     state = _state(100_000)
     try:
-        with ckptd.Checkpointer(tmp_path / "run", config=_config(snapshot="copy")) as ckpt:
+        with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, snapshot="copy")) as ckpt:
             h = ckpt.save(_sharded(state), step=1)
             assert reg.registered() == [] and not ckpt._ring.current.pinned  # the pinner waits at the gate
             gate.set()
@@ -83,10 +85,12 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
 
 
 @pytest.mark.timeout(120)
-def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(tmp_path, single_process, monkeypatch):
+def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(
+    tmp_path, single_process, monkeypatch, runtime_dir
+):
     reg = CountingRegistrar()
     monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
-    with ckptd.Checkpointer(tmp_path / "run", config=_config(staging_budget="4MiB")) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, staging_budget="4MiB")) as ckpt:
         ring = ckpt._ring.current
         assert ring is not None and ring.capacity == 4 << 20 and ring.pinner is not None
         assert ring.pinner.wait(ring.capacity - 1, timeout_s=30)
@@ -97,8 +101,8 @@ def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(tmp_path,
 
 
 @pytest.mark.timeout(60)
-def test_no_pinning_without_cuda_in_use(tmp_path, single_process):
+def test_no_pinning_without_cuda_in_use(tmp_path, single_process, runtime_dir):
     """A process that never used CUDA pins nothing (and creates no CUDA context to do it)."""
-    with ckptd.Checkpointer(tmp_path / "run", config=_config()) as ckpt:
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         ckpt.prepare(_sharded(_state(1000)))
         assert ckpt._ring.current is not None and ckpt._ring.current.pinner is None

@@ -4,7 +4,7 @@ Real daemon, real files, a single process."""
 
 from __future__ import annotations
 
-import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +19,10 @@ def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
 
 
-def _config(keep_last: int) -> ckptd.CkptdConfig:
-    runtime = tempfile.mkdtemp(prefix="ckb", dir="/tmp")
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, keep_last=keep_last, idle_exit_s=2.0, heartbeat_s=0.2)
+def _config(runtime_dir: Path, keep_last: int) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime_dir), keep_last=keep_last, idle_exit_s=2.0, heartbeat_s=0.2
+    )
 
 
 def _value(step: int, branch: int) -> torch.Tensor:
@@ -34,9 +35,9 @@ def _steps(root) -> list[int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("keep_last", [2, 3])
-def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, keep_last):
+def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, keep_last, runtime_dir):
     root = tmp_path / "run"
-    cfg = _config(keep_last)
+    cfg = _config(runtime_dir, keep_last)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         for step in (10, 20, 30, 40):
             ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
@@ -62,9 +63,9 @@ def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, 
 
 
 @pytest.mark.timeout(120)
-def test_a_save_of_an_abandoned_step_replaces_it(tmp_path, single_process):
+def test_a_save_of_an_abandoned_step_replaces_it(tmp_path, single_process, runtime_dir):
     root = tmp_path / "run"
-    with ckptd.Checkpointer(root, config=_config(10)) as ckpt:
+    with ckptd.Checkpointer(root, config=_config(runtime_dir, 10)) as ckpt:
         for step in (10, 20):
             ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
         ckpt.load(_sd(torch.zeros(64), -1), step=10)

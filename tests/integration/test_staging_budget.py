@@ -10,8 +10,6 @@ ring never takes more /dev/shm than the budget, whatever the number of saves.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -77,23 +75,18 @@ def _saves(rank: int, world: int, root: str, snapshot: str, budget: str) -> dict
     return {"ring_nbytes": ring_nbytes, "peak_shm": peak_shm, "save_nbytes": 2 * ROWS * COLS * 4}
 
 
-def _run(tmp_path: Path, snapshot: str, budget: str) -> tuple[Path, list[dict]]:
+def _run(tmp_path: Path, runtime_dir: Path, snapshot: str, budget: str) -> tuple[Path, list[dict]]:
     root = tmp_path / "ckpts"
-    runtime = tempfile.mkdtemp(prefix="ckb", dir="/tmp")
-    env = {"CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "2", "CKPTD_HEARTBEAT_S": "0.2"}
-    try:
-        out = run_ranks(_saves, 2, str(root), snapshot, budget, env=env, timeout_s=150)
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
-    return root, out
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2", "CKPTD_HEARTBEAT_S": "0.2"}
+    return root, run_ranks(_saves, 2, str(root), snapshot, budget, env=env, timeout_s=150)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
-def test_a_quarter_budget_streams_every_save_and_commits_bit_exact(tmp_path, snapshot):
+def test_a_quarter_budget_streams_every_save_and_commits_bit_exact(tmp_path, snapshot, runtime_dir):
     import torch.distributed.checkpoint as dcp
 
-    root, out = _run(tmp_path, snapshot, "0.25x")
+    root, out = _run(tmp_path, runtime_dir, snapshot, "0.25x")
     for o in out:
         assert o["ring_nbytes"] <= 0.25 * o["save_nbytes"] + 4096  # a quarter, in whole pages
         # The node's /dev/shm never holds more than its rings, whatever the number of saves.
@@ -110,6 +103,6 @@ def test_a_quarter_budget_streams_every_save_and_commits_bit_exact(tmp_path, sna
 
 
 @pytest.mark.timeout(180)
-def test_a_node_budget_in_bytes_is_shared_by_its_ranks(tmp_path):
-    _, out = _run(tmp_path, "auto", "6MiB")
+def test_a_node_budget_in_bytes_is_shared_by_its_ranks(tmp_path, runtime_dir):
+    _, out = _run(tmp_path, runtime_dir, "auto", "6MiB")
     assert [o["ring_nbytes"] for o in out] == [3 << 20, 3 << 20]

@@ -9,7 +9,6 @@ by dcp.save; every checkpoint is loaded by ckptd.load and by dcp.load into fresh
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,6 +102,6 @@ def _stateful_round_trips(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_stateful_objects_save_and_load_as_dcp_does_both_ways(tmp_path: Path):
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "2"}
+def test_stateful_objects_save_and_load_as_dcp_does_both_ways(tmp_path: Path, runtime_dir):
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2"}
     assert run_ranks(_stateful_round_trips, 2, str(tmp_path), timeout_s=560, env=env) == [[], []]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -37,9 +36,9 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pending", ["idle", "pending"])
-def test_a_dropped_checkpointer_never_hangs_the_process(tmp_path, pending):
+def test_a_dropped_checkpointer_never_hangs_the_process(tmp_path, pending, runtime_dir):
     root = tmp_path / "root"
-    runtime = tempfile.mkdtemp(prefix="cku", dir="/tmp")
+    runtime = str(runtime_dir)
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(root), runtime, pending],
         env=without_torchrun(os.environ),

@@ -8,7 +8,6 @@ rank (tools/harness/ranks.py)."""
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -64,6 +63,6 @@ def _both_ways(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(200)
-def test_content_metadata_round_trips_with_megatron_core(tmp_path):
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckc", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "1"}
+def test_content_metadata_round_trips_with_megatron_core(tmp_path, runtime_dir):
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "1"}
     assert run_ranks(_both_ways, 1, str(tmp_path), timeout_s=180, daemon=False, env=env) == [[]]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,8 @@ from tools.harness.ranks import run_ranks
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _async_env(tmp: Path) -> dict[str, str]:
-    runtime = tempfile.mkdtemp(prefix="ckr", dir="/tmp")  # short: ipc:// paths are length-limited
-    return {"CKPTD_RUNTIME_DIR": runtime, "CKPTD_IDLE_EXIT_S": "2", "CKPTD_HEARTBEAT_S": "0.2"}
+def _async_env(runtime_dir: Path) -> dict[str, str]:
+    return {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2", "CKPTD_HEARTBEAT_S": "0.2"}
 
 
 def _patch_megatron_cpu_save() -> None:
@@ -151,9 +149,9 @@ def _mcore_objects_round_trip(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_megatron_core_objects_round_trip(tmp_path: Path):
+def test_megatron_core_objects_round_trip(tmp_path: Path, runtime_dir: Path):
     results = run_ranks(
-        _mcore_objects_round_trip, 2, str(tmp_path), timeout_s=220, daemon=False, env=_async_env(tmp_path)
+        _mcore_objects_round_trip, 2, str(tmp_path), timeout_s=220, daemon=False, env=_async_env(runtime_dir)
     )
     assert results == [[], []]
 
@@ -323,8 +321,8 @@ def _dtensors_load_at_2(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_dtensor_state_dicts_across_meshes_and_world_sizes(tmp_path: Path):
-    env = _async_env(tmp_path)
+def test_dtensor_state_dicts_across_meshes_and_world_sizes(tmp_path: Path, runtime_dir: Path):
+    env = _async_env(runtime_dir)
     assert run_ranks(_dtensors_save_at_4, 4, str(tmp_path), timeout_s=240, env=env) == [[]] * 4
     assert run_ranks(_dtensors_load_at_2, 2, str(tmp_path), timeout_s=120) == [[]] * 2
     # World size 1, plain tensors: ckptd and torch DCP.
@@ -384,7 +382,7 @@ class _Quantized(torch.Tensor):
 
 
 @pytest.mark.timeout(180)
-def test_async_refusal_fails_every_rank_and_common_state_is_compared(tmp_path: Path):
+def test_async_refusal_fails_every_rank_and_common_state_is_compared(tmp_path: Path, runtime_dir: Path):
     assert run_ranks(
-        _async_refusal_and_common_check, 2, str(tmp_path / "root"), timeout_s=160, env=_async_env(tmp_path)
+        _async_refusal_and_common_check, 2, str(tmp_path / "root"), timeout_s=160, env=_async_env(runtime_dir)
     ) == [[], []]

@@ -46,8 +46,3 @@ def s3_bucket(s3_env: SeaweedServer) -> str:
     name = f"t{secrets.token_hex(6)}"
     s3_env.create_bucket(name)
     return name
-
-
-@pytest.fixture
-def runtime_dir() -> str:
-    return tempfile.mkdtemp(prefix="cko", dir="/tmp")

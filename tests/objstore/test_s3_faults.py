@@ -50,10 +50,10 @@ def _sd(w: torch.Tensor, step: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_the_store_killed_and_restarted_mid_upload(own_server):
+def test_the_store_killed_and_restarted_mid_upload(own_server, runtime_dir):
     server = own_server()
     server.create_bucket("ckpt")
-    root, runtime = "s3://ckpt/run", tempfile.mkdtemp(prefix="cko", dir="/tmp")
+    root, runtime = "s3://ckpt/run", str(runtime_dir)
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=5.0, commit_timeout_s=90.0)
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
@@ -84,7 +84,9 @@ def test_the_store_killed_and_restarted_mid_upload(own_server):
 
 
 @pytest.mark.timeout(180)
-def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stays_responsive(own_server, monkeypatch):
+def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stays_responsive(
+    own_server, monkeypatch, runtime_dir
+):
     """The store stops answering (SIGSTOP: connections open, no reply) while a save uploads. The
     upload fails at its request timeout and the save aborts with that error. The coordinator asks
     the store about the step off its loop: when it asked on the loop, it went silent for as long as
@@ -95,7 +97,7 @@ def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stay
     monkeypatch.setenv("CKPTD_S3_REQUEST_TIMEOUT_S", "8")
     monkeypatch.setenv("CKPTD_S3_RETRY_TIMEOUT_S", "2")
     monkeypatch.setenv("CKPTD_S3_RETRIES", "1")
-    root, runtime = "s3://hang/run", tempfile.mkdtemp(prefix="cko", dir="/tmp")
+    root, runtime = "s3://hang/run", str(runtime_dir)
     cfg = ckptd.CkptdConfig.from_env(
         {}, runtime_dir=runtime, idle_exit_s=5.0, heartbeat_s=0.2, coordinator_timeout_s=2.0, commit_timeout_s=60.0
     )
@@ -121,11 +123,11 @@ def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stay
 
 
 @pytest.mark.timeout(180)
-def test_a_full_store_fails_the_save_not_the_training(own_server, monkeypatch):
+def test_a_full_store_fails_the_save_not_the_training(own_server, monkeypatch, runtime_dir):
     server = own_server(volume_max=1)  # its one volume went to the readiness probe's bucket
     server.create_bucket("full")
     monkeypatch.setenv("CKPTD_S3_RETRY_TIMEOUT_S", "3")
-    root, runtime = "s3://full/run", tempfile.mkdtemp(prefix="cko", dir="/tmp")
+    root, runtime = "s3://full/run", str(runtime_dir)
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0)
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:

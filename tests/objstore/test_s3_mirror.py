@@ -50,7 +50,7 @@ def test_a_mirrored_root_resumes_from_the_store_on_a_replaced_node(s3_bucket, ru
             )
             assert status["error"] is None, status
             assert ckpt.latest() == 30
-            env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
+            env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": str(runtime_dir)}
             cli = [sys.executable, "-m", "ckptd.cli", "status", str(local)]
             shown = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
             assert f"mirror {mirror}: latest copy step 30" in shown.stdout, shown.stdout + shown.stderr

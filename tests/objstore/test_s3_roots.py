@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ from tests.multiproc import without_torchrun
 from tools.harness.daemons import stop_root_daemons
 
 
-def _config(runtime_dir: str, **kw) -> ckptd.CkptdConfig:
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=runtime_dir, idle_exit_s=2.0, heartbeat_s=0.2, **kw)
+def _config(runtime_dir: Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:
@@ -139,8 +140,8 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir, capsys, monkeypa
     ckptd.cli`` calls); the verdict on a damaged checkpoint comes from a real ``ckptd`` process."""
     root = f"s3://{s3_bucket}/cli"
     cfg = _config(runtime_dir)
-    monkeypatch.setenv("CKPTD_RUNTIME_DIR", runtime_dir)
-    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": runtime_dir}
+    monkeypatch.setenv("CKPTD_RUNTIME_DIR", str(runtime_dir))
+    env = {**without_torchrun(os.environ), "CKPTD_RUNTIME_DIR": str(runtime_dir)}
 
     def process(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(

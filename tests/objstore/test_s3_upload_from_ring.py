@@ -139,7 +139,12 @@ def test_a_ring_smaller_than_a_part_streams_a_save_to_s3(s3_bucket, runtime_dir)
     # must copy it out before it waits for the producer (else both wait until the snapshot times out).
     root = f"s3://{s3_bucket}/small"
     cfg = ckptd.CkptdConfig.from_env(
-        {}, runtime_dir=runtime_dir, idle_exit_s=2.0, heartbeat_s=0.2, staging_budget="1MiB", snapshot_timeout_s=30.0
+        {},
+        runtime_dir=str(runtime_dir),
+        idle_exit_s=2.0,
+        heartbeat_s=0.2,
+        staging_budget="1MiB",
+        snapshot_timeout_s=30.0,
     )
     w = torch.randn(3 * MIB)  # 12 MiB, stored in ring-sized chunks
     try:

@@ -9,7 +9,6 @@ checkpoint, and the state that was saved."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,7 +70,7 @@ def _resume(rank: int, world: int, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_distributed_optimizer_resumes_through_ckptd_as_through_megatron_core(tmp_path: Path):
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckr", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "2"}
+def test_distributed_optimizer_resumes_through_ckptd_as_through_megatron_core(tmp_path: Path, runtime_dir):
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2"}
     results = run_ranks(_resume, 2, str(tmp_path), timeout_s=560, daemon=False, env=env)
     assert results == [[], []]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,8 +86,8 @@ def _load_then_save(rank: int, world: int, root: str, load_name: str, save_name:
 
 
 @pytest.mark.timeout(400)
-def test_gpt_tp2_to_tp1_and_tp1_to_tp2(tmp_path: Path):
-    env = {"CKPTD_RUNTIME_DIR": tempfile.mkdtemp(prefix="ckm", dir="/tmp"), "CKPTD_IDLE_EXIT_S": "2"}
+def test_gpt_tp2_to_tp1_and_tp1_to_tp2(tmp_path: Path, runtime_dir):
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2"}
     run_ranks(_save, 1, str(tmp_path), "tp1", timeout_s=120, daemon=False, env=env)
     # TP=2 loads the TP=1 checkpoints, then saves its own ...
     assert run_ranks(_load_then_save, 2, str(tmp_path), "tp1", "tp2", timeout_s=180, daemon=False, env=env) == [[], []]

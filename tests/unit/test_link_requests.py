@@ -4,6 +4,7 @@ job's ipc:// socket standing in for the daemon (real keys, real codec, real pid-
 from __future__ import annotations
 
 import secrets
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ import zmq
 from ckptd.client.link import DaemonLink, RequestNotTaken
 from ckptd.config import CkptdConfig
 from ckptd.control.channel import Channel, make_socket
-from ckptd.control.endpoints import Endpoints, JobEnv, ensure_private_dir
+from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import PidLock
 from ckptd.control.protocol import Codec, ErrorReply, SaveAck
@@ -27,8 +28,9 @@ def test_a_late_refusal_of_an_earlier_request_is_not_taken_for_this_one(tmp_path
     """The daemon's ERROR for an earlier SAVE (whose wait gave up) arrives while the rank waits
     for the next SAVE's acknowledgement: it is logged, and the acknowledgement is returned. An
     ERROR naming this request's step still refuses it."""
-    runtime = Path(tempfile.mkdtemp(prefix="ckl", dir="/tmp"))
-    ensure_private_dir(runtime)
+    # Not the runtime_dir fixture: this process holds the pid file's lock (it plays the daemon),
+    # and that fixture SIGTERMs whoever holds a pid file in its directory.
+    runtime = Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))
     cfg = CkptdConfig.from_env({}, runtime_dir=str(runtime), request_timeout_s=10)
     ep = Endpoints.for_job(tmp_path, JobEnv(), cfg)
     keys = derive_keys(secrets.token_bytes(32))
@@ -74,3 +76,4 @@ def test_a_late_refusal_of_an_earlier_request_is_not_taken_for_this_one(tmp_path
         zap.close()
         ctx.term()
         lock.release()
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -3,17 +3,24 @@
 
 ``stop_daemons(pid_paths, timeout_s)`` stops the daemons that hold those pid files and returns
 their pids; ``stop_root_daemons(root, runtime_dir)`` finds the pid files of ``root``'s job on this
-machine first. A daemon still running after ``timeout_s`` is SIGKILLed and the stop fails with
-:class:`DaemonsDidNotStop` (an AssertionError: a test fails; a harness records it as a problem).
-``daemon_processes(job)`` lists the daemon processes of a job, pid file or not.
+machine first; ``stop_runtime_dir(runtime_dir, keep_logs)`` stops every daemon of a runtime
+directory, keeps their logs and returns what they left behind, and ``private_runtime_dir(keep_logs)``
+makes a runtime directory that it stops, checks and removes at the end. A daemon still running after
+``timeout_s`` is SIGKILLed and the stop fails with :class:`DaemonsDidNotStop` (an AssertionError:
+a test fails; a harness records it as a problem). ``daemon_processes(job)`` lists the daemon
+processes of a job, pid file or not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import signal
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ import psutil
 from ckptd.client.admin import local_daemons
 from ckptd.config import CkptdConfig
 from ckptd.control.pidfile import daemon_alive, daemon_pid
+from ckptd.staging.segment import list_segments
 from tools.harness.waiting import POLL_INTERVAL_S, exited
 
 STOP_MARGIN_S = 10.0  # on top of the daemon's shutdown grace, as `ckptd daemon stop` waits
@@ -91,3 +99,53 @@ def stop_root_daemons(
     config = CkptdConfig.from_env(None, **overrides)
     pid_paths = [d.endpoints.pid_path for d in local_daemons(root, config)]
     return stop_daemons(pid_paths, config.shutdown_grace_s + STOP_MARGIN_S if timeout_s is None else timeout_s)
+
+
+# <job>-n<node>.{pid,sock,log} and <job>.token (ckptd.control.endpoints.Endpoints names them).
+_JOB_FILE = re.compile(r"^(?P<job>.+?)(?:-n\d+\.(?:pid|sock|log)|\.token)$")
+
+
+def runtime_dir_jobs(runtime_dir: Path) -> list[str]:
+    """The jobs that have a pid file, socket, log or token in ``runtime_dir``."""
+    names = (_JOB_FILE.match(p.name) for p in runtime_dir.iterdir()) if runtime_dir.is_dir() else ()
+    return sorted({m["job"] for m in names if m})
+
+
+def stop_runtime_dir(runtime_dir: Path, keep_logs: Path, timeout_s: float | None = None) -> list[str]:
+    """Stop every daemon with a pid file in ``runtime_dir`` (:func:`stop_daemons`; ``timeout_s``
+    defaults to the default shutdown grace plus a margin, as ``ckptd daemon stop`` waits), copy the
+    daemons' logs into ``keep_logs``, and return what was left behind: daemons that had to be
+    SIGKILLed, and staging segments in /dev/shm of the directory's jobs. The directory stays."""
+    problems: list[str] = []
+    jobs = runtime_dir_jobs(runtime_dir)
+    bound_s = CkptdConfig().shutdown_grace_s + STOP_MARGIN_S if timeout_s is None else timeout_s
+    try:
+        stop_daemons(runtime_dir.glob("*.pid"), bound_s)
+    except DaemonsDidNotStop as exc:
+        problems.append(str(exc))
+    finally:
+        for log_file in runtime_dir.glob("*.log"):  # kept with the test's files, for a failure's story
+            keep_logs.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log_file, keep_logs / log_file.name)
+    for job in sorted(set(jobs) | set(runtime_dir_jobs(runtime_dir))):
+        problems += [f"/dev/shm/{name}" for name in list_segments(f"ckptd-{job}-")]
+    return problems
+
+
+@contextlib.contextmanager
+def private_runtime_dir(keep_logs: Path, timeout_s: float | None = None) -> Iterator[Path]:
+    """A new private runtime directory (mode 0700), ``/tmp/ck<random>``: short, since a daemon's
+    ``ipc://`` socket path in it may have at most 107 bytes. At the end,
+    :func:`stop_runtime_dir` (``keep_logs``, ``timeout_s``), and the directory is removed; then,
+    unless the body raised, an AssertionError if a daemon had to be killed or a staging segment of
+    the directory's jobs is left."""
+    path = Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        try:
+            problems = stop_runtime_dir(path, keep_logs, timeout_s)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    if problems:
+        raise AssertionError(f"left behind in {path}: {problems}")
