@@ -21,6 +21,7 @@ import torch
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
 from ckptd.verify import NOTE, verify_checkpoint
 from tests.checkpoints import WORLD, make_checkpoint, reference_tensors
+from tests.megatron_rank import megatron_save_on_cpu
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,9 +43,8 @@ def megatron_jobs(ckptd_dir: str, megatron_dir: str, result_file: str) -> None:
     # 2. torch DCP loads it too (its own reader, its own unpickling of .metadata).
     plain = {k: torch.empty_like(v) for k, v in ref.items()}
     dcp.load(plain, checkpoint_id=ckptd_dir)
-    # 3. Megatron-Core writes a checkpoint of its own (CPU: two CUDA calls patched out).
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
+    # 3. Megatron-Core writes a checkpoint of its own (on CPU).
+    megatron_save_on_cpu()
     own = {k: mdc.ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in ref.items()}
     own["rng"] = ShardedObject("rng", {"seed": 1}, (1,), (0,))
     own["iteration"] = 3

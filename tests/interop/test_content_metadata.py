@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptd
-from tests.interop.test_torch_dist_interop import _patch_megatron_cpu_save
+from tests.megatron_rank import megatron_save_on_cpu
 from tools.harness.ranks import run_ranks
 
 META = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True, "version": 2}
@@ -49,7 +49,7 @@ def _both_ways(rank: int, world: int, root: str) -> list[str]:
         bad.append(f"Checkpointer's: {mdc.load_content_metadata(b)!r}, {ckptd.load_content_metadata(b)!r}")
 
     # Megatron-Core writes, ckptd reads.
-    _patch_megatron_cpu_save()
+    megatron_save_on_cpu()
     c = os.path.join(root, "megatron")
     os.makedirs(c)
     mdc.save({"w": MShardedTensor.from_rank_offsets("w", w), "iteration": 5}, c, content_metadata=dict(with_group))

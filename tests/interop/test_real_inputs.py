@@ -17,6 +17,7 @@ import torch
 
 import ckptd
 from tests.interop.reference import same_bits
+from tests.megatron_rank import megatron_save_on_cpu
 from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -24,12 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _async_env(runtime_dir: Path) -> dict[str, str]:
     return {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2", "CKPTD_HEARTBEAT_S": "0.2"}
-
-
-def _patch_megatron_cpu_save() -> None:
-    # Megatron-Core's torch_dist save calls these unconditionally; on CPU they are no-ops.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +110,7 @@ def _mcore_objects_round_trip(rank: int, world: int, root: str) -> list[str]:
     with ckptd.Checkpointer(os.path.join(root, "async")) as ckpt:
         ckpt.save(_mcore_state(rank, world), step=1).wait(timeout_s=60)
         async_dir = str(ckpt.checkpoint_dir())
-    _patch_megatron_cpu_save()
+    megatron_save_on_cpu()
     if rank == 0:
         os.makedirs(mcore_dir)
     dist.barrier()

@@ -36,6 +36,7 @@ from tests.interop.reference import (
     save_slices,
     single_rank_request,
 )
+from tests.megatron_rank import megatron_save_on_cpu
 from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -59,12 +60,6 @@ def _dtensor(full: torch.Tensor, mesh: Any, axis: int | None, rank: int) -> Any:
         return full.clone()
     local = full.chunk(WORLD, axis)[rank].clone()
     return DTensor.from_local(local, mesh, [Shard(axis)], run_check=False)
-
-
-def _patch_megatron_cpu_save() -> None:
-    # Megatron-Core's torch_dist save calls these unconditionally; on CPU they are no-ops.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +154,7 @@ def _others_write_ckptd_reads(rank: int, world: int, root: str) -> list[str]:
     state.update(common_state())
     dcp.save(state, checkpoint_id=dcp_dir, planner=DefaultSavePlanner(flatten_state_dict=False))
 
-    _patch_megatron_cpu_save()
+    megatron_save_on_cpu()
     if rank == 0:
         os.makedirs(mcore_dir)
     dist.barrier()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tests.megatron_rank import megatron_save_on_cpu
+
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -38,8 +40,7 @@ def cpu_shims() -> None:
         return out.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(out, str) else out
 
     torch.Tensor.type = cuda_type  # type: ignore[method-assign]
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+    megatron_save_on_cpu()
     torch.cuda.is_available = lambda: False
 
 

@@ -16,12 +16,6 @@ import torch
 from tests.interop.reference import same_bits
 
 
-def patch_megatron_cpu_save() -> None:
-    # Megatron-Core's torch_dist save calls these unconditionally; on CPU they are no-ops.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-
-
 def build_gpt(tp: int) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -19,6 +19,7 @@ import torch
 
 import ckptd
 from ckptd.convert import convert_legacy
+from tests.megatron_rank import megatron_save_on_cpu
 from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -33,7 +34,7 @@ def _write(rank: int, world: int, root: str) -> list[str]:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing as mdc
 
-    from tests.real.megatron_gpt import build_gpt, patch_megatron_cpu_save
+    from tests.real.megatron_gpt import build_gpt
 
     model = build_gpt(tp=world)
     with torch.no_grad():
@@ -48,7 +49,7 @@ def _write(rank: int, world: int, root: str) -> list[str]:
         {"model": model.state_dict(), "args": args, "iteration": 5, "checkpoint_version": 3.0},
         rank_dir / "model_optim_rng.pt",
     )
-    patch_megatron_cpu_save()
+    megatron_save_on_cpu()
     mcore_dir = os.path.join(root, "mcore")
     if rank == 0:
         Path(root, "legacy", "latest_checkpointed_iteration.txt").write_text("5")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ckptd
+from tests.megatron_rank import megatron_save_on_cpu
 from tools.harness.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -21,7 +22,7 @@ def _save(rank: int, world: int, root: str, name: str) -> list[str]:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing as mdc
 
-    from tests.real.megatron_gpt import adamw, build_gpt, patch_megatron_cpu_save, sharded_state, train_a_little
+    from tests.real.megatron_gpt import adamw, build_gpt, sharded_state, train_a_little
 
     model = build_gpt(tp=world)
     opt = adamw(model)
@@ -29,7 +30,7 @@ def _save(rank: int, world: int, root: str, name: str) -> list[str]:
     with ckptd.Checkpointer(os.path.join(root, f"{name}-ckptd")) as ckpt:
         handle = ckpt.save(sharded_state(model, opt, iteration=7), step=7)
         handle.wait(timeout_s=120)
-    patch_megatron_cpu_save()
+    megatron_save_on_cpu()
     mcore_dir = os.path.join(root, f"{name}-mcore")
     if rank == 0:
         os.makedirs(mcore_dir)
