@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,9 @@ import torch
 import ckptd
 from ckptd.convert import SplitRule, consolidate, convert_legacy
 from ckptd.errors import CheckpointExistsError, CheckpointNotFoundError, ShardingError, UnsafePickleError
+from tests.cli import offline_cli
 
 H, V, F, L, NE = 8, 12, 6, 4, 4  # hidden, vocab, ffn, layers, experts
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference(experts: bool) -> dict[str, torch.Tensor]:
@@ -274,26 +272,13 @@ def test_mcore_spec_refuses_what_it_cannot_name(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_cli_is_quiet_off_tty(tmp_path):
-    """``ckptd convert`` end to end, as a subprocess whose stderr is not a terminal: no progress bar."""
+    """``ckptd convert`` end to end, as a process whose stderr is not a terminal: no progress bar."""
     ref = reference(experts=False)
     write_legacy_tree(tmp_path / "legacy", ref, tp=2, pp=1, ep=1, numpy_rng=False)
-    tool = [sys.executable, "-m", "ckptd.cli", "convert"]
-    run = subprocess.run(
-        [*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist"), "--no-fsync"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=ROOT,
-    )
+    run = offline_cli("convert", "to-dist", tmp_path / "legacy", tmp_path / "dist", "--no-fsync", timeout_s=100)
     assert run.returncode == 0, run.stderr
     assert run.stderr == "" and f"converted {len(ref)} tensors" in run.stdout
-    run = subprocess.run(
-        [*tool, "to-dist", str(tmp_path / "legacy"), str(tmp_path / "dist")],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=ROOT,
-    )
+    run = offline_cli("convert", "to-dist", tmp_path / "legacy", tmp_path / "dist", timeout_s=100)
     assert run.returncode == 1 and "already holds a checkpoint" in run.stderr
 
 
