@@ -7,6 +7,7 @@ live to everyone else) and whose command line names ``ckptd.cli`` and the job, a
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_n
 from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, private_runtime_dir, stop_daemons
 from tools.harness.ranks import spawned
 from tools.harness.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 STAND_IN = """
 import signal, sys, time
@@ -125,3 +128,51 @@ def test_spawned_kills_what_outlives_its_join_bound():
         pass
     assert procs.killed == [0]
     assert [p.exitcode for p in procs] == [-signal.SIGKILL, 0]
+
+
+_BURNS = """
+import subprocess, sys
+
+
+def test_burns_in_a_child():
+    code = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sleeps():
+    import time
+
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cpu_per_test_counts_the_processes_a_test_starts(tmp_path):
+    if not Path("/sys/fs/cgroup/cpuacct").is_dir():
+        pytest.skip("no cgroup v1 cpuacct controller here")
+    (tmp_path / "test_burn.py").write_text(_BURNS)
+    out = tmp_path / "cpu.tsv"
+    env = {**os.environ, "CPU_PER_TEST_OUT": str(out), "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n0",
+            "-p",
+            "tools.cpu_per_test",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line.split("\t")[0].split("::")[1]: line.split("\t") for line in out.read_text().splitlines()}
+    assert float(rows["test_burns_in_a_child"][1]) >= 0.5  # the child's CPU counts
+    assert float(rows["test_sleeps"][1]) < 0.25 and float(rows["test_sleeps"][2]) >= 0.5
