@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from tools.harness.ranks import spawned
+from tools.harness.ranks import follow_std_fds, spawned
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +35,7 @@ def _run_command(argv: list[str], cwd: str, out: str, err: str) -> None:
         target = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
-    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's stream
-    sys.stderr = open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    follow_std_fds()
     os.chdir(cwd)
     from ckptd.commands import main
 

@@ -26,7 +26,7 @@ from multiprocessing.context import ForkServerProcess
 from typing import Any, BinaryIO
 
 from tools.harness.netns import Node
-from tools.harness.ranks import process_context
+from tools.harness.ranks import follow_std_fds, process_context
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -71,10 +71,7 @@ def _in_node(
             os.dup2(out, 1)
             os.dup2(out, 2)
             os.close(out)
-    # multiprocessing gave the child an empty stdin; the streams now follow fds 0, 1 and 2
-    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's stream
-    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    follow_std_fds()
     os.environ.clear()
     os.environ.update(env)
     code = fn(*args)

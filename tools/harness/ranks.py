@@ -27,6 +27,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -73,6 +74,14 @@ def stop_process_context() -> None:
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
+
+
+def follow_std_fds() -> None:
+    """Rebuild ``sys.stdin``/``stdout``/``stderr`` on fds 0, 1 and 2 once a child dup2'ed what it
+    wants there: multiprocessing gave it an empty stdin, and its streams stay on the old files."""
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's stream
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
 
 
 def spawn_queue() -> Queue:
