@@ -67,6 +67,9 @@ class CkptdConfig:
     ``latest_checkpointed_iteration.txt`` next to ``latest``. ``mirror`` (``s3://bucket/prefix``)
     adds a second tier to a local root: every step committed locally is then copied there in the
     background, keeping ``mirror_keep_last`` copies (0: all; see ckptd.roots.mirror).
+    ``node_local`` says the root is a disk of each node at the same path, not shared (it needs a
+    mirror): each node commits its own ranks' files there, and the mirror holds every node's
+    (ckptd.roots.nodelocal).
     ``file_mode`` (octal; default 0o600: owner read-write only, since a shared primary group such
     as ``users`` would otherwise let anyone copy the weights; 0o640 opens them to the group) is
     the mode of every file the daemon writes into the root (data, metadata, trackers); step
@@ -90,6 +93,7 @@ class CkptdConfig:
     # two tiers (ckptd.roots.mirror): an s3://bucket/prefix every locally committed step is copied to
     mirror: str = ""
     mirror_keep_last: int = 0  # committed copies kept in the mirror (0: keep all)
+    node_local: bool = False  # the root is each node's own disk (multi-node: needs a mirror)
     check_common: bool = True  # compare every rank's common state with rank 0's (a warning when they differ)
     file_mode: int = dataclasses.field(default=0o600, metadata={"octal": True})
     # Background work yields to training: CPU niceness of the node daemon, whose I/O also runs at
@@ -149,6 +153,12 @@ class CkptdConfig:
         for name in ("keep_last", "mirror_keep_last"):
             if getattr(self, name) < 0:
                 raise CkptdError(f"config {name}={getattr(self, name)}: use 0 to keep all, or K >= 1")
+        if self.node_local and not self.mirror:
+            raise CkptdError(
+                "config node_local=True: a root on each node's own disk needs a mirror "
+                "(mirror='s3://bucket/prefix'): no node sees the others' files, so resuming on another "
+                "layout or on a replaced node reads them from the mirror"
+            )
         if self.file_mode & ~0o666 or self.file_mode & 0o600 != 0o600:
             raise CkptdError(
                 f"config file_mode={self.file_mode:#o}: use read/write bits only (no x, setuid or "
