@@ -73,8 +73,9 @@ from ..format.records import BYTES, TENSOR, ItemRecord, check_dtype_name
 from .attempt import check_attempt, check_step
 
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
-# would count a report meant for its predecessor).
-PROTOCOL_VERSION = 12
+# would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
+# files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
+PROTOCOL_VERSION = 13
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -282,6 +283,10 @@ class StepCommitted(Message):
     name: str
     warnings: list[str]
     plain_digest: str = ""
+    # Node-local roots (ckptd.roots.nodelocal), coordinator -> node daemons only: the commit's
+    # files, name -> bytes, which each node writes next to its own data files before its ranks
+    # are told (ranks never receive them).
+    local_files: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

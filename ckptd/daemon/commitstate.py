@@ -42,7 +42,7 @@ import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CkptdConfig
@@ -57,6 +57,7 @@ from ..statedict.digest import differing_ranks
 log = logging.getLogger(__name__)
 
 FINISHED_MEMORY = 1024  # outcomes remembered, for late and repeated reports
+COMMIT_FILES_MEMORY = 4  # node-local commits whose files a repeated verdict carries again
 Key = tuple[int, str]  # (step, attempt)
 
 
@@ -133,6 +134,7 @@ class Commit:
     records: list[ItemRecord]
     common: bytes
     files: dict[str, tuple[int, int]]  # data file name -> (rank, bytes its writer reported)
+    elsewhere: frozenset[str] = frozenset()  # node-local root: files on other nodes' disks (unchecked)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,8 +191,15 @@ class CommitState:
         instance: str,
         adopted: list[Key] | None = None,
         now: float,
+        local_node: int | None = None,
     ) -> None:
         self.config = config
+        # A node-local root (ckptd.roots.nodelocal): the coordinator's node, whose files alone the
+        # commit can check; None: one root every node writes into.
+        self.local_node = local_node
+        # The files of the latest node-local commits, sent to the nodes with the verdict (again
+        # with a repeated one); never kept with the outcomes remembered, which are many.
+        self.commit_files: OrderedDict[Key, dict[str, bytes]] = OrderedDict()
         self.data_file_name = data_file_name  # the root's naming of a rank's data file (pure)
         self.instance = instance  # this coordinator's (its daemon's), as its PONGs name it
         self.duplicates = 0  # repeated WRITTENs ignored (identical to the one counted)
@@ -272,7 +281,9 @@ class CommitState:
             # answered from memory, and its files are not junk.
             del self.finished[key]
             return False
-        self._out.append(Send(identity=identity, msg=outcome, block=True))
+        files = self.commit_files.get(key)
+        verdict = replace(outcome, local_files=files) if isinstance(outcome, StepCommitted) and files else outcome
+        self._out.append(Send(identity=identity, msg=verdict, block=True))
         # A late writer may have re-created the attempt's files; the attempt is decided, so they are junk.
         self._out.append(Remove(step=key[0], attempt=key[1]))
         return True
@@ -436,8 +447,15 @@ class CommitState:
         records = [r for rank in sorted(st.records) for r in st.records[rank]]
         common = st.common if st.common is not None else serialize_common({})
         files = {self.data_file_name(st.attempt, rank): (rank, n) for rank, n in st.file_nbytes.items()}
+        elsewhere = frozenset(
+            name
+            for name, (rank, _) in files.items()
+            if self.local_node is not None and st.nodes.get(rank) != self.local_node
+        )
         log.info("step %d attempt %s: all %d ranks wrote; committing", st.step, st.attempt, st.world_size)
-        self._out.append(Commit(step=st.step, attempt=st.attempt, records=records, common=common, files=files))
+        self._out.append(
+            Commit(step=st.step, attempt=st.attempt, records=records, common=common, files=files, elsewhere=elsewhere)
+        )
 
     def _on_commit_ended(self, event: CommitEnded) -> None:
         st = self.attempts.get((event.step, event.attempt))
@@ -448,8 +466,14 @@ class CommitState:
             warnings = _common_warnings(st) + st.warnings + list(event.outcome.warnings)
             uniform = uniform_digest(st.plain, st.world_size)
             name = event.outcome.name
+            if event.outcome.files:
+                self.commit_files[st.key] = event.outcome.files
+                while len(self.commit_files) > COMMIT_FILES_MEMORY:
+                    self.commit_files.popitem(last=False)
             self._finish(
-                st, StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform)
+                st,
+                StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform),
+                event.outcome.files,
             )
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
@@ -474,11 +498,14 @@ class CommitState:
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
-    def _finish(self, st: AttemptState, outcome: Message) -> None:
+    def _finish(self, st: AttemptState, outcome: Message, local_files: dict[str, bytes] | None = None) -> None:
         self.attempts.pop(st.key, None)
         self._remember(st.key, outcome)
+        sent = (
+            replace(outcome, local_files=local_files) if isinstance(outcome, StepCommitted) and local_files else outcome
+        )
         for identity in sorted(set(self.nodes) | st.reporters):
-            self._out.append(Send(identity=identity, msg=outcome))
+            self._out.append(Send(identity=identity, msg=sent))
 
     def _on_tick(self, now: float) -> None:
         for st in list(self.attempts.values()):

@@ -61,6 +61,8 @@ class Coordinator:
         workers: WorkerPools,
         instance: str,
         adopt: list[Key] | None = None,
+        *,
+        node: int = 0,
     ) -> None:
         self.store = store
         self.root = store.location
@@ -77,7 +79,14 @@ class Coordinator:
         sock.bind(bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.channel = Channel(sock, codec, "coordinator")
-        self.state = CommitState(config, store.data_file_name, instance=instance, adopted=adopt, now=time.monotonic())
+        self.state = CommitState(
+            config,
+            store.data_file_name,
+            instance=instance,
+            adopted=adopt,
+            now=time.monotonic(),
+            local_node=node if config.node_local else None,  # ckptd.roots.nodelocal
+        )
         # reports waiting for the root's answer to the first of them, by attempt
         self.asking: dict[Key, list[tuple[bytes, Written | Failed]]] = {}
         log.info("coordinator of %s listening on %s", store.display(), self.address)
@@ -177,7 +186,7 @@ class Coordinator:
         def run() -> CommitOutcome:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
-                    return self.store.commit(c.step, c.attempt, c.records, c.common, c.files)
+                    return self.store.commit(c.step, c.attempt, c.records, c.common, c.files, elsewhere=c.elsewhere)
             except OSError as exc:
                 self.store.abort(c.step, c.attempt)
                 raise StorageError.from_oserror(exc, self.store.display(tmp_dir_name(c.step, c.attempt))) from exc

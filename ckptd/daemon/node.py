@@ -40,6 +40,7 @@ from ..control.keys import CurveKeys
 from ..control.protocol import Codec, Message, StepCommitted
 from ..control.security import ZapHandler
 from ..roots.base import RootStore
+from ..roots.posix_root import PosixRoot
 from .coordinator import Coordinator
 from .guard import InternalErrors
 from .intake import SaveIntake
@@ -47,11 +48,20 @@ from .loop import EventLoop
 from .memory import MemoryWatch
 from .metrics import DaemonMetrics, render_status
 from .metrics_http import MetricsServer, http_url
+from .nodelocal import NodeLocalCommits
 from .ranks import DaemonHooks, RankServer
 from .rings import RingTable
 from .store import daemon_mirror
 from .uplink import CoordinatorLink, StepKey
-from .workers import CommitFinished, Completion, Completions, RootChecked, WorkerPools, WriteFinished
+from .workers import (
+    CommitFinished,
+    Completion,
+    Completions,
+    NodeCommitFinished,
+    RootChecked,
+    WorkerPools,
+    WriteFinished,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +96,26 @@ class NodeDaemon:
         self.zap = ZapHandler(self.ctx, keys)  # first: no server socket accepts a client without it
         self.coordinator = (
             Coordinator(
-                self.ctx, codec, keys, ep.coordinator_bind, store, config, self.workers, self.instance, adopt or []
+                self.ctx,
+                codec,
+                keys,
+                ep.coordinator_bind,
+                store,
+                config,
+                self.workers,
+                self.instance,
+                adopt or [],
+                node=ep.node,
             )
             if coordinator
             else None
         )
         self.mirror = daemon_mirror(ep.root, config) if coordinator else None
+        self.node_local = (
+            NodeLocalCommits(store, self.workers)
+            if config.node_local and not coordinator and isinstance(store, PosixRoot)
+            else None
+        )
         upstream = self.coordinator.address if self.coordinator is not None else ep.coordinator_connect
         self.uplink = CoordinatorLink(
             self.ctx,
@@ -104,6 +128,7 @@ class NodeDaemon:
             self._deliver,
             store=store,
             workers=self.workers,
+            node_local=self.node_local,
         )
         self.intake = SaveIntake(
             ep,
@@ -209,7 +234,11 @@ class NodeDaemon:
             self.intake.on_done(done)
         elif isinstance(done, RootChecked):
             self.uplink.on_root_checked(done)
-        elif self.coordinator is not None:  # commits and cleanups are the coordinator's only
+        elif isinstance(done, NodeCommitFinished):
+            if self.node_local is not None:
+                self.uplink.verdict_in(self.node_local.done(done))
+        elif self.coordinator is not None:  # commits and cleanups are the coordinator's (a node-local
+            # root's cleanups on other nodes need nothing more)
             self.coordinator.on_done(done)
             if self.mirror is not None and isinstance(done, CommitFinished) and done.error is None:
                 self.mirror.kick()

@@ -27,6 +27,8 @@ def daemon_store(root: Location, config: CkptdConfig) -> RootStore:
         megatron_tracker=config.megatron_tracker,
         data_opener=debug_opener(config.debug_write_delay_s, config.debug_fault_file, open_data_file),
         opener=fault_opener(config.debug_fault_file) if config.debug_fault_file else default_opener,
+        node_local=config.node_local,
+        message_nbytes=config.max_message_nbytes,
     )
 
 

@@ -28,6 +28,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -38,6 +39,7 @@ from ..control.keys import CurveKeys
 from ..control.protocol import Codec, ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
 from ..roots.base import RootStore
 from . import uplinkstate as us
+from .nodelocal import NodeLocalCommits
 from .uplinkstate import StepKey, UplinkState
 from .workers import RootChecked, WorkerPools
 
@@ -61,6 +63,7 @@ class CoordinatorLink:
         *,
         store: RootStore,
         workers: WorkerPools,
+        node_local: NodeLocalCommits | None = None,
     ) -> None:
         self.address = address
         self.node = node
@@ -68,6 +71,7 @@ class CoordinatorLink:
         self.deliver = deliver  # tells a resolved step's ranks its outcome
         self.store = store  # asked whether an attempt committed when the coordinator was lost
         self.workers = workers
+        self.node_local = node_local  # this node's part of node-local commits (ckptd.daemon.nodelocal)
         sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False, identity=identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
         self.link_timeout_s = link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s)
@@ -119,11 +123,18 @@ class CoordinatorLink:
             if isinstance(msg, Pong):
                 self._handle(us.Pong(instance=msg.instance))
             elif isinstance(msg, (StepCommitted, StepAborted)):
-                self._handle(us.Verdict(key=(msg.step, msg.attempt), outcome=msg))
+                if self.node_local is None or not self.node_local.takes(msg):
+                    self.verdict_in(msg)
             elif isinstance(msg, ErrorReply):
                 log.warning("coordinator error: %s", msg.reason)
             elif msg is not None:
                 log.warning("unexpected %s from the coordinator", msg.TYPE.name)
+
+    def verdict_in(self, msg: StepCommitted | StepAborted) -> None:
+        """A coordinator's verdict (for a node-local commit, once this node's part is done)."""
+        if isinstance(msg, StepCommitted) and msg.local_files:
+            msg = replace(msg, local_files={})  # ranks never get a commit's files
+        self._handle(us.Verdict(key=(msg.step, msg.attempt), outcome=msg))
 
     def on_root_checked(self, done: RootChecked) -> None:
         """The root's answer to whether an attempt committed (asked when the coordinator was lost)."""

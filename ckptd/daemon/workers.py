@@ -2,7 +2,8 @@
 
 The daemon's control loop is single-threaded around a zmq poller. File I/O runs on thread pools;
 each finished job posts its :data:`Completion` (one type per kind of job: :class:`WriteFinished`,
-:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootAnswered`, :class:`RootChecked`) into
+:class:`CommitFinished`, :class:`CleanupFinished`, :class:`RootAnswered`, :class:`RootChecked`,
+:class:`NodeCommitFinished`) into
 :class:`Completions`, whose pipe wakes the poller, and the loop routes it by its type. Worker threads
 never touch sockets or daemon state.
 """
@@ -85,7 +86,15 @@ class RootChecked(Finished):
     attempt: str
 
 
-Completion = WriteFinished | CommitFinished | CleanupFinished | RootAnswered | RootChecked
+@dataclass(frozen=True, kw_only=True)
+class NodeCommitFinished(Finished):
+    """This node's part of a node-local commit finished (ckptd.daemon.nodelocal); ``verdict``: the
+    coordinator's STEP_COMMITTED, held back from the ranks meanwhile."""
+
+    verdict: Any
+
+
+Completion = WriteFinished | CommitFinished | CleanupFinished | RootAnswered | RootChecked | NodeCommitFinished
 
 
 class Completions:
@@ -264,6 +273,13 @@ class WorkerPools:
         self.in_flight += 1
         done = functools.partial(CleanupFinished, step=step, attempt=attempt)
         self._committer.submit(self._run, done, f"cleanup of step {step} attempt {attempt}", fn)
+
+    def node_commit(self, verdict: Any, fn: Callable[[], Any]) -> None:
+        """Run this node's part of a node-local commit on the commit thread; a
+        :class:`NodeCommitFinished` tells its end."""
+        self.in_flight += 1
+        done = functools.partial(NodeCommitFinished, verdict=verdict)
+        self._committer.submit(self._run, done, f"the node's commit of step {verdict.step}", fn)
 
     def ask(self, question: Any, fn: Callable[[], Any]) -> None:
         """Ask the root ``question`` on the asking thread (never behind a long commit); a

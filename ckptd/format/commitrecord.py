@@ -38,9 +38,11 @@ class CommitRecord:
     step: int
     attempt: str
     committed_unix_s: float
-    # Object storage only (ckptd.roots.s3_root): every object of the checkpoint, name ->
-    # {"nbytes": size, "crc32c": checksum (the metadata objects)}, so that a reader checks what it
-    # reads against what was committed, and knows the data objects' sizes without listing.
+    # Object storage (ckptd.roots.s3_root): every object of the checkpoint, name -> {"nbytes":
+    # size, "crc32c": checksum (the metadata objects)}, so that a reader checks what it reads
+    # against what was committed, and knows the data objects' sizes without listing. Node-local
+    # roots (ckptd.roots.nodelocal): every rank's data file, name -> {"nbytes": size}, on whichever
+    # node's disk it is.
     objects: dict[str, dict[str, int]] | None = None
     # A mirror's copy only (ckptd.roots.mirror): the local commit it copies, {"seq": its seq in
     # the local root, "attempt": its attempt}, so that a resume tells which level is newer.

@@ -45,6 +45,9 @@ class CommitOutcome:
 
     name: str
     warnings: tuple[str, ...] = ()
+    # A node-local root's commit (ckptd.roots.nodelocal): the files every other node writes next to
+    # its own data files, name -> bytes (empty otherwise).
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +113,12 @@ class RootStore(Protocol):
         records: list[ItemRecord],
         common: bytes,
         data_files: Mapping[str, tuple[int, int]],
+        *,
+        elsewhere: frozenset[str] = frozenset(),
     ) -> CommitOutcome:
         """Commit the attempt (see the module docstring, step 2). ``data_files``: each rank's
-        data file name -> ``(rank, bytes its writer reported)``."""
+        data file name -> ``(rank, bytes its writer reported)``; ``elsewhere``: those on other
+        nodes' disks, which a node-local root cannot check (ckptd.roots.nodelocal)."""
         ...
 
     def abort(self, step: int, attempt: str) -> None:

@@ -89,10 +89,14 @@ def commit_step(
     keep_last: int,
     megatron_tracker: bool,
     opener: Opener = default_opener,
+    elsewhere: frozenset[str] = frozenset(),
+    node_local: bool = False,
 ) -> CommitOutcome:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring).
 
-    ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``. Every
+    ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``;
+    ``elsewhere``: those on other nodes' disks (a node-local root, ckptd.roots.nodelocal), which
+    are not checked here; ``node_local``: the commit record lists every data file's size. Every
     file is written relative to the root's and the step directory's fds, the step directory is
     opened without following a link (a planted link fails the commit with StorageError naming
     it), and trackers replace their entry, never write through a link.
@@ -117,46 +121,66 @@ def commit_step(
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),
+            objects={n: {"nbytes": nbytes} for n, (_, nbytes) in data_files.items()} if node_local else None,
         )
         with rootd.subdir(tmp) as tmpd:
-            _remove_partial_files(tmpd)
+            remove_partial_files(tmpd)
             finalize(tmpd, records, common, opener, fsync, checkpoint_id=str(final))
             atomic_write_bytes(tmpd.entry(COMMIT_RECORD), record.to_bytes(), opener, fsync)
-            check_data_files(tmpd, data_files)
-        doomed = deleting_name(name)
-        if replaced is not None:
-            if rootd.lstat(doomed) is not None:
-                rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
-            rootd.rename(name, doomed)
-        rootd.rename(tmp, name)
-        try:
-            if fsync:
-                rootd.fsync()
-            # Always the step just committed, also after a rollback: it is what a restart resumes.
-            atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
-        except BaseException:
-            if tracker_step(root) != step:
-                _undo_rename(rootd, name, tmp, fsync)
-                if replaced is not None:
-                    _undo_rename(rootd, doomed, name, fsync)
-                raise
-            log.exception("committed %s, but making the tracker durable failed", name)
-        if megatron_tracker:
-            try:
-                write_megatron_tracker(rootd, step, opener, fsync)
-            except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
-                log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
-        if replaced is not None:
-            try:
-                rootd.remove_tree(doomed)
-            except OSError as exc:
-                log.warning("could not remove %s (`ckptd gc` removes it later): %s", root / doomed, exc)
+            check_data_files(tmpd, {n: v for n, v in data_files.items() if n not in elsewhere})
+        publish_step(
+            rootd,
+            step,
+            tmp,
+            replaced=replaced is not None,
+            fsync=fsync,
+            opener=opener,
+            megatron_tracker=megatron_tracker,
+        )
     warnings = rollback_warnings(cat, step, name, replaced is not None)
     for text in warnings:
         log.warning("%s", text)
     if keep_last > 0:
-        _apply_retention(root, keep_last)
+        apply_retention(root, keep_last)
     return CommitOutcome(name=name, warnings=warnings)
+
+
+def publish_step(
+    rootd: Dir, step: int, tmp: str, *, replaced: bool, fsync: bool, opener: Opener, megatron_tracker: bool
+) -> None:
+    """Steps 2 (from the rename) and 3 of :func:`commit_step` for the complete attempt directory
+    ``tmp`` of ``rootd``: rename it to ``iter_<step>`` (a ``replaced`` committed one goes to
+    ``*.deleting`` first and is removed after), fsync the root, point the trackers at it; the
+    rename is undone when ``latest`` cannot name it (re-raised)."""
+    name = step_dir_name(step)
+    doomed = deleting_name(name)
+    if replaced:
+        if rootd.lstat(doomed) is not None:
+            rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
+        rootd.rename(name, doomed)
+    rootd.rename(tmp, name)
+    try:
+        if fsync:
+            rootd.fsync()
+        # Always the step just committed, also after a rollback: it is what a restart resumes.
+        atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
+    except BaseException:
+        if tracker_step(rootd.path) != step:
+            _undo_rename(rootd, name, tmp, fsync)
+            if replaced:
+                _undo_rename(rootd, doomed, name, fsync)
+            raise
+        log.exception("committed %s, but making the tracker durable failed", name)
+    if megatron_tracker:
+        try:
+            write_megatron_tracker(rootd, step, opener, fsync)
+        except OSError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
+            log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
+    if replaced:
+        try:
+            rootd.remove_tree(doomed)
+        except OSError as exc:
+            log.warning("could not remove %s (`ckptd gc` removes it later): %s", rootd.path / doomed, exc)
 
 
 def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
@@ -267,7 +291,7 @@ def _undo_rename(rootd: Dir, name: str, tmp_name: str, fsync: bool) -> None:
         )
 
 
-def _remove_partial_files(tmpd: Dir) -> None:
+def remove_partial_files(tmpd: Dir) -> None:
     """Drop ``*.part`` files of writers killed mid-write (by an earlier attempt of this step): every
     data file this commit needs is complete under its final name, and the rest is junk."""
     for name in tmpd.listdir():
@@ -275,7 +299,9 @@ def _remove_partial_files(tmpd: Dir) -> None:
             log.info("removed %s, left by an interrupted write", tmpd.path / name)
 
 
-def _apply_retention(root: Path, keep_last: int) -> None:
+def apply_retention(root: Path, keep_last: int) -> None:
+    """Keep the ``keep_last`` last committed checkpoints (step 4 of :func:`commit_step`); failures
+    are logged."""
     try:
         plan = plan_gc(scan_root(root, usage=False), keep_last, grace_s=math.inf)
         if plan.refused:

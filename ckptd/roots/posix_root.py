@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from ..catalog import RootCatalog, committed_once, scan_root
@@ -15,6 +16,7 @@ from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
 from .base import CommitOutcome, Recovery
+from .nodelocal import commit_files, finish_on_node
 from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
 from .posix_data import PosixDataTarget
 
@@ -24,7 +26,8 @@ log = logging.getLogger(__name__)
 class PosixRoot:
     """``root`` on a filesystem. ``data_opener`` opens data files (O_DIRECT by default),
     ``opener`` the commit's metadata files and trackers: fault tests pass openers that fail or
-    slow down writes (ckptd.daemon.faults), the one place faults enter."""
+    slow down writes (ckptd.daemon.faults), the one place faults enter. ``node_local``: the root
+    is each node's own disk (ckptd.roots.nodelocal)."""
 
     def __init__(
         self,
@@ -35,6 +38,8 @@ class PosixRoot:
         megatron_tracker: bool = True,
         data_opener: Opener = open_data_file,
         opener: Opener = default_opener,
+        node_local: bool = False,
+        message_nbytes: int = 64 << 20,
     ) -> None:
         self.location = Path(root)
         self.fsync = fsync
@@ -42,6 +47,8 @@ class PosixRoot:
         self.megatron_tracker = megatron_tracker
         self.data_opener = data_opener
         self.opener = opener
+        self.node_local = node_local
+        self.message_nbytes = message_nbytes  # a node-local commit's files travel in one message
 
     def __repr__(self) -> str:
         return f"PosixRoot({self.location})"
@@ -62,14 +69,36 @@ class PosixRoot:
         records: list[ItemRecord],
         common: bytes,
         data_files: Mapping[str, tuple[int, int]],
+        *,
+        elsewhere: frozenset[str] = frozenset(),
     ) -> CommitOutcome:
-        return commit_step(
+        outcome = commit_step(
             self.location,
             step,
             attempt,
             records,
             common,
             data_files,
+            fsync=self.fsync,
+            keep_last=self.keep_last,
+            megatron_tracker=self.megatron_tracker,
+            opener=self.opener,
+            elsewhere=elsewhere,
+            node_local=self.node_local,
+        )
+        if not self.node_local:
+            return outcome
+        files = commit_files(self.location / outcome.name, self.message_nbytes // 2)
+        return replace(outcome, files=files)
+
+    def finish_on_node(self, step: int, attempt: str, files: dict[str, bytes]) -> CommitOutcome:
+        """A node-local root: commit on this node's disk what the coordinator committed
+        (ckptd.roots.nodelocal.finish_on_node)."""
+        return finish_on_node(
+            self.location,
+            step,
+            attempt,
+            files,
             fsync=self.fsync,
             keep_last=self.keep_last,
             megatron_tracker=self.megatron_tracker,

@@ -107,9 +107,11 @@ class S3Root:
         data_files: Mapping[str, tuple[int, int]],
         *,
         source: dict[str, int | str] | None = None,
+        elsewhere: frozenset[str] = frozenset(),
     ) -> CommitOutcome:
         """``source``: the local commit a mirror's copy is of (ckptd.roots.mirror), recorded in
-        the commit record."""
+        the commit record. ``elsewhere`` is ignored: every node's objects are in the store, and
+        all are checked."""
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None

@@ -368,3 +368,32 @@ def test_outcomes_are_remembered_for_a_bounded_number_of_attempts():
     c.asked.clear()
     actions = c.report(N1, failed(0, 1))  # forgotten: a new attempt, aborted
     assert c.asked == ["committed_once"] and Remove(step=0, attempt=A) in actions
+
+
+# --- node-local roots (ckptd.roots.nodelocal) --------------------------------------------------------
+def test_a_node_local_commit_checks_only_its_own_nodes_files_and_sends_the_commit_files_to_every_node():
+    c = Coordinator()
+    c.state.local_node = 0  # the coordinator's node: node 0
+    c.report(N0, written(3, 0))
+    (commit,) = c.report(N1, written(3, 1))
+    assert isinstance(commit, Commit) and commit.elsewhere == {_name(A, 1)}  # rank 1's file is on node 1's disk
+    files = {".metadata": b"m", "common.pt": b"c", "metadata.json": b"j", "ckptd_commit.json": b"r"}
+    outcome = CommitOutcome(name="iter_0000003", files=files)
+    done = c.state.handle(CommitEnded(step=3, attempt=A, outcome=outcome, error=None), c.now)
+    sent = outcomes(done)
+    assert set(sent) == {N0, N1}
+    assert all(isinstance(m, StepCommitted) and m.local_files == files for m in sent.values())
+    # What is remembered for repeated reports is the verdict without the files; a repeated report
+    # of a recent commit is answered with them again (its node may have missed the first).
+    assert c.state.finished[(3, A)].local_files == {}
+    c.holds.add((3, A))
+    again = outcomes(c.report(N1, written(3, 1)))
+    assert again[N1].local_files == files
+
+
+def test_a_shared_root_checks_every_file_and_sends_no_files():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    (commit,) = c.report(N1, written(3, 1))
+    assert isinstance(commit, Commit) and commit.elsewhere == frozenset()
+    assert all(m.local_files == {} for m in outcomes(c.commit_ended(3)).values())

@@ -1,0 +1,118 @@
+"""A commit on node-local disks (ckptd.roots.nodelocal) from the real code, with no daemon: two
+ranks' files written on two "nodes" (two roots: each node's disk), the coordinator's commit on
+node 0's disk, which cannot see node 1's file, and node 1's part of the commit on its own disk."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.daemon.workers import write_rank_file
+from ckptd.errors import CkptdError, CorruptCheckpointError, ProtocolError
+from ckptd.format.commitrecord import read_commit_record
+from ckptd.format.finalize import serialize_common
+from ckptd.format.items import plan_tensor_items
+from ckptd.format.rootlayout import tmp_dir
+from ckptd.roots.nodelocal import NODE_FILES
+from ckptd.roots.posix import tracker_step
+from ckptd.roots.posix_data import PosixDataTarget
+from ckptd.roots.posix_root import PosixRoot
+from tests.rings import produced_save
+
+A = "0123456789ab-1"
+STEP = 5
+
+
+def _write(root, rank: int, values: torch.Tensor, step: int = STEP, attempt: str = A):
+    """Rank ``rank``'s file of ``attempt`` in its node's ``root``: (records, file size)."""
+    sh = ShardedTensor.from_rank_offsets("w", values, (0, rank, 2))
+    with produced_save(step, plan_tensor_items(sh, rank)) as save:
+        target = PosixDataTarget(tmp_dir(root, step, attempt), rank, open, True)
+        return write_rank_file(target, save.ring, save.request, True, save.wait, 30)
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """Node 0's and node 1's disks, each holding its rank's file of attempt A of step 5."""
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for d in disks:
+        d.mkdir()
+    halves = [torch.arange(64.0), torch.arange(64.0, 128.0)]
+    written = [_write(disks[r], r, halves[r]) for r in (0, 1)]
+    return disks, written, torch.cat(halves)
+
+
+def _commit(disk, written, step: int = STEP, attempt: str = A):
+    store = PosixRoot(disk, node_local=True)
+    records = written[0][0] + written[1][0]
+    files = {f"__{r}_0.distcp": (r, written[r][1]) for r in (0, 1)}
+    return store.commit(
+        step, attempt, records, serialize_common({"iteration": step}), files, elsewhere=frozenset({"__1_0.distcp"})
+    )
+
+
+def test_node_0_commits_without_node_1s_file_and_node_1_finishes_the_same_commit(nodes):
+    (disk0, disk1), written, whole = nodes
+    outcome = _commit(disk0, written)
+    assert sorted(outcome.files) == sorted(NODE_FILES)
+    record = read_commit_record(disk0 / "iter_0000005")
+    assert record is not None and record.objects == {f"__{r}_0.distcp": {"nbytes": written[r][1]} for r in (0, 1)}
+    assert not (disk0 / "iter_0000005" / "__1_0.distcp").exists()  # on node 1's disk only
+
+    node1 = PosixRoot(disk1, node_local=True)
+    assert not node1.holds_commit(STEP, A)
+    node1.finish_on_node(STEP, A, outcome.files)
+    assert node1.holds_commit(STEP, A) and tracker_step(disk1) == STEP
+    assert not tmp_dir(disk1, STEP, A).exists()
+    for name in NODE_FILES:
+        assert (disk1 / "iter_0000005" / name).read_bytes() == (disk0 / "iter_0000005" / name).read_bytes()
+    node1.finish_on_node(STEP, A, outcome.files)  # a repeated verdict: nothing to do
+
+    # Each disk holds its own rank's file; the two together are the checkpoint, bit-exact.
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp is missing"):
+        ckptd.load_plain_tensors(disk1 / "iter_0000005")
+    shutil.copy(disk0 / "iter_0000005" / "__0_0.distcp", disk1 / "iter_0000005")
+    assert torch.equal(ckptd.load_plain_tensors(disk1 / "iter_0000005")["w"], whole)
+
+
+def test_a_shared_root_still_checks_every_file(nodes):
+    (disk0, _), written, _ = nodes
+    store = PosixRoot(disk0)
+    files = {f"__{r}_0.distcp": (r, written[r][1]) for r in (0, 1)}
+    with pytest.raises(CorruptCheckpointError, match="rank 1's data file .* is missing"):
+        store.commit(STEP, A, written[0][0] + written[1][0], serialize_common({}), files)
+
+
+def test_node_1_refuses_files_that_are_not_the_commits_and_says_when_it_has_none(nodes):
+    (disk0, disk1), written, _ = nodes
+    outcome = _commit(disk0, written)
+    node1 = PosixRoot(disk1, node_local=True)
+    with pytest.raises(ProtocolError, match="carried files"):
+        node1.finish_on_node(STEP, A, {**outcome.files, "../evil": b"x"})
+    with pytest.raises(ProtocolError, match="not that commit's"):
+        node1.finish_on_node(STEP, "0123456789ab-2", outcome.files)
+    shutil.rmtree(tmp_dir(disk1, STEP, A))
+    with pytest.raises(CkptdError, match="this node holds no files of step 5"):
+        node1.finish_on_node(STEP, A, outcome.files)
+    assert not (disk1 / "iter_0000005").exists()
+
+
+def test_node_1_replaces_a_step_the_coordinator_replaced(nodes):
+    """A rollback abandoned step 5 and a new attempt saved it again: node 0 replaced its copy, and
+    so does node 1 (its old iter_0000005 goes)."""
+    (disk0, disk1), written, _ = nodes
+    node1 = PosixRoot(disk1, node_local=True)
+    node1.finish_on_node(STEP, A, _commit(disk0, written).files)
+    # Step 3 committed after step 5 (the rollback), then step 5 again by attempt B.
+    b = "0123456789ab-2"
+    three = [_write(d, r, torch.zeros(64), step=3, attempt=b) for r, d in enumerate((disk0, disk1))]
+    node1.finish_on_node(3, b, _commit(disk0, three, step=3, attempt=b).files)
+    again = [_write(d, r, torch.ones(64), attempt=b) for r, d in enumerate((disk0, disk1))]
+    node1.finish_on_node(STEP, b, _commit(disk0, again, attempt=b).files)
+    record = read_commit_record(disk1 / "iter_0000005")
+    assert record is not None and record.attempt == b and tracker_step(disk1) == STEP
+    assert not list(disk1.glob("*.deleting"))
