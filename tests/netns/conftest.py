@@ -40,17 +40,25 @@ def netns_available() -> None:
 
 @pytest.fixture
 def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., NetnsJob]]:
-    """``make_job(nnodes, per_node=1, s3=False, local=False, **settings)``: a cluster and a job on
-    it, ranks launched; with ``s3`` the root is an ``s3://`` prefix of a real server (SeaweedFS) on
-    the host's address on the nodes' bridge (``job.store``), with ``local`` a directory on each
-    node's own local disk (the same path everywhere, different contents).
+    """``make_job(nnodes, per_node=1, s3=False, local=False, mirror=False, **settings)``: a cluster
+    and a job on it, ranks launched; with ``s3`` the root is an ``s3://`` prefix of a real server
+    (SeaweedFS) on the host's address on the nodes' bridge (``job.store``), with ``local`` a
+    directory on each node's own local disk (the same path everywhere, different contents), and
+    with ``mirror`` as well that local root is node-local (``CKPTD_NODE_LOCAL``) with a mirror on
+    such a server (``job.mirror``).
     At the end: logs copied to ``tmp_path/logs``, ranks stopped, everything the cluster made
     removed; the test fails if anything of it, or a staging segment in the host's /dev/shm, is
     left."""
     made: list[tuple[Cluster, NetnsJob]] = []
 
     def make(
-        nnodes: int, per_node: int = 1, launch: bool = True, s3: bool = False, local: bool = False, **settings: str
+        nnodes: int,
+        per_node: int = 1,
+        launch: bool = True,
+        s3: bool = False,
+        local: bool = False,
+        mirror: bool = False,
+        **settings: str,
     ) -> NetnsJob:
         try:
             cluster = Cluster.create(nnodes, cwd=REPO)
@@ -58,15 +66,20 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
             pytest.skip(f"namespace nodes unavailable: {exc}")
         root: Location = cluster.local_disk / "ckpts" if local else tmp_path / "ckpts"
         store = None
-        if s3:  # a real S3 server on the host's address on the bridge: a node's link down cuts it off
+        url = None
+        if s3 or mirror:  # a real S3 server on the host's address on the bridge: a node's link down cuts it off
             store = SeaweedServer(tmp_path / "weed", ip=cluster.host_address())
             stores.append(store)
             store.start()
             bucket = f"n{secrets.token_hex(6)}"
             store.create_bucket(bucket)
-            root = S3Location(bucket=bucket, prefix="job")
+            url = S3Location(bucket=bucket, prefix="job")
+            if mirror:
+                settings = {"CKPTD_MIRROR": str(url), "CKPTD_NODE_LOCAL": "1", **settings}
+            else:
+                root = url
             settings = {**store.env(), **settings}
-        job = NetnsJob(cluster, root, per_node, {**FAST, **settings}, store=store)
+        job = NetnsJob(cluster, root, per_node, {**FAST, **settings}, store=store, mirror=url if mirror else None)
         made.append((cluster, job))
         if launch:
             job.launch()

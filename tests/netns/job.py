@@ -31,7 +31,7 @@ from ckptd.config import CkptdConfig
 from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.errors import DaemonError
-from ckptd.storage.url import Location
+from ckptd.storage.url import Location, S3Location
 from tools.harness.netns import Cluster, Node
 from tools.harness.nodeprocs import NodeChild, start_in_node
 from tools.harness.seaweed import SeaweedServer
@@ -134,7 +134,8 @@ class NetnsJob:
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     launches: int = 0
     ranks: list[RankProc] = field(default_factory=list)
-    store: SeaweedServer | None = None  # the S3 server of an s3:// root
+    store: SeaweedServer | None = None  # the S3 server of an s3:// root or of a mirror
+    mirror: S3Location | None = None  # a node-local root's mirror
 
     @property
     def world(self) -> int:

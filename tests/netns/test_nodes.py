@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.control.endpoints import default_job_id
+from ckptd.roots.nodelocal import NODE_FILES
 from tools.harness.netns import Cluster, sweep_stale
 from tools.harness.waiting import wait_until
 
@@ -117,3 +118,19 @@ def test_harness_removes_and_sweeps_everything(netns_available):
         subprocess.run(["ip", "netns", "del", f"{stale}-n0"], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", f"{stale}b"], capture_output=True, check=False)
     assert not stale_dir.exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_node_local_root_commits_on_every_nodes_disk(make_job):
+    """CKPTD_NODE_LOCAL (ckptd.roots.nodelocal): the same disks as above commit every save; each
+    node's directory holds its own rank's file and the same metadata files, and both name it latest."""
+    job = make_job(2, local=True, mirror=True)
+    job.save(1)
+    job.committed(1)
+    meta = []
+    for node in job.cluster.nodes:
+        disk = node.path(job.root)
+        assert sorted(os.listdir(disk / "iter_0000001")) == sorted([f"__{node.index}_0.distcp", *NODE_FILES])
+        assert (disk / "latest").read_text().strip() == "iter_0000001"
+        meta.append({n: (disk / "iter_0000001" / n).read_bytes() for n in NODE_FILES})
+    assert meta[0] == meta[1]
