@@ -417,6 +417,12 @@ class CommitState:
         who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
         st = self.attempts.get(key)
         if st is None:
+            if msg.rank < 0 and self.local_node is not None:
+                # A node-local root: a lost predecessor may have committed the attempt on its own
+                # disk, and an ABORTED would make the node remove its files of that commit. They
+                # stay (the mirror copy and a resume find them; else `ckptd gc` removes them).
+                log.info("step %d attempt %s: %s aborted it on its own: %s", msg.step, msg.attempt, who, msg.reason)
+                return
             if msg.rank < 0:
                 # A node's local abort (it lost its coordinator) of an attempt this coordinator
                 # never saw: record the outcome, so reports of it are answered, and clean up.

@@ -397,3 +397,12 @@ def test_a_shared_root_checks_every_file_and_sends_no_files():
     (commit,) = c.report(N1, written(3, 1))
     assert isinstance(commit, Commit) and commit.elsewhere == frozenset()
     assert all(m.local_files == {} for m in outcomes(c.commit_ended(3)).values())
+
+
+def test_on_a_node_local_root_a_nodes_own_abort_of_an_unknown_attempt_is_not_answered():
+    """The lost predecessor may have committed it on node 0's disk: an ABORTED would make the node
+    remove its files of that commit (ckptd.daemon.nodelocal)."""
+    c = Coordinator()
+    c.state.local_node = 0
+    assert c.report(N1, failed(3, -1, "the coordinator restarted")) == []
+    assert (3, A) not in c.state.finished
