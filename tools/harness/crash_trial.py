@@ -164,11 +164,17 @@ def _check_checkpoint(path: Location, step: int, world: int) -> str | None:
     return None
 
 
-def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
-    root = parse_location(spec.root)  # a directory, or an s3:// root
+def committed_steps(events: list[cj.Event], result: TrialResult) -> list[int]:
+    """The steps any rank saw COMMITTED (counted in ``result`` with the aborted ones)."""
     committed = sorted({e.step for e in events if e.ev == "committed" and e.step is not None})
     result.commits = len(committed)
     result.aborted = len({e.step for e in events if e.ev == "aborted" and e.step is not None})
+    return committed
+
+
+def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
+    root = parse_location(spec.root)  # a directory, or an s3:// root
+    committed = committed_steps(events, result)
     cat = scan_any(root)
     on_disk = {e.step: e for e in cat.entries if e.state is EntryState.COMMITTED and e.step >= 0}
     for e in cat.entries:
@@ -208,10 +214,14 @@ def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) ->
         )
 
 
-def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) -> None:
-    """Each restarted rank resumed from a committed, bit-exact checkpoint and its saves committed."""
-    before = [e.step for e in events if e.phase == "run" and e.ev == "committed" and e.step is not None]
-    newest_before = max(before, default=None)
+def check_restart(
+    spec: cj.JobSpec, events: list[cj.Event], result: TrialResult, newest_before: int | None = None
+) -> None:
+    """Each restarted rank resumed from a committed, bit-exact checkpoint (not older than
+    ``newest_before``, by default the newest step a rank saw COMMITTED) and its saves committed."""
+    if newest_before is None:
+        before = [e.step for e in events if e.phase == "run" and e.ev == "committed" and e.step is not None]
+        newest_before = max(before, default=None)
     ok = True
     for rank in range(spec.ranks):
         mine = [e for e in events if e.phase == "restart" and e.rank == rank]
@@ -260,7 +270,10 @@ class Hosts(Protocol):
     victims: tuple[str, ...]  # kinds of victim, the common VICTIMS first
 
     def open(self, nodes: int) -> None: ...
-    def job_fields(self) -> dict[str, Any]: ...
+    def job_fields(self) -> dict[str, Any]:
+        """What the hosts add to the job: its ``env``, and where they decide it its ``root``."""
+        ...
+
     def start(self, spec: cj.JobSpec, phase: str) -> list[TrialProcess]: ...
     def fault(self, victim: str, spec: cj.JobSpec, rng: random.Random) -> str: ...
     def heal(self) -> None: ...
@@ -333,6 +346,7 @@ def job_spec(
     }
     events = workdir / "events"
     events.mkdir(parents=True)
+    root = fields.pop("root", root)
     return cj.JobSpec(root or str(workdir / "ckpts"), str(events), ranks, nodes, env, **fields)
 
 
@@ -427,8 +441,22 @@ def run_trial(
         except DaemonsDidNotStop as exc:
             result.problems.append(str(exc))
         events = cj.read_events(spec.events)
-        check_restart(spec, events, result)
-        check_root(spec, events, result)
+        node_local = getattr(hosts, "node_local", None)
+        if node_local is not None:
+            from tools.harness.crash_nodelocal import check_node_local  # it imports this module
+
+            newest = check_node_local(
+                node_local.disks(spec.root),
+                node_local.mirror,
+                spec.ranks,
+                committed_steps(events, result),
+                node_local.replaced,
+                result,
+            )
+            check_restart(spec, events, result, newest)
+        else:
+            check_restart(spec, events, result)
+            check_root(spec, events, result)
         left = hosts.segments(f"ckptd-{job}-")
         if left:
             result.problems.append(f"shared-memory segments left behind: {left}")

@@ -10,6 +10,11 @@ with the coordinator):
   daemon, and on node 0 the coordinator); the node boots again, empty, before the restart;
 - ``link``: a random node is partitioned off inside the network for 0.5-4 s while the job saves.
 
+With ``node_local`` (``--node-local``) the root is each node's own disk (``CKPTD_NODE_LOCAL``:
+ckptd.roots.nodelocal) with a mirror in a real object store (SeaweedFS on the host's address on
+the trial's bridge, started per trial), and a killed machine boots with an empty disk: a
+replaced node. Its checks: tools/harness/crash_nodelocal.py.
+
 The trainers are forked from the preloaded forkserver into their node (:mod:`tools.harness.nodeprocs`),
 each writing its output to ``<phase>.r<rank>.out`` among the trial's events. Only this module ties
 the crash matrix to namespaces.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +36,24 @@ from tools.harness import crash_job as cj
 from tools.harness.crash_trial import VICTIMS
 from tools.harness.netns import Cluster
 from tools.harness.nodeprocs import NodeChild, start_in_node
+from tools.harness.seaweed import SeaweedServer
 
 REPO = str(Path(__file__).resolve().parents[2])
 COORDINATOR_PORT = 29501  # each node has its own ports
 NETNS_VICTIMS = (*VICTIMS, "machine", "link")
+
+
+@dataclass
+class NodeLocalDisks:
+    """A trial's node-local layout, for its checks: each node's disk as the host reaches it, the
+    mirror, and the nodes whose machines were killed (booted with empty disks)."""
+
+    cluster: Cluster
+    mirror: str
+    replaced: list[int] = field(default_factory=list)
+
+    def disks(self, root: str) -> list[Path]:
+        return [n.path(root) for n in self.cluster.nodes]
 
 
 @dataclass
@@ -42,9 +62,18 @@ class NetnsHosts:
     cluster: Cluster | None = None
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     down: list[int] = field(default_factory=list)  # nodes killed as machines, booted by heal()
+    with_node_local: bool = False
+    node_local: NodeLocalDisks | None = None
+    store: SeaweedServer | None = None
 
     def open(self, nodes: int) -> None:
         self.cluster = Cluster.create(nodes, cwd=REPO)
+        if self.with_node_local:
+            workdir = Path(tempfile.mkdtemp(prefix="crash-weed-"))
+            self.store = SeaweedServer(workdir, ip=self.cluster.host_address()).start()
+            self.store.create_bucket("crash")
+            os.environ.update(self.store.env())  # the checks read the mirror from this process
+            self.node_local = NodeLocalDisks(self.cluster, "s3://crash/job")
 
     def _cluster(self) -> Cluster:
         if self.cluster is None:
@@ -58,7 +87,12 @@ class NetnsHosts:
             "CKPTD_COORDINATOR_PORT": str(COORDINATOR_PORT),
             "CKPTD_JOB_TOKEN": self.token,
         }
+        fields: dict[str, Any] = {}
+        if self.node_local is not None and self.store is not None:
+            env.update({**self.store.env(), "CKPTD_NODE_LOCAL": "1", "CKPTD_MIRROR": self.node_local.mirror})
+            fields["root"] = str(c.local_disk / "ckpts")
         return {
+            **fields,
             "env": env,
             "master_addr": c.nodes[0].address,
             "node_runtime_dirs": tuple(str(n.path(c.runtime_dir)) for n in c.nodes),
@@ -84,6 +118,8 @@ class NetnsHosts:
             node = rng.randrange(spec.nodes)
             c.nodes[node].kill()
             self.down.append(node)
+            if self.node_local is not None:
+                self.node_local.replaced.append(node)
             return f"node {node} machine (every process)"
         if victim == "link":
             node = rng.randrange(spec.nodes)
@@ -118,3 +154,7 @@ class NetnsHosts:
         if self.cluster is not None:
             self.cluster.destroy()
             self.cluster = None
+        if self.store is not None:
+            self.store.kill()
+            self.store.remove()
+            self.store = None
