@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ from .errors import (
 )
 from .format.archive import is_zip_stream, torch_save_problem
 from .format.checksum import Checksum, checksum_name, crc32c
+from .format.commitrecord import read_commit_record
 from .format.dcp_metadata import CheckpointIndex, read_index, records_from_index, with_file_ranks
 from .format.layout import (
     COMMON_PT,
@@ -185,10 +187,15 @@ def _check_coverage(records: list[ItemRecord], report: VerifyReport) -> None:
             report.add(ERROR, "coverage", str(exc), item=fqn)
 
 
-def _check_files(directory: Path, records: list[ItemRecord], report: VerifyReport) -> dict[str, int]:
+def _check_files(
+    directory: Path, records: list[ItemRecord], report: VerifyReport, committed: Mapping[str, int]
+) -> dict[str, int]:
     """Step 4; returns the size of every data file that exists and is safe to open: a regular file
-    inside the checkpoint (a link, FIFO or device is reported, never followed or read)."""
+    inside the checkpoint (a link, FIFO or device is reported, never followed or read).
+    ``committed``: a node-local commit's data files and sizes (ckptd.roots.nodelocal), of which
+    those missing here are on other nodes' disks."""
     sizes: dict[str, int] = {}
+    elsewhere = 0
     by_file: dict[str, list[ItemRecord]] = defaultdict(list)
     for r in records:
         by_file[r.relative_path].append(r)
@@ -206,6 +213,9 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
             fd, sizes[rel] = open_regular(directory, rel, "data file")
             os.close(fd)
         except FileNotFoundError:
+            if rel in committed:
+                elsewhere += 1
+                continue
             first = min(items, key=lambda r: r.file_offset)
             report.add(
                 ERROR,
@@ -218,6 +228,13 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
             report.add(ERROR, "file", f"{exc} ({len(items)} items are stored in it)", file=rel)
             continue
         size = sizes[rel]
+        if rel in committed and committed[rel] != size:
+            report.add(
+                ERROR,
+                "file",
+                f"data file {rel} has {size} bytes, its commit recorded {committed[rel]}",
+                file=rel,
+            )
         prev: ItemRecord | None = None
         for r in sorted(items, key=lambda r: (r.file_offset, r.length)):
             end = r.file_offset + r.length
@@ -262,6 +279,13 @@ def _check_files(directory: Path, records: list[ItemRecord], report: VerifyRepor
             "file",
             f"data file {extra} is not referenced by .metadata (left over by another save?)",
             file=extra,
+        )
+    if elsewhere:
+        report.add(
+            NOTE,
+            "file",
+            f"{elsewhere} of {len(by_file)} data files are on other nodes' disks (a node-local root: each "
+            "node holds its own ranks' files; the mirror holds them all)",
         )
     return sizes
 
@@ -474,7 +498,9 @@ def verify_checkpoint(
     if index is not None and records is not None:
         report.tensors, report.objects, report.items = len(index.tensors), len(index.objects), len(records)
         _check_coverage(records, report)
-        sizes = _check_files(directory, records, report)
+        commit = read_commit_record(directory)
+        committed = {n: o["nbytes"] for n, o in (commit.objects or {}).items()} if commit is not None else {}
+        sizes = _check_files(directory, records, report, committed)
         if read_items:
             _check_items(
                 directory,

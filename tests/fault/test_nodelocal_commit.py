@@ -17,10 +17,12 @@ from ckptd.format.commitrecord import read_commit_record
 from ckptd.format.finalize import serialize_common
 from ckptd.format.items import plan_tensor_items
 from ckptd.format.rootlayout import tmp_dir
+from ckptd.recovery import resolve_latest
 from ckptd.roots.nodelocal import NODE_FILES
 from ckptd.roots.posix import tracker_step
 from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.roots.posix_root import PosixRoot
+from ckptd.verify import verify_checkpoint
 from tests.rings import produced_save
 
 A = "0123456789ab-1"
@@ -116,3 +118,22 @@ def test_node_1_replaces_a_step_the_coordinator_replaced(nodes):
     record = read_commit_record(disk1 / "iter_0000005")
     assert record is not None and record.attempt == b and tracker_step(disk1) == STEP
     assert not list(disk1.glob("*.deleting"))
+
+
+def test_each_disk_verifies_and_resumes_with_its_own_files_only(nodes):
+    """`ckptd verify` and the choice of a checkpoint to resume from check each node's own files
+    against the commit's sizes; those of other nodes are noted, not taken for damage."""
+    (disk0, disk1), written, _ = nodes
+    PosixRoot(disk1, node_local=True).finish_on_node(STEP, A, _commit(disk0, written).files)
+    for disk in (disk0, disk1):
+        report = verify_checkpoint(disk / "iter_0000005")
+        assert report.ok, report.errors
+        assert any("1 of 2 data files are on other nodes' disks" in f.message for f in report.findings)
+        choice = resolve_latest(disk)
+        assert choice is not None and choice.step == STEP and choice.fallback_reason is None
+    with open(disk1 / "iter_0000005" / "__1_0.distcp", "ab") as f:
+        f.write(b"x")  # this node's own file no longer has the committed size
+    report = verify_checkpoint(disk1 / "iter_0000005")
+    assert [f.message for f in report.errors] == [
+        f"data file __1_0.distcp has {written[1][1] + 1} bytes, its commit recorded {written[1][1]}"
+    ]
