@@ -98,7 +98,8 @@ class MirrorUploader:
         self._last: dict[str, Any] | None = None
         self._error = ""
         self._round: CopyRequest | None = None  # node 0: the round in progress
-        self._sweeps: list[tuple[float, int, str]] = []  # node 0: (when, step, mirror attempt) of failed rounds
+        # node 0: failed rounds to sweep again, (when, step, mirror attempt, nnodes)
+        self._sweeps: list[tuple[float, int, str, int]] = []
         self._thread = threading.Thread(target=self._run, name=f"ckptd-mirror-n{node}", daemon=True)
 
     def start(self) -> None:
@@ -154,7 +155,9 @@ class MirrorUploader:
         if self.coordinated:
             stale = withdraw_stale_request(self.mirror)
             if stale is not None:  # its nodes may still complete objects: swept again a deadline later
-                self._sweeps.append((time.monotonic() + self.round_timeout_s, stale.step, stale.mirror_attempt))
+                self._sweeps.append(
+                    (time.monotonic() + self.round_timeout_s, stale.step, stale.mirror_attempt, stale.nnodes)
+                )
         try:
             recovered = self.mirror.recover(nnodes=1)  # nothing of this job commits here but this thread
             if recovered.removed:
@@ -224,13 +227,15 @@ class MirrorUploader:
         started the file before the request was withdrawn): swept again a deadline later."""
         request, self._round = self._round, None
         if request is not None:
-            self._sweeps.append((time.monotonic() + self.round_timeout_s, request.step, request.mirror_attempt))
+            self._sweeps.append(
+                (time.monotonic() + self.round_timeout_s, request.step, request.mirror_attempt, request.nnodes)
+            )
 
     def _sweep(self, now_s: float) -> None:
         due = [s for s in self._sweeps if s[0] <= now_s]
         self._sweeps = [s for s in self._sweeps if s[0] > now_s]
-        for _, step, mirror_attempt in due:
-            sweep_round(self.mirror, step, mirror_attempt, self.nnodes)
+        for _, step, mirror_attempt, nnodes in due:
+            sweep_round(self.mirror, step, mirror_attempt, nnodes)
 
     def _fail(self, commit: CommitRef | None, error: str, node: int | None = None) -> None:
         log.warning("mirror %s: %s (retrying in %.0f s)", self.mirror.display(), error, self.retry_after_s)

@@ -19,7 +19,8 @@ from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord
 from ckptd.format.dcp_metadata import read_index, records_from_index, with_file_ranks
 from ckptd.format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, data_file_name
 from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tmp_dir, tracker_bytes
-from ckptd.roots.copyround import REQUEST_KEY
+from ckptd.roots.copyround import REQUEST_KEY, build_request
+from ckptd.roots.mirror import CommitRef
 from ckptd.s3catalog import read_s3_commit_record, scan_s3_root
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import parse_location
@@ -168,6 +169,39 @@ def test_a_node_that_never_answers_fails_the_round_at_its_deadline_naming_it(s3_
     client = S3Client(location)
     assert not scan_s3_root(location, usage=False).committed
     assert not list(client.list_objects("")) and not client.uploads("")
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_node_0s_request_is_withdrawn_and_what_its_round_left_late_is_swept(s3_bucket, runtime_dir, tmp_path):
+    root0, root1, ref = _disks(tmp_path)
+    url = f"s3://{s3_bucket}/mirror/stale"
+    location = parse_location(url)
+    threads = _threads(root0, root1, url, runtime_dir)
+    try:
+        wait_until(lambda: threads[0].status()["mirrored_step"] == STEP, 60, "the copy of the step to commit")
+    finally:
+        _stop(threads)
+    # Node 0's daemon died in a later round of the step: its request stays, and node 1 completed an
+    # object and its manifest after that, inside the committed copy (a recovery keeps it).
+    client = S3Client(location)
+    old = build_request(CommitRef(step=STEP, attempt=ATTEMPT, seq=SEQ), f"{ATTEMPT}-m00000001", 2, [], None)
+    client.put(REQUEST_KEY, old.to_bytes())
+    client.put(old.object_key(1), b"late bytes")
+    client.put(old.manifest_key(1), b"{}")
+    threads = _threads(root0, None, url, runtime_dir, commit_timeout_s=1.0)  # node 0's next daemon
+    try:
+        wait_until(lambda: client.head(REQUEST_KEY) is None, 30, "the stale request to be withdrawn")
+        # Swept a round's deadline later, at the next pass (kick: no 30 s wait for it).
+        wait_until(
+            lambda: threads[0].kick() or (client.head(old.object_key(1)) or client.head(old.manifest_key(1))) is None,
+            30,
+            "the late object and manifest to be swept",
+        )
+    finally:
+        _stop(threads)
+    plain = ckptd.load_plain_tensors(location.child(step_dir_name(STEP)))  # the copy is untouched
+    for key, tensor in ref.items():
+        assert torch.equal(plain[key], tensor), key
 
 
 @pytest.mark.timeout(60)
