@@ -108,11 +108,9 @@ class MirrorUploader:
     def kick(self) -> None:
         """A step committed locally: copy it (or a newer one) next; on node k, answer its round."""
         with self._lock:
-            if self.node == 0:
-                self._due = True
-            else:
+            self._due = True
+            if self.node > 0:
                 self._kicked_at_s = time.monotonic()
-                self._due = True
         self._wake.set()
 
     @property
