@@ -116,6 +116,16 @@ class SaveTimeoutError(CkptdError, TimeoutError):
     """Waiting for an asynchronous save timed out; the save may still commit later."""
 
 
+class CopyRoundError(CkptdError):
+    """A round of the mirror copy of a commit held by node-local disks failed: ``node`` names the
+    node that failed (None: no single one). Nothing of the round stays visible in the mirror; the
+    copy is retried (ckptd.roots.mirror_nodes)."""
+
+    def __init__(self, message: str, *, node: int | None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
 class StorageError(CkptdError):
     """Writing checkpoint files failed: a full disk, missing permissions, a read-only or failing
     filesystem. Nothing of the save became visible; earlier checkpoints are untouched."""

@@ -1,11 +1,19 @@
-"""The mirror thread of the coordinator's daemon: copies locally committed steps to the
-object-store mirror in the background (what to copy and how: ckptd.roots.mirror).
+"""The mirror thread of a node daemon: copies locally committed steps to the object-store mirror in
+the background (what to copy and how: ckptd.roots.mirror; on node-local disks of several nodes:
+ckptd.roots.mirror_nodes).
 
-Order: :meth:`MirrorUploader.start` (its first pass removes what a crashed upload left in the
-mirror, then copies the local latest if the mirror lacks it); :meth:`MirrorUploader.kick` after
-every local commit; :meth:`MirrorUploader.busy` keeps the daemon alive while a copy is due or
-running; :meth:`MirrorUploader.stop` at the daemon's exit (an upload still running is abandoned:
-the next coordinator start removes its objects and copies the step again).
+Roles: node 0's thread (the coordinator's daemon) decides what to copy and commits the copies: from
+its own root alone (a shared or one-node root), or, with ``node_local`` and several nodes, by
+coordinating a copy round with the other nodes' threads through the store. Node k's thread (k >= 1,
+``node_local`` only) answers node 0's requests with the files its disk holds, and never removes
+anything in the mirror.
+
+Order: :meth:`MirrorUploader.start` (node 0's first pass removes what a crashed upload left in the
+mirror, then copies the local latest if the mirror lacks it; node k's polls for requests);
+:meth:`MirrorUploader.kick` after every local commit; :meth:`MirrorUploader.busy` keeps the daemon
+alive while a copy is due or running; :meth:`MirrorUploader.stop` at the daemon's exit (an upload
+still running is abandoned: the next start of node 0's daemon removes its objects and copies the
+step again).
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptdError
+from ..errors import CkptdError, CopyRoundError
+from ..roots.copyround import REQUEST_KEY, CopyRequest, copier_due, should_answer
 from ..roots.mirror import (
     RETRY_AFTER_S,
     CommitRef,
@@ -26,40 +35,89 @@ from ..roots.mirror import (
     mirrored_latest,
     next_upload,
 )
+from ..roots.mirror_nodes import (
+    MANIFEST_POLL_S,
+    REQUEST_POLL_S,
+    answer_request,
+    coordinate_copy,
+    poll_request,
+    sweep_round,
+    withdraw_stale_request,
+)
 from ..roots.s3_root import S3Root
 
 log = logging.getLogger(__name__)
 
+# How long node 0 waits for every node's manifest in one round, when not told (the daemon passes
+# commit_timeout_s: a node uploads its files within a save's deadline).
+ROUND_TIMEOUT_S = 600.0
+
 
 class MirrorUploader:
-    def __init__(self, root: Path, mirror: S3Root, *, retry_after_s: float = RETRY_AFTER_S) -> None:
+    """The mirror thread of node ``node`` of ``nnodes``. ``node_local``: ``root`` is that node's
+    own disk (with several nodes, copies are coordinated rounds: ckptd.roots.mirror_nodes);
+    ``round_timeout_s``: node 0's deadline for every node's part of a round (and how long node k
+    stays busy after a local commit that no round copied yet); ``poll_s``: how often node k asks
+    for a request, or node 0 for the manifests (default :data:`REQUEST_POLL_S` /
+    :data:`MANIFEST_POLL_S`)."""
+
+    def __init__(
+        self,
+        root: Path,
+        mirror: S3Root,
+        *,
+        node: int = 0,
+        nnodes: int = 1,
+        node_local: bool = False,
+        retry_after_s: float = RETRY_AFTER_S,
+        round_timeout_s: float = ROUND_TIMEOUT_S,
+        poll_s: float | None = None,
+    ) -> None:
+        if not 0 <= node < max(nnodes, 1) or (node > 0 and not node_local):
+            raise CkptdError(
+                f"a mirror thread for node {node} of {nnodes}: only node 0 copies unless the root is node-local"
+            )
         self.root = root
         self.mirror = mirror
+        self.node = node
+        self.nnodes = nnodes
+        self.coordinated = node_local and nnodes > 1  # copy rounds across the nodes' disks
         self.retry_after_s = retry_after_s
+        self.round_timeout_s = round_timeout_s
+        self.poll_s = poll_s if poll_s is not None else (REQUEST_POLL_S if node else MANIFEST_POLL_S)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._due = True  # a pass is due (set by kick(), cleared when a pass found nothing to copy)
+        self._due = node == 0  # node 0: a pass is due (set by kick(), cleared when a pass found nothing to copy)
+        self._kicked_at_s: float | None = None  # node k: when a local commit last happened
         self._uploading: CommitRef | None = None
         self._failed: FailedUpload | None = None
+        self._failed_node: int | None = None
         self._mirrored: CommitRef | None = None
+        self._answered: CommitRef | None = None  # node k: the commit of the last round it answered
         self._last: dict[str, Any] | None = None
         self._error = ""
-        self._thread = threading.Thread(target=self._run, name="ckptd-mirror", daemon=True)
+        self._round: CopyRequest | None = None  # node 0: the round in progress
+        # node 0: failed rounds to sweep again, (when, step, mirror attempt, nnodes)
+        self._sweeps: list[tuple[float, int, str, int]] = []
+        self._thread = threading.Thread(target=self._run, name=f"ckptd-mirror-n{node}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def kick(self) -> None:
-        """A step committed locally: copy it (or a newer one) next."""
+        """A step committed locally: copy it (or a newer one) next; on node k, answer its round."""
         with self._lock:
             self._due = True
+            if self.node > 0:
+                self._kicked_at_s = time.monotonic()
         self._wake.set()
 
     @property
     def busy(self) -> bool:
-        """A copy is running, or a pass is due since a local commit; a copy that failed waits for
-        its retry without keeping an idle daemon alive (the next coordinator start copies the step)."""
+        """A copy is running, or a pass is due since a local commit (node k: a local commit no
+        round copied yet, for at most ``round_timeout_s``); a copy that failed waits for its retry
+        without keeping an idle daemon alive (the next start of node 0's daemon copies the step)."""
         with self._lock:
             return self._uploading is not None or self._due
 
@@ -67,10 +125,12 @@ class MirrorUploader:
         with self._lock:
             return {
                 "url": self.mirror.display(),
+                "node": self.node,
                 "mirrored_step": None if self._mirrored is None else self._mirrored.step,
                 "uploading_step": None if self._uploading is None else self._uploading.step,
                 "last_upload": self._last,
                 "failed_step": None if self._failed is None else self._failed.commit.step,
+                "failed_node": self._failed_node,  # node-local rounds: the node that failed the last one
                 "error": self._error or None,  # the last pass's, until a copy succeeds
             }
 
@@ -85,16 +145,26 @@ class MirrorUploader:
                 "the mirror upload to %s did not stop within %.0f s; abandoning it", self.mirror.display(), timeout_s
             )
 
-    # --- the thread -----------------------------------------------------------------------------
+    # --- node 0 -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.node > 0:
+            self._answer_requests()
+            return
+        if self.coordinated:
+            stale = withdraw_stale_request(self.mirror)
+            if stale is not None:  # its nodes may still complete objects: swept again a deadline later
+                self._sweeps.append(
+                    (time.monotonic() + self.round_timeout_s, stale.step, stale.mirror_attempt, stale.nnodes)
+                )
         try:
-            recovered = self.mirror.recover(nnodes=1)  # nothing of this job uploads but this thread
+            recovered = self.mirror.recover(nnodes=1)  # nothing of this job commits here but this thread
             if recovered.removed:
                 log.warning("mirror: removed what an interrupted upload left: %s", recovered.removed)
         except CkptdError as exc:
             log.warning("mirror %s: could not remove what earlier uploads left (%s)", self.mirror.display(), exc)
         while not self._stop.is_set():
             self._pass()
+            self._sweep(time.monotonic())
             self._wake.wait(self.retry_after_s)
             self._wake.clear()
 
@@ -114,8 +184,25 @@ class MirrorUploader:
             return
         t0 = time.monotonic()
         try:
-            outcome = mirror_step(self.root, commit, self.mirror)
+            if self.coordinated:
+                outcome = coordinate_copy(
+                    self.root,
+                    commit,
+                    self.mirror,
+                    nnodes=self.nnodes,
+                    timeout_s=self.round_timeout_s,
+                    poll_s=self.poll_s,
+                    stop=self._stop,
+                    on_request=self._round_started,
+                )
+            else:
+                outcome = mirror_step(self.root, commit, self.mirror)
+        except CopyRoundError as exc:
+            self._round_failed()
+            self._fail(commit, str(exc), exc.node)
+            return
         except (CkptdError, OSError) as exc:
+            self._round_failed()
             self._fail(commit, str(exc))
             return
         seconds = time.monotonic() - t0
@@ -123,16 +210,100 @@ class MirrorUploader:
         with self._lock:
             self._uploading = None
             self._failed = None
+            self._failed_node = None
             self._error = ""
             self._mirrored = commit
             self._last = {"step": commit.step, "seconds": round(seconds, 3), "unix_s": time.time()}
+        self._round = None
         self._wake.set()  # a newer step may have committed meanwhile
 
-    def _fail(self, commit: CommitRef | None, error: str) -> None:
+    def _round_started(self, request: CopyRequest) -> None:
+        self._round = request
+
+    def _round_failed(self) -> None:
+        """A failed round was aborted at once; a node may still complete an object of it (it
+        started the file before the request was withdrawn): swept again a deadline later."""
+        request, self._round = self._round, None
+        if request is not None:
+            self._sweeps.append(
+                (time.monotonic() + self.round_timeout_s, request.step, request.mirror_attempt, request.nnodes)
+            )
+
+    def _sweep(self, now_s: float) -> None:
+        due = [s for s in self._sweeps if s[0] <= now_s]
+        self._sweeps = [s for s in self._sweeps if s[0] > now_s]
+        for _, step, mirror_attempt, nnodes in due:
+            sweep_round(self.mirror, step, mirror_attempt, nnodes)
+
+    def _fail(self, commit: CommitRef | None, error: str, node: int | None = None) -> None:
         log.warning("mirror %s: %s (retrying in %.0f s)", self.mirror.display(), error, self.retry_after_s)
         with self._lock:
             self._uploading = None
             self._due = False
             self._error = error
+            self._failed_node = node
             if commit is not None:
                 self._failed = FailedUpload(commit=commit, retry_at_s=time.monotonic() + self.retry_after_s)
+
+    # --- node k >= 1 ------------------------------------------------------------------------------
+    def _answer_requests(self) -> None:
+        """Poll the request (a HEAD every ``poll_s``, a GET when it changed) and answer each round
+        once."""
+        seen_etag: str | None = None
+        answered: str | None = None
+        while not self._stop.is_set():
+            try:
+                seen_etag, request = poll_request(self.mirror.client, seen_etag)
+                if request is not None and should_answer(request, self.node, answered):
+                    answered = request.mirror_attempt
+                    self._answer(request, seen_etag)
+            except (CkptdError, OSError) as exc:
+                with self._lock:
+                    self._uploading = None
+                    self._error = f"answering node 0's copy request failed: {exc}"
+                log.warning("mirror %s, node %d: %s", self.mirror.display(), self.node, self._error)
+            self._update_due()
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    def _answer(self, request: CopyRequest, etag: str | None) -> None:
+        with self._lock:
+            self._uploading = request.commit
+        t0 = time.monotonic()
+
+        def still_current() -> bool:
+            if self._stop.is_set():
+                return False
+            info = self.mirror.client.head(REQUEST_KEY)
+            return info is not None and (etag is None or info.etag == etag)
+
+        manifest = answer_request(self.root, request, self.mirror, self.node, still_current)
+        seconds = time.monotonic() - t0
+        with self._lock:
+            self._uploading = None
+            self._answered = request.commit
+            if manifest is not None:
+                self._error = manifest.error or ""
+                self._last = {
+                    "step": request.step,
+                    "seconds": round(seconds, 3),
+                    "unix_s": time.time(),
+                    "objects": len(manifest.objects),
+                    "error": manifest.error,
+                }
+
+    def _update_due(self) -> None:
+        with self._lock:
+            kicked, answered = self._kicked_at_s, self._answered
+        local = None
+        if kicked is not None:
+            try:
+                local = local_latest(self.root)
+            except (CkptdError, OSError):
+                local = None
+        due = copier_due(kicked, local, answered, time.monotonic(), self.round_timeout_s)
+        with self._lock:
+            if self._kicked_at_s == kicked:  # no kick() came meanwhile
+                self._due = due
+                if not due:
+                    self._kicked_at_s = None

@@ -32,9 +32,11 @@ def daemon_store(root: Location, config: CkptdConfig) -> RootStore:
     )
 
 
-def daemon_mirror(root: Location, config: CkptdConfig) -> MirrorUploader | None:
-    """The coordinator's mirror thread (not started) when ``config.mirror`` names one."""
-    if not config.mirror:
+def daemon_mirror(root: Location, config: CkptdConfig, *, node: int = 0, nnodes: int = 1) -> MirrorUploader | None:
+    """The mirror thread (not started) of node ``node`` of ``nnodes`` when ``config.mirror``
+    names one: node 0's always, every node's with ``config.node_local`` (each node uploads the
+    files its own disk holds: ckptd.roots.mirror_nodes), None for the others."""
+    if not config.mirror or (node != 0 and not config.node_local):
         return None
     mirror = parse_location(config.mirror)
     if not isinstance(mirror, S3Location) or isinstance(root, S3Location):
@@ -42,4 +44,11 @@ def daemon_mirror(root: Location, config: CkptdConfig) -> MirrorUploader | None:
             f"config mirror={config.mirror!r} for root {root}: a mirror is an s3://bucket/prefix of a local root"
         )
     store = S3Root(mirror, keep_last=config.mirror_keep_last, megatron_tracker=config.megatron_tracker)
-    return MirrorUploader(root, store)
+    return MirrorUploader(
+        root,
+        store,
+        node=node,
+        nnodes=nnodes,
+        node_local=config.node_local,
+        round_timeout_s=config.commit_timeout_s,
+    )

@@ -21,6 +21,10 @@ Order of one mirror upload (the mirror thread of the coordinator's daemon, ckptd
 3. a failed upload removes its objects (:meth:`S3Root.abort`) and is retried after
    :data:`RETRY_AFTER_S`, or at once when a newer step commits locally.
 
+On node-local disks of several nodes (``node_local``) no root holds every data file: step 2 is
+then a copy round in which every node uploads its own files and node 0 commits
+(ckptd.roots.mirror_nodes); steps 1 and 3 are the same.
+
 A resume picks the level with :func:`resume_level`: the local copy, unless the local root has
 no checkpoint or only older steps than the mirror's latest (a replaced node, a lost disk), or the
 ranks do not all see the same local checkpoint (node-local disks): then the mirror.
@@ -141,31 +145,39 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
     attempt = new_mirror_attempt(commit)
     with ReadLease.acquire(root / name) as lease:
         directory = lease.directory
-        record = read_commit_record(directory)
-        if record is None or (record.step, record.attempt, record.seq) != (commit.step, commit.attempt, commit.seq):
-            raise CkptdError(
-                f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
-                "save of the step); the mirror copies the newer one next"
-            )
-        # .metadata is read with DCP's classes: the daemon imports torch here, on its first
-        # upload, and only when a mirror is configured (README: Daemon memory).
-        from ..format.dcp_metadata import read_index, records_from_index
-
-        index = read_index(directory)
-        records = _ranked(records_from_index(index))
-        common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
-        recorded = index.common_crc
-        if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
-            raise CorruptCheckpointError(
-                f"{directory / COMMON_PT} no longer matches its recorded checksum (bit rot on the local disk?); "
-                "it is not copied to the mirror. Run `ckptd verify` on the checkpoint."
-            )
+        records, checksum, common = read_local_commit(directory, commit)
         try:
-            renamed, data_files = _upload_data(directory, records, index.checksum, name, attempt, mirror)
+            renamed, data_files = _upload_data(directory, records, checksum, name, attempt, mirror)
             return mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
         except BaseException:
             mirror.abort(commit.step, attempt)
             raise
+
+
+def read_local_commit(directory: Path, commit: CommitRef) -> tuple[list[ItemRecord], Checksum | None, bytes]:
+    """The records (with their ranks), checksum function and ``common.pt`` of the committed
+    ``directory``, which must still be ``commit`` (a CkptdError otherwise); ``common.pt`` is
+    checked against its recorded checksum."""
+    record = read_commit_record(directory)
+    if record is None or (record.step, record.attempt, record.seq) != (commit.step, commit.attempt, commit.seq):
+        raise CkptdError(
+            f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
+            "save of the step); the mirror copies the newer one next"
+        )
+    # .metadata is read with DCP's classes: the daemon imports torch here, on its first
+    # upload, and only when a mirror is configured (README: Daemon memory).
+    from ..format.dcp_metadata import read_index, records_from_index
+
+    index = read_index(directory)
+    records = _ranked(records_from_index(index))
+    common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+    recorded = index.common_crc
+    if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
+        raise CorruptCheckpointError(
+            f"{directory / COMMON_PT} no longer matches its recorded checksum (bit rot on the local disk?); "
+            "it is not copied to the mirror. Run `ckptd verify` on the checkpoint."
+        )
+    return records, index.checksum, common
 
 
 def _ranked(records: list[ItemRecord]) -> list[ItemRecord]:
@@ -197,19 +209,27 @@ def _upload_data(
         rank = items[0].rank
         target = s3_data_file_name(attempt, rank)
         ordered = sorted(items, key=lambda r: r.file_offset)
-        nbytes, crcs = _copy_checked(directory, rel, ordered, checksum, mirror, f"{name}/{target}")
+        nbytes, crcs = copy_checked(directory, rel, ordered, checksum, mirror, f"{name}/{target}")
         data_files[target] = (rank, nbytes)
         renamed += [replace(r, relative_path=target, crc=crc) for r, crc in zip(ordered, crcs, strict=True)]
     return renamed, data_files
 
 
-def _copy_checked(
-    directory: Path, rel: str, items: list[ItemRecord], checksum: Checksum | None, mirror: S3Root, key: str
+def copy_checked(
+    directory: Path,
+    rel: str,
+    items: list[ItemRecord],
+    checksum: Checksum | None,
+    mirror: S3Root,
+    key: str,
+    dir_fd: int | None = None,
 ) -> tuple[int, list[int]]:
-    """Stream ``directory/rel`` into object ``key``; every item with a recorded checksum is checked
-    on the way. Returns the bytes copied and each item's CRC-32C."""
+    """Stream ``directory/rel`` into object ``key``; every item (in file order) with a recorded
+    checksum is checked on the way. Returns the bytes copied and each item's CRC-32C. ``dir_fd``:
+    ``directory`` open already (a lease's), so that a rename of the directory meanwhile does not
+    matter."""
     path = directory / rel
-    fd, size = open_regular(directory, rel, "data file")
+    fd, size = open_regular(directory, rel, "data file", dir_fd=dir_fd)
     crcs: list[int] = []
     try:
         with FileIO(fd, "rb", closefd=False) as f, ObjectSink(mirror.client, key) as sink:
