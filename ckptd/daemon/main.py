@@ -109,7 +109,7 @@ def run_daemon(
             # With several nodes other nodes may be writing these right now: adopted as steps in flight.
             adopt = recovered.adopted
         daemon = NodeDaemon(
-            ep, config, keys, store, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt
+            ep, config, keys, store, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt, nnodes=nnodes
         )
 
         def on_signal(signum: int, _frame: object) -> None:

@@ -77,6 +77,7 @@ class NodeDaemon:
         coordinator: bool,
         exit_when_idle: bool,
         adopt: list[StepKey] | None = None,
+        nnodes: int = 1,
     ) -> None:
         self.ep = ep
         self.store = store
@@ -110,7 +111,10 @@ class NodeDaemon:
             if coordinator
             else None
         )
-        self.mirror = daemon_mirror(ep.root, config) if coordinator else None
+        # Node 0 copies committed steps to the mirror; on a node-local root every node uploads its own files.
+        self.mirror = (
+            daemon_mirror(ep.root, config, node=ep.node, nnodes=nnodes) if coordinator or config.node_local else None
+        )
         self.node_local = (
             NodeLocalCommits(store, self.workers)
             if config.node_local and not coordinator and isinstance(store, PosixRoot)
@@ -237,6 +241,8 @@ class NodeDaemon:
         elif isinstance(done, NodeCommitFinished):
             if self.node_local is not None:
                 self.uplink.verdict_in(self.node_local.done(done))
+                if self.mirror is not None and done.error is None:
+                    self.mirror.kick()  # this node's files of the step are under their final name now
         elif self.coordinator is not None:  # commits and cleanups are the coordinator's (a node-local
             # root's cleanups on other nodes need nothing more)
             self.coordinator.on_done(done)

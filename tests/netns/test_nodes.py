@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 
 from ckptd.control.endpoints import default_job_id
+from ckptd.format.commitrecord import read_commit_record
 from ckptd.roots.nodelocal import NODE_FILES
+from ckptd.s3catalog import committed_at, read_s3_commit_record
+from ckptd.storage.s3client import S3Client
 from tools.harness.netns import Cluster, sweep_stale
 from tools.harness.waiting import wait_until
 
@@ -121,10 +124,14 @@ def test_harness_removes_and_sweeps_everything(netns_available):
 
 
 @pytest.mark.timeout(180)
-def test_a_node_local_root_commits_on_every_nodes_disk(make_job):
+def test_a_node_local_root_commits_on_every_nodes_disk_and_mirrors_every_nodes_files(make_job, monkeypatch):
     """CKPTD_NODE_LOCAL (ckptd.roots.nodelocal): the same disks as above commit every save; each
-    node's directory holds its own rank's file and the same metadata files, and both name it latest."""
+    node's directory holds its own rank's file and the same metadata files, and both name it
+    latest. Every node's daemon uploads its own file, and node 0's commits the mirror's copy."""
     job = make_job(2, local=True, mirror=True)
+    assert job.store is not None and job.mirror is not None
+    for k, v in job.store.env().items():
+        monkeypatch.setenv(k, v)
     job.save(1)
     job.committed(1)
     meta = []
@@ -134,3 +141,11 @@ def test_a_node_local_root_commits_on_every_nodes_disk(make_job):
         assert (disk / "latest").read_text().strip() == "iter_0000001"
         meta.append({n: (disk / "iter_0000001" / n).read_bytes() for n in NODE_FILES})
     assert meta[0] == meta[1]
+    mirror = job.mirror
+    wait_until(lambda: committed_at(mirror, 1), 60, "the mirror's copy of step 1")
+    local = read_commit_record(job.cluster.nodes[0].path(job.root) / "iter_0000001")
+    copy = read_s3_commit_record(S3Client(mirror), "iter_0000001")
+    assert local is not None and copy is not None and copy.source == {"seq": local.seq, "attempt": local.attempt}
+    assert sorted(n for n in (copy.objects or {}) if n.endswith(".distcp")) == [
+        f"__{r}_0.{copy.attempt}.distcp" for r in (0, 1)
+    ]
