@@ -20,6 +20,7 @@ from .errors import (
     CorruptCheckpointError,
     DaemonError,
     LoadMismatchError,
+    NodeFilesMissingError,
     SaveFailedError,
     SaveSkippedError,
     SaveTimeoutError,
@@ -129,6 +130,7 @@ __all__ = [
     "CheckpointRemovedError",
     "CorruptCheckpointError",
     "LoadMismatchError",
+    "NodeFilesMissingError",
     "UnsafePickleError",
     "UnsupportedFormatError",
 ]

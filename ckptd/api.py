@@ -63,6 +63,7 @@ from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
 from .statedict.split import split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
+from .storage.nodeview import NodeLocalCheckpoint
 from .storage.url import S3Location, parse_location
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ def warn_differing_common(digests: list[str | None], rank: int, where: str) -> N
 
 def load(
     sharded_state_dict: dict[str, Any],
-    checkpoint_dir: str | os.PathLike | S3Location,
+    checkpoint_dir: str | os.PathLike | S3Location | NodeLocalCheckpoint,
     *,
     allow_unsafe_pickle: bool = False,
     strict: StrictHandling | str | bool = StrictHandling.ASSUME_OK_UNEXPECTED,
@@ -328,6 +329,10 @@ def load(
     The load holds a lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`): retention and
     ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this
     filesystem, or by hand) raises CheckpointRemovedError; nothing half-loaded is returned.
+
+    ``checkpoint_dir`` may also be a commit of node-local disks (a
+    :class:`ckptd.storage.nodeview.NodeLocalCheckpoint`, as ``Checkpointer.load`` passes with config
+    ``node_local``): read from this node's disk where it holds the files, else from the mirror.
     """
     with opened(checkpoint_dir) as ckpt:
         index = ckpt.index(allow_unsafe_pickle)

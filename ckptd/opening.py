@@ -1,5 +1,6 @@
 """Opening one checkpoint for reading, wherever it is: a local (or shared POSIX) directory, held by a
-read lease, or an ``s3://`` prefix, read through a local view (ckptd.storage.s3view).
+read lease, an ``s3://`` prefix, read through a local view (ckptd.storage.s3view), or a commit of
+node-local disks, read from this node's disk and the mirror (ckptd.storage.nodeview).
 
 Every reader of :mod:`ckptd.api` opens a checkpoint here::
 
@@ -22,6 +23,7 @@ from .format.layout import METADATA_JSON, read_backend_metadata
 from .format.lease import ReadLease, removed_error
 from .format.reader import RangeSource
 from .format.safefs import entry_exists
+from .storage.nodeview import NodeLocalCheckpoint, node_local_view
 from .storage.s3view import s3_checkpoint_view
 from .storage.url import S3Location, parse_location
 
@@ -44,7 +46,13 @@ class OpenedCheckpoint:
 
 
 @contextmanager
-def opened(checkpoint_dir: str | os.PathLike | S3Location) -> Iterator[OpenedCheckpoint]:
+def opened(checkpoint_dir: str | os.PathLike | S3Location | NodeLocalCheckpoint) -> Iterator[OpenedCheckpoint]:
+    if isinstance(checkpoint_dir, NodeLocalCheckpoint):
+        with node_local_view(checkpoint_dir) as nodes:
+            yield OpenedCheckpoint(
+                nodes.directory, entry_exists(nodes.directory, METADATA_JSON), nodes.source, str(checkpoint_dir)
+            )
+        return
     location = parse_location(checkpoint_dir)
     if isinstance(location, S3Location):
         with s3_checkpoint_view(location) as view:

@@ -55,7 +55,7 @@ class LatestChoice:
         return self.entry.step if self.entry.step >= 0 else None
 
 
-def structural_problem(path: Location) -> str | None:
+def structural_problem(path: Location, *, node_local: bool = False) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
     data objects; no data is read). Imports torch and DCP's metadata classes (to read
@@ -63,7 +63,11 @@ def structural_problem(path: Location) -> str | None:
 
     A directory is checked under a load's lease (ckptd.format.lease), so retention does not remove
     it half-way through the check (whose missing files would read as damage); one removed before
-    or, where the filesystem cannot lease, during the check raises CheckpointNotFoundError."""
+    or, where the filesystem cannot lease, during the check raises CheckpointNotFoundError.
+
+    ``node_local``: the directory is on one node's own disk (config ``node_local``), which holds
+    only that node's data files; they are not checked (ckptd.storage.nodeview decides per file
+    whether it is read there or from the mirror)."""
     from .verify import verify_checkpoint
 
     if isinstance(path, S3Location):
@@ -74,7 +78,7 @@ def structural_problem(path: Location) -> str | None:
             return str(exc).rstrip(".")
     with ReadLease.acquire(path) as lease:
         try:
-            report = verify_checkpoint(path, read_items=False)
+            report = verify_checkpoint(path, read_items=False, data_files=not node_local)
         except FileNotFoundError:
             report = None
         if report is None or lease.gone():
@@ -92,18 +96,19 @@ def _report_problem(report: VerifyReport, view: Path | None, location: S3Locatio
 
 
 def resolve_latest(
-    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None
+    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None, node_local: bool = False
 ) -> LatestChoice | None:
     """The checkpoint of ``root`` to resume from (see the module docstring).
 
     ``damaged``: checkpoint names a load found damaged (a checksum mismatch), with the reason;
-    they are never chosen, as if the structural check had refused them."""
+    they are never chosen, as if the structural check had refused them. ``node_local``: ``root``
+    is one node's own disk (see :func:`structural_problem`)."""
     location = parse_location(root)
     cat = _without_damaged(scan_any(location, usage=False), damaged or {})
     tracker = location.url(TRACKER_FILE) if isinstance(location, S3Location) else location / TRACKER_FILE
     named = cat.latest()
     if named is not None:
-        problem = structural_problem(named.path)
+        problem = structural_problem(named.path, node_local=node_local)
         if problem is None:
             return LatestChoice(named)
         why = f"tracker {tracker} names {named.name}, which is damaged: {problem}"
@@ -116,7 +121,7 @@ def resolve_latest(
     candidates = [e for e in cat.newest_first if e.step >= 0 and not (named is not None and e.path == named.path)]
     rejected: list[str] = []
     for entry in candidates:
-        problem = structural_problem(entry.path)
+        problem = structural_problem(entry.path, node_local=node_local)
         if problem is None:
             msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"
             if rejected:
@@ -152,14 +157,14 @@ def _without_damaged(cat: RootCatalog, damaged: Mapping[str, str]) -> RootCatalo
 
 
 def resolve_resumable(
-    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None
+    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None, node_local: bool = False
 ) -> LatestChoice | None:
     """:func:`resolve_latest`, again (a fresh scan, ``_RESOLVE_TRIES`` in all) when it found nothing
     loadable or a checkpoint it was checking is gone: retention may have removed it meanwhile,
     after a newer one committed, which a fresh scan sees."""
     for _ in range(_RESOLVE_TRIES - 1):
         try:
-            return resolve_latest(root, damaged=damaged)
+            return resolve_latest(root, damaged=damaged, node_local=node_local)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             log.info("resolving the latest checkpoint again (%s)", exc)
-    return resolve_latest(root, damaged=damaged)
+    return resolve_latest(root, damaged=damaged, node_local=node_local)

@@ -463,11 +463,14 @@ def verify_checkpoint(
     allow_unsafe_pickle: bool = False,
     progress: ProgressSink | None = None,
     read_items: bool = True,
+    data_files: bool = True,
 ) -> VerifyReport:
     """Check one checkpoint directory end to end (see the module docstring for the checks).
 
     ``read_items=False`` skips steps 5 and 6 (reading every item): a structural check that costs
     a few file reads whatever the checkpoint's size, as choosing a checkpoint to resume from needs.
+    ``data_files=False`` (with ``read_items=False``) skips step 4 too: a node-local disk holds only
+    its node's data files, and a load reads the others (and any it cannot trust) from the mirror.
 
     Raises CheckpointNotFoundError only when ``checkpoint_dir`` is not a directory; every kind of
     damage is returned as an error :class:`Finding` (``report.ok`` is False).
@@ -500,7 +503,7 @@ def verify_checkpoint(
         _check_coverage(records, report)
         commit = read_commit_record(directory)
         committed = {n: o["nbytes"] for n, o in (commit.objects or {}).items()} if commit is not None else {}
-        sizes = _check_files(directory, records, report, committed)
+        sizes = _check_files(directory, records, report, committed) if data_files or read_items else {}
         if read_items:
             _check_items(
                 directory,

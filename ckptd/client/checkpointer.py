@@ -104,9 +104,8 @@ from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped,
 from .pending import PendingSaves
 from .policy import AutoInterval
 from .rankring import RankRing
-from .resume import load_latest
 from .stats import SaveRecord, SaveStats
-from .tiers import Levels, mirror_location
+from .tiers import Levels
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ class Checkpointer:
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-        self._levels = Levels(self.root, mirror_location(self.config.mirror, self.root))
+        self._levels = Levels.configured(self.root, self.config, self.env.node)
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
         # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's
@@ -353,13 +352,18 @@ class Checkpointer:
         When the tracker is missing, unreadable or names a missing, incomplete or damaged
         checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
         committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
-        which raises CorruptCheckpointError when checkpoints exist but none is loadable).
+        which raises CorruptCheckpointError when checkpoints exist but none is loadable). With a
+        mirror, the mirror's latest copy when the local root lacks it; with ``node_local``, what
+        this node's disk knows (no collective): on a node that missed the last commit, the one
+        before it, where :meth:`load` resumes from node 0's.
         """
-        _, choice = self._levels.resume(self._damaged)
-        return None if choice is None else choice.step
+        return self._levels.resume(self._damaged).step
 
     def checkpoint_dir(self, step: int | None = None) -> Location:
-        """Directory of ``step`` (default: the latest committed one)."""
+        """Directory of ``step`` (default: :meth:`latest`): in the local root, else in the mirror
+        when only it has the step. With ``node_local`` a local directory holds only this node's
+        ranks' data files (and every small file): :meth:`load` reads the rest from the mirror,
+        other readers need the mirror's copy."""
         if step is None:
             step = self.latest()
             if step is None:
@@ -368,11 +372,17 @@ class Checkpointer:
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
-        falling back past damaged ones, every rank alike (:func:`ckptd.client.resume.load_latest`)."""
+        falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`).
+
+        With ``node_local`` (each node's own disk, and a mirror): without ``step``, every rank loads
+        node 0's latest commit (or the mirror's latest copy, when newer); ``step=N``: the newest
+        commit of step N this node's disk or the mirror records. Each rank reads the data files its
+        node's disk holds there, and the others from the mirror's copy of that commit, waiting up to
+        ``commit_timeout_s`` for the copy (NodeFilesMissingError after that; ckptd.storage.nodeview).
+        """
         if step is not None:
-            return sync_load(sharded_state_dict, self.checkpoint_dir(step), **kwargs)
-        root, _ = self._levels.resume(self._damaged, collective=True, group=kwargs.get("process_group"))
-        return load_latest(root, sharded_state_dict, self._damaged, self.env.rank, kwargs)
+            return sync_load(sharded_state_dict, self._levels.step_target(step), **kwargs)
+        return self._levels.load_resumed(sharded_state_dict, self._damaged, self.env.rank, kwargs)
 
     def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:
         """With a mirror (config ``mirror="s3://..."``): return once ``step`` is committed in the

@@ -4,7 +4,8 @@
 Order of one resume, on every rank:
 
 1. :func:`ckptd.recovery.resolve_resumable` chooses the checkpoint (the tracker's, else the newest
-   valid committed one), leaving out those a load already found damaged;
+   valid committed one), leaving out those a load already found damaged (on node-local disks,
+   :meth:`ckptd.client.tiers.Levels.candidate` chooses: :func:`load_agreed`);
 2. :func:`ckptd.load` loads it, holding a lease so that retention leaves it alone meanwhile;
 3. with several ranks (torch.distributed initialized), the ranks gather every rank's outcome (one
    ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
@@ -20,6 +21,8 @@ Order of one resume, on every rank:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..api import load as sync_load
@@ -32,6 +35,17 @@ from ..storage.url import Location
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint to try: its directory ``name`` (what ``damaged`` records), what
+    :func:`ckptd.load` opens, and whether it still exists (asked after every rank failed with
+    CheckpointNotFoundError; the answer must be the same on every rank)."""
+
+    name: str
+    target: Any
+    exists: Callable[[], bool]
+
+
 def load_latest(
     root: Location, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
 ) -> Any:
@@ -40,17 +54,31 @@ def load_latest(
     Raises CheckpointNotFoundError when ``root`` has no committed checkpoint, and
     CorruptCheckpointError when checkpoints exist but none loads.
     """
-    ctx = DistContext.current(kwargs.get("process_group"))
-    removed: set[str] = set()
-    while True:
+
+    def choose() -> Candidate:
         choice = resolve_resumable(root, damaged=damaged)
         if choice is None:
             raise CheckpointNotFoundError(f"{root} has no committed checkpoint yet")
-        name = choice.entry.name
+        path = choice.entry.path
+        return Candidate(choice.entry.name, path, lambda: checkpoint_exists(path))
+
+    return load_agreed(choose, sharded_state_dict, damaged, rank, kwargs)
+
+
+def load_agreed(
+    choose: Callable[[], Candidate], sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
+) -> Any:
+    """Steps 2-4 above for the checkpoint ``choose()`` names (step 1), again after each one found
+    damaged or removed; ``choose`` is called on every rank alike (it may be a collective)."""
+    ctx = DistContext.current(kwargs.get("process_group"))
+    removed: set[str] = set()
+    while True:
+        candidate = choose()
+        name = candidate.name
         error: Exception | None = None
         result: Any = None
         try:
-            result = sync_load(sharded_state_dict, choice.entry.path, **kwargs)
+            result = sync_load(sharded_state_dict, candidate.target, **kwargs)
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
             error = exc
         outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)))
@@ -64,17 +92,17 @@ def load_latest(
             log.warning(
                 "rank %d: checkpoint %s is damaged (%s); falling back to the intact one committed last before it",
                 rank,
-                choice.entry.path,
+                candidate.target,
                 detail,
             )
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
-            and not checkpoint_exists(choice.entry.path)
+            and not candidate.exists()
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)
         elif error is not None:
             raise error
         else:
-            raise next(iter(kinds))(f"loading {choice.entry.path} failed on another rank: {detail}")
+            raise next(iter(kinds))(f"loading {candidate.target} failed on another rank: {detail}")

@@ -1,5 +1,5 @@
 """Which level a Checkpointer with a mirror reads from: its local root or the object-store mirror
-(the decision: :func:`ckptd.roots.mirror.resume_level`).
+(the decision: :func:`ckptd.roots.mirror.resume_from`).
 
 Order for one resume (:meth:`ckptd.Checkpointer.load` without ``step``), on every rank:
 
@@ -7,25 +7,34 @@ Order for one resume (:meth:`ckptd.Checkpointer.load` without ``step``), on ever
    (:func:`ckptd.recovery.resolve_resumable`) and the local commit the mirror's copies;
 2. with torch.distributed initialized, the ranks gather what each found locally (one
    ``all_gather_object`` of a few bytes): a rank that sees another local checkpoint than the
-   others (node-local disks, a replaced node) makes every rank read the mirror;
-3. the level's root is loaded as without a mirror (:func:`ckptd.client.resume.load_latest`).
+   others in a shared root makes every rank read the mirror. Node-local disks (config
+   ``node_local``): only rank 0 resolves (node 0's disk is the commit authority) and the ranks
+   gather its decision, so a node that lags behind never rolls the job back to an older copy;
+3. a shared root's level is loaded as without a mirror (:func:`ckptd.client.resume.load_latest`);
+   on node-local disks every rank loads rank 0's commit, from its node's disk where it holds the
+   files and from the mirror otherwise (:meth:`Levels.candidate`, ckptd.storage.nodeview), and a
+   checkpoint found damaged sends every rank back to step 1 (:func:`ckptd.client.resume.load_agreed`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
-from ..roots.mirror import MIRROR, CommitRef, resume_level
-from ..s3catalog import committed_at, read_s3_commit_record
+from ..roots.mirror import MIRROR, CommitRef, LocalFind, newer_commit, resume_from
+from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
+from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, UnsupportedLocationError, join, parse_location
+from .resume import Candidate, load_agreed, load_latest
 
 _POLL_S = 0.5
 
@@ -49,25 +58,83 @@ def mirror_location(mirror: str, root: Location) -> S3Location | None:
     return where
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a resume reads: the level's ``root`` and the checkpoint this rank resolved there;
+    node-local disks on the local level: no ``choice`` but rank 0's ``commit``, the one every rank
+    loads (None: node 0's disk holds none)."""
+
+    root: Location
+    choice: LatestChoice | None
+    commit: CommitRef | None = None
+
+    @property
+    def step(self) -> int | None:
+        if self.commit is not None:
+            return self.commit.step
+        return None if self.choice is None else self.choice.step
+
+
 class Levels:
-    def __init__(self, root: Location, mirror: S3Location | None) -> None:
+    """The levels a Checkpointer reads: its root, and the mirror (when configured). ``node_local``:
+    the root is this node's own disk (config ``node_local``); ``wait_s`` bounds how long a read of a
+    commit there waits for the mirror's copy of files this disk lacks; ``node``: this node's id."""
+
+    def __init__(
+        self,
+        root: Location,
+        mirror: S3Location | None,
+        *,
+        node_local: bool = False,
+        wait_s: float = 600.0,
+        node: int = 0,
+    ) -> None:
         self.root = root
         self.mirror = mirror
+        self.node_local = node_local and mirror is not None and isinstance(root, Path)
+        self.wait_s = wait_s
+        self.node = node
 
-    def resume(
-        self, damaged: dict[str, str], *, collective: bool = False, group: Any = None
-    ) -> tuple[Location, LatestChoice | None]:
-        """The root to resume from and its latest intact checkpoint (steps 1-2 above);
-        ``collective``: every rank calls it."""
-        local_choice = resolve_resumable(self.root, damaged=damaged)
+    @classmethod
+    def configured(cls, root: Location, config: CkptdConfig, node: int) -> Levels:
+        """The levels of a Checkpointer on ``root`` with ``config``, on node ``node``."""
+        return cls(
+            root,
+            mirror_location(config.mirror, root),
+            node_local=config.node_local,
+            # A resume on node-local disks waits this long for the mirror's copy of files its
+            # node lacks: the job's bound on persisting one step (README: Two tiers).
+            wait_s=config.commit_timeout_s,
+            node=node,
+        )
+
+    def load_resumed(self, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]) -> Any:
+        """:meth:`ckptd.Checkpointer.load` without ``step`` (steps 1-3 above), on every rank."""
+        group = kwargs.get("process_group")
+        if self.node_local:
+            return load_agreed(lambda: self.candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
+        root = self.resume(damaged, collective=True, group=group).root
+        return load_latest(root, sharded_state_dict, damaged, rank, kwargs)
+
+    def resume(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Resume:
+        """The level to resume from and its latest intact checkpoint (steps 1-2 above);
+        ``collective``: every rank calls it. Node-local disks: rank 0 alone decides, from its
+        node's disk and the mirror, and every rank takes its decision (or raises its error)."""
+        ctx = DistContext.current(group)
+        if self.node_local and collective:
+            decided = ctx.agree(
+                "choosing the checkpoint to resume from", lambda: self._resume_here(damaged) if ctx.rank == 0 else None
+            )
+            return cast(Resume, decided[0])  # rank 0's
+        return self._resume_here(damaged, ctx if collective else None)
+
+    def _resume_here(self, damaged: dict[str, str], ctx: DistContext | None = None) -> Resume:
+        """:meth:`resume` from this rank's view of the levels; ``ctx``: gather every rank's."""
+        local_choice = resolve_resumable(self.root, damaged=damaged, node_local=self.node_local)
         if self.mirror is None or not isinstance(self.root, Path):  # no mirror without a local root
-            return self.root, local_choice
+            return Resume(self.root, local_choice)
         local_record = None if local_choice is None else read_commit_record(local_choice.entry.path)
         local = _ref(local_choice, None if local_record is None else (local_record.attempt, local_record.seq))
-        same = True
-        if collective:
-            found = DistContext.current(group).all_gather(local)
-            same = len(set(found)) == 1
         mirror_choice = resolve_resumable(self.mirror, damaged=damaged)
         source = None
         if mirror_choice is not None:
@@ -75,9 +142,67 @@ class Levels:
             source = None if record is None else record.source
         mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
         holds = mirrored is not None and _local_holds(self.root, mirrored)
-        if resume_level(local, mirrored, local_holds_mirrored=holds, same_on_every_rank=same) == MIRROR:
-            return self.mirror, mirror_choice
-        return self.root, local_choice
+        mine = LocalFind(commit=local, holds_mirrored=holds)
+        found = [mine] if ctx is None else ctx.all_gather(mine)
+        level, commit = resume_from(found, mirrored, node_local=self.node_local, rank=0 if ctx is None else ctx.rank)
+        if level == MIRROR:
+            return Resume(self.mirror, mirror_choice)
+        if self.node_local:
+            return Resume(self.root, None, commit)
+        return Resume(self.root, local_choice)
+
+    def candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
+        """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
+        as :func:`ckptd.client.resume.load_agreed` asks for it). Raises CheckpointNotFoundError
+        when neither node 0's disk nor the mirror holds one."""
+        resume = self.resume(damaged, collective=True, group=group)
+        if resume.commit is not None and resume.commit.attempt:
+            target = self.node_local_commit(resume.commit)
+            # Whether it was removed must be answered alike on every node (they hold different
+            # files): never; a node that lost its files reads them from the mirror's copy.
+            return Candidate(target.name, target, lambda: False)
+        if resume.commit is not None:  # not a Checkpointer's commit (ckptd.save): no view of it
+            path: Location = join(self.root, step_dir_name(resume.commit.step))
+        elif resume.choice is not None:
+            path = resume.choice.entry.path
+        else:
+            raise CheckpointNotFoundError(
+                f"{self.root} on node 0 (the commit authority with node_local) and the mirror {self.mirror} hold "
+                "no committed checkpoint"
+            )
+        return Candidate(path.name, path, lambda: checkpoint_exists(path))
+
+    def node_local_commit(self, commit: CommitRef) -> NodeLocalCheckpoint:
+        if self.mirror is None or not isinstance(self.root, Path):
+            raise CkptdError(f"{self.root}: node-local disks need a local root and a mirror")
+        return NodeLocalCheckpoint(
+            root=self.root,
+            step=commit.step,
+            attempt=commit.attempt,
+            seq=commit.seq,
+            mirror=self.mirror,
+            wait_s=self.wait_s,
+            node=self.node,
+        )
+
+    def step_target(self, step: int) -> Location | NodeLocalCheckpoint:
+        """What ``load(step=...)`` reads: :meth:`step_location`; with node-local disks the newest
+        commit of the step this node's disk or the mirror's copy records, read from this disk and
+        the mirror."""
+        if not self.node_local or self.mirror is None or not isinstance(self.root, Path):
+            return self.step_location(step)
+        name = step_dir_name(step)
+        record = read_commit_record(self.root / name) if committed_at(self.root, step) else None
+        local = None if record is None else CommitRef(step=step, attempt=record.attempt, seq=record.seq)
+        copy = read_s3_commit_record(S3Client(self.mirror), name)
+        source = None if copy is None else copy.source
+        mirrored = (
+            None if source is None else CommitRef(step=step, attempt=str(source["attempt"]), seq=int(source["seq"]))
+        )
+        commit = newer_commit(local, mirrored)
+        if commit is None or not commit.attempt:
+            return self.step_location(step)
+        return self.node_local_commit(commit)
 
     def step_location(self, step: int) -> Location:
         """Where ``iter_<step>`` is read from: the local root, or the mirror when only it has the step."""

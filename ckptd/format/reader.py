@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 
 class RangeSource(Protocol):
     """Where the bytes of a checkpoint's data files come from when they are not all on disk yet:
-    a checkpoint on object storage read through a local view (ckptd.storage.s3view). A reader
-    calls :meth:`ensure` before it reads a range of a data file, and may say in advance which
-    ranges it will read (:meth:`prefetch`)."""
+    a checkpoint on object storage read through a local view (ckptd.storage.s3view), or a commit
+    of node-local disks whose other nodes' files are in a mirror (ckptd.storage.nodeview). A
+    reader opens a data file through :meth:`open_file` first, calls :meth:`ensure` before it reads
+    a range of it, and may say in advance which ranges it will read (:meth:`prefetch`)."""
+
+    def open_file(self, relative_path: str) -> tuple[int, int] | None:
+        """``(fd, size)`` of a data file the source keeps outside the view's directory (the
+        caller closes ``fd``); None: the file of that name in the view's directory."""
+        ...
 
     def ensure(self, relative_path: str, offset: int, length: int) -> None: ...
 
@@ -36,8 +42,9 @@ class DataFiles:
     """Open data files of one checkpoint, kept open while a load runs.
 
     Usage: ``with DataFiles(dir) as files: files.read(rel_path, offset, length)``. With a
-    ``source`` (a view of a checkpoint on object storage), every range is fetched before it is
-    read: :meth:`read` does it, a reader using :meth:`fileno_and_size` calls :meth:`ensure`.
+    ``source`` (a view of a checkpoint on object storage or on node-local disks), a file is opened
+    where the source keeps it, and every range is fetched before it is read: :meth:`read` does it,
+    a reader using :meth:`fileno_and_size` calls :meth:`ensure`.
     """
 
     def __init__(self, directory: str | os.PathLike, source: RangeSource | None = None) -> None:
@@ -78,7 +85,12 @@ class DataFiles:
                         "was being read, e.g. by retention or ckptd gc); load another checkpoint"
                     ) from None
             try:
-                fd, size = open_regular(self.directory, relative_path, "data file", dir_fd=self._dir_fd)
+                opened = self.source.open_file(relative_path) if self.source is not None else None
+                fd, size = (
+                    opened
+                    if opened is not None
+                    else open_regular(self.directory, relative_path, "data file", dir_fd=self._dir_fd)
+                )
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"data file {self.directory / relative_path} is missing; the checkpoint is "

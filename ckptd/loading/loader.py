@@ -236,7 +236,7 @@ def _load_tensors(
     buffer of the stored dtype freed before the next, so a cast load needs at most one chunk of
     extra memory."""
     planner = Planner(view, allow_cast=req.allow_dtype_cast, dcp_style=split.dialect is Dialect.DCP)
-    checks = _AllocationCheck(view, req.checkpoint_dir)
+    checks = _AllocationCheck(view, req.checkpoint_dir, req.source)
     pending: list[tuple[SdPath, torch.Tensor, torch.Tensor]] = []
     casts: list[tuple[SdPath, ShardedTensor, torch.dtype]] = []
     for path, sh in split.sharded.items():
@@ -279,9 +279,10 @@ class _AllocationCheck:
     hold at least its bytes: a ``.metadata`` that declares more (a global shape of 2^40 x 256
     over one small chunk) is damage, reported before anything is allocated."""
 
-    def __init__(self, view: CheckpointView, directory: str | os.PathLike) -> None:
+    def __init__(self, view: CheckpointView, directory: str | os.PathLike, source: RangeSource | None) -> None:
         self.view = view
         self.directory = directory
+        self.source = source  # a data file may be elsewhere than in ``directory`` (ckptd.storage.nodeview)
         self.sizes: dict[str, int] = {}
 
     def check(self, sh: ShardedTensor, stored_dtype: torch.dtype) -> None:
@@ -309,7 +310,7 @@ class _AllocationCheck:
 
     def _size(self, relative_path: str) -> int:
         if relative_path not in self.sizes:
-            with DataFiles(self.directory) as files:  # a missing file raises, naming it
+            with DataFiles(self.directory, self.source) as files:  # a missing file raises, naming it
                 self.sizes[relative_path] = files.fileno_and_size(relative_path)[1]
         return self.sizes[relative_path]
 

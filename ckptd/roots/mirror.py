@@ -27,7 +27,9 @@ then a copy round in which every node uploads its own files and node 0 commits
 
 A resume picks the level with :func:`resume_level`: the local copy, unless the local root has
 no checkpoint or only older steps than the mirror's latest (a replaced node, a lost disk), or the
-ranks do not all see the same local checkpoint (node-local disks): then the mirror.
+ranks do not all see the same local checkpoint (a shared root seen differently): then the mirror.
+With node-local disks (config ``node_local``) the local candidate is node 0's latest commit
+(:func:`resume_from`), read on each node from its disk and the mirror (ckptd.storage.nodeview).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from io import FileIO
 from pathlib import Path
@@ -111,6 +114,43 @@ def resume_level(
     if local_holds_mirrored or local.step >= mirrored.step:
         return LOCAL
     return MIRROR
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalFind:
+    """What one rank found in its local root: its latest commit, and whether that root still holds
+    the commit the mirror's latest copies. Gathered from every rank for a resume (a few bytes)."""
+
+    commit: CommitRef | None
+    holds_mirrored: bool
+
+
+def resume_from(
+    found: Sequence[LocalFind], mirrored: CommitRef | None, *, node_local: bool, rank: int = 0
+) -> tuple[str, CommitRef | None]:
+    """Where the ranks resume from, from what each found locally (``found``, by rank) and the local
+    commit the mirror's latest copies: :data:`LOCAL` or :data:`MIRROR` (:func:`resume_level`), and
+    the commit of that level (LOCAL: the one to load; MIRROR: ``mirrored``).
+
+    A shared local root (``node_local`` False): ``rank``'s own find, and the mirror when the ranks
+    found different commits. Node-local disks: node 0's root is the commit authority (its daemon
+    commits), so every rank resumes from rank 0's find; a node whose disk lags behind (its daemon
+    died before it renamed the last commit into place) or holds nothing (a replaced node) reads
+    what it lacks from the mirror's copy of that commit, instead of rolling every rank back to an
+    older copy. Only a node 0 that lost its commits (a replaced node 0) resumes from the mirror.
+    """
+    mine = found[0] if node_local else found[rank]
+    same = node_local or len({f.commit for f in found}) == 1
+    level = resume_level(mine.commit, mirrored, local_holds_mirrored=mine.holds_mirrored, same_on_every_rank=same)
+    return level, (mine.commit if level == LOCAL else mirrored)
+
+
+def newer_commit(a: CommitRef | None, b: CommitRef | None) -> CommitRef | None:
+    """The later of two commits of one root (its commit order: ``seq``), e.g. of one step as a
+    node's disk and the mirror's copy record them (a re-save after a rollback commits a step again)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a if a.seq >= b.seq else b
 
 
 def local_latest(root: Path) -> CommitRef | None:

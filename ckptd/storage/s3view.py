@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
 from ..format.checksum import crc32c
-from ..format.commitrecord import COMMIT_RECORD, parse_commit_record
+from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
 from ..format.layout import (
     COMMON_PT,
     COMMON_PT_MAX_NBYTES,
@@ -57,7 +57,7 @@ _SMALL = (
 
 
 @dataclass(frozen=True)
-class _Object:
+class SparseObject:
     key: str
     size: int
     path: Path
@@ -67,7 +67,7 @@ class S3RangeSource:
     """Fetches byte ranges of the view's data objects into its sparse files (see the module
     docstring). Thread-safe: loads may read from several threads."""
 
-    def __init__(self, client: S3Client, objects: dict[str, _Object]) -> None:
+    def __init__(self, client: S3Client, objects: dict[str, SparseObject]) -> None:
         self.client = client
         self.objects = objects
         self._pieces: dict[tuple[str, int], Future[None]] = {}
@@ -85,6 +85,9 @@ class S3RangeSource:
         for i in range(first, last + 1):
             if i * PIECE_NBYTES < obj.size:
                 yield relative_path, i
+
+    def open_file(self, relative_path: str) -> tuple[int, int] | None:
+        return None  # every data object is a sparse file of the view's directory
 
     def prefetch(self, ranges: list[tuple[str, int, int]]) -> None:
         """The ranges a reader will read, in its order: fetched a window ahead of it."""
@@ -177,12 +180,41 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _materialize(client: S3Client, location: S3Location, tmp: Path) -> dict[str, _Object]:
+def _materialize(client: S3Client, location: S3Location, tmp: Path) -> dict[str, SparseObject]:
     """Download the small files, make the sparse data files; the data objects by name."""
-    record = None
-    got = client.get(COMMIT_RECORD, 1 << 20, "commit record")
-    if got is not None:
-        record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
+    committed = download_small_files(client, location, tmp)
+    if committed is not None:
+        sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
+    else:
+        _, infos = client.list_dir("")
+        sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
+    objects = {}
+    for name, size in sizes.items():
+        objects[name] = sparse_object(location, tmp, name, name, size)
+    return objects
+
+
+def sparse_object(location: S3Location, tmp: Path, name: str, key: str, size: int) -> SparseObject:
+    """The sparse file ``tmp/name`` of ``size`` bytes that object ``key`` (relative to the
+    checkpoint's prefix) is fetched into."""
+    if "/" in name or name in (".", ".."):
+        raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
+    path = tmp / name
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return SparseObject(key, size, path)
+
+
+def download_small_files(
+    client: S3Client, location: S3Location, tmp: Path, record: CommitRecord | None = None
+) -> dict[str, dict[str, int]] | None:
+    """Download ``metadata.json``, ``.metadata`` and ``common.pt`` of the checkpoint at
+    ``location`` into ``tmp``, each checked against its commit record when it has one (``record``:
+    the one the caller read already); returns the objects that record lists (None: no record)."""
+    if record is None:
+        got = client.get(COMMIT_RECORD, 1 << 20, "commit record")
+        if got is not None:
+            record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
     committed = record.objects if record is not None and record.objects else None
     found_any = False
     for name, max_nbytes in _SMALL:
@@ -203,20 +235,7 @@ def _materialize(client: S3Client, location: S3Location, tmp: Path) -> dict[str,
             f"{location} is not a checkpoint: it has no {METADATA_JSON} or {DCP_METADATA} object. Pass the "
             "URL of one checkpoint (s3://bucket/prefix/iter_0000100), or use Checkpointer(root).load()"
         )
-    if committed is not None:
-        sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
-    else:
-        _, infos = client.list_dir("")
-        sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
-    objects = {}
-    for name, size in sizes.items():
-        if "/" in name or name in (".", ".."):
-            raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
-        path = tmp / name
-        with open(path, "wb") as f:
-            f.truncate(size)
-        objects[name] = _Object(name, size, path)
-    return objects
+    return committed
 
 
 def _rename_paths(exc: CkptdError, tmp: Path, location: S3Location) -> None:

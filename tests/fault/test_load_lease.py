@@ -125,11 +125,11 @@ def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_
     root = make_root(tmp_path / "r", [100, 200], latest=100)
     check = recovery.structural_problem
 
-    def retention_meanwhile(path):
+    def retention_meanwhile(path, **kwargs):
         if Path(path).name == step_dir_name(100) and Path(path).exists():
             (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(200)))
             retention(root)
-        return check(path)
+        return check(path, **kwargs)
 
     monkeypatch.setattr(recovery, "structural_problem", retention_meanwhile)
     assert_whole(load_latest(root, request(), {}, 0, {}), 200)
