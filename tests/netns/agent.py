@@ -12,6 +12,7 @@ namespaces, opens a :class:`ckptd.Checkpointer` (local rank 0 starts the node's 
 - ``{"op": "wait", "step": s, "timeout_s": t}``: the save's outcome (``committed`` with the
   commit's warnings, ``aborted`` with the reason, or ``pending`` once ``t`` passed);
 - ``{"op": "check", "step": s}``: load step ``s`` and compare it bit for bit (``mismatch``);
+- ``{"op": "resume"}``: load the latest checkpoint (``Checkpointer.load()``), its ``step`` and ``mismatch``;
 - ``{"op": "latest"}``, ``{"op": "status"}`` (the node daemon's), ``{"op": "exit"}``.
 
 Every value of the state is a function of rank and step, so any checkpoint is checked without
@@ -97,17 +98,27 @@ class Agent:
         return {"outcome": h.status.value, "reason": "", "warnings": h.warnings}
 
     def check(self, step: int) -> dict[str, Any]:
+        return {"mismatch": self._compare(self.ckpt.load(self._request(), step=step), step)}
+
+    def resume(self) -> dict[str, Any]:
+        """``Checkpointer.load()`` of the latest checkpoint: the step it resumed from, checked."""
+        out = self.ckpt.load(self._request())
+        return {"step": out["iteration"], "mismatch": self._compare(out, out["iteration"])}
+
+    def _request(self) -> dict[str, Any]:
         request = state(self.rank, self.world, -1, 0, self.items, torch.zeros(ROWS_PER_RANK, COLS))
         for i in range(self.items):
             request[f"t{i}"].data.zero_()
-        out = self.ckpt.load(request, step=step)
+        return request
+
+    def _compare(self, out: dict[str, Any], step: int) -> str | None:
         want = state(self.rank, self.world, step, self.common_nbytes, self.items)
         for key in ["w"] + [f"t{i}" for i in range(self.items)]:
             if not torch.equal(out[key], want[key].data):
-                return {"mismatch": f"tensor {key!r} of rank {self.rank} differs from step {step}'s"}
+                return f"tensor {key!r} of rank {self.rank} differs from step {step}'s"
         if out["o"] != want["o"].data or out["iteration"] != step or not torch.equal(out["blob"], want["blob"]):
-            return {"mismatch": f"'o', 'iteration' or 'blob' of rank {self.rank} differs from step {step}'s"}
-        return {"mismatch": None}
+            return f"'o', 'iteration' or 'blob' of rank {self.rank} differs from step {step}'s"
+        return None
 
     def latest(self) -> dict[str, Any]:
         return {"latest": self.ckpt.latest()}
@@ -146,6 +157,7 @@ def main(root: str) -> int:
         "save": agent.save,
         "wait": agent.wait,
         "check": agent.check,
+        "resume": agent.resume,
         "latest": agent.latest,
         "status": agent.status,
         "exit": agent.exit,

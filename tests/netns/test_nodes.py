@@ -124,10 +124,11 @@ def test_harness_removes_and_sweeps_everything(netns_available):
 
 
 @pytest.mark.timeout(180)
-def test_a_node_local_root_commits_on_every_nodes_disk_and_mirrors_every_nodes_files(make_job, monkeypatch):
+def test_a_node_local_root_commits_on_every_disk_mirrors_and_resumes_a_replaced_node(make_job, monkeypatch):
     """CKPTD_NODE_LOCAL (ckptd.roots.nodelocal): the same disks as above commit every save; each
     node's directory holds its own rank's file and the same metadata files, and both name it
-    latest. Every node's daemon uploads its own file, and node 0's commits the mirror's copy."""
+    latest. Every node's daemon uploads its own file, and node 0's commits the mirror's copy.
+    Each rank loads from its own disk; a replaced node's ranks read theirs from the mirror."""
     job = make_job(2, local=True, mirror=True)
     assert job.store is not None and job.mirror is not None
     for k, v in job.store.env().items():
@@ -149,3 +150,18 @@ def test_a_node_local_root_commits_on_every_nodes_disk_and_mirrors_every_nodes_f
     assert sorted(n for n in (copy.objects or {}) if n.endswith(".distcp")) == [
         f"__{r}_0.{copy.attempt}.distcp" for r in (0, 1)
     ]
+    job.check(1)  # each rank reads its own node's disk (ckptd.storage.nodeview)
+
+    # Node 1's machine is replaced: its disk comes back empty. The job resumes from step 1, rank 1
+    # reading its file from the mirror, and saves on both disks again.
+    job.save(2)
+    job.committed(2)
+    wait_until(lambda: committed_at(mirror, 2), 60, "the mirror's copy of step 2")
+    job.stop_ranks()
+    job.cluster.nodes[1].kill()
+    job.cluster.nodes[1].boot()
+    job.launch()
+    assert [(o["step"], o["mismatch"]) for o in job.call("resume")] == [(2, None), (2, None)]
+    job.save(3)
+    job.committed(3)
+    assert "__1_0.distcp" in os.listdir(job.cluster.nodes[1].path(job.root) / "iter_0000003")
