@@ -18,6 +18,7 @@ Order for one resume (:meth:`ckptd.Checkpointer.load` without ``step``), on ever
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,8 @@ from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
-from ..format.rootlayout import step_dir_name
+from ..format.rootlayout import step_dir_name, tmp_dir
+from ..format.safefs import is_real_dir
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import MIRROR, CommitRef, LocalFind, newer_commit, resume_from
 from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
@@ -35,6 +37,8 @@ from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, UnsupportedLocationError, join, parse_location
 from .resume import Candidate, load_agreed, load_latest
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 
@@ -155,12 +159,18 @@ class Levels:
         """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
         as :func:`ckptd.client.resume.load_agreed` asks for it). Raises CheckpointNotFoundError
         when neither node 0's disk nor the mirror holds one."""
-        resume = self.resume(damaged, collective=True, group=group)
-        if resume.commit is not None and resume.commit.attempt:
+        while True:
+            resume = self.resume(damaged, collective=True, group=group)
+            if resume.commit is None or not resume.commit.attempt:
+                break
             target = self.node_local_commit(resume.commit)
-            # Whether it was removed must be answered alike on every node (they hold different
-            # files): never; a node that lost its files reads them from the mirror's copy.
-            return Candidate(target.name, target, lambda: False)
+            lost = self._lost_with_a_node(target, group)
+            if lost is None:
+                # Whether it was removed must be answered alike on every node (they hold different
+                # files): never; a node that lost its files reads them from the mirror's copy.
+                return Candidate(target.name, target, lambda: False)
+            damaged[target.name] = lost
+            log.warning("%s; resuming from the newest checkpoint that can be loaded", lost)
         if resume.commit is not None:  # not a Checkpointer's commit (ckptd.save): no view of it
             path: Location = join(self.root, step_dir_name(resume.commit.step))
         elif resume.choice is not None:
@@ -171,6 +181,21 @@ class Levels:
                 "no committed checkpoint"
             )
         return Candidate(path.name, path, lambda: checkpoint_exists(path))
+
+    def _lost_with_a_node(self, target: NodeLocalCheckpoint, group: Any) -> str | None:
+        """Why ``target`` can never be loaded, or None: a node's disk holds none of its files
+        (neither ``iter_<step>`` of the commit nor the attempt's directory: a replaced node, a lost
+        disk) and the mirror has no copy of it, which the daemons can then never complete either.
+        Every rank gathers what its node holds, so all decide alike without waiting."""
+        mine = (self.node, _holds_files_of(target), _mirror_copies(target))
+        found = DistContext.current(group).all_gather(mine)
+        bare = sorted({node for node, holds, _ in found if not holds})
+        if not bare or any(copied for _, _, copied in found):
+            return None
+        return (
+            f"step {target.step} (commit {target.attempt}) cannot be loaded: the disks of nodes {bare} hold none of "
+            f"its files (replaced nodes, or lost disks) and the mirror {target.mirror} has no copy of it"
+        )
 
     def node_local_commit(self, commit: CommitRef) -> NodeLocalCheckpoint:
         if self.mirror is None or not isinstance(self.root, Path):
@@ -233,6 +258,17 @@ def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitR
         return None
     attempt, seq = commit if commit is not None else ("", 0)
     return CommitRef(step=choice.step, attempt=attempt, seq=seq)
+
+
+def _holds_files_of(target: NodeLocalCheckpoint) -> bool:
+    """This node's disk holds files of the commit: its ``iter_<step>`` or the attempt's directory."""
+    return target.is_commit(read_commit_record(target.root / target.name)) or is_real_dir(
+        tmp_dir(target.root, target.step, target.attempt)
+    )
+
+
+def _mirror_copies(target: NodeLocalCheckpoint) -> bool:
+    return target.is_copy(read_s3_commit_record(S3Client(target.mirror), target.name))
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:

@@ -339,3 +339,25 @@ def test_a_node_that_lags_behind_does_not_roll_the_job_back(saved, s3_env, s3_bu
     results = run_ranks(_resume_on_node, 2, [str(node0), str(node1)], url, s3_env.env())
     w = saved.values[2 * STEP]
     assert results == [(2 * STEP, w[0:1].tolist()), (2 * STEP, w[1:2].tolist())]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_lost_with_a_replaced_node_falls_back_to_the_mirrors_copy_without_waiting(
+    saved, s3_env, s3_bucket, tmp_path
+):
+    """Node 1 was replaced after step 20 committed and before the daemons copied it: its new disk
+    holds nothing, the mirror's latest copy is step 10. Step 20 can never be completed (node 1's
+    file of it is gone), so both ranks resume from step 10 at once, rank 1 reading its file from
+    the mirror, instead of waiting for a copy that cannot come (and failing with
+    NodeFilesMissingError after it, as before)."""
+    from tools.harness.ranks import run_ranks
+
+    url = f"s3://{s3_bucket}/lost"
+    _mirror(saved, url, STEP)
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    _node_root(saved, node0, [0], step=STEP)
+    _node_root(saved, node0, [0], step=2 * STEP)
+    node1.mkdir()
+    results = run_ranks(_resume_on_node, 2, [str(node0), str(node1)], url, s3_env.env())
+    w = saved.values[STEP]
+    assert results == [(STEP, w[0:1].tolist()), (STEP, w[1:2].tolist())]
