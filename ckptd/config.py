@@ -120,6 +120,9 @@ class CkptdConfig:
     in_flight_wait_timeout_s: float = 600.0  # a save waiting for one of the rank's BLOCKS saves in flight to end
     snapshot_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
+    # node-local disks: a mirror copy round waiting for every node's upload, and a resume waiting
+    # for the mirror's copy of files its node lacks (ckptd.roots.mirror_nodes, ckptd.storage.nodeview)
+    mirror_timeout_s: float = 600.0
     coordinator_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
     idle_exit_s: float = 60.0

@@ -40,7 +40,7 @@ class CorruptCheckpointError(CkptdError):
 class NodeFilesMissingError(CkptdError):
     """A rank resuming from node-local disks (config ``node_local``) needs files of the commit that
     neither its node's disk nor the mirror holds: the mirror's copy of the commit did not appear
-    within the wait (``commit_timeout_s``). Resume on the nodes that wrote the step, or once the
+    within the wait (``mirror_timeout_s``). Resume on the nodes that wrote the step, or once the
     copy is in the mirror."""
 
 

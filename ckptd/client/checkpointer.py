@@ -353,10 +353,12 @@ class Checkpointer:
         checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
         committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
         which raises CorruptCheckpointError when checkpoints exist but none is loadable). With a
-        mirror, the mirror's latest copy when the local root lacks it; with ``node_local``, what
-        this node's disk knows (no collective): on a node that missed the last commit, the one
-        before it, where :meth:`load` resumes from node 0's.
+        mirror, the mirror's latest copy when the local root lacks it. With ``node_local``, the
+        step :meth:`load` resumes from, the same on every rank: a collective when torch.distributed
+        is initialized (every rank calls it), since only node 0's disk knows the last commit.
         """
+        if self._levels.node_local:
+            return self._levels.resumed_step(self._damaged)
         return self._levels.resume(self._damaged).step
 
     def checkpoint_dir(self, step: int | None = None) -> Location:

@@ -28,7 +28,7 @@ from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
-from ..format.rootlayout import step_dir_name, tmp_dir
+from ..format.rootlayout import committed_step, step_dir_name, tmp_dir
 from ..format.safefs import is_real_dir
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import MIRROR, CommitRef, LocalFind, newer_commit, resume_from
@@ -108,7 +108,7 @@ class Levels:
             node_local=config.node_local,
             # A resume on node-local disks waits this long for the mirror's copy of files its
             # node lacks: the job's bound on persisting one step (README: Two tiers).
-            wait_s=config.commit_timeout_s,
+            wait_s=config.mirror_timeout_s,
             node=node,
         )
 
@@ -181,6 +181,17 @@ class Levels:
                 "no committed checkpoint"
             )
         return Candidate(path.name, path, lambda: checkpoint_exists(path))
+
+    def resumed_step(self, damaged: dict[str, str], group: Any = None) -> int | None:
+        """Node-local disks: the step :meth:`load_resumed` loads now, agreed by every rank (a
+        collective); None when there is none."""
+        try:
+            candidate = self.candidate(damaged, group)
+        except CheckpointNotFoundError:
+            return None
+        if isinstance(candidate.target, NodeLocalCheckpoint):
+            return candidate.target.step
+        return committed_step(candidate.name)
 
     def _lost_with_a_node(self, target: NodeLocalCheckpoint, group: Any) -> str | None:
         """Why ``target`` can never be loaded, or None: a node's disk holds none of its files

@@ -49,7 +49,7 @@ from ..roots.s3_root import S3Root
 log = logging.getLogger(__name__)
 
 # How long node 0 waits for every node's manifest in one round, when not told (the daemon passes
-# commit_timeout_s: a node uploads its files within a save's deadline).
+# config mirror_timeout_s).
 ROUND_TIMEOUT_S = 600.0
 
 

@@ -50,5 +50,5 @@ def daemon_mirror(root: Location, config: CkptdConfig, *, node: int = 0, nnodes:
         node=node,
         nnodes=nnodes,
         node_local=config.node_local,
-        round_timeout_s=config.commit_timeout_s,
+        round_timeout_s=config.mirror_timeout_s,
     )

@@ -314,7 +314,7 @@ class NodeLocalSource:
             f"the mirror {w.mirror} has no copy of step {w.step} (waited {w.wait_s:.0f} s for the one the "
             "daemons make after each commit). Resume on the nodes that saved the step (their disks hold "
             f"these files), or once the copy is in the mirror (Checkpointer.wait_mirrored({w.step}); `ckptd "
-            "status` on node 0 shows the copy and its errors); config commit_timeout_s bounds this wait"
+            "status` on node 0 shows the copy and its errors); config mirror_timeout_s bounds this wait"
         )
 
     def _no_data(self, ranks: list[int]) -> str:

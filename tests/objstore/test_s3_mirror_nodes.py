@@ -158,7 +158,7 @@ def test_a_bit_flip_on_one_node_fails_the_round_and_nothing_stays_in_the_mirror(
 def test_a_node_that_never_answers_fails_the_round_at_its_deadline_naming_it(s3_bucket, runtime_dir, tmp_path):
     root0, _, _ = _disks(tmp_path)
     url = f"s3://{s3_bucket}/mirror/missing"
-    threads = _threads(root0, None, url, runtime_dir, commit_timeout_s=2.0)  # no thread of node 1
+    threads = _threads(root0, None, url, runtime_dir, mirror_timeout_s=2.0)  # no thread of node 1
     try:
         error = wait_until(lambda: threads[0].status()["error"], 60, "the round's deadline")
         assert threads[0].status()["failed_node"] == 1
@@ -188,7 +188,7 @@ def test_a_dead_node_0s_request_is_withdrawn_and_what_its_round_left_late_is_swe
     client.put(REQUEST_KEY, old.to_bytes())
     client.put(old.object_key(1), b"late bytes")
     client.put(old.manifest_key(1), b"{}")
-    threads = _threads(root0, None, url, runtime_dir, commit_timeout_s=1.0)  # node 0's next daemon
+    threads = _threads(root0, None, url, runtime_dir, mirror_timeout_s=1.0)  # node 0's next daemon
     try:
         wait_until(lambda: client.head(REQUEST_KEY) is None, 30, "the stale request to be withdrawn")
         # Swept a round's deadline later, at the next pass (kick: no 30 s wait for it).

@@ -217,7 +217,7 @@ def test_a_file_on_neither_the_disk_nor_the_mirror_waits_for_the_copy_then_fails
     assert time.monotonic() - t0 >= 1.0  # it waited the configured bound for the copy first
     msg = str(err.value)
     assert "node 1 needs rank 0's data file of step 10" in msg, msg
-    assert f"the mirror {mirror} has no copy of step 10" in msg and "commit_timeout_s" in msg, msg
+    assert f"the mirror {mirror} has no copy of step 10" in msg and "mirror_timeout_s" in msg, msg
     assert str(node1 / NAME) in msg, msg
 
     # A node that missed the rename has no metadata either: the same wait, then the error says so.

@@ -11,7 +11,7 @@ mirror:
 - every step a rank saw COMMITTED is still on node 0's disk or in the mirror, unless retention
   removed it after newer ones, or it lived only on a replaced machine's disk and had not been
   mirrored yet (what a node-local disk cannot survive: README, Two tiers);
-- the newest step that survived is what the restart must resume from (:func:`surviving_newest`).
+- the newest step committed before the kill that survived is what the restart must resume from.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def _joined(disks: list[Path], step: int, into: Path) -> tuple[Path | None, list
 
 def check_node_local(
     disks: list[Path], mirror: str, ranks: int, committed: list[int], replaced: list[int], result: TrialResult
-) -> int | None:
-    """The checks of the module docstring (findings go into ``result``); returns the newest step a
-    rank saw COMMITTED that survived (None: none did)."""
+) -> set[int]:
+    """The checks of the module docstring (findings go into ``result``); returns the steps that
+    survived (loadable from the disks joined, or from the mirror)."""
     cat = scan_root(disks[0], usage=False)
     for e in cat.entries:
         if e.state is EntryState.INCOMPLETE:
@@ -103,4 +103,4 @@ def check_node_local(
         result.lost_committed.append(
             f"step {step} was reported COMMITTED but neither the nodes' disks nor the mirror hold it whole"
         )
-    return max((s for s in committed if s in surviving), default=None)
+    return surviving

@@ -214,14 +214,15 @@ def check_root(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult) ->
         )
 
 
-def check_restart(
-    spec: cj.JobSpec, events: list[cj.Event], result: TrialResult, newest_before: int | None = None
-) -> None:
+def run_committed(events: list[cj.Event]) -> set[int]:
+    """The steps a rank saw COMMITTED before the kill."""
+    return {e.step for e in events if e.phase == "run" and e.ev == "committed" and e.step is not None}
+
+
+def check_restart(spec: cj.JobSpec, events: list[cj.Event], result: TrialResult, newest_before: int | None) -> None:
     """Each restarted rank resumed from a committed, bit-exact checkpoint (not older than
-    ``newest_before``, by default the newest step a rank saw COMMITTED) and its saves committed."""
-    if newest_before is None:
-        before = [e.step for e in events if e.phase == "run" and e.ev == "committed" and e.step is not None]
-        newest_before = max(before, default=None)
+    ``newest_before``: the newest step a rank saw COMMITTED that must have survived; None: none)
+    and its saves committed."""
     ok = True
     for rank in range(spec.ranks):
         mine = [e for e in events if e.phase == "restart" and e.rank == rank]
@@ -445,7 +446,7 @@ def run_trial(
         if node_local is not None:
             from tools.harness.crash_nodelocal import check_node_local  # it imports this module
 
-            newest = check_node_local(
+            surviving = check_node_local(
                 node_local.disks(spec.root),
                 node_local.mirror,
                 spec.ranks,
@@ -453,9 +454,9 @@ def run_trial(
                 node_local.replaced,
                 result,
             )
-            check_restart(spec, events, result, newest)
+            check_restart(spec, events, result, max(run_committed(events) & surviving, default=None))
         else:
-            check_restart(spec, events, result)
+            check_restart(spec, events, result, max(run_committed(events), default=None))
             check_root(spec, events, result)
         left = hosts.segments(f"ckptd-{job}-")
         if left:

@@ -89,7 +89,15 @@ class NetnsHosts:
         }
         fields: dict[str, Any] = {}
         if self.node_local is not None and self.store is not None:
-            env.update({**self.store.env(), "CKPTD_NODE_LOCAL": "1", "CKPTD_MIRROR": self.node_local.mirror})
+            # A copy round (and a resume waiting for one) gets far longer than the trial's commit timeout.
+            env.update(
+                {
+                    **self.store.env(),
+                    "CKPTD_NODE_LOCAL": "1",
+                    "CKPTD_MIRROR": self.node_local.mirror,
+                    "CKPTD_MIRROR_TIMEOUT_S": "60",
+                }
+            )
             fields["root"] = str(c.local_disk / "ckpts")
         return {
             **fields,
