@@ -132,7 +132,7 @@ class Checkpointer:
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-        self._levels = Levels.configured(self.root, self.config, self.env.node)
+        self._levels = Levels.configured(self.root, self.config, self.env.node, self.env.world_size)
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
         # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's

@@ -92,16 +92,19 @@ class Levels:
         node_local: bool = False,
         wait_s: float = 600.0,
         node: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.root = root
+        self.world_size = world_size  # the job's ranks
         self.mirror = mirror
         self.node_local = node_local and mirror is not None and isinstance(root, Path)
         self.wait_s = wait_s
         self.node = node
 
     @classmethod
-    def configured(cls, root: Location, config: CkptdConfig, node: int) -> Levels:
-        """The levels of a Checkpointer on ``root`` with ``config``, on node ``node``."""
+    def configured(cls, root: Location, config: CkptdConfig, node: int, world_size: int = 1) -> Levels:
+        """The levels of a Checkpointer on ``root`` with ``config``, on node ``node`` of a job of
+        ``world_size`` ranks."""
         return cls(
             root,
             mirror_location(config.mirror, root),
@@ -110,6 +113,7 @@ class Levels:
             # node lacks: the job's bound on persisting one step (README: Two tiers).
             wait_s=config.mirror_timeout_s,
             node=node,
+            world_size=world_size,
         )
 
     def load_resumed(self, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]) -> Any:
@@ -125,6 +129,13 @@ class Levels:
         ``collective``: every rank calls it. Node-local disks: rank 0 alone decides, from its
         node's disk and the mirror, and every rank takes its decision (or raises its error)."""
         ctx = DistContext.current(group)
+        if self.node_local and collective and ctx.world_size == 1 < self.world_size:
+            raise CkptdError(
+                f"resuming from node-local disks (config node_local) needs torch.distributed initialized on every "
+                f"one of the job's {self.world_size} ranks: only node 0's disk knows the last commit, and the ranks "
+                "agree on it through a collective. Call torch.distributed.init_process_group() before "
+                "Checkpointer.latest() or load()"
+            )
         if self.node_local and collective:
             decided = ctx.agree(
                 "choosing the checkpoint to resume from", lambda: self._resume_here(damaged) if ctx.rank == 0 else None
@@ -166,6 +177,7 @@ class Levels:
             target = self.node_local_commit(resume.commit)
             lost = self._lost_with_a_node(target, group)
             if lost is None:
+                log.info("resuming from step %d (commit %s, node 0's latest)", target.step, target.attempt)
                 # Whether it was removed must be answered alike on every node (they hold different
                 # files): never; a node that lost its files reads them from the mirror's copy.
                 return Candidate(target.name, target, lambda: False)

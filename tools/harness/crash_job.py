@@ -11,6 +11,7 @@ line, so a SIGKILL never leaves half a line): ``saved``, ``committed``, ``aborte
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -237,8 +238,20 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
     )
     log = EventLog(spec.events, phase, rank)
     world = spec.ranks
+    if os.environ.get("CKPTD_NODE_LOCAL") == "1":
+        # Node-local disks: the ranks agree on node 0's commit through a collective (README: Two tiers).
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     ckpt = ckptd.Checkpointer(spec.root)
-    latest = ckpt.latest()
+    try:
+        latest = ckpt.latest()
+    except ckptd.CorruptCheckpointError as exc:
+        # Node-local disks: every commit went with a replaced machine's disk before it was
+        # mirrored; the resume must say so (tools/harness/crash_nodelocal.py checks it did).
+        log.add("unrecoverable", None, str(exc))
+        ckpt.close()
+        return
     if latest is not None:
         path = ckpt.checkpoint_dir(latest)
         loaded = ckpt.load(load_request(rank, world))

@@ -11,7 +11,9 @@ mirror:
 - every step a rank saw COMMITTED is still on node 0's disk or in the mirror, unless retention
   removed it after newer ones, or it lived only on a replaced machine's disk and had not been
   mirrored yet (what a node-local disk cannot survive: README, Two tiers);
-- the newest step committed before the kill that survived is what the restart must resume from.
+- the newest step committed before the kill that survived is what the restart must resume from;
+  when none did (a machine replaced before the first copy), every restarted rank must refuse to
+  resume with the reason (:func:`unrecoverable_as_expected`), never start over silently.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ckptd.format.rootlayout import step_dir_name, tmp_dir_name
 from ckptd.roots.nodelocal import NODE_FILES
 from ckptd.s3catalog import scan_any
 from ckptd.storage.url import parse_location
+from tools.harness import crash_job as cj
 
 from .crash_trial import KEEP_LAST, TrialResult, _verify_all, check_checkpoint
 
@@ -104,3 +107,24 @@ def check_node_local(
             f"step {step} was reported COMMITTED but neither the nodes' disks nor the mirror hold it whole"
         )
     return surviving
+
+
+def unrecoverable_as_expected(
+    events: list[cj.Event], ranks: int, newest: int | None, replaced: list[int], result: TrialResult
+) -> bool:
+    """Whether the restart refused to resume (every rank, with the reason that the commits went with
+    a replaced disk) where it had to: no committed step survived; a refusal anywhere else is a
+    finding. False when no rank refused (the usual restart checks apply)."""
+    refused = {e.rank: e.detail for e in events if e.phase == "restart" and e.ev == "unrecoverable"}
+    if not refused:
+        return False
+    if (
+        newest is None
+        and replaced
+        and len(refused) == ranks
+        and all("hold none of its files" in d for d in refused.values())
+    ):
+        result.recovered = True  # the right outcome: a clear error, nothing loaded
+        return True
+    result.problems.append(f"restarted ranks refused to resume: {refused}")
+    return True

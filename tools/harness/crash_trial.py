@@ -444,7 +444,8 @@ def run_trial(
         events = cj.read_events(spec.events)
         node_local = getattr(hosts, "node_local", None)
         if node_local is not None:
-            from tools.harness.crash_nodelocal import check_node_local  # it imports this module
+            # it imports this module
+            from tools.harness.crash_nodelocal import check_node_local, unrecoverable_as_expected
 
             surviving = check_node_local(
                 node_local.disks(spec.root),
@@ -454,7 +455,9 @@ def run_trial(
                 node_local.replaced,
                 result,
             )
-            check_restart(spec, events, result, max(run_committed(events) & surviving, default=None))
+            newest = max(run_committed(events) & surviving, default=None)
+            if not unrecoverable_as_expected(events, spec.ranks, newest, node_local.replaced, result):
+                check_restart(spec, events, result, newest)
         else:
             check_restart(spec, events, result, max(run_committed(events), default=None))
             check_root(spec, events, result)

@@ -96,6 +96,9 @@ class NetnsHosts:
                     "CKPTD_NODE_LOCAL": "1",
                     "CKPTD_MIRROR": self.node_local.mirror,
                     "CKPTD_MIRROR_TIMEOUT_S": "60",
+                    # the trainers' gloo group: node 0's address (MASTER_ADDR), each node has its own ports
+                    "MASTER_PORT": "29500",
+                    "GLOO_SOCKET_IFNAME": "eth0",
                 }
             )
             fields["root"] = str(c.local_disk / "ckpts")
