@@ -200,7 +200,9 @@ class Checkpointer:
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
-        if committed_at(self.root, step):
+        # Node-local disks: only node 0's knows what is committed (another node's may hold a step
+        # of a history node 0 no longer has); the coordinator refuses a committed step anyway.
+        if (self.env.node == 0 or not self._levels.node_local) and committed_at(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         try:
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).

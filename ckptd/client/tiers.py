@@ -26,12 +26,12 @@ from typing import Any, cast
 
 from ..config import CkptdConfig
 from ..dist import DistContext
-from ..errors import CheckpointNotFoundError, CkptdError, SaveTimeoutError
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name, tmp_dir
 from ..format.safefs import is_real_dir
 from ..recovery import LatestChoice, resolve_resumable
-from ..roots.mirror import MIRROR, CommitRef, LocalFind, newer_commit, resume_from
+from ..roots.mirror import MIRROR, CommitRef, LocalFind, local_latest, newer_commit, resume_from
 from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
 from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
@@ -188,6 +188,8 @@ class Levels:
         elif resume.choice is not None:
             path = resume.choice.entry.path
         else:
+            if self.node_local:
+                self._check_nothing_elsewhere(group)
             raise CheckpointNotFoundError(
                 f"{self.root} on node 0 (the commit authority with node_local) and the mirror {self.mirror} hold "
                 "no committed checkpoint"
@@ -204,6 +206,21 @@ class Levels:
         if isinstance(candidate.target, NodeLocalCheckpoint):
             return candidate.target.step
         return committed_step(candidate.name)
+
+    def _check_nothing_elsewhere(self, group: Any) -> None:
+        """Node 0's disk and the mirror hold no checkpoint: raise CorruptCheckpointError if another
+        node's disk holds commits (node 0's disk went before the mirror copied any: they cannot be
+        loaded without node 0's files), rather than let the job start over silently."""
+        mine = local_latest(self.root) if isinstance(self.root, Path) else None
+        found = DistContext.current(group).all_gather((self.node, None if mine is None else mine.step))
+        held = {node: step for node, step in found if step is not None}
+        if held:
+            raise CorruptCheckpointError(
+                f"the commits the disks of nodes {sorted(held)} hold (up to step {max(held.values())}) cannot be "
+                f"loaded: node 0's disk (the commit authority with node_local) holds none of them, nor does the "
+                f"mirror {self.mirror} (node 0 was replaced, or its disk lost, before any copy). To start over, "
+                f"move {self.root}'s iter_* directories and 'latest' away on every node"
+            )
 
     def _lost_with_a_node(self, target: NodeLocalCheckpoint, group: Any) -> str | None:
         """Why ``target`` can never be loaded, or None: a node's disk holds none of its files

@@ -361,3 +361,33 @@ def test_a_step_lost_with_a_replaced_node_falls_back_to_the_mirrors_copy_without
     results = run_ranks(_resume_on_node, 2, [str(node0), str(node1)], url, s3_env.env())
     w = saved.values[STEP]
     assert results == [(STEP, w[0:1].tolist()), (STEP, w[1:2].tolist())]
+
+
+def _resume_error_on_node(rank: int, world_size: int, roots: list[str], mirror: str, env: dict[str, str]) -> str:
+    """:func:`_resume_on_node`, for a resume that must fail: the error, as every rank sees it."""
+    try:
+        _resume_on_node(rank, world_size, roots, mirror, env)
+    except ckptd.CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "resumed"
+
+
+@pytest.mark.timeout(120)
+def test_commits_on_other_disks_after_node_0s_disk_was_lost_uncopied_are_an_error_not_a_fresh_start(
+    saved, s3_env, s3_bucket, tmp_path
+):
+    """Node 0 was replaced before any copy: its disk and the mirror hold nothing, node 1's disk
+    holds step 10. Without node 0's file the commit cannot be loaded; every rank says so, instead
+    of the job starting over as if it had never saved."""
+    from tools.harness.ranks import run_ranks
+
+    url = f"s3://{s3_bucket}/lost0"
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    _node_root(saved, node1, [1], step=STEP)
+    errors = run_ranks(_resume_error_on_node, 2, [str(node0), str(node1)], url, s3_env.env())
+    for error in errors:
+        assert error.startswith("CorruptCheckpointError: the commits the disks of nodes [1] hold (up to step 10)"), (
+            error
+        )
+        assert "cannot be loaded" in error and "move" in error, error
