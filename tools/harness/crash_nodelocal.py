@@ -122,7 +122,7 @@ def unrecoverable_as_expected(
         newest is None
         and replaced
         and len(refused) == ranks
-        and all("hold none of its files" in d for d in refused.values())
+        and all("cannot be loaded" in d for d in refused.values())
     ):
         result.recovered = True  # the right outcome: a clear error, nothing loaded
         return True
