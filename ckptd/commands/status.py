@@ -114,12 +114,18 @@ def _print_mirror(mirror: dict[str, Any] | None) -> None:
         return
     last = mirror.get("last_upload")
     copied = mirror["mirrored_step"]
-    line = f"  mirror {mirror['url']}: latest copy step {'none' if copied is None else copied}"
+    node = mirror.get("node") or 0
+    if node:  # node-local disks: this node uploads its own files when node 0 asks (ckptd.roots.mirror_nodes)
+        line = f"  mirror {mirror['url']}: node {node} uploads its files of each copy"
+    else:
+        line = f"  mirror {mirror['url']}: latest copy step {'none' if copied is None else copied}"
     if mirror.get("uploading_step") is not None:
         line += f"; copying step {mirror['uploading_step']}"
     if last:
         line += f"; last copy step {last['step']} in {last['seconds']:.1f}s"
     print(line)
+    if mirror.get("failed_node") is not None:
+        print(f"  mirror: the last copy round failed at node {mirror['failed_node']}")
     if mirror.get("error"):
         print(f"  mirror problem: {mirror['error']}")
 

@@ -150,6 +150,12 @@ def test_a_node_local_root_commits_on_every_disk_mirrors_and_resumes_a_replaced_
     assert sorted(n for n in (copy.objects or {}) if n.endswith(".distcp")) == [
         f"__{r}_0.{copy.attempt}.distcp" for r in (0, 1)
     ]
+    shown = wait_until(
+        lambda: ((job.status(1) or {}).get("mirror") or {}).get("last_upload") and job.status(1)["mirror"],
+        10,
+        "node 1's mirror status to name its upload",
+    )
+    assert shown["node"] == 1 and shown["last_upload"]["step"] == 1 and shown["error"] is None, shown
     job.check(1)  # each rank reads its own node's disk (ckptd.storage.nodeview)
 
     # Node 1's machine is replaced: its disk comes back empty. The job resumes from step 1, rank 1
