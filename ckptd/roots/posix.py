@@ -232,8 +232,8 @@ def check_data_files(tmpd: Dir, data_files: Mapping[str, tuple[int, int]]) -> No
                 f"rank {rank}'s data file {path} is missing, though its node "
                 "reported it written; the step is not committed. If each node has its own disk "
                 "under this path, the coordinator's node never sees other nodes' files: a "
-                "multi-node job needs a root every node writes into (a shared filesystem) or an "
-                "s3:// root (README: The shared filesystem)"
+                "multi-node job needs a root every node writes into (a shared filesystem), an "
+                "s3:// root, or CKPTD_NODE_LOCAL=1 with a mirror (README: The shared filesystem)"
             )
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(
