@@ -118,12 +118,7 @@ def unrecoverable_as_expected(
     refused = {e.rank: e.detail for e in events if e.phase == "restart" and e.ev == "unrecoverable"}
     if not refused:
         return False
-    if (
-        newest is None
-        and replaced
-        and len(refused) == ranks
-        and all("cannot be loaded" in d for d in refused.values())
-    ):
+    if newest is None and replaced and len(refused) == ranks and all("cannot be loaded" in d for d in refused.values()):
         result.recovered = True  # the right outcome: a clear error, nothing loaded
         return True
     result.problems.append(f"restarted ranks refused to resume: {refused}")
