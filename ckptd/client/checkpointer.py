@@ -365,9 +365,7 @@ class Checkpointer:
 
     def checkpoint_dir(self, step: int | None = None) -> Location:
         """Directory of ``step`` (default: :meth:`latest`): in the local root, else in the mirror
-        when only it has the step. With ``node_local`` a local directory holds only this node's
-        ranks' data files (and every small file): :meth:`load` reads the rest from the mirror,
-        other readers need the mirror's copy."""
+        when only it has the step (``node_local``: README, Two tiers)."""
         if step is None:
             step = self.latest()
             if step is None:
@@ -377,13 +375,9 @@ class Checkpointer:
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
         falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`).
-
-        With ``node_local`` (each node's own disk, and a mirror): without ``step``, every rank loads
-        node 0's latest commit (or the mirror's latest copy, when newer); ``step=N``: the newest
-        commit of step N this node's disk or the mirror records. Each rank reads the data files its
-        node's disk holds there, and the others from the mirror's copy of that commit, waiting up to
-        ``commit_timeout_s`` for the copy (NodeFilesMissingError after that; ckptd.storage.nodeview).
-        """
+        With ``node_local``, every rank loads node 0's latest commit (or the mirror's latest copy,
+        when newer), reading what its disk holds there and the rest from the mirror's copy
+        (ckptd.storage.nodeview; README, Two tiers)."""
         if step is not None:
             return sync_load(sharded_state_dict, self._levels.step_target(step), **kwargs)
         return self._levels.load_resumed(sharded_state_dict, self._damaged, self.env.rank, kwargs)
