@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,6 +30,10 @@ from ..errors import CorruptCheckpointError, StorageError
 from .url import S3Location
 
 log = logging.getLogger(__name__)
+
+# A refusal of the credentials in an error's text: the store's error codes, or HTTP status 403 as a
+# number of its own (not the digits of a duration such as "in 1.394114031s", or of a port).
+_DENIED = re.compile(r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|(?<![\d.:])403(?![\d.])")
 
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
 # errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES,
@@ -365,9 +370,7 @@ class S3Client:
         credentials: obstore and botocore do not put them in messages)."""
         text = str(exc).splitlines()[0][:400] if str(exc) else type(exc).__name__
         name = type(exc).__name__
-        if name in ("PermissionDeniedError", "UnauthenticatedError") or any(
-            marker in text for marker in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")
-        ):
+        if name in ("PermissionDeniedError", "UnauthenticatedError") or _DENIED.search(text):
             hint = (
                 "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the "
                 "bucket's permissions"

@@ -1,0 +1,41 @@
+"""What an object-store error tells the user to check (ckptd.storage.s3client.S3Client._error): a
+refusal of the credentials only when the store said so, never because a duration or a port in the
+message happens to contain the digits 403 (a full store's 500 was once reported as a credentials
+problem: "... in 1.394114031s, after 6 retries ... 500")."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.storage.s3client import S3Client
+from ckptd.storage.url import S3Location
+
+CREDENTIALS = "check the credentials"
+HEALTH = "the store's health"
+
+
+@pytest.fixture
+def client(monkeypatch: pytest.MonkeyPatch) -> S3Client:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    return S3Client(S3Location(bucket="b", prefix="p"))
+
+
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        (
+            "Generic S3 error: Error performing PUT http://127.0.0.1:26807/full/run/x in 1.394114031s, after 6 "
+            "retries, max_retries: 6 - Server returned non-2xx status code: 500 Internal Server Error",
+            HEALTH,
+        ),
+        ("Error performing GET http://10.0.0.1:4031/b/k - Server returned non-2xx status code: 503", HEALTH),
+        ("Server returned non-2xx status code: 403 Forbidden", CREDENTIALS),
+        ("<Code>SignatureDoesNotMatch</Code>", CREDENTIALS),
+        ("An error occurred (AccessDenied) when calling the PutObject operation", CREDENTIALS),
+    ],
+)
+def test_the_hint_follows_what_the_store_said(client: S3Client, text: str, hint: str) -> None:
+    assert hint in str(client._error(OSError(text), "k", "upload"))
