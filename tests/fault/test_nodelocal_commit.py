@@ -11,7 +11,9 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
-from ckptd.daemon.workers import write_rank_file
+from ckptd.control.protocol import StepCommitted
+from ckptd.daemon.nodelocal import NodeLocalCommits
+from ckptd.daemon.workers import Completions, NodeCommitFinished, WorkerPools, write_rank_file
 from ckptd.errors import CkptdError, CorruptCheckpointError, ProtocolError
 from ckptd.format.commitrecord import read_commit_record
 from ckptd.format.finalize import serialize_common
@@ -24,6 +26,7 @@ from ckptd.roots.posix_data import PosixDataTarget
 from ckptd.roots.posix_root import PosixRoot
 from ckptd.verify import verify_checkpoint
 from tests.rings import produced_save
+from tools.harness.waiting import wait_until
 
 A = "0123456789ab-1"
 STEP = 5
@@ -137,3 +140,31 @@ def test_each_disk_verifies_and_resumes_with_its_own_files_only(nodes):
     assert [f.message for f in report.errors] == [
         f"data file __1_0.distcp has {written[1][1] + 1} bytes, its commit recorded {written[1][1]}"
     ]
+
+
+def test_commit_files_too_large_for_a_message_stay_home_and_the_node_says_so(nodes):
+    """A commit whose metadata files exceed half the message limit is not sent to the nodes (the
+    verdict would not fit a message); node 1 then tells its ranks the step is committed but not on
+    its disk, and its files stay in the attempt's directory for the mirror and a resume."""
+    (disk0, disk1), written, _ = nodes
+    node0 = PosixRoot(disk0, node_local=True, message_nbytes=1024)
+    records = written[0][0] + written[1][0]
+    files = {f"__{r}_0.distcp": (r, written[r][1]) for r in (0, 1)}
+    outcome = node0.commit(
+        STEP, A, records, serialize_common({"iteration": STEP}), files, elsewhere=frozenset({"__1_0.distcp"})
+    )
+    assert outcome.files == {}
+    verdict = StepCommitted(step=STEP, attempt=A, name=outcome.name, warnings=[])
+    completions = Completions()
+    workers = WorkerPools(1, completions)
+    try:
+        node1 = NodeLocalCommits(PosixRoot(disk1, node_local=True), workers)
+        assert node1.takes(verdict)  # held back from the ranks while the commit thread works
+        (done,) = wait_until(completions.drain, 30, "node 1's part of the commit")
+        assert isinstance(done, NodeCommitFinished) and "without the commit's files" in str(done.error)
+        told = node1.done(done)
+    finally:
+        workers.shutdown()
+        completions.close()
+    assert told.local_files == {} and "but not on this node's disk" in told.warnings[-1]
+    assert tmp_dir(disk1, STEP, A).is_dir() and not (disk1 / "iter_0000005").exists()
