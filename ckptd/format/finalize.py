@@ -40,21 +40,26 @@ def finalize(
     opener: Opener = default_opener,
     fsync: bool = True,
     checkpoint_id: str | None = None,
-) -> None:
-    """Validate all records and write the metadata files that make ``directory`` a checkpoint.
+) -> dict[str, bytes]:
+    """Validate all records and write the metadata files that make ``directory`` a checkpoint;
+    returns them, name -> bytes written.
 
     ``checkpoint_id`` (recorded in ``.metadata``) defaults to ``directory``; an asynchronous commit
     passes the final name, since it finalizes in ``iter_<step>.<attempt>.tmp`` and renames afterwards. An open
     :class:`~ckptd.format.safefs.Dir` has its files created relative to it.
     """
     validate_records(records)
-    atomic_write_bytes(entry_path(directory, COMMON_PT), common_bytes, opener, fsync)
     # The pickle of DCP's Metadata, written without DCP's classes (ckptd.format.dcp_pickle): the
     # node daemon that commits a save never imports torch.
     name = str(directory) if checkpoint_id is None else checkpoint_id
-    metadata = metadata_pickle(records, name, crc32c(common_bytes))
-    atomic_write_bytes(entry_path(directory, DCP_METADATA), metadata, opener, fsync)
-    atomic_write_bytes(entry_path(directory, METADATA_JSON), backend_metadata_bytes(), opener, fsync)
+    files = {
+        COMMON_PT: common_bytes,
+        DCP_METADATA: metadata_pickle(records, name, crc32c(common_bytes)),
+        METADATA_JSON: backend_metadata_bytes(),
+    }
+    for file_name, data in files.items():  # in the order of the module docstring
+        atomic_write_bytes(entry_path(directory, file_name), data, opener, fsync)
+    return files
 
 
 def write_rank_files(

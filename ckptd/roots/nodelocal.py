@@ -9,7 +9,8 @@ step N:
 2. [coordinator, node 0] commits on node 0's disk as :func:`ckptd.roots.posix.commit_step` does,
    checking node 0's data files only (the other nodes fsynced theirs before reporting them); its
    commit record lists every rank's data file with its size. The rename of node 0's directory is
-   the commit point of the local level. :func:`commit_files` reads back what every node needs;
+   the commit point of the local level. The commit's files travel to the other nodes
+   (:func:`travelling_files`);
 3. [node daemons] the COMMITTED verdict carries those files; :func:`finish_on_node` writes them
    next to the node's own data files, renames its directory, points its trackers at it and applies
    its retention, and only then are the node's ranks told. Every node's ``iter_N/`` then holds
@@ -26,7 +27,6 @@ may still commit it; ``ckptd gc`` removes what is left).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from ..errors import CkptdError, ProtocolError
@@ -34,7 +34,7 @@ from ..format.commitrecord import COMMIT_RECORD, parse_commit_record, read_commi
 from ..format.durable import Opener, atomic_write_bytes
 from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON
 from ..format.rootlayout import step_dir_name, tmp_dir_name
-from ..format.safefs import Dir, open_regular, read_regular
+from ..format.safefs import Dir
 from .base import CommitOutcome
 from .posix import apply_retention, publish_step, remove_partial_files
 
@@ -43,23 +43,20 @@ log = logging.getLogger(__name__)
 NODE_FILES = (COMMON_PT, DCP_METADATA, METADATA_JSON, COMMIT_RECORD)
 
 
-def commit_files(directory: Path, max_nbytes: int) -> dict[str, bytes]:
-    """The files of the committed ``directory`` that every other node writes next to its data
-    files; empty when together they exceed ``max_nbytes`` (they travel in one message: the nodes
-    then keep their files in the attempt's directory, see the module docstring)."""
-    sizes = {}
-    for name in NODE_FILES:
-        fd, sizes[name] = open_regular(directory, name, "commit file", 1 << 62)
-        os.close(fd)
-    if sum(sizes.values()) > max_nbytes:
-        log.warning(
-            "%s: the commit's metadata (%d bytes) is larger than half the message limit; the other nodes "
-            "keep their files of it in the attempt's directory (raise CKPTD_MAX_MESSAGE_NBYTES)",
-            directory,
-            sum(sizes.values()),
-        )
-        return {}
-    return {name: read_regular(directory, name, "commit file", max_nbytes) for name in NODE_FILES}
+def travelling_files(files: dict[str, bytes], max_nbytes: int, where: Path) -> dict[str, bytes]:
+    """The committed ``files`` (of ``where``) that every other node writes next to its data files;
+    empty when together they exceed ``max_nbytes`` (they travel in one message: the nodes then keep
+    their files in the attempt's directory, see the module docstring)."""
+    total = sum(len(data) for data in files.values())
+    if total <= max_nbytes:
+        return files
+    log.warning(
+        "%s: the commit's metadata (%d bytes) is larger than half the message limit; the other nodes "
+        "keep their files of it in the attempt's directory (raise CKPTD_MAX_MESSAGE_NBYTES)",
+        where,
+        total,
+    )
+    return {}
 
 
 def finish_on_node(

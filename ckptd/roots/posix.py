@@ -96,7 +96,8 @@ def commit_step(
 
     ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``;
     ``elsewhere``: those on other nodes' disks (a node-local root, ckptd.roots.nodelocal), which
-    are not checked here; ``node_local``: the commit record lists every data file's size. Every
+    are not checked here; ``node_local``: the commit record lists every data file's size, and the
+    outcome carries the files written (for the other nodes: ckptd.roots.nodelocal). Every
     file is written relative to the root's and the step directory's fds, the step directory is
     opened without following a link (a planted link fails the commit with StorageError naming
     it), and trackers replace their entry, never write through a link.
@@ -125,8 +126,9 @@ def commit_step(
         )
         with rootd.subdir(tmp) as tmpd:
             remove_partial_files(tmpd)
-            finalize(tmpd, records, common, opener, fsync, checkpoint_id=str(final))
-            atomic_write_bytes(tmpd.entry(COMMIT_RECORD), record.to_bytes(), opener, fsync)
+            written = finalize(tmpd, records, common, opener, fsync, checkpoint_id=str(final))
+            written[COMMIT_RECORD] = record.to_bytes()
+            atomic_write_bytes(tmpd.entry(COMMIT_RECORD), written[COMMIT_RECORD], opener, fsync)
             check_data_files(tmpd, {n: v for n, v in data_files.items() if n not in elsewhere})
         publish_step(
             rootd,
@@ -142,7 +144,7 @@ def commit_step(
         log.warning("%s", text)
     if keep_last > 0:
         apply_retention(root, keep_last)
-    return CommitOutcome(name=name, warnings=warnings)
+    return CommitOutcome(name=name, warnings=warnings, files=written if node_local else {})
 
 
 def publish_step(

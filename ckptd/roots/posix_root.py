@@ -16,7 +16,7 @@ from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
 from .base import CommitOutcome, Recovery
-from .nodelocal import commit_files, finish_on_node
+from .nodelocal import finish_on_node, travelling_files
 from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
 from .posix_data import PosixDataTarget
 
@@ -88,7 +88,7 @@ class PosixRoot:
         )
         if not self.node_local:
             return outcome
-        files = commit_files(self.location / outcome.name, self.message_nbytes // 2)
+        files = travelling_files(outcome.files, self.message_nbytes // 2, self.location / outcome.name)
         return replace(outcome, files=files)
 
     def finish_on_node(self, step: int, attempt: str, files: dict[str, bytes]) -> CommitOutcome:
