@@ -49,30 +49,25 @@ from typing import NamedTuple
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, NodeFilesMissingError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
 from ..format.layout import (
-    COMMON_PT,
-    COMMON_PT_MAX_NBYTES,
-    DCP_METADATA,
-    DCP_METADATA_MAX_NBYTES,
-    METADATA_JSON,
-    METADATA_JSON_MAX_NBYTES,
     data_file_name,
 )
 from ..format.lease import ReadLease
 from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..format.safefs import open_regular
 from .s3client import S3Client
-from .s3view import S3RangeSource, SparseObject, download_small_files, sparse_object
+from .s3view import (
+    COMMIT_RECORD_MAX_NBYTES,
+    SMALL_FILES,
+    S3RangeSource,
+    SparseObject,
+    download_small_files,
+    sparse_object,
+)
 from .url import S3Location
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a view waiting for the mirror's copy asks for its commit record
-_COMMIT_RECORD_MAX_NBYTES = 1 << 20
-_SMALL = (
-    (METADATA_JSON, METADATA_JSON_MAX_NBYTES),
-    (DCP_METADATA, DCP_METADATA_MAX_NBYTES),
-    (COMMON_PT, COMMON_PT_MAX_NBYTES),
-)
 # A rank's data file: ``__<rank>_0.distcp`` on a disk, ``__<rank>_0.<attempt>.distcp`` in a mirror.
 _DATA_FILE = re.compile(r"^__(\d+)_0(?:\.[^/]+)?\.distcp$")
 
@@ -183,7 +178,7 @@ class NodeLocalSource:
         return lease
 
     def _copy_small_files(self, lease: ReadLease) -> None:
-        for name, max_nbytes in _SMALL:
+        for name, max_nbytes in SMALL_FILES:
             try:
                 fd, _ = open_regular(lease.directory, name, name, max_nbytes, dir_fd=lease.fd)
             except FileNotFoundError:
@@ -279,7 +274,7 @@ class NodeLocalSource:
         return found[0] if found else None
 
     def _read_copy(self) -> CommitRecord | None:
-        got = self.client.get(COMMIT_RECORD, _COMMIT_RECORD_MAX_NBYTES, "commit record")
+        got = self.client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
         if got is None:
             return None
         record = parse_commit_record(got[0], self.client.url(COMMIT_RECORD))

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 PIECE_NBYTES = 16 << 20
 WINDOW_NBYTES = 256 << 20  # fetched ahead of the reader at most
 FETCH_THREADS = 4
-_SMALL = (
+COMMIT_RECORD_MAX_NBYTES = 1 << 20
+SMALL_FILES = (  # the small files of a checkpoint, with their size bounds
     (METADATA_JSON, METADATA_JSON_MAX_NBYTES),
     (DCP_METADATA, DCP_METADATA_MAX_NBYTES),
     (COMMON_PT, COMMON_PT_MAX_NBYTES),
@@ -212,12 +213,12 @@ def download_small_files(
     ``location`` into ``tmp``, each checked against its commit record when it has one (``record``:
     the one the caller read already); returns the objects that record lists (None: no record)."""
     if record is None:
-        got = client.get(COMMIT_RECORD, 1 << 20, "commit record")
+        got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
         if got is not None:
             record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
     committed = record.objects if record is not None and record.objects else None
     found_any = False
-    for name, max_nbytes in _SMALL:
+    for name, max_nbytes in SMALL_FILES:
         got = client.get(name, max_nbytes, name)
         if got is None:
             continue
