@@ -28,8 +28,7 @@ from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
-from ..format.rootlayout import committed_step, step_dir_name, tmp_dir
-from ..format.safefs import is_real_dir
+from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import MIRROR, CommitRef, LocalFind, local_latest, newer_commit, resume_from
 from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
@@ -227,7 +226,7 @@ class Levels:
         (neither ``iter_<step>`` of the commit nor the attempt's directory: a replaced node, a lost
         disk) and the mirror has no copy of it, which the daemons can then never complete either.
         Every rank gathers what its node holds, so all decide alike without waiting."""
-        mine = (self.node, _holds_files_of(target), _mirror_copies(target))
+        mine = (self.node, target.held_here(), target.read_copy() is not None)
         found = DistContext.current(group).all_gather(mine)
         bare = sorted({node for node, holds, _ in found if not holds})
         if not bare or any(copied for _, _, copied in found):
@@ -298,17 +297,6 @@ def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitR
         return None
     attempt, seq = commit if commit is not None else ("", 0)
     return CommitRef(step=choice.step, attempt=attempt, seq=seq)
-
-
-def _holds_files_of(target: NodeLocalCheckpoint) -> bool:
-    """This node's disk holds files of the commit: its ``iter_<step>`` or the attempt's directory."""
-    return target.is_commit(read_commit_record(target.root / target.name)) or is_real_dir(
-        tmp_dir(target.root, target.step, target.attempt)
-    )
-
-
-def _mirror_copies(target: NodeLocalCheckpoint) -> bool:
-    return target.is_copy(read_s3_commit_record(S3Client(target.mirror), target.name))
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:

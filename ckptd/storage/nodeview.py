@@ -53,7 +53,7 @@ from ..format.layout import (
 )
 from ..format.lease import ReadLease
 from ..format.rootlayout import step_dir_name, tmp_dir_name
-from ..format.safefs import open_regular
+from ..format.safefs import is_real_dir, open_regular
 from .s3client import S3Client
 from .s3view import (
     COMMIT_RECORD_MAX_NBYTES,
@@ -109,6 +109,26 @@ class NodeLocalCheckpoint:
             and record.source == {"seq": self.seq, "attempt": self.attempt}
         )
 
+    @property
+    def attempt_dir(self) -> Path:
+        """Where this node's daemon wrote its files of the commit before renaming them into place."""
+        return self.root / tmp_dir_name(self.step, self.attempt)
+
+    def held_here(self) -> bool:
+        """This node's disk holds files of the commit: in its ``iter_<step>/`` of the commit, or in
+        the attempt's directory."""
+        return self.is_commit(read_commit_record(self.root / self.name)) or is_real_dir(self.attempt_dir)
+
+    def read_copy(self, client: S3Client | None = None) -> CommitRecord | None:
+        """The commit record of the mirror's ``iter_<step>`` when it is a copy of this commit, else
+        None; ``client``: one rooted at the mirror's ``iter_<step>/``."""
+        client = client if client is not None else S3Client(self.mirror.child(self.name))
+        got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
+        if got is None:
+            return None
+        record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
+        return record if self.is_copy(record) else None
+
     def __str__(self) -> str:
         where = f"commit {self.attempt} of step {self.step} on node {self.node}, mirror {self.mirror}"
         return f"{self.root / self.name} ({where})"
@@ -130,7 +150,6 @@ class NodeLocalSource:
         self.tmp = tmp
         self.copy: CommitRecord | None = None  # the mirror's copy of the commit, once seen
         self.local_dir: Path | None = None  # this node's iter_<step>/ when it is the commit
-        self.attempt_dir = where.root / tmp_dir_name(where.step, where.attempt)
         self.small_from = ""  # where the small files came from (messages)
         self.shown: dict[str, str] = {}  # data file -> where its bytes come from (messages)
         self._lease: ReadLease | None = None
@@ -248,7 +267,7 @@ class NodeLocalSource:
 
     def _open_local(self, rank: int) -> _Local | None:
         name = data_file_name(rank)
-        places: list[tuple[Path, int | None]] = [(self.attempt_dir, None)]
+        places: list[tuple[Path, int | None]] = [(self.where.attempt_dir, None)]
         if self.local_dir is not None and self._lease is not None:
             places.insert(0, (self.local_dir, self._lease.fd))
         for directory, dir_fd in places:
@@ -274,11 +293,7 @@ class NodeLocalSource:
         return found[0] if found else None
 
     def _read_copy(self) -> CommitRecord | None:
-        got = self.client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
-        if got is None:
-            return None
-        record = parse_commit_record(got[0], self.client.url(COMMIT_RECORD))
-        return record if self.where.is_copy(record) else None
+        return self.where.read_copy(self.client)
 
     def _await_copy(self, message: Callable[[], str]) -> None:
         """Return once the mirror holds a copy of the commit; NodeFilesMissingError with
@@ -318,7 +333,7 @@ class NodeLocalSource:
         are = "is" if len(ranks) == 1 else "are"
         return (
             f"node {w.node} needs {what} of step {w.step} (commit {w.attempt}), which {are} on neither its "
-            f"disk ({w.root / w.name}, {self.attempt_dir}) nor in the mirror: {self._no_copy()}"
+            f"disk ({w.root / w.name}, {w.attempt_dir}) nor in the mirror: {self._no_copy()}"
         )
 
     def _no_metadata(self) -> str:
