@@ -187,6 +187,12 @@ def _check_coverage(records: list[ItemRecord], report: VerifyReport) -> None:
             report.add(ERROR, "coverage", str(exc), item=fqn)
 
 
+def _committed_sizes(directory: Path) -> dict[str, int]:
+    """The data files and sizes a node-local commit record of ``directory`` lists (else none)."""
+    commit = read_commit_record(directory)
+    return {n: o["nbytes"] for n, o in (commit.objects or {}).items()} if commit is not None else {}
+
+
 def _check_files(
     directory: Path, records: list[ItemRecord], report: VerifyReport, committed: Mapping[str, int]
 ) -> dict[str, int]:
@@ -501,9 +507,9 @@ def verify_checkpoint(
     if index is not None and records is not None:
         report.tensors, report.objects, report.items = len(index.tensors), len(index.objects), len(records)
         _check_coverage(records, report)
-        commit = read_commit_record(directory)
-        committed = {n: o["nbytes"] for n, o in (commit.objects or {}).items()} if commit is not None else {}
-        sizes = _check_files(directory, records, report, committed) if data_files or read_items else {}
+        sizes = (
+            _check_files(directory, records, report, _committed_sizes(directory)) if data_files or read_items else {}
+        )
         if read_items:
             _check_items(
                 directory,
