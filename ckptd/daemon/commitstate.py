@@ -281,9 +281,7 @@ class CommitState:
             # answered from memory, and its files are not junk.
             del self.finished[key]
             return False
-        files = self.commit_files.get(key)
-        verdict = replace(outcome, local_files=files) if isinstance(outcome, StepCommitted) and files else outcome
-        self._out.append(Send(identity=identity, msg=verdict, block=True))
+        self._out.append(Send(identity=identity, msg=self._as_sent(key, outcome), block=True))
         # A late writer may have re-created the attempt's files; the attempt is decided, so they are junk.
         self._out.append(Remove(step=key[0], attempt=key[1]))
         return True
@@ -477,9 +475,7 @@ class CommitState:
                 while len(self.commit_files) > COMMIT_FILES_MEMORY:
                     self.commit_files.popitem(last=False)
             self._finish(
-                st,
-                StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform),
-                event.outcome.files,
+                st, StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform)
             )
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
@@ -504,12 +500,16 @@ class CommitState:
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
-    def _finish(self, st: AttemptState, outcome: Message, local_files: dict[str, bytes] | None = None) -> None:
+    def _as_sent(self, key: Key, outcome: Message) -> Message:
+        """``outcome`` as the nodes are told it: a node-local commit's with its files, while they
+        are among the latest remembered."""
+        files = self.commit_files.get(key)
+        return replace(outcome, local_files=files) if isinstance(outcome, StepCommitted) and files else outcome
+
+    def _finish(self, st: AttemptState, outcome: Message) -> None:
         self.attempts.pop(st.key, None)
         self._remember(st.key, outcome)
-        sent = (
-            replace(outcome, local_files=local_files) if isinstance(outcome, StepCommitted) and local_files else outcome
-        )
+        sent = self._as_sent(st.key, outcome)
         for identity in sorted(set(self.nodes) | st.reporters):
             self._out.append(Send(identity=identity, msg=sent))
 
