@@ -318,12 +318,12 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                         "limit": 2.0,
                     }
                 )
-            dcp_first = iv.get("dcp_best", {}).get("first_stall_s")
-            if dcp_first and x.get("first_stall_s"):
-                out.append(
+            dcp_first = iv.get("dcp_best", {}).get("first_blocked_s")
+            if dcp_first and x.get("first_blocked_s"):
+                out.append(  # save() and the fence waits it caused: DCP's async staging is awaited there
                     {
-                        "name": f"every {every}: {mode} first stall / DCP best's first",
-                        "value": x["first_stall_s"] / dcp_first,
+                        "name": f"every {every}: {mode} first save's block / DCP best's first",
+                        "value": x["first_blocked_s"] / dcp_first,
                         "limit": 0.25,
                     }
                 )
@@ -365,8 +365,8 @@ def render(res: dict[str, Any]) -> str:
     for every, iv in main["intervals"].items():
         lines.append(f"a save every {every} steps, {res['config']['saves']} saves per run (means of 2 runs):")
         lines.append(
-            f"  {'mode':<20}{'loop s':>8}{'overhead':>10}{'1st stall':>11}{'stall med':>11}{'fence s':>9}"
-            f"{'daemon MiB':>12}{'pin s':>7}"
+            f"  {'mode':<20}{'loop s':>8}{'overhead':>10}{'1st stall':>11}{'1st block':>11}{'stall med':>11}"
+            f"{'fence s':>9}{'daemon MiB':>12}{'pin s':>7}{'dev snap':>10}"
         )
         for mode, x in iv.items():
             if not isinstance(x, dict) or mode in ("dcp_failed",):
@@ -380,8 +380,10 @@ def render(res: dict[str, Any]) -> str:
             daemon = mem.get(f"train{every}:{mode}", {}).get("daemon_private")
             lines.append(
                 f"  {name:<20}{x['loop_s']:>8.2f}{_f(x.get('overhead'), '{:+.1%}'):>10}"
-                f"{_f(x.get('first_stall_s')):>11}{_f(x.get('stall_s_median')):>11}{x['fence_s']:>9.3f}"
+                f"{_f(x.get('first_stall_s')):>11}{_f(x.get('first_blocked_s')):>11}"
+                f"{_f(x.get('stall_s_median')):>11}{x['fence_s']:>9.3f}"
                 f"{_f(daemon / MIB if daemon else None, '{:.0f}'):>12}{_f(x.get('pin_s'), '{:.2f}'):>7}"
+                f"{'/'.join(str(n) for n in x.get('device_snapshots', [])) or '-':>10}"
             )
         for kind, err in iv.get("dcp_failed", {}).items():
             lines.append(f"  ({_NAMES.get(kind, kind)} failed: {err})")

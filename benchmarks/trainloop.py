@@ -98,6 +98,7 @@ class CkptdSaver(Saver):
         self.lazy = snapshot == "lazy"
         self.handle: Any = None
         self.steps: list[int] = []
+        self.device_snapshots = 0  # saves taken as device snapshots while the ring was pinned
         if self.lazy and workload.optimizer is not None:
             self.ckpt.attach(workload.optimizer)
         if prepare:
@@ -123,6 +124,7 @@ class CkptdSaver(Saver):
         ring = self.ckpt._ring.current
         if ring is not None and ring.pinner is not None:  # how long pinning the ring took (CUDA)
             self.pin_s = ring.pinner.pinned_s
+        self.device_snapshots = self.ckpt._ring.device_snapshots_taken
         self.ckpt.close()
 
 
@@ -200,6 +202,7 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     """``steps`` steps saving every ``every`` (the first step included); the slowest rank's loop
     time, first and median stall, and fence wait (the time updates waited for a save)."""
     stalls: list[float] = []
+    fenced: list[float] = []  # the saver's fence time when each save returned, then at the end
     saver = make_saver(r, workload, mode)
     try:
         r.barrier()
@@ -211,11 +214,13 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
                 t1 = time.perf_counter()
                 saver.save(state, r.next_step())
                 stalls.append(time.perf_counter() - t1)
+                fenced.append(saver.fence_s)
             workload.compute()
             saver.before_update()
             workload.update()
         sync(workload)
         loop_s = time.perf_counter() - t0
+        fenced.append(saver.fence_s)
         saver.finish()
     finally:
         saver.close()
@@ -223,6 +228,8 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     r.progress(f"  {mode}: loop {res['loop_s']:.2f} s, {len(stalls)} saves, {time.perf_counter() - t0:.1f} s in all")
     if saver.pin_s is not None:
         res["pin_s"] = r.max(saver.pin_s)
+    if isinstance(saver, CkptdSaver):
+        res["device_snapshots"] = int(r.max(saver.device_snapshots))
     if isinstance(saver, DcpSaver):
         res["stager_closes_ignored"] = int(r.max(saver.stager_closes_ignored))
     if isinstance(saver, DcpSaver):
@@ -234,6 +241,13 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
         rest = stalls[1:] or stalls
         res["stall_s_median"] = r.max(sorted(rest)[len(rest) // 2])
         res["stall_s_max"] = r.max(max(rest))
+        # What a save blocks training for: save() and the fence waits before the next save (an
+        # async stager's staging, a lazy save's copies), the only fair "first save" of DCP's
+        # pinned async stager, whose save() returns before it staged anything.
+        blocked = [s + fenced[i + 1] - fenced[i] for i, s in enumerate(stalls)]
+        res["first_blocked_s"] = r.max(blocked[0])
+        res["stalls_s"] = [round(r.max(s), 4) for s in stalls]
+        res["blocked_s"] = [round(r.max(b), 4) for b in blocked]
     return res
 
 
@@ -282,7 +296,10 @@ def run_modes(
             res["pin_s"] = max(pins)
         if any(x.get("stager_closes_ignored") for x in loops):
             res["stager_kept_open"] = True  # the installed torch would have broken its reuse
-        for key in ("first_stall_s", "stall_s_median", "stall_s_max"):
+        for key in ("stalls_s", "blocked_s", "device_snapshots"):
+            if key in loops[0]:
+                res[key] = [x[key] for x in loops]  # per run
+        for key in ("first_stall_s", "first_blocked_s", "stall_s_median", "stall_s_max"):
             if key in loops[0]:
                 res[key] = max(x[key] for x in loops) if key.endswith("max") else _mean([x[key] for x in loops])
         out[mode] = res

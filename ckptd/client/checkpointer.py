@@ -80,20 +80,16 @@ from ..errors import (
     SaveFailedError,
     SaveSkippedError,
 )
-from ..format.finalize import serialize_common
 from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
-from ..format.saveplan import PlanCache, plan_rank
 from ..gcpause import gc_paused
 from ..s3catalog import committed_at
 from ..staging.children import KILL_REAP_S
+from ..staging.devsnap import tensor_nbytes_by_device
 from ..staging.lazy import STOP_MARGIN_S
 from ..staging.producer import Claim, Producer
 from ..staging.rankside import StagingRing, place
 from ..statedict.content import with_content_metadata
-from ..statedict.digest import common_digest
-from ..statedict.holdings import PlainWriters, plain_digest
-from ..statedict.split import split_state_dict
 from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, join, parse_location
@@ -104,6 +100,7 @@ from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped,
 from .pending import PendingSaves
 from .policy import AutoInterval
 from .rankring import RankRing
+from .saveplanner import SavePlanner
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
 
@@ -143,8 +140,8 @@ class Checkpointer:
         self._incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
         self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
         self._layout = LayoutCache()
-        self._plan_cache = PlanCache()  # checked records of the last save (ckptd.format.saveplan.plan_rank)
-        self._plain = PlainWriters()  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
+        self._planner = SavePlanner(self.env.rank, self.env.world_size, self.config.check_common)
+        self._plain = self._planner.plain  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
         self._ring = RankRing(
             self.env.rank, self.env.local_world_size, self.endpoints.shm_prefix, self.config, self._link
         )
@@ -206,19 +203,13 @@ class Checkpointer:
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         try:
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
-            split = split_state_dict(expand_stateful(sharded_state_dict))
-            plain = plain_digest(split) if self.env.world_size > 1 else ""  # one rank holds everything
-            skip = self._plain.skip(plain, split, self.env.rank, self.env.world_size)
-            plan = plan_rank(split, self.env.rank, self._plan_cache, skip=skip)
-            items = plan.items
-            common = serialize_common(split.common) if self.env.rank == 0 else None
+            plan = self._planner.plan(expand_stateful(sharded_state_dict))
         except CkptdError as exc:
             self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
             raise
-        digest = (common_digest(split.common) or "") if self.config.check_common and self.env.world_size > 1 else ""
-        placements, nbytes = place(items)
+        items, placements, nbytes = plan.items, plan.placements, plan.nbytes
         self._ensure_connected()
-        ring = self._ring.ensure(nbytes)
+        ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
         if any(p.nbytes > ring.capacity for p in placements):
             items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
             placements, nbytes = place(items)
@@ -249,21 +240,21 @@ class Checkpointer:
             generation=ring.generation,
             block=block,
             items=wire,
-            common=common,
-            common_digest=digest,
+            common=plan.common,
+            common_digest=plan.common_digest,
             layout=layout,
             ring_start=start,
             snapshot_pid=snap.pid,
             seal=snap.seal,
             seal_offset=snap.seal_offset,
-            plain_digest=plain,
+            plain_digest=plan.plain,
             held=held,
         )
         self._send_save(msg, producer, ring, claim)
         queue_wait_s += producer.after_ack()
         handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
         self._pending.add(handle)
-        self._plain.sent(step, plain)
+        self._plain.sent(step, plan.plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
             if self._stats.committed == 0:
@@ -304,17 +295,18 @@ class Checkpointer:
         first ``save()`` would size it; in a process that uses CUDA its pinning then starts in the
         background (ckptd.staging.pinning), so the first save finds the ring pinned instead of
         waiting for it: pinning costs some 20 times the device-to-host copy (H100 machine: about
-        0.35 s per GiB against 0.02 s). Call it once, before the training loop, with the state you
+        0.5 s per GiB against 0.02 s). Call it once, before the training loop, with the state you
         will save (every rank). Checks the state dict as a save does, and raises its errors. With
         a byte budget (``staging_budget="8GiB"``) the constructor does this already.
         """
         self._check_open()
-        nbytes = 0
+        nbytes, device = 0, None
         if self._ring.current is None:
-            split = split_state_dict(expand_stateful(sharded_state_dict))
-            nbytes = place(plan_rank(split, self.env.rank, self._plan_cache).items)[1]
+            items = self._planner.items(expand_stateful(sharded_state_dict))
+            nbytes = place(items)[1]
+            device = next((d for d in tensor_nbytes_by_device(items) if d.type == "cuda"), None)
         self._ensure_connected()
-        self._ring.ensure(nbytes)
+        self._ring.ensure(nbytes, device=device)
 
     def before_update(self) -> None:
         """With lazy snapshots: call before changing saved tensors (the optimizer step); returns

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..config import CkptdConfig, parse_budget
 from ..control.protocol import RegisterRing, RingOk
 from ..errors import DaemonError
@@ -58,12 +60,16 @@ class RankRing:
         self.lazy = LazyCopier(rank, config.snapshot_timeout_s) if config.snapshot == "lazy" else None
         self.attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
         self.device_snapshots: list[DeviceSnapshotProducer] = []  # their threads may still write
+        self.device_snapshots_taken = 0  # saves made device snapshots so far
 
-    def ensure(self, nbytes: int) -> StagingRing:
+    def ensure(self, nbytes: int, *, pin: bool = True, device: Any = None) -> StagingRing:
         """The ring, created (and registered with the daemon, which owns it from then on) once the
         size of a save is known (``prepare()``, ``load()``, a byte budget, else the first save),
         sized by the staging budget from that save's ``nbytes``; later saves of any size stream
-        through it. In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning)."""
+        through it. In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning):
+        from here with ``pin`` (for DMA from ``device``), else from :meth:`start`, after the save's
+        device snapshot was taken (pinning holds the CUDA driver: a ``cudaHostRegister`` under
+        way delays the snapshot's allocation until it returns)."""
         ring = self.current
         if ring is None:
             fraction, node_nbytes = parse_budget(self.config.staging_budget)
@@ -80,11 +86,17 @@ class RankRing:
                 ring.close(unlink=True)  # the daemon never took it over
                 raise
             self.current = ring
+        if pin:
+            self.pin(ring, device)
+        return ring
+
+    def pin(self, ring: StagingRing, device: Any = None) -> None:
+        """Start pinning ``ring`` in the background for DMA from ``device`` (default: the current
+        CUDA device), once, where ``pin_memory`` is on and this process uses CUDA."""
         if ring.pinner is None and self.config.pin_memory:
-            registrar = cuda_registrar()  # None until this process uses CUDA
+            registrar = cuda_registrar(device)  # None until this process uses CUDA
             if registrar is not None:
                 ring.start_pinning(registrar)
-        return ring
 
     def wait_block(self, ring: StagingRing, step: int, idle: Callable[[float], None]) -> None:
         """Wait for a free control block (BLOCKS saves of this rank in flight at most); ``idle(s)``
@@ -122,8 +134,13 @@ class RankRing:
         with a daemon to watch), else ``save()`` itself after the SAVE; and the seconds waited for
         a fork's turn (``idle`` as for :meth:`wait_block`). While the ring is still being pinned,
         a save with CUDA tensors is a device snapshot instead, where device memory allows
-        (ckptd.staging.devsnap)."""
-        snap = self._device_snapshot(ring, claim)
+        (ckptd.staging.devsnap); a new ring's pinning starts once that snapshot is taken."""
+        pinner, snap, device = ring.pinner, None, None
+        if pinner.running if pinner is not None else self.config.pin_memory and torch.cuda.is_initialized():
+            nbytes = tensor_nbytes_by_device(claim.items)  # not at every save: ~1 us per tensor
+            device = next((d for d in nbytes if d.type == "cuda"), None)
+            snap = self._device_snapshot(ring, claim, nbytes)
+        self.pin(ring, device)
         if snap is not None:
             return snap, 0.0
         lazy = self.lazy if self.saves_lazily() else None
@@ -136,28 +153,41 @@ class RankRing:
                 return child, waited_s
         return InlineProducer(ring, claim, self.config.snapshot_timeout_s), waited_s
 
-    def _device_snapshot(self, ring: StagingRing, claim: Claim) -> DeviceSnapshotProducer | None:
+    def _device_snapshot(
+        self, ring: StagingRing, claim: Claim, nbytes: dict[Any, int]
+    ) -> DeviceSnapshotProducer | None:
+        """A device snapshot of the claimed save, made while the ring is (about to be) pinned, if
+        the save's CUDA tensors (``nbytes`` by device) fit in device memory; else None."""
         self.device_snapshots = [p for p in self.device_snapshots if p.running]
-        pinner = ring.pinner
         fraction = self.config.device_snapshot_fraction
-        if pinner is None or not pinner.running or fraction <= 0:
+        if fraction <= 0 or not any(d.type == "cuda" for d in nbytes):
             return None
-        nbytes = tensor_nbytes_by_device(claim.items)
-        if not any(d.type == "cuda" for d in nbytes):
-            return None
-        if not device_snapshot_fits(True, nbytes, free_device_nbytes(nbytes), fraction):
+        free = free_device_nbytes(nbytes)
+        if not device_snapshot_fits(True, nbytes, free, fraction):
             log.info(
-                "rank %d: step %d waits for the staging ring's pinning (tensors by device %s: more "
-                "than device_snapshot_fraction=%g of the device memory free, or over %d host bytes)",
+                "rank %d: step %d waits for the staging ring's pinning (tensors by device %s, free "
+                "%s: more than device_snapshot_fraction=%g of the device memory free, or over %d "
+                "host bytes)",
                 self.rank,
                 claim.step,
                 {str(d): n for d, n in nbytes.items()},
+                {str(d): n for d, n in free.items()},
                 fraction,
                 HOST_COPY_MAX_NBYTES,
             )
             return None
-        producer = DeviceSnapshotProducer(ring, claim, self.config.snapshot_timeout_s)
+        try:
+            producer = DeviceSnapshotProducer(ring, claim, self.config.snapshot_timeout_s)
+        except torch.cuda.OutOfMemoryError as exc:  # the driver's free memory is not all ours to take
+            log.info(
+                "rank %d: step %d waits for the staging ring's pinning (device snapshot: %s)",
+                self.rank,
+                claim.step,
+                exc,
+            )
+            return None
         self.device_snapshots.append(producer)
+        self.device_snapshots_taken += 1
         return producer
 
     def fence(self, deadline: float | None = None) -> None:

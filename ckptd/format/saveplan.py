@@ -48,7 +48,7 @@ class PlanCache:
     ``entries``: per state-dict path of a ShardedTensor, what its last save planned.
     ``checked``: the last record list that passed the duplicate check.
     ``values``: per state-dict path of a plain value saved as a DCP bytes item, a frozen copy of
-    it (:func:`_frozen`) and its planned item: an equal value reuses the serialized bytes.
+    it (:func:`frozen_value`) and its planned item: an equal value reuses the serialized bytes.
     """
 
     entries: dict[Any, _PlanEntry] = field(default_factory=dict)
@@ -129,7 +129,7 @@ def plan_rank(
                 # Plain values (a DCP-style state dict's step, learning rate, param_groups...) are
                 # mostly the same every save, and pickling each costs ~0.5 ms (torch.save): an
                 # equal value reuses the last save's bytes, which would be the same.
-                frozen = _frozen(sh.data) if cache is not None else None
+                frozen = frozen_value(sh.data) if cache is not None else None
                 prev = cache.values.get(path) if cache is not None and frozen is not None else None
                 item = prev[1] if prev is not None and prev[0] == frozen else None
                 if item is None or item.record.fqn != sh.key:
@@ -158,7 +158,7 @@ def plan_rank(
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-def _frozen(value: Any, depth: int = 0) -> Any:
+def frozen_value(value: Any, depth: int = 0) -> Any:
     """An immutable copy of a plain value (None, bool, int, float, str, bytes, and lists, tuples and
     dicts of them) that compares equal exactly when the value would pickle the same; None for
     anything else (never reused). Types are part of it (``1``, ``1.0`` and ``True`` differ), and so
@@ -169,10 +169,10 @@ def _frozen(value: Any, depth: int = 0) -> Any:
     if kind in _PLAIN:
         return (kind, value, repr(value)) if kind is float else (kind, value)
     if kind in (list, tuple):
-        parts = tuple(_frozen(v, depth + 1) for v in value)
+        parts = tuple(frozen_value(v, depth + 1) for v in value)
         return None if any(p is None for p in parts) else (kind, parts)
     if kind is dict:
-        pairs = tuple((_frozen(k, depth + 1), _frozen(v, depth + 1)) for k, v in value.items())
+        pairs = tuple((frozen_value(k, depth + 1), frozen_value(v, depth + 1)) for k, v in value.items())
         return None if any(k is None or v is None for k, v in pairs) else (kind, pairs)
     return None
 

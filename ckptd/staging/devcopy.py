@@ -23,10 +23,11 @@ would silently turn into a slow pageable copy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,18 @@ from ..format.items import PlannedItem
 from .producer import Claim, Snapshot, start_block
 from .rankside import Placement, StagingRing, plain_values, tensor_bytes
 from .ring import ALIGN, HEADER_NBYTES, block_offset, give_up_mark
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """``torch.cuda.stream(stream)`` with ``stream``'s device current meanwhile. Leaving a stream
+    context restores the stream of the thread's current device: on a thread whose current device
+    is not the stream's (a new thread's is 0; so is that of a trainer that names its GPU in its
+    tensors only) that sets the device, and setting device 0 creates a CUDA context there, for a
+    rank that trains on another GPU."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
+
 
 # Tensors smaller than this are gathered with their neighbours into one copy (a DMA of a few
 # bytes costs as much as one of 1 MiB: its launch and completion, ~10 us).
@@ -96,6 +109,7 @@ class DeviceCopier:
         self.stop = stop
         self.waited_s = 0.0
         self._streams: dict[Any, Any] = {}
+        self._device_current = False  # whether the one device copied from is this thread's current one
         self._landing: deque[tuple[Any, int]] = deque()  # (event or None, virtual end), in ring order
         self._batch: _Batch | None = None
 
@@ -139,7 +153,7 @@ class DeviceCopier:
             self.wrote(v)
             return
         stream = self._stream(src.device)
-        with torch.cuda.stream(stream):  # a non-contiguous source is made contiguous after the wait
+        with self._on(stream):  # a non-contiguous source is made contiguous after the wait
             flat = plain_values(src).reshape(-1).view(torch.uint8)
         if nbytes < SMALL_NBYTES:
             batch = self._batch
@@ -172,7 +186,7 @@ class DeviceCopier:
         if batch is None:
             return
         stream = self._stream(batch.device)
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             buf = torch.zeros(batch.end - batch.start, dtype=torch.uint8, device=batch.device)
             dsts = [buf[v - batch.start : v - batch.start + t.numel()] for v, t in batch.parts]
             srcs = [t for _, t in batch.parts]
@@ -203,9 +217,15 @@ class DeviceCopier:
             self._publish(end)
 
     # --- internals -----------------------------------------------------------------------------
+    def _on(self, stream: Any) -> Any:
+        """The stream context for the copies on ``stream`` (see :func:`on_stream`; the device
+        guard only where this thread's current device is another, as the check is per save)."""
+        return torch.cuda.stream(stream) if self._device_current else on_stream(stream)
+
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
+            self._device_current = len(self._streams) == 0 and torch.cuda.current_device() == device.index
             stream = self._streams[device] = self.ring.side_stream(device)
             if self.ready is None:
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -231,7 +251,7 @@ class DeviceCopier:
             self.room(end)
             piece = flat[src_at : src_at + n]
             if self._pinned(at):
-                with torch.cuda.stream(stream):
+                with self._on(stream):
                     base[HEADER_NBYTES + at : HEADER_NBYTES + at + n].copy_(piece, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -239,7 +259,7 @@ class DeviceCopier:
                 self._landing.append((event, end))
                 self._publish_landed()
             else:
-                with torch.cuda.stream(stream):
+                with self._on(stream):
                     host = piece.to("cpu")  # synchronous, after the stream's earlier work
                 ring.writer.write(v + src_at, tensor_bytes(host))
                 ring.pageable_pieces += 1

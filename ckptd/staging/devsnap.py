@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..format.items import PlannedItem
-from .devcopy import copy_inline
+from .devcopy import copy_inline, on_stream
 from .producer import Claim, Snapshot, start_block
 from .rankside import StagingRing, plain_values
 from .ring import block_offset, give_up_mark
@@ -100,7 +100,7 @@ def snapshot_on_device(ring: StagingRing, items: list[PlannedItem]) -> tuple[lis
         buf = torch.empty(sum(t.numel() * t.element_size() for _, t in tensors), dtype=torch.uint8, device=device)
         buf.record_stream(stream)
         buf.record_stream(ring.side_stream(device))
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             srcs = [plain_values(t).reshape(-1).view(torch.uint8) for _, t in tensors]
             dsts, at = [], 0
             for src in srcs:

@@ -25,16 +25,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import SharedMemoryFullError, StagingError
 from .segment import ShmSegment
 
 log = logging.getLogger(__name__)
 
-# Bytes registered per call: small enough that the first save waits for little beyond its own
-# bytes, large enough that the calls stay few (re-registering faulted pages measured <= 8 ms per
-# 256 MiB chunk on the H100 machine).
+# Bytes registered per call: small enough that a save waits for little beyond its own bytes, large
+# enough that the calls stay few. A cudaHostRegister holds the driver while it runs (~150 ms per
+# 256 MiB chunk on the H100 machine): CUDA calls made meanwhile wait, which is why a new ring's
+# pinning starts only after the first save's device snapshot was taken (ckptd.client.rankring).
 CHUNK_NBYTES = 256 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not only the caller's
 _JOIN_S = 30.0  # closing: how long to wait for a registration under way (one chunk: well under 1 s)
@@ -78,18 +79,20 @@ class CudaRegistrar:
     def unregister(self, address: int) -> None:
         import torch
 
-        self._ready()
-        torch.cuda.cudart().cudaHostUnregister(address)
+        with torch.cuda.device(self.device):  # on the closing thread: its own device is restored
+            torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def cuda_registrar() -> HostRegistrar | None:
-    """A registrar for this process when it uses CUDA already (None otherwise: a CPU-only trainer
-    on a GPU machine must not create a CUDA context just to pin a ring it never copies into by DMA)."""
+def cuda_registrar(device: Any = None) -> HostRegistrar | None:
+    """A registrar for DMA from ``device`` (a save's CUDA device; default: the current one) when
+    this process uses CUDA already (None otherwise: a CPU-only trainer on a GPU machine must not
+    create a CUDA context just to pin a ring it never copies into by DMA)."""
     import torch
 
     if not (torch.cuda.is_initialized() and torch.cuda.is_available()):
         return None
-    return CudaRegistrar(torch.cuda.current_device())
+    index = None if device is None else torch.device(device).index
+    return CudaRegistrar(torch.cuda.current_device() if index is None else index)
 
 
 class RingPinner:

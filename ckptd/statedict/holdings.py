@@ -158,15 +158,23 @@ class PlainWriters:
     def skip(self, digest: str, split: SplitStateDict, rank: int, world_size: int) -> frozenset[str]:
         """Plain keys of ``split`` that another rank writes: none unless ``digest`` is the
         confirmed one (then :func:`spread`'s assignment, computed once per confirmed digest)."""
+        known = self.known_skip(digest, rank, world_size)
+        if known is not None:
+            return known
+        writers = spread(plain_sizes(split), world_size)
+        keys = frozenset(k for k, r in writers.items() if r != rank)
+        self._cached = (digest, rank, world_size, keys)
+        return keys
+
+    def known_skip(self, digest: str, rank: int, world_size: int) -> frozenset[str] | None:
+        """What :meth:`skip` returns for ``digest`` without a split, or None when it needs one
+        (a confirmed digest whose assignment is not computed yet)."""
         if not digest or digest != self.confirmed:
             return frozenset()
         cached = self._cached
         if cached is not None and cached[:3] == (digest, rank, world_size):
             return cached[3]
-        writers = spread(plain_sizes(split), world_size)
-        keys = frozenset(k for k, r in writers.items() if r != rank)
-        self._cached = (digest, rank, world_size, keys)
-        return keys
+        return None
 
     def sent(self, step: int, digest: str) -> None:
         """The save of ``step`` went out with plain-key digest ``digest``."""

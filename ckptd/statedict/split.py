@@ -318,5 +318,36 @@ def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path,
         yield path, dcp_path, v
 
 
+def dcp_walk(state_dict: dict) -> tuple[list[Any], list[Any]]:
+    """The leaves of a DCP-style state dict in :func:`_dcp_leaves` order, without their paths
+    (~0.3 us a leaf), and the structure walked, in the same order: per dict its keys and their
+    types, per walked list its length, per leaf its type. Equal structures give equal lists (a
+    prefix code: a list walked has a length of at least 1, a leaf's entry is a type)."""
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    _walk_dict(state_dict, leaves, shape)
+    return leaves, shape
+
+
+def _walk_dict(x: dict, leaves: list[Any], shape: list[Any]) -> None:
+    keys = tuple(x)
+    shape.append(keys)
+    shape.append(tuple(map(type, keys)))  # 1 and True are equal keys, but not the same DCP key
+    for v in x.values():
+        _walk_value(v, leaves, shape)
+
+
+def _walk_value(v: Any, leaves: list[Any], shape: list[Any]) -> None:
+    if isinstance(v, dict):
+        _walk_dict(v, leaves, shape)
+    elif isinstance(v, list) and not _dcp_terminal(v):
+        shape.append(len(v))
+        for e in v:
+            _walk_value(e, leaves, shape)
+    else:
+        shape.append(type(v))
+        leaves.append(v)
+
+
 def _dcp_terminal(v: list) -> bool:
     return not any(isinstance(e, (dict, torch.Tensor)) or (isinstance(e, list) and not _dcp_terminal(e)) for e in v)

@@ -117,7 +117,7 @@ def test_the_first_save_registers_nothing_and_copies_only_by_dma(
     thread as the ring is pinned), or with device_snapshot_fraction=0 waits for its own chunks
     (ckptd bench train reports the stalls). Many tensors of mixed sizes, as a model's state dict."""
     reg = RecordingRegistrar(torch.cuda.current_device())
-    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: reg)
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes = [1 << 24, 3 << 20, 1000, 1, 4096, 1 << 22] * 20  # 120 tensors, 1.6 GiB of float32
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate(sizes)}
@@ -160,7 +160,7 @@ def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment
     into the ring by its thread once the chunks are pinned, and each committed checkpoint holds
     exactly the values of its save(), never a later step's (the stream order protects them, not
     a host synchronisation)."""
-    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: SlowRegistrar(torch.cuda.current_device()))
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: SlowRegistrar(torch.cuda.current_device()))
     gen = torch.Generator(device="cuda").manual_seed(5)
     tensors = {f"t{i}": torch.randn(n, device="cuda", generator=gen) for i, n in enumerate([1 << 22, 999, 1 << 20] * 8)}
     expected = {}

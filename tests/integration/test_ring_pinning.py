@@ -42,7 +42,7 @@ def test_save_never_registers_ring_memory_inside_the_stall(
     code before this (StagingPool._pin) registered the whole ring inside the first save(), on the
     training thread."""
     reg = CountingRegistrar()
-    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: reg)
     state = _state(300_000)  # 4.6 MiB: the default 1.25x ring is 5.7 MiB, 23 chunks of 256 KiB
     monkeypatch.setattr("ckptd.staging.rankside.CHUNK_NBYTES", 256 << 10)
     me = threading.get_ident()
@@ -69,7 +69,7 @@ def test_the_first_save_starts_pinning_in_the_background_without_waiting_for_it(
     (CPU tensors here, which need no pinned chunk) returns while the pinner still works."""
     gate = threading.Event()
     reg = CountingRegistrar(gate=gate)
-    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: reg)
     state = _state(100_000)
     try:
         with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, snapshot="copy")) as ckpt:
@@ -89,7 +89,7 @@ def test_a_byte_budget_creates_and_pins_the_ring_before_the_first_save(
     tmp_path, single_process, monkeypatch, runtime_dir
 ):
     reg = CountingRegistrar()
-    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda: reg)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: reg)
     with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, staging_budget="4MiB")) as ckpt:
         ring = ckpt._ring.current
         assert ring is not None and ring.capacity == 4 << 20 and ring.pinner is not None

@@ -18,6 +18,8 @@ The processes are forkserver children (:func:`process_context`): the server impo
 and ckptd once, so a process starts in milliseconds where a spawned interpreter spent 3 CPU-seconds
 importing them (most of the suite's process tests are such ranks). Each starts with the caller's
 environment as it is at the start, as a spawned process would (the server's is from its own start).
+Where a CUDA device is visible they are spawned interpreters instead: Megatron-Core's imports
+initialise CUDA there, and a child forked from a process with CUDA initialised cannot use it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from multiprocessing.context import ForkServerContext, ForkServerProcess
+from multiprocessing.context import ForkServerContext, ForkServerProcess, SpawnContext, SpawnProcess
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -56,10 +58,15 @@ _PRELOAD_MEGATRON = [
 ]
 
 
-def process_context() -> ForkServerContext:
+def process_context() -> ForkServerContext | SpawnContext:
     """Forkserver children with torch, DCP, ckptd (and Megatron-Core, where installed) preloaded:
     a process starts in milliseconds. One server per interpreter, started on first use;
-    :func:`stop_process_context` ends it."""
+    :func:`stop_process_context` ends it. Spawned interpreters where a CUDA device is visible (see
+    the module docstring; the check itself initialises no CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     megatron = importlib.util.find_spec("megatron.core") is not None
     ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_MEGATRON if megatron else []))
@@ -97,7 +104,7 @@ def _in_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-class Spawned(list[ForkServerProcess]):
+class Spawned(list[ForkServerProcess | SpawnProcess]):
     """The processes of :func:`spawned`, in the order of their targets."""
 
     killed: list[int]  # indices of the processes that had to be SIGKILLed on leaving
