@@ -13,13 +13,15 @@ Anything else (a Megatron-style state dict, a DTensor, a tensor subclass, a valu
 plain Python value, any difference) takes the full way, which remembers its plan anew.
 
 Order of use, per save: :meth:`RepeatPlan.plan`; if None, the full plan, then
-:meth:`RepeatPlan.remember` (or :meth:`RepeatPlan.forget` when it failed). The plan is the one the
+:meth:`RepeatPlan.remember` with the :class:`PlannedSave` it made (or :meth:`RepeatPlan.forget`
+when it failed). The plan is the one the
 full way makes, item for item (tests/unit/test_repeat_plan.py compares them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,18 +34,17 @@ from .saveplan import RankPlan, frozen_value
 
 
 @dataclass(frozen=True, kw_only=True)
-class RepeatedSave:
-    """What a save of a remembered structure stores: as :class:`~ckptd.format.saveplan.RankPlan`
-    (``items``, ``held``), the items' ``placements`` and ``nbytes`` as ``place`` computed them
-    (``placements`` None: a value's bytes changed size, place the items again), and what the full
-    plan derived from the structure alone: the plain-key ``digest``, the plain keys left to other
-    ranks (``skip``), rank 0's ``common`` bytes and their ``common_digest``."""
+class PlannedSave:
+    """What one rank's save stores: as :class:`~ckptd.format.saveplan.RankPlan` (``items``,
+    ``held``), the items' ``placements`` in the ring and the ``nbytes`` they take, and what the
+    plan derived from the state dict's structure: the plain-key digest (``plain``), the plain keys
+    left to other ranks (``skip``), rank 0's ``common`` bytes and their ``common_digest``."""
 
     items: list[PlannedItem]
-    held: list[str]
-    placements: list[Any] | None
+    placements: list[Any]
     nbytes: int
-    digest: str
+    held: list[str]
+    plain: str
     skip: frozenset[str]
     common: bytes | None
     common_digest: str
@@ -70,13 +71,11 @@ class _Template:
     shape: list[Any]  # dcp_walk's structure
     tensors: list[_Tensor]  # every tensor leaf
     stored: list[_Tensor | _Value]  # what makes each item, in item order
-    held: list[str]
-    placements: list[Any]
-    nbytes: int
-    digest: str
-    skip: frozenset[str]
-    common: bytes | None
-    common_digest: str
+    saved: PlannedSave  # the full plan remembered
+
+
+# Lays items out in the ring: ckptd.staging.rankside.place (staging sits above this layer).
+Placer = Callable[[list[PlannedItem]], tuple[list[Any], int]]
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -92,9 +91,10 @@ class RepeatPlan:
     def forget(self) -> None:
         self._template = None
 
-    def plan(self, state_dict: dict[str, Any], rank: int) -> RepeatedSave | None:
+    def plan(self, state_dict: dict[str, Any], rank: int, place: Placer) -> PlannedSave | None:
         """The remembered plan with ``state_dict``'s tensors and values, if its structure is the
-        remembered one; else None (plan it the full way)."""
+        remembered one; else None (plan it the full way). ``place`` lays the items out again
+        where a plain value's bytes changed size."""
         t = self._template
         if t is None:
             return None
@@ -118,61 +118,26 @@ class RepeatPlan:
                 item = plan_bytes(ByteItem(e.key, leaves[e.leaf]), rank, e.path)
                 resized = resized or len(item.payload) != len(e.item.payload)
             items.append(item)
-        return RepeatedSave(
-            items=items,
-            held=t.held,
-            placements=None if resized else t.placements,
-            nbytes=t.nbytes,
-            digest=t.digest,
-            skip=t.skip,
-            common=t.common,
-            common_digest=t.common_digest,
-        )
+        saved = t.saved
+        placements, nbytes = place(items) if resized else (saved.placements, saved.nbytes)
+        return replace(saved, items=items, placements=placements, nbytes=nbytes)
 
-    def remember(
-        self,
-        state_dict: dict[str, Any],
-        split: SplitStateDict,
-        plan: RankPlan,
-        *,
-        skip: frozenset[str],
-        placements: list[Any],
-        nbytes: int,
-        digest: str,
-        common: bytes | None,
-        common_digest: str,
-    ) -> None:
-        """Remember the full plan of ``state_dict`` (``split``, ``plan`` made with ``skip``; the
-        rest as the save computed it) for the next save, where its structure allows."""
-        self._template = _template(
-            state_dict,
-            split,
-            plan,
-            skip=skip,
-            placements=placements,
-            nbytes=nbytes,
-            digest=digest,
-            common=common,
-            common_digest=common_digest,
+    def remember(self, state_dict: dict[str, Any], split: SplitStateDict, plan: RankPlan, saved: PlannedSave) -> None:
+        """Remember the full plan of ``state_dict`` (``split``, ``plan``; what the save stores,
+        ``saved``) for the next save, where its structure allows."""
+        found = _entries(state_dict, split, plan, saved.skip)
+        self._template = (
+            None if found is None else _Template(shape=found[0], tensors=found[1], stored=found[2], saved=saved)
         )
 
 
-def _template(
-    state_dict: dict[str, Any],
-    split: SplitStateDict,
-    plan: RankPlan,
-    *,
-    skip: frozenset[str],
-    placements: list[Any],
-    nbytes: int,
-    digest: str,
-    common: bytes | None,
-    common_digest: str,
-) -> _Template | None:
-    """The template of a full plan, or None where its structure is not one :meth:`RepeatPlan.plan`
-    reproduces exactly: each leaf of the walk must be the data of the split's entry at its
-    position, each item made by one entry in order (a whole tensor's data itself, or a plain
-    value's bytes)."""
+def _entries(
+    state_dict: dict[str, Any], split: SplitStateDict, plan: RankPlan, skip: frozenset[str]
+) -> tuple[list[Any], list[_Tensor], list[_Tensor | _Value]] | None:
+    """The walk's structure, its tensor leaves and what makes each item, or None where the plan
+    is not one :meth:`RepeatPlan.plan` reproduces exactly: each leaf of the walk must be the data
+    of the split's entry at its position, each item made by one entry in order (a whole tensor's
+    data itself, or a plain value's bytes)."""
     if split.dialect is not Dialect.DCP or split.factories or split.common:
         return None
     leaves, shape = dcp_walk(state_dict)
@@ -197,8 +162,7 @@ def _template(
                 return None
             if item is None:
                 continue
-            path = split.dcp_paths.get(sh.key, ())
-            entry = _Value(leaf=i, key=sh.key, path=path, frozen=frozen, item=item)
+            entry = _Value(leaf=i, key=sh.key, path=split.dcp_paths.get(sh.key, ()), frozen=frozen, item=item)
         else:
             return None
         if item is not None:
@@ -207,15 +171,4 @@ def _template(
             stored.append(entry)
     if next(items, None) is not None:
         return None
-    return _Template(
-        shape=shape,
-        tensors=tensors,
-        stored=stored,
-        held=list(plan.held),
-        placements=list(placements),
-        nbytes=nbytes,
-        digest=digest,
-        skip=skip,
-        common=common,
-        common_digest=common_digest,
-    )
+    return shape, tensors, stored
