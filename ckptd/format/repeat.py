@@ -71,7 +71,7 @@ class _Template:
     shape: list[Any]  # dcp_walk's structure
     tensors: list[_Tensor]  # every tensor leaf
     stored: list[_Tensor | _Value]  # what makes each item, in item order
-    saved: PlannedSave  # the full plan remembered
+    saved: PlannedSave  # the full plan remembered, without its items
 
 
 # Lays items out in the ring: ckptd.staging.rankside.place (staging sits above this layer).
@@ -126,9 +126,11 @@ class RepeatPlan:
         """Remember the full plan of ``state_dict`` (``split``, ``plan``; what the save stores,
         ``saved``) for the next save, where its structure allows."""
         found = _entries(state_dict, split, plan, saved.skip)
-        self._template = (
-            None if found is None else _Template(shape=found[0], tensors=found[1], stored=found[2], saved=saved)
-        )
+        if found is None:
+            self._template = None
+            return
+        # Without its items: their payloads are this save's tensors, which must not outlive it.
+        self._template = _Template(shape=found[0], tensors=found[1], stored=found[2], saved=replace(saved, items=[]))
 
 
 def _entries(

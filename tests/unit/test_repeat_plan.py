@@ -92,6 +92,19 @@ def test_the_same_structure_again_is_planned_as_the_full_way_does_with_the_new_t
     assert _plan(rp, again, 0).placements is _plan(rp, _state(), 0).placements  # not placed again
 
 
+def test_the_remembered_plan_holds_no_tensor_of_the_save_it_came_from():
+    import gc
+    import weakref
+
+    sd = _state()
+    rp = _remembered(sd)
+    gone = weakref.ref(sd["model"]["w"])
+    del sd
+    gc.collect()
+    assert gone() is None  # a state built anew for each save is freed after it
+    assert _same_as_full(rp, _state()) is True
+
+
 def test_a_changed_plain_value_is_serialized_again():
     rp = _remembered(_state())
     sd = _state()
