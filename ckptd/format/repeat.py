@@ -71,6 +71,7 @@ class _Template:
     shape: list[Any]  # dcp_walk's structure
     tensors: list[_Tensor]  # every tensor leaf
     stored: list[_Tensor | _Value]  # what makes each item, in item order
+    held_values: list[int]  # leaves of the plain values another rank writes
     saved: PlannedSave  # the full plan remembered, without its items
 
 
@@ -96,13 +97,16 @@ class RepeatPlan:
         remembered one; else None (plan it the full way). ``place`` lays the items out again
         where a plain value's bytes changed size."""
         t = self._template
-        if t is None:
+        if t is None or not isinstance(state_dict, dict):
             return None
         leaves, shape = dcp_walk(state_dict)
         if shape != t.shape:
             return None
         for tensor in t.tensors:
             if _signature(leaves[tensor.leaf]) != tensor.signature:
+                return None
+        for i in t.held_values:  # a list or tuple may now hold what the full way refuses or shards
+            if frozen_value(leaves[i]) is None:
                 return None
         items: list[PlannedItem] = []
         resized = False
@@ -129,24 +133,36 @@ class RepeatPlan:
         if found is None:
             self._template = None
             return
+        shape, tensors, stored, held_values = found
         # Without its items: their payloads are this save's tensors, which must not outlive it.
-        self._template = _Template(shape=found[0], tensors=found[1], stored=found[2], saved=replace(saved, items=[]))
+        self._template = _Template(
+            shape=shape, tensors=tensors, stored=stored, held_values=held_values, saved=replace(saved, items=[])
+        )
+
+
+# Dict keys whose equal values have equal DCP keys (``str(k)``); 0.0 == -0.0 and (1, 2) == (1.0, 2)
+# print differently, so a state dict with other keys is planned the full way at every save.
+_EXACT_KEYS = (str, int, bool, type(None))
 
 
 def _entries(
     state_dict: dict[str, Any], split: SplitStateDict, plan: RankPlan, skip: frozenset[str]
-) -> tuple[list[Any], list[_Tensor], list[_Tensor | _Value]] | None:
-    """The walk's structure, its tensor leaves and what makes each item, or None where the plan
-    is not one :meth:`RepeatPlan.plan` reproduces exactly: each leaf of the walk must be the data
-    of the split's entry at its position, each item made by one entry in order (a whole tensor's
-    data itself, or a plain value's bytes)."""
+) -> tuple[list[Any], list[_Tensor], list[_Tensor | _Value], list[int]] | None:
+    """The walk's structure, its tensor leaves, what makes each item and the leaves of the plain
+    values left to other ranks, or None where the plan is not one :meth:`RepeatPlan.plan`
+    reproduces exactly: only keys of :data:`_EXACT_KEYS`; each leaf of the walk the data of the
+    split's entry at its position; each item made by one entry in order (a whole tensor's data
+    itself, or a plain value's bytes)."""
     if split.dialect is not Dialect.DCP or split.factories or split.common:
         return None
     leaves, shape = dcp_walk(state_dict)
     if len(leaves) != len(split.sharded):
         return None
+    if any(type(e) is tuple and not all(k in _EXACT_KEYS for k in e[1]) for e in shape):
+        return None
     tensors: list[_Tensor] = []
     stored: list[_Tensor | _Value] = []
+    held_values: list[int] = []
     items = iter(plan.items)
     entry: _Tensor | _Value
     for i, (sh, leaf) in enumerate(zip(split.sharded.values(), leaves)):
@@ -163,6 +179,7 @@ def _entries(
             if frozen is None:
                 return None
             if item is None:
+                held_values.append(i)
                 continue
             entry = _Value(leaf=i, key=sh.key, path=split.dcp_paths.get(sh.key, ()), frozen=frozen, item=item)
         else:
@@ -173,4 +190,4 @@ def _entries(
             stored.append(entry)
     if next(items, None) is not None:
         return None
-    return shape, tensors, stored
+    return shape, tensors, stored, held_values

@@ -320,9 +320,9 @@ def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path,
 
 def dcp_walk(state_dict: dict) -> tuple[list[Any], list[Any]]:
     """The leaves of a DCP-style state dict in :func:`_dcp_leaves` order, without their paths
-    (~0.3 us a leaf), and the structure walked, in the same order: per dict its keys and their
-    types, per walked list its length, per leaf its type. Equal structures give equal lists (a
-    prefix code: a list walked has a length of at least 1, a leaf's entry is a type)."""
+    (~0.3 us a leaf), and the structure walked, in the same order: per dict one tuple of its keys
+    and their types, per walked list its length, per leaf its type. Equal structures give equal
+    lists (a prefix code: a list walked has a length of at least 1, a leaf's entry is a type)."""
     leaves: list[Any] = []
     shape: list[Any] = []
     _walk_dict(state_dict, leaves, shape)
@@ -330,10 +330,10 @@ def dcp_walk(state_dict: dict) -> tuple[list[Any], list[Any]]:
 
 
 def _walk_dict(x: dict, leaves: list[Any], shape: list[Any]) -> None:
-    keys = tuple(x)
-    shape.append(keys)
-    shape.append(tuple(map(type, keys)))  # 1 and True are equal keys, but not the same DCP key
-    for v in x.values():
+    pairs = list(x.items())  # as _dcp_leaves walks it
+    keys = tuple(k for k, _ in pairs)
+    shape.append((keys, tuple(map(type, keys))))  # 1 and True are equal keys, but not the same DCP key
+    for _, v in pairs:
         _walk_value(v, leaves, shape)
 
 

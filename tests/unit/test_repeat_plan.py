@@ -202,6 +202,31 @@ def test_plain_items_left_to_other_ranks_are_remembered_with_their_assignment():
     assert writers.known_skip("d", 0, 2) is None  # needs a split to decide: the full way
 
 
+def test_a_value_left_to_another_rank_is_checked_as_the_full_way_would():
+    """Ranks other than the writer store no item of a plain value, but the full way would still
+    refuse, or shard, what a list or tuple there holds now."""
+    from ckptd import ShardedObject
+
+    sd = {"w": torch.zeros(2), "sched": (1, 2), "extra": [1]}
+    skip = frozenset({"w", "sched", "extra"})
+    rp = _remembered(sd, skip)
+    assert _same_as_full(rp, {"w": torch.zeros(2), "sched": (3, 4), "extra": [5]}, skip) is True
+    assert _plan(rp, {"w": torch.zeros(2), "sched": (1, torch.zeros(1)), "extra": [1]}, 0) is None
+    obj = ShardedObject("obj", {"a": 1}, (1,), (0,))
+    assert _plan(rp, {"w": torch.zeros(2), "sched": (1, 2), "extra": [obj]}, 0) is None
+
+
+def test_keys_that_print_otherwise_than_they_compare_are_planned_the_full_way():
+    for sd in ({0.0: torch.zeros(1), "b": 1}, {"m": {(1, 2): torch.zeros(1)}}):
+        rp = _remembered(sd)
+        assert _plan(rp, copy.copy(sd), 0) is None  # -0.0 == 0.0 and (1.0, 2) == (1, 2), as keys too
+
+
+def test_what_is_not_a_dict_is_left_to_the_full_way_and_its_error():
+    rp = _remembered(_state())
+    assert _plan(rp, [1, 2], 0) is None and _plan(rp, None, 0) is None
+
+
 def test_no_template_for_what_the_repeat_plan_cannot_reproduce():
     for sd in (
         {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))},  # Megatron-style
