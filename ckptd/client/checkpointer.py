@@ -297,16 +297,15 @@ class Checkpointer:
         waiting for it: pinning costs some 20 times the device-to-host copy (H100 machine: about
         0.5 s per GiB against 0.02 s). Call it once, before the training loop, with the state you
         will save (every rank). Checks the state dict as a save does, and raises its errors. With
-        a byte budget (``staging_budget="8GiB"``) the constructor does this already.
+        a byte budget (``staging_budget="8GiB"``) the constructor does this already, but not the
+        rest: the plan is remembered, so a first save of the same structure is not planned again
+        (ckptd.format.repeat).
         """
         self._check_open()
-        nbytes, device = 0, None
-        if self._ring.current is None:
-            items = self._planner.items(expand_stateful(sharded_state_dict))
-            nbytes = place(items)[1]
-            device = next((d for d in tensor_nbytes_by_device(items) if d.type == "cuda"), None)
+        plan = self._planner.plan(expand_stateful(sharded_state_dict))
+        device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
         self._ensure_connected()
-        self._ring.ensure(nbytes, device=device)
+        self._ring.ensure(plan.nbytes, device=device)
 
     def before_update(self) -> None:
         """With lazy snapshots: call before changing saved tensors (the optimizer step); returns

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..format.finalize import serialize_common
-from ..format.items import PlannedItem
 from ..format.repeat import PlannedSave, RepeatPlan
 from ..format.saveplan import PlanCache, plan_rank
 from ..staging.rankside import place
@@ -61,7 +60,3 @@ class SavePlanner:
         )
         self._repeat.remember(state_dict, split, plan, saved)
         return saved
-
-    def items(self, state_dict: dict[str, Any]) -> list[PlannedItem]:
-        """The items a save of ``state_dict`` would store (``prepare()`` sizes the ring by them)."""
-        return plan_rank(split_state_dict(state_dict), self.rank, self._cache).items

@@ -106,3 +106,24 @@ def test_no_pinning_without_cuda_in_use(tmp_path, single_process, runtime_dir):
     with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
         ckpt.prepare(_sharded(_state(1000)))
         assert ckpt._ring.current is not None and ckpt._ring.current.pinner is None
+
+
+@pytest.mark.timeout(120)
+def test_prepare_plans_the_first_save(tmp_path, single_process, monkeypatch, runtime_dir):
+    """prepare() remembers its plan: a first save of the same structure is not taken apart again
+    (ckptd.format.repeat) and commits the values it was given."""
+    from ckptd.client import saveplanner
+
+    splits = []
+    full = saveplanner.split_state_dict
+    monkeypatch.setattr(saveplanner, "split_state_dict", lambda sd: splits.append(1) or full(sd))
+    state = {"model": {"w": torch.randn(1000), "b": torch.randn(10)}, "step": 3}
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
+        ckpt.prepare(state)
+        state["model"]["w"].add_(1.0)
+        state["step"] = 4
+        ckpt.save(state, step=1).wait(timeout_s=60)
+        assert len(splits) == 1  # prepare()'s
+        want = {"model": {"w": torch.zeros(1000), "b": torch.zeros(10)}, "step": 0}
+        ckpt.load(want, step=1)
+    assert torch.equal(want["model"]["w"], state["model"]["w"]) and want["step"] == 4
