@@ -18,8 +18,9 @@ The processes are forkserver children (:func:`process_context`): the server impo
 and ckptd once, so a process starts in milliseconds where a spawned interpreter spent 3 CPU-seconds
 importing them (most of the suite's process tests are such ranks). Each starts with the caller's
 environment as it is at the start, as a spawned process would (the server's is from its own start).
-Where a CUDA device is visible they are spawned interpreters instead: Megatron-Core's imports
-initialise CUDA there, and a child forked from a process with CUDA initialised cannot use it.
+Where a CUDA device is visible they are spawned interpreters instead: on the H100 machine the
+server's preloaded imports (Megatron-Core's, it seems) initialised CUDA, and a child forked from a
+process with CUDA initialised cannot use it ("Cannot re-initialize CUDA in forked subprocess").
 """
 
 from __future__ import annotations
