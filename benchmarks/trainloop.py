@@ -232,7 +232,6 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
         res["device_snapshots"] = int(r.max(saver.device_snapshots))
     if isinstance(saver, DcpSaver):
         res["stager_closes_ignored"] = int(r.max(saver.stager_closes_ignored))
-    if isinstance(saver, DcpSaver):
         for d in saver.dirs:
             r.rm(d)
     r.rm_steps()
