@@ -49,7 +49,8 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
     At the end: logs copied to ``tmp_path/logs``, ranks stopped, everything the cluster made
     removed; the test fails if anything of it, or a staging segment in the host's /dev/shm, is
     left."""
-    made: list[tuple[Cluster, NetnsJob]] = []
+    clusters: list[Cluster] = []
+    made: list[NetnsJob] = []
 
     def make(
         nnodes: int,
@@ -64,6 +65,7 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
             cluster = Cluster.create(nnodes, cwd=REPO)
         except NetnsUnavailable as exc:
             pytest.skip(f"namespace nodes unavailable: {exc}")
+        clusters.append(cluster)  # destroyed at the end even if the store below fails to start
         root: Location = cluster.local_disk / "ckpts" if local else tmp_path / "ckpts"
         store = None
         url = None
@@ -80,7 +82,7 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
                 root = url
             settings = {**store.env(), **settings}
         job = NetnsJob(cluster, root, per_node, {**FAST, **settings}, store=store, mirror=url if mirror else None)
-        made.append((cluster, job))
+        made.append(job)
         if launch:
             job.launch()
         return job
@@ -88,14 +90,17 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
     stores: list[SeaweedServer] = []
     yield make
     problems = []
-    for cluster, job in made:
-        try:
-            job.collect_logs(tmp_path / "logs")
-        finally:
-            job.close()
-            for store in stores:
-                store.kill()  # its data is the test's; SIGTERM waits 15 s on a store cut off mid-save
+    try:
+        for job in made:
+            try:
+                job.collect_logs(tmp_path / "logs")
+            finally:
+                job.close()
+            problems += list_segments(f"ckptd-{default_job_id(job.root)}-")
+    finally:
+        for store in stores:
+            store.kill()  # its data is the test's; SIGTERM waits 15 s on a store cut off mid-save
+        for cluster in clusters:
             problems += cluster.destroy()
-        problems += cluster.leftovers()
-        problems += list_segments(f"ckptd-{default_job_id(job.root)}-")
+            problems += cluster.leftovers()
     assert not problems, f"left behind: {problems}"

@@ -158,7 +158,9 @@ class NetnsHosts:
         return found
 
     def logs(self) -> list[Path]:
-        c = self._cluster()
+        if self.cluster is None:  # open() failed: nothing ran, and the trial's own error is the one to show
+            return []
+        c = self.cluster
         return [p for n in c.nodes if n.up for p in sorted(n.path(c.runtime_dir).glob("*.log"))]
 
     def close(self, prefix: str) -> None:

@@ -8,8 +8,10 @@
 data (a server crash mid-upload). ``volume_max=1`` gives a store that fills up: PUTs then fail with
 500 (a full store). :meth:`SeaweedServer.env` is the AWS configuration a client needs
 (``AWS_ENDPOINT_URL``, keys, region). Facts this relies on (SeaweedFS 4.48): every gRPC port is
-its HTTP port + 10000, so ports are chosen below 55000; without ``-volume.max=0`` and
-``WEED_MASTER_VOLUME_GROWTH_COPY_1=1`` each bucket grows 7 volumes and PUTs soon fail.
+its HTTP port + 10000, so both are chosen below the kernel's ephemeral range, and weed exits with
+"Port allocation failed" when one is taken (then it starts on other ports, before it first
+served); without ``-volume.max=0`` and ``WEED_MASTER_VOLUME_GROWTH_COPY_1=1`` each bucket grows 7
+volumes and PUTs soon fail.
 """
 
 from __future__ import annotations
@@ -28,18 +30,34 @@ from tools.harness.ports import port_is_free
 
 _log = logging.getLogger(__name__)
 
-_PORT_RANGE = (20000, 45000)  # gRPC ports are +10000: they must stay below 65536 and free
+_GRPC_OFFSET = 10000  # every gRPC port is its HTTP port + this: both must be free
+_LOWEST_PORT = 10000
 
 
 def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
+def _port_range() -> tuple[int, int]:
+    """HTTP ports [low, high) whose gRPC twins stay below the kernel's ephemeral range: a port
+    free when checked there can be taken by any outgoing connection (a test's clients, the
+    daemons' sockets) before weed binds it, and weed then exits ("Port allocation failed")."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    high = ephemeral_low - _GRPC_OFFSET
+    if high - _LOWEST_PORT < 1000:  # an unusual ephemeral range: any pair below 65536
+        return (20000, 65536 - _GRPC_OFFSET)
+    return (_LOWEST_PORT, high)
+
+
 def _free_port_pair(taken: set[int], ip: str = "127.0.0.1") -> int:
     """A port P with P and P + 10000 free on ``ip``."""
+    low, high = _port_range()
     for _ in range(200):
-        port = secrets.randbelow(_PORT_RANGE[1] - _PORT_RANGE[0]) + _PORT_RANGE[0]
-        pair = (port, port + 10000)
+        port = secrets.randbelow(high - low) + low
+        pair = (port, port + _GRPC_OFFSET)
         if not taken.intersection(pair) and all(port_is_free(p, ip) for p in pair):
             taken.update(pair)
             return port
@@ -51,14 +69,18 @@ class SeaweedServer:
         self.workdir = Path(workdir)
         self.volume_max = volume_max
         self.ip = ip  # where it listens: loopback, or e.g. the host's address on a namespace bridge
-        taken: set[int] = set()
-        self.ports = {
-            name: _free_port_pair(taken, ip) for name in ("master", "volume", "filer", "s3", "admin", "debug")
-        }
         self.access_key = "ck" + secrets.token_hex(8)
         self.secret_key = secrets.token_hex(20)
         self.proc: subprocess.Popen | None = None
-        self.endpoint = f"http://{ip}:{self.ports['s3']}"
+        self.served = False  # once it has, its clients hold the endpoint: a restart keeps the ports
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        taken: set[int] = set()
+        self.ports = {
+            name: _free_port_pair(taken, self.ip) for name in ("master", "volume", "filer", "s3", "admin", "debug")
+        }
+        self.endpoint = f"http://{self.ip}:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
         return {
@@ -87,8 +109,40 @@ class SeaweedServer:
                 }
             )
         )
+        env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+        log_path = self.workdir / "weed.log"
+        for tries_left in (2, 1, 0):
+            logged_nbytes = log_path.stat().st_size if log_path.exists() else 0
+            with log_path.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    self._command(weed, ids), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+                )
+            try:
+                self._wait_ready(timeout_s)
+                self.served = True
+                return self
+            except RuntimeError:
+                exited = self.proc is not None and self.proc.poll() is not None
+                with log_path.open("rb") as f:
+                    f.seek(logged_nbytes)
+                    said = f.read()
+                if not (tries_left and exited):
+                    raise
+                if b"Port allocation failed" in said and not self.served:
+                    # another process bound one of its ports between the check and weed's bind
+                    _log.warning("weed mini found a port taken (see %s); starting it on other ports", log_path)
+                    self._choose_ports()
+                elif b"panic:" in said:
+                    # weed 4.x sometimes panics (a nil pointer in its master's gRPC) while it starts
+                    # again on the data of a server killed mid-upload: a supervisor would start it again.
+                    _log.warning("weed mini panicked while starting (see %s); starting it again", log_path)
+                else:
+                    raise
+        return self
+
+    def _command(self, weed: str, ids: Path) -> list[str]:
         p = self.ports
-        cmd = [
+        return [
             weed,
             "mini",
             f"-dir={self.workdir / 'data'}",
@@ -107,27 +161,6 @@ class SeaweedServer:
             f"-debug.port={p['debug']}",
             f"-volume.max={self.volume_max}",
         ]
-        env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
-        for tries_left in (1, 0):
-            log_path = self.workdir / "weed.log"
-            logged_nbytes = log_path.stat().st_size if log_path.exists() else 0
-            with log_path.open("ab") as log:
-                self.proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-                )
-            try:
-                self._wait_ready(timeout_s)
-                return self
-            except RuntimeError:
-                # weed 4.x sometimes panics (a nil pointer in its master's gRPC) while it starts
-                # again on the data of a server killed mid-upload: a supervisor would start it again.
-                with log_path.open("rb") as f:
-                    f.seek(logged_nbytes)
-                    panicked = b"panic:" in f.read()
-                if not (tries_left and panicked and self.proc is not None and self.proc.poll() is not None):
-                    raise
-                _log.warning("weed mini panicked while starting (see %s); starting it again", log_path)
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         import boto3
