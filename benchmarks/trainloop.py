@@ -99,12 +99,17 @@ class CkptdSaver(Saver):
         self.handle: Any = None
         self.steps: list[int] = []
         self.device_snapshots = 0  # saves taken as device snapshots while the ring was pinned
+        self.cuda = workload.cuda
+        # per save: whether it began before the ring was pinned (CUDA), so not a steady save
+        self.while_pinning: list[bool] = []
         if self.lazy and workload.optimizer is not None:
             self.ckpt.attach(workload.optimizer)
         if prepare:
             self.ckpt.prepare(workload.state(0))
 
     def save(self, state: dict[str, Any], step: int) -> None:
+        ring = self.ckpt._ring.current
+        self.while_pinning.append(self.cuda and (ring is None or not ring.pinned))
         self.handle = self.ckpt.save(state, step=step)
         self.steps.append(step)
 
@@ -238,7 +243,16 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     if stalls:
         res["first_stall_s"] = r.max(stalls[0])
         rest = stalls[1:] or stalls
-        res["stall_s_median"] = r.max(sorted(rest)[len(rest) // 2])
+        # Steady: the saves after the first that began with the ring pinned; a save inside the
+        # pinning waits for its chunks or a device snapshot, and is counted apart.
+        pinning = getattr(saver, "while_pinning", [False] * len(stalls))[1:] or [False]
+        steady = [s for s, p in zip(rest, pinning, strict=True) if not p]
+        in_pinning = [s for s, p in zip(rest, pinning, strict=True) if p]
+        res["saves_in_pinning"] = int(r.max(len(in_pinning)))
+        if res["saves_in_pinning"]:
+            res["stall_s_in_pinning_max"] = r.max(max(in_pinning, default=0.0))
+        if not r.max(float(not steady)):  # every rank has a steady save (a collective: all call it)
+            res["stall_s_median"] = r.max(sorted(steady)[len(steady) // 2])
         res["stall_s_max"] = r.max(max(rest))
         # What a save blocks training for: save() and the fence waits before the next save (an
         # async stager's staging, a lazy save's copies), the only fair "first save" of DCP's
@@ -295,12 +309,13 @@ def run_modes(
             res["pin_s"] = max(pins)
         if any(x.get("stager_closes_ignored") for x in loops):
             res["stager_kept_open"] = True  # the installed torch would have broken its reuse
-        for key in ("stalls_s", "blocked_s", "device_snapshots"):
+        for key in ("stalls_s", "blocked_s", "device_snapshots", "saves_in_pinning"):
             if key in loops[0]:
                 res[key] = [x[key] for x in loops]  # per run
-        for key in ("first_stall_s", "first_blocked_s", "stall_s_median", "stall_s_max"):
-            if key in loops[0]:
-                res[key] = max(x[key] for x in loops) if key.endswith("max") else _mean([x[key] for x in loops])
+        for key in ("first_stall_s", "first_blocked_s", "stall_s_median", "stall_s_max", "stall_s_in_pinning_max"):
+            values = [x[key] for x in loops if key in x]  # a run may have had no steady save
+            if values:
+                res[key] = max(values) if key.endswith("max") else _mean(values)
         out[mode] = res
     if "dcp_best" in modes:
         out["dcp_best_kind"] = chosen

@@ -17,7 +17,7 @@
 #     -d WHEELS_DIR pyzmq crc32c msgspec megatron-core==0.16.1
 # Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
 # benchmark, the test log) go to $OUT when set, else to a temporary directory.
-# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 2 --dir /dev/shm --modes none,dcp_best,
+# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,
 # ckptd,ckptd_lazy": checkpoints on a tmpfs, as the issue measured), GPU_CHECK_TESTS (the pytest
 # node ids to run; default both files), GPU_CHECK_TEST_TIMEOUT_S (180), GPU_CHECK_TRAIN_TIMEOUT_S
 # (300). Measured on one H100: the tests 74 s with the multi-rank ones in forkserver children, some
@@ -30,7 +30,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="${1:-}"
 OUTDIR="${OUT:-$(mktemp -d /tmp/ckptd-gpu-check.XXXXXX)}"
 SITE="$(mktemp -d /tmp/ckptd-site.XXXXXX)"
-TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 2 --dir /dev/shm --modes none,dcp_best,ckptd,ckptd_lazy}"
+TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,ckptd,ckptd_lazy}"
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

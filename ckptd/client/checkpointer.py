@@ -290,22 +290,25 @@ class Checkpointer:
             )
             raise
 
-    def prepare(self, sharded_state_dict: dict[str, Any]) -> None:
+    def prepare(self, sharded_state_dict: dict[str, Any], *, wait: bool = True) -> None:
         """Create this rank's staging ring now, sized for saves of ``sharded_state_dict`` as its
-        first ``save()`` would size it; in a process that uses CUDA its pinning then starts in the
-        background (ckptd.staging.pinning), so the first save finds the ring pinned instead of
-        waiting for it: pinning costs some 20 times the device-to-host copy (H100 machine: about
-        0.5 s per GiB against 0.02 s). Call it once, before the training loop, with the state you
-        will save (every rank). Checks the state dict as a save does, and raises its errors. With
-        a byte budget (``staging_budget="8GiB"``) the constructor does this already, but not the
-        rest: the plan is remembered, so a first save of the same structure is not planned again
-        (ckptd.format.repeat).
+        first ``save()`` would size it, and remember the plan, so a first save of the same
+        structure is not planned again (ckptd.format.repeat). In a process that uses CUDA the ring
+        is pinned (ckptd.staging.pinning; about 0.5 s per GiB on an H100 machine, some 20 times the
+        device-to-host copy) and, with ``wait`` (default), ``prepare()`` returns once it is, so the
+        first save is a steady one; ``wait=False`` returns at once and pins in the background
+        (a first save before that ends takes a device snapshot). Call it once, before the training
+        loop, with the state you will save (every rank). Checks the state dict as a save does, and
+        raises its errors. A byte budget (``staging_budget="8GiB"``) makes the constructor create
+        and pin the ring in the background, but plans nothing.
         """
         self._check_open()
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
         device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
         self._ensure_connected()
         self._ring.ensure(plan.nbytes, device=device)
+        if wait:
+            self._ring.wait_pinned()
 
     def before_update(self) -> None:
         """With lazy snapshots: call before changing saved tensors (the optimizer step); returns

@@ -98,6 +98,19 @@ class RankRing:
             if registrar is not None:
                 ring.start_pinning(registrar)
 
+    def wait_pinned(self) -> None:
+        """Return once the current ring is pinned, its pinning failed or stopped (the saves then
+        wait for or bypass the chunks left, as during pinning), or nothing pins it; raises
+        StagingError after ``snapshot_timeout_s``. ``prepare()`` calls it: a first save made while
+        chunks are still being registered takes a device snapshot whose allocation waits behind
+        each registration."""
+        ring = self.current
+        if ring is None or ring.pinner is None:
+            return
+        t0 = time.monotonic()
+        if ring.pinner.wait(ring.capacity - 1, self.config.snapshot_timeout_s):  # chunks register in order
+            log.info("rank %d: the staging ring was pinned after a %.2f s wait", self.rank, time.monotonic() - t0)
+
     def wait_block(self, ring: StagingRing, step: int, idle: Callable[[float], None]) -> None:
         """Wait for a free control block (BLOCKS saves of this rank in flight at most); ``idle(s)``
         takes the daemon's notifications for up to ``s`` seconds meanwhile."""
