@@ -318,7 +318,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                         "limit": 2.0,
                     }
                 )
-            elif x.get("saves_in_pinning"):
+            elif any(x.get("saves_in_pinning", [])):
                 out.append({"name": f"every {every}: {mode} first stall / steady", "value": None, "limit": 2.0})
             dcp_first = iv.get("dcp_best", {}).get("first_blocked_s")
             if dcp_first and x.get("first_blocked_s"):
@@ -340,8 +340,13 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         floor = res.get("d2h_floor_s")
         # Held only where persisting finishes between saves (the first interval): in the other
         # a save waits for ring space by design (backpressure), not for its copies.
-        if floor and every == next(iter(res["intervals"])) and "ckptd" in iv:
-            steady = iv["ckptd"].get("stall_s_median")
+        ck = iv.get("ckptd", {})
+        if (
+            floor
+            and every == next(iter(res["intervals"]))
+            and (ck.get("stall_s_median") or any(ck.get("saves_in_pinning", [])))
+        ):
+            steady = ck.get("stall_s_median")
             out.append(
                 {
                     "name": f"every {every}: ckptd steady stall / device-to-host floor",
@@ -395,6 +400,12 @@ def render(res: dict[str, Any]) -> str:
                 "  (in pin: the longest stall of a later save that began while the ring was being pinned, not a"
                 " steady save; stall med is of the saves after)"
             )
+        for mode, x in iv.items():
+            if isinstance(x, dict) and x.get("pin_error"):
+                lines.append(
+                    f"  ({_NAMES.get(mode, mode)}: the ring's pinning failed, saves copied without it: "
+                    f"{x['pin_error']})"
+                )
         for kind, err in iv.get("dcp_failed", {}).items():
             lines.append(f"  ({_NAMES.get(kind, kind)} failed: {err})")
         if iv.get("dcp_best", {}).get("stager_kept_open"):

@@ -74,6 +74,7 @@ class Saver:
 
     fence_s = 0.0
     pin_s: float | None = None  # ckptd on CUDA: seconds the ring's background pinning took
+    pin_error = ""  # ckptd on CUDA: why the pinning stopped, if it failed
     # DCP: closes of its reused stager that the installed torch made inside a stage and the
     # benchmark ignored (torch 2.11/2.12; see harness._kept_stager_class)
     stager_closes_ignored = 0
@@ -109,7 +110,9 @@ class CkptdSaver(Saver):
 
     def save(self, state: dict[str, Any], step: int) -> None:
         ring = self.ckpt._ring.current
-        self.while_pinning.append(self.cuda and (ring is None or not ring.pinned))
+        # Not yet made, or chunks still being registered; a ring whose pinning failed or that
+        # pins nothing (pin_memory off) is as steady as it gets, and its saves are held to the floor.
+        self.while_pinning.append(self.cuda and (ring is None or (ring.pinner is not None and ring.pinner.running)))
         self.handle = self.ckpt.save(state, step=step)
         self.steps.append(step)
 
@@ -129,6 +132,7 @@ class CkptdSaver(Saver):
         ring = self.ckpt._ring.current
         if ring is not None and ring.pinner is not None:  # how long pinning the ring took (CUDA)
             self.pin_s = ring.pinner.pinned_s
+            self.pin_error = ring.pinner.error
         self.device_snapshots = self.ckpt._ring.device_snapshots_taken
         self.ckpt.close()
 
@@ -233,6 +237,8 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
     r.progress(f"  {mode}: loop {res['loop_s']:.2f} s, {len(stalls)} saves, {time.perf_counter() - t0:.1f} s in all")
     if saver.pin_s is not None:
         res["pin_s"] = r.max(saver.pin_s)
+    if saver.pin_error:
+        res["pin_error"] = saver.pin_error[:300]
     if isinstance(saver, CkptdSaver):
         res["device_snapshots"] = int(r.max(saver.device_snapshots))
     if isinstance(saver, DcpSaver):
@@ -307,6 +313,9 @@ def run_modes(
         pins = [x["pin_s"] for x in loops if "pin_s" in x]
         if pins:
             res["pin_s"] = max(pins)
+        pin_errors = [x["pin_error"] for x in loops if x.get("pin_error")]
+        if pin_errors:
+            res["pin_error"] = pin_errors[0]
         if any(x.get("stager_closes_ignored") for x in loops):
             res["stager_kept_open"] = True  # the installed torch would have broken its reuse
         for key in ("stalls_s", "blocked_s", "device_snapshots", "saves_in_pinning"):

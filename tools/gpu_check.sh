@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of ckptd in one run (<= 6 minutes on one H100), ending with one table:
+# Every GPU check of ckptd in one run (about 6-7 minutes on one H100), ending with one table:
 #   the CUDA tests (tests/integration/test_cuda_staging.py, test_daemon_no_gpu.py) and
 #   `ckptd bench train --device cuda` (the GPT-like loop: ckptd defaults and lazy+attach against
 #   no checkpointing and DCP's best working configuration; stalls, fence wait, device-to-host
@@ -18,11 +18,12 @@
 # Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
 # benchmark, the test log) go to $OUT when set, else to a temporary directory.
 # Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,
-# ckptd,ckptd_lazy": checkpoints on a tmpfs, as the issue measured), GPU_CHECK_TESTS (the pytest
-# node ids to run; default both files), GPU_CHECK_TEST_TIMEOUT_S (180), GPU_CHECK_TRAIN_TIMEOUT_S
-# (300). Measured on one H100: the tests 74 s with the multi-rank ones in forkserver children, some
-# 130 s now that they are spawned interpreters (see tools/harness/ranks.py); that benchmark 243 s
-# (its progress lines say where a run stopped by the timeout got to).
+# ckptd,ckptd_lazy,ckptd_lazy_prepared": checkpoints on a tmpfs, as the issue measured; 3 saves so
+# that one comes after the ring's pinning), GPU_CHECK_TESTS (the pytest node ids to run; default
+# both files), GPU_CHECK_TEST_TIMEOUT_S (180), GPU_CHECK_TRAIN_TIMEOUT_S (360). Measured: the tests
+# some 130 s on an H100 (the multi-rank ones are spawned interpreters, see tools/harness/ranks.py);
+# the benchmark 243 s there with 2 saves and 4 modes, 132 s on an H200 with every 25 only, 2 saves
+# and 5 modes (its progress lines say where a run stopped by the timeout got to).
 set -uo pipefail
 
 PY="${PYTHON:-python3}"
@@ -30,7 +31,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="${1:-}"
 OUTDIR="${OUT:-$(mktemp -d /tmp/ckptd-gpu-check.XXXXXX)}"
 SITE="$(mktemp -d /tmp/ckptd-site.XXXXXX)"
-TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,ckptd,ckptd_lazy}"
+TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,ckptd,ckptd_lazy,ckptd_lazy_prepared}"
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -82,7 +83,7 @@ tail -n 25 "$OUTDIR/gpu_tests.log" >&2
 
 say "ckptd bench train --device cuda $TRAIN_ARGS"
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
-timeout "${GPU_CHECK_TRAIN_TIMEOUT_S:-300}" "$PY" -m ckptd.cli bench train --device cuda $TRAIN_ARGS \
+timeout "${GPU_CHECK_TRAIN_TIMEOUT_S:-360}" "$PY" -m ckptd.cli bench train --device cuda $TRAIN_ARGS \
     --out "$OUTDIR/train.json" >"$OUTDIR/train.txt" 2>"$OUTDIR/train.err"
 TRAIN_RC=$?
 tail -n 40 "$OUTDIR/train.err" >&2

@@ -23,7 +23,7 @@ import torch
 
 from ..config import CkptdConfig, parse_budget
 from ..control.protocol import RegisterRing, RingOk
-from ..errors import DaemonError
+from ..errors import DaemonError, StagingError
 from ..staging.children import SnapshotChildren
 from ..staging.devcopy import InlineProducer
 from ..staging.devsnap import (
@@ -108,7 +108,15 @@ class RankRing:
         if ring is None or ring.pinner is None:
             return
         t0 = time.monotonic()
-        if ring.pinner.wait(ring.capacity - 1, self.config.snapshot_timeout_s):  # chunks register in order
+        try:
+            pinned = ring.pinner.wait(ring.capacity - 1, self.config.snapshot_timeout_s)  # chunks register in order
+        except StagingError as exc:
+            raise StagingError(
+                f"prepare() on rank {self.rank}: {exc}; the pinning goes on in the background. Pass "
+                "prepare(..., wait=False), raise CKPTD_SNAPSHOT_TIMEOUT_S, or set CKPTD_PIN_MEMORY=0 "
+                "(CUDA tensors then go through pageable memory)"
+            ) from exc
+        if pinned:
             log.info("rank %d: the staging ring was pinned after a %.2f s wait", self.rank, time.monotonic() - t0)
 
     def wait_block(self, ring: StagingRing, step: int, idle: Callable[[float], None]) -> None:

@@ -429,7 +429,14 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
             out.append(item)
             continue
         rec = item.record
-        flat = exact_storage(payload.detach().resolve_conj().resolve_neg()).reshape(-1)
+        t = payload.detach().resolve_conj().resolve_neg()
+        if t.device.type == "cpu":
+            flat = exact_storage(t).reshape(-1)
+        else:
+            # Stays on its device: its pieces are copied into pinned ring chunks like any CUDA item
+            # (DMA, or a device snapshot), never by a synchronous pageable copy of the whole tensor
+            # inside save(); a strided one becomes contiguous there first (a device-side copy).
+            flat = t.contiguous().reshape(-1)
         step = max(1, (max_nbytes // 2) // payload.element_size())
         for a in range(0, flat.numel(), step):
             b = min(flat.numel(), a + step)

@@ -194,6 +194,30 @@ def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explici
         assert all(torch.equal(out[k], v) for k, v in tensors.items())
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("snapshot", ["auto", "lazy"])
+def test_a_cuda_tensor_larger_than_the_ring_streams_through_it_by_dma(tmp_path, single_process, runtime_dir, snapshot):
+    """A 4 MiB ring and a 16 MiB CUDA tensor (plus a strided one): the tensor is saved in pieces of
+    the device tensor, each copied by DMA into a pinned chunk, never one pageable copy of the
+    whole tensor inside save(); the training's writes after save() are not in the checkpoint."""
+    big = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+    strided = torch.arange(1 << 22, dtype=torch.float32, device="cuda").reshape(1024, 4096).t()
+    cfg = _config(runtime_dir, staging_budget="4MiB", snapshot=snapshot)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        ring = ckpt._ring.current
+        assert ring is not None and ring.pinner is not None
+        assert ring.pinner.wait(ring.capacity - 1, timeout_s=60)
+        refs = {"big": big.cpu(), "strided": strided.cpu()}
+        h = ckpt.save(_sharded({"big": big, "strided": strided}), step=1)
+        ckpt.before_update()
+        big.fill_(float("nan"))
+        strided.fill_(float("nan"))
+        h.wait(timeout_s=120)
+        assert ring.pageable_pieces == 0 and ring.dma_pieces >= 8
+        out = ckpt.load(_sharded({k: torch.zeros_like(v, device="cuda") for k, v in refs.items()}), step=1)
+        assert all(torch.equal(out[k].cpu(), v) for k, v in refs.items())
+
+
 @pytest.mark.timeout(300)
 def test_lazy_fence_under_fused_adamw_kernels(tmp_path, single_process, runtime_dir):
     """A model trained on the GPU with fused AdamW (its kernels bump no version counter): with the

@@ -116,19 +116,49 @@ def test_prepare_returns_once_the_ring_is_pinned_unless_told_not_to_wait(
     try:
         with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
             done = threading.Event()
-            worker = threading.Thread(target=lambda: (ckpt.prepare(state, wait=wait), done.set()))
+            raised: list[BaseException] = []
+
+            def prepare() -> None:
+                try:
+                    ckpt.prepare(state, wait=wait)
+                except Exception as exc:  # noqa: BLE001 - re-raised on the test's thread below
+                    raised.append(exc)
+                done.set()
+
+            worker = threading.Thread(target=prepare)
             worker.start()
             if wait:
                 assert not done.wait(0.5)  # held by the first chunk's registration
                 gate.set()
             assert done.wait(30)
             worker.join(30)
+            if raised:
+                raise raised[0]
             ring = ckpt._ring.current
             assert ring is not None and ring.pinned == wait
             gate.set()
             ckpt.save(state, step=1).wait(timeout_s=60)
     finally:
         gate.set()
+    assert reg.live == {}
+
+
+@pytest.mark.timeout(120)
+def test_prepare_returns_at_once_when_the_pinning_fails(tmp_path, single_process, monkeypatch, runtime_dir):
+    """A registration refused halfway (the driver out of pinnable memory): prepare() returns, the
+    chunks pinned so far stay in use, and saves copy the rest without them."""
+    reg = CountingRegistrar(fail_at=2)
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: reg)
+    monkeypatch.setattr("ckptd.staging.rankside.CHUNK_NBYTES", 256 << 10)
+    state = _state(100_000)
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
+        ckpt.prepare(_sharded(state))
+        ring = ckpt._ring.current
+        assert ring is not None and ring.pinner is not None and not ring.pinned
+        assert "CUDA error 2" in ring.pinner.error and len(reg.registered()) == 2
+        ckpt.save(_sharded(state), step=1).wait(timeout_s=60)
+        out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in state.items()}), step=1)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
     assert reg.live == {}
 
 

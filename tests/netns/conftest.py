@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,18 +90,22 @@ def make_job(netns_available: None, tmp_path: Path) -> Iterator[Callable[..., Ne
 
     stores: list[SeaweedServer] = []
     yield make
-    problems = []
-    try:
-        for job in made:
-            try:
-                job.collect_logs(tmp_path / "logs")
-            finally:
-                job.close()
-            problems += list_segments(f"ckptd-{default_job_id(job.root)}-")
-    finally:
-        for store in stores:
-            store.kill()  # its data is the test's; SIGTERM waits 15 s on a store cut off mid-save
-        for cluster in clusters:
-            problems += cluster.destroy()
-            problems += cluster.leftovers()
+    problems: list[str] = []
+    # Each step on its own: one that fails must not leave the others' jobs running or the
+    # clusters' bridges behind (a later test on this worker could not make its own then).
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    for job in made:
+        steps += [("collect logs", lambda job=job: job.collect_logs(tmp_path / "logs")), ("close job", job.close)]
+    # a store's data is the test's: SIGKILL (SIGTERM waits 15 s on a store cut off mid-save)
+    steps += [("kill store", store.kill) for store in stores]
+    steps += [("destroy cluster", lambda c=c: problems.extend(c.destroy() + c.leftovers())) for c in clusters]
+    steps += [
+        ("segments", lambda job=job: problems.extend(list_segments(f"ckptd-{default_job_id(job.root)}-")))
+        for job in made
+    ]
+    for what, step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - reported below, after every other step ran
+            problems.append(f"{what}: {type(exc).__name__}: {exc}")
     assert not problems, f"left behind: {problems}"

@@ -172,6 +172,21 @@ def test_items_larger_than_the_ring_are_stored_as_chunks(prefix, tmp_path):
         table.release_all()
 
 
+def test_a_device_tensor_larger_than_the_ring_is_split_where_it_is():
+    """Its chunks stay views of the device tensor (copied by DMA like any CUDA item), never one
+    synchronous pageable copy of the whole tensor to the host inside save(); a strided one is made
+    contiguous on its device. The meta device stands in for CUDA: the split is device-agnostic,
+    and tests/integration/test_cuda_staging.py saves such a tensor on a GPU."""
+    from ckptd.format.items import PlannedItem
+
+    for base in (torch.empty(1 << 20, device="meta"), torch.empty(1 << 10, 1 << 10, device="meta").t()):
+        split = split_state_dict({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(base.shape))})
+        (item,) = plan_save(split, 0)
+        items = split_large_items([PlannedItem(item.record, base)], 1 << 20)
+        assert len(items) == 8 and all(i.payload.device.type == "meta" for i in items)
+        assert sum(i.payload.numel() for i in items) == base.numel()
+
+
 def test_every_producer_gives_up_with_the_mark_its_failure_calls_for():
     # A full /dev/shm, whether a rank's write (SharedMemoryFullError) or a child's pwrite (ENOSPC)
     # hit it, is NO_ROOM: the daemon then says so; anything else, or no failure, is ABANDONED.

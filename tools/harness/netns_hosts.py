@@ -70,7 +70,8 @@ class NetnsHosts:
         self.cluster = Cluster.create(nodes, cwd=REPO)
         if self.with_node_local:
             workdir = Path(tempfile.mkdtemp(prefix="crash-weed-"))
-            self.store = SeaweedServer(workdir, ip=self.cluster.host_address()).start()
+            self.store = SeaweedServer(workdir, ip=self.cluster.host_address())
+            self.store.start()  # kept first: close() removes its directory even if this fails
             self.store.create_bucket("crash")
             os.environ.update(self.store.env())  # the checks read the mirror from this process
             self.node_local = NodeLocalDisks(self.cluster, "s3://crash/job")
