@@ -13,20 +13,23 @@ Typical use, on every rank (torchrun or a single process; no collective is used)
 Order of one :meth:`Checkpointer.save` on a rank:
 
 1. deliver pending notifications; raise an earlier save's failure nobody observed yet;
-2. take each top-level Stateful's ``state_dict()`` (:mod:`ckptd.statedict.stateful`), plan the
-   items (local checks only): every plain item of a DCP-style state dict the rank holds, or only
-   its share once a verdict confirmed that every rank holds the same plain keys
-   (:mod:`ckptd.statedict.holdings`); lay them out one after the other (aligned offsets);
-3. create this rank's staging ring on the first save, sized by ``staging_budget`` from that
-   save (:mod:`ckptd.staging.ring`), and register it with the daemon, which owns it from then on;
-   items larger than the ring are split into chunks;
+2. take each top-level Stateful's ``state_dict()`` (:mod:`ckptd.statedict.stateful`) and plan
+   the items (:mod:`ckptd.client.saveplanner`; local checks only): every plain item of a
+   DCP-style state dict the rank holds, or only its share once a verdict confirmed that every
+   rank holds the same plain keys (:mod:`ckptd.statedict.holdings`), laid out one after the
+   other (aligned offsets); a DCP-style state dict of the structure saved before reuses that
+   plan (:mod:`ckptd.format.repeat`);
+3. create this rank's staging ring on the first save (unless ``prepare()`` or a byte budget did),
+   sized by ``staging_budget`` (:mod:`ckptd.staging.ring`), and register it with the daemon, which
+   owns it from then on; items larger than the ring are split into chunks;
 4. with ``on_full="skip"``, when earlier saves still hold the ring and this one does not fit
    beside them, skip this step (the daemon tells the coordinator, which aborts the step on every
    rank at once, and every rank's save of it resolves as SKIPPED); an idle ring takes a save of
    any size (:mod:`ckptd.staging.backpressure`); otherwise take a control block and the save's
    range of the ring;
 5. start the save's producer (:mod:`ckptd.staging.producer`, chosen by
-   :class:`~ckptd.client.rankring.RankRing`): with ``snapshot="lazy"`` (or ``"auto"`` while an
+   :class:`~ckptd.client.rankring.RankRing`): while the ring is still being pinned for CUDA, a
+   device snapshot (:mod:`ckptd.staging.devsnap`); with ``snapshot="lazy"`` (or ``"auto"`` while an
    optimizer is attached) the copier thread (:mod:`ckptd.staging.lazy`); with ``snapshot="auto"``
    and plain CPU shards, a forked copy-on-write child that copies them while training goes on
    (:mod:`ckptd.staging.fork`; when the child would wait for ring space while an earlier child
@@ -97,7 +100,7 @@ from .handle import SaveFuture, SaveHandle, SaveStatus
 from .incarnation import launch_incarnation
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped, weakly
-from .pending import PendingSaves
+from .pending import PendingSaves, wait_for_all
 from .policy import AutoInterval
 from .rankring import RankRing
 from .saveplanner import SavePlanner
@@ -391,17 +394,7 @@ class Checkpointer:
     def wait_all(self, timeout_s: float | None = None) -> None:
         """Wait for every pending save, ``timeout_s`` in all; raise the first failure (after all
         finished), or SaveTimeoutError when saves are still pending at the timeout."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        first: SaveFailedError | None = None
-        for h in self.pending:
-            try:
-                h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except SaveSkippedError:
-                pass
-            except SaveFailedError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        wait_for_all(self.pending, timeout_s)
 
     def stats(self) -> dict[str, Any]:
         """This rank's save measurements: counters, last/mean/max of stall, ring wait, persist

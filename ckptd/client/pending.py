@@ -10,6 +10,7 @@ step never resolve its handle.
 from __future__ import annotations
 
 import logging
+import time
 
 from ..catalog import is_checkpoint_dir
 from ..control.protocol import StepAborted, StepCommitted, WriteDone
@@ -159,3 +160,20 @@ def _in_place(path: Location) -> bool:
         except CkptdError:  # the store is unreachable too: say what is known, not in place
             return False
     return is_real_dir(path) and is_checkpoint_dir(path)
+
+
+def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:
+    """Wait for every one of ``handles``, ``timeout_s`` in all; raise the first failure (after
+    all finished; a skipped save is no failure), or SaveTimeoutError when some are still pending
+    at the timeout."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first: SaveFailedError | None = None
+    for h in handles:
+        try:
+            h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except SaveSkippedError:
+            pass
+        except SaveFailedError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
