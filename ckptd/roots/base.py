@@ -126,7 +126,10 @@ class RootStore(Protocol):
         ...
 
     def holds_commit(self, step: int, attempt: str) -> bool:
-        """``iter_<step>`` is committed by exactly that attempt (its commit record says so)."""
+        """``iter_<step>`` is committed by exactly that attempt (its commit record says so) on the
+        current branch: a checkpoint a rollback abandoned is not held, so a remembered verdict of
+        it never answers for a new save that repeats its attempt id (a second Checkpointer of a
+        launch with a fixed ``CKPTD_RUN_ID`` names its saves as the first did)."""
         ...
 
     def committed_once(self, step: int) -> bool:

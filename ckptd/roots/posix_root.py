@@ -110,7 +110,9 @@ class PosixRoot:
 
     def holds_commit(self, step: int, attempt: str) -> bool:
         record = read_commit_record(self.location / step_dir_name(step))
-        return record is not None and record.step == step and record.attempt == attempt
+        if record is None or record.step != step or record.attempt != attempt:
+            return False
+        return self.scan(usage=False).abandoned(step) is None  # scanned only for the attempt's own commit
 
     def committed_once(self, step: int) -> bool:
         return committed_once(self.location, step)

@@ -292,7 +292,9 @@ class S3Root:
     # --- state ------------------------------------------------------------------------------------
     def holds_commit(self, step: int, attempt: str) -> bool:
         record = read_s3_commit_record(self.client, step_dir_name(step))
-        return record is not None and record.step == step and record.attempt == attempt  # DAMAGED: step -1
+        if record is None or record.step != step or record.attempt != attempt:  # DAMAGED: step -1
+            return False
+        return self.scan(usage=False).abandoned(step) is None  # scanned only for the attempt's own commit
 
     def committed_once(self, step: int) -> bool:
         if read_s3_commit_record(self.client, step_dir_name(step)) is None:

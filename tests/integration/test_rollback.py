@@ -85,3 +85,31 @@ def test_a_save_of_an_abandoned_step_replaces_it(tmp_path, single_process, runti
     seqs = {s: read_commit_record(root / step_dir_name(s)).seq for s in _steps(root)}
     assert seqs[10] < seqs[11] < seqs[20]
     assert not [p.name for p in root.iterdir() if p.name.endswith((".deleting", ".tmp"))]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_checkpointer_re_saving_an_abandoned_step_under_the_same_attempt_id_commits_it(
+    tmp_path, single_process, runtime_dir
+):
+    """CKPTD_RUN_ID fixes the incarnation, so a second Checkpointer of the launch names its first
+    save of a step as the first did (``<tag>-1``). After a rollback, its save of the abandoned step
+    20 carries the attempt id of the abandoned commit, which the coordinator (same daemon) still
+    remembers as committed: that memory must not answer for the new save (it did: the ranks were
+    told COMMITTED and the new save's files were removed, iter_20 kept the old branch's values)."""
+    root = tmp_path / "run"
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime_dir), keep_last=10, idle_exit_s=5.0, heartbeat_s=0.2, run_id="fixed-run"
+    )
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        for step in (10, 20):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:  # the same launch: the same incarnation
+        ckpt.load(_sd(torch.zeros(64), -1), step=10)
+        ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+        h = ckpt.save(_sd(_value(20, 1), 20), step=20)
+        h.wait(timeout_s=30)
+        assert ckpt.latest() == 20
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1), step=20)
+        assert torch.equal(w, _value(20, 1)), "the re-save of step 20 was reported committed, but not kept"
+    assert read_commit_record(root / step_dir_name(20)).seq > read_commit_record(root / step_dir_name(11)).seq
