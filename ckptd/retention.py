@@ -29,8 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import CheckpointEntry, EntryState, RootCatalog
+from .catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker
 from .errors import CkptdError
+from .format.commitrecord import read_commit_record
 from .format.lease import try_exclusive
 from .format.rootlayout import deleting_name
 from .format.safefs import Dir
@@ -98,31 +99,58 @@ class CheckpointInUse(CkptdError):
     """A load holds a lease on the checkpoint a collection was about to remove."""
 
 
+class CheckpointChanged(CkptdError):
+    """The checkpoint a removal was planned for is no longer the one under its name (``ckptd gc``
+    scanned the root, then the job committed the step again after a rollback, or named it latest)."""
+
+
 @contextmanager
-def _removal_lock(rootd: Dir, name: str) -> Iterator[None]:
+def _removal_lock(rootd: Dir, name: str) -> Iterator[int | None]:
     """Hold the exclusive lock of ``rootd/name`` while it is removed (see :mod:`ckptd.format.lease`);
-    raises CheckpointInUse when a load holds its lease. A link is not opened (it is removed itself)."""
+    raises CheckpointInUse when a load holds its lease. A link is not opened (it is removed itself):
+    None then, else the locked directory's fd."""
     if not rootd.is_real_dir(name):
-        yield
+        yield None
         return
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rootd.fd)
     try:
         if not try_exclusive(fd, rootd.path / name):
             raise CheckpointInUse(f"{rootd.path / name} is being loaded (a load holds its lease)")
-        yield
+        yield fd
     finally:
         os.close(fd)
 
 
+def _check_unchanged(rootd: Dir, fd: int | None, entry: CheckpointEntry) -> None:
+    """Raise CheckpointChanged when ``entry``'s name no longer holds what the scan found: a
+    committed step whose commit record has another sequence number now (committed again after a
+    rollback replaced it), or one the tracker names now. Checked under the removal lock, and the
+    name checked to be the locked directory right before the rename (a commit that replaces the
+    step in the microseconds between is the one race left)."""
+    name = entry.path.name
+    if fd is None or entry.state is EntryState.PARTIAL or entry.state is EntryState.DELETING:
+        return  # an attempt's directory: its name is never another save's
+    if read_tracker(rootd.path)[1] == name:
+        raise CheckpointChanged(f"{rootd.path / name} is named latest now")
+    record = read_commit_record(rootd.path / name)
+    if entry.state is EntryState.COMMITTED and (record.seq if record is not None else 0) != entry.commit_seq:
+        raise CheckpointChanged(f"{rootd.path / name} was committed again since the scan")
+    st, locked = rootd.lstat(name), os.fstat(fd)
+    if st is None or (st.st_dev, st.st_ino) != (locked.st_dev, locked.st_ino):
+        raise CheckpointChanged(f"{rootd.path / name} was replaced since the scan")
+
+
 def remove_entry(entry: CheckpointEntry) -> None:
     """Rename ``entry`` to ``*.deleting`` (made durable), then delete it; raises CheckpointInUse,
-    touching nothing, while a load holds a lease on it.
+    touching nothing, while a load holds a lease on it, and CheckpointChanged when its name holds
+    another checkpoint than the scan found (see :func:`_check_unchanged`).
 
     Both act on entries of the root's open directory: a link (at either name, or anywhere inside)
     is removed itself, never followed, so a collection never deletes anything outside the root.
     """
     name = entry.path.name
-    with Dir.open(entry.path.parent) as rootd, _removal_lock(rootd, name):
+    with Dir.open(entry.path.parent) as rootd, _removal_lock(rootd, name) as fd:
+        _check_unchanged(rootd, fd, entry)
         if entry.state is not EntryState.DELETING:
             doomed = deleting_name(name)
             if rootd.lstat(doomed) is not None:
@@ -144,7 +172,9 @@ def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
         try:
             remove_entry(removal.entry)
         except CheckpointInUse:
-            _postpone(plan, removal)
+            _postpone(plan, removal, "being loaded (a load holds its lease); removed by a later collection")
+        except CheckpointChanged as exc:
+            _postpone(plan, removal, f"{exc}; a later collection decides")
         except OSError as exc:
             log.warning("gc: could not remove %s: %s", removal.entry.path, exc)
             done.append((removal, f"{type(exc).__name__}: {exc}"))
@@ -154,8 +184,7 @@ def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
     return done
 
 
-def _postpone(plan: GcPlan, removal: Removal) -> None:
-    why = "being loaded (a load holds its lease); removed by a later collection"
+def _postpone(plan: GcPlan, removal: Removal, why: str) -> None:
     log.info("gc: kept %s for now: %s", removal.entry.path, why)
     plan.remove.remove(removal)
     plan.kept.append((removal.entry, why))

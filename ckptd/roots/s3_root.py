@@ -261,6 +261,19 @@ class S3Root:
         ]
         self.client.delete(doomed)
 
+    def changed_since_scan(self, entry: CheckpointEntry) -> str | None:
+        """Why the committed ``entry`` of a scan is no longer the one under its name (the tracker
+        names it now, or its commit object is another commit's: a re-save after a rollback), or
+        None. A store has no lock: a commit between this and the removal is the race left."""
+        if entry.state is not EntryState.COMMITTED:
+            return None
+        if read_s3_tracker(self.client)[1] == entry.name:
+            return f"{self.display(entry.name)} is named latest now"
+        record = read_s3_commit_record(self.client, entry.name)
+        if record is not None and record.seq != entry.commit_seq:
+            return f"{self.display(entry.name)} was committed again since the scan"
+        return None
+
     def remove_entry(self, entry: CheckpointEntry) -> bool:
         """Retention and gc: remove a committed or partial step and its unfinished uploads; False
         when there was nothing (a store that lists emptied "directories", as SeaweedFS does)."""
@@ -351,7 +364,13 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
     writer's: the store keeps and bills them forever otherwise). Returns each removal with None or
     the error that stopped it."""
     done: list[tuple[Removal, str | None]] = []
-    for removal in plan.remove:
+    for removal in list(plan.remove):
+        changed = root.changed_since_scan(removal.entry)
+        if changed is not None:  # the job committed the step again since the scan: not this plan's
+            log.info("gc: kept %s for now: %s; a later collection decides", root.display(removal.entry.name), changed)
+            plan.remove.remove(removal)
+            plan.kept.append((removal.entry, f"{changed}; a later collection decides"))
+            continue
         try:
             root.remove_entry(removal.entry)
         except CkptdError as exc:

@@ -113,3 +113,29 @@ def test_a_new_checkpointer_re_saving_an_abandoned_step_under_the_same_attempt_i
         ckpt.load(_sd(w, -1), step=20)
         assert torch.equal(w, _value(20, 1)), "the re-save of step 20 was reported committed, but not kept"
     assert read_commit_record(root / step_dir_name(20)).seq > read_commit_record(root / step_dir_name(11)).seq
+
+
+@pytest.mark.timeout(120)
+def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(tmp_path, single_process, runtime_dir):
+    """``ckptd gc`` scans, then the job commits the abandoned step 20 again (it becomes latest),
+    then gc removes what it planned: the new step 20 is kept, reported as changed (it was removed,
+    and the tracker named a checkpoint that no longer existed)."""
+    from ckptd.catalog import scan_root
+    from ckptd.retention import apply_gc, plan_gc
+
+    root = tmp_path / "run"
+    with ckptd.Checkpointer(root, config=_config(runtime_dir, 10)) as ckpt:
+        for step in (10, 20):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+        ckpt.load(_sd(torch.zeros(64), -1), step=10)
+        ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+        plan = plan_gc(scan_root(root), keep=1, grace_s=0.0)
+        assert {r.entry.step for r in plan.remove} == {10, 20}
+        ckpt.save(_sd(_value(20, 1), 20), step=20).wait(timeout_s=30)
+        results = apply_gc(plan)
+        assert [r.entry.step for r, err in results] == [10]
+        assert any(e.step == 20 and "latest now" in why for e, why in plan.kept)
+        assert ckpt.latest() == 20
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1))
+        assert torch.equal(w, _value(20, 1))

@@ -223,3 +223,32 @@ def test_torch_dcp_reads_a_committed_step_from_the_object_store(s3_bucket, runti
         assert torch.equal(state["model"]["w"], w) and state["step"] == 5
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(s3_bucket, runtime_dir):
+    """As tests/integration/test_rollback.py's POSIX case: ``ckptd gc`` scans, the job commits the
+    abandoned step 20 again, then gc carries out its plan: the new step 20 stays."""
+    from ckptd.retention import plan_gc
+    from ckptd.roots.s3_root import apply_s3_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = f"s3://{s3_bucket}/runs/gc-race"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            for step, value in ((10, 1.0), (20, 2.0)):
+                ckpt.save(_sd(torch.full((64,), value), step), step=step).wait(timeout_s=120)
+            ckpt.load(_sd(torch.zeros(64), -1), step=10)
+            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+            location = parse_location(root)
+            plan = plan_gc(scan_s3_root(location), keep=1, grace_s=3600.0)
+            assert {r.entry.step for r in plan.remove} == {10, 20}
+            ckpt.save(_sd(torch.full((64,), 20.5), 20), step=20).wait(timeout_s=120)
+            results = apply_s3_gc(S3Root(location), plan, grace_s=3600.0)
+            assert [r.entry.step for r, err in results] == [10]
+            assert ckpt.latest() == 20
+            w = torch.zeros(64)
+            ckpt.load(_sd(w, -1))
+            assert torch.equal(w, torch.full((64,), 20.5))
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
