@@ -157,6 +157,7 @@ class RankRing:
         a save with CUDA tensors is a device snapshot instead, where device memory allows
         (ckptd.staging.devsnap); a new ring's pinning starts once that snapshot is taken."""
         pinner, snap, device = ring.pinner, None, None
+        self.device_snapshots = [p for p in self.device_snapshots if p.running]
         if pinner.running if pinner is not None else self.config.pin_memory and torch.cuda.is_initialized():
             nbytes = tensor_nbytes_by_device(claim.items)  # not at every save: ~1 us per tensor
             device = next((d for d in nbytes if d.type == "cuda"), None)
@@ -179,7 +180,6 @@ class RankRing:
     ) -> DeviceSnapshotProducer | None:
         """A device snapshot of the claimed save, made while the ring is (about to be) pinned, if
         the save's CUDA tensors (``nbytes`` by device) fit in device memory; else None."""
-        self.device_snapshots = [p for p in self.device_snapshots if p.running]
         fraction = self.config.device_snapshot_fraction
         if fraction <= 0 or not any(d.type == "cuda" for d in nbytes):
             return None

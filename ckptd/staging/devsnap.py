@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,9 +126,11 @@ class DeviceSnapshotProducer:
 
     def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float) -> None:
         self.ring = ring
-        self.claim = claim
         self.pin_timeout_s = pin_timeout_s
         self.items, self._ready = snapshot_on_device(ring, claim.items)
+        # Without the save's own tensors: the producer outlives the save in RankRing's list, and
+        # they (a split tensor's device copy among them) must not.
+        self.claim = replace(claim, items=[])
         self.snapshot = Snapshot(
             pid=os.getpid(), seal=start_block(ring, claim.block), seal_offset=block_offset(claim.block)
         )

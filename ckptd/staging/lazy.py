@@ -119,7 +119,7 @@ class LazyCopier:
                 event.record(torch.cuda.current_stream(device))
         self._pending.append(job)
         self._held.append(job)
-        return LazyProducer(self, Snapshot(pid=os.getpid(), seal=seal, seal_offset=block_offset(claim.block)))
+        return LazyProducer(self, job, Snapshot(pid=os.getpid(), seal=seal, seal_offset=block_offset(claim.block)))
 
     def go(self) -> None:
         """Hand the saves :meth:`start` prepared to the copier thread."""
@@ -168,6 +168,19 @@ class LazyCopier:
                 f"copying within {self.timeout_s:g} s (CKPTD_SNAPSHOT_TIMEOUT_S)"
             )
         return True
+
+    def drop(self, job: _Job) -> None:
+        """Forget a save the daemon never took (its range is given back next): not handed to the
+        copier thread yet, it is dropped unread (running it would wait for ring room the daemon
+        never frees); one handed over already is waited for."""
+        if job not in self._held:
+            self.wait_all()
+            return
+        self._held.remove(job)
+        if job in self._pending:
+            self._pending.remove(job)
+        job.torn = "the daemon did not take the save"
+        job.fenced.set()
 
     def wait_all(self) -> None:
         """Fence every pending snapshot and wait until the copier is done with it (a ring about
@@ -256,8 +269,9 @@ class LazyProducer:
     """A :class:`~ckptd.staging.producer.Producer` that is the lazy copier thread: it copies behind
     training once the daemon took the save, and seals it at the fence."""
 
-    def __init__(self, copier: LazyCopier, snapshot: Snapshot) -> None:
+    def __init__(self, copier: LazyCopier, job: _Job, snapshot: Snapshot) -> None:
         self.copier = copier
+        self.job = job
         self.snapshot = snapshot
 
     def after_ack(self) -> float:
@@ -265,7 +279,7 @@ class LazyProducer:
         return 0.0
 
     def cancel(self) -> None:
-        self.copier.wait_all()  # the copier is done with the range before it is given back
+        self.copier.drop(self.job)  # the copier is done with the range before it is given back
 
     def detach(self) -> None:
         self.copier.go()

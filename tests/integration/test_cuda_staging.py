@@ -175,6 +175,8 @@ def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment
         for h in handles:
             h.wait(timeout_s=120)
         assert ckpt._ring.current.pageable_pieces == 0
+        # a finished snapshot keeps neither its device copies nor the save's own tensors
+        assert all(p.join(10) and not p.items and not p.claim.items for p in ckpt._ring.device_snapshots)
         for step in (1, 2, 3):
             out = ckpt.load(_sharded({k: torch.zeros_like(v) for k, v in tensors.items()}), step=step)
             assert all(torch.equal(out[k].cpu(), expected[step][k]) for k in tensors), step

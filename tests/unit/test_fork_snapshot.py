@@ -315,6 +315,24 @@ def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(rings
 
 
 @pytest.mark.timeout(60)
+def test_a_cancelled_lazy_producer_drops_its_save_unread(rings):
+    """A lazy save the daemon refused is dropped before the copier thread sees it: a save larger
+    than the ring would otherwise be copied until the ring is full and wait for room nobody frees
+    (``snapshot_timeout_s``, then a StagingError in place of the refusal)."""
+    ring, _ = rings
+    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")  # 12 MiB through an 8 MiB ring
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    copier = LazyCopier(0, timeout_s=30.0)
+    producer = copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements))
+    producer.cancel()
+    assert copier._thread is None and not copier._pending  # never handed over, nothing left to fence
+    ring.unclaim(block, start, placements)
+    copier.fence()
+    assert copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(60)
 def test_an_inline_save_copies_what_fits_before_the_save_is_sent_and_the_rest_after(rings):
     # save() itself issues the copies of the items the ring has room for before the SAVE is
     # sent (on CUDA they run during its round trip), and never waits there for room: the daemon
