@@ -74,6 +74,7 @@ class _Job:
     enqueued: threading.Event = field(default_factory=threading.Event)  # every copy issued
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
     fenced: threading.Event = field(default_factory=threading.Event)  # the training thread decided
+    decided: threading.Event = field(default_factory=threading.Event)  # sealed or given up: done with the ring
     torn: str = ""  # why the snapshot is abandoned ("" : seal it)
     failure: BaseException | None = None  # the copy's error, if it failed
 
@@ -91,6 +92,7 @@ class LazyCopier:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
         self._held: list[_Job] = []  # started, handed to the copier thread by go()
+        self._handed: list[_Job] = []  # handed to the copier thread, maybe not decided yet
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
 
@@ -125,7 +127,9 @@ class LazyCopier:
         """Hand the saves :meth:`start` prepared to the copier thread."""
         if self._held:
             self._ensure_thread()
+            self._handed = [j for j in self._handed if not j.decided.is_set()]
             for job in self._held:
+                self._handed.append(job)
                 self._jobs.put(job)
             self._held.clear()
 
@@ -183,12 +187,13 @@ class LazyCopier:
         job.fenced.set()
 
     def wait_all(self) -> None:
-        """Fence every pending snapshot and wait until the copier is done with it (a ring about
-        to be unmapped)."""
-        jobs = list(self._pending)
+        """Fence every pending snapshot and wait until the copier is done with every save handed
+        to it, its seal or give-up mark written (a ring about to be unmapped: a CUDA save fenced
+        earlier may still be landing)."""
         self.fence()
-        for job in jobs:
-            self._wait(job.copied, job)
+        for job in self._handed:
+            self._wait(job.decided, job)
+        self._handed = []
 
     def stop(self, deadline: float) -> bool:
         """Closing: fence the pending snapshots (those not copied by ``deadline`` are abandoned),
@@ -227,7 +232,14 @@ class LazyCopier:
             finally:
                 job.enqueued.set()
                 job.copied.set()
-            self._decide(job)
+            try:
+                self._decide(job)
+            except Exception as exc:  # noqa: BLE001 - the daemon fails a save never sealed; the thread goes on
+                log.warning("rank %d: deciding the lazy snapshot of step %d failed: %s", self.rank, job.step, exc)
+            finally:
+                job.items = []  # the save's tensors (a split tensor's copy among them) go now
+                job.decided.set()
+            job = None
 
     def _copy(self, job: _Job) -> None:
         """Produce item by item, each once the ring has room, publishing the progress after each

@@ -333,6 +333,27 @@ def test_a_cancelled_lazy_producer_drops_its_save_unread(rings):
 
 
 @pytest.mark.timeout(60)
+def test_waiting_for_the_lazy_copier_waits_until_a_fenced_save_is_sealed(rings, monkeypatch):
+    """wait_all() (before the ring is unmapped: the daemon lost, the Checkpointer closing) returns
+    only once the copier wrote the seal of every save handed to it, also of one fenced before (a
+    CUDA save is fenced once its copies are issued, then lands and is sealed by the copier)."""
+    ring, dring = rings
+    decide = LazyCopier._decide
+    monkeypatch.setattr(LazyCopier, "_decide", lambda self, job: (time.sleep(0.5), decide(self, job)))
+    items = _items([torch.randn(4096)], b"x")
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    copier = LazyCopier(0, timeout_s=30.0)
+    producer = copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements))
+    producer.after_ack()
+    copier.fence()  # the save is decided on the training thread; the copier seals it after
+    copier.wait_all()
+    snap = producer.snapshot
+    SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset).wait(dring, timeout_s=0.01)  # sealed already
+    assert copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(60)
 def test_an_inline_save_copies_what_fits_before_the_save_is_sent_and_the_rest_after(rings):
     # save() itself issues the copies of the items the ring has room for before the SAVE is
     # sent (on CUDA they run during its round trip), and never waits there for room: the daemon
