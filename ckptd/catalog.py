@@ -19,6 +19,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.commitrecord import commit_seq
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
+    MIRRORED_FILE,
     STEP_PREFIX,
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
@@ -91,6 +92,7 @@ class RootCatalog:
     # Why the tracker cannot be trusted (unreadable, names a missing or uncommitted checkpoint).
     tracker_problem: str | None = None
     others: list[str] = field(default_factory=list)  # unrelated names in the root
+    mirrored_name: str | None = None  # the step the mirror's latest copies (MIRRORED_FILE), if any
 
     @property
     def committed(self) -> list[CheckpointEntry]:
@@ -158,6 +160,17 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     return True, name, None
 
 
+def read_mirrored(root: Path) -> str | None:
+    """The step directory name :data:`MIRRORED_FILE` holds; None without one, or an unusable one
+    (retention then keeps nothing extra)."""
+    try:
+        name = read_regular(root, MIRRORED_FILE, "mirror marker", TRACKER_MAX_NBYTES).decode("utf-8").strip()
+    except (OSError, CorruptCheckpointError, UnicodeDecodeError):
+        return None
+    parsed = parse_step_dir(name)
+    return name if parsed is not None and not parsed.partial and not parsed.deleting else None
+
+
 def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
     """List ``root``: step directories with state, commit order, size and age (``usage``: walks
     every directory), and the tracker's target."""
@@ -166,13 +179,18 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
         raise CheckpointNotFoundError(f"{root} is not a directory")
     cat = RootCatalog(root)
     cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
+    cat.mirrored_name = read_mirrored(root)
     for name in sorted(os.listdir(root)):
         path = root / name
         parsed = parse_step_dir(name)
         # A link named like a step is not one: loading, resuming or collecting it would act on
         # whatever it points to, outside the root.
         if parsed is None or not is_real_dir(path):
-            if name != TRACKER_FILE and not name.startswith(TRACKER_FILE + ".") and not is_node_lock(name):
+            if (
+                name not in (TRACKER_FILE, MIRRORED_FILE)
+                and not name.startswith((TRACKER_FILE + ".", MIRRORED_FILE + "."))
+                and not is_node_lock(name)
+            ):
                 cat.others.append(name)
             continue
         if parsed.partial:

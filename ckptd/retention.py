@@ -74,6 +74,8 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
             plan.kept.append((e, "named by the tracker"))
         elif rank < keep:
             plan.kept.append((e, f"among the {keep} last committed"))
+        elif e.name == cat.mirrored_name:
+            plan.kept.append((e, "the mirror's latest checkpoint copies it; kept until a newer step is mirrored"))
         elif plan.refused is not None:
             plan.kept.append((e, "tracker cannot be trusted"))
         else:

@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptdError, CopyRoundError
+from ..format.durable import atomic_write_bytes
+from ..format.rootlayout import MIRRORED_FILE, step_dir_name
+from ..format.safefs import Dir
 from ..roots.copyround import REQUEST_KEY, CopyRequest, copier_due, should_answer
 from ..roots.mirror import (
     RETRY_AFTER_S,
@@ -94,6 +97,7 @@ class MirrorUploader:
         self._failed: FailedUpload | None = None
         self._failed_node: int | None = None
         self._mirrored: CommitRef | None = None
+        self._marked: str | None = None  # the step name MIRRORED_FILE holds, as this thread wrote it
         self._answered: CommitRef | None = None  # node k: the commit of the last round it answered
         self._last: dict[str, Any] | None = None
         self._error = ""
@@ -175,6 +179,8 @@ class MirrorUploader:
         except (CkptdError, OSError) as exc:
             self._fail(None, f"reading the latest commits failed: {exc}")
             return
+        if mirrored is not None:
+            self._mark_mirrored(mirrored)
         with self._lock:
             self._mirrored = mirrored
             commit = next_upload(local, mirrored, self._failed, time.monotonic())
@@ -207,6 +213,7 @@ class MirrorUploader:
             return
         seconds = time.monotonic() - t0
         log.info("mirrored %s to %s in %.1f s", outcome.name, self.mirror.display(outcome.name), seconds)
+        self._mark_mirrored(commit)
         with self._lock:
             self._uploading = None
             self._failed = None
@@ -216,6 +223,20 @@ class MirrorUploader:
             self._last = {"step": commit.step, "seconds": round(seconds, 3), "unix_s": time.time()}
         self._round = None
         self._wake.set()  # a newer step may have committed meanwhile
+
+    def _mark_mirrored(self, commit: CommitRef) -> None:
+        """Name in the local root the step the mirror's latest copies (MIRRORED_FILE: retention
+        keeps it until a newer one is mirrored); node 0 only, whose root a resume consults."""
+        name = step_dir_name(commit.step)
+        if self.node != 0 or self._marked == name:
+            return
+        try:
+            with Dir.open(self.root) as rootd:
+                atomic_write_bytes(rootd.entry(MIRRORED_FILE), f"{name}\n".encode())
+        except OSError as exc:
+            log.warning("mirror: could not note %s as mirrored in %s: %s", name, self.root / MIRRORED_FILE, exc)
+            return
+        self._marked = name
 
     def _round_started(self, request: CopyRequest) -> None:
         self._round = request

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 TRACKER_FILE = "latest"
+# Two tiers (ckptd.roots.mirror): the local step the mirror's latest checkpoint copies, written by
+# the mirror thread; retention keeps that step until a newer one is mirrored, so that a resume
+# after a rollback finds the mirror's commit in the local root and knows the local one is newer.
+MIRRORED_FILE = "ckptd_mirrored"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 STEP_PREFIX = "iter_"
 TMP_SUFFIX = ".tmp"  # an attempt's directory until its commit renames it

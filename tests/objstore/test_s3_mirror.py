@@ -170,3 +170,41 @@ def test_a_mirror_must_be_an_s3_prefix_of_a_local_root(s3_bucket, runtime_dir, t
         ckptd.Checkpointer(tmp_path / "a", config=_config(runtime_dir, mirror=str(tmp_path / "b")))
     with pytest.raises(ckptd.CkptdError, match="second tier of a local root"):
         ckptd.Checkpointer(f"s3://{s3_bucket}/r", config=_config(runtime_dir, mirror=f"s3://{s3_bucket}/m"))
+
+
+@pytest.mark.timeout(240)
+def test_the_mirrored_step_stays_local_until_a_newer_one_is_mirrored(s3_bucket, runtime_dir, tmp_path):
+    """keep_last=1 and a rollback: the rollback's commit (35 after 40) would retire the mirrored
+    40 at once, and a crash before the mirror copied 35 would then resume from the mirror's 40,
+    the abandoned branch (the local root no longer holding the mirror's commit, and 35 < 40). The
+    local root's ckptd_mirrored names the step the mirror's latest copies, and retention keeps
+    it until a newer one is mirrored, so a resume finds it and resumes the local, newer commit."""
+    from ckptd.format.rootlayout import MIRRORED_FILE
+
+    local = tmp_path / "local"
+    cfg = _config(runtime_dir, keep_last=1, mirror=f"s3://{s3_bucket}/mirror/marker")
+    marker = local / MIRRORED_FILE
+
+    def marked(name: str) -> bool:
+        return marker.exists() and marker.read_text().strip() == name
+
+    try:
+        with ckptd.Checkpointer(local, config=cfg) as ckpt:
+            for step in (30, 40):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+            ckpt.wait_mirrored(40, timeout_s=120)
+            wait_until(lambda: marked("iter_0000040"), 30, "the mirror thread to note step 40")
+            ckpt.load(_sd(torch.zeros(64), -1), step=30)  # a rollback
+            ckpt.save(_sd(torch.full((64,), 35.0), 35), step=35).wait(timeout_s=120)
+            assert (local / "iter_0000040").is_dir()  # retention kept the mirror's commit
+            assert not (local / "iter_0000030").exists()
+            ckpt.wait_mirrored(35, timeout_s=120)
+            wait_until(lambda: marked("iter_0000035"), 30, "the mirror thread to note step 35")
+            ckpt.save(_sd(torch.full((64,), 36.0), 36), step=36).wait(timeout_s=120)
+            assert not (local / "iter_0000040").exists()  # retired once a newer step was mirrored
+    finally:
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
+    with ckptd.Checkpointer(local, config=cfg) as ckpt:
+        w = torch.zeros(64)
+        assert ckpt.load(_sd(w, -1))["iteration"] == 36 and torch.equal(w, torch.full((64,), 36.0))
+    stop_root_daemons(local, runtime_dir, timeout_s=60)

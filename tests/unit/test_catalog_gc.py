@@ -145,6 +145,25 @@ def test_retention_and_abandoned_steps_follow_commit_order_not_step_order(tmp_pa
     assert scan_root(legacy).abandoned(30) is None  # nothing recorded, nothing taken for abandoned
 
 
+def test_retention_keeps_the_step_the_mirror_copies_until_a_newer_one_is(tmp_path):
+    """Two tiers (ckptd.roots.mirror): the step ckptd_mirrored names stays beyond keep, and is not
+    listed among the root's other names; a marker naming no committed step keeps nothing."""
+    from ckptd.format.rootlayout import MIRRORED_FILE
+
+    root = make_root(tmp_path / "r", [30, 35, 40], latest=35)
+    stamp_commits(root, [30, 40, 35])  # a rollback: 35 committed after 40
+    (root / MIRRORED_FILE).write_text("iter_0000040\n")
+    cat = scan_root(root)
+    assert cat.mirrored_name == "iter_0000040" and cat.others == []
+    plan = plan_gc(cat, keep=1)
+    assert [r.entry.step for r in plan.remove] == [30]
+    assert any(e.step == 40 and "mirror" in why for e, why in plan.kept)
+    for junk in ("iter_0000040.tmp", "../x", "latest"):
+        (root / MIRRORED_FILE).write_text(junk)
+        assert scan_root(root).mirrored_name is None
+        assert [r.entry.step for r in plan_gc(scan_root(root), keep=1).remove] == [30, 40]
+
+
 def test_a_restarted_coordinator_finishes_the_last_commit_not_the_highest_step(tmp_path):
     """A crash between a commit's rename and its tracker update: the successor points the tracker
     at the checkpoint committed last, also when a rollback made it a lower step."""
