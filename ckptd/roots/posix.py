@@ -198,8 +198,8 @@ def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) ->
         out.append(
             f"step {step} is older than committed steps ({shown}): the job went back to an earlier "
             f"step (a rollback). '{TRACKER_FILE}' now names {name}, which a restart resumes from; the "
-            "newer checkpoints are kept until keep_last newer commits retire them, and a save of one "
-            "of their steps replaces it"
+            "newer checkpoints count as older commits for retention (keep_last keeps the last commits: "
+            "a small keep_last retires them at once), and a save of one of their steps replaces it"
         )
     if replaced:
         out.append(f"{name} of a branch abandoned by an earlier rollback was replaced by this save")
