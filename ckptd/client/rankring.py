@@ -222,7 +222,7 @@ class RankRing:
         daemon drains the ring any more, so a device snapshot waiting for ring space gives up at
         once (its save has failed anyway) instead of waiting out that bound."""
         if self.lazy is not None:
-            self.lazy.wait_all()
+            self.lazy.wait_all(daemon_gone=daemon_gone)
         for producer in self.device_snapshots:
             if daemon_gone:
                 producer.stop()

@@ -95,6 +95,7 @@ class LazyCopier:
         self._handed: list[_Job] = []  # handed to the copier thread, maybe not decided yet
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
+        self._daemon_gone = threading.Event()  # no daemon frees ring space: such a wait gives up too
 
     def start(self, ring: StagingRing, claim: Claim) -> LazyProducer:
         """Prepare the production of one save; its producer, whose snapshot the SAVE announces (its
@@ -186,14 +187,21 @@ class LazyCopier:
         job.torn = "the daemon did not take the save"
         job.fenced.set()
 
-    def wait_all(self) -> None:
+    def wait_all(self, *, daemon_gone: bool = False) -> None:
         """Fence every pending snapshot and wait until the copier is done with every save handed
         to it, its seal or give-up mark written (a ring about to be unmapped: a CUDA save fenced
-        earlier may still be landing)."""
-        self.fence()
-        for job in self._handed:
-            self._wait(job.decided, job)
-        self._handed = []
+        earlier may still be landing). ``daemon_gone``: no daemon frees ring space any more, so a
+        copy waiting for it gives up at once (its save failed anyway) instead of after
+        ``snapshot_timeout_s``."""
+        if daemon_gone:
+            self._daemon_gone.set()
+        try:
+            self.fence()
+            for job in self._handed:
+                self._wait(job.decided, job)
+            self._handed = []
+        finally:
+            self._daemon_gone.clear()  # the next ring has a daemon again
 
     def stop(self, deadline: float) -> bool:
         """Closing: fence the pending snapshots (those not copied by ``deadline`` are abandoned),
@@ -213,6 +221,9 @@ class LazyCopier:
             )
             return False
         return True
+
+    def _gives_up(self) -> bool:
+        return self._stopping.is_set() or self._daemon_gone.is_set()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -246,8 +257,8 @@ class LazyCopier:
         (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
         that) and published once they landed, in order (ckptd.staging.devcopy)."""
         ring = job.ring
-        # A wait for ring space gives up at once when the Checkpointer closes.
-        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._stopping.is_set)
+        # A wait for ring space gives up at once when the Checkpointer closes or the daemon is gone.
+        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._gives_up)
         try:
             copier.produce(job.start, job.items, job.placements)
             copier.flush()

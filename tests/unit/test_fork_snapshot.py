@@ -333,6 +333,23 @@ def test_a_cancelled_lazy_producer_drops_its_save_unread(rings):
 
 
 @pytest.mark.timeout(60)
+def test_a_lazy_copy_waiting_for_room_gives_up_at_once_when_the_daemon_is_gone(rings):
+    """A lazy save larger than the ring waits for the daemon to free room; when the daemon is lost
+    (RankRing.quiesce(daemon_gone=True)) that wait gives up at once and the save is abandoned,
+    instead of holding the training thread for snapshot_timeout_s."""
+    ring, _ = rings
+    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")  # 12 MiB through an 8 MiB ring
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    copier = LazyCopier(0, timeout_s=45.0)
+    producer = copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements))
+    producer.after_ack()  # the copier fills the ring, then waits for room nobody frees
+    copier.wait_all(daemon_gone=True)
+    assert not copier._handed and not copier._daemon_gone.is_set()
+    assert copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(60)
 def test_waiting_for_the_lazy_copier_waits_until_a_fenced_save_is_sealed(rings, monkeypatch):
     """wait_all() (before the ring is unmapped: the daemon lost, the Checkpointer closing) returns
     only once the copier wrote the seal of every save handed to it, also of one fenced before (a
