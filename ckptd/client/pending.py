@@ -15,9 +15,11 @@ import time
 from ..catalog import is_checkpoint_dir
 from ..control.protocol import StepAborted, StepCommitted, WriteDone
 from ..errors import CkptdError, SaveFailedError, SaveSkippedError
+from ..format.commitrecord import read_commit_record
 from ..format.safefs import is_real_dir
-from ..s3catalog import checkpoint_exists
+from ..s3catalog import read_s3_commit_record
 from ..statedict.holdings import PlainWriters
+from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location
 from .handle import SaveFuture, SaveHandle, SaveStatus
 
@@ -113,7 +115,7 @@ class PendingSaves:
     def daemon_lost(self, reason: str) -> None:
         """The node daemon was lost (``reason``): fail every pending save with what is known of it."""
         for h in list(self._by_step.values()):
-            self.fail(h, daemon_lost_reason(reason, h.step, h.path), unconfirmed=True)
+            self.fail(h, daemon_lost_reason(reason, h.step, h.path, h.attempt), unconfirmed=True)
 
     def _skipped_elsewhere(self, h: SaveHandle, reason: str) -> None:
         """Another rank skipped this step by policy (on_full="skip"): the step is aborted on every
@@ -134,12 +136,14 @@ class PendingSaves:
             raise SaveFailedError(f"{len(failed)} earlier asynchronous save(s) failed: {detail}")
 
 
-def daemon_lost_reason(reason: str, step: int, path: Location) -> str:
-    """Why a pending save of ``step`` fails when its node daemon is lost (``reason``), as far as
-    this rank can know: a daemon that is also the coordinator may have died after the commit's
-    rename (the point of no return: the next coordinator makes that checkpoint latest), so the
-    committed directory ``path`` is looked at before anything is said about the outcome."""
-    if _in_place(path):
+def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = "") -> str:
+    """Why a pending save of ``step`` (``attempt``) fails when its node daemon is lost
+    (``reason``), as far as this rank can know: a daemon that is also the coordinator may have died
+    after the commit's rename (the point of no return: the next coordinator makes that checkpoint
+    latest), so the committed directory ``path`` is looked at before anything is said about the
+    outcome; one its commit record names another attempt of (a branch a rollback abandoned) is not
+    this save's."""
+    if _in_place(path, attempt):
         return (
             f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
             "commit had renamed it into place, and the next daemon makes it latest "
@@ -152,14 +156,19 @@ def daemon_lost_reason(reason: str, step: int, path: Location) -> str:
     )
 
 
-def _in_place(path: Location) -> bool:
-    """The step's checkpoint is complete where it commits (on S3: its commit object exists)."""
+def _in_place(path: Location, attempt: str) -> bool:
+    """The step's checkpoint is complete where it commits (on S3: its commit object exists), and
+    its commit record (if any) names ``attempt``."""
     if isinstance(path, S3Location):
         try:
-            return checkpoint_exists(path)
+            record = read_s3_commit_record(S3Client(path.parent), path.name)
         except CkptdError:  # the store is unreachable too: say what is known, not in place
             return False
-    return is_real_dir(path) and is_checkpoint_dir(path)
+        return record is not None and (not attempt or record.attempt == attempt)
+    if not (is_real_dir(path) and is_checkpoint_dir(path)):
+        return False
+    local = read_commit_record(path)
+    return local is None or not attempt or local.attempt == attempt
 
 
 def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:

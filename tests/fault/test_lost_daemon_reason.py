@@ -57,3 +57,17 @@ def test_a_daemon_killed_mid_write_says_the_checkpoint_is_not_in_place(tmp_path,
         assert reason.startswith("step 2 was not confirmed: ")
         assert job.ckpt.latest() == 1
         job.committed(2)
+
+
+def test_a_step_committed_by_another_attempt_is_not_called_this_saves(tmp_path):
+    """After a rollback, ``iter_2`` of the abandoned branch is complete, but its commit record
+    names another attempt: a re-save of step 2 whose daemon died is not in place (it used to be
+    called complete, to be made latest by the next daemon)."""
+    from ckptd.client.pending import daemon_lost_reason
+    from tests.checkpoints import make_root, stamp_commits
+
+    root = make_root(tmp_path / "r", [1, 2], latest=2)
+    stamp_commits(root, [1, 2])  # attempt 0123456789ab-1
+    path = root / "iter_0000002"
+    assert "is complete" in daemon_lost_reason("died", 2, path, "0123456789ab-1")
+    assert "is not in place now" in daemon_lost_reason("died", 2, path, "fedcba987654-1")
