@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +159,24 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     if not name or "/" in name or name in (".", "..") or "\n" in name:
         return True, None, f"tracker {path} holds {raw[:80]!r}, not a checkpoint directory name"
     return True, name, None
+
+
+def abandoned_after(latest_name: str | None, step: int, seq: int, latest_seq: Callable[[str], int]) -> bool:
+    """Whether a commit of ``step`` with commit sequence number ``seq`` is on a branch a rollback
+    abandoned, from the trusted tracker's target alone (:meth:`RootCatalog.abandoned` without
+    listing the root): it names a lower step that was committed after it (``latest_seq(name)``:
+    that checkpoint's sequence number, 0 without a record). ``latest_name``: None when there is no
+    tracker to trust."""
+    parsed = None if latest_name is None else parse_step_dir(latest_name)
+    if latest_name is None or parsed is None or parsed.partial or parsed.deleting or parsed.step >= step:
+        return False
+    return latest_seq(latest_name) > seq
+
+
+def abandoned_commit(root: Path, step: int, seq: int) -> bool:
+    """:func:`abandoned_after` of a directory root: two small reads, not a scan."""
+    _, name, problem = read_tracker(root)
+    return abandoned_after(None if problem else name, step, seq, lambda n: commit_seq(root / n))
 
 
 def read_mirrored(root: Path) -> str | None:

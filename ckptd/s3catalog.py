@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import logging
 
-from .catalog import CheckpointEntry, DirUsage, EntryState, RootCatalog, Target, committed_once, scan_root
+from .catalog import (
+    CheckpointEntry,
+    DirUsage,
+    EntryState,
+    RootCatalog,
+    Target,
+    abandoned_after,
+    committed_once,
+    scan_root,
+)
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
 from .format.layout import DCP_METADATA, METADATA_JSON
@@ -145,6 +154,18 @@ def s3_checkpoint_entry(location: S3Location) -> CheckpointEntry:
         sum(o.size for o in objects), len(objects), max((o.last_modified_unix_s for o in objects), default=0.0)
     )
     return CheckpointEntry(location.name, location, -1, state, used)  # type: ignore[arg-type]
+
+
+def s3_abandoned_commit(client: S3Client, step: int, seq: int) -> bool:
+    """:func:`~ckptd.catalog.abandoned_after` of an ``s3://`` root: the tracker and one commit
+    object, not a listing."""
+    _, name, problem, _ = read_s3_tracker(client)
+
+    def latest_seq(n: str) -> int:
+        record = read_s3_commit_record(client, n)
+        return 0 if record is None else record.seq  # DAMAGED: 0
+
+    return abandoned_after(None if problem else name, step, seq, latest_seq)
 
 
 def committed_at(root: Location, step: int) -> bool:

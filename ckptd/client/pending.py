@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 
-from ..catalog import is_checkpoint_dir
+from ..catalog import abandoned_commit, is_checkpoint_dir
 from ..control.protocol import StepAborted, StepCommitted, WriteDone
 from ..errors import CkptdError, SaveFailedError, SaveSkippedError
 from ..format.commitrecord import read_commit_record
 from ..format.safefs import is_real_dir
-from ..s3catalog import read_s3_commit_record
+from ..s3catalog import read_s3_commit_record, s3_abandoned_commit
 from ..statedict.holdings import PlainWriters
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location
@@ -143,7 +143,7 @@ def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = ""
     latest), so the committed directory ``path`` is looked at before anything is said about the
     outcome; one its commit record names another attempt of (a branch a rollback abandoned) is not
     this save's."""
-    if _in_place(path, attempt):
+    if _in_place(path, step, attempt):
         return (
             f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
             "commit had renamed it into place, and the next daemon makes it latest "
@@ -156,19 +156,27 @@ def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = ""
     )
 
 
-def _in_place(path: Location, attempt: str) -> bool:
+def _in_place(path: Location, step: int, attempt: str) -> bool:
     """The step's checkpoint is complete where it commits (on S3: its commit object exists), and
-    its commit record (if any) names ``attempt``."""
+    its commit record (if any) names ``attempt`` on the current branch (an abandoned commit of
+    the step may carry the same attempt id: a repeated ``CKPTD_RUN_ID``)."""
     if isinstance(path, S3Location):
         try:
-            record = read_s3_commit_record(S3Client(path.parent), path.name)
+            client = S3Client(path.parent)
+            record = read_s3_commit_record(client, path.name)
+            return (
+                record is not None
+                and (not attempt or record.attempt == attempt)
+                and not s3_abandoned_commit(client, step, record.seq)
+            )
         except CkptdError:  # the store is unreachable too: say what is known, not in place
             return False
-        return record is not None and (not attempt or record.attempt == attempt)
     if not (is_real_dir(path) and is_checkpoint_dir(path)):
         return False
     local = read_commit_record(path)
-    return local is None or not attempt or local.attempt == attempt
+    if local is None:
+        return True
+    return (not attempt or local.attempt == attempt) and not abandoned_commit(path.parent, step, local.seq)
 
 
 def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:

@@ -25,9 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptdError, CopyRoundError
-from ..format.durable import atomic_write_bytes
-from ..format.rootlayout import MIRRORED_FILE, step_dir_name
-from ..format.safefs import Dir
+from ..format.rootlayout import step_dir_name
 from ..roots.copyround import REQUEST_KEY, CopyRequest, copier_due, should_answer
 from ..roots.mirror import (
     RETRY_AFTER_S,
@@ -37,6 +35,7 @@ from ..roots.mirror import (
     mirror_step,
     mirrored_latest,
     next_upload,
+    note_mirrored,
 )
 from ..roots.mirror_nodes import (
     MANIFEST_POLL_S,
@@ -228,15 +227,8 @@ class MirrorUploader:
         """Name in the local root the step the mirror's latest copies (MIRRORED_FILE: retention
         keeps it until a newer one is mirrored); node 0 only, whose root a resume consults."""
         name = step_dir_name(commit.step)
-        if self.node != 0 or self._marked == name:
-            return
-        try:
-            with Dir.open(self.root) as rootd:
-                atomic_write_bytes(rootd.entry(MIRRORED_FILE), f"{name}\n".encode())
-        except OSError as exc:
-            log.warning("mirror: could not note %s as mirrored in %s: %s", name, self.root / MIRRORED_FILE, exc)
-            return
-        self._marked = name
+        if self.node == 0 and self._marked != name and note_mirrored(self.root, name):
+            self._marked = name
 
     def _round_started(self, request: CopyRequest) -> None:
         self._round = request

@@ -46,11 +46,12 @@ from ..catalog import scan_root
 from ..errors import CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import Checksum, crc32c
 from ..format.commitrecord import read_commit_record
+from ..format.durable import atomic_write_bytes
 from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
 from ..format.lease import ReadLease
 from ..format.records import ItemRecord
-from ..format.rootlayout import step_dir_name
-from ..format.safefs import open_regular, read_regular
+from ..format.rootlayout import MIRRORED_FILE, step_dir_name
+from ..format.safefs import Dir, open_regular, read_regular
 from ..s3catalog import read_s3_commit_record, read_s3_tracker
 from ..storage.objwriter import ObjectSink
 from .base import CommitOutcome
@@ -188,10 +189,26 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
         records, checksum, common = read_local_commit(directory, commit)
         try:
             renamed, data_files = _upload_data(directory, records, checksum, name, attempt, mirror)
-            return mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+            outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
         except BaseException:
             mirror.abort(commit.step, attempt)
             raise
+        note_mirrored(root, name)  # under the lease: retention cannot take the step before the marker names it
+        return outcome
+
+
+def note_mirrored(root: Path, name: str) -> bool:
+    """Name ``name`` in the local root's :data:`~ckptd.format.rootlayout.MIRRORED_FILE`: the step
+    the mirror's latest copies, which retention keeps until a newer one is mirrored (a resume
+    after a rollback then finds it locally and knows the local branch is newer). False, logged,
+    when it cannot be written (retention then keeps the previous one)."""
+    try:
+        with Dir.open(root) as rootd:
+            atomic_write_bytes(rootd.entry(MIRRORED_FILE), f"{name}\n".encode())
+    except OSError as exc:
+        log.warning("mirror: could not note %s as mirrored in %s: %s", name, root / MIRRORED_FILE, exc)
+        return False
+    return True
 
 
 def read_local_commit(directory: Path, commit: CommitRef) -> tuple[list[ItemRecord], Checksum | None, bytes]:

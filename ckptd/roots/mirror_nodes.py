@@ -60,7 +60,7 @@ from .copyround import (
     renamed_records,
     round_verdict,
 )
-from .mirror import CommitRef, copy_checked, new_mirror_attempt, read_local_commit
+from .mirror import CommitRef, copy_checked, new_mirror_attempt, note_mirrored, read_local_commit
 from .s3_root import S3Root
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def coordinate_copy(
             _withdraw(mirror.client)
             sweep_round(mirror, request.step, request.mirror_attempt, nnodes)
             raise
+        note_mirrored(root, name)  # under the lease (see mirror_step)
     _withdraw(mirror.client)
     _delete_manifests(mirror, request.step, request.mirror_attempt, nnodes)
     return outcome

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ..catalog import RootCatalog, committed_once, scan_root
+from ..catalog import RootCatalog, abandoned_commit, committed_once, scan_root
 from ..format.commitrecord import read_commit_record
 from ..format.direct import open_data_file
 from ..format.durable import Opener, default_opener
@@ -112,7 +112,7 @@ class PosixRoot:
         record = read_commit_record(self.location / step_dir_name(step))
         if record is None or record.step != step or record.attempt != attempt:
             return False
-        return self.scan(usage=False).abandoned(step) is None  # scanned only for the attempt's own commit
+        return not abandoned_commit(self.location, step, record.seq)
 
     def committed_once(self, step: int) -> bool:
         return committed_once(self.location, step)

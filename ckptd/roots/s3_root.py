@@ -57,7 +57,7 @@ from ..format.rootlayout import (
 )
 from ..format.validate import validate_records
 from ..retention import GcPlan, Removal, plan_gc
-from ..s3catalog import read_s3_commit_record, read_s3_tracker, scan_s3_root
+from ..s3catalog import read_s3_commit_record, read_s3_tracker, s3_abandoned_commit, scan_s3_root
 from ..storage.s3client import S3Client
 from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
@@ -307,7 +307,7 @@ class S3Root:
         record = read_s3_commit_record(self.client, step_dir_name(step))
         if record is None or record.step != step or record.attempt != attempt:  # DAMAGED: step -1
             return False
-        return self.scan(usage=False).abandoned(step) is None  # scanned only for the attempt's own commit
+        return not s3_abandoned_commit(self.client, step, record.seq)
 
     def committed_once(self, step: int) -> bool:
         if read_s3_commit_record(self.client, step_dir_name(step)) is None:

@@ -71,3 +71,7 @@ def test_a_step_committed_by_another_attempt_is_not_called_this_saves(tmp_path):
     path = root / "iter_0000002"
     assert "is complete" in daemon_lost_reason("died", 2, path, "0123456789ab-1")
     assert "is not in place now" in daemon_lost_reason("died", 2, path, "fedcba987654-1")
+    # The same attempt id on an abandoned branch (a repeated CKPTD_RUN_ID): 1 was committed after 2.
+    stamp_commits(root, [2, 1])
+    (root / "latest").write_text("iter_0000001\n")
+    assert "is not in place now" in daemon_lost_reason("died", 2, path, "0123456789ab-1")

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ckptd.catalog import EntryState, committed_once, resolve_target, scan_root
+from ckptd.catalog import EntryState, abandoned_commit, committed_once, resolve_target, scan_root
 from ckptd.errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.format.safefs import Dir
@@ -136,6 +136,11 @@ def test_retention_and_abandoned_steps_follow_commit_order_not_step_order(tmp_pa
     cat = scan_root(root)
     assert [e.step for e in cat.newest_first] == [32, 31, 40, 30, 20, 10]
     assert cat.abandoned(40).step == 40 and cat.abandoned(30) is None and cat.abandoned(32) is None
+    # The same answer from the tracker and two records, without a scan (holds_commit's question).
+    seqs = {e.step: e.commit_seq for e in cat.committed}
+    assert [abandoned_commit(root, step, seqs[step]) for step in (10, 20, 30, 31, 32, 40)] == [
+        cat.abandoned(step) is not None for step in (10, 20, 30, 31, 32, 40)
+    ]
     assert committed_once(root, 32) and not committed_once(root, 40) and not committed_once(root, 33)
     plan = plan_gc(cat, keep=2)
     assert [r.entry.step for r in plan.remove] == [10, 20, 30, 40]
