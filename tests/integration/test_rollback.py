@@ -62,14 +62,19 @@ def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, 
         assert ckpt.load(_sd(w, -1))["iteration"] == 33 and torch.equal(w, _value(33, 1))
 
 
+def _abandon_step_20(ckpt: ckptd.Checkpointer) -> None:
+    """Commit 10 and 20, go back to 10 and commit 11: step 20 is on an abandoned branch."""
+    for step in (10, 20):
+        ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+    ckpt.load(_sd(torch.zeros(64), -1), step=10)
+    ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+
+
 @pytest.mark.timeout(120)
 def test_a_save_of_an_abandoned_step_replaces_it(tmp_path, single_process, runtime_dir):
     root = tmp_path / "run"
     with ckptd.Checkpointer(root, config=_config(runtime_dir, 10)) as ckpt:
-        for step in (10, 20):
-            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
-        ckpt.load(_sd(torch.zeros(64), -1), step=10)
-        ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+        _abandon_step_20(ckpt)
         # Step 20 of the abandoned branch is still there; the new branch reaches step 20 again.
         assert _steps(root) == [10, 11, 20]
         h = ckpt.save(_sd(_value(20, 1), 20), step=20)
@@ -125,10 +130,7 @@ def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(
 
     root = tmp_path / "run"
     with ckptd.Checkpointer(root, config=_config(runtime_dir, 10)) as ckpt:
-        for step in (10, 20):
-            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
-        ckpt.load(_sd(torch.zeros(64), -1), step=10)
-        ckpt.save(_sd(_value(11, 1), 11), step=11).wait(timeout_s=30)
+        _abandon_step_20(ckpt)
         plan = plan_gc(scan_root(root), keep=1, grace_s=0.0)
         assert {r.entry.step for r in plan.remove} == {10, 20}
         ckpt.save(_sd(_value(20, 1), 20), step=20).wait(timeout_s=30)

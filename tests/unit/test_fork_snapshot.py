@@ -314,20 +314,26 @@ def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(rings
     assert len(children) == 0
 
 
+def _oversized_lazy_save(ring: StagingRing, copier: LazyCopier) -> tuple[Producer, Claim]:
+    """A lazy save of 12 MiB claimed in the 8 MiB ring (it streams: the daemon must free room)."""
+    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    return copier.start(ring, claim), claim
+
+
 @pytest.mark.timeout(60)
 def test_a_cancelled_lazy_producer_drops_its_save_unread(rings):
     """A lazy save the daemon refused is dropped before the copier thread sees it: a save larger
     than the ring would otherwise be copied until the ring is full and wait for room nobody frees
     (``snapshot_timeout_s``, then a StagingError in place of the refusal)."""
     ring, _ = rings
-    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")  # 12 MiB through an 8 MiB ring
-    placements, _ = place(items)
-    block, start = ring.claim(placements)
     copier = LazyCopier(0, timeout_s=30.0)
-    producer = copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements))
+    producer, claim = _oversized_lazy_save(ring, copier)
     producer.cancel()
     assert copier._thread is None and not copier._pending  # never handed over, nothing left to fence
-    ring.unclaim(block, start, placements)
+    ring.unclaim(claim.block, claim.start, claim.placements)
     copier.fence()
     assert copier.stop(time.monotonic() + 5)
 
@@ -338,11 +344,8 @@ def test_a_lazy_copy_waiting_for_room_gives_up_at_once_when_the_daemon_is_gone(r
     (RankRing.quiesce(daemon_gone=True)) that wait gives up at once and the save is abandoned,
     instead of holding the training thread for snapshot_timeout_s."""
     ring, _ = rings
-    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")  # 12 MiB through an 8 MiB ring
-    placements, _ = place(items)
-    block, start = ring.claim(placements)
     copier = LazyCopier(0, timeout_s=45.0)
-    producer = copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements))
+    producer, _ = _oversized_lazy_save(ring, copier)
     producer.after_ack()  # the copier fills the ring, then waits for room nobody frees
     copier.wait_all(daemon_gone=True)
     assert not copier._handed and not copier._daemon_gone.is_set()
