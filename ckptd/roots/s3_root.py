@@ -252,13 +252,13 @@ class S3Root:
                 "could not remove the aborted save %s (`ckptd gc` removes it later): %s", self.display(name), exc
             )
 
-    def _retire(self, name: str, keep_attempt: str | None = None) -> None:
+    def _retire(self, name: str, keep_attempt: str | None = None, only_attempt: str | None = None) -> None:
         """Remove a committed step: its commit object first (invisible from then on), then its other
-        objects (but the data objects of ``keep_attempt``, a save about to replace it)."""
+        objects: but the data objects of ``keep_attempt`` (a save about to replace it), and with
+        ``only_attempt`` (the retired commit's) only that attempt's data objects (a re-save of the
+        step may be uploading its own meanwhile)."""
         self.client.delete([f"{name}/{COMMIT_RECORD}"])
-        doomed = [
-            i.key for i in self.client.list_objects(name) if keep_attempt is None or _attempt_of(i.key) != keep_attempt
-        ]
+        doomed = [i.key for i in self.client.list_objects(name) if _retired(i.key, keep_attempt, only_attempt)]
         self.client.delete(doomed)
 
     def changed_since_scan(self, entry: CheckpointEntry) -> str | None:
@@ -277,16 +277,20 @@ class S3Root:
     def remove_entry(self, entry: CheckpointEntry) -> bool:
         """Retention and gc: remove a committed or partial step and its unfinished uploads; False
         when there was nothing (a store that lists emptied "directories", as SeaweedFS does)."""
+        only = None
         if entry.state is EntryState.COMMITTED:
-            self._retire(entry.name)
+            record = read_s3_commit_record(self.client, entry.name)
+            only = record.attempt if record is not None and record.attempt else None  # DAMAGED: every attempt
+            self._retire(entry.name, only_attempt=only)
             found = True
         else:
             keys = [i.key for i in self.client.list_objects(entry.name)]
             self.client.delete(keys)
             found = bool(keys)
         for upload in self.client.uploads(entry.name):
-            self.client.abort_upload(upload)
-            found = True
+            if _retired(upload.key, None, only):
+                self.client.abort_upload(upload)
+                found = True
         return found
 
     def _apply_retention(self) -> None:
@@ -347,6 +351,15 @@ class S3Root:
 
     def checkpoint_location(self, step: int) -> S3Location:
         return self.location.child(step_dir_name(step))
+
+
+def _retired(key: str, keep_attempt: str | None, only_attempt: str | None) -> bool:
+    """Whether retiring a step removes object ``key`` (see :meth:`S3Root._retire`): the metadata
+    objects always (an attempt writes them only at its commit), data objects by their attempt."""
+    attempt = _attempt_of(key)
+    if attempt is None:
+        return True
+    return attempt != keep_attempt and (only_attempt is None or attempt == only_attempt)
 
 
 def _attempt_of(key: str) -> str | None:

@@ -252,3 +252,34 @@ def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(
             assert torch.equal(w, torch.full((64,), 20.5))
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_retiring_a_step_leaves_the_data_objects_of_a_re_save_in_flight(s3_bucket, runtime_dir):
+    """gc (or retention) retiring the abandoned step 20 while a re-save of step 20 uploads its data
+    objects: only the retired commit's objects go; the re-save's stay (they were deleted too, and
+    that save then failed its commit's object check)."""
+    from ckptd.retention import plan_gc
+    from ckptd.roots.s3_root import apply_s3_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = f"s3://{s3_bucket}/runs/retire"
+    location = parse_location(root)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            for step in (10, 20):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+            ckpt.load(_sd(torch.zeros(64), -1), step=10)
+            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+        old = read_s3_commit_record(client, "iter_0000020")
+        assert old is not None
+        in_flight = "iter_0000020/__0_0.fedcba987654-1.distcp"  # another attempt's data object
+        client.put(in_flight, b"x" * 64)
+        plan = plan_gc(scan_s3_root(location), keep=1, grace_s=3600.0)
+        assert 20 in {r.entry.step for r in plan.remove}
+        apply_s3_gc(S3Root(location), plan, grace_s=3600.0)
+        left = {i.key for i in client.list_objects("iter_0000020")}
+        assert left == {in_flight}, left
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
