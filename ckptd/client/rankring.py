@@ -173,7 +173,7 @@ class RankRing:
             child, waited_s = self.children.fork(ring, claim, daemon_pid, idle)
             if child is not None:
                 return child, waited_s
-        return InlineProducer(ring, claim, self.config.snapshot_timeout_s), waited_s
+        return InlineProducer(ring, claim, self.config.snapshot_timeout_s, daemon_pid), waited_s
 
     def _device_snapshot(
         self, ring: StagingRing, claim: Claim, nbytes: dict[Any, int]

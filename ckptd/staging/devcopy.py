@@ -35,7 +35,7 @@ import torch
 
 from ..errors import StagingError
 from ..format.items import PlannedItem
-from .producer import Claim, Snapshot, start_block
+from .producer import Claim, Snapshot, process_alive, start_block
 from .rankside import Placement, StagingRing, plain_values, tensor_bytes
 from .ring import ALIGN, HEADER_NBYTES, block_offset, give_up_mark
 
@@ -348,13 +348,16 @@ class InlineProducer:
     (:meth:`after_ack`). A save the daemon never took waits for the copies issued before its
     range is given back."""
 
-    def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float) -> None:
+    def __init__(self, ring: StagingRing, claim: Claim, pin_timeout_s: float, daemon_pid: int | None = None) -> None:
         self.ring = ring
         self.claim = claim
         self.snapshot = Snapshot(
             pid=os.getpid(), seal=start_block(ring, claim.block), seal_offset=block_offset(claim.block)
         )
-        self._copier = DeviceCopier(ring, claim.block, pin_timeout_s)
+        # A wait for ring space gives up at once when the node daemon (which frees it) is gone.
+        alive = None if daemon_pid is None else process_alive(daemon_pid)
+        stop = None if alive is None else (lambda: not alive())
+        self._copier = DeviceCopier(ring, claim.block, pin_timeout_s, stop=stop)
         try:
             self._issued = self._copier.produce(claim.start, claim.items, claim.placements, wait=False)
         except BaseException:

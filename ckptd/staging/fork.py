@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..format.items import PlannedItem
-from .producer import Claim, Snapshot, start_block
+from .producer import Claim, Snapshot, process_alive, start_block
 from .rankside import Placement, StagingRing, plain_cpu_bytes
 from .ring import RingFull, RingWriter, block_offset, give_up_mark, span
 
@@ -83,7 +83,7 @@ def fork_snapshot(
     is gone or makes no room for ``snapshot_timeout_s``."""
     seal = start_block(ring, block)
     end = start + span(rel + n for rel, _, n in copies)
-    writer = RingWriter(ring.segment.fileno(), ring.capacity, ring.writer.timeout_s, _alive(daemon_pid))
+    writer = RingWriter(ring.segment.fileno(), ring.capacity, ring.writer.timeout_s, process_alive(daemon_pid))
     pid = fork_started(lambda: _child(writer, start, end, block, copies, seal, nice))
     return None if pid is None else Snapshot(pid=pid, seal=seal, seal_offset=block_offset(block))
 
@@ -145,19 +145,6 @@ def fork_started(
             ", forking again" if attempt < tries else "",
         )
     return None
-
-
-def _alive(pid: int) -> Any:
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    return alive
 
 
 def _child(

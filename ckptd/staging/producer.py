@@ -32,7 +32,9 @@ it is produced and fails a save that is never sealed (ckptd.daemon.snapshot).
 
 from __future__ import annotations
 
+import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +90,22 @@ class Producer(Protocol):
     def detach(self) -> None:
         """No answer: the daemon may still write the save; let the producer finish on its own."""
         ...
+
+
+def process_alive(pid: int) -> Callable[[], bool]:
+    """Whether process ``pid`` still runs (the node daemon: a wait for ring space only it frees
+    ends when it is gone, instead of at ``snapshot_timeout_s``)."""
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process of that pid: not ours to judge
+            return True
+        return True
+
+    return alive
 
 
 def start_block(ring: StagingRing, block: int) -> bytes:

@@ -200,7 +200,10 @@ class StagingRing:
             return writer.wait_room(v_end)
         except RingFull as exc:
             if stop is not None and stop():
-                raise StagingError(f"rank {self.rank}: closed while waiting for ring space") from None
+                raise StagingError(
+                    f"rank {self.rank}: gave up waiting for ring space: the Checkpointer is closing, or "
+                    "the node daemon that frees it is gone"
+                ) from None
             raise StagingError(
                 f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not persisting: see its log"
             ) from None

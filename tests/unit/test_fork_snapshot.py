@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 
@@ -371,6 +373,23 @@ def test_waiting_for_the_lazy_copier_waits_until_a_fenced_save_is_sealed(rings, 
     snap = producer.snapshot
     SnapshotWait.open(0, snap.pid, snap.seal, snap.seal_offset).wait(dring, timeout_s=0.01)  # sealed already
     assert copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(30)
+def test_an_inline_save_waiting_for_room_gives_up_once_the_daemon_is_gone(rings):
+    """save() itself producing a save larger than the ring (CUDA tensors, snapshot="copy") waits
+    for the node daemon to free room; a daemon that died frees none, so the wait ends at once
+    with the reason, not after snapshot_timeout_s (60 s here)."""
+    ring, _ = rings
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # a pid that no longer runs: the daemon, killed
+    items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")  # 12 MiB through an 8 MiB ring
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
+    producer = InlineProducer(ring, claim, 60.0, daemon_pid=gone.pid)
+    with pytest.raises(StagingError, match="the node daemon that frees it is gone"):
+        producer.after_ack()
 
 
 @pytest.mark.timeout(60)
