@@ -121,7 +121,7 @@ class RootCatalog:
         if latest is None or self.tracker_problem is not None:
             return None
         for e in self.committed:
-            if e.step == step and e is not latest and step > latest.step and e.commit_order < latest.commit_order:
+            if e.step == step and e is not latest and left_behind(step, e.commit_seq, latest.step, latest.commit_seq):
                 return e
         return None
 
@@ -161,6 +161,12 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     return True, name, None
 
 
+def left_behind(step: int, seq: int, latest_step: int, latest_seq: int) -> bool:
+    """The rollback rule: a commit of ``step`` (commit sequence number ``seq``) is on an abandoned
+    branch when the tracker's checkpoint is of a lower step and was committed after it."""
+    return step > latest_step and seq < latest_seq
+
+
 def abandoned_after(latest_name: str | None, step: int, seq: int, latest_seq: Callable[[str], int]) -> bool:
     """Whether a commit of ``step`` with commit sequence number ``seq`` is on a branch a rollback
     abandoned, from the trusted tracker's target alone (:meth:`RootCatalog.abandoned` without
@@ -169,8 +175,8 @@ def abandoned_after(latest_name: str | None, step: int, seq: int, latest_seq: Ca
     tracker to trust."""
     parsed = None if latest_name is None else parse_step_dir(latest_name)
     if latest_name is None or parsed is None or parsed.partial or parsed.deleting or parsed.step >= step:
-        return False
-    return latest_seq(latest_name) > seq
+        return False  # not a lower step: no record to read
+    return left_behind(step, seq, parsed.step, latest_seq(latest_name))
 
 
 def abandoned_commit(root: Path, step: int, seq: int) -> bool:
