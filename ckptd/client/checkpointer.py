@@ -17,8 +17,8 @@ Order of one :meth:`Checkpointer.save` on a rank:
    the items (:mod:`ckptd.client.saveplanner`; local checks only): every plain item of a
    DCP-style state dict the rank holds, or only its share once a verdict confirmed that every
    rank holds the same plain keys (:mod:`ckptd.statedict.holdings`), laid out one after the
-   other (aligned offsets); a DCP-style state dict of the structure saved before reuses that
-   plan (:mod:`ckptd.format.repeat`);
+   other (aligned offsets); a DCP-style state dict of the structure saved (or prepared) before
+   reuses that plan (:mod:`ckptd.format.repeat`);
 3. create this rank's staging ring on the first save (unless ``prepare()`` or a byte budget did),
    sized by ``staging_budget`` (:mod:`ckptd.staging.ring`), and register it with the daemon, which
    owns it from then on; items larger than the ring are split into chunks;
@@ -39,10 +39,11 @@ Order of one :meth:`Checkpointer.save` on a rank:
    ring space the daemon frees;
 6. send ``SAVE`` with this try's attempt id (``<incarnation>-<n>``: the launch, computed alike on
    every rank, and how many times this Checkpointer saved the step; see
-   :mod:`ckptd.control.attempt`), the rank's plain-key digest and, when its layout changed, the
-   keys it holds without storing them, and wait for its ``SAVE_ACK``; tell the producer whether
-   the daemon took the save (``after_ack``: an inline producer copies now), never took it
-   (``cancel``) or may have (``detach``); return the :class:`SaveHandle`, which resolves through
+   :mod:`ckptd.control.attempt`), the rank's plain-key digest and, when its layout changed since
+   the last SAVE or ``prepare()`` sent one, the item list and the keys it holds without storing
+   them (else only the layout's id: :mod:`ckptd.client.layout`), and wait for its ``SAVE_ACK``;
+   tell the producer whether the daemon took the save (``after_ack``: an inline producer copies
+   now), never took it (``cancel``) or may have (``detach``); return the :class:`SaveHandle`, which resolves through
    its future as the daemon's notifications arrive (:mod:`ckptd.client.pending`). The daemon
    writes each item once it is produced and publishes the file once the producer sealed the
    save; outcomes of other attempts of the step never resolve the handle.
@@ -65,7 +66,9 @@ from ..control.attempt import check_save_step
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.protocol import (
     Bye,
+    LayoutOk,
     Message,
+    RegisterLayout,
     Save,
     Skip,
     Status,
@@ -296,7 +299,9 @@ class Checkpointer:
     def prepare(self, sharded_state_dict: dict[str, Any], *, wait: bool = True) -> None:
         """Create this rank's staging ring now, sized for saves of ``sharded_state_dict`` as its
         first ``save()`` would size it, and remember the plan, so a first save of the same
-        structure is not planned again (ckptd.format.repeat). In a process that uses CUDA the ring
+        structure is not planned again (ckptd.format.repeat) and sends the daemon only the id of
+        its item list, registered here (ckptd.client.layout): that save's stall is then a steady
+        save's. In a process that uses CUDA the ring
         is pinned (ckptd.staging.pinning; about 0.5 s per GiB on an H100 machine, some 20 times the
         device-to-host copy) and, with ``wait`` (default), ``prepare()`` returns once it is, so the
         first save is a steady one; ``wait=False`` returns at once and pins in the background
@@ -309,9 +314,17 @@ class Checkpointer:
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
         device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
         self._ensure_connected()
-        self._ring.ensure(plan.nbytes, device=device)
+        ring = self._ring.ensure(plan.nbytes, device=device)
+        # Items larger than the ring are split by each save (on the GPU, for CUDA tensors).
+        if all(p.nbytes <= ring.capacity for p in plan.placements):
+            self._layout.register(
+                self._send_layout, self.env.rank, ring.generation, plan.items, plan.placements, plan.held
+            )
         if wait:
             self._ring.wait_pinned()
+
+    def _send_layout(self, msg: RegisterLayout) -> None:
+        self._link.request(msg, LayoutOk, match=lambda ok: ok.layout == msg.layout)
 
     def before_update(self) -> None:
         """With lazy snapshots: call before changing saved tensors (the optimizer step); returns
@@ -535,9 +548,7 @@ class Checkpointer:
         attempt = self._next_attempt(step)
         try:
             self._ensure_connected()
-            self._link.announce(
-                Skip(step=step, attempt=attempt, rank=self.env.rank, world_size=self.env.world_size, reason=reason)
-            )
+            self._link.announce(self._skip_message(step, attempt, reason))
         except CkptdError as exc:
             log.warning(
                 "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
@@ -553,19 +564,16 @@ class Checkpointer:
         )
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._next_attempt(step)
-        self._link.announce(
-            Skip(
-                step=step,
-                attempt=attempt,
-                rank=self.env.rank,
-                world_size=self.env.world_size,
-                reason=reason,
-                skipped=True,
-            )
-        )
+        self._link.announce(self._skip_message(step, attempt, reason, skipped=True))
         handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
+
+    def _skip_message(self, step: int, attempt: str, reason: str, *, skipped: bool = False) -> Skip:
+        env = self.env
+        return Skip(
+            step=step, attempt=attempt, rank=env.rank, world_size=env.world_size, reason=reason, skipped=skipped
+        )
 
     def _on_notify(self, msg: Message) -> None:
         if isinstance(msg, WriteDone):

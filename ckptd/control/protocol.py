@@ -14,6 +14,8 @@ Order of calls for one save of step ``s`` (who sends each message):
    a ``PING`` from any authenticated peer.
 2. rank -> daemon ``REGISTER_RING`` -> ``RING_OK`` once per staging ring: from then on the daemon
    owns its shared-memory segment (and unlinks it); only this connection saves from it.
+   ``prepare()`` then sends rank -> daemon ``REGISTER_LAYOUT`` -> ``LAYOUT_OK``: the item list of the
+   saves to come, checked and kept as a SAVE's, so that the first SAVE names it by id.
 3. rank takes a control block and the next range of its staging ring (ckptd.staging.ring), starts
    producing its shards into it (a fork child, a copier thread, or itself), then rank -> daemon
    ``SAVE`` -> ``SAVE_ACK``; the daemon now owns the save and ``save()`` returns. When the ring
@@ -75,7 +77,8 @@ from .attempt import check_attempt, check_step
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
-PROTOCOL_VERSION = 13
+# 14: REGISTER_LAYOUT (a daemon of 13 refuses it as an unknown type).
+PROTOCOL_VERSION = 14
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -96,6 +99,8 @@ class MsgType(enum.IntEnum):
     SKIP = 14
     WRITE_DONE = 15
     BYE = 16
+    REGISTER_LAYOUT = 17
+    LAYOUT_OK = 18
     STEP_COMMITTED = 20
     STEP_ABORTED = 21
     WRITTEN = 30
@@ -226,6 +231,27 @@ class Save(Message):
     seal_offset: int
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisterLayout(Message):
+    """rank -> daemon, from ``prepare()``: the item list of the saves to come from ring
+    ``generation``, under the id ``layout``, with the keys the rank holds without storing them.
+    The daemon checks and keeps it as it does a SAVE's items (see :class:`Save`), so the first
+    SAVE of that structure sends only the id: its stall is then a steady save's."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER_LAYOUT
+    rank: int
+    generation: str
+    layout: str
+    items: list[SaveItem]
+    held: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOk(Message):
+    TYPE: ClassVar[MsgType] = MsgType.LAYOUT_OK
+    layout: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,6 +402,8 @@ REGISTRY: dict[int, type[Message]] = {
         ErrorReply,
         RegisterRing,
         RingOk,
+        RegisterLayout,
+        LayoutOk,
         Save,
         Skip,
         SaveAck,
@@ -423,24 +451,25 @@ def check_record(rec: ItemRecord) -> None:
         raise ProtocolError(f"malformed item record for {rec.fqn!r}: unknown kind {rec.kind!r}")
 
 
-def check_save_items(msg: Save, capacity: int) -> None:
-    """What the types of a SAVE's items cannot say: valid records (:func:`check_record`) of the
-    sending rank, placed in order without overlap, each no larger than the ring (``capacity``
-    bytes) and each tensor's size its shape's. ProtocolError, or StagingError for a placement."""
+def check_save_items(rank: int, items: list[SaveItem], capacity: int) -> None:
+    """What the types of a SAVE's (or REGISTER_LAYOUT's) items cannot say: valid records
+    (:func:`check_record`) of the sending ``rank``, placed in order without overlap, each no larger
+    than the ring (``capacity`` bytes) and each tensor's size its shape's. ProtocolError, or
+    StagingError for a placement."""
     end = 0
-    for it in msg.items:
+    for it in items:
         rec, off, n = it.record, it.offset, it.nbytes
         check_record(rec)
         if not (end <= off < MAX_RING_OFFSET and 0 <= n <= capacity):
             raise StagingError(
-                f"rank {msg.rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
+                f"rank {rank}: item {rec.fqn!r} at {off} ({n} bytes) overlaps the one "
                 f"before it or does not fit the {capacity}-byte ring"
             )
         end = off + n
-        if rec.rank != msg.rank:
-            raise ProtocolError(f"rank {msg.rank} sent a record of rank {rec.rank}")
+        if rec.rank != rank:
+            raise ProtocolError(f"rank {rank} sent a record of rank {rec.rank}")
         if rec.kind == TENSOR and rec.nbytes != n:
-            raise StagingError(f"rank {msg.rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
+            raise StagingError(f"rank {rank}: item {rec.fqn!r} has {n} bytes, its shape needs {rec.nbytes}")
 
 
 def _check_ids(msg: Message) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import MAX_RING_OFFSET, Message, Save, WriteDone, check_save_items
+from ..control.protocol import MAX_RING_OFFSET, Message, RegisterLayout, Save, SaveItem, WriteDone, check_save_items
 from ..errors import ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
@@ -202,10 +202,19 @@ class SaveIntake:
                     "daemon does not hold; send the items"
                 )
             return ring.layout[1], ring.layout[2], ring.layout[3]
-        records, placements = decode_items(msg, ring.capacity)
+        records, placements = decode_items(msg.rank, msg.items, ring.capacity)
         if msg.layout:
             ring.layout = (msg.layout, records, placements, msg.held)
         return records, placements, msg.held
+
+    def register_layout(self, identity: bytes, msg: RegisterLayout) -> None:
+        """Keep a REGISTER_LAYOUT's item list as the ring's layout, checked as a SAVE's items are,
+        for the rank's next SAVE to name (raises StagingError, ProtocolError)."""
+        if not msg.layout:
+            raise ProtocolError(f"rank {msg.rank}: REGISTER_LAYOUT without a layout id")
+        ring = self.rings.get(msg.rank, msg.generation, identity)
+        records, placements = decode_items(msg.rank, msg.items, ring.capacity)
+        ring.layout = (msg.layout, records, placements, msg.held)
 
     def on_done(self, done: WriteFinished) -> None:
         """A write finished: free its block, tell the rank, report to the coordinator."""
@@ -226,8 +235,9 @@ class SaveIntake:
             self._execute(action)
 
 
-def decode_items(msg: Save, capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
-    """Records and relative placements of a SAVE's items, once checked (the rank's own, in order,
-    each fitting the ring of ``capacity`` bytes: ckptd.control.protocol.check_save_items)."""
-    check_save_items(msg, capacity)
-    return [it.record for it in msg.items], [Placement(it.offset, it.nbytes) for it in msg.items]
+def decode_items(rank: int, items: list[SaveItem], capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
+    """Records and relative placements of ``rank``'s items (a SAVE's or a REGISTER_LAYOUT's), once
+    checked (the rank's own, in order, each fitting the ring of ``capacity`` bytes:
+    ckptd.control.protocol.check_save_items)."""
+    check_save_items(rank, items, capacity)
+    return [it.record for it in items], [Placement(it.offset, it.nbytes) for it in items]

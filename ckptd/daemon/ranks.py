@@ -3,7 +3,8 @@
 Ranks connect to a CurveZMQ ROUTER on ``ipc://`` in the owner-only runtime directory. Order per
 connection (see ckptd.control.protocol): ``HELLO`` (its pid must be the connecting process's, as
 the kernel reports it, of this daemon's user) -> ``REGISTER_RING`` (the rank's staging ring, bound
-to this connection) -> ``SAVE``/``SKIP`` per save -> ``BYE``. ``PING``, ``STATUS`` and
+to this connection) -> ``REGISTER_LAYOUT`` (from ``prepare()``: the item list of the saves to
+come) -> ``SAVE``/``SKIP`` per save -> ``BYE``. ``PING``, ``STATUS`` and
 ``SHUTDOWN`` are served at any time. Every heartbeat the ranks' processes are checked: a dead
 rank's ring is released once its writes finished.
 """
@@ -27,9 +28,11 @@ from ..control.protocol import (
     Codec,
     Failed,
     Hello,
+    LayoutOk,
     Message,
     Ping,
     Pong,
+    RegisterLayout,
     RegisterRing,
     RingOk,
     Save,
@@ -115,6 +118,10 @@ class RankServer:
             self.client(identity, msg.rank)
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.channel.send(RingOk(generation=msg.generation), identity)
+        elif isinstance(msg, RegisterLayout):
+            self.client(identity, msg.rank)
+            self.intake.register_layout(identity, msg)
+            self.channel.send(LayoutOk(layout=msg.layout), identity)
         elif isinstance(msg, Save):
             client = self.client(identity, msg.rank)
             stopping = self.hooks.stopping()

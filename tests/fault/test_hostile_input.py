@@ -39,11 +39,14 @@ from ckptd.control.protocol import (
     Codec,
     ErrorReply,
     Hello,
+    LayoutOk,
     MsgType,
     Ping,
     Pong,
+    RegisterLayout,
     RegisterRing,
     RingOk,
+    SaveItem,
     Status,
     StatusReply,
     Welcome,
@@ -51,6 +54,7 @@ from ckptd.control.protocol import (
 from ckptd.control.security import make_client_secure
 from ckptd.daemon.metrics import prometheus_text
 from ckptd.daemon.snapshot import boottime_s
+from ckptd.format.records import BYTES, ItemRecord
 from ckptd.staging.rankside import StagingRing
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
@@ -303,8 +307,9 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
 @pytest.mark.timeout(60)
 def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_child(job):
     """Another connection of the same job (here: the test process, saying HELLO as rank 0 with its
-    true pid) can neither save from nor retire the Checkpointer's ring, nor speak for rank 1, nor
-    make a writer wait on a process that is not its own snapshot child."""
+    true pid) can neither save from, register an item layout for, nor retire the Checkpointer's
+    ring, nor speak for rank 1, nor make a writer wait on a process that is not its own snapshot
+    child."""
     ep = job.ckpt.endpoints
     victim = job.ckpt._ring.current
     assert victim is not None
@@ -324,6 +329,23 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
         assert isinstance(
             ask(RegisterRing(rank=0, generation=own.generation, ring_nbytes=own.capacity, names=own.names)), RingOk
         )
+        # An item list registered ahead (prepare()) is checked as a SAVE's, for its own ring only.
+        item = SaveItem(record=ItemRecord(fqn="x", kind=BYTES, rank=0), offset=0, nbytes=8)
+        for gen, layout, items, why in (
+            (victim.generation, "l1", [item], "registered by another connection"),
+            (own.generation, "", [item], "without a layout id"),
+            (
+                own.generation,
+                "l1",
+                [SaveItem(record=ItemRecord(fqn="x", kind=BYTES, rank=1), offset=0, nbytes=8)],
+                "sent a record of rank 1",
+            ),
+            (own.generation, "l1", [SaveItem(record=item.record, offset=0, nbytes=own.capacity + 1)], "does not fit"),
+        ):
+            reply = ask(RegisterLayout(rank=0, generation=gen, layout=layout, items=items, held=[]))
+            assert isinstance(reply, ErrorReply) and why in reply.reason, reply
+        reply = ask(RegisterLayout(rank=0, generation=own.generation, layout="l1", items=[item], held=[]))
+        assert reply == LayoutOk(layout="l1")
         for pid, why in (
             (1, "is not a child of the rank's process"),
             (old_child.pid, "is older than the rank's staging ring"),

@@ -32,6 +32,14 @@ def _config(runtime_dir: Path, **kw) -> ckptd.CkptdConfig:
     return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
 
 
+def _sent_messages(ckpt: ckptd.Checkpointer, monkeypatch) -> list:
+    """The requests ``ckpt`` sends its daemon from now on, in order (each still sent)."""
+    sent: list = []
+    request = ckpt._link.request
+    monkeypatch.setattr(ckpt._link, "request", lambda msg, *a, **kw: sent.append(msg) or request(msg, *a, **kw))
+    return sent
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
 def test_save_never_registers_ring_memory_inside_the_stall(
@@ -172,8 +180,9 @@ def test_no_pinning_without_cuda_in_use(tmp_path, single_process, runtime_dir):
 
 @pytest.mark.timeout(120)
 def test_prepare_plans_the_first_save(tmp_path, single_process, monkeypatch, runtime_dir):
-    """prepare() remembers its plan: a first save of the same structure is not taken apart again
-    (ckptd.format.repeat) and commits the values it was given."""
+    """prepare() remembers its plan and registers its item list with the daemon: a first save of
+    the same structure is not taken apart again (ckptd.format.repeat), sends only the layout's id
+    (ckptd.client.layout) and commits the values it was given."""
     from ckptd.client import saveplanner
 
     splits = []
@@ -181,11 +190,32 @@ def test_prepare_plans_the_first_save(tmp_path, single_process, monkeypatch, run
     monkeypatch.setattr(saveplanner, "split_state_dict", lambda sd: splits.append(1) or full(sd))
     state = {"model": {"w": torch.randn(1000), "b": torch.randn(10)}, "step": 3}
     with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir)) as ckpt:
+        sent = _sent_messages(ckpt, monkeypatch)
         ckpt.prepare(state)
+        assert [type(m).__name__ for m in sent] == ["RegisterRing", "RegisterLayout"]
+        registered = sent[1].layout
+        assert len(sent[1].items) == 3  # w, b, step
         state["model"]["w"].add_(1.0)
         state["step"] = 4
         ckpt.save(state, step=1).wait(timeout_s=60)
         assert len(splits) == 1  # prepare()'s
+        assert type(sent[2]).__name__ == "Save" and sent[2].items == [] and sent[2].layout == registered
         want = {"model": {"w": torch.zeros(1000), "b": torch.zeros(10)}, "step": 0}
         ckpt.load(want, step=1)
     assert torch.equal(want["model"]["w"], state["model"]["w"]) and want["step"] == 4
+
+
+@pytest.mark.timeout(120)
+def test_prepare_registers_no_layout_for_items_larger_than_the_ring(tmp_path, single_process, monkeypatch, runtime_dir):
+    """An item larger than the ring is split by each save, so prepare() registers no item list:
+    the first save sends its pieces in full and commits."""
+    state = {"w": torch.randn(300_000), "b": torch.randn(10)}  # w: 1.2 MB, the ring a quarter of the state
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, staging_budget="0.25x")) as ckpt:
+        sent = _sent_messages(ckpt, monkeypatch)
+        ckpt.prepare(state)
+        assert [type(m).__name__ for m in sent] == ["RegisterRing"]
+        ckpt.save(state, step=1).wait(timeout_s=60)
+        assert type(sent[1]).__name__ == "Save" and len(sent[1].items) > 2  # w's pieces, b
+        want = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
+        ckpt.load(want, step=1)
+    assert all(torch.equal(want[k], state[k]) for k in state)

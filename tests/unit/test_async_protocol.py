@@ -18,8 +18,10 @@ from ckptd.control.protocol import (
     Codec,
     Failed,
     Hello,
+    LayoutOk,
     MsgType,
     Ping,
+    RegisterLayout,
     Save,
     SaveItem,
     Skip,
@@ -65,6 +67,14 @@ def test_every_message_type_round_trips():
             seal_offset=4096,
         ),
         a_save(step=100, rank=3, world_size=4, generation="abcd", block=1),
+        RegisterLayout(
+            rank=3,
+            generation="abcd",
+            layout="l1",
+            items=[SaveItem(record=ItemRecord(fqn="w", kind=BYTES, rank=3), offset=0, nbytes=8)],
+            held=["replica"],
+        ),
+        LayoutOk(layout="l1"),
         a_written(
             step=100, rank=3, world_size=4, node=1, records=[ItemRecord(fqn="w", kind=BYTES, rank=3)], file_nbytes=4096
         ),
@@ -251,7 +261,7 @@ def test_items_and_records_are_checked_by_their_types_then_by_the_checks_after(f
     with pytest.raises(error) as info:
         msg = codec.decode(frames)
         if isinstance(msg, Save):
-            decode_items(msg, capacity=1 << 20)
+            decode_items(msg.rank, msg.items, capacity=1 << 20)
         elif isinstance(msg, Written):
             for rec in msg.records:
                 check_record(rec)
@@ -262,9 +272,9 @@ def test_the_daemon_takes_decoded_items_only_if_each_fits_its_ring():
     msg = codec.decode(_save_frames([{"record": _W, "offset": 0, "nbytes": 16}]))
     assert isinstance(msg, Save)
     record = ItemRecord(fqn="w", kind=TENSOR, rank=0, dtype="float32", global_shape=(4,), offsets=(0,), sizes=(4,))
-    assert decode_items(msg, capacity=16) == ([record], [Placement(0, 16)])
+    assert decode_items(msg.rank, msg.items, capacity=16) == ([record], [Placement(0, 16)])
     with pytest.raises(StagingError, match="item 'w' at 0 \\(16 bytes\\) .* does not fit the 8-byte ring"):
-        decode_items(msg, capacity=8)
+        decode_items(msg.rank, msg.items, capacity=8)
 
 
 def test_size_limit_applies_before_anything_is_unpacked():
