@@ -4,8 +4,10 @@
 Order of one resume, on every rank:
 
 1. :func:`ckptd.recovery.resolve_resumable` chooses the checkpoint (the tracker's, else the newest
-   valid committed one), leaving out those a load already found damaged (on node-local disks,
-   :meth:`ckptd.client.tiers.Levels.candidate` chooses: :func:`load_agreed`);
+   valid committed one), leaving out those a load already found damaged, on rank 0, and every
+   rank takes its choice (ranks that each looked at the root could see it before and after a
+   commit moved the tracker, and load different steps); on node-local disks,
+   :meth:`ckptd.client.tiers.Levels.candidate` chooses (:func:`load_agreed`);
 2. :func:`ckptd.load` loads it, holding a lease so that retention leaves it alone meanwhile;
 3. with several ranks (torch.distributed initialized), the ranks gather every rank's outcome (one
    ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
@@ -13,9 +15,9 @@ Order of one resume, on every rank:
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
    rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the intact
    checkpoint committed last before it is loaded (the request is filled anew, so nothing of the
-   damaged one stays in it); one removed after it was chosen (CheckpointNotFoundError, its
-   directory gone) is chosen again from the latest, once per name. Any other error is raised on
-   every rank.
+   damaged one stays in it); one removed after it was chosen (CheckpointNotFoundError on every
+   rank, and rank 0 finds its directory gone) is chosen again from the latest, once per name. Any
+   other error is raised on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..dist import DistContext, error_class
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..recovery import resolve_resumable
 from ..s3catalog import checkpoint_exists
-from ..storage.url import Location
+from ..storage.url import Location, join
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Candidate:
     """A checkpoint to try: its directory ``name`` (what ``damaged`` records), what
-    :func:`ckptd.load` opens, and whether it still exists (asked after every rank failed with
-    CheckpointNotFoundError; the answer must be the same on every rank)."""
+    :func:`ckptd.load` opens, and whether it still exists (asked on rank 0 after every rank failed
+    with CheckpointNotFoundError)."""
 
     name: str
     target: Any
@@ -55,12 +57,18 @@ def load_latest(
     CorruptCheckpointError when checkpoints exist but none loads.
     """
 
-    def choose() -> Candidate:
+    ctx = DistContext.current(kwargs.get("process_group"))
+
+    def resolved() -> str | None:
         choice = resolve_resumable(root, damaged=damaged)
-        if choice is None:
+        return None if choice is None else choice.entry.name
+
+    def choose() -> Candidate:
+        name = ctx.agree("choosing the checkpoint to resume from", lambda: resolved() if ctx.rank == 0 else None)[0]
+        if name is None:
             raise CheckpointNotFoundError(f"{root} has no committed checkpoint yet")
-        path = choice.entry.path
-        return Candidate(choice.entry.name, path, lambda: checkpoint_exists(path))
+        path = join(root, name)
+        return Candidate(name, path, lambda: checkpoint_exists(path))
 
     return load_agreed(choose, sharded_state_dict, damaged, rank, kwargs)
 
@@ -98,7 +106,7 @@ def load_agreed(
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
-            and not candidate.exists()
+            and not _exists_on_rank0(ctx, candidate)
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)
@@ -106,3 +114,8 @@ def load_agreed(
             raise error
         else:
             raise next(iter(kinds))(f"loading {candidate.target} failed on another rank: {detail}")
+
+
+def _exists_on_rank0(ctx: DistContext, candidate: Candidate) -> bool:
+    """Whether ``candidate`` still exists, as rank 0 finds it (every rank calls this)."""
+    return bool(ctx.agree(f"looking for {candidate.name}", lambda: candidate.exists() if ctx.rank == 0 else True)[0])

@@ -78,6 +78,17 @@ class Resume:
         return None if self.choice is None else self.choice.step
 
 
+@dataclass(frozen=True)
+class Look:
+    """What one rank found in the levels: the root's latest intact checkpoint and, with a mirror,
+    the mirror's, the local commit that one copies, and this rank's :class:`LocalFind`."""
+
+    local_choice: LatestChoice | None
+    mirror_choice: LatestChoice | None = None
+    mirrored: CommitRef | None = None
+    find: LocalFind | None = None
+
+
 class Levels:
     """The levels a Checkpointer reads: its root, and the mirror (when configured). ``node_local``:
     the root is this node's own disk (config ``node_local``); ``wait_s`` bounds how long a read of a
@@ -125,8 +136,11 @@ class Levels:
 
     def resume(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Resume:
         """The level to resume from and its latest intact checkpoint (steps 1-2 above);
-        ``collective``: every rank calls it. Node-local disks: rank 0 alone decides, from its
-        node's disk and the mirror, and every rank takes its decision (or raises its error)."""
+        ``collective``: every rank calls it, and every rank gets rank 0's decision (ranks that
+        looked at the root at different moments, while a commit moved the tracker, would otherwise
+        load different steps). Node-local disks: rank 0 alone looks, at its node's disk and the
+        mirror; a shared root with a mirror: every rank looks and rank 0 decides from what they all
+        found (the mirror's copy when the ranks see different commits)."""
         ctx = DistContext.current(group)
         if self.node_local and collective and ctx.world_size == 1 < self.world_size:
             raise CkptdError(
@@ -135,18 +149,21 @@ class Levels:
                 "agree on it through a collective. Call torch.distributed.init_process_group() before "
                 "Checkpointer.latest() or load()"
             )
-        if self.node_local and collective:
+        if not collective or ctx.world_size == 1:
+            return self._decide([self._look(damaged)])
+        if self.node_local or self.mirror is None:
             decided = ctx.agree(
-                "choosing the checkpoint to resume from", lambda: self._resume_here(damaged) if ctx.rank == 0 else None
+                "choosing the checkpoint to resume from",
+                lambda: self._decide([self._look(damaged)]) if ctx.rank == 0 else None,
             )
-            return cast(Resume, decided[0])  # rank 0's
-        return self._resume_here(damaged, ctx if collective else None)
+            return cast(Resume, decided[0])
+        return self._decide(ctx.agree("looking for the checkpoint to resume from", lambda: self._look(damaged)))
 
-    def _resume_here(self, damaged: dict[str, str], ctx: DistContext | None = None) -> Resume:
-        """:meth:`resume` from this rank's view of the levels; ``ctx``: gather every rank's."""
+    def _look(self, damaged: dict[str, str]) -> Look:
+        """What this rank finds in the levels (:class:`Look`)."""
         local_choice = resolve_resumable(self.root, damaged=damaged, node_local=self.node_local)
         if self.mirror is None or not isinstance(self.root, Path):  # no mirror without a local root
-            return Resume(self.root, local_choice)
+            return Look(local_choice)
         local_record = None if local_choice is None else read_commit_record(local_choice.entry.path)
         local = _ref(local_choice, None if local_record is None else (local_record.attempt, local_record.seq))
         mirror_choice = resolve_resumable(self.mirror, damaged=damaged)
@@ -156,14 +173,20 @@ class Levels:
             source = None if record is None else record.source
         mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
         holds = mirrored is not None and _local_holds(self.root, mirrored)
-        mine = LocalFind(commit=local, holds_mirrored=holds)
-        found = [mine] if ctx is None else ctx.all_gather(mine)
-        level, commit = resume_from(found, mirrored, node_local=self.node_local, rank=0 if ctx is None else ctx.rank)
+        return Look(local_choice, mirror_choice, mirrored, LocalFind(commit=local, holds_mirrored=holds))
+
+    def _decide(self, looks: list[Look]) -> Resume:
+        """Where to resume, from what every rank found (``looks``, by rank; rank 0's decides)."""
+        mine = looks[0]
+        if mine.find is None:  # no mirror
+            return Resume(self.root, mine.local_choice)
+        finds = [look.find for look in looks if look.find is not None]
+        level, commit = resume_from(finds, mine.mirrored, node_local=self.node_local, rank=0)
         if level == MIRROR:
-            return Resume(self.mirror, mirror_choice)
+            return Resume(cast(S3Location, self.mirror), mine.mirror_choice)
         if self.node_local:
             return Resume(self.root, None, commit)
-        return Resume(self.root, local_choice)
+        return Resume(self.root, mine.local_choice)
 
     def candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
         """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
@@ -210,8 +233,12 @@ class Levels:
         """Node 0's disk and the mirror hold no checkpoint: raise CorruptCheckpointError if another
         node's disk holds commits (node 0's disk went before the mirror copied any: they cannot be
         loaded without node 0's files), rather than let the job start over silently."""
-        mine = local_latest(self.root) if isinstance(self.root, Path) else None
-        found = DistContext.current(group).all_gather((self.node, None if mine is None else mine.step))
+
+        def mine() -> tuple[int, int | None]:
+            latest = local_latest(self.root) if isinstance(self.root, Path) else None
+            return self.node, None if latest is None else latest.step
+
+        found = DistContext.current(group).agree("looking for commits on the nodes' disks", mine)
         held = {node: step for node, step in found if step is not None}
         if held:
             raise CorruptCheckpointError(
@@ -226,8 +253,10 @@ class Levels:
         (neither ``iter_<step>`` of the commit nor the attempt's directory: a replaced node, a lost
         disk) and the mirror has no copy of it, which the daemons can then never complete either.
         Every rank gathers what its node holds, so all decide alike without waiting."""
-        mine = (self.node, target.held_here(), target.read_copy() is not None)
-        found = DistContext.current(group).all_gather(mine)
+        found = DistContext.current(group).agree(
+            f"looking for the files of step {target.step} on the nodes' disks",
+            lambda: (self.node, target.held_here(), target.read_copy() is not None),
+        )
         bare = sorted({node for node, holds, _ in found if not holds})
         if not bare or any(copied for _, _, copied in found):
             return None

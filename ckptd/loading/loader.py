@@ -149,12 +149,47 @@ def _fits(sh: ShardedTensor, value: Any, cast: bool) -> bool:
     )
 
 
-def _missing(view: CheckpointView, split: SplitStateDict, group: Any) -> set[str]:
-    """Stored tensors and ShardedObjects that no rank requested (common values never count)."""
-    mine = sorted({_requested_key(sh) for sh in split.sharded.values()})
-    requested = set().union(*map(set, DistContext.current(group).all_gather(mine)))
-    stored = set(view.tensors) | {k for k, o in view.objects.items() if o.sharded_object}
-    return stored - requested
+@dataclass
+class _Matched:
+    """Steps 1-3 on this rank: the view, the request taken apart, and what matched."""
+
+    view: CheckpointView
+    split: SplitStateDict
+    common: _Common
+    unexpected: set[str]
+    from_common: dict[SdPath, tuple[ShardedTensor | ByteItem, Any]]
+    matched: int
+
+    def requested(self) -> list[str]:
+        return sorted({_requested_key(sh) for sh in self.split.sharded.values()})
+
+    def missing(self, requested: set[str]) -> set[str]:
+        """Stored tensors and ShardedObjects not in ``requested`` (common values never count)."""
+        stored = set(self.view.tensors) | {k for k, o in self.view.objects.items() if o.sharded_object}
+        return stored - requested
+
+
+def _matched(index: CheckpointIndex, req: LoadRequest) -> _Matched:
+    view = CheckpointView.of_index(index)
+    if req.key_mapping:
+        apply_key_mapping(view, list(req.key_mapping))
+    split = split_state_dict(req.sharded_state_dict)
+    common = _Common(req, index)
+    unexpected, from_common, matched = _match(view, split, common, req.allow_dtype_cast)
+    return _Matched(view, split, common, unexpected, from_common, matched)
+
+
+def _matched_everywhere(index: CheckpointIndex, req: LoadRequest, where: str) -> tuple[_Matched, set[str]]:
+    """Steps 1-3, and every rank's requested keys: gathered through DistContext.agree, so that a
+    rank whose steps 1-3 failed fails that collective on every rank instead of crossing it."""
+    local: list[_Matched] = []
+
+    def mine() -> list[str]:
+        local.append(_matched(index, req))
+        return local[0].requested()
+
+    gathered = DistContext.current(req.process_group).agree(f"load of {where}", mine)
+    return local[0], set().union(*map(set, gathered))
 
 
 def _check_something_matched(view: CheckpointView, split: SplitStateDict, matched: int, where: str) -> None:
@@ -177,23 +212,21 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
     """Steps 1-6 above; returns the state dict, or ``(state_dict, missing, unexpected)`` for the
     ``return_*`` strict modes."""
     mode = parse_strict(req.strict)
-    view = CheckpointView.of_index(index)
-    if req.key_mapping:
-        apply_key_mapping(view, list(req.key_mapping))
-    split = split_state_dict(req.sharded_state_dict)
-    common = _Common(req, index)
     where = str(req.checkpoint_dir)
-
-    unexpected, from_common, matched = _match(view, split, common, req.allow_dtype_cast)
+    if mode.needs_global_keys:
+        m, requested = _matched_everywhere(index, req, where)
+    else:
+        m, requested = _matched(index, req), set()
+    view, split, common, unexpected, from_common = m.view, m.split, m.common, m.unexpected, m.from_common
     mismatch = Mismatch(set(), unexpected)
     if mode is StrictHandling.ASSUME_OK_UNEXPECTED:
         if unexpected:
             _raise_unexpected(view, split, unexpected)
     else:
         if mode.needs_global_keys:
-            mismatch.missing = _missing(view, split, req.process_group)
+            mismatch.missing = m.missing(requested)
         report(mode, mismatch, where)
-    _check_something_matched(view, split, matched, where)
+    _check_something_matched(view, split, m.matched, where)
     for path in [p for p, sh in split.sharded.items() if p in from_common or _requested_key(sh) in unexpected]:
         del split.sharded[path]
 

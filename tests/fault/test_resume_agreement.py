@@ -1,0 +1,82 @@
+"""The ranks of a resume load one checkpoint, chosen once (on rank 0), and a load that fails on
+one rank before a collective fails on every rank instead of crossing the collectives.
+
+Real gloo process groups, real checkpoints on disk; the moment of the race is forced from inside
+the real resolution (the tracker moves right after rank 0 read it, as a coordinator daemon that
+finishes an interrupted commit moves it while the ranks of another node resume).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from tools.harness.ranks import run_ranks
+
+FLAG_TIMEOUT_S = 20.0
+
+
+def _resume_while_the_tracker_moves(rank: int, world_size: int, root: str) -> list[float]:
+    from ckptd.client import resume
+
+    real = resume.resolve_resumable
+    moved = Path(root) / "moved"
+
+    def resolve(where, **kwargs):
+        if rank != 0:  # a rank that looks on its own looks after the tracker moved
+            deadline = time.monotonic() + FLAG_TIMEOUT_S
+            while not moved.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        choice = real(where, **kwargs)
+        if rank == 0:
+            (Path(root) / "latest").write_text("iter_0000020")
+            moved.touch()
+        return choice
+
+    resume.resolve_resumable = resolve
+    out = resume.load_latest(Path(root), {"w": torch.zeros(4)}, {}, rank, {})
+    return out["w"].tolist()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_resumes_from_rank_0s_choice_while_the_tracker_moves(tmp_path):
+    root = tmp_path / "root"
+    ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
+    ckptd.save({"w": torch.full((4,), 20.0)}, root / "iter_0000020")  # renamed in, tracker not moved yet
+    (root / "latest").write_text("iter_0000010")
+    assert run_ranks(_resume_while_the_tracker_moves, 2, str(root), timeout_s=90) == [[10.0] * 4] * 2
+
+
+def _load_failing_on_rank_1(rank: int, world_size: int, root: str, resume: bool) -> str:
+    from ckptd.client.resume import load_latest
+
+    request: dict = {"w": torch.zeros(4)}
+    if rank == 1:  # two entries that flatten to one key: this rank's request cannot be loaded
+        request.update({"a.b": 1, "a": {"b": 2}})
+    try:
+        if resume:
+            load_latest(Path(root), request, {}, rank, {"strict": "raise_all"})
+        else:
+            ckptd.load(request, Path(root) / "iter_0000010", strict="raise_all")
+    except ckptd.CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("resume", [False, True], ids=["load", "resume"])
+def test_a_strict_all_load_failing_on_one_rank_fails_on_every_rank(tmp_path, resume):
+    """``strict="*_all"`` gathers every rank's requested keys: a rank whose request failed before
+    that gather fails it on every rank (the others name it), where it used to pair with another
+    collective (the resume's outcome gather) and fail with an unrelated error or hang."""
+    root = tmp_path / "root"
+    ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
+    (root / "latest").write_text("iter_0000010")
+    rank0, rank1 = run_ranks(_load_failing_on_rank_1, 2, str(root), resume, timeout_s=90)
+    assert "'a.b'" in rank1, rank1
+    assert "failed on another rank: rank 1" in rank0 and "'a.b'" in rank0, rank0
+    assert rank0.split(":")[0] == rank1.split(":")[0]  # the same error class on every rank
