@@ -69,7 +69,9 @@ def _leased(checkpoint_dir: Path) -> Iterator[bool]:
     """Hold a read lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`: retention and gc leave
     it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists). A
     read that fails because the directory went away (no lease on this filesystem, or removed by
-    hand) raises CheckpointRemovedError instead."""
+    hand) raises CheckpointRemovedError instead, and so does a read that succeeded while the
+    directory was replaced: a re-save of the step after a rollback renames its commit into place
+    whatever the lease, and the readers open files by path, so what was read may mix the two."""
     with ReadLease.acquire(checkpoint_dir) as lease:
         has_common = entry_exists(checkpoint_dir, METADATA_JSON)
         try:
@@ -78,3 +80,5 @@ def _leased(checkpoint_dir: Path) -> Iterator[bool]:
             if lease.gone():
                 raise removed_error(lease.directory) from exc
             raise
+        if lease.gone():
+            raise removed_error(lease.directory)

@@ -26,8 +26,11 @@ import torch
 import ckptd
 from ckptd import CheckpointNotFoundError, CheckpointRemovedError, LoadStats, ShardedObject, ShardedTensor
 from ckptd.catalog import scan_root
+from ckptd.format.durable import default_opener
 from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
+from ckptd.format.safefs import Dir
 from ckptd.retention import apply_gc, plan_gc
+from ckptd.roots.posix import publish_step
 from tests.checkpoints import make_root, reference_tensors
 from tests.multiproc import without_torchrun
 from tools.harness.ranks import spawn_queue, spawned
@@ -109,10 +112,30 @@ def test_a_checkpoint_moved_away_mid_load_is_a_clean_error(tmp_path):
     common state (common.pt was missing, and so was metadata.json, so it looked like plain DCP)."""
     root = make_root(tmp_path / "r", [100], latest=100)
     src = root / step_dir_name(100)
-    with pytest.raises(CheckpointRemovedError, match=r"iter_0000100 was removed while it was being loaded"):
+    with pytest.raises(CheckpointRemovedError, match=r"iter_0000100 was removed or replaced while it was being loaded"):
         ckptd.load(request(), src, stats=ActsMidLoad(lambda: os.rename(src, root / "elsewhere")))
     os.rename(root / "elsewhere", src)
     assert_whole(ckptd.load(request(), src), 100)
+
+
+def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
+    """A re-save of a step after a rollback renames its commit over the one a load holds (a commit
+    does not wait for a lease): before, the load read the new save's data file under the old save's
+    ``.metadata`` and returned its values without an error where its reads were partial (no
+    checksum covers part of an item)."""
+    root = tmp_path / "root"
+    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
+    for path, value in ((old, 1.0), (new, 2.0)):
+        ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
+
+    def commit_the_resave() -> None:
+        with Dir.open(root) as rootd:
+            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+
+    half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}  # part of the stored item
+    with pytest.raises(CheckpointRemovedError, match=r"iter_0000020 was removed or replaced while it was being loaded"):
+        ckptd.load(half, old, stats=ActsMidLoad(commit_the_resave))
+    assert torch.equal(ckptd.load(half, old)["w"], torch.full((512, 64), 2.0))
 
 
 def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_path, monkeypatch):
