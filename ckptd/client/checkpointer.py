@@ -58,6 +58,8 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..api import load as sync_load
@@ -196,10 +198,11 @@ class Checkpointer:
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
         t0 = time.perf_counter()
-        self._ring.fence()  # an earlier lazy save is decided before this one is planned
-        self._pump_quietly()
-        self._pending.raise_unobserved()
         check_save_step(step)
+        with self._announcing_failure(step):
+            self._ring.fence()  # an earlier lazy save is decided before this one is planned
+            self._pump_quietly()
+            self._pending.raise_unobserved()
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
@@ -207,34 +210,31 @@ class Checkpointer:
         # of a history node 0 no longer has); the coordinator refuses a committed step anyway.
         if (self.env.node == 0 or not self._levels.node_local) and committed_at(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
-        try:
+        with self._announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
             plan = self._planner.plan(expand_stateful(sharded_state_dict))
-        except CkptdError as exc:
-            self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
-            raise
-        items, placements, nbytes = plan.items, plan.placements, plan.nbytes
-        self._ensure_connected()
-        ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
-        if any(p.nbytes > ring.capacity for p in placements):
-            items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
-            placements, nbytes = place(items)
-        t_slot = time.perf_counter()
-        if self.config.on_full == "skip" and ring.must_skip(placements):
-            return self._skip(step, t0, nbytes)
-        self._ring.wait_block(ring, step, lambda s: self._idle(ring, s))
-        ring.check_room(ring.next_start, placements)  # a full /dev/shm fails here, cleanly
-        block, start = ring.claim(placements)
-        claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
-        queue_wait_s = time.perf_counter() - t_slot
-        # Before the fork: while the child runs, every page the trainer writes is copied.
-        wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
-        try:
-            producer, waited_s = self._ring.start(ring, claim, self._link.daemon_pid, lambda s: self._idle(ring, s))
-        except BaseException:
-            ring.unclaim(block, start, placements)  # nothing was sent, no child copies into it
-            self._layout.forget()
-            raise
+            items, placements, nbytes = plan.items, plan.placements, plan.nbytes
+            self._ensure_connected()
+            ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
+            if any(p.nbytes > ring.capacity for p in placements):
+                items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
+                placements, nbytes = place(items)
+            t_slot = time.perf_counter()
+            if self.config.on_full == "skip" and ring.must_skip(placements):
+                return self._skip(step, t0, nbytes)
+            self._ring.wait_block(ring, step, lambda s: self._idle(ring, s))
+            ring.check_room(ring.next_start, placements)  # a full /dev/shm fails here, cleanly
+            block, start = ring.claim(placements)
+            claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
+            queue_wait_s = time.perf_counter() - t_slot
+            # Before the fork: while the child runs, every page the trainer writes is copied.
+            wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
+            try:
+                producer, waited_s = self._ring.start(ring, claim, self._link.daemon_pid, lambda s: self._idle(ring, s))
+            except BaseException:
+                ring.unclaim(block, start, placements)  # nothing was sent, no child copies into it
+                self._layout.forget()
+                raise
         queue_wait_s += waited_s
         attempt = self._next_attempt(step)
         snap = producer.snapshot
@@ -277,10 +277,12 @@ class Checkpointer:
             producer.detach()
             self._daemon_lost(str(exc))
             raise
-        except (RequestNotTaken, ProtocolError):
+        except (RequestNotTaken, ProtocolError) as exc:
             producer.cancel()
             ring.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
             self._layout.forget()
+            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):  # else save() tries again
+                self._tell_others(msg.step, msg.attempt, f"rank {self.env.rank} could not save step {msg.step}: {exc}")
             raise
         except BaseException:
             # No answer (timeout, interrupt): the daemon may still write this save, so its control
@@ -406,8 +408,12 @@ class Checkpointer:
 
     def wait_all(self, timeout_s: float | None = None) -> None:
         """Wait for every pending save, ``timeout_s`` in all; raise the first failure (after all
-        finished), or SaveTimeoutError when saves are still pending at the timeout."""
-        wait_for_all(self.pending, timeout_s)
+        finished), or SaveTimeoutError when saves are still pending at the timeout; also the failure
+        of an earlier save nobody observed."""
+        handles = self._pending.handles()  # before notifications resolve some and drop them
+        self._pump_quietly()
+        wait_for_all(handles, timeout_s)
+        self._pending.raise_unobserved()
 
     def stats(self) -> dict[str, Any]:
         """This rank's save measurements: counters, last/mean/max of stall, ring wait, persist
@@ -435,17 +441,20 @@ class Checkpointer:
         if self._closed:
             return
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout_s is None else timeout_s)
+        failed: SaveFailedError | None = None
         try:
             if wait and self._pending and self._link.connected:
                 self._ring.fence(deadline)
                 try:
                     self.wait_all(max(0.0, deadline - time.monotonic()))
-                except SaveFailedError:
-                    pass  # recorded on the handle; raised below if nobody observed it
+                except SaveFailedError as exc:
+                    failed = exc  # nobody saw it (close's own wait marked it seen): raised once closed
         finally:
             self._closed = True
             self._stop_producers(deadline)
             self._finalizer.detach()
+        if failed is not None:
+            raise failed
         self._pending.raise_unobserved()
 
     def __enter__(self) -> Checkpointer:
@@ -541,11 +550,25 @@ class Checkpointer:
         # The handle resolves through its future, which this Checkpointer drives while it is waited for.
         return SaveHandle(SaveFuture(step, record, self._stats, self._pump_quietly, self._wait_for), path, attempt)
 
+    @contextmanager
+    def _announcing_failure(self, step: int) -> Iterator[None]:
+        """A failure of this rank's save of ``step`` before its SAVE went out is told to the other
+        ranks (:meth:`_abort_everywhere`), and takes this try's attempt id as their saves do (a
+        retry of the step then has the same attempt id on every rank); then it is raised."""
+        try:
+            yield
+        except Exception as exc:
+            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):  # save() tries again
+                self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
+            raise
+
     def _abort_everywhere(self, step: int, reason: str) -> None:
-        """Tell the coordinator that this rank will not save ``step`` (a SKIP with the reason), so
-        the other ranks' saves of it fail at once with that reason instead of waiting out
-        ``commit_timeout_s``; the caller raises the error here."""
-        attempt = self._next_attempt(step)
+        """Tell the coordinator that this rank will not save ``step``: a SKIP with the reason, under
+        this try's attempt id, so the other ranks' saves of it fail at once with that reason
+        instead of waiting out ``commit_timeout_s``; the caller raises the error here."""
+        self._tell_others(step, self._next_attempt(step), reason)
+
+    def _tell_others(self, step: int, attempt: str, reason: str) -> None:
         try:
             self._ensure_connected()
             self._link.announce(self._skip_message(step, attempt, reason))
@@ -597,9 +620,12 @@ class Checkpointer:
 
     def _wait_for(self, future: SaveFuture, timeout_s: float | None) -> None:
         """Deliver notifications until ``future`` is resolved or ``timeout_s`` passed (a SaveFuture's wait)."""
-        self._ring.fence()  # the training thread waits here, so nothing changes meanwhile
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        # The training thread waits here, so nothing changes meanwhile: fence. A lazy copy not done
+        # by the caller's timeout stays pending (a later wait or fence decides it).
+        if not self._ring.fence(None if timeout_s is None else deadline, keep_late=True):
+            return
         while future.status is SaveStatus.PENDING:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -44,8 +44,9 @@ _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN)
 def removed_error(directory: Path) -> CheckpointRemovedError:
     return CheckpointRemovedError(
         f"checkpoint {directory} was removed or replaced while it was being loaded (by retention, "
-        "`ckptd gc`, a re-save of its step after a rollback, or by hand); nothing of it was returned. Load another checkpoint (Checkpointer.load() "
-        "without step= resolves the latest again by itself), or keep more checkpoints (keep_last)."
+        "`ckptd gc`, a re-save of its step after a rollback, or by hand); nothing of it was "
+        "returned. Load another checkpoint (Checkpointer.load() without step= resolves the latest "
+        "again by itself), or keep more checkpoints (keep_last)."
     )
 
 

@@ -13,6 +13,7 @@ it exit unsealed (ckptd.daemon.snapshot).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -151,7 +152,13 @@ class ForkProducer:
         return 0.0
 
     def cancel(self) -> None:
-        reap([self.snapshot.pid], block=True)  # the ring is given back only once the child is done
+        # The daemon never took the save: its copy serves nothing, and a child waiting for ring room
+        # that the daemon will never free would hold save() up to snapshot_timeout_s. Killed, then
+        # reaped (an unreaped child's pid is not reused), before the ring range is given back.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.snapshot.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.snapshot.pid, 0)
 
     def detach(self) -> None:
         self.children.add(self.snapshot.pid, self.end)

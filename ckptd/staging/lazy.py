@@ -134,18 +134,21 @@ class LazyCopier:
                 self._jobs.put(job)
             self._held.clear()
 
-    def fence(self, deadline: float | None = None) -> None:
+    def fence(self, deadline: float | None = None, *, keep_late: bool = False) -> bool:
         """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
         its sources changed since ``save()`` (see the module docstring).
 
         CPU copies still running are waited for; CUDA copies only until they are queued, then the
         current streams wait for them. The wait is bounded by ``snapshot_timeout_s`` (raises
-        StagingError after it) or, when given, by ``deadline`` (monotonic; closing): a snapshot
-        not copied by then is abandoned instead.
+        StagingError after it) or, when given, by ``deadline`` (monotonic): a snapshot not copied
+        by then is abandoned (closing), or with ``keep_late`` it and the later ones stay pending
+        (a wait with a timeout) and this returns False.
         """
         self.go()
-        for job in self._pending:
+        for job in list(self._pending):
             if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
+                if keep_late:
+                    return False
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
             elif job.cuda:
                 job.ring.order_after_copies()
@@ -160,7 +163,8 @@ class LazyCopier:
             if changed and not job.torn:
                 job.torn = f"{changed} was modified before the snapshot was fenced"
             job.fenced.set()
-        self._pending.clear()
+            self._pending.remove(job)
+        return True
 
     def _wait(self, event: threading.Event, job: _Job, deadline: float | None = None) -> bool:
         """Wait for ``event`` up to ``snapshot_timeout_s`` (raises StagingError after it) or until
