@@ -43,10 +43,15 @@ Order of one :meth:`Checkpointer.save` on a rank:
    the last SAVE or ``prepare()`` sent one, the item list and the keys it holds without storing
    them (else only the layout's id: :mod:`ckptd.client.layout`), and wait for its ``SAVE_ACK``;
    tell the producer whether the daemon took the save (``after_ack``: an inline producer copies
-   now), never took it (``cancel``) or may have (``detach``); return the :class:`SaveHandle`, which resolves through
-   its future as the daemon's notifications arrive (:mod:`ckptd.client.pending`). The daemon
-   writes each item once it is produced and publishes the file once the producer sealed the
-   save; outcomes of other attempts of the step never resolve the handle.
+   now), never took it (``cancel``; a fork child is killed) or may have (``detach``); return the
+   :class:`SaveHandle`, which resolves through its future as the daemon's notifications arrive
+   (:mod:`ckptd.client.pending`). The daemon writes each item once it is produced and publishes
+   the file once the producer sealed the save; outcomes of other attempts of the step never
+   resolve the handle.
+
+A failure of steps 1-5 (or a SAVE the daemon refused) is raised here and told to the other ranks
+as a SKIP under this try's attempt id (:mod:`ckptd.client.tries`), so their saves of the step fail
+at once instead of after ``commit_timeout_s``, and a retry has the same attempt id on every rank.
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
 Not thread-safe: use a Checkpointer from one thread.
@@ -58,8 +63,6 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from ..api import load as sync_load
@@ -72,7 +75,6 @@ from ..control.protocol import (
     Message,
     RegisterLayout,
     Save,
-    Skip,
     Status,
     StatusReply,
     StepAborted,
@@ -111,6 +113,7 @@ from .rankring import RankRing
 from .saveplanner import SavePlanner
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
+from .tries import StepTries
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +148,8 @@ class Checkpointer:
         # finalizer closes its socket within a bounded linger.
         self._link = DaemonLink.for_job(self.endpoints, self.env, self.config, weakly(self._on_notify))
         self._finalizer = weakref.finalize(self, abandon_dropped, self._link, self.env.rank)
-        self._incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-        self._attempts: dict[int, int] = {}  # step -> saves of it by this Checkpointer
+        incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
+        self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
         self._layout = LayoutCache()
         self._planner = SavePlanner(self.env.rank, self.env.world_size, self.config.check_common)
         self._plain = self._planner.plain  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
@@ -183,23 +186,21 @@ class Checkpointer:
         """
         with gc_paused():  # its per-item temporaries must not set off full collections
             sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
-            tries = self._attempts.get(step, 0)
+            tries = self._tries.count(step)
             try:
                 return self._save(sharded_state_dict, step)
             except RequestNotTaken as exc:
                 if not exc.unknown_client:
                     raise
                 self._register_again(exc)
-                # The daemon did not take that try, so the retry is the same try of the step (the
-                # attempt id the other ranks, whose daemons knew them, send for it).
-                self._attempts[step] = tries
+                self._tries.restore(step, tries)
                 return self._save(sharded_state_dict, step)
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
         t0 = time.perf_counter()
         check_save_step(step)
-        with self._announcing_failure(step):
+        with self._tries.announcing_failure(step):
             self._ring.fence()  # an earlier lazy save is decided before this one is planned
             self._pump_quietly()
             self._pending.raise_unobserved()
@@ -210,7 +211,7 @@ class Checkpointer:
         # of a history node 0 no longer has); the coordinator refuses a committed step anyway.
         if (self.env.node == 0 or not self._levels.node_local) and committed_at(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
-        with self._announcing_failure(step):
+        with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
             plan = self._planner.plan(expand_stateful(sharded_state_dict))
             items, placements, nbytes = plan.items, plan.placements, plan.nbytes
@@ -236,7 +237,7 @@ class Checkpointer:
                 self._layout.forget()
                 raise
         queue_wait_s += waited_s
-        attempt = self._next_attempt(step)
+        attempt = self._tries.next(step)
         snap = producer.snapshot
         msg = Save(
             step=step,
@@ -282,7 +283,9 @@ class Checkpointer:
             ring.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
             self._layout.forget()
             if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):  # else save() tries again
-                self._tell_others(msg.step, msg.attempt, f"rank {self.env.rank} could not save step {msg.step}: {exc}")
+                self._tries.tell_others(
+                    msg.step, msg.attempt, f"rank {self.env.rank} could not save step {msg.step}: {exc}"
+                )
             raise
         except BaseException:
             # No answer (timeout, interrupt): the daemon may still write this save, so its control
@@ -537,11 +540,6 @@ class Checkpointer:
         if self._ring.current is not ring:
             raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
-    def _next_attempt(self, step: int) -> str:
-        """The attempt id of this try of ``step`` (every try counts, also one the daemon refuses)."""
-        n = self._attempts[step] = self._attempts.get(step, 0) + 1
-        return self._incarnation.attempt(n)
-
     def _new_handle(
         self, step: int, attempt: str, path: Location, t0: float, nbytes: int, queue_wait_s: float
     ) -> SaveHandle:
@@ -550,53 +548,17 @@ class Checkpointer:
         # The handle resolves through its future, which this Checkpointer drives while it is waited for.
         return SaveHandle(SaveFuture(step, record, self._stats, self._pump_quietly, self._wait_for), path, attempt)
 
-    @contextmanager
-    def _announcing_failure(self, step: int) -> Iterator[None]:
-        """A failure of this rank's save of ``step`` before its SAVE went out is told to the other
-        ranks (:meth:`_abort_everywhere`), and takes this try's attempt id as their saves do (a
-        retry of the step then has the same attempt id on every rank); then it is raised."""
-        try:
-            yield
-        except Exception as exc:
-            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):  # save() tries again
-                self._abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
-            raise
-
-    def _abort_everywhere(self, step: int, reason: str) -> None:
-        """Tell the coordinator that this rank will not save ``step``: a SKIP with the reason, under
-        this try's attempt id, so the other ranks' saves of it fail at once with that reason
-        instead of waiting out ``commit_timeout_s``; the caller raises the error here."""
-        self._tell_others(step, self._next_attempt(step), reason)
-
-    def _tell_others(self, step: int, attempt: str, reason: str) -> None:
-        try:
-            self._ensure_connected()
-            self._link.announce(self._skip_message(step, attempt, reason))
-        except CkptdError as exc:
-            log.warning(
-                "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
-                self.env.rank,
-                step,
-                exc,
-            )
-
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
         reason = (
             f"the staging ring of rank {self.env.rank} had no room for it: earlier saves were "
             "still being persisted (on_full='skip')"
         )
         log.warning("step %d skipped: %s", step, reason)
-        attempt = self._next_attempt(step)
-        self._link.announce(self._skip_message(step, attempt, reason, skipped=True))
+        attempt = self._tries.next(step)
+        self._tries.tell_others(step, attempt, reason, skipped=True)
         handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
-
-    def _skip_message(self, step: int, attempt: str, reason: str, *, skipped: bool = False) -> Skip:
-        env = self.env
-        return Skip(
-            step=step, attempt=attempt, rank=env.rank, world_size=env.world_size, reason=reason, skipped=skipped
-        )
 
     def _on_notify(self, msg: Message) -> None:
         if isinstance(msg, WriteDone):

@@ -48,7 +48,7 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     with single_job(tmp_path, monkeypatch) as job:
-        linked = job.root / tmp_dir_name(2, job.ckpt._incarnation.attempt(1))  # the first try's directory
+        linked = job.root / tmp_dir_name(2, job.ckpt._tries.incarnation.attempt(1))  # the first try's directory
         linked.symlink_to(elsewhere)
         reason = job.failed(2)
         assert f"{linked} is a symbolic link" in reason, reason
@@ -64,7 +64,7 @@ def test_a_linked_step_directory_fails_its_save_and_nothing_lands_outside(tmp_pa
 def test_links_at_file_names_inside_a_step_directory_are_never_written_through(tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     with single_job(tmp_path, monkeypatch) as job:
-        step = job.root / tmp_dir_name(3, job.ckpt._incarnation.attempt(1))
+        step = job.root / tmp_dir_name(3, job.ckpt._tries.incarnation.attempt(1))
         step.mkdir()
         names = [*map(atomic_tmp_name, (COMMON_PT, DCP_METADATA, METADATA_JSON)), data_file_name(0)]
         for i, name in enumerate(names):

@@ -41,7 +41,7 @@ def _launch(rank: int, world_size: int, root: str, runtime: str) -> tuple[str, s
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         h = ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), (0, rank, world_size))}, step=1)
         h.wait(timeout_s=60)  # committed: both ranks sent the same attempt id
-        return ckpt._incarnation.tag, ckpt._incarnation.source, h.attempt
+        return ckpt._tries.incarnation.tag, ckpt._tries.incarnation.source, h.attempt
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,81 @@
+"""A rank's tries of each step: their attempt ids, and the SKIPs that end a try on every rank.
+
+Every try of a step counts, also one the daemon refuses or one that fails before its SAVE went
+out, so that a rank's n-th try of a step has the same attempt id (``<incarnation>-<n>``,
+:mod:`ckptd.control.attempt`) as every other rank's n-th try. A try that this rank cannot save is
+told to the coordinator at once (a SKIP under its attempt id): the other ranks' saves of it fail
+with the reason, instead of waiting out ``commit_timeout_s`` for this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from ..control.attempt import Incarnation
+from ..control.endpoints import JobEnv
+from ..control.protocol import Skip
+from ..errors import CkptdError
+from .link import DaemonLink, RequestNotTaken
+
+log = logging.getLogger(__name__)
+
+
+class StepTries:
+    """The tries of each step by one Checkpointer; ``connect`` (re)connects its ``link``."""
+
+    def __init__(self, env: JobEnv, incarnation: Incarnation, link: DaemonLink, connect: Callable[[], None]) -> None:
+        self.env = env
+        self.incarnation = incarnation
+        self.link = link
+        self.connect = connect
+        self._tries: dict[int, int] = {}  # step -> tries of it so far
+
+    def count(self, step: int) -> int:
+        return self._tries.get(step, 0)
+
+    def restore(self, step: int, tries: int) -> None:
+        """Count ``tries`` of ``step`` again: the daemon did not take the last one (it had forgotten
+        this rank), so the retry is that same try, as the other ranks' daemons took it."""
+        self._tries[step] = tries
+
+    def next(self, step: int) -> str:
+        """The attempt id of this try of ``step``."""
+        n = self._tries[step] = self.count(step) + 1
+        return self.incarnation.attempt(n)
+
+    @contextmanager
+    def announcing_failure(self, step: int) -> Iterator[None]:
+        """A failure of this rank's try of ``step`` before its SAVE went out is told to the other
+        ranks under the try's attempt id (:meth:`abort_everywhere`), then raised; not a refusal as
+        from an unknown client, which ``save()`` recovers from by trying again."""
+        try:
+            yield
+        except Exception as exc:
+            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):
+                self.abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
+            raise
+
+    def abort_everywhere(self, step: int, reason: str) -> None:
+        """This rank will not save this try of ``step``: a SKIP with the reason."""
+        self.tell_others(step, self.next(step), reason)
+
+    def tell_others(self, step: int, attempt: str, reason: str, *, skipped: bool = False) -> None:
+        """A SKIP of ``attempt`` (``skipped``: by the on_full="skip" policy, not a failure);
+        best-effort for a failure (logged when it cannot go out), raised for a policy skip."""
+        env = self.env
+        msg = Skip(step=step, attempt=attempt, rank=env.rank, world_size=env.world_size, reason=reason, skipped=skipped)
+        if skipped:
+            self.link.announce(msg)
+            return
+        try:
+            self.connect()
+            self.link.announce(msg)
+        except CkptdError as exc:
+            log.warning(
+                "rank %d: could not abort step %d on the other ranks (%s); they fail after commit_timeout_s",
+                self.env.rank,
+                step,
+                exc,
+            )
