@@ -6,10 +6,27 @@ row-major and contiguous, so a box inside it is a set of equally long contiguous
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 Shape = tuple[int, ...]
+
+
+class Box(Protocol):
+    """A box of a global tensor (a stored chunk, an item record, a read's source)."""
+
+    @property
+    def offsets(self) -> Shape: ...
+
+    @property
+    def sizes(self) -> Shape: ...
+
+
+B = TypeVar("B", bound=Box)
 
 
 def intersect(a_off: Shape, a_size: Shape, b_off: Shape, b_size: Shape) -> tuple[Shape, Shape] | None:
@@ -123,3 +140,44 @@ def count_runs(sizes: Shape, src_shape: Shape, dst_shape: Shape) -> int:
     if not sizes:
         return 1
     return math.prod(sizes[: split_axis(sizes, src_shape, dst_shape)])
+
+
+def boxes_overlap(a: Box, b: Box) -> bool:
+    """Whether boxes ``a`` and ``b`` share an element."""
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def find_overlap(boxes: Sequence[B]) -> tuple[B, B] | None:
+    """Two of ``boxes`` (non-empty, same rank of dimensions) that share an element, or None.
+
+    A sweep along the axis with the most distinct chunk starts (4,000 chunks of one row are swept
+    along the row, not across it): the boxes still spanning the sweep position are kept ordered
+    by their start on a second axis, and a new box is compared in full only with those starting
+    within the widest box's extent before it on that axis. Grid-like layouts cost O(n log n);
+    any N-D boxes are checked correctly (a pair overlapping on every axis is always compared).
+    """
+    ndim = len(boxes[0].offsets)
+    axes = sorted(range(ndim), key=lambda ax: len({r.offsets[ax] for r in boxes}), reverse=True)
+    a = axes[0]
+    b = axes[1] if ndim > 1 else None
+    width_b = max(r.sizes[b] for r in boxes) if b is not None else 0
+    active: list[tuple[int, int, B]] = []  # (start on axis b, sequence, box), sorted
+    ends: list[tuple[int, int, int]] = []  # heap of (end on axis a, start on axis b, sequence)
+    for seq, box in enumerate(sorted(boxes, key=lambda r: r.offsets[a])):
+        start = box.offsets[a]
+        while ends and ends[0][0] <= start:  # no later box reaches back to these on axis a
+            _, key, done = heapq.heappop(ends)
+            del active[bisect.bisect_left(active, (key, done))]
+        if b is None:
+            candidates = active
+        else:
+            lo = bisect.bisect_left(active, (box.offsets[b] - width_b + 1,))
+            hi = bisect.bisect_left(active, (box.offsets[b] + box.sizes[b],))
+            candidates = active[lo:hi]
+        for _, _, other in candidates:
+            if boxes_overlap(other, box):
+                return other, box
+        key = box.offsets[b] if b is not None else 0
+        bisect.insort(active, (key, seq, box))
+        heapq.heappush(ends, (start + box.sizes[a], key, seq))
+    return None

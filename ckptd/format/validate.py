@@ -6,55 +6,14 @@ asynchronous one. Errors name the key and the ranks involved.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 
 from ..errors import ShardingError
+from .geometry import find_overlap
 from .records import BYTES, TENSOR, ItemRecord
-
-
-def _overlap(a: ItemRecord, b: ItemRecord) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-
-
-def _find_overlap(boxes: list[ItemRecord]) -> tuple[ItemRecord, ItemRecord] | None:
-    """Two of ``boxes`` (non-empty, same rank of dimensions) that share an element, or None.
-
-    A sweep along the axis with the most distinct chunk starts (4,000 chunks of one row are swept
-    along the row, not across it): the boxes still spanning the sweep position are kept ordered
-    by their start on a second axis, and a new box is compared in full only with those starting
-    within the widest box's extent before it on that axis. Grid-like layouts cost O(n log n);
-    any N-D boxes are checked correctly (a pair overlapping on every axis is always compared).
-    """
-    ndim = len(boxes[0].offsets)
-    axes = sorted(range(ndim), key=lambda ax: len({r.offsets[ax] for r in boxes}), reverse=True)
-    a = axes[0]
-    b = axes[1] if ndim > 1 else None
-    width_b = max(r.sizes[b] for r in boxes) if b is not None else 0
-    active: list[tuple[int, int, ItemRecord]] = []  # (start on axis b, sequence, box), sorted
-    ends: list[tuple[int, int, int]] = []  # heap of (end on axis a, start on axis b, sequence)
-    for seq, box in enumerate(sorted(boxes, key=lambda r: r.offsets[a])):
-        start = box.offsets[a]
-        while ends and ends[0][0] <= start:  # no later box reaches back to these on axis a
-            _, key, done = heapq.heappop(ends)
-            del active[bisect.bisect_left(active, (key, done))]
-        if b is None:
-            candidates = active
-        else:
-            lo = bisect.bisect_left(active, (box.offsets[b] - width_b + 1,))
-            hi = bisect.bisect_left(active, (box.offsets[b] + box.sizes[b],))
-            candidates = active[lo:hi]
-        for _, _, other in candidates:
-            if _overlap(other, box):
-                return other, box
-        key = box.offsets[b] if b is not None else 0
-        bisect.insort(active, (key, seq, box))
-        heapq.heappush(ends, (start + box.sizes[a], key, seq))
-    return None
 
 
 def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
@@ -68,7 +27,7 @@ def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
             )
         seen[c.offsets] = c
     boxes = [c for c in chunks if math.prod(c.sizes)]
-    found = _find_overlap(boxes) if len(boxes) > 1 and boxes[0].offsets else None
+    found = find_overlap(boxes) if len(boxes) > 1 and boxes[0].offsets else None
     if found is not None:
         a, b = found
         raise ShardingError(

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..format.dcp_metadata import CheckpointIndex, StoredChunk, StoredObject
-from ..format.geometry import Shape, flat_range_boxes, intersect
+from ..format.geometry import Shape, find_overlap, flat_range_boxes, intersect
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,22 @@ class CheckpointView:
 
     @classmethod
     def of_index(cls, index: CheckpointIndex) -> CheckpointView:
-        tensors = {
-            fqn: VirtualTensor(fqn, t.dtype, tuple(t.shape), [Source.of_chunk(c) for c in t.chunks])
-            for fqn, t in index.tensors.items()
-        }
+        """The view of ``index``; CorruptCheckpointError when two stored chunks of a tensor overlap
+        (a load counts the elements each request gets, which an overlap next to an equally large
+        gap would pass, leaving the gap's elements unread)."""
+        tensors = {}
+        for fqn, t in index.tensors.items():
+            sources = [Source.of_chunk(c) for c in t.chunks]
+            boxes = [s for s in sources if math.prod(s.sizes)]
+            found = find_overlap(boxes) if len(boxes) > 1 and boxes[0].offsets else None
+            if found is not None:
+                a, b = found
+                raise CorruptCheckpointError(
+                    f"tensor '{fqn}': its stored chunks at offsets {a.offsets} (sizes {a.sizes}) and "
+                    f"{b.offsets} (sizes {b.sizes}) overlap: the checkpoint's .metadata is damaged or was "
+                    "written wrong (each element is stored once); `ckptd verify` checks the whole checkpoint"
+                )
+            tensors[fqn] = VirtualTensor(fqn, t.dtype, tuple(t.shape), sources)
         return cls(tensors, dict(index.objects))
 
 

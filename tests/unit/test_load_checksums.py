@@ -162,3 +162,27 @@ def test_ranks_fall_back_together_when_only_one_reads_the_damage(tmp_path):
     flip_bit(root / step_dir_name(2) / c.relative_path, c.file_offset + c.length - 8)
     # Before: rank 0 resumed step 2 and rank 1 step 2 with a damaged value (or step 1 on its own).
     assert run_ranks(_resume_rows, 2, str(root), timeout_s=100) == [(1, True), (1, True)]
+
+
+def test_chunks_that_overlap_next_to_an_equal_gap_are_refused(tmp_path):
+    """Two stored chunks of 'w' overlap by one row while another row is stored by none (a damaged
+    ``.metadata``): the count of elements each request gets matched, so the load returned with the
+    gap's row left as it was (load_plain_tensors: uninitialised memory)."""
+    from dataclasses import replace
+
+    from ckptd.format.dcp_metadata import records_from_index
+    from ckptd.format.dcp_pickle import metadata_pickle
+
+    ck = tmp_path / "ck"
+    ckptd.save({"a": torch.zeros(2, 8) + 1, "b": torch.zeros(2, 8) + 2}, ck)
+    index = read_index(ck)
+    records = {r.fqn: r for r in records_from_index(index)}
+    rows_0_1 = replace(records["a"], fqn="w", global_shape=(4, 8), offsets=(0, 0), path=("w",))
+    rows_1_2 = replace(records["b"], fqn="w", global_shape=(4, 8), offsets=(1, 0), path=("w",))  # row 3: none
+    others = [r for r in records_from_index(index) if r.kind != "tensor"]
+    (ck / ".metadata").write_bytes(metadata_pickle([rows_0_1, rows_1_2, *others], str(ck), index.common_crc))
+    overlap = r"tensor 'w': its stored chunks at offsets \(0, 0\) \(sizes \(2, 8\)\) and \(1, 0\) .* overlap"
+    with pytest.raises(CorruptCheckpointError, match=overlap):
+        ckptd.load({"w": torch.full((4, 8), -7.0)}, ck)
+    with pytest.raises(CorruptCheckpointError, match=overlap):
+        ckptd.load_plain_tensors(ck)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.errors import ShardingError
-from ckptd.format import validate
+from ckptd.format import geometry
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.format.validate import validate_records
 
@@ -26,7 +26,7 @@ def _chunk(rank: int, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
 
 def _brute_force_overlap(chunks: list[ItemRecord]) -> bool:
     return any(
-        math.prod(a.sizes) and math.prod(b.sizes) and validate._overlap(a, b)
+        math.prod(a.sizes) and math.prod(b.sizes) and geometry.boxes_overlap(a, b)
         for a, b in itertools.combinations(chunks, 2)
     )
 
@@ -49,10 +49,10 @@ def test_sweep_finds_an_overlap_exactly_when_brute_force_does(chunks):
     if len({c.offsets for c in chunks}) < len(chunks):
         chunks = list({c.offsets: c for c in chunks}.values())  # equal offsets: another check
     boxes = [c for c in chunks if math.prod(c.sizes)]
-    found = validate._find_overlap(boxes) if len(boxes) > 1 else None
+    found = geometry.find_overlap(boxes) if len(boxes) > 1 else None
     assert (found is not None) == _brute_force_overlap(chunks), chunks
     if found is not None:
-        assert validate._overlap(*found)
+        assert geometry.boxes_overlap(*found)
 
 
 class _CountingOverlap:
@@ -61,7 +61,7 @@ class _CountingOverlap:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.calls = 0
-        self.real = validate._overlap
+        self.real = geometry.boxes_overlap
 
     def __call__(self, a: ItemRecord, b: ItemRecord) -> bool:
         self.calls += 1
@@ -80,7 +80,7 @@ def test_large_layouts_compare_few_pairs_and_still_find_an_overlap(layout, monke
     else:  # experts x rows x columns, split by expert and by column (as expert parallelism does)
         chunks = [_chunk(i, (8, 4, 512 * 2), (i // 512, 0, 2 * (i % 512)), (1, 4, 2)) for i in range(4096)]
     counter = _CountingOverlap(limit=4 * len(chunks))
-    monkeypatch.setattr(validate, "_overlap", counter)
+    monkeypatch.setattr(geometry, "boxes_overlap", counter)
     validate_records(chunks)  # a valid partition: no error
     # Grow the first chunk into its neighbour: the overlap is found and both ranks are named.
     first = chunks[0]
