@@ -15,9 +15,10 @@ Order of one resume, on every rank:
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
    rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the intact
    checkpoint committed last before it is loaded (the request is filled anew, so nothing of the
-   damaged one stays in it); one removed after it was chosen (CheckpointNotFoundError on every
-   rank, and rank 0 finds its directory gone) is chosen again from the latest, once per name. Any
-   other error is raised on every rank.
+   damaged one stays in it); one removed or replaced while it was loaded (CheckpointRemovedError),
+   or removed after it was chosen (CheckpointNotFoundError on every rank, and rank 0 finds its
+   directory gone), is chosen again from the latest, once per name. Any other error is raised on
+   every rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError
 from ..recovery import resolve_resumable
 from ..s3catalog import checkpoint_exists
 from ..storage.url import Location, join
@@ -106,7 +107,8 @@ def load_agreed(
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
-            and not _exists_on_rank0(ctx, candidate)
+            # removed or replaced while it was read (a re-save after a rollback replaces it)
+            and (all(issubclass(k, CheckpointRemovedError) for k in kinds) or not _exists_on_rank0(ctx, candidate))
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)

@@ -6,8 +6,8 @@ Every caller that asks a daemon something (a rank's Checkpointer through ckptd.c
 
 - the expected reply type (and, where given, a ``match`` on it) is the answer;
 - ``ERROR`` that answers this request raises :class:`~ckptd.errors.RequestNotTaken` at once, with
-  the daemon's reason and code (an ``ERROR`` naming another step is the late refusal of an
-  earlier request: logged, not taken for this one's);
+  the daemon's reason and code (an ``ERROR`` naming another request type or another step is the
+  late refusal of an earlier request: logged, not taken for this one's);
 - anything else is a notification for ``on_other`` (a rank's link), or, for a caller that
   expects none, a :class:`~ckptd.errors.ProtocolError` naming what came instead;
 - no answer within ``timeout_s`` raises :class:`~ckptd.errors.DaemonError` naming the peer, the
@@ -29,7 +29,7 @@ import zmq
 
 from ..errors import DaemonError, ProtocolError, RequestNotTaken
 from .channel import Channel
-from .protocol import ErrorReply, Message
+from .protocol import ErrorReply, Message, MsgType
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -56,7 +56,11 @@ def answer(
 
 
 def refuses(reply: ErrorReply, request: Message) -> bool:
-    """Whether an ERROR refuses ``request``: it names no step, or the request's."""
+    """Whether an ERROR refuses ``request``: it names the request's type (or none), and no step or
+    the request's (a late refusal of another request, e.g. of a REGISTER_LAYOUT that timed out,
+    must not cancel a SAVE the daemon took)."""
+    if reply.request and reply.request != request.TYPE:
+        return False
     asked = getattr(request, "step", None)
     return reply.step is None or asked is None or reply.step == asked
 
@@ -104,7 +108,8 @@ class RequestClient:
             if got is not None:
                 return got
             if isinstance(reply, ErrorReply):
-                log.warning("%s refused an earlier request of step %s: %s", self.peer, reply.step, reply.reason)
+                asked = MsgType(reply.request).name if reply.request in MsgType._value2member_map_ else "a request"
+                log.warning("%s refused an earlier %s (step %s): %s", self.peer, asked, reply.step, reply.reason)
             elif self.on_other is not None:
                 self.on_other(reply)
             else:

@@ -60,13 +60,15 @@ def serve_requests(channel: Channel, handle: RequestHandler) -> None:
             handle(identity, msg, peer)
         except (CkptdError, OSError) as exc:
             log.warning("%s: %s from %r failed: %s", channel.name, msg.TYPE.name, identity, exc)
-            channel.send(ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", "")), identity, block=False)
+            refusal = ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", ""), request=int(msg.TYPE))
+            channel.send(refusal, identity, block=False)
         except Exception as exc:
             log.exception("%s: %s from %r could not be handled", channel.name, msg.TYPE.name, identity)
             channel.send(
                 ErrorReply(
                     reason=f"the {channel.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
                     step=step,
+                    request=int(msg.TYPE),
                 ),
                 identity,
                 block=False,

@@ -41,7 +41,8 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN)
 
 
-def removed_error(directory: Path) -> CheckpointRemovedError:
+def removed_error(directory: object) -> CheckpointRemovedError:
+    """The error of a load whose checkpoint (a directory, or an ``s3://`` prefix) went away."""
     return CheckpointRemovedError(
         f"checkpoint {directory} was removed or replaced while it was being loaded (by retention, "
         "`ckptd gc`, a re-save of its step after a rollback, or by hand); nothing of it was "

@@ -136,6 +136,13 @@ def _match(
             ):
                 from_common[path] = (sh, value)
                 found = True
+            elif isinstance(sh, ShardedTensor) and isinstance(value, torch.Tensor):
+                raise LoadMismatchError(
+                    f"tensor '{sh.key}': the checkpoint keeps it in its common state (common.pt) with shape "
+                    f"{tuple(value.shape)} and dtype {value.dtype}, but shape {sh.global_shape} and dtype "
+                    f"{sh.dtype} were requested{'' if cast else ' (allow_dtype_cast=False)'}; request what "
+                    "is stored, or map another key to it with key_mapping=[...]"
+                )
         if found:
             matched += 1
         else:

@@ -41,6 +41,7 @@ from ..format.layout import (
     METADATA_JSON,
     METADATA_JSON_MAX_NBYTES,
 )
+from ..format.lease import removed_error
 from .s3client import S3Client
 from .url import S3Location
 
@@ -168,10 +169,18 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-s3-"))
     source = None
     try:
-        objects = _materialize(client, location, tmp)
+        record = _commit_record_bytes(client)
+        objects = _materialize(client, location, tmp, record)
         source = S3RangeSource(client, objects)
         try:
             yield S3View(tmp, source, location)
+        except CorruptCheckpointError as exc:
+            # Retention or gc deleted it (or a re-save replaced it) while it was read: no lease
+            # holds an object store, and a missing object is no damage then.
+            if record is not None and _commit_record_bytes(client) != record:
+                raise removed_error(location) from exc
+            _rename_paths(exc, tmp, location)
+            raise
         except CkptdError as exc:
             _rename_paths(exc, tmp, location)
             raise
@@ -181,9 +190,16 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _materialize(client: S3Client, location: S3Location, tmp: Path) -> dict[str, SparseObject]:
-    """Download the small files, make the sparse data files; the data objects by name."""
-    committed = download_small_files(client, location, tmp)
+def _commit_record_bytes(client: S3Client) -> bytes | None:
+    got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
+    return None if got is None else got[0]
+
+
+def _materialize(client: S3Client, location: S3Location, tmp: Path, record: bytes | None) -> dict[str, SparseObject]:
+    """Download the small files, make the sparse data files; the data objects by name (``record``:
+    the checkpoint's commit record, as read)."""
+    parsed = None if record is None else parse_commit_record(record, client.url(COMMIT_RECORD))
+    committed = download_small_files(client, location, tmp, parsed)
     if committed is not None:
         sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
     else:

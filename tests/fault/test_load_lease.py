@@ -138,6 +138,25 @@ def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
     assert torch.equal(ckptd.load(half, old)["w"], torch.full((512, 64), 2.0))
 
 
+def test_a_resume_whose_checkpoint_is_replaced_mid_load_loads_the_new_one(tmp_path):
+    """The same replacement under a resume: it loads the step again, the re-save this time."""
+    from ckptd.client.resume import load_latest
+
+    root = tmp_path / "root"
+    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
+    for path, value in ((old, 1.0), (new, 2.0)):
+        ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
+    (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(20)))
+
+    def commit_the_resave() -> None:
+        with Dir.open(root) as rootd:
+            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+
+    half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}
+    out = load_latest(root, half, {}, 0, {"stats": ActsMidLoad(commit_the_resave)})
+    assert torch.equal(out["w"], torch.full((512, 64), 2.0))
+
+
 def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_path, monkeypatch):
     """Retention removed the checkpoint the tracker named (a newer one committed) between the scan
     and the structural check of a resume: the check raised CheckpointNotFoundError out of the

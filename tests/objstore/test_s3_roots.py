@@ -283,3 +283,24 @@ def test_retiring_a_step_leaves_the_data_objects_of_a_re_save_in_flight(s3_bucke
         assert left == {in_flight}, left
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_bucket, monkeypatch):
+    """Retention or gc deleted the step's objects while a load read it (no lease holds an object
+    store): the missing data object was reported as damage ("the checkpoint is incomplete"), so a
+    resume took the checkpoint for corrupt and fell back past it."""
+    import ckptd.loading.loader as loader
+
+    location = parse_location(f"s3://{s3_bucket}/root/iter_0000001")
+    ckptd.save({"w": torch.ones(1024, 64)}, location)
+    client = S3Client(location)
+    execute = loader.execute
+
+    def retire_meanwhile(*args, **kwargs):
+        client.delete([i.key for i in client.list_objects("")])
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "execute", retire_meanwhile)
+    with pytest.raises(ckptd.CheckpointRemovedError, match="iter_0000001 was removed or replaced while it was being"):
+        ckptd.load({"w": torch.zeros(1024, 64)}, location)

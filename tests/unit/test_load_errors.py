@@ -201,3 +201,16 @@ def test_garbage_dcp_metadata(ckpt: Path):
     (ckpt / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(CorruptCheckpointError, match="does not hold a DCP Metadata"):
         ckptd.load(request(), ckpt)
+
+
+def test_a_plain_tensor_kept_in_common_state_with_another_shape_is_a_mismatch(tmp_path: Path):
+    """A DCP-style request of a plain tensor that the checkpoint keeps in ``common.pt`` with
+    another shape was reported as "not in the checkpoint", naming no shape."""
+    ckptd.save(
+        {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "scale": torch.ones(3)}, tmp_path / "ck"
+    )
+    with pytest.raises(LoadMismatchError, match=r"'scale': .*common state .* shape \(3,\) .* shape \(5,\)"):
+        ckptd.load({"w": torch.zeros(4), "scale": torch.zeros(5)}, tmp_path / "ck")
+    assert torch.equal(
+        ckptd.load({"w": torch.zeros(4), "scale": torch.zeros(3)}, tmp_path / "ck")["scale"], torch.ones(3)
+    )

@@ -17,6 +17,7 @@ from ckptd.control.protocol import (
     Codec,
     ErrorReply,
     Message,
+    MsgType,
     Ping,
     Pong,
     Save,
@@ -50,6 +51,10 @@ def test_the_expected_reply_answers_and_anything_else_does_not():
         (a_save(step=3), ErrorReply(reason="no", step=None), True),  # an ERROR without a step refuses any request
         (a_save(step=3), ErrorReply(reason="no", step=3), True),
         (a_save(step=3), ErrorReply(reason="no", step=1), False),  # the late refusal of step 1's SAVE
+        (a_save(step=3), ErrorReply(reason="no", step=3, request=MsgType.SAVE), True),
+        (a_save(step=3), ErrorReply(reason="no", step=None, request=MsgType.REGISTER_LAYOUT), False),  # a late one
+        (Status(), ErrorReply(reason="no", step=1, request=MsgType.SAVE), False),
+        (Status(), ErrorReply(reason="no", step=None, request=MsgType.STATUS), True),
     ],
 )
 def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorReply, refused: bool):
@@ -161,10 +166,17 @@ def test_a_wrong_reply_type_is_a_protocol_error_unless_the_caller_takes_notifica
 @pytest.mark.timeout(60)
 def test_a_late_refusal_is_logged_and_the_wait_goes_on(serve, caplog):
     server = serve(
-        {Save: [ErrorReply(reason="the save of step 1 was refused", step=1), SaveAck(step=2, attempt=ATTEMPT)]}
+        {
+            Save: [
+                ErrorReply(reason="the save of step 1 was refused", step=1, request=MsgType.SAVE),
+                ErrorReply(reason="no room for the layout", step=None, request=MsgType.REGISTER_LAYOUT),
+                SaveAck(step=2, attempt=ATTEMPT),
+            ]
+        }
     )
     assert server.client().request(a_save(step=2), SaveAck, timeout_s=600) == SaveAck(step=2, attempt=ATTEMPT)
-    assert "the test daemon refused an earlier request of step 1" in caplog.text
+    assert "the test daemon refused an earlier SAVE (step 1): the save of step 1 was refused" in caplog.text
+    assert "the test daemon refused an earlier REGISTER_LAYOUT (step None): no room" in caplog.text
 
 
 @pytest.mark.timeout(60)
