@@ -323,8 +323,9 @@ def load(
 
     Every item read whole is checked against the CRC-32C recorded at save time (a mismatch is a
     CorruptCheckpointError naming key, file and byte range); so is ``common.pt``. A rank that reads
-    only part of an item larger than 1 MiB (a load onto a finer layout) does not check that item:
-    its checksum covers bytes it does not read (``ckptd verify`` checks every byte).
+    only part of an item larger than 64 KiB (a load onto a finer layout) does not check that item:
+    its checksum covers bytes it does not read (``LoadStats.items_unverified`` counts them;
+    ``ckptd verify`` checks every byte).
 
     The load holds a lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`): retention and
     ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this
