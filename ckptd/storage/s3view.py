@@ -170,6 +170,7 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
     source = None
     try:
         record = _commit_record_bytes(client)
+        opened = _identity(client, record)
         objects = _materialize(client, location, tmp, record)
         source = S3RangeSource(client, objects)
         try:
@@ -177,7 +178,7 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
         except CorruptCheckpointError as exc:
             # Retention or gc deleted it (or a re-save replaced it) while it was read: no lease
             # holds an object store, and a missing object is no damage then.
-            if record is not None and _commit_record_bytes(client) != record:
+            if _changed(client, opened):
                 raise removed_error(location) from exc
             _rename_paths(exc, tmp, location)
             raise
@@ -193,6 +194,24 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
 def _commit_record_bytes(client: S3Client) -> bytes | None:
     got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
     return None if got is None else got[0]
+
+
+def _changed(client: S3Client, opened: object) -> bool:
+    """Whether the prefix no longer holds the checkpoint that was opened (``opened``: its
+    :func:`_identity` then); False when the store cannot tell now."""
+    try:
+        return _identity(client, _commit_record_bytes(client)) != opened
+    except CkptdError:
+        return False
+
+
+def _identity(client: S3Client, record: bytes | None) -> object:
+    """Which checkpoint the prefix holds: its commit record, else (not a Checkpointer's commit)
+    its ``.metadata`` object's ETag; None when it holds neither."""
+    if record is not None:
+        return record
+    info = client.head(DCP_METADATA)
+    return None if info is None else ("etag", info.etag)
 
 
 def _materialize(client: S3Client, location: S3Location, tmp: Path, record: bytes | None) -> dict[str, SparseObject]:
