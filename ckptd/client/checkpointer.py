@@ -394,7 +394,7 @@ class Checkpointer:
         when newer), reading what its disk holds there and the rest from the mirror's copy
         (ckptd.storage.nodeview; README, Two tiers)."""
         if step is not None:
-            return sync_load(sharded_state_dict, self._levels.step_target(step), **kwargs)
+            return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
         return self._levels.load_resumed(sharded_state_dict, self._damaged, self.env.rank, kwargs)
 
     def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:

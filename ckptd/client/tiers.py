@@ -278,21 +278,19 @@ class Levels:
             node=self.node,
         )
 
-    def step_target(self, step: int) -> Location | NodeLocalCheckpoint:
+    def step_target(self, step: int, group: Any = None) -> Location | NodeLocalCheckpoint:
         """What ``load(step=...)`` reads: :meth:`step_location`; with node-local disks the newest
-        commit of the step this node's disk or the mirror's copy records, read from this disk and
-        the mirror."""
+        commit of the step that node 0's disk or the mirror's copy records, read from this disk
+        and the mirror: with torch.distributed initialized, rank 0 looks and every rank takes its
+        answer (a collective: a node whose disk lags behind could otherwise load another commit
+        of the step, one a rollback abandoned)."""
         if not self.node_local or self.mirror is None or not isinstance(self.root, Path):
             return self.step_location(step)
-        name = step_dir_name(step)
-        record = read_commit_record(self.root / name) if committed_at(self.root, step) else None
-        local = None if record is None else CommitRef(step=step, attempt=record.attempt, seq=record.seq)
-        copy = read_s3_commit_record(S3Client(self.mirror), name)
-        source = None if copy is None else copy.source
-        mirrored = (
-            None if source is None else CommitRef(step=step, attempt=str(source["attempt"]), seq=int(source["seq"]))
-        )
-        commit = newer_commit(local, mirrored)
+        ctx, root, mirror = DistContext.current(group), self.root, self.mirror
+        commit = ctx.agree(
+            f"choosing the commit of step {step} to load",
+            lambda: _step_commit(root, mirror, step) if ctx.rank == 0 else None,
+        )[0]
         if commit is None or not commit.attempt:
             return self.step_location(step)
         return self.node_local_commit(commit)
@@ -333,3 +331,14 @@ def _local_holds(root: Path, commit: CommitRef) -> bool:
         return False
     record = read_commit_record(root / step_dir_name(commit.step))
     return record is not None and (record.step, record.attempt, record.seq) == (commit.step, commit.attempt, commit.seq)
+
+
+def _step_commit(root: Path, mirror: S3Location, step: int) -> CommitRef | None:
+    """The newest commit of ``step`` this node's disk or the mirror's copy records."""
+    name = step_dir_name(step)
+    record = read_commit_record(root / name) if committed_at(root, step) else None
+    local = None if record is None else CommitRef(step=step, attempt=record.attempt, seq=record.seq)
+    copy = read_s3_commit_record(S3Client(mirror), name)
+    source = None if copy is None else copy.source
+    mirrored = None if source is None else CommitRef(step=step, attempt=str(source["attempt"]), seq=int(source["seq"]))
+    return newer_commit(local, mirrored)

@@ -80,3 +80,23 @@ def test_a_strict_all_load_failing_on_one_rank_fails_on_every_rank(tmp_path, res
     assert "'a.b'" in rank1, rank1
     assert "failed on another rank: rank 1" in rank0 and "'a.b'" in rank0, rank0
     assert rank0.split(":")[0] == rank1.split(":")[0]  # the same error class on every rank
+
+
+def _load_step_on_a_lagging_node(rank: int, world_size: int, root: str) -> tuple[str, int]:
+    from ckptd.client import tiers
+    from ckptd.roots.mirror import CommitRef
+    from ckptd.storage.url import parse_location
+
+    # Node 1's disk and the mirror's copy still record the commit of step 20 that a rollback
+    # abandoned (node 1's daemon had not renamed the re-save's commit in yet); node 0's, the new one.
+    seen = {0: CommitRef(step=20, attempt="resaved-1", seq=7), 1: CommitRef(step=20, attempt="abandoned-1", seq=3)}
+    tiers._step_commit = lambda *_: seen[rank]
+    mirror = parse_location("s3://bucket/mirror")
+    levels = tiers.Levels(Path(root) / f"node{rank}", mirror, node_local=True, node=rank, world_size=world_size)
+    target = levels.step_target(20)
+    return target.attempt, target.seq
+
+
+@pytest.mark.timeout(120)
+def test_every_node_loads_node_0s_commit_of_a_step_on_node_local_disks(tmp_path):
+    assert run_ranks(_load_step_on_a_lagging_node, 2, str(tmp_path), timeout_s=90) == [("resaved-1", 7)] * 2
