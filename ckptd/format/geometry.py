@@ -147,8 +147,9 @@ def boxes_overlap(a: Box, b: Box) -> bool:
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
 
-def find_overlap(boxes: Sequence[B]) -> tuple[B, B] | None:
-    """Two of ``boxes`` (non-empty, same rank of dimensions) that share an element, or None.
+def find_overlap(given: Sequence[B]) -> tuple[B, B] | None:
+    """Two of ``given`` (boxes of one rank of dimensions) that share an element, or None
+    (empty boxes share none, and 0-d ones are not compared).
 
     A sweep along the axis with the most distinct chunk starts (4,000 chunks of one row are swept
     along the row, not across it): the boxes still spanning the sweep position are kept ordered
@@ -156,6 +157,9 @@ def find_overlap(boxes: Sequence[B]) -> tuple[B, B] | None:
     within the widest box's extent before it on that axis. Grid-like layouts cost O(n log n);
     any N-D boxes are checked correctly (a pair overlapping on every axis is always compared).
     """
+    boxes = [c for c in given if math.prod(c.sizes)]
+    if len(boxes) < 2 or not boxes[0].offsets:
+        return None
     ndim = len(boxes[0].offsets)
     axes = sorted(range(ndim), key=lambda ax: len({r.offsets[ax] for r in boxes}), reverse=True)
     a = axes[0]

@@ -26,8 +26,7 @@ def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
                 f"{c.offsets}. Give all but one of them replica_id != 0, or fix their offsets."
             )
         seen[c.offsets] = c
-    boxes = [c for c in chunks if math.prod(c.sizes)]
-    found = find_overlap(boxes) if len(boxes) > 1 and boxes[0].offsets else None
+    found = find_overlap(chunks)
     if found is not None:
         a, b = found
         raise ShardingError(

@@ -126,8 +126,7 @@ class CheckpointView:
         tensors = {}
         for fqn, t in index.tensors.items():
             sources = [Source.of_chunk(c) for c in t.chunks]
-            boxes = [s for s in sources if math.prod(s.sizes)]
-            found = find_overlap(boxes) if len(boxes) > 1 and boxes[0].offsets else None
+            found = find_overlap(sources)
             if found is not None:
                 a, b = found
                 raise CorruptCheckpointError(
