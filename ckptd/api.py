@@ -51,7 +51,7 @@ from .format.reader import DataFiles, read_bytes_item, read_common, read_common_
 from .format.records import BYTES, ItemRecord
 from .format.saveplan import plan_rank
 from .format.validate import validate_records
-from .loading.execute import LoadStats
+from .loading.execute import ExecOptions, LoadStats
 from .loading.keymap import Rule
 from .loading.loader import LoadRequest, run_load
 from .loading.strict import StrictHandling
@@ -283,6 +283,7 @@ def load(
     process_group: Any = None,
     stats: LoadStats | None = None,
     allow_dtype_cast: bool = True,
+    verify_partial: bool = False,
 ) -> Any:
     """Load the entries described by ``sharded_state_dict`` and return the loaded state dict.
 
@@ -323,9 +324,10 @@ def load(
 
     Every item read whole is checked against the CRC-32C recorded at save time (a mismatch is a
     CorruptCheckpointError naming key, file and byte range); so is ``common.pt``. A rank that reads
-    only part of an item larger than 64 KiB (a load onto a finer layout) does not check that item:
-    its checksum covers bytes it does not read (``LoadStats.items_unverified`` counts them;
-    ``ckptd verify`` checks every byte).
+    only part of an item larger than 64 KiB (a load onto a finer layout) checks that item only with
+    ``verify_partial=True``, reading the rest of it too (``Checkpointer.load()`` without ``step``
+    does, so that a resume never takes bit rot for state); otherwise its checksum covers bytes it
+    does not read (``LoadStats.items_unverified`` counts them; ``ckptd verify`` checks every byte).
 
     The load holds a lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`): retention and
     ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this
@@ -352,6 +354,7 @@ def load(
                     has_common=ckpt.has_common,
                     allow_dtype_cast=allow_dtype_cast,
                     source=ckpt.source,
+                    options=ExecOptions(verify_partial=True) if verify_partial else None,
                 ),
             ),
         )

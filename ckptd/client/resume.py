@@ -13,9 +13,10 @@ Order of one resume, on every rank:
    ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
    all raise;
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
-   rank) is remembered as damaged, logged as a WARNING and step 1 runs again: the intact
-   checkpoint committed last before it is loaded (the request is filled anew, so nothing of the
-   damaged one stays in it); one removed or replaced while it was loaded (CheckpointRemovedError),
+   rank; items read only in part, onto another layout, are checked too: ``verify_partial``) is
+   remembered as damaged, logged as a WARNING and step 1 runs again: the intact checkpoint
+   committed last before it is loaded (the request is filled anew, so nothing of the damaged one
+   stays in it); one removed or replaced while it was loaded (CheckpointRemovedError),
    or removed after it was chosen (CheckpointNotFoundError on every rank, and rank 0 finds its
    directory gone), is chosen again from the latest, once per name. Any other error is raised on
    every rank.
@@ -80,6 +81,9 @@ def load_agreed(
     """Steps 2-4 above for the checkpoint ``choose()`` names (step 1), again after each one found
     damaged or removed; ``choose`` is called on every rank alike (it may be a collective)."""
     ctx = DistContext.current(kwargs.get("process_group"))
+    # An item read only in part is checked too (its rest read): bit rot found here falls back to
+    # an intact checkpoint instead of being resumed (README: Guarantees).
+    kwargs = {"verify_partial": True, **kwargs}
     removed: set[str] = set()
     while True:
         candidate = choose()

@@ -22,10 +22,11 @@ onto a coarser layout): the bytes are checksummed in file order as they arrive, 
 ``_CRC_BLOCK_NBYTES`` read and checksummed while still in the CPU cache, plus the item's few
 header bytes. A plan that reads only part of an item (a finer layout) cannot check the item's
 checksum without reading the rest: items up to 64 KiB are checked all the same (locating their
-elements read them whole already), larger ones are not (``LoadStats.items_unverified``; reading
-them whole would multiply what such a load reads; ``ckptd verify`` checks every byte). A mismatch
-raises CorruptCheckpointError naming key, chunk, file and byte range, after the destination may
-already hold the damaged bytes.
+elements read them whole already), larger ones only with ``ExecOptions.verify_partial`` (a resume
+asks for it: the rest of the item is read and checked; it multiplies what such a load reads),
+else not (``LoadStats.items_unverified``; ``ckptd verify`` checks every byte). A mismatch raises
+CorruptCheckpointError naming key, chunk, file and byte range, after the destination may already
+hold the damaged bytes.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class ExecOptions:
     use_mmap: bool = True
     map_window_bytes: int = 64 * 1024 * 1024
     max_enumerated_runs: int = 1 << 16
+    # Check an item read only in part (larger than 64 KiB) against its recorded checksum by reading
+    # the rest of it too (see the module docstring).
+    verify_partial: bool = False
 
 
 @dataclass
@@ -294,7 +298,7 @@ class _Executor:
                 self.stats.items_verified += 1
             else:  # not fed in file order: check it by reading it again
                 self._verify_by_reading(fd, entry, checksum, recorded, [])
-        elif item.length <= _VERIFY_WHOLE_NBYTES:
+        elif item.length <= _VERIFY_WHOLE_NBYTES or self.opts.verify_partial:
             self._verify_by_reading(fd, entry, checksum, recorded, probed)
         else:
             self.stats.items_unverified += 1

@@ -186,3 +186,28 @@ def test_chunks_that_overlap_next_to_an_equal_gap_are_refused(tmp_path):
         ckptd.load({"w": torch.full((4, 8), -7.0)}, ck)
     with pytest.raises(CorruptCheckpointError, match=overlap):
         ckptd.load_plain_tensors(ck)
+
+
+def test_an_item_read_in_part_is_checked_with_verify_partial_and_by_a_resume(tmp_path):
+    """A flipped bit in a 256 KiB item: a load onto a finer layout (this rank reads half of it)
+    returned the damaged value without a word; with ``verify_partial`` (which a resume sets) the
+    rest of the item is read and the damage found, and a resume falls back to an intact step."""
+    root = tmp_path / "root"
+    for step, value in ((10, 1.0), (20, 2.0)):
+        ckptd.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, root / step_dir_name(step)
+        )
+    (root / "latest").write_text(step_dir_name(20))
+    damaged = root / step_dir_name(20)
+    chunk = read_index(damaged).tensors["w"].chunks[0]
+    flip_bit(damaged / chunk.relative_path, chunk.file_offset + chunk.length - 4096)  # in rows 512..1023
+
+    def first_half() -> dict:  # rows 0..511: the half without the flipped bit
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}
+
+    stats = LoadStats()
+    assert torch.equal(ckptd.load(first_half(), damaged, stats=stats)["w"], torch.full((512, 64), 2.0))
+    assert stats.items_unverified == 1
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' chunk at offsets \(0, 0\)"):
+        ckptd.load(first_half(), damaged, verify_partial=True)
+    assert torch.equal(load_latest(root, first_half(), {}, 0, {})["w"], torch.full((512, 64), 1.0))
