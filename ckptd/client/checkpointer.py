@@ -49,9 +49,10 @@ Order of one :meth:`Checkpointer.save` on a rank:
    the file once the producer sealed the save; outcomes of other attempts of the step never
    resolve the handle.
 
-A failure of steps 1-5 (or a SAVE the daemon refused) is raised here and told to the other ranks
+A failure of steps 2-5 (or a SAVE the daemon refused) is raised here and told to the other ranks
 as a SKIP under this try's attempt id (:mod:`ckptd.client.tries`), so their saves of the step fail
 at once instead of after ``commit_timeout_s``, and a retry has the same attempt id on every rank.
+An earlier save's failure raised in step 1 is not this step's: it counts no try and tells nobody.
 
 The commit happens in the background (:mod:`ckptd.daemon`); the handle learns the outcome.
 Not thread-safe: use a Checkpointer from one thread.
@@ -200,10 +201,11 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         check_save_step(step)
-        with self._tries.announcing_failure(step):
-            self._ring.fence()  # an earlier lazy save is decided before this one is planned
-            self._pump_quietly()
-            self._pending.raise_unobserved()
+        # An earlier save's failure is raised here, but it is no failure of this step: nothing is
+        # told to the other ranks (a SKIP would abort this step everywhere, and so on at each save).
+        self._ring.fence()  # an earlier lazy save is decided before this one is planned
+        self._pump_quietly()
+        self._pending.raise_unobserved()
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
@@ -221,8 +223,10 @@ class Checkpointer:
                 items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
                 placements, nbytes = place(items)
             t_slot = time.perf_counter()
-            if self.config.on_full == "skip" and ring.must_skip(placements):
-                return self._skip(step, t0, nbytes)
+            skip = self.config.on_full == "skip" and ring.must_skip(placements)
+        if skip:  # its SKIP takes this try's attempt id itself
+            return self._skip(step, t0, nbytes)
+        with self._tries.announcing_failure(step):
             self._ring.wait_block(ring, step, lambda s: self._idle(ring, s))
             ring.check_room(ring.next_start, placements)  # a full /dev/shm fails here, cleanly
             block, start = ring.claim(placements)
@@ -389,10 +393,11 @@ class Checkpointer:
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
-        falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`).
-        With ``node_local``, every rank loads node 0's latest commit (or the mirror's latest copy,
-        when newer), reading what its disk holds there and the rest from the mirror's copy
-        (ckptd.storage.nodeview; README, Two tiers)."""
+        falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`;
+        with torch.distributed initialized, a collective: rank 0 chooses). With ``node_local``,
+        every rank loads node 0's latest commit (or the mirror's latest copy, when newer), reading
+        what its disk holds there and the rest from the mirror's copy (ckptd.storage.nodeview;
+        README, Two tiers), and ``load(step=N)`` is a collective too (rank 0 finds the commit)."""
         if step is not None:
             return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
         return self._levels.load_resumed(sharded_state_dict, self._damaged, self.env.rank, kwargs)
@@ -584,9 +589,11 @@ class Checkpointer:
         """Deliver notifications until ``future`` is resolved or ``timeout_s`` passed (a SaveFuture's wait)."""
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        # The training thread waits here, so nothing changes meanwhile: fence. A lazy copy not done
-        # by the caller's timeout stays pending (a later wait or fence decides it).
-        if not self._ring.fence(None if timeout_s is None else deadline, keep_late=True):
+        # The training thread waits here, so nothing changes meanwhile: fence this save's lazy
+        # snapshot and those before it. A copy not done by the caller's timeout stays pending (a
+        # later wait or fence decides it).
+        if not self._ring.fence(None if timeout_s is None else deadline, keep_late=True, until_step=future.step):
+            self._pump_quietly()  # the save may have been decided meanwhile all the same
             return
         while future.status is SaveStatus.PENDING:
             remaining = deadline - time.monotonic()

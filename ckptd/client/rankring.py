@@ -211,10 +211,10 @@ class RankRing:
         self.device_snapshots_taken += 1
         return producer
 
-    def fence(self, deadline: float | None = None, *, keep_late: bool = False) -> bool:
+    def fence(self, deadline: float | None = None, *, keep_late: bool = False, until_step: int | None = None) -> bool:
         """Decide the pending lazy saves (ckptd.staging.lazy.LazyCopier.fence); else nothing.
         False when ``keep_late`` left some undecided at ``deadline``."""
-        return self.lazy is None or self.lazy.fence(deadline, keep_late=keep_late)
+        return self.lazy is None or self.lazy.fence(deadline, keep_late=keep_late, until_step=until_step)
 
     def quiesce(self, *, daemon_gone: bool = False) -> None:
         """Return once the lazy copier and the device snapshots no longer write into the ring

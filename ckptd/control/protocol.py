@@ -77,7 +77,8 @@ from .attempt import check_attempt, check_step
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
-# 14: REGISTER_LAYOUT (a daemon of 13 refuses it as an unknown type); ERROR names the refused request's type.
+# 14: REGISTER_LAYOUT; ERROR names the refused request's type and attempt (a version check refuses
+# every message of another version).
 PROTOCOL_VERSION = 14
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
@@ -156,6 +157,7 @@ class ErrorReply(Message):
     step: int | None  # of the refused request, if it names one: a late error is not taken for another's
     code: str = ""  # what the client must do, when it can act on it (ckptd.errors.ProtocolError.code)
     request: int = 0  # the refused request's MsgType (0: unknown), likewise
+    refused_attempt: str = ""  # the refused request's attempt id, if it names one, likewise
 
 
 @dataclass(frozen=True, kw_only=True)

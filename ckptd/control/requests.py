@@ -56,10 +56,13 @@ def answer(
 
 
 def refuses(reply: ErrorReply, request: Message) -> bool:
-    """Whether an ERROR refuses ``request``: it names the request's type (or none), and no step or
-    the request's (a late refusal of another request, e.g. of a REGISTER_LAYOUT that timed out,
-    must not cancel a SAVE the daemon took)."""
+    """Whether an ERROR refuses ``request``: it names the request's type and attempt (or none), and
+    no step or the request's (a late refusal of another request, e.g. of a REGISTER_LAYOUT or an
+    earlier try of the step that timed out, must not cancel a SAVE the daemon took)."""
     if reply.request and reply.request != request.TYPE:
+        return False
+    tried = getattr(request, "attempt", "")
+    if reply.refused_attempt and tried and reply.refused_attempt != tried:  # an earlier try of the step
         return False
     asked = getattr(request, "step", None)
     return reply.step is None or asked is None or reply.step == asked

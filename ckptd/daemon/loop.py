@@ -55,12 +55,18 @@ def serve_requests(channel: Channel, handle: RequestHandler) -> None:
             return
         if msg is None or identity is None:
             continue
-        step = getattr(msg, "step", None)
+        step, attempt = getattr(msg, "step", None), getattr(msg, "attempt", "")
         try:
             handle(identity, msg, peer)
         except (CkptdError, OSError) as exc:
             log.warning("%s: %s from %r failed: %s", channel.name, msg.TYPE.name, identity, exc)
-            refusal = ErrorReply(reason=str(exc), step=step, code=getattr(exc, "code", ""), request=int(msg.TYPE))
+            refusal = ErrorReply(
+                reason=str(exc),
+                step=step,
+                code=getattr(exc, "code", ""),
+                request=int(msg.TYPE),
+                refused_attempt=attempt,
+            )
             channel.send(refusal, identity, block=False)
         except Exception as exc:
             log.exception("%s: %s from %r could not be handled", channel.name, msg.TYPE.name, identity)
@@ -69,6 +75,7 @@ def serve_requests(channel: Channel, handle: RequestHandler) -> None:
                     reason=f"the {channel.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
                     step=step,
                     request=int(msg.TYPE),
+                    refused_attempt=attempt,
                 ),
                 identity,
                 block=False,

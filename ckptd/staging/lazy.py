@@ -134,19 +134,25 @@ class LazyCopier:
                 self._jobs.put(job)
             self._held.clear()
 
-    def fence(self, deadline: float | None = None, *, keep_late: bool = False) -> bool:
-        """Decide every pending snapshot, on the training thread: seal it, or abandon it if one of
-        its sources changed since ``save()`` (see the module docstring).
+    def fence(self, deadline: float | None = None, *, keep_late: bool = False, until_step: int | None = None) -> bool:
+        """Decide every pending snapshot (with ``until_step``: those up to that step's, in save
+        order), on the training thread: seal it, or abandon it if one of its sources changed since
+        ``save()`` (see the module docstring).
 
         CPU copies still running are waited for; CUDA copies only until they are queued, then the
         current streams wait for them. The wait is bounded by ``snapshot_timeout_s`` (raises
         StagingError after it) or, when given, by ``deadline`` (monotonic): a snapshot not copied
         by then is abandoned (closing), or with ``keep_late`` it and the later ones stay pending
-        (a wait with a timeout) and this returns False.
+        (a wait with a timeout; StagingError still after ``snapshot_timeout_s``) and this returns
+        False.
         """
         self.go()
-        for job in list(self._pending):
-            if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline):
+        jobs = list(self._pending)
+        if until_step is not None:
+            last = next((i for i, j in enumerate(jobs) if j.step == until_step), -1)
+            jobs = jobs[: last + 1]  # none when that step's snapshot was decided already
+        for job in jobs:
+            if not self._wait(job.enqueued if job.cuda else job.copied, job, deadline, keep_late=keep_late):
                 if keep_late:
                     return False
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
@@ -166,11 +172,15 @@ class LazyCopier:
             self._pending.remove(job)
         return True
 
-    def _wait(self, event: threading.Event, job: _Job, deadline: float | None = None) -> bool:
+    def _wait(
+        self, event: threading.Event, job: _Job, deadline: float | None = None, *, keep_late: bool = False
+    ) -> bool:
         """Wait for ``event`` up to ``snapshot_timeout_s`` (raises StagingError after it) or until
-        ``deadline`` (returns False at it)."""
+        ``deadline`` (returns False at it; with ``keep_late`` only when it comes first)."""
         if deadline is not None:
-            return event.wait(max(0.0, min(self.timeout_s, deadline - time.monotonic())))
+            remaining_s = deadline - time.monotonic()
+            if not keep_late or remaining_s < self.timeout_s:
+                return event.wait(max(0.0, min(self.timeout_s, remaining_s)))
         if not event.wait(self.timeout_s):
             raise StagingError(
                 f"rank {self.rank}: the lazy snapshot of step {job.step} did not finish "

@@ -170,15 +170,14 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
     source = None
     try:
         record = _commit_record_bytes(client)
-        opened = _identity(client, record)
-        objects = _materialize(client, location, tmp, record)
-        source = S3RangeSource(client, objects)
         try:
+            objects = _materialize(client, location, tmp, record)
+            source = S3RangeSource(client, objects)
             yield S3View(tmp, source, location)
         except CorruptCheckpointError as exc:
             # Retention or gc deleted it (or a re-save replaced it) while it was read: no lease
-            # holds an object store, and a missing object is no damage then.
-            if _changed(client, opened):
+            # holds an object store, and a missing or changed object is no damage then.
+            if _gone(client, record):
                 raise removed_error(location) from exc
             _rename_paths(exc, tmp, location)
             raise
@@ -196,22 +195,16 @@ def _commit_record_bytes(client: S3Client) -> bytes | None:
     return None if got is None else got[0]
 
 
-def _changed(client: S3Client, opened: object) -> bool:
-    """Whether the prefix no longer holds the checkpoint that was opened (``opened``: its
-    :func:`_identity` then); False when the store cannot tell now."""
+def _gone(client: S3Client, record: bytes | None) -> bool:
+    """Whether the checkpoint opened with commit record ``record`` went away: its record changed
+    or vanished (a Checkpointer's commit), or its ``.metadata`` vanished (one without a record:
+    ``ckptd.save``, DCP); False when the store cannot tell now."""
     try:
-        return _identity(client, _commit_record_bytes(client)) != opened
+        if record is not None:
+            return _commit_record_bytes(client) != record
+        return client.head(DCP_METADATA) is None
     except CkptdError:
         return False
-
-
-def _identity(client: S3Client, record: bytes | None) -> object:
-    """Which checkpoint the prefix holds: its commit record, else (not a Checkpointer's commit)
-    its ``.metadata`` object's ETag; None when it holds neither."""
-    if record is not None:
-        return record
-    info = client.head(DCP_METADATA)
-    return None if info is None else ("etag", info.etag)
 
 
 def _materialize(client: S3Client, location: S3Location, tmp: Path, record: bytes | None) -> dict[str, SparseObject]:

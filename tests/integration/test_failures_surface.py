@@ -155,3 +155,57 @@ def test_a_rank_that_cannot_send_its_save_aborts_the_step_on_every_rank(
     finally:
         for c in (c0, c1):
             c.close(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_an_earlier_failure_raised_by_save_aborts_no_later_step(tmp_path, single_process, monkeypatch, runtime_dir):
+    """save() raises an earlier save's failure nobody observed; that is no failure of its own step:
+    it tells nobody and counts no try, so the other ranks' saves of the step go on and a retry of
+    it pairs with theirs (a SKIP there aborted the step on every rank, whose next save() then
+    raised that abort in turn, step after step)."""
+    from ckptd.errors import CkptdError
+
+    c0, c1 = _ranks(tmp_path, runtime_dir)
+    try:
+
+        def bad_state(*_):
+            raise CkptdError("bad state dict (simulated)")
+
+        monkeypatch.setattr(c1._planner, "plan", bad_state)
+        first = c0.save(_state(0), step=1)
+        with pytest.raises(CkptdError, match="simulated"):
+            c1.save(_state(1), step=1)
+        monkeypatch.undo()
+        wait_until(first.done, 60, "rank 0's save of step 1 to be aborted")
+        with pytest.raises(SaveFailedError, match="earlier asynchronous save"):
+            c0.save(_state(0), step=2)
+        h1 = c1.save(_state(1), step=2)
+        h0 = c0.save(_state(0), step=2)  # the retry
+        assert h0.attempt == h1.attempt
+        assert all(h.wait(timeout_s=60) == tmp_path / "run" / "iter_0000002" for h in (h0, h1))
+    finally:
+        for c in (c0, c1):
+            c.close(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_a_save_does_not_wait_for_a_later_lazy_copy(tmp_path, single_process, monkeypatch, runtime_dir):
+    """handle.wait(timeout_s) of a save that committed meanwhile fenced every pending lazy snapshot,
+    a later save's slow copy included, for the whole timeout, then raised SaveTimeoutError."""
+    w = torch.randn(1000)
+    with ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, snapshot="lazy")) as ckpt:
+        first = ckpt.save({"w": w}, step=1)
+        copy = lazy.LazyCopier._copy
+
+        def slow(copier, job):  # a large copy of step 2 behind training
+            if job.step == 2:
+                time.sleep(6)
+            return copy(copier, job)
+
+        monkeypatch.setattr(lazy.LazyCopier, "_copy", slow)
+        later = ckpt.save({"w": w}, step=2)  # fences step 1, which commits meanwhile
+        wait_until(lambda: (tmp_path / "run" / "iter_0000001").is_dir(), 30, "step 1 to commit")
+        t0 = time.monotonic()
+        assert first.wait(timeout_s=3.0) == tmp_path / "run" / "iter_0000001"
+        assert time.monotonic() - t0 < 3.0
+        assert later.wait(timeout_s=60) == tmp_path / "run" / "iter_0000002"

@@ -55,6 +55,12 @@ def test_the_expected_reply_answers_and_anything_else_does_not():
         (a_save(step=3), ErrorReply(reason="no", step=None, request=MsgType.REGISTER_LAYOUT), False),  # a late one
         (Status(), ErrorReply(reason="no", step=1, request=MsgType.SAVE), False),
         (Status(), ErrorReply(reason="no", step=None, request=MsgType.STATUS), True),
+        (a_save(step=3), ErrorReply(reason="no", step=3, request=MsgType.SAVE, refused_attempt=ATTEMPT), True),
+        (
+            a_save(step=3),
+            ErrorReply(reason="no", step=3, request=MsgType.SAVE, refused_attempt="0123456789ab-7"),
+            False,
+        ),
     ],
 )
 def test_an_error_refuses_the_request_it_names(request_: Message, error: ErrorReply, refused: bool):
