@@ -53,8 +53,8 @@ from .format.saveplan import plan_rank
 from .format.validate import validate_records
 from .loading.execute import ExecOptions, LoadStats
 from .loading.keymap import Rule
-from .loading.loader import LoadRequest, run_load
-from .loading.strict import StrictHandling
+from .loading.loader import KeysAgreement, LoadRequest, run_load
+from .loading.strict import StrictHandling, parse_strict
 from .mapping import ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
@@ -337,27 +337,38 @@ def load(
     :class:`ckptd.storage.nodeview.NodeLocalCheckpoint`, as ``Checkpointer.load`` passes with config
     ``node_local``): read from this node's disk where it holds the files, else from the mirror.
     """
-    with opened(checkpoint_dir) as ckpt:
-        index = ckpt.index(allow_unsafe_pickle)
-        return load_stateful(
-            sharded_state_dict,
-            lambda request: run_load(
-                index,
-                LoadRequest(
-                    request,
-                    ckpt.directory,
-                    allow_unsafe_pickle,
-                    strict,
-                    key_mapping,
-                    process_group,
-                    stats,
-                    has_common=ckpt.has_common,
-                    allow_dtype_cast=allow_dtype_cast,
-                    source=ckpt.source,
-                    options=ExecOptions(verify_partial=True) if verify_partial else None,
+    agreement = (
+        KeysAgreement(DistContext.current(process_group), str(checkpoint_dir))
+        if parse_strict(strict).needs_global_keys
+        else None
+    )
+    try:
+        with opened(checkpoint_dir) as ckpt:
+            index = ckpt.index(allow_unsafe_pickle)
+            return load_stateful(
+                sharded_state_dict,
+                lambda request: run_load(
+                    index,
+                    LoadRequest(
+                        request,
+                        ckpt.directory,
+                        allow_unsafe_pickle,
+                        strict,
+                        key_mapping,
+                        process_group,
+                        stats,
+                        has_common=ckpt.has_common,
+                        allow_dtype_cast=allow_dtype_cast,
+                        source=ckpt.source,
+                        options=ExecOptions(verify_partial=True) if verify_partial else None,
+                        agreement=agreement,
+                    ),
                 ),
-            ),
-        )
+            )
+    except Exception as exc:
+        if agreement is not None:
+            agreement.join_failed(exc)
+        raise
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike | S3Location, *, allow_unsafe_pickle: bool = False) -> Any:

@@ -310,14 +310,14 @@ class Checkpointer:
         first ``save()`` would size it, and remember the plan, so a first save of the same
         structure is not planned again (ckptd.format.repeat) and sends the daemon only the id of
         its item list, registered here (ckptd.client.layout): that save's stall is then a steady
-        save's. In a process that uses CUDA the ring
-        is pinned (ckptd.staging.pinning; about 0.5 s per GiB on an H100 machine, some 20 times the
-        device-to-host copy) and, with ``wait`` (default), ``prepare()`` returns once it is, so the
-        first save is a steady one; ``wait=False`` returns at once and pins in the background
-        (a first save before that ends takes a device snapshot). Call it once, before the training
-        loop, with the state you will save (every rank). Checks the state dict as a save does, and
-        raises its errors. A byte budget (``staging_budget="8GiB"``) makes the constructor create
-        and pin the ring in the background, but plans nothing.
+        save's. In a process that uses CUDA the ring is pinned (ckptd.staging.pinning; about 0.5 s
+        per GiB on an H100 machine, some 20 times the device-to-host copy) and, with ``wait``
+        (default), ``prepare()`` returns once it is, so the first save is a steady one;
+        ``wait=False`` returns at once and pins in the background (a first save before that ends
+        takes a device snapshot). Call it once, before the training loop, with the state you will
+        save (every rank). Checks the state dict as a save does, and raises its errors. A byte
+        budget (``staging_budget="8GiB"``) makes the constructor create and pin the ring in the
+        background, but plans nothing.
         """
         self._check_open()
         plan = self._planner.plan(expand_stateful(sharded_state_dict))

@@ -9,9 +9,9 @@ Order of one resume, on every rank:
    commit moved the tracker, and load different steps); on node-local disks,
    :meth:`ckptd.client.tiers.Levels.candidate` chooses (:func:`load_agreed`);
 2. :func:`ckptd.load` loads it, holding a lease so that retention leaves it alone meanwhile;
-3. with several ranks (torch.distributed initialized), the ranks gather every rank's outcome (one
-   ``all_gather_object`` of a few bytes), so that they act alike: all return, all fall back, or
-   all raise;
+3. with several ranks (torch.distributed initialized), the ranks gather every rank's outcome (an
+   ``all_gather_object`` of a few bytes, as each agreement above is), so that they act alike: all
+   return, all fall back, or all raise;
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
    rank; items read only in part, onto another layout, are checked too: ``verify_partial``) is
    remembered as damaged, logged as a WARNING and step 1 runs again: the intact checkpoint

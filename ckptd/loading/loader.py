@@ -23,10 +23,11 @@ result is built on it, as Megatron-Core's is), bytes items only when requested.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,7 @@ class LoadRequest:
     has_common: bool | None = None
     allow_dtype_cast: bool = True
     source: RangeSource | None = None  # a checkpoint on object storage (ckptd.format.reader.RangeSource)
+    agreement: KeysAgreement | None = None  # a ``*_all`` load's gather, joined by the caller on a failure before it
 
 
 class _Common:
@@ -186,16 +188,45 @@ def _matched(index: CheckpointIndex, req: LoadRequest) -> _Matched:
     return _Matched(view, split, common, unexpected, from_common, matched)
 
 
+@dataclass
+class KeysAgreement:
+    """The one collective of a ``*_all`` load, every rank's requested keys, which every rank joins
+    once (DistContext.agree): with its keys, or with the error that stopped its load before them
+    (opening the checkpoint, reading its index), so the others raise that error too instead of
+    pairing their gather with another collective (a resume's outcome gather) and hanging."""
+
+    ctx: DistContext
+    where: str
+    joined: bool = False
+
+    def gather(self, mine: Callable[[], list[str]]) -> list[list[str]]:
+        self.joined = True
+        return self.ctx.agree(f"load of {self.where}", mine)
+
+    def join_failed(self, exc: Exception) -> None:
+        """This rank's load failed with ``exc``: join the gather with it, unless it did already
+        (the caller raises ``exc``)."""
+        if self.joined:
+            return
+
+        def failed() -> list[str]:
+            raise exc
+
+        with contextlib.suppress(Exception):  # this rank's own error, raised by the caller
+            self.gather(failed)
+
+
 def _matched_everywhere(index: CheckpointIndex, req: LoadRequest, where: str) -> tuple[_Matched, set[str]]:
-    """Steps 1-3, and every rank's requested keys: gathered through DistContext.agree, so that a
-    rank whose steps 1-3 failed fails that collective on every rank instead of crossing it."""
+    """Steps 1-3, and every rank's requested keys (:class:`KeysAgreement`): a rank whose steps 1-3
+    failed fails that collective on every rank."""
     local: list[_Matched] = []
 
     def mine() -> list[str]:
         local.append(_matched(index, req))
         return local[0].requested()
 
-    gathered = DistContext.current(req.process_group).agree(f"load of {where}", mine)
+    agreement = req.agreement or KeysAgreement(DistContext.current(req.process_group), where)
+    gathered = agreement.gather(mine)
     return local[0], set().union(*map(set, gathered))
 
 

@@ -100,3 +100,33 @@ def _load_step_on_a_lagging_node(rank: int, world_size: int, root: str) -> tuple
 @pytest.mark.timeout(120)
 def test_every_node_loads_node_0s_commit_of_a_step_on_node_local_disks(tmp_path):
     assert run_ranks(_load_step_on_a_lagging_node, 2, str(tmp_path), timeout_s=90) == [("resaved-1", 7)] * 2
+
+
+def _resume_failing_to_open_on_rank_1(rank: int, world_size: int, root: str) -> str:
+    from ckptd import opening
+    from ckptd.client.resume import load_latest
+    from ckptd.format.lease import removed_error
+
+    if rank == 1:  # as a load that starts while retention removes the checkpoint, on every try
+
+        def removed(directory):
+            raise removed_error(Path(directory))
+
+        opening.ReadLease.acquire = staticmethod(removed)
+    try:
+        load_latest(Path(root), {"w": torch.zeros(4)}, {}, rank, {"strict": "raise_all"})
+    except ckptd.CkptdError as exc:
+        return type(exc).__name__
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_a_strict_all_resume_failing_to_open_on_one_rank_fails_on_every_rank(tmp_path):
+    """A rank whose load failed before it gathered the requested keys (opening the checkpoint) went
+    to the resume's outcome gather, which paired with the other ranks' key gather: they waited in
+    a collective nobody else entered until that rank's process exited."""
+    root = tmp_path / "root"
+    ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
+    (root / "latest").write_text("iter_0000010")
+    outcomes = run_ranks(_resume_failing_to_open_on_rank_1, 2, str(root), timeout_s=90)
+    assert outcomes == ["CheckpointRemovedError"] * 2
