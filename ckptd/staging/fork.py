@@ -20,7 +20,8 @@ that died early fails the save, half a copy is never persisted.
 
 Only plain CPU tensors and bytes are copied by the child; anything else (CUDA tensors, strided
 views) makes :func:`child_copies` return None and the save is produced by the trainer. The child
-runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sockets.
+runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sockets; it closes
+every descriptor it inherited but the ring's.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def _child(
     code = 1
     try:
         os.setsid()
+        _keep_only(writer.fd)
         if nice > 0:
             os.nice(nice)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
@@ -175,6 +177,20 @@ def _child(
         code = 0
     finally:
         os._exit(code)
+
+
+def _keep_only(fd: int) -> None:
+    """Close every descriptor the child inherited but ``fd`` (the ring's); stdin, stdout and stderr
+    become /dev/null. A trainer that exits while its child still copies (or waits for ring room)
+    must not keep its launcher's pipes (``subprocess.run(capture_output=True)``, a job's log
+    collector) and its sockets open through the child until it gives up."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1, 2):
+        if std not in (null, fd):
+            os.dup2(null, std)
+    keep = sorted({0, 1, 2, fd})
+    for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(lo + 1, hi)  # close_range(2) where the kernel has it
 
 
 def reap(pids: list[int], block: bool) -> list[int]:

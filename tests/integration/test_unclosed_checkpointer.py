@@ -52,3 +52,53 @@ def test_a_dropped_checkpointer_never_hangs_the_process(tmp_path, pending, runti
     if pending == "pending":
         # The daemon owns a save it acknowledged: it commits although its Checkpointer is gone.
         wait_until(lambda: (root / "iter_0000001" / "metadata.json").exists(), 30, "step 1 to commit")
+
+
+_EXITS_WHILE_ITS_CHILD_WAITS = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import torch
+    import ckptd
+    from ckptd.staging import children
+
+    root, runtime, pids = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=60.0, staging_budget="0.25x")
+    ckpt = ckptd.Checkpointer(root, config=cfg)
+    daemon = ckpt._link.daemon_pid
+    pids.write_text(str(daemon))
+    after_ack = children.ForkProducer.after_ack
+
+    def stall_daemon(producer):  # the daemon stops draining the ring right after it took the save
+        os.kill(daemon, signal.SIGSTOP)
+        return after_ack(producer)
+
+    children.ForkProducer.after_ack = stall_daemon
+    ckpt.save({"w": torch.randn(1_000_000)}, step=1)  # 4 MB through a 1 MB ring
+    print("saved", flush=True)
+    os._exit(0)  # the trainer is gone; its snapshot child waits for ring room
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_child_holds_none_of_the_trainers_descriptors(tmp_path, runtime_dir):
+    """A fork snapshot's child waiting for ring room when its trainer exited kept the trainer's
+    stdout and stderr open: a launcher reading them (here ``subprocess.run(capture_output=True)``)
+    waited for the child to give up (``snapshot_timeout_s``, 600 s by default)."""
+    import signal
+
+    root, pids = tmp_path / "root", tmp_path / "daemon.pid"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _EXITS_WHILE_ITS_CHILD_WAITS, str(root), str(runtime_dir), str(pids)],
+            env=without_torchrun(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=45,  # the trainer exits at once; before, its pipes stayed open for 600 s
+        )
+        assert proc.returncode == 0 and "saved" in proc.stdout, proc.stdout + proc.stderr
+    finally:
+        if pids.exists():
+            os.kill(int(pids.read_text()), signal.SIGCONT)
+    wait_until(lambda: (root / "iter_0000001" / "metadata.json").exists(), 60, "step 1 to commit")
