@@ -77,9 +77,9 @@ from .attempt import check_attempt, check_step
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
-# 14: REGISTER_LAYOUT; ERROR names the refused request's type and attempt (a version check refuses
+# 14: REGISTER_LAYOUT. 15: ERROR names the refused request's type and attempt (a version check refuses
 # every message of another version).
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the

@@ -26,13 +26,14 @@ every descriptor it inherited but the ring's.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import select
 import signal
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -181,16 +182,33 @@ def _child(
 
 def _keep_only(fd: int) -> None:
     """Close every descriptor the child inherited but ``fd`` (the ring's); stdin, stdout and stderr
-    become /dev/null. A trainer that exits while its child still copies (or waits for ring room)
-    must not keep its launcher's pipes (``subprocess.run(capture_output=True)``, a job's log
-    collector) and its sockets open through the child until it gives up."""
-    null = os.open(os.devnull, os.O_RDWR)
+    become /dev/null (are closed where it cannot be opened). A trainer that exits while its child
+    still copies (or waits for ring room) must not keep its launcher's pipes
+    (``subprocess.run(capture_output=True)``, a job's log collector) and its sockets open through
+    the child until it gives up. The open descriptors are listed (``/proc/self/fd``), not every
+    number up to the limit closed: without close_range(2) that takes seconds where the limit is
+    high, and a descriptor above a lowered limit would be missed."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        null = -1
     for std in (0, 1, 2):
         if std not in (null, fd):
-            os.dup2(null, std)
-    keep = sorted({0, 1, 2, fd})
-    for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
-        os.closerange(lo + 1, hi)  # close_range(2) where the kernel has it
+            with contextlib.suppress(OSError):
+                if null >= 0:
+                    os.dup2(null, std)
+                else:
+                    os.close(std)
+    keep = {0, 1, 2, fd}
+    inherited: Iterable[int]
+    try:
+        inherited = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number up to the limit
+        inherited = range(max(os.sysconf("SC_OPEN_MAX"), fd + 1, 1024))
+    for n in inherited:
+        if n not in keep:
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
+                os.close(n)
 
 
 def reap(pids: list[int], block: bool) -> list[int]:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
 from ..format.layout import (
@@ -170,14 +170,15 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
     source = None
     try:
         record = _commit_record_bytes(client)
+        etags: dict[str, str | None] = {}
         try:
-            objects = _materialize(client, location, tmp, record)
+            objects = _materialize(client, location, tmp, record, etags)
             source = S3RangeSource(client, objects)
             yield S3View(tmp, source, location)
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, CheckpointNotFoundError, StorageError) as exc:
             # Retention or gc deleted it (or a re-save replaced it) while it was read: no lease
             # holds an object store, and a missing or changed object is no damage then.
-            if _gone(client, record):
+            if _gone(client, record, etags):
                 raise removed_error(location) from exc
             _rename_paths(exc, tmp, location)
             raise
@@ -195,23 +196,30 @@ def _commit_record_bytes(client: S3Client) -> bytes | None:
     return None if got is None else got[0]
 
 
-def _gone(client: S3Client, record: bytes | None) -> bool:
+def _gone(client: S3Client, record: bytes | None, etags: dict[str, str | None]) -> bool:
     """Whether the checkpoint opened with commit record ``record`` went away: its record changed
-    or vanished (a Checkpointer's commit), or its ``.metadata`` vanished (one without a record:
-    ``ckptd.save``, DCP); False when the store cannot tell now."""
+    or vanished (a Checkpointer's commit), or (one without a record: ``ckptd.save``, DCP) its
+    ``.metadata``, read with ETag ``etags[".metadata"]``, vanished or changed; False when it never
+    was there (nothing read yet) or the store cannot tell now."""
     try:
         if record is not None:
             return _commit_record_bytes(client) != record
-        return client.head(DCP_METADATA) is None
+        if DCP_METADATA not in etags:
+            return False
+        info = client.head(DCP_METADATA)
+        read = etags[DCP_METADATA]
+        return info is None or (read is not None and info.etag != read)
     except CkptdError:
         return False
 
 
-def _materialize(client: S3Client, location: S3Location, tmp: Path, record: bytes | None) -> dict[str, SparseObject]:
-    """Download the small files, make the sparse data files; the data objects by name (``record``:
-    the checkpoint's commit record, as read)."""
+def _materialize(
+    client: S3Client, location: S3Location, tmp: Path, record: bytes | None, etags: dict[str, str | None]
+) -> dict[str, SparseObject]:
+    """Download the small files (their ETags into ``etags``), make the sparse data files; the data
+    objects by name (``record``: the checkpoint's commit record, as read)."""
     parsed = None if record is None else parse_commit_record(record, client.url(COMMIT_RECORD))
-    committed = download_small_files(client, location, tmp, parsed)
+    committed = download_small_files(client, location, tmp, parsed, etags)
     if committed is not None:
         sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
     else:
@@ -235,11 +243,16 @@ def sparse_object(location: S3Location, tmp: Path, name: str, key: str, size: in
 
 
 def download_small_files(
-    client: S3Client, location: S3Location, tmp: Path, record: CommitRecord | None = None
+    client: S3Client,
+    location: S3Location,
+    tmp: Path,
+    record: CommitRecord | None = None,
+    etags: dict[str, str | None] | None = None,
 ) -> dict[str, dict[str, int]] | None:
     """Download ``metadata.json``, ``.metadata`` and ``common.pt`` of the checkpoint at
     ``location`` into ``tmp``, each checked against its commit record when it has one (``record``:
-    the one the caller read already); returns the objects that record lists (None: no record)."""
+    the one the caller read already); returns the objects that record lists (None: no record).
+    ``etags``, when given, gets each object's ETag as it is read."""
     if record is None:
         got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
         if got is not None:
@@ -251,6 +264,8 @@ def download_small_files(
         if got is None:
             continue
         data = got[0]
+        if etags is not None:
+            etags[name] = got[1]
         expected = (committed or {}).get(name)
         if expected is not None and (len(data) != expected.get("nbytes") or crc32c(data) != expected.get("crc32c")):
             raise CorruptCheckpointError(

@@ -286,11 +286,14 @@ def test_retiring_a_step_leaves_the_data_objects_of_a_re_save_in_flight(s3_bucke
 
 
 @pytest.mark.timeout(120)
-def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_bucket, monkeypatch):
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_bucket, monkeypatch, how):
     """Retention or gc deleted the step's objects while a load read it (no lease holds an object
-    store): the missing data object was reported as damage ("the checkpoint is incomplete"), so a
-    resume took the checkpoint for corrupt and fell back past it."""
+    store), or another save replaced it: the missing data object was reported as damage ("the
+    checkpoint is incomplete"), so a resume took the checkpoint for corrupt and fell back past it.
+    A prefix that never held a checkpoint is still "not a checkpoint"."""
     import ckptd.loading.loader as loader
+    from ckptd.format.layout import DCP_METADATA
 
     location = parse_location(f"s3://{s3_bucket}/root/iter_0000001")
     ckptd.save({"w": torch.ones(1024, 64)}, location)
@@ -298,9 +301,18 @@ def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_
     execute = loader.execute
 
     def retire_meanwhile(*args, **kwargs):
-        client.delete([i.key for i in client.list_objects("")])
+        if how == "deleted":
+            client.delete([i.key for i in client.list_objects("")])
+        else:  # its data objects gone, its .metadata another save's
+            client.delete([i.key for i in client.list_objects("") if i.key.endswith(".distcp")])
+            got = client.get(DCP_METADATA, 1 << 20)
+            assert got is not None
+            client.put(DCP_METADATA, got[0] + b"\0")
         return execute(*args, **kwargs)
 
     monkeypatch.setattr(loader, "execute", retire_meanwhile)
     with pytest.raises(ckptd.CheckpointRemovedError, match="iter_0000001 was removed or replaced while it was being"):
         ckptd.load({"w": torch.zeros(1024, 64)}, location)
+    with pytest.raises(ckptd.CheckpointNotFoundError, match="is not a checkpoint") as never:
+        ckptd.load({"w": torch.zeros(1024, 64)}, parse_location(f"s3://{s3_bucket}/root/iter_0000002"))
+    assert not isinstance(never.value, ckptd.CheckpointRemovedError)

@@ -7,6 +7,7 @@ tests run the whole path with the daemon).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -439,3 +440,36 @@ def test_a_stopped_device_snapshot_waiting_for_ring_space_gives_up_and_marks_its
     producer.stop()
     assert producer.join(10)
     assert dring.progress(block) == ABANDONED
+
+
+def test_a_snapshot_child_keeps_only_the_rings_descriptor(tmp_path):
+    """The child closes every descriptor it inherited but the ring's, even one numbered above a
+    lowered limit, and its stdio reads and writes /dev/null (a launcher reading the trainer's
+    output must see it end when the trainer exits)."""
+    from ckptd.staging.fork import _keep_only
+
+    ring = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
+    stray = os.open(tmp_path / "stray", os.O_RDWR | os.O_CREAT, 0o600)
+    high = os.dup2(stray, 900)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _keep_only(ring)
+            left = {}
+            for n in os.listdir("/proc/self/fd"):
+                try:
+                    left[n] = os.readlink(f"/proc/self/fd/{n}")
+                except OSError:  # the listing's own descriptor, closed already
+                    pass
+            os.write(ring, json.dumps(left).encode())
+        finally:
+            os._exit(0)
+    try:
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        left = {int(n): path for n, path in json.loads((tmp_path / "ring").read_text()).items()}
+        assert stray not in left and high not in left
+        assert {left[n] for n in (0, 1, 2)} == {"/dev/null"} and left[ring] == str(tmp_path / "ring")
+        assert set(left) == {0, 1, 2, ring}
+    finally:
+        for fd in (ring, stray, high):
+            os.close(fd)
