@@ -180,7 +180,7 @@ class NodeLocalSource:
             return
         self._await_copy(self._no_metadata)
         location = self.where.mirror.child(self.where.name)
-        download_small_files(self.client, location, self.tmp, self.copy)
+        download_small_files(self.client, location, self.tmp, self.copy)  # not None: awaited above
         self.small_from = str(location)
 
     def _lease_local_commit(self) -> ReadLease | None:

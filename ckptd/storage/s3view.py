@@ -250,13 +250,9 @@ def download_small_files(
     etags: dict[str, str | None] | None = None,
 ) -> dict[str, dict[str, int]] | None:
     """Download ``metadata.json``, ``.metadata`` and ``common.pt`` of the checkpoint at
-    ``location`` into ``tmp``, each checked against its commit record when it has one (``record``:
-    the one the caller read already); returns the objects that record lists (None: no record).
-    ``etags``, when given, gets each object's ETag as it is read."""
-    if record is None:
-        got = client.get(COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, "commit record")
-        if got is not None:
-            record = parse_commit_record(got[0], client.url(COMMIT_RECORD))
+    ``location`` into ``tmp``, each checked against its commit ``record`` (None: it has none, as
+    the caller read it); returns the objects that record lists (None: no record). ``etags``, when
+    given, gets each object's ETag as it is read."""
     committed = record.objects if record is not None and record.objects else None
     found_any = False
     for name, max_nbytes in SMALL_FILES:
