@@ -131,7 +131,8 @@ class Levels:
         group = kwargs.get("process_group")
         if self.node_local:
             return load_agreed(lambda: self.candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
-        root = self.resume(damaged, collective=True, group=group).root
+        # Without a mirror the root is the only level: load_latest's choice is the whole decision.
+        root = self.root if self.mirror is None else self.resume(damaged, collective=True, group=group).root
         return load_latest(root, sharded_state_dict, damaged, rank, kwargs)
 
     def resume(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Resume:
