@@ -324,10 +324,11 @@ def load(
 
     Every item read whole is checked against the CRC-32C recorded at save time (a mismatch is a
     CorruptCheckpointError naming key, file and byte range); so is ``common.pt``. A rank that reads
-    only part of an item larger than 64 KiB (a load onto a finer layout) checks that item only with
-    ``verify_partial=True``, reading the rest of it too (``Checkpointer.load()`` without ``step``
-    does, so that a resume never takes bit rot for state); otherwise its checksum covers bytes it
-    does not read (``LoadStats.items_unverified`` counts them; ``ckptd verify`` checks every byte).
+    only part of an item (a load onto a finer layout) checks the 4 MiB blocks it read against their
+    recorded block checksums. In checkpoints without block checksums (older ckptd) such an item
+    larger than 64 KiB is checked only with ``verify_partial=True``, reading all of it
+    (``Checkpointer.load()`` without ``step`` does, so that a resume never takes bit rot for
+    state); otherwise ``LoadStats.items_unverified`` counts it (``ckptd verify`` checks every byte).
 
     The load holds a lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`): retention and
     ``ckptd gc`` do not remove it meanwhile. A checkpoint removed anyway (no lease on this

@@ -13,7 +13,8 @@ Order of one resume, on every rank:
    ``all_gather_object`` of a few bytes, as each agreement above is), so that they act alike: all
    return, all fall back, or all raise;
 4. a checkpoint found damaged (a checksum mismatch, a damaged item: CorruptCheckpointError on any
-   rank; items read only in part, onto another layout, are checked too: ``verify_partial``) is
+   rank; items read only in part, onto another layout, are checked too: by their block
+   checksums, or with ``verify_partial`` in checkpoints without them) is
    remembered as damaged, logged as a WARNING and step 1 runs again: the intact checkpoint
    committed last before it is loaded (the request is filled anew, so nothing of the damaged one
    stays in it); one removed or replaced while it was loaded (CheckpointRemovedError),
@@ -81,8 +82,9 @@ def load_agreed(
     """Steps 2-4 above for the checkpoint ``choose()`` names (step 1), again after each one found
     damaged or removed; ``choose`` is called on every rank alike (it may be a collective)."""
     ctx = DistContext.current(kwargs.get("process_group"))
-    # An item read only in part is checked too (its rest read): bit rot found here falls back to
-    # an intact checkpoint instead of being resumed (README: Guarantees).
+    # An item read only in part is checked too (by its blocks' checksums; in checkpoints without
+    # them, by reading all of it): bit rot found here falls back to an intact checkpoint instead
+    # of being resumed (README: Guarantees).
     kwargs = {"verify_partial": True, **kwargs}
     removed: set[str] = set()
     while True:

@@ -71,6 +71,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from ..errors import ProtocolError, StagingError
+from ..format.checksum import block_count
 from ..format.records import BYTES, TENSOR, ItemRecord, check_dtype_name
 from .attempt import check_attempt, check_step
 
@@ -78,8 +79,8 @@ from .attempt import check_attempt, check_step
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
 # 14: REGISTER_LAYOUT. 15: ERROR names the refused request's type and attempt (a version check refuses
-# every message of another version).
-PROTOCOL_VERSION = 15
+# every message of another version). 16: item records carry block checksums (``block_crcs``).
+PROTOCOL_VERSION = 16
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -452,6 +453,11 @@ def check_record(rec: ItemRecord) -> None:
             raise ProtocolError(f"malformed item record for {rec.fqn!r}: rank mismatch of shapes")
     elif rec.kind != BYTES:
         raise ProtocolError(f"malformed item record for {rec.fqn!r}: unknown kind {rec.kind!r}")
+    if rec.block_crcs and len(rec.block_crcs) != 4 * block_count(rec.length):
+        raise ProtocolError(
+            f"malformed item record for {rec.fqn!r}: {len(rec.block_crcs)} bytes of block checksums for "
+            f"{rec.length} stored bytes"
+        )
 
 
 def check_save_items(rank: int, items: list[SaveItem], capacity: int) -> None:

@@ -34,7 +34,7 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .checksum import Checksum, checksum_for
+from .checksum import BLOCK_NBYTES, Checksum, block_count, checksum_for
 from .dcp_pickle import CHECKSUMS_ATTR, metadata_pickle
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DATA_FILE_PATTERN, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
@@ -48,8 +48,10 @@ log = logging.getLogger(__name__)
 # checksums in ``.metadata`` binds them atomically to the offsets they describe (one file, one
 # rename). Value: {"version": 2, "algorithm": "crc32c",
 #                  "items": {(fqn, offsets): crc}  (offsets () for byte items),
-#                  "files": {"common.pt": crc}}.
-# Version 1 tables (older ckptd) hold zlib CRC-32s (ckptd.format.checksum).
+#                  "files": {"common.pt": crc},
+#                  "block_nbytes": 4 MiB, "blocks": {(fqn, offsets): packed block crcs}}.
+# Version 1 tables (older ckptd) hold zlib CRC-32s (ckptd.format.checksum). Tables without
+# "block_nbytes" (ckptd before block checksums) check an item read in part only by reading all of it.
 
 _ALLOWED_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -153,6 +155,7 @@ class StoredChunk:
     file_offset: int
     length: int
     crc: int | None = None  # recorded at save time by ckptd; None for other writers
+    block_crcs: bytes = b""  # the blocks' checksums (ckptd.format.checksum), for items over one block
 
 
 @dataclass
@@ -185,6 +188,9 @@ class CheckpointIndex:
     # in tables of older ckptd, zlib CRC-32: ``checksum`` computes them (ckptd.format.checksum).
     common_crc: int | None = None
     checksum: Checksum | None = None
+    # The block size of the items' block checksums; 0 when the table has none (older ckptd, or
+    # checksums not recorded): then an item read in part is checked only by reading all of it.
+    block_nbytes: int = 0
 
     @property
     def has_checksums(self) -> bool:
@@ -206,14 +212,22 @@ def build_metadata(
     return md
 
 
-def _checksums(
-    md: Metadata, where: Path | str
-) -> tuple[dict[tuple[str, tuple[int, ...]], int], dict[str, int], Checksum | None]:
-    """``(item crcs, file crcs, the function that computes them)`` from :data:`CHECKSUMS_ATTR`;
-    empty when not recorded."""
+@dataclass(frozen=True)
+class _Table:
+    """What :data:`CHECKSUMS_ATTR` holds, checked."""
+
+    items: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    checksum: Checksum | None = None
+    block_nbytes: int = 0
+    blocks: dict[tuple[str, tuple[int, ...]], bytes] = field(default_factory=dict)
+
+
+def _checksums(md: Metadata, where: Path | str) -> _Table:
+    """The checksum table of :data:`CHECKSUMS_ATTR`; empty when not recorded."""
     raw = getattr(md, CHECKSUMS_ATTR, None)
     if raw is None:
-        return {}, {}, None
+        return _Table()
     version = raw.get("version") if isinstance(raw, dict) else None
     algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
     fn = checksum_for(version, algorithm)
@@ -222,16 +236,22 @@ def _checksums(
         log.warning(
             "%s: checksum table of unknown version %r / algorithm %r; checksums ignored", where, version, algorithm
         )
-        return {}, {}, None
+        return _Table()
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
         files = {str(k): int(v) for k, v in raw.get("files", {}).items()}
+        block_nbytes = int(raw.get("block_nbytes", 0))
+        blocks = {(str(k[0]), tuple(int(x) for x in k[1])): v for k, v in raw.get("blocks", {}).items()}
+        if block_nbytes < 0 or (blocks and not block_nbytes):
+            raise ValueError(f"block size {block_nbytes}")
+        if not all(type(v) is bytes for v in blocks.values()):
+            raise TypeError("block checksums that are not bytes")
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise CorruptCheckpointError(
             f"{where}: the checksum table ({CHECKSUMS_ATTR}) is malformed ({exc!r}); the file is "
             "damaged. Load an earlier checkpoint."
         ) from exc
-    return items, files, fn
+    return _Table(items, files, fn, block_nbytes, blocks)
 
 
 def write_metadata(
@@ -315,7 +335,7 @@ def _refuse_transforms(where: Path | str, what: str, info: _StorageInfo) -> None
 
 
 def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
-    item_crcs, file_crcs, checksum = _checksums(md, where)
+    table = _checksums(md, where)
     storage = md.storage_data or {}
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a dict")
@@ -351,7 +371,9 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
                 _refuse_transforms(where, f"tensor '{fqn}'", info)
                 rel, offset, length = _location(info, where, f"tensor '{fqn}' chunk {offsets}")
                 _check_chunk_bytes(where, fqn, dtype, offsets, sizes, rel, offset, length)
-                st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length, item_crcs.get((fqn, offsets))))
+                crc = table.items.get((fqn, offsets))
+                blocks = _block_crcs(table, fqn, offsets, length, crc, where) if table.blocks else b""
+                st.chunks.append(StoredChunk(offsets, sizes, rel, offset, length, crc, blocks))
             tensors[fqn] = st
         elif isinstance(entry, BytesStorageMetadata):
             info = infos.get(None)
@@ -360,9 +382,22 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             _refuse_transforms(where, f"object '{fqn}'", info)
             rel, offset, length = _location(info, where, f"object '{fqn}'")
             objects[fqn] = StoredObject(
-                fqn, rel, offset, length, item_crcs.get((fqn, ())), _is_shard_key(fqn, _planner_path(md, fqn))
+                fqn, rel, offset, length, table.items.get((fqn, ())), _is_shard_key(fqn, _planner_path(md, fqn))
             )
-    return CheckpointIndex(tensors, objects, md, file_crcs.get(COMMON_PT), checksum)
+    return CheckpointIndex(tensors, objects, md, table.files.get(COMMON_PT), table.checksum, table.block_nbytes)
+
+
+def _block_crcs(
+    table: _Table, fqn: str, offsets: tuple[int, ...], length: int, crc: int | None, where: Path | str
+) -> bytes:
+    """A chunk's block checksums from the table, checked against its length (b"" if none)."""
+    blocks = table.blocks.get((fqn, offsets), b"")
+    if blocks and (crc is None or len(blocks) != 4 * block_count(length, table.block_nbytes)):
+        raise CorruptCheckpointError(
+            f"{where}: the checksum table gives tensor '{fqn}' chunk at {offsets} {len(blocks)} bytes of "
+            f"block checksums for its {length} bytes; the file is damaged. Load an earlier checkpoint."
+        )
+    return blocks
 
 
 def _check_chunk_bytes(
@@ -403,6 +438,8 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
             file_offset=c.file_offset,
             length=c.length,
             crc=c.crc,
+            # A table of another block size (a future writer's) cannot be rewritten as ours.
+            block_crcs=c.block_crcs if index.block_nbytes == BLOCK_NBYTES else b"",
             path=planner_path(index, t.fqn),
         )
         for t in index.tensors.values()

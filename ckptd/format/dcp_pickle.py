@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pickle import encode_long
 from typing import Any
 
-from .checksum import ALGORITHM, TABLE_VERSION
+from .checksum import ALGORITHM, BLOCK_NBYTES, TABLE_VERSION
 from .layout import COMMON_PT
 from .records import TENSOR, ItemRecord, check_dtype_name
 
@@ -185,12 +185,20 @@ def metadata_graph(records: list[ItemRecord], checkpoint_id: str | None = None, 
         for r in records
         if r.crc is not None
     }
+    # Only tensor chunks: a load reads an object whole.
+    block_crcs = {
+        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets)): r.block_crcs
+        for r in records
+        if r.block_crcs and r.crc is not None and r.kind == TENSOR
+    }
     if item_crcs or common_crc is not None:
         md_state[CHECKSUMS_ATTR] = {
             "version": TABLE_VERSION,
             "algorithm": ALGORITHM,
             "items": item_crcs,
             "files": {} if common_crc is None else {COMMON_PT: common_crc},
+            "block_nbytes": BLOCK_NBYTES,
+            "blocks": block_crcs,
         }
     return New(METADATA, md_state)
 
@@ -282,6 +290,20 @@ def dumps(obj: Any, protocol: int = 4) -> bytes:
                     out += _NO_HEADER + b"\x94"
                 else:
                     out += header + data + b"\x94"
+            memo[id(obj)] = len(memo)
+        elif t is bytes:
+            n = len(obj)
+            if n < 256:
+                out += b"C" + _BYTE[n] + obj + b"\x94"
+            else:
+                header = b"B" + _PACK_I(n) if n <= 0xFFFFFFFF else b"\x8e" + _PACK_Q(n)
+                if n >= _FRAME_SIZE_TARGET:  # large payloads go between frames, not in one
+                    commit(False)
+                    out += header + obj
+                    frame_start = len(out)
+                    out += _NO_HEADER + b"\x94"
+                else:
+                    out += header + obj + b"\x94"
             memo[id(obj)] = len(memo)
         elif t is New:
             index = memo.get(id(obj.cls))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardingError, StorageError
-from .checksum import crc32c
+from .checksum import BLOCK_NBYTES, crc32c, crc32c_combine, pack_blocks
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
 from .records import (
@@ -155,12 +155,15 @@ class ItemSink:
         self._checksums = checksums
         self._executor = crc_executor
         self._align = int(getattr(f, "direct_alignment", 0) or 0)
-        self._crc = 0
+        self._blocks: list[int] = []  # CRC-32Cs of the item's full blocks so far
+        self._block_crc = 0  # of the block being written
+        self._block_nbytes = 0
         self._start = -1
         self._held: bytearray | None = None
 
     def begin(self) -> None:
-        self._crc = 0
+        self._blocks = []
+        self._block_crc = self._block_nbytes = 0
         self._start = -1
         self._held = bytearray() if self._align else None
         if self._held is None:
@@ -176,19 +179,29 @@ class ItemSink:
             self._place(buffer_address(view))
         if self._checksums and self._executor is not None and view.nbytes >= _OVERLAP_MIN_BYTES:
             # ``view`` (often the staging ring or the tensor's storage) stays valid until we return.
-            pending = self._executor.submit(crc32c, view, self._crc)
+            pending = self._executor.submit(self._fold, view)
             try:
                 self._f.write(view)
             finally:
-                self._crc = pending.result()
+                pending.result()
         else:
             self._f.write(view)
             self._fold(view)
         return view.nbytes
 
     def _fold(self, view: memoryview) -> None:
-        if self._checksums:
-            self._crc = crc32c(view, self._crc)
+        """Checksum the item's next bytes, block by block (see ckptd.format.checksum)."""
+        if not self._checksums:
+            return
+        pos, n = 0, view.nbytes
+        while pos < n:
+            take = min(n - pos, BLOCK_NBYTES - self._block_nbytes)
+            self._block_crc = crc32c(view[pos : pos + take], self._block_crc)
+            self._block_nbytes += take
+            pos += take
+            if self._block_nbytes == BLOCK_NBYTES:
+                self._blocks.append(self._block_crc)
+                self._block_crc = self._block_nbytes = 0
 
     def _place(self, address: int) -> None:
         """Start the held-back item where ``address`` lands aligned, and write its headers."""
@@ -203,13 +216,21 @@ class ItemSink:
     def flush(self) -> None:
         """Called by torch.save after each item; the file is flushed once, at its end."""
 
-    def end(self) -> tuple[int, int, int | None]:
-        """``(offset, length, CRC-32C)`` of the item written since :meth:`begin`."""
+    def end(self) -> tuple[int, int, int | None, bytes]:
+        """``(offset, length, CRC-32C, block CRC-32Cs)`` of the item written since :meth:`begin`
+        (no block checksums for an item of one block, or without checksums)."""
         if self._held is not None:
             held, self._held = self._held, None
             self._start = self._f.tell()
             self._f.write(held)
-        return self._start, self._f.tell() - self._start, self._crc if self._checksums else None
+        length = self._f.tell() - self._start
+        if not self._checksums:
+            return self._start, length, None, b""
+        blocks = self._blocks + ([self._block_crc] if self._block_nbytes or not self._blocks else [])
+        crc = blocks[0]
+        for i, block_crc in enumerate(blocks[1:], 1):
+            crc = crc32c_combine(crc, block_crc, min(BLOCK_NBYTES, length - i * BLOCK_NBYTES))
+        return self._start, length, crc, pack_blocks(blocks) if len(blocks) > 1 else b""
 
 
 @contextlib.contextmanager
@@ -316,14 +337,14 @@ def _write_data_file(
             sink.begin()
             try:
                 write_item(sink, item.payload, zip_crc32=not checksums)
-                start, length, crc = sink.end()
+                start, length, crc, blocks = sink.end()
             except RuntimeError:
                 # torch.save reports a failed write of its stream as "RuntimeError: [enforce fail
                 # at inline_container.cc] unexpected pos"; the OSError (disk full...) is the news.
                 if keeper.error is not None:
                     raise keeper.error from None
                 raise
-            stored.append(item.record.stored_at(file_name, start, length, crc))
+            stored.append(item.record.stored_at(file_name, start, length, crc, blocks))
             if writeback is not None:
                 writeback.written(start + length)
             if written is not None:

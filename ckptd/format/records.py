@@ -165,6 +165,9 @@ class ItemRecord:
     # checkpoint's table recorded (zlib CRC-32 in tables of older ckptd: CheckpointIndex.checksum
     # says which). None when not recorded (checksums off, or written by torch DCP/megatron-core).
     crc: int | None = None
+    # The CRC-32Cs of the stored bytes' blocks (ckptd.format.checksum: ``pack_blocks``), for an item
+    # longer than one block whose checksums were recorded; else empty.
+    block_crcs: bytes = b""
     # The state-dict path the key was flattened from (DCP's ``planner_data``), for DCP-style state
     # dicts; empty: the key itself.
     path: tuple[str | int, ...] = ()
@@ -176,8 +179,12 @@ class ItemRecord:
             return 0
         return math.prod(self.sizes) * dtype_itemsize(self.dtype)  # ProtocolError for an unknown name
 
-    def stored_at(self, relative_path: str, file_offset: int, length: int, crc: int | None = None) -> ItemRecord:
-        return replace(self, relative_path=relative_path, file_offset=file_offset, length=length, crc=crc)
+    def stored_at(
+        self, relative_path: str, file_offset: int, length: int, crc: int | None = None, block_crcs: bytes = b""
+    ) -> ItemRecord:
+        return replace(
+            self, relative_path=relative_path, file_offset=file_offset, length=length, crc=crc, block_crcs=block_crcs
+        )
 
     def where(self) -> str:
         if self.kind == TENSOR:

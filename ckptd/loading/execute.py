@@ -20,10 +20,12 @@ Extra memory is thus bounded by one slab (plus whole fallback items), whatever t
 plan reads all of it (one copy covering the whole chunk: every same-layout load, and any load
 onto a coarser layout): the bytes are checksummed in file order as they arrive, in blocks of
 ``_CRC_BLOCK_NBYTES`` read and checksummed while still in the CPU cache, plus the item's few
-header bytes. A plan that reads only part of an item (a finer layout) cannot check the item's
-checksum without reading the rest: items up to 64 KiB are checked all the same (locating their
-elements read them whole already), larger ones only with ``ExecOptions.verify_partial`` (a resume
-asks for it: the rest of the item is read and checked; it multiplies what such a load reads),
+header bytes. A plan that reads only part of an item (a finer layout) checks the 4 MiB blocks
+holding the elements it read (ckptd.format.checksum: block checksums), reading those blocks again
+after the copy (from the page cache, mostly); an item of one block is read again whole. A
+checkpoint without block checksums (ckptd before them) has its items read in part checked when
+they are at most 64 KiB (locating their elements read them whole already) or with
+``ExecOptions.verify_partial`` (a resume asks for it: the whole item is read again and checked),
 else not (``LoadStats.items_unverified``; ``ckptd verify`` checks every byte). A mismatch raises
 CorruptCheckpointError naming key, chunk, file and byte range, after the destination may already
 hold the damaged bytes.
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..format.checksum import Checksum
+from ..format.checksum import Checksum, unpack_blocks
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
 from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes
 from .plan import CopyOp, ItemReads, ReadPlan
@@ -75,8 +77,8 @@ class ExecOptions:
     use_mmap: bool = True
     map_window_bytes: int = 64 * 1024 * 1024
     max_enumerated_runs: int = 1 << 16
-    # Check an item read only in part (larger than 64 KiB) against its recorded checksum by reading
-    # the rest of it too (see the module docstring).
+    # Check an item read only in part (larger than 64 KiB) of a checkpoint without block checksums
+    # against its recorded checksum by reading all of it again (see the module docstring).
     verify_partial: bool = False
 
 
@@ -183,6 +185,18 @@ def _covers_whole(entry: ItemReads) -> bool:
     return (
         op.elem_offset == 0 and tuple(op.array_shape) == shape and tuple(op.sizes) == shape and not any(op.src_origin)
     )
+
+
+def _spans(entry: ItemReads, layout: RawLayout) -> Iterator[tuple[int, int]]:
+    """File bytes ``[lo, hi)`` from the first to the last element of each copy of ``entry``."""
+    esize = entry.dtype.itemsize
+    for op in entry.copies:
+        if any(n == 0 for n in op.sizes):
+            continue
+        st = strides(op.array_shape)
+        first = op.elem_offset + sum(o * s for o, s in zip(op.src_origin, st))
+        last = op.elem_offset + sum((o + n - 1) * s for o, n, s in zip(op.src_origin, op.sizes, st))
+        yield layout.data_offset + first * esize, layout.data_offset + (last + 1) * esize
 
 
 class _Executor:
@@ -298,7 +312,10 @@ class _Executor:
                 self.stats.items_verified += 1
             else:  # not fed in file order: check it by reading it again
                 self._verify_by_reading(fd, entry, checksum, recorded, [])
-        elif item.length <= _VERIFY_WHOLE_NBYTES or self.opts.verify_partial:
+        elif item.block_crcs:
+            self._verify_blocks(fd, entry, layout, checksum)
+        elif item.length <= max(_VERIFY_WHOLE_NBYTES, item.block_nbytes) or self.opts.verify_partial:
+            # One block (or small): its checksum is the item's, so all of it is read again.
             self._verify_by_reading(fd, entry, checksum, recorded, probed)
         else:
             self.stats.items_unverified += 1
@@ -333,6 +350,24 @@ class _Executor:
         for off, piece in self._blocks(fd, item.file_offset, item.file_offset + item.length, probed):
             crc.add(off, piece)
         checksum_mismatch(crc.value, recorded, checksum, self._item_what(entry))
+        self.stats.items_verified += 1
+
+    def _verify_blocks(self, fd: int, entry: ItemReads, layout: RawLayout, checksum: Checksum) -> None:
+        """Check the blocks of an item read in part that hold the elements the plan read, each
+        read again (the page cache has them, mostly) against its recorded block checksum."""
+        item = entry.item
+        crcs = unpack_blocks(item.block_crcs)
+        size = item.block_nbytes
+        touched: set[int] = set()
+        for lo, hi in _spans(entry, layout):
+            touched.update(range((lo - item.file_offset) // size, (hi - 1 - item.file_offset) // size + 1))
+        for k in sorted(touched):
+            start = item.file_offset + k * size
+            end = min(item.file_offset + item.length, start + size)
+            buf = byte_view(self._scratch_bytes(end - start))
+            self._preadv(fd, [buf], start, entry.what)
+            what = f"{self._item_what(entry)}, block {k} (bytes [{start}, {end}))"
+            checksum_mismatch(checksum(buf, 0), crcs[k], checksum, what)
         self.stats.items_verified += 1
 
     def _fallback(self, entry: ItemReads, where: str) -> None:

@@ -29,6 +29,10 @@ class ItemRef:
     shape: Shape  # the chunk's sizes as stored (the torch.save'd tensor's shape)
     offsets: Shape = ()  # the stored chunk's global offsets (for messages)
     crc: int | None = None  # the item's checksum recorded at save time, if any
+    # Its blocks' checksums (packed, ckptd.format.checksum), and the checkpoint's block size (0: the
+    # checkpoint records no block checksums, and a part of the item is checked only by reading all).
+    block_crcs: bytes = b""
+    block_nbytes: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -51,9 +55,16 @@ class Source:
     elem_offset: int = 0
 
     @classmethod
-    def of_chunk(cls, chunk: StoredChunk) -> Source:
+    def of_chunk(cls, chunk: StoredChunk, block_nbytes: int = 0) -> Source:
         ref = ItemRef(
-            chunk.relative_path, chunk.file_offset, chunk.length, tuple(chunk.sizes), tuple(chunk.offsets), chunk.crc
+            chunk.relative_path,
+            chunk.file_offset,
+            chunk.length,
+            tuple(chunk.sizes),
+            tuple(chunk.offsets),
+            chunk.crc,
+            chunk.block_crcs,
+            block_nbytes,
         )
         return cls(tuple(chunk.offsets), tuple(chunk.sizes), ref, tuple(chunk.sizes), (0,) * len(chunk.sizes))
 
@@ -125,7 +136,7 @@ class CheckpointView:
         gap would pass, leaving the gap's elements unread)."""
         tensors = {}
         for fqn, t in index.tensors.items():
-            sources = [Source.of_chunk(c) for c in t.chunks]
+            sources = [Source.of_chunk(c, index.block_nbytes) for c in t.chunks]
             found = find_overlap(sources)
             if found is not None:
                 a, b = found

@@ -239,6 +239,16 @@ _W = {"fqn": "w", "kind": TENSOR, "rank": 0, "dtype": "float32", "global_shape":
             "WRITTEN: Object missing required field `kind` - at `$.records[0]`",
         ),
         (_written_frames([{**_W, "rank": 1, "dtype": "nope"}]), ProtocolError, "dtype name 'nope'"),
+        (
+            _written_frames([{**_W, "length": 9 << 20, "block_crcs": bytes(8)}]),
+            ProtocolError,
+            "8 bytes of block checksums for 9437184 stored bytes",
+        ),
+        (
+            _save_frames([{"record": {**_W, "block_crcs": bytes(4)}, "offset": 0, "nbytes": 16}]),
+            ProtocolError,
+            "4 bytes of block checksums for -1 stored bytes",
+        ),
     ],
     ids=[
         "item field missing",
@@ -253,6 +263,8 @@ _W = {"fqn": "w", "kind": TENSOR, "rank": 0, "dtype": "float32", "global_shape":
         "negative offset",
         "WRITTEN record field missing",
         "WRITTEN dtype",
+        "WRITTEN block checksums",
+        "SAVE block checksums",
     ],
 )
 def test_items_and_records_are_checked_by_their_types_then_by_the_checks_after(frames, error, why):

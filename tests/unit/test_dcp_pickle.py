@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptd.format.checksum import ALGORITHM, TABLE_VERSION
+from ckptd.format.checksum import ALGORITHM, BLOCK_NBYTES, TABLE_VERSION, block_count
 from ckptd.format.dcp_metadata import build_metadata, read_index
 from ckptd.format.dcp_pickle import CHECKSUMS_ATTR, DCP_VERSION, metadata_pickle
 from ckptd.format.records import _ITEMSIZE, BYTES, TENSOR, ItemRecord, dtype_from_name, supported_dtypes
@@ -82,9 +82,21 @@ def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc:
         for r in records
         if r.crc is not None
     }
+    blocks = {
+        (shared.setdefault(r.fqn, r.fqn), tuple(r.offsets)): r.block_crcs
+        for r in records
+        if r.block_crcs and r.crc is not None and r.kind == TENSOR
+    }
     if item_crcs or common_crc is not None:
         files = {} if common_crc is None else {"common.pt": common_crc}
-        table = {"version": TABLE_VERSION, "algorithm": ALGORITHM, "items": item_crcs, "files": files}
+        table = {
+            "version": TABLE_VERSION,
+            "algorithm": ALGORITHM,
+            "items": item_crcs,
+            "files": files,
+            "block_nbytes": BLOCK_NBYTES,
+            "blocks": blocks,
+        }
         setattr(md, CHECKSUMS_ATTR, table)
     return md
 
@@ -111,6 +123,7 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
         for rk in range(ranks if shape else 1):
             offsets = ((rk * shape[0],) + (0,) * (len(shape) - 1)) if shape else ()
             global_shape = ((shape[0] * ranks,) + shape[1:]) if shape else ()
+            length = rng.randint(1, 2**31)
             rec = ItemRecord(
                 fqn=f"model.layers.{i}.ü.weight",
                 kind=TENSOR,
@@ -121,8 +134,9 @@ def _records(n: int, seed: int, ranks: int = 4) -> list[ItemRecord]:
                 sizes=shape,
                 relative_path=f"__{rk}_0.distcp",
                 file_offset=rng.randint(0, 2**40),
-                length=rng.randint(1, 2**31),
+                length=length,
                 crc=rng.randrange(2**32),
+                block_crcs=rng.randbytes(4 * block_count(length)) if i % 3 else b"",
                 path=("model", "layers", i, "weight") if i % 2 else (),
             )
             out.append(rec)
@@ -167,6 +181,23 @@ CASES = {
     ),
     # many frames of 64 KiB; memo indices beyond 256 (LONG_BINGET)
     "3000 keys": (_records(3000, 2), "/ckpt/iter_0000002", 2**32 - 1),
+    # 71,680 bytes of block checksums: a payload written between frames
+    "a 70 GiB chunk": (
+        [
+            _w_chunk(
+                dtype="uint8",
+                global_shape=(70 << 30,),
+                offsets=(0,),
+                sizes=(70 << 30,),
+                file_offset=0,
+                length=(70 << 30) + 1000,
+                crc=5,
+                block_crcs=bytes(range(256)) * 280 + b"\x07" * 4,
+            )
+        ],
+        "/c",
+        None,
+    ),
     "a 70,000-character id": (
         [_w_chunk(dtype="bool", global_shape=(1,), offsets=(0,), sizes=(1,), file_offset=0, length=1)],
         "x" * 70000,
@@ -187,6 +218,7 @@ def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
     records, checkpoint_id, common_crc = CASES["small"]
     # lengths that hold the chunks (read_index refuses a chunk larger than its item)
     records = [replace(r, length=max(r.length, r.nbytes + 64)) for r in records]
+    records = [replace(r, block_crcs=bytes(4 * block_count(r.length))) if r.block_crcs else r for r in records]
     md = build_metadata(records, checkpoint_id, common_crc)
     ref = _reference(records, checkpoint_id, common_crc)
     assert md == ref and getattr(md, CHECKSUMS_ATTR) == getattr(ref, CHECKSUMS_ATTR)
@@ -194,6 +226,9 @@ def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
     index = read_index(tmp_path)
     assert index.common_crc == common_crc
     assert set(index.tensors) | set(index.objects) == {r.fqn for r in records}
+    blocks = {(t.fqn, c.offsets): c.block_crcs for t in index.tensors.values() for c in t.chunks}
+    assert blocks == {(r.fqn, r.offsets): r.block_crcs for r in records if r.kind == TENSOR}
+    assert any(blocks.values()) and index.block_nbytes == BLOCK_NBYTES
 
 
 def test_the_static_dtype_table_is_torchs():

@@ -77,8 +77,8 @@ def test_a_flipped_bit_in_a_dcp_value_fails_the_load(tmp_path):
 
 def test_what_a_partial_read_checks(tmp_path):
     """Whole items are checked whatever the path (straight into the tensor, a strided copy out of a
-    mapping, or through pread); a part of an item is checked when the item is at most 64 KiB (it
-    was read whole anyway), and counted as unchecked otherwise."""
+    mapping, or through pread); a part of an item of one checksum block (4 MiB) is checked by
+    reading the item again whole."""
     big = torch.randn(1024, 256)  # 1 MiB
     small = torch.randn(64, 32)  # 8 KiB
     sd = {
@@ -95,7 +95,11 @@ def test_what_a_partial_read_checks(tmp_path):
     }
     out = ckptd.load(half, tmp_path / "c", stats=stats)
     assert torch.equal(out["cols"], big) and torch.equal(out["small"], small[32:])
-    assert (stats.items_verified, stats.items_unverified) == (3, 1)  # small, both column chunks; big's half
+    assert (stats.items_verified, stats.items_unverified) == (4, 0)  # small, both column chunks, big's half
+    c = chunk(tmp_path / "c", "big")
+    flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length - 100)  # in the half NOT read
+    with pytest.raises(CorruptCheckpointError, match="tensor 'big'"):  # before: loaded, unchecked
+        ckptd.load({"big": half["big"]}, tmp_path / "c")
 
     c = chunk(tmp_path / "c", "small")
     flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length - 100)  # in the half NOT read
@@ -188,15 +192,29 @@ def test_chunks_that_overlap_next_to_an_equal_gap_are_refused(tmp_path):
         ckptd.load_plain_tensors(ck)
 
 
+def _without_block_checksums(ck: Path) -> None:
+    """Rewrite ``ck``'s checksum table as ckptd wrote it before block checksums."""
+    import pickle
+
+    from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    table = getattr(md, CHECKSUMS_ATTR)
+    del table["block_nbytes"], table["blocks"]
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
 def test_an_item_read_in_part_is_checked_with_verify_partial_and_by_a_resume(tmp_path):
-    """A flipped bit in a 256 KiB item: a load onto a finer layout (this rank reads half of it)
-    returned the damaged value without a word; with ``verify_partial`` (which a resume sets) the
-    rest of the item is read and the damage found, and a resume falls back to an intact step."""
+    """A checkpoint without block checksums (older ckptd): a flipped bit in a 256 KiB item read in
+    part by a load onto a finer layout was returned without a word; with ``verify_partial`` (which a
+    resume sets) the rest of the item is read and the damage found, and a resume falls back to an
+    intact step."""
     root = tmp_path / "root"
     for step, value in ((10, 1.0), (20, 2.0)):
         ckptd.save(
             {"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, root / step_dir_name(step)
         )
+        _without_block_checksums(root / step_dir_name(step))
     (root / "latest").write_text(step_dir_name(20))
     damaged = root / step_dir_name(20)
     chunk = read_index(damaged).tensors["w"].chunks[0]
@@ -211,3 +229,61 @@ def test_an_item_read_in_part_is_checked_with_verify_partial_and_by_a_resume(tmp
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' chunk at offsets \(0, 0\)"):
         ckptd.load(first_half(), damaged, verify_partial=True)
     assert torch.equal(load_latest(root, first_half(), {}, 0, {})["w"], torch.full((512, 64), 1.0))
+
+
+def test_a_part_of_a_large_item_is_checked_by_the_blocks_it_read(tmp_path):
+    """A 12 MiB item (three 4 MiB checksum blocks) read in quarters: each load checks the blocks
+    holding its rows, reading those again, not the whole item; damage in a block it did not read
+    leaves its values (correct) loaded."""
+    w = torch.randn(3 << 20).reshape(768, 4096)  # 12 MiB of float32, 16 KiB rows
+    ckptd.save({"w": ST.from_rank_offsets("w", w)}, tmp_path / "c")
+    c = chunk(tmp_path / "c", "w")
+    assert len(c.block_crcs) == 4 * 4  # the item's headers make it a little over 12 MiB
+
+    def quarter(i: int) -> dict:  # rows [192 i, 192 (i + 1)): 3 MiB
+        return {"w": ST.from_rank_offsets("w", torch.empty(192, 4096), (0, i, 4))}
+
+    stats = LoadStats()
+    out = ckptd.load(quarter(0), tmp_path / "c", stats=stats)
+    assert torch.equal(out["w"], w[:192]) and (stats.items_verified, stats.items_unverified) == (1, 0)
+    assert stats.bytes_read < 3 * (3 << 20)  # its 3 MiB and block 0 again, not the 12 MiB item
+    data = (tmp_path / "c" / c.relative_path).read_bytes()
+    at = data.index(w[600, 2000:2004].numpy().tobytes())
+    assert (at - c.file_offset) >> 22 == 2  # rows 512..767 start in block 2
+    flip_bit(tmp_path / "c" / c.relative_path, at)
+    assert torch.equal(ckptd.load(quarter(0), tmp_path / "c")["w"], w[:192])
+    for i in (2, 3):  # rows 384.. and 576..: both touch block 2
+        with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' chunk at offsets \(0, 0\) .*, block 2 \(bytes"):
+            ckptd.load(quarter(i), tmp_path / "c")
+    cols = {"w": ST.from_rank_offsets("w", torch.empty(768, 2048), (1, 1, 2))}  # strided: every block
+    with pytest.raises(CorruptCheckpointError, match="block 2"):
+        ckptd.load(cols, tmp_path / "c")
+    _without_block_checksums(tmp_path / "c")  # as older ckptd wrote it: unchecked unless asked
+    stats = LoadStats()
+    ckptd.load(quarter(3), tmp_path / "c", stats=stats)
+    assert stats.items_unverified == 1
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' chunk at offsets \(0, 0\) \(bytes"):
+        ckptd.load(quarter(0), tmp_path / "c", verify_partial=True)
+
+
+@pytest.mark.parametrize("bad", ["short", "not_bytes", "huge_int", "no_block_size"])
+def test_a_malformed_block_checksum_table_is_refused_before_anything_is_read(tmp_path, bad):
+    import pickle
+
+    from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+
+    ckptd.save({"w": ST.from_rank_offsets("w", torch.randn(3 << 20))}, tmp_path / "c")
+    md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    table = getattr(md, CHECKSUMS_ATTR)
+    key = next(iter(table["blocks"]))
+    if bad == "short":
+        table["blocks"][key] = table["blocks"][key][:-4]
+    elif bad == "not_bytes":
+        table["blocks"][key] = list(table["blocks"][key])
+    elif bad == "huge_int":
+        table["blocks"][key] = 1 << 40  # bytes(1 << 40) would allocate a TiB
+    else:
+        del table["block_nbytes"]
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match="checksum table"):
+        read_index(tmp_path / "c")

@@ -316,3 +316,26 @@ def test_deep_decodes_each_byte_item_by_the_dialect_that_wrote_it(tmp_path):
     (path / ".metadata").write_bytes(pickle.dumps(md))
     report = verify_checkpoint(path, deep=True)
     assert report.status == "DAMAGED" and "one-element list" in report.errors[0].message, report.findings
+
+
+def test_verify_names_the_damaged_blocks_and_a_damaged_block_table(tmp_path):
+    """An item over one 4 MiB block: a flipped bit is reported with the blocks it is in; a block
+    checksum in .metadata that disagrees with sound bytes is reported too (a load of part of the
+    item would fail on it)."""
+    from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+
+    ckptd.save({"w": torch.randn(3 << 20)}, tmp_path / "c")  # 12 MiB: four blocks with the headers
+    rec = _record(tmp_path / "c", "w")
+    assert len(rec.block_crcs) == 16 and verify_checkpoint(tmp_path / "c").ok
+    flip_bit(tmp_path / "c" / rec.relative_path, rec.file_offset + (9 << 20))
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert err.check == "checksum" and "the item is damaged (in the 4 MiB blocks [2])" in err.message
+    flip_bit(tmp_path / "c" / rec.relative_path, rec.file_offset + (9 << 20))
+
+    md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    blocks = getattr(md, CHECKSUMS_ATTR)["blocks"]
+    key = next(iter(blocks))
+    blocks[key] = blocks[key][:4] + bytes(4) + blocks[key][8:]
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    [err] = _errors(verify_checkpoint(tmp_path / "c"))
+    assert "not the block checksums [1] recorded in .metadata" in err.message
