@@ -25,10 +25,14 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor whose storage holds exactly its elements, in row-major order.
 
     ``torch.save`` serializes a tensor's whole storage: saving a slice of a larger buffer would
-    write the entire buffer. Contiguous views get a zero-copy storage slice; others are copied.
+    write the entire buffer. Contiguous views get a zero-copy storage slice; others are copied. A
+    conjugate or negative view is materialized: the storage slice would drop its bit (and with it
+    the values), and readers of raw bytes (ckptd's loader, other tools) see the values as stored.
     """
     if t.device.type != "cpu":
         t = t.to("cpu")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         return t.contiguous()
     nbytes = t.numel() * t.element_size()

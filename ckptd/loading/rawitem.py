@@ -84,17 +84,44 @@ class _TensorDesc:
     stride: Shape
 
 
-def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorDesc:
+def _check_no_metadata(metadata: Any) -> None:
+    """A rebuild's tensor metadata (``torch._utils.set_tensor_metadata``: the conjugate and
+    negative bits of a view) changes the values its storage's bytes stand for: such an item is
+    loaded by ``torch.load``, never from its raw bytes."""
+    if metadata is not None and (not isinstance(metadata, dict) or any(metadata.values())):
+        raise _Unusual("tensor metadata (a conjugate or negative view)")
+
+
+def _rebuild_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    hooks: Any = None,
+    metadata: Any = None,
+    *rest: Any,
+) -> _TensorDesc:
     if not isinstance(storage, _StorageRef) or storage.dtype is None:
         raise _Unusual("v2 rebuild without a typed storage")
+    _check_no_metadata(metadata)
     return _TensorDesc(storage, storage.dtype, int(storage_offset), tuple(size), tuple(stride))
 
 
 def _rebuild_v3(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *rest: Any
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+    *rest: Any,
 ) -> _TensorDesc:
     if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
         raise _Unusual("v3 rebuild without storage/dtype")
+    _check_no_metadata(metadata)
     return _TensorDesc(storage, dtype, int(storage_offset), tuple(size), tuple(stride))
 
 
