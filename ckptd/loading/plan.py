@@ -123,7 +123,9 @@ class Planner:
                 "dcp.load does"
             )
         gshape = sh.global_shape
-        if stored.shape != gshape and is_legacy_grid(stored, gshape):
+        # Only a tensor the checkpoint records as stored in the grid layout at this shape: a regular
+        # tensor requested at another shape that happens to fit the pattern would load permuted.
+        if stored.shape != gshape and self.view.grid_shapes.get(sh.key) == gshape and is_legacy_grid(stored, gshape):
             cache_key = (sh.key, gshape)
             if cache_key not in self._translated:
                 self._translated[cache_key] = translate_legacy_grid(stored, gshape)

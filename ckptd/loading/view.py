@@ -124,10 +124,13 @@ class VirtualTensor:
 
 @dataclass
 class CheckpointView:
-    """All tensors and objects a load can request, after key mapping."""
+    """All tensors and objects a load can request, after key mapping. ``grid_shapes``: the global
+    shape of each tensor stored in Megatron-Core's flattened grid layout, as its ``.metadata``
+    records it (:func:`grid_shapes`)."""
 
     tensors: dict[str, VirtualTensor]
     objects: dict[str, StoredObject]
+    grid_shapes: dict[str, Shape] = field(default_factory=dict)
 
     @classmethod
     def of_index(cls, index: CheckpointIndex) -> CheckpointView:
@@ -146,11 +149,29 @@ class CheckpointView:
                     "written wrong (each element is stored once); `ckptd verify` checks the whole checkpoint"
                 )
             tensors[fqn] = VirtualTensor(fqn, t.dtype, tuple(t.shape), sources)
-        return cls(tensors, dict(index.objects))
+        return cls(tensors, dict(index.objects), grid_shapes(index))
+
+
+def grid_shapes(index: CheckpointIndex) -> dict[str, Shape]:
+    """``{key: global shape}`` of the tensors Megatron-Core (0.8 to 0.13) stored in its flattened
+    grid layout (:func:`is_legacy_grid`): it records each one's real global shape in the extra
+    ``mcore_data`` attribute of ``.metadata`` (``nd_reformulated_orig_global_shape``), which is
+    what tells such a tensor from a regular one whose shape merely fits the grid pattern. Entries
+    that are not a shape are ignored (the tensor then loads at its stored shape only)."""
+    data = getattr(index.raw, "mcore_data", None)
+    out: dict[str, Shape] = {}
+    if not isinstance(data, dict):
+        return out
+    for key, entry in data.items():
+        shape = entry.get("nd_reformulated_orig_global_shape") if isinstance(entry, dict) else None
+        if isinstance(key, str) and isinstance(shape, (tuple, list)) and all(type(n) is int for n in shape):
+            out[key] = tuple(shape)
+    return out
 
 
 def is_legacy_grid(stored: VirtualTensor, global_shape: Shape) -> bool:
-    """Whether ``stored`` is a flattened tensor in Megatron-Core's pre-0.14 grid layout.
+    """Whether ``stored`` has the shape and chunks of a flattened tensor of ``global_shape`` in
+    Megatron-Core's pre-0.14 grid layout (the checkpoint must also say it is one: :func:`grid_shapes`).
 
     That layout stores a tensor of global shape ``G`` sharded on a grid of ``F`` chunks as a
     tensor of shape ``F + (prod(G / F),)`` whose chunks are 1-D slices of flattened grid cells.

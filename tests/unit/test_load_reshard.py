@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import pickle
 import random
 
 import pytest
@@ -153,6 +154,12 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
             )
             items.append(PlannedItem(rec, sh.data.reshape(sizes)))
     write_checkpoint(d, [items], {}, fsync=False)
+    with pytest.raises(LoadMismatchError, match=r"stores global shape \(1, 2, 24\) but \(6, 8\)"):
+        ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, d)
+    # What Megatron-Core wrote with it: the real global shape, in .metadata's mcore_data.
+    md = pickle.loads((d / ".metadata").read_bytes())
+    md.mcore_data = {"w": {"nd_reformulated_orig_global_shape": (6, 8)}}
+    (d / ".metadata").write_bytes(pickle.dumps(md))
     out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, d)
     assert torch.equal(out["w"], full)
     flat = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(5), (3, 8), (0, 1, 2), flattened_range=slice(7, 12))
@@ -280,3 +287,18 @@ def test_non_contiguous_destination_and_prepended_axes(tmp_path):
     )
     assert out["x"] is dst and torch.equal(dst, full[1])
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["stack"], full)
+
+
+def test_a_regular_tensor_that_fits_the_grid_pattern_is_not_taken_for_one(tmp_path):
+    """A (2, 2, 4) tensor sharded on its first two axes has the shape and chunks of a (4, 4) tensor
+    in the legacy grid layout: requested as (4, 4) (a changed model config), it loaded permuted
+    ([[0, 1, 4, 5], [2, 3, 6, 7], ...]) instead of failing."""
+    w = torch.arange(16.0).reshape(2, 2, 4)
+    sd = {
+        f"p{i}{j}": ShardedTensor.from_rank_offsets("w", w[i : i + 1, j : j + 1].clone(), (0, i, 2), (1, j, 2))
+        for i in range(2)
+        for j in range(2)
+    }
+    ckptd.save(sd, tmp_path / "c")
+    with pytest.raises(LoadMismatchError, match=r"stores global shape \(2, 2, 4\) but \(4, 4\) was requested"):
+        ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))}, tmp_path / "c")
