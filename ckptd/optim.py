@@ -19,10 +19,21 @@ checkpoint key ``k`` is ``<prefix>.state.<s>.<k>``, sharded like the parameter; 
 once, by the rank holding the parameter's first element in its main replica. Parameter-group
 hyper-parameters (without the ids) are common state. A tied parameter is one optimizer
 parameter, so it gets one sharding (the first model key wrapping it) and is stored once.
+
+Several optimizer parameters of one rank may be shards of one key at different offsets
+(Megatron-Core's local experts: one key, a prepended expert axis). Each stores its state as the
+shard of the key at its own offset, so the state resumes at any other split of the key (one
+parameter holding every expert, other expert-parallel sizes). A key has one stored value per
+scalar entry (``step``), as Megatron-Core keeps one step for all parameters: the shards a rank
+holds must agree on it, else ``sharded_optimizer_state`` raises rather than store one shard's
+step for all of them.
 """
 
 from __future__ import annotations
 
+import pickle
+import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -84,6 +95,109 @@ def _check_unique(shardings: Sequence[ShardedTensor]) -> None:
         seen[ident] = i
 
 
+def _where(sh: ShardedTensor) -> str:
+    """The shard of its key a sharding is, in words: its offset (and flattened range)."""
+    out = f"offset {sh.global_offset}"
+    if sh.flattened_range is not None:
+        out += f", flattened range [{sh.flattened_range.start}:{sh.flattened_range.stop}]"
+    return out
+
+
+def _rank() -> int:
+    # Only for messages: a process that never imported torch.distributed is rank 0 of 1.
+    if "torch.distributed" not in sys.modules:
+        return 0
+    import torch.distributed as tdist
+
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
+
+
+def _state_labels(shardings: Sequence[ShardedTensor]) -> list[str]:
+    """The key of each optimizer parameter's entry in the ``state`` dict, in optimizer order.
+
+    The parameter's checkpoint key, unless this rank holds several shards of that key (local
+    experts): those are ``<key>@<offset>`` (plus ``[start:stop]`` for flattened shards), so each
+    shard keeps its own entry. The stored keys do not depend on it (they are the ShardedTensors'
+    keys), so checkpoints saved by one such layout load at any other.
+    """
+    counts = Counter(sh.key for sh in shardings)
+    labels = []
+    for sh in shardings:
+        label = sh.key
+        if counts[sh.key] > 1:
+            label += "@(" + ",".join(str(o) for o in sh.global_offset) + ")"
+            if sh.flattened_range is not None:
+                label += f"[{sh.flattened_range.start}:{sh.flattened_range.stop}]"
+        labels.append(label)
+    if len(set(labels)) != len(labels):
+        dup = next(label for label, n in Counter(labels).items() if n > 1)
+        raise ShardingError(
+            f"two optimizer parameters would share the state entry '{dup}' on rank {_rank()}: a "
+            "parameter key contains '@(' like the names ckptd gives the shards of a key held "
+            "several times; rename that key"
+        )
+    return labels
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+        )
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an element-wise == (an array): compare what is stored
+        return pickle.dumps(a) == pickle.dumps(b)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return repr(value.item())
+    return repr(value)
+
+
+def _check_shared_keys(shardings: Sequence[ShardedTensor], entries: Sequence[dict[str, Any]]) -> None:
+    """Shards of one key on this rank must have the same state names and scalar values.
+
+    A key's tensor state is one global tensor sharded like the parameter, and its scalars
+    (``step``) are one stored value: a shard without an entry would leave a hole, and a shard
+    whose step differs would resume with another shard's step.
+    """
+    first: dict[str, int] = {}
+    for i, sh in enumerate(shardings):
+        j = first.setdefault(sh.key, i)
+        if j == i:
+            continue
+        a, b = entries[j], entries[i]
+        where = (
+            f"parameter #{j} ({_where(shardings[j])}) and parameter #{i} ({_where(sh)}), shards of "
+            f"'{sh.key}' that rank {_rank()} holds"
+        )
+        if set(a) != set(b):
+            raise ShardingError(
+                f"{where}, have different optimizer state: {sorted(a)} and {sorted(b)}. The state "
+                f"of '{sh.key}' is stored as one tensor per entry, sharded like the parameter, so "
+                "every shard needs every entry: save after an optimizer step that updated all of "
+                "them, or give the shards keys of their own"
+            )
+        for name, value in a.items():
+            scalar = not isinstance(value, torch.Tensor) or value.dim() == 0
+            if scalar and not _same_value(value, b[name]):
+                raise ShardingError(
+                    f"{where}, have different optimizer '{name}': {_show(value)} and "
+                    f"{_show(b[name])}. ckptd stores one '{name}' per parameter key (as Megatron-Core "
+                    "keeps one step for all parameters), so a resumed shard would get another shard's "
+                    f"value: step every shard of '{sh.key}' together (e.g. a zero gradient for an "
+                    "expert that got no tokens, not None), or give the shards keys of their own"
+                )
+
+
 def _local_shape(sh: ShardedTensor) -> tuple[int, ...]:
     if sh.flattened_range is not None:
         return (sh.flattened_range.stop - sh.flattened_range.start,)
@@ -128,17 +242,22 @@ def sharded_optimizer_state(
     """``{"state": {param_key: {name: sharded entry}}, "param_groups": [hyper-parameters]}``.
 
     ``shardings[i]`` describes optimizer parameter ``i`` (state-dict order); the optimizer's
-    tensors are referenced, not copied.
+    tensors are referenced, not copied. Where this rank holds several shards of one key, their
+    entries are ``<key>@<offset>`` (each stored as the shard of the key at that offset).
     """
     sd = optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer
     ids = _ordered_ids(sd)
     if len(ids) != len(shardings):
         raise ShardingError(f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given")
     _check_unique(shardings)
+    labels = _state_labels(shardings)
+    per_param = [sd["state"].get(pid, {}) for pid in ids]
+    _check_shared_keys(shardings, per_param)
     state: dict[str, dict[str, Any]] = {}
-    for pid, sh in zip(ids, shardings):
-        entries = sd["state"].get(pid, {})
-        state[sh.key] = {
+    for label, sh, entries in zip(labels, shardings, per_param):
+        # Scalars of a key held several times: one entry per shard, the same stored value; only
+        # the shard at the key's first element is the main replica (it writes the value once).
+        state[label] = {
             name: _shard_value(_state_key(prefix, name, sh), name, value, sh) for name, value in entries.items()
         }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
@@ -170,14 +289,17 @@ def optimizer_load_template(
     """The load request for the optimizer state stored in ``checkpoint_dir`` at this layout.
 
     Entries come from the checkpoint's metadata (so a fresh optimizer without state can resume);
-    existing state tensors of matching shape and dtype are loaded in place.
+    existing state tensors of matching shape and dtype are loaded in place. Each parameter gets
+    entries of its own (shards of one key too: the key's shard at its offset, a scalar each).
     """
     params = _params(optimizer)
     if len(params) != len(shardings):
         raise ShardingError(f"the optimizer has {len(params)} parameters but {len(shardings)} shardings were given")
+    _check_unique(shardings)
+    labels = _state_labels(shardings)
     stored = _stored_state_names(checkpoint_dir, prefix)
     state: dict[str, dict[str, Any]] = {}
-    for p, sh in zip(params, shardings):
+    for p, sh, label in zip(params, shardings, labels):
         have = optimizer.state.get(p, {})
         entries: dict[str, Any] = {}
         for name, meta in stored.get(sh.key, {}).items():
@@ -197,7 +319,7 @@ def optimizer_load_template(
                 )
                 data = cur if ok else torch.empty(_local_shape(sh), dtype=meta.dtype)
                 entries[name] = replace(sh, key=key, data=data, dtype=meta.dtype)
-        state[sh.key] = entries
+        state[label] = entries
     return {"state": state}
 
 
@@ -217,10 +339,11 @@ def restore_optimizer_state(
     ids = _ordered_ids(live)
     if len(ids) != len(shardings):
         raise ShardingError(f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given")
+    _check_unique(shardings)
     stored_state = loaded.get("state", {})
     new_state = {}
-    for pid, sh in zip(ids, shardings):
-        entry = stored_state.get(sh.key)
+    for pid, label in zip(ids, _state_labels(shardings)):
+        entry = stored_state.get(label)
         if entry:
             new_state[pid] = dict(entry)
     groups = live["param_groups"]
