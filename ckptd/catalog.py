@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.commitrecord import commit_seq
+from .format.commitrecord import commit_seq, read_commit_record
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
     MIRRORED_FILE,
@@ -74,6 +74,7 @@ class CheckpointEntry:
     usage: DirUsage
     is_latest: bool = False
     commit_seq: int = 0  # committed ones: their place in commit order (ckptd.format.commitrecord)
+    committed_unix_s: float = 0.0  # committed ones with a commit record: when they were committed
 
     @property
     def commit_order(self) -> tuple[int, int]:
@@ -94,6 +95,9 @@ class RootCatalog:
     tracker_problem: str | None = None
     others: list[str] = field(default_factory=list)  # unrelated names in the root
     mirrored_name: str | None = None  # the step the mirror's latest copies (MIRRORED_FILE), if any
+    # A node's disk of a node-local root (ckptd.roots.nodelocal): its commit records list every
+    # rank's data file, on whichever node it is.
+    node_local: bool = False
 
     @property
     def committed(self) -> list[CheckpointEntry]:
@@ -224,6 +228,8 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
             state = EntryState.DELETING
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
+        record = read_commit_record(path) if state is EntryState.COMMITTED else None
+        cat.node_local = cat.node_local or (record is not None and record.objects is not None)
         cat.entries.append(
             CheckpointEntry(
                 name,
@@ -232,7 +238,8 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
                 state,
                 dir_usage(path) if usage else DirUsage(0, 0, 0.0),
                 is_latest=name == cat.latest_name,
-                commit_seq=commit_seq(path) if state is EntryState.COMMITTED else 0,
+                commit_seq=0 if record is None else record.seq,
+                committed_unix_s=0.0 if record is None else record.committed_unix_s,
             )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))

@@ -7,7 +7,9 @@ Order of one collection (any process may run it; it needs no daemon):
    steps saved since are the newest, whatever their numbers) and always the one the tracker names;
    remove older committed ones,
    ``*.tmp`` directories whose last write is older than ``grace_s`` (a save in flight keeps
-   writing, so it stays younger than the grace period), and ``*.deleting`` leftovers.
+   writing, so it stays younger than the grace period) and, on a node's disk of a node-local
+   root, older than the node's last commit (a node that could not finish a committed step keeps
+   its files in the ``.tmp``: ckptd.roots.nodelocal), and ``*.deleting`` leftovers.
 2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
    the root), then deletes it. A crash midway therefore never leaves a half-deleted directory
    under a committed name, and a save still writing into a ``.tmp`` that is collected by mistake
@@ -80,10 +82,22 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
             plan.kept.append((e, "tracker cannot be trusted"))
         else:
             plan.remove.append(Removal(e, f"committed before the {keep} last committed"))
+    newest_commit_s = max((e.committed_unix_s for e in cat.committed), default=0.0)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime
-            if age_s >= grace_s:
+            if cat.node_local and e.usage.newest_mtime >= newest_commit_s:
+                # A node that got COMMITTED but could not finish the step on its disk keeps its files
+                # here, and the mirror copy and a resume read them here: the latest step may be one.
+                plan.kept.append(
+                    (
+                        e,
+                        "node-local root: written after this node's last commit, it may hold this node's "
+                        "files of a step committed on node 0 (the mirror copy and a resume read them here); "
+                        "collected once a newer step commits on this node",
+                    )
+                )
+            elif age_s >= grace_s:
                 plan.remove.append(
                     Removal(e, f"abandoned save, last written {age_s:.0f} s ago (grace {grace_s:.0f} s)")
                 )

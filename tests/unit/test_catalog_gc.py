@@ -197,3 +197,32 @@ def test_the_last_check_before_a_commit_names_what_is_wrong_with_each_data_file(
         for name, (rank, message) in cases.items():
             with pytest.raises(CorruptCheckpointError, match=f"rank {rank}'s data file .*{name} {message}"):
                 check_data_files(tmpd, {"__0_0.distcp": (0, 8), name: (rank, 8)})
+
+
+def test_gc_on_a_node_local_disk_keeps_what_was_written_after_its_last_commit(tmp_path):
+    """A node of a node-local root that got COMMITTED but could not finish the step on its disk
+    keeps its files in ``iter_N.<attempt>.tmp``, where the mirror copy and a resume read them: gc
+    removed them once older than the grace period, although step N was the job's latest."""
+    from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord
+
+    root = make_root(tmp_path / "r", [100, 200], latest=200)
+    for seq, step in enumerate((100, 200), start=1):
+        rec = CommitRecord(
+            seq=seq, step=step, attempt="0123456789ab-1", committed_unix_s=time.time() - 9000 + seq, objects={}
+        )
+        (root / step_dir_name(step) / COMMIT_RECORD).write_bytes(rec.to_bytes())
+    make_partial(root, 150, age_s=10000)  # before the last commit, 9,000 s ago
+    make_partial(root, 300, age_s=7200)  # after it
+    cat = scan_root(root)
+    assert cat.node_local
+    plan = plan_gc(cat, keep=2, grace_s=600)
+    assert [r.entry.name for r in plan.remove] == ["iter_0000150.tmp"]  # older than the last commit
+    kept = {e.name: why for e, why in plan.kept}
+    assert "written after this node's last commit" in kept["iter_0000300.tmp"]
+    # A shared root (commit records without a file list): an abandoned save is collected.
+    stamp_commits(root, [100, 200])
+    assert not scan_root(root).node_local
+    assert [r.entry.name for r in plan_gc(scan_root(root), keep=2, grace_s=600).remove] == [
+        "iter_0000150.tmp",
+        "iter_0000300.tmp",
+    ]
