@@ -300,7 +300,12 @@ class NodeDaemon:
                 log.warning(
                     "shutdown grace of %.0f s over with work in flight; aborting it", self.config.shutdown_grace_s
                 )
-                self.uplink.abort_pending("the node daemon shut down before the step committed")
+                # Only this node gives up: the coordinator may still commit what was reported, so
+                # the ranks are told the outcome is unknown, not that nothing was committed.
+                self.uplink.abort_pending(
+                    "the node daemon shut down before the coordinator's verdict arrived; the step may "
+                    "still have committed (a resume loads it if it did: check with ckptd ls)"
+                )
                 return True
             return False
         if not self.exit_when_idle:
