@@ -93,6 +93,11 @@ class RequestNotTaken(DaemonError):
         """The daemon forgot this connection: HELLO and the ring registration must be repeated."""
         return self.code == UnknownClientError.code
 
+    @property
+    def attempt_in_use(self) -> bool:
+        """Another save is being written under this attempt id (:class:`AttemptInUseError`)."""
+        return self.code == AttemptInUseError.code
+
 
 class ProtocolError(CkptdError):
     """A control-plane message was malformed, of a wrong version, too large or out of range."""
@@ -107,6 +112,14 @@ class UnknownClientError(ProtocolError):
     must say HELLO and register its staging ring again."""
 
     code = "unknown_client"
+
+
+class AttemptInUseError(ProtocolError):
+    """Another save of this rank is being written under the same attempt id (two Checkpointers of
+    one launch whose attempt ids repeat): the client must not abort that attempt on the other
+    ranks, it is the other save's."""
+
+    code = "attempt_in_use"
 
 
 class StagingError(CkptdError):

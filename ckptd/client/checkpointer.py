@@ -286,7 +286,8 @@ class Checkpointer:
             producer.cancel()
             ring.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
             self._layout.forget()
-            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):  # else save() tries again
+            # An unknown client: save() tries again; an attempt in use: it is another save's.
+            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use)):
                 self._tries.tell_others(
                     msg.step, msg.attempt, f"rank {self.env.rank} could not save step {msg.step}: {exc}"
                 )

@@ -49,11 +49,12 @@ class StepTries:
     def announcing_failure(self, step: int) -> Iterator[None]:
         """A failure of this rank's try of ``step`` before its SAVE went out is told to the other
         ranks under the try's attempt id (:meth:`abort_everywhere`), then raised; not a refusal as
-        from an unknown client, which ``save()`` recovers from by trying again."""
+        from an unknown client, which ``save()`` recovers from by trying again, nor one because
+        another save is being written under that attempt id (it is that save's to decide)."""
         try:
             yield
         except Exception as exc:
-            if not (isinstance(exc, RequestNotTaken) and exc.unknown_client):
+            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use)):
                 self.abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
             raise
 

@@ -165,6 +165,13 @@ class IntakeState:
         self.data_file = data_file
         self.unfinished: dict[tuple[str, int], tuple[WriteJob, float]] = {}  # by slot: (job, taken at)
 
+    def writing(self, rank: int, key: StepKey) -> WriteJob | None:
+        """The unfinished write of ``rank``'s save of attempt ``key``, if any."""
+        for job, _ in self.unfinished.values():
+            if job.key == key and job.request.rank == rank:
+                return job
+        return None
+
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` at time ``now``; the actions to execute, in order."""
         if isinstance(event, Taken):

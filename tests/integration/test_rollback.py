@@ -121,6 +121,28 @@ def test_a_new_checkpointer_re_saving_an_abandoned_step_under_the_same_attempt_i
 
 
 @pytest.mark.timeout(120)
+def test_a_second_checkpointer_saving_a_step_under_an_attempt_id_in_flight_is_refused(
+    tmp_path, single_process, runtime_dir
+):
+    """Two Checkpointers of one launch with a fixed CKPTD_RUN_ID name their first save of a step
+    alike: while the first is still being written, the second one's was taken too, so both wrote
+    one data file and were answered by one verdict (on S3 the committed step's data object could
+    be replaced in place). The daemon refuses the second, naming the attempt and what to do."""
+    root = tmp_path / "run"
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime_dir), idle_exit_s=5.0, heartbeat_s=0.2, run_id="fixed-run", debug_write_delay_s=2.0
+    )
+    with ckptd.Checkpointer(root, config=cfg) as first, ckptd.Checkpointer(root, config=cfg) as second:
+        h = first.save(_sd(_value(20, 0), 20), step=20)
+        with pytest.raises(ckptd.CkptdError, match=r"attempt \S+ of step 20 is already being written by another save"):
+            second.save(_sd(_value(20, 1), 20), step=20).wait(timeout_s=30)
+        h.wait(timeout_s=30)
+        w = torch.zeros(64)
+        first.load(_sd(w, -1), step=20)
+        assert torch.equal(w, _value(20, 0))
+
+
+@pytest.mark.timeout(120)
 def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(tmp_path, single_process, runtime_dir):
     """``ckptd gc`` scans, then the job commits the abandoned step 20 again (it becomes latest),
     then gc removes what it planned: the new step 20 is kept, reported as changed (it was removed,
