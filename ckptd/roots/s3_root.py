@@ -27,6 +27,13 @@ Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a t
 6. retention: the ``keep_last`` last commits stay; a removal deletes the commit object first (the
    step is invisible from then on), then the rest.
 
+A write that failed at the client may still have been applied by the store (its response lost,
+the retry then refused by the precondition, or the last try timed out). So a failed create-only
+write (steps 3 and 4) is read back and counts as done when the object holds exactly the bytes
+written, and a failed tracker update (step 5) is read back too: the commit stands when ``latest``
+names the step, is taken back only when ``latest`` provably names another, and is kept (the save
+fails, the next coordinator start names it latest) when ``latest`` cannot be read.
+
 A crashed attempt has no commit object, so it is invisible; the next coordinator start (or
 ``ckptd gc``) removes its objects and the root's unfinished multipart uploads. Loads cannot lease
 a checkpoint against retention here (object stores have no locks): a load whose objects vanish
@@ -35,6 +42,7 @@ fails with CheckpointRemovedError and ``Checkpointer.load()`` retries on the new
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import pickle
@@ -51,6 +59,7 @@ from ..format.records import ItemRecord
 from ..format.rootlayout import (
     MEGATRON_TRACKER,
     TRACKER_FILE,
+    TRACKER_MAX_NBYTES,
     megatron_tracker_bytes,
     step_dir_name,
     tracker_bytes,
@@ -143,13 +152,25 @@ class S3Root:
             source=source,
         )
         try:
-            self._create(f"{name}/{COMMIT_RECORD}", record.to_bytes())  # the commit point
+            self._create(  # the commit point
+                f"{name}/{COMMIT_RECORD}",
+                record.to_bytes(),
+                if_unknown=f"if it was, {name} is committed though this save fails, and the next coordinator "
+                "start names it latest",
+            )
         except FileExistsError:
-            raise CheckpointExistsError(f"{self.display(name)} was committed by someone else meanwhile") from None
+            raise CheckpointExistsError(
+                f"{self.display(name)} was committed by someone else meanwhile: its {COMMIT_RECORD} is not "
+                f"attempt {attempt}'s; is another job saving to {self.location}?"
+            ) from None
         try:
             self._point_tracker(name)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the write may have been applied
+            self._settle_tracker(name, exc)  # returns when the tracker names the step all the same
         except BaseException:
-            self._uncommit(name)
+            with contextlib.suppress(StorageError):  # unreadable: keep the commit (see _settle_tracker)
+                if not self._tracker_names(name):
+                    self._uncommit(name)
             raise
         if self.megatron_tracker and step > 0:
             try:
@@ -192,8 +213,37 @@ class S3Root:
                 )
         return {file_name: {"nbytes": nbytes} for file_name, (_, nbytes) in data_files.items()}
 
-    def _create(self, key: str, data: bytes) -> None:
-        self.client.put(key, data, create_only=True)
+    def _create(
+        self, key: str, data: bytes, *, if_unknown: str = "if it was, the attempt's removal removes it"
+    ) -> None:
+        """Create ``key`` holding ``data`` (``If-None-Match: *``); FileExistsError when another
+        writer's object is there.
+
+        A create the store applied can fail at the client: its response lost, obstore's retry of
+        it gets 412 (FileExistsError), or the last try times out (StorageError). Failing the save
+        then would leave this attempt's object behind (a commit record: the step committed though
+        its ranks were told it aborted), so the object is read back and counts as created when it
+        holds exactly ``data`` (a commit record names its attempt, seq and time: no other
+        writer's is equal). ``if_unknown`` says what follows when it cannot be read back."""
+        try:
+            self.client.put(key, data, create_only=True)
+            return
+        except (FileExistsError, StorageError) as exc:
+            failure: Exception = exc
+        try:
+            got = self.client.get(key, len(data), "object")
+        except CorruptCheckpointError:  # larger than ``data``: another writer's
+            got = None
+        except StorageError as exc:
+            raise StorageError(
+                f"the create-only write of {self.client.url(key)} failed ({failure}) and reading it back "
+                f"failed too ({exc}), so whether the store wrote it is unknown ({if_unknown}); check the "
+                "store (AWS_ENDPOINT_URL, the network)"
+            ) from failure
+        if got is not None and got[0] == data:
+            log.info("%s was created, though its write reported: %s", self.client.url(key), failure)
+            return
+        raise failure
 
     def _point_tracker(self, name: str) -> None:
         """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""
@@ -212,9 +262,50 @@ class S3Root:
             f"{name}: another process writes this root's tracker (two jobs on one root?)"
         )
 
+    def _settle_tracker(self, name: str, error: Exception) -> None:
+        """After moving ``latest`` to ``name`` failed with ``error``: return when the tracker names
+        ``name`` all the same (committed), else take the commit back and raise.
+
+        The failed request may have been applied (its response lost, or the last retry timed out
+        after the store wrote it). Removing the commit object then leaves ``latest`` naming a
+        removed step, which the coordinator's abort then empties: recovery finds no commit to name
+        and retention refuses. So the tracker is read back, and the commit is taken back only when
+        it provably names something else. A tracker naming ``name`` names this commit: its commit
+        object was created by this call (a replaced commit of the step was retired before)."""
+        try:
+            named = self._tracker_names(name)
+        except StorageError as unread:
+            log.error(
+                "kept the commit of %s although moving %s to it failed: the tracker cannot be read back",
+                self.display(name),
+                self.display(TRACKER_FILE),
+            )
+            raise StorageError(
+                f"moving {self.display(TRACKER_FILE)} to {name} failed ({error}) and reading it back failed "
+                f"too ({unread}), so whether {name} is latest is unknown. Its commit object is kept (removing "
+                "it could leave the tracker naming a removed step): the step is committed though this save "
+                "fails, and the next coordinator start names it latest if it is the newest commit; check the "
+                "store (AWS_ENDPOINT_URL, the network)"
+            ) from error
+        if not named:
+            self._uncommit(name)
+            raise error
+        log.warning(
+            "committed %s: %s names it, though its update reported: %s", self.display(name), TRACKER_FILE, error
+        )
+
+    def _tracker_names(self, name: str) -> bool:
+        """Whether ``latest`` names ``name`` now; StorageError when it cannot be read."""
+        try:
+            got = self.client.get(TRACKER_FILE, TRACKER_MAX_NBYTES, "tracker")
+        except CorruptCheckpointError:  # oversized: not a name this root wrote
+            return False
+        return got is not None and got[0].strip() == name.encode()
+
     def _uncommit(self, name: str) -> None:
-        """Take back a commit whose tracker could not be written: the step is not committed until
-        the tracker can name it, and its ranks are told it aborted."""
+        """Take back a commit whose tracker could not be written and provably does not name it:
+        the step is not committed until the tracker can name it, and its ranks are told it
+        aborted. Never with the tracker naming it (see :meth:`_settle_tracker`)."""
         try:
             self.client.delete([f"{name}/{COMMIT_RECORD}"])
         except StorageError as exc:
