@@ -12,7 +12,7 @@ it commits them. tests/unit/test_dcp_pickle.py checks the bytes against ``pickle
 Metadata built from DCP's own classes, for many shapes of records and both protocols ckptd writes;
 torch DCP, Megatron-Core and ckptd's reader therefore load exactly what they loaded before.
 
-Only what a Metadata holds is written: None, bools, ints, str, tuples, lists, dicts and the
+Only what a Metadata holds is written: None, bools, ints, str, bytes (block checksums), tuples, lists, dicts and the
 :class:`Global`, :class:`New` and :class:`Reduce` stand-ins below.
 """
 
@@ -33,6 +33,9 @@ DCP_VERSION = "1.0.0"
 CHECKSUMS_ATTR = "ckptd_checksums"
 
 _FRAME_SIZE_TARGET = 64 * 1024
+# The opcodes of a str and of a bytes payload: under 256 bytes, under 4 GiB, larger.
+_STR_OPS = (b"\x8c", b"X", b"\x8d")
+_BYTES_OPS = (b"C", b"B", b"\x8e")
 _FRAME_SIZE_MIN = 4
 _BATCHSIZE = 1000  # items per SETITEMS/APPENDS, as pickle's
 
@@ -276,13 +279,16 @@ def dumps(obj: Any, protocol: int = 4) -> bytes:
         if index is not None:
             out += gets[index] if index < 256 else b"j" + _PACK_I(index)
             return
-        if t is str:
-            data = obj.encode("utf-8", "surrogatepass")
+        if t is str or t is bytes:
+            # SHORT_BINUNICODE / BINUNICODE / BINUNICODE8 for str, SHORT_BINBYTES / BINBYTES /
+            # BINBYTES8 for bytes, then MEMOIZE
+            data = obj.encode("utf-8", "surrogatepass") if t is str else obj
+            ops = _STR_OPS if t is str else _BYTES_OPS
             n = len(data)
             if n < 256:
-                out += b"\x8c" + _BYTE[n] + data + b"\x94"
+                out += ops[0] + _BYTE[n] + data + b"\x94"
             else:
-                header = b"X" + _PACK_I(n) if n <= 0xFFFFFFFF else b"\x8d" + _PACK_Q(n)
+                header = ops[1] + _PACK_I(n) if n <= 0xFFFFFFFF else ops[2] + _PACK_Q(n)
                 if n >= _FRAME_SIZE_TARGET:  # large payloads go between frames, not in one
                     commit(False)
                     out += header + data
@@ -290,20 +296,6 @@ def dumps(obj: Any, protocol: int = 4) -> bytes:
                     out += _NO_HEADER + b"\x94"
                 else:
                     out += header + data + b"\x94"
-            memo[id(obj)] = len(memo)
-        elif t is bytes:
-            n = len(obj)
-            if n < 256:
-                out += b"C" + _BYTE[n] + obj + b"\x94"
-            else:
-                header = b"B" + _PACK_I(n) if n <= 0xFFFFFFFF else b"\x8e" + _PACK_Q(n)
-                if n >= _FRAME_SIZE_TARGET:  # large payloads go between frames, not in one
-                    commit(False)
-                    out += header + obj
-                    frame_start = len(out)
-                    out += _NO_HEADER + b"\x94"
-                else:
-                    out += header + obj + b"\x94"
             memo[id(obj)] = len(memo)
         elif t is New:
             index = memo.get(id(obj.cls))
