@@ -45,10 +45,13 @@ _RESOLVE_TRIES = 3
 
 @dataclass(frozen=True)
 class LatestChoice:
-    """The checkpoint to resume from, and why the tracker was not followed (None: it was)."""
+    """The checkpoint to resume from, and why the tracker was not followed (None: it was);
+    ``skipped``: the newer committed checkpoints the structural check refused, ``(name, problem)``
+    (a caller that resumes from another copy of one of them names what was wrong with it)."""
 
     entry: CheckpointEntry
     fallback_reason: str | None = None
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def step(self) -> int | None:
@@ -96,17 +99,26 @@ def _report_problem(report: VerifyReport, view: Path | None, location: S3Locatio
 
 
 def resolve_latest(
-    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None, node_local: bool = False
+    root: str | os.PathLike | S3Location,
+    *,
+    damaged: Mapping[str, str] | None = None,
+    node_local: bool = False,
+    log_fallback: bool = True,
 ) -> LatestChoice | None:
     """The checkpoint of ``root`` to resume from (see the module docstring).
 
-    ``damaged``: checkpoint names a load found damaged (a checksum mismatch), with the reason;
-    they are never chosen, as if the structural check had refused them. ``node_local``: ``root``
-    is one node's own disk (see :func:`structural_problem`)."""
+    ``damaged``: checkpoints a load found damaged (a checksum mismatch), with the reason; they are
+    never chosen, as if the structural check had refused them. A key is a checkpoint's name (that
+    name in any root: a commit read from several levels at once, as on node-local disks) or its
+    full path or URL (that root's copy only: the mirror's copy of a commit stays a candidate when
+    the local one is damaged). ``node_local``: ``root`` is one node's own disk (see
+    :func:`structural_problem`). ``log_fallback`` False: the fallback's WARNING is left to the
+    caller (``fallback_reason``), which may resume from another root instead."""
     location = parse_location(root)
     cat = _without_damaged(scan_any(location, usage=False), damaged or {})
     tracker = location.url(TRACKER_FILE) if isinstance(location, S3Location) else location / TRACKER_FILE
     named = cat.latest()
+    problem: str | None = None
     if named is not None:
         problem = structural_problem(named.path, node_local=node_local)
         if problem is None:
@@ -119,6 +131,7 @@ def resolve_latest(
     else:
         why = f"{root} has no tracker file '{TRACKER_FILE}'"
     candidates = [e for e in cat.newest_first if e.step >= 0 and not (named is not None and e.path == named.path)]
+    skipped: list[tuple[str, str]] = [] if named is None or problem is None else [(named.name, problem)]
     rejected: list[str] = []
     for entry in candidates:
         problem = structural_problem(entry.path, node_local=node_local)
@@ -126,9 +139,11 @@ def resolve_latest(
             msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"
             if rejected:
                 msg += f" (skipped damaged newer ones: {'; '.join(rejected)})"
-            log.warning("%s", msg)
-            return LatestChoice(entry, msg)
+            if log_fallback:
+                log.warning("%s", msg)
+            return LatestChoice(entry, msg, tuple(skipped))
         rejected.append(f"{entry.name}: {problem}")
+        skipped.append((entry.name, problem))
     if not cat.tracker_exists and not any(e.state is EntryState.INCOMPLETE for e in cat.entries) and not rejected:
         return None  # nothing was ever committed here: a fresh start
     detail = f"; damaged: {'; '.join(rejected)}" if rejected else ""
@@ -139,32 +154,45 @@ def resolve_latest(
     )
 
 
+def damage_of(damaged: Mapping[str, str], entry: CheckpointEntry) -> str | None:
+    """What a load found wrong with ``entry`` (``damaged``'s key: its full path or URL, or its
+    name; see :func:`resolve_latest`), or None."""
+    found = damaged.get(str(entry.path))
+    return found if found is not None else damaged.get(entry.name)
+
+
 def _without_damaged(cat: RootCatalog, damaged: Mapping[str, str]) -> RootCatalog:
     """``cat`` with the checkpoints in ``damaged`` taken out of the committed ones (a tracker naming
     one is not followed, and says why)."""
     if not damaged:
         return cat
     entries = [
-        replace(e, state=EntryState.INCOMPLETE) if e.state is EntryState.COMMITTED and e.name in damaged else e
+        replace(e, state=EntryState.INCOMPLETE)
+        if e.state is EntryState.COMMITTED and damage_of(damaged, e) is not None
+        else e
         for e in cat.entries
     ]
     out = replace(cat, entries=entries)
-    if cat.latest_name is not None and cat.latest_name in damaged and cat.tracker_problem is None:
-        out.tracker_problem = (
-            f"tracker of {cat.root} names {cat.latest_name}, which a load found damaged: {damaged[cat.latest_name]}"
-        )
+    named = next((e for e in cat.entries if e.name == cat.latest_name), None)
+    why = None if named is None else damage_of(damaged, named)
+    if why is not None and cat.tracker_problem is None:
+        out.tracker_problem = f"tracker of {cat.root} names {cat.latest_name}, which a load found damaged: {why}"
     return out
 
 
 def resolve_resumable(
-    root: str | os.PathLike | S3Location, *, damaged: Mapping[str, str] | None = None, node_local: bool = False
+    root: str | os.PathLike | S3Location,
+    *,
+    damaged: Mapping[str, str] | None = None,
+    node_local: bool = False,
+    log_fallback: bool = True,
 ) -> LatestChoice | None:
     """:func:`resolve_latest`, again (a fresh scan, ``_RESOLVE_TRIES`` in all) when it found nothing
     loadable or a checkpoint it was checking is gone: retention may have removed it meanwhile,
     after a newer one committed, which a fresh scan sees."""
     for _ in range(_RESOLVE_TRIES - 1):
         try:
-            return resolve_latest(root, damaged=damaged, node_local=node_local)
+            return resolve_latest(root, damaged=damaged, node_local=node_local, log_fallback=log_fallback)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             log.info("resolving the latest checkpoint again (%s)", exc)
-    return resolve_latest(root, damaged=damaged, node_local=node_local)
+    return resolve_latest(root, damaged=damaged, node_local=node_local, log_fallback=log_fallback)

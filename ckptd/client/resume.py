@@ -42,13 +42,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Candidate:
-    """A checkpoint to try: its directory ``name`` (what ``damaged`` records), what
-    :func:`ckptd.load` opens, and whether it still exists (asked on rank 0 after every rank failed
-    with CheckpointNotFoundError)."""
+    """A checkpoint to try: its ``name`` (what ``damaged`` records: its directory's name, or its
+    full path or URL where another level may hold a copy of it), what :func:`ckptd.load` opens,
+    whether it still exists (asked on rank 0 after every rank failed with
+    CheckpointNotFoundError), and what is loaded instead when it is found damaged (the warning's
+    words)."""
 
     name: str
     target: Any
     exists: Callable[[], bool]
+    fallback: str = "the intact one committed last before it"
 
 
 def load_latest(
@@ -105,10 +108,11 @@ def load_agreed(
         if any(issubclass(k, CorruptCheckpointError) for k in kinds):
             damaged[name] = detail
             log.warning(
-                "rank %d: checkpoint %s is damaged (%s); falling back to the intact one committed last before it",
+                "rank %d: checkpoint %s is damaged (%s); falling back to %s",
                 rank,
                 candidate.target,
                 detail,
+                candidate.fallback,
             )
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)

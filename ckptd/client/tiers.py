@@ -10,10 +10,13 @@ Order for one resume (:meth:`ckptd.Checkpointer.load` without ``step``), on ever
    others in a shared root makes every rank read the mirror. Node-local disks (config
    ``node_local``): only rank 0 resolves (node 0's disk is the commit authority) and the ranks
    gather its decision, so a node that lags behind never rolls the job back to an older copy;
-3. a shared root's level is loaded as without a mirror (:func:`ckptd.client.resume.load_latest`);
-   on node-local disks every rank loads rank 0's commit, from its node's disk where it holds the
-   files and from the mirror otherwise (:meth:`Levels.candidate`, ckptd.storage.nodeview), and a
-   checkpoint found damaged sends every rank back to step 1 (:func:`ckptd.client.resume.load_agreed`).
+3. every rank loads rank 0's choice (:func:`ckptd.client.resume.load_agreed`): in a shared root,
+   the chosen level's checkpoint (:meth:`Levels.shared_candidate`); on node-local disks rank 0's
+   commit, from its node's disk where it holds the files and from the mirror otherwise
+   (:meth:`Levels.candidate`, ckptd.storage.nodeview). A checkpoint found damaged sends every
+   rank back to step 1: in a shared root it is remembered by its full path or URL, so a damaged
+   local copy of a commit leaves the mirror's copy of it to resume from (the later commit wins,
+   :func:`ckptd.roots.mirror.resume_level`), before any older commit.
 """
 
 from __future__ import annotations
@@ -24,13 +27,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from ..catalog import abandoned_commit, read_mirrored
 from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, SaveTimeoutError
-from ..format.commitrecord import read_commit_record
+from ..format.commitrecord import CommitRecord, read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
-from ..roots.mirror import MIRROR, CommitRef, LocalFind, local_latest, newer_commit, resume_from
+from ..roots.mirror import (
+    MIRROR,
+    CommitRef,
+    LocalFind,
+    copies_commit,
+    local_latest,
+    newer_commit,
+    orders_disagree,
+    resume_from,
+)
 from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
 from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
@@ -81,12 +94,17 @@ class Resume:
 @dataclass(frozen=True)
 class Look:
     """What one rank found in the levels: the root's latest intact checkpoint and, with a mirror,
-    the mirror's, the local commit that one copies, and this rank's :class:`LocalFind`."""
+    the mirror's, the local commit that one copies, and this rank's :class:`LocalFind`;
+    ``local_problem``: why the local root's own copy of that commit, which it holds, cannot be
+    resumed (found damaged), or why no local checkpoint can (None: neither); ``mirror_problem``:
+    why no checkpoint of the mirror can."""
 
     local_choice: LatestChoice | None
     mirror_choice: LatestChoice | None = None
     mirrored: CommitRef | None = None
     find: LocalFind | None = None
+    local_problem: str | None = None
+    mirror_problem: str | None = None
 
 
 class Levels:
@@ -131,9 +149,26 @@ class Levels:
         group = kwargs.get("process_group")
         if self.node_local:
             return load_agreed(lambda: self.candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
-        # Without a mirror the root is the only level: load_latest's choice is the whole decision.
-        root = self.root if self.mirror is None else self.resume(damaged, collective=True, group=group).root
-        return load_latest(root, sharded_state_dict, damaged, rank, kwargs)
+        if self.mirror is None:  # the root is the only level: load_latest's choice is the whole decision
+            return load_latest(self.root, sharded_state_dict, damaged, rank, kwargs)
+        return load_agreed(lambda: self.shared_candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
+
+    def shared_candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
+        """A shared root with a mirror: the checkpoint every rank loads now, of the level
+        :meth:`resume` chooses (a collective: every rank calls it, as ``load_agreed`` does). It is
+        named by its full path or URL, which ``damaged`` records when a load finds it damaged: the
+        other level's copy of the same commit stays a candidate."""
+        resume = self.resume(damaged, collective=True, group=group)
+        if resume.choice is None:
+            raise CheckpointNotFoundError(f"{self.root} and its mirror {self.mirror} hold no committed checkpoint yet")
+        path = resume.choice.entry.path
+        return Candidate(
+            str(path),
+            path,
+            lambda: checkpoint_exists(path),
+            fallback="an intact copy of the same commit in the other level (the local root or the mirror), else "
+            "the intact one committed last before it",
+        )
 
     def resume(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Resume:
         """The level to resume from and its latest intact checkpoint (steps 1-2 above);
@@ -162,32 +197,92 @@ class Levels:
 
     def _look(self, damaged: dict[str, str]) -> Look:
         """What this rank finds in the levels (:class:`Look`)."""
-        local_choice = resolve_resumable(self.root, damaged=damaged, node_local=self.node_local)
         if self.mirror is None or not isinstance(self.root, Path):  # no mirror without a local root
-            return Look(local_choice)
+            return Look(resolve_resumable(self.root, damaged=damaged, node_local=self.node_local))
+        # Nothing is said of a level's fallback here: which level the job resumes from is decided
+        # from both (_decide, which says it), and a local fallback the mirror overrides is none.
+        # A level where checkpoints exist but none loads leaves the other one to resume from.
+        unloadable = mirror_unloadable = None
+        try:
+            local_choice = resolve_resumable(self.root, damaged=damaged, node_local=self.node_local, log_fallback=False)
+        except CorruptCheckpointError as exc:
+            local_choice, unloadable = None, str(exc)
         local_record = None if local_choice is None else read_commit_record(local_choice.entry.path)
         local = _ref(local_choice, None if local_record is None else (local_record.attempt, local_record.seq))
-        mirror_choice = resolve_resumable(self.mirror, damaged=damaged)
+        try:
+            mirror_choice = resolve_resumable(self.mirror, damaged=damaged, log_fallback=False)
+        except CorruptCheckpointError as exc:
+            mirror_choice, mirror_unloadable = None, str(exc)
         source = None
         if mirror_choice is not None:
             record = read_s3_commit_record(S3Client(self.mirror), mirror_choice.entry.name)
             source = None if record is None else record.source
         mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
         holds = mirrored is not None and _local_holds(self.root, mirrored)
-        return Look(local_choice, mirror_choice, mirrored, LocalFind(commit=local, holds_mirrored=holds))
+        # Proof that both seqs are of this root's commit order (resume_level), asked only where
+        # the step and the commit order disagree: one or two small GETs.
+        copied = (
+            not holds
+            and local is not None
+            and orders_disagree(local, mirrored)
+            and _mirror_copies_local(self.root, self.mirror, local)
+        )
+        problem = unloadable
+        if holds and mirrored is not None and (local is None or local.seq < mirrored.seq):
+            # The local root holds the mirror's commit but resolved an older one: its copy is damaged.
+            name = step_dir_name(mirrored.step)
+            skipped = dict(local_choice.skipped) if local_choice is not None else {}
+            problem = damaged.get(str(join(self.root, name))) or skipped.get(name) or unloadable or "it is damaged"
+        find = LocalFind(commit=local, holds_mirrored=holds, copied=copied)
+        return Look(local_choice, mirror_choice, mirrored, find, problem, mirror_unloadable)
 
     def _decide(self, looks: list[Look]) -> Resume:
         """Where to resume, from what every rank found (``looks``, by rank; rank 0's decides)."""
         mine = looks[0]
         if mine.find is None:  # no mirror
             return Resume(self.root, mine.local_choice)
+        if mine.local_choice is None and mine.mirror_choice is None:
+            # Checkpoints exist, none loads: never a fresh start (ckptd.recovery)
+            problems = [p for p in (mine.local_problem, mine.mirror_problem) if p is not None]
+            if problems:
+                raise CorruptCheckpointError(
+                    f"no checkpoint of {self.root} or of its mirror {self.mirror} can be loaded: "
+                    + " Also: ".join(problems)
+                )
         finds = [look.find for look in looks if look.find is not None]
         level, commit = resume_from(finds, mine.mirrored, node_local=self.node_local, rank=0)
+        self._say(level, mine)
         if level == MIRROR:
             return Resume(cast(S3Location, self.mirror), mine.mirror_choice)
         if self.node_local:
             return Resume(self.root, None, commit)
         return Resume(self.root, mine.local_choice)
+
+    def _say(self, level: str, look: Look) -> None:
+        """Log why the resume does not read what the chosen level's tracker names."""
+        choice = look.mirror_choice if level == MIRROR else look.local_choice
+        if level == MIRROR and look.local_problem is not None and choice is not None:
+            mirrored = look.mirrored
+            if look.find is not None and look.find.holds_mirrored and mirrored is not None:
+                local = join(self.root, step_dir_name(mirrored.step))
+                log.warning(
+                    "the local copy of step %d (commit %s, seq %d), %s, cannot be loaded: %s; resuming from the "
+                    "mirror's intact copy of the same commit, %s. `ckptd verify %s` lists what is damaged there "
+                    "(retention removes it in time)",
+                    mirrored.step,
+                    mirrored.attempt,
+                    mirrored.seq,
+                    local,
+                    look.local_problem,
+                    choice.entry.path,
+                    local,
+                )
+            else:
+                log.warning("%s; resuming from the mirror's copy %s instead", look.local_problem, choice.entry.path)
+        if level != MIRROR and look.mirror_problem is not None and choice is not None:
+            log.warning("%s; resuming from the local %s", look.mirror_problem, choice.entry.path)
+        if choice is not None and choice.fallback_reason is not None:
+            log.warning("%s", choice.fallback_reason)
 
     def candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
         """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
@@ -303,18 +398,53 @@ class Levels:
         return join(self.root, step_dir_name(step))
 
     def wait_mirrored(self, step: int, timeout_s: float) -> None:
-        """Return once the mirror holds ``step`` committed; SaveTimeoutError after ``timeout_s``."""
-        if self.mirror is None:
+        """Return once the mirror holds ``step`` committed as a copy of the commit of ``step`` the
+        local root holds (:func:`ckptd.roots.mirror.copies_commit`; on node-local disks, as this
+        node's disk records it); SaveTimeoutError after ``timeout_s``."""
+        if self.mirror is None or not isinstance(self.root, Path):
             raise CheckpointNotFoundError(f"{self.root} has no mirror (config mirror='s3://bucket/prefix')")
         deadline = time.monotonic() + timeout_s
-        while not committed_at(self.mirror, step):
+        client = S3Client(self.mirror)
+        while (why := self._not_mirrored(step, self.root, self.mirror, client)) is not None:
             if time.monotonic() >= deadline:
                 raise SaveTimeoutError(
-                    f"step {step} was not copied to the mirror {self.mirror} within {timeout_s:.0f} s; the "
+                    f"step {step} was not copied to the mirror {self.mirror} within {timeout_s:.0f} s ({why}); the "
                     "coordinator's daemon status ('mirror' in Checkpointer.status() on node 0, or `ckptd "
                     "status`) says what the upload is doing or why it failed"
                 )
             time.sleep(_POLL_S)
+
+    def _not_mirrored(self, step: int, root: Path, mirror: S3Location, client: S3Client) -> str | None:
+        """Why the ``mirror``'s ``iter_<step>`` is not a committed copy of the local ``root``'s
+        commit of ``step`` (yet); None when it is."""
+        name = step_dir_name(step)
+        copy = read_s3_commit_record(client, name)
+        if copy is None:
+            return f"the mirror has no commit of step {step} yet"
+        copied = _source_ref(copy)
+        local = _local_commit(root, step)
+        left_behind = copied is not None and local is None and abandoned_commit(root, step, copied.seq)
+        # A node's disk other than node 0's may hold an older commit of the step than node 0's
+        # (its daemon missed the rename of a re-save): node 0's disk is the commit authority.
+        lag = self.node_local and self.node != 0
+        if not copies_commit(copied, local, left_behind_locally=left_behind, local_may_lag=lag):
+            where = join(mirror, name)
+            if copied is None:
+                return f"{where} is not a copy of a local commit (its commit record names no source)"
+            if local is None:
+                return (
+                    f"{where} copies commit {copied.attempt} (seq {copied.seq}) of {root}, which a rollback "
+                    "there left behind"
+                )
+            return (
+                f"{where} copies commit {copied.attempt} (seq {copied.seq}), not {local.attempt} (seq "
+                f"{local.seq}), which {join(root, name)} holds: the step was saved again after a rollback, "
+                "and the mirror, which copies only the newest local commit, has not copied it (never, once a "
+                "newer step overtook it)"
+            )
+        if not committed_at(mirror, step):
+            return f"{join(mirror, name)} is on a branch a rollback in the mirror left behind"
+        return None
 
 
 def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitRef | None:
@@ -325,6 +455,35 @@ def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitR
         return None
     attempt, seq = commit if commit is not None else ("", 0)
     return CommitRef(step=choice.step, attempt=attempt, seq=seq)
+
+
+def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef) -> bool:
+    """Whether ``mirror`` holds a copy of a commit of the local ``root``: of ``local`` (its latest
+    intact one), or of the one its ``ckptd_mirrored`` names (the mirror's latest copy when the
+    copier wrote it)."""
+    commits = [local]
+    named = read_mirrored(root)
+    record = None if named is None else read_commit_record(root / named)
+    if record is not None:
+        commits.append(CommitRef(step=record.step, attempt=record.attempt, seq=record.seq))
+    client = S3Client(mirror)
+    for commit in commits:
+        copy = read_s3_commit_record(client, step_dir_name(commit.step))
+        if copy is not None and copy.source == commit.source():
+            return True
+    return False
+
+
+def _source_ref(copy: CommitRecord) -> CommitRef | None:
+    """The local commit a mirror's commit record copies (None: not a copy)."""
+    source = copy.source
+    return None if source is None else CommitRef(step=copy.step, attempt=str(source["attempt"]), seq=int(source["seq"]))
+
+
+def _local_commit(root: Path, step: int) -> CommitRef | None:
+    """The commit ``iter_<step>`` of ``root`` records (None: none, or no record)."""
+    record = read_commit_record(root / step_dir_name(step))
+    return None if record is None else CommitRef(step=record.step, attempt=record.attempt, seq=record.seq)
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:

@@ -14,10 +14,12 @@ Order of one mirror upload (the mirror thread of the coordinator's daemon, ckptd
    latest copies (its commit record's ``source``): only the newest local commit is ever copied,
    so a mirror that lags behind frequent saves skips steps rather than queueing them;
 2. :func:`mirror_step` takes a read lease on the local step directory (retention leaves it in
-   place meanwhile), streams each data file into a new data object whose key names a fresh
-   mirror attempt, checking every item's CRC-32C against ``.metadata`` on the way (a local bit
-   flip is refused, never copied), and commits the copy with the local step's records and common
-   state; its commit record names the local commit in ``source``;
+   place meanwhile) and reads every file through the lease's directory fd: it streams each data
+   file into a new data object whose key names a fresh mirror attempt, checking every item's
+   CRC-32C against ``.metadata`` on the way (a local bit flip is refused, never copied), and
+   commits the copy with the local step's records and common state, unless the directory was
+   replaced meanwhile (a re-save of the step after a rollback: the next upload copies that
+   commit); its commit record names the local commit in ``source``;
 3. a failed upload removes its objects (:meth:`S3Root.abort`) and is retried after
    :data:`RETRY_AFTER_S`, or at once when a newer step commits locally.
 
@@ -25,11 +27,14 @@ On node-local disks of several nodes (``node_local``) no root holds every data f
 then a copy round in which every node uploads its own files and node 0 commits
 (ckptd.roots.mirror_nodes); steps 1 and 3 are the same.
 
-A resume picks the level with :func:`resume_level`: the local copy, unless the local root has
-no checkpoint or only older steps than the mirror's latest (a replaced node, a lost disk), or the
-ranks do not all see the same local checkpoint (a shared root seen differently): then the mirror.
-With node-local disks (config ``node_local``) the local candidate is node 0's latest commit
-(:func:`resume_from`), read on each node from its disk and the mirror (ckptd.storage.nodeview).
+A resume picks the level with :func:`resume_level`: the local root's latest intact commit,
+unless the mirror's latest copy is of a later commit (in the local root's commit order, where the
+two levels provably share a history; else by step: a replaced node, a lost disk), or the ranks do
+not all see the same local checkpoint (a shared root seen differently): then the mirror. A local
+copy found damaged thus gives way to the mirror's intact copy of the same commit. With node-local
+disks (config ``node_local``) the local candidate is node 0's latest commit (:func:`resume_from`),
+read on each node from its disk and the mirror (ckptd.storage.nodeview). :func:`copies_commit`
+tells whether the mirror's copy of a step is of the local commit of that step (``wait_mirrored``).
 """
 
 from __future__ import annotations
@@ -41,22 +46,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from io import FileIO
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..catalog import scan_root
 from ..errors import CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import Checksum, crc32c
-from ..format.commitrecord import read_commit_record
+from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
 from ..format.durable import atomic_write_bytes
-from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
+from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES, DCP_METADATA
 from ..format.lease import ReadLease
 from ..format.records import ItemRecord
 from ..format.rootlayout import MIRRORED_FILE, step_dir_name
-from ..format.safefs import Dir, open_regular, read_regular
+from ..format.safefs import Dir, open_regular
 from ..s3catalog import read_s3_commit_record, read_s3_tracker
 from ..storage.objwriter import ObjectSink
 from .base import CommitOutcome
 from .s3_data import s3_data_file_name
 from .s3_root import S3Root
+
+if TYPE_CHECKING:
+    from ..format.dcp_metadata import CheckpointIndex
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,7 @@ LOCAL = "local"
 MIRROR = "mirror"
 RETRY_AFTER_S = 30.0
 _CHUNK_NBYTES = 8 << 20
+_RECORD_MAX_NBYTES = 4096  # a local commit record (ckptd.format.commitrecord)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,33 +107,79 @@ def next_upload(
 
 
 def resume_level(
-    local: CommitRef | None, mirrored: CommitRef | None, *, local_holds_mirrored: bool, same_on_every_rank: bool = True
+    local: CommitRef | None,
+    mirrored: CommitRef | None,
+    *,
+    local_holds_mirrored: bool,
+    mirror_holds_local: bool = False,
+    same_on_every_rank: bool = True,
 ) -> str:
     """:data:`LOCAL` or :data:`MIRROR`: where a job resumes from.
 
-    ``local``: the local root's latest commit; ``mirrored``: the local commit the mirror's latest
-    copies; ``local_holds_mirrored``: that commit is still in the local root (then the local root
-    knows everything the mirror does, a rollback after it included); ``same_on_every_rank``:
-    every rank found this ``local`` (node-local disks of a replaced node do not). Otherwise the
-    higher step wins: a local root that lost the mirrored commit and holds only older steps (a
-    lost or replaced disk) resumes from the mirror.
+    ``local``: the local root's latest intact commit (an older one when the newer ones are
+    damaged); ``mirrored``: the local commit the mirror's latest intact copy copies (its record's
+    ``source``); ``local_holds_mirrored``: the local root holds that commit (its commit record,
+    intact or not); ``mirror_holds_local``: the mirror holds a copy of a commit of the local root;
+    ``same_on_every_rank``: every rank found this ``local`` (node-local disks of a replaced node
+    do not).
+
+    Either holding proves that the local root is the one the mirror copies, so both ``seq`` are
+    of its commit order: the later commit wins (a rollback the local root records after the
+    mirror's copy; a local copy of the mirror's commit found damaged, or a local root restored
+    from before a rollback, resumes the mirror's copy). Without that proof the seqs may be of two
+    histories (a replaced node's new disk numbers its commits from 1 again), and the higher step
+    wins: a local root that holds only older steps (a lost or replaced disk) resumes from the
+    mirror, one that saved on after resuming from the mirror resumes its own.
     """
     if mirrored is None:
         return LOCAL
     if local is None or not same_on_every_rank:
         return MIRROR
-    if local_holds_mirrored or local.step >= mirrored.step:
-        return LOCAL
-    return MIRROR
+    if (local_holds_mirrored or mirror_holds_local) and local.attempt and mirrored.attempt:
+        return LOCAL if local.seq >= mirrored.seq else MIRROR
+    return LOCAL if local.step >= mirrored.step else MIRROR
+
+
+def orders_disagree(local: CommitRef | None, mirrored: CommitRef | None) -> bool:
+    """Whether the step and the commit order tell :func:`resume_level` different levels (both
+    commits known): only then does it need to know whether the levels share a history."""
+    if local is None or mirrored is None or not local.attempt or not mirrored.attempt:
+        return False
+    return (local.step >= mirrored.step) != (local.seq >= mirrored.seq)
+
+
+def copies_commit(
+    copied: CommitRef | None, local: CommitRef | None, *, left_behind_locally: bool, local_may_lag: bool = False
+) -> bool:
+    """Whether a committed mirror copy of a step holds what the local root committed as that step
+    (``wait_mirrored``): ``copied`` is the local commit the copy copies (its record's ``source``;
+    None: not a copy of a local commit), ``local`` the commit of the step the local root holds
+    (None: none with a commit record, e.g. retention removed it).
+
+    A copy of another commit of the step is not (the mirror copied the step before a rollback
+    and the step was saved again: the mirror copies only the newest local commit, so it may
+    never copy this one). Without a local commit to compare with, a copy counts unless the local
+    root's tracker shows a rollback left it behind (``left_behind_locally``). ``local_may_lag``:
+    ``local`` is a node's disk other than node 0's (node-local disks), which may hold an older
+    commit of the step than node 0's, the commit authority: a copy of a later commit counts too.
+    """
+    if copied is None:
+        return local is None
+    if local is None:
+        return not left_behind_locally
+    return copied == local or (local_may_lag and copied.seq > local.seq)
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalFind:
-    """What one rank found in its local root: its latest commit, and whether that root still holds
-    the commit the mirror's latest copies. Gathered from every rank for a resume (a few bytes)."""
+    """What one rank found in its local root: its latest intact commit, whether that root still
+    holds the commit the mirror's latest copies, and whether the mirror holds a copy of one of its
+    commits (``copied``; asked only where the step and the commit order disagree, see
+    :func:`resume_level`). Gathered from every rank for a resume (a few bytes)."""
 
     commit: CommitRef | None
     holds_mirrored: bool
+    copied: bool = False
 
 
 def resume_from(
@@ -142,7 +198,13 @@ def resume_from(
     """
     mine = found[0] if node_local else found[rank]
     same = node_local or len({f.commit for f in found}) == 1
-    level = resume_level(mine.commit, mirrored, local_holds_mirrored=mine.holds_mirrored, same_on_every_rank=same)
+    level = resume_level(
+        mine.commit,
+        mirrored,
+        local_holds_mirrored=mine.holds_mirrored,
+        mirror_holds_local=mine.copied,
+        same_on_every_rank=same,
+    )
     return level, (mine.commit if level == LOCAL else mirrored)
 
 
@@ -181,20 +243,48 @@ def new_mirror_attempt(commit: CommitRef) -> str:
 def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
     """Copy the committed local ``iter_<step>`` of ``commit`` into ``mirror`` and commit it there
     (steps 2-3 of the module docstring). Raises CkptdError (StorageError, CorruptCheckpointError)
-    naming the file or object; nothing of a failed copy stays in the mirror."""
+    naming the file or object; nothing of a failed copy stays in the mirror.
+
+    Every file is read through the lease's directory fd: a re-save of the step after a rollback
+    renames its commit over this one whatever the lease (ckptd.roots.posix.publish_step), and a
+    read by path could then mix the two attempts' files. A copy whose directory was replaced
+    meanwhile is not committed (:func:`check_still_leased`); the next copy takes the new commit."""
     name = step_dir_name(commit.step)
     attempt = new_mirror_attempt(commit)
     with ReadLease.acquire(root / name) as lease:
-        directory = lease.directory
-        records, checksum, common = read_local_commit(directory, commit)
         try:
-            renamed, data_files = _upload_data(directory, records, checksum, name, attempt, mirror)
-            outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
-        except BaseException:
-            mirror.abort(commit.step, attempt)
+            records, checksum, common = read_local_commit(lease, commit)
+            try:
+                renamed, data_files = _upload_data(lease, records, checksum, name, attempt, mirror)
+                check_still_leased(lease, commit)
+                outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+            except BaseException:
+                mirror.abort(commit.step, attempt)
+                raise
+        except (CkptdError, OSError) as exc:
+            if lease.gone():  # its files went with it (an unlink, a truncated read): say why
+                raise replaced_while_copied(lease, commit) from exc
             raise
         note_mirrored(root, name)  # under the lease: retention cannot take the step before the marker names it
         return outcome
+
+
+def replaced_while_copied(lease: ReadLease, commit: CommitRef) -> CkptdError:
+    """The error of a copy whose local directory was replaced (or removed) while it was read."""
+    return CkptdError(
+        f"{lease.directory} was replaced while the mirror copied it (commit {commit.attempt} of step "
+        f"{commit.step}, seq {commit.seq}: a re-save of the step after a rollback, or a removal by hand); "
+        "nothing of this copy was committed to the mirror, and the mirror copies the local root's newest "
+        "commit next"
+    )
+
+
+def check_still_leased(lease: ReadLease, commit: CommitRef) -> None:
+    """Raise :func:`replaced_while_copied` when the leased directory no longer is where it was: the
+    copy is not committed then (its files were read through the lease, but the local root has
+    moved on to another commit of the step, which the next copy takes)."""
+    if lease.gone():
+        raise replaced_while_copied(lease, commit)
 
 
 def note_mirrored(root: Path, name: str) -> bool:
@@ -211,23 +301,34 @@ def note_mirrored(root: Path, name: str) -> bool:
     return True
 
 
-def read_local_commit(directory: Path, commit: CommitRef) -> tuple[list[ItemRecord], Checksum | None, bytes]:
-    """The records (with their ranks), checksum function and ``common.pt`` of the committed
-    ``directory``, which must still be ``commit`` (a CkptdError otherwise); ``common.pt`` is
-    checked against its recorded checksum."""
-    record = read_commit_record(directory)
+def leased_commit_record(lease: ReadLease) -> CommitRecord | None:
+    """The commit record of the leased directory, read through its fd (None: none, or damaged)."""
+    try:
+        raw = _read_leased(lease, COMMIT_RECORD, "commit record", _RECORD_MAX_NBYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, CorruptCheckpointError) as exc:
+        log.warning("%s: %s", lease.directory / COMMIT_RECORD, exc)
+        return None
+    return parse_commit_record(raw, lease.directory / COMMIT_RECORD)
+
+
+def read_local_commit(lease: ReadLease, commit: CommitRef) -> tuple[list[ItemRecord], Checksum | None, bytes]:
+    """The records (with their ranks), checksum function and ``common.pt`` of the committed leased
+    directory, read through the lease's fd, which must still be ``commit`` (a CkptdError
+    otherwise); ``common.pt`` is checked against its recorded checksum."""
+    directory = lease.directory
+    record = leased_commit_record(lease)
     if record is None or (record.step, record.attempt, record.seq) != (commit.step, commit.attempt, commit.seq):
         raise CkptdError(
             f"{directory} is no longer the commit {commit.attempt} of step {commit.step} (replaced by a newer "
             "save of the step); the mirror copies the newer one next"
         )
-    # .metadata is read with DCP's classes: the daemon imports torch here, on its first
-    # upload, and only when a mirror is configured (README: Daemon memory).
-    from ..format.dcp_metadata import read_index, records_from_index
+    from ..format.dcp_metadata import records_from_index  # torch: see _read_leased_index
 
-    index = read_index(directory)
+    index = _read_leased_index(lease)
     records = _ranked(records_from_index(index))
-    common = read_regular(directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+    common = _read_leased(lease, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
     recorded = index.common_crc
     if index.checksum is not None and recorded is not None and index.checksum(common, 0) != recorded:
         raise CorruptCheckpointError(
@@ -235,6 +336,52 @@ def read_local_commit(directory: Path, commit: CommitRef) -> tuple[list[ItemReco
             "it is not copied to the mirror. Run `ckptd verify` on the checkpoint."
         )
     return records, index.checksum, common
+
+
+def _read_leased(lease: ReadLease, name: str, what: str, max_nbytes: int) -> bytes:
+    """The whole file ``name`` of the leased directory (at most ``max_nbytes`` long), opened
+    through its fd (messages name the directory's path)."""
+    fd, size = open_regular(lease.directory, name, what, max_nbytes, dir_fd=lease.fd)
+    parts: list[bytes] = []
+    total = 0
+    try:
+        while block := os.read(fd, min(max(size - total, 0) + 1, _CHUNK_NBYTES)):
+            total += len(block)
+            if total > max_nbytes:  # grew while being read
+                raise CorruptCheckpointError(
+                    f"{what} {lease.directory / name} grew beyond {max_nbytes} bytes while read"
+                )
+            parts.append(block)
+    except OSError as exc:
+        raise StorageError.from_oserror(exc, str(lease.directory / name)) from exc
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
+def _read_leased_index(lease: ReadLease) -> CheckpointIndex:
+    """``.metadata`` of the leased directory. ``read_index`` opens a path, so it is given the
+    directory as its fd names it (``/proc/self/fd/<fd>``, where that names it: Linux with /proc);
+    elsewhere the directory's path, which :func:`check_still_leased` vouches for only afterwards.
+    Messages name the directory's path either way."""
+    # .metadata is read with DCP's classes: the daemon imports torch here, on its first
+    # upload, and only when a mirror is configured (README: Daemon memory).
+    from ..format.dcp_metadata import read_index
+
+    held = Path(f"/proc/self/fd/{lease.fd}")
+    try:
+        by_fd = os.path.samestat(os.stat(held), os.fstat(lease.fd))
+    except OSError:
+        by_fd = False
+    if not by_fd:
+        return read_index(lease.directory)
+    try:
+        return read_index(held)
+    except CkptdError as exc:
+        kind = CorruptCheckpointError if isinstance(exc, CorruptCheckpointError) else CkptdError
+        raise kind(str(exc).replace(str(held), str(lease.directory))) from exc
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(lease.directory / DCP_METADATA)) from exc
 
 
 def _ranked(records: list[ItemRecord]) -> list[ItemRecord]:
@@ -252,7 +399,7 @@ def _ranked(records: list[ItemRecord]) -> list[ItemRecord]:
 
 
 def _upload_data(
-    directory: Path, records: list[ItemRecord], checksum: Checksum | None, name: str, attempt: str, mirror: S3Root
+    lease: ReadLease, records: list[ItemRecord], checksum: Checksum | None, name: str, attempt: str, mirror: S3Root
 ) -> tuple[list[ItemRecord], dict[str, tuple[int, int]]]:
     """Upload every data file the records name, checking each item against its recorded
     ``checksum``; returns the records pointing at the new objects (with the CRC-32C of each item,
@@ -266,7 +413,7 @@ def _upload_data(
         rank = items[0].rank
         target = s3_data_file_name(attempt, rank)
         ordered = sorted(items, key=lambda r: r.file_offset)
-        nbytes, crcs = copy_checked(directory, rel, ordered, checksum, mirror, f"{name}/{target}")
+        nbytes, crcs = copy_checked(lease.directory, rel, ordered, checksum, mirror, f"{name}/{target}", lease.fd)
         data_files[target] = (rank, nbytes)
         renamed += [replace(r, relative_path=target, crc=crc) for r, crc in zip(ordered, crcs, strict=True)]
     return renamed, data_files

@@ -18,8 +18,9 @@ one round, coordinated through the mirror itself (no control-plane messages):
    or its error. It checks that the request still names M before each file, and removes nothing;
 3. [node 0] polls the step's listing for the manifests until every node answered, a node reported
    an error, or ``timeout_s`` passed; a complete round is committed with the store's commit
-   protocol (one attempt M for every node's objects, ``source`` naming C); the request and the
-   manifests are deleted (best effort).
+   protocol (one attempt M for every node's objects, ``source`` naming C), unless node 0's
+   ``iter_<step>`` was replaced meanwhile (a re-save after a rollback: the round fails, the next
+   copies the new commit); the request and the manifests are deleted (best effort).
 
 A failed round (a node's error, a node missing at the deadline, a file no node holds, node 0's
 daemon stopping) withdraws the request and aborts M: :meth:`S3Root.abort` removes the objects of
@@ -40,7 +41,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, CkptdError, CopyRoundError, CorruptCheckpointError, StorageError
-from ..format.commitrecord import read_commit_record
 from ..format.lease import ReadLease
 from ..format.rootlayout import step_dir_name, tmp_dir
 from ..storage.s3client import S3Client
@@ -60,7 +60,15 @@ from .copyround import (
     renamed_records,
     round_verdict,
 )
-from .mirror import CommitRef, copy_checked, new_mirror_attempt, note_mirrored, read_local_commit
+from .mirror import (
+    CommitRef,
+    check_still_leased,
+    copy_checked,
+    leased_commit_record,
+    new_mirror_attempt,
+    note_mirrored,
+    read_local_commit,
+)
 from .s3_root import S3Root
 
 log = logging.getLogger(__name__)
@@ -91,7 +99,9 @@ def coordinate_copy(
     ``on_request``: called with the request once it is written (the round's mirror attempt)."""
     name = step_dir_name(commit.step)
     with ReadLease.acquire(root / name) as lease:
-        records, checksum, common = read_local_commit(lease.directory, commit)
+        # Read through the lease's fd, and not committed once the directory was replaced (a
+        # re-save of the step after a rollback): as mirror_step.
+        records, checksum, common = read_local_commit(lease, commit)
         request = build_request(commit, new_mirror_attempt(commit), nnodes, records, checksum)
         deadline_s = time.monotonic() + timeout_s
         try:
@@ -101,8 +111,10 @@ def coordinate_copy(
             own = _own_manifest(lease, request, mirror, 0, lambda: True)
             verdict = _wait_for_nodes(mirror, request, own, deadline_s, timeout_s, poll_s, stop or threading.Event())
             if isinstance(verdict, RoundFailed):
+                check_still_leased(lease, commit)  # node 0's own files went with a re-save: say so
                 raise CopyRoundError(verdict.reason, node=verdict.node)
             renamed, data_files = renamed_records(records, verdict.copies)
+            check_still_leased(lease, commit)
             outcome = mirror.commit(
                 commit.step, request.mirror_attempt, renamed, common, data_files, source=commit.source()
             )
@@ -247,7 +259,7 @@ def _lease_source(root: Path, request: CopyRequest, node: int) -> ReadLease:
         except CheckpointNotFoundError:
             pass
         else:
-            record = read_commit_record(lease.directory)
+            record = leased_commit_record(lease)
             if record is not None and (record.step, record.attempt, record.seq) == want:
                 return lease
             lease.release()

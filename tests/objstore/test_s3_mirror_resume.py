@@ -1,0 +1,306 @@
+"""Two tiers against a real server (SeaweedFS), around a rollback and damage: ``wait_mirrored(N)``
+waits for the copy of the local commit of step N (not the mirror's copy of the step from before a
+rollback); a local checkpoint found damaged resumes from the mirror's intact copy of the same
+commit before any older one, on every rank alike; a local root restored from before a rollback
+resumes the mirror's later commit; a copy whose local directory a re-save replaced meanwhile
+commits nothing.
+
+The local roots come from one real history (:func:`history`): a Checkpointer saves steps 10, 20,
+30 and 40, the job rolls back to 20 and saves 25 and 30 again. The mirror's copies are made by
+hand with ``mirror_step`` (what the coordinator's mirror thread runs), so each test decides which
+commits the mirror holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import ShardedTensor
+from ckptd.client.tiers import Levels
+from ckptd.errors import CkptdError, SaveTimeoutError
+from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord, read_commit_record
+from ckptd.format.dcp_metadata import read_index, records_from_index, with_file_ranks
+from ckptd.format.layout import data_file_name
+from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
+from ckptd.roots import mirror as mirror_mod
+from ckptd.roots import mirror_nodes
+from ckptd.roots.copyround import REQUEST_KEY
+from ckptd.roots.mirror import CommitRef, local_latest, mirror_step
+from ckptd.roots.s3_root import S3Root
+from ckptd.s3catalog import read_s3_commit_record, scan_s3_root
+from ckptd.storage.url import S3Location, parse_location
+from tests.checkpoints import flip_bit, make_root, reference_tensors, stamp_commits
+from tests.multiproc import clear_torchrun_env
+from tests.objstore.test_s3_roots import _config, _sd
+from tools.harness.daemons import private_runtime_dir, stop_root_daemons
+
+N = 1 << 12
+RESAVED = 3000.0  # the value of step 30 saved again after the rollback
+
+
+@dataclass(frozen=True)
+class History:
+    before: Path  # steps 10, 20, 30, 40 committed (seq 1-4)
+    after: Path  # then a rollback to 20: 25 (seq 5) and 30 again (seq 6), replacing 30 locally
+
+
+def _value(step: int, resaved: bool = False) -> torch.Tensor:
+    return torch.full((N,), RESAVED if resaved else float(step))
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Iterator[History]:
+    base = tmp_path_factory.mktemp("history")
+    root = base / "root"
+    with pytest.MonkeyPatch.context() as mp, private_runtime_dir(tmp_path_factory.mktemp("daemon-logs")) as rt:
+        clear_torchrun_env(mp)
+        cfg = _config(rt)
+        try:
+            with ckptd.Checkpointer(root, config=cfg) as ckpt:
+                for step in (10, 20, 30, 40):
+                    ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=60)
+        finally:
+            stop_root_daemons(root, rt, timeout_s=60)
+        shutil.copytree(root, base / "before")
+        try:
+            with ckptd.Checkpointer(root, config=cfg) as ckpt:
+                ckpt.load(_sd(torch.zeros(N), -1), step=20)  # the rollback
+                ckpt.save(_sd(_value(25), 25), step=25).wait(timeout_s=60)
+                ckpt.save(_sd(_value(30, resaved=True), 30), step=30).wait(timeout_s=60)
+        finally:
+            stop_root_daemons(root, rt, timeout_s=60)
+    yield History(before=base / "before", after=root)
+
+
+def _copy(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to)
+    return to
+
+
+def _commit(root: Path, step: int) -> CommitRef:
+    record = read_commit_record(root / step_dir_name(step))
+    assert record is not None
+    return CommitRef(step=step, attempt=record.attempt, seq=record.seq)
+
+
+def _store(url: str) -> S3Root:
+    location = parse_location(url)
+    assert isinstance(location, S3Location)
+    return S3Root(location)
+
+
+def _resumed(levels: Levels) -> tuple[int, torch.Tensor]:
+    w = torch.zeros(N)
+    out = levels.load_resumed(_sd(w, -1), {}, 0, {})
+    return out["iteration"], w
+
+
+@pytest.mark.timeout(180)
+def test_wait_mirrored_waits_for_the_copy_of_the_local_commit_not_of_one_a_rollback_replaced(
+    history, s3_bucket, tmp_path
+):
+    store = _store(f"s3://{s3_bucket}/m")
+    before = _copy(history.before, tmp_path / "before")
+    mirror_step(before, _commit(before, 30), store)  # the mirror copied step 30 before the rollback
+    local = _copy(history.after, tmp_path / "local")  # ... and lagged past 25 and the new 30 since
+    levels = Levels(local, store.location)
+    with pytest.raises(SaveTimeoutError, match=r"copies commit .* \(seq 3\), not .* \(seq 6\).*saved again"):
+        levels.wait_mirrored(30, timeout_s=1.0)
+    mirror_step(local, _commit(local, 30), store)
+    levels.wait_mirrored(30, timeout_s=30.0)
+    # What wait_mirrored() promises: the step outlives the disk.
+    shutil.rmtree(local)
+    local.mkdir()
+    step, w = _resumed(Levels(local, store.location))
+    assert step == 30 and torch.equal(w, _value(30, resaved=True))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_local_latest_resumes_from_the_mirrors_intact_copy_of_the_same_commit(
+    history, s3_bucket, tmp_path, caplog, damage
+):
+    store = _store(f"s3://{s3_bucket}/m")
+    local = _copy(history.before, tmp_path / "local")
+    mirror_step(local, _commit(local, 40), store)
+    data = local / step_dir_name(40) / data_file_name(0)
+    raw = data.read_bytes()
+    if damage == "truncate":  # found by the structural check
+        data.write_bytes(raw[: len(raw) // 2])
+    else:  # found by the load's checksums
+        flip_bit(data, len(raw) // 2)
+    levels = Levels(local, store.location)
+    damaged: dict[str, str] = {}
+    caplog.set_level(logging.WARNING)
+    w = torch.zeros(N)
+    out = levels.load_resumed(_sd(w, -1), damaged, 0, {})
+    assert out["iteration"] == 40 and torch.equal(w, _value(40))  # not the local step 30
+    said = [r.getMessage() for r in caplog.records if "mirror's intact copy of the same commit" in r.getMessage()]
+    assert said and str(local / step_dir_name(40)) in said[-1] and data_file_name(0) in said[-1], said
+    assert levels.resume(damaged).step == 40  # latest() says so too
+
+    # The mirror's copy damaged as well: the commit before it, from the local root.
+    client = store.client
+    key = next(i.key for i in client.list_objects(step_dir_name(40)) if i.key.endswith(".distcp"))
+    got = client.get(key, 1 << 30)
+    assert got is not None
+    bad = bytearray(got[0])
+    bad[len(bad) // 2] ^= 1
+    client.put(key, bytes(bad))
+    w = torch.zeros(N)
+    out = Levels(local, store.location).load_resumed(_sd(w, -1), {}, 0, {})
+    assert out["iteration"] == 30 and torch.equal(w, _value(30))
+
+
+def _resume_rank(rank: int, world_size: int, root: str, mirror: str, env: dict[str, str]) -> tuple[int, list]:
+    """One rank of a 2-rank job on a shared root with a mirror: ``Checkpointer.load()``'s resume
+    (the ranks agree over gloo); the step and this rank's rows of ``layer.weight``."""
+    os.environ.update(env)
+    location = parse_location(mirror)
+    assert isinstance(location, S3Location)
+    x = torch.zeros(4, 6)
+    sd: dict[str, Any] = {"layer.weight": ShardedTensor.from_rank_offsets("layer.weight", x, (0, rank, 2))}
+    out = Levels(Path(root), location).load_resumed({**sd, "iteration": 0}, {}, rank, {})
+    return out["iteration"], x.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_resumes_from_the_mirrors_copy_when_one_ranks_local_file_is_damaged(s3_env, s3_bucket, tmp_path):
+    """Rank 1's data file of the latest commit is damaged, rank 0's is intact: rank 0's load
+    succeeds, rank 1's fails, and both then load the mirror's copy of that commit (before, both
+    fell back to the local step 20)."""
+    from tools.harness.ranks import run_ranks
+
+    root = make_root(tmp_path / "local", [10, 20, 30], latest=30)
+    stamp_commits(root, [10, 20, 30])
+    url = f"s3://{s3_bucket}/m"
+    mirror_step(root, _commit(root, 30), _store(url))
+    directory = root / step_dir_name(30)
+    item = next(
+        r for r in with_file_ranks(records_from_index(read_index(directory))) if r.rank == 1 and r.fqn == "layer.weight"
+    )
+    flip_bit(directory / data_file_name(1), item.file_offset + item.length // 2)
+    results = run_ranks(_resume_rank, 2, str(root), url, s3_env.env(), timeout_s=90)
+    w = reference_tensors()["layer.weight"]
+    assert results == [(30, w[0:4].tolist()), (30, w[4:8].tolist())]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("copied", [40, 20], ids=["its-latest", "the-marked-step"])
+def test_a_local_root_restored_from_before_a_rollback_resumes_the_mirrors_later_commit(
+    history, s3_bucket, tmp_path, copied
+):
+    """The local root is a backup from before the rollback (latest step 40, seq 4); the mirror's
+    latest copy is the re-saved step 30 (seq 6), a later commit of the same root. The mirror also
+    holds a copy of a commit the backup holds (its latest, or the step its ``ckptd_mirrored``
+    names), which shows that both seqs are of one commit order: the later commit wins, not the
+    higher step."""
+    store = _store(f"s3://{s3_bucket}/m")
+    stale = _copy(history.before, tmp_path / "stale")
+    mirror_step(stale, _commit(stale, copied), store)  # made before the rollback (writes the marker)
+    after = _copy(history.after, tmp_path / "after")
+    mirror_step(after, _commit(after, 30), store)
+    levels = Levels(stale, store.location)
+    resume = levels.resume({})
+    assert resume.root == store.location and resume.step == 30
+    step, w = _resumed(levels)
+    assert step == 30 and torch.equal(w, _value(30, resaved=True))
+
+
+def _attempt_dir(directory: Path, value: float, tag: str, seq: int, attempt: str, *, checksums: bool) -> None:
+    """A committed ``iter_0000030`` as the coordinator leaves it (a commit record of ``seq``)."""
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.full((N,), value)), "tag": tag}
+    ckptd.save(sd, directory, checksums=checksums)
+    record = CommitRecord(seq=seq, step=30, attempt=attempt, committed_unix_s=time.time())
+    (directory / COMMIT_RECORD).write_bytes(record.to_bytes())
+
+
+def _replace(root: Path, new: Path) -> None:
+    """What publish_step does for a re-save of a step after a rollback (whatever a lease)."""
+    name = step_dir_name(30)
+    os.rename(root / name, root / f"{name}.deleting")
+    os.rename(new, root / name)
+    shutil.rmtree(root / f"{name}.deleting")
+
+
+def _nothing_committed(store: S3Root) -> None:
+    assert not scan_s3_root(store.location, usage=False).committed
+    assert not list(store.client.list_objects(step_dir_name(30))) and not store.client.uploads("")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checksums", [False, True], ids=["no-checksums", "checksums"])
+def test_a_copy_whose_directory_a_re_save_replaced_meanwhile_commits_nothing(
+    s3_bucket, tmp_path, monkeypatch, checksums
+):
+    """A re-save of step 30 after a rollback renames its commit over the one being copied, after
+    the copy read the small files and before the data files. Before, the copy read the data by
+    path: without checksums it committed the old ``common.pt`` with the new tensor, with them it
+    failed as bit rot. It fails cleanly now, and the next copy takes the new commit."""
+    root = tmp_path / "local"
+    root.mkdir()
+    _attempt_dir(root / step_dir_name(30), 30.0, "old", 3, "aaaaaaaaaaaa-1", checksums=checksums)
+    (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(30)))
+    new = tmp_path / "new"
+    _attempt_dir(new, RESAVED, "new", 5, "bbbbbbbbbbbb-1", checksums=checksums)
+    old = local_latest(root)
+    assert old is not None
+    store = _store(f"s3://{s3_bucket}/m")
+    real = mirror_mod._upload_data
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        _replace(root, new)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mirror_mod, "_upload_data", racing)
+    with pytest.raises(CkptdError, match="was replaced while the mirror copied it") as raised:
+        mirror_step(root, old, store)
+    assert str(root / step_dir_name(30)) in str(raised.value) and "copies the local root's newest" in str(raised.value)
+    _nothing_committed(store)
+    monkeypatch.setattr(mirror_mod, "_upload_data", real)
+    latest = local_latest(root)
+    assert latest is not None and latest.seq == 5
+    mirror_step(root, latest, store)
+    w = torch.zeros(N)
+    out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", w), "tag": ""}, store.location.child(step_dir_name(30)))
+    assert out["tag"] == "new" and torch.equal(w, torch.full((N,), RESAVED))
+
+
+@pytest.mark.timeout(120)
+def test_a_node_local_round_whose_directory_a_re_save_replaced_meanwhile_commits_nothing(
+    s3_bucket, tmp_path, monkeypatch
+):
+    """Node 0's ``iter_<step>`` is replaced while the round waits for the nodes' manifests: its
+    copy of the old commit is complete, but the local root moved on; the round fails and
+    withdraws its objects instead of committing a commit the root no longer holds."""
+    root = tmp_path / "node0"
+    make_root(root, [30], latest=30)
+    stamp_commits(root, [30])
+    new = tmp_path / "new"
+    shutil.copytree(root / step_dir_name(30), new)
+    record = CommitRecord(seq=5, step=30, attempt="bbbbbbbbbbbb-1", committed_unix_s=time.time())
+    (new / COMMIT_RECORD).write_bytes(record.to_bytes())
+    old = _commit(root, 30)
+    store = _store(f"s3://{s3_bucket}/nodes")
+    real = mirror_nodes._wait_for_nodes
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        _replace(root, new)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mirror_nodes, "_wait_for_nodes", racing)
+    with pytest.raises(CkptdError, match="was replaced while the mirror copied it"):
+        mirror_nodes.coordinate_copy(root, old, store, nnodes=1, timeout_s=30)
+    _nothing_committed(store)
+    assert store.client.head(REQUEST_KEY) is None
+    assert read_s3_commit_record(store.client, step_dir_name(30)) is None
