@@ -261,15 +261,24 @@ class MirrorUploader:
     # --- node k >= 1 ------------------------------------------------------------------------------
     def _answer_requests(self) -> None:
         """Poll the request (a HEAD every ``poll_s``, a GET when it changed) and answer each round
-        once."""
+        once, or again ``retry_after_s`` after an answer that failed (its manifest not written)."""
         seen_etag: str | None = None
         answered: str | None = None
+        retry_at_s = 0.0  # after a failed answer: when to read the request again
         while not self._stop.is_set():
             try:
-                seen_etag, request = poll_request(self.mirror.client, seen_etag)
-                if request is not None and should_answer(request, self.node, answered):
-                    answered = request.mirror_attempt
-                    self._answer(request, seen_etag)
+                if time.monotonic() >= retry_at_s:
+                    seen_etag, request = poll_request(self.mirror.client, seen_etag)
+                    if request is not None and should_answer(request, self.node, answered):
+                        answered = request.mirror_attempt
+                        try:
+                            self._answer(request, seen_etag)
+                        except BaseException:
+                            # Node 0 waits for this node's manifest until the round's deadline (no
+                            # newer step is copied meanwhile): answer the round again, after a pause.
+                            answered = seen_etag = None
+                            retry_at_s = time.monotonic() + self.retry_after_s
+                            raise
             except (CkptdError, OSError) as exc:
                 with self._lock:
                     self._uploading = None

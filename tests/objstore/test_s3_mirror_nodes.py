@@ -213,3 +213,38 @@ def test_without_node_local_only_node_0_has_a_mirror_thread(s3_bucket, runtime_d
     assert only is not None and not only.coordinated  # a shared root: node 0 copies every file
     local = daemon_mirror(tmp_path, _config(runtime_dir, mirror=url, node_local=True), node=0, nnodes=1)
     assert local is not None and not local.coordinated  # one node: its disk holds every file
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_manifest_upload_failed_answers_the_round_again(s3_bucket, runtime_dir, tmp_path):
+    """Node 1's manifest PUT fails once (a store error): it never answered that round again, and
+    node 0 waited for it until the round's deadline (10 minutes by default) before retrying."""
+    from ckptd.errors import StorageError
+
+    root0, root1, ref = _disks(tmp_path)
+    url = f"s3://{s3_bucket}/mirror/manifest-retry"
+    config = _config(runtime_dir, mirror=url, node_local=True)
+    threads = [daemon_mirror(root, config, node=node, nnodes=2) for node, root in ((0, root0), (1, root1))]
+    node1 = threads[1]
+    assert isinstance(node1, MirrorUploader) and threads[0] is not None
+    node1.retry_after_s = 0.5
+    real_put, failures = node1.mirror.client.put, []
+
+    def put(key: str, data: bytes, **kw):
+        if ".node1.json" in key and not failures:
+            failures.append(key)
+            raise StorageError(f"PUT {key}: injected failure (a store error after retries)")
+        return real_put(key, data, **kw)
+
+    node1.mirror.client.put = put  # type: ignore[method-assign]
+    for t in threads:
+        t.start()
+    try:
+        status = wait_until(
+            lambda: (s := threads[0].status())["mirrored_step"] == STEP and s, 60, "the copy of the step to commit"
+        )
+        assert failures and status["error"] is None, status
+    finally:
+        _stop(threads)
+    plain = ckptd.load_plain_tensors(parse_location(url).child(step_dir_name(STEP)))
+    assert all(torch.equal(plain[key], tensor) for key, tensor in ref.items())
