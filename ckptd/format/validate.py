@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from ..errors import ShardingError
-from .geometry import find_overlap
+from .geometry import OverlapCheckRefused, find_overlap
 from .records import BYTES, TENSOR, ItemRecord
 
 
@@ -26,7 +26,18 @@ def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
                 f"{c.offsets}. Give all but one of them replica_id != 0, or fix their offsets."
             )
         seen[c.offsets] = c
-    found = find_overlap(chunks)
+    try:
+        found = find_overlap(chunks, f"tensor '{fqn}'")
+    except OverlapCheckRefused as exc:
+        # Raised as what the rest of this check raises: at a commit the layout is the job's own,
+        # and `ckptd verify` reports it as a damaged checkpoint's.
+        raise ShardingError(
+            f"tensor '{fqn}': its {exc.count} chunks vary on several axes at once, and not as a "
+            f"grid, so checking that no two overlap was stopped after {exc.budget} steps (grids and "
+            "flattened ranges take a few per chunk). A saved checkpoint with this layout has a "
+            "damaged or crafted .metadata: load an earlier one; a save with it should shard the "
+            "tensor as a grid."
+        ) from None
     if found is not None:
         a, b = found
         raise ShardingError(

@@ -348,7 +348,9 @@ class _AllocationCheck:
     """Before a load allocates a tensor the checkpoint describes (a template without data, as
     :func:`ckptd.load_plain_tensors` and ``load_tensors_metadata`` give), check that the data files
     hold at least its bytes: a ``.metadata`` that declares more (a global shape of 2^40 x 256
-    over one small chunk) is damage, reported before anything is allocated."""
+    over one small chunk) is damage, reported before anything is allocated. The bytes held are
+    those of the union of its items' ranges in each file: items that overlap (40,000 items at
+    offsets 0, 1, 2, ... of one 258 KB file) hold their shared bytes once, not once each."""
 
     def __init__(self, view: CheckpointView, directory: str | os.PathLike, source: RangeSource | None) -> None:
         self.view = view
@@ -367,16 +369,20 @@ class _AllocationCheck:
         )
         need = numel * stored_dtype.itemsize
         items = {src.item.key: src.item for src in stored.sources}
-        held = 0
+        spans: dict[str, list[tuple[int, int]]] = {}
         for item in items.values():
-            size = self._size(item.relative_path)
-            held += max(0, min(item.length, size - item.file_offset))
+            start = max(item.file_offset, 0)
+            end = min(item.file_offset + item.length, self._size(item.relative_path))
+            if end > start:
+                spans.setdefault(item.relative_path, []).append((start, end))
+        held = sum(_union_nbytes(ranges) for ranges in spans.values())
         if need > held:
             raise CorruptCheckpointError(
                 f"tensor '{sh.key}': .metadata of {self.directory} describes {stored_dtype} of shape "
                 f"{stored.shape} (this request: {need} bytes), but its {len(items)} stored items hold "
-                f"{held} bytes in the data files; the metadata contradicts the data (damaged). Nothing "
-                "was allocated. Load an earlier checkpoint."
+                f"{held} bytes in the data files ({', '.join(sorted(spans)[:3]) or 'none'}"
+                f"{', ...' if len(spans) > 3 else ''}; bytes that items share counted once); the "
+                "metadata contradicts the data (damaged). Nothing was allocated. Load an earlier checkpoint."
             )
 
     def _size(self, relative_path: str) -> int:
@@ -384,6 +390,17 @@ class _AllocationCheck:
             with DataFiles(self.directory, self.source) as files:  # a missing file raises, naming it
                 self.sizes[relative_path] = files.fileno_and_size(relative_path)[1]
         return self.sizes[relative_path]
+
+
+def _union_nbytes(ranges: list[tuple[int, int]]) -> int:
+    """The bytes in the union of byte ranges ``[start, end)``."""
+    total, reach = 0, 0
+    for start, end in sorted(ranges):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
 
 
 def _load_pickled(

@@ -140,7 +140,7 @@ class CheckpointView:
         tensors = {}
         for fqn, t in index.tensors.items():
             sources = [Source.of_chunk(c, index.block_nbytes) for c in t.chunks]
-            found = find_overlap(sources)
+            found = find_overlap(sources, f"tensor '{fqn}'")
             if found is not None:
                 a, b = found
                 raise CorruptCheckpointError(
