@@ -25,6 +25,7 @@ from .format.rootlayout import (
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
     is_node_lock,
+    node_lock_name,
     parse_step_dir,
     step_dir_name,
 )
@@ -96,7 +97,8 @@ class RootCatalog:
     others: list[str] = field(default_factory=list)  # unrelated names in the root
     mirrored_name: str | None = None  # the step the mirror's latest copies (MIRRORED_FILE), if any
     # A node's disk of a node-local root (ckptd.roots.nodelocal): its commit records list every
-    # rank's data file, on whichever node it is.
+    # rank's data file, on whichever node it is; or, before its first commit, it holds another
+    # node's lock file but not node 0's (ckptd.daemon.rootlock: a shared root holds node 0's).
     node_local: bool = False
 
     @property
@@ -209,7 +211,10 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
     cat = RootCatalog(root)
     cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
     cat.mirrored_name = read_mirrored(root)
-    for name in sorted(os.listdir(root)):
+    names = sorted(os.listdir(root))
+    locks = {name for name in names if is_node_lock(name)}
+    cat.node_local = bool(locks) and node_lock_name(0) not in locks
+    for name in names:
         path = root / name
         parsed = parse_step_dir(name)
         # A link named like a step is not one: loading, resuming or collecting it would act on

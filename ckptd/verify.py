@@ -312,20 +312,14 @@ def _read_item(
     step = BLOCK_NBYTES if by_block else _BLOCK_BYTES
     parts: list[bytes] = []
     pos, end = r.file_offset, r.file_offset + r.length
-    pending = prefetch.submit(os.pread, fd, min(step, end - pos), pos) if pos < end else None
+    pending = prefetch.submit(_pread_full, fd, min(step, end - pos), pos) if pos < end else None
     while pending is not None:
         block = pending.result()
         if not block:
             raise OSError(f"unexpected end of file at offset {pos}")
         nxt = pos + len(block)
-        pending = prefetch.submit(os.pread, fd, min(step, end - nxt), nxt) if nxt < end else None
-        if by_block:  # short reads would misalign the blocks: read each whole
-            while len(block) < min(step, end - pos):
-                more = os.pread(fd, min(step, end - pos) - len(block), pos + len(block))
-                if not more:
-                    raise OSError(f"unexpected end of file at offset {pos + len(block)}")
-                block += more
-            nxt = pos + len(block)
+        pending = prefetch.submit(_pread_full, fd, min(step, end - nxt), nxt) if nxt < end else None
+        if by_block:
             blocks.append(checksum(block, 0))
             crc = blocks[0] if len(blocks) == 1 else crc32c_combine(crc, blocks[-1], len(block))
         else:
@@ -336,6 +330,18 @@ def _read_item(
         if progress is not None:
             progress.advance(len(block))
     return crc, blocks, (b"".join(parts) if keep else None)
+
+
+def _pread_full(fd: int, nbytes: int, offset: int) -> bytes:
+    """``nbytes`` at ``offset``, or fewer only at the end of the file: a short read (a network
+    filesystem, a signal) is read on, so that blocks stay where their checksums say."""
+    data = os.pread(fd, nbytes, offset)
+    while 0 < len(data) < nbytes:
+        more = os.pread(fd, nbytes - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def _decode_item(

@@ -87,14 +87,14 @@ class SaveIntake:
         write; raises (StagingError, ProtocolError) when the request cannot be served."""
         ring = self.rings.get(msg.rank, msg.generation, identity)
         ring.check_block(msg.block)
-        if self.state.writing(msg.rank, (msg.step, msg.attempt)) is not None:
+        if self.state.in_use(msg.rank, (msg.step, msg.attempt)):
             # Both would write one data file and be answered by one verdict: the first save's
             # files could be replaced under its commit, and the second told committed.
             raise AttemptInUseError(
                 f"rank {msg.rank}: attempt {msg.attempt} of step {msg.step} is already being written by "
-                "another save (two Checkpointers of one launch whose attempt ids repeat: a fixed "
-                "CKPTD_RUN_ID or launcher id). Wait for the first save, or close its Checkpointer, "
-                "before saving the step again"
+                "another save, or awaits its verdict (two Checkpointers of one launch whose attempt ids "
+                "repeat: a fixed CKPTD_RUN_ID or launcher id). Wait for the first save, or close its "
+                "Checkpointer, before saving the step again"
             )
         if not 0 <= msg.ring_start < MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")

@@ -165,12 +165,13 @@ class IntakeState:
         self.data_file = data_file
         self.unfinished: dict[tuple[str, int], tuple[WriteJob, float]] = {}  # by slot: (job, taken at)
 
-    def writing(self, rank: int, key: StepKey) -> WriteJob | None:
-        """The unfinished write of ``rank``'s save of attempt ``key``, if any."""
-        for job, _ in self.unfinished.values():
-            if job.key == key and job.request.rank == rank:
-                return job
-        return None
+    def in_use(self, rank: int, key: StepKey) -> bool:
+        """Whether a save of ``rank`` under attempt ``key`` is unfinished here: still being written,
+        or reported and awaiting its verdict (a second save under that attempt id would write the
+        same data file, and be answered by the same verdict)."""
+        if any(job.key == key and job.request.rank == rank for job, _ in self.unfinished.values()):
+            return True
+        return self.uplink.reported(key, rank)
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` at time ``now``; the actions to execute, in order."""

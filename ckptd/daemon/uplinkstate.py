@@ -220,6 +220,11 @@ class UplinkState:
         decided long ago)."""
         return self.verdicts.get(key)
 
+    def reported(self, key: StepKey, rank: int) -> bool:
+        """Whether rank ``rank``'s WRITTEN/FAILED of attempt ``key`` awaits its verdict here."""
+        u = self.unacked.get(key)
+        return u is not None and u.open and any(m.rank == rank for m in (*u.reports, *u.unsent))
+
     def expects(self, key: StepKey, identity: bytes) -> bool:
         """Whether attempt ``key`` is still undecided here with rank ``identity`` in it (not while
         its coordinator was lost: a write of it that finishes now cannot make it commit)."""

@@ -219,6 +219,15 @@ def test_gc_on_a_node_local_disk_keeps_what_was_written_after_its_last_commit(tm
     assert [r.entry.name for r in plan.remove] == ["iter_0000150.tmp"]  # older than the last commit
     kept = {e.name: why for e, why in plan.kept}
     assert "written after this node's last commit" in kept["iter_0000300.tmp"]
+    # A node's disk before its first commit there: its own node lock (not node 0's) tells.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / ".ckptd-n1.lock").write_text("{}")
+    make_partial(bare, 10, age_s=7200)
+    assert scan_root(bare).node_local
+    assert plan_gc(scan_root(bare), keep=2, grace_s=600).remove == []
+    (bare / ".ckptd-n0.lock").write_text("{}")  # a shared root holds node 0's lock too
+    assert not scan_root(bare).node_local
     # A shared root (commit records without a file list): an abandoned save is collected.
     stamp_commits(root, [100, 200])
     assert not scan_root(root).node_local

@@ -150,3 +150,21 @@ def test_an_overdue_write_of_an_attempt_decided_meanwhile_is_not_reported():
     assert node.handle(Tick()) == [] and list(node.state.unfinished) == [("g1", 1)]
     node.now += 3
     assert report(node.handle(Tick())).step == 4
+
+
+def test_a_save_is_in_use_from_taken_until_its_verdict():
+    """A second SAVE of a rank under the same attempt id (two Checkpointers of one launch with a
+    fixed CKPTD_RUN_ID) is refused while the first is being written, and after it was reported
+    until its verdict: it would write the same data file and be answered by the same verdict."""
+    from ckptd.daemon.uplinkstate import Report as Reported
+
+    node, j = Node(), job()
+    assert not node.state.in_use(1, j.key)
+    node.take(j)
+    node.handle(Ready(job=j))
+    assert node.state.in_use(1, j.key) and not node.state.in_use(0, j.key)
+    msg = report(node.handle(Ended(job=j, result=WriteResult(stored=[RECORD], file_nbytes=64))))
+    node.uplink.handle(Reported(key=j.key, msg=msg), node.now)
+    assert node.state.in_use(1, j.key)  # written and reported: awaiting the verdict
+    node.decide(j, StepCommitted(step=j.request.step, attempt=j.attempt, name="iter_0000003", warnings=[]))
+    assert not node.state.in_use(1, j.key)
