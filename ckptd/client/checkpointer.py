@@ -384,13 +384,13 @@ class Checkpointer:
         return self._levels.resume(self._damaged).step
 
     def checkpoint_dir(self, step: int | None = None) -> Location:
-        """Directory of ``step`` (default: :meth:`latest`): in the local root, else in the mirror
-        when only it has the step (``node_local``: README, Two tiers)."""
-        if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
-        return self._levels.step_location(step)
+        """Directory of ``step`` in the local root, else in the mirror when only it has the step;
+        default: the one :meth:`load` resumes (the mirror's copy where the local one is damaged;
+        ``node_local``: README, Two tiers)."""
+        where = self._levels.step_location(step) if step is not None else self._levels.resumed_location(self._damaged)
+        if where is None:
+            raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
+        return where
 
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,

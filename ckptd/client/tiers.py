@@ -391,6 +391,16 @@ class Levels:
             return self.step_location(step)
         return self.node_local_commit(commit)
 
+    def resumed_location(self, damaged: dict[str, str]) -> Location | None:
+        """The directory a resume reads (None: no checkpoint yet): :meth:`resume`'s choice in a
+        shared root, which is the mirror's copy where the local one is damaged; on node-local disks,
+        :meth:`step_location` of the step it resumes."""
+        if self.node_local:
+            step = self.resumed_step(damaged)
+            return None if step is None else self.step_location(step)
+        choice = self.resume(damaged).choice
+        return None if choice is None else choice.entry.path
+
     def step_location(self, step: int) -> Location:
         """Where ``iter_<step>`` is read from: the local root, or the mirror when only it has the step."""
         if self.mirror is not None and not committed_at(self.root, step) and committed_at(self.mirror, step):

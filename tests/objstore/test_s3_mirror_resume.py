@@ -148,6 +148,8 @@ def test_a_damaged_local_latest_resumes_from_the_mirrors_intact_copy_of_the_same
     said = [r.getMessage() for r in caplog.records if "mirror's intact copy of the same commit" in r.getMessage()]
     assert said and str(local / step_dir_name(40)) in said[-1] and data_file_name(0) in said[-1], said
     assert levels.resume(damaged).step == 40  # latest() says so too
+    # checkpoint_dir() names the copy the resume read (it named the damaged local directory)
+    assert levels.resumed_location(damaged) == store.location.child(step_dir_name(40))
 
     # The mirror's copy damaged as well: the commit before it, from the local root.
     client = store.client
