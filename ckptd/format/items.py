@@ -432,7 +432,6 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
 
     from ..errors import StagingError
     from .geometry import flat_range_boxes
-    from .pickled import exact_storage
 
     out: list[PlannedItem] = []
     for item in items:
@@ -451,13 +450,14 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
             continue
         rec = item.record
         t = payload.detach().resolve_conj().resolve_neg()
-        if t.device.type == "cpu":
-            flat = exact_storage(t).reshape(-1)
-        else:
-            # Stays on its device: its pieces are copied into pinned ring chunks like any CUDA item
-            # (DMA, or a device snapshot), never by a synchronous pageable copy of the whole tensor
-            # inside save(); a strided one becomes contiguous there first (a device-side copy).
-            flat = t.contiguous().reshape(-1)
+        # Views of the tensor: its pieces share its version counter, so a lazy snapshot sees a
+        # write to it before the fence (a storage slice, as exact_storage makes of a slice of a
+        # larger buffer, has a counter of its own: the write went unseen and the save committed
+        # torn). A CUDA tensor stays on its device: its pieces are copied into pinned ring chunks
+        # like any CUDA item (DMA, or a device snapshot), never by a synchronous pageable copy of
+        # the whole tensor inside save(). A strided one becomes contiguous here first (a copy
+        # taken now: what save() was called with).
+        flat = t.contiguous().reshape(-1)
         step = max(1, (max_nbytes // 2) // payload.element_size())
         for a in range(0, flat.numel(), step):
             b = min(flat.numel(), a + step)

@@ -131,6 +131,7 @@ class DeviceCopier:
                 return index
             src = item.payload
             if isinstance(src, torch.Tensor) and src.is_cuda:
+                ring.check_size(item, p)
                 try:
                     self.copy(src, v)
                 except StagingError:

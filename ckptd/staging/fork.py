@@ -18,8 +18,10 @@ returned still gets its checkpoint. The node daemon writes each item once the ch
 covers it and publishes the file only once the seal is there (ckptd.daemon.snapshot): a child
 that died early fails the save, half a copy is never persisted.
 
-Only plain CPU tensors and bytes are copied by the child; anything else (CUDA tensors, strided
-views) makes :func:`child_copies` return None and the save is produced by the trainer. The child
+Only plain CPU tensors in private memory and bytes are copied by the child; anything else (CUDA
+tensors, strided views, and tensors in shared or pinned memory, whose pages a fork shares rather
+than copies on write: the child would see the trainer's writes) makes :func:`child_copies` return
+None and the save is produced by the trainer. The child
 runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sockets; it closes
 every descriptor it inherited but the ring's.
 """
@@ -66,7 +68,9 @@ def child_copies(
     for item, p in zip(items, placements):
         src = item.payload
         if isinstance(src, torch.Tensor):
-            if not plain_cpu_bytes(src):
+            # share_memory_(), torch.from_file(shared=True) and pinned memory are mapped shared:
+            # a fork does not copy them on write, so the child would copy the trainer's later writes.
+            if not plain_cpu_bytes(src) or src.is_shared() or src.is_pinned():
                 return None
             copies.append((p.offset, src.data_ptr(), p.nbytes))
         else:

@@ -41,7 +41,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -103,7 +103,7 @@ class LazyCopier:
         thread starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile
         would compete with ``save()`` for the interpreter, and the stall is what matters here)."""
         seal = start_block(ring, claim.block)
-        items = claim.items
+        items = [_copied_if_unversioned(i) for i in claim.items]
         job = _Job(
             ring,
             claim.start,
@@ -320,6 +320,16 @@ class LazyProducer:
 
     def detach(self) -> None:
         self.copier.go()
+
+
+def _copied_if_unversioned(item: PlannedItem) -> PlannedItem:
+    """``item``, or for an inference tensor (torch keeps no version counter for it, so a write to
+    it before the fence would go unseen) a copy of it taken now, in ``save()``."""
+    t = item.payload
+    if isinstance(t, torch.Tensor) and _version(t) < 0:
+        with torch.inference_mode():
+            return replace(item, payload=t.clone())
+    return item
 
 
 def _version(t: torch.Tensor) -> int:

@@ -208,9 +208,22 @@ class StagingRing:
                 f"rank {self.rank}: {exc} (CKPTD_SNAPSHOT_TIMEOUT_S); the node daemon is not persisting: see its log"
             ) from None
 
+    def check_size(self, item: PlannedItem, p: Placement) -> None:
+        """StagingError unless tensor ``item`` still has the bytes planned for it: one resized since
+        ``save()`` (``resize_``) would write past its range, over an earlier save's bytes the
+        daemon has not persisted yet."""
+        src = item.payload
+        if isinstance(src, torch.Tensor) and src.numel() * src.element_size() != p.nbytes:
+            raise StagingError(
+                f"rank {self.rank}: {item.record.where()} has {src.numel() * src.element_size()} bytes, "
+                f"but {p.nbytes} when it was saved: it was resized (resize_) before its snapshot was "
+                "copied. Fence the save (handle.wait(), before_update()) before resizing a saved tensor"
+            )
+
     def produce(self, item: PlannedItem, p: Placement, v: int) -> None:
         """Write one item's bytes at virtual offset ``v`` (room already waited for)."""
         src = item.payload
+        self.check_size(item, p)
         try:
             if not isinstance(src, torch.Tensor):
                 self.writer.write(v, memoryview(src).cast("B"))

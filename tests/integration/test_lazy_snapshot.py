@@ -300,3 +300,75 @@ def test_the_fence_sees_the_writes_the_readme_says_it_sees(tmp_path, runtime_dir
     want = {w: {"failed"} for w, _ in SEEN} | {w: {"committed"} for w, _ in NOT_SEEN}
     for rank_out in out:
         assert {w: set(o) for w, o in rank_out.items()} == want
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["slice_split", "inference", "resized"])
+def test_writes_the_fence_missed_tore_saves_that_committed(tmp_path, single_process, runtime_dir, case):
+    """Three ways a lazy save committed values changed after ``save()``:
+
+    - slice_split: a slice of a larger buffer, larger than the ring, was split into storage
+      slices with version counters of their own, so ``add_()`` on it was not seen;
+    - inference: an inference tensor has no version counter at all (it is now copied in save());
+    - resized: a saved tensor grown by ``resize_()`` was copied at its new size, past its range,
+      over an earlier save the daemon had not persisted yet."""
+    n = 1 << 22  # 16 MiB of float32
+    root = tmp_path / "run"
+    if case == "slice_split":
+        buf = torch.zeros(n + 16)
+        t = buf[16:]
+        t.fill_(1.0)
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, staging_budget="1MiB")) as ckpt:
+            h = ckpt.save(_state({"t": t}, 1), step=1)
+            t.add_(1000.0)
+            with pytest.raises(SaveFailedError, match="abandoned its snapshot"):
+                h.wait(timeout_s=60)
+    elif case == "inference":
+        with torch.inference_mode():
+            t = torch.ones(n)
+        saved = t.clone()
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            h = ckpt.save(_state({"t": t}, 1), step=1)
+            with torch.inference_mode():
+                t.add_(1000.0)
+            h.wait(timeout_s=60)
+            assert torch.equal(_load(ckpt, {"t": saved}, 1)["t"], saved)
+    else:
+        faults = tmp_path / "faults"
+        faults.write_text("hang *\n")  # the disk holds the first save in the ring meanwhile
+        cfg = _config(runtime_dir, staging_budget="40MiB", debug_fault_file=str(faults))
+        x, t = torch.full((n // 2,), 3.0), torch.full((n // 2,), 5.0)
+        small = {f"a{i:04d}": torch.full((16,), float(i)) for i in range(2000)}  # the copier is behind
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            first = ckpt.save(_state({"x": x}, 1), step=1)
+            second = ckpt.save(_state({**small, "z": t}, 2), step=2)  # fences the first
+            t.resize_(5 * n // 2)
+            t.fill_(7.0)
+            ckpt.before_update()
+            faults.write_text("")
+            with pytest.raises(SaveFailedError):
+                second.wait(timeout_s=60)
+            first.wait(timeout_s=60)
+            assert torch.equal(_load(ckpt, {"x": x}, 1)["x"], x)  # before: all 7.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("memory", ["share_memory", "from_file"])
+def test_a_fork_snapshot_never_copies_shared_memory_the_trainer_writes(tmp_path, single_process, runtime_dir, memory):
+    """A fork shares MAP_SHARED pages instead of copying them on write: the child copied the
+    trainer's writes made after save() (a save of 16 MiB committed with 15 MiB of later values)."""
+    n = 1 << 22
+    if memory == "share_memory":
+        t = torch.ones(n).share_memory_()
+    else:
+        path = tmp_path / "mapped.bin"
+        path.write_bytes(bytes(4 * n))
+        t = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
+        t.fill_(1.0)
+    saved = t.clone()
+    cfg = _config(runtime_dir, staging_budget="1MiB").replace(snapshot="auto")
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        h = ckpt.save(_state({"t": t}, 1), step=1)
+        t.add_(1000.0)
+        h.wait(timeout_s=60)
+        assert torch.equal(_load(ckpt, {"t": saved}, 1)["t"], saved)
