@@ -352,7 +352,7 @@ class Checkpointer:
         are lazy snapshots while an optimizer is attached: the fence is then guaranteed before
         every update, and a lazy snapshot costs the loop least (see the README's "Choosing a
         snapshot mode"); after the last ``remove()`` they are fork/DMA snapshots again."""
-        return self._ring.attach(optimizer.register_step_pre_hook(lambda *_: self.before_update()))
+        return self._ring.attach(optimizer.register_step_pre_hook(lambda *_: self.before_update()), optimizer)
 
     def due(self, step: int) -> bool:
         """policy="auto": whether to save at ``step``; call it once per training step on every rank.

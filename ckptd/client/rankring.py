@@ -34,6 +34,7 @@ from ..staging.devsnap import (
     tensor_nbytes_by_device,
 )
 from ..staging.lazy import STOP_MARGIN_S, LazyCopier
+from ..staging.owned import OwnedStorages
 from ..staging.pinning import cuda_registrar
 from ..staging.producer import Claim, Producer
 from ..staging.rankside import StagingRing
@@ -59,6 +60,8 @@ class RankRing:
         self.children = SnapshotChildren(rank)  # fork snapshot children not reaped yet
         self.lazy = LazyCopier(rank, config.snapshot_timeout_s) if config.snapshot == "lazy" else None
         self.attached = 0  # optimizers attach() hooked (snapshot="auto": lazy while > 0)
+        self.optimizers: list[Any] = []  # those optimizers (what they own stays lazy: ckptd.staging.owned)
+        self.owned = OwnedStorages()
         self.device_snapshots: list[DeviceSnapshotProducer] = []  # their threads may still write
         self.device_snapshots_taken = 0  # saves made device snapshots so far
 
@@ -135,13 +138,14 @@ class RankRing:
             idle(0.05)
         log.info("rank %d: waited %.3f s for a save of its to finish (step %d)", self.rank, time.monotonic() - t0, step)
 
-    def attach(self, hook: Any) -> Attachment:
-        """An optimizer is attached by ``hook`` (its step pre-hook that fences): with
+    def attach(self, hook: Any, optimizer: Any) -> Attachment:
+        """``optimizer`` is attached by ``hook`` (its step pre-hook that fences): with
         ``snapshot="auto"`` the saves are lazy from now on, until the last ``remove()``."""
         if self.config.snapshot == "auto" and self.lazy is None:
             self.lazy = LazyCopier(self.rank, self.config.snapshot_timeout_s)
         self.attached += 1
-        return Attachment(self, hook)
+        self.optimizers.append(optimizer)
+        return Attachment(self, hook, optimizer)
 
     def saves_lazily(self) -> bool:
         """Whether the next save is a lazy snapshot: ``snapshot="lazy"``, or ``"auto"`` with an
@@ -167,7 +171,7 @@ class RankRing:
             return snap, 0.0
         lazy = self.lazy if self.saves_lazily() else None
         if lazy is not None:
-            return lazy.start(ring, claim), 0.0
+            return lazy.start(ring, claim, self.owned.of(self.optimizers) if self.optimizers else None), 0.0
         waited_s = 0.0
         if self.config.snapshot == "auto" and daemon_pid:
             child, waited_s = self.children.fork(ring, claim, daemon_pid, idle)
@@ -262,9 +266,10 @@ class Attachment:
     """What :meth:`Checkpointer.attach <ckptd.client.checkpointer.Checkpointer.attach>` returns:
     ``remove()`` detaches the optimizer's hook."""
 
-    def __init__(self, ring: RankRing, hook: Any) -> None:
+    def __init__(self, ring: RankRing, hook: Any, optimizer: Any) -> None:
         self._ring: RankRing | None = ring
         self._hook = hook
+        self._optimizer = optimizer
 
     def remove(self) -> None:
         ring, self._ring = self._ring, None
@@ -272,3 +277,4 @@ class Attachment:
             self._hook.remove()
             ring.fence()  # a lazy save in flight is decided while the hook still counted
             ring.attached -= 1
+            ring.optimizers.remove(self._optimizer)

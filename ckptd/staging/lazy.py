@@ -49,6 +49,7 @@ import torch
 from ..errors import StagingError
 from ..format.items import PlannedItem
 from .devcopy import DeviceCopier
+from .owned import copy_unowned
 from .producer import Claim, Snapshot, start_block
 from .rankside import Placement, StagingRing
 from .ring import block_offset, give_up_mark, span
@@ -97,13 +98,17 @@ class LazyCopier:
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
         self._daemon_gone = threading.Event()  # no daemon frees ring space: such a wait gives up too
 
-    def start(self, ring: StagingRing, claim: Claim) -> LazyProducer:
+    def start(self, ring: StagingRing, claim: Claim, owned: set[int] | None = None) -> LazyProducer:
         """Prepare the production of one save; its producer, whose snapshot the SAVE announces (its
         pid is this process: the daemon fails the save if it dies before sealing). The copier
         thread starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile
-        would compete with ``save()`` for the interpreter, and the stall is what matters here)."""
+        would compete with ``save()`` for the interpreter, and the stall is what matters here).
+        ``owned``: with an optimizer attached, the storages it owns; the other small tensors are
+        copied now (:mod:`ckptd.staging.owned`)."""
         seal = start_block(ring, claim.block)
         items = [_copied_if_unversioned(i) for i in claim.items]
+        if owned is not None:
+            items = copy_unowned(items, owned)
         job = _Job(
             ring,
             claim.start,

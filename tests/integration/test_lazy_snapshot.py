@@ -372,3 +372,35 @@ def test_a_fork_snapshot_never_copies_shared_memory_the_trainer_writes(tmp_path,
         t.add_(1000.0)
         h.wait(timeout_s=60)
         assert torch.equal(_load(ckpt, {"t": saved}, 1)["t"], saved)
+
+
+@pytest.mark.timeout(180)
+def test_buffers_the_forward_pass_updates_are_copied_in_save_with_an_attached_optimizer(
+    tmp_path, single_process, runtime_dir
+):
+    """BatchNorm's running statistics change in the forward pass, before the optimizer step the
+    fence waits for: every lazy save of such a model failed. With an optimizer attached, small
+    tensors it does not own are copied in save(); what it owns stays lazy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = {}
+    cfg = _config(runtime_dir).replace(snapshot="auto")
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        ckpt.attach(opt)
+        handles = []
+        for step in range(1, 5):
+            loss = model(torch.randn(32, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sd = model.state_dict()
+            handles.append(ckpt.save({"model": sd, "step": step}, step=step))
+            expected[step] = {k: v.clone() for k, v in sd.items()}
+        for h in handles:
+            h.wait(timeout_s=60)  # before: SaveFailedError, "num_batches_tracked ... was modified"
+        for step in (1, 4):
+            got = ckpt.load(
+                {"model": {k: torch.zeros_like(v) for k, v in expected[step].items()}, "step": 0}, step=step
+            )
+            assert all(torch.equal(got["model"][k], v) for k, v in expected[step].items()), step
