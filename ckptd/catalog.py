@@ -20,6 +20,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.commitrecord import commit_seq, read_commit_record
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
+    MEGATRON_TRACKER,
     MIRRORED_FILE,
     STEP_PREFIX,
     TRACKER_FILE,
@@ -100,6 +101,9 @@ class RootCatalog:
     # rank's data file, on whichever node it is; or, before its first commit, it holds another
     # node's lock file but not node 0's (ckptd.daemon.rootlock: a shared root holds node 0's).
     node_local: bool = False
+    # Without ckptd's tracker: the step Megatron-LM's tracker names (a root Megatron-LM wrote), as a
+    # directory name; gc keeps it (Megatron-LM resumes it). Never read when ``latest`` exists.
+    megatron_latest_name: str | None = None
 
     @property
     def committed(self) -> list[CheckpointEntry]:
@@ -167,6 +171,19 @@ def read_tracker(root: Path) -> tuple[bool, str | None, str | None]:
     return True, name, None
 
 
+def read_megatron_tracker(root: Path) -> str | None:
+    """The directory Megatron-LM's tracker (``latest_checkpointed_iteration.txt``) names: the
+    ``iter_<step>`` of the number it holds, or ``release``; None when absent or not such text."""
+    try:
+        raw = read_regular(root, MEGATRON_TRACKER, "Megatron-LM tracker", TRACKER_MAX_NBYTES)
+        text = raw.decode("ascii").strip()
+    except (FileNotFoundError, OSError, CorruptCheckpointError, UnicodeDecodeError):
+        return None
+    if text == "release":
+        return text
+    return step_dir_name(int(text)) if text.isdigit() and len(text) <= 9 else None  # steps < 10^9
+
+
 def left_behind(step: int, seq: int, latest_step: int, latest_seq: int) -> bool:
     """The rollback rule: a commit of ``step`` (commit sequence number ``seq``) is on an abandoned
     branch when the tracker's checkpoint is of a lower step and was committed after it."""
@@ -210,6 +227,8 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
         raise CheckpointNotFoundError(f"{root} is not a directory")
     cat = RootCatalog(root)
     cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
+    if not cat.tracker_exists:
+        cat.megatron_latest_name = read_megatron_tracker(root)
     cat.mirrored_name = read_mirrored(root)
     names = sorted(os.listdir(root))
     locks = {name for name in names if is_node_lock(name)}

@@ -74,6 +74,8 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     for rank, e in enumerate(cat.newest_first):
         if e.is_latest:
             plan.kept.append((e, "named by the tracker"))
+        elif e.name == cat.megatron_latest_name:
+            plan.kept.append((e, "named by Megatron-LM's tracker (latest_checkpointed_iteration.txt)"))
         elif rank < keep:
             plan.kept.append((e, f"among the {keep} last committed"))
         elif e.name == cat.mirrored_name:

@@ -29,6 +29,10 @@ class TuneInputs:
     restart_s: float = 0.0  # time to restart and reload after a failure
 
     def check(self) -> None:
+        for name in ("stall_s", "persist_s", "restart_s", "mtbf_s", "step_s"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise CkptdError(f"tune: {name} must be a finite number of seconds, got {value}")
         for name in ("stall_s", "persist_s", "restart_s"):
             if getattr(self, name) < 0:
                 raise CkptdError(f"tune: {name} must be >= 0, got {getattr(self, name)}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .catalog import RootCatalog
+from .catalog import EntryState, RootCatalog
 from .format.rootlayout import TRACKER_FILE
 from .verify import ERROR, NOTE, Finding, VerifyReport, verify_checkpoint
 
@@ -42,7 +42,8 @@ class RootVerifyReport:
 
 
 def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Path], list[Finding]]:
-    """The checkpoints of a root to verify: the tracker's (or every committed one), plus findings.
+    """The checkpoints of a root to verify: the tracker's (or every committed one, and every one under
+    a committed name that lost its markers), plus findings.
 
     Without a tracker the newest committed checkpoint is chosen (and a note says so).
     """
@@ -50,7 +51,9 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
     if cat.tracker_problem is not None:
         findings.append(Finding(ERROR, "tracker", cat.tracker_problem, file=TRACKER_FILE))
     if all_checkpoints:
-        chosen = [e.path for e in cat.committed]
+        # With the committed ones, those under a committed name that lost their markers: committed
+        # once (only a commit renames into the name), damaged now.
+        chosen = [e.path for e in cat.entries if e.state in (EntryState.COMMITTED, EntryState.INCOMPLETE)]
     elif (latest := cat.latest()) is not None:
         chosen = [latest.path]
     elif not cat.tracker_exists and cat.committed:

@@ -162,6 +162,12 @@ def test_verify_root(tmp_path, capsys):
     data = json.loads(out)
     assert rc == 1 and [c["ok"] for c in data["checkpoints"]] == [False, True]
     assert data["checkpoints"][0]["findings"][0]["file"] == "__1_0.distcp"
+    # A committed name that lost both markers (.metadata, metadata.json) was skipped by --all.
+    (root / "iter_0000001" / "metadata.json").unlink()
+    (root / "iter_0000001" / ".metadata").unlink()
+    rc, out, _ = cli(capsys, "verify", root, "--all", "--json")
+    data = json.loads(out)
+    assert rc == 1 and [c["ok"] for c in data["checkpoints"]] == [False, True]
     (root / "latest").write_text("iter_0000003\n")
     rc, out, _ = cli(capsys, "verify", root)
     assert rc == 1 and "[tracker]" in out and "iter_0000003" in out

@@ -235,3 +235,15 @@ def test_gc_on_a_node_local_disk_keeps_what_was_written_after_its_last_commit(tm
         "iter_0000150.tmp",
         "iter_0000300.tmp",
     ]
+
+
+def test_gc_of_a_root_megatron_lm_wrote_keeps_the_step_its_tracker_names(tmp_path):
+    """Without ckptd's ``latest``, gc kept the K newest steps and removed the one
+    latest_checkpointed_iteration.txt names, which Megatron-LM resumes."""
+    root = make_root(tmp_path / "r", [10, 20, 30, 40], latest=None)
+    (root / "latest_checkpointed_iteration.txt").write_text("20")
+    plan = plan_gc(scan_root(root), keep=1, grace_s=600)
+    assert [r.entry.step for r in plan.remove] == [10, 30]
+    assert any(e.step == 20 and "Megatron-LM's tracker" in why for e, why in plan.kept)
+    (root / "latest").write_text("iter_0000040\n")  # ckptd's tracker, where it exists, decides
+    assert [r.entry.step for r in plan_gc(scan_root(root), keep=1, grace_s=600).remove] == [10, 20, 30]

@@ -71,7 +71,17 @@ def test_never_shorter_than_persist_and_rounded_to_steps():
     assert "never queue" in rec.explain(inp)
 
 
-@pytest.mark.parametrize("bad", [{"mtbf_s": 0}, {"stall_s": -1}, {"step_s": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"mtbf_s": 0},
+        {"stall_s": -1},
+        {"step_s": 0},
+        {"stall_s": math.nan},  # recommended 1.0 s with a "nan%" overhead
+        {"mtbf_s": math.nan},
+        {"mtbf_s": math.inf, "step_s": 1.0},  # an OverflowError traceback
+    ],
+)
 def test_bad_inputs_are_clear_errors(bad):
     base = {"stall_s": 1.0, "persist_s": 1.0, "mtbf_s": 100.0}
     base.update(bad)
