@@ -22,7 +22,7 @@ Convert checkpoints.
   ckptd convert to-dist /ckpts/legacy /ckpts/iter_0000100 --stack-layers --mcore-spec auto
 
   # torch_dist (written by ckptd, Megatron-Core or torch DCP) -> one consolidated file
-  ckptd convert consolidate /ckpts/iter_0000100 model.pt [--with-common]
+  ckptd convert consolidate /ckpts/iter_0000100 model.pt [--with-common] [--overwrite]
 
 A progress bar is drawn on stderr when it is a terminal; otherwise the command is quiet apart
 from a one-line summary on stdout.
@@ -70,7 +70,7 @@ def register(subparsers: Any) -> None:
         dest="ep",
         action="store_true",
         default=None,
-        help="two-number rank dirs are TP+EP (default: ask the checkpoint's args)",
+        help="two-number rank dirs are TP+EP (default: as the checkpoint's args say; an error if they do not)",
     )
     ep.add_argument("--no-expert-parallel", dest="ep", action="store_false")
     glu = to_dist.add_mutually_exclusive_group()
@@ -103,13 +103,19 @@ def register(subparsers: Any) -> None:
     to_dist.add_argument("--no-fsync", action="store_true", help="skip fsync (tests, scratch space)")
     cons = sub.add_parser("consolidate", help="torch_dist -> one state dict file")
     cons.add_argument("checkpoint")
-    cons.add_argument("out")
+    cons.add_argument("out", help="the file to write (not inside the checkpoint)")
     cons.add_argument(
         "--with-common",
         action="store_true",
-        help='write {"state_dict": ..., "common": ...} instead of the bare tensors',
+        help='write {"state_dict": ..., "common": ..., "objects": ...} instead of the bare tensors '
+        "(objects: the ShardedObjects, e.g. RNG states and _extra_state, by unique key)",
     )
-    cons.add_argument("--allow-unsafe-pickle", action="store_true")
+    cons.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    cons.add_argument(
+        "--allow-unsafe-pickle",
+        action="store_true",
+        help="decode arbitrary objects in the common state and ShardedObjects; trusted files only",
+    )
     cons.add_argument("--no-fsync", action="store_true")
     p.set_defaults(func=run)
 
@@ -119,11 +125,14 @@ def run(args: argparse.Namespace) -> int:
     from ..convert import SplitRule, consolidate, convert_legacy
 
     if args.convert_command == "consolidate":
-        from ..api import load_tensors_metadata
+        from ..api import load_sharded_metadata
+        from ..convert.consolidate import check_output
+        from ..mapping import ShardedTensor
 
-        total = sum(
-            math.prod(t.global_shape) * t.dtype.itemsize for t in load_tensors_metadata(args.checkpoint).values()
-        )
+        check_output(args.checkpoint, args.out, args.overwrite)  # before reading anything
+        meta = load_sharded_metadata(args.checkpoint)
+        total = sum(math.prod(t.global_shape) * t.dtype.itemsize for t in meta.values() if isinstance(t, ShardedTensor))
+        objects = [k for k, v in meta.items() if not isinstance(v, ShardedTensor)]
         with Progress(total, f"consolidate {args.checkpoint}") as bar:
             out = consolidate(
                 args.checkpoint,
@@ -132,8 +141,21 @@ def run(args: argparse.Namespace) -> int:
                 allow_unsafe_pickle=args.allow_unsafe_pickle,
                 fsync=not args.no_fsync,
                 progress=bar.advance,
+                overwrite=args.overwrite,
             )
-        print(f"wrote {len(out['state_dict'] if args.with_common else out)} tensors into {args.out}")
+        if args.with_common:
+            print(f"wrote {len(out['state_dict'])} tensors and {len(out['objects'])} objects into {args.out}")
+        else:
+            print(
+                f"wrote {len(out)} tensors into {args.out}"
+                + (
+                    f"; left out {len(objects)} ShardedObjects (--with-common includes them): "
+                    + ", ".join(objects[:8])
+                    + (f" and {len(objects) - 8} more" if len(objects) > 8 else "")
+                    if objects
+                    else ""
+                )
+            )
         return EXIT_OK
     legacy_bar = ConvertProgress()
     try:

@@ -10,24 +10,26 @@ each holding ``{"args", "checkpoint_version", "iteration", "model" | "model0"..,
 tensor was split over tensor-parallel ranks, so :class:`SplitRule` s (regex -> axis) say it;
 tensors no rule names must be identical on every TP rank (replicated). Pipeline stages number
 their layers locally: the converter counts each stage's layers (and each expert rank's local
-experts) and renumbers keys globally, as torch_dist checkpoints name them.
+experts) and renumbers keys globally, as torch_dist checkpoints name them. Two-number rank
+directories are TP x PP or TP x EP as the files' ``args`` say (never guessed). Expert ranks' tensors
+outside their experts module must equal expert rank 0's; grouped-GEMM experts are written as
+Megatron-Core stores them (:mod:`.experts`); any other per-expert-rank tensor is refused.
 
 The output holds the model tensors (each TP shard written as a chunk at its global offset, so
 nothing is concatenated in memory) and a common state with ``iteration``,
 ``checkpoint_version``, ``args`` (as a plain dict) and a plain-data ``opt_param_scheduler``.
 Optimizer and RNG states are dropped: they are tied to the old layout's flat buffers (Megatron's
-own converters drop them too). Files are memory-mapped, so memory use stays small.
+own converters drop them too). Files are memory-mapped, so memory use stays small. A conversion
+that fails removes the files it wrote and the directories it made.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
 import logging
 import os
-import pickle
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,26 +38,35 @@ import torch
 
 from ..errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     ShardingError,
-    UnsafePickleError,
 )
+from ..format.durable import ATOMIC_TMP_SUFFIX
 from ..format.finalize import write_checkpoint
 from ..format.items import PlannedItem, serialize_object
-from ..format.layout import DCP_METADATA, METADATA_JSON
+from ..format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from ..format.records import TENSOR, ItemRecord, dtype_name, object_record
-from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
 from ..mapping import ShardedObject
+from . import experts as moe
 from . import mcore
+from .legacy_tree import (
+    LegacyTree,
+    RankFile,
+    discover,
+    model_chunks,
+    read_rank_file,
+)
 
 log = logging.getLogger("ckptd.convert")
 
 Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
-FILE_NAME = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
 _STACK = re.compile(r"^(.*?layers)\.(\d+)\.(.*)$")
+#: The files write_checkpoint creates (data files, then common.pt, .metadata, metadata.json via tmp).
+_WRITTEN = re.compile(
+    rf"(__\d+_\d+{re.escape(DATA_SUFFIX)}|{re.escape(COMMON_PT)}|{re.escape(DCP_METADATA)}"
+    rf"|{re.escape(METADATA_JSON)})({re.escape(ATOMIC_TMP_SUFFIX)})?"
+)
 
 
 @dataclass(frozen=True)
@@ -104,31 +115,6 @@ DEFAULT_RULES: tuple[SplitRule, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class RankFile:
-    path: Path
-    tp: int
-    pp: int
-    ep: int
-
-
-@dataclass
-class LegacyTree:
-    """The rank files of one legacy iteration directory."""
-
-    directory: Path
-    files: list[RankFile]
-    tp_size: int
-    pp_size: int
-    ep_size: int
-
-    def file(self, tp: int, pp: int, ep: int) -> RankFile:
-        return self._by_rank[(tp, pp, ep)]
-
-    def __post_init__(self) -> None:
-        self._by_rank = {(f.tp, f.pp, f.ep): f for f in self.files}
-
-
 @dataclass
 class ConversionReport:
     tensors: int = 0
@@ -137,121 +123,6 @@ class ConversionReport:
     objects: int = 0  # ShardedObjects (`_extra_state`) written, with mcore_spec
     skipped: list[str] = field(default_factory=list)
     iteration: Any = None
-
-
-def resolve_iteration_dir(src: str | os.PathLike) -> Path:
-    """``src`` itself if it holds ``mp_rank_*`` directories, else the tracker's iteration."""
-    root = Path(src)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root} is not a directory")
-    if any(_RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()):
-        return root
-    tracker = root / MEGATRON_TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text != "release" and not text.isdigit():
-            raise CheckpointNotFoundError(
-                f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
-                "'release'; pass the iteration directory itself"
-            )
-        sub = root / ("release" if text == "release" else step_dir_name(int(text)))
-        if sub.is_dir():
-            return sub
-        raise CheckpointNotFoundError(f"{tracker} names {text!r} but {sub} does not exist")
-    raise CheckpointNotFoundError(
-        f"{root} holds no mp_rank_* directories and no {MEGATRON_TRACKER}; pass a legacy Megatron "
-        f"checkpoint root or one of its {STEP_PREFIX}* directories"
-    )
-
-
-def discover(src: str | os.PathLike, expert_parallel: bool | None = None) -> LegacyTree:
-    """Find and check the rank files. Two-number names (``mp_rank_00_001``) are TP+PP unless
-    ``expert_parallel`` says TP+EP (None: ask the checkpoint's ``args``)."""
-    directory = resolve_iteration_dir(src)
-    parsed: list[tuple[Path, tuple[int, ...]]] = []
-    for p in sorted(directory.iterdir()):
-        m = _RANK_DIR.match(p.name)
-        if m and p.is_dir():
-            if not (p / FILE_NAME).is_file():
-                raise CheckpointNotFoundError(f"{p} has no {FILE_NAME}; the checkpoint is incomplete")
-            parsed.append((p / FILE_NAME, tuple(int(g) for g in m.groups() if g is not None)))
-    if not parsed:
-        raise CheckpointNotFoundError(f"{directory} holds no mp_rank_* directories")
-    widths = {len(n) for _, n in parsed}
-    if len(widths) > 1:
-        raise CheckpointNotFoundError(f"{directory} mixes mp_rank_* naming schemes: {sorted(widths)}")
-    width = widths.pop()
-    if width == 2 and expert_parallel is None:
-        args = _read(parsed[0][0], allow_unsafe_pickle=False, mmap=True, tolerate_unsafe=True).get("args")
-        pp = getattr(args, "pipeline_model_parallel_size", None) if args is not None else None
-        ep = getattr(args, "expert_model_parallel_size", None) if args is not None else None
-        expert_parallel = bool(pp == 1 and ep and ep > 1)
-    files = []
-    for path, nums in parsed:
-        tp = nums[0]
-        pp = nums[1] if width >= 2 and not (width == 2 and expert_parallel) else 0
-        ep = nums[2] if width == 3 else (nums[1] if width == 2 and expert_parallel else 0)
-        files.append(RankFile(path, tp, pp, ep))
-    sizes = [max(getattr(f, a) for f in files) + 1 for a in ("tp", "pp", "ep")]
-    have = {(f.tp, f.pp, f.ep) for f in files}
-    missing = [
-        (t, p, e) for t in range(sizes[0]) for p in range(sizes[1]) for e in range(sizes[2]) if (t, p, e) not in have
-    ]
-    if missing:
-        raise CheckpointNotFoundError(
-            f"{directory} is incomplete: no rank file for (tp, pp, ep) {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}"
-        )
-    return LegacyTree(directory, files, *sizes)
-
-
-def _read(path: Path, allow_unsafe_pickle: bool, mmap: bool = True, tolerate_unsafe: bool = False) -> dict:
-    try:
-        if allow_unsafe_pickle:
-            obj = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        else:
-            # Namespace (args) and BytesIO (TransformerEngine `_extra_state`) only hold data.
-            with torch.serialization.safe_globals([argparse.Namespace, io.BytesIO]):
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        if tolerate_unsafe:
-            return {}
-        lines = [ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "global" in ln]
-        raise UnsafePickleError(
-            f"{path} holds objects outside torch's weights-only allow-list "
-            f"({lines[0] if lines else str(exc).splitlines()[0]}); "
-            "legacy Megatron files usually do (numpy RNG states). If you trust the checkpoint, "
-            "convert with allow_unsafe_pickle=True (--allow-unsafe-pickle)."
-        ) from exc
-    except Exception as exc:
-        raise CheckpointNotFoundError(f"{path} cannot be read as a torch.save file ({exc!r})") from exc
-    if not isinstance(obj, dict):
-        raise CheckpointNotFoundError(f"{path} holds a {type(obj).__name__}, not a Megatron state dict")
-    return obj
-
-
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
-    else:
-        out[prefix] = value
-
-
-def model_chunks(sd: dict) -> list[dict[str, Any]]:
-    """The flattened model state dict(s): ``model`` or ``model0``, ``model1``.. (virtual pipeline)."""
-    if "model" in sd:
-        names = ["model"]
-    else:
-        names = sorted((k for k in sd if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))
-    if not names:
-        raise CheckpointNotFoundError("the rank file has no 'model' entry")
-    out = []
-    for n in names:
-        flat: dict[str, Any] = {}
-        _flatten("", sd[n], flat)
-        out.append(flat)
-    return out
 
 
 def _count(pattern: re.Pattern[str], keys: Sequence[str]) -> int:
@@ -283,18 +154,25 @@ class _Converter:
         allow_unsafe_pickle: bool,
         stack_layers: bool,
         mcore_map: tuple[tuple[str, str], ...] | None,
+        glu: bool = False,
+        num_experts: int | None = None,
     ) -> None:
         self.tree = tree
         self.stack_layers = stack_layers
+        self.glu = glu
+        self.num_experts = num_experts  # args.num_experts: how many experts GroupedMLP's tensors hold
         self.mcore_map = mcore_map  # None: keep the legacy names, drop `_extra_state`
         self.num_layers = 0
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.unsafe = allow_unsafe_pickle
         self.report = ConversionReport()
         self.total = sum(f.path.stat().st_size for f in tree.files)
-        self.seen: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        # Written tensors (a grouped expert's: with its expert index): their dtype and global shape.
+        self.seen: dict[str | tuple[str, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.counted: set[str] = set()
         self.skipped: set[str] = set()
         self.objects: set[str] = set()
+        self._ep0: tuple[int, list[list[dict[str, Any]]], list[RankFile]] | None = None
 
     def _rule(self, key: str) -> SplitRule | None:
         for regex, rule in self.rules:
@@ -306,7 +184,7 @@ class _Converter:
         """Global first layer of (model chunk, pipeline stage), counting stage by stage."""
         counts: dict[tuple[int, int], int] = {}
         for pp in range(self.tree.pp_size):
-            sd = _read(self.tree.file(0, pp, 0).path, self.unsafe)
+            sd = read_rank_file(self.tree.file(0, pp, 0).path, self.unsafe)
             for v, chunk in enumerate(model_chunks(sd)):
                 counts[(v, pp)] = _count(_LAYER, list(chunk))
         offsets, acc = {}, 0
@@ -365,67 +243,173 @@ class _Converter:
         """The items of output rank ``index`` (pipeline stage ``pp``, expert rank ``ep``: every TP
         rank's file of it merged), TP rank 0's state dict, the input's bytes and a label."""
         files = [self.tree.file(tp, pp, ep) for tp in range(self.tree.tp_size)]
-        sds = [_read(f.path, self.unsafe) for f in files]
+        sds = [read_rank_file(f.path, self.unsafe) for f in files]
         group_bytes = sum(f.path.stat().st_size for f in files)
         per_rank = [model_chunks(sd) for sd in sds]
         items: list[PlannedItem] = []
         label = files[0].path.parent.name
         for v, chunk0 in enumerate(per_rank[0]):
             experts = _count(_EXPERT, list(chunk0))
+            te_experts = moe.te_local_experts(chunk0)
+            if self.tree.tp_size > 1:
+                moe.check_glu(chunk0, self.glu, str(files[0].path))
+            layer_offset = layer_offsets.get((v, pp), 0)
             for key, value in chunk0.items():
                 if not isinstance(value, torch.Tensor):
                     if self.mcore_map is not None and mcore.is_extra_state(key) and not ep:
-                        gkey = _renumber(key, layer_offsets.get((v, pp), 0), 0)
+                        gkey = _renumber(key, layer_offset, 0)
                         items += self.extra_state(index, gkey, value, key)
                     else:
                         self.skipped.add(key)  # e.g. TransformerEngine `_extra_state`: not a weight
                     continue
+                shards = self._tp_shards(key, v, per_rank, files)
+                grouped = moe.grouped_key(key)
+                if grouped is not None:
+                    items += self.grouped(index, (ep, layer_offset), key, grouped, shards, te_experts, files[0])
+                    continue
                 is_expert = _EXPERT.search(key) is not None
+                if not is_expert and self.tree.ep_size > 1 and moe.in_experts(key):
+                    raise ShardingError(
+                        f"'{key}' in {files[0].path} belongs to an MoE experts module, so each expert-"
+                        f"parallel rank holds its own, but it is none of the expert weights ckptd "
+                        f"converts ({moe.KNOWN}); writing one rank's would lose the others'. "
+                        f"{moe.MEGATRON_CONVERT}"
+                    )
                 if ep and not is_expert:
-                    continue  # replicated over expert-parallel ranks: written by EP rank 0
-                gkey = _renumber(key, layer_offsets.get((v, pp), 0), ep * experts if is_expert else 0)
-                shards = []
-                for r, chunks in enumerate(per_rank):
-                    t = chunks[v].get(key)
-                    if not isinstance(t, torch.Tensor):
-                        raise ShardingError(f"'{key}' is in TP rank 0's file but not in {files[r].path}")
-                    shards.append(t)
+                    # Replicated over expert-parallel ranks (written by EP rank 0), as Megatron keeps
+                    # every non-expert parameter: checked, so that no per-rank tensor is lost.
+                    self._check_as_ep0(key, v, pp, ep, shards, files)
+                    continue
+                gkey = _renumber(key, layer_offset, ep * experts if is_expert else 0)
                 pieces = self.chunks_for(gkey, shards)
-                gshape = list(shards[0].shape)
-                rule = self._rule(gkey)
-                if len(shards) > 1 and rule is not None and rule.axis is not None:
-                    gshape[rule.axis] *= len(shards)
+                gshape = self._global_shape(gkey, shards)
                 if self.mcore_map is not None:
                     gkey = mcore.mcore_key(self.mcore_map, gkey)
-                if gkey in self.seen:
-                    if self.seen[gkey] != (shards[0].dtype, tuple(gshape)):
-                        raise ShardingError(f"'{gkey}' appears in several pipeline stages with different shapes")
-                    log.info("'%s' is held by several pipeline stages; keeping the first", gkey)
-                    continue
-                self.seen[gkey] = (shards[0].dtype, tuple(gshape))
-                self.report.tensors += 1
-                stacked = _STACK.match(gkey) if self.stack_layers else None
-                if stacked:
-                    # Megatron-Core's default torch_dist naming: one tensor per layer type with
-                    # the layer number as a prepended axis.
-                    gkey = f"{stacked.group(1)}.{stacked.group(3)}"
-                    layer = int(stacked.group(2))
-                    gshape = [self.num_layers] + gshape
-                    pieces = [(p.unsqueeze(0), (layer,) + o) for p, o in pieces]
-                for payload, offs in pieces:
-                    rec = ItemRecord(
-                        fqn=gkey,
-                        kind=TENSOR,
-                        rank=index,
-                        dtype=dtype_name(payload.dtype, gkey),
-                        global_shape=tuple(gshape),
-                        offsets=offs,
-                        sizes=tuple(payload.shape),
-                    )
-                    items.append(PlannedItem(rec, payload))
-                    self.report.chunks += 1
-                    self.report.nbytes += payload.numel() * payload.element_size()
+                items += self._emit(index, gkey, gkey, shards[0].dtype, gshape, pieces)
         return items, sds[0], group_bytes, label
+
+    def _tp_shards(
+        self, key: str, v: int, per_rank: list[list[dict[str, Any]]], files: list[RankFile]
+    ) -> list[torch.Tensor]:
+        shards = []
+        for r, chunks in enumerate(per_rank):
+            t = chunks[v].get(key)
+            if not isinstance(t, torch.Tensor):
+                raise ShardingError(f"'{key}' is in TP rank 0's file but not in {files[r].path}")
+            shards.append(t)
+        return shards
+
+    def _global_shape(self, key: str, shards: list[torch.Tensor]) -> list[int]:
+        gshape = list(shards[0].shape)
+        rule = self._rule(key)
+        if len(shards) > 1 and rule is not None and rule.axis is not None:
+            gshape[rule.axis] *= len(shards)
+        return gshape
+
+    def _check_as_ep0(
+        self, key: str, v: int, pp: int, ep: int, shards: list[torch.Tensor], files: list[RankFile]
+    ) -> None:
+        """Raise unless expert rank ``ep``'s ``key`` equals expert rank 0's (TP rank by TP rank)."""
+        if self._ep0 is None or self._ep0[0] != pp:
+            ep0_files = [self.tree.file(tp, pp, 0) for tp in range(self.tree.tp_size)]
+            self._ep0 = (pp, [model_chunks(read_rank_file(f.path, self.unsafe)) for f in ep0_files], ep0_files)
+        _, ep0, ep0_files = self._ep0
+        for r, t in enumerate(shards):
+            ref = ep0[r][v].get(key) if v < len(ep0[r]) else None
+            if not (
+                isinstance(ref, torch.Tensor) and ref.dtype == t.dtype and ref.shape == t.shape and torch.equal(ref, t)
+            ):
+                raise ShardingError(
+                    f"'{key}' in {files[r].path} (expert-parallel rank {ep}) "
+                    + ("is not in" if ref is None else "differs from the one in")
+                    + f" expert rank 0's {ep0_files[r].path}, so each expert rank holds its own, but it "
+                    f"is none of the expert weights ckptd converts ({moe.KNOWN}); writing rank 0's "
+                    f"would lose the others'. {moe.MEGATRON_CONVERT}"
+                )
+
+    def grouped(
+        self,
+        index: int,
+        where: tuple[int, int],
+        key: str,
+        g: moe.GroupedKey,
+        shards: list[torch.Tensor],
+        te_experts: int,
+        file0: RankFile,
+    ) -> list[PlannedItem]:
+        """A grouped-GEMM expert tensor as Megatron-Core stores it (see :mod:`.experts`): each local
+        expert's TP shards at their global expert index of ``<layer>.mlp.experts.experts.linear_fc<n>``
+        (``where``: the expert rank and the layer offset of its pipeline stage)."""
+        ep, layer_offset = where
+        if g.local is not None:
+            num_local = te_experts
+        elif self.num_experts is None or self.num_experts % self.tree.ep_size:
+            raise ShardingError(
+                f"'{key}' in {file0.path} is GroupedMLP's tensor of all local experts, but the args "
+                f"give num_experts={self.num_experts!r}, which does not say how many it holds at "
+                f"expert-parallel size {self.tree.ep_size}. {moe.MEGATRON_CONVERT}"
+            )
+        else:
+            num_local = self.num_experts // self.tree.ep_size
+        if self.num_experts is not None and num_local * self.tree.ep_size != self.num_experts:
+            raise ShardingError(
+                f"'{key}' in {file0.path}: {num_local} local experts at expert-parallel size "
+                f"{self.tree.ep_size}, but the args say num_experts={self.num_experts}"
+            )
+        gkey = _renumber(g.target, layer_offset, 0)
+        per_tp = [moe.per_expert(g, t, num_local, str(file0.path)) for t in shards]
+        items: list[PlannedItem] = []
+        for i in range(len(per_tp[0])):
+            expert = ep * num_local + (g.local if g.local is not None else i)
+            expert_shards = [experts[i] for experts in per_tp]
+            pieces = [(p.unsqueeze(0), (expert, *o)) for p, o in self.chunks_for(gkey, expert_shards)]
+            gshape = [num_local * self.tree.ep_size, *self._global_shape(gkey, expert_shards)]
+            items += self._emit(index, gkey, (gkey, expert), shards[0].dtype, gshape, pieces)
+        return items
+
+    def _emit(
+        self,
+        index: int,
+        gkey: str,
+        unit: str | tuple[str, int],
+        dtype: torch.dtype,
+        gshape: list[int],
+        pieces: list[tuple[torch.Tensor, tuple[int, ...]]],
+    ) -> list[PlannedItem]:
+        """The records of ``pieces`` (chunks of ``gkey``; ``unit``: what they complete, the tensor or
+        one expert of it), stacked over the layers with ``stack_layers``."""
+        if unit in self.seen:
+            if self.seen[unit] != (dtype, tuple(gshape)):
+                raise ShardingError(f"'{gkey}' appears in several pipeline stages with different shapes")
+            log.info("'%s' is held by several pipeline stages; keeping the first", gkey)
+            return []
+        self.seen[unit] = (dtype, tuple(gshape))
+        if gkey not in self.counted:
+            self.counted.add(gkey)
+            self.report.tensors += 1
+        stacked = _STACK.match(gkey) if self.stack_layers else None
+        if stacked:
+            # Megatron-Core's default torch_dist naming: one tensor per layer type with the layer
+            # number as a prepended axis.
+            gkey = f"{stacked.group(1)}.{stacked.group(3)}"
+            layer = int(stacked.group(2))
+            gshape = [self.num_layers, *gshape]
+            pieces = [(p.unsqueeze(0), (layer, *o)) for p, o in pieces]
+        items = []
+        for payload, offs in pieces:
+            rec = ItemRecord(
+                fqn=gkey,
+                kind=TENSOR,
+                rank=index,
+                dtype=dtype_name(payload.dtype, gkey),
+                global_shape=tuple(gshape),
+                offsets=offs,
+                sizes=tuple(payload.shape),
+            )
+            items.append(PlannedItem(rec, payload))
+            self.report.chunks += 1
+            self.report.nbytes += payload.numel() * payload.element_size()
+        return items
 
     def extra_state(self, index: int, gkey: str, value: object, key: str) -> list[PlannedItem]:
         """A module's ``_extra_state`` (TP rank 0's) as the ShardedObject Megatron-Core's
@@ -459,7 +443,7 @@ def _mcore_map(tree: LegacyTree, spec: str, allow_unsafe_pickle: bool) -> tuple[
     stages = []
     for pp in range(tree.pp_size):
         path = tree.file(0, pp, 0).path
-        keys = [k for chunk in model_chunks(_read(path, allow_unsafe_pickle)) for k in chunk]
+        keys = [k for chunk in model_chunks(read_rank_file(path, allow_unsafe_pickle)) for k in chunk]
         mcore.check_convertible(keys, str(path))
         stages.append((keys, str(path)))
     if spec == "auto":
@@ -497,14 +481,26 @@ def convert_legacy(
     ``metadata={"non_homogeneous_layers": True}``): the spec's key renames and every
     ``_extra_state`` as a ShardedObject (see :mod:`ckptd.convert.mcore`). MoE experts and
     pre-Megatron-Core (``language_model.*``) names are refused. ``progress(done, total, label)``
-    is called after each pipeline/expert group. ``dst`` must not hold a checkpoint.
+    is called after each pipeline/expert group. ``dst`` must not hold a checkpoint; if the
+    conversion fails, what it created in ``dst`` is removed.
+
+    MoE experts: SequentialMLP's ``local_experts.<i>`` keep their names, renumbered to the global
+    expert. TEGroupedMLP's ``experts.linear_fc<n>.weight<i>`` and GroupedMLP's ``experts.weight1|2``
+    (all local experts in one transposed buffer; ``args.num_experts`` says how many) become
+    Megatron-Core's ``experts.experts.linear_fc<n>.weight``, with the expert as a leading axis (see
+    :mod:`ckptd.convert.experts`). Any other tensor that differs between expert ranks is refused.
+    ``expert_parallel`` (None: from ``args``, read with ``allow_unsafe_pickle``) says whether
+    two-number rank directories are TP x EP rather than TP x PP; args that do not say raise.
     """
-    tree = discover(src, expert_parallel)
+    tree = discover(src, expert_parallel, allow_unsafe_pickle)
+    args = read_rank_file(tree.files[0].path, allow_unsafe_pickle).get("args")
+    get = args.get if isinstance(args, dict) else lambda name: getattr(args, name, None)
     if glu is None:
-        args = _read(tree.files[0].path, allow_unsafe_pickle).get("args")
-        glu = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+        glu = bool(get("swiglu") or get("gated_linear_unit"))
     if glu:
+        # Grouped experts are named `...experts.experts.linear_fc1.weight` by then (.experts).
         rules = list(rules) + [SplitRule(r"\.linear_fc1\.(weight|bias)$", 0, glu=True)]
+    num_experts = get("num_experts")
     root = Path(dst)
     for marker in (METADATA_JSON, DCP_METADATA):
         if (root / marker).exists():
@@ -512,13 +508,14 @@ def convert_legacy(
     mcore_map = None  # decided (or refused) before anything is written
     if mcore_spec is not None:
         mcore_map = _mcore_map(tree, mcore.check_spec(mcore_spec), allow_unsafe_pickle)
-    root.mkdir(parents=True, exist_ok=True)
     conv = _Converter(
         tree,
         list(rules) + (list(DEFAULT_RULES) if use_default_rules else []),
         allow_unsafe_pickle,
         stack_layers,
         mcore_map,
+        glu=glu,
+        num_experts=num_experts if isinstance(num_experts, int) else None,
     )
     if progress:
         progress(0, conv.total, "start")
@@ -549,7 +546,8 @@ def convert_legacy(
             "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size, "ep": tree.ep_size},
         }
 
-    write_checkpoint(root, ranks(), common, fsync=fsync)
+    with _undone_on_failure(root):
+        write_checkpoint(root, ranks(), common, fsync=fsync)
     conv.report.iteration = first.get("iteration")
     conv.report.skipped = sorted(conv.skipped)
     log.info(
@@ -561,3 +559,29 @@ def convert_legacy(
         conv.report.nbytes / 2**20,
     )
     return conv.report
+
+
+@contextmanager
+def _undone_on_failure(root: Path) -> Iterator[None]:
+    """Create ``root`` (and its missing parents); if the body fails, remove what it created there: the
+    files a checkpoint write creates that were not there before, and the directories made here
+    (when empty). A failed conversion then leaves ``dst`` as it was, not a data file without
+    markers that looks like an interrupted save."""
+    made = [p for p in (root, *root.parents) if not p.exists()]
+    root.mkdir(parents=True, exist_ok=True)
+    before = set(os.listdir(root))
+    try:
+        yield
+    except BaseException:
+        for name in sorted(set(os.listdir(root)) - before):
+            if _WRITTEN.fullmatch(name):
+                try:
+                    (root / name).unlink()
+                except OSError as exc:
+                    log.warning("could not remove %s after the failed conversion: %s", root / name, exc)
+        for directory in made:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                break  # not empty: something else is in it
+        raise

@@ -102,6 +102,70 @@ def test_convert_consolidate(tmp_path, capsys):
     assert rc == 1 and "ckptd convert: error:" in err and not (tmp_path / "m2.pt").exists()
 
 
+def test_convert_consolidate_never_writes_into_the_checkpoint_or_over_a_file(tmp_path, capsys):
+    """`consolidate CKPT CKPT/__0_0.distcp` replaced the checkpoint's data file with the
+    consolidated one (and any existing output was replaced without a word)."""
+    import torch
+
+    from ckptd import load_plain_tensors
+
+    ck = tmp_path / "ck"
+    ref = make_checkpoint(ck)
+    files = {p.name: p.read_bytes() for p in ck.iterdir()}
+    (tmp_path / "link").symlink_to(ck)
+    (tmp_path / "data-link.pt").symlink_to(ck / "__0_0.distcp")
+    for out in (ck / "__0_0.distcp", ck / "model.pt", tmp_path / "link" / "model.pt", tmp_path / "data-link.pt", ck):
+        rc, _, err = cli(capsys, "convert", "consolidate", ck, out, "--overwrite", "--no-fsync")
+        assert rc == 1 and "inside the checkpoint" in err and "elsewhere" in err, (out, err)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == files
+    assert (tmp_path / "data-link.pt").is_symlink()
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"mine")
+    rc, _, err = cli(capsys, "convert", "consolidate", ck, out, "--no-fsync")
+    assert rc == 1 and "already exists" in err and "--overwrite" in err and out.read_bytes() == b"mine", err
+    rc, stdout, err = cli(capsys, "convert", "consolidate", ck, out, "--overwrite", "--no-fsync")
+    assert rc == 0 and f"wrote {len(ref)} tensors" in stdout, err
+    got = torch.load(out, weights_only=True)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert all(torch.equal(t, ref[k]) for k, t in load_plain_tensors(ck).items())
+
+
+def test_convert_consolidate_includes_or_names_sharded_objects(tmp_path, capsys):
+    """ShardedObjects (Megatron's RNG states, `_extra_state`) were dropped, even --with-common."""
+    import torch
+
+    ref = make_checkpoint(tmp_path / "ck")  # each of its two ranks stores a shard of "rng"
+    rc, out, err = cli(capsys, "convert", "consolidate", tmp_path / "ck", tmp_path / "bare.pt", "--no-fsync")
+    assert rc == 0 and "left out 2 ShardedObjects (--with-common includes them)" in out, (out, err)
+    assert "rng/shard_0_2" in out and "rng/shard_1_2" in out
+    assert set(torch.load(tmp_path / "bare.pt", weights_only=True)) == set(ref)
+    argv = ["convert", "consolidate", tmp_path / "ck", tmp_path / "all.pt", "--with-common", "--no-fsync"]
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 0 and f"wrote {len(ref)} tensors and 2 objects" in out, (out, err)
+    got = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert got["objects"] == {"rng/shard_0_2": {"rank": 0, "seed": 1234}, "rng/shard_1_2": {"rank": 1, "seed": 1235}}
+    assert got["common"]["iteration"] == 7 and set(got["state_dict"]) == set(ref)
+
+
+def test_convert_to_dist_reads_an_expert_parallel_tree_whose_files_need_unsafe_pickles(tmp_path, capsys):
+    """`mp_rank_00_001` of a TP x EP tree with numpy RNG states was taken for a pipeline stage
+    (expert rank 1's experts lost, its layers renumbered as 4..7), exit 0."""
+    import torch
+
+    from ckptd import load_plain_tensors
+    from tests.unit.test_convert_legacy import reference, write_legacy_tree
+
+    ref = reference(experts=True)
+    write_legacy_tree(tmp_path / "legacy", ref, tp=1, pp=1, ep=2, numpy_rng=True)
+    rc, _, err = cli(capsys, "convert", "to-dist", tmp_path / "legacy", tmp_path / "no", "--no-fsync")
+    assert rc == 1 and "--allow-unsafe-pickle" in err and not (tmp_path / "no").exists(), err
+    argv = ["convert", "to-dist", tmp_path / "legacy", tmp_path / "dist", "--allow-unsafe-pickle", "--no-fsync"]
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 0 and f"converted {len(ref)} tensors" in out, err
+    plain = load_plain_tensors(tmp_path / "dist")
+    assert sorted(plain) == sorted(ref) and all(torch.equal(plain[k], ref[k]) for k in ref)
+
+
 def test_bench_checksums_runs_and_cleans_up(tmp_path, capsys):
     rc, out, _ = cli(
         capsys, "bench", "checksums", "--gib", "0.01", "--item-mib", "2", "--repeats", "1", "--dir", tmp_path
