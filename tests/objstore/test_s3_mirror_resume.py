@@ -258,13 +258,7 @@ def test_a_copy_whose_directory_a_re_save_replaced_meanwhile_commits_nothing(
     old = local_latest(root)
     assert old is not None
     store = _store(f"s3://{s3_bucket}/m")
-    real = mirror_mod._upload_data
-
-    def racing(*args: Any, **kwargs: Any) -> Any:
-        _replace(root, new)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mirror_mod, "_upload_data", racing)
+    real = _replace_first(monkeypatch, mirror_mod, "_upload_data", root, new)
     with pytest.raises(CkptdError, match="was replaced while the mirror copied it") as raised:
         mirror_step(root, old, store)
     assert str(root / step_dir_name(30)) in str(raised.value) and "copies the local root's newest" in str(raised.value)
@@ -276,6 +270,19 @@ def test_a_copy_whose_directory_a_re_save_replaced_meanwhile_commits_nothing(
     w = torch.zeros(N)
     out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", w), "tag": ""}, store.location.child(step_dir_name(30)))
     assert out["tag"] == "new" and torch.equal(w, torch.full((N,), RESAVED))
+
+
+def _replace_first(monkeypatch: Any, module: Any, name: str, root: Path, new: Path) -> Any:
+    """Make ``module.name`` re-save ``root``'s step 30 (``new`` renamed over it) before it runs:
+    the race a copy meets. Returns the real function."""
+    real = getattr(module, name)
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        _replace(root, new)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, racing)
+    return real
 
 
 @pytest.mark.timeout(120)
@@ -294,13 +301,7 @@ def test_a_node_local_round_whose_directory_a_re_save_replaced_meanwhile_commits
     (new / COMMIT_RECORD).write_bytes(record.to_bytes())
     old = _commit(root, 30)
     store = _store(f"s3://{s3_bucket}/nodes")
-    real = mirror_nodes._wait_for_nodes
-
-    def racing(*args: Any, **kwargs: Any) -> Any:
-        _replace(root, new)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mirror_nodes, "_wait_for_nodes", racing)
+    _replace_first(monkeypatch, mirror_nodes, "_wait_for_nodes", root, new)
     with pytest.raises(CkptdError, match="was replaced while the mirror copied it"):
         mirror_nodes.coordinate_copy(root, old, store, nnodes=1, timeout_s=30)
     _nothing_committed(store)
