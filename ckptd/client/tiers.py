@@ -31,7 +31,7 @@ from ..catalog import abandoned_commit, read_mirrored
 from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, SaveTimeoutError
-from ..format.commitrecord import CommitRecord, read_commit_record
+from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import (
@@ -431,7 +431,7 @@ class Levels:
         copy = read_s3_commit_record(client, name)
         if copy is None:
             return f"the mirror has no commit of step {step} yet"
-        copied = _source_ref(copy)
+        copied = CommitRef.copied_by(copy)
         local = _local_commit(root, step)
         left_behind = copied is not None and local is None and abandoned_commit(root, step, copied.seq)
         # A node's disk other than node 0's may hold an older commit of the step than node 0's
@@ -473,9 +473,9 @@ def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef) -> bo
     copier wrote it)."""
     commits = [local]
     named = read_mirrored(root)
-    record = None if named is None else read_commit_record(root / named)
-    if record is not None:
-        commits.append(CommitRef(step=record.step, attempt=record.attempt, seq=record.seq))
+    marked = CommitRef.of_record(None if named is None else read_commit_record(root / named))
+    if marked is not None:
+        commits.append(marked)
     client = S3Client(mirror)
     for commit in commits:
         copy = read_s3_commit_record(client, step_dir_name(commit.step))
@@ -484,23 +484,13 @@ def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef) -> bo
     return False
 
 
-def _source_ref(copy: CommitRecord) -> CommitRef | None:
-    """The local commit a mirror's commit record copies (None: not a copy)."""
-    source = copy.source
-    return None if source is None else CommitRef(step=copy.step, attempt=str(source["attempt"]), seq=int(source["seq"]))
-
-
 def _local_commit(root: Path, step: int) -> CommitRef | None:
     """The commit ``iter_<step>`` of ``root`` records (None: none, or no record)."""
-    record = read_commit_record(root / step_dir_name(step))
-    return None if record is None else CommitRef(step=record.step, attempt=record.attempt, seq=record.seq)
+    return CommitRef.of_record(read_commit_record(root / step_dir_name(step)))
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:
-    if not commit.attempt:
-        return False
-    record = read_commit_record(root / step_dir_name(commit.step))
-    return record is not None and (record.step, record.attempt, record.seq) == (commit.step, commit.attempt, commit.seq)
+    return bool(commit.attempt) and _local_commit(root, commit.step) == commit
 
 
 def _step_commit(root: Path, mirror: S3Location, step: int) -> CommitRef | None:

@@ -297,9 +297,12 @@ def open_regular(
     return fd, st.st_size
 
 
-def read_regular(directory: str | os.PathLike, name: str, what: str, max_nbytes: int) -> bytes:
-    """The whole of ``directory/name`` (see :func:`open_regular`), at most ``max_nbytes`` long."""
-    fd, size = open_regular(directory, name, what, max_nbytes)
+def read_regular(
+    directory: str | os.PathLike, name: str, what: str, max_nbytes: int, dir_fd: int | None = None
+) -> bytes:
+    """The whole of ``directory/name`` (see :func:`open_regular`, ``dir_fd`` too), at most
+    ``max_nbytes`` long."""
+    fd, size = open_regular(directory, name, what, max_nbytes, dir_fd=dir_fd)
     try:
         parts: list[bytes] = []
         total = 0

@@ -57,7 +57,7 @@ from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES, DCP_METADATA
 from ..format.lease import ReadLease
 from ..format.records import ItemRecord
 from ..format.rootlayout import MIRRORED_FILE, step_dir_name
-from ..format.safefs import Dir, open_regular
+from ..format.safefs import Dir, open_regular, read_regular
 from ..s3catalog import read_s3_commit_record, read_s3_tracker
 from ..storage.objwriter import ObjectSink
 from .base import CommitOutcome
@@ -86,6 +86,18 @@ class CommitRef:
 
     def source(self) -> dict[str, int | str]:
         return {"seq": self.seq, "attempt": self.attempt}
+
+    @classmethod
+    def of_record(cls, record: CommitRecord | None) -> CommitRef | None:
+        """The commit a local commit record is (None: no record)."""
+        return None if record is None else cls(step=record.step, attempt=record.attempt, seq=record.seq)
+
+    @classmethod
+    def copied_by(cls, record: CommitRecord | None) -> CommitRef | None:
+        """The local commit a mirror's commit record is a copy of (None: no record, or not a copy)."""
+        if record is None or record.source is None:
+            return None
+        return cls(step=record.step, attempt=str(record.source["attempt"]), seq=int(record.source["seq"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,8 +232,7 @@ def local_latest(root: Path) -> CommitRef | None:
     """The commit the local root's tracker names; None when there is none, no tracker to trust,
     or the checkpoint is not a Checkpointer's commit (no commit record: ``ckptd.save``, DCP)."""
     entry = scan_root(root, usage=False).latest()
-    record = None if entry is None else read_commit_record(entry.path)
-    return None if record is None else CommitRef(step=record.step, attempt=record.attempt, seq=record.seq)
+    return CommitRef.of_record(None if entry is None else read_commit_record(entry.path))
 
 
 def mirrored_latest(mirror: S3Root) -> CommitRef | None:
@@ -229,10 +240,7 @@ def mirrored_latest(mirror: S3Root) -> CommitRef | None:
     _, name, _, _ = read_s3_tracker(mirror.client)
     if name is None:
         return None
-    record = read_s3_commit_record(mirror.client, name)
-    if record is None or record.source is None:
-        return None
-    return CommitRef(step=record.step, attempt=str(record.source["attempt"]), seq=int(record.source["seq"]))
+    return CommitRef.copied_by(read_s3_commit_record(mirror.client, name))
 
 
 def new_mirror_attempt(commit: CommitRef) -> str:
@@ -341,22 +349,12 @@ def read_local_commit(lease: ReadLease, commit: CommitRef) -> tuple[list[ItemRec
 def _read_leased(lease: ReadLease, name: str, what: str, max_nbytes: int) -> bytes:
     """The whole file ``name`` of the leased directory (at most ``max_nbytes`` long), opened
     through its fd (messages name the directory's path)."""
-    fd, size = open_regular(lease.directory, name, what, max_nbytes, dir_fd=lease.fd)
-    parts: list[bytes] = []
-    total = 0
     try:
-        while block := os.read(fd, min(max(size - total, 0) + 1, _CHUNK_NBYTES)):
-            total += len(block)
-            if total > max_nbytes:  # grew while being read
-                raise CorruptCheckpointError(
-                    f"{what} {lease.directory / name} grew beyond {max_nbytes} bytes while read"
-                )
-            parts.append(block)
+        return read_regular(lease.directory, name, what, max_nbytes, dir_fd=lease.fd)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise StorageError.from_oserror(exc, str(lease.directory / name)) from exc
-    finally:
-        os.close(fd)
-    return b"".join(parts)
 
 
 def _read_leased_index(lease: ReadLease) -> CheckpointIndex:
