@@ -32,7 +32,6 @@ step for all of them.
 from __future__ import annotations
 
 import pickle
-import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .dist import DistContext
 from .errors import LoadMismatchError, ShardingError
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
 from .statedict.tree import iter_leaves
@@ -103,15 +103,6 @@ def _where(sh: ShardedTensor) -> str:
     return out
 
 
-def _rank() -> int:
-    # Only for messages: a process that never imported torch.distributed is rank 0 of 1.
-    if "torch.distributed" not in sys.modules:
-        return 0
-    import torch.distributed as tdist
-
-    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
-
-
 def _state_labels(shardings: Sequence[ShardedTensor]) -> list[str]:
     """The key of each optimizer parameter's entry in the ``state`` dict, in optimizer order.
 
@@ -132,7 +123,7 @@ def _state_labels(shardings: Sequence[ShardedTensor]) -> list[str]:
     if len(set(labels)) != len(labels):
         dup = next(label for label, n in Counter(labels).items() if n > 1)
         raise ShardingError(
-            f"two optimizer parameters would share the state entry '{dup}' on rank {_rank()}: a "
+            f"two optimizer parameters would share the state entry '{dup}' on rank {DistContext.current().rank}: a "
             "parameter key contains '@(' like the names ckptd gives the shards of a key held "
             "several times; rename that key"
         )
@@ -177,7 +168,7 @@ def _check_shared_keys(shardings: Sequence[ShardedTensor], entries: Sequence[dic
         a, b = entries[j], entries[i]
         where = (
             f"parameter #{j} ({_where(shardings[j])}) and parameter #{i} ({_where(sh)}), shards of "
-            f"'{sh.key}' that rank {_rank()} holds"
+            f"'{sh.key}' that rank {DistContext.current().rank} holds"
         )
         if set(a) != set(b):
             raise ShardingError(
