@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -74,12 +74,6 @@ def pack_blocks(crcs: list[int]) -> bytes:
 
 def unpack_blocks(packed: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(packed) // 4}I", packed)
-
-
-def block_spans(length: int, block_nbytes: int) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` of each block of an item of ``length`` bytes, relative to its first byte."""
-    for start in range(0, length, block_nbytes):
-        yield start, min(length, start + block_nbytes)
 
 
 def _multiply(a: int, b: int) -> int:
