@@ -65,12 +65,15 @@ def child_copies(
     The child sees the trainer's memory as it was at the fork, so addresses are all it needs."""
     copies: list[tuple[int, int, int]] = []
     keep: list[Any] = []
+    cuda_initialized = torch.cuda.is_initialized()
     for item, p in zip(items, placements):
         src = item.payload
         if isinstance(src, torch.Tensor):
             # share_memory_(), torch.from_file(shared=True) and pinned memory are mapped shared:
             # a fork does not copy them on write, so the child would copy the trainer's later writes.
-            if not plain_cpu_bytes(src) or src.is_shared() or src.is_pinned():
+            # Pinned memory exists only once CUDA is initialized; asking before could create a
+            # CUDA context in a CPU-only trainer.
+            if not plain_cpu_bytes(src) or src.is_shared() or (cuda_initialized and src.is_pinned()):
                 return None
             copies.append((p.offset, src.data_ptr(), p.nbytes))
         else:
