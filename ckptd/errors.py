@@ -60,6 +60,14 @@ class CheckpointExistsError(CkptdError):
     """The target directory already holds a checkpoint; ckptd never overwrites one."""
 
 
+class OutputInsideCheckpointError(CkptdError):
+    """A converted or consolidated file would be written into the checkpoint it is read from."""
+
+
+class OutputExistsError(CheckpointExistsError):
+    """A conversion's output path already exists and overwriting it was not asked for."""
+
+
 class SaveFailedError(CkptdError):
     """A save did not commit (synchronous: writing failed; asynchronous: any party failed). The
     message lists the reason of every failed party."""

@@ -10,19 +10,11 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from ..errors import CheckpointExistsError, CkptdError
+from ..errors import OutputExistsError, OutputInsideCheckpointError
 from ..format.durable import atomic_write
 from ..mapping import ShardedObject
 
 log = logging.getLogger("ckptd.convert")
-
-
-class OutputInsideCheckpointError(CkptdError):
-    """The consolidated file would be written into the checkpoint it is read from."""
-
-
-class OutputExistsError(CheckpointExistsError):
-    """The consolidated file's path already exists and overwriting it was not asked for."""
 
 
 def check_output(checkpoint_dir: Any, out_file: str | os.PathLike, overwrite: bool) -> None:
