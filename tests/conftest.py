@@ -1,4 +1,5 @@
 import compileall
+import faulthandler
 import logging
 import os
 from collections.abc import Iterator
@@ -38,6 +39,10 @@ def runtime_dir(tmp_path: Path) -> Iterator[Path]:
 
 _UNIT = Path(__file__).parent / "unit"
 _REPO = Path(__file__).resolve().parents[1]
+# The test process's own stderr, kept before any test's output is captured.
+_STDERR_FD = pytest.StashKey[int]()
+# How long before its timeout a test's stacks are written (see pytest_runtest_protocol).
+STACKS_BEFORE_TIMEOUT_S = 5.0
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,6 +53,32 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         for package in ("ckptd", "tools", "tests", "benchmarks"):
             compileall.compile_dir(_REPO / package, quiet=2)
+    config.stash[_STDERR_FD] = os.dup(2)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    fd = config.stash.get(_STDERR_FD, None)
+    if fd is not None:
+        os.close(fd)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Write every thread's stacks to the test process's stderr shortly before the test's timeout.
+    The timeout (pytest-timeout's thread method) writes its own dump to the test worker's output,
+    which pytest-xdist does not show: CI printed "worker 'gw0' crashed while running ..." and
+    nothing of where the test hung. The worker's stderr reaches CI's log."""
+    marker = item.get_closest_marker("timeout")
+    timeout_s = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout"))
+    fd = item.config.stash.get(_STDERR_FD, None)
+    armed = fd is not None and timeout_s > STACKS_BEFORE_TIMEOUT_S
+    if armed:
+        faulthandler.dump_traceback_later(timeout_s - STACKS_BEFORE_TIMEOUT_S, file=fd)
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

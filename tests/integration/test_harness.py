@@ -19,7 +19,7 @@ import pytest
 from ckptd.control.pidfile import daemon_alive
 from ckptd.staging.segment import SHM_DIR, ShmSegment, new_generation, segment_name
 from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, private_runtime_dir, stop_daemons
-from tools.harness.ranks import spawned
+from tools.harness.ranks import run_ranks, spawned
 from tools.harness.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +128,42 @@ def test_spawned_kills_what_outlives_its_join_bound():
         pass
     assert procs.killed == [0]
     assert [p.exitcode for p in procs] == [-signal.SIGKILL, 0]
+
+
+def _rank_0_fails_while_rank_1_waits(rank: int, world_size: int) -> int:
+    if rank == 0:
+        raise ValueError("rank 0's own error")
+    time.sleep(300)  # as a rank waiting for rank 0 (a store, a collective with a long timeout)
+    return rank
+
+
+def _rank_1_hangs(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(300)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rank_is_reported_with_the_stacks_of_the_ranks_still_waiting():
+    """Rank 1 waits for rank 0, which failed: the test gets rank 0's traceback and where rank 1
+    waits, a grace period after the failure, not when the run's bound ends."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_rank_0_fails_while_rank_1_waits, 2, timeout_s=40, failed_rank_grace_s=3)
+    assert time.monotonic() - start < 40
+    report = str(failed.value)
+    assert "--- rank 0 failed:" in report and "ValueError: rank 0's own error" in report, report
+    assert "ranks [1] had not finished 3 s after that" in report, report
+    assert "--- rank 1's stacks:" in report and "in _rank_0_fails_while_rank_1_waits" in report, report
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_rank_times_out_with_its_stacks():
+    with pytest.raises(TimeoutError) as hung:
+        run_ranks(_rank_1_hangs, 2, timeout_s=5)
+    report = str(hung.value)
+    assert report.startswith("ranks [1] did not finish in 5s; killed:"), report
+    assert "--- rank 1's stacks:" in report and "in _rank_1_hangs" in report, report
 
 
 _BURNS = """

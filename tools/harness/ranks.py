@@ -6,7 +6,8 @@ Two ways in, one lifecycle (:func:`spawned`):
   spawned processes joined in a gloo process group and returns every rank's return value in rank
   order, or raises with each failed rank's traceback. ``fn`` must be a module-level function (it
   is pickled by reference for the spawned interpreters). A hung rank is killed after ``timeout_s``
-  so a deadlock fails the test instead of stalling CI.
+  (the others soon after one rank failed) so a deadlock fails the test, with the hung ranks'
+  stacks, instead of stalling CI.
 - ``with spawned([(fn, args), ...], join_timeout_s=...) as procs:`` starts one spawned process
   per target (no process group: the target sets up what it needs) for a test that watches the
   processes itself (exit codes, a queue of its own from :func:`spawn_queue`).
@@ -26,19 +27,23 @@ process with CUDA initialised cannot use it ("Cannot re-initialize CUDA in forke
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from multiprocessing.context import ForkServerContext, ForkServerProcess, SpawnContext, SpawnProcess
 from multiprocessing.queues import Queue
 from typing import Any
 
-from tools.harness.ports import LOOPBACK, free_port
+from tools.harness.ports import LOOPBACK
 
 REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone at once; this only bounds the reaping
 
@@ -145,7 +150,7 @@ def spawned(
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """torchrun's variables for ``rank`` of a one-node job whose rank 0 listens on ``port``."""
+    """torchrun's variables for ``rank`` of a one-node job whose rendezvous store listens on ``port``."""
     return {
         "MASTER_ADDR": LOOPBACK,
         "MASTER_PORT": str(port),
@@ -156,13 +161,48 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple) -> None:
+# How long the other ranks get to report once one rank failed: the failed rank's peers are most
+# likely waiting for it in a collective (until the process group's timeout), and its traceback is
+# what the test needs, not the peers' wait.
+FAILED_RANK_GRACE_S = 15.0
+# How long a hung rank gets to write its stacks (SIGUSR1, faulthandler) before it is killed.
+STACK_DUMP_WAIT_S = 1.0
+_STACK_DUMP_BYTES = 64 * 1024  # the end of a rank's dump is reported, no more
+
+
+def launch_store(timeout_s: float) -> Any:
+    """A launch's rendezvous store, held by this process as torchrun's agent holds it: the ranks
+    connect to its ``port`` as clients (``TORCHELASTIC_USE_AGENT_STORE=True`` for an ``env://``
+    init). It listens on a port the kernel chose for it, for as long as it lives: a port found free
+    here and bound later by rank 0 could be taken meanwhile (by any connection's source port), and
+    rank 0 then failed while the others waited for it until the test's own timeout."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _rank_entry(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict,
+    queue: Any,
+    args: tuple,
+    timeout_s: float,
+    stacks: str,
+) -> None:
     os.environ.update(env)
     os.environ.update(rank_env(rank, world_size, port))
     import torch.distributed as dist
 
+    # A hung rank's stacks, written on SIGUSR1 (run_ranks sends it before killing the rank).
+    dump = open(os.path.join(stacks, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open while the rank runs
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -176,42 +216,84 @@ def run_ranks(
     fn: Callable,
     world_size: int,
     *args: Any,
-    timeout_s: float = 120.0,
+    timeout_s: float = 90.0,
     env: dict[str, str] | None = None,
     daemon: bool = True,
+    failed_rank_grace_s: float = FAILED_RANK_GRACE_S,
 ) -> list[Any]:
     """Every rank's return value of ``fn(rank, world_size, *args)``, in rank order.
 
     ``env`` is added to each rank's environment; ``daemon=False`` as for :func:`spawned`. Raises
     TimeoutError when a rank has not finished after ``timeout_s``, RuntimeError when a rank died
-    without reporting, AssertionError with the tracebacks of the ranks whose ``fn`` raised."""
+    without reporting, AssertionError with the tracebacks of the ranks whose ``fn`` raised (at most
+    ``failed_rank_grace_s`` after the first failure: the ranks still running then are killed).
+    The stacks of the ranks killed unfinished are in the error. ``timeout_s`` must be below the
+    test's own timeout, so that this error, not a killed test worker, reports a hang
+    (tests/unit/test_harness_timeouts.py checks the tests)."""
     queue = spawn_queue()
-    port = free_port()
-    targets = [(_rank_entry, (fn, r, world_size, port, env or {}, queue, args)) for r in range(world_size)]
-    results: dict[int, tuple[bool, Any]] = {}
-    # The ranks reported, so they are only tearing their process group down: 5 s is plenty.
-    with spawned(targets, join_timeout_s=5 * world_size, daemon=daemon) as procs:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout_s}s"
-                )
-            try:
-                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
-                results[rank] = (ok, value)
-            except queue_mod.Empty:
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
-                ]
-                if dead:
-                    raise RuntimeError(
-                        f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
-                    ) from None
+    store = launch_store(timeout_s)
+    with tempfile.TemporaryDirectory(prefix="ckptd-ranks-") as stacks:
+        targets = [
+            (_rank_entry, (fn, r, world_size, store.port, env or {}, queue, args, timeout_s, stacks))
+            for r in range(world_size)
+        ]
+        results: dict[int, tuple[bool, Any]] = {}
+        # The ranks reported, so they are only tearing their process group down: 5 s is plenty.
+        with spawned(targets, join_timeout_s=5 * world_size, daemon=daemon) as procs:
+            deadline = time.monotonic() + timeout_s
+            while len(results) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+                    results[rank] = (ok, value)
+                    if not ok:
+                        deadline = min(deadline, time.monotonic() + failed_rank_grace_s)
+                except queue_mod.Empty:
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                    ]
+                    if dead:
+                        raise RuntimeError(
+                            f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                        ) from None
+            unfinished = sorted(set(range(world_size)) - set(results))
+            hung = _stacks_of(procs, unfinished, stacks)
+            for r in unfinished:
+                procs[r].kill()  # not worth the join's wait: spawned() reaps it
     failures = {r: v for r, (ok, v) in results.items() if not ok}
     if failures:
-        raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))
+        report = "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items()))
+        if unfinished:
+            report += (
+                f"\n--- ranks {unfinished} had not finished {failed_rank_grace_s:g} s after that (waiting"
+                f" for the failed rank in a collective, most likely); killed:\n{hung}"
+            )
+        raise AssertionError(report)
+    if unfinished:
+        raise TimeoutError(f"ranks {unfinished} did not finish in {timeout_s}s; killed:\n{hung}")
     return [results[r][1] for r in range(world_size)]
+
+
+def _stacks_of(procs: Spawned, ranks: list[int], stacks: str) -> str:
+    """Ask the running ``ranks`` to write their stacks (SIGUSR1) and return what they wrote."""
+    for r in ranks:
+        pid = procs[r].pid
+        with contextlib.suppress(ProcessLookupError):
+            if pid is not None and procs[r].is_alive():
+                os.kill(pid, signal.SIGUSR1)
+    if ranks:
+        time.sleep(STACK_DUMP_WAIT_S)
+    out = []
+    for r in ranks:
+        try:
+            with open(os.path.join(stacks, f"rank{r}.txt"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - _STACK_DUMP_BYTES))
+                text = f.read(_STACK_DUMP_BYTES).decode(errors="replace")
+        except OSError as exc:
+            text = f"(no stacks: {exc})"
+        out.append(f"--- rank {r}'s stacks:\n{text or '(none written)'}")
+    return "\n".join(out)
