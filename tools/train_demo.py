@@ -155,7 +155,11 @@ def main() -> None:
                 raise SystemExit(f"--resume: no committed checkpoint under {args.ckpt_dir}")
             state = training_state(model, opt, 0)
             if args.loader == "dcp":
-                dcp.load(state, checkpoint_id=str(ckpt.checkpoint_dir()))
+                # rank 0's directory on every rank: ranks that each read the tracker while a commit
+                # lands would read different checkpoints (ckpt.load() agrees by itself)
+                where = [str(ckpt.checkpoint_dir())]
+                dist.broadcast_object_list(where, src=0)
+                dcp.load(state, checkpoint_id=where[0])
             else:
                 ckpt.load(state)  # fills the DTensors and values in place, as dcp.load does
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -51,6 +51,51 @@ def test_every_rank_resumes_from_rank_0s_choice_while_the_tracker_moves(tmp_path
     assert run_ranks(_resume_while_the_tracker_moves, 2, str(root), timeout_s=90) == [[10.0] * 4] * 2
 
 
+def _resume_while_a_commit_lands(rank: int, world_size: int, root: str) -> float | str:
+    """The README's resume through ``Checkpointer.load()`` while the previous launch's daemon
+    commits step 20 right after rank 0 looked: what this rank loaded, or the error it got."""
+    from ckptd.client import resume
+
+    real = resume.resolve_resumable
+    moved = Path(root) / "moved"
+
+    def resolve(where, **kwargs):
+        if rank != 0:  # a rank that looks on its own looks after the commit
+            deadline = time.monotonic() + FLAG_TIMEOUT_S
+            while not moved.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        choice = real(where, **kwargs)
+        if rank == 0 and not moved.exists():  # the commit: renamed in, then the tracker moved
+            (Path(root).parent / "iter_0000020").rename(Path(root) / "iter_0000020")
+            (Path(root) / "latest").write_text("iter_0000020")
+            moved.touch()
+        return choice
+
+    resume.resolve_resumable = resolve
+    with ckptd.Checkpointer(root) as ckpt:
+        try:
+            return float(ckpt.load({"w": torch.zeros(4)})["w"][0])
+        except ckptd.CheckpointNotFoundError as exc:
+            return type(exc).__name__
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("before", [10, None])
+def test_every_rank_resumes_rank_0s_choice_while_a_commit_lands(tmp_path, runtime_dir, before):
+    """Rank 1 would read step 20, committed by the previous launch's daemon just after rank 0 read
+    step 10, or read a first checkpoint where rank 0 read none: every rank loads rank 0's choice,
+    or gets CheckpointNotFoundError (instead of one rank starting fresh while the others load)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    ckptd.save({"w": torch.full((4,), 20.0)}, tmp_path / "iter_0000020")  # written, not renamed in yet
+    if before is not None:
+        ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
+        (root / "latest").write_text("iter_0000010")
+    env = {"CKPTD_RUNTIME_DIR": str(runtime_dir)}
+    answers = run_ranks(_resume_while_a_commit_lands, 2, str(root), timeout_s=90, env=env)
+    assert answers == [10.0 if before else "CheckpointNotFoundError"] * 2
+
+
 def _load_failing_on_rank_1(rank: int, world_size: int, root: str, resume: bool) -> str:
     from ckptd.client.resume import load_latest
 

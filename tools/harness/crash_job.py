@@ -238,8 +238,10 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
     )
     log = EventLog(spec.events, phase, rank)
     world = spec.ranks
-    if os.environ.get("CKPTD_NODE_LOCAL") == "1":
-        # Node-local disks: the ranks agree on node 0's commit through a collective (README: Two tiers).
+    if os.environ.get("MASTER_PORT"):
+        # A launch's gloo group, as a real job has (the hosts hold its store, as torchrun's agent
+        # does): the ranks agree on the checkpoint to resume from through it. Without one, ranks
+        # that read the tracker while the previous launch's daemon moved it resumed different steps.
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -252,11 +254,22 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
         log.add("unrecoverable", None, str(exc))
         ckpt.close()
         return
-    if latest is not None:
-        path = ckpt.checkpoint_dir(latest)
+    # Every rank calls load(), a collective: rank 0 chooses, and every rank loads its choice or
+    # gets CheckpointNotFoundError. latest() is what this rank reads now: while the previous
+    # launch's daemon finishes a commit, ranks can read different steps, or one none, and skip
+    # the load the others enter. The step to go on from is the one loaded.
+    try:
         loaded = ckpt.load(load_request(rank, world))
-        bad = mismatch(loaded, rank, world, latest)
+    except ckptd.CheckpointNotFoundError:
+        loaded = None
+    if loaded is not None:
+        step = loaded.get("iteration")
+        latest = step if isinstance(step, int) and step >= 0 else latest
+        bad = mismatch(loaded, rank, world, latest or 0)
+        path = ckpt.checkpoint_dir(latest) if latest is not None else None
         log.add("resumed", latest, json.dumps({"path": str(path), "mismatch": bad}))
+    else:
+        latest = None
     _barrier(spec, phase, rank)
     _await_coordinator(spec, phase, rank, ckpt)
     first = 1 if phase == "run" else (latest or 0) + 1

@@ -31,7 +31,7 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,7 +54,7 @@ from ckptd.storage.url import Location, parse_location
 from tools.harness import crash_job as cj
 from tools.harness.daemons import DaemonsDidNotStop, daemon_processes, signal_process, stop_daemons
 from tools.harness.ports import free_port
-from tools.harness.ranks import process_context, stop_process_context  # noqa: F401 - the trial API
+from tools.harness.ranks import launch_store, process_context, stop_process_context  # noqa: F401 - the trial API
 
 VICTIMS = ("rank", "node", "coordinator")
 MULTI_NODE_VICTIMS = ("node", "link")  # victims that need another node than node 0
@@ -64,6 +64,7 @@ KEEP_LAST = 3
 COMMIT_TIMEOUT_S = 2.5
 COORDINATOR_TIMEOUT_S = 3.0
 STOP_TIMEOUT_S = 20.0  # from SIGTERM until every daemon of the job exited
+LAUNCH_STORE_TIMEOUT_S = 60.0  # the ranks' gloo group's (crash_job.trainer)
 
 
 @dataclass
@@ -291,6 +292,7 @@ class LoopbackHosts:
     ctx: BaseContext
     victims: tuple[str, ...] = VICTIMS
     runtime: Path | None = None
+    store: Any = None  # the running launch's rendezvous store (torchrun's agent store)
 
     def open(self, nodes: int) -> None:
         self.runtime = Path(tempfile.mkdtemp(prefix="ckc", dir="/tmp"))  # short: ipc paths are limited
@@ -299,7 +301,12 @@ class LoopbackHosts:
         return {"env": {"CKPTD_RUNTIME_DIR": str(self.runtime), "CKPTD_COORDINATOR_PORT": str(free_port())}}
 
     def start(self, spec: cj.JobSpec, phase: str) -> list[TrialProcess]:
-        procs = [self.ctx.Process(target=cj.trainer, args=(r, spec, phase), daemon=True) for r in range(spec.ranks)]
+        # Each phase is a launch with its own store, the ranks' gloo group's (as torchrun's).
+        self.store = launch_store(LAUNCH_STORE_TIMEOUT_S)
+        launch = replace(
+            spec, env={**spec.env, "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        )
+        procs = [self.ctx.Process(target=cj.trainer, args=(r, launch, phase), daemon=True) for r in range(spec.ranks)]
         for p in procs:
             p.start()
         return procs  # type: ignore[return-value]
@@ -317,6 +324,7 @@ class LoopbackHosts:
         return sorted(self.runtime.glob("*.log")) if self.runtime else []
 
     def close(self, prefix: str) -> None:
+        self.store = None
         unlink_segments(prefix)
         if self.runtime is not None:
             shutil.rmtree(self.runtime, ignore_errors=True)

@@ -87,6 +87,10 @@ class NetnsHosts:
             "CKPTD_RUNTIME_DIR": str(c.runtime_dir),
             "CKPTD_COORDINATOR_PORT": str(COORDINATOR_PORT),
             "CKPTD_JOB_TOKEN": self.token,
+            # The trainers' gloo group (the ranks agree on the checkpoint to resume from through
+            # it): node 0's address (MASTER_ADDR), each node has its own ports.
+            "MASTER_PORT": "29500",
+            "GLOO_SOCKET_IFNAME": "eth0",
         }
         fields: dict[str, Any] = {}
         if self.node_local is not None and self.store is not None:
@@ -97,9 +101,6 @@ class NetnsHosts:
                     "CKPTD_NODE_LOCAL": "1",
                     "CKPTD_MIRROR": self.node_local.mirror,
                     "CKPTD_MIRROR_TIMEOUT_S": "60",
-                    # the trainers' gloo group: node 0's address (MASTER_ADDR), each node has its own ports
-                    "MASTER_PORT": "29500",
-                    "GLOO_SOCKET_IFNAME": "eth0",
                 }
             )
             fields["root"] = str(c.local_disk / "ckpts")
