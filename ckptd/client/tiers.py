@@ -213,7 +213,7 @@ class Levels:
             mirror_choice = resolve_resumable(self.mirror, damaged=damaged, log_fallback=False)
         except CorruptCheckpointError as exc:
             mirror_choice, mirror_unloadable = None, str(exc)
-        source = None
+        source = record = None
         if mirror_choice is not None:
             record = read_s3_commit_record(S3Client(self.mirror), mirror_choice.entry.name)
             source = None if record is None else record.source
@@ -224,8 +224,9 @@ class Levels:
         copied = (
             not holds
             and local is not None
+            and record is not None
             and orders_disagree(local, mirrored)
-            and _mirror_copies_local(self.root, self.mirror, local)
+            and _mirror_copies_local(self.root, self.mirror, local, record.seq)
         )
         problem = unloadable
         if holds and mirrored is not None and (local is None or local.seq < mirrored.seq):
@@ -467,10 +468,14 @@ def _ref(choice: LatestChoice | None, commit: tuple[str, int] | None) -> CommitR
     return CommitRef(step=choice.step, attempt=attempt, seq=seq)
 
 
-def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef) -> bool:
-    """Whether ``mirror`` holds a copy of a commit of the local ``root``: of ``local`` (its latest
-    intact one), or of the one its ``ckptd_mirrored`` names (the mirror's latest copy when the
-    copier wrote it)."""
+def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef, latest_copy_seq: int) -> bool:
+    """Whether ``mirror`` held a copy of a commit of the local ``root`` before its latest copy
+    (mirror commit ``latest_copy_seq``): of ``local`` (its latest intact one), or of the one its
+    ``ckptd_mirrored`` names (the mirror's latest copy when the copier wrote it).
+
+    A copy committed after the mirror's latest proves nothing of the latest's history: it is the
+    copy of a replaced disk's first commits (numbered from 1 again), committed while the mirror's
+    tracker still names the old disk's last copy."""
     commits = [local]
     named = read_mirrored(root)
     marked = CommitRef.of_record(None if named is None else read_commit_record(root / named))
@@ -479,7 +484,7 @@ def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef) -> bo
     client = S3Client(mirror)
     for commit in commits:
         copy = read_s3_commit_record(client, step_dir_name(commit.step))
-        if copy is not None and copy.source == commit.source():
+        if copy is not None and copy.source == commit.source() and copy.seq <= latest_copy_seq:
             return True
     return False
 

@@ -131,7 +131,8 @@ def resume_level(
     ``local``: the local root's latest intact commit (an older one when the newer ones are
     damaged); ``mirrored``: the local commit the mirror's latest intact copy copies (its record's
     ``source``); ``local_holds_mirrored``: the local root holds that commit (its commit record,
-    intact or not); ``mirror_holds_local``: the mirror holds a copy of a commit of the local root;
+    intact or not); ``mirror_holds_local``: the mirror holds a copy of a commit of the local root,
+    committed before its latest copy (one committed after it is a replaced disk's first commit);
     ``same_on_every_rank``: every rank found this ``local`` (node-local disks of a replaced node
     do not).
 
@@ -186,8 +187,8 @@ def copies_commit(
 class LocalFind:
     """What one rank found in its local root: its latest intact commit, whether that root still
     holds the commit the mirror's latest copies, and whether the mirror holds a copy of one of its
-    commits (``copied``; asked only where the step and the commit order disagree, see
-    :func:`resume_level`). Gathered from every rank for a resume (a few bytes)."""
+    commits, committed before that latest copy (``copied``; asked only where the step and the
+    commit order disagree, see :func:`resume_level`). Gathered from every rank for a resume (a few bytes)."""
 
     commit: CommitRef | None
     holds_mirrored: bool

@@ -219,6 +219,33 @@ def test_a_local_root_restored_from_before_a_rollback_resumes_the_mirrors_later_
     assert step == 30 and torch.equal(w, _value(30, resaved=True))
 
 
+@pytest.mark.timeout(180)
+def test_a_replaced_disks_first_commit_wins_while_the_mirrors_tracker_still_names_the_old_disks_copy(
+    history, s3_bucket, tmp_path
+):
+    """A replaced node's new disk committed step 40 as its commit 1 (the old disk's step 30 was
+    commit 3, the mirror's latest copy). The mirror has committed its copy of step 40 and not yet
+    moved its tracker. That copy is of a commit of this disk, but committed after the mirror's
+    latest: it proves nothing of the latest's history, so the higher step wins, not the higher
+    seq (which resumed step 30, the old disk's, and lost step 40)."""
+    store = _store(f"s3://{s3_bucket}/m")
+    before = _copy(history.before, tmp_path / "before")
+    mirror_step(before, _commit(before, 30), store)
+    new = tmp_path / "new"
+    new.mkdir()
+    shutil.copytree(before / step_dir_name(40), new / step_dir_name(40))
+    record = CommitRecord(seq=1, step=40, attempt="fedcba987654-1", committed_unix_s=time.time())
+    (new / step_dir_name(40) / COMMIT_RECORD).write_bytes(record.to_bytes())
+    (new / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(40)))
+    mirror_step(new, _commit(new, 40), store)
+    store.client.put(TRACKER_FILE, tracker_bytes(step_dir_name(30)))  # the tracker not moved yet
+    levels = Levels(new, store.location)
+    resume = levels.resume({})
+    assert resume.root == new and resume.step == 40
+    step, w = _resumed(levels)
+    assert step == 40 and torch.equal(w, _value(40))
+
+
 def _attempt_dir(directory: Path, value: float, tag: str, seq: int, attempt: str, *, checksums: bool) -> None:
     """A committed ``iter_0000030`` as the coordinator leaves it (a commit record of ``seq``)."""
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.full((N,), value)), "tag": tag}
