@@ -26,6 +26,12 @@ class CheckpointNotFoundError(CkptdError):
     """The directory is not a (committed) ckptd / torch_dist checkpoint."""
 
 
+class NoCheckpointYetError(CheckpointNotFoundError):
+    """The root (and its mirror) holds no committed checkpoint yet: a fresh start. A resume
+    (``Checkpointer.load()`` without ``step``) raises it on every rank alike, as rank 0 found it;
+    ``Checkpointer.resume()`` returns None instead."""
+
+
 class CheckpointRemovedError(CheckpointNotFoundError):
     """The checkpoint was removed or moved away while it was being loaded (retention or
     ``ckptd gc`` where loads cannot hold a lease, or by hand). Nothing half-loaded is returned:

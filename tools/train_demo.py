@@ -151,17 +151,19 @@ def main() -> None:
     with ckptd.Checkpointer(args.ckpt_dir) as ckpt:
         start = 0
         if args.resume:
-            if ckpt.latest() is None:
-                raise SystemExit(f"--resume: no committed checkpoint under {args.ckpt_dir}")
             state = training_state(model, opt, 0)
             if args.loader == "dcp":
                 # rank 0's directory on every rank: ranks that each read the tracker while a commit
-                # lands would read different checkpoints (ckpt.load() agrees by itself)
-                where = [str(ckpt.checkpoint_dir())]
+                # lands would read different checkpoints (ckpt.resume() agrees by itself)
+                where = [str(ckpt.checkpoint_dir()) if rank == 0 and ckpt.latest() is not None else ""]
                 dist.broadcast_object_list(where, src=0)
-                dcp.load(state, checkpoint_id=where[0])
+                found = bool(where[0])
+                if found:
+                    dcp.load(state, checkpoint_id=where[0])
             else:
-                ckpt.load(state)  # fills the DTensors and values in place, as dcp.load does
+                found = ckpt.resume(state) is not None  # fills the DTensors and values in place, as dcp.load does
+            if not found:
+                raise SystemExit(f"--resume: no committed checkpoint under {args.ckpt_dir}")
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             start = int(state["step"])
             if rank == 0:

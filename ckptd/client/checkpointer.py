@@ -1,9 +1,9 @@
 """Asynchronous, crash-consistent saves of sharded state dicts into a checkpoint root.
 
-Typical use, on every rank (torchrun or a single process; no collective is used)::
+Typical use, on every rank (torchrun or a single process; saves use no collective)::
 
     with ckptd.Checkpointer("/ckpts/run1") as ckpt:     # connects to (or starts) the node daemon
-        ckpt.load(sharded_state_dict)                    # resume from the last committed step
+        ckpt.resume(sharded_state_dict)                  # the last committed step (None: none yet)
         for it in ...:
             ...
             h = ckpt.save(sharded_state_dict, step=it)   # returns once the shards are staged
@@ -66,7 +66,6 @@ import time
 import weakref
 from typing import Any
 
-from ..api import load as sync_load
 from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step
 from ..control.endpoints import Endpoints, JobEnv
@@ -84,7 +83,6 @@ from ..control.protocol import (
 )
 from ..errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CkptdError,
     DaemonError,
     ProtocolError,
@@ -111,6 +109,7 @@ from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped,
 from .pending import PendingSaves, wait_for_all
 from .policy import AutoInterval
 from .rankring import RankRing
+from .reader import RootReader
 from .saveplanner import SavePlanner
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
@@ -123,8 +122,9 @@ _BYE_LINGER_MS = 1000  # closing: how long the BYE may take to leave
 CLOSE_MARGIN_S = STOP_MARGIN_S + _BYE_LINGER_MS / 1000 + KILL_REAP_S
 
 
-class Checkpointer:
-    """Asynchronous saves into ``root`` through this node's ckptd daemon (see the module docstring).
+class Checkpointer(RootReader):
+    """Asynchronous saves into ``root`` through this node's ckptd daemon (see the module docstring),
+    and loads from it (:class:`~ckptd.client.reader.RootReader`).
 
     ``config`` defaults to :meth:`CkptdConfig.from_env`; an auto-started daemon gets the same
     settings. The rank's place in the job comes from torchrun's variables (RANK, LOCAL_RANK,
@@ -141,7 +141,9 @@ class Checkpointer:
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-        self._levels = Levels.configured(self.root, self.config, self.env.node, self.env.world_size)
+        super().__init__(
+            self.root, Levels.configured(self.root, self.config, self.env.node, self.env.world_size), self.env.rank
+        )
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
         # close() is then freed at once (not in a cyclic garbage collection, where pyzmq's
@@ -165,7 +167,6 @@ class Checkpointer:
             else None
         )
         self._closed = False
-        self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
@@ -367,48 +368,6 @@ class Checkpointer:
                 "mtbf_s=...) or CKPTD_POLICY=auto CKPTD_MTBF_S=...)"
             )
         return self._policy.due(step)
-
-    def latest(self) -> int | None:
-        """The newest committed step, as the root's ``latest`` tracker names it (None: none yet).
-
-        When the tracker is missing, unreadable or names a missing, incomplete or damaged
-        checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
-        committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
-        which raises CorruptCheckpointError when checkpoints exist but none is loadable). With a
-        mirror, the mirror's latest copy when the local root lacks it. With ``node_local``, the
-        step :meth:`load` resumes from, the same on every rank: a collective when torch.distributed
-        is initialized (every rank calls it), since only node 0's disk knows the last commit.
-        """
-        if self._levels.node_local:
-            return self._levels.resumed_step(self._damaged)
-        return self._levels.resume(self._damaged).step
-
-    def checkpoint_dir(self, step: int | None = None) -> Location:
-        """Directory of ``step`` in the local root, else in the mirror when only it has the step;
-        default: the one :meth:`load` resumes (the mirror's copy where the local one is damaged;
-        ``node_local``: README, Two tiers)."""
-        where = self._levels.step_location(step) if step is not None else self._levels.resumed_location(self._damaged)
-        if where is None:
-            raise CheckpointNotFoundError(f"{self.root} has no committed checkpoint yet")
-        return where
-
-    def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
-        """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
-        falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`;
-        with torch.distributed initialized, a collective: rank 0 chooses). With ``node_local``,
-        every rank loads node 0's latest commit (or the mirror's latest copy, when newer), reading
-        what its disk holds there and the rest from the mirror's copy (ckptd.storage.nodeview;
-        README, Two tiers), and ``load(step=N)`` is a collective too (rank 0 finds the commit)."""
-        if step is not None:
-            return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
-        return self._levels.load_resumed(sharded_state_dict, self._damaged, self.env.rank, kwargs)
-
-    def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:
-        """With a mirror (config ``mirror="s3://..."``): return once ``step`` is committed in the
-        object store too (a local commit is copied in the background, newest first, so a step that
-        a newer one overtook before its copy started is never mirrored); SaveTimeoutError after
-        ``timeout_s``."""
-        self._levels.wait_mirrored(step, timeout_s)
 
     @property
     def pending(self) -> list[SaveHandle]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
-from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError, NoCheckpointYetError
 from ..recovery import resolve_resumable
 from ..s3catalog import checkpoint_exists
 from ..storage.url import Location, join
@@ -59,7 +59,7 @@ def load_latest(
 ) -> Any:
     """Steps 1-4 above; ``damaged`` (checkpoint name -> what a load found) is updated in place.
 
-    Raises CheckpointNotFoundError when ``root`` has no committed checkpoint, and
+    Raises NoCheckpointYetError when ``root`` has no committed checkpoint, and
     CorruptCheckpointError when checkpoints exist but none loads.
     """
 
@@ -72,7 +72,7 @@ def load_latest(
     def choose() -> Candidate:
         name = ctx.agree("choosing the checkpoint to resume from", lambda: resolved() if ctx.rank == 0 else None)[0]
         if name is None:
-            raise CheckpointNotFoundError(f"{root} has no committed checkpoint yet")
+            raise NoCheckpointYetError(f"{root} has no committed checkpoint yet")
         path = join(root, name)
         return Candidate(name, path, lambda: checkpoint_exists(path))
 

@@ -30,7 +30,7 @@ from typing import Any, cast
 from ..catalog import abandoned_commit, read_mirrored
 from ..config import CkptdConfig
 from ..dist import DistContext
-from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, SaveTimeoutError
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, NoCheckpointYetError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
@@ -160,7 +160,7 @@ class Levels:
         other level's copy of the same commit stays a candidate."""
         resume = self.resume(damaged, collective=True, group=group)
         if resume.choice is None:
-            raise CheckpointNotFoundError(f"{self.root} and its mirror {self.mirror} hold no committed checkpoint yet")
+            raise NoCheckpointYetError(f"{self.root} and its mirror {self.mirror} hold no committed checkpoint yet")
         path = resume.choice.entry.path
         return Candidate(
             str(path),
@@ -287,7 +287,7 @@ class Levels:
 
     def candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
         """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
-        as :func:`ckptd.client.resume.load_agreed` asks for it). Raises CheckpointNotFoundError
+        as :func:`ckptd.client.resume.load_agreed` asks for it). Raises NoCheckpointYetError
         when neither node 0's disk nor the mirror holds one."""
         while True:
             resume = self.resume(damaged, collective=True, group=group)
@@ -309,18 +309,25 @@ class Levels:
         else:
             if self.node_local:
                 self._check_nothing_elsewhere(group)
-            raise CheckpointNotFoundError(
+            raise NoCheckpointYetError(
                 f"{self.root} on node 0 (the commit authority with node_local) and the mirror {self.mirror} hold "
                 "no committed checkpoint"
             )
         return Candidate(path.name, path, lambda: checkpoint_exists(path))
+
+    def agreed_step(self, damaged: dict[str, str]) -> int | None:
+        """The step :meth:`load_resumed` would load now, rank 0's answer on every rank (a
+        collective with torch.distributed initialized); None when there is none."""
+        if self.node_local:
+            return self.resumed_step(damaged)
+        return self.resume(damaged, collective=True).step
 
     def resumed_step(self, damaged: dict[str, str], group: Any = None) -> int | None:
         """Node-local disks: the step :meth:`load_resumed` loads now, agreed by every rank (a
         collective); None when there is none."""
         try:
             candidate = self.candidate(damaged, group)
-        except CheckpointNotFoundError:
+        except NoCheckpointYetError:
             return None
         if isinstance(candidate.target, NodeLocalCheckpoint):
             return candidate.target.step

@@ -51,9 +51,9 @@ def test_every_rank_resumes_from_rank_0s_choice_while_the_tracker_moves(tmp_path
     assert run_ranks(_resume_while_the_tracker_moves, 2, str(root), timeout_s=90) == [[10.0] * 4] * 2
 
 
-def _resume_while_a_commit_lands(rank: int, world_size: int, root: str) -> float | str:
-    """The README's resume through ``Checkpointer.load()`` while the previous launch's daemon
-    commits step 20 right after rank 0 looked: what this rank loaded, or the error it got."""
+def _resume_while_a_commit_lands(rank: int, world_size: int, root: str, lazily: bool) -> float | None:
+    """The README's ``Checkpointer.resume()`` while the previous launch's daemon commits step 20
+    right after rank 0 looked: what this rank loaded (None: nothing)."""
     from ckptd.client import resume
 
     real = resume.resolve_resumable
@@ -72,19 +72,26 @@ def _resume_while_a_commit_lands(rank: int, world_size: int, root: str) -> float
         return choice
 
     resume.resolve_resumable = resolve
+    made = []
+
+    def request() -> dict:
+        made.append(True)
+        return {"w": torch.zeros(4)}
+
     with ckptd.Checkpointer(root) as ckpt:
-        try:
-            return float(ckpt.load({"w": torch.zeros(4)})["w"][0])
-        except ckptd.CheckpointNotFoundError as exc:
-            return type(exc).__name__
+        loaded = ckpt.resume(request if lazily else request())
+    if lazily and made != ([] if loaded is None else [True]):
+        raise AssertionError(f"the state dict was made {len(made)} times, loaded {loaded}")
+    return None if loaded is None else float(loaded["w"][0])
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("before", [10, None])
-def test_every_rank_resumes_rank_0s_choice_while_a_commit_lands(tmp_path, runtime_dir, before):
+@pytest.mark.parametrize("lazily", [False, True], ids=["dict", "made-when-needed"])
+def test_every_rank_resumes_rank_0s_choice_while_a_commit_lands(tmp_path, runtime_dir, before, lazily):
     """Rank 1 would read step 20, committed by the previous launch's daemon just after rank 0 read
     step 10, or read a first checkpoint where rank 0 read none: every rank loads rank 0's choice,
-    or gets CheckpointNotFoundError (instead of one rank starting fresh while the others load)."""
+    or starts fresh (not one rank fresh while the others wait in the load)."""
     root = tmp_path / "root"
     root.mkdir()
     ckptd.save({"w": torch.full((4,), 20.0)}, tmp_path / "iter_0000020")  # written, not renamed in yet
@@ -92,8 +99,8 @@ def test_every_rank_resumes_rank_0s_choice_while_a_commit_lands(tmp_path, runtim
         ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
         (root / "latest").write_text("iter_0000010")
     env = {"CKPTD_RUNTIME_DIR": str(runtime_dir)}
-    answers = run_ranks(_resume_while_a_commit_lands, 2, str(root), timeout_s=90, env=env)
-    assert answers == [10.0 if before else "CheckpointNotFoundError"] * 2
+    answers = run_ranks(_resume_while_a_commit_lands, 2, str(root), lazily, timeout_s=90, env=env)
+    assert answers == [10.0 if before else None] * 2
 
 
 def _load_failing_on_rank_1(rank: int, world_size: int, root: str, resume: bool) -> str:

@@ -254,14 +254,11 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
         log.add("unrecoverable", None, str(exc))
         ckpt.close()
         return
-    # Every rank calls load(), a collective: rank 0 chooses, and every rank loads its choice or
-    # gets CheckpointNotFoundError. latest() is what this rank reads now: while the previous
-    # launch's daemon finishes a commit, ranks can read different steps, or one none, and skip
-    # the load the others enter. The step to go on from is the one loaded.
-    try:
-        loaded = ckpt.load(load_request(rank, world))
-    except ckptd.CheckpointNotFoundError:
-        loaded = None
+    # Every rank resumes (a collective): rank 0 chooses, every rank loads its choice, or gets None
+    # when there is none. latest() is what this rank reads now: while the previous launch's
+    # daemon finishes a commit, ranks can read different steps, or one none, and skip the load
+    # the others enter. The step to go on from is the one loaded.
+    loaded = ckpt.resume(load_request(rank, world))
     if loaded is not None:
         step = loaded.get("iteration")
         latest = step if isinstance(step, int) and step >= 0 else latest

@@ -1,0 +1,90 @@
+"""The read side of a :class:`~ckptd.client.checkpointer.Checkpointer`: which commit of its root
+(and of its mirror) is the latest, where it is, and loading it (a resume) or a given step.
+
+A resume on several ranks is a collective (with torch.distributed initialized): rank 0 chooses the
+checkpoint and every rank loads its choice, or none (``resume()``: None on every rank alike), so
+ranks that each look while a commit lands never load different steps, and never one skips a load
+the others wait in. The decisions are :class:`~ckptd.client.tiers.Levels`'; this class only keeps
+what a Checkpointer's loads found damaged, so later resumes skip it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..api import load as sync_load
+from ..errors import NoCheckpointYetError
+from ..storage.url import Location
+from .tiers import Levels
+
+
+class RootReader:
+    """Loads from a checkpoint root through its :class:`Levels` (the root, and its mirror)."""
+
+    def __init__(self, root: Location, levels: Levels, rank: int) -> None:
+        self.root = root
+        self._levels = levels
+        self._rank = rank
+        self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
+
+    def latest(self) -> int | None:
+        """The newest committed step, as the root's ``latest`` tracker names it (None: none yet).
+
+        When the tracker is missing, unreadable or names a missing, incomplete or damaged
+        checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
+        committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
+        which raises CorruptCheckpointError when checkpoints exist but none is loadable). With a
+        mirror, the mirror's latest copy when the local root lacks it. What this rank reads now:
+        ranks that read while the previous launch's daemon finishes a commit can read different
+        steps (resume with :meth:`resume`, on every rank). With ``node_local``, the step
+        :meth:`load` resumes from, the same on every rank: a collective when torch.distributed is
+        initialized (every rank calls it), since only node 0's disk knows the last commit.
+        """
+        if self._levels.node_local:
+            return self._levels.resumed_step(self._damaged)
+        return self._levels.resume(self._damaged).step
+
+    def checkpoint_dir(self, step: int | None = None) -> Location:
+        """Directory of ``step`` in the local root, else in the mirror when only it has the step;
+        default: the one :meth:`load` resumes (the mirror's copy where the local one is damaged;
+        ``node_local``: README, Two tiers)."""
+        where = self._levels.step_location(step) if step is not None else self._levels.resumed_location(self._damaged)
+        if where is None:
+            raise NoCheckpointYetError(f"{self.root} has no committed checkpoint yet")
+        return where
+
+    def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
+        """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
+        falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`;
+        with torch.distributed initialized, a collective: rank 0 chooses). With ``node_local``,
+        every rank loads node 0's latest commit (or the mirror's latest copy, when newer), reading
+        what its disk holds there and the rest from the mirror's copy (ckptd.storage.nodeview;
+        README, Two tiers), and ``load(step=N)`` is a collective too (rank 0 finds the commit)."""
+        if step is not None:
+            return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
+        return self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
+
+    def resume(self, sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], **kwargs: Any) -> Any | None:
+        """:meth:`load` of the latest intact committed checkpoint, or None on every rank alike when
+        there is none yet (a fresh start). Call it on every rank, instead of ``load()`` after
+        ``latest() is not None``: each rank reads ``latest()`` on its own, and while the previous
+        launch's daemon finishes its first commit one rank can read None and skip the load the
+        others wait in. ``sharded_state_dict`` may be a function that makes it, called only when
+        there is a checkpoint (``get_state_dict`` initializes a fresh optimizer's state by taking
+        a step); with torch.distributed initialized the ranks then agree first (a collective)."""
+        if callable(sharded_state_dict):
+            if self._levels.agreed_step(self._damaged) is None:
+                return None
+            sharded_state_dict = sharded_state_dict()
+        try:
+            return self.load(sharded_state_dict, **kwargs)
+        except NoCheckpointYetError:
+            return None
+
+    def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:
+        """With a mirror (config ``mirror="s3://..."``): return once ``step`` is committed in the
+        object store too (a local commit is copied in the background, newest first, so a step that
+        a newer one overtook before its copy started is never mirrored); SaveTimeoutError after
+        ``timeout_s``."""
+        self._levels.wait_mirrored(step, timeout_s)
