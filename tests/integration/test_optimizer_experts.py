@@ -140,7 +140,7 @@ def _differing_steps(rank: int, world: int) -> str:
     return ""
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_local_experts_resume_at_other_expert_layouts(tmp_path, single_process):
     run_ranks(_save, 2, str(tmp_path), timeout_s=100)
     meta = ckptd.load_tensors_metadata(tmp_path / "ep2")

@@ -162,7 +162,7 @@ def _resume(rank: int, world: int, root: str) -> list[str]:
     return done
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_optimizer_resumes_at_other_layouts(tmp_path):
     run_ranks(_save, 2, str(tmp_path), timeout_s=100)
     keys = ckptd.load_tensors_metadata(tmp_path / "tp2")

@@ -44,7 +44,7 @@ def _launch(rank: int, world_size: int, root: str, runtime: str) -> tuple[str, s
         return ckpt._tries.incarnation.tag, ckpt._tries.incarnation.source, h.attempt
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_ranks_of_a_torchrun_launch_without_a_run_id_agree_on_a_fresh_incarnation(tmp_path, runtime_dir):
     """Plain torchrun (TORCHELASTIC_RUN_ID=none): the ranks agree through the process group's store,
     and the next launch gets another incarnation."""

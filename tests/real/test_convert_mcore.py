@@ -95,7 +95,7 @@ def _load(rank: int, world: int, root: str) -> list[str]:
     return bad
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_converted_legacy_gpt_loads_as_is_into_megatron_core(tmp_path: Path):
     env = {"PYTHONPATH": str(ROOT)}
     assert run_ranks(_write, 2, str(tmp_path), timeout_s=180, daemon=False) == [[], []]

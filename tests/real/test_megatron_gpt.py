@@ -86,7 +86,7 @@ def _load_then_save(rank: int, world: int, root: str, load_name: str, save_name:
     return bad
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(450)
 def test_gpt_tp2_to_tp1_and_tp1_to_tp2(tmp_path: Path, runtime_dir):
     env = {"CKPTD_RUNTIME_DIR": str(runtime_dir), "CKPTD_IDLE_EXIT_S": "2"}
     run_ranks(_save, 1, str(tmp_path), "tp1", timeout_s=120, daemon=False, env=env)

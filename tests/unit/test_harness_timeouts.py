@@ -1,4 +1,5 @@
-"""Every test's own bound on its ranks (``run_ranks(timeout_s=...)``) ends before the test's timeout.
+"""Every test's own bounds on its ranks (``run_ranks(timeout_s=...)``, added up where a test runs
+ranks several times) end before the test's timeout.
 
 When the test's timeout (pytest-timeout, thread method) fires first, it ends the whole test worker:
 CI then reports "worker crashed" and nothing of why (the stack dump goes to the worker's own
@@ -58,13 +59,14 @@ def _violations(tests: Path, ini_timeout_s: float, default_s: float) -> list[str
             if not isinstance(fn, ast.FunctionDef) or not fn.name.startswith("test"):
                 continue
             timeout_s = _timeout_marker(fn) or ini_timeout_s
-            for line, bound in _ranks_bounds(fn, default_s):
+            bounds = _ranks_bounds(fn, default_s)
+            for line, bound in bounds:
                 if bound is None:
                     found.append(f"{path.name}:{line} {fn.name}: run_ranks' timeout_s is not a constant")
-                elif bound + MARGIN_S > timeout_s:
-                    found.append(
-                        f"{path.name}:{line} {fn.name}: run_ranks(timeout_s={bound:g}) in a {timeout_s:g} s test"
-                    )
+            total_s = sum(bound or 0.0 for _, bound in bounds)
+            if bounds and total_s + MARGIN_S > timeout_s:  # the runs one after the other
+                lines = ",".join(str(line) for line, _ in bounds)
+                found.append(f"{path.name}:{lines} {fn.name}: run_ranks for {total_s:g} s in a {timeout_s:g} s test")
     return found
 
 
@@ -86,10 +88,15 @@ def test_the_check_finds_a_bound_as_long_as_the_test(tmp_path: Path) -> None:
         "def test_b():\n"
         "    run_ranks(f, 2)\n"
         "def test_c():\n"
-        "    run_ranks(f, 2, timeout_s=T)\n",
+        "    run_ranks(f, 2, timeout_s=T)\n"
+        "@pytest.mark.timeout(180)\n"
+        "def test_d():\n"
+        "    run_ranks(f, 2)\n"
+        "    run_ranks(f, 1)\n",
         encoding="utf-8",
     )
     assert _violations(tmp_path, 300.0, 90.0) == [
-        "test_x.py:4 test_a: run_ranks(timeout_s=120) in a 120 s test",
+        "test_x.py:4 test_a: run_ranks for 120 s in a 120 s test",
         "test_x.py:9 test_c: run_ranks' timeout_s is not a constant",
+        "test_x.py:12,13 test_d: run_ranks for 180 s in a 180 s test",
     ]

@@ -12,8 +12,9 @@ tools/harness/netns_hosts.py, which add victims of their own):
    harness SIGKILLs every trainer, as a launcher tears a failed job down.
 2. heal what the hosts' fault broke (a killed machine boots again, empty); wait until the live
    daemons finished everything in flight (commits or aborts);
-3. *restart*: start every rank again; each resumes from ``Checkpointer.latest()`` and checks the
-   loaded state bit for bit, saves new steps and waits until each committed;
+3. *restart*: start every rank again (a launch of its own, with a gloo group); they resume
+   (``Checkpointer.resume()``, rank 0's choice on every rank), check the loaded state bit for
+   bit, save new steps and wait until each committed;
 4. stop the daemons and check the root (:func:`check_root`): every step any rank saw COMMITTED is
    loadable bit-exact unless retention removed it legitimately, the tracker's checkpoint loads
    bit-exact, no partial checkpoint is visible, ``ckptd verify`` passes on every committed one,
@@ -64,7 +65,6 @@ KEEP_LAST = 3
 COMMIT_TIMEOUT_S = 2.5
 COORDINATOR_TIMEOUT_S = 3.0
 STOP_TIMEOUT_S = 20.0  # from SIGTERM until every daemon of the job exited
-LAUNCH_STORE_TIMEOUT_S = 60.0  # the ranks' gloo group's (crash_job.trainer)
 
 
 @dataclass
@@ -302,7 +302,7 @@ class LoopbackHosts:
 
     def start(self, spec: cj.JobSpec, phase: str) -> list[TrialProcess]:
         # Each phase is a launch with its own store, the ranks' gloo group's (as torchrun's).
-        self.store = launch_store(LAUNCH_STORE_TIMEOUT_S)
+        self.store = launch_store()
         launch = replace(
             spec, env={**spec.env, "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         )

@@ -170,15 +170,28 @@ STACK_DUMP_WAIT_S = 1.0
 _STACK_DUMP_BYTES = 64 * 1024  # the end of a rank's dump is reported, no more
 
 
-def launch_store(timeout_s: float) -> Any:
+STORE_START_TIMEOUT_S = 10.0  # a store connects to itself when it starts: a bound on that
+STORE_START_TRIES = 3
+
+
+def launch_store() -> Any:
     """A launch's rendezvous store, held by this process as torchrun's agent holds it: the ranks
     connect to its ``port`` as clients (``TORCHELASTIC_USE_AGENT_STORE=True`` for an ``env://``
     init). It listens on a port the kernel chose for it, for as long as it lives: a port found free
     here and bound later by rank 0 could be taken meanwhile (by any connection's source port), and
-    rank 0 then failed while the others waited for it until the test's own timeout."""
+    rank 0 then failed while the others waited for it until the test's own timeout. A store that
+    cannot reach itself while it starts is made again (torch's stores made and dropped in quick
+    succession sometimes do not, within any timeout)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    def start() -> Any:
+        timeout = timedelta(seconds=STORE_START_TIMEOUT_S)
+        return dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+    for _ in range(STORE_START_TRIES - 1):
+        with contextlib.suppress(RuntimeError):  # DistNetworkError
+            return start()
+    return start()
 
 
 def _rank_entry(
@@ -231,7 +244,7 @@ def run_ranks(
     test's own timeout, so that this error, not a killed test worker, reports a hang
     (tests/unit/test_harness_timeouts.py checks the tests)."""
     queue = spawn_queue()
-    store = launch_store(timeout_s)
+    store = launch_store()
     with tempfile.TemporaryDirectory(prefix="ckptd-ranks-") as stacks:
         targets = [
             (_rank_entry, (fn, r, world_size, store.port, env or {}, queue, args, timeout_s, stacks))
@@ -257,8 +270,11 @@ def run_ranks(
                         if not p.is_alive() and r not in results and p.exitcode not in (0, None)
                     ]
                     if dead:
+                        failed = "".join(
+                            f"\n--- rank {r} failed:\n{v}" for r, (ok, v) in sorted(results.items()) if not ok
+                        )
                         raise RuntimeError(
-                            f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                            f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}{failed}"
                         ) from None
             unfinished = sorted(set(range(world_size)) - set(results))
             hung = _stacks_of(procs, unfinished, stacks)

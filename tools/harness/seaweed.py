@@ -26,12 +26,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from tools.harness.ports import port_is_free
+from tools.harness.ports import LOWEST_PORT, ephemeral_low, port_is_free
 
 _log = logging.getLogger(__name__)
 
 _GRPC_OFFSET = 10000  # every gRPC port is its HTTP port + this: both must be free
-_LOWEST_PORT = 10000
 
 
 def weed_binary() -> str | None:
@@ -42,14 +41,10 @@ def _port_range() -> tuple[int, int]:
     """HTTP ports [low, high) whose gRPC twins stay below the kernel's ephemeral range: a port
     free when checked there can be taken by any outgoing connection (a test's clients, the
     daemons' sockets) before weed binds it, and weed then exits ("Port allocation failed")."""
-    try:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default
-    high = ephemeral_low - _GRPC_OFFSET
-    if high - _LOWEST_PORT < 1000:  # an unusual ephemeral range: any pair below 65536
+    high = ephemeral_low() - _GRPC_OFFSET
+    if high - LOWEST_PORT < 1000:  # an unusual ephemeral range: any pair below 65536
         return (20000, 65536 - _GRPC_OFFSET)
-    return (_LOWEST_PORT, high)
+    return (LOWEST_PORT, high)
 
 
 def _free_port_pair(taken: set[int], ip: str = "127.0.0.1") -> int:
