@@ -28,8 +28,8 @@ class CheckpointNotFoundError(CkptdError):
 
 class NoCheckpointYetError(CheckpointNotFoundError):
     """The root (and its mirror) holds no committed checkpoint yet: a fresh start. A resume
-    (``Checkpointer.load()`` without ``step``) raises it on every rank alike, as rank 0 found it;
-    ``Checkpointer.resume()`` returns None instead."""
+    (``Checkpointer.load()`` without ``step``) raises it on every rank alike (with torch.distributed
+    initialized, as rank 0 found it); ``Checkpointer.resume()`` returns None instead."""
 
 
 class CheckpointRemovedError(CheckpointNotFoundError):

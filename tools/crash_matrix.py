@@ -4,7 +4,7 @@ Each trial runs a multi-rank job (``--ranks`` trainers on ``--nodes`` simulated 
 node daemon per node, node 0's hosting the coordinator) that saves a small sharded state
 asynchronously every few milliseconds, SIGKILLs one victim at a random moment (a trainer rank, a
 non-coordinator node daemon, or node 0's daemon with the coordinator), restarts the job, which
-resumes through ``Checkpointer.latest()``/``load()``, and checks (see tools/harness/crash_trial.py):
+resumes through ``Checkpointer.resume()``, and checks (see tools/harness/crash_trial.py):
 
 - every step any rank saw COMMITTED still loads bit-exact, unless retention removed it after newer
   ones committed; the tracker's checkpoint loads bit-exact and is not older than any of them;

@@ -13,7 +13,7 @@ with a causal mask), every block and the root wrapped by FSDP2's ``fully_shard``
 AdamW. Its state is what PyTorch's own tooling produces: ``get_state_dict(model, optimizer)``
 gives DTensor shards of the parameters and of AdamW's moments, the step counters and the
 parameter groups; ckptd saves that dict as torch DCP would (``ckpt.save(state, step=...)`` in
-place of ``dcp.async_save(state, checkpoint_id=...)``) and ``ckpt.load(state)`` fills it in place
+place of ``dcp.async_save(state, checkpoint_id=...)``) and ``ckpt.resume(state)`` fills it in place
 before ``set_state_dict``. ``--loader dcp`` loads with ``torch.distributed.checkpoint.load``
 instead, to show that torch reads ckptd's checkpoints.
 
@@ -155,8 +155,8 @@ def main() -> None:
             if args.loader == "dcp":
                 # rank 0's directory on every rank: ranks that each read the tracker while a commit
                 # lands would read different checkpoints (ckpt.resume() agrees by itself)
-                where = [str(ckpt.checkpoint_dir()) if rank == 0 and ckpt.latest() is not None else ""]
-                dist.broadcast_object_list(where, src=0)
+                where = [str(ckpt.checkpoint_dir()) if ckpt.latest() is not None else ""]  # every rank
+                dist.broadcast_object_list(where, src=0)  # (both are collectives with node_local)
                 found = bool(where[0])
                 if found:
                     dcp.load(state, checkpoint_id=where[0])

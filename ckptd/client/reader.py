@@ -70,15 +70,11 @@ class RootReader:
         there is none yet (a fresh start). Call it on every rank, instead of ``load()`` after
         ``latest() is not None``: each rank reads ``latest()`` on its own, and while the previous
         launch's daemon finishes its first commit one rank can read None and skip the load the
-        others wait in. ``sharded_state_dict`` may be a function that makes it, called only when
-        there is a checkpoint (``get_state_dict`` initializes a fresh optimizer's state by taking
-        a step); with torch.distributed initialized the ranks then agree first (a collective)."""
-        if callable(sharded_state_dict):
-            if self._levels.agreed_step(self._damaged) is None:
-                return None
-            sharded_state_dict = sharded_state_dict()
+        others wait in. ``sharded_state_dict`` may be a function that makes it, called once the
+        checkpoint to load is chosen, never on a fresh start (``get_state_dict`` initializes a
+        fresh optimizer's state by taking a step)."""
         try:
-            return self.load(sharded_state_dict, **kwargs)
+            return self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
         except NoCheckpointYetError:
             return None
 

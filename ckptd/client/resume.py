@@ -83,8 +83,11 @@ def load_agreed(
     choose: Callable[[], Candidate], sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
 ) -> Any:
     """Steps 2-4 above for the checkpoint ``choose()`` names (step 1), again after each one found
-    damaged or removed; ``choose`` is called on every rank alike (it may be a collective)."""
+    damaged or removed; ``choose`` is called on every rank alike (it may be a collective).
+    ``sharded_state_dict`` may be a function that makes it: called once, when a checkpoint was
+    chosen (a failure in it fails the load on every rank, as a load's does)."""
     ctx = DistContext.current(kwargs.get("process_group"))
+    made: list[Any] = [] if callable(sharded_state_dict) else [sharded_state_dict]
     # An item read only in part is checked too (by its blocks' checksums; in checkpoints without
     # them, by reading all of it): bit rot found here falls back to an intact checkpoint instead
     # of being resumed (README: Guarantees).
@@ -96,7 +99,9 @@ def load_agreed(
         error: Exception | None = None
         result: Any = None
         try:
-            result = sync_load(sharded_state_dict, candidate.target, **kwargs)
+            if not made:
+                made.append(sharded_state_dict())
+            result = sync_load(made[0], candidate.target, **kwargs)
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
             error = exc
         outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)))

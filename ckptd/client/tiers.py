@@ -315,13 +315,6 @@ class Levels:
             )
         return Candidate(path.name, path, lambda: checkpoint_exists(path))
 
-    def agreed_step(self, damaged: dict[str, str]) -> int | None:
-        """The step :meth:`load_resumed` would load now, rank 0's answer on every rank (a
-        collective with torch.distributed initialized); None when there is none."""
-        if self.node_local:
-            return self.resumed_step(damaged)
-        return self.resume(damaged, collective=True).step
-
     def resumed_step(self, damaged: dict[str, str], group: Any = None) -> int | None:
         """Node-local disks: the step :meth:`load_resumed` loads now, agreed by every rank (a
         collective); None when there is none."""

@@ -60,7 +60,9 @@ def _resume_while_a_commit_lands(rank: int, world_size: int, root: str, lazily: 
     moved = Path(root) / "moved"
 
     def resolve(where, **kwargs):
-        if rank != 0:  # a rank that looks on its own looks after the commit
+        # Only rank 0 looks when the ranks agree; a rank that looked on its own would look after
+        # the commit (and load step 20, or make its state dict and wait in a load rank 0 skipped).
+        if rank != 0:
             deadline = time.monotonic() + FLAG_TIMEOUT_S
             while not moved.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)

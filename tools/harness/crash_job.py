@@ -246,27 +246,25 @@ def trainer(rank: int, spec: JobSpec, phase: str) -> None:
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     ckpt = ckptd.Checkpointer(spec.root)
+    # Every rank resumes (a collective): rank 0 chooses, every rank loads its choice, or gets None
+    # when there is none, or the same error. latest() is what this rank reads now: while the
+    # previous launch's daemon finishes a commit, ranks can read different steps, or one none,
+    # and skip the load the others enter. The step to go on from is the one loaded.
     try:
-        latest = ckpt.latest()
+        loaded = ckpt.resume(load_request(rank, world))
     except ckptd.CorruptCheckpointError as exc:
         # Node-local disks: every commit went with a replaced machine's disk before it was
         # mirrored; the resume must say so (tools/harness/crash_nodelocal.py checks it did).
         log.add("unrecoverable", None, str(exc))
         ckpt.close()
         return
-    # Every rank resumes (a collective): rank 0 chooses, every rank loads its choice, or gets None
-    # when there is none. latest() is what this rank reads now: while the previous launch's
-    # daemon finishes a commit, ranks can read different steps, or one none, and skip the load
-    # the others enter. The step to go on from is the one loaded.
-    loaded = ckpt.resume(load_request(rank, world))
+    latest = None
     if loaded is not None:
-        step = loaded.get("iteration")
-        latest = step if isinstance(step, int) and step >= 0 else latest
-        bad = mismatch(loaded, rank, world, latest or 0)
+        iteration = loaded.get("iteration")
+        latest = iteration if isinstance(iteration, int) and iteration >= 0 else None
+        bad = mismatch(loaded, rank, world, latest if latest is not None else -1)
         path = ckpt.checkpoint_dir(latest) if latest is not None else None
         log.add("resumed", latest, json.dumps({"path": str(path), "mismatch": bad}))
-    else:
-        latest = None
     _barrier(spec, phase, rank)
     _await_coordinator(spec, phase, rank, ckpt)
     first = 1 if phase == "run" else (latest or 0) + 1
