@@ -29,7 +29,8 @@ class CheckpointNotFoundError(CkptdError):
 class NoCheckpointYetError(CheckpointNotFoundError):
     """The root (and its mirror) holds no committed checkpoint yet: a fresh start. A resume
     (``Checkpointer.load()`` without ``step``) raises it on every rank alike (with torch.distributed
-    initialized, as rank 0 found it); ``Checkpointer.resume()`` returns None instead."""
+    initialized, as rank 0 found it); ``Checkpointer.resume()`` returns None instead.
+    ``Checkpointer.checkpoint_dir()`` without ``step`` raises it as this rank finds the root."""
 
 
 class CheckpointRemovedError(CheckpointNotFoundError):

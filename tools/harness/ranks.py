@@ -180,8 +180,8 @@ def launch_store() -> Any:
     init). It listens on a port the kernel chose for it, for as long as it lives: a port found free
     here and bound later by rank 0 could be taken meanwhile (by any connection's source port), and
     rank 0 then failed while the others waited for it until the test's own timeout. A store that
-    cannot reach itself while it starts is made again (torch's stores made and dropped in quick
-    succession sometimes do not, within any timeout)."""
+    cannot reach itself while it starts is made again (stores made and dropped in quick
+    succession sometimes did not, within their timeout: 1 to 11 in 300 here)."""
     import torch.distributed as dist
 
     def start() -> Any:
