@@ -100,7 +100,9 @@ class SaveIntake:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
         records, placements, held = self._items(msg, ring)
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, ring.registered_s)
-        producer = SnapshotWait.open(msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset)
+        producer = SnapshotWait.open(
+            msg.rank, msg.snapshot_pid, msg.seal, msg.seal_offset, child=msg.snapshot_pid != rank_pid
+        )
         ring.take_block(msg.block)
         job = WriteJob(
             request=WriteRequest(

@@ -16,8 +16,10 @@ process.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import select
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +38,10 @@ from ..staging.segment import shm_free_nbytes
 
 # Without pidfds (Linux < 5.3), how often /proc is polled for the child's exit.
 _POLL_S = 0.005
+# How long a snapshot child killed by the daemon (SIGKILL) gets to be gone.
+KILLED_EXIT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def boottime_s() -> float:
@@ -93,16 +99,20 @@ class SnapshotWait:
     exit_watch: ExitWatch = ExitWatch.GONE
     pidfd: int = -1  # with ExitWatch.PIDFD
     waited_s: float = 0.0  # time spent waiting for the producer, in total
+    child: bool = False  # a snapshot child of the rank (ckptd.staging.fork), not the rank itself
 
     @classmethod
-    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int) -> SnapshotWait:
+    def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int, *, child: bool = False) -> SnapshotWait:
+        """Watch the producer ``pid`` of a save sealed with ``seal`` in the control block at
+        ``seal_offset``; ``child``: ``pid`` is a snapshot child of the rank (checked by
+        :func:`check_snapshot_child`), which :meth:`drain` may kill."""
         blocks = {block_offset(b): b for b in range(BLOCKS)}
         if pid <= 1 or len(seal) != SEAL_NBYTES or seal_offset not in blocks:
             raise StagingError(
                 f"rank {rank}: malformed snapshot (pid {pid}, seal of {len(seal)} bytes "
                 f"at header offset {seal_offset}, not a control block)"
             )
-        wait = cls(rank, pid, seal, blocks[seal_offset])
+        wait = cls(rank, pid, seal, blocks[seal_offset], child=child)
         try:
             wait.pidfd, wait.exit_watch = os.pidfd_open(pid), ExitWatch.PIDFD
         except ProcessLookupError:
@@ -156,8 +166,14 @@ class SnapshotWait:
     def drain(self, ring: RingMap, end: int, timeout_s: float) -> bool:
         """After a failed write, free this save's ring space as its producer goes: follow its
         progress until it sealed, gave up or exited, then free up to ``end`` (the save's virtual
-        end). False if the producer still runs after ``timeout_s``: the space stays taken (a
-        later save fails waiting for room, naming the daemon)."""
+        end).
+
+        A producer still running after ``timeout_s`` could still write into that space: freed, it
+        is a later save's, whose checkpoint would commit this save's bytes. A snapshot child is
+        killed, and the space freed once it is gone. The rank's own process (a copier thread)
+        cannot be: the ring is frozen instead (:meth:`RingMap.freeze`: it frees no more space,
+        so the rank's later saves fail waiting for room, pointing at this daemon's log, which
+        says why), and False returned."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -169,7 +185,38 @@ class SnapshotWait:
                 ring.set_consumed(end)
                 return True
             if time.monotonic() > deadline:
-                return False
+                break
+        if self.child and self._kill():
+            log.warning(
+                "rank %d: killed snapshot process %d, still copying %g s after its save failed, before "
+                "giving its staging ring space to later saves",
+                self.rank,
+                self.pid,
+                timeout_s,
+            )
+            ring.set_consumed(end)
+            return True
+        ring.freeze(
+            f"rank {self.rank}'s snapshot producer (process {self.pid}) still copied into the staging ring "
+            f"{timeout_s:g} s after its save failed (CKPTD_SNAPSHOT_TIMEOUT_S), so none of the ring's space is "
+            "given to later saves (they would commit its bytes). Close and recreate the Checkpointer"
+        )
+        log.error("%s", ring.frozen)
+        return False
+
+    def _kill(self) -> bool:
+        """SIGKILL the snapshot child; whether it is gone within :data:`KILLED_EXIT_S`."""
+        try:
+            if self.exit_watch is ExitWatch.PIDFD:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.exit_watch is ExitWatch.POLL:
+                os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return True  # gone already
+        except OSError as exc:
+            log.warning("rank %d: cannot kill snapshot process %d: %s", self.rank, self.pid, exc)
+            return False
+        return self._wait_exit(KILLED_EXIT_S)
 
     def _until(self, ring: RingMap, ready: Callable[[], bool], timeout_s: float) -> None:
         """Poll ``ready()`` until it holds; a producer that exits first must have sealed the save."""

@@ -175,6 +175,7 @@ class RingMap:
         self.header = mmap.mmap(fd, HEADER_NBYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.address = _double_map(fd, capacity)
         self.data = (ctypes.c_char * (2 * capacity)).from_address(self.address)
+        self.frozen = ""  # why the ring frees no more space (:meth:`freeze`); "" while it does
 
     def view(self, v: int, nbytes: int) -> memoryview:
         """The bytes of virtual ``[v, v + nbytes)``, without a copy."""
@@ -187,8 +188,13 @@ class RingMap:
         return int.from_bytes(self.header[CONSUMED_AT : CONSUMED_AT + 8], "little")
 
     def set_consumed(self, v: int) -> None:
-        if v > self.consumed():
+        if v > self.consumed() and not self.frozen:
             self.header[CONSUMED_AT : CONSUMED_AT + 8] = v.to_bytes(8, "little")
+
+    def freeze(self, why: str) -> None:
+        """Free no more space from now on (``why``: a producer may still write into the space
+        not freed yet; ckptd.daemon.snapshot.SnapshotWait.drain)."""
+        self.frozen = why
 
     def progress(self, block: int) -> int:
         at = block_offset(block) + SEAL_NBYTES

@@ -5,6 +5,9 @@ by ``debug_write_delay_s``), real processes, real /dev/shm rings and files."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 import psutil
@@ -88,6 +91,55 @@ def test_fork_children_do_not_pile_up_behind_a_slow_disk(tmp_path, runtime_dir, 
     # The wait moved into save() from the third save on: the ring still held the save before.
     assert all(h.record.queue_wait_s > 0 for h in handles[2:]), [h.record.queue_wait_s for h in handles]
     wait_until(lambda: not _live_children(others), 30, "every snapshot child to exit")
+
+
+@pytest.mark.timeout(180)
+def test_a_snapshot_child_stalled_past_the_timeout_is_killed_before_later_saves_reuse_its_space(
+    tmp_path, runtime_dir, single_process, monkeypatch
+):
+    """Step 1's snapshot child stops (SIGSTOP: as a child throttled or swapped out) before copying.
+    Its save fails after ``snapshot_timeout_s``; the daemon then freed its ring space while the
+    child lived, and later saves reused it: the child, resumed, would have copied step 1's bytes
+    into their checkpoints. Now the daemon kills it first, and step 2 commits its own bytes."""
+    from ckptd.staging import fork
+
+    stall, stalled = tmp_path / "stall", tmp_path / "stalled-pid"
+    real = fork._child
+
+    def child(*args, **kwargs):  # runs in the forked child (the patch is in its copy of the parent)
+        if stall.exists():
+            stalled.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(fork, "_child", child)
+    cfg = _config(runtime_dir, staging_budget="1x", snapshot="auto", snapshot_timeout_s=1.0)
+    w = torch.zeros(1024, 1024)  # 4 MiB: each save fills the ring
+    try:
+        with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+            stall.touch()
+            w.fill_(1.0)
+            h1 = ckpt.save(_state({"w": w}, 1), step=1)
+            stall.unlink()
+            with pytest.raises(ckptd.SaveFailedError, match="did not finish copying within 1 s"):
+                h1.wait(timeout_s=60)
+            pid = int(stalled.read_text())
+            wait_until(lambda: _gone(pid), 30, f"the daemon to kill the stalled snapshot child {pid}")
+            w.fill_(2.0)
+            ckpt.save(_state({"w": w}, 2), step=2).wait(timeout_s=60)
+            loaded = ckpt.load(_state({"w": torch.zeros_like(w)}, -1), step=2)["w"]
+            assert torch.equal(loaded, torch.full_like(w, 2.0))
+    finally:  # a stopped child left behind would hold the test runner's pipes open
+        if stalled.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stalled.read_text()), signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _skip_on_one_rank(rank: int, world: int, root: str, runtime: str) -> dict:

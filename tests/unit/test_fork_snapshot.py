@@ -7,9 +7,11 @@ tests run the whole path with the daemon).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -473,3 +475,37 @@ def test_a_snapshot_child_keeps_only_the_rings_descriptor(tmp_path):
     finally:
         for fd in (ring, stray, high):
             os.close(fd)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_still_copying_after_its_save_failed_is_killed_before_its_space_is_freed(rings):
+    """Freed while the child still ran, the space would be a later save's, and the child's late
+    copies would land in that save's checkpoint."""
+    ring, dring = rings
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)  # stalled (stopped, swapped out) before its next copy
+        os._exit(0)
+    try:
+        wait = SnapshotWait.open(2, pid, start_block(ring, 2), block_offset(2), child=True)
+        before = dring.consumed()
+        assert wait.drain(dring, before + 4096, timeout_s=0.3)
+        assert dring.consumed() == before + 4096 and not dring.frozen
+        assert os.waitpid(pid, 0)[1] == signal.SIGKILL  # killed: it writes no more
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+        reap([pid], block=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_thread_still_copying_after_its_save_failed_freezes_the_ring(rings):
+    """The rank's own process (a lazy or device copy's thread) cannot be killed: none of the
+    ring's space is freed from then on, by this save or any later one."""
+    ring, dring = rings
+    wait = SnapshotWait.open(0, os.getpid(), start_block(ring, 1), block_offset(1))  # never sealed
+    before = dring.consumed()
+    assert not wait.drain(dring, before + 4096, timeout_s=0.2)
+    assert "rank 0's snapshot producer (process" in dring.frozen and "CKPTD_SNAPSHOT_TIMEOUT_S" in dring.frozen
+    dring.set_consumed(before + 8192)  # a later save's write
+    assert dring.consumed() == before
