@@ -62,13 +62,17 @@ def test_random_job_tokens_are_accepted(tmp_path, runtime):
 
 
 def test_the_pattern_checks_pass_random_tokens():
-    """10,000 random tokens of each usual form: none refused (each check errs with probability
-    below 1e-6 per token)."""
+    """10,000 random tokens of each usual form (60,400 in all). Each is refused with probability
+    below 1e-6 (a repeated substring, mostly): about 0.01 refusals are expected here, so at most 2
+    are allowed (3 or more: probability about 2e-7). Asserting none failed about one run in 140."""
+    refused = []
     for make in (secrets.token_hex, secrets.token_urlsafe):
         for nbytes in (16, 32, 64, 2048):
             for _ in range(10_000 if nbytes < 2048 else 200):
                 token = make(nbytes).encode()
-                assert token_pattern(token) is None, token
+                if (why := token_pattern(token)) is not None:
+                    refused.append((token, why))
+    assert len(refused) <= 2, refused
 
 
 def test_the_token_file_is_created_once_private_and_shared(tmp_path, runtime):
