@@ -156,12 +156,11 @@ class SnapshotWait:
         self._until(ring, lambda: self.progress(ring) >= end, timeout_s)
 
     def wait(self, ring: RingMap, timeout_s: float) -> None:
-        """Return once the producer has written everything and sealed the save; raise
-        StagingError otherwise. Closes the pidfd."""
-        try:
-            self._until(ring, lambda: self.sealed(ring), timeout_s)
-        finally:
-            self.close()
+        """Return once the producer has written everything and sealed the save (the pidfd is then
+        closed); raise StagingError otherwise, with the watch still open for :meth:`drain`, which
+        must tell a child still running (to kill it) from one that exited."""
+        self._until(ring, lambda: self.sealed(ring), timeout_s)
+        self.close()
 
     def drain(self, ring: RingMap, end: int, timeout_s: float) -> bool:
         """After a failed write, free this save's ring space as its producer goes: follow its

@@ -509,3 +509,25 @@ def test_a_rank_thread_still_copying_after_its_save_failed_freezes_the_ring(ring
     assert "rank 0's snapshot producer (process" in dring.frozen and "CKPTD_SNAPSHOT_TIMEOUT_S" in dring.frozen
     dring.set_consumed(before + 8192)  # a later save's write
     assert dring.consumed() == before
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_times_out_before_its_seal_is_killed_by_the_drain_after_it(rings):
+    """The wait for the seal times out; the drain after it must still see the child running (the
+    wait used to close the watch, and the drain then took the child for gone and freed its space)."""
+    ring, dring = rings
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)  # stalled before its seal
+        os._exit(0)
+    try:
+        wait = SnapshotWait.open(2, pid, start_block(ring, 2), block_offset(2), child=True)
+        with pytest.raises(StagingError, match="did not finish copying within 0.2 s"):
+            wait.wait(dring, timeout_s=0.2)
+        assert wait.drain(dring, dring.consumed() + 4096, timeout_s=0.2)
+        assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+    finally:
+        wait.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+        reap([pid], block=True)
