@@ -128,6 +128,8 @@ class CkptdConfig:
     idle_exit_s: float = 60.0
     shutdown_grace_s: float = 30.0
     close_timeout_s: float = 600.0
+    # A resume waiting for the commits the previous launch left in flight (0: never waits).
+    resume_wait_s: float = 600.0
     # Test hooks (fault injection, see ckptd.daemon.faults); never set them in production.
     debug_write_delay_s: float = 0.0  # seconds slept before the daemon opens each file for writing
     debug_fault_file: str = ""  # file of fault rules ("fail ENOSPC 4096", "delay 2"), re-read per open

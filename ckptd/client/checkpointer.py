@@ -70,7 +70,10 @@ from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.protocol import (
+    AttemptInFlight,
     Bye,
+    InFlight,
+    InFlightReply,
     LayoutOk,
     Message,
     RegisterLayout,
@@ -111,6 +114,7 @@ from .policy import AutoInterval
 from .rankring import RankRing
 from .reader import RootReader
 from .saveplanner import SavePlanner
+from .settle import wait_for_commits_in_flight
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
 from .tries import StepTries
@@ -142,7 +146,9 @@ class Checkpointer(RootReader):
         else:
             self.root.mkdir(parents=True, exist_ok=True)
         super().__init__(
-            self.root, Levels.configured(self.root, self.config, self.env.node, self.env.world_size), self.env.rank
+            self.root,
+            Levels.configured(self.root, self.config, self.env.node, self.env.world_size),
+            self.env.rank,
         )
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without
@@ -395,6 +401,22 @@ class Checkpointer(RootReader):
         self._check_open()
         self._ensure_connected()
         return self._link.request(Status(), StatusReply).info
+
+    def _settle_commits(self, group: Any) -> None:
+        """Before a resume chooses: wait for the saves the node daemons still commit, up to
+        ``resume_wait_s`` (ckptd.client.settle)."""
+        if self.config.resume_wait_s > 0:
+            wait_for_commits_in_flight(self._in_flight, self.config.resume_wait_s, group)
+
+    def _in_flight(self) -> list[AttemptInFlight]:
+        if self._closed:
+            return []
+        try:
+            self._ensure_connected()
+            return self._link.request(InFlight(), InFlightReply).attempts
+        except CkptdError as exc:  # the resume goes on as if nothing were in flight
+            log.info("rank %d: cannot ask the node daemon for commits in flight (%s)", self.env.rank, exc)
+            return []
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending saves (``wait``), say BYE (the daemon frees our ring), disconnect.

@@ -40,6 +40,9 @@ Order of calls for one save of step ``s`` (who sends each message):
 6. daemon -> ranks that saved step ``s`` in that attempt: ``STEP_COMMITTED`` / ``STEP_ABORTED``.
 7. rank -> daemon ``BYE`` when the Checkpointer closes (the daemon frees its ring once idle).
 
+``IN_FLIGHT`` -> ``IN_FLIGHT_REPLY``: before a resume chooses its checkpoint, every rank asks its
+node daemon which attempts it holds undecided, and the ranks wait for those that can still commit
+(a relaunch must not resume the step before one its predecessor's daemons are committing).
 ``STATUS`` -> ``STATUS_REPLY`` and ``SHUTDOWN`` -> ``SHUTDOWN_ACK`` serve tools and tests. Any
 request can be answered with ``ERROR`` (reason).
 
@@ -80,7 +83,8 @@ from .attempt import check_attempt, check_step
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
 # 14: REGISTER_LAYOUT. 15: ERROR names the refused request's type and attempt (a version check refuses
 # every message of another version). 16: item records carry block checksums (``block_crcs``).
-PROTOCOL_VERSION = 16
+# 17: IN_FLIGHT (a resume waits for the commits its predecessor left in flight).
+PROTOCOL_VERSION = 17
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -111,6 +115,8 @@ class MsgType(enum.IntEnum):
     STATUS_REPLY = 41
     SHUTDOWN = 42
     SHUTDOWN_ACK = 43
+    IN_FLIGHT = 44
+    IN_FLIGHT_REPLY = 45
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -387,6 +393,34 @@ class StatusReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttemptInFlight:
+    """An attempt a node daemon took saves of and holds no verdict for: the ranks whose data files
+    it is still ``writing``, has reported ``written``, or reported ``failed`` (a failed write, a
+    skip), of the attempt's ``world_size``."""
+
+    step: int
+    attempt: str
+    world_size: int
+    writing: tuple[int, ...]
+    written: tuple[int, ...]
+    failed: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InFlight(Message):
+    """rank -> daemon: which attempts does the node hold undecided? (A resume waits for those that
+    can still commit: ckptd.client.settle.)"""
+
+    TYPE: ClassVar[MsgType] = MsgType.IN_FLIGHT
+
+
+@dataclass(frozen=True, kw_only=True)
+class InFlightReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.IN_FLIGHT_REPLY
+    attempts: list[AttemptInFlight]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Shutdown(Message):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
@@ -421,6 +455,8 @@ REGISTRY: dict[int, type[Message]] = {
         StatusReply,
         Shutdown,
         ShutdownAck,
+        InFlight,
+        InFlightReply,
     )
 }
 

@@ -29,7 +29,16 @@ from collections.abc import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
-from ..control.protocol import MAX_RING_OFFSET, Message, RegisterLayout, Save, SaveItem, WriteDone, check_save_items
+from ..control.protocol import (
+    MAX_RING_OFFSET,
+    AttemptInFlight,
+    Message,
+    RegisterLayout,
+    Save,
+    SaveItem,
+    WriteDone,
+    check_save_items,
+)
 from ..errors import AttemptInUseError, ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
@@ -238,6 +247,10 @@ class SaveIntake:
             result: WriteResult = done.result if done.error is None else WriteResult()
             self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
+
+    def in_flight(self) -> list[AttemptInFlight]:
+        """The attempts this node holds undecided (ckptd.daemon.intakestate.IntakeState.in_flight)."""
+        return self.state.in_flight()
 
     def tick(self, now: float) -> None:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import CkptdConfig
-from ..control.protocol import Failed, StepAborted, Written
+from ..control.protocol import AttemptInFlight, Failed, StepAborted, Written
 from ..errors import CkptdError
 from ..format.records import ItemRecord
 from .uplinkstate import StepKey, UplinkState
@@ -172,6 +172,33 @@ class IntakeState:
         if any(job.key == key and job.request.rank == rank for job, _ in self.unfinished.values()):
             return True
         return self.uplink.reported(key, rank)
+
+    def in_flight(self) -> list[AttemptInFlight]:
+        """The attempts this node holds undecided (an IN_FLIGHT's answer): its writes not ended
+        and its reports awaiting their verdict, by attempt, in step order."""
+        ranks: dict[StepKey, tuple[set[int], set[int], set[int]]] = {}
+        world: dict[StepKey, int] = {}
+
+        def note(key: StepKey, rank: int, world_size: int, kind: int) -> None:
+            ranks.setdefault(key, (set(), set(), set()))[kind].add(rank)
+            world[key] = max(world.get(key, 0), world_size)
+
+        for job, _ in self.unfinished.values():
+            if self.uplink.expects(job.key, job.identity):  # not decided already
+                note(job.key, job.request.rank, job.world_size, 0)
+        for key, msg in self.uplink.open_reports():
+            note(key, msg.rank, msg.world_size, 1 if isinstance(msg, Written) else 2)
+        return [
+            AttemptInFlight(
+                step=step,
+                attempt=attempt,
+                world_size=world[(step, attempt)],
+                writing=tuple(sorted(writing)),
+                written=tuple(sorted(written)),
+                failed=tuple(sorted(failed)),
+            )
+            for (step, attempt), (writing, written, failed) in sorted(ranks.items())
+        ]
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` at time ``now``; the actions to execute, in order."""

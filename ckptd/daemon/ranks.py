@@ -28,6 +28,8 @@ from ..control.protocol import (
     Codec,
     Failed,
     Hello,
+    InFlight,
+    InFlightReply,
     LayoutOk,
     Message,
     Ping,
@@ -150,6 +152,9 @@ class RankServer:
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
             self.rings.retire_owner(identity)
+        elif isinstance(msg, InFlight):
+            self.client(identity)
+            self.channel.send(InFlightReply(attempts=self.intake.in_flight()), identity)
         elif isinstance(msg, Status):
             self.channel.send(StatusReply(info=self.hooks.status()), identity)
         elif isinstance(msg, Shutdown):

@@ -215,6 +215,10 @@ class UplinkState:
     def pending_steps(self) -> list[int]:
         return sorted({step for (step, _), u in self.unacked.items() if u.open})
 
+    def open_reports(self) -> list[tuple[StepKey, Written | Failed]]:
+        """Every report (sent, or not yet) of an attempt still undecided here."""
+        return [(key, m) for key, u in self.unacked.items() if u.open for m in (*u.reports, *u.unsent)]
+
     def verdict(self, key: StepKey) -> Message | None:
         """The abort of attempt ``key`` if it was aborted recently (None: undecided, committed, or
         decided long ago)."""

@@ -15,9 +15,12 @@ from ckptd.control.protocol import (
     FRAME_NBYTES,
     PROTOCOL_VERSION,
     REGISTRY,
+    AttemptInFlight,
     Codec,
     Failed,
     Hello,
+    InFlight,
+    InFlightReply,
     LayoutOk,
     MsgType,
     Ping,
@@ -84,6 +87,12 @@ def test_every_message_type_round_trips():
         Skip(step=7, attempt=ATTEMPT, rank=1, world_size=2, reason="its ring was busy", skipped=True),
         Failed(step=7, attempt=ATTEMPT, rank=1, world_size=2, node=0, reason="skipped the save", skipped=True),
         StatusReply(info={"rings": [], "x": 1.5}),
+        InFlight(),
+        InFlightReply(
+            attempts=[
+                AttemptInFlight(step=10, attempt=ATTEMPT, world_size=4, writing=(0,), written=(1, 2), failed=(-1,))
+            ]
+        ),
     ]
     for msg in samples:
         frames = codec.encode(msg)

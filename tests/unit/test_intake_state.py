@@ -168,3 +168,37 @@ def test_a_save_is_in_use_from_taken_until_its_verdict():
     assert node.state.in_use(1, j.key)  # written and reported: awaiting the verdict
     node.decide(j, StepCommitted(step=j.request.step, attempt=j.attempt, name="iter_0000003", warnings=[]))
     assert not node.state.in_use(1, j.key)
+
+
+def test_in_flight_names_each_undecided_attempt_with_the_ranks_writing_written_and_failed():
+    """What a relaunch's resume waits for (ckptd.client.settle): each attempt this node holds no
+    verdict for, rank by rank, until its verdict arrives."""
+    from ckptd.control.protocol import AttemptInFlight
+    from ckptd.daemon.uplinkstate import Report as Reported
+
+    node, j = Node(), job()
+    other = WriteJob(**{**j.__dict__, "request": WriteRequest(**{**j.request.__dict__, "rank": 0}), "block": 1})
+    assert node.state.in_flight() == []
+    node.take(j)
+    node.take(other)
+    writing = AttemptInFlight(step=3, attempt=A, world_size=2, writing=(0, 1), written=(), failed=())
+    assert node.state.in_flight() == [writing]
+    msg = report(node.handle(Ended(job=j, result=WriteResult(stored=[RECORD], file_nbytes=64))))
+    node.uplink.handle(Reported(key=j.key, msg=msg), node.now)
+    assert node.state.in_flight() == [
+        AttemptInFlight(step=3, attempt=A, world_size=2, writing=(0,), written=(1,), failed=())
+    ]
+    failed = report(node.handle(Ended(job=other, error=OSError(5, "EIO"), reason="OSError: EIO")))
+    node.uplink.handle(Reported(key=other.key, msg=failed), node.now)
+    assert node.state.in_flight() == [
+        AttemptInFlight(step=3, attempt=A, world_size=2, writing=(), written=(1,), failed=(0,))
+    ]
+    node.decide(j, aborted(j))
+    assert node.state.in_flight() == []
+
+
+def test_a_write_of_an_attempt_decided_already_is_not_in_flight():
+    node, j = Node(), job()
+    node.take(j)
+    node.decide(j, StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[]))
+    assert j.slot in node.state.unfinished and node.state.in_flight() == []
