@@ -25,7 +25,7 @@ from .catalog import (
     scan_root,
 )
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
+from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
 from .format.layout import DCP_METADATA, METADATA_JSON
 from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
 from .storage.s3client import S3Client
@@ -176,6 +176,13 @@ def committed_at(root: Location, step: int) -> bool:
     if read_s3_commit_record(client, step_dir_name(step)) is None:
         return False
     return scan_s3_root(root, client, usage=False).abandoned(step) is None
+
+
+def commit_record_at(root: Location, step: int) -> CommitRecord | None:
+    """The commit record of ``iter_<step>`` in a directory or an ``s3://`` root (None: none)."""
+    if isinstance(root, S3Location):
+        return read_s3_commit_record(S3Client(root), step_dir_name(step))
+    return read_commit_record(root / step_dir_name(step))
 
 
 def checkpoint_exists(path: Location) -> bool:

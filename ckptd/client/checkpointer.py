@@ -70,10 +70,7 @@ from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.protocol import (
-    AttemptInFlight,
     Bye,
-    InFlight,
-    InFlightReply,
     LayoutOk,
     Message,
     RegisterLayout,
@@ -114,7 +111,7 @@ from .policy import AutoInterval
 from .rankring import RankRing
 from .reader import RootReader
 from .saveplanner import SavePlanner
-from .settle import wait_for_commits_in_flight
+from .settle import DaemonsInFlight
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
 from .tries import StepTries
@@ -402,21 +399,21 @@ class Checkpointer(RootReader):
         self._ensure_connected()
         return self._link.request(Status(), StatusReply).info
 
-    def _settle_commits(self, group: Any) -> None:
-        """Before a resume chooses: wait for the saves the node daemons still commit, up to
-        ``resume_wait_s`` (ckptd.client.settle)."""
-        if self.config.resume_wait_s > 0:
-            wait_for_commits_in_flight(self._in_flight, self.config.resume_wait_s, group)
+    def _before_load(self, group: Any, *, resume: bool) -> None:
+        """A load writes into the tensors a lazy save may still be copying: decide those saves
+        first. A resume then settles what an earlier launch left with the node daemons
+        (ckptd.client.settle)."""
+        self._ring.fence()
+        if resume:
+            daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._daemon_lost)
+            daemons.settle(self.config.resume_wait_s, may_abandon=not self._levels.node_local, group=group)
 
-    def _in_flight(self) -> list[AttemptInFlight]:
+    def _connected_link(self) -> DaemonLink | None:
+        """The link to the node daemon, connected (None: this Checkpointer is closed)."""
         if self._closed:
-            return []
-        try:
-            self._ensure_connected()
-            return self._link.request(InFlight(), InFlightReply).attempts
-        except CkptdError as exc:  # the resume goes on as if nothing were in flight
-            log.info("rank %d: cannot ask the node daemon for commits in flight (%s)", self.env.rank, exc)
-            return []
+            return None
+        self._ensure_connected()
+        return self._link
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending saves (``wait``), say BYE (the daemon frees our ring), disconnect.

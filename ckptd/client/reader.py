@@ -4,8 +4,9 @@
 A resume on several ranks is a collective (with torch.distributed initialized): rank 0 chooses the
 checkpoint and every rank loads its choice, or none (``resume()``: None on every rank alike), so
 ranks that each look while a commit lands never load different steps, and never one skips a load
-the others wait in. Before choosing, a Checkpointer's resume waits for the commits its node daemons
-still hold in flight (the previous launch's last save: :mod:`ckptd.client.settle`). The decisions
+the others wait in. Before choosing, a Checkpointer's resume waits for the saves an earlier launch
+left with its node daemons that can still commit, and aborts those that cannot
+(:mod:`ckptd.client.settle`). The decisions
 are :class:`~ckptd.client.tiers.Levels`'; this class only keeps what a Checkpointer's loads found
 damaged, so later resumes skip it.
 """
@@ -59,17 +60,18 @@ class RootReader:
     def load(self, sharded_state_dict: dict[str, Any], step: int | None = None, **kwargs: Any) -> Any:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
         falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`;
-        with torch.distributed initialized, a collective: rank 0 chooses), once the saves the node
-        daemons still commit are decided (up to ``resume_wait_s``: :mod:`ckptd.client.settle`). With ``node_local``,
+        with torch.distributed initialized, a collective: rank 0 chooses); a Checkpointer first
+        settles what an earlier launch left with its node daemons (:mod:`ckptd.client.settle`). With ``node_local``,
         every rank loads node 0's latest commit (or the mirror's latest copy, when newer), reading
         what its disk holds there and the rest from the mirror's copy (ckptd.storage.nodeview;
         README, Two tiers), and ``load(step=N)`` is a collective too (rank 0 finds the commit)."""
         if step is not None:
+            self._before_load(kwargs.get("process_group"), resume=False)
             return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
         return self._load_resumed(sharded_state_dict, kwargs)
 
     def _load_resumed(self, sharded_state_dict: Any, kwargs: dict[str, Any]) -> Any:
-        self._settle_commits(kwargs.get("process_group"))
+        self._before_load(kwargs.get("process_group"), resume=True)
         return self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
 
     def resume(self, sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], **kwargs: Any) -> Any | None:
@@ -85,9 +87,9 @@ class RootReader:
         except NoCheckpointYetError:
             return None
 
-    def _settle_commits(self, group: Any) -> None:
-        """Before a resume chooses (a collective on ``group`` where the ranks wait): nothing can be
-        in flight without a daemon; a Checkpointer waits for what its daemons commit."""
+    def _before_load(self, group: Any, *, resume: bool) -> None:
+        """Before a load (a ``resume`` chooses its checkpoint after it, as a collective on
+        ``group``): nothing to do without saves; a Checkpointer settles its own and its daemons'."""
 
     def wait_mirrored(self, step: int, timeout_s: float = 600.0) -> None:
         """With a mirror (config ``mirror="s3://..."``): return once ``step`` is committed in the

@@ -1,50 +1,99 @@
-"""A resume waits for the commits the previous launch left in flight.
+"""A resume settles the saves the previous launch left with the node daemons.
 
 A trainer that crashed right after ``save()`` returned leaves its step with the node daemons, which
-go on writing and committing it. A relaunch that resumed at once would load the step before, and
-its own save of the landed step would later be refused (``CheckpointExistsError``). So before a
-resume chooses its checkpoint, the ranks ask their node daemons which attempts they hold undecided
-(``IN_FLIGHT``), and wait for those that can still commit, up to ``resume_wait_s``.
+go on writing and committing it. A relaunch that resumed at once would load the step before it,
+and its own save of the landed step would be refused (``CheckpointExistsError``). A trainer that
+crashed inside ``save()`` on some ranks leaves an attempt that can never commit; the coordinator
+aborts it after ``commit_timeout_s``, and until then a relaunch's save of that step is refused as a
+second attempt of it. So before a resume chooses its checkpoint, the ranks ask their node daemons
+which attempts they hold undecided (``IN_FLIGHT``) and settle those of launches no longer running
+(no process that handed one of their saves off is still connected):
 
-An attempt can still commit when no rank failed it and every rank of its world has handed its save
-to a node daemon (being written, or written and reported). The ranks gather what their daemons
-hold, so an attempt is seen whole where the relaunch runs on the nodes of its predecessor. An
-attempt a rank never handed off (it crashed inside ``save()``) cannot commit (the coordinator
-aborts it after ``commit_timeout_s``), so nobody waits for it. Neither does anyone for a part
-missing because its node received the verdict already: it is decided, and if it committed, the
-commit is visible (the coordinator announces a commit after it made it).
+- an attempt every rank of its world handed off, and no rank failed, can still commit: the resume
+  waits for it, up to ``resume_wait_s``;
+- an attempt some rank never handed off cannot commit: rank 0 has it aborted now (``ABANDON``: a
+  local abort of its node daemon, told to the coordinator), unless the root holds its commit
+  already (a node that received the verdict no longer reports its part, and the coordinator
+  announces a commit only once it is visible). Not with node-local disks, whose nodes each finish
+  a commit on their own disk after its verdict: there the coordinator's timeout aborts it.
 
-Order, on every rank (a collective with torch.distributed initialized, as the resume's choice is):
+Attempts of the running launch (this one's own saves, another Checkpointer's) are left alone, as
+are those a rank failed (they abort on their own). Where the relaunch runs on other nodes than its
+predecessor, or a node daemon restarted, parts are missing: such an attempt is taken for one that
+cannot commit.
 
-1. ask this rank's node daemon (a failed question counts as nothing in flight: the resume goes on,
-   as it did before waiting existed);
-2. gather every rank's answer and rank 0's time waited; :func:`settle_move` decides, from these
-   alone, so every rank decides alike: go on, wait another poll, or give up (a WARNING);
-3. while waiting, poll again every ``poll_s``; one INFO line says what is waited for.
+Order, on every rank (a collective with torch.distributed initialized, as the resume's choice is);
+every move is decided from gathered values only, rank 0's clock and settings included, so the
+ranks move alike:
+
+1. ask this rank's node daemon (a failed question counts as nothing in flight: the resume goes on
+   as it would without this module);
+2. gather every rank's answer; when some attempt is to be waited for or abandoned, gather rank 0's
+   reading of the root's commit records of those steps (a second small collective);
+3. rank 0 abandons the attempts that cannot commit (once each);
+4. :func:`settle_move` decides: go on, or poll again after ``poll_s``; the attempts waited for are
+   those of the first poll that are still undecided (later ones cannot belong to a launch that is
+   gone). After ``resume_wait_s`` the resume goes on with a WARNING.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..control.protocol import AttemptInFlight
+from ..control.protocol import Abandon, AttemptInFlight, InFlight, InFlightReply, SaveAck
 from ..dist import DistContext
+from ..errors import CkptdError, DaemonLostError
+from ..s3catalog import commit_record_at
+from ..storage.url import Location
+from .link import DaemonLink
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+Key = tuple[int, str]  # (step, attempt id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InFlightView:
+    """The attempts of launches no longer running, merged from every node's parts of them:
+    ``committable`` (every rank of the world handed off, none failed) and ``doomed`` (some rank
+    never handed off, none failed)."""
+
+    committable: tuple[Key, ...]
+    doomed: tuple[Key, ...]
+
+
+def merge(parts: Iterable[AttemptInFlight]) -> InFlightView:
+    """The :class:`InFlightView` of every node's parts (ranks of one node answer alike)."""
+    ranks: dict[Key, set[int]] = {}
+    world: dict[Key, int] = {}
+    left_alone: set[Key] = set()
+    for a in parts:
+        key = (a.step, a.attempt)
+        ranks.setdefault(key, set()).update(a.writing, a.written)
+        world[key] = max(world.get(key, 0), a.world_size)
+        if a.live or a.failed:
+            left_alone.add(key)
+    committable: list[Key] = []
+    doomed: list[Key] = []
+    for key in sorted(ranks):
+        if key in left_alone:
+            continue
+        whole = world[key] > 0 and ranks[key] >= set(range(world[key]))
+        (committable if whole else doomed).append(key)
+    return InFlightView(committable=tuple(committable), doomed=tuple(doomed))
 
 
 @dataclass(frozen=True, kw_only=True)
 class SettleMove:
-    """What a resume does next: ``waiting`` the steps of the attempts that can still commit (none:
-    go on); ``give_up``: it waited ``resume_wait_s`` for them and goes on without."""
+    """What a resume does next: ``waiting`` the attempts it waits for (none: go on); ``give_up``:
+    it waited ``resume_wait_s`` for them and goes on without."""
 
-    waiting: tuple[int, ...]
+    waiting: tuple[Key, ...]
     give_up: bool = False
 
     @property
@@ -52,62 +101,154 @@ class SettleMove:
         return not self.waiting or self.give_up
 
 
-def committable(parts: Iterable[AttemptInFlight]) -> list[tuple[int, str]]:
-    """The attempts (step, attempt id) that can still commit, from every node's part of them:
-    none of their ranks failed, and every rank of their world handed its save off."""
-    held: dict[tuple[int, str], tuple[set[int], bool, int]] = {}
-    for a in parts:
-        ranks, failed, world = held.setdefault((a.step, a.attempt), (set(), False, 0))
-        ranks.update(a.writing, a.written)
-        held[(a.step, a.attempt)] = (ranks, failed or bool(a.failed), max(world, a.world_size))
-    return sorted(
-        key for key, (ranks, failed, world) in held.items() if not failed and world > 0 and ranks >= set(range(world))
-    )
+def settle_move(
+    view: InFlightView, committed: Collection[Key], watched: Collection[Key] | None, waited_s: float, timeout_s: float
+) -> SettleMove:
+    """The next move from the merged view, the attempts the root holds committed, those waited for
+    since the first poll (None: this is the first) and rank 0's time waited and bound."""
+    waiting = tuple(key for key in view.committable if key not in committed and (watched is None or key in watched))
+    return SettleMove(waiting=waiting, give_up=bool(waiting) and waited_s >= timeout_s)
 
 
-def settle_move(answers: list[list[AttemptInFlight]], waited_s: float, timeout_s: float) -> SettleMove:
-    """The next move of a resume from every rank's node daemon's answer and the time rank 0 has
-    waited (the same inputs on every rank: the same move)."""
-    steps = tuple(sorted({step for step, _ in committable(a for answer in answers for a in answer)}))
-    return SettleMove(waiting=steps, give_up=bool(steps) and waited_s >= timeout_s)
+def _steps(keys: Iterable[Key]) -> list[int]:
+    return sorted({step for step, _ in keys})
 
 
-def wait_for_commits_in_flight(
+def settle_in_flight(
     ask: Callable[[], list[AttemptInFlight]],
-    timeout_s: float,
-    group: Any = None,
+    committed: Callable[[list[Key]], set[Key]],
+    abandon: Callable[[list[Key]], None],
     *,
+    timeout_s: float,
+    may_abandon: bool,
+    group: Any = None,
     poll_s: float = POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SettleMove:
-    """Steps 1-3 above; ``ask`` asks this rank's node daemon. Returns the last move."""
+    """Steps 1-4 above. ``ask``: this rank's node daemon's answer; ``committed``: which of these
+    attempts the root holds committed (called on rank 0); ``abandon``: abort these attempts (rank
+    0). Returns the last move."""
     ctx = DistContext.current(group)
     start = clock()
+    watched: frozenset[Key] | None = None
+    abandoned: set[Key] = set()
     said = False
     while True:
-        gathered = ctx.agree("asking the node daemons for commits in flight", lambda: (ask(), clock() - start))
-        move = settle_move([attempts for attempts, _ in gathered], gathered[0][1], timeout_s)
-        if move.give_up:
-            log.warning(
-                "rank %d: step(s) %s still not committed by the node daemons after %.0f s (resume_wait_s); "
-                "resuming from the latest committed checkpoint. If they commit later, a save of one of "
-                "them is refused (CheckpointExistsError): raise CKPTD_RESUME_WAIT_S, or check the daemon's log",
-                ctx.rank,
-                list(move.waiting),
-                timeout_s,
-            )
+        gathered = ctx.agree(
+            "asking the node daemons for saves in flight", lambda: (ask(), clock() - start, timeout_s, may_abandon)
+        )
+        view = merge(a for answer, *_ in gathered for a in answer)
+        _, waited_s, bound_s, abandoning = gathered[0]
+        doomed = [key for key in view.doomed if key not in abandoned] if abandoning else []
+        asked = sorted(set(view.committable) | set(doomed))
+        done: set[Key] = set()
+        if asked:
+            done = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))[0]
+        doomed = [key for key in doomed if key not in done]
+        if doomed and ctx.rank == 0:
+            abandon(doomed)
+        abandoned.update(doomed)
+        move = settle_move(view, done, watched, waited_s, bound_s)
+        if watched is None:
+            watched = frozenset(move.waiting)
+        if ctx.rank == 0:
+            _say(move, said, bound_s)
         if move.go:
-            if said and not move.give_up:
-                log.info("rank %d: the commits in flight are decided", ctx.rank)
             return move
-        if not said:
-            log.info(
-                "rank %d: waiting up to %.0f s (resume_wait_s) for step(s) %s, which the node daemons are "
-                "still committing (saved before a crash?), before choosing the checkpoint to resume from",
-                ctx.rank,
-                timeout_s,
-                list(move.waiting),
-            )
-            said = True
+        said = True
         sleep(poll_s)
+
+
+def _on_rank_0(ctx: DistContext, committed: Callable[[list[Key]], set[Key]], keys: list[Key]) -> Callable[[], set[Key]]:
+    return lambda: committed(keys) if ctx.rank == 0 else set()
+
+
+def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
+    """Rank 0's log lines: one when the wait starts, one when it ends."""
+    if move.give_up:
+        log.warning(
+            "step(s) %s, handed to the node daemons by an earlier launch, still not committed after %.0f s "
+            "(resume_wait_s); resuming from the latest committed checkpoint. If one commits later, this "
+            "launch's save of that step is refused (CheckpointExistsError): raise CKPTD_RESUME_WAIT_S, or "
+            "see the daemons' logs",
+            _steps(move.waiting),
+            timeout_s,
+        )
+    elif move.go:
+        if said:
+            log.info("the saves the node daemons were committing are decided; resuming")
+    elif not said:
+        log.info(
+            "waiting up to %.0f s (resume_wait_s) for step(s) %s, which an earlier launch handed to the "
+            "node daemons and they are still committing, before choosing the checkpoint to resume from",
+            timeout_s,
+            _steps(move.waiting),
+        )
+
+
+class DaemonsInFlight:
+    """The I/O of a Checkpointer's settling (:func:`settle_in_flight`): its node daemon's answer,
+    the root's commit records, the abandons. A failure to ask counts as nothing in flight, a failed
+    abandon leaves the attempt to the coordinator's timeout: the resume goes on either way.
+
+    ``link``: the rank's link to its node daemon, connected (None: the Checkpointer is closed);
+    ``lost``: what the Checkpointer does when the daemon died (its saves in flight fail)."""
+
+    def __init__(
+        self, root: Location, rank: int, link: Callable[[], DaemonLink | None], lost: Callable[[str], None]
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.link = link
+        self.lost = lost
+
+    def settle(self, timeout_s: float, *, may_abandon: bool, group: Any = None) -> SettleMove:
+        return settle_in_flight(
+            self.ask, self.committed, self.abandon, timeout_s=timeout_s, may_abandon=may_abandon, group=group
+        )
+
+    def ask(self) -> list[AttemptInFlight]:
+        try:
+            link = self.link()
+            return [] if link is None else link.request(InFlight(), InFlightReply).attempts
+        except DaemonLostError as exc:
+            self.lost(str(exc))
+            log.warning("rank %d: %s; resuming without asking it for saves in flight", self.rank, exc)
+        except CkptdError as exc:
+            log.warning("rank %d: cannot ask the node daemon for saves in flight (%s)", self.rank, exc)
+        return []
+
+    def committed(self, keys: list[Key]) -> set[Key]:
+        """Which of these attempts the root holds committed (an unreadable record: not)."""
+        done = set()
+        for step, attempt in keys:
+            try:
+                record = commit_record_at(self.root, step)
+            except (OSError, CkptdError) as exc:
+                log.warning("rank %d: cannot read the commit record of step %d (%s)", self.rank, step, exc)
+                continue
+            if record is not None and record.attempt == attempt:
+                done.add((step, attempt))
+        return done
+
+    def abandon(self, keys: list[Key]) -> None:
+        why = "a relaunch found that a rank of it never handed its save off, and its launch is gone"
+        for step, attempt in keys:
+            log.warning(
+                "step %d attempt %s, saved by an earlier launch, can never commit (a rank of it never handed "
+                "its save off); aborting it now, so that this launch can save step %d",
+                step,
+                attempt,
+                step,
+            )
+            try:
+                link = self.link()
+                if link is not None:
+                    link.request(Abandon(step=step, attempt=attempt, reason=why), SaveAck, match=_ack_of(step, attempt))
+            except CkptdError as exc:  # the coordinator's commit timeout aborts it then
+                log.warning("rank %d: could not abort step %d attempt %s: %s", self.rank, step, attempt, exc)
+
+
+def _ack_of(step: int, attempt: str) -> Callable[[SaveAck], bool]:
+    return lambda ack: ack.step == step and ack.attempt == attempt

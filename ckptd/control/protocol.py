@@ -42,7 +42,8 @@ Order of calls for one save of step ``s`` (who sends each message):
 
 ``IN_FLIGHT`` -> ``IN_FLIGHT_REPLY``: before a resume chooses its checkpoint, every rank asks its
 node daemon which attempts it holds undecided, and the ranks wait for those that can still commit
-(a relaunch must not resume the step before one its predecessor's daemons are committing).
+(a relaunch must not resume the step before one its predecessor's daemons are committing); rank 0
+sends ``ABANDON`` -> ``SAVE_ACK`` for each that never can (ckptd.client.settle).
 ``STATUS`` -> ``STATUS_REPLY`` and ``SHUTDOWN`` -> ``SHUTDOWN_ACK`` serve tools and tests. Any
 request can be answered with ``ERROR`` (reason).
 
@@ -83,7 +84,8 @@ from .attempt import check_attempt, check_step
 # files to the node daemons (a node of 12 would tell its ranks committed without committing on its disk).
 # 14: REGISTER_LAYOUT. 15: ERROR names the refused request's type and attempt (a version check refuses
 # every message of another version). 16: item records carry block checksums (``block_crcs``).
-# 17: IN_FLIGHT (a resume waits for the commits its predecessor left in flight).
+# 17: IN_FLIGHT and ABANDON (a resume waits for the commits its predecessor left in flight, and
+# aborts those that can never commit).
 PROTOCOL_VERSION = 17
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
@@ -117,6 +119,7 @@ class MsgType(enum.IntEnum):
     SHUTDOWN_ACK = 43
     IN_FLIGHT = 44
     IN_FLIGHT_REPLY = 45
+    ABANDON = 46
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -396,7 +399,8 @@ class StatusReply(Message):
 class AttemptInFlight:
     """An attempt a node daemon took saves of and holds no verdict for: the ranks whose data files
     it is still ``writing``, has reported ``written``, or reported ``failed`` (a failed write, a
-    skip), of the attempt's ``world_size``."""
+    skip), of the attempt's ``world_size``; ``live``: a process that handed one of them off is
+    still connected (its launch runs: neither waited for nor abandoned by a resume)."""
 
     step: int
     attempt: str
@@ -404,6 +408,7 @@ class AttemptInFlight:
     writing: tuple[int, ...]
     written: tuple[int, ...]
     failed: tuple[int, ...]
+    live: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -418,6 +423,19 @@ class InFlight(Message):
 class InFlightReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.IN_FLIGHT_REPLY
     attempts: list[AttemptInFlight]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Abandon(Message):
+    """rank -> daemon -> ``SAVE_ACK``: attempt ``(step, attempt)`` of an earlier launch can never
+    commit (a rank of it never handed its save off, and nobody that did is alive): abort it now,
+    here and at the coordinator (a local abort), so that the relaunch's own save of the step is not
+    refused as a second attempt of it. Sent by a resume's rank 0 (ckptd.client.settle)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABANDON
+    step: int
+    attempt: str
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,6 +475,7 @@ REGISTRY: dict[int, type[Message]] = {
         ShutdownAck,
         InFlight,
         InFlightReply,
+        Abandon,
     )
 }
 

@@ -248,9 +248,9 @@ class SaveIntake:
             self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
 
-    def in_flight(self) -> list[AttemptInFlight]:
+    def in_flight(self, alive: Callable[[bytes], bool]) -> list[AttemptInFlight]:
         """The attempts this node holds undecided (ckptd.daemon.intakestate.IntakeState.in_flight)."""
-        return self.state.in_flight()
+        return self.state.in_flight(alive)
 
     def tick(self, now: float) -> None:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken

@@ -173,11 +173,13 @@ class IntakeState:
             return True
         return self.uplink.reported(key, rank)
 
-    def in_flight(self) -> list[AttemptInFlight]:
+    def in_flight(self, alive: Callable[[bytes], bool]) -> list[AttemptInFlight]:
         """The attempts this node holds undecided (an IN_FLIGHT's answer): its writes not ended
-        and its reports awaiting their verdict, by attempt, in step order."""
+        and its reports awaiting their verdict, by attempt, in step order; ``alive``: whether the
+        rank connected as an identity is still connected and running."""
         ranks: dict[StepKey, tuple[set[int], set[int], set[int]]] = {}
         world: dict[StepKey, int] = {}
+        savers: dict[StepKey, set[bytes]] = {}
 
         def note(key: StepKey, rank: int, world_size: int, kind: int) -> None:
             ranks.setdefault(key, (set(), set(), set()))[kind].add(rank)
@@ -186,8 +188,11 @@ class IntakeState:
         for job, _ in self.unfinished.values():
             if self.uplink.expects(job.key, job.identity):  # not decided already
                 note(job.key, job.request.rank, job.world_size, 0)
-        for key, msg in self.uplink.open_reports():
-            note(key, msg.rank, msg.world_size, 1 if isinstance(msg, Written) else 2)
+                savers.setdefault(job.key, set()).add(job.identity)
+        for key, reports, notify in self.uplink.open_attempts():
+            for msg in reports:
+                note(key, msg.rank, msg.world_size, 1 if isinstance(msg, Written) else 2)
+            savers.setdefault(key, set()).update(notify)
         return [
             AttemptInFlight(
                 step=step,
@@ -196,6 +201,7 @@ class IntakeState:
                 writing=tuple(sorted(writing)),
                 written=tuple(sorted(written)),
                 failed=tuple(sorted(failed)),
+                live=any(alive(identity) for identity in savers.get((step, attempt), ())),
             )
             for (step, attempt), (writing, written, failed) in sorted(ranks.items())
         ]

@@ -4,9 +4,10 @@ Ranks connect to a CurveZMQ ROUTER on ``ipc://`` in the owner-only runtime direc
 connection (see ckptd.control.protocol): ``HELLO`` (its pid must be the connecting process's, as
 the kernel reports it, of this daemon's user) -> ``REGISTER_RING`` (the rank's staging ring, bound
 to this connection) -> ``REGISTER_LAYOUT`` (from ``prepare()``: the item list of the saves to
-come) -> ``SAVE``/``SKIP`` per save -> ``BYE``. ``PING``, ``STATUS`` and
-``SHUTDOWN`` are served at any time. Every heartbeat the ranks' processes are checked: a dead
-rank's ring is released once its writes finished.
+come) -> ``SAVE``/``SKIP`` per save -> ``BYE``. A resume asks ``IN_FLIGHT`` and may send
+``ABANDON`` (after ``HELLO``). ``PING``, ``STATUS`` and ``SHUTDOWN`` are served at any time. Every
+heartbeat the ranks' processes are checked: a dead rank's ring is released once its writes
+finished.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
 from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
+    Abandon,
     Bye,
     Codec,
     Failed,
@@ -154,7 +156,11 @@ class RankServer:
             self.rings.retire_owner(identity)
         elif isinstance(msg, InFlight):
             self.client(identity)
-            self.channel.send(InFlightReply(attempts=self.intake.in_flight()), identity)
+            self.channel.send(InFlightReply(attempts=self.intake.in_flight(self._connected)), identity)
+        elif isinstance(msg, Abandon):
+            self.client(identity)
+            self.uplink.abandon((msg.step, msg.attempt), msg.reason)
+            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Status):
             self.channel.send(StatusReply(info=self.hooks.status()), identity)
         elif isinstance(msg, Shutdown):
@@ -197,6 +203,11 @@ class RankServer:
         if rank is not None and rank != c.rank:
             raise ProtocolError(f"this connection said HELLO as rank {c.rank}, not rank {rank}")
         return c
+
+    def _connected(self, identity: bytes) -> bool:
+        """Whether the rank connected as ``identity`` is still connected and running."""
+        c = self.clients.get(identity)
+        return c is not None and same_process(c.pid, c.start_ticks)
 
     def forget_dead(self) -> None:
         """Drop ranks whose process is gone; their rings are released once idle."""

@@ -46,7 +46,8 @@ learns the outcome and removes the attempt's files; within ``commit_timeout_s``,
 instance that answers later is told too (the abort may have gone to its predecessor). The answer
 is "committed now": a coordinator still alive behind a partition may commit later, which the
 abort's reason says (``Checkpointer.latest()`` tells). A shutdown of the node daemon itself
-(:class:`AbortAll`) aborts at once, without asking.
+(:class:`AbortAll`) aborts at once, without asking, and so does a resume's :class:`Abandon` of an
+attempt of an earlier launch that can never commit (ckptd.client.settle).
 """
 
 from __future__ import annotations
@@ -127,11 +128,20 @@ class AbortAll:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Abandon:
+    """A resume found attempt ``key`` of an earlier launch unable to commit: abort it locally,
+    telling the coordinator (nothing to do once it is decided)."""
+
+    key: StepKey
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Tick:
     """Time passed: heartbeat, coordinator timeout, the resend timer."""
 
 
-Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Tick
+Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Abandon | Tick
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -215,9 +225,10 @@ class UplinkState:
     def pending_steps(self) -> list[int]:
         return sorted({step for (step, _), u in self.unacked.items() if u.open})
 
-    def open_reports(self) -> list[tuple[StepKey, Written | Failed]]:
-        """Every report (sent, or not yet) of an attempt still undecided here."""
-        return [(key, m) for key, u in self.unacked.items() if u.open for m in (*u.reports, *u.unsent)]
+    def open_attempts(self) -> list[tuple[StepKey, list[Written | Failed], frozenset[bytes]]]:
+        """Each attempt still undecided here: its reports (sent, or not yet) and the identities of
+        the ranks that saved it here."""
+        return [(key, [*u.reports, *u.unsent], frozenset(u.notify)) for key, u in self.unacked.items() if u.open]
 
     def verdict(self, key: StepKey) -> Message | None:
         """The abort of attempt ``key`` if it was aborted recently (None: undecided, committed, or
@@ -263,6 +274,9 @@ class UplinkState:
             self._on_root_answer(event, now)
         elif isinstance(event, AbortAll):
             self._abort_pending(event.reason, now)
+        elif isinstance(event, Abandon):
+            if event.key not in self.verdicts:
+                self._abort_locally(event.key, event.reason, now)
         elif isinstance(event, Tick):
             self._on_tick(now)
         out, self._out = self._out, []

@@ -1,18 +1,25 @@
-"""A relaunch resumes the step its predecessor handed to the node daemons right before it crashed,
-once they committed it (ckptd.client.settle), and does not wait for a step that cannot commit.
+"""A relaunch settles what its crashed predecessor left with the node daemons (ckptd.client.settle):
+it resumes the step the trainer handed off last, once the daemons committed it, and it has a step
+that can never commit (a rank crashed inside ``save()``) aborted at once, so that its own save of
+that step commits.
 
-Real trainers (a process killed right after ``save()`` returned, or ranks that close without waiting),
-a real daemon that outlives them and writes slowly (``debug_write_delay_s``), real gloo ranks.
-Before, the relaunch resumed the step before, and its own save of the landed step was refused.
+Real trainers (a process that exits right after ``save()`` returned, or ranks that close without
+waiting), a real daemon that outlives them, real gloo ranks. The previous launch's data files hang
+(a ``hang`` fault rule) until the relaunch is waiting, so the relaunch always finds step 10 in
+flight; a step that cannot commit is being collected by the coordinator as the relaunch starts.
+Before, the relaunch resumed step 5, and its save of step 10 was refused: as committed
+already, or as a second attempt of a step whose first attempt was still collecting.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +28,9 @@ import ckptd
 from ckptd import ShardedTensor
 from tests.multiproc import without_torchrun
 from tools.harness.ranks import run_ranks
+from tools.harness.waiting import wait_until
 
-WRITE_DELAY_S = 3.0  # each file the daemon writes: the relaunch asks long before step 10 commits
+HANG_DATA_FILES = "hang __*\n"
 
 
 def _sd(w: torch.Tensor, rank: int = 0, world_size: int = 1) -> dict:
@@ -33,21 +41,54 @@ def _values(step: int, rank: int = 0) -> torch.Tensor:
     return torch.arange(256, dtype=torch.float32) + step * 100 + rank * 0.5
 
 
+class _ReleaseWhenWaiting(logging.Handler):
+    """Removes the fault file once the resume says it waits: the held writes go on then."""
+
+    def __init__(self, fault_file: Path) -> None:
+        super().__init__()
+        self.fault_file = fault_file
+        self.waited = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("waiting up to"):
+            self.waited = True
+            self.fault_file.unlink(missing_ok=True)
+
+
+def _resume(ckpt: ckptd.Checkpointer, sd: dict, fault_file: Path) -> tuple[dict | None, bool, float]:
+    """``ckpt.resume(sd)`` with the fault file removed once it waits: the loaded state, whether it
+    waited, and for how long it ran."""
+    logger = logging.getLogger("ckptd.client.settle")
+    handler, level = _ReleaseWhenWaiting(fault_file), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    t0 = time.monotonic()
+    try:
+        out = ckpt.resume(sd)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        fault_file.unlink(missing_ok=True)
+    return out, handler.waited, time.monotonic() - t0
+
+
 _CRASHES_AFTER_HANDING_OFF = textwrap.dedent(
     """
     import os, sys
+    from pathlib import Path
     import torch
     import ckptd
     from ckptd import ShardedTensor
 
-    root, runtime, delay_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, debug_write_delay_s=delay_s, idle_exit_s=60.0)
+    root, runtime, faults = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, debug_fault_file=str(faults), idle_exit_s=60.0)
     ckpt = ckptd.Checkpointer(root, config=cfg)
     for step in (5, 10):
         w = torch.arange(256, dtype=torch.float32) + step * 100
         h = ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=step)
         if step == 5:
             h.wait(timeout_s=60)
+            faults.write_text(sys.argv[4])  # step 10's data file waits for the relaunch
     print("handed off", flush=True)
     os._exit(1)  # the trainer crashes; the daemon still writes and commits step 10
     """
@@ -56,9 +97,9 @@ _CRASHES_AFTER_HANDING_OFF = textwrap.dedent(
 
 @pytest.mark.timeout(120)
 def test_a_relaunch_resumes_the_step_the_crashed_trainer_handed_off(tmp_path, single_process, runtime_dir):
-    root = tmp_path / "run"
+    root, faults = tmp_path / "run", tmp_path / "faults"
     proc = subprocess.run(
-        [sys.executable, "-c", _CRASHES_AFTER_HANDING_OFF, str(root), str(runtime_dir), str(WRITE_DELAY_S)],
+        [sys.executable, "-c", _CRASHES_AFTER_HANDING_OFF, str(root), str(runtime_dir), str(faults), HANG_DATA_FILES],
         env=without_torchrun(os.environ),
         capture_output=True,
         text=True,
@@ -67,56 +108,73 @@ def test_a_relaunch_resumes_the_step_the_crashed_trainer_handed_off(tmp_path, si
     assert proc.returncode == 1 and "handed off" in proc.stdout, proc.stdout + proc.stderr
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), resume_wait_s=60.0)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
-        assert ckpt.status()["pending_steps"] == [10]  # still in flight as the relaunch resumes
-        out = ckpt.resume(_sd(torch.zeros(256)))
-        assert out is not None and torch.equal(out["w"], _values(10))
+        out, waited, _ = _resume(ckpt, _sd(torch.zeros(256)), faults)
+        assert waited and out is not None and torch.equal(out["w"], _values(10))
         assert ckpt.latest() == 10
         ckpt.save(_sd(_values(20)), step=20).wait(timeout_s=60)  # the relaunch trains on from step 10
 
 
-def _launch(rank: int, world_size: int, root: str, runtime: str, rank_1_hands_off: bool) -> None:
+def _launch(rank: int, world_size: int, root: str, runtime: str, faults: str, rank_1_hands_off: bool) -> None:
     """Both ranks commit step 5, then rank 0 (and rank 1 if ``rank_1_hands_off``) hands step 10 to
-    the daemon, and both go away without waiting for it."""
+    the daemon, and both go away without waiting for it. Step 10's data files hang until the
+    relaunch waits, if every rank handed it off; else rank 0's is written and reported first (the
+    coordinator collects the attempt)."""
     cfg = ckptd.CkptdConfig.from_env(
         {},
         runtime_dir=runtime,
-        debug_write_delay_s=WRITE_DELAY_S,
-        commit_timeout_s=40.0,  # what rank 1 never handed off aborts long after the relaunch resumed
+        debug_fault_file=faults,
+        # What rank 1 never handed off would abort only long after the relaunch saved step 10 again.
+        commit_timeout_s=300.0,
         shutdown_grace_s=2.0,
         idle_exit_s=60.0,
     )
     ckpt = ckptd.Checkpointer(root, config=cfg)
     ckpt.save(_sd(_values(5, rank), rank, world_size), step=5).wait(timeout_s=60)
+    if rank == 0 and rank_1_hands_off:
+        Path(faults).write_text(HANG_DATA_FILES)
     if rank == 0 or rank_1_hands_off:
-        ckpt.save(_sd(_values(10, rank), rank, world_size), step=10)
+        h = ckpt.save(_sd(_values(10, rank), rank, world_size), step=10)
+    if rank == 0 and not rank_1_hands_off:
+        wait_until(lambda: _collecting(ckpt, h.attempt), 30, "the coordinator to collect step 10")
     try:
         ckpt.close(wait=False)  # as a crash: the daemon keeps what was handed off
     except ckptd.SaveFailedError as exc:  # step 10's handle: this rank stops waiting for it
-        if rank == 0 or rank_1_hands_off:
-            assert "closed before the step committed" in str(exc), exc
-        else:
+        if "closed before the step committed" not in str(exc):
             raise
 
 
-def _relaunch(rank: int, world_size: int, root: str, runtime: str) -> tuple[int, bool, float]:
+def _collecting(ckpt: ckptd.Checkpointer, attempt: str) -> bool:
+    steps = ckpt.status()["coordinator"]["steps"]
+    return steps.get(f"10/{attempt}", {}).get("written") == [0]
+
+
+def _relaunch(rank: int, world_size: int, root: str, runtime: str, faults: str) -> tuple[int, bool, bool, int | None]:
+    """Resume, then save step 10 (the next save of a job that resumed step 5; a no-op check of the
+    one that resumed step 10): the step loaded, bit-exact or not, whether it waited, and what the
+    save of step 10 gave (10: committed; None: skipped, the step was loaded)."""
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, resume_wait_s=60.0)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
-        t0 = time.monotonic()
-        out = ckpt.resume(_sd(torch.zeros(256), rank, world_size))
-        waited_s = time.monotonic() - t0
+        out, waited, _ = _resume(ckpt, _sd(torch.zeros(256), rank, world_size), Path(faults))
         assert out is not None
         step = int(out["w"][0].item()) // 100
-        return step, torch.equal(out["w"], _values(step, rank)), waited_s
+        saved = None
+        if step < 10:
+            ckpt.save(_sd(_values(10, rank), rank, world_size), step=10).wait(timeout_s=60)
+            saved = ckpt.latest()
+        return step, torch.equal(out["w"], _values(step, rank)), waited, saved
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rank_1_hands_off", [True, False], ids=["every-rank-handed-off", "rank-1-crashed-in-save"])
-def test_a_relaunch_waits_only_for_a_step_every_rank_handed_off(tmp_path, runtime_dir, rank_1_hands_off):
-    root, runtime = str(tmp_path / "run"), str(runtime_dir)
-    run_ranks(_launch, 2, root, runtime, rank_1_hands_off, timeout_s=60)
-    outcomes = run_ranks(_relaunch, 2, root, runtime, timeout_s=90)
-    expected = 10 if rank_1_hands_off else 5
-    assert [(step, exact) for step, exact, _ in outcomes] == [(expected, True)] * 2, outcomes
-    if not rank_1_hands_off:
-        # Step 10 can never commit (it aborts at commit_timeout_s): the relaunch did not wait for it.
-        assert all(waited_s < 20.0 for _, _, waited_s in outcomes), outcomes
+def test_a_relaunch_waits_for_a_step_every_rank_handed_off_and_aborts_one_that_cannot_commit(
+    tmp_path, runtime_dir, rank_1_hands_off
+):
+    root, runtime, faults = str(tmp_path / "run"), str(runtime_dir), str(tmp_path / "faults")
+    run_ranks(_launch, 2, root, runtime, faults, rank_1_hands_off, timeout_s=60)
+    outcomes = run_ranks(_relaunch, 2, root, runtime, faults, timeout_s=90)
+    if rank_1_hands_off:  # (rank 0 logs the wait)
+        assert outcomes == [(10, True, True, None), (10, True, False, None)], outcomes
+    else:
+        # Step 10 could never commit: nobody waited for it, and it was aborted at once, so the
+        # relaunch's own save of step 10 committed (not refused as a second attempt of the step).
+        assert outcomes == [(5, True, False, 10)] * 2, outcomes

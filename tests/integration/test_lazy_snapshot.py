@@ -90,6 +90,27 @@ def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, s
         assert same_bits(_load(ckpt, {"w": saved}, 3)["w"], saved)
 
 
+@pytest.mark.timeout(120)
+def test_a_load_into_the_tensors_of_a_lazy_save_in_flight_fences_it_first(tmp_path, single_process, runtime_dir):
+    """Rolling back right after a save (``save(2)``, then ``load(step=1)`` into the same tensors,
+    before the next optimizer step): the load writes into tensors the copier may still read. The
+    load decides the save first, so it commits the values of save() time. Before, the load's
+    writes (straight into the tensors' memory: no version counter sees them) went into what the
+    copier copied next, and the save committed torn. Here the copier is held back by a ring of a
+    quarter of the save, which the daemon drains only a second after the save."""
+    n = 4 << 20
+    w = torch.full((n,), 1.0)
+    cfg = _config(runtime_dir, staging_budget="0.25x", debug_write_delay_s=1.0)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        ckpt.save(_state({"w": w}, 1), step=1).wait(timeout_s=60)
+        w.fill_(2.0)
+        h2 = ckpt.save(_state({"w": w}, 2), step=2)
+        ckpt.load(_state({"w": w}, -1), step=1)  # in place: w holds step 1's values again
+        assert same_bits(w, torch.full((n,), 1.0))
+        h2.wait(timeout_s=60)
+        assert same_bits(_load(ckpt, {"w": w}, 2)["w"], torch.full((n,), 2.0))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fenced", [False, True])
 def test_a_tensor_changed_before_the_fence_fails_the_save_never_tears_it(tmp_path, single_process, fenced, runtime_dir):

@@ -15,6 +15,7 @@ from ckptd.control.protocol import (
     FRAME_NBYTES,
     PROTOCOL_VERSION,
     REGISTRY,
+    Abandon,
     AttemptInFlight,
     Codec,
     Failed,
@@ -90,9 +91,12 @@ def test_every_message_type_round_trips():
         InFlight(),
         InFlightReply(
             attempts=[
-                AttemptInFlight(step=10, attempt=ATTEMPT, world_size=4, writing=(0,), written=(1, 2), failed=(-1,))
+                AttemptInFlight(
+                    step=10, attempt=ATTEMPT, world_size=4, writing=(0,), written=(1, 2), failed=(3,), live=False
+                )
             ]
         ),
+        Abandon(step=10, attempt=ATTEMPT, reason="a rank never handed its save off"),
     ]
     for msg in samples:
         frames = codec.encode(msg)

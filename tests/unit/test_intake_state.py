@@ -171,34 +171,66 @@ def test_a_save_is_in_use_from_taken_until_its_verdict():
 
 
 def test_in_flight_names_each_undecided_attempt_with_the_ranks_writing_written_and_failed():
-    """What a relaunch's resume waits for (ckptd.client.settle): each attempt this node holds no
-    verdict for, rank by rank, until its verdict arrives."""
+    """What a relaunch's resume settles (ckptd.client.settle): each attempt this node holds no
+    verdict for, rank by rank, and whether a rank that saved it is still connected, until its
+    verdict arrives."""
     from ckptd.control.protocol import AttemptInFlight
     from ckptd.daemon.uplinkstate import Report as Reported
 
     node, j = Node(), job()
-    other = WriteJob(**{**j.__dict__, "request": WriteRequest(**{**j.request.__dict__, "rank": 0}), "block": 1})
-    assert node.state.in_flight() == []
+    other = WriteJob(
+        **{**j.__dict__, "request": WriteRequest(**{**j.request.__dict__, "rank": 0}), "block": 1, "identity": b"rank0"}
+    )
+    connected = {b"rank0"}
+
+    def state() -> list[AttemptInFlight]:
+        return node.state.in_flight(lambda identity: identity in connected)
+
+    def attempt(writing=(), written=(), failed=(), live=True) -> list[AttemptInFlight]:
+        return [
+            AttemptInFlight(step=3, attempt=A, world_size=2, writing=writing, written=written, failed=failed, live=live)
+        ]
+
+    assert state() == []
     node.take(j)
     node.take(other)
-    writing = AttemptInFlight(step=3, attempt=A, world_size=2, writing=(0, 1), written=(), failed=())
-    assert node.state.in_flight() == [writing]
+    assert state() == attempt(writing=(0, 1))
     msg = report(node.handle(Ended(job=j, result=WriteResult(stored=[RECORD], file_nbytes=64))))
     node.uplink.handle(Reported(key=j.key, msg=msg), node.now)
-    assert node.state.in_flight() == [
-        AttemptInFlight(step=3, attempt=A, world_size=2, writing=(0,), written=(1,), failed=())
-    ]
+    assert state() == attempt(writing=(0,), written=(1,))
+    connected.clear()  # both ranks' processes are gone: their launch no longer runs
+    assert state() == attempt(writing=(0,), written=(1,), live=False)
     failed = report(node.handle(Ended(job=other, error=OSError(5, "EIO"), reason="OSError: EIO")))
     node.uplink.handle(Reported(key=other.key, msg=failed), node.now)
-    assert node.state.in_flight() == [
-        AttemptInFlight(step=3, attempt=A, world_size=2, writing=(), written=(1,), failed=(0,))
-    ]
+    assert state() == attempt(written=(1,), failed=(0,), live=False)
     node.decide(j, aborted(j))
-    assert node.state.in_flight() == []
+    assert state() == []
 
 
 def test_a_write_of_an_attempt_decided_already_is_not_in_flight():
     node, j = Node(), job()
     node.take(j)
     node.decide(j, StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[]))
-    assert j.slot in node.state.unfinished and node.state.in_flight() == []
+    assert j.slot in node.state.unfinished and node.state.in_flight(lambda _: True) == []
+
+
+def test_an_abandoned_attempt_aborts_locally_and_tells_the_coordinator_and_its_write_is_drained():
+    """A relaunch's resume found attempt A can never commit (ckptd.client.settle): the node aborts
+    it as it does when it lost its coordinator, and the coordinator learns it from a FAILED of the
+    node (rank -1); a write of it still queued only drains the ring."""
+    from ckptd.daemon.uplinkstate import Abandon, Deliver, Pong
+    from ckptd.daemon.uplinkstate import Send as Upstream
+    from ckptd.daemon.uplinkstate import Tick as UplinkTick
+
+    node, j = Node(), job()
+    node.uplink.handle(Pong(instance="c1"), node.now)
+    node.take(j)
+    actions = node.uplink.handle(Abandon(key=j.key, reason="its launch is gone"), node.now)
+    (told,) = [a for a in actions if isinstance(a, Deliver)]
+    assert isinstance(told.outcome, StepAborted) and told.outcome.reason == "its launch is gone"
+    node.now += 1
+    sent = [a.msg for a in node.uplink.handle(UplinkTick(), node.now) if isinstance(a, Upstream)]
+    assert any(isinstance(m, Failed) and m.rank == -1 and m.attempt == A for m in sent), sent
+    assert node.handle(Ready(job=j)) == [StartWrite(job=j, drain=True)]
+    assert node.state.in_flight(lambda _: False) == []
+    assert node.uplink.handle(Abandon(key=j.key, reason="again"), node.now) == []  # decided: once

@@ -1,5 +1,6 @@
-"""A resume's wait for the commits in flight (ckptd.client.settle): which attempts can still commit,
-and the loop's moves, with an injected clock and answers (no daemon, no process group: one rank)."""
+"""A resume settling the saves an earlier launch left with the node daemons (ckptd.client.settle):
+which attempts it waits for or abandons, and the loop's moves, with an injected clock, answers and
+root (no daemon, no process group: one rank)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import logging
 
 import pytest
 
-from ckptd.client.settle import SettleMove, committable, settle_move, wait_for_commits_in_flight
+from ckptd.client.settle import InFlightView, SettleMove, merge, settle_in_flight, settle_move
 from ckptd.control.protocol import AttemptInFlight
+
+K10, K11 = (10, "abc-1"), (11, "abc-1")
 
 
 def part(
-    step: int = 10, *, world: int = 2, writing=(), written=(), failed=(), attempt: str = "abc-1"
+    step: int = 10, *, world: int = 2, writing=(), written=(), failed=(), attempt: str = "abc-1", live: bool = False
 ) -> AttemptInFlight:
     return AttemptInFlight(
         step=step,
@@ -21,43 +24,45 @@ def part(
         writing=tuple(writing),
         written=tuple(written),
         failed=tuple(failed),
+        live=live,
     )
 
 
-def test_an_attempt_every_rank_handed_off_can_commit_from_the_parts_of_every_node():
+def test_an_attempt_every_rank_handed_off_is_committable_from_the_parts_of_every_node():
     node0, node1 = part(world=4, writing=[0], written=[1]), part(world=4, written=[2, 3])
-    assert committable([node0]) == []  # ranks 2 and 3: another node's part, or never handed off
-    assert committable([node0, node1]) == [(10, "abc-1")]
-    assert committable([node0, node1, node0]) == [(10, "abc-1")]  # ranks of one node answer alike
+    assert merge([node0]) == InFlightView(committable=(), doomed=(K10,))  # another node's part, or never handed off
+    assert merge([node0, node1]) == InFlightView(committable=(K10,), doomed=())
+    assert merge([node0, node1, node0]) == InFlightView(committable=(K10,), doomed=())  # ranks of one node answer alike
 
 
 @pytest.mark.parametrize(
     "parts",
     [
-        [part(written=[0], failed=[1])],  # a failed write, a skip: the attempt aborts
-        [part(written=[0, 1]), part(failed=[-1])],  # a node's local abort
-        [part(written=[0])],  # rank 1 crashed inside save(): never handed off
-        [part(world=0)],
+        [part(written=[0], failed=[1])],  # a failed write, a skip: the attempt aborts on its own
+        [part(written=[0], live=True)],  # its launch still runs (this one's own save, say)
+        [part(written=[0, 1], live=True)],
+        [part(written=[0]), part(written=[1], live=True)],  # live on one node is enough
     ],
-    ids=["failed", "node-abort", "missing-rank", "no-world"],
+    ids=["failed", "live-partial", "live-whole", "live-elsewhere"],
 )
-def test_an_attempt_that_cannot_commit_is_not_waited_for(parts):
-    assert committable(parts) == []
+def test_an_attempt_that_is_failed_or_of_a_running_launch_is_left_alone(parts):
+    assert merge(parts) == InFlightView(committable=(), doomed=())
 
 
 def test_attempts_are_told_apart_by_attempt_id():
     # a retry of step 10 (attempt -2) where the first try (-1) failed: only the retry is waited for
-    parts = [part(written=[0], failed=[1]), part(written=[0, 1], attempt="abc-2")]
-    assert committable(parts) == [(10, "abc-2")]
+    assert merge([part(written=[0], failed=[1]), part(written=[0, 1], attempt="abc-2")]).committable == ((10, "abc-2"),)
 
 
-def test_the_move_waits_for_committable_steps_until_the_bound_then_gives_up():
-    answers = [[part(written=[0])], [part(writing=[1]), part(step=11, written=[1])]]
-    assert settle_move(answers, waited_s=0.0, timeout_s=5.0) == SettleMove(waiting=(10,))
-    assert not settle_move(answers, waited_s=4.9, timeout_s=5.0).go
-    gave_up = settle_move(answers, waited_s=5.0, timeout_s=5.0)
-    assert gave_up.give_up and gave_up.go and gave_up.waiting == (10,)
-    assert settle_move([[], []], waited_s=99.0, timeout_s=5.0) == SettleMove(waiting=())
+def test_the_move_waits_for_the_first_polls_committable_attempts_until_committed_or_the_bound():
+    view = merge([part(written=[0]), part(writing=[1]), part(step=11, world=1, written=[0])])
+    assert view.committable == (K10, K11)
+    assert settle_move(view, set(), None, 0.0, 5.0) == SettleMove(waiting=(K10, K11))
+    assert settle_move(view, {K10}, None, 0.0, 5.0) == SettleMove(waiting=(K11,))  # the root holds it: decided
+    assert settle_move(view, set(), {K11}, 1.0, 5.0) == SettleMove(waiting=(K11,))  # K10 appeared after the first poll
+    gave_up = settle_move(view, set(), None, 5.0, 5.0)
+    assert gave_up.give_up and gave_up.go
+    assert settle_move(InFlightView(committable=(), doomed=(K10,)), set(), None, 99.0, 5.0) == SettleMove(waiting=())
 
 
 class Clock:
@@ -71,33 +76,80 @@ class Clock:
         self.now += s
 
 
-def test_the_loop_polls_until_the_attempt_is_decided(caplog):
-    clock, answers = Clock(), [[part(world=1, written=[0])]] * 3 + [[]]
+class Root:
+    """The root's commit records and the abandons rank 0 sends."""
+
+    def __init__(self, committed: set | None = None) -> None:
+        self.holds = committed or set()
+        self.asked: list[list] = []
+        self.abandoned: list[list] = []
+
+    def committed(self, keys: list) -> set:
+        self.asked.append(keys)
+        return {k for k in keys if k in self.holds}
+
+    def abandon(self, keys: list) -> None:
+        self.abandoned.append(keys)
+
+
+def settle(answers, clock: Clock, root: Root, *, timeout_s: float = 60.0, may_abandon: bool = True) -> SettleMove:
     asked = []
 
     def ask():
         asked.append(clock.now)
-        return answers[len(asked) - 1]
+        return answers[min(len(asked), len(answers)) - 1]
 
+    return settle_in_flight(
+        ask, root.committed, root.abandon, timeout_s=timeout_s, may_abandon=may_abandon, clock=clock, sleep=clock.sleep
+    )
+
+
+def test_the_loop_polls_until_the_attempt_is_decided_saying_so_once(caplog):
+    clock, root = Clock(), Root()
     with caplog.at_level(logging.INFO, logger="ckptd.client.settle"):
-        move = wait_for_commits_in_flight(ask, 60.0, poll_s=0.5, clock=clock, sleep=clock.sleep)
-    assert move == SettleMove(waiting=()) and asked == [0.0, 0.5, 1.0, 1.5]
-    assert "waiting up to 60 s (resume_wait_s) for step(s) [10]" in caplog.text
-    assert caplog.text.count("waiting up to") == 1
+        move = settle([[part(world=1, written=[0])]] * 3 + [[]], clock, root)
+    assert move == SettleMove(waiting=()) and clock.now == 1.5 and root.abandoned == []
+    assert caplog.text.count("waiting up to 60 s (resume_wait_s) for step(s) [10]") == 1
+    assert "are decided; resuming" in caplog.text
+
+
+def test_the_loop_stops_waiting_once_the_root_holds_the_commit():
+    """A verdict lost on its way to a node leaves its part open until the node resends: the root
+    tells that the attempt committed."""
+    clock, root = Clock(), Root()
+    answers = [[part(world=1, written=[0])]] * 2
+
+    def commit_later(keys):
+        root.asked.append(keys)
+        return set(keys) if len(root.asked) > 2 else set()
+
+    move = settle_in_flight(
+        lambda: answers[0], commit_later, root.abandon, timeout_s=60.0, may_abandon=True, clock=clock, sleep=clock.sleep
+    )
+    assert move.go and not move.give_up and clock.now == 1.0
 
 
 def test_the_loop_gives_up_after_the_bound_with_a_warning(caplog):
     clock = Clock()
     with caplog.at_level(logging.INFO, logger="ckptd.client.settle"):
-        move = wait_for_commits_in_flight(
-            lambda: [part(world=1, writing=[0])], 2.0, poll_s=0.5, clock=clock, sleep=clock.sleep
-        )
+        move = settle([[part(world=1, writing=[0])]], clock, Root(), timeout_s=2.0)
     assert move.give_up and clock.now == 2.0
-    assert "step(s) [10] still not committed by the node daemons after 2 s" in caplog.text
+    assert "step(s) [10], handed to the node daemons by an earlier launch, still not committed after 2 s" in caplog.text
+
+
+def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_without_a_wait():
+    clock, root = Clock(), Root(committed={(11, "abc-1")})
+    doomed = [part(written=[0]), part(step=11, written=[0])]  # rank 1 crashed inside save()
+    move = settle([doomed], clock, root)
+    assert move.go and clock.now == 0.0
+    assert root.abandoned == [[K10]]  # step 11's part is one a node kept after the commit's verdict
+    root.abandoned.clear()
+    settle([doomed], clock, root, may_abandon=False)  # node-local disks: the coordinator's timeout aborts it
+    assert root.abandoned == []
 
 
 def test_nothing_in_flight_returns_at_once_without_a_word(caplog):
-    clock = Clock()
+    clock, root = Clock(), Root()
     with caplog.at_level(logging.INFO, logger="ckptd.client.settle"):
-        assert wait_for_commits_in_flight(lambda: [], 60.0, clock=clock, sleep=clock.sleep).go
-    assert clock.now == 0.0 and caplog.text == ""
+        assert settle([[]], clock, root).go
+    assert clock.now == 0.0 and caplog.text == "" and root.asked == []
