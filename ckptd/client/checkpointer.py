@@ -403,10 +403,17 @@ class Checkpointer(RootReader):
         """A load writes into the tensors a lazy save may still be copying: decide those saves
         first. A resume then settles what an earlier launch left with the node daemons
         (ckptd.client.settle)."""
+        if self._link.connected and not self._link.alive():  # nobody frees ring space: stop the copier
+            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
         self._ring.fence()
         if resume:
             daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._daemon_lost)
-            daemons.settle(self.config.resume_wait_s, may_abandon=not self._levels.node_local, group=group)
+            daemons.settle(
+                self.config.resume_wait_s,
+                shared_root=not self._levels.node_local,
+                job_world_size=self.env.world_size,
+                group=group,
+            )
 
     def _connected_link(self) -> DaemonLink | None:
         """The link to the node daemon, connected (None: this Checkpointer is closed)."""

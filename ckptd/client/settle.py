@@ -7,17 +7,22 @@ crashed inside ``save()`` on some ranks leaves an attempt that can never commit;
 aborts it after ``commit_timeout_s``, and until then a relaunch's save of that step is refused as a
 second attempt of it. So before a resume chooses its checkpoint, the ranks ask their node daemons
 which attempts they hold undecided (``IN_FLIGHT``) and settle those of launches no longer running
-(no process that handed one of their saves off is still connected):
+(no process that handed one of their saves off is still connected: its Checkpointer was closed,
+or its process is gone):
 
 - an attempt every rank of its world handed off, and no rank failed, can still commit: the resume
-  waits for it, up to ``resume_wait_s``;
+  waits for it, up to ``resume_wait_s``, or until rank 0 finds its commit on the root (a node whose
+  verdict was lost on its way reports its part until it resends);
 - an attempt some rank never handed off cannot commit: rank 0 has it aborted now (``ABANDON``: a
   local abort of its node daemon, told to the coordinator), unless the root holds its commit
   already (a node that received the verdict no longer reports its part, and the coordinator
-  announces a commit only once it is visible). Not with node-local disks, whose nodes each finish
-  a commit on their own disk after its verdict: there the coordinator's timeout aborts it.
+  announces a commit only once it is visible) or rank 0 could not read whether it does. Only where
+  the ranks asking are every rank of the job and of the attempt's world (the default process group,
+  every one of them answered): a part on a node nobody asked looks missing. Not with node-local
+  disks, whose nodes each finish a commit on their own disk after its verdict: there the
+  coordinator's timeout aborts it.
 
-Attempts of the running launch (this one's own saves, another Checkpointer's) are left alone, as
+Attempts of a running launch (this one's own saves, another Checkpointer's) are left alone, as
 are those a rank failed (they abort on their own). Where the relaunch runs on other nodes than its
 predecessor, or a node daemon restarted, parts are missing: such an attempt is taken for one that
 cannot commit.
@@ -26,8 +31,8 @@ Order, on every rank (a collective with torch.distributed initialized, as the re
 every move is decided from gathered values only, rank 0's clock and settings included, so the
 ranks move alike:
 
-1. ask this rank's node daemon (a failed question counts as nothing in flight: the resume goes on
-   as it would without this module);
+1. ask this rank's node daemon (a failed question: the resume waits for nothing it did not see,
+   and abandons nothing);
 2. gather every rank's answer; when some attempt is to be waited for or abandoned, gather rank 0's
    reading of the root's commit records of those steps (a second small collective);
 3. rank 0 abandons the attempts that cannot commit (once each);
@@ -61,14 +66,17 @@ Key = tuple[int, str]  # (step, attempt id)
 class InFlightView:
     """The attempts of launches no longer running, merged from every node's parts of them:
     ``committable`` (every rank of the world handed off, none failed) and ``doomed`` (some rank
-    never handed off, none failed)."""
+    never handed off, none failed, and the answers came from every rank of its world)."""
 
     committable: tuple[Key, ...]
     doomed: tuple[Key, ...]
 
 
-def merge(parts: Iterable[AttemptInFlight]) -> InFlightView:
-    """The :class:`InFlightView` of every node's parts (ranks of one node answer alike)."""
+def merge(parts: Iterable[AttemptInFlight], asked_world: int) -> InFlightView:
+    """The :class:`InFlightView` of every node's parts (ranks of one node answer alike), as asked by
+    ``asked_world`` ranks of one process group (0: not every rank answered). A part missing from an
+    attempt of another world may be on a node nobody asked: the attempt is then neither waited for
+    nor doomed."""
     ranks: dict[Key, set[int]] = {}
     world: dict[Key, int] = {}
     left_alone: set[Key] = set()
@@ -81,10 +89,12 @@ def merge(parts: Iterable[AttemptInFlight]) -> InFlightView:
     committable: list[Key] = []
     doomed: list[Key] = []
     for key in sorted(ranks):
-        if key in left_alone:
+        if key in left_alone or world[key] <= 0:
             continue
-        whole = world[key] > 0 and ranks[key] >= set(range(world[key]))
-        (committable if whole else doomed).append(key)
+        if ranks[key] >= set(range(world[key])):
+            committable.append(key)
+        elif world[key] == asked_world:
+            doomed.append(key)
     return InFlightView(committable=tuple(committable), doomed=tuple(doomed))
 
 
@@ -115,8 +125,8 @@ def _steps(keys: Iterable[Key]) -> list[int]:
 
 
 def settle_in_flight(
-    ask: Callable[[], list[AttemptInFlight]],
-    committed: Callable[[list[Key]], set[Key]],
+    ask: Callable[[], list[AttemptInFlight] | None],
+    committed: Callable[[list[Key]], tuple[set[Key], set[Key]]],
     abandon: Callable[[list[Key]], None],
     *,
     timeout_s: float,
@@ -126,9 +136,11 @@ def settle_in_flight(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SettleMove:
-    """Steps 1-4 above. ``ask``: this rank's node daemon's answer; ``committed``: which of these
-    attempts the root holds committed (called on rank 0); ``abandon``: abort these attempts (rank
-    0). Returns the last move."""
+    """Steps 1-4 above. ``ask``: this rank's node daemon's answer (None: it could not be asked);
+    ``committed``: which of these attempts the root holds committed, and which it could not tell
+    (called on rank 0); ``abandon``: abort these attempts (rank 0; it never raises). ``may_abandon``
+    (rank 0's counts): the ranks asking are every rank of the job, in its default group, on shared
+    storage. Returns the last move."""
     ctx = DistContext.current(group)
     start = clock()
     watched: frozenset[Key] | None = None
@@ -138,14 +150,20 @@ def settle_in_flight(
         gathered = ctx.agree(
             "asking the node daemons for saves in flight", lambda: (ask(), clock() - start, timeout_s, may_abandon)
         )
-        view = merge(a for answer, *_ in gathered for a in answer)
+        answers = [answer for answer, *_ in gathered]
         _, waited_s, bound_s, abandoning = gathered[0]
-        doomed = [key for key in view.doomed if key not in abandoned] if abandoning else []
+        # Doomed only as seen by every rank of the job: a part on a node nobody asked looks missing.
+        whole = abandoning and all(answer is not None for answer in answers)
+        view = merge((a for answer in answers for a in answer or ()), ctx.world_size if whole else 0)
+        doomed = [key for key in view.doomed if key not in abandoned]
         asked = sorted(set(view.committable) | set(doomed))
         done: set[Key] = set()
+        unknown: set[Key] = set()
         if asked:
-            done = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))[0]
-        doomed = [key for key in doomed if key not in done]
+            done, unknown = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))[
+                0
+            ]
+        doomed = [key for key in doomed if key not in done and key not in unknown]
         if doomed and ctx.rank == 0:
             abandon(doomed)
         abandoned.update(doomed)
@@ -160,14 +178,17 @@ def settle_in_flight(
         sleep(poll_s)
 
 
-def _on_rank_0(ctx: DistContext, committed: Callable[[list[Key]], set[Key]], keys: list[Key]) -> Callable[[], set[Key]]:
-    return lambda: committed(keys) if ctx.rank == 0 else set()
+def _on_rank_0(
+    ctx: DistContext, committed: Callable[[list[Key]], tuple[set[Key], set[Key]]], keys: list[Key]
+) -> Callable[[], tuple[set[Key], set[Key]]]:
+    return lambda: committed(keys) if ctx.rank == 0 else (set(), set())
 
 
 def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
     """Rank 0's log lines: one when the wait starts, one when it ends."""
     if move.give_up:
-        log.warning(
+        log.log(
+            logging.WARNING if timeout_s > 0 else logging.INFO,
             "step(s) %s, handed to the node daemons by an earlier launch, still not committed after %.0f s "
             "(resume_wait_s); resuming from the latest committed checkpoint. If one commits later, this "
             "launch's save of that step is refused (CheckpointExistsError): raise CKPTD_RESUME_WAIT_S, or "
@@ -189,8 +210,9 @@ def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
 
 class DaemonsInFlight:
     """The I/O of a Checkpointer's settling (:func:`settle_in_flight`): its node daemon's answer,
-    the root's commit records, the abandons. A failure to ask counts as nothing in flight, a failed
-    abandon leaves the attempt to the coordinator's timeout: the resume goes on either way.
+    the root's commit records, the abandons. A failure to ask lets the resume go on without
+    waiting and vetoes abandoning; a failed abandon leaves the attempt to the coordinator's
+    timeout.
 
     ``link``: the rank's link to its node daemon, connected (None: the Checkpointer is closed);
     ``lost``: what the Checkpointer does when the daemon died (its saves in flight fail)."""
@@ -203,34 +225,43 @@ class DaemonsInFlight:
         self.link = link
         self.lost = lost
 
-    def settle(self, timeout_s: float, *, may_abandon: bool, group: Any = None) -> SettleMove:
+    def settle(self, timeout_s: float, *, shared_root: bool, job_world_size: int, group: Any = None) -> SettleMove:
+        """Settle, asking the ranks of ``group``; abandons only where they are every rank of the job
+        (the default group of ``job_world_size`` ranks) on a ``shared_root``."""
+        whole_job = group is None and DistContext.current().world_size == job_world_size
         return settle_in_flight(
-            self.ask, self.committed, self.abandon, timeout_s=timeout_s, may_abandon=may_abandon, group=group
+            self.ask,
+            self.committed,
+            self.abandon,
+            timeout_s=timeout_s,
+            may_abandon=shared_root and whole_job,
+            group=group,
         )
 
-    def ask(self) -> list[AttemptInFlight]:
+    def ask(self) -> list[AttemptInFlight] | None:
         try:
             link = self.link()
-            return [] if link is None else link.request(InFlight(), InFlightReply).attempts
+            return None if link is None else link.request(InFlight(), InFlightReply).attempts
         except DaemonLostError as exc:
             self.lost(str(exc))
             log.warning("rank %d: %s; resuming without asking it for saves in flight", self.rank, exc)
-        except CkptdError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever stops the question, the resume goes on
             log.warning("rank %d: cannot ask the node daemon for saves in flight (%s)", self.rank, exc)
-        return []
+        return None
 
-    def committed(self, keys: list[Key]) -> set[Key]:
-        """Which of these attempts the root holds committed (an unreadable record: not)."""
-        done = set()
+    def committed(self, keys: list[Key]) -> tuple[set[Key], set[Key]]:
+        """Which of these attempts the root holds committed, and which it could not tell."""
+        done, unknown = set(), set()
         for step, attempt in keys:
             try:
                 record = commit_record_at(self.root, step)
             except (OSError, CkptdError) as exc:
                 log.warning("rank %d: cannot read the commit record of step %d (%s)", self.rank, step, exc)
+                unknown.add((step, attempt))
                 continue
             if record is not None and record.attempt == attempt:
                 done.add((step, attempt))
-        return done
+        return done, unknown
 
     def abandon(self, keys: list[Key]) -> None:
         why = "a relaunch found that a rank of it never handed its save off, and its launch is gone"
@@ -246,7 +277,7 @@ class DaemonsInFlight:
                 link = self.link()
                 if link is not None:
                     link.request(Abandon(step=step, attempt=attempt, reason=why), SaveAck, match=_ack_of(step, attempt))
-            except CkptdError as exc:  # the coordinator's commit timeout aborts it then
+            except Exception as exc:  # noqa: BLE001 - rank 0 alone: never raise between collectives
                 log.warning("rank %d: could not abort step %d attempt %s: %s", self.rank, step, attempt, exc)
 
 

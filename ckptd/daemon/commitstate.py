@@ -46,7 +46,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CkptdConfig
-from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written, check_record
+from ..control.itemchecks import check_record
+from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common

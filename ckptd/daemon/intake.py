@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
+from ..control.itemchecks import check_save_items
 from ..control.protocol import (
     MAX_RING_OFFSET,
     AttemptInFlight,
@@ -37,7 +38,6 @@ from ..control.protocol import (
     Save,
     SaveItem,
     WriteDone,
-    check_save_items,
 )
 from ..errors import AttemptInUseError, ProtocolError, StagingError
 from ..format.records import ItemRecord
@@ -262,6 +262,6 @@ class SaveIntake:
 def decode_items(rank: int, items: list[SaveItem], capacity: int) -> tuple[list[ItemRecord], list[Placement]]:
     """Records and relative placements of ``rank``'s items (a SAVE's or a REGISTER_LAYOUT's), once
     checked (the rank's own, in order, each fitting the ring of ``capacity`` bytes:
-    ckptd.control.protocol.check_save_items)."""
+    ckptd.control.itemchecks.check_save_items)."""
     check_save_items(rank, items, capacity)
     return [it.record for it in items], [Placement(it.offset, it.nbytes) for it in items]

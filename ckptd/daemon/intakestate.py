@@ -186,7 +186,7 @@ class IntakeState:
             world[key] = max(world.get(key, 0), world_size)
 
         for job, _ in self.unfinished.values():
-            if self.uplink.expects(job.key, job.identity):  # not decided already
+            if self.uplink.undecided(job.key):
                 note(job.key, job.request.rank, job.world_size, 0)
                 savers.setdefault(job.key, set()).add(job.identity)
         for key, reports, notify in self.uplink.open_attempts():

@@ -159,6 +159,13 @@ class RankServer:
             self.channel.send(InFlightReply(attempts=self.intake.in_flight(self._connected)), identity)
         elif isinstance(msg, Abandon):
             self.client(identity)
+            if any(
+                (a.step, a.attempt, a.live) == (msg.step, msg.attempt, True)
+                for a in self.intake.in_flight(self._connected)
+            ):
+                raise CkptdError(
+                    f"step {msg.step} attempt {msg.attempt} is saved by a launch still running: not aborted"
+                )
             self.uplink.abandon((msg.step, msg.attempt), msg.reason)
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Status):

@@ -225,6 +225,11 @@ class UplinkState:
     def pending_steps(self) -> list[int]:
         return sorted({step for (step, _), u in self.unacked.items() if u.open})
 
+    def undecided(self, key: StepKey) -> bool:
+        """Whether attempt ``key`` awaits its verdict here (also while the root is asked about it)."""
+        u = self.unacked.get(key)
+        return u is not None and u.open
+
     def open_attempts(self) -> list[tuple[StepKey, list[Written | Failed], frozenset[bytes]]]:
         """Each attempt still undecided here: its reports (sent, or not yet) and the identities of
         the ranks that saved it here."""

@@ -178,3 +178,25 @@ def test_a_relaunch_waits_for_a_step_every_rank_handed_off_and_aborts_one_that_c
         # Step 10 could never commit: nobody waited for it, and it was aborted at once, so the
         # relaunch's own save of step 10 committed (not refused as a second attempt of the step).
         assert outcomes == [(5, True, False, 10)] * 2, outcomes
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_beside_a_running_launch_leaves_its_saves_alone(tmp_path, single_process, runtime_dir):
+    """A second Checkpointer on the root (an evaluation's, say) resumes while the trainer's save of
+    step 10 is in flight: it neither waits for that save nor has it aborted, and the daemon refuses
+    an ABANDON of a save whose launch still runs."""
+    from ckptd.client.settle import DaemonsInFlight
+
+    root, faults = tmp_path / "run", tmp_path / "faults"
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), debug_fault_file=str(faults), resume_wait_s=60.0)
+    with ckptd.Checkpointer(root, config=cfg) as trainer:
+        trainer.save(_sd(_values(5)), step=5).wait(timeout_s=60)
+        faults.write_text(HANG_DATA_FILES)
+        h = trainer.save(_sd(_values(10)), step=10)
+        with ckptd.Checkpointer(root, config=cfg) as reader:
+            out, waited, _ = _resume(reader, _sd(torch.zeros(256)), faults)
+            assert not waited and out is not None and torch.equal(out["w"], _values(5))
+            faults.write_text(HANG_DATA_FILES)
+            DaemonsInFlight(reader.root, 0, lambda: reader._link, lambda _: None).abandon([(10, h.attempt)])
+        faults.unlink()
+        assert h.wait(timeout_s=60) == root / "iter_0000010"

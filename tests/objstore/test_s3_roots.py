@@ -68,7 +68,10 @@ def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
             assert torch.equal(y, values[20])
             # A resume settling saves in flight reads which attempt committed each step (ckptd.client.settle).
             reader = DaemonsInFlight(ckpt.root, 0, lambda: None, lambda _: None)
-            assert reader.committed([(30, h.attempt), (30, "0123456789ab-9"), (40, h.attempt)]) == {(30, h.attempt)}
+            assert reader.committed([(30, h.attempt), (30, "0123456789ab-9"), (40, h.attempt)]) == (
+                {(30, h.attempt)},
+                set(),
+            )
         assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000020")["w"], values[20])
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)

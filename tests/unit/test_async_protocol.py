@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from ckptd.config import CkptdConfig, parse_budget
+from ckptd.control.itemchecks import check_record
 from ckptd.control.protocol import (
     FRAME_NBYTES,
     PROTOCOL_VERSION,
@@ -32,7 +33,6 @@ from ckptd.control.protocol import (
     StatusReply,
     StepAborted,
     Written,
-    check_record,
 )
 from ckptd.daemon.intake import decode_items
 from ckptd.errors import CkptdError, ProtocolError, StagingError

@@ -30,9 +30,17 @@ def part(
 
 def test_an_attempt_every_rank_handed_off_is_committable_from_the_parts_of_every_node():
     node0, node1 = part(world=4, writing=[0], written=[1]), part(world=4, written=[2, 3])
-    assert merge([node0]) == InFlightView(committable=(), doomed=(K10,))  # another node's part, or never handed off
-    assert merge([node0, node1]) == InFlightView(committable=(K10,), doomed=())
-    assert merge([node0, node1, node0]) == InFlightView(committable=(K10,), doomed=())  # ranks of one node answer alike
+    assert merge([node0, node1], 4) == InFlightView(committable=(K10,), doomed=())
+    assert merge([node0, node1, node0], 4) == InFlightView(committable=(K10,), doomed=())  # one node's ranks alike
+
+
+def test_an_attempt_missing_parts_is_doomed_only_as_seen_by_every_rank_of_its_world():
+    node0 = part(world=4, writing=[0], written=[1])
+    assert merge([node0], 4) == InFlightView(committable=(), doomed=(K10,))  # ranks 2-3 never handed off
+    # Asked by 2 ranks (a subgroup, no process group, an evaluation process, a failed answer):
+    # ranks 2-3's parts may be on a node nobody asked.
+    assert merge([node0], 2) == InFlightView(committable=(), doomed=())
+    assert merge([node0], 0) == InFlightView(committable=(), doomed=())
 
 
 @pytest.mark.parametrize(
@@ -46,16 +54,18 @@ def test_an_attempt_every_rank_handed_off_is_committable_from_the_parts_of_every
     ids=["failed", "live-partial", "live-whole", "live-elsewhere"],
 )
 def test_an_attempt_that_is_failed_or_of_a_running_launch_is_left_alone(parts):
-    assert merge(parts) == InFlightView(committable=(), doomed=())
+    assert merge(parts, 2) == InFlightView(committable=(), doomed=())
 
 
 def test_attempts_are_told_apart_by_attempt_id():
     # a retry of step 10 (attempt -2) where the first try (-1) failed: only the retry is waited for
-    assert merge([part(written=[0], failed=[1]), part(written=[0, 1], attempt="abc-2")]).committable == ((10, "abc-2"),)
+    assert merge([part(written=[0], failed=[1]), part(written=[0, 1], attempt="abc-2")], 2).committable == (
+        (10, "abc-2"),
+    )
 
 
 def test_the_move_waits_for_the_first_polls_committable_attempts_until_committed_or_the_bound():
-    view = merge([part(written=[0]), part(writing=[1]), part(step=11, world=1, written=[0])])
+    view = merge([part(written=[0]), part(writing=[1]), part(step=11, world=1, written=[0])], 2)
     assert view.committable == (K10, K11)
     assert settle_move(view, set(), None, 0.0, 5.0) == SettleMove(waiting=(K10, K11))
     assert settle_move(view, {K10}, None, 0.0, 5.0) == SettleMove(waiting=(K11,))  # the root holds it: decided
@@ -77,16 +87,18 @@ class Clock:
 
 
 class Root:
-    """The root's commit records and the abandons rank 0 sends."""
+    """The root's commit records (``unreadable``: steps whose record cannot be read) and the
+    abandons rank 0 sends."""
 
-    def __init__(self, committed: set | None = None) -> None:
+    def __init__(self, committed: set | None = None, unreadable: set | None = None) -> None:
         self.holds = committed or set()
+        self.unreadable = unreadable or set()
         self.asked: list[list] = []
         self.abandoned: list[list] = []
 
-    def committed(self, keys: list) -> set:
+    def committed(self, keys: list) -> tuple[set, set]:
         self.asked.append(keys)
-        return {k for k in keys if k in self.holds}
+        return {k for k in keys if k in self.holds}, {k for k in keys if k[0] in self.unreadable}
 
     def abandon(self, keys: list) -> None:
         self.abandoned.append(keys)
@@ -121,7 +133,7 @@ def test_the_loop_stops_waiting_once_the_root_holds_the_commit():
 
     def commit_later(keys):
         root.asked.append(keys)
-        return set(keys) if len(root.asked) > 2 else set()
+        return (set(keys) if len(root.asked) > 2 else set()), set()
 
     move = settle_in_flight(
         lambda: answers[0], commit_later, root.abandon, timeout_s=60.0, may_abandon=True, clock=clock, sleep=clock.sleep
@@ -137,15 +149,24 @@ def test_the_loop_gives_up_after_the_bound_with_a_warning(caplog):
     assert "step(s) [10], handed to the node daemons by an earlier launch, still not committed after 2 s" in caplog.text
 
 
-def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_without_a_wait():
-    clock, root = Clock(), Root(committed={(11, "abc-1")})
-    doomed = [part(written=[0]), part(step=11, written=[0])]  # rank 1 crashed inside save()
+def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_or_unknown_without_a_wait():
+    clock, root = Clock(), Root(committed={(11, "abc-1")}, unreadable={12})
+    # One rank, the whole job (no process group), asks: parts of one-rank attempts it never handed
+    # off (a node of a multi-rank job holds such parts of its other ranks).
+    doomed = [part(world=1), part(step=11, world=1), part(step=12, world=1)]
     move = settle([doomed], clock, root)
     assert move.go and clock.now == 0.0
-    assert root.abandoned == [[K10]]  # step 11's part is one a node kept after the commit's verdict
+    # step 11's part is one a node kept after the commit's verdict; step 12's record could not be read
+    assert root.abandoned == [[K10]]
     root.abandoned.clear()
-    settle([doomed], clock, root, may_abandon=False)  # node-local disks: the coordinator's timeout aborts it
+    settle([doomed], clock, root, may_abandon=False)  # node-local disks, or not every rank of the job asks
     assert root.abandoned == []
+
+
+def test_a_rank_whose_daemon_could_not_be_asked_vetoes_abandoning_and_is_waited_for_by_nobody():
+    clock, root = Clock(), Root()
+    move = settle([None], clock, root)
+    assert move == SettleMove(waiting=()) and root.abandoned == [] and root.asked == []
 
 
 def test_nothing_in_flight_returns_at_once_without_a_word(caplog):
