@@ -143,9 +143,7 @@ class Checkpointer(RootReader):
         else:
             self.root.mkdir(parents=True, exist_ok=True)
         super().__init__(
-            self.root,
-            Levels.configured(self.root, self.config, self.env.node, self.env.world_size),
-            self.env.rank,
+            self.root, Levels.configured(self.root, self.config, self.env.node, self.env.world_size), self.env.rank
         )
         self.endpoints = Endpoints.for_job(self.root, self.env, self.config)
         # The link reaches back to this Checkpointer only weakly: a Checkpointer dropped without

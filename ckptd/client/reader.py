@@ -6,9 +6,8 @@ checkpoint and every rank loads its choice, or none (``resume()``: None on every
 ranks that each look while a commit lands never load different steps, and never one skips a load
 the others wait in. Before choosing, a Checkpointer's resume waits for the saves an earlier launch
 left with its node daemons that can still commit, and aborts those that cannot
-(:mod:`ckptd.client.settle`). The decisions
-are :class:`~ckptd.client.tiers.Levels`'; this class only keeps what a Checkpointer's loads found
-damaged, so later resumes skip it.
+(:mod:`ckptd.client.settle`). The decisions are :class:`~ckptd.client.tiers.Levels`'; this class
+only keeps what a Checkpointer's loads found damaged, so later resumes skip it.
 """
 
 from __future__ import annotations
@@ -61,10 +60,12 @@ class RootReader:
         """:func:`ckptd.load` from ``step``; without it, from the latest intact committed checkpoint,
         falling back past damaged ones, every rank alike (:meth:`ckptd.client.tiers.Levels.load_resumed`;
         with torch.distributed initialized, a collective: rank 0 chooses); a Checkpointer first
-        settles what an earlier launch left with its node daemons (:mod:`ckptd.client.settle`). With ``node_local``,
-        every rank loads node 0's latest commit (or the mirror's latest copy, when newer), reading
-        what its disk holds there and the rest from the mirror's copy (ckptd.storage.nodeview;
-        README, Two tiers), and ``load(step=N)`` is a collective too (rank 0 finds the commit)."""
+        settles what an earlier launch left with its node daemons (:mod:`ckptd.client.settle`).
+        With ``node_local``, every rank loads node 0's latest commit (or the mirror's latest copy,
+        when newer), reading what its disk holds there and the rest from the mirror's copy
+        (ckptd.storage.nodeview; README, Two tiers), and ``load(step=N)`` is a collective too (rank
+        0 finds the commit). A Checkpointer's load first decides its lazy saves still copying: it
+        writes into their tensors."""
         if step is not None:
             self._before_load(kwargs.get("process_group"), resume=False)
             return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)

@@ -160,9 +160,8 @@ def settle_in_flight(
         done: set[Key] = set()
         unknown: set[Key] = set()
         if asked:
-            done, unknown = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))[
-                0
-            ]
+            read = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))
+            done, unknown = read[0]
         doomed = [key for key in doomed if key not in done and key not in unknown]
         if doomed and ctx.rank == 0:
             abandon(doomed)

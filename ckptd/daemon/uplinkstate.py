@@ -130,7 +130,8 @@ class AbortAll:
 @dataclass(frozen=True, kw_only=True)
 class Abandon:
     """A resume found attempt ``key`` of an earlier launch unable to commit: abort it locally,
-    telling the coordinator (nothing to do once it is decided)."""
+    telling the coordinator (nothing to do when it aborted here already; a coordinator that
+    decided it answers with its verdict)."""
 
     key: StepKey
     reason: str
