@@ -323,6 +323,15 @@ class Checkpointer(RootReader):
         background, but plans nothing.
         """
         self._check_open()
+        try:
+            self._prepare(sharded_state_dict, wait)
+        except RequestNotTaken as exc:  # the daemon took this rank for gone: as in save()
+            if not exc.unknown_client:
+                raise
+            self._register_again(exc)
+            self._prepare(sharded_state_dict, wait)
+
+    def _prepare(self, sharded_state_dict: dict[str, Any], wait: bool) -> None:
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
         device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
         self._ensure_connected()

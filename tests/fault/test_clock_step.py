@@ -86,3 +86,21 @@ def test_a_rank_the_daemon_forgot_registers_again_and_saves(tmp_path, single_pro
         assert first.wait(timeout_s=30) and second.wait(timeout_s=30)
     assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000002")["w"], w)
     assert "registering with the node daemon again" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_the_daemon_forgot_prepares_again(tmp_path, single_process, caplog, runtime_dir):
+    """prepare() of a rank the daemon forgot registers again, as a save does (it raised before)."""
+    from ckptd.control.protocol import Bye
+
+    root = tmp_path / "ckpts"
+    w = torch.arange(16.0)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", w)}
+    with ckptd.Checkpointer(root, config=CkptdConfig.from_env(_env(runtime_dir))) as ckpt:
+        ckpt.prepare(sd)
+        ckpt._link.send(Bye())
+        sd["v"] = ShardedTensor.from_rank_offsets("v", torch.ones(8))
+        ckpt.prepare(sd)  # a new layout to register
+        ckpt.save(sd, step=1).wait(timeout_s=30)
+    assert torch.equal(ckptd.load_plain_tensors(root / "iter_0000001")["w"], w)
+    assert "registering with the node daemon again" in caplog.text
