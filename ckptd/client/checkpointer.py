@@ -64,6 +64,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..config import CkptdConfig, parse_budget
@@ -190,14 +191,9 @@ class Checkpointer(RootReader):
         with gc_paused():  # its per-item temporaries must not set off full collections
             sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
             tries = self._tries.count(step)
-            try:
-                return self._save(sharded_state_dict, step)
-            except RequestNotTaken as exc:
-                if not exc.unknown_client:
-                    raise
-                self._register_again(exc)
-                self._tries.restore(step, tries)
-                return self._save(sharded_state_dict, step)
+            return self._known_to_daemon(
+                lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
+            )
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
@@ -323,13 +319,7 @@ class Checkpointer(RootReader):
         background, but plans nothing.
         """
         self._check_open()
-        try:
-            self._prepare(sharded_state_dict, wait)
-        except RequestNotTaken as exc:  # the daemon took this rank for gone: as in save()
-            if not exc.unknown_client:
-                raise
-            self._register_again(exc)
-            self._prepare(sharded_state_dict, wait)
+        self._known_to_daemon(lambda: self._prepare(sharded_state_dict, wait))
 
     def _prepare(self, sharded_state_dict: dict[str, Any], wait: bool) -> None:
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
@@ -424,10 +414,9 @@ class Checkpointer(RootReader):
 
     def _connected_link(self) -> DaemonLink | None:
         """The link to the node daemon, connected (None: this Checkpointer is closed)."""
-        if self._closed:
-            return None
-        self._ensure_connected()
-        return self._link
+        if not self._closed:
+            self._ensure_connected()
+        return None if self._closed else self._link
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending saves (``wait``), say BYE (the daemon frees our ring), disconnect.
@@ -513,6 +502,18 @@ class Checkpointer(RootReader):
         self._pending.daemon_lost(reason)
         self._ring.quiesce(daemon_gone=True)
         self._ring.drop(unlink=True)
+
+    def _known_to_daemon(self, act: Callable[[], Any], again: Callable[[], None] = lambda: None) -> Any:
+        """``act()``; once more (after ``again()``) when the daemon refused it as from an unknown
+        client, having said HELLO again (see :meth:`_register_again`)."""
+        try:
+            return act()
+        except RequestNotTaken as exc:
+            if not exc.unknown_client:
+                raise
+            self._register_again(exc)
+            again()
+            return act()
 
     def _register_again(self, refusal: RequestNotTaken) -> None:
         """The daemon refused a request as from an unknown client: it took this rank for gone and
