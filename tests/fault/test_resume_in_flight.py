@@ -27,6 +27,7 @@ import torch
 import ckptd
 from ckptd import ShardedTensor
 from tests.multiproc import without_torchrun
+from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
 
@@ -114,11 +115,21 @@ def test_a_relaunch_resumes_the_step_the_crashed_trainer_handed_off(tmp_path, si
         ckpt.save(_sd(_values(20)), step=20).wait(timeout_s=60)  # the relaunch trains on from step 10
 
 
-def _launch(rank: int, world_size: int, root: str, runtime: str, faults: str, rank_1_hands_off: bool) -> None:
+def _as_node(rank: int, coordinator_port: int) -> None:
+    """This rank is node ``rank`` of its own (a node daemon each, the coordinator in node 0's)."""
+    os.environ.update(
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_COORDINATOR_PORT=str(coordinator_port)
+    )
+
+
+def _launch(
+    rank: int, world_size: int, root: str, runtime: str, faults: str, port: int, rank_1_hands_off: bool
+) -> None:
     """Both ranks commit step 5, then rank 0 (and rank 1 if ``rank_1_hands_off``) hands step 10 to
     the daemon, and both go away without waiting for it. Step 10's data files hang until the
     relaunch waits, if every rank handed it off; else rank 0's is written and reported first (the
     coordinator collects the attempt)."""
+    _as_node(rank, port)
     cfg = ckptd.CkptdConfig.from_env(
         {},
         runtime_dir=runtime,
@@ -148,12 +159,16 @@ def _collecting(ckpt: ckptd.Checkpointer, attempt: str) -> bool:
     return steps.get(f"10/{attempt}", {}).get("written") == [0]
 
 
-def _relaunch(rank: int, world_size: int, root: str, runtime: str, faults: str) -> tuple[int, bool, bool, int | None]:
+def _relaunch(
+    rank: int, world_size: int, root: str, runtime: str, faults: str, port: int
+) -> tuple[int, bool, bool, int | None]:
     """Resume, then save step 10 (the next save of a job that resumed step 5; a no-op check of the
     one that resumed step 10): the step loaded, bit-exact or not, whether it waited, and what the
     save of step 10 gave (10: committed; None: skipped, the step was loaded)."""
+    _as_node(rank, port)
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, resume_wait_s=60.0)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        assert ckpt.status()["node"] == rank  # its own node daemon
         out, waited, _ = _resume(ckpt, _sd(torch.zeros(256), rank, world_size), Path(faults))
         assert out is not None
         step = int(out["w"][0].item()) // 100
@@ -169,9 +184,11 @@ def _relaunch(rank: int, world_size: int, root: str, runtime: str, faults: str) 
 def test_a_relaunch_waits_for_a_step_every_rank_handed_off_and_aborts_one_that_cannot_commit(
     tmp_path, runtime_dir, rank_1_hands_off
 ):
-    root, runtime, faults = str(tmp_path / "run"), str(runtime_dir), str(tmp_path / "faults")
-    run_ranks(_launch, 2, root, runtime, faults, rank_1_hands_off, timeout_s=60)
-    outcomes = run_ranks(_relaunch, 2, root, runtime, faults, timeout_s=90)
+    """Two nodes, a rank each: every rank asks its own node daemon, and only all answers together
+    tell whether step 10 can still commit."""
+    root, runtime, faults, port = str(tmp_path / "run"), str(runtime_dir), str(tmp_path / "faults"), free_port()
+    run_ranks(_launch, 2, root, runtime, faults, port, rank_1_hands_off, timeout_s=60)
+    outcomes = run_ranks(_relaunch, 2, root, runtime, faults, port, timeout_s=90)
     if rank_1_hands_off:  # (rank 0 logs the wait)
         assert outcomes == [(10, True, True, None), (10, True, False, None)], outcomes
     else:
