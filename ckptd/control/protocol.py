@@ -499,13 +499,15 @@ _NAMES: dict[type[Message], frozenset[str]] = {cls: frozenset(f.name for f in fi
 
 
 def _check_ids(msg: Message) -> None:
-    """Steps and attempt ids in range (they name directories): ProtocolError otherwise."""
+    """Steps and attempt ids in range (they name directories), also those an IN_FLIGHT_REPLY
+    lists: ProtocolError otherwise."""
     try:
-        step = getattr(msg, "step", None)
-        if step is not None:
-            check_step(step)
-        if hasattr(msg, "attempt"):
-            check_attempt(msg.attempt)
+        for named in (msg, *(msg.attempts if isinstance(msg, InFlightReply) else ())):
+            step = getattr(named, "step", None)
+            if step is not None:
+                check_step(step)
+            if hasattr(named, "attempt"):
+                check_attempt(named.attempt)
     except ProtocolError as exc:
         raise ProtocolError(f"{msg.TYPE.name}: {exc}") from None
 

@@ -178,6 +178,29 @@ def test_every_message_type_round_trips():
             ),
             "attempt id",
         ),
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.IN_FLIGHT_REPLY),
+                    "job": "job1",
+                    "f": {
+                        "attempts": [
+                            {
+                                "step": -1,
+                                "attempt": ATTEMPT,
+                                "world_size": 1,
+                                "writing": [],
+                                "written": [0],
+                                "failed": [],
+                                "live": False,
+                            }
+                        ]
+                    },
+                }
+            ),
+            "IN_FLIGHT_REPLY: step",
+        ),
     ],
 )
 def test_malformed_messages_are_rejected(frames, why):
