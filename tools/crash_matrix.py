@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --netns: the root is each node's own disk (CKPTD_NODE_LOCAL) mirrored to a SeaweedFS server",
     )
+    ap.add_argument(
+        "--relaunch-at-once",
+        action="store_true",
+        help="restart without waiting for the daemons, with slower writes: the restart resumes while saves of "
+        "the killed launch are in flight",
+    )
     args = ap.parse_args(argv)
     if args.node_local and (not args.netns or args.s3):
         ap.error("--node-local needs --netns (each node its own disk) and no --s3")
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 workdir=args.workdir,
                 keep=args.keep,
                 root=f"s3://crash/trial{args.seed + i}" if server is not None else None,
+                relaunch_at_once=args.relaunch_at_once,
             )
             results.append(r)
             if not args.json:

@@ -13,10 +13,13 @@ or its process is gone):
 - an attempt every rank of its world handed off, and no rank failed, can still commit: the resume
   waits for it, up to ``resume_wait_s``, or until rank 0 finds its commit on the root (a node whose
   verdict was lost on its way reports its part until it resends);
-- an attempt some rank never handed off cannot commit: rank 0 has it aborted now (``ABANDON``: a
-  local abort of its node daemon, told to the coordinator), unless the root holds its commit
-  already (a node that received the verdict no longer reports its part, and the coordinator
-  announces a commit only once it is visible) or rank 0 could not read whether it does. Only where
+- an attempt some rank never handed off cannot commit: rank 0 asks the coordinator to abort it now
+  (``ABANDON``, through its node daemon), unless the root holds its commit already (a node that
+  received the verdict no longer reports its part, and the coordinator announces a commit only once
+  it is visible) or rank 0 could not read whether it does. The coordinator aborts it on every node,
+  unless the ranks that reported it and those found make up its world (the node daemon that
+  reported the others died since: it commits once the rest is written); the resume waits for that
+  verdict to reach the nodes. Only where
   the ranks asking are every rank of the job and of the attempt's world (the default process group,
   every one of them answered): a part on a node nobody asked looks missing. Not with node-local
   disks, whose nodes each finish a commit on their own disk after its verdict: there the
@@ -37,8 +40,9 @@ ranks move alike:
    reading of the root's commit records of those steps (a second small collective);
 3. rank 0 abandons the attempts that cannot commit (once each);
 4. :func:`settle_move` decides: go on, or poll again after ``poll_s``; the attempts waited for are
-   those of the first poll that are still undecided (later ones cannot belong to a launch that is
-   gone). After ``resume_wait_s`` the resume goes on with a WARNING.
+   the committable ones of the first poll (later ones cannot belong to a launch that is gone) and
+   the abandoned ones, until they are decided. After ``resume_wait_s`` the resume goes on with a
+   WARNING.
 """
 
 from __future__ import annotations
@@ -66,10 +70,15 @@ Key = tuple[int, str]  # (step, attempt id)
 class InFlightView:
     """The attempts of launches no longer running, merged from every node's parts of them:
     ``committable`` (every rank of the world handed off, none failed) and ``doomed`` (some rank
-    never handed off, none failed, and the answers came from every rank of its world)."""
+    never handed off, none failed, and the answers came from every rank of its world), with the
+    ranks that did hand it off."""
 
     committable: tuple[Key, ...]
-    doomed: tuple[Key, ...]
+    doomed: tuple[tuple[Key, tuple[int, ...]], ...]
+
+    @property
+    def doomed_keys(self) -> tuple[Key, ...]:
+        return tuple(key for key, _ in self.doomed)
 
 
 def merge(parts: Iterable[AttemptInFlight], asked_world: int) -> InFlightView:
@@ -87,14 +96,14 @@ def merge(parts: Iterable[AttemptInFlight], asked_world: int) -> InFlightView:
         if a.live or a.failed:
             left_alone.add(key)
     committable: list[Key] = []
-    doomed: list[Key] = []
+    doomed: list[tuple[Key, tuple[int, ...]]] = []
     for key in sorted(ranks):
         if key in left_alone or world[key] <= 0:
             continue
         if ranks[key] >= set(range(world[key])):
             committable.append(key)
         elif world[key] == asked_world:
-            doomed.append(key)
+            doomed.append((key, tuple(sorted(ranks[key]))))
     return InFlightView(committable=tuple(committable), doomed=tuple(doomed))
 
 
@@ -112,11 +121,26 @@ class SettleMove:
 
 
 def settle_move(
-    view: InFlightView, committed: Collection[Key], watched: Collection[Key] | None, waited_s: float, timeout_s: float
+    view: InFlightView,
+    committed: Collection[Key],
+    watched: Collection[Key] | None,
+    abandoned: Collection[Key],
+    waited_s: float,
+    timeout_s: float,
 ) -> SettleMove:
     """The next move from the merged view, the attempts the root holds committed, those waited for
-    since the first poll (None: this is the first) and rank 0's time waited and bound."""
-    waiting = tuple(key for key in view.committable if key not in committed and (watched is None or key in watched))
+    since the first poll (None: this is the first), those abandoned (waited for until the
+    coordinator's verdict reached every node: it keeps one a dead node daemon reported) and rank
+    0's time waited and bound."""
+    present = (*view.committable, *view.doomed_keys)
+    waiting = tuple(
+        sorted(
+            key
+            for key in present
+            if key not in committed
+            and (key in abandoned or (key in view.committable and (watched is None or key in watched)))
+        )
+    )
     return SettleMove(waiting=waiting, give_up=bool(waiting) and waited_s >= timeout_s)
 
 
@@ -127,7 +151,7 @@ def _steps(keys: Iterable[Key]) -> list[int]:
 def settle_in_flight(
     ask: Callable[[], list[AttemptInFlight] | None],
     committed: Callable[[list[Key]], tuple[set[Key], set[Key]]],
-    abandon: Callable[[list[Key]], None],
+    abandon: Callable[[list[tuple[Key, tuple[int, ...]]]], None],
     *,
     timeout_s: float,
     may_abandon: bool,
@@ -155,18 +179,18 @@ def settle_in_flight(
         # Doomed only as seen by every rank of the job: a part on a node nobody asked looks missing.
         whole = abandoning and all(answer is not None for answer in answers)
         view = merge((a for answer in answers for a in answer or ()), ctx.world_size if whole else 0)
-        doomed = [key for key in view.doomed if key not in abandoned]
-        asked = sorted(set(view.committable) | set(doomed))
+        doomed = [(key, ranks) for key, ranks in view.doomed if key not in abandoned]
+        asked = sorted(set(view.committable) | {key for key, _ in doomed})
         done: set[Key] = set()
         unknown: set[Key] = set()
         if asked:
             read = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))
             done, unknown = read[0]
-        doomed = [key for key in doomed if key not in done and key not in unknown]
+        doomed = [(key, ranks) for key, ranks in doomed if key not in done and key not in unknown]
         if doomed and ctx.rank == 0:
             abandon(doomed)
-        abandoned.update(doomed)
-        move = settle_move(view, done, watched, waited_s, bound_s)
+        abandoned.update(key for key, _ in doomed)
+        move = settle_move(view, done, watched, abandoned, waited_s, bound_s)
         if watched is None:
             watched = frozenset(move.waiting)
         if ctx.rank == 0:
@@ -201,7 +225,7 @@ def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
     elif not said:
         log.info(
             "waiting up to %.0f s (resume_wait_s) for step(s) %s, which an earlier launch handed to the "
-            "node daemons and they are still committing, before choosing the checkpoint to resume from",
+            "node daemons, to be decided, before choosing the checkpoint to resume from",
             timeout_s,
             _steps(move.waiting),
         )
@@ -262,20 +286,23 @@ class DaemonsInFlight:
                 done.add((step, attempt))
         return done, unknown
 
-    def abandon(self, keys: list[Key]) -> None:
+    def abandon(self, doomed: list[tuple[Key, tuple[int, ...]]]) -> None:
         why = "a relaunch found that a rank of it never handed its save off, and its launch is gone"
-        for step, attempt in keys:
+        for (step, attempt), ranks in doomed:
             log.warning(
-                "step %d attempt %s, saved by an earlier launch, can never commit (a rank of it never handed "
-                "its save off); aborting it now, so that this launch can save step %d",
+                "step %d attempt %s, saved by an earlier launch, looks unable to commit (only ranks %s of it "
+                "are at the node daemons); asking the coordinator to abort it now, so that this launch can "
+                "save step %d",
                 step,
                 attempt,
+                list(ranks),
                 step,
             )
+            request = Abandon(step=step, attempt=attempt, reason=why, handed_off=list(ranks))
             try:
                 link = self.link()
                 if link is not None:
-                    link.request(Abandon(step=step, attempt=attempt, reason=why), SaveAck, match=_ack_of(step, attempt))
+                    link.request(request, SaveAck, match=_ack_of(step, attempt))
             except Exception as exc:  # noqa: BLE001 - rank 0 alone: never raise between collectives
                 log.warning("rank %d: could not abort step %d attempt %s: %s", self.rank, step, attempt, exc)
 

@@ -370,7 +370,11 @@ class Failed(Message):
     ``PONG``), set by the node's link when it sends the report (ckptd.daemon.uplinkstate; the
     node sends no report before a coordinator answered). A coordinator refuses a report
     addressed to another instance: one sent to its predecessor may reach it after a restart,
-    while the node, learning of the restart, aborts that attempt."""
+    while the node, learning of the restart, aborts that attempt.
+
+    ``handed_off``: of a relaunch's :class:`Abandon` (``rank`` -1): the ranks whose saves of the
+    attempt it found at the node daemons. The coordinator keeps an attempt whose reports and these
+    ranks make up its world (they report once written), and aborts it on every node otherwise."""
 
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
@@ -381,6 +385,7 @@ class Failed(Message):
     reason: str
     skipped: bool = False
     coordinator_instance: str = ""
+    handed_off: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,15 +431,19 @@ class InFlightReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Abandon(Message):
-    """rank -> daemon -> ``SAVE_ACK``: attempt ``(step, attempt)`` of an earlier launch can never
-    commit (a rank of it never handed its save off, and nobody that did is alive): abort it now,
-    here and at the coordinator (a local abort), so that the relaunch's own save of the step is not
-    refused as a second attempt of it. Sent by a resume's rank 0 (ckptd.client.settle)."""
+    """rank -> daemon -> ``SAVE_ACK``: attempt ``(step, attempt)`` of an earlier launch looks unable
+    to commit: only the ranks ``handed_off`` gave their saves of it to the node daemons, and nobody
+    that did is alive. The node daemon asks the coordinator to abort it (a :class:`Failed` of the
+    node), which does unless the ranks that reported it make up the rest of its world (a node
+    daemon that reported them died since); either way every node learns the verdict, so that the
+    relaunch's own save of the step is not refused as a second attempt of it. Sent by a resume's
+    rank 0 (ckptd.client.settle)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ABANDON
     step: int
     attempt: str
     reason: str
+    handed_off: list[int]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -425,13 +425,25 @@ class CommitState:
             if msg.rank < 0:
                 # A node's local abort (it lost its coordinator) of an attempt this coordinator
                 # never saw: record the outcome, so reports of it are answered, and clean up.
-                self._remember(key, StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}"))
+                outcome = StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}")
+                self._remember(key, outcome)
                 self._finished_reply(identity, key, facts)
+                if msg.handed_off:  # a relaunch's abandon: the other nodes holding its parts learn it now
+                    self._out.extend(Send(identity=n, msg=outcome) for n in sorted(set(self.nodes) - {identity}))
                 return
             st = self._new_attempt(identity, msg, facts, who, now)
             if st is None:
                 return
         st.reporters.add(identity)
+        if msg.handed_off and st.world_size > 0 and set(st.records) | set(msg.handed_off) >= set(range(st.world_size)):
+            log.info(
+                "step %d attempt %s: %s asked to abandon it, but the ranks that reported it and those found "
+                "handed off make up its world (a node daemon that reported died since): it commits once written",
+                msg.step,
+                msg.attempt,
+                who,
+            )
+            return
         self._abort(st, f"{who}: {msg.reason}", skipped=msg.skipped)
 
     # --- transitions ---------------------------------------------------------------------------

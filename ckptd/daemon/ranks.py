@@ -166,7 +166,7 @@ class RankServer:
                 raise CkptdError(
                     f"step {msg.step} attempt {msg.attempt} is saved by a launch still running: not aborted"
                 )
-            self.uplink.abandon((msg.step, msg.attempt), msg.reason)
+            self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off))
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Status):
             self.channel.send(StatusReply(info=self.hooks.status()), identity)

@@ -110,10 +110,10 @@ class CoordinatorLink:
         (addressed to the coordinator instance answering then)."""
         self._handle(us.Report(key=key, msg=msg))
 
-    def abandon(self, key: StepKey, reason: str) -> None:
-        """Abort attempt ``key`` of an earlier launch locally and tell the coordinator (a resume
-        found it can never commit: ckptd.client.settle)."""
-        self._handle(us.Abandon(key=key, reason=reason))
+    def abandon(self, key: StepKey, reason: str, handed_off: tuple[int, ...]) -> None:
+        """Ask the coordinator to abort attempt ``key`` of an earlier launch (a resume found it
+        unable to commit, with only the ranks ``handed_off``: ckptd.client.settle)."""
+        self._handle(us.Abandon(key=key, reason=reason, handed_off=handed_off))
 
     def abort_pending(self, reason: str) -> None:
         """Abort locally every attempt whose reports went out (those still writing report when done)."""

@@ -46,8 +46,9 @@ learns the outcome and removes the attempt's files; within ``commit_timeout_s``,
 instance that answers later is told too (the abort may have gone to its predecessor). The answer
 is "committed now": a coordinator still alive behind a partition may commit later, which the
 abort's reason says (``Checkpointer.latest()`` tells). A shutdown of the node daemon itself
-(:class:`AbortAll`) aborts at once, without asking, and so does a resume's :class:`Abandon` of an
-attempt of an earlier launch that can never commit (ckptd.client.settle).
+(:class:`AbortAll`) aborts at once, without asking. A resume's :class:`Abandon` of an attempt of
+an earlier launch that looks unable to commit is told to the coordinator as such a FAILED, which
+decides it (ckptd.client.settle).
 """
 
 from __future__ import annotations
@@ -129,12 +130,14 @@ class AbortAll:
 
 @dataclass(frozen=True, kw_only=True)
 class Abandon:
-    """A resume found attempt ``key`` of an earlier launch unable to commit: abort it locally,
-    telling the coordinator (nothing to do when it aborted here already; a coordinator that
-    decided it answers with its verdict)."""
+    """A resume found attempt ``key`` of an earlier launch unable to commit, with only the ranks
+    ``handed_off`` at the node daemons: ask the coordinator to abort it (ckptd.protocol.Abandon),
+    whose verdict decides its parts here as any verdict does (nothing to do when it aborted here
+    already)."""
 
     key: StepKey
     reason: str
+    handed_off: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +285,7 @@ class UplinkState:
             self._abort_pending(event.reason, now)
         elif isinstance(event, Abandon):
             if event.key not in self.verdicts:
-                self._abort_locally(event.key, event.reason, now)
+                self._tell_late(event.key, event.reason, now, handed_off=list(event.handed_off))
         elif isinstance(event, Tick):
             self._on_tick(now)
         out, self._out = self._out, []
@@ -399,8 +402,22 @@ class UplinkState:
         step, attempt = key
         log.warning("step %d attempt %s aborted locally: %s", step, attempt, reason)
         self._resolve(key, StepAborted(step=step, attempt=attempt, reason=reason))
+        self._tell_late(key, reason, now)
+
+    def _tell_late(self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None) -> None:
+        """Tell the coordinator (once one is reachable, and any instance answering later within
+        ``commit_timeout_s``) that this node aborts attempt ``key``: a FAILED of rank -1."""
+        step, attempt = key
         late = self.unacked.setdefault(key, Unacked(open=False))
-        late.late = Failed(step=step, attempt=attempt, rank=-1, world_size=0, node=self.node, reason=reason)
+        late.late = Failed(
+            step=step,
+            attempt=attempt,
+            rank=-1,
+            world_size=0,
+            node=self.node,
+            reason=reason,
+            handed_off=handed_off or [],
+        )
         late.late_until = now + self.config.commit_timeout_s
         late.late_sent_to = None
 

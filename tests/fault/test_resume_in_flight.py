@@ -20,6 +20,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,11 +116,11 @@ def test_a_relaunch_resumes_the_step_the_crashed_trainer_handed_off(tmp_path, si
         ckpt.save(_sd(_values(20)), step=20).wait(timeout_s=60)  # the relaunch trains on from step 10
 
 
-def _as_node(rank: int, coordinator_port: int) -> None:
-    """This rank is node ``rank`` of its own (a node daemon each, the coordinator in node 0's)."""
-    os.environ.update(
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPTD_COORDINATOR_PORT=str(coordinator_port)
-    )
+def _as_node(rank: int, coordinator_port: int, **config: Any) -> ckptd.CkptdConfig:
+    """This rank is node ``rank`` of its own (a node daemon each, the coordinator in node 0's, on
+    one port for both launches: each launch has a MASTER_PORT of its own); its config."""
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    return ckptd.CkptdConfig.from_env({}, coordinator_port=coordinator_port, **config)
 
 
 def _launch(
@@ -129,9 +130,9 @@ def _launch(
     the daemon, and both go away without waiting for it. Step 10's data files hang until the
     relaunch waits, if every rank handed it off; else rank 0's is written and reported first (the
     coordinator collects the attempt)."""
-    _as_node(rank, port)
-    cfg = ckptd.CkptdConfig.from_env(
-        {},
+    cfg = _as_node(
+        rank,
+        port,
         runtime_dir=runtime,
         debug_fault_file=faults,
         # What rank 1 never handed off would abort only long after the relaunch saved step 10 again.
@@ -165,8 +166,7 @@ def _relaunch(
     """Resume, then save step 10 (the next save of a job that resumed step 5; a no-op check of the
     one that resumed step 10): the step loaded, bit-exact or not, whether it waited, and what the
     save of step 10 gave (10: committed; None: skipped, the step was loaded)."""
-    _as_node(rank, port)
-    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, resume_wait_s=60.0)
+    cfg = _as_node(rank, port, runtime_dir=runtime, resume_wait_s=60.0)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         assert ckpt.status()["node"] == rank  # its own node daemon
         out, waited, _ = _resume(ckpt, _sd(torch.zeros(256), rank, world_size), Path(faults))
@@ -192,9 +192,10 @@ def test_a_relaunch_waits_for_a_step_every_rank_handed_off_and_aborts_one_that_c
     if rank_1_hands_off:  # (rank 0 logs the wait)
         assert outcomes == [(10, True, True, None), (10, True, False, None)], outcomes
     else:
-        # Step 10 could never commit: nobody waited for it, and it was aborted at once, so the
-        # relaunch's own save of step 10 committed (not refused as a second attempt of the step).
-        assert outcomes == [(5, True, False, 10)] * 2, outcomes
+        # Step 10 could never commit: it was aborted at once (the resume waited only for that
+        # verdict), so the relaunch's own save of step 10 committed, not refused as a second
+        # attempt of the step.
+        assert outcomes == [(5, True, True, 10), (5, True, False, 10)], outcomes
 
 
 @pytest.mark.timeout(120)
@@ -214,6 +215,56 @@ def test_a_resume_beside_a_running_launch_leaves_its_saves_alone(tmp_path, singl
             out, waited, _ = _resume(reader, _sd(torch.zeros(256)), faults)
             assert not waited and out is not None and torch.equal(out["w"], _values(5))
             faults.write_text(HANG_DATA_FILES)
-            DaemonsInFlight(reader.root, 0, lambda: reader._link, lambda _: None).abandon([(10, h.attempt)])
+            DaemonsInFlight(reader.root, 0, lambda: reader._link, lambda _: None).abandon([((10, h.attempt), (0,))])
         faults.unlink()
         assert h.wait(timeout_s=60) == root / "iter_0000010"
+
+
+def _launch_losing_node_1(rank: int, world_size: int, root: str, runtime: str, faults: str, port: int) -> None:
+    """Both ranks commit step 5 and hand step 10 off; node 1's daemon writes and reports rank 1's
+    part, then dies (SIGKILL), while rank 0's data file hangs on node 0. Then the trainers go."""
+    import signal
+
+    import torch.distributed as dist
+
+    cfg = _as_node(
+        rank,
+        port,
+        runtime_dir=runtime,
+        debug_fault_file=faults,
+        commit_timeout_s=300.0,
+        shutdown_grace_s=2.0,
+        idle_exit_s=60.0,
+    )
+    ckpt = ckptd.Checkpointer(root, config=cfg)
+    ckpt.save(_sd(_values(5, rank), rank, world_size), step=5).wait(timeout_s=60)
+    if rank == 0:
+        Path(faults).write_text("hang __0_*\n")  # rank 0's data file only
+    dist.barrier()
+    h = ckpt.save(_sd(_values(10, rank), rank, world_size), step=10)
+    pids = [0, 0]
+    dist.all_gather_object(pids, ckpt.status()["pid"])
+    if rank == 0:
+        wait_until(lambda: _reported(ckpt, h.attempt, [1]), 30, "node 1 to report rank 1's part of step 10")
+        os.kill(pids[1], signal.SIGKILL)
+    dist.barrier()
+    try:
+        ckpt.close(wait=False)
+    except ckptd.CkptdError as exc:  # step 10's handle, or node 1's lost daemon
+        if "step 10" not in str(exc) and "died" not in str(exc):
+            raise
+
+
+def _reported(ckpt: ckptd.Checkpointer, attempt: str, ranks: list[int]) -> bool:
+    return ckpt.status()["coordinator"]["steps"].get(f"10/{attempt}", {}).get("written") == ranks
+
+
+@pytest.mark.timeout(240)
+def test_a_save_a_dead_node_daemon_reported_is_kept_and_resumed(tmp_path, runtime_dir):
+    """The relaunch finds only rank 0's part of step 10 (node 1's daemon reported rank 1's, then
+    died): it asks to abandon it, the coordinator keeps it (its reports and the part found make up
+    the world), and the relaunch waits for it to commit, then resumes it."""
+    root, runtime, faults, port = str(tmp_path / "run"), str(runtime_dir), str(tmp_path / "faults"), free_port()
+    run_ranks(_launch_losing_node_1, 2, root, runtime, faults, port, timeout_s=90)
+    outcomes = run_ranks(_relaunch, 2, root, runtime, faults, port, timeout_s=90)
+    assert outcomes == [(10, True, True, None), (10, True, False, None)], outcomes

@@ -96,7 +96,8 @@ def test_every_message_type_round_trips():
                 )
             ]
         ),
-        Abandon(step=10, attempt=ATTEMPT, reason="a rank never handed its save off"),
+        Abandon(step=10, attempt=ATTEMPT, reason="a rank never handed its save off", handed_off=[0, 2]),
+        Failed(step=10, attempt=ATTEMPT, rank=-1, world_size=0, node=0, reason="abandoned", handed_off=[0, 2]),
     ]
     for msg in samples:
         frames = codec.encode(msg)

@@ -336,6 +336,34 @@ def test_a_node_local_abort_of_an_unknown_attempt_is_remembered_and_cleaned_up()
     assert c.report(N0, written(3, 0))[0] == Send(identity=N0, msg=verdict, block=True)
 
 
+# --- a relaunch's abandon (ckptd.client.settle) -----------------------------------------------------
+def test_an_abandon_aborts_an_attempt_a_rank_never_handed_off_on_every_node():
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    verdict = only_outcome(c.report(N0, failed(3, -1, "its launch is gone", handed_off=[0])))
+    assert isinstance(verdict, StepAborted) and "its launch is gone" in verdict.reason
+
+
+def test_an_abandon_keeps_an_attempt_whose_reports_and_ranks_in_flight_make_up_its_world():
+    """Node 1's daemon reported rank 1 and died: the relaunch finds only rank 0's save (still being
+    written on node 0). Rank 0 reports once written, and the attempt commits."""
+    c = Coordinator()
+    c.report(N1, written(3, 1))
+    assert c.report(N0, failed(3, -1, "its launch is gone", handed_off=[0])) == []
+    (commit,) = c.report(N0, written(3, 0))
+    assert isinstance(commit, Commit)
+    assert isinstance(only_outcome(c.commit_ended(3)), StepCommitted)
+
+
+def test_an_abandon_of_an_attempt_nobody_reported_tells_every_node():
+    c = Coordinator()
+    for node in (N0, N1):
+        c.state.handle(NodeSeen(identity=node), c.now)
+    actions = c.report(N0, failed(3, -1, "its launch is gone", handed_off=[1]))
+    told = outcomes(actions)
+    assert set(told) == {N0, N1} and all(isinstance(m, StepAborted) for m in told.values())
+
+
 # --- adopted leftovers ------------------------------------------------------------------------------
 def test_an_adopted_leftover_nobody_reports_on_does_not_keep_the_daemon_busy_and_times_out():
     c = Coordinator(adopted=[(3, A)])

@@ -214,23 +214,24 @@ def test_a_write_of_an_attempt_decided_already_is_not_in_flight():
     assert j.slot in node.state.unfinished and node.state.in_flight(lambda _: True) == []
 
 
-def test_an_abandoned_attempt_aborts_locally_and_tells_the_coordinator_and_its_write_is_drained():
-    """A relaunch's resume found attempt A can never commit (ckptd.client.settle): the node aborts
-    it as it does when it lost its coordinator, and the coordinator learns it from a FAILED of the
-    node (rank -1); a write of it still queued only drains the ring."""
-    from ckptd.daemon.uplinkstate import Abandon, Deliver, Pong
+def test_an_abandoned_attempt_is_asked_of_the_coordinator_whose_verdict_decides_its_parts():
+    """A relaunch's resume found attempt A unable to commit (ckptd.client.settle): the node tells
+    the coordinator, with the ranks found, in a FAILED of the node (rank -1); its own parts stay
+    until the verdict (the coordinator keeps an attempt a dead node daemon reported the rest of)."""
+    from ckptd.daemon.uplinkstate import Abandon, Pong
     from ckptd.daemon.uplinkstate import Send as Upstream
     from ckptd.daemon.uplinkstate import Tick as UplinkTick
 
     node, j = Node(), job()
     node.uplink.handle(Pong(instance="c1"), node.now)
     node.take(j)
-    actions = node.uplink.handle(Abandon(key=j.key, reason="its launch is gone"), node.now)
-    (told,) = [a for a in actions if isinstance(a, Deliver)]
-    assert isinstance(told.outcome, StepAborted) and told.outcome.reason == "its launch is gone"
+    assert node.uplink.handle(Abandon(key=j.key, reason="its launch is gone", handed_off=(1,)), node.now) == []
     node.now += 1
     sent = [a.msg for a in node.uplink.handle(UplinkTick(), node.now) if isinstance(a, Upstream)]
-    assert any(isinstance(m, Failed) and m.rank == -1 and m.attempt == A for m in sent), sent
+    told = [m for m in sent if isinstance(m, Failed)]
+    assert [(m.rank, m.attempt, m.handed_off) for m in told] == [(-1, A, [1])], sent
+    assert [a.writing for a in node.state.in_flight(lambda _: False)] == [(1,)]  # undecided yet
+    node.decide(j, aborted(j))
     assert node.handle(Ready(job=j)) == [StartWrite(job=j, drain=True)]
     assert node.state.in_flight(lambda _: False) == []
-    assert node.uplink.handle(Abandon(key=j.key, reason="again"), node.now) == []  # decided: once
+    assert node.uplink.handle(Abandon(key=j.key, reason="again", handed_off=(1,)), node.now) == []  # decided

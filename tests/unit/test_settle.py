@@ -36,7 +36,7 @@ def test_an_attempt_every_rank_handed_off_is_committable_from_the_parts_of_every
 
 def test_an_attempt_missing_parts_is_doomed_only_as_seen_by_every_rank_of_its_world():
     node0 = part(world=4, writing=[0], written=[1])
-    assert merge([node0], 4) == InFlightView(committable=(), doomed=(K10,))  # ranks 2-3 never handed off
+    assert merge([node0], 4) == InFlightView(committable=(), doomed=((K10, (0, 1)),))  # ranks 2-3 never handed off
     # Asked by 2 ranks (a subgroup, no process group, an evaluation process, a failed answer):
     # ranks 2-3's parts may be on a node nobody asked.
     assert merge([node0], 2) == InFlightView(committable=(), doomed=())
@@ -67,12 +67,18 @@ def test_attempts_are_told_apart_by_attempt_id():
 def test_the_move_waits_for_the_first_polls_committable_attempts_until_committed_or_the_bound():
     view = merge([part(written=[0]), part(writing=[1]), part(step=11, world=1, written=[0])], 2)
     assert view.committable == (K10, K11)
-    assert settle_move(view, set(), None, 0.0, 5.0) == SettleMove(waiting=(K10, K11))
-    assert settle_move(view, {K10}, None, 0.0, 5.0) == SettleMove(waiting=(K11,))  # the root holds it: decided
-    assert settle_move(view, set(), {K11}, 1.0, 5.0) == SettleMove(waiting=(K11,))  # K10 appeared after the first poll
-    gave_up = settle_move(view, set(), None, 5.0, 5.0)
+    assert settle_move(view, set(), None, set(), 0.0, 5.0) == SettleMove(waiting=(K10, K11))
+    assert settle_move(view, {K10}, None, set(), 0.0, 5.0) == SettleMove(waiting=(K11,))  # the root holds it
+    assert settle_move(view, set(), {K11}, set(), 1.0, 5.0) == SettleMove(
+        waiting=(K11,)
+    )  # K10 came after the first poll
+    gave_up = settle_move(view, set(), None, set(), 5.0, 5.0)
     assert gave_up.give_up and gave_up.go
-    assert settle_move(InFlightView(committable=(), doomed=(K10,)), set(), None, 99.0, 5.0) == SettleMove(waiting=())
+    doomed = InFlightView(committable=(), doomed=((K10, (0,)),))
+    assert settle_move(doomed, set(), None, set(), 99.0, 5.0) == SettleMove(waiting=())
+    # abandoned: waited for until its verdict reached every node (it may yet commit), or committed
+    assert settle_move(doomed, set(), {K11}, {K10}, 1.0, 5.0) == SettleMove(waiting=(K10,))
+    assert settle_move(doomed, {K10}, {K11}, {K10}, 1.0, 5.0) == SettleMove(waiting=())
 
 
 class Clock:
@@ -149,17 +155,17 @@ def test_the_loop_gives_up_after_the_bound_with_a_warning(caplog):
     assert "step(s) [10], handed to the node daemons by an earlier launch, still not committed after 2 s" in caplog.text
 
 
-def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_or_unknown_without_a_wait():
+def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_or_unknown_then_waited_for():
     clock, root = Clock(), Root(committed={(11, "abc-1")}, unreadable={12})
     # One rank, the whole job (no process group), asks: parts of one-rank attempts it never handed
     # off (a node of a multi-rank job holds such parts of its other ranks).
     doomed = [part(world=1), part(step=11, world=1), part(step=12, world=1)]
-    move = settle([doomed], clock, root)
-    assert move.go and clock.now == 0.0
+    move = settle([doomed, doomed, []], clock, root)
+    assert move.go and clock.now == 1.0  # until the abandoned step 10 was decided on every node
     # step 11's part is one a node kept after the commit's verdict; step 12's record could not be read
-    assert root.abandoned == [[K10]]
+    assert root.abandoned == [[(K10, ())]]
     root.abandoned.clear()
-    settle([doomed], clock, root, may_abandon=False)  # node-local disks, or not every rank of the job asks
+    settle([doomed], Clock(), root, may_abandon=False)  # node-local disks, or not every rank of the job asks
     assert root.abandoned == []
 
 

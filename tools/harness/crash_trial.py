@@ -332,11 +332,18 @@ class LoopbackHosts:
 
 # --- the trial ---------------------------------------------------------------------------------
 def job_spec(
-    workdir: Path, ranks: int, nodes: int, rng: random.Random, fields: dict[str, Any], root: str | None = None
+    workdir: Path,
+    ranks: int,
+    nodes: int,
+    rng: random.Random,
+    fields: dict[str, Any],
+    root: str | None = None,
+    write_delay_s: tuple[float, float] = (0.0, 0.12),
 ) -> cj.JobSpec:
     """The job of one trial; ``fields``: what its hosts add (:meth:`Hosts.job_fields`); ``root``:
     where it saves (default: a directory of the trial; an ``s3://`` root runs the trial on object
-    storage, whose client settings come from this process's AWS_* variables)."""
+    storage, whose client settings come from this process's AWS_* variables); ``write_delay_s``:
+    the range of the daemons' delay before each file they write."""
     aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k.startswith("CKPTD_S3_")}
     env = {
         **(aws if root is not None and root.startswith("s3://") else {}),
@@ -351,7 +358,7 @@ def job_spec(
         "CKPTD_SHUTDOWN_GRACE_S": "5",
         "CKPTD_KEEP_LAST": str(KEEP_LAST),
         # Writes take a random while, so that kills land inside writes and commits.
-        "CKPTD_DEBUG_WRITE_DELAY_S": f"{rng.uniform(0.0, 0.12):.3f}",
+        "CKPTD_DEBUG_WRITE_DELAY_S": f"{rng.uniform(*write_delay_s):.3f}",
     }
     events = workdir / "events"
     events.mkdir(parents=True)
@@ -394,9 +401,13 @@ def run_trial(
     workdir: str | os.PathLike | None = None,
     keep: bool = False,
     root: str | None = None,
+    relaunch_at_once: bool = False,
 ) -> TrialResult:
     """One trial (see the module docstring) on ``hosts``; ``victim`` None picks one at random
-    among the hosts' kinds (those needing several nodes only when there are)."""
+    among the hosts' kinds (those needing several nodes only when there are). ``relaunch_at_once``:
+    step 2 does not wait for the daemons, and their writes are slower (0.3-0.8 s a file), so the
+    restart's resume finds saves of the killed launch in flight (ckptd.client.settle): it must
+    resume what committed and save on without a refused step."""
     if ranks % nodes:
         raise ValueError(f"{ranks} ranks do not split evenly over {nodes} nodes")
     rng = random.Random(seed)
@@ -411,7 +422,8 @@ def run_trial(
     job = ""
     try:
         hosts.open(nodes)
-        spec = job_spec(base, ranks, nodes, rng, hosts.job_fields(), root)
+        delay_s = (0.3, 0.8) if relaunch_at_once else (0.0, 0.12)
+        spec = job_spec(base, ranks, nodes, rng, hosts.job_fields(), root, delay_s)
         job = spec.endpoints(0).job
         procs = hosts.start(spec, "run")
         started = _wait_for(
@@ -434,7 +446,7 @@ def run_trial(
                 p.kill()
             p.join(10)
         hosts.heal()
-        stuck = quiesce(spec, COMMIT_TIMEOUT_S + COORDINATOR_TIMEOUT_S + 10)
+        stuck = None if relaunch_at_once else quiesce(spec, COMMIT_TIMEOUT_S + COORDINATOR_TIMEOUT_S + 10)
         if stuck:
             result.problems.append(stuck)
         procs = hosts.start(spec, "restart")
