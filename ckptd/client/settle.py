@@ -27,8 +27,8 @@ or its process is gone):
 
 Attempts of a running launch (this one's own saves, another Checkpointer's) are left alone, as
 are those a rank failed (they abort on their own). Where the relaunch runs on other nodes than its
-predecessor, or a node daemon restarted, parts are missing: such an attempt is taken for one that
-cannot commit.
+predecessor, or a node daemon restarted before it reported its ranks, parts are missing: such an
+attempt is taken for one that cannot commit.
 
 Order, on every rank (a collective with torch.distributed initialized, as the resume's choice is);
 every move is decided from gathered values only, rank 0's clock and settings included, so the
@@ -38,7 +38,8 @@ ranks move alike:
    and abandons nothing);
 2. gather every rank's answer; when some attempt is to be waited for or abandoned, gather rank 0's
    reading of the root's commit records of those steps (a second small collective);
-3. rank 0 abandons the attempts that cannot commit (once each);
+3. rank 0 abandons the attempts that cannot commit (once each), and the ranks gather which its node
+   daemon took;
 4. :func:`settle_move` decides: go on, or poll again after ``poll_s``; the attempts waited for are
    the committable ones of the first poll (later ones cannot belong to a launch that is gone) and
    the abandoned ones, until they are decided. After ``resume_wait_s`` the resume goes on with a
@@ -51,7 +52,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..control.protocol import Abandon, AttemptInFlight, InFlight, InFlightReply, SaveAck
 from ..dist import DistContext
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 Key = tuple[int, str]  # (step, attempt id)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +153,7 @@ def _steps(keys: Iterable[Key]) -> list[int]:
 def settle_in_flight(
     ask: Callable[[], list[AttemptInFlight] | None],
     committed: Callable[[list[Key]], tuple[set[Key], set[Key]]],
-    abandon: Callable[[list[tuple[Key, tuple[int, ...]]]], None],
+    abandon: Callable[[list[tuple[Key, tuple[int, ...]]]], set[Key]],
     *,
     timeout_s: float,
     may_abandon: bool,
@@ -161,10 +163,11 @@ def settle_in_flight(
     sleep: Callable[[float], None] = time.sleep,
 ) -> SettleMove:
     """Steps 1-4 above. ``ask``: this rank's node daemon's answer (None: it could not be asked);
-    ``committed``: which of these attempts the root holds committed, and which it could not tell
-    (called on rank 0); ``abandon``: abort these attempts (rank 0; it never raises). ``may_abandon``
-    (rank 0's counts): the ranks asking are every rank of the job, in its default group, on shared
-    storage. Returns the last move."""
+        ``committed``: which of these attempts the root holds committed, and which it could not tell
+        (called on rank 0); ``abandon``: ask to abort these attempts, returning those the node daemon
+    took (rank 0; it never raises). ``may_abandon``
+        (rank 0's counts): the ranks asking are every rank of the job, in its default group, on shared
+        storage. Returns the last move."""
     ctx = DistContext.current(group)
     start = clock()
     watched: frozenset[Key] | None = None
@@ -179,17 +182,20 @@ def settle_in_flight(
         # Doomed only as seen by every rank of the job: a part on a node nobody asked looks missing.
         whole = abandoning and all(answer is not None for answer in answers)
         view = merge((a for answer in answers for a in answer or ()), ctx.world_size if whole else 0)
-        doomed = [(key, ranks) for key, ranks in view.doomed if key not in abandoned]
-        asked = sorted(set(view.committable) | {key for key, _ in doomed})
+        # The root is read for every attempt waited for or to abandon, the abandoned included (one
+        # the coordinator kept commits, and a node may miss its verdict until it resends).
+        asked = sorted({*view.committable, *view.doomed_keys})
         done: set[Key] = set()
         unknown: set[Key] = set()
         if asked:
-            read = ctx.agree("reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked))
+            read = ctx.agree(
+                "reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked, (done, unknown))
+            )
             done, unknown = read[0]
-        doomed = [(key, ranks) for key, ranks in doomed if key not in done and key not in unknown]
-        if doomed and ctx.rank == 0:
-            abandon(doomed)
-        abandoned.update(key for key, _ in doomed)
+        doomed = [(key, ranks) for key, ranks in view.doomed if key not in abandoned | done | unknown]
+        if doomed:  # a collective too: the attempts rank 0 could ask to abort are waited for
+            taken = ctx.agree("abandoning saves that cannot commit", _on_rank_0(ctx, abandon, doomed, abandoned))
+            abandoned.update(taken[0])
         move = settle_move(view, done, watched, abandoned, waited_s, bound_s)
         if watched is None:
             watched = frozenset(move.waiting)
@@ -201,10 +207,9 @@ def settle_in_flight(
         sleep(poll_s)
 
 
-def _on_rank_0(
-    ctx: DistContext, committed: Callable[[list[Key]], tuple[set[Key], set[Key]]], keys: list[Key]
-) -> Callable[[], tuple[set[Key], set[Key]]]:
-    return lambda: committed(keys) if ctx.rank == 0 else (set(), set())
+def _on_rank_0(ctx: DistContext, fn: Callable[[Any], T], arg: Any, elsewhere: T) -> Callable[[], T]:
+    """``fn(arg)`` on rank 0 (``elsewhere`` on the others), for :meth:`DistContext.agree` to spread."""
+    return lambda: fn(arg) if ctx.rank == 0 else elsewhere
 
 
 def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
@@ -212,7 +217,7 @@ def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
     if move.give_up:
         log.log(
             logging.WARNING if timeout_s > 0 else logging.INFO,
-            "step(s) %s, handed to the node daemons by an earlier launch, still not committed after %.0f s "
+            "step(s) %s, handed to the node daemons by an earlier launch, still undecided after %.0f s "
             "(resume_wait_s); resuming from the latest committed checkpoint. If one commits later, this "
             "launch's save of that step is refused (CheckpointExistsError): raise CKPTD_RESUME_WAIT_S, or "
             "see the daemons' logs",
@@ -234,8 +239,8 @@ def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
 class DaemonsInFlight:
     """The I/O of a Checkpointer's settling (:func:`settle_in_flight`): its node daemon's answer,
     the root's commit records, the abandons. A failure to ask lets the resume go on without
-    waiting and vetoes abandoning; a failed abandon leaves the attempt to the coordinator's
-    timeout.
+    waiting and vetoes abandoning; an abandon the node daemon did not take leaves the attempt to
+    the coordinator's timeout (and nobody waits for it).
 
     ``link``: the rank's link to its node daemon, connected (None: the Checkpointer is closed);
     ``lost``: what the Checkpointer does when the daemon died (its saves in flight fail)."""
@@ -286,9 +291,14 @@ class DaemonsInFlight:
                 done.add((step, attempt))
         return done, unknown
 
-    def abandon(self, doomed: list[tuple[Key, tuple[int, ...]]]) -> None:
-        why = "a relaunch found that a rank of it never handed its save off, and its launch is gone"
+    def abandon(self, doomed: list[tuple[Key, tuple[int, ...]]]) -> set[Key]:
+        """Ask the node daemon to have these attempts aborted; those it took."""
+        taken: set[Key] = set()
         for (step, attempt), ranks in doomed:
+            why = (
+                f"a relaunch found only ranks {list(ranks)} of it at the node daemons, and its launch gone (a rank "
+                "died inside save(), or the node daemon that held the others did)"
+            )
             log.warning(
                 "step %d attempt %s, saved by an earlier launch, looks unable to commit (only ranks %s of it "
                 "are at the node daemons); asking the coordinator to abort it now, so that this launch can "
@@ -303,8 +313,10 @@ class DaemonsInFlight:
                 link = self.link()
                 if link is not None:
                     link.request(request, SaveAck, match=_ack_of(step, attempt))
+                    taken.add((step, attempt))
             except Exception as exc:  # noqa: BLE001 - rank 0 alone: never raise between collectives
                 log.warning("rank %d: could not abort step %d attempt %s: %s", self.rank, step, attempt, exc)
+        return taken
 
 
 def _ack_of(step: int, attempt: str) -> Callable[[SaveAck], bool]:

@@ -31,9 +31,12 @@ while the root still holds it (else the report starts a new attempt).
 Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
 that would not store every key some rank holds aborts, naming the key (ckptd.format.coverage).
 Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt:
-both abort, naming ranks and attempts. Attempts adopted at start (``<step>.<attempt>.tmp`` left by
-a crashed coordinator) are collected like others and time out like others, but do not keep the
-daemon busy until someone reports on them.
+both abort, naming ranks and attempts. A relaunch's abandon (a FAILED of a node carrying
+``handed_off``: ckptd.client.settle) aborts a collecting attempt on every node, but keeps one whose
+reports and the ranks found handed off make up its world (a node daemon that reported died since).
+Attempts adopted at start (``<step>.<attempt>.tmp`` left by a crashed coordinator) are collected
+like others and time out like others, but do not keep the daemon busy until someone reports on
+them.
 """
 
 from __future__ import annotations
@@ -423,8 +426,9 @@ class CommitState:
                 log.info("step %d attempt %s: %s aborted it on its own: %s", msg.step, msg.attempt, who, msg.reason)
                 return
             if msg.rank < 0:
-                # A node's local abort (it lost its coordinator) of an attempt this coordinator
-                # never saw: record the outcome, so reports of it are answered, and clean up.
+                # A node's local abort (it lost its coordinator), or a relaunch's abandon, of an
+                # attempt this coordinator never saw: record the outcome, so reports of it are
+                # answered, and clean up.
                 outcome = StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}")
                 self._remember(key, outcome)
                 self._finished_reply(identity, key, facts)

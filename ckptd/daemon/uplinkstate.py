@@ -378,6 +378,12 @@ class UplinkState:
             while len(self.verdicts) > VERDICT_MEMORY:
                 self.verdicts.popitem(last=False)
         u = self.unacked.get(key)
+        if u is not None and u.late is not None and u.late.handed_off:
+            # An abandon the coordinator decided: never told to a later instance (it would take a
+            # commit it kept for an attempt it never saw, and abort it on every node).
+            u.late = u.late_until = u.late_sent_to = None
+            self._drop_if_done(key, u)
+            u = self.unacked.get(key)
         if u is None or not u.open:
             return
         notify = frozenset(u.notify)

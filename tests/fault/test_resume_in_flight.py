@@ -169,8 +169,8 @@ def _relaunch(
     cfg = _as_node(rank, port, runtime_dir=runtime, resume_wait_s=60.0)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         assert ckpt.status()["node"] == rank  # its own node daemon
-        out, waited, _ = _resume(ckpt, _sd(torch.zeros(256), rank, world_size), Path(faults))
-        assert out is not None
+        out, waited, took_s = _resume(ckpt, _sd(torch.zeros(256), rank, world_size), Path(faults))
+        assert out is not None and took_s < 30.0, took_s  # decided long before resume_wait_s (60 s)
         step = int(out["w"][0].item()) // 100
         saved = None
         if step < 10:

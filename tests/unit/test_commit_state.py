@@ -364,6 +364,21 @@ def test_an_abandon_of_an_attempt_nobody_reported_tells_every_node():
     assert set(told) == {N0, N1} and all(isinstance(m, StepAborted) for m in told.values())
 
 
+def test_an_abandon_of_an_adopted_committing_or_committed_attempt():
+    """An adopted leftover (its records died with the old coordinator) aborts; one committing is
+    left to its commit; one committed is answered with its commit, and nobody else is told."""
+    c = Coordinator(adopted=[(4, A)])
+    verdict = only_outcome(c.report(N0, failed(4, -1, "its launch is gone", handed_off=[0])))
+    assert isinstance(verdict, StepAborted)
+    c.report(N0, written(3, 0))
+    (commit,) = c.report(N1, written(3, 1))
+    assert isinstance(commit, Commit)
+    assert c.report(N0, failed(3, -1, "its launch is gone", handed_off=[0])) == []  # committing: ignored
+    assert isinstance(only_outcome(c.commit_ended(3)), StepCommitted)
+    answer = c.report(N0, failed(3, -1, "its launch is gone", handed_off=[0]))
+    assert set(outcomes(answer)) == {N0} and isinstance(only_outcome(answer), StepCommitted)
+
+
 # --- adopted leftovers ------------------------------------------------------------------------------
 def test_an_adopted_leftover_nobody_reports_on_does_not_keep_the_daemon_busy_and_times_out():
     c = Coordinator(adopted=[(3, A)])

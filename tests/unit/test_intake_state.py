@@ -235,3 +235,22 @@ def test_an_abandoned_attempt_is_asked_of_the_coordinator_whose_verdict_decides_
     assert node.handle(Ready(job=j)) == [StartWrite(job=j, drain=True)]
     assert node.state.in_flight(lambda _: False) == []
     assert node.uplink.handle(Abandon(key=j.key, reason="again", handed_off=(1,)), node.now) == []  # decided
+
+
+def test_an_abandon_the_coordinator_decided_is_never_told_to_a_later_instance():
+    """Kept, then committed: a later coordinator instance never told of it would take the commit
+    for an attempt it never saw and abort it on every node."""
+    from ckptd.daemon.uplinkstate import Abandon, Pong
+    from ckptd.daemon.uplinkstate import Send as Upstream
+    from ckptd.daemon.uplinkstate import Tick as UplinkTick
+
+    node, j = Node(), job()
+    node.uplink.handle(Pong(instance="c1"), node.now)
+    node.take(j)
+    node.uplink.handle(Abandon(key=j.key, reason="its launch is gone", handed_off=(1,)), node.now)
+    node.uplink.handle(UplinkTick(), node.now + 1)
+    node.decide(j, StepCommitted(step=3, attempt=A, name="iter_0000003", warnings=[]))
+    node.uplink.handle(Pong(instance="c2"), node.now + 2)  # the coordinator restarted
+    sent = [a.msg for a in node.uplink.handle(UplinkTick(), node.now + 3) if isinstance(a, Upstream)]
+    assert not [m for m in sent if isinstance(m, Failed)], sent
+    assert j.key not in node.uplink.unacked

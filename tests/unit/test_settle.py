@@ -106,8 +106,9 @@ class Root:
         self.asked.append(keys)
         return {k for k in keys if k in self.holds}, {k for k in keys if k[0] in self.unreadable}
 
-    def abandon(self, keys: list) -> None:
+    def abandon(self, keys: list) -> set:
         self.abandoned.append(keys)
+        return {key for key, _ in keys}
 
 
 def settle(answers, clock: Clock, root: Root, *, timeout_s: float = 60.0, may_abandon: bool = True) -> SettleMove:
@@ -152,7 +153,7 @@ def test_the_loop_gives_up_after_the_bound_with_a_warning(caplog):
     with caplog.at_level(logging.INFO, logger="ckptd.client.settle"):
         move = settle([[part(world=1, writing=[0])]], clock, Root(), timeout_s=2.0)
     assert move.give_up and clock.now == 2.0
-    assert "step(s) [10], handed to the node daemons by an earlier launch, still not committed after 2 s" in caplog.text
+    assert "step(s) [10], handed to the node daemons by an earlier launch, still undecided after 2 s" in caplog.text
 
 
 def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_or_unknown_then_waited_for():
@@ -167,6 +168,41 @@ def test_an_attempt_a_rank_never_handed_off_is_abandoned_once_unless_committed_o
     root.abandoned.clear()
     settle([doomed], Clock(), root, may_abandon=False)  # node-local disks, or not every rank of the job asks
     assert root.abandoned == []
+
+
+def test_an_abandoned_attempt_the_coordinator_kept_ends_the_wait_once_the_root_holds_its_commit():
+    """A node that missed the commit's verdict lists its part until it resends (minutes later)."""
+    clock, root = Clock(), Root()
+    doomed = [part(world=1)]
+
+    def commit_on_third_read(keys):
+        root.asked.append(keys)
+        return (set(keys) if len(root.asked) >= 3 else set()), set()
+
+    move = settle_in_flight(
+        lambda: doomed,
+        commit_on_third_read,
+        root.abandon,
+        timeout_s=60.0,
+        may_abandon=True,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    assert move.go and not move.give_up and clock.now == 1.0 and root.asked == [[K10]] * 3
+
+
+def test_an_abandon_the_daemon_did_not_take_is_not_waited_for():
+    clock = Clock()
+    move = settle_in_flight(
+        lambda: [part(world=1)],
+        lambda keys: (set(), set()),
+        lambda doomed: set(),  # refused, or no answer
+        timeout_s=60.0,
+        may_abandon=True,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    assert move == SettleMove(waiting=()) and clock.now == 0.0
 
 
 def test_a_rank_whose_daemon_could_not_be_asked_vetoes_abandoning_and_is_waited_for_by_nobody():

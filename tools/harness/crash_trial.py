@@ -11,7 +11,8 @@ tools/harness/netns_hosts.py, which add victims of their own):
    The survivors train on a little longer (daemons get restarted by the next save), then the
    harness SIGKILLs every trainer, as a launcher tears a failed job down.
 2. heal what the hosts' fault broke (a killed machine boots again, empty); wait until the live
-   daemons finished everything in flight (commits or aborts);
+   daemons finished everything in flight (commits or aborts), unless the trial relaunches at once
+   (``relaunch_at_once``: the restart's resume settles what is in flight, ckptd.client.settle);
 3. *restart*: start every rank again (a launch of its own, with a gloo group); they resume
    (``Checkpointer.resume()``, rank 0's choice on every rank), check the loaded state bit for
    bit, save new steps and wait until each committed;
