@@ -163,15 +163,15 @@ def settle_in_flight(
     sleep: Callable[[float], None] = time.sleep,
 ) -> SettleMove:
     """Steps 1-4 above. ``ask``: this rank's node daemon's answer (None: it could not be asked);
-        ``committed``: which of these attempts the root holds committed, and which it could not tell
-        (called on rank 0); ``abandon``: ask to abort these attempts, returning those the node daemon
-    took (rank 0; it never raises). ``may_abandon``
-        (rank 0's counts): the ranks asking are every rank of the job, in its default group, on shared
-        storage. Returns the last move."""
+    ``committed``: which of these attempts the root holds committed, and which it could not tell
+    (called on rank 0); ``abandon``: ask to abort these attempts, returning those the node daemon
+    took (rank 0; it never raises). ``may_abandon`` (rank 0's counts): the ranks asking are every
+    rank of the job, in its default group, on shared storage. Returns the last move."""
     ctx = DistContext.current(group)
     start = clock()
     watched: frozenset[Key] | None = None
-    abandoned: set[Key] = set()
+    tried: set[Key] = set()  # asked to abort, once each
+    abandoned: set[Key] = set()  # of those, the ones the node daemon took
     said = False
     while True:
         gathered = ctx.agree(
@@ -192,9 +192,10 @@ def settle_in_flight(
                 "reading the commits of the saves in flight", _on_rank_0(ctx, committed, asked, (done, unknown))
             )
             done, unknown = read[0]
-        doomed = [(key, ranks) for key, ranks in view.doomed if key not in abandoned | done | unknown]
+        doomed = [(key, ranks) for key, ranks in view.doomed if key not in tried | done | unknown]
         if doomed:  # a collective too: the attempts rank 0 could ask to abort are waited for
             taken = ctx.agree("abandoning saves that cannot commit", _on_rank_0(ctx, abandon, doomed, abandoned))
+            tried.update(key for key, _ in doomed)
             abandoned.update(taken[0])
         move = settle_move(view, done, watched, abandoned, waited_s, bound_s)
         if watched is None:

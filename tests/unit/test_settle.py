@@ -191,18 +191,25 @@ def test_an_abandoned_attempt_the_coordinator_kept_ends_the_wait_once_the_root_h
     assert move.go and not move.give_up and clock.now == 1.0 and root.asked == [[K10]] * 3
 
 
-def test_an_abandon_the_daemon_did_not_take_is_not_waited_for():
-    clock = Clock()
+def test_an_abandon_the_daemon_did_not_take_is_neither_waited_for_nor_asked_again():
+    clock, tries = Clock(), []
+    answers = [[part(world=1), part(step=11, world=1, written=[0])]] * 3 + [[part(world=1)]]
+
+    def refuse(doomed):  # refused, or no answer
+        tries.append(doomed)
+        return set()
+
     move = settle_in_flight(
-        lambda: [part(world=1)],
+        lambda: answers[min(int(clock.now * 2), 3)],
         lambda keys: (set(), set()),
-        lambda doomed: set(),  # refused, or no answer
+        refuse,
         timeout_s=60.0,
         may_abandon=True,
         clock=clock,
         sleep=clock.sleep,
     )
-    assert move == SettleMove(waiting=()) and clock.now == 0.0
+    assert move == SettleMove(waiting=()) and clock.now == 1.5  # step 11 committed meanwhile
+    assert tries == [[(K10, ())]]
 
 
 def test_a_rank_whose_daemon_could_not_be_asked_vetoes_abandoning_and_is_waited_for_by_nobody():
