@@ -130,24 +130,13 @@ def _launch(
     the daemon, and both go away without waiting for it. Step 10's data files hang until the
     relaunch waits, if every rank handed it off; else rank 0's is written and reported first (the
     coordinator collects the attempt)."""
-    cfg = _as_node(
-        rank,
-        port,
-        runtime_dir=runtime,
-        debug_fault_file=faults,
-        # What rank 1 never handed off would abort only long after the relaunch saved step 10 again.
-        commit_timeout_s=300.0,
-        shutdown_grace_s=2.0,
-        idle_exit_s=60.0,
-    )
-    ckpt = ckptd.Checkpointer(root, config=cfg)
-    ckpt.save(_sd(_values(5, rank), rank, world_size), step=5).wait(timeout_s=60)
+    ckpt = _committed_step_5(rank, world_size, root, runtime, faults, port)
     if rank == 0 and rank_1_hands_off:
         Path(faults).write_text(HANG_DATA_FILES)
     if rank == 0 or rank_1_hands_off:
         h = ckpt.save(_sd(_values(10, rank), rank, world_size), step=10)
     if rank == 0 and not rank_1_hands_off:
-        wait_until(lambda: _collecting(ckpt, h.attempt), 30, "the coordinator to collect step 10")
+        wait_until(lambda: _reported(ckpt, h.attempt, [0]), 30, "the coordinator to collect step 10")
     try:
         ckpt.close(wait=False)  # as a crash: the daemon keeps what was handed off
     except ckptd.SaveFailedError as exc:  # step 10's handle: this rank stops waiting for it
@@ -155,9 +144,28 @@ def _launch(
             raise
 
 
-def _collecting(ckpt: ckptd.Checkpointer, attempt: str) -> bool:
-    steps = ckpt.status()["coordinator"]["steps"]
-    return steps.get(f"10/{attempt}", {}).get("written") == [0]
+def _committed_step_5(
+    rank: int, world_size: int, root: str, runtime: str, faults: str, port: int
+) -> ckptd.Checkpointer:
+    """The first launch's Checkpointer on node ``rank``, once step 5 committed."""
+    cfg = _as_node(
+        rank,
+        port,
+        runtime_dir=runtime,
+        debug_fault_file=faults,
+        # What a rank never handed off would abort only long after the relaunch saved step 10 again.
+        commit_timeout_s=300.0,
+        shutdown_grace_s=2.0,
+        idle_exit_s=60.0,
+    )
+    ckpt = ckptd.Checkpointer(root, config=cfg)
+    ckpt.save(_sd(_values(5, rank), rank, world_size), step=5).wait(timeout_s=60)
+    return ckpt
+
+
+def _reported(ckpt: ckptd.Checkpointer, attempt: str, ranks: list[int]) -> bool:
+    """Whether the coordinator (node 0's daemon) collects step 10 with ``ranks`` reported."""
+    return ckpt.status()["coordinator"]["steps"].get(f"10/{attempt}", {}).get("written") == ranks
 
 
 def _relaunch(
@@ -227,17 +235,7 @@ def _launch_losing_node_1(rank: int, world_size: int, root: str, runtime: str, f
 
     import torch.distributed as dist
 
-    cfg = _as_node(
-        rank,
-        port,
-        runtime_dir=runtime,
-        debug_fault_file=faults,
-        commit_timeout_s=300.0,
-        shutdown_grace_s=2.0,
-        idle_exit_s=60.0,
-    )
-    ckpt = ckptd.Checkpointer(root, config=cfg)
-    ckpt.save(_sd(_values(5, rank), rank, world_size), step=5).wait(timeout_s=60)
+    ckpt = _committed_step_5(rank, world_size, root, runtime, faults, port)
     if rank == 0:
         Path(faults).write_text("hang __0_*\n")  # rank 0's data file only
     dist.barrier()
@@ -253,10 +251,6 @@ def _launch_losing_node_1(rank: int, world_size: int, root: str, runtime: str, f
     except ckptd.CkptdError as exc:  # step 10's handle, or node 1's lost daemon
         if "step 10" not in str(exc) and "died" not in str(exc):
             raise
-
-
-def _reported(ckpt: ckptd.Checkpointer, attempt: str, ranks: list[int]) -> bool:
-    return ckpt.status()["coordinator"]["steps"].get(f"10/{attempt}", {}).get("written") == ranks
 
 
 @pytest.mark.timeout(240)
