@@ -412,7 +412,8 @@ class UplinkState:
 
     def _tell_late(self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None) -> None:
         """Tell the coordinator (once one is reachable, and any instance answering later within
-        ``commit_timeout_s``) that this node aborts attempt ``key``: a FAILED of rank -1."""
+        ``commit_timeout_s``, until it decided an abandon) in a FAILED of rank -1 that this node
+        aborted attempt ``key``, or with ``handed_off`` that a relaunch asks it to."""
         step, attempt = key
         late = self.unacked.setdefault(key, Unacked(open=False))
         late.late = Failed(
