@@ -400,8 +400,7 @@ class Checkpointer(RootReader):
         """A load writes into the tensors a lazy save may still be copying: decide those saves
         first. A resume then settles what an earlier launch left with the node daemons
         (ckptd.client.settle)."""
-        if self._link.connected and not self._link.alive():  # nobody frees ring space: stop the copier
-            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
+        self._drop_dead_daemon()
         self._ring.fence()
         if resume:
             daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._daemon_lost)
@@ -487,14 +486,21 @@ class Checkpointer(RootReader):
         self._link.close(linger_ms=_BYE_LINGER_MS)  # the BYE leaves before the socket goes
 
     def _ensure_connected(self) -> None:
-        if self._link.connected and self._link.alive():
+        if self._drop_dead_daemon():
             return
-        if self._link.connected:
-            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
         old = self._link.instance
         self._link.connect()
         if old is not None and old != self._link.instance:
             log.warning("rank %d: node daemon restarted (%s -> %s)", self.env.rank, old, self._link.instance)
+
+    def _drop_dead_daemon(self) -> bool:
+        """Whether the link is connected to a live daemon; one found dead is dropped, with its ring
+        and the saves in flight (nobody frees ring space any more: a copier stops waiting)."""
+        if self._link.connected and self._link.alive():
+            return True
+        if self._link.connected:
+            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
+        return False
 
     def _daemon_lost(self, reason: str) -> None:
         """Fail every pending save and drop the ring: nobody owns it any more."""
