@@ -115,6 +115,24 @@ class RootCatalog:
         rollback commits a lower step after a higher one)."""
         return sorted(self.committed, key=lambda e: e.commit_order, reverse=True)
 
+    @property
+    def branch_first(self) -> list[CheckpointEntry]:
+        """:attr:`newest_first` with the checkpoints of branches a rollback abandoned last: a
+        fallback past a damaged latest, and retention's count of the last commits, take the
+        checkpoints of the branch the job trains on first, never one the job rolled back from
+        before the step it rolled back to. The branch is the tracker's target's, also when that
+        checkpoint was found damaged (ckptd.recovery); without one, this is commit order."""
+        off = {e.name for e in self.off_branch()}
+        return [e for e in self.newest_first if e.name not in off] + [e for e in self.newest_first if e.name in off]
+
+    def off_branch(self) -> list[CheckpointEntry]:
+        """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
+        target (:func:`left_behind`), whether or not that target is loadable; none without one."""
+        named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
+        if named is None:
+            return []
+        return [e for e in self.committed if left_behind(e.step, e.commit_seq, named.step, named.commit_seq)]
+
     def latest(self) -> CheckpointEntry | None:
         """The entry the tracker names, when it names a committed checkpoint."""
         for e in self.entries:

@@ -8,7 +8,9 @@
 2. otherwise (tracker missing, unreadable, naming a missing, incomplete or damaged directory):
    the last committed ``iter_<step>`` checkpoint (in commit order, :mod:`ckptd.format.commitrecord`:
    after a rollback that is not the highest step) that passes the same check, with a logged
-   WARNING saying why the tracker was not followed;
+   WARNING saying why the tracker was not followed. Those of the tracker's branch come first: a
+   step a rollback abandoned (committed before the tracker's target, at a higher step) is taken
+   only when nothing of the tracker's branch is loadable, and the warning says so;
 3. no such checkpoint: ``None`` when the root never held a checkpoint (a fresh start), else
    :class:`~ckptd.errors.CorruptCheckpointError`: silently starting from scratch would throw away
    the training a damaged root still records.
@@ -130,13 +132,21 @@ def resolve_latest(
         why = f"tracker {tracker} names {cat.latest_name!r}, which is not a committed checkpoint"
     else:
         why = f"{root} has no tracker file '{TRACKER_FILE}'"
-    candidates = [e for e in cat.newest_first if e.step >= 0 and not (named is not None and e.path == named.path)]
+    # The tracker's branch first: a rollback's abandoned steps only when nothing of its own is left.
+    candidates = [e for e in cat.branch_first if e.step >= 0 and not (named is not None and e.path == named.path)]
+    off_branch = {e.name for e in cat.off_branch()}
     skipped: list[tuple[str, str]] = [] if named is None or problem is None else [(named.name, problem)]
     rejected: list[str] = []
     for entry in candidates:
         problem = structural_problem(entry.path, node_local=node_local)
         if problem is None:
             msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"
+            if entry.name in off_branch:
+                msg = (
+                    f"{why}, and no checkpoint of its branch is loadable; resuming from {entry.name}, on a "
+                    f"branch a rollback abandoned (it was committed before {cat.latest_name}, a lower step): "
+                    "load another step explicitly if that is not what this job should continue from"
+                )
             if rejected:
                 msg += f" (skipped damaged newer ones: {'; '.join(rejected)})"
             if log_fallback:

@@ -4,8 +4,9 @@ Order of one collection (any process may run it; it needs no daemon):
 
 1. :func:`plan_gc` (pure): from a :class:`~ckptd.catalog.RootCatalog`, keep the ``keep`` last
    committed checkpoints (in commit order, :mod:`ckptd.format.commitrecord`: after a rollback the
-   steps saved since are the newest, whatever their numbers) and always the one the tracker names;
-   remove older committed ones,
+   steps saved since are the newest, whatever their numbers; and those of the branch the job
+   trains on before those of branches a rollback abandoned, so the step it rolled back to outlasts
+   the steps it rolled back from) and always the one the tracker names; remove older committed ones,
    ``*.tmp`` directories whose last write is older than ``grace_s`` (a save in flight keeps
    writing, so it stays younger than the grace period) and, on a node's disk of a node-local
    root, older than the node's last commit (a node that could not finish a committed step keeps
@@ -71,7 +72,8 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     plan = GcPlan(cat.root)
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
-    for rank, e in enumerate(cat.newest_first):
+    off_branch = {e.name for e in cat.off_branch()}
+    for rank, e in enumerate(cat.branch_first):
         if e.is_latest:
             plan.kept.append((e, "named by the tracker"))
         elif e.name == cat.megatron_latest_name:
@@ -83,7 +85,8 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
         elif plan.refused is not None:
             plan.kept.append((e, "tracker cannot be trusted"))
         else:
-            plan.remove.append(Removal(e, f"committed before the {keep} last committed"))
+            where = "on a branch a rollback abandoned, " if e.name in off_branch else ""
+            plan.remove.append(Removal(e, f"{where}committed before the {keep} last committed"))
     newest_commit_s = max((e.committed_unix_s for e in cat.committed), default=0.0)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:

@@ -124,7 +124,10 @@ class DaemonLink:
         return welcome
 
     def _hello(self) -> Welcome:
-        return self.request(Hello(rank=self.env.rank, pid=os.getpid(), root=str(self.ep.root)), Welcome)
+        hello = Hello(
+            rank=self.env.rank, pid=os.getpid(), root=str(self.ep.root), coordinator=self.ep.launch_coordinator
+        )
+        return self.request(hello, Welcome)
 
     def hello_again(self) -> None:
         """Say HELLO again on this connection, after the daemon refused a request as from an

@@ -216,6 +216,13 @@ class Endpoints:
         return ep
 
     @property
+    def launch_coordinator(self) -> str:
+        """The coordinator address this launch's ranks tell their node daemon in HELLO: the one to
+        bind on node 0, to connect to elsewhere; "" when no port is set (one node: any free port)."""
+        address = self.coordinator_bind if self.node == 0 else self.coordinator_connect
+        return "" if address.endswith(":0") else address
+
+    @property
     def stem(self) -> str:
         return f"{self.job}-n{self.node}"
 

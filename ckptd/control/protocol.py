@@ -84,8 +84,9 @@ from .attempt import check_attempt, check_step
 # 14: REGISTER_LAYOUT. 15: ERROR names the refused request's type and attempt (a version check refuses
 # every message of another version). 16: item records carry block checksums (``block_crcs``).
 # 17: IN_FLIGHT and ABANDON (a resume waits for the commits its predecessor left in flight, and
-# aborts those that can never commit).
-PROTOCOL_VERSION = 17
+# aborts those that can never commit). 18: HELLO names the coordinator address the rank's launch
+# expects (a node daemon left by an earlier launch follows a coordinator that moved).
+PROTOCOL_VERSION = 18
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -144,12 +145,18 @@ class Pong(Message):
 class Hello(Message):
     """rank -> daemon, first on a connection: the rank this connection speaks for, its process
     (checked against the connection's kernel credentials) and the checkpoint root it saves into.
-    (Node daemons do not say HELLO to the coordinator: their first PING opens the connection.)"""
+    (Node daemons do not say HELLO to the coordinator: their first PING opens the connection.)
+
+    ``coordinator``: where this rank's launch has the coordinator (``tcp://host:port``; the address
+    to bind on the coordinator's node, to connect to on the others), "" when it names no port. A
+    node daemon an earlier launch started follows it (ckptd.daemon.node: the coordinator moved when
+    MASTER_ADDR/MASTER_PORT changed between launches)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     rank: int
     pid: int
     root: str
+    coordinator: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

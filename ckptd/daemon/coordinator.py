@@ -24,7 +24,7 @@ from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead
 from ..control.keys import CurveKeys
 from ..control.protocol import Codec, Failed, Message, Ping, Pong, Status, StatusReply, Written
 from ..control.security import HandshakeWatch
-from ..errors import ProtocolError, StorageError
+from ..errors import CkptdError, ProtocolError, StorageError
 from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..gcpause import gc_paused
 from ..roots.base import CommitOutcome, RootStore
@@ -71,13 +71,9 @@ class Coordinator:
         self.instance = instance
         sock = make_socket(ctx, zmq.ROUTER, codec, keys, server=True)
         replace_dead_links(sock, config.heartbeat_s, link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s))
-        if bind.startswith("tcp://[") or bind.count(":") > 2:
-            sock.setsockopt(zmq.IPV6, 1)
-        if bind.endswith(":0"):
-            bind = bind[: -len(":0")] + ":*"
         self.watch = HandshakeWatch(sock, "coordinator")  # before bind: no connection unwatched
-        sock.bind(bind)
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = _bind(sock, bind)
+        self.also: list[str] = []  # addresses later launches have it at (see listen)
         self.channel = Channel(sock, codec, "coordinator")
         self.state = CommitState(
             config,
@@ -222,11 +218,51 @@ class Coordinator:
         rejected = self.rejected()
         return {
             "address": self.address,
+            "also_listening_on": list(self.also),
             **self.state.status(),
             "rejected_messages": sum(rejected.values()),
             "rejected": rejected,
         }
 
+    def listen(self, address: str) -> None:
+        """Accept node daemons on ``address`` too: a rank's HELLO says its launch has the
+        coordinator there (ckptd.control.protocol.Hello). This daemon outlived the launch that
+        started it, and the job was launched again with another MASTER_PORT: a node daemon the
+        new launch starts connects there. A port bound already is no news."""
+        ports = {_port(a) for a in (self.address, *self.also)}
+        if _port(address) in ports:
+            return
+        try:
+            bound = _bind(self.channel.sock, address)
+        except zmq.ZMQError as exc:
+            raise CkptdError(
+                f"this launch has the coordinator of {self.store.display()} at {address}, but node 0's "
+                f"node daemon (pid {os.getpid()}), left by an earlier launch, serves it at {self.address} "
+                f"and cannot listen on {address} too: {exc}. Stop that daemon (`ckptd daemon stop "
+                f"--root ...`) once no save is in flight, or give every launch of the job the same "
+                "CKPTD_COORDINATOR_PORT"
+            ) from None
+        self.also.append(bound)
+        log.warning(
+            "the ranks' launch has the coordinator at %s (an earlier launch's at %s): listening there too",
+            bound,
+            self.address,
+        )
+
     def close(self) -> None:
         self.watch.close()
         self.channel.close()
+
+
+def _bind(sock: zmq.Socket, address: str) -> str:
+    """Bind ``address`` (port 0: any free port); the address bound."""
+    if address.startswith("tcp://[") or address.count(":") > 2:
+        sock.setsockopt(zmq.IPV6, 1)
+    if address.endswith(":0"):
+        address = address[: -len(":0")] + ":*"
+    sock.bind(address)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _port(address: str) -> str:
+    return address.rpartition(":")[2]

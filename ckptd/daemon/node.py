@@ -144,7 +144,9 @@ class NodeDaemon:
             store,
             lambda msg, identity: self.ranks.send(msg, identity),
         )
-        hooks = DaemonHooks(self.instance, self._status_now, self.request_stop, self._stopping)
+        hooks = DaemonHooks(
+            self.instance, self._status_now, self.request_stop, self._stopping, self._follow_coordinator
+        )
         self.ranks = RankServer(self.ctx, codec, keys, ep, self.rings, self.intake, self.uplink, hooks)
         self.loop = EventLoop()
         self.loop.add(self.zap.sock, self.zap.on_readable)
@@ -338,6 +340,17 @@ class NodeDaemon:
         self.zap.close()
         self.ctx.term()
         self.completions.close()
+
+    def _follow_coordinator(self, address: str) -> None:
+        """A rank's HELLO says its launch has the coordinator at ``address``. This daemon may have
+        been started by an earlier launch with another MASTER_ADDR/MASTER_PORT (it outlives its
+        ranks), while node daemons the new launch started use the new address: node 0's
+        coordinator listens there too, another node's link connects there instead (a coordinator
+        it finds restarted is handled as any restart: ckptd.daemon.uplinkstate)."""
+        if self.coordinator is not None:
+            self.coordinator.listen(address)
+        elif address != self.uplink.address:
+            self.uplink.retarget(address)
 
     def status(self) -> dict[str, Any]:
         rejected = self.ranks.rejected()

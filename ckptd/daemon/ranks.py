@@ -65,6 +65,7 @@ class Client:
     rank: int
     pid: int
     start_ticks: int | None  # the process's start (ckptd.control.procid): a reused pid is not it
+    coordinator: str = ""  # where its launch has the coordinator (Hello.coordinator)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class DaemonHooks:
     status: Callable[[], dict[str, Any]]
     request_stop: Callable[[str], None]
     stopping: Callable[[], str | None]  # why the daemon is stopping (None while it serves)
+    follow_coordinator: Callable[[str], None]  # a HELLO's coordinator address (ckptd.daemon.node)
 
 
 class RankServer:
@@ -195,9 +197,28 @@ class RankServer:
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
-        self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid))
+        if msg.coordinator:
+            self._check_launch(identity, msg)
+            self.hooks.follow_coordinator(msg.coordinator)
+        self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
         self.served_a_rank = True
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
+
+    def _check_launch(self, identity: bytes, msg: Hello) -> None:
+        """Refuse a HELLO whose launch has the coordinator elsewhere than a running rank's: two
+        launches with different MASTER_ADDR/MASTER_PORT would take this daemon's coordinator link
+        from each other. (Ranks of an earlier launch that are gone do not count: the daemon then
+        follows the new launch.)"""
+        host, sep, port = msg.coordinator.removeprefix("tcp://").rpartition(":")
+        if not (msg.coordinator.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ProtocolError(f"HELLO names the coordinator address {msg.coordinator!r}; expected tcp://HOST:PORT")
+        for other, c in self.clients.items():
+            if other != identity and c.coordinator not in ("", msg.coordinator) and self._connected(other):
+                raise ProtocolError(
+                    f"rank {c.rank} (pid {c.pid}), still running, has the coordinator at {c.coordinator}; "
+                    f"this rank's launch has it at {msg.coordinator}. Two launches with different "
+                    "MASTER_ADDR/MASTER_PORT share this node daemon: give one of them its own CKPTD_JOB_ID"
+                )
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""

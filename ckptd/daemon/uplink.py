@@ -119,6 +119,17 @@ class CoordinatorLink:
         """Abort locally every attempt whose reports went out (those still writing report when done)."""
         self._handle(us.AbortAll(reason=reason))
 
+    def retarget(self, address: str) -> None:
+        """Connect to the coordinator at ``address`` instead (a later launch has it there: see
+        ckptd.daemon.node); the reports awaiting a verdict are sent again once it answers."""
+        sock = self.channel.sock
+        if address.startswith("tcp://[") or address.count(":") > 2:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)  # first: an address it refuses leaves the link as it was
+        sock.disconnect(self.address)
+        self.address = address
+        self._handle(us.Retarget(address=address))
+
     def on_readable(self) -> None:
         while True:
             try:

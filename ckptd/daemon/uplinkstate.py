@@ -141,11 +141,21 @@ class Abandon:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Retarget:
+    """The ranks' launch has the coordinator at ``address``, and the shell connects there instead
+    (ckptd.daemon.node: it moved between launches). Ping at once; hold new reports until it
+    answers; then resend every report, also when the same instance answers there (what was in the
+    old connection is lost), or ask the root about those sent to another instance."""
+
+    address: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Tick:
     """Time passed: heartbeat, coordinator timeout, the resend timer."""
 
 
-Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Abandon | Tick
+Event = Expect | Report | Sent | Pong | Verdict | RootAnswer | AbortAll | Abandon | Retarget | Tick
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -219,6 +229,7 @@ class UplinkState:
         self.coordinator_instance: str | None = None
         self.last_pong_s = now
         self.last_ping_s = 0.0
+        self.relinked = False  # connected to another address since the last answer (see Retarget)
         self._out: list[Action] = []
 
     # --- queries -------------------------------------------------------------------------------
@@ -286,6 +297,16 @@ class UplinkState:
         elif isinstance(event, Abandon):
             if event.key not in self.verdicts:
                 self._tell_late(event.key, event.reason, now, handed_off=list(event.handed_off))
+        elif isinstance(event, Retarget):
+            log.warning("the coordinator moved: %s -> %s", self.address, event.address)
+            self.address, self.relinked = event.address, True
+            # Whoever answers there is not known yet: a report now would be addressed to the
+            # instance at the old address, which one answering there would drop. It waits for the
+            # answer instead, and one already sent to an instance that does not answer there is
+            # taken for lost then (see _on_pong).
+            self.coordinator_instance = None
+            self.last_ping_s = now - self.config.heartbeat_s  # ping at this tick
+            self._on_tick(now)
         elif isinstance(event, Tick):
             self._on_tick(now)
         out, self._out = self._out, []
@@ -349,7 +370,8 @@ class UplinkState:
                 log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, instance)
             self.coordinator_instance = instance
             self._lose_coordinator("the coordinator restarted", now, restarted=True, keep_instance=instance)
-        if silent_s > self.link_timeout_s / 2:  # long enough that the connection may have been replaced
+        if self.relinked or silent_s > self.link_timeout_s / 2:  # the connection may have been replaced
+            self.relinked = False
             self._resend_reports(silent_s)
 
     def _resend_reports(self, silent_s: float) -> None:

@@ -16,7 +16,7 @@ import torch
 from ckptd.errors import CorruptCheckpointError
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.recovery import resolve_latest
-from tests.checkpoints import make_checkpoint, make_root
+from tests.checkpoints import make_checkpoint, make_root, stamp_commits
 from tests.fault.single_job import loads_bit_exact, single_job, state_dict
 
 
@@ -60,6 +60,21 @@ def test_damaged_newer_checkpoints_are_skipped_and_named(tmp_path, caplog):
     (root / "iter_0000003" / "common.pt").unlink()
     step, log = _chosen(root, caplog)
     assert step == 2 and "skipped damaged newer ones: iter_0000003" in log, log
+
+
+def test_a_fallback_after_a_rollback_stays_on_the_branch_the_job_trains_on(tmp_path, caplog):
+    """Committed 10, 20, 30, then a rollback to 10 and a save of 15, which is found damaged: the job
+    resumes 10, the step it rolled back to, not 30 (committed more recently, but the branch it
+    abandoned). Only when nothing of its branch is loadable does it take 30, and says so."""
+    root = make_root(tmp_path / "r", [10, 15, 20, 30], latest=15)
+    stamp_commits(root, [10, 20, 30, 15])
+    os.truncate(root / "iter_0000015" / "__0_0.distcp", 0)
+    step, log = _chosen(root, caplog)
+    assert step == 10 and "resuming from the newest valid committed checkpoint iter_0000010" in log, log
+    caplog.clear()
+    (root / "iter_0000010" / "common.pt").unlink()
+    step, log = _chosen(root, caplog)
+    assert step == 30 and "on a branch a rollback abandoned" in log and "iter_0000010" in log, log
 
 
 def test_partial_saves_are_never_candidates(tmp_path, caplog):

@@ -55,7 +55,7 @@ def _save_fields(**changes: object) -> dict:
 def test_every_message_type_round_trips():
     samples = [
         Ping(nonce=7),
-        Hello(rank=3, pid=1234, root="/ckpts/run1"),
+        Hello(rank=3, pid=1234, root="/ckpts/run1", coordinator="tcp://10.0.0.1:29501"),
         a_save(
             step=100,
             rank=3,

@@ -150,6 +150,27 @@ def test_retention_and_abandoned_steps_follow_commit_order_not_step_order(tmp_pa
     assert scan_root(legacy).abandoned(30) is None  # nothing recorded, nothing taken for abandoned
 
 
+def test_retention_keeps_the_step_a_rollback_went_back_to_before_the_steps_it_left(tmp_path):
+    """Committed 10, 20, 30, 40, then a rollback to 20 and a save of 25, keep 3: 25, 20 and 10 stay
+    (the branch the job trains on), 30 and 40 go (the branch it rolled back from), though they were
+    committed after 10 and 20. Before, 20, the step the job had just resumed from, was removed."""
+    root = make_root(tmp_path / "r", [10, 20, 25, 30, 40], latest=25)
+    stamp_commits(root, [10, 20, 30, 40, 25])
+    cat = scan_root(root)
+    assert [e.step for e in cat.branch_first] == [25, 20, 10, 40, 30]
+    assert sorted(e.step for e in cat.off_branch()) == [30, 40]
+    plan = plan_gc(cat, keep=3)
+    assert [(r.entry.step, r.reason) for r in plan.remove] == [
+        (30, "on a branch a rollback abandoned, committed before the 3 last committed"),
+        (40, "on a branch a rollback abandoned, committed before the 3 last committed"),
+    ]
+    # An unusable tracker names no branch: commit order alone (and nothing committed is removed).
+    (root / "latest").write_text("iter_0000099\n")
+    cat = scan_root(root)
+    assert [e.step for e in cat.branch_first] == [25, 40, 30, 20, 10] and cat.off_branch() == []
+    assert plan_gc(cat, keep=3).remove == []
+
+
 def test_retention_keeps_the_step_the_mirror_copies_until_a_newer_one_is(tmp_path):
     """Two tiers (ckptd.roots.mirror): the step ckptd_mirrored names stays beyond keep, and is not
     listed among the root's other names; a marker naming no committed step keeps nothing."""

@@ -20,6 +20,7 @@ from ckptd.daemon.uplinkstate import (
     Expect,
     Pong,
     Report,
+    Retarget,
     RootAnswer,
     Send,
     Sent,
@@ -319,6 +320,45 @@ def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report
     node.at(LINK_TIMEOUT_S / 2 + 0.25)
     node.pong()
     assert node.take() == [to(msg3), to(msg4)]  # to the same instance: it still decides them
+
+
+def test_a_coordinator_that_moved_is_pinged_at_once_and_every_waiting_report_resent_when_it_answers():
+    """A later launch has the coordinator at another address (ckptd.daemon.node): the old
+    connection's contents are lost, so even the same instance answering there at once gets every
+    report still waiting; one that was decided meanwhile is not resent."""
+    node = Node()
+    node.pong()
+    msg3 = saving(node, K3)
+    saving(node, K4)
+    node.take()
+    node.handle(Verdict(key=K4, outcome=StepAborted(step=4, attempt=A, reason="disk full")))
+    node.sent = []
+    node.handle(Retarget(address="tcp://node0:29700"))
+    assert node.sent == [Ping(nonce=int(node.now * 1000))] and node.state.address == "tcp://node0:29700"
+    msg5 = saving(node, (5, A))
+    assert node.take() == []  # who answers at the new address is not known yet
+    node.pong()
+    assert node.take() == [to(msg3), to(msg5)] and not node.delivered[1:]  # msg5 held until then
+    node.at(0.25)
+    node.pong()
+    assert node.take() == []  # each sent once
+
+
+def test_a_coordinator_that_moved_and_restarted_is_handled_as_a_restart():
+    """The new address leads to another instance (node 0's daemon was started again): the root is
+    asked whether the attempt committed, as after any restart."""
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.handle(Retarget(address="tcp://node0:29700"))
+    msg4 = saving(node, K4)
+    node.pong("c2")
+    node.at(0.25)
+    assert to(msg4, "c2") in node.take()  # saved after the move: c2 decides it
+    ((key, _, verdict),) = node.delivered
+    assert key == K3 and isinstance(verdict, StepAborted) and verdict.reason.startswith("the coordinator restarted")
+    assert node.asked == [K3]
 
 
 def test_a_shutdown_aborts_only_steps_whose_reports_went_out():

@@ -105,6 +105,20 @@ def test_only_node_0_looks_for_a_route_to_the_coordinator(tmp_path):
         Endpoints.for_job(tmp_path, JobEnv(rank=0, local_rank=0, node=0, **two_nodes), cfg)
 
 
+def test_a_rank_tells_its_node_daemon_where_its_launch_has_the_coordinator(tmp_path):
+    """HELLO's coordinator address (a node daemon of an earlier launch follows it: ckptd.daemon.node):
+    node 0's daemon binds it, another node's connects to it, and one node names none (any port)."""
+    cfg = CkptdConfig.from_env({}, runtime_dir=str(tmp_path))
+    two_nodes = {"world_size": 4, "local_world_size": 2, "master_port": 29500, "master_addr": "127.0.0.1"}
+    node0 = Endpoints.for_job(tmp_path, JobEnv(rank=0, local_rank=0, node=0, **two_nodes), cfg)
+    node1 = Endpoints.for_job(tmp_path, JobEnv(rank=2, local_rank=0, node=1, **two_nodes), cfg)
+    assert node0.launch_coordinator == node0.coordinator_bind == "tcp://127.0.0.1:29501"
+    assert node1.launch_coordinator == node1.coordinator_connect == "tcp://127.0.0.1:29501"
+    assert Endpoints.for_job(tmp_path, JobEnv(master_addr="127.0.0.1"), cfg).launch_coordinator == ""
+    pinned = Endpoints.for_job(tmp_path, JobEnv(), cfg.replace(coordinator_port=29999))
+    assert pinned.launch_coordinator == "tcp://127.0.0.1:29999"
+
+
 def test_ranks_agree_on_a_random_incarnation_through_the_launch_store():
     """Issue 26.4: whatever the launcher sets, two launches get different incarnations and the
     ranks of one launch the same, agreed through the launch's store (a real TCPStore)."""
