@@ -50,6 +50,10 @@ class PlannedItem:
 
     record: ItemRecord
     payload: torch.Tensor | bytes
+    # A tensor whose version counter also counts writes to ``payload``, for a lazy snapshot's
+    # fence: the DTensor a piece is a view of the local tensor of (an in-place operation on a
+    # DTensor bumps its own counter, never its local tensor's). None: the payload's own counter.
+    watch: torch.Tensor | None = None
 
 
 def serialize_object(data: Any, what: str = "ShardedObject") -> bytes:
@@ -464,5 +468,5 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
             for off, sizes, start in flat_range_boxes(tuple(rec.sizes), a, b):
                 n = math.prod(sizes)
                 box = replace(rec, offsets=tuple(o + d for o, d in zip(rec.offsets, off)), sizes=tuple(sizes))
-                out.append(PlannedItem(box, flat[start : start + n].reshape(sizes)))
+                out.append(replace(item, record=box, payload=flat[start : start + n].reshape(sizes)))
     return out

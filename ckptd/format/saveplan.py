@@ -11,7 +11,7 @@ asynchronous one. Both kinds of save plan with it; an asynchronous Checkpointer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -99,6 +99,7 @@ def plan_rank(
                 continue
             if not is_main_replica(sh.replica_id):
                 held.append(sh.key)
+            first = len(items)
             sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
             hit = old.get(path) if sig is not None else None
             if hit is not None and hit.signature == sig:
@@ -122,6 +123,9 @@ def plan_rank(
                     )
             if sig is not None:
                 fresh[path] = hit  # type: ignore[assignment]
+            watch = split.dtensors.get(path)
+            if watch is not None:
+                items[first:] = [replace(i, watch=watch) for i in items[first:]]
         elif isinstance(sh, ByteItem):
             if skip and sh.key in skip:
                 held.append(sh.key)

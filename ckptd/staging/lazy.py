@@ -68,7 +68,7 @@ class _Job:
     block: int
     items: list[PlannedItem]
     placements: list[Placement]
-    versions: list[int]
+    versions: list[tuple[int, int]]  # of each item at save() (see _versions)
     seal: bytes
     step: int
     ready: dict[Any, Any] | None = None  # CUDA: per device, an event on its current stream at save()
@@ -115,7 +115,7 @@ class LazyCopier:
             claim.block,
             items,
             claim.placements,
-            [_version(i.payload) if isinstance(i.payload, torch.Tensor) else 0 for i in items],
+            [_versions(i) for i in items],
             seal,
             claim.step,
         )
@@ -163,14 +163,7 @@ class LazyCopier:
                 job.torn = job.torn or "the Checkpointer closed before it was copied"
             elif job.cuda:
                 job.ring.order_after_copies()
-            changed = next(
-                (
-                    i.record.where()
-                    for i, v in zip(job.items, job.versions)
-                    if isinstance(i.payload, torch.Tensor) and _version(i.payload) != v
-                ),
-                "",
-            )
+            changed = next((i.record.where() for i, v in zip(job.items, job.versions) if _versions(i) != v), "")
             if changed and not job.torn:
                 job.torn = f"{changed} was modified before the snapshot was fenced"
             job.fenced.set()
@@ -333,8 +326,16 @@ def _copied_if_unversioned(item: PlannedItem) -> PlannedItem:
     t = item.payload
     if isinstance(t, torch.Tensor) and _version(t) < 0:
         with torch.inference_mode():
-            return replace(item, payload=t.clone())
+            return replace(item, payload=t.clone(), watch=None)
     return item
+
+
+def _versions(item: PlannedItem) -> tuple[int, int]:
+    """The version counters that count writes to ``item``'s tensor: its own, and its ``watch``'s
+    (a DTensor piece: writes through the DTensor bump only the DTensor's)."""
+    if not isinstance(item.payload, torch.Tensor):
+        return (0, 0)
+    return (_version(item.payload), _version(item.watch) if item.watch is not None else 0)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -34,6 +34,17 @@ def _tensors(optimizer: Any) -> Iterator[torch.Tensor]:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def _storage_address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s values live: its storage's address, a DTensor's local tensor's (a saved
+    DTensor's pieces are views of that; a DTensor's own storage has no address); None for a
+    tensor without storage (a meta or other wrapper subclass)."""
+    local = getattr(t, "_local_tensor", t)  # DTensor's, without the autograd view to_local() makes
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class OwnedStorages:
     """The storages of the attached optimizers' parameters and state tensors, by address; read
     again when an optimizer's state grew (its first step creates it)."""
@@ -46,7 +57,8 @@ class OwnedStorages:
         optimizers = list(optimizers)
         sizes = tuple(len(getattr(o, "state", {})) for o in optimizers) + (len(optimizers),)
         if sizes != self._sizes:
-            self._ptrs = {t.untyped_storage().data_ptr() for o in optimizers for t in _tensors(o)}
+            found = (_storage_address(t) for o in optimizers for t in _tensors(o))
+            self._ptrs = {a for a in found if a is not None}
             self._sizes = sizes
         return self._ptrs
 
@@ -76,6 +88,6 @@ def copy_unowned(items: list[PlannedItem], owned: set[int]) -> list[PlannedItem]
             flat = torch.cat([t.reshape(-1) for _, t in members])
             at = 0
             for i, t in members:
-                out[i] = replace(items[i], payload=flat[at : at + t.numel()].view(t.shape))
+                out[i] = replace(items[i], payload=flat[at : at + t.numel()].view(t.shape), watch=None)
                 at += t.numel()
     return out

@@ -70,6 +70,9 @@ class SplitStateDict:
     plain: dict[Path, Any] = field(default_factory=dict)
     dcp_paths: dict[str, Path] = field(default_factory=dict)
     dcp_plain: dict[str, ShardedTensor | ByteItem] = field(default_factory=dict)
+    # By piece path: the DTensor a piece is a view of the local tensor of (whose version counter,
+    # not the piece's, counts writes through the DTensor: ckptd.staging.lazy).
+    dtensors: dict[Path, Any] = field(default_factory=dict)
 
 
 def split_state_dict(state_dict: Any) -> SplitStateDict:
@@ -276,6 +279,7 @@ def _add_dtensor(out: SplitStateDict, path: Path, key: str, dt: Any) -> None:
     out.factories[path] = (factory, pieces)
     for i, piece in enumerate(pieces):
         out.sharded[path + (FACTORY_PART, i)] = piece
+        out.dtensors[path + (FACTORY_PART, i)] = dt
 
 
 # --- DCP-style --------------------------------------------------------------------------------
