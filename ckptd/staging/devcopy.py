@@ -374,5 +374,8 @@ class InlineProducer:
         self._copier.abort()
 
     def detach(self) -> None:
-        """The copies land on their own; the save is never sealed, and the daemon fails it."""
+        """No answer to the SAVE: the copies issued land, and the block is marked given up, so a
+        daemon that did take the save fails it at once, rather than waiting ``snapshot_timeout_s``
+        for a seal that never comes while this rank's later saves queue behind it."""
         self._copier.abort()
+        self.ring.writer.publish(self.claim.block, give_up_mark(None))

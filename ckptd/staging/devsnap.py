@@ -149,8 +149,11 @@ class DeviceSnapshotProducer:
         self.items = []
 
     def detach(self) -> None:
-        """Nothing is written: the save is never sealed, and the daemon fails it."""
-        self.items = []
+        """No answer to the SAVE: the daemon may have taken it, so the snapshot is written and
+        sealed anyway (it commits if the daemon took it; else nobody reads the range, which stays
+        reserved until the daemon frees it). Never left unsealed: the daemon would wait
+        ``snapshot_timeout_s`` for it while this rank's later saves queue behind it."""
+        self.after_ack()
 
     @property
     def running(self) -> bool:

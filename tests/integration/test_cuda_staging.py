@@ -183,6 +183,34 @@ def test_saves_while_the_ring_is_pinned_are_device_snapshots_of_their_own_moment
 
 
 @pytest.mark.timeout(180)
+def test_a_device_snapshot_whose_save_went_unanswered_is_still_sealed(
+    tmp_path, single_process, monkeypatch, runtime_dir
+):
+    """The SAVE of a device snapshot got no answer (the daemon took it): the snapshot is written
+    and sealed anyway, so the daemon never waits snapshot_timeout_s for it and the next save
+    commits at once (ckptd.staging.devsnap.DeviceSnapshotProducer.detach)."""
+    from ckptd.errors import DaemonError
+
+    monkeypatch.setattr(rankring_mod, "cuda_registrar", lambda device=None: SlowRegistrar(torch.cuda.current_device()))
+    tensors = {f"t{i}": torch.full((1 << 20,), float(i), device="cuda") for i in range(4)}
+    cfg = _config(runtime_dir, staging_budget="3.5x", snapshot_timeout_s=300.0)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        announce = ckpt._link.announce
+
+        def answer_lost(msg):
+            announce(msg)
+            raise DaemonError("no answer within request_timeout_s (simulated)")
+
+        ckpt._link.announce = answer_lost
+        with pytest.raises(DaemonError, match="simulated"):
+            ckpt.save(_sharded(tensors), step=1)
+        ckpt._link.announce = announce
+        assert len(ckpt._ring.device_snapshots) == 1 and ckpt._ring.device_snapshots[0].join(60)
+        ckpt.save(_sharded(tensors), step=2).wait(timeout_s=60)
+        assert ckpt.latest() == 2
+
+
+@pytest.mark.timeout(180)
 def test_without_pinning_cuda_tensors_are_copied_through_pageable_memory_explicitly(
     tmp_path, single_process, runtime_dir
 ):
