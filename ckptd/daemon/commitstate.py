@@ -4,7 +4,7 @@
 ``handle(event, now)`` applies one event and returns the actions that follow, in order. It reads no
 clock (``now`` comes with the event), opens no socket and no file: the shell
 (ckptd.daemon.coordinator) feeds it what arrived on the coordinator's port and what the commit
-thread finished, asks the root what the machine needs to know first (:meth:`CommitState.remembers_commit`,
+thread finished, asks the root what the machine needs to know first (:meth:`CommitState.asks_holds_commit`,
 :meth:`CommitState.may_start`),
 and executes the actions: sends, the commit itself (via the RootStore, on the commit thread) and
 the removal of an attempt's files.
@@ -76,7 +76,7 @@ class Phase(str, enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class RootFacts:
     """What the root says, asked by the shell before a report is handled (only where
-    :meth:`CommitState.remembers_commit` / :meth:`CommitState.may_start` say so): whether
+    :meth:`CommitState.asks_holds_commit` / :meth:`CommitState.may_start` say so): whether
     ``iter_<step>`` is committed by the remembered attempt, and whether the step is committed
     already (so it may not be saved again)."""
 
@@ -183,7 +183,7 @@ class AttemptState:
 class CommitState:
     """The attempts of one job's coordinator. Order of use: construct (with this coordinator's
     instance and the attempts the root's recovery adopted), then for each report addressed here
-    (:meth:`addressed_here`; :meth:`handle` drops others) ask :meth:`remembers_commit` and
+    (:meth:`addressed_here`; :meth:`handle` drops others) ask :meth:`asks_holds_commit` and
     :meth:`may_start`, build the facts, and :meth:`handle` it; :meth:`handle` every finished
     commit and a :class:`Tick` now and then."""
 
@@ -227,9 +227,14 @@ class CommitState:
         drops it, and the root need not be asked anything)."""
         return msg.coordinator_instance == self.instance
 
-    def remembers_commit(self, key: Key) -> bool:
-        """A report of ``key`` needs ``RootFacts.holds_commit``: its commit is remembered."""
-        return isinstance(self.finished.get(key), StepCommitted)
+    def asks_holds_commit(self, msg: Written | Failed) -> bool:
+        """Report ``msg`` needs ``RootFacts.holds_commit``: its attempt's commit is remembered and
+        the report is no resend. A node's resend of a report it sent before is answered from
+        memory: that commit happened, whether or not retention or a rollback retired it since
+        (collecting it anew would abort, or on S3 commit again, an attempt that committed). A
+        first report of a remembered attempt is a new save (a relaunch repeated the attempt id,
+        or the root was emptied): it is collected anew once the root no longer holds the commit."""
+        return isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted) and not msg.resent
 
     def may_start(self, msg: Written | Failed, holds_commit: bool) -> bool:
         """A report ``msg`` needs ``RootFacts.committed_once``: it starts collecting a new attempt
@@ -237,7 +242,7 @@ class CommitState:
         key = (msg.step, msg.attempt)
         if key in self.attempts or (isinstance(msg, Failed) and msg.rank < 0):
             return False
-        return key not in self.finished or (self.remembers_commit(key) and not holds_commit)
+        return key not in self.finished or (self.asks_holds_commit(msg) and not holds_commit)
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` at time ``now``; the actions to execute, in order."""

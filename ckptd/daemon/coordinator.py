@@ -111,12 +111,10 @@ class Coordinator:
         """What the root must be asked before the state machine decides on ``msg`` (None: nothing)."""
         if not self.state.addressed_here(msg):
             return None  # dropped by the state machine
-        key = (msg.step, msg.attempt)
-        remembered = self.state.remembers_commit(key)
         question = Question(
             step=msg.step,
             attempt=msg.attempt,
-            holds_commit=remembered,
+            holds_commit=self.state.asks_holds_commit(msg),
             committed_once_if_held=self.state.may_start(msg, True),
             committed_once_if_not=self.state.may_start(msg, False),
         )

@@ -3,7 +3,7 @@
 storage.
 
 A :class:`Question` is plain data computed on the loop from the state machine
-(:meth:`CommitState.remembers_commit`, :meth:`CommitState.may_start` for both possible answers),
+(:meth:`CommitState.asks_holds_commit`, :meth:`CommitState.may_start` for both possible answers),
 so :func:`answer` reads nothing but the root.
 """
 

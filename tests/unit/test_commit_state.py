@@ -79,7 +79,7 @@ class Coordinator:
             return self.state.handle(ReportIn(identity=identity, msg=msg), self.now)
         key = (msg.step, msg.attempt)
         holds = True
-        if self.state.remembers_commit(key):
+        if self.state.asks_holds_commit(msg):
             self.asked.append("holds_commit")
             holds = key in self.holds
         committed = False
@@ -197,6 +197,20 @@ def test_a_commit_the_root_no_longer_holds_is_not_answered_from_memory():
     c.committed.clear()
     assert c.report(N0, written(3, 0)) == []
     assert c.asked[-2:] == ["holds_commit", "committed_once"] and c.state.busy
+
+
+@pytest.mark.parametrize("late", [written(3, 0), written(3, 1)], ids=["rank-0", "rank-1"])
+def test_a_resent_report_of_a_commit_the_root_no_longer_holds_is_answered_from_memory(late):
+    """The verdict to one node was lost; retention (or a rollback) retired the commit before that
+    node resent its report: it is told COMMITTED, never collected anew (which aborted a save that
+    committed, or on S3 committed it again, moving `latest` back past a rollback)."""
+    c = Coordinator()
+    committed_step(c, 3)
+    c.holds.clear()
+    c.asked.clear()
+    actions = c.report(N1, replace(late, resent=True))
+    assert isinstance(actions[0].msg, StepCommitted) and Remove(step=3, attempt=A) in actions  # type: ignore[union-attr]
+    assert c.asked == [] and not c.state.busy
 
 
 def test_a_step_committed_already_is_not_saved_again():
