@@ -60,6 +60,7 @@ Not thread-safe: use a Checkpointer from one thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -440,8 +441,9 @@ class Checkpointer(RootReader):
                     failed = exc  # nobody saw it (close's own wait marked it seen): raised once closed
         finally:
             self._closed = True
-            self._stop_producers(deadline)
-            self._finalizer.detach()
+            with contextlib.ExitStack() as teardown:  # every step runs, whatever one raises
+                teardown.callback(self._finalizer.detach)
+                self._stop_producers(deadline)
         if failed is not None:
             raise failed
         self._pending.raise_unobserved()
@@ -455,8 +457,8 @@ class Checkpointer(RootReader):
         else:
             try:
                 self.close(wait=False)
-            except CkptdError as exc:
-                log.warning("while closing after an error: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the error that ended the block is the one raised
+                log.warning("while closing after an error: %s: %s", type(exc).__name__, exc)
 
     # --- internals -----------------------------------------------------------------------------
     def _stop_producers(self, deadline: float) -> None:
@@ -465,9 +467,10 @@ class Checkpointer(RootReader):
         children killed at the deadline). A producer only writes into this rank's ring: stopping
         one fails its save, nothing else. A fork child runs in its own session and survives the
         trainer; it is killed only here, when close() runs out of time."""
-        self._ring.stop_copier(deadline)
-        self._disconnect()
-        self._ring.children.close(deadline)
+        with contextlib.ExitStack() as teardown:  # each step runs, whatever an earlier one raises
+            teardown.callback(self._ring.children.close, deadline)
+            teardown.callback(self._disconnect)
+            self._ring.stop_copier(deadline)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -475,15 +478,16 @@ class Checkpointer(RootReader):
 
     def _disconnect(self) -> None:
         owned_by_daemon = False
-        if self._link.connected:
-            try:
-                self._link.send(Bye())
-                owned_by_daemon = True
-            except DaemonError:
-                pass
-        self._ring.drop(unlink=not owned_by_daemon)
-        self._pending.fail_all("the Checkpointer was closed before the step committed")
-        self._link.close(linger_ms=_BYE_LINGER_MS)  # the BYE leaves before the socket goes
+        with contextlib.ExitStack() as teardown:  # last in, first run; each runs whatever one raises
+            teardown.callback(self._link.close, linger_ms=_BYE_LINGER_MS)  # the BYE leaves first
+            teardown.callback(self._pending.fail_all, "the Checkpointer was closed before the step committed")
+            teardown.callback(lambda: self._ring.drop(unlink=not owned_by_daemon))
+            if self._link.connected:
+                try:
+                    self._link.send(Bye())
+                    owned_by_daemon = True
+                except DaemonError:
+                    pass
 
     def _ensure_connected(self) -> None:
         if self._drop_dead_daemon():

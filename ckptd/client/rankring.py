@@ -233,10 +233,19 @@ class RankRing:
             producer.join(self.config.snapshot_timeout_s)
 
     def drop(self, *, unlink: bool) -> None:
-        """Unmap the ring (``unlink``: no daemon owns it); the next save makes a new one."""
-        if self.current is not None:
-            self.current.close(unlink=unlink)
-            self.current = None
+        """Unmap the ring (``unlink``: no daemon owns it); the next save makes a new one. A ring a
+        producer may still write into (a device snapshot's thread or the lazy copier that did not
+        stop in time) stays mapped and registered, only its name unlinked: unmapping it, or
+        unregistering chunks under a DMA, would let that write land in whatever reuses them."""
+        ring, self.current = self.current, None
+        if ring is None:
+            return
+        if any(p.running for p in self.device_snapshots) or (self.lazy is not None and self.lazy.writing):
+            log.warning("rank %d: a producer still writes into the staging ring; it stays mapped", self.rank)
+            if unlink:
+                ring.segment.unlink()
+            return
+        ring.close(unlink=unlink)
 
     def stop_copier(self, deadline: float) -> None:
         """Closing: stop the lazy copier by ``deadline`` (plus its STOP_MARGIN_S); a copier that

@@ -234,6 +234,12 @@ class LazyCopier:
             return False
         return True
 
+    @property
+    def writing(self) -> bool:
+        """Whether the copier thread may still write into a ring: a save handed to it is not
+        decided yet."""
+        return any(not j.decided.is_set() for j in self._handed)
+
     def _gives_up(self) -> bool:
         return self._stopping.is_set() or self._daemon_gone.is_set()
 

@@ -59,3 +59,31 @@ def test_close_honours_its_timeout_with_a_stopped_daemon(tmp_path, single_proces
     finally:
         os.kill(daemon, signal.SIGCONT)
         ckpt.close(wait=False)  # the runtime_dir fixture stops the daemon and checks what it left
+
+
+@pytest.mark.timeout(120)
+def test_close_finishes_its_teardown_when_a_step_of_it_raises(tmp_path, single_process, runtime_dir):
+    """A step of close() raises (the lazy copier's stop: a sticky CUDA error in the fence, say):
+    the connection, the staging ring and the finalizer are still released, the error reaches the
+    caller, and a `with` block's own error is the one raised. Before, close() stopped there, and
+    a second close() did nothing (the Checkpointer counted as closed)."""
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), snapshot="lazy", idle_exit_s=2.0)
+    w = torch.randn(256, 256)
+    ckpt = ckptd.Checkpointer(tmp_path / "run", config=cfg)
+    ckpt.save(_state(w, 1), step=1).wait(timeout_s=60)
+
+    def broken(deadline: float) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered (simulated)")
+
+    ckpt._ring.stop_copier = broken
+    ring = ckpt._ring.current
+    with pytest.raises(RuntimeError, match="simulated"):
+        ckpt.close()
+    assert ckpt._ring.current is None and ring.segment._mm is None and not ckpt._link.connected
+    assert not ckpt._finalizer.alive
+
+    other = ckptd.Checkpointer(tmp_path / "run", config=cfg)
+    other._ring.stop_copier = broken
+    with pytest.raises(ValueError, match="the block's own"), other:
+        raise ValueError("the block's own error")
+    assert not other._link.connected

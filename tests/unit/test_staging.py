@@ -6,7 +6,9 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,3 +229,42 @@ def test_a_closed_ring_map_stays_mapped_while_a_view_of_it_is_held(tmp_path):
     unheld.view(0, 8)
     unheld.close()
     assert not _mapped(address)
+
+
+class _Still:
+    running = True
+
+
+class _Ring:
+    """A staging ring's surface that RankRing.drop uses, recording what happened to it."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+        self.segment = self
+
+    def unlink(self) -> None:
+        self.done.append("unlinked")
+
+    def close(self, unlink: bool) -> None:
+        self.done.append(f"closed, unlink={unlink}")
+
+
+@pytest.mark.parametrize("writer", ["device snapshot", "lazy copier", None])
+def test_a_ring_a_producer_still_writes_into_is_never_unmapped(writer):
+    """The daemon was lost while a device snapshot's thread (or the lazy copier) still wrote into
+    the ring: dropping it only unlinks its name; the mapping (and its pinned chunks, under a DMA
+    maybe) stays for that write. Before, it was unmapped, and the write could land in whatever
+    reused the memory or the descriptor."""
+    from ckptd.client.rankring import RankRing
+    from ckptd.staging.lazy import LazyCopier
+
+    ring = RankRing(0, 1, "ckptd-test-", ckptd.CkptdConfig(), link=None)  # type: ignore[arg-type]
+    ring.current = fake = _Ring()  # type: ignore[assignment]
+    if writer == "device snapshot":
+        ring.device_snapshots = [_Still()]  # type: ignore[list-item]
+    elif writer == "lazy copier":
+        ring.lazy = LazyCopier(0, 1.0)
+        ring.lazy._handed = [SimpleNamespace(decided=threading.Event())]  # type: ignore[list-item]  # undecided
+    ring.drop(unlink=True)
+    assert ring.current is None
+    assert fake.done == (["unlinked"] if writer else ["closed, unlink=True"])
