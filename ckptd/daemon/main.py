@@ -140,6 +140,10 @@ def run_daemon(
         root_lock.release()
         lock.release()
         log.info("daemon exited")
+        if daemon is not None and daemon.stuck:
+            # The interpreter's exit joins every pool thread, the stuck one too: leave without it.
+            logging.shutdown()
+            os._exit(EXIT_ERROR)
 
 
 def detach_and_run(

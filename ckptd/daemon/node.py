@@ -25,6 +25,7 @@ finish for ``shutdown_grace_s``, then aborts what is left.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -87,6 +88,7 @@ class NodeDaemon:
         self.idle_since_s: float | None = time.monotonic()
         self.stopping_since: float | None = None
         self.stop_reason = ""
+        self.stuck = False  # closing left a worker thread running (see close)
         self.last_check_s = 0.0
         self.metrics, self.memory, self.completions = DaemonMetrics(), MemoryWatch(), Completions()
         self.internal = InternalErrors()
@@ -231,8 +233,10 @@ class NodeDaemon:
                 return
 
     def _on_completions(self) -> None:
+        # One completion's handling failing must neither end the daemon nor lose the others drained
+        # with it: logged and counted as an internal error (ckptd.daemon.guard).
         for done in self.completions.drain():
-            self._on_done(done)
+            self.internal.run(f"handling of a finished {type(done).__name__}", functools.partial(self._on_done, done))
 
     def _on_done(self, done: Completion) -> None:
         self.workers.finished()
@@ -330,9 +334,17 @@ class NodeDaemon:
             self.metrics_server.close()
         if self.mirror is not None:
             self.mirror.stop(self.config.request_timeout_s)
-        self.workers.shutdown()
+        # A write or commit stuck in storage (a hung NFS mount, an S3 call) must not keep the daemon,
+        # its locks and its socket forever: it is left behind, and the process exits without it.
+        self.stuck = not self.workers.shutdown(self.config.shutdown_grace_s)
+        if self.stuck:
+            log.error(
+                "a writer or commit thread did not stop within %.0f s (storage not answering?); the "
+                "daemon exits without it, and the staging rings' names are removed",
+                self.config.shutdown_grace_s,
+            )
         self._on_completions()
-        self.rings.release_all()
+        self.rings.release_all(unmap=not self.stuck)
         self.ranks.close()
         self.uplink.close()
         if self.coordinator is not None:

@@ -143,9 +143,14 @@ class RingTable:
         ring.segment.unlink()
         log.info("released staging ring %s of rank %d (%d bytes)", ring.generation, ring.rank, ring.capacity)
 
-    def release_all(self) -> None:
+    def release_all(self, *, unmap: bool = True) -> None:
+        """Release every ring; without ``unmap`` (a writer thread may still read one) only their
+        names are unlinked, and the mappings go with the process."""
         for ring in self.rings.values():
-            self._release(ring)
+            if unmap:
+                self._release(ring)
+            else:
+                ring.segment.unlink()
         self.rings.clear()
 
     def segment_paths(self) -> list[str]:

@@ -250,9 +250,12 @@ class WorkerPools:
     def _run(self, done: Callable[..., Completion], what: str, fn: Callable[[], Any]) -> None:
         try:
             result = fn()
-        except Exception as exc:  # noqa: BLE001 - reported to the loop, which aborts the step
+        except BaseException as exc:  # reported to the loop, which aborts the step
             log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+            # Posted whatever it was: without it the step waits forever and the daemon never idles.
             self.completions.post(done(error=exc))
+            if not isinstance(exc, Exception):
+                raise
         else:
             self.completions.post(done(result=result))
 
@@ -298,7 +301,15 @@ class WorkerPools:
     def finished(self) -> None:
         self.in_flight -= 1
 
-    def shutdown(self) -> None:
-        self._writers.shutdown(wait=True, cancel_futures=True)
-        self._committer.shutdown(wait=True, cancel_futures=True)
-        self._asker.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, timeout_s: float) -> bool:
+        """Stop the pools: queued jobs are cancelled, running ones waited for up to ``timeout_s``
+        in all. False when one still runs then (a write or commit stuck in a hung filesystem or
+        store): the process must then exit without joining it (ckptd.daemon.main)."""
+        deadline = time.monotonic() + timeout_s
+        pools = (self._writers, self._committer, self._asker)
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        threads = [t for pool in pools for t in getattr(pool, "_threads", ())]  # the executor's own
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)

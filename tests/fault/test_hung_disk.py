@@ -45,3 +45,32 @@ def test_a_hung_disk_aborts_the_step_within_commit_timeout(tmp_path, monkeypatch
         job.committed(2)
         job.committed(3)
         assert job.ckpt.latest() == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_stopped_while_a_write_hangs_exits_within_its_grace_and_frees_everything(tmp_path, monkeypatch):
+    """SIGTERM while a data file's write hangs: the daemon waits ``shutdown_grace_s`` for it, then
+    exits without it, its pid lock and staging segments released, so a relaunch's daemon can
+    start. Before, its close joined the hung writer thread forever."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from ckptd.control.pidfile import daemon_alive
+
+    with single_job(tmp_path, monkeypatch, shutdown_grace_s=1.0) as job:
+        job.committed(1)
+        pid, prefix = job.daemon_pid, job.ckpt.endpoints.shm_prefix
+        job.fault("hang __*")
+        try:
+            h = job.ckpt.save(state_dict(2), step=2)
+            wait_until(lambda: "injected fault: the open of" in job.daemon_log(), 30, "the write to hang")
+            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: not Path(f"/proc/{pid}").exists(), 30, "the daemon to exit")
+            assert not daemon_alive(job.ckpt.endpoints.pid_path)
+            assert "did not stop within 1 s" in job.daemon_log()
+            assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+            with pytest.raises(ckptd.SaveFailedError, match="died"):
+                h.wait(timeout_s=30)
+        finally:
+            job.fault("")

@@ -118,7 +118,7 @@ def _node_and_coordinator(
         link.close()
         coordinator.close()
         zap.close()
-        workers.shutdown()
+        assert workers.shutdown(timeout_s=30)
         completions.close()
         ctx.term()
 

@@ -40,7 +40,7 @@ def test_each_kind_of_job_finishes_as_its_own_type_with_its_exception():
         workers.cleanup(7, "0123456789ab-1", _raise(OSError(5, "I/O error")))
         done = _wait_for(completions, 4)
     finally:
-        workers.shutdown()
+        assert workers.shutdown(timeout_s=30)
         completions.close()
     writes = {d.job: d for d in done if isinstance(d, WriteFinished)}
     assert writes["job-a"].result == "written" and writes["job-a"].error is None and writes["job-a"].reason == ""
