@@ -346,9 +346,9 @@ def load(
     try:
         with opened(checkpoint_dir) as ckpt:
             index = ckpt.index(allow_unsafe_pickle)
-            return load_stateful(
-                sharded_state_dict,
-                lambda request: run_load(
+
+            def load_checked(request: Any) -> Any:
+                out = run_load(
                     index,
                     LoadRequest(
                         request,
@@ -364,8 +364,11 @@ def load(
                         options=ExecOptions(verify_partial=True) if verify_partial else None,
                         agreement=agreement,
                     ),
-                ),
-            )
+                )
+                ckpt.check_unchanged()  # before a Stateful's load_state_dict takes what was read
+                return out
+
+            return load_stateful(sharded_state_dict, load_checked)
     except Exception as exc:
         if agreement is not None:
             agreement.join_failed(exc)

@@ -12,12 +12,13 @@ Every reader of :mod:`ckptd.api` opens a checkpoint here::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from .format.commitrecord import COMMIT_RECORD
 from .format.dcp_metadata import CheckpointIndex, read_index
 from .format.layout import METADATA_JSON, read_backend_metadata
 from .format.lease import ReadLease, removed_error
@@ -39,6 +40,10 @@ class OpenedCheckpoint:
     has_common: bool
     source: RangeSource | None
     where: str  # the path or URL the caller named, for messages
+    # Raises CheckpointRemovedError when the directory was replaced or removed since it was opened
+    # (a local one: the lease's check; others tell on each read). Called before what was read is
+    # handed to anything that keeps it (a Stateful's load_state_dict), so nothing takes a mix.
+    check_unchanged: Callable[[], None] = lambda: None
 
     def index(self, allow_unsafe_pickle: bool = False) -> CheckpointIndex:
         read_backend_metadata(self.directory)
@@ -60,22 +65,36 @@ def opened(checkpoint_dir: str | os.PathLike | S3Location | NodeLocalCheckpoint)
                 view.directory, entry_exists(view.directory, METADATA_JSON), view.source, str(location)
             )
         return
-    with _leased(location) as has_common:
-        yield OpenedCheckpoint(location, has_common, None, str(location))
+    with _leased(location) as (has_common, check):
+        yield OpenedCheckpoint(location, has_common, None, str(location), check)
 
 
 @contextmanager
-def _leased(checkpoint_dir: Path) -> Iterator[bool]:
+def _leased(checkpoint_dir: Path) -> Iterator[tuple[bool, Callable[[], None]]]:
     """Hold a read lease on ``checkpoint_dir`` (:mod:`ckptd.format.lease`: retention and gc leave
-    it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists). A
+    it alone meanwhile) and yield whether it has ``common.pt`` (its ``metadata.json`` exists) and
+    the check that raises CheckpointRemovedError once it was replaced or removed. A
     read that fails because the directory went away (no lease on this filesystem, or removed by
     hand) raises CheckpointRemovedError instead, and so does a read that succeeded while the
     directory was replaced: a re-save of the step after a rollback renames its commit into place
     whatever the lease, and the readers open files by path, so what was read may mix the two."""
     with ReadLease.acquire(checkpoint_dir) as lease:
         has_common = entry_exists(checkpoint_dir, METADATA_JSON)
+        if not has_common and entry_exists(checkpoint_dir, COMMIT_RECORD):
+            # ckptd committed it, so it had metadata.json and common.pt: read as a plain DCP
+            # checkpoint it would load without its common state, silently.
+            raise CorruptCheckpointError(
+                f"{checkpoint_dir}: ckptd committed it ({COMMIT_RECORD}), but its {METADATA_JSON} is gone, "
+                f"so its common state (common.pt) would be left out; restore the file from a copy, or load "
+                "another step"
+            )
+
+        def check() -> None:
+            if lease.gone():
+                raise removed_error(lease.directory)
+
         try:
-            yield has_common
+            yield has_common, check
         except (OSError, CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError) as exc:
             if lease.gone():
                 raise removed_error(lease.directory) from exc

@@ -138,6 +138,34 @@ def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
     assert torch.equal(ckptd.load(half, old)["w"], torch.full((512, 64), 2.0))
 
 
+def test_a_stateful_is_never_given_what_a_load_read_from_a_replaced_checkpoint(tmp_path):
+    """The same replacement while a Stateful is loaded: the error comes before its
+    load_state_dict, which never sees values that may mix the two saves. Before, it was given
+    them, and the error came after."""
+    root = tmp_path / "root"
+    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
+    for path, value in ((old, 1.0), (new, 2.0)):
+        ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
+
+    def commit_the_resave() -> None:
+        with Dir.open(root) as rootd:
+            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+
+    class Holder:
+        given: list[object] = []
+
+        def state_dict(self) -> dict:
+            return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.given.append(sd)
+
+    holder = Holder()
+    with pytest.raises(CheckpointRemovedError, match="was removed or replaced while it was being loaded"):
+        ckptd.load({"model": holder}, old, stats=ActsMidLoad(commit_the_resave))
+    assert holder.given == []
+
+
 def test_a_resume_whose_checkpoint_is_replaced_mid_load_loads_the_new_one(tmp_path):
     """The same replacement under a resume: it loads the step again, the re-save this time."""
     from ckptd.client.resume import load_latest

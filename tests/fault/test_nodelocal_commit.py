@@ -164,7 +164,7 @@ def test_commit_files_too_large_for_a_message_stay_home_and_the_node_says_so(nod
         assert isinstance(done, NodeCommitFinished) and "without the commit's files" in str(done.error)
         told = node1.done(done)
     finally:
-        workers.shutdown()
+        assert workers.shutdown(timeout_s=30)
         completions.close()
     assert told.local_files == {} and "but not on this node's disk" in told.warnings[-1]
     assert tmp_dir(disk1, STEP, A).is_dir() and not (disk1 / "iter_0000005").exists()

@@ -120,6 +120,8 @@ def test_a_snapshot_child_stalled_past_the_timeout_is_killed_before_later_saves_
             stall.touch()
             w.fill_(1.0)
             h1 = ckpt.save(_state({"w": w}, 1), step=1)
+            # The child may start checking only after save() returned (a loaded machine).
+            wait_until(stalled.exists, 30, "the snapshot child to stop itself")
             stall.unlink()
             with pytest.raises(ckptd.SaveFailedError, match="did not finish copying within 1 s"):
                 h1.wait(timeout_s=60)

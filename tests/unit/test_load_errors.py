@@ -97,6 +97,20 @@ def test_missing_common_pt(ckpt: Path):
         ckptd.load_common_state_dict(ckpt)
 
 
+def test_a_committed_checkpoint_that_lost_its_metadata_json_is_not_read_as_plain_dcp(ckpt: Path):
+    """A commit of a Checkpointer (it has a commit record) missing metadata.json and common.pt:
+    read as a plain DCP checkpoint it would load without its common state ("step" here)."""
+    from tests.checkpoints import stamp_commits
+
+    root = ckpt.parent
+    ckpt.rename(root / "iter_0000003")
+    stamp_commits(root, [3])
+    for name in ("metadata.json", "common.pt"):
+        (root / "iter_0000003" / name).unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"ckptd_commit\.json.*metadata\.json is gone.*common\.pt"):
+        ckptd.load(request(), root / "iter_0000003")
+
+
 @pytest.mark.parametrize(
     "meta",
     [
