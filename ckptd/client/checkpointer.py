@@ -154,8 +154,6 @@ class Checkpointer(RootReader):
         # finalizer closes its socket within a bounded linger.
         self._link = DaemonLink.for_job(self.endpoints, self.env, self.config, weakly(self._on_notify))
         self._finalizer = weakref.finalize(self, abandon_dropped, self._link, self.env.rank)
-        incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-        self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
         self._layout = LayoutCache()
         self._planner = SavePlanner(self.env.rank, self.env.world_size, self.config.check_common)
         self._plain = self._planner.plain  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
@@ -172,6 +170,10 @@ class Checkpointer(RootReader):
         self._closed = False
         try:
             self._link.connect()
+            # After connecting: a rank whose constructor failed before and is made again would
+            # otherwise count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
+            incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
+            self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
             if parse_budget(self.config.staging_budget)[1]:
                 self._ring.ensure(0)  # a byte budget: the ring's size, so its pinning, can start now
         except BaseException:

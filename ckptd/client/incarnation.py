@@ -13,7 +13,9 @@ that the workers' process group will use. Through it the ranks agree on a random
 2. each rank offers a random tag for ``n`` (``store.compare_set``): the first offer wins, every
    rank reads the winner, nobody waits for another rank.
 
-Without a store (or when it fails) the caller falls back to :func:`ckptd.control.attempt.incarnation_for`.
+Without a store the caller falls back to :func:`ckptd.control.attempt.incarnation_for`. A store
+that fails is an error (:class:`~ckptd.errors.CkptdError`): falling back on this rank alone would
+give it other attempt ids than the ranks that agreed, and no save of the launch would commit.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ from typing import Any
 from ..config import CkptdConfig
 from ..control.attempt import Incarnation, incarnation_for
 from ..control.endpoints import JobEnv
+from ..errors import CkptdError
 
 log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"[0-9a-f]{12}")
+_WHAT_TO_DO = (
+    "this rank alone cannot choose one (its save attempts would match no other rank's, and no save "
+    "of the launch would commit). Set CKPTD_RUN_ID to one value per launch on every rank"
+)
 
 
 def launch_store(timeout_s: float) -> Any | None:
     """The store of this launch: the default process group's, or torchrun's agent store; None
-    when there is neither."""
+    when there is neither. Raises CkptdError when torchrun says it has an agent store that this
+    rank cannot reach (see the module docstring)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -53,23 +61,29 @@ def launch_store(timeout_s: float) -> Any | None:
     try:
         return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError, OSError) as exc:
-        log.info("cannot reach torchrun's agent store at %s:%s (%s)", addr, port, exc)
-        return None
+        raise CkptdError(
+            f"cannot reach torchrun's agent store at {addr}:{port} ({exc}) to agree on this launch's "
+            f"incarnation; {_WHAT_TO_DO}"
+        ) from None
 
 
-def agreed_incarnation(store: Any, job: str, rank: int) -> Incarnation | None:
+def agreed_incarnation(store: Any, job: str, rank: int) -> Incarnation:
     """A random incarnation every rank of this launch agrees on through ``store`` (see the module
-    docstring); None when the store fails."""
+    docstring); CkptdError when the store fails."""
     try:
         n = store.add(f"ckptd/{job}/checkpointers/rank{rank}", 1)
         raw = store.compare_set(f"ckptd/{job}/incarnation/{n}", "", secrets.token_hex(6))
     except (RuntimeError, ValueError, OSError) as exc:
-        log.warning("could not agree on this launch's incarnation through the store (%s)", exc)
-        return None
+        raise CkptdError(
+            f"rank {rank} could not agree on this launch's incarnation through the torch.distributed "
+            f"store ({exc}); {_WHAT_TO_DO}"
+        ) from None
     tag = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
     if not _TAG.fullmatch(tag):
-        log.warning("the store holds %r as this launch's incarnation, not 12 hex digits; ignored", tag[:40])
-        return None
+        raise CkptdError(
+            f"the torch.distributed store holds {tag[:40]!r} as this launch's incarnation, not 12 hex "
+            f"digits (another program's key?); {_WHAT_TO_DO}"
+        )
     return Incarnation(
         tag=tag, source=f"agreed through the launch's torch.distributed store (Checkpointer {n} of the launch)"
     )
@@ -82,9 +96,8 @@ def launch_incarnation(config: CkptdConfig, env: JobEnv, job: str) -> Incarnatio
     from the launcher's variables."""
     if not config.run_id and env.world_size > 1:
         store = launch_store(min(30.0, config.daemon_start_timeout_s))
-        agreed = agreed_incarnation(store, job, env.rank) if store is not None else None
-        if agreed is not None:
-            return agreed
+        if store is not None:
+            return agreed_incarnation(store, job, env.rank)
     incarnation = incarnation_for(config.run_id, env.world_size)
     if incarnation.weak and env.rank == 0:
         log.warning(

@@ -138,3 +138,22 @@ def test_ranks_agree_on_a_random_incarnation_through_the_launch_store():
         return first
 
     assert launch()[0] != launch()[0]
+
+
+def test_a_store_that_fails_one_rank_is_an_error_never_an_incarnation_of_its_own():
+    """Before, that rank fell back to an incarnation of its own: its attempt ids matched no other
+    rank's, and every save of the launch aborted after commit_timeout_s."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptd.client.incarnation import agreed_incarnation
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=10))
+    client.set("ckptd/job1/incarnation/1", "not twelve hex digits")
+    with pytest.raises(CkptdError, match="not 12 hex digits.*Set CKPTD_RUN_ID"):
+        agreed_incarnation(client, "job1", 0)
+    del server  # the store goes: the next agreement fails
+    with pytest.raises(CkptdError, match="rank 0 could not agree.*Set CKPTD_RUN_ID"):
+        agreed_incarnation(client, "job1", 0)
