@@ -33,6 +33,7 @@ from typing import Any
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
 from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError, NoCheckpointYetError
+from ..loading.strict import StrictHandling, parse_strict
 from ..recovery import resolve_resumable
 from ..s3catalog import checkpoint_exists
 from ..storage.url import Location, join
@@ -119,6 +120,7 @@ def load_agreed(
                 detail,
                 candidate.fallback,
             )
+            kwargs = _raising_unexpected(kwargs)
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
@@ -131,6 +133,21 @@ def load_agreed(
             raise error
         else:
             raise next(iter(kinds))(f"loading {candidate.target} failed on another rank: {detail}")
+
+
+# Modes that skip a requested key the checkpoint lacks, leaving its value as it was.
+_SKIPS_UNEXPECTED = (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL, StrictHandling.IGNORE_ALL)
+
+
+def _raising_unexpected(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The load's arguments for a fallback past a damaged checkpoint, whose load may have filled
+    part of the request already: a requested key the older checkpoint lacks would keep the
+    damaged one's value under a mode that skips such keys, so it raises LoadMismatchError instead.
+    (The ``return_*`` modes keep theirs: they hand the caller the keys that were skipped.)"""
+    strict = kwargs.get("strict")
+    if strict is None or parse_strict(strict) not in _SKIPS_UNEXPECTED:
+        return kwargs
+    return {**kwargs, "strict": StrictHandling.RAISE_UNEXPECTED}
 
 
 def _exists_on_rank0(ctx: DistContext, candidate: Candidate) -> bool:

@@ -13,8 +13,11 @@ import shutil
 import pytest
 import torch
 
+import ckptd
+from ckptd import LoadMismatchError, ShardedTensor
+from ckptd.client.resume import load_latest
 from ckptd.errors import CorruptCheckpointError
-from ckptd.format.rootlayout import step_dir_name
+from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
 from ckptd.recovery import resolve_latest
 from tests.checkpoints import make_checkpoint, make_root, stamp_commits
 from tests.fault.single_job import loads_bit_exact, single_job, state_dict
@@ -75,6 +78,28 @@ def test_a_fallback_after_a_rollback_stays_on_the_branch_the_job_trains_on(tmp_p
     (root / "iter_0000010" / "common.pt").unlink()
     step, log = _chosen(root, caplog)
     assert step == 30 and "on a branch a rollback abandoned" in log and "iter_0000010" in log, log
+
+
+@pytest.mark.parametrize("strict", ["log_unexpected", "ignore_all"])
+def test_a_fallback_never_leaves_a_key_the_older_checkpoint_lacks_with_the_damaged_ones_value(tmp_path, strict):
+    """The latest (20) holds "a" and "b" and is damaged; the older 10 holds only "a". The failed
+    load may have filled "b" with 20's values (or its damaged bytes): under a mode that skips a
+    key the checkpoint lacks, the fallback would return that. It raises instead."""
+    root = tmp_path / "r"
+
+    def sd(values: dict[str, float]) -> dict:
+        return {k: ShardedTensor.from_rank_offsets(k, torch.full((4096,), v)) for k, v in values.items()}
+
+    ckptd.save(sd({"a": 1.0}), root / step_dir_name(10))
+    ckptd.save(sd({"b": 2.0, "a": 2.0}), root / step_dir_name(20))
+    (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(20)))
+    data = root / step_dir_name(20) / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # bit rot in the last item read
+    data.write_bytes(bytes(raw))
+    request = sd({"a": 0.0, "b": 0.0})
+    with pytest.raises(LoadMismatchError, match="'b'"):
+        load_latest(root, request, {}, 0, {"strict": strict})
 
 
 def test_partial_saves_are_never_candidates(tmp_path, caplog):
