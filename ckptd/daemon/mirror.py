@@ -166,8 +166,12 @@ class MirrorUploader:
         except CkptdError as exc:
             log.warning("mirror %s: could not remove what earlier uploads left (%s)", self.mirror.display(), exc)
         while not self._stop.is_set():
-            self._pass()
-            self._sweep(time.monotonic())
+            try:
+                self._pass()
+                self._sweep(time.monotonic())
+            except Exception as exc:  # a bug must not end the thread (busy forever)
+                log.exception("mirror %s: unexpected error in an upload pass", self.mirror.display())
+                self._fail(self._uploading, f"unexpected error: {type(exc).__name__}: {exc}")
             self._wake.wait(self.retry_after_s)
             self._wake.clear()
 
@@ -279,11 +283,14 @@ class MirrorUploader:
                             answered = seen_etag = None
                             retry_at_s = time.monotonic() + self.retry_after_s
                             raise
-            except (CkptdError, OSError) as exc:
+            except Exception as exc:  # a bug too must not end the thread (busy forever)
                 with self._lock:
                     self._uploading = None
-                    self._error = f"answering node 0's copy request failed: {exc}"
-                log.warning("mirror %s, node %d: %s", self.mirror.display(), self.node, self._error)
+                    self._error = f"answering node 0's copy request failed: {type(exc).__name__}: {exc}"
+                if isinstance(exc, (CkptdError, OSError)):
+                    log.warning("mirror %s, node %d: %s", self.mirror.display(), self.node, self._error)
+                else:
+                    log.exception("mirror %s, node %d: %s", self.mirror.display(), self.node, self._error)
             self._update_due()
             self._wake.wait(self.poll_s)
             self._wake.clear()

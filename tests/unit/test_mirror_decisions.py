@@ -112,3 +112,29 @@ def test_a_checkpoint_found_damaged_is_left_out_by_name_everywhere_or_by_path_in
     assert resolved({name: "bit rot"}) == 10  # a name: that checkpoint in any root
     assert resolved({str(local / name): "bit rot"}) == 10  # its own path
     assert resolved({str(other / name): "bit rot"}) == 20  # another root's copy of it
+
+
+def test_an_unexpected_error_in_a_mirror_pass_is_reported_and_the_thread_goes_on(tmp_path, monkeypatch):
+    """A bug (any exception, not only a storage error) in an upload pass: before, it ended the
+    thread with a pass still due, so the daemon counted as busy forever (an auto-started one never
+    exited) and nothing was mirrored until it restarted."""
+    from types import SimpleNamespace
+
+    from ckptd.daemon import mirror as mirror_mod
+    from tools.harness.waiting import wait_until
+
+    calls = []
+
+    def broken(root):
+        calls.append(root)
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(mirror_mod, "local_latest", broken)
+    store = SimpleNamespace(display=lambda *a: "s3://bucket/m", recover=lambda nnodes: SimpleNamespace(removed=[]))
+    uploader = mirror_mod.MirrorUploader(tmp_path, store, retry_after_s=0.05)  # type: ignore[arg-type]
+    uploader.start()
+    try:
+        wait_until(lambda: len(calls) >= 2, 10, "a second pass after the failed one")
+        assert uploader.status()["error"] == "unexpected error: ValueError: a bug" and not uploader.busy
+    finally:
+        uploader.stop(5)
