@@ -269,9 +269,11 @@ class Checkpointer(RootReader):
         self._plain.sent(step, plan.plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         if self._policy is not None:
-            if self._stats.committed == 0:
-                handle.wait()  # policy="auto" measures one commit latency before it can plan
-            self._policy.after_save(step, self.stats())
+            try:
+                if self._stats.committed == 0:
+                    handle.wait()  # policy="auto" measures one commit latency before it can plan
+            finally:  # its agreement is a collective: every rank joins it, also one whose wait raised
+                self._policy.after_save(step, self.stats())
         return handle
 
     def _send_save(self, msg: Save, producer: Producer, ring: StagingRing, claim: Claim) -> None:

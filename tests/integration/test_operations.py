@@ -90,6 +90,27 @@ def test_stats_status_metrics_and_stop(single):
 
 
 @pytest.mark.timeout(120)
+def test_policy_auto_agrees_on_the_interval_also_when_the_first_saves_wait_raises(single, monkeypatch):
+    """The first save's wait (policy="auto" measures one commit) raised on this rank: the interval's
+    agreement, a collective the other ranks enter, still runs here. Before, this rank skipped it,
+    and the ranks' next collectives were mismatched."""
+    root, runtime, _ = single
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, policy="auto", mtbf_s=6.0, restart_s=0.5)
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        agreed: list[int] = []
+        ckpt._policy.agree = lambda interval: agreed.append(interval) or interval
+
+        def times_out(self, timeout_s=None):
+            raise ckptd.SaveTimeoutError("step 0 did not commit within the wait timeout (simulated)")
+
+        with monkeypatch.context() as patched, pytest.raises(ckptd.SaveTimeoutError, match="simulated"):
+            patched.setattr(ckptd.SaveHandle, "wait", times_out)
+            ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(16))}, step=0)
+        assert agreed == [1]
+        ckpt.wait_all(60)
+
+
+@pytest.mark.timeout(120)
 def test_policy_auto_applies_the_young_daly_interval(single):
     root, runtime, _ = single
     mtbf_s = 6.0
