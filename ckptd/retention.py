@@ -10,7 +10,8 @@ Order of one collection (any process may run it; it needs no daemon):
    ``*.tmp`` directories whose last write is older than ``grace_s`` (a save in flight keeps
    writing, so it stays younger than the grace period) and, on a node's disk of a node-local
    root, older than the node's last commit (a node that could not finish a committed step keeps
-   its files in the ``.tmp``: ckptd.roots.nodelocal), and ``*.deleting`` leftovers.
+   its files in the ``.tmp``: ckptd.roots.nodelocal; and not at or above the lowest step this disk
+   keeps a commit of, for the same reason), and ``*.deleting`` leftovers.
 2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
    the root), then deletes it. A crash midway therefore never leaves a half-deleted directory
    under a committed name, and a save still writing into a ``.tmp`` that is collected by mistake
@@ -88,10 +89,23 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
             where = "on a branch a rollback abandoned, " if e.name in off_branch else ""
             plan.remove.append(Removal(e, f"{where}committed before the {keep} last committed"))
     newest_commit_s = max((e.committed_unix_s for e in cat.committed), default=0.0)
+    # Node-local: the lowest step this disk keeps a commit of. A .tmp at or above it may hold this
+    # node's files of a step committed on node 0 that it could not finish (ckptd.roots.nodelocal):
+    # a load of that retained step reads them there.
+    window_low = min((e.step for e, _ in plan.kept if e.state is EntryState.COMMITTED), default=None)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime
-            if cat.node_local and e.usage.newest_mtime >= newest_commit_s:
+            if cat.node_local and window_low is not None and e.step >= window_low:
+                plan.kept.append(
+                    (
+                        e,
+                        "node-local root: within the steps this disk keeps commits of, it may hold this "
+                        "node's files of a retained step committed on node 0 (a load of that step reads "
+                        "them here); collected once retention leaves its step behind",
+                    )
+                )
+            elif cat.node_local and e.usage.newest_mtime >= newest_commit_s:
                 # A node that got COMMITTED but could not finish the step on its disk keeps its files
                 # here, and the mirror copy and a resume read them here: the latest step may be one.
                 plan.kept.append(

@@ -232,14 +232,19 @@ def test_gc_on_a_node_local_disk_keeps_what_was_written_after_its_last_commit(tm
             seq=seq, step=step, attempt="0123456789ab-1", committed_unix_s=time.time() - 9000 + seq, objects={}
         )
         (root / step_dir_name(step) / COMMIT_RECORD).write_bytes(rec.to_bytes())
-    make_partial(root, 150, age_s=10000)  # before the last commit, 9,000 s ago
+    make_partial(root, 50, age_s=10000)  # before the last commit, below the steps kept
+    make_partial(root, 150, age_s=10000)  # before the last commit, among the steps kept
     make_partial(root, 300, age_s=7200)  # after it
     cat = scan_root(root)
     assert cat.node_local
     plan = plan_gc(cat, keep=2, grace_s=600)
-    assert [r.entry.name for r in plan.remove] == ["iter_0000150.tmp"]  # older than the last commit
+    assert [r.entry.name for r in plan.remove] == ["iter_0000050.tmp"]
     kept = {e.name: why for e, why in plan.kept}
-    assert "written after this node's last commit" in kept["iter_0000300.tmp"]
+    # Step 150 may be a step committed on node 0 and still retained whose rename this node missed.
+    assert "within the steps this disk keeps commits of" in kept["iter_0000150.tmp"]
+    assert "within the steps this disk keeps commits of" in kept["iter_0000300.tmp"]
+    plan = plan_gc(cat, keep=1, grace_s=600)  # 150 falls out of the window with 100
+    assert [r.entry.name for r in plan.remove] == ["iter_0000050.tmp", "iter_0000100", "iter_0000150.tmp"]
     # A node's disk before its first commit there: its own node lock (not node 0's) tells.
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -253,6 +258,7 @@ def test_gc_on_a_node_local_disk_keeps_what_was_written_after_its_last_commit(tm
     stamp_commits(root, [100, 200])
     assert not scan_root(root).node_local
     assert [r.entry.name for r in plan_gc(scan_root(root), keep=2, grace_s=600).remove] == [
+        "iter_0000050.tmp",
         "iter_0000150.tmp",
         "iter_0000300.tmp",
     ]
