@@ -56,12 +56,14 @@ class CommitRecord:
         return json.dumps(fields).encode()
 
 
-def read_commit_record(directory: str | os.PathLike) -> CommitRecord | None:
+def read_commit_record(directory: str | os.PathLike, *, dir_fd: int | None = None) -> CommitRecord | None:
     """The commit record of a checkpoint directory; None when it has none (or an unreadable one:
-    logged, and the checkpoint then counts as committed before every recorded commit)."""
+    logged, and the checkpoint then counts as committed before every recorded commit). ``dir_fd``:
+    the directory open already (a lease's: the record of exactly the directory leased, never of
+    one renamed over its path since)."""
     path = Path(directory)
     try:
-        raw = read_regular(path, COMMIT_RECORD, "commit record", _MAX_NBYTES)
+        raw = read_regular(path, COMMIT_RECORD, "commit record", _MAX_NBYTES, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except (OSError, CorruptCheckpointError) as exc:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from ..catalog import scan_root
 from ..errors import CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import Checksum, crc32c
-from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
+from ..format.commitrecord import CommitRecord, read_commit_record
 from ..format.durable import atomic_write_bytes
 from ..format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES, DCP_METADATA
 from ..format.lease import ReadLease
@@ -73,7 +73,6 @@ LOCAL = "local"
 MIRROR = "mirror"
 RETRY_AFTER_S = 30.0
 _CHUNK_NBYTES = 8 << 20
-_RECORD_MAX_NBYTES = 4096  # a local commit record (ckptd.format.commitrecord)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,14 +311,7 @@ def note_mirrored(root: Path, name: str) -> bool:
 
 def leased_commit_record(lease: ReadLease) -> CommitRecord | None:
     """The commit record of the leased directory, read through its fd (None: none, or damaged)."""
-    try:
-        raw = _read_leased(lease, COMMIT_RECORD, "commit record", _RECORD_MAX_NBYTES)
-    except FileNotFoundError:
-        return None
-    except (OSError, CorruptCheckpointError) as exc:
-        log.warning("%s: %s", lease.directory / COMMIT_RECORD, exc)
-        return None
-    return parse_commit_record(raw, lease.directory / COMMIT_RECORD)
+    return read_commit_record(lease.directory, dir_fd=lease.fd)
 
 
 def read_local_commit(lease: ReadLease, commit: CommitRef) -> tuple[list[ItemRecord], Checksum | None, bytes]:

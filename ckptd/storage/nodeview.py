@@ -190,7 +190,7 @@ class NodeLocalSource:
             lease = ReadLease.acquire(directory)
         except CheckpointNotFoundError:  # absent, or being removed
             return None
-        if not self.where.is_commit(read_commit_record(directory)):
+        if not self.where.is_commit(read_commit_record(directory, dir_fd=lease.fd)):
             lease.release()
             return None
         self._lease, self.local_dir = lease, directory
