@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # Frame bytes above the frame size (or a smaller message limit) that still reach the codec, which
 # rejects and counts what is too big; anything larger makes libzmq drop the connection.
 ENVELOPE_NBYTES = 4096
+ROUTER_SEND_TIMEOUT_MS = 2000
 
 
 def make_socket(
@@ -46,6 +47,10 @@ def make_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A blocking send to a peer that is alive but reads nothing (its queue full) would stop the
+        # daemon's whole loop: it gives up after this long instead (Channel.send returns False, as
+        # for a peer that is gone: a node resends its reports, a rank's request times out).
+        sock.setsockopt(zmq.SNDTIMEO, ROUTER_SEND_TIMEOUT_MS)
     return sock
 
 
