@@ -203,7 +203,7 @@ def _tensor_signature(sh: ShardedTensor) -> tuple:
 
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
     data = sh.data
-    if type(data) is torch.Tensor and data.device.type != "meta":
+    if type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided:
         # The common case, without building the error text (a save checks every item).
         try:
             sh.validate_metadata_integrity()
@@ -226,6 +226,11 @@ def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
         )
     if sh.data.device.type == "meta":
         raise ShardingError(f"{where}: data is a meta tensor (no values); materialize it first")
+    if sh.data.layout is not torch.strided:
+        raise ShardingError(
+            f"{where}: data is a {sh.data.layout} tensor; ckptd stores dense (strided) tensors only, as "
+            "torch_dist does: save tensor.to_dense(), or its indices and values as tensors of their own"
+        )
     try:
         sh.validate_metadata_integrity()
     except ShardingError as exc:

@@ -170,6 +170,11 @@ def test_non_tensor_data_is_refused_at_construction_and_at_save(good: Path):
         ckptd.save({"k": meta}, good.parent / "bad")
     with pytest.raises(ShardingError, match="'nt'.*list"):
         ckptd.save({"nt": bad_states(1)["non_tensor"][0]["nt"]}, good.parent / "bad")
+    # A sparse tensor is refused when the save is planned, not later by the copy into the ring.
+    sparse = torch.eye(4).to_sparse()
+    for state in ({"s": ST.from_rank_offsets("s", sparse)}, {"s": sparse}):
+        with pytest.raises(ShardingError, match="'s'.*sparse_coo.*to_dense"):
+            ckptd.save(state, good.parent / "bad")
 
 
 def test_sharded_entry_inside_a_tuple_is_refused(good: Path):
