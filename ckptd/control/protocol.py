@@ -85,8 +85,8 @@ from .attempt import check_attempt, check_step
 # every message of another version). 16: item records carry block checksums (``block_crcs``).
 # 17: IN_FLIGHT and ABANDON (a resume waits for the commits its predecessor left in flight, and
 # aborts those that can never commit). 18: HELLO names the coordinator address the rank's launch
-# expects (a node daemon left by an earlier launch follows a coordinator that moved); WRITTEN and
-# FAILED say when they are resent (answered from memory once committed).
+# expects (a node daemon left by an earlier launch follows a coordinator that moved);
+# WRITTEN names the save it reports (a resend is answered from memory once committed).
 PROTOCOL_VERSION = 18
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
@@ -367,7 +367,12 @@ class Written(Message):
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
     coordinator_instance: str = ""
-    resent: bool = False  # sent before (see Failed)
+    # Which save of the rank this reports: its SAVE's seal (random per save), as a number. A
+    # coordinator answers from memory a report it counted for a commit (a node's resend after a lost
+    # verdict), also once retention or a rollback retired that commit; any other report of a
+    # remembered attempt (a relaunch that repeated the attempt id) asks the root
+    # (ckptd.daemon.commitstate.CommitState.asks_holds_commit). 0: none.
+    report_id: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,10 +385,6 @@ class Failed(Message):
     node sends no report before a coordinator answered). A coordinator refuses a report
     addressed to another instance: one sent to its predecessor may reach it after a restart,
     while the node, learning of the restart, aborts that attempt.
-
-    ``resent``: the node sent this report before (to this coordinator instance) and sends it again
-    for want of a verdict; a coordinator that remembers the attempt committed answers it from
-    memory (ckptd.daemon.commitstate.CommitState.asks_holds_commit).
 
     ``handed_off``: of a relaunch's :class:`Abandon` (``rank`` -1): the ranks whose saves of the
     attempt it found at the node daemons. The coordinator keeps an attempt whose reports and these
@@ -399,7 +400,6 @@ class Failed(Message):
     skipped: bool = False
     coordinator_instance: str = ""
     handed_off: list[int] = field(default_factory=list)
-    resent: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

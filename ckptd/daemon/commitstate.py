@@ -41,8 +41,10 @@ them.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -62,6 +64,10 @@ log = logging.getLogger(__name__)
 
 FINISHED_MEMORY = 1024  # outcomes remembered, for late and repeated reports
 COMMIT_FILES_MEMORY = 4  # node-local commits whose files a repeated verdict carries again
+# Commits whose counted reports are remembered by id (8 bytes a rank): a node resends a report
+# commit_timeout_s + coordinator_timeout_s after it (630 s by default), so this covers a save
+# every 10 s; a resend beyond them asks the root, as a new save's report does.
+COUNTED_MEMORY = 64
 Key = tuple[int, str]  # (step, attempt)
 
 
@@ -165,6 +171,7 @@ class AttemptState:
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
     plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
     held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
+    report_ids: dict[int, int] = field(default_factory=dict)  # rank -> its WRITTEN's report_id
     warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
@@ -211,6 +218,7 @@ class CommitState:
         self.nodes: dict[bytes, int] = {}
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
+        self.counted: OrderedDict[Key, array[int]] = OrderedDict()  # see COUNTED_MEMORY
         self._out: list[Action] = []
         for step, attempt in adopted or []:
             # Another node may still be writing it (it may even commit); if it does not complete
@@ -229,12 +237,17 @@ class CommitState:
 
     def asks_holds_commit(self, msg: Written | Failed) -> bool:
         """Report ``msg`` needs ``RootFacts.holds_commit``: its attempt's commit is remembered and
-        the report is no resend. A node's resend of a report it sent before is answered from
-        memory: that commit happened, whether or not retention or a rollback retired it since
-        (collecting it anew would abort, or on S3 commit again, an attempt that committed). A
-        first report of a remembered attempt is a new save (a relaunch repeated the attempt id,
-        or the root was emptied): it is collected anew once the root no longer holds the commit."""
-        return isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted) and not msg.resent
+        the report is not one that commit counted. One it counted (a node's resend after a lost
+        verdict) is answered from memory: that commit happened, whether or not retention or a
+        rollback retired it since (collecting it anew would abort, or on S3 commit again, an
+        attempt that committed). Another report of a remembered attempt is of a new save (a
+        relaunch repeated the attempt id, or the root was emptied): it is collected anew once the
+        root no longer holds the commit."""
+        key = (msg.step, msg.attempt)
+        if not isinstance(self.finished.get(key), StepCommitted):
+            return False
+        ids = self.counted.get(key)
+        return not (isinstance(msg, Written) and msg.report_id and ids is not None and _holds(ids, msg.report_id))
 
     def may_start(self, msg: Written | Failed, holds_commit: bool) -> bool:
         """A report ``msg`` needs ``RootFacts.committed_once``: it starts collecting a new attempt
@@ -366,6 +379,8 @@ class CommitState:
         st.digests[msg.rank] = msg.common_digest
         st.plain[msg.rank] = msg.plain_digest
         st.held[msg.rank] = msg.held
+        if msg.report_id:
+            st.report_ids[msg.rank] = msg.report_id
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
@@ -496,6 +511,7 @@ class CommitState:
                 self.commit_files[st.key] = event.outcome.files
                 while len(self.commit_files) > COMMIT_FILES_MEMORY:
                     self.commit_files.popitem(last=False)
+            self._remember_counted(st)
             self._finish(
                 st, StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform)
             )
@@ -516,6 +532,13 @@ class CommitState:
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         self._out.append(Remove(step=st.step, attempt=st.attempt))
         self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
+
+    def _remember_counted(self, st: AttemptState) -> None:
+        """The reports a commit counted, by id (one 8-byte number per rank), for its last
+        :data:`COUNTED_MEMORY` commits: a resend beyond them asks the root."""
+        self.counted[st.key] = array("Q", sorted(st.report_ids.values()))
+        while len(self.counted) > COUNTED_MEMORY:
+            self.counted.popitem(last=False)
 
     def _remember(self, key: Key, outcome: Message) -> None:
         self.finished[key] = outcome
@@ -574,3 +597,9 @@ def _common_warnings(st: AttemptState) -> list[str]:
     )
     log.warning("%s", text)
     return [text]
+
+
+def _holds(ids: array[int], report_id: int) -> bool:
+    """Whether the sorted ``ids`` hold ``report_id``."""
+    at = bisect.bisect_left(ids, report_id)
+    return at < len(ids) and ids[at] == report_id

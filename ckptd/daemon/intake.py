@@ -130,6 +130,7 @@ class SaveIntake:
             common_digest=msg.common_digest,
             plain_digest=msg.plain_digest,
             held=tuple(held),
+            report_id=int.from_bytes(msg.seal[:8], "little"),
         )
         self._handle(Taken(job=job))
         ring.queue_write(lambda: self._ready(job, ring, producer))

@@ -61,6 +61,7 @@ class WriteJob:
     common_digest: str
     plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
     held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
+    report_id: int = 0  # which save of the rank this is: its seal, as a number (Written.report_id)
 
     @property
     def key(self) -> StepKey:
@@ -270,6 +271,7 @@ class IntakeState:
             file_nbytes=result.file_nbytes,
             plain_digest=job.plain_digest,
             held=list(job.held),
+            report_id=job.report_id,
         )
 
     def _failed(self, job: WriteJob, reason: str) -> Failed:

@@ -326,23 +326,20 @@ class UplinkState:
         u.reports.append(msg)
         self._send(key, u, msg)
 
-    def _send(self, key: StepKey, u: Unacked, msg: Written | Failed, *, resent: bool = False) -> None:
+    def _send(self, key: StepKey, u: Unacked, msg: Written | Failed) -> None:
         """Send report ``msg`` of attempt ``key`` addressed to the coordinator instance last heard
-        from (``resent``: it went out before); while none has answered yet, keep it for the tick
-        that follows the first answer."""
+        from; while none has answered yet, keep it for the tick that follows the first answer."""
         if self.coordinator_instance is None:
             if msg not in u.unsent:
                 u.unsent.append(msg)
             return
-        sent = replace(msg, coordinator_instance=self.coordinator_instance, resent=resent)
-        self._out.append(Send(msg=sent, key=key))
+        self._out.append(Send(msg=replace(msg, coordinator_instance=self.coordinator_instance), key=key))
 
     def _send_all(self, key: StepKey, u: Unacked) -> None:
-        """Send every report of attempt ``key`` again (those not sent yet among them, which are
-        not marked resent: the coordinator never had them)."""
-        never_sent, u.unsent = u.unsent, []
+        """Send every report of attempt ``key`` again (those not sent yet among them)."""
+        u.unsent = []
         for msg in u.reports:
-            self._send(key, u, msg, resent=msg not in never_sent)
+            self._send(key, u, msg)
 
     def _on_sent(self, event: Sent, now: float) -> None:
         msg = event.msg
@@ -353,7 +350,7 @@ class UplinkState:
         u = self.unacked.get(event.key) if event.key is not None else None
         if u is None or not isinstance(msg, (Written, Failed)):
             return
-        entry = replace(msg, coordinator_instance="", resent=False)  # as kept in the table
+        entry = replace(msg, coordinator_instance="")  # as kept in the table
         if u.late is not None and entry == u.late:
             if event.ok:
                 u.late_sent_to = msg.coordinator_instance

@@ -199,18 +199,24 @@ def test_a_commit_the_root_no_longer_holds_is_not_answered_from_memory():
     assert c.asked[-2:] == ["holds_commit", "committed_once"] and c.state.busy
 
 
-@pytest.mark.parametrize("late", [written(3, 0), written(3, 1)], ids=["rank-0", "rank-1"])
-def test_a_resent_report_of_a_commit_the_root_no_longer_holds_is_answered_from_memory(late):
-    """The verdict to one node was lost; retention (or a rollback) retired the commit before that
-    node resent its report: it is told COMMITTED, never collected anew (which aborted a save that
-    committed, or on S3 committed it again, moving `latest` back past a rollback)."""
+def test_a_report_a_commit_counted_is_answered_from_memory_after_the_root_retired_it():
+    """The verdict to node 1 was lost; retention (or a rollback) retired the commit before node 1
+    resent its report: the report the commit counted (its id) is told COMMITTED, never collected
+    anew (which aborted a save that committed, or on S3 committed it again, moving `latest` back
+    past a rollback). A report of another save with that attempt id (a relaunch that repeated it)
+    still asks the root and is collected anew."""
     c = Coordinator()
-    committed_step(c, 3)
-    c.holds.clear()
+    c.report(N0, written(3, 0, report_id=11))
+    c.report(N1, written(3, 1, report_id=12))
+    c.commit_ended(3)
+    c.holds.clear()  # retired (a rollback abandoned it: the step counts as not committed)
+    c.committed.clear()
     c.asked.clear()
-    actions = c.report(N1, replace(late, resent=True))
+    actions = c.report(N1, written(3, 1, report_id=12))
     assert isinstance(actions[0].msg, StepCommitted) and Remove(step=3, attempt=A) in actions  # type: ignore[union-attr]
     assert c.asked == [] and not c.state.busy
+    assert c.report(N1, written(3, 1, report_id=99)) == []  # another save's report
+    assert c.asked == ["holds_commit", "committed_once"] and c.state.busy
 
 
 def test_a_step_committed_already_is_not_saved_again():

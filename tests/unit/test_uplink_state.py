@@ -46,11 +46,6 @@ def to(msg: Written | Failed, instance: str = "c1") -> Written | Failed:
     return replace(msg, coordinator_instance=instance)
 
 
-def again(msg: Written | Failed, instance: str = "c1") -> Written | Failed:
-    """``msg`` as sent to coordinator ``instance`` once more (marked resent)."""
-    return replace(msg, coordinator_instance=instance, resent=True)
-
-
 class Node:
     """The shell's part that tests need: sends (reports and pings) succeed while ``reachable``,
     each result fed back;
@@ -157,11 +152,11 @@ def test_a_verdict_lost_while_the_coordinator_answers_is_chased_when_overdue_and
     node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s - 0.25)
     assert node.take() == []
     node.answered(0.25)
-    assert node.take() == [again(msg)]
+    assert node.take() == [to(msg)]
     node.answered(CFG.coordinator_timeout_s - 0.25)
     assert node.take() == []
     node.answered(0.25)
-    assert node.take() == [again(msg)]
+    assert node.take() == [to(msg)]
     node.handle(Verdict(key=K3, outcome=StepAborted(step=3, attempt=A, reason="rank 0: the disk is full")))
     assert node.delivered and not node.state.busy
 
@@ -269,7 +264,7 @@ def test_no_report_goes_out_before_a_coordinator_answered_then_each_names_the_in
     node.at(0.25)
     assert node.take() == [to(report, "c1")] and node.state.unacked[K3].sent_to == "c1"
     node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s - LINK_TIMEOUT_S - 0.25)  # chased, to c1 again
-    assert node.take() == [again(report, "c1")]
+    assert node.take() == [to(report, "c1")]
 
 
 def test_a_report_sent_to_the_old_instance_is_never_resent_and_the_abort_goes_to_the_new_one():
@@ -324,7 +319,7 @@ def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report
     assert node.take() == []  # a short silence: nothing lost
     node.at(LINK_TIMEOUT_S / 2 + 0.25)
     node.pong()
-    assert node.take() == [again(msg3), again(msg4)]  # to the same instance: it still decides them
+    assert node.take() == [to(msg3), to(msg4)]  # to the same instance: it still decides them
 
 
 def test_a_coordinator_that_moved_is_pinged_at_once_and_every_waiting_report_resent_when_it_answers():
@@ -343,7 +338,7 @@ def test_a_coordinator_that_moved_is_pinged_at_once_and_every_waiting_report_res
     msg5 = saving(node, (5, A))
     assert node.take() == []  # who answers at the new address is not known yet
     node.pong()
-    assert node.take() == [again(msg3), to(msg5)] and not node.delivered[1:]  # msg5 held until then
+    assert node.take() == [to(msg3), to(msg5)] and not node.delivered[1:]  # msg5 held until then
     node.at(0.25)
     node.pong()
     assert node.take() == []  # each sent once
@@ -364,21 +359,6 @@ def test_a_coordinator_that_moved_and_restarted_is_handled_as_a_restart():
     ((key, _, verdict),) = node.delivered
     assert key == K3 and isinstance(verdict, StepAborted) and verdict.reason.startswith("the coordinator restarted")
     assert node.asked == [K3]
-
-
-def test_a_report_says_when_it_is_resent_and_one_that_never_went_out_does_not():
-    """A coordinator answers a resent report of an attempt it committed from memory
-    (ckptd.daemon.commitstate): only reports that went out before are marked resent."""
-    node = Node()
-    node.pong()
-    msg3 = saving(node, K3)
-    node.reachable = False
-    msg4 = saving(node, K4)  # refused by the socket: never went out
-    node.reachable = True
-    node.at(0.25)  # the tick's retry of what did not go out: not a resend
-    assert node.take() == [to(msg3), to(msg4)]
-    node.answered(CFG.commit_timeout_s + CFG.coordinator_timeout_s)
-    assert node.take() == [again(msg3), again(msg4)]
 
 
 def test_a_shutdown_aborts_only_steps_whose_reports_went_out():
