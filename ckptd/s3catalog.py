@@ -25,15 +25,19 @@ from .catalog import (
     scan_root,
 )
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
+from .format.commitrecord import (
+    COMMIT_RECORD,
+    COMMIT_RECORD_MAX_NBYTES,
+    CommitRecord,
+    parse_commit_record,
+    read_commit_record,
+)
 from .format.layout import DCP_METADATA, METADATA_JSON
 from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
 from .storage.s3client import S3Client
 from .storage.url import Location, S3Location
 
 log = logging.getLogger(__name__)
-
-COMMIT_RECORD_MAX_NBYTES = 1 << 20  # a commit record with the sizes and checksums of its objects
 
 
 # A commit object that exists but cannot be read (damaged): the step IS committed (its commit

@@ -29,7 +29,10 @@ from .safefs import read_regular
 log = logging.getLogger(__name__)
 
 COMMIT_RECORD = "ckptd_commit.json"
-_MAX_NBYTES = 4096
+# A record lists every data file of a node-local or S3 commit (some 50 bytes each): 64 MiB holds
+# a million. Before, a local record was read with a 4 KiB limit: beyond ~80 ranks on node-local
+# disks it was taken for damaged, and with it the commit order, rollbacks and the node view broke.
+COMMIT_RECORD_MAX_NBYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +66,7 @@ def read_commit_record(directory: str | os.PathLike, *, dir_fd: int | None = Non
     one renamed over its path since)."""
     path = Path(directory)
     try:
-        raw = read_regular(path, COMMIT_RECORD, "commit record", _MAX_NBYTES, dir_fd=dir_fd)
+        raw = read_regular(path, COMMIT_RECORD, "commit record", COMMIT_RECORD_MAX_NBYTES, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except (OSError, CorruptCheckpointError) as exc:

@@ -47,7 +47,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, NodeFilesMissingError
-from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record, read_commit_record
+from ..format.commitrecord import (
+    COMMIT_RECORD,
+    COMMIT_RECORD_MAX_NBYTES,
+    CommitRecord,
+    parse_commit_record,
+    read_commit_record,
+)
 from ..format.layout import (
     data_file_name,
 )
@@ -56,7 +62,6 @@ from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..format.safefs import is_real_dir, open_regular
 from .s3client import S3Client
 from .s3view import (
-    COMMIT_RECORD_MAX_NBYTES,
     SMALL_FILES,
     S3RangeSource,
     SparseObject,

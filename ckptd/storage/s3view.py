@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
-from ..format.commitrecord import COMMIT_RECORD, CommitRecord, parse_commit_record
+from ..format.commitrecord import COMMIT_RECORD, COMMIT_RECORD_MAX_NBYTES, CommitRecord, parse_commit_record
 from ..format.layout import (
     COMMON_PT,
     COMMON_PT_MAX_NBYTES,
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 PIECE_NBYTES = 16 << 20
 WINDOW_NBYTES = 256 << 20  # fetched ahead of the reader at most
 FETCH_THREADS = 4
-COMMIT_RECORD_MAX_NBYTES = 1 << 20
 SMALL_FILES = (  # the small files of a checkpoint, with their size bounds
     (METADATA_JSON, METADATA_JSON_MAX_NBYTES),
     (DCP_METADATA, DCP_METADATA_MAX_NBYTES),

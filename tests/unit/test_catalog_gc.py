@@ -274,3 +274,19 @@ def test_gc_of_a_root_megatron_lm_wrote_keeps_the_step_its_tracker_names(tmp_pat
     assert any(e.step == 20 and "Megatron-LM's tracker" in why for e, why in plan.kept)
     (root / "latest").write_text("iter_0000040\n")  # ckptd's tracker, where it exists, decides
     assert [r.entry.step for r in plan_gc(scan_root(root), keep=1, grace_s=600).remove] == [10, 20, 30]
+
+
+def test_a_commit_record_listing_thousands_of_files_is_read(tmp_path):
+    """A node-local commit record lists every rank's data file: at 2,000 ranks some 90 KiB. Read
+    with a 4 KiB limit it was taken for damaged (beyond ~80 ranks), and the commit order, rollback
+    and the node view broke with it."""
+    from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord, read_commit_record
+
+    root = make_root(tmp_path / "r", [100], latest=100)
+    objects = {f"__{r}_0.0123456789ab-1.distcp": {"nbytes": 1 << 30} for r in range(2000)}
+    rec = CommitRecord(seq=7, step=100, attempt="0123456789ab-1", committed_unix_s=1.0e9, objects=objects)
+    raw = rec.to_bytes()
+    assert len(raw) > 64 << 10
+    (root / step_dir_name(100) / COMMIT_RECORD).write_bytes(raw)
+    assert read_commit_record(root / step_dir_name(100)) == rec
+    assert scan_root(root).committed[0].commit_seq == 7
