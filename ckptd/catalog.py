@@ -270,7 +270,10 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
             state = EntryState.DELETING
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
-        record = read_commit_record(path) if state is EntryState.COMMITTED else None
+        # The tracker's target's record even when its markers are gone: it tells which branch the
+        # job trains on (RootCatalog.off_branch), which a fallback past it must keep to.
+        named = state is EntryState.INCOMPLETE and name == cat.latest_name
+        record = read_commit_record(path) if state is EntryState.COMMITTED or named else None
         cat.node_local = cat.node_local or (record is not None and record.objects is not None)
         cat.entries.append(
             CheckpointEntry(

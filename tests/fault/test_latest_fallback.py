@@ -78,6 +78,14 @@ def test_a_fallback_after_a_rollback_stays_on_the_branch_the_job_trains_on(tmp_p
     (root / "iter_0000010" / "common.pt").unlink()
     step, log = _chosen(root, caplog)
     assert step == 30 and "on a branch a rollback abandoned" in log and "iter_0000010" in log, log
+    # The tracker's target lost its markers (not only a data file): its commit record still tells
+    # the branch.
+    caplog.clear()
+    make_checkpoint(root / "iter_0000010", step=10)  # 10 is loadable again
+    for marker in ("metadata.json", ".metadata"):
+        (root / "iter_0000015" / marker).unlink()
+    step, log = _chosen(root, caplog)
+    assert step == 10, log
 
 
 @pytest.mark.parametrize("strict", ["log_unexpected", "ignore_all"])
