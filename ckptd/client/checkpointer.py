@@ -282,7 +282,7 @@ class Checkpointer(RootReader):
         try:
             self._link.announce(msg)
         except DaemonLostError as exc:
-            producer.detach()
+            producer.cancel()  # nobody reads the ring any more: nothing is written into it
             self._daemon_lost(str(exc))
             raise
         except (RequestNotTaken, ProtocolError) as exc:

@@ -248,27 +248,23 @@ class RankRing:
         ring.close(unlink=unlink)
 
     def stop_copier(self, deadline: float) -> None:
-        """Closing: stop the lazy copier by ``deadline`` (plus its STOP_MARGIN_S); a copier that
-        still runs may write into the ring, which then stays mapped (the daemon unlinks it)."""
-        stopped = self._stop_device_snapshots(deadline)
-        if self.lazy is not None and not self.lazy.stop(deadline):
-            stopped = False
-        if not stopped and self.current is not None:
-            self.current = None
+        """Closing: stop the lazy copier and the device snapshots by ``deadline`` (plus
+        STOP_MARGIN_S); one that still runs may write into the ring, which :meth:`drop` then
+        leaves mapped."""
+        self._stop_device_snapshots(deadline)
+        if self.lazy is not None:
+            self.lazy.stop(deadline)
 
-    def _stop_device_snapshots(self, deadline: float) -> bool:
+    def _stop_device_snapshots(self, deadline: float) -> None:
         """Wait for the device snapshots' threads until ``deadline``, then make those waiting for
-        ring space give up; False if one still runs after STOP_MARGIN_S more."""
+        ring space give up, and wait STOP_MARGIN_S more (one still running then keeps the ring
+        mapped: :meth:`drop`)."""
         for producer in self.device_snapshots:
             producer.join(max(0.0, deadline - time.monotonic()))
         for producer in self.device_snapshots:
             producer.stop()
-        done = all(p.join(STOP_MARGIN_S) for p in self.device_snapshots)
-        if not done:
-            log.warning(
-                "rank %d: a device snapshot's thread did not stop in time; its staging ring stays mapped", self.rank
-            )
-        return done
+        if not all(p.join(STOP_MARGIN_S) for p in self.device_snapshots):
+            log.warning("rank %d: a device snapshot's thread did not stop in time", self.rank)
 
 
 class Attachment:

@@ -462,11 +462,15 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
         # the whole tensor inside save(). A strided one becomes contiguous here first (a copy
         # taken now: what save() was called with).
         flat = t.contiguous().reshape(-1)
+        # A copy (of a strided or conjugate tensor) holds the values of save(): a later write to
+        # the source, even through its DTensor, no longer reaches the pieces.
+        copied = flat.untyped_storage().data_ptr() != payload.untyped_storage().data_ptr()
+        watch = None if copied else item.watch
         step = max(1, (max_nbytes // 2) // payload.element_size())
         for a in range(0, flat.numel(), step):
             b = min(flat.numel(), a + step)
             for off, sizes, start in flat_range_boxes(tuple(rec.sizes), a, b):
                 n = math.prod(sizes)
                 box = replace(rec, offsets=tuple(o + d for o, d in zip(rec.offsets, off)), sizes=tuple(sizes))
-                out.append(replace(item, record=box, payload=flat[start : start + n].reshape(sizes)))
+                out.append(replace(item, record=box, payload=flat[start : start + n].reshape(sizes), watch=watch))
     return out

@@ -268,3 +268,18 @@ def test_a_ring_a_producer_still_writes_into_is_never_unmapped(writer):
     ring.drop(unlink=True)
     assert ring.current is None
     assert fake.done == (["unlinked"] if writer else ["closed, unlink=True"])
+
+
+def test_the_pieces_of_a_split_item_keep_its_watch_only_while_they_are_views_of_it():
+    """A lazy save compares the watched DTensor's counter at the fence: pieces of a strided tensor
+    are a copy taken in save(), which a later write does not reach, so they watch nothing (before,
+    such a write failed a save whose bytes were consistent)."""
+    from dataclasses import replace
+
+    watched = torch.zeros(1)
+    split = split_state_dict({"w": ShardedTensor.from_rank_offsets("w", torch.randn(512, 512))})
+    (item,) = plan_save(split, 0)
+    views = split_large_items([replace(item, watch=watched)], 1 << 18)
+    strided = split_large_items([replace(item, payload=item.payload.t(), watch=watched)], 1 << 18)
+    assert len(views) > 1 and all(p.watch is watched for p in views)
+    assert len(strided) > 1 and all(p.watch is None for p in strided)
