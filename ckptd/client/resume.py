@@ -33,6 +33,7 @@ from typing import Any
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
 from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError, NoCheckpointYetError
+from ..loading.execute import LoadStats
 from ..loading.strict import StrictHandling, parse_strict
 from ..recovery import resolve_resumable
 from ..s3catalog import checkpoint_exists
@@ -93,19 +94,24 @@ def load_agreed(
     # them, by reading all of it): bit rot found here falls back to an intact checkpoint instead
     # of being resumed (README: Guarantees).
     kwargs = {"verify_partial": True, **kwargs}
+    # Counts what each load copied into the request (the caller's stats, when given, accumulate).
+    stats = kwargs.get("stats") or LoadStats()
+    kwargs["stats"] = stats
     removed: set[str] = set()
     while True:
         candidate = choose()
         name = candidate.name
         error: Exception | None = None
         result: Any = None
+        copied_before = stats.bytes_copied
         try:
             if not made:
                 made.append(sharded_state_dict())
             result = sync_load(made[0], candidate.target, **kwargs)
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
             error = exc
-        outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)))
+        wrote = stats.bytes_copied > copied_before  # into the request, before it failed
+        outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error), wrote))
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not failed:
             return result
@@ -120,7 +126,8 @@ def load_agreed(
                 detail,
                 candidate.fallback,
             )
-            kwargs = _raising_unexpected(kwargs)
+            if any(o[2] for _, o in failed):
+                kwargs = _raising_unexpected(kwargs)
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
@@ -140,9 +147,9 @@ _SKIPS_UNEXPECTED = (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL, Stri
 
 
 def _raising_unexpected(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The load's arguments for a fallback past a damaged checkpoint, whose load may have filled
-    part of the request already: a requested key the older checkpoint lacks would keep the
-    damaged one's value under a mode that skips such keys, so it raises LoadMismatchError instead.
+    """The load's arguments for a fallback past a damaged checkpoint whose load filled part of the
+    request already: a requested key the older checkpoint lacks would keep the damaged one's
+    value under a mode that skips such keys, so it raises LoadMismatchError instead.
     (The ``return_*`` modes keep theirs: they hand the caller the keys that were skipped.)"""
     strict = kwargs.get("strict")
     if strict is None or parse_strict(strict) not in _SKIPS_UNEXPECTED:
