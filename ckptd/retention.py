@@ -92,7 +92,9 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     # Node-local: the lowest step this disk keeps a commit of. A .tmp at or above it may hold this
     # node's files of a step committed on node 0 that it could not finish (ckptd.roots.nodelocal):
     # a load of that retained step reads them there.
-    window_low = min((e.step for e, _ in plan.kept if e.state is EntryState.COMMITTED), default=None)
+    # (The keep-N commits and the tracker's: not one kept for another reason, a stalled mirror's.)
+    window = [e for rank, e in enumerate(cat.branch_first) if rank < keep or e.is_latest]
+    window_low = min((e.step for e in window), default=None)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime

@@ -170,14 +170,14 @@ class Checkpointer(RootReader):
         self._closed = False
         try:
             self._link.connect()
-            # After connecting: a rank whose constructor failed before and is made again would
-            # otherwise count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
-            incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-            self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
             if parse_budget(self.config.staging_budget)[1]:
                 self._ring.ensure(0)  # a byte budget: the ring's size, so its pinning, can start now
+            # Last: a rank whose constructor failed before this and is made again would otherwise
+            # count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
+            incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
+            self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
         except BaseException:
-            self._link.close()
+            self._disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
 
     # --- public API -------------------------------------------------------------------------
