@@ -225,10 +225,10 @@ class Coordinator:
     def listen(self, address: str) -> None:
         """Accept node daemons on ``address`` too: a rank's HELLO says its launch has the
         coordinator there (ckptd.control.protocol.Hello). This daemon outlived the launch that
-        started it, and the job was launched again with another MASTER_PORT: a node daemon the
-        new launch starts connects there. A port bound already is no news."""
-        ports = {_port(a) for a in (self.address, *self.also)}
-        if _port(address) in ports:
+        started it, and the job was launched again with another MASTER_PORT (or another address of
+        this machine): a node daemon the new launch starts connects there. An address bound
+        already is no news."""
+        if address in (self.address, *self.also):
             return
         try:
             bound = _bind(self.channel.sock, address)
@@ -260,7 +260,3 @@ def _bind(sock: zmq.Socket, address: str) -> str:
         address = address[: -len(":0")] + ":*"
     sock.bind(address)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def _port(address: str) -> str:
-    return address.rpartition(":")[2]

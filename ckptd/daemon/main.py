@@ -135,15 +135,19 @@ def run_daemon(
     finally:
         if daemon is not None:
             daemon.close()
+        if daemon is not None and daemon.stuck:
+            # The interpreter's exit joins every pool thread, the stuck one too: leave without it.
+            # The locks are not released here: they go with the process, so a successor cannot take
+            # the root while the stuck write or rename may still land (a thread blocked in the
+            # kernel keeps the process, and its locks, until that call returns).
+            log.error("daemon exiting without its stuck worker thread")
+            logging.shutdown()
+            os._exit(EXIT_ERROR)
         if root_lock.acquired:  # only a daemon that held the root cleans up its job's segments
             remove_orphans(ep.shm_prefix)
         root_lock.release()
         lock.release()
         log.info("daemon exited")
-        if daemon is not None and daemon.stuck:
-            # The interpreter's exit joins every pool thread, the stuck one too: leave without it.
-            logging.shutdown()
-            os._exit(EXIT_ERROR)
 
 
 def detach_and_run(

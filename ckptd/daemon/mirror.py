@@ -171,6 +171,7 @@ class MirrorUploader:
                 self._sweep(time.monotonic())
             except Exception as exc:  # a bug must not end the thread (busy forever)
                 log.exception("mirror %s: unexpected error in an upload pass", self.mirror.display())
+                self._round_failed()  # a round in progress is swept later, as a failed one is
                 self._fail(self._uploading, f"unexpected error: {type(exc).__name__}: {exc}")
             self._wake.wait(self.retry_after_s)
             self._wake.clear()

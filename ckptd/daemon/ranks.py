@@ -205,19 +205,26 @@ class RankServer:
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
     def _check_launch(self, identity: bytes, msg: Hello) -> None:
-        """Refuse a HELLO whose launch has the coordinator elsewhere than a running rank's: two
-        launches with different MASTER_ADDR/MASTER_PORT would take this daemon's coordinator link
-        from each other. (Ranks of an earlier launch that are gone do not count: the daemon then
-        follows the new launch.)"""
+        """Check a HELLO's coordinator address; warn when a process that said HELLO with another
+        one still runs. The daemon follows the newest launch all the same: that process is most
+        likely a rank of the earlier launch not reaped yet (stuck in a hung filesystem, say), and
+        refusing would keep the relaunch from saving at all. Were it a launch still running (two
+        launches with different MASTER_ADDR/MASTER_PORT on one job id), its saves now abort for
+        want of their coordinator, and this warning says why."""
         host, sep, port = msg.coordinator.removeprefix("tcp://").rpartition(":")
         if not (msg.coordinator.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ProtocolError(f"HELLO names the coordinator address {msg.coordinator!r}; expected tcp://HOST:PORT")
         for other, c in self.clients.items():
             if other != identity and c.coordinator not in ("", msg.coordinator) and self._connected(other):
-                raise ProtocolError(
-                    f"rank {c.rank} (pid {c.pid}), still running, has the coordinator at {c.coordinator}; "
-                    f"this rank's launch has it at {msg.coordinator}. Two launches with different "
-                    "MASTER_ADDR/MASTER_PORT share this node daemon: give one of them its own CKPTD_JOB_ID"
+                log.warning(
+                    "rank %d (pid %d), whose launch has the coordinator at %s, still runs; rank %d's launch "
+                    "has it at %s, which this daemon follows from now on (two launches with different "
+                    "MASTER_ADDR/MASTER_PORT on one job: give each its own CKPTD_JOB_ID)",
+                    c.rank,
+                    c.pid,
+                    c.coordinator,
+                    msg.rank,
+                    msg.coordinator,
                 )
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:

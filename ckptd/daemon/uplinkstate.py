@@ -305,6 +305,12 @@ class UplinkState:
             # answer instead, and one already sent to an instance that does not answer there is
             # taken for lost then (see _on_pong).
             self.coordinator_instance = None
+            # A local abort in the old connection was lost with it: told again to whoever answers.
+            for u in self.unacked.values():
+                u.late_sent_to = None
+            # A fresh silence allowance: node 0's daemon listens at the new address once one of its
+            # own ranks says HELLO, which may come a little after this node's.
+            self.last_pong_s = now
             self.last_ping_s = now - self.config.heartbeat_s  # ping at this tick
             self._on_tick(now)
         elif isinstance(event, Tick):

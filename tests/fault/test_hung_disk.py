@@ -74,3 +74,6 @@ def test_a_daemon_stopped_while_a_write_hangs_exits_within_its_grace_and_frees_e
                 h.wait(timeout_s=30)
         finally:
             job.fault("")
+        # Its pid file stays (its lock went with the process): the next daemon takes it over.
+        job.committed(3)
+        assert job.daemon_pid != pid

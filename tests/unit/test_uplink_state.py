@@ -344,6 +344,27 @@ def test_a_coordinator_that_moved_is_pinged_at_once_and_every_waiting_report_res
     assert node.take() == []  # each sent once
 
 
+def test_a_local_abort_in_the_old_connection_is_told_again_once_the_coordinator_answers_at_its_new_address():
+    """A local abort (FAILED of rank -1) sent to c1 just before the move may have been lost with
+    the old connection: told to c1 again once it answers at the new address, and only once."""
+    node = Node()
+    node.pong("c1")
+    saving(node)
+    node.take()
+    node.reachable = False
+    node.at(CFG.coordinator_timeout_s + 0.25)  # silent: aborted locally
+    node.reachable = True
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and late.rank == -1
+    node.handle(Retarget(address="tcp://node0:29700"))
+    node.pong("c1")
+    node.at(0.25)
+    assert node.take() == [to(late, "c1")]
+    node.answered(1)
+    assert node.take() == []
+
+
 def test_a_coordinator_that_moved_and_restarted_is_handled_as_a_restart():
     """The new address leads to another instance (node 0's daemon was started again): the root is
     asked whether the attempt committed, as after any restart."""
