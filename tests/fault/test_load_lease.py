@@ -118,12 +118,9 @@ def test_a_checkpoint_moved_away_mid_load_is_a_clean_error(tmp_path):
     assert_whole(ckptd.load(request(), src), 100)
 
 
-def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
-    """A re-save of a step after a rollback renames its commit over the one a load holds (a commit
-    does not wait for a lease): before, the load read the new save's data file under the old save's
-    ``.metadata`` and returned its values without an error where its reads were partial (no
-    checksum covers part of an item)."""
-    root = tmp_path / "root"
+def _step_20_and_its_resave(root: Path) -> tuple[Path, Callable[[], None]]:
+    """``root/iter_0000020`` (values 1.0) and the commit of its re-save (values 2.0), which renames
+    the re-save over it, as a commit after a rollback does."""
     old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
     for path, value in ((old, 1.0), (new, 2.0)):
         ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
@@ -131,6 +128,17 @@ def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
     def commit_the_resave() -> None:
         with Dir.open(root) as rootd:
             publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+
+    return old, commit_the_resave
+
+
+def test_a_checkpoint_replaced_mid_load_by_a_resave_is_a_clean_error(tmp_path):
+    """A re-save of a step after a rollback renames its commit over the one a load holds (a commit
+    does not wait for a lease): before, the load read the new save's data file under the old save's
+    ``.metadata`` and returned its values without an error where its reads were partial (no
+    checksum covers part of an item)."""
+    root = tmp_path / "root"
+    old, commit_the_resave = _step_20_and_its_resave(root)
 
     half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}  # part of the stored item
     with pytest.raises(CheckpointRemovedError, match=r"iter_0000020 was removed or replaced while it was being loaded"):
@@ -143,13 +151,7 @@ def test_a_stateful_is_never_given_what_a_load_read_from_a_replaced_checkpoint(t
     load_state_dict, which never sees values that may mix the two saves. Before, it was given
     them, and the error came after."""
     root = tmp_path / "root"
-    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
-    for path, value in ((old, 1.0), (new, 2.0)):
-        ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
-
-    def commit_the_resave() -> None:
-        with Dir.open(root) as rootd:
-            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+    old, commit_the_resave = _step_20_and_its_resave(root)
 
     class Holder:
         given: list[object] = []
@@ -171,15 +173,8 @@ def test_a_resume_whose_checkpoint_is_replaced_mid_load_loads_the_new_one(tmp_pa
     from ckptd.client.resume import load_latest
 
     root = tmp_path / "root"
-    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
-    for path, value in ((old, 1.0), (new, 2.0)):
-        ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((1024, 64), value))}, path)
+    _, commit_the_resave = _step_20_and_its_resave(root)
     (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(20)))
-
-    def commit_the_resave() -> None:
-        with Dir.open(root) as rootd:
-            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
-
     half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(512, 64), (0, 0, 2))}
     out = load_latest(root, half, {}, 0, {"stats": ActsMidLoad(commit_the_resave)})
     assert torch.equal(out["w"], torch.full((512, 64), 2.0))
