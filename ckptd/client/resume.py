@@ -32,7 +32,13 @@ from typing import Any
 
 from ..api import load as sync_load
 from ..dist import DistContext, error_class
-from ..errors import CheckpointNotFoundError, CheckpointRemovedError, CorruptCheckpointError, NoCheckpointYetError
+from ..errors import (
+    CheckpointNotFoundError,
+    CheckpointRemovedError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+    NoCheckpointYetError,
+)
 from ..loading.execute import LoadStats
 from ..loading.strict import StrictHandling, parse_strict
 from ..recovery import resolve_resumable
@@ -98,6 +104,7 @@ def load_agreed(
     stats = kwargs.get("stats") or LoadStats()
     kwargs["stats"] = stats
     removed: set[str] = set()
+    polluted_by: str | None = None  # the damaged checkpoint whose load copied into the request
     while True:
         candidate = choose()
         name = candidate.name
@@ -110,9 +117,11 @@ def load_agreed(
             result = sync_load(made[0], candidate.target, **kwargs)
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
             error = exc
-        wrote = stats.bytes_copied > copied_before  # into the request, before it failed
-        outcomes = ctx.all_gather(None if error is None else (type(error).__name__, str(error), wrote))
-        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        # Whether this rank copied into the request: one that loaded all of a checkpoint another
+        # rank found damaged holds its values as much as one that failed midway.
+        wrote = stats.bytes_copied > copied_before
+        gathered = ctx.all_gather((None if error is None else (type(error).__name__, str(error)), wrote))
+        failed = [(r, o) for r, (o, _) in enumerate(gathered) if o is not None]
         if not failed:
             return result
         kinds = {error_class(o[0]) for _, o in failed}
@@ -126,8 +135,8 @@ def load_agreed(
                 detail,
                 candidate.fallback,
             )
-            if any(o[2] for _, o in failed):
-                kwargs = _raising_unexpected(kwargs)
+            if any(w for _, w in gathered):
+                kwargs, polluted_by = _raising_unexpected(kwargs), polluted_by or name
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
@@ -136,6 +145,13 @@ def load_agreed(
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)
+        elif polluted_by is not None and all(issubclass(k, LoadMismatchError) for k in kinds):
+            raise LoadMismatchError(
+                f"loading {candidate.target} failed: {detail}. The resume fell back to it from the damaged "
+                f"{polluted_by}, whose load had already filled part of the state dict: a key {name} lacks "
+                f"would keep those values, so it is an error here whatever `strict` says. Restore "
+                f"{polluted_by}, or load {name} explicitly into a state dict made anew"
+            ) from error
         elif error is not None:
             raise error
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
 from ckptd.recovery import resolve_latest
 from tests.checkpoints import make_checkpoint, make_root, stamp_commits
 from tests.fault.single_job import loads_bit_exact, single_job, state_dict
+from tools.harness.ranks import run_ranks
 
 
 def _chosen(root, caplog) -> tuple[int | None, str]:
@@ -108,6 +110,39 @@ def test_a_fallback_never_leaves_a_key_the_older_checkpoint_lacks_with_the_damag
     request = sd({"a": 0.0, "b": 0.0})
     with pytest.raises(LoadMismatchError, match="'b'"):
         load_latest(root, request, {}, 0, {"strict": strict})
+
+
+def _resume_own_key(rank: int, world: int, root: str) -> str:
+    """Rank 0 asks for "a" (damaged in the latest), rank 1 for "b" (intact there, absent from the
+    older checkpoint): what each got."""
+    key = "ab"[rank]
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.zeros(4096))}
+    try:
+        load_latest(Path(root), request, {}, rank, {"strict": "log_unexpected"})
+    except LoadMismatchError as exc:
+        return f"raised: {exc}"
+    return f"loaded {request[key].data[0].item()}"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_loaded_all_of_a_checkpoint_another_rank_found_damaged_is_not_left_with_its_values(tmp_path):
+    """Rank 1 loaded "b" of step 20 completely, rank 0 found its "a" damaged: the fallback to step
+    10, which lacks "b", raises (on every rank, as every outcome of a resume is agreed) rather than
+    leave rank 1 with step 20's "b" beside step 10's "a". Before, only the ranks whose load failed
+    counted as having filled their state dict."""
+    root = tmp_path / "r"
+    ckptd.save({"a": ShardedTensor.from_rank_offsets("a", torch.full((4096,), 1.0))}, root / step_dir_name(10))
+    ckptd.save(
+        {k: ShardedTensor.from_rank_offsets(k, torch.full((4096,), 2.0)) for k in ("b", "a")}, root / step_dir_name(20)
+    )
+    (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(20)))
+    data = root / step_dir_name(20) / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # in "a", stored last
+    data.write_bytes(bytes(raw))
+    out = run_ranks(_resume_own_key, 2, str(root), timeout_s=90)
+    for said in out:  # the outcome is agreed: every rank raises
+        assert said.startswith("raised:") and "['b']" in said and "from the damaged iter_0000020" in said, out
 
 
 def test_partial_saves_are_never_candidates(tmp_path, caplog):
