@@ -171,7 +171,7 @@ class AttemptState:
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
     plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
     held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
-    report_ids: dict[int, int] = field(default_factory=dict)  # rank -> its WRITTEN's report_id
+    report_ids: set[int] = field(default_factory=set)  # of the WRITTENs taken (identical repeats too)
     warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING
     reporters: set[bytes] = field(default_factory=set)
@@ -218,7 +218,7 @@ class CommitState:
         self.nodes: dict[bytes, int] = {}
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
-        self.counted: OrderedDict[Key, array[int]] = OrderedDict()  # see COUNTED_MEMORY
+        self.counted: OrderedDict[Key, tuple[array[int], StepCommitted]] = OrderedDict()  # see COUNTED_MEMORY
         self._out: list[Action] = []
         for step, attempt in adopted or []:
             # Another node may still be writing it (it may even commit); if it does not complete
@@ -235,19 +235,38 @@ class CommitState:
         drops it, and the root need not be asked anything)."""
         return msg.coordinator_instance == self.instance
 
+    def counted_by_commit(self, msg: Written | Failed) -> bool | None:
+        """Whether the remembered commit of ``msg``'s attempt counted this very report (its
+        ``report_id``): True, a node's resend after a lost verdict; False, a report of a new save
+        (a relaunch repeated the attempt id); None, unknown (no commit remembered with its ids, a
+        WRITTEN without an id, a FAILED)."""
+        counted = self.counted.get((msg.step, msg.attempt))
+        if counted is None or not isinstance(msg, Written) or not msg.report_id:
+            return None
+        return _holds(counted[0], msg.report_id)
+
     def asks_holds_commit(self, msg: Written | Failed) -> bool:
-        """Report ``msg`` needs ``RootFacts.holds_commit``: its attempt's commit is remembered and
-        the report is not one that commit counted. One it counted (a node's resend after a lost
-        verdict) is answered from memory: that commit happened, whether or not retention or a
-        rollback retired it since (collecting it anew would abort, or on S3 commit again, an
-        attempt that committed). Another report of a remembered attempt is of a new save (a
-        relaunch repeated the attempt id, or the root was emptied): it is collected anew once the
-        root no longer holds the commit."""
-        key = (msg.step, msg.attempt)
-        if not isinstance(self.finished.get(key), StepCommitted):
+        """Report ``msg`` needs ``RootFacts.holds_commit``: its attempt's commit is remembered, and
+        whether the report is one that commit counted is unknown (see :meth:`counted_by_commit`).
+        A report it counted is answered from memory: that commit happened, whether or not
+        retention or a rollback retired it since (collecting it anew would abort, or on S3 commit
+        again, an attempt that committed). A report of a new save is collected anew (and aborted
+        while the step is committed). A node's FAILED of rank -1 (its local abort, a relaunch's
+        abandon) never retires a remembered commit: it is answered with it."""
+        if not isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted):
             return False
-        ids = self.counted.get(key)
-        return not (isinstance(msg, Written) and msg.report_id and ids is not None and _holds(ids, msg.report_id))
+        if isinstance(msg, Failed) and msg.rank < 0:
+            return False
+        return self.counted_by_commit(msg) is None
+
+    def _new_save_of_committed(self, msg: Written | Failed, facts: RootFacts) -> bool:
+        """Whether ``msg`` is a new save's report of an attempt whose commit is remembered."""
+        if not isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted):
+            return False
+        counted = self.counted_by_commit(msg)
+        if counted is not None:
+            return not counted
+        return self.asks_holds_commit(msg) and not facts.holds_commit
 
     def may_start(self, msg: Written | Failed, holds_commit: bool) -> bool:
         """A report ``msg`` needs ``RootFacts.committed_once``: it starts collecting a new attempt
@@ -255,7 +274,7 @@ class CommitState:
         key = (msg.step, msg.attempt)
         if key in self.attempts or (isinstance(msg, Failed) and msg.rank < 0):
             return False
-        return key not in self.finished or (self.asks_holds_commit(msg) and not holds_commit)
+        return key not in self.finished or self._new_save_of_committed(msg, RootFacts(holds_commit=holds_commit))
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` at time ``now``; the actions to execute, in order."""
@@ -292,20 +311,25 @@ class CommitState:
             self.instance,
         )
 
-    def _finished_reply(self, identity: bytes, key: Key, facts: RootFacts) -> bool:
+    def _finished_reply(self, identity: bytes, msg: Written | Failed, facts: RootFacts) -> bool:
         """Answer a report about a finished attempt with its outcome; False if it is not finished."""
-        outcome = self.finished.get(key)
+        key = (msg.step, msg.attempt)
+        if self.counted_by_commit(msg):  # a resend: its commit answers it, whatever came since
+            outcome: Message | None = self.counted[key][1]
+        else:
+            outcome = self.finished.get(key)
         if outcome is None:
             return False
-        if isinstance(outcome, StepCommitted) and not facts.holds_commit:
-            # The verdict stands for files that are gone (the root was emptied) or hold another
-            # save (a relaunch repeated the attempt id): this report is a new attempt's, never
-            # answered from memory, and its files are not junk.
+        if outcome is self.finished.get(key) and self._new_save_of_committed(msg, facts):
+            # A new save's report (a relaunch repeated the attempt id, or the root was emptied):
+            # never answered from memory, and its files are not junk. The ids of the reports the
+            # commit counted stay: a resend of one is still answered with that commit.
             del self.finished[key]
             return False
         self._out.append(Send(identity=identity, msg=self._as_sent(key, outcome), block=True))
-        # A late writer may have re-created the attempt's files; the attempt is decided, so they are junk.
-        self._out.append(Remove(step=key[0], attempt=key[1]))
+        if key not in self.attempts:  # (a new save of the attempt id is collected: its files stay)
+            # A late writer may have re-created the attempt's files; the attempt is decided, so they are junk.
+            self._out.append(Remove(step=key[0], attempt=key[1]))
         return True
 
     def _new_attempt(
@@ -346,7 +370,7 @@ class CommitState:
 
     def _on_written(self, identity: bytes, msg: Written, facts: RootFacts, now: float) -> None:
         key = (msg.step, msg.attempt)
-        if self._finished_reply(identity, key, facts):
+        if self._finished_reply(identity, msg, facts):
             return
         who = f"rank {msg.rank} (node {msg.node})"
         st = self.attempts.get(key)
@@ -371,6 +395,8 @@ class CommitState:
         except ProtocolError as exc:
             self._abort(st, f"{who}: {exc}")
             return
+        if msg.report_id:
+            st.report_ids.add(msg.report_id)
         if records is None:
             return  # a repeated WRITTEN, identical to the one counted
         st.records[msg.rank] = records
@@ -379,8 +405,6 @@ class CommitState:
         st.digests[msg.rank] = msg.common_digest
         st.plain[msg.rank] = msg.plain_digest
         st.held[msg.rank] = msg.held
-        if msg.report_id:
-            st.report_ids[msg.rank] = msg.report_id
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
@@ -434,7 +458,7 @@ class CommitState:
 
     def _on_failed(self, identity: bytes, msg: Failed, facts: RootFacts, now: float) -> None:
         key = (msg.step, msg.attempt)
-        if self._finished_reply(identity, key, facts):
+        if self._finished_reply(identity, msg, facts):
             return
         who = f"rank {msg.rank} (node {msg.node})" if msg.rank >= 0 else f"node {msg.node}"
         st = self.attempts.get(key)
@@ -451,7 +475,7 @@ class CommitState:
                 # answered, and clean up.
                 outcome = StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}")
                 self._remember(key, outcome)
-                self._finished_reply(identity, key, facts)
+                self._finished_reply(identity, msg, facts)
                 if msg.handed_off:  # a relaunch's abandon: the other nodes holding its parts learn it now
                     self._out.extend(Send(identity=n, msg=outcome) for n in sorted(set(self.nodes) - {identity}))
                 return
@@ -511,10 +535,11 @@ class CommitState:
                 self.commit_files[st.key] = event.outcome.files
                 while len(self.commit_files) > COMMIT_FILES_MEMORY:
                     self.commit_files.popitem(last=False)
-            self._remember_counted(st)
-            self._finish(
-                st, StepCommitted(step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform)
+            committed = StepCommitted(
+                step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform
             )
+            self._remember_counted(st, committed)
+            self._finish(st, committed)
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
             st.phase = Phase.ABORTED
@@ -533,10 +558,11 @@ class CommitState:
         self._out.append(Remove(step=st.step, attempt=st.attempt))
         self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
 
-    def _remember_counted(self, st: AttemptState) -> None:
-        """The reports a commit counted, by id (one 8-byte number per rank), for its last
-        :data:`COUNTED_MEMORY` commits: a resend beyond them asks the root."""
-        self.counted[st.key] = array("Q", sorted(st.report_ids.values()))
+    def _remember_counted(self, st: AttemptState, outcome: StepCommitted) -> None:
+        """The reports a commit counted, by id (one 8-byte number per rank), and its verdict, for
+        the last :data:`COUNTED_MEMORY` commits: a resend beyond them asks the root."""
+        self.counted[st.key] = (array("Q", sorted(st.report_ids)), outcome)
+        self.counted.move_to_end(st.key)
         while len(self.counted) > COUNTED_MEMORY:
             self.counted.popitem(last=False)
 

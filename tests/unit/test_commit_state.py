@@ -203,8 +203,10 @@ def test_a_report_a_commit_counted_is_answered_from_memory_after_the_root_retire
     """The verdict to node 1 was lost; retention (or a rollback) retired the commit before node 1
     resent its report: the report the commit counted (its id) is told COMMITTED, never collected
     anew (which aborted a save that committed, or on S3 committed it again, moving `latest` back
-    past a rollback). A report of another save with that attempt id (a relaunch that repeated it)
-    still asks the root and is collected anew."""
+    past a rollback), also after a node's late local abort of it. A report of another save with
+    that attempt id (a relaunch that repeated it) is known for one by its id and collected anew;
+    a resend of the commit's reports meanwhile is still answered with that commit, and the new
+    save's files stay."""
     c = Coordinator()
     c.report(N0, written(3, 0, report_id=11))
     c.report(N1, written(3, 1, report_id=12))
@@ -212,11 +214,26 @@ def test_a_report_a_commit_counted_is_answered_from_memory_after_the_root_retire
     c.holds.clear()  # retired (a rollback abandoned it: the step counts as not committed)
     c.committed.clear()
     c.asked.clear()
+    late_abort = failed(3, -1, "the coordinator did not answer for 600 s")
+    assert isinstance(c.report(N1, late_abort)[0].msg, StepCommitted)  # type: ignore[union-attr]
     actions = c.report(N1, written(3, 1, report_id=12))
     assert isinstance(actions[0].msg, StepCommitted) and Remove(step=3, attempt=A) in actions  # type: ignore[union-attr]
     assert c.asked == [] and not c.state.busy
     assert c.report(N1, written(3, 1, report_id=99)) == []  # another save's report
-    assert c.asked == ["holds_commit", "committed_once"] and c.state.busy
+    assert c.asked == ["committed_once"] and c.state.busy
+    resend = c.report(N0, written(3, 0, report_id=11))
+    assert isinstance(resend[0].msg, StepCommitted) and Remove(step=3, attempt=A) not in resend  # type: ignore[union-attr]
+
+
+def test_a_new_save_that_repeats_the_attempt_id_of_a_step_still_committed_is_aborted_not_told_committed():
+    """Before, its report was answered COMMITTED from memory (the root held the commit) and its
+    files removed: the trainer took the old checkpoint for its new state."""
+    c = Coordinator()
+    c.report(N0, written(3, 0, report_id=11))
+    c.report(N1, written(3, 1, report_id=12))
+    c.commit_ended(3)
+    msg = only_outcome(c.report(N0, written(3, 0, report_id=21)))
+    assert isinstance(msg, StepAborted) and "step 3 is committed already" in msg.reason
 
 
 def test_a_step_committed_already_is_not_saved_again():
