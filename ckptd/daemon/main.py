@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -133,21 +134,28 @@ def run_daemon(
         ready(f"error: {type(exc).__name__}: {exc}")
         return EXIT_ERROR
     finally:
-        if daemon is not None:
-            daemon.close()
-        if daemon is not None and daemon.stuck:
-            # The interpreter's exit joins every pool thread, the stuck one too: leave without it.
-            # The locks are not released here: they go with the process, so a successor cannot take
-            # the root while the stuck write or rename may still land (a thread blocked in the
-            # kernel keeps the process, and its locks, until that call returns).
-            log.error("daemon exiting without its stuck worker thread")
-            logging.shutdown()
-            os._exit(EXIT_ERROR)
+        try:
+            if daemon is not None:
+                daemon.close()
+        finally:
+            _exit_if_stuck(daemon)
         if root_lock.acquired:  # only a daemon that held the root cleans up its job's segments
             remove_orphans(ep.shm_prefix)
         root_lock.release()
         lock.release()
         log.info("daemon exited")
+
+
+def _exit_if_stuck(daemon: Any) -> None:
+    """Leave at once (``os._exit``) when closing left a worker or mirror thread running (a
+    NodeDaemon's ``stuck``): the interpreter's exit would join it. The locks are not released
+    first: they go with the process, so a successor cannot take the root while the stuck write
+    or rename may still land (a thread blocked in the kernel keeps the process, and its locks,
+    until that call returns)."""
+    if daemon is not None and daemon.stuck:
+        log.error("daemon exiting without its stuck worker thread")
+        logging.shutdown()
+        os._exit(EXIT_ERROR)
 
 
 def detach_and_run(

@@ -137,16 +137,19 @@ class MirrorUploader:
                 "error": self._error or None,  # the last pass's, until a copy succeeds
             }
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the thread, waiting up to ``timeout_s``; whether it stopped."""
         self._stop.set()
         self._wake.set()
         if self._thread.ident is None:  # never started
-            return
+            return True
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning(
                 "the mirror upload to %s did not stop within %.0f s; abandoning it", self.mirror.display(), timeout_s
             )
+            return False
+        return True
 
     # --- node 0 -----------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -332,12 +332,12 @@ class NodeDaemon:
         """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
         if self.metrics_server is not None:
             self.metrics_server.close()
-        if self.mirror is not None:
-            self.mirror.stop(self.config.request_timeout_s)
+        if self.mirror is not None and not self.mirror.stop(self.config.request_timeout_s):
+            self.stuck = True  # an upload stuck in the store: see below
         # A write or commit stuck in storage (a hung NFS mount, an S3 call) must not keep the daemon,
         # its locks and its socket forever: it is left behind, and the process exits without it.
-        self.stuck = not self.workers.shutdown(self.config.shutdown_grace_s)
-        if self.stuck:
+        if not self.workers.shutdown(self.config.shutdown_grace_s):
+            self.stuck = True
             log.error(
                 "a writer or commit thread did not stop within %.0f s (storage not answering?); the "
                 "daemon exits without it, and the staging rings' names are removed",

@@ -197,35 +197,52 @@ class RankServer:
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
-        if msg.coordinator:
-            self._check_launch(identity, msg)
+        client = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
+        if msg.coordinator and self._newest_launch(identity, client):
             self.hooks.follow_coordinator(msg.coordinator)
-        self.clients[identity] = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
+        self.clients[identity] = client
         self.served_a_rank = True
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
-    def _check_launch(self, identity: bytes, msg: Hello) -> None:
-        """Check a HELLO's coordinator address; warn when a process that said HELLO with another
-        one still runs. The daemon follows the newest launch all the same: that process is most
-        likely a rank of the earlier launch not reaped yet (stuck in a hung filesystem, say), and
-        refusing would keep the relaunch from saving at all. Were it a launch still running (two
-        launches with different MASTER_ADDR/MASTER_PORT on one job id), its saves now abort for
-        want of their coordinator, and this warning says why."""
-        host, sep, port = msg.coordinator.removeprefix("tcp://").rpartition(":")
-        if not (msg.coordinator.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ProtocolError(f"HELLO names the coordinator address {msg.coordinator!r}; expected tcp://HOST:PORT")
-        for other, c in self.clients.items():
-            if other != identity and c.coordinator not in ("", msg.coordinator) and self._connected(other):
-                log.warning(
-                    "rank %d (pid %d), whose launch has the coordinator at %s, still runs; rank %d's launch "
-                    "has it at %s, which this daemon follows from now on (two launches with different "
-                    "MASTER_ADDR/MASTER_PORT on one job: give each its own CKPTD_JOB_ID)",
-                    c.rank,
-                    c.pid,
-                    c.coordinator,
-                    msg.rank,
-                    msg.coordinator,
-                )
+    def _newest_launch(self, identity: bytes, new: Client) -> bool:
+        """Whether the daemon follows the coordinator address of ``new``'s HELLO: unless a running
+        process that said HELLO with another address started after it (a rank of the earlier
+        launch that says HELLO again must not take the daemon back from the relaunch). A running
+        process of another address that started before it is most likely a rank of the earlier
+        launch not reaped yet (stuck in a hung filesystem, say): followed past, with a warning, as
+        refusing would keep the relaunch from saving at all (were it a launch still running, two
+        launches with different MASTER_ADDR/MASTER_PORT on one job id, its saves abort for want of
+        their coordinator, and the warning says why)."""
+        address = new.coordinator
+        host, sep, port = address.removeprefix("tcp://").rpartition(":")
+        if not (address.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ProtocolError(f"HELLO names the coordinator address {address!r}; expected tcp://HOST:PORT")
+        others = [
+            c
+            for other, c in self.clients.items()
+            if other != identity and c.coordinator not in ("", address) and self._connected(other)
+        ]
+        if any((c.start_ticks or 0) > (new.start_ticks or 0) for c in others):
+            log.warning(
+                "rank %d (pid %d) says its launch has the coordinator at %s, but a process started after it "
+                "has another: not followed (a rank of an earlier launch?)",
+                new.rank,
+                new.pid,
+                address,
+            )
+            return False
+        for c in others:
+            log.warning(
+                "rank %d (pid %d), whose launch has the coordinator at %s, still runs; rank %d's launch "
+                "has it at %s, which this daemon follows from now on (two launches with different "
+                "MASTER_ADDR/MASTER_PORT on one job: give each its own CKPTD_JOB_ID)",
+                c.rank,
+                c.pid,
+                c.coordinator,
+                new.rank,
+                address,
+            )
+        return True
 
     def client(self, identity: bytes, rank: int | None = None) -> Client:
         """The HELLO'd client of this connection; ``rank``: the rank a request speaks for."""

@@ -16,12 +16,16 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import ckptd
 from tests.fault.test_resume_in_flight import _as_node, _sd, _values
+from tests.multiproc import without_torchrun
 from tools.harness.ports import free_port
 from tools.harness.ranks import run_ranks
 from tools.harness.waiting import wait_until
@@ -101,3 +105,42 @@ def test_a_coordinator_port_another_process_holds_is_refused_clearly_and_a_newer
             assert relaunched.latest() == 15
             log = relaunched.endpoints.log_path.read_text()
             assert f"has the coordinator at tcp://127.0.0.1:{first}, still runs" in log
+
+
+_NEWER_LAUNCH = textwrap.dedent(
+    """
+    import sys
+    import ckptd
+    root, runtime, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=60.0, coordinator_port=port)
+    with ckptd.Checkpointer(root, config=cfg):
+        print("connected", flush=True)
+        sys.stdin.readline()  # until the test is done
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_hello_from_a_process_older_than_the_followed_launch_does_not_take_the_daemon_back(
+    tmp_path, single_process, runtime_dir
+):
+    """A rank of an earlier launch that says HELLO again (a reconnect) after the relaunch's ranks
+    did must not move the daemon back to its address: only a process started later is followed."""
+    root, newer_port, older_port = tmp_path / "run", free_port(), free_port()
+    newer = subprocess.Popen(
+        [sys.executable, "-c", _NEWER_LAUNCH, str(root), str(runtime_dir), str(newer_port)],
+        env=without_torchrun(os.environ),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert newer.stdout is not None and newer.stdout.readline().strip() == "connected"
+        config = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), coordinator_port=older_port)
+        with ckptd.Checkpointer(root, config=config) as older:  # this process started before the other
+            status = older.status()
+            assert status["coordinator"]["address"].endswith(f":{newer_port}")
+            assert status["coordinator"]["also_listening_on"] == []
+            assert "a process started after it has another: not followed" in older.endpoints.log_path.read_text()
+    finally:
+        newer.communicate("\n", timeout=60)
