@@ -64,10 +64,13 @@ log = logging.getLogger(__name__)
 
 FINISHED_MEMORY = 1024  # outcomes remembered, for late and repeated reports
 COMMIT_FILES_MEMORY = 4  # node-local commits whose files a repeated verdict carries again
-# Commits whose counted reports are remembered by id (8 bytes a rank): a node resends a report
-# commit_timeout_s + coordinator_timeout_s after it (630 s by default), so this covers a save
-# every 10 s; a resend beyond them asks the root, as a new save's report does.
+# Commits whose counted reports are remembered by id (8 bytes a rank): at least the last
+# COUNTED_MEMORY, and every one younger than a node's resends can come (it resends
+# commit_timeout_s + coordinator_timeout_s after its first report, then every
+# coordinator_timeout_s), at most COUNTED_MEMORY_MAX. A resend beyond them asks the root, as a new
+# save's report does.
 COUNTED_MEMORY = 64
+COUNTED_MEMORY_MAX = 1024
 Key = tuple[int, str]  # (step, attempt)
 
 
@@ -218,7 +221,8 @@ class CommitState:
         self.nodes: dict[bytes, int] = {}
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
-        self.counted: OrderedDict[Key, tuple[array[int], StepCommitted]] = OrderedDict()  # see COUNTED_MEMORY
+        # see COUNTED_MEMORY: (ids, verdict, when committed)
+        self.counted: OrderedDict[Key, tuple[array[int], StepCommitted, float]] = OrderedDict()
         self._out: list[Action] = []
         for step, attempt in adopted or []:
             # Another node may still be writing it (it may even commit); if it does not complete
@@ -290,7 +294,7 @@ class CommitState:
             else:
                 self._on_failed(event.identity, event.msg, event.facts, now)
         elif isinstance(event, CommitEnded):
-            self._on_commit_ended(event)
+            self._on_commit_ended(event, now)
         elif isinstance(event, Tick):
             self._on_tick(now)
         out, self._out = self._out, []
@@ -522,7 +526,7 @@ class CommitState:
             Commit(step=st.step, attempt=st.attempt, records=records, common=common, files=files, elsewhere=elsewhere)
         )
 
-    def _on_commit_ended(self, event: CommitEnded) -> None:
+    def _on_commit_ended(self, event: CommitEnded, now: float) -> None:
         st = self.attempts.get((event.step, event.attempt))
         if st is None:
             return
@@ -538,7 +542,7 @@ class CommitState:
             committed = StepCommitted(
                 step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform
             )
-            self._remember_counted(st, committed)
+            self._remember_counted(st, committed, now)
             self._finish(st, committed)
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
@@ -558,12 +562,15 @@ class CommitState:
         self._out.append(Remove(step=st.step, attempt=st.attempt))
         self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
 
-    def _remember_counted(self, st: AttemptState, outcome: StepCommitted) -> None:
-        """The reports a commit counted, by id (one 8-byte number per rank), and its verdict, for
-        the last :data:`COUNTED_MEMORY` commits: a resend beyond them asks the root."""
-        self.counted[st.key] = (array("Q", sorted(st.report_ids)), outcome)
+    def _remember_counted(self, st: AttemptState, outcome: StepCommitted, now: float) -> None:
+        """The reports a commit counted, by id (one 8-byte number per rank), and its verdict, kept
+        as :data:`COUNTED_MEMORY` says: a resend beyond them asks the root."""
+        self.counted[st.key] = (array("Q", sorted(st.report_ids)), outcome, now)
         self.counted.move_to_end(st.key)
-        while len(self.counted) > COUNTED_MEMORY:
+        window_s = self.config.commit_timeout_s + 2 * self.config.coordinator_timeout_s
+        while len(self.counted) > COUNTED_MEMORY_MAX or (
+            len(self.counted) > COUNTED_MEMORY and next(iter(self.counted.values()))[2] < now - window_s
+        ):
             self.counted.popitem(last=False)
 
     def _remember(self, key: Key, outcome: Message) -> None:

@@ -225,6 +225,26 @@ def test_a_report_a_commit_counted_is_answered_from_memory_after_the_root_retire
     assert isinstance(resend[0].msg, StepCommitted) and Remove(step=3, attempt=A) not in resend  # type: ignore[union-attr]
 
 
+def test_the_reports_of_every_commit_a_resend_can_still_concern_are_remembered():
+    """Saves far more often than a node's resend comes (commit_timeout_s + coordinator_timeout_s
+    after its report): the ids of every commit of that window stay (not only the last 64); older
+    ones go once 64 are newer."""
+    from ckptd.daemon.commitstate import COUNTED_MEMORY
+
+    c = Coordinator()
+    for step in range(1, 201):
+        c.report(N0, written(step, 0, report_id=2 * step))
+        c.report(N1, written(step, 1, report_id=2 * step + 1))
+        c.commit_ended(step)
+        c.tick(0.05)
+    assert len(c.state.counted) == 200 > COUNTED_MEMORY
+    c.tick(CFG.commit_timeout_s + 2 * CFG.coordinator_timeout_s)
+    c.report(N0, written(201, 0, report_id=402))
+    c.report(N1, written(201, 1, report_id=403))
+    c.commit_ended(201)
+    assert len(c.state.counted) == COUNTED_MEMORY and (201, A) in c.state.counted
+
+
 def test_a_new_save_that_repeats_the_attempt_id_of_a_step_still_committed_is_aborted_not_told_committed():
     """Before, its report was answered COMMITTED from memory (the root held the commit) and its
     files removed: the trainer took the old checkpoint for its new state."""
