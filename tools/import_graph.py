@@ -55,7 +55,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 
 # Decisions as pure functions of events and time (``handle(event, now) -> actions``).
-PURE = ("ckptd.daemon.commitstate", "ckptd.daemon.uplinkstate", "ckptd.daemon.intakestate")
+PURE = (
+    "ckptd.daemon.commitstate",
+    "ckptd.daemon.countedreports",
+    "ckptd.daemon.uplinkstate",
+    "ckptd.daemon.intakestate",
+)
 IMPURE_IMPORTS = ("zmq", "threading", "time", "os", "socket", "select", "concurrent", "subprocess", "asyncio")
 
 

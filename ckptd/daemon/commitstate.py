@@ -25,8 +25,10 @@ COMMITTED and ABORTED are announced to every node known and to the attempt's rep
 (``STEP_COMMITTED`` / ``STEP_ABORTED``); an aborted attempt's files are removed. A report about a
 finished attempt (a late FAILED, a duplicate) is answered with that outcome again and its files,
 which a late writer may have re-created, are removed: it is never counted for another attempt, so
-a step aborted a moment ago can be saved again at once. A commit is answered from memory only
-while the root still holds it (else the report starts a new attempt).
+a step aborted a moment ago can be saved again at once. A report the commit counted (a node's
+resend) is answered with it whatever came since; a new save's report of that attempt id is
+collected anew (ckptd.daemon.countedreports); one of unknown origin is answered from memory only
+while the root still holds the commit (else it starts a new attempt).
 
 Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
 that would not store every key some rank holds aborts, naming the key (ckptd.format.coverage).
@@ -41,10 +43,8 @@ them.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -59,18 +59,12 @@ from ..format.finalize import serialize_common
 from ..format.records import ItemRecord
 from ..roots.base import CommitOutcome
 from ..statedict.digest import differing_ranks
+from .countedreports import CountedReports
 
 log = logging.getLogger(__name__)
 
 FINISHED_MEMORY = 1024  # outcomes remembered, for late and repeated reports
 COMMIT_FILES_MEMORY = 4  # node-local commits whose files a repeated verdict carries again
-# Commits whose counted reports are remembered by id (8 bytes a rank): at least the last
-# COUNTED_MEMORY, and every one younger than a node's resends can come (it resends
-# commit_timeout_s + coordinator_timeout_s after its first report, then every
-# coordinator_timeout_s), at most COUNTED_MEMORY_MAX. A resend beyond them asks the root, as a new
-# save's report does.
-COUNTED_MEMORY = 64
-COUNTED_MEMORY_MAX = 1024
 Key = tuple[int, str]  # (step, attempt)
 
 
@@ -221,8 +215,9 @@ class CommitState:
         self.nodes: dict[bytes, int] = {}
         self.attempts: dict[Key, AttemptState] = {}
         self.finished: OrderedDict[Key, Message] = OrderedDict()
-        # see COUNTED_MEMORY: (ids, verdict, when committed)
-        self.counted: OrderedDict[Key, tuple[array[int], StepCommitted, float]] = OrderedDict()
+        # What recent commits counted (ckptd.daemon.countedreports): a node resends a report
+        # commit_timeout_s + coordinator_timeout_s after it, then every coordinator_timeout_s.
+        self.counted = CountedReports(config.commit_timeout_s + 2 * config.coordinator_timeout_s)
         self._out: list[Action] = []
         for step, attempt in adopted or []:
             # Another node may still be writing it (it may even commit); if it does not complete
@@ -239,19 +234,9 @@ class CommitState:
         drops it, and the root need not be asked anything)."""
         return msg.coordinator_instance == self.instance
 
-    def counted_by_commit(self, msg: Written | Failed) -> bool | None:
-        """Whether the remembered commit of ``msg``'s attempt counted this very report (its
-        ``report_id``): True, a node's resend after a lost verdict; False, a report of a new save
-        (a relaunch repeated the attempt id); None, unknown (no commit remembered with its ids, a
-        WRITTEN without an id, a FAILED)."""
-        counted = self.counted.get((msg.step, msg.attempt))
-        if counted is None or not isinstance(msg, Written) or not msg.report_id:
-            return None
-        return _holds(counted[0], msg.report_id)
-
     def asks_holds_commit(self, msg: Written | Failed) -> bool:
         """Report ``msg`` needs ``RootFacts.holds_commit``: its attempt's commit is remembered, and
-        whether the report is one that commit counted is unknown (see :meth:`counted_by_commit`).
+        whether the report is one that commit counted is unknown (ckptd.daemon.countedreports).
         A report it counted is answered from memory: that commit happened, whether or not
         retention or a rollback retired it since (collecting it anew would abort, or on S3 commit
         again, an attempt that committed). A report of a new save is collected anew (and aborted
@@ -261,13 +246,13 @@ class CommitState:
             return False
         if isinstance(msg, Failed) and msg.rank < 0:
             return False
-        return self.counted_by_commit(msg) is None
+        return self.counted.counted(msg) is None
 
     def _new_save_of_committed(self, msg: Written | Failed, facts: RootFacts) -> bool:
         """Whether ``msg`` is a new save's report of an attempt whose commit is remembered."""
         if not isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted):
             return False
-        counted = self.counted_by_commit(msg)
+        counted = self.counted.counted(msg)
         if counted is not None:
             return not counted
         return self.asks_holds_commit(msg) and not facts.holds_commit
@@ -318,8 +303,8 @@ class CommitState:
     def _finished_reply(self, identity: bytes, msg: Written | Failed, facts: RootFacts) -> bool:
         """Answer a report about a finished attempt with its outcome; False if it is not finished."""
         key = (msg.step, msg.attempt)
-        if self.counted_by_commit(msg):  # a resend: its commit answers it, whatever came since
-            outcome: Message | None = self.counted[key][1]
+        if self.counted.counted(msg):  # a resend: its commit answers it, whatever came since
+            outcome: Message | None = self.counted.outcome(key)
         else:
             outcome = self.finished.get(key)
         if outcome is None:
@@ -542,7 +527,7 @@ class CommitState:
             committed = StepCommitted(
                 step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform
             )
-            self._remember_counted(st, committed, now)
+            self.counted.remember(st.key, st.report_ids, committed, now)
             self._finish(st, committed)
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
@@ -561,17 +546,6 @@ class CommitState:
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         self._out.append(Remove(step=st.step, attempt=st.attempt))
         self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
-
-    def _remember_counted(self, st: AttemptState, outcome: StepCommitted, now: float) -> None:
-        """The reports a commit counted, by id (one 8-byte number per rank), and its verdict, kept
-        as :data:`COUNTED_MEMORY` says: a resend beyond them asks the root."""
-        self.counted[st.key] = (array("Q", sorted(st.report_ids)), outcome, now)
-        self.counted.move_to_end(st.key)
-        window_s = self.config.commit_timeout_s + 2 * self.config.coordinator_timeout_s
-        while len(self.counted) > COUNTED_MEMORY_MAX or (
-            len(self.counted) > COUNTED_MEMORY and next(iter(self.counted.values()))[2] < now - window_s
-        ):
-            self.counted.popitem(last=False)
 
     def _remember(self, key: Key, outcome: Message) -> None:
         self.finished[key] = outcome
@@ -630,9 +604,3 @@ def _common_warnings(st: AttemptState) -> list[str]:
     )
     log.warning("%s", text)
     return [text]
-
-
-def _holds(ids: array[int], report_id: int) -> bool:
-    """Whether the sorted ``ids`` hold ``report_id``."""
-    at = bisect.bisect_left(ids, report_id)
-    return at < len(ids) and ids[at] == report_id

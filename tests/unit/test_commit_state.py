@@ -229,7 +229,7 @@ def test_the_reports_of_every_commit_a_resend_can_still_concern_are_remembered()
     """Saves far more often than a node's resend comes (commit_timeout_s + coordinator_timeout_s
     after its report): the ids of every commit of that window stay (not only the last 64); older
     ones go once 64 are newer."""
-    from ckptd.daemon.commitstate import COUNTED_MEMORY
+    from ckptd.daemon.countedreports import COUNTED_MEMORY
 
     c = Coordinator()
     for step in range(1, 201):
