@@ -304,16 +304,18 @@ class CommitState:
         """Answer a report about a finished attempt with its outcome; False if it is not finished."""
         key = (msg.step, msg.attempt)
         if self.counted.counted(msg):  # a resend: its commit answers it, whatever came since
-            outcome: Message | None = self.counted.outcome(key)
+            if key in self.attempts:
+                # A new save of that attempt id is collected: the node's one entry for the attempt
+                # would take this verdict for the new save's ranks too. It resends later.
+                return True
+            outcome: Message | None = self.counted.outcome(msg)
         else:
             outcome = self.finished.get(key)
         if outcome is None:
             return False
         if outcome is self.finished.get(key) and self._new_save_of_committed(msg, facts):
             # A new save's report (a relaunch repeated the attempt id, or the root was emptied):
-            # never answered from memory, and its files are not junk. The ids of the reports the
-            # commit counted stay: a resend of one is still answered with that commit.
-            del self.finished[key]
+            # never answered from memory, and its files are not junk; the commit's memory stays.
             return False
         self._out.append(Send(identity=identity, msg=self._as_sent(key, outcome), block=True))
         if key not in self.attempts:  # (a new save of the attempt id is collected: its files stay)
@@ -327,13 +329,19 @@ class CommitState:
         """Start collecting ``(step, attempt)``; None when it aborted at once (the step committed
         already, or another attempt of it is in flight)."""
         step, attempt = msg.step, msg.attempt
+        refused = f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)"
+        if facts.committed_once and (
+            isinstance(self.finished.get((step, attempt)), StepCommitted) or (step, attempt) in self.counted
+        ):
+            # The attempt id of that very commit (a relaunch repeated it): the reporter alone is
+            # told. An abort of the attempt would go to every node, which takes it for the commit's.
+            log.warning("step %d attempt %s: %s", step, attempt, refused)
+            self._out.append(Send(identity=identity, msg=StepAborted(step=step, attempt=attempt, reason=refused)))
+            return None
         st = self.attempts[(step, attempt)] = AttemptState(step, attempt, msg.world_size, now)
         st.reporters.add(identity)
         if facts.committed_once:
-            self._abort(
-                st,
-                f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)",
-            )
+            self._abort(st, refused)
             return None
         for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
             if other.adopted and not other.reporters:

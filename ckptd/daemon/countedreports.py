@@ -5,10 +5,13 @@ or a rollback may have retired the commit, so the root no longer tells. Each WRI
 by the SAVE's random seal (``Written.report_id``); the coordinator keeps, per commit, the ids of the
 reports it counted, and its verdict:
 
-- a report whose id a commit counted is a resend: answered with that commit, whatever came since;
+- a report whose id a commit counted is a resend: answered with that commit, whatever came since
+  (another commit of the same attempt id too: each is kept);
 - a report of a remembered attempt with another id is a new save (a relaunch repeated the attempt
-  id): collected anew, never answered from memory;
-- unknown (no ids kept, no id in the report): the root is asked, as before ids existed.
+  id): collected anew, never answered from memory; so is a FAILED of a rank (every rank of a
+  commit wrote);
+- unknown (no ids kept, no id in the report, a node's FAILED of rank -1): the root is asked, as
+  before ids existed.
 
 Kept: at least the last :data:`COUNTED_MEMORY` commits, and every one younger than a node's
 resends can come (``commit_timeout_s + 2 * coordinator_timeout_s``), at most
@@ -33,34 +36,51 @@ class CountedReports:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._by_key: OrderedDict[Key, tuple[array[int], StepCommitted, float]] = OrderedDict()
+        # By attempt, its commits (a repeated attempt id may commit again): ids, verdict, when.
+        self._by_key: OrderedDict[Key, list[tuple[array[int], StepCommitted, float]]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return sum(len(commits) for commits in self._by_key.values())
 
     def __contains__(self, key: object) -> bool:
         return key in self._by_key
 
     def remember(self, key: Key, ids: set[int], outcome: StepCommitted, now: float) -> None:
         """Attempt ``key`` committed (``outcome``) at ``now``, counting the reports ``ids``."""
-        self._by_key[key] = (array("Q", sorted(ids)), outcome, now)
+        self._by_key.setdefault(key, []).append((array("Q", sorted(ids)), outcome, now))
         self._by_key.move_to_end(key)
-        while len(self._by_key) > COUNTED_MEMORY_MAX or (
-            len(self._by_key) > COUNTED_MEMORY and next(iter(self._by_key.values()))[2] < now - self.window_s
+        while len(self) > COUNTED_MEMORY_MAX or (
+            len(self) > COUNTED_MEMORY and next(iter(self._by_key.values()))[-1][2] < now - self.window_s
         ):
-            self._by_key.popitem(last=False)
+            oldest = next(iter(self._by_key))
+            commits = self._by_key[oldest]
+            commits.pop(0)
+            if not commits:
+                del self._by_key[oldest]
 
     def counted(self, msg: Written | Failed) -> bool | None:
-        """Whether the remembered commit of ``msg``'s attempt counted this very report: True (a
-        resend), False (a new save's report), None (unknown: no commit kept, a WRITTEN without an
-        id, a FAILED)."""
-        kept = self._by_key.get((msg.step, msg.attempt))
-        if kept is None or not isinstance(msg, Written) or not msg.report_id:
+        """Whether a remembered commit of ``msg``'s attempt counted this very report: True (a
+        resend), False (a new save's report), None (unknown; see the module docstring)."""
+        commits = self._by_key.get((msg.step, msg.attempt))
+        if commits is None:
             return None
-        ids = kept[0]
-        at = bisect.bisect_left(ids, msg.report_id)
-        return at < len(ids) and ids[at] == msg.report_id
+        if isinstance(msg, Failed):
+            return False if msg.rank >= 0 else None
+        if not msg.report_id:
+            return None
+        return self._commit_of(commits, msg.report_id) is not None
 
-    def outcome(self, key: Key) -> StepCommitted:
-        """The verdict of the remembered commit of ``key`` (which :meth:`counted` found)."""
-        return self._by_key[key][1]
+    def outcome(self, msg: Written | Failed) -> StepCommitted:
+        """The verdict of the remembered commit that counted ``msg`` (:meth:`counted` is True)."""
+        found = self._commit_of(self._by_key[(msg.step, msg.attempt)], msg.report_id if isinstance(msg, Written) else 0)
+        if found is None:
+            raise KeyError(f"no commit of step {msg.step} attempt {msg.attempt} counted this report")
+        return found
+
+    @staticmethod
+    def _commit_of(commits: list[tuple[array[int], StepCommitted, float]], report_id: int) -> StepCommitted | None:
+        for ids, outcome, _ in commits:
+            at = bisect.bisect_left(ids, report_id)
+            if at < len(ids) and ids[at] == report_id:
+                return outcome
+        return None

@@ -24,6 +24,7 @@ finish for ``shutdown_grace_s``, then aborts what is left.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -329,11 +330,30 @@ class NodeDaemon:
         return False
 
     def close(self) -> None:
-        """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets."""
-        if self.metrics_server is not None:
-            self.metrics_server.close()
+        """Orderly cleanup: stop workers, unlink every segment this daemon owns, close sockets.
+        Every step runs, whatever an earlier one raises (the first error is raised at the end):
+        above all the workers' shutdown, which tells whether one is stuck (``stuck``)."""
+        with contextlib.ExitStack() as steps:  # last in, first run
+            steps.callback(self.completions.close)
+            steps.callback(self.ctx.term)
+            steps.callback(self.zap.close)
+            if self.coordinator is not None:
+                steps.callback(self.coordinator.close)
+            steps.callback(self.uplink.close)
+            steps.callback(self.ranks.close)
+            steps.callback(lambda: self.rings.release_all(unmap=not self.stuck))
+            steps.callback(self._on_completions)
+            steps.callback(self._stop_workers)
+            if self.mirror is not None:
+                steps.callback(self._stop_mirror)
+            if self.metrics_server is not None:
+                steps.callback(self.metrics_server.close)
+
+    def _stop_mirror(self) -> None:
         if self.mirror is not None and not self.mirror.stop(self.config.request_timeout_s):
-            self.stuck = True  # an upload stuck in the store: see below
+            self.stuck = True  # an upload stuck in the store: see _stop_workers
+
+    def _stop_workers(self) -> None:
         # A write or commit stuck in storage (a hung NFS mount, an S3 call) must not keep the daemon,
         # its locks and its socket forever: it is left behind, and the process exits without it.
         if not self.workers.shutdown(self.config.shutdown_grace_s):
@@ -343,25 +363,22 @@ class NodeDaemon:
                 "daemon exits without it, and the staging rings' names are removed",
                 self.config.shutdown_grace_s,
             )
-        self._on_completions()
-        self.rings.release_all(unmap=not self.stuck)
-        self.ranks.close()
-        self.uplink.close()
-        if self.coordinator is not None:
-            self.coordinator.close()
-        self.zap.close()
-        self.ctx.term()
-        self.completions.close()
 
-    def _follow_coordinator(self, address: str) -> None:
+    def _follow_coordinator(self, address: str, newest: bool) -> None:
         """A rank's HELLO says its launch has the coordinator at ``address``. This daemon may have
         been started by an earlier launch with another MASTER_ADDR/MASTER_PORT (it outlives its
         ranks), while node daemons the new launch started use the new address: node 0's
         coordinator listens there too, another node's link connects there instead (a coordinator
-        it finds restarted is handled as any restart: ckptd.daemon.uplinkstate)."""
+        it finds restarted is handled as any restart: ckptd.daemon.uplinkstate). Node 0's
+        coordinator listens on every launch's address (that only adds one); another node follows
+        only the ``newest`` launch's (ckptd.daemon.ranks: never back to an older one). Ranks take
+        the coordinator for node 0's: a daemon told to run it elsewhere (``ckptd daemon
+        --coordinator``/``--no-coordinator``) keeps the addresses it was given."""
+        if (self.coordinator is not None) != (self.ep.node == 0):
+            return
         if self.coordinator is not None:
             self.coordinator.listen(address)
-        elif address != self.uplink.address:
+        elif newest and address != self.uplink.address:
             self.uplink.retarget(address)
 
     def status(self) -> dict[str, Any]:

@@ -76,7 +76,8 @@ class DaemonHooks:
     status: Callable[[], dict[str, Any]]
     request_stop: Callable[[str], None]
     stopping: Callable[[], str | None]  # why the daemon is stopping (None while it serves)
-    follow_coordinator: Callable[[str], None]  # a HELLO's coordinator address (ckptd.daemon.node)
+    # a HELLO's coordinator address, and whether its launch is the newest (ckptd.daemon.node)
+    follow_coordinator: Callable[[str, bool], None]
 
 
 class RankServer:
@@ -198,8 +199,8 @@ class RankServer:
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
         client = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
-        if msg.coordinator and self._newest_launch(identity, client):
-            self.hooks.follow_coordinator(msg.coordinator)
+        if msg.coordinator:
+            self.hooks.follow_coordinator(msg.coordinator, self._newest_launch(identity, client))
         self.clients[identity] = client
         self.served_a_rank = True
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
@@ -222,7 +223,9 @@ class RankServer:
             for other, c in self.clients.items()
             if other != identity and c.coordinator not in ("", address) and self._connected(other)
         ]
-        if any((c.start_ticks or 0) > (new.start_ticks or 0) for c in others):
+        if new.start_ticks is not None and any(
+            c.start_ticks is not None and c.start_ticks > new.start_ticks for c in others
+        ):
             log.warning(
                 "rank %d (pid %d) says its launch has the coordinator at %s, but a process started after it "
                 "has another: not followed (a rank of an earlier launch?)",

@@ -107,6 +107,7 @@ def test_a_coordinator_port_another_process_holds_is_refused_clearly_and_a_newer
             assert f"has the coordinator at tcp://127.0.0.1:{first}, still runs" in log
 
 
+_NODE_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1"}
 _NEWER_LAUNCH = textwrap.dedent(
     """
     import sys
@@ -122,25 +123,29 @@ _NEWER_LAUNCH = textwrap.dedent(
 
 @pytest.mark.timeout(120)
 def test_a_hello_from_a_process_older_than_the_followed_launch_does_not_take_the_daemon_back(
-    tmp_path, single_process, runtime_dir
+    tmp_path, single_process, runtime_dir, monkeypatch
 ):
-    """A rank of an earlier launch that says HELLO again (a reconnect) after the relaunch's ranks
-    did must not move the daemon back to its address: only a process started later is followed."""
+    """Node 1's daemon follows the relaunch's coordinator address; a rank of an earlier launch that
+    says HELLO again (a reconnect) after the relaunch's ranks did must not move it back: only a
+    process started later is followed. (Node 0's coordinator listens on every launch's address.)"""
     root, newer_port, older_port = tmp_path / "run", free_port(), free_port()
+    env = {**without_torchrun(os.environ), **_NODE_1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     newer = subprocess.Popen(
         [sys.executable, "-c", _NEWER_LAUNCH, str(root), str(runtime_dir), str(newer_port)],
-        env=without_torchrun(os.environ),
+        env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert newer.stdout is not None and newer.stdout.readline().strip() == "connected"
+        for name, value in env.items():
+            if name in _NODE_1 or name.startswith("MASTER_"):
+                monkeypatch.setenv(name, value)
         config = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), coordinator_port=older_port)
         with ckptd.Checkpointer(root, config=config) as older:  # this process started before the other
             status = older.status()
-            assert status["coordinator"]["address"].endswith(f":{newer_port}")
-            assert status["coordinator"]["also_listening_on"] == []
+            assert status["node"] == 1 and status["upstream"]["address"].endswith(f":{newer_port}")
             assert "a process started after it has another: not followed" in older.endpoints.log_path.read_text()
     finally:
         newer.communicate("\n", timeout=60)

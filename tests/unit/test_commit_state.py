@@ -162,7 +162,7 @@ def test_a_repeated_written_is_counted_once_and_a_differing_one_aborts():
     assert isinstance(msg, StepAborted) and f"rank 0 reported attempt {A} of step 3 twice, differently" in msg.reason
 
 
-@pytest.mark.parametrize("late", [written(3, 1), failed(3, 1)], ids=["WRITTEN", "FAILED"])
+@pytest.mark.parametrize("late", [written(3, 1), failed(3, -1)], ids=["WRITTEN", "FAILED of the node"])
 def test_a_report_of_a_committed_attempt_is_answered_with_its_commit_and_its_files_removed(late):
     c = Coordinator()
     committed_step(c, 3)
@@ -173,7 +173,19 @@ def test_a_report_of_a_committed_attempt_is_answered_with_its_commit_and_its_fil
         Remove(step=3, attempt=A),
     ]
     assert isinstance(actions[0].msg, StepCommitted)  # type: ignore[union-attr]
-    assert c.asked == ["holds_commit"] and not c.state.busy  # never a new attempt
+    assert c.asked == (["holds_commit"] if isinstance(late, Written) else []) and not c.state.busy
+
+
+def test_a_ranks_failed_of_a_committed_attempt_is_a_new_saves_and_only_its_reporter_is_told():
+    """Every rank of a commit wrote: a rank's FAILED of that attempt comes from another save that
+    repeated the attempt id. Before, it was told COMMITTED. Now its reporter alone is told ABORTED
+    (an abort to every node would be taken for the commit's), and the commit's memory stays."""
+    c = Coordinator()
+    committed_step(c, 3)
+    actions = c.report(N1, failed(3, 1, "its write failed"))
+    assert [type(a) for a in actions] == [Send] and actions[0].identity == N1  # type: ignore[union-attr]
+    assert isinstance(actions[0].msg, StepAborted) and "committed already" in actions[0].msg.reason  # type: ignore[union-attr]
+    assert isinstance(c.state.finished[(3, A)], StepCommitted) and not c.state.busy
 
 
 def test_a_late_failed_of_an_aborted_attempt_is_answered_with_the_abort_and_the_step_saves_again_at_once():
@@ -221,8 +233,13 @@ def test_a_report_a_commit_counted_is_answered_from_memory_after_the_root_retire
     assert c.asked == [] and not c.state.busy
     assert c.report(N1, written(3, 1, report_id=99)) == []  # another save's report
     assert c.asked == ["committed_once"] and c.state.busy
+    # While the new save is collected, a resend of the commit's is not answered: the node keeps
+    # one entry per attempt, which would take that verdict for the new save's ranks too.
+    assert c.report(N0, written(3, 0, report_id=11)) == []
+    c.report(N0, written(3, 0, report_id=98))
+    c.commit_ended(3)  # the new save commits: the first commit's reports are still known
     resend = c.report(N0, written(3, 0, report_id=11))
-    assert isinstance(resend[0].msg, StepCommitted) and Remove(step=3, attempt=A) not in resend  # type: ignore[union-attr]
+    assert isinstance(resend[0].msg, StepCommitted) and Remove(step=3, attempt=A) in resend  # type: ignore[union-attr]
 
 
 def test_the_reports_of_every_commit_a_resend_can_still_concern_are_remembered():
@@ -252,8 +269,10 @@ def test_a_new_save_that_repeats_the_attempt_id_of_a_step_still_committed_is_abo
     c.report(N0, written(3, 0, report_id=11))
     c.report(N1, written(3, 1, report_id=12))
     c.commit_ended(3)
-    msg = only_outcome(c.report(N0, written(3, 0, report_id=21)))
-    assert isinstance(msg, StepAborted) and "step 3 is committed already" in msg.reason
+    actions = c.report(N0, written(3, 0, report_id=21))
+    assert [type(a) for a in actions] == [Send] and actions[0].identity == N0  # type: ignore[union-attr]
+    assert isinstance(actions[0].msg, StepAborted) and "step 3 is committed already" in actions[0].msg.reason  # type: ignore[union-attr]
+    assert isinstance(c.state.finished[(3, A)], StepCommitted)  # nothing told to the other nodes
 
 
 def test_a_step_committed_already_is_not_saved_again():
