@@ -33,7 +33,7 @@ def test_bench_train_tiny_on_cpu_reports_every_mode_and_cleans_up(tmp_path, caps
             assert "error" not in x, (every, mode, x)
             assert x["stall_s_median"] > 0 and x["first_stall_s"] > 0 and "overhead" in x, (every, mode)
         assert iv["ckptd_lazy"]["fence_s"] >= 0
-        assert iv["dcp_best_kind"] == "dcp_async_pinned" and iv["dcp_failed"] == {}
+        assert iv["dcp_best_kind"] == "dcp_async_pinned" and iv["dcp_failed"] == {}, iv["dcp_failed"]
     assert {m: v["bit_exact"] for m, v in main_["bit_exact"].items()} == {
         "dcp_best": True,
         "ckptd": True,
