@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import CkptdConfig
     from ..control.endpoints import Endpoints, JobEnv
+    from ..control.netaddr import tcp_port
     from ..daemon.main import detach_and_run, run_daemon
     from ..errors import CkptdError
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         if given and not config.coordinator_port:
             # An address given here needs no MASTER_PORT / CKPTD_COORDINATOR_PORT to derive one
             # (port 0: an ephemeral port, for a single node).
-            config = config.replace(coordinator_port=_port_of(given))
+            config = config.replace(coordinator_port=tcp_port(given))
         ep = Endpoints.for_job(args.root, env, config)
         if given:
             ep = replace(
@@ -129,16 +130,6 @@ def run(args: argparse.Namespace) -> int:
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle, nnodes=env.nnodes)
-
-
-def _port_of(address: str) -> int:
-    """The port of a ``tcp://host:port`` address (0: ephemeral)."""
-    from ..errors import CkptdError
-
-    host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not (address.startswith("tcp://") and sep and host and port.isdigit() and int(port) < 65536):
-        raise CkptdError(f"coordinator address {address!r}: use tcp://HOST:PORT")
-    return int(port)
 
 
 def _stop(root: str, config: CkptdConfig) -> int:

@@ -45,3 +45,17 @@ def coordinator_bind_host(host: str, nnodes: int) -> str:
 def tcp_address(host: str, port: int) -> str:
     """``tcp://host:port``, with an IPv6 literal in brackets as ZeroMQ wants it."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def is_ipv6(address: str) -> bool:
+    """Whether ``tcp://...`` names an IPv6 endpoint (a socket binding or connecting to it needs
+    ZeroMQ's IPV6 option set first)."""
+    return address.startswith("tcp://[") or address.count(":") > 2
+
+
+def tcp_port(address: str) -> int:
+    """The port of a ``tcp://HOST:PORT`` address (0: any free port); CkptdError for anything else."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not (address.startswith("tcp://") and sep and host and port.isdigit() and int(port) < 65536):
+        raise CkptdError(f"coordinator address {address!r}: use tcp://HOST:PORT")
+    return int(port)

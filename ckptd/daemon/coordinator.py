@@ -22,6 +22,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
+from ..control.netaddr import is_ipv6
 from ..control.protocol import Codec, Failed, Message, Ping, Pong, Status, StatusReply, Written
 from ..control.security import HandshakeWatch
 from ..errors import CkptdError, ProtocolError, StorageError
@@ -254,7 +255,7 @@ class Coordinator:
 
 def _bind(sock: zmq.Socket, address: str) -> str:
     """Bind ``address`` (port 0: any free port); the address bound."""
-    if address.startswith("tcp://[") or address.count(":") > 2:
+    if is_ipv6(address):
         sock.setsockopt(zmq.IPV6, 1)
     if address.endswith(":0"):
         address = address[: -len(":0")] + ":*"

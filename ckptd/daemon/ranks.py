@@ -23,6 +23,7 @@ import zmq
 from ..control.channel import Channel, make_socket, peer_pid, peer_uid
 from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
+from ..control.netaddr import tcp_port
 from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
     Abandon,
@@ -215,9 +216,8 @@ class RankServer:
         launches with different MASTER_ADDR/MASTER_PORT on one job id, its saves abort for want of
         their coordinator, and the warning says why)."""
         address = new.coordinator
-        host, sep, port = address.removeprefix("tcp://").rpartition(":")
-        if not (address.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ProtocolError(f"HELLO names the coordinator address {address!r}; expected tcp://HOST:PORT")
+        if tcp_port(address) == 0:  # (one of another form raises)
+            raise ProtocolError(f"HELLO names the coordinator address {address!r}, without a port")
         others = [
             c
             for other, c in self.clients.items()

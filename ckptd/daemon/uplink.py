@@ -36,6 +36,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
 from ..control.keys import CurveKeys
+from ..control.netaddr import is_ipv6
 from ..control.protocol import Codec, ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
 from ..roots.base import RootStore
 from . import uplinkstate as us
@@ -76,7 +77,7 @@ class CoordinatorLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
         self.link_timeout_s = link_timeout_s(config.heartbeat_s, config.coordinator_timeout_s)
         replace_dead_links(sock, config.heartbeat_s, self.link_timeout_s)
-        if address.startswith("tcp://[") or address.count(":") > 2:
+        if is_ipv6(address):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
         self.channel = Channel(sock, codec, "upstream")
@@ -123,7 +124,7 @@ class CoordinatorLink:
         """Connect to the coordinator at ``address`` instead (a later launch has it there: see
         ckptd.daemon.node); the reports awaiting a verdict are sent again once it answers."""
         sock = self.channel.sock
-        if address.startswith("tcp://[") or address.count(":") > 2:
+        if is_ipv6(address):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)  # first: an address it refuses leaves the link as it was
         sock.disconnect(self.address)
