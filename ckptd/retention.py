@@ -74,7 +74,8 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
     off_branch = {e.name for e in cat.off_branch()}
-    for rank, e in enumerate(cat.branch_first):
+    order = cat.branch_first
+    for rank, e in enumerate(order):
         if e.is_latest:
             plan.kept.append((e, "named by the tracker"))
         elif e.name == cat.megatron_latest_name:
@@ -93,7 +94,7 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     # node's files of a step committed on node 0 that it could not finish (ckptd.roots.nodelocal):
     # a load of that retained step reads them there.
     # (The keep-N commits and the tracker's: not one kept for another reason, a stalled mirror's.)
-    window = [e for rank, e in enumerate(cat.branch_first) if rank < keep or e.is_latest]
+    window = [e for rank, e in enumerate(order) if rank < keep or e.is_latest]
     window_low = min((e.step for e in window), default=None)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
