@@ -353,13 +353,15 @@ class _Executor:
         self.stats.items_verified += 1
 
     def _verify_blocks(self, fd: int, entry: ItemReads, layout: RawLayout, checksum: Checksum) -> None:
-        """Check the blocks of an item read in part that hold the elements the plan read, each
-        read again (the page cache has them, mostly) against its recorded block checksum."""
+        """Check the blocks of an item read in part that hold the elements the plan read, and
+        those holding the headers the elements were found through (``layout.relied_on``: a flipped
+        offset there shifts every element read, out of blocks that are intact), each read again
+        (the page cache has them, mostly) against its recorded block checksum."""
         item = entry.item
         crcs = unpack_blocks(item.block_crcs)
         size = item.block_nbytes
         touched: set[int] = set()
-        for lo, hi in _spans(entry, layout):
+        for lo, hi in [*_spans(entry, layout), *((off, off + n) for off, n in layout.relied_on)]:
             touched.update(range((lo - item.file_offset) // size, (hi - 1 - item.file_offset) // size + 1))
         for k in sorted(touched):
             start = item.file_offset + k * size

@@ -53,10 +53,14 @@ class _Unusual(Exception):
 
 @dataclass(frozen=True)
 class RawLayout:
-    """Where the elements of one stored item are: ``nbytes`` at absolute file offset ``data_offset``."""
+    """Where the elements of one stored item are: ``nbytes`` at absolute file offset ``data_offset``;
+    ``relied_on``: the ``(offset, nbytes)`` file ranges this was found through (the zip's
+    directory, local headers and ``data.pkl``), which a load must check as it checks the elements
+    it reads (a flipped bit there moves every element)."""
 
     data_offset: int
     nbytes: int
+    relied_on: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,13 @@ class _Window:
         self.base = item_offset
         self.length = item_length
         self.pieces: list[tuple[int, bytes]] = []  # (relative offset, data)
+        self.relied_on: list[tuple[int, int]] = []  # (relative offset, nbytes) the layout depends on
+
+    def rely(self, rel: int, n: int) -> bytes:
+        """:meth:`get`, for bytes that decide the layout."""
+        data = self.get(rel, n)
+        self.relied_on.append((rel, n))
+        return data
 
     def get(self, rel: int, n: int) -> bytes:
         if rel < 0 or n < 0 or rel + n > self.length:
@@ -218,6 +229,7 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
     i = tail.rfind(_EOCD)
     if i < 0 or i + 22 > len(tail):
         raise _Unusual("no end of central directory")
+    win.relied_on.append((tail_start + i, len(tail) - i))
     _, _, _, _, count, cd_size, cd_offset, comment = struct.unpack_from("<IHHHHIIH", tail, i)
     if i + 22 + comment != len(tail):
         raise _Unusual("trailing bytes after the zip")
@@ -225,12 +237,13 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
         j = i - 20
         if j < 0 or tail[j : j + 4] != _ZIP64_LOCATOR:
             raise _Unusual("zip64 locator missing")
+        win.relied_on.append((tail_start + j, 20))
         rec_offset = struct.unpack_from("<Q", tail, j + 8)[0]
-        rec = win.get(rec_offset, 56)
+        rec = win.rely(rec_offset, 56)
         if rec[:4] != _ZIP64_EOCD:
             raise _Unusual("zip64 record missing")
         count, cd_size, cd_offset = struct.unpack_from("<QQQ", rec, 32)
-    cd = win.get(cd_offset, cd_size)
+    cd = win.rely(cd_offset, cd_size)
     entries: dict[str, _Entry] = {}
     p = 0
     for _ in range(count):
@@ -255,7 +268,7 @@ def _entry_data(win: _Window, entry: _Entry) -> tuple[int, int]:
     """Relative offset and size of an entry's stored bytes."""
     if entry.method != 0 or entry.flags & 0x1 or entry.csize != entry.usize:
         raise _Unusual("compressed or encrypted entry")
-    head = win.get(entry.local_offset, 30)
+    head = win.rely(entry.local_offset, 30)
     if head[:4] != _LOCAL:
         raise _Unusual("bad local header")
     nlen, elen = struct.unpack_from("<HH", head, 26)
@@ -284,13 +297,13 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
             raise _Unusual("not a single torch.save archive")
         prefix = pkl_names[0][: -len("data.pkl")]
         off, n = _entry_data(win, entries[pkl_names[0]])
-        desc = _Probe(io.BytesIO(win.get(off, n))).load()
+        desc = _Probe(io.BytesIO(win.rely(off, n))).load()
         if not isinstance(desc, _TensorDesc):
             raise _Unusual("not a tensor")
         order = entries.get(prefix + "byteorder")
         if order is not None:
             o_off, o_n = _entry_data(win, order)
-            if win.get(o_off, o_n) != b"little" or sys.byteorder != "little":
+            if win.rely(o_off, o_n) != b"little" or sys.byteorder != "little":
                 raise _Unusual("byte order")
         elif sys.byteorder != "little":
             raise _Unusual("byte order")
@@ -307,6 +320,7 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
             or tuple(desc.size) != tuple(shape)
             or not _contiguous(desc.size, desc.stride)
             or storage_nbytes != data.usize
+            or desc.storage_offset < 0
             or (desc.storage_offset + numel) * esize > storage_nbytes
         ):
             raise _Unusual("tensor layout differs from the chunk")
@@ -314,7 +328,8 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
         start = d_off + desc.storage_offset * esize
         if start + numel * esize > item_length or d_off + d_n > item_length:
             raise _Unusual("storage outside the item")
-        return RawLayout(item_offset + start, numel * esize)
+        relied_on = tuple((item_offset + rel, n) for rel, n in win.relied_on if n > 0)
+        return RawLayout(item_offset + start, numel * esize, relied_on)
     except (
         _Unusual,
         struct.error,
