@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
-from .errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CheckpointRemovedError, CkptdError, CorruptCheckpointError, StorageError
 from .format.lease import ReadLease
 from .format.rootlayout import TRACKER_FILE
 from .s3catalog import scan_any
@@ -79,6 +79,11 @@ def structural_problem(path: Location, *, node_local: bool = False) -> str | Non
         try:
             with s3_checkpoint_view(path) as view:
                 return _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
+        except (StorageError, CheckpointRemovedError):
+            # The store failed to answer, or retention removed the checkpoint meanwhile: neither is
+            # damage. Taken for damage, an outage resumed from an older step, and the next commit
+            # made the newest ones an abandoned branch, which retention then removed.
+            raise
         except CkptdError as exc:
             return str(exc).rstrip(".")
     with ReadLease.acquire(path) as lease:

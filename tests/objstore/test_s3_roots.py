@@ -323,3 +323,33 @@ def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_
     with pytest.raises(ckptd.CheckpointNotFoundError, match="is not a checkpoint") as never:
         ckptd.load({"w": torch.zeros(1024, 64)}, parse_location(f"s3://{s3_bucket}/root/iter_0000002"))
     assert not isinstance(never.value, ckptd.CheckpointRemovedError)
+
+
+@pytest.mark.timeout(120)
+def test_a_store_outage_while_the_latest_is_checked_is_an_error_not_damage(s3_bucket, monkeypatch, runtime_dir):
+    """A request of the structural check failing for good (the store down past its retries) read
+    as damage: the resume fell back to an older step, the next commit made the newer ones an
+    abandoned branch, and retention removed them."""
+    from ckptd.format.layout import DCP_METADATA
+    from ckptd.recovery import resolve_latest
+
+    root = f"s3://{s3_bucket}/outage"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            for step in (1, 2):
+                ckpt.save(_sd(torch.full((1024,), float(step)), step), step=step).wait(timeout_s=60)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    get = S3Client.get
+
+    def failing_get(self, name, *args, **kwargs):
+        if self.url(name) == f"{root}/iter_0000002/{DCP_METADATA}":
+            raise StorageError(f"{self.url(name)}: 503 Slow Down (tries exhausted)")
+        return get(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(S3Client, "get", failing_get)
+    with pytest.raises(StorageError, match="503 Slow Down"):  # before: iter_0000001, "iter_0000002 is damaged"
+        resolve_latest(root)
+    monkeypatch.setattr(S3Client, "get", get)
+    choice = resolve_latest(root)
+    assert choice is not None and choice.step == 2 and choice.fallback_reason is None
