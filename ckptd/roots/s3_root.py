@@ -348,8 +348,19 @@ class S3Root:
         objects: but the data objects of ``keep_attempt`` (a save about to replace it), and with
         ``only_attempt`` (the retired commit's) only that attempt's data objects (a re-save of the
         step may be uploading its own meanwhile)."""
-        self.client.delete([f"{name}/{COMMIT_RECORD}"])
-        doomed = [i.key for i in self.client.list_objects(name) if _retired(i.key, keep_attempt, only_attempt)]
+        record_key = f"{name}/{COMMIT_RECORD}"
+        record = next((i for i in self.client.list_objects(name) if i.key == record_key), None)  # as listings date it
+        self.client.delete([record_key])
+        # The metadata objects (named alike by every commit of the step) only as old as the retired
+        # commit (the store's clock): ``ckptd gc`` retires a step while the job may commit it
+        # again after a rollback, whose new commit object and metadata stay.
+        written_by = record.last_modified_unix_s if record is not None and record.last_modified_unix_s else math.inf
+        doomed = [
+            i.key
+            for i in self.client.list_objects(name)
+            if _retired(i.key, keep_attempt, only_attempt)
+            and (_attempt_of(i.key) is not None or i.last_modified_unix_s <= written_by)
+        ]
         self.client.delete(doomed)
 
     def changed_since_scan(self, entry: CheckpointEntry) -> str | None:
@@ -357,6 +368,8 @@ class S3Root:
         names it now, or its commit object is another commit's: a re-save after a rollback), or
         None. A store has no lock: a commit between this and the removal is the race left."""
         if entry.state is not EntryState.COMMITTED:
+            if read_s3_commit_record(self.client, entry.name) is not None:
+                return f"{self.display(entry.name)} was committed since the scan"
             return None
         if read_s3_tracker(self.client)[1] == entry.name:
             return f"{self.display(entry.name)} is named latest now"
@@ -365,9 +378,12 @@ class S3Root:
             return f"{self.display(entry.name)} was committed again since the scan"
         return None
 
-    def remove_entry(self, entry: CheckpointEntry) -> bool:
+    def remove_entry(self, entry: CheckpointEntry, *, written_before_unix_s: float = math.inf) -> bool:
         """Retention and gc: remove a committed or partial step and its unfinished uploads; False
-        when there was nothing (a store that lists emptied "directories", as SeaweedFS does)."""
+        when there was nothing (a store that lists emptied "directories", as SeaweedFS does). Of a
+        partial step, only what was written (uploads: begun) before ``written_before_unix_s``,
+        never a commit object: a save of the step may have begun since ``ckptd gc`` found it
+        abandoned."""
         only = None
         if entry.state is EntryState.COMMITTED:
             record = read_s3_commit_record(self.client, entry.name)
@@ -375,11 +391,16 @@ class S3Root:
             self._retire(entry.name, only_attempt=only)
             found = True
         else:
-            keys = [i.key for i in self.client.list_objects(entry.name)]
+            keys = [
+                i.key
+                for i in self.client.list_objects(entry.name)
+                if i.last_modified_unix_s < written_before_unix_s and i.key.rsplit("/", 1)[-1] != COMMIT_RECORD
+            ]
             self.client.delete(keys)
             found = bool(keys)
         for upload in self.client.uploads(entry.name):
-            if _retired(upload.key, None, only):
+            begun_before = entry.state is EntryState.COMMITTED or upload.initiated_unix_s < written_before_unix_s
+            if _retired(upload.key, None, only) and begun_before:
                 self.client.abort_upload(upload)
                 found = True
         return found
@@ -468,6 +489,7 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
     writer's: the store keeps and bills them forever otherwise). Returns each removal with None or
     the error that stopped it."""
     done: list[tuple[Removal, str | None]] = []
+    cutoff = time.time() - grace_s
     for removal in list(plan.remove):
         changed = root.changed_since_scan(removal.entry)
         if changed is not None:  # the job committed the step again since the scan: not this plan's
@@ -476,12 +498,11 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
             plan.kept.append((removal.entry, f"{changed}; a later collection decides"))
             continue
         try:
-            root.remove_entry(removal.entry)
+            root.remove_entry(removal.entry, written_before_unix_s=cutoff)
         except CkptdError as exc:
             done.append((removal, str(exc)))
         else:
             done.append((removal, None))
-    cutoff = time.time() - grace_s
     for upload in root.client.uploads(""):
         if upload.initiated_unix_s <= cutoff:
             root.client.abort_upload(upload)

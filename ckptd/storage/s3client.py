@@ -335,14 +335,18 @@ class S3Client:
         return self._boto
 
     def uploads(self, prefix: str = "") -> list[Upload]:
-        """Unfinished multipart uploads of keys under ``prefix``."""
+        """Unfinished multipart uploads of keys under the "directory" ``prefix``."""
         client = self._boto_client()
         out: list[Upload] = []
-        kwargs: dict[str, Any] = {"Bucket": self.location.bucket, "Prefix": self.location.key(prefix)}
+        # A "directory": S3 prefixes match any key that starts with them, and run1 would list run10's.
+        under = self.location.key(prefix) + "/" if self.location.key(prefix) else ""
+        kwargs: dict[str, Any] = {"Bucket": self.location.bucket, "Prefix": under}
         try:
             while True:
                 page = client.list_multipart_uploads(**kwargs)
                 for u in page.get("Uploads", []):
+                    if not u["Key"].startswith(under):
+                        continue  # a store that ignores the prefix
                     out.append(
                         Upload(
                             key=_relative(u["Key"], self.location.prefix),

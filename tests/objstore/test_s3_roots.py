@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,91 @@ def test_a_store_outage_while_the_latest_is_checked_is_an_error_not_damage(s3_bu
     monkeypatch.setattr(S3Client, "get", get)
     choice = resolve_latest(root)
     assert choice is not None and choice.step == 2 and choice.fallback_reason is None
+
+
+@pytest.mark.timeout(180)
+def test_gc_of_an_abandoned_partial_step_leaves_what_a_new_save_of_it_wrote(s3_bucket, runtime_dir):
+    """``ckptd gc`` found step 30 partial (a dead attempt's leftovers), then the job saved step 30:
+    gc removed everything under the step, the new commit object, metadata and data included, and
+    ``latest`` named a removed step. Now it keeps a step committed since the scan, and of one still
+    partial removes only what was written before its grace period."""
+    from ckptd.retention import plan_gc
+    from ckptd.roots.s3_root import apply_s3_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = f"s3://{s3_bucket}/runs/gc-partial"
+    location = parse_location(root)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            ckpt.save(_sd(torch.full((64,), 10.0), 10), step=10).wait(timeout_s=120)
+            for step in (30, 40):  # after the daemon's start, which removes such leftovers
+                client.put(f"iter_00000{step}/__0_0.deadbeef0000-1.distcp", b"x" * 64)
+            time.sleep(2.0)
+            plan = plan_gc(scan_s3_root(location), keep=10, grace_s=1.0)
+            assert {r.entry.name for r in plan.remove} == {"iter_0000030", "iter_0000040"}
+            ckpt.save(_sd(torch.full((64,), 30.0), 30), step=30).wait(timeout_s=120)
+            in_flight = "iter_0000040/__0_0.0123456789ab-1.distcp"  # a save of step 40 uploading
+            client.put(in_flight, b"y" * 64)
+            results = apply_s3_gc(S3Root(location), plan, grace_s=1.0)
+            assert [(r.entry.name, err) for r, err in results] == [("iter_0000040", None)]
+            assert {i.key for i in client.list_objects("iter_0000040")} == {in_flight}
+            assert ckpt.latest() == 30
+            w = torch.zeros(64)
+            ckpt.load(_sd(w, -1))
+            assert torch.equal(w, torch.full((64,), 30.0))
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_retiring_a_step_leaves_a_commit_of_it_that_lands_meanwhile(s3_bucket, runtime_dir, monkeypatch):
+    """gc retires the abandoned step 20 (its commit object first, then a listing of what is left)
+    while the job commits step 20 again: the new commit's metadata and commit object, landing
+    between the two, were removed with the retired commit's."""
+    from ckptd.retention import plan_gc
+    from ckptd.roots.s3_root import apply_s3_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = f"s3://{s3_bucket}/runs/retire-race"
+    location = parse_location(root)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            for step in (10, 20):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+            ckpt.load(_sd(torch.zeros(64), -1), step=10)
+            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    plan = plan_gc(scan_s3_root(location), keep=1, grace_s=3600.0)
+    assert 20 in {r.entry.step for r in plan.remove}
+    names = [f"iter_0000020/{n}" for n in ("metadata.json", ".metadata", "common.pt", COMMIT_RECORD)]
+    new = {name: client.get(name, 1 << 20)[0] + b" " for name in names}  # a re-commit's (the bytes differ)
+    time.sleep(1.1)
+    delete = S3Client.delete
+
+    def commit_meanwhile(self, keys):
+        delete(self, keys)
+        if keys == ["iter_0000020/" + COMMIT_RECORD]:
+            for name, data in new.items():
+                client.put(name, data)
+
+    monkeypatch.setattr(S3Client, "delete", commit_meanwhile)
+    apply_s3_gc(S3Root(location), plan, grace_s=3600.0)
+    monkeypatch.setattr(S3Client, "delete", delete)
+    assert {name: client.get(name, 1 << 20)[0] for name in names} == new
+
+
+@pytest.mark.timeout(60)
+def test_the_uploads_of_a_root_are_not_those_of_a_sibling_whose_name_it_begins(s3_bucket):
+    """``run1``'s unfinished uploads listed ``run10``'s too (an S3 prefix is no directory): a
+    daemon's start or ``ckptd gc`` then aborted keys it does not own, or failed."""
+    sibling = S3Client(parse_location(f"s3://{s3_bucket}/runs/run10"))
+    boto = sibling._boto_client()
+    up = boto.create_multipart_upload(Bucket=s3_bucket, Key="runs/run10/iter_0000001/__0_0.a-1.distcp")
+    try:
+        assert S3Client(parse_location(f"s3://{s3_bucket}/runs/run1")).uploads("") == []
+        assert [u.key for u in sibling.uploads("")] == ["iter_0000001/__0_0.a-1.distcp"]
+    finally:
+        boto.abort_multipart_upload(Bucket=s3_bucket, Key=up["Key"], UploadId=up["UploadId"])
