@@ -403,10 +403,19 @@ class Levels:
         return None if choice is None else choice.entry.path
 
     def step_location(self, step: int) -> Location:
-        """Where ``iter_<step>`` is read from: the local root, or the mirror when only it has the step."""
+        """Where ``iter_<step>`` is read from: the local root, or the mirror when only it has the step.
+        On an ``s3://`` root a step without its commit object is not committed (its metadata may be
+        there already: a commit in flight, or one taken back) and raises CheckpointNotFoundError."""
         if self.mirror is not None and not committed_at(self.root, step) and committed_at(self.mirror, step):
             return join(self.mirror, step_dir_name(step))
-        return join(self.root, step_dir_name(step))
+        name = step_dir_name(step)
+        if isinstance(self.root, S3Location) and read_s3_commit_record(S3Client(self.root), name) is None:
+            raise CheckpointNotFoundError(
+                f"{self.root.url(name)} is not a committed checkpoint: it has no commit object (a save in "
+                "flight, or one that failed, whose objects the next daemon start or `ckptd gc` removes). "
+                "Load a committed step (`ckptd ls` lists them)"
+            )
+        return join(self.root, name)
 
     def wait_mirrored(self, step: int, timeout_s: float) -> None:
         """Return once the mirror holds ``step`` committed as a copy of the commit of ``step`` the

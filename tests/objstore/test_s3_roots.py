@@ -442,3 +442,23 @@ def test_the_uploads_of_a_root_are_not_those_of_a_sibling_whose_name_it_begins(s
         assert [u.key for u in sibling.uploads("")] == ["iter_0000001/__0_0.a-1.distcp"]
     finally:
         boto.abort_multipart_upload(Bucket=s3_bucket, Key=up["Key"], UploadId=up["UploadId"])
+
+
+@pytest.mark.timeout(120)
+def test_loading_a_step_of_an_s3_root_that_has_no_commit_object_is_refused(s3_bucket, runtime_dir):
+    """A step whose metadata objects are written but whose commit object is not (a commit in
+    flight, or one taken back) loaded as a plain checkpoint through ``load(step=N)``."""
+    root = f"s3://{s3_bucket}/uncommitted"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            ckpt.save(_sd(torch.full((64,), 1.0), 1), step=1).wait(timeout_s=60)
+            ckptd.save({"w": torch.full((64,), 2.0)}, parse_location(f"{root}/iter_0000002"))  # no commit object
+            with pytest.raises(ckptd.CheckpointNotFoundError, match="iter_0000002 is not a committed checkpoint"):
+                ckpt.load(_sd(torch.zeros(64), -1), step=2)
+            with pytest.raises(ckptd.CheckpointNotFoundError, match="not a committed checkpoint"):
+                ckpt.checkpoint_dir(2)
+            w = torch.zeros(64)
+            ckpt.load(_sd(w, -1), step=1)
+            assert torch.equal(w, torch.full((64,), 1.0)) and ckpt.latest() == 1
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
