@@ -20,14 +20,16 @@ that died early fails the save, half a copy is never persisted.
 
 Only plain CPU tensors in private memory and bytes are copied by the child; anything else (CUDA
 tensors, strided views, and tensors in shared or pinned memory, whose pages a fork shares rather
-than copies on write: the child would see the trainer's writes) makes :func:`child_copies` return
-None and the save is produced by the trainer. The child
+than copies on write: the child would see the trainer's writes; memory torch did not allocate is
+looked up in ``/proc/self/maps``) makes :func:`child_copies` return None and the save is produced
+by the trainer. The child
 runs nothing but ``pwrite``/``pread`` and ``_exit``: no torch, no locks, no sockets; it closes
 every descriptor it inherited but the ring's.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -66,6 +68,7 @@ def child_copies(
     copies: list[tuple[int, int, int]] = []
     keep: list[Any] = []
     cuda_initialized = torch.cuda.is_initialized()
+    shared: SharedMappings | None = None
     for item, p in zip(items, placements):
         src = item.payload
         if isinstance(src, torch.Tensor):
@@ -75,12 +78,48 @@ def child_copies(
             # CUDA context in a CPU-only trainer.
             if not plain_cpu_bytes(src) or src.is_shared() or (cuda_initialized and src.is_pinned()):
                 return None
+            if not src.untyped_storage().resizable():
+                # Memory torch did not allocate (from_numpy of a np.memmap or of shared_memory,
+                # frombuffer of an mmap) may be mapped shared, which is_shared() does not know.
+                shared = shared if shared is not None else SharedMappings.of_this_process()
+                if shared is None or shared.holds(src.data_ptr(), p.nbytes):
+                    return None
             copies.append((p.offset, src.data_ptr(), p.nbytes))
         else:
             buf = ctypes.create_string_buffer(bytes(src), p.nbytes)
             keep.append(buf)
             copies.append((p.offset, ctypes.addressof(buf), p.nbytes))
     return copies, keep
+
+
+class SharedMappings:
+    """The address ranges this process maps shared (``/proc/self/maps``: an ``s`` in the
+    permissions), which a fork shares with the child instead of copying on write."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        self.ranges = sorted(ranges)
+        self.starts = [lo for lo, _ in self.ranges]
+
+    @classmethod
+    def of_this_process(cls) -> SharedMappings | None:
+        """None when the maps cannot be read (no /proc): then nothing counts as private."""
+        try:
+            with open("/proc/self/maps", "rb") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        ranges = []
+        for line in lines:
+            fields = line.split(maxsplit=2)
+            if len(fields) >= 2 and fields[1][3:4] == b"s":
+                lo, _, hi = fields[0].partition(b"-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+        return cls(ranges)
+
+    def holds(self, address: int, nbytes: int) -> bool:
+        """Whether any of ``[address, address + nbytes)`` is mapped shared."""
+        i = bisect.bisect_right(self.starts, address + max(nbytes, 1) - 1)
+        return any(hi > address for _, hi in self.ranges[max(0, i - 1) : i])
 
 
 def fork_snapshot(

@@ -125,6 +125,34 @@ def test_non_plain_shards_are_not_forked():
     assert child_copies(items, placements) is None
 
 
+def test_memory_torch_did_not_allocate_is_forked_only_where_it_is_mapped_private(tmp_path):
+    """Tensors over a np.memmap or over multiprocessing.shared_memory are mapped shared, which
+    ``is_shared()`` does not know: a fork child copied the trainer's later writes to them (a torn
+    save). Those torch did not allocate but that are private (numpy's heap, a MAP_PRIVATE file
+    mapping) are still copied by the child."""
+    import mmap
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    def forked(t: torch.Tensor) -> bool:
+        items = _items([t], b"")
+        return child_copies(items, place(items)[0]) is not None
+
+    memmap = np.memmap(tmp_path / "m", dtype=np.float32, mode="w+", shape=(1024,))
+    shm = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        assert not forked(torch.from_numpy(memmap))
+        assert not forked(torch.frombuffer(shm.buf, dtype=torch.float32))
+        private = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE)
+        assert forked(torch.frombuffer(private, dtype=torch.float32))
+        assert forked(torch.from_numpy(np.zeros(1024, dtype=np.float32)))
+        assert forked(torch.randn(1024))
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 @pytest.mark.timeout(60)
 def test_a_child_that_dies_before_sealing_fails_the_save_and_frees_its_space(rings):
     ring, dring = rings
