@@ -118,7 +118,9 @@ class SaveHandle:
         (default: the config's ``commit_timeout_s`` plus a margin) while still pending.
         """
         self.future.wait(timeout_s)
-        self.future.observed = True
+        # A wait that timed out observed nothing: a failure that comes later is raised by the next
+        # save(), wait_all() or close() unless a wait sees it first.
+        self.future.observed = self.status is not SaveStatus.PENDING
         if self.status is SaveStatus.COMMITTED:
             return self.path
         if self.error is not None:

@@ -14,7 +14,7 @@ import time
 
 from ..catalog import abandoned_commit, is_checkpoint_dir
 from ..control.protocol import StepAborted, StepCommitted, WriteDone
-from ..errors import CkptdError, SaveFailedError, SaveSkippedError
+from ..errors import CkptdError, SaveFailedError, SaveSkippedError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.safefs import is_real_dir
 from ..s3catalog import read_s3_commit_record, s3_abandoned_commit
@@ -185,6 +185,7 @@ def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:
     at the timeout."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first: SaveFailedError | None = None
+    timed_out: SaveTimeoutError | None = None
     for h in handles:
         try:
             h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -192,5 +193,9 @@ def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:
             pass
         except SaveFailedError as exc:
             first = first or exc
+        except SaveTimeoutError as exc:  # the others are still looked at: a failure among them wins
+            timed_out = timed_out or exc
     if first is not None:
         raise first
+    if timed_out is not None:
+        raise timed_out

@@ -68,6 +68,33 @@ def test_a_failure_is_raised_once_by_wait_or_else_by_the_next_call():
     assert unwaited.status is SaveStatus.ABORTED and not o.pending
 
 
+def test_a_failure_after_a_wait_that_timed_out_is_still_raised_by_the_next_call():
+    """A poll loop (``try: h.wait(0.1) except SaveTimeoutError: ...``) marked the save observed: its
+    failure, coming later, was never raised."""
+    o = Owner()
+    h = o.handle(3, "a-1")
+    with pytest.raises(SaveTimeoutError):
+        h.wait(0.0)
+    o.pending.resolve(StepAborted(step=3, attempt="a-1", reason="node 2 lost its disk"))
+    with pytest.raises(SaveFailedError, match="step 3 was not committed: node 2 lost its disk"):
+        o.pending.raise_unobserved()
+
+
+def test_waiting_for_all_raises_a_failure_before_a_timeout_of_another_save():
+    """wait_all: a save still pending at the timeout ended the loop, and a failure already seen (its
+    handle marked observed) was never raised."""
+    from ckptd.client.pending import wait_for_all
+
+    o = Owner()
+    failed, pending = o.handle(4, "a-1"), o.handle(5, "a-1")
+    o.inbox.append(StepAborted(step=4, attempt="a-1", reason="rank 1 died"))
+    with pytest.raises(SaveFailedError, match="rank 1 died"):
+        wait_for_all([failed, pending], 0.0)
+    with pytest.raises(SaveTimeoutError):
+        wait_for_all([pending], 0.0)
+    o.pending.raise_unobserved()  # the failure was raised once, by wait_for_all
+
+
 def test_a_step_another_rank_skipped_resolves_as_skipped_and_is_never_raised_later():
     o = Owner()
     h = o.handle(7, "a-1")
