@@ -175,7 +175,7 @@ class Checkpointer(RootReader):
             # Last: a rank whose constructor failed before this and is made again would otherwise
             # count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
             incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-            self._tries = StepTries(self.env, incarnation, self._link, self._ensure_connected)
+            self._tries = StepTries(self.env, incarnation, self._link, weakly(self._ensure_connected))
         except BaseException:
             self._disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
@@ -358,7 +358,8 @@ class Checkpointer(RootReader):
         are lazy snapshots while an optimizer is attached: the fence is then guaranteed before
         every update, and a lazy snapshot costs the loop least (see the README's "Choosing a
         snapshot mode"); after the last ``remove()`` they are fork/DMA snapshots again."""
-        return self._ring.attach(optimizer.register_step_pre_hook(lambda *_: self.before_update()), optimizer)
+        fence = weakly(self.before_update)  # the ring holds the optimizer, which holds the hook
+        return self._ring.attach(optimizer.register_step_pre_hook(lambda *_: fence()), optimizer)
 
     def due(self, step: int) -> bool:
         """policy="auto": whether to save at ``step``; call it once per training step on every rank.
@@ -512,10 +513,11 @@ class Checkpointer(RootReader):
 
     def _daemon_lost(self, reason: str) -> None:
         """Fail every pending save and drop the ring: nobody owns it any more."""
-        self._link.close_socket()
-        self._pending.daemon_lost(reason)
-        self._ring.quiesce(daemon_gone=True)
-        self._ring.drop(unlink=True)
+        with contextlib.ExitStack() as teardown:  # the ring is dropped whatever quiesce() raises
+            teardown.callback(self._ring.drop, unlink=True)
+            self._link.close_socket()
+            self._pending.daemon_lost(reason)
+            self._ring.quiesce(daemon_gone=True)
 
     def _known_to_daemon(self, act: Callable[[], Any], again: Callable[[], None] = lambda: None) -> Any:
         """``act()``; once more (after ``again()``) when the daemon refused it as from an unknown

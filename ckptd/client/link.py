@@ -22,7 +22,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
@@ -276,14 +276,16 @@ class DaemonLink:
             )
 
 
-def weakly(method: Callable[[Message], None]) -> Callable[[Message], None]:
-    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+def weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` called through a weak reference to its object (a no-op once it is gone): what a
+    Checkpointer hands the objects it owns (its link, its tries, an optimizer's hook), so that one
+    dropped without close() is freed at once rather than by the cyclic collector."""
     ref = weakref.WeakMethod(method)
 
-    def call(msg: Message) -> None:
+    def call(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound(msg)
+            bound(*args)
 
     return call
 

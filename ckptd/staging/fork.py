@@ -171,6 +171,7 @@ def fork_started(
             finally:
                 os._exit(1)  # run() exits by itself; this only catches an escape
         os.close(w)
+        started = False
         try:
             # poll(), not select(): a trainer may hold more than 1,024 descriptors. It retries
             # after a signal with the time left (PEP 475).
@@ -179,10 +180,13 @@ def fork_started(
             started = bool(poller.poll(start_timeout_s * 1000)) and os.read(r, 1) == b"\1"
         finally:
             os.close(r)
+            if not started:
+                # Also on an exception here (a KeyboardInterrupt): nobody would track the child,
+                # and the save's ring range it copies into would be handed back.
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         if started:
             return pid
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
         log.warning(
             "snapshot process %d did not start within %.1f s (try %d of %d; stuck in the interpreter's "
             "after-fork code, CPython gh-112275 before Python 3.12): killed it%s",

@@ -75,3 +75,34 @@ def test_a_step_committed_by_another_attempt_is_not_called_this_saves(tmp_path):
     stamp_commits(root, [2, 1])
     (root / "latest").write_text("iter_0000001\n")
     assert "is not in place now" in daemon_lost_reason("died", 2, path, "0123456789ab-1")
+
+
+@pytest.mark.timeout(120)
+def test_the_ring_of_a_lost_daemon_is_dropped_even_when_stopping_its_producers_fails(tmp_path, monkeypatch):
+    """Losing the daemon fails the pending saves, stops the ring's producers and drops the ring. A
+    producer that would not stop (quiesce raising) left the dead daemon's ring in place, and every
+    later SAVE to the next daemon was refused for naming a ring it does not know."""
+    from ckptd.client.rankring import RankRing
+    from ckptd.errors import StagingError
+
+    quiesce = RankRing.quiesce
+
+    def failing(self, *args, **kwargs):
+        if kwargs.get("daemon_gone"):
+            raise StagingError("the lazy copier did not stop (injected)")
+        return quiesce(self, *args, **kwargs)
+
+    with single_job(tmp_path, monkeypatch) as job:
+        job.committed(1)
+        monkeypatch.setattr(RankRing, "quiesce", failing)
+        job.fault("hang __*")
+        h = job.ckpt.save(state_dict(2), step=2)
+        _kill_daemon_when(job, "injected fault: the open of")
+        with pytest.raises(StagingError, match="injected"):
+            h.wait(timeout_s=30)
+        monkeypatch.setattr(RankRing, "quiesce", quiesce)
+        with pytest.raises(ckptd.SaveFailedError, match="not in place now"):
+            h.wait(timeout_s=30)
+        assert job.ckpt._ring.current is None
+        job.committed(3)
+        loads_bit_exact(job.ckpt, 3)

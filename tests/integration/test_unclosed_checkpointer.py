@@ -102,3 +102,35 @@ def test_a_snapshot_child_holds_none_of_the_trainers_descriptors(tmp_path, runti
         if pids.exists():
             os.kill(int(pids.read_text()), signal.SIGCONT)
     wait_until(lambda: (root / "iter_0000001" / "metadata.json").exists(), 60, "step 1 to commit")
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_checkpointer_with_an_attached_optimizer_is_freed_at_once(tmp_path, runtime_dir, single_process):
+    """Without the cyclic collector: the optimizer's step hook and the attempt counter held the
+    Checkpointer strongly while it held them (through its ring and its tries), so one dropped
+    without close() lived on, connection and ring included, until a collection found the cycle."""
+    import gc
+    import weakref
+
+    import torch
+
+    import ckptd
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0)
+    gc.collect()
+    gc.disable()
+    try:
+        ckpt = ckptd.Checkpointer(tmp_path / "root", config=cfg)
+        ckpt.attach(opt)
+        sd = {"w": ckptd.ShardedTensor.from_rank_offsets("w", model.weight.detach())}
+        ckpt.save(sd, step=1).wait(timeout_s=60)
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # the hook fences
+        gone = weakref.ref(ckpt)
+        del ckpt
+        assert gone() is None
+        opt.step()  # a hook of a Checkpointer that is gone does nothing
+    finally:
+        gc.enable()

@@ -250,6 +250,24 @@ def test_when_no_child_starts_there_is_no_snapshot_and_no_process_left(monkeypat
     assert len(pids) == 2 and all(_gone(p) for p in pids)
 
 
+@pytest.mark.timeout(60)
+def test_a_child_whose_parent_is_interrupted_while_it_starts_is_killed(monkeypatch):
+    """A KeyboardInterrupt while the parent waited for the child's word left the child running,
+    untracked, while the save's ring range it copies into was handed back to the next save."""
+    import signal as signals
+
+    pids = _fork_stuck_in(monkeypatch, {1})
+    before = signals.signal(signals.SIGALRM, signals.default_int_handler)
+    signals.setitimer(signals.ITIMER_REAL, 0.2)  # a Ctrl-C while the parent waits
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fork_started(lambda: os._exit(0), start_timeout_s=30)
+    finally:
+        signals.setitimer(signals.ITIMER_REAL, 0)
+        signals.signal(signals.SIGALRM, before)
+    assert len(pids) == 1 and _gone(pids[0])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_forks_while_threads_create_thread_states_all_start():
