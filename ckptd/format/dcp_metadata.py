@@ -232,11 +232,12 @@ def _checksums(md: Metadata, where: Path | str) -> _Table:
     algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
     fn = checksum_for(version, algorithm)
     if fn is None:
-        # A newer writer's table: the checkpoint still loads, only without checksums.
-        log.warning(
-            "%s: checksum table of unknown version %r / algorithm %r; checksums ignored", where, version, algorithm
+        # Loading it without checksums would also load one whose table a flipped bit made unknown.
+        raise UnsupportedFormatError(
+            f"{where}: its checksum table ({CHECKSUMS_ATTR}) has version {version!r:.40} / algorithm "
+            f"{algorithm!r:.40}, which this ckptd does not know: written by a newer ckptd (upgrade ckptd "
+            "to load it), or damaged (load an earlier checkpoint)"
         )
-        return _Table()
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
         files = {str(k): int(v) for k, v in raw.get("files", {}).items()}
@@ -360,7 +361,12 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             for ch in entry.chunks:
                 offsets = _ints(getattr(ch, "offsets", None), where, f"a chunk offset of tensor '{fqn}'")
                 sizes = _ints(getattr(ch, "sizes", None), where, f"a chunk size of tensor '{fqn}'")
-                if len(offsets) != len(shape) or len(sizes) != len(shape):
+                if (
+                    len(offsets) != len(shape)
+                    or len(sizes) != len(shape)
+                    or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape))
+                ):
+                    # (A chunk outside the shape could also hide a gap in the chunks' coverage.)
                     raise CorruptCheckpointError(
                         f"{where}: tensor '{fqn}' of shape {shape} has a chunk "
                         f"at {offsets} of sizes {sizes}; the file is damaged"
@@ -384,7 +390,25 @@ def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> Checkpoint
             objects[fqn] = StoredObject(
                 fqn, rel, offset, length, table.items.get((fqn, ())), _is_shard_key(fqn, _planner_path(md, fqn))
             )
+    _check_table_keys(table, tensors, objects, where)
     return CheckpointIndex(tensors, objects, md, table.files.get(COMMON_PT), table.checksum, table.block_nbytes)
+
+
+def _check_table_keys(
+    table: _Table, tensors: dict[str, StoredTensor], objects: dict[str, StoredObject], where: Path | str
+) -> None:
+    """Every checksum the table records is of an item the checkpoint holds: the table's keys are
+    written apart from the items they name, so a flipped bit in one leaves that item looked up
+    without a checksum, and loaded unchecked."""
+    held = {(t.fqn, c.offsets) for t in tensors.values() for c in t.chunks} | {(o.fqn, ()) for o in objects.values()}
+    stray = sorted((set(table.items) | set(table.blocks)) - held)
+    if stray:
+        fqn, offsets = stray[0]
+        raise CorruptCheckpointError(
+            f"{where}: its checksum table ({CHECKSUMS_ATTR}) records {len(stray)} item(s) the checkpoint "
+            f"does not hold, first '{fqn:.200}' at offsets {offsets}; the file is damaged. Load an "
+            "earlier checkpoint."
+        )
 
 
 def _block_crcs(

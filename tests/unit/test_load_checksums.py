@@ -287,3 +287,67 @@ def test_a_malformed_block_checksum_table_is_refused_before_anything_is_read(tmp
     (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CorruptCheckpointError, match="checksum table"):
         read_index(tmp_path / "c")
+
+
+def _rewrite_table(ckpt: Path, change) -> None:
+    import pickle
+
+    from ckptd.format.dcp_metadata import CHECKSUMS_ATTR
+
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # ckptd's own intact file
+    change(getattr(md, CHECKSUMS_ATTR), md)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_a_damaged_checksum_table_never_turns_checksums_off(tmp_path):
+    """A flipped bit in the table's version loaded the checkpoint without any checksum (a warning
+    only), and one in an item's key loaded that item unchecked."""
+    from ckptd import UnsupportedFormatError
+
+    make_checkpoint(tmp_path / "c")
+    ckptd.load(request(), tmp_path / "c")
+    c = chunk(tmp_path / "c", "layer.weight", 1)
+    flip_bit(tmp_path / "c" / c.relative_path, c.file_offset + c.length - 200)  # bit rot as well
+    import shutil
+
+    shutil.copytree(tmp_path / "c", tmp_path / "v")
+    _rewrite_table(tmp_path / "v", lambda t, md: t.update(version=t["version"] + 1))
+    with pytest.raises(UnsupportedFormatError, match="newer ckptd .* or damaged"):
+        ckptd.load(request(), tmp_path / "v")
+
+    def move_key(table, md):
+        key = next(k for k in table["items"] if k[0] == "layer.weight" and tuple(k[1]) == (4, 0))
+        table["items"][(key[0], (6, 0))] = table["items"].pop(key)
+
+    _rewrite_table(tmp_path / "c", move_key)
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"records 1 item\(s\) the checkpoint does not hold, first 'layer.weight' at offsets \(6, 0\)",
+    ):
+        ckptd.load(request(), tmp_path / "c")
+
+
+def test_a_chunk_outside_its_tensor_is_damage_even_where_shapes_may_differ(tmp_path):
+    """Chunks [0, 5) and [6, 11) of a tensor of shape (10,) cover 10 elements: with
+    allow_shape_mismatch the load took that for complete, left element 5 zero and filled index 10
+    from the chunk past the end."""
+    ckptd.save({"w": ST.from_rank_offsets("w", torch.arange(10.0))}, tmp_path / "c")
+
+    def split(table, md):
+        import copy
+
+        entry = md.state_dict_metadata["w"]
+        ((index, info),) = [(k, v) for k, v in md.storage_data.items() if k.fqn == "w"]
+        second = copy.deepcopy(entry.chunks[0])
+        entry.chunks[0].sizes = torch.Size([5])
+        second.offsets, second.sizes = torch.Size([6]), torch.Size([5])
+        entry.chunks.append(second)
+        md.storage_data[type(index)("w", torch.Size([6]), None)] = info
+        table["items"].clear()
+        table.get("blocks", {}).clear()
+
+    _rewrite_table(tmp_path / "c", split)
+    with pytest.raises(
+        CorruptCheckpointError, match=r"tensor 'w' of shape \(10,\) has a chunk at \(6,\) of sizes \(5,\)"
+    ):
+        ckptd.load({"w": ST.from_rank_offsets("w", torch.zeros(11), allow_shape_mismatch=True)}, tmp_path / "c")
