@@ -104,7 +104,7 @@ def load_agreed(
     stats = kwargs.get("stats") or LoadStats()
     kwargs["stats"] = stats
     removed: set[str] = set()
-    polluted_by: str | None = None  # the damaged checkpoint whose load copied into the request
+    polluted_by: str | None = None  # the checkpoint whose failed load copied into the request, and why it failed
     while True:
         candidate = choose()
         name = candidate.name
@@ -136,7 +136,7 @@ def load_agreed(
                 candidate.fallback,
             )
             if any(w for _, w in gathered):
-                kwargs, polluted_by = _raising_unexpected(kwargs), polluted_by or name
+                kwargs, polluted_by = _raising_unexpected(kwargs), polluted_by or f"the damaged {name}"
         elif (
             all(issubclass(k, CheckpointNotFoundError) for k in kinds)
             and name not in removed
@@ -145,12 +145,15 @@ def load_agreed(
         ):
             removed.add(name)
             log.info("rank %d: %s was removed while it was being loaded; loading the latest again", rank, name)
+            if any(w for _, w in gathered):  # the next latest may lack keys it filled, as after damage
+                kwargs = _raising_unexpected(kwargs)
+                polluted_by = polluted_by or f"{name}, removed or replaced while it was loaded"
         elif polluted_by is not None and all(issubclass(k, LoadMismatchError) for k in kinds):
             raise LoadMismatchError(
-                f"loading {candidate.target} failed: {detail}. The resume fell back to it from the damaged "
+                f"loading {candidate.target} failed: {detail}. The resume fell back to it from "
                 f"{polluted_by}, whose load had already filled part of the state dict: a key {name} lacks "
-                f"would keep those values, so it is an error here whatever `strict` says. Restore "
-                f"{polluted_by}, or load {name} explicitly into a state dict made anew"
+                f"would keep those values, so it is an error here whatever `strict` says. Load {name} "
+                "explicitly into a state dict made anew"
             ) from error
         elif error is not None:
             raise error

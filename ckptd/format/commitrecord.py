@@ -108,6 +108,7 @@ def _objects_ok(objects: object) -> bool:
     return isinstance(objects, dict) and all(
         isinstance(name, str)
         and isinstance(info, dict)
+        and "nbytes" in info  # every reader takes an object's size from it
         and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in info.items())
         for name, info in objects.items()
     )

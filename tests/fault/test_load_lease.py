@@ -180,6 +180,31 @@ def test_a_resume_whose_checkpoint_is_replaced_mid_load_loads_the_new_one(tmp_pa
     assert torch.equal(out["w"], torch.full((512, 64), 2.0))
 
 
+def test_a_resume_whose_checkpoint_is_replaced_mid_load_never_keeps_its_values_for_keys_the_new_one_lacks(
+    tmp_path,
+):
+    """The replaced load had filled the request already: a key the re-save lacks kept the replaced
+    checkpoint's values under a `strict` that skips such keys, silently. It is an error now, as
+    after a fallback past damage."""
+    from ckptd import LoadMismatchError
+    from ckptd.client.resume import load_latest
+
+    root = tmp_path / "root"
+    old, new = root / step_dir_name(20), root / "iter_0000020.a1b2c3.tmp"
+    ckptd.save({k: ShardedTensor.from_rank_offsets(k, torch.full((256, 64), 1.0)) for k in ("w", "extra")}, old)
+    ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((256, 64), 2.0))}, new)
+
+    def commit_the_resave() -> None:
+        with Dir.open(root) as rootd:
+            publish_step(rootd, 20, new.name, replaced=True, fsync=False, opener=default_opener, megatron_tracker=False)
+
+    (root / TRACKER_FILE).write_bytes(tracker_bytes(step_dir_name(20)))
+    req = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 64)) for k in ("w", "extra")}
+    kwargs = {"stats": ActsMidLoad(commit_the_resave), "strict": "log_unexpected"}
+    with pytest.raises(LoadMismatchError, match="iter_0000020, removed or replaced while it was loaded"):
+        load_latest(root, req, {}, 0, kwargs)  # before: "extra" kept the replaced checkpoint's 1.0s
+
+
 def test_a_resume_whose_choice_is_removed_while_it_is_checked_chooses_again(tmp_path, monkeypatch):
     """Retention removed the checkpoint the tracker named (a newer one committed) between the scan
     and the structural check of a resume: the check raised CheckpointNotFoundError out of the

@@ -57,6 +57,10 @@ def test_a_commit_record_carries_the_local_commit_it_copies():
     assert b"source" not in CommitRecord(seq=3, step=30, attempt="m", committed_unix_s=1.0).to_bytes()
     bad = rec.to_bytes().replace(b'"seq": 7', b'"seq": "7"')
     assert parse_commit_record(bad, "x") is None  # damaged: counted as committed before every recorded commit
+    # An object without its size (ckptd verify and a resume's structural check read it: KeyError).
+    sized = CommitRecord(seq=3, step=30, attempt="m", committed_unix_s=1.0, objects={"__0_0.m.distcp": {"nbytes": 9}})
+    assert parse_commit_record(sized.to_bytes(), "x") == sized
+    assert parse_commit_record(sized.to_bytes().replace(b'"nbytes": 9', b'"crc32c": 9'), "x") is None
 
 
 def test_a_damaged_local_copy_of_the_mirrors_commit_gives_way_to_the_mirrors_copy():
