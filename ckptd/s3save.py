@@ -5,7 +5,8 @@ rank 0 writes ``common.pt``, ``.metadata`` and, last, ``metadata.json``, which m
 complete (a reader finds no checkpoint before it exists). Data objects are named
 ``__<rank>_0.<token>.distcp`` with a token rank 0 draws for this save, so no key of an earlier or
 concurrent save is ever written; the metadata objects are created once (``If-None-Match: *``), so
-an existing checkpoint is never overwritten. A failed save removes its objects again.
+an existing checkpoint is never overwritten. A failed save removes its objects again, and of the
+metadata objects only those it created (a save that lost the race never removes the winner's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class S3SaveTarget:
     def __init__(self, location: S3Location) -> None:
         self.location = location
         self.client = S3Client(location)
+        self.created: list[str] = []  # the metadata objects this save created (rank 0)
 
     @staticmethod
     def new_token() -> str:
@@ -68,8 +70,14 @@ class S3SaveTarget:
         validate_records(records)
         meta = metadata_pickle(records, str(self.location), crc32c(common), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
-                self.client.put(name, data, create_only=True)
+            # common.pt first, without a read-back: two saves' can be equal byte for byte. Only the
+            # save that created it gets to write .metadata, which names its token (so a read-back
+            # tells), and only the one that created .metadata writes metadata.json.
+            self.client.put(COMMON_PT, common, create_only=True)
+            self.created.append(COMMON_PT)
+            for name, data in ((DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
+                self.client.create(name, data, if_unknown="if it was, this save's removal leaves it")
+                self.created.append(name)
         except FileExistsError as exc:
             raise CheckpointExistsError(f"{self.location} was written by another save meanwhile ({exc})") from None
         except StorageError as exc:
@@ -80,13 +88,17 @@ class S3SaveTarget:
 
     def remove_partial(self, rank: int, world_size: int, token: str) -> None:
         """Undo a failed save: each rank its data object; rank 0 every rank's and the metadata
-        objects (only while ``metadata.json`` is absent: nothing else was ever there)."""
-        if self.client.head(METADATA_JSON) is not None:
-            return
+        objects it created itself (a concurrent save's are that save's). Nothing once this save is
+        complete (its ``metadata.json`` there, over its own ``.metadata``: the write's answer was
+        lost), or when the store cannot tell."""
         names = [self.data_name(rank, token)]
         if rank == 0:
-            names = [self.data_name(r, token) for r in range(world_size)] + [COMMON_PT, DCP_METADATA]
+            names = [self.data_name(r, token) for r in range(world_size)] + self.created
         try:
+            if METADATA_JSON in self.created:
+                return
+            if (rank != 0 or DCP_METADATA in self.created) and self.client.head(METADATA_JSON) is not None:
+                return  # (ranks but 0 cannot tell whose it is: the data objects stay, as junk at worst)
             self.client.delete(names)
         except StorageError as exc:
             log.warning("could not remove the objects of a failed save of %s: %s", self.location, exc)

@@ -216,34 +216,7 @@ class S3Root:
     def _create(
         self, key: str, data: bytes, *, if_unknown: str = "if it was, the attempt's removal removes it"
     ) -> None:
-        """Create ``key`` holding ``data`` (``If-None-Match: *``); FileExistsError when another
-        writer's object is there.
-
-        A create the store applied can fail at the client: its response lost, obstore's retry of
-        it gets 412 (FileExistsError), or the last try times out (StorageError). Failing the save
-        then would leave this attempt's object behind (a commit record: the step committed though
-        its ranks were told it aborted), so the object is read back and counts as created when it
-        holds exactly ``data`` (a commit record names its attempt, seq and time: no other
-        writer's is equal). ``if_unknown`` says what follows when it cannot be read back."""
-        try:
-            self.client.put(key, data, create_only=True)
-            return
-        except (FileExistsError, StorageError) as exc:
-            failure: Exception = exc
-        try:
-            got = self.client.get(key, len(data), "object")
-        except CorruptCheckpointError:  # larger than ``data``: another writer's
-            got = None
-        except StorageError as exc:
-            raise StorageError(
-                f"the create-only write of {self.client.url(key)} failed ({failure}) and reading it back "
-                f"failed too ({exc}), so whether the store wrote it is unknown ({if_unknown}); check the "
-                "store (AWS_ENDPOINT_URL, the network)"
-            ) from failure
-        if got is not None and got[0] == data:
-            log.info("%s was created, though its write reported: %s", self.client.url(key), failure)
-            return
-        raise failure
+        self.client.create(key, data, if_unknown=if_unknown)
 
     def _point_tracker(self, name: str) -> None:
         """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""

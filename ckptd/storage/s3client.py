@@ -277,6 +277,38 @@ class S3Client:
         return [p.rstrip("/") for p in result["common_prefixes"]], [ObjectInfo.of(m) for m in result["objects"]]
 
     # --- writing --------------------------------------------------------------------------------
+    def create(self, key: str, data: bytes, *, if_unknown: str) -> None:
+        """Create ``key`` holding ``data`` (``If-None-Match: *``); FileExistsError when another
+        writer's object is there.
+
+        A create the store applied can fail at the client: its response lost, obstore's retry of
+        it gets 412 (FileExistsError), or the last try times out (StorageError). Failing the save
+        then would leave the writer's object behind, believed not written (a commit record: the
+        step committed though its ranks were told it aborted; ``ckptd.save``'s metadata: a
+        complete checkpoint reported failed), so the object is read back and counts as created
+        when it holds exactly ``data`` (a commit record names its attempt, seq and time, a
+        ``.metadata`` its save's token: no other writer's is equal). ``if_unknown`` says what
+        follows when it cannot be read back."""
+        try:
+            self.put(key, data, create_only=True)
+            return
+        except (FileExistsError, StorageError) as exc:
+            failure: Exception = exc
+        try:
+            got = self.get(key, len(data), "object")
+        except CorruptCheckpointError:  # larger than ``data``: another writer's
+            got = None
+        except StorageError as exc:
+            raise StorageError(
+                f"the create-only write of {self.url(key)} failed ({failure}) and reading it back "
+                f"failed too ({exc}), so whether the store wrote it is unknown ({if_unknown}); check the "
+                "store (AWS_ENDPOINT_URL, the network)"
+            ) from failure
+        if got is not None and got[0] == data:
+            log.info("%s was created, though its write reported: %s", self.url(key), failure)
+            return
+        raise failure
+
     def put(
         self, key: str, data: bytes | memoryview, *, create_only: bool = False, if_match: str | None = None
     ) -> str | None:

@@ -220,3 +220,49 @@ def test_a_create_only_write_that_cannot_be_read_back_fails_saying_so(s3_bucket,
     root.abort(20, _attempt(20))  # the coordinator's abort: the commit object is this attempt's
     assert root.recover(nnodes=1).finished == "iter_0000020"
     _committed_and_latest(root, 20, _attempt(20))
+
+
+@pytest.mark.timeout(60)
+def test_a_synchronous_save_whose_metadata_json_write_lost_its_response_succeeds(s3_bucket, monkeypatch):
+    """ckptd.save to S3: the store wrote ``metadata.json``, the client timed out. The save reported
+    "Nothing was committed" for a complete checkpoint (and its retry, by the precondition, said
+    another save had written the prefix)."""
+    from ckptd.s3save import S3SaveTarget
+
+    url = f"s3://{s3_bucket}/sync-lost/ckpt"
+    init = S3SaveTarget.__init__
+
+    def faulty(self: S3SaveTarget, location: Any) -> None:
+        init(self, location)
+        _fault(monkeypatch, self.client, METADATA_JSON, then="retry")
+
+    monkeypatch.setattr(S3SaveTarget, "__init__", faulty)
+    ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
+    monkeypatch.setattr(S3SaveTarget, "__init__", init)
+    assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.arange(8.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_synchronous_save_that_loses_the_race_leaves_the_winners_metadata(s3_bucket, monkeypatch):
+    """Two ckptd.save to one prefix: the one whose common.pt create finds the other's there fails,
+    and its clean-up removed the other's common.pt and .metadata, so the winner, reporting success,
+    wrote a checkpoint that could not be loaded."""
+    from ckptd.s3save import S3SaveTarget
+
+    url = f"s3://{s3_bucket}/sync-race/ckpt"
+    finalize = S3SaveTarget.finalize
+    winner: dict[str, bytes] = {}
+
+    def the_other_save_first(self: S3SaveTarget, records: Any, common: bytes) -> None:
+        monkeypatch.setattr(S3SaveTarget, "finalize", finalize)
+        ckptd.save({"w": torch.full((8,), 7.0)}, parse_location(url))  # checks, uploads, finalizes first
+        winner.update({n: self.client.get(n, 1 << 20)[0] for n in (COMMON_PT, DCP_METADATA, METADATA_JSON)})
+        finalize(self, records, common)
+
+    monkeypatch.setattr(S3SaveTarget, "finalize", the_other_save_first)
+    with pytest.raises(CheckpointExistsError, match="written by another save meanwhile"):
+        ckptd.save({"w": torch.full((8,), 1.0)}, parse_location(url))
+    client = S3Client(parse_location(url))
+    assert {n: client.get(n, 1 << 20)[0] for n in winner} == winner
+    assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.full((8,), 7.0))
+    assert len([i for i in client.list_objects("") if i.key.endswith(".distcp")]) == 1  # the loser's removed
