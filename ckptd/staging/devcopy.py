@@ -91,7 +91,8 @@ class DeviceCopier:
     :meth:`land` (lazy: the fence needs only every copy *issued*); :meth:`abort` on failure.
     ``ready`` (lazy) holds an event per device recorded at ``save()``, which the copies wait for
     instead of the current streams; a wait for ring space gives up at once when ``stop()``
-    (closing). :attr:`waited_s` is the time spent waiting for ring space or pinning.
+    (closing), and ``cancel()`` true before an item stops the copy there. :attr:`waited_s` is the
+    time spent waiting for ring space or pinning.
     """
 
     def __init__(
@@ -101,12 +102,14 @@ class DeviceCopier:
         pin_timeout_s: float,
         ready: dict[Any, Any] | None = None,
         stop: Callable[[], bool] | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> None:
         self.ring = ring
         self.block = block
         self.pin_timeout_s = pin_timeout_s
         self.ready = ready
         self.stop = stop
+        self.cancel = cancel  # checked before each item (the lazy copier: stop copying at once)
         self.waited_s = 0.0
         self._streams: dict[Any, Any] = {}
         self._device_current = False  # whether the one device copied from is this thread's current one
@@ -125,6 +128,13 @@ class DeviceCopier:
         as StagingError naming the item."""
         ring = self.ring
         for index in range(first, len(items)):
+            if self.cancel is not None and self.cancel():
+                # Closing (the save was abandoned at its deadline), or the daemon is gone: copying
+                # on would read the trainer's tensors after close() returned.
+                raise StagingError(
+                    f"rank {ring.rank}: the copy stopped before {items[index].record.where()}: the "
+                    "Checkpointer was closed or its node daemon is gone"
+                )
             item, p = items[index], placements[index]
             v = start + p.offset
             if not wait and not ring.writer.has_room(v + p.nbytes):

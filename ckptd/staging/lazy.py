@@ -276,7 +276,8 @@ class LazyCopier:
         that) and published once they landed, in order (ckptd.staging.devcopy)."""
         ring = job.ring
         # A wait for ring space gives up at once when the Checkpointer closes or the daemon is gone.
-        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._gives_up)
+        # ... and so does the copy itself, before its next item (it would read the trainer's tensors after close()).
+        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._gives_up, self._gives_up)
         try:
             copier.produce(job.start, job.items, job.placements)
             copier.flush()

@@ -404,6 +404,31 @@ def test_a_lazy_copy_waiting_for_room_gives_up_at_once_when_the_daemon_is_gone(r
 
 
 @pytest.mark.timeout(60)
+def test_a_lazy_copy_still_running_when_close_gives_up_stops_before_its_next_item(rings, monkeypatch):
+    """close() abandons a lazy save not copied by its deadline: the copier went on copying it to the
+    end, reading the trainer's tensors (and issuing device copies) after close() returned."""
+    ring, _ = rings
+    produce = StagingRing.produce
+    copied: list[int] = []
+
+    def slow(self, item, p, v):  # each item takes a while: the save is copying at the deadline
+        time.sleep(0.05)
+        copied.append(v)
+        return produce(self, item, p, v)
+
+    monkeypatch.setattr(StagingRing, "produce", slow)
+    items = _items([torch.randn(256) for _ in range(60)], b"x")
+    placements, _ = place(items)
+    block, start = ring.claim(placements)
+    copier = LazyCopier(0, timeout_s=30.0)
+    copier.start(ring, Claim(step=1, block=block, start=start, items=items, placements=placements)).after_ack()
+    assert copier.stop(time.monotonic() + 0.2)  # the thread stops soon after the deadline
+    n = len(copied)
+    time.sleep(0.3)
+    assert len(copied) == n < len(items)
+
+
+@pytest.mark.timeout(60)
 def test_waiting_for_the_lazy_copier_waits_until_a_fenced_save_is_sealed(rings, monkeypatch):
     """wait_all() (before the ring is unmapped: the daemon lost, the Checkpointer closing) returns
     only once the copier wrote the seal of every save handed to it, also of one fenced before (a
