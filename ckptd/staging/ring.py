@@ -21,8 +21,8 @@ around the end of the ring: the producer writes it in two ``pwrite`` calls, and 
 the data region twice, back to back (:class:`RingMap`), so every item is one contiguous view
 there. An item larger than the capacity is stored as several chunks (:func:`split_items`).
 
-The producer side uses only ``os`` and ``ctypes``: it also runs in a forked snapshot child, which
-must not call into torch.
+The producer side uses only ``os``, ``mmap`` and ``ctypes``: it also runs in a forked snapshot
+child, which must not call into torch.
 """
 
 from __future__ import annotations
@@ -108,16 +108,24 @@ class RingFull(Exception):
 
 
 class RingWriter:
-    """The producer's access to a ring through its segment's descriptor (``pwrite``/``pread``)."""
+    """The producer's access to a ring through its segment's descriptor: data by ``pwrite``, the
+    header's 8-byte counters through a mapping of the header page, as single aligned 8-byte loads
+    and stores. A ``pread``/``pwrite`` of them is the kernel's copy, which may move one byte at a
+    time (``rep movsb``): a ``consumed`` read while the daemon updates it could mix new and old
+    bytes and let the producer overwrite bytes not persisted yet, and a torn ``progress`` let the
+    daemon write items not produced yet."""
 
     def __init__(self, fd: int, capacity: int, timeout_s: float, alive: Callable[[], bool] | None = None) -> None:
         self.fd = fd
         self.capacity = capacity
         self.timeout_s = timeout_s
         self.alive = alive  # whether the consumer can still make room (checked while waiting)
+        # Unmapped with the writer (a forked child's goes with the child): the array holds the map.
+        header = mmap.mmap(fd, HEADER_NBYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._words = (ctypes.c_uint64 * (HEADER_NBYTES // 8)).from_buffer(header)
 
     def consumed(self) -> int:
-        return int.from_bytes(os.pread(self.fd, 8, CONSUMED_AT), "little")
+        return int(self._words[CONSUMED_AT // 8])
 
     def has_room(self, v_end: int) -> bool:
         return self.consumed() >= v_end - self.capacity
@@ -148,7 +156,7 @@ class RingWriter:
             view, v = view[done:], v + done
 
     def publish(self, block: int, value: int) -> None:
-        os.pwrite(self.fd, value.to_bytes(PROGRESS_NBYTES, "little"), block_offset(block) + SEAL_NBYTES)
+        self._words[(block_offset(block) + SEAL_NBYTES) // 8] = value
 
     def seal(self, block: int, seal: bytes) -> None:
         os.pwrite(self.fd, seal, block_offset(block))
