@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -113,11 +114,35 @@ class DataFiles:
                 f"data file {self.directory / relative_path} is truncated: {what} needs bytes "
                 f"[{offset}, {offset + length}) but the file has {size}. Load an earlier checkpoint."
             )
-        f.seek(offset)
-        data = f.read(length)
+        try:
+            f.seek(offset)
+            data = f.read(length)
+        except OSError as exc:
+            where = f"{what} (bytes [{offset}, {offset + length}) of {self.directory / relative_path})"
+            damage = media_error(exc, where)
+            if damage is None:
+                raise
+            raise damage from exc
         if len(data) != length:
             raise CorruptCheckpointError(f"short read of {what} from {self.directory / relative_path}")
         return data
+
+
+# What a disk answers for bytes it cannot return (a bad sector; bit rot a checksumming filesystem
+# such as btrfs or ZFS found): damage to fall back past, as a checksum mismatch is.
+MEDIA_ERRNOS = frozenset({errno.EIO, errno.EUCLEAN})
+
+
+def media_error(exc: OSError, what: str) -> CorruptCheckpointError | None:
+    """The CorruptCheckpointError for ``exc`` raised reading ``what`` (naming item, file and byte
+    range) when it says the bytes are lost; None for other errors."""
+    if exc.errno not in MEDIA_ERRNOS:
+        return None
+    return CorruptCheckpointError(
+        f"{what}: the disk could not return its bytes ({os.strerror(exc.errno or 0)}, "
+        f"{errno.errorcode.get(exc.errno or 0, '?')}): the checkpoint is damaged. Load an earlier checkpoint; "
+        "check the disk (dmesg, the filesystem's scrub)"
+    )
 
 
 def check_checksum(data: Any, recorded: int | None, checksum: Checksum | None, what: str) -> None:

@@ -47,7 +47,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.checksum import Checksum, unpack_blocks
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
-from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes
+from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes, media_error
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
@@ -308,7 +308,7 @@ class _Executor:
                 for off, piece in self._blocks(fd, data_end, end, probed):
                     crc.add(off, piece)
             if crc.ok and crc.pos == end:
-                checksum_mismatch(crc.value, recorded, checksum, self._item_what(entry))
+                checksum_mismatch(crc.value, recorded, checksum, self.item_what(entry))
                 self.stats.items_verified += 1
             else:  # not fed in file order: check it by reading it again
                 self._verify_by_reading(fd, entry, checksum, recorded, [])
@@ -320,7 +320,7 @@ class _Executor:
         else:
             self.stats.items_unverified += 1
 
-    def _item_what(self, entry: ItemReads) -> str:
+    def item_what(self, entry: ItemReads) -> str:
         item = entry.item
         return (
             f"{entry.what} chunk at offsets {tuple(item.offsets)} (bytes [{item.file_offset}, "
@@ -349,7 +349,7 @@ class _Executor:
         crc = _RunningCrc(checksum, item.file_offset)
         for off, piece in self._blocks(fd, item.file_offset, item.file_offset + item.length, probed):
             crc.add(off, piece)
-        checksum_mismatch(crc.value, recorded, checksum, self._item_what(entry))
+        checksum_mismatch(crc.value, recorded, checksum, self.item_what(entry))
         self.stats.items_verified += 1
 
     def _verify_blocks(self, fd: int, entry: ItemReads, layout: RawLayout, checksum: Checksum) -> None:
@@ -368,7 +368,7 @@ class _Executor:
             end = min(item.file_offset + item.length, start + size)
             buf = byte_view(self._scratch_bytes(end - start))
             self._preadv(fd, [buf], start, entry.what)
-            what = f"{self._item_what(entry)}, block {k} (bytes [{start}, {end}))"
+            what = f"{self.item_what(entry)}, block {k} (bytes [{start}, {end}))"
             checksum_mismatch(checksum(buf, 0), crcs[k], checksum, what)
         self.stats.items_verified += 1
 
@@ -379,7 +379,7 @@ class _Executor:
         self.stats.read_calls += 1
         self.stats.bytes_read += len(data)
         if self.checksum is not None and item.crc is not None:
-            check_checksum(data, item.crc, self.checksum, self._item_what(entry))
+            check_checksum(data, item.crc, self.checksum, self.item_what(entry))
             self.stats.items_verified += 1
         source = load_tensor_bytes(data, entry.what, item.relative_path)
         del data
@@ -583,7 +583,13 @@ def execute(
         files.prefetch([(e.item.relative_path, e.item.file_offset, e.item.length) for e in order])
         try:
             for entry in order:
-                ex.run_item(entry)
+                try:
+                    ex.run_item(entry)
+                except OSError as exc:
+                    damage = media_error(exc, ex.item_what(entry))
+                    if damage is None:
+                        raise
+                    raise damage from exc
         finally:
             if ex.helper is not None:
                 ex.helper.shutdown(wait=True)

@@ -5,6 +5,7 @@ back to the newest intact checkpoint with a warning, every rank alike."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,34 @@ def test_a_chunk_outside_its_tensor_is_damage_even_where_shapes_may_differ(tmp_p
         CorruptCheckpointError, match=r"tensor 'w' of shape \(10,\) has a chunk at \(6,\) of sizes \(5,\)"
     ):
         ckptd.load({"w": ST.from_rank_offsets("w", torch.zeros(11), allow_shape_mismatch=True)}, tmp_path / "c")
+
+
+def test_a_disk_that_cannot_return_the_bytes_is_damage_a_resume_falls_back_past(tmp_path, monkeypatch, caplog):
+    """An I/O error reading a data file (a bad sector; bit rot btrfs or ZFS found) was a bare
+    OSError naming no file, and a resume raised it instead of falling back to an intact checkpoint."""
+    import errno
+
+    import ckptd.loading.execute as execute
+
+    root = make_root(tmp_path / "r", [1, 2], latest=2)
+    bad = str(root / step_dir_name(2))
+    real = {name: getattr(os, name) for name in ("pread", "preadv")}
+
+    def failing(name):
+        def read(fd, *args):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(bad):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real[name](fd, *args)
+
+        return read
+
+    for name in real:
+        monkeypatch.setattr(execute.os, name, failing(name))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"tensor '.*' chunk at offsets .* of .*iter_0000002.*Input/output error"
+    ):
+        ckptd.load(request(), root / step_dir_name(2))
+    damaged: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING, logger="ckptd"):
+        out = load_latest(root, request(), damaged, 0, {})
+    assert out["iteration"] == 1 and list(damaged) == [step_dir_name(2)]
