@@ -462,3 +462,32 @@ def test_loading_a_step_of_an_s3_root_that_has_no_commit_object_is_refused(s3_bu
             assert torch.equal(w, torch.full((64,), 1.0)) and ckpt.latest() == 1
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_metadata_object_that_is_not_the_one_committed_is_damage(s3_bucket, runtime_dir):
+    """Every rank reads ``common.pt`` and ``.metadata`` whole: one the commit did not record (a
+    replaced or damaged object) fails the load, and a larger one is refused by the size the commit
+    recorded before its bytes are read (before: by a limit of 64 GiB)."""
+    from ckptd.format.layout import COMMON_PT
+
+    root = f"s3://{s3_bucket}/replaced"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            ckpt.save(_sd(torch.arange(64.0), 1), step=1).wait(timeout_s=60)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    client = S3Client(parse_location(root))
+    original = client.get(f"iter_0000001/{COMMON_PT}", 1 << 20)[0]
+    location = parse_location(f"{root}/iter_0000001")
+    for replacement, match in (
+        (bytes(len(original)), "is not the object its commit .* recorded"),
+        (original + bytes(1 << 20), r"common.pt \(its commit recorded \d+ bytes\) .* has \d+ bytes"),
+    ):
+        client.put(f"iter_0000001/{COMMON_PT}", replacement)
+        with pytest.raises(ckptd.CorruptCheckpointError, match=match):
+            ckptd.load(_sd(torch.zeros(64), -1), location)
+    client.put(f"iter_0000001/{COMMON_PT}", original)
+    w = torch.zeros(64)
+    ckptd.load(_sd(w, -1), location)
+    assert torch.equal(w, torch.arange(64.0))
