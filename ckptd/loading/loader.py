@@ -357,6 +357,9 @@ class _AllocationCheck:
         self.directory = directory
         self.source = source  # a data file may be elsewhere than in ``directory`` (ckptd.storage.nodeview)
         self.sizes: dict[str, int] = {}
+        # Across the request too: tensors whose items all point at the same bytes each pass the
+        # check above, and would allocate that many times the data files' size.
+        self.need_by_key: dict[str, int] = {}
 
     def check(self, sh: ShardedTensor, stored_dtype: torch.dtype) -> None:
         if sh.allow_shape_mismatch:
@@ -383,6 +386,15 @@ class _AllocationCheck:
                 f"{held} bytes in the data files ({', '.join(sorted(spans)[:3]) or 'none'}"
                 f"{', ...' if len(spans) > 3 else ''}; bytes that items share counted once); the "
                 "metadata contradicts the data (damaged). Nothing was allocated. Load an earlier checkpoint."
+            )
+        self.need_by_key[sh.key] = max(need, self.need_by_key.get(sh.key, 0))
+        needed, files = sum(self.need_by_key.values()), sum(self.sizes.values())
+        if needed > files:
+            raise CorruptCheckpointError(
+                f"tensor '{sh.key}': the {len(self.need_by_key)} tensors of this request described by .metadata of "
+                f"{self.directory} need {needed} bytes, but the {len(self.sizes)} data files they are stored in "
+                f"hold {files}: items of different tensors share bytes, so the metadata contradicts the data "
+                "(damaged). Load an earlier checkpoint."
             )
 
     def _size(self, relative_path: str) -> int:

@@ -131,3 +131,27 @@ def test_items_that_overlap_in_a_file_hold_their_bytes_once(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=hold):
         ckptd.load(ckptd.load_tensors_metadata(ckpt), ckpt)
     assert torch.equal(_load_x(ckpt), X)  # the genuine tensor still loads
+
+
+@pytest.mark.usefixtures("no_large_allocation")
+def test_tensors_whose_items_share_the_same_bytes_hold_them_once(tmp_path):
+    """Each of 40 tensors stored at the bytes of the genuine one passes the check above on its own
+    (its items hold its bytes), and load_plain_tensors kept every one: 40 times the data file's
+    size from one file. The request's tensors together are bounded by the files they are in."""
+    ckpt = _genuine(tmp_path / "c")
+    md: Any = pickle.loads((ckpt / ".metadata").read_bytes())
+    ((index, info),) = [(k, v) for k, v in md.storage_data.items() if k.fqn == "x"]
+    for n in range(40):
+        _add_tensor(
+            ckpt,
+            f"copy{n}",
+            torch.float32,
+            tuple(X.shape),
+            [((0,), tuple(X.shape))],
+            lambda *_: (info.offset, info.length),
+        )
+    with pytest.raises(
+        CorruptCheckpointError, match=r"the \d+ tensors of this request .* need \d+ bytes, but the 1 data files"
+    ):
+        ckptd.load_plain_tensors(ckpt)
+    assert torch.equal(_load_x(ckpt), X)
