@@ -88,7 +88,6 @@ from ..errors import (
     CkptdError,
     DaemonError,
     ProtocolError,
-    SaveFailedError,
     SaveSkippedError,
 )
 from ..format.items import split_large_items
@@ -436,19 +435,23 @@ class Checkpointer(RootReader):
         if self._closed:
             return
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout_s is None else timeout_s)
-        failed: SaveFailedError | None = None
+        failed: BaseException | None = None  # raised once closed: a save's failure, or the wait's error
         try:
             if wait and self._pending and self._link.connected:
                 self._ring.fence(deadline)
-                try:
-                    self.wait_all(max(0.0, deadline - time.monotonic()))
-                except SaveFailedError as exc:
-                    failed = exc  # nobody saw it (close's own wait marked it seen): raised once closed
-        finally:
-            self._closed = True
+                self.wait_all(max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the teardown
+            failed = exc
+        self._closed = True
+        try:
             with contextlib.ExitStack() as teardown:  # every step runs, whatever one raises
                 teardown.callback(self._finalizer.detach)
                 self._stop_producers(deadline)
+        except Exception as exc:
+            if failed is None:
+                raise
+            # The save's failure is what the caller must learn; the teardown's is logged.
+            log.warning("rank %d: closing failed too: %s: %s", self.env.rank, type(exc).__name__, exc)
         if failed is not None:
             raise failed
         self._pending.raise_unobserved()

@@ -48,6 +48,30 @@ def test_close_raises_the_failure_of_a_save_it_waited_for(tmp_path, single_proce
 
 
 @pytest.mark.timeout(120)
+def test_close_raises_the_save_failure_when_its_teardown_fails_too(tmp_path, single_process, runtime_dir, monkeypatch):
+    """A teardown step raising (here, stopping the producers) replaced the save's failure that
+    close() was about to raise: the caller learnt of the teardown only."""
+    from ckptd.client.checkpointer import Checkpointer
+
+    stop = Checkpointer._stop_producers
+
+    def failing(self, deadline):
+        stop(self, deadline)
+        raise OSError("injected: the teardown failed")
+
+    monkeypatch.setattr(Checkpointer, "_stop_producers", failing)
+    w = torch.randn(1000)
+    ckpt = ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir, snapshot="lazy"))
+    ckpt.save({"w": w}, step=1)
+    w.add_(1.0)  # before the fence: the step fails
+    with pytest.raises(SaveFailedError, match="step 1 was not committed"):
+        ckpt.close()
+    ckpt = ckptd.Checkpointer(tmp_path / "run", config=_config(runtime_dir))
+    with pytest.raises(OSError, match="injected"):  # nothing else to raise: the teardown's error is
+        ckpt.close()
+
+
+@pytest.mark.timeout(120)
 def test_wait_all_raises_a_failure_that_arrived_before_it_waited(tmp_path, single_process, runtime_dir):
     """The step's abort came in while training went on: wait_all() delivered it first, which took
     the handle out of the pending saves before it was waited for, and returned normally."""
