@@ -65,28 +65,22 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ..config import CkptdConfig, parse_budget
 from ..control.attempt import check_save_step
 from ..control.endpoints import Endpoints, JobEnv
 from ..control.protocol import (
-    Bye,
     LayoutOk,
     Message,
     RegisterLayout,
     Save,
     Status,
     StatusReply,
-    StepAborted,
-    StepCommitted,
-    WriteDone,
 )
 from ..errors import (
     CheckpointExistsError,
     CkptdError,
-    DaemonError,
     ProtocolError,
     SaveSkippedError,
 )
@@ -112,6 +106,7 @@ from .policy import AutoInterval
 from .rankring import RankRing
 from .reader import RootReader
 from .saveplanner import SavePlanner
+from .session import BYE_LINGER_S, DaemonSession
 from .settle import DaemonsInFlight
 from .stats import SaveRecord, SaveStats
 from .tiers import Levels
@@ -119,9 +114,8 @@ from .tries import StepTries
 
 log = logging.getLogger(__name__)
 
-_BYE_LINGER_MS = 1000  # closing: how long the BYE may take to leave
 # close(timeout_s) returns within timeout_s plus at most this (see Checkpointer._stop_producers).
-CLOSE_MARGIN_S = STOP_MARGIN_S + _BYE_LINGER_MS / 1000 + KILL_REAP_S
+CLOSE_MARGIN_S = STOP_MARGIN_S + BYE_LINGER_S + KILL_REAP_S
 
 
 class Checkpointer(RootReader):
@@ -160,6 +154,7 @@ class Checkpointer(RootReader):
             self.env.rank, self.env.local_world_size, self.endpoints.shm_prefix, self.config, self._link
         )
         self._pending = PendingSaves(self.env.rank, self._plain)  # handles in flight, failures not observed yet
+        self._session = DaemonSession(self.env.rank, self._link, self._ring, self._pending)
         self._stats = SaveStats()
         self._policy = (
             AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
@@ -174,9 +169,9 @@ class Checkpointer(RootReader):
             # Last: a rank whose constructor failed before this and is made again would otherwise
             # count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
             incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-            self._tries = StepTries(self.env, incarnation, self._link, weakly(self._ensure_connected))
+            self._tries = StepTries(self.env, incarnation, self._link, self._session.ensure_connected)
         except BaseException:
-            self._disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
+            self._session.disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
 
     # --- public API -------------------------------------------------------------------------
@@ -193,7 +188,7 @@ class Checkpointer(RootReader):
         with gc_paused():  # its per-item temporaries must not set off full collections
             sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
             tries = self._tries.count(step)
-            return self._known_to_daemon(
+            return self._session.known_to_daemon(
                 lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
             )
 
@@ -204,7 +199,7 @@ class Checkpointer(RootReader):
         # An earlier save's failure is raised here, but it is no failure of this step: nothing is
         # told to the other ranks (a SKIP would abort this step everywhere, and so on at each save).
         self._ring.fence()  # an earlier lazy save is decided before this one is planned
-        self._pump_quietly()
+        self._session.pump_quietly()
         self._pending.raise_unobserved()
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
@@ -217,7 +212,7 @@ class Checkpointer(RootReader):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
             plan = self._planner.plan(expand_stateful(sharded_state_dict))
             items, placements, nbytes = plan.items, plan.placements, plan.nbytes
-            self._ensure_connected()
+            self._session.ensure_connected()
             ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
             if any(p.nbytes > ring.capacity for p in placements):
                 items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
@@ -227,7 +222,7 @@ class Checkpointer(RootReader):
         if skip:  # its SKIP takes this try's attempt id itself
             return self._skip(step, t0, nbytes)
         with self._tries.announcing_failure(step):
-            self._ring.wait_block(ring, step, lambda s: self._idle(ring, s))
+            self._ring.wait_block(ring, step, lambda s: self._session.idle(ring, s))
             ring.check_room(ring.next_start, placements)  # a full /dev/shm fails here, cleanly
             block, start = ring.claim(placements)
             claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
@@ -235,7 +230,9 @@ class Checkpointer(RootReader):
             # Before the fork: while the child runs, every page the trainer writes is copied.
             wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
             try:
-                producer, waited_s = self._ring.start(ring, claim, self._link.daemon_pid, lambda s: self._idle(ring, s))
+                producer, waited_s = self._ring.start(
+                    ring, claim, self._link.daemon_pid, lambda s: self._session.idle(ring, s)
+                )
             except BaseException:
                 ring.unclaim(block, start, placements)  # nothing was sent, no child copies into it
                 self._layout.forget()
@@ -282,7 +279,7 @@ class Checkpointer(RootReader):
             self._link.announce(msg)
         except DaemonLostError as exc:
             producer.cancel()  # nobody reads the ring any more: nothing is written into it
-            self._daemon_lost(str(exc))
+            self._session.daemon_lost(str(exc))
             raise
         except (RequestNotTaken, ProtocolError) as exc:
             producer.cancel()
@@ -323,12 +320,12 @@ class Checkpointer(RootReader):
         background, but plans nothing.
         """
         self._check_open()
-        self._known_to_daemon(lambda: self._prepare(sharded_state_dict, wait))
+        self._session.known_to_daemon(lambda: self._prepare(sharded_state_dict, wait))
 
     def _prepare(self, sharded_state_dict: dict[str, Any], wait: bool) -> None:
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
         device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
-        self._ensure_connected()
+        self._session.ensure_connected()
         ring = self._ring.ensure(plan.nbytes, device=device)
         # Items larger than the ring are split by each save (on the GPU, for CUDA tensors).
         if all(p.nbytes <= ring.capacity for p in plan.placements):
@@ -376,7 +373,7 @@ class Checkpointer(RootReader):
 
     @property
     def pending(self) -> list[SaveHandle]:
-        self._pump_quietly()
+        self._session.pump_quietly()
         return self._pending.handles()
 
     def wait_all(self, timeout_s: float | None = None) -> None:
@@ -384,7 +381,7 @@ class Checkpointer(RootReader):
         finished), or SaveTimeoutError when saves are still pending at the timeout; also the failure
         of an earlier save nobody observed."""
         handles = self._pending.handles()  # before notifications resolve some and drop them
-        self._pump_quietly()
+        self._session.pump_quietly()
         wait_for_all(handles, timeout_s)
         self._pending.raise_unobserved()
 
@@ -392,23 +389,23 @@ class Checkpointer(RootReader):
         """This rank's save measurements: counters, last/mean/max of stall, ring wait, persist
         and commit latency over the recent saves, and those saves (see :mod:`ckptd.client.stats`).
         Delivers pending notifications first, so finished saves are counted."""
-        self._pump_quietly()
+        self._session.pump_quietly()
         return self._stats.as_dict()
 
     def status(self) -> dict[str, Any]:
         """The node daemon's status (rings, writes in flight, pending steps, coordinator)."""
         self._check_open()
-        self._ensure_connected()
+        self._session.ensure_connected()
         return self._link.request(Status(), StatusReply).info
 
     def _before_load(self, group: Any, *, resume: bool) -> None:
         """A load writes into the tensors a lazy save may still be copying: decide those saves
         first. A resume then settles what an earlier launch left with the node daemons
         (ckptd.client.settle)."""
-        self._drop_dead_daemon()
+        self._session.drop_dead_daemon()
         self._ring.fence()
         if resume:
-            daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._daemon_lost)
+            daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._session.daemon_lost)
             daemons.settle(
                 self.config.resume_wait_s,
                 shared_root=not self._levels.node_local,
@@ -419,7 +416,7 @@ class Checkpointer(RootReader):
     def _connected_link(self) -> DaemonLink | None:
         """The link to the node daemon, connected (None: this Checkpointer is closed)."""
         if not self._closed:
-            self._ensure_connected()
+            self._session.ensure_connected()
         return None if self._closed else self._link
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
@@ -477,86 +474,15 @@ class Checkpointer(RootReader):
         trainer; it is killed only here, when close() runs out of time."""
         with contextlib.ExitStack() as teardown:  # each step runs, whatever an earlier one raises
             teardown.callback(self._ring.children.close, deadline)
-            teardown.callback(self._disconnect)
+            teardown.callback(self._session.disconnect)
             self._ring.stop_copier(deadline)
+
+    def _on_notify(self, msg: Message) -> None:
+        self._session.on_notify(msg)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CkptdError("this Checkpointer is closed")
-
-    def _disconnect(self) -> None:
-        owned_by_daemon = False
-        with contextlib.ExitStack() as teardown:  # last in, first run; each runs whatever one raises
-            teardown.callback(self._link.close, linger_ms=_BYE_LINGER_MS)  # the BYE leaves first
-            teardown.callback(self._pending.fail_all, "the Checkpointer was closed before the step committed")
-            teardown.callback(lambda: self._ring.drop(unlink=not owned_by_daemon))
-            if self._link.connected:
-                try:
-                    self._link.send(Bye())
-                    owned_by_daemon = True
-                except DaemonError:
-                    pass
-
-    def _ensure_connected(self) -> None:
-        if self._drop_dead_daemon():
-            return
-        old = self._link.instance
-        self._link.connect()
-        if old is not None and old != self._link.instance:
-            log.warning("rank %d: node daemon restarted (%s -> %s)", self.env.rank, old, self._link.instance)
-
-    def _drop_dead_daemon(self) -> bool:
-        """Whether the link is connected to a live daemon; one found dead is dropped, with its ring
-        and the saves in flight (nobody frees ring space any more: a copier stops waiting)."""
-        if self._link.connected and self._link.alive():
-            return True
-        if self._link.connected:
-            self._daemon_lost(f"the node daemon (pid {self._link.daemon_pid}) died")
-        return False
-
-    def _daemon_lost(self, reason: str) -> None:
-        """Fail every pending save and drop the ring: nobody owns it any more."""
-        with contextlib.ExitStack() as teardown:  # the ring is dropped whatever quiesce() raises
-            teardown.callback(self._ring.drop, unlink=True)
-            self._link.close_socket()
-            self._pending.daemon_lost(reason)
-            self._ring.quiesce(daemon_gone=True)
-
-    def _known_to_daemon(self, act: Callable[[], Any], again: Callable[[], None] = lambda: None) -> Any:
-        """``act()``; once more (after ``again()``) when the daemon refused it as from an unknown
-        client, having said HELLO again (see :meth:`_register_again`)."""
-        try:
-            return act()
-        except RequestNotTaken as exc:
-            if not exc.unknown_client:
-                raise
-            self._register_again(exc)
-            again()
-            return act()
-
-    def _register_again(self, refusal: RequestNotTaken) -> None:
-        """The daemon refused a request as from an unknown client: it took this rank for gone and
-        retired its staging ring (saves in flight there still finish). Say HELLO again on the same
-        connection and let the next save register a new ring."""
-        log.warning("rank %d: %s; registering with the node daemon again", self.env.rank, refusal)
-        self._ring.quiesce()  # the copier writes into the ring unmapped below
-        self._ring.drop(unlink=False)  # the daemon unlinks it once its writes finished
-        try:
-            self._link.hello_again()
-        except DaemonLostError as exc:
-            self._daemon_lost(str(exc))
-            raise
-
-    def _idle(self, ring: StagingRing, timeout_s: float) -> None:
-        """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
-        raise if it died or the ring was dropped meanwhile."""
-        try:
-            self._link.pump(timeout_s)
-        except DaemonLostError as exc:
-            self._daemon_lost(str(exc))
-            raise
-        if self._ring.current is not ring:
-            raise DaemonError("the staging ring was dropped while a save waited for the daemon")
 
     def _new_handle(
         self, step: int, attempt: str, path: Location, t0: float, nbytes: int, queue_wait_s: float
@@ -564,7 +490,9 @@ class Checkpointer(RootReader):
         record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
         self._stats.add(record)
         # The handle resolves through its future, which this Checkpointer drives while it is waited for.
-        return SaveHandle(SaveFuture(step, record, self._stats, self._pump_quietly, self._wait_for), path, attempt)
+        return SaveHandle(
+            SaveFuture(step, record, self._stats, self._session.pump_quietly, self._wait_for), path, attempt
+        )
 
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
         reason = (
@@ -578,26 +506,6 @@ class Checkpointer(RootReader):
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 
-    def _on_notify(self, msg: Message) -> None:
-        if isinstance(msg, WriteDone):
-            ring = self._ring.current
-            if ring is not None and msg.generation == ring.generation:
-                ring.release(msg.block)
-            self._pending.wrote(msg)
-        elif isinstance(msg, (StepCommitted, StepAborted)):
-            self._pending.resolve(msg)
-        else:
-            log.warning("rank %d: unexpected %s from the daemon", self.env.rank, msg.TYPE.name)
-
-    def _pump_quietly(self) -> None:
-        self._ring.children.reap()
-        if not self._link.connected:
-            return
-        try:
-            self._link.pump(0.0)
-        except DaemonLostError as exc:
-            self._daemon_lost(str(exc))
-
     def _wait_for(self, future: SaveFuture, timeout_s: float | None) -> None:
         """Deliver notifications until ``future`` is resolved or ``timeout_s`` passed (a SaveFuture's wait)."""
         timeout = self.config.commit_timeout_s + self.config.coordinator_timeout_s if timeout_s is None else timeout_s
@@ -606,7 +514,7 @@ class Checkpointer(RootReader):
         # snapshot and those before it. A copy not done by the caller's timeout stays pending (a
         # later wait or fence decides it).
         if not self._ring.fence(None if timeout_s is None else deadline, keep_late=True, until_step=future.step):
-            self._pump_quietly()  # the save may have been decided meanwhile all the same
+            self._session.pump_quietly()  # the save may have been decided meanwhile all the same
             return
         while future.status is SaveStatus.PENDING:
             remaining = deadline - time.monotonic()
@@ -618,4 +526,4 @@ class Checkpointer(RootReader):
             try:
                 self._link.pump(min(remaining, 0.2))
             except DaemonLostError as exc:
-                self._daemon_lost(str(exc))
+                self._session.daemon_lost(str(exc))

@@ -1,0 +1,142 @@
+"""A Checkpointer's session with its node daemon: the link, the staging ring the daemon owns, the
+saves in flight, and what follows when the daemon is lost or forgot this rank.
+
+:class:`DaemonSession` holds the three together because losing the daemon concerns all of them
+at once: its pending saves fail, the producers writing into its ring stop, and the ring is dropped
+(nobody frees its space any more). The Checkpointer (ckptd.client.checkpointer) drives it from the
+training thread:
+
+- :meth:`ensure_connected` before a request (a dead daemon is dropped first; the next request
+  starts or finds the next one);
+- :meth:`known_to_daemon` around a request the daemon may refuse as from an unknown client (it
+  took this rank for gone): HELLO again, then the request once more;
+- :meth:`pump_quietly` / :meth:`idle` to take the daemon's notifications (:meth:`on_notify`);
+- :meth:`daemon_lost` when a request finds the daemon gone;
+- :meth:`disconnect` last (BYE: the daemon frees the ring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..control.protocol import Bye, Message, StepAborted, StepCommitted, WriteDone
+from ..errors import DaemonError
+from ..staging.rankside import StagingRing
+from .link import DaemonLink, DaemonLostError, RequestNotTaken
+from .pending import PendingSaves
+from .rankring import RankRing
+
+log = logging.getLogger(__name__)
+
+_BYE_LINGER_MS = 1000  # closing: how long the BYE may take to leave
+BYE_LINGER_S = _BYE_LINGER_MS / 1000
+
+
+class DaemonSession:
+    def __init__(self, rank: int, link: DaemonLink, ring: RankRing, pending: PendingSaves) -> None:
+        self.rank = rank
+        self.link = link
+        self.ring = ring
+        self.pending = pending
+
+    def ensure_connected(self) -> None:
+        """Connected to a live node daemon (started if none runs), or raise why not."""
+        if self.drop_dead_daemon():
+            return
+        old = self.link.instance
+        self.link.connect()
+        if old is not None and old != self.link.instance:
+            log.warning("rank %d: node daemon restarted (%s -> %s)", self.rank, old, self.link.instance)
+
+    def drop_dead_daemon(self) -> bool:
+        """Whether the link is connected to a live daemon; one found dead is dropped, with its ring
+        and the saves in flight (nobody frees ring space any more: a copier stops waiting)."""
+        if self.link.connected and self.link.alive():
+            return True
+        if self.link.connected:
+            self.daemon_lost(f"the node daemon (pid {self.link.daemon_pid}) died")
+        return False
+
+    def daemon_lost(self, reason: str) -> None:
+        """Fail every pending save and drop the ring: nobody owns it any more."""
+        with contextlib.ExitStack() as teardown:  # the ring is dropped whatever quiesce() raises
+            teardown.callback(self.ring.drop, unlink=True)
+            self.link.close_socket()
+            self.pending.daemon_lost(reason)
+            self.ring.quiesce(daemon_gone=True)
+
+    def known_to_daemon(self, act: Callable[[], Any], again: Callable[[], None] = lambda: None) -> Any:
+        """``act()``; once more (after ``again()``) when the daemon refused it as from an unknown
+        client, having said HELLO again (see :meth:`register_again`)."""
+        try:
+            return act()
+        except RequestNotTaken as exc:
+            if not exc.unknown_client:
+                raise
+            self.register_again(exc)
+            again()
+            return act()
+
+    def register_again(self, refusal: RequestNotTaken) -> None:
+        """The daemon refused a request as from an unknown client: it took this rank for gone and
+        retired its staging ring (saves in flight there still finish). Say HELLO again on the same
+        connection and let the next save register a new ring."""
+        log.warning("rank %d: %s; registering with the node daemon again", self.rank, refusal)
+        self.ring.quiesce()  # the copier writes into the ring unmapped below
+        self.ring.drop(unlink=False)  # the daemon unlinks it once its writes finished
+        try:
+            self.link.hello_again()
+        except DaemonLostError as exc:
+            self.daemon_lost(str(exc))
+            raise
+
+    def idle(self, ring: StagingRing, timeout_s: float) -> None:
+        """While a save waits for the daemon: take its notifications for up to ``timeout_s``;
+        raise if it died or the ring was dropped meanwhile."""
+        try:
+            self.link.pump(timeout_s)
+        except DaemonLostError as exc:
+            self.daemon_lost(str(exc))
+            raise
+        if self.ring.current is not ring:
+            raise DaemonError("the staging ring was dropped while a save waited for the daemon")
+
+    def on_notify(self, msg: Message) -> None:
+        """A notification of the daemon: ring space written out, or a step's outcome."""
+        if isinstance(msg, WriteDone):
+            ring = self.ring.current
+            if ring is not None and msg.generation == ring.generation:
+                ring.release(msg.block)
+            self.pending.wrote(msg)
+        elif isinstance(msg, (StepCommitted, StepAborted)):
+            self.pending.resolve(msg)
+        else:
+            log.warning("rank %d: unexpected %s from the daemon", self.rank, msg.TYPE.name)
+
+    def pump_quietly(self) -> None:
+        """Take the notifications that arrived (never blocks); a lost daemon fails the saves."""
+        self.ring.children.reap()
+        if not self.link.connected:
+            return
+        try:
+            self.link.pump(0.0)
+        except DaemonLostError as exc:
+            self.daemon_lost(str(exc))
+
+    def disconnect(self) -> None:
+        """Say BYE (the daemon then owns the ring and frees it), fail what is pending, drop the
+        ring, close the socket: every step runs, whatever one raises."""
+        owned_by_daemon = False
+        with contextlib.ExitStack() as teardown:  # last in, first run
+            teardown.callback(self.link.close, linger_ms=_BYE_LINGER_MS)  # the BYE leaves first
+            teardown.callback(self.pending.fail_all, "the Checkpointer was closed before the step committed")
+            teardown.callback(lambda: self.ring.drop(unlink=not owned_by_daemon))
+            if self.link.connected:
+                try:
+                    self.link.send(Bye())
+                    owned_by_daemon = True
+                except DaemonError:
+                    pass
