@@ -29,11 +29,10 @@ from ..errors import CkptdError, ProtocolError, StorageError
 from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..gcpause import gc_paused
 from ..roots.base import CommitOutcome, RootStore
-from .commitstate import (
+from .commitevents import (
     Action,
     Commit,
     CommitEnded,
-    CommitState,
     Event,
     Key,
     NodeSeen,
@@ -43,6 +42,7 @@ from .commitstate import (
     Send,
     Tick,
 )
+from .commitstate import CommitState
 from .loop import serve_requests
 from .rootquestions import Question, answer
 from .workers import CleanupFinished, CommitFinished, RootAnswered, WorkerPools

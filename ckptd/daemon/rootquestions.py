@@ -1,5 +1,5 @@
 """What the coordinator asks the root before it decides on a report (ckptd.daemon.commitstate's
-:class:`~ckptd.daemon.commitstate.RootFacts`), asked on a worker thread: the loop never waits for
+:class:`~ckptd.daemon.commitevents.RootFacts`), asked on a worker thread: the loop never waits for
 storage.
 
 A :class:`Question` is plain data computed on the loop from the state machine
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..roots.base import RootStore
-from .commitstate import RootFacts
+from .commitevents import RootFacts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,19 +12,8 @@ import pytest
 
 from ckptd.config import CkptdConfig
 from ckptd.control.protocol import Failed, StepAborted, StepCommitted, Written
-from ckptd.daemon.commitstate import (
-    FINISHED_MEMORY,
-    Action,
-    Commit,
-    CommitEnded,
-    CommitState,
-    NodeSeen,
-    Remove,
-    ReportIn,
-    RootFacts,
-    Send,
-    Tick,
-)
+from ckptd.daemon.commitevents import Action, Commit, CommitEnded, NodeSeen, Remove, ReportIn, RootFacts, Send, Tick
+from ckptd.daemon.commitstate import FINISHED_MEMORY, CommitState
 from ckptd.format.layout import data_file_name
 from ckptd.format.records import BYTES, ItemRecord
 from ckptd.roots.base import CommitOutcome
