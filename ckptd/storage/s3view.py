@@ -131,14 +131,22 @@ class S3RangeSource:
         start = index * PIECE_NBYTES
         length = min(PIECE_NBYTES, obj.size - start)
         (data,) = self.client.get_ranges(obj.key, [start], [length])
-        fd = os.open(obj.path, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            view = memoryview(data)
-            done = 0
-            while done < length:
-                done += os.pwrite(fd, view[done:], start + done)
-        finally:
-            os.close(fd)
+            fd = os.open(obj.path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                view = memoryview(data)
+                done = 0
+                while done < length:
+                    done += os.pwrite(fd, view[done:], start + done)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # a full $TMPDIR, mostly: say where the view keeps what it fetched
+            raise StorageError(
+                f"could not keep bytes [{start}, {start + length}) of {self.client.url(obj.key)}: "
+                f"{exc.strerror or exc}; a load from S3 keeps what it reads in $TMPDIR "
+                f"({tempfile.gettempdir()}) until it ends: free space there, or point TMPDIR at a "
+                "larger disk"
+            ) from exc
         with self._lock:
             self.fetched_nbytes += length
 

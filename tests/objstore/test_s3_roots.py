@@ -491,3 +491,21 @@ def test_a_metadata_object_that_is_not_the_one_committed_is_damage(s3_bucket, ru
     w = torch.zeros(64)
     ckptd.load(_sd(w, -1), location)
     assert torch.equal(w, torch.arange(64.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_full_tmpdir_while_loading_from_s3_says_where_and_what_to_do(s3_bucket, monkeypatch):
+    """The view keeps what a load fetches in $TMPDIR: a full one was a bare OSError naming nothing."""
+    import errno
+
+    import ckptd.storage.s3view as s3view
+
+    location = parse_location(f"s3://{s3_bucket}/tmpdir/ckpt")
+    ckptd.save({"w": torch.arange(1024.0)}, location)
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(s3view.os, "pwrite", full)
+    with pytest.raises(StorageError, match=r"tmpdir/ckpt/__0_0\..*No space left on device; .*\$TMPDIR"):
+        ckptd.load({"w": torch.zeros(1024)}, location)
