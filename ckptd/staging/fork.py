@@ -131,7 +131,7 @@ def fork_snapshot(
     is gone or makes no room for ``snapshot_timeout_s``."""
     seal = start_block(ring, block)
     end = start + span(rel + n for rel, _, n in copies)
-    writer = RingWriter(ring.segment.fileno(), ring.capacity, ring.writer.timeout_s, process_alive(daemon_pid))
+    writer = ring.writer.watching(process_alive(daemon_pid))
     pid = fork_started(lambda: _child(writer, start, end, block, copies, seal, nice))
     return None if pid is None else Snapshot(pid=pid, seal=seal, seal_offset=block_offset(block))
 

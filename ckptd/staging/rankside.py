@@ -195,7 +195,7 @@ class StagingRing:
         the daemon made no room for ``snapshot_timeout_s``, or at once when ``stop()`` (closing)."""
         writer = self.writer
         if stop is not None:
-            writer = RingWriter(writer.fd, self.capacity, writer.timeout_s, lambda: not stop())
+            writer = writer.watching(lambda: not stop())
         try:
             return writer.wait_room(v_end)
         except RingFull as exc:
@@ -271,6 +271,7 @@ class StagingRing:
                 self.pinner.close()  # before the pages are unmapped
                 self.pinner = None
         finally:
+            self.writer.close()
             self.segment.close()
             if unlink:
                 self.segment.unlink()

@@ -27,6 +27,7 @@ child, which must not call into torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -107,6 +108,21 @@ class RingFull(Exception):
     """The daemon did not consume enough of the ring in time (or is gone)."""
 
 
+class _Header:
+    """The ring's header page mapped shared, as 8-byte words (see :class:`RingWriter`)."""
+
+    def __init__(self, fd: int) -> None:
+        self._map = mmap.mmap(fd, HEADER_NBYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.words = (ctypes.c_uint64 * (HEADER_NBYTES // 8)).from_buffer(self._map)
+
+    def close(self) -> None:
+        # The words export the map's buffer: they go first. A writer that still holds them (one
+        # a thread still uses) keeps the page mapped until it is gone.
+        del self.words
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
 class RingWriter:
     """The producer's access to a ring through its segment's descriptor: data by ``pwrite``, the
     header's 8-byte counters through a mapping of the header page, as single aligned 8-byte loads
@@ -115,14 +131,29 @@ class RingWriter:
     bytes and let the producer overwrite bytes not persisted yet, and a torn ``progress`` let the
     daemon write items not produced yet."""
 
-    def __init__(self, fd: int, capacity: int, timeout_s: float, alive: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        capacity: int,
+        timeout_s: float,
+        alive: Callable[[], bool] | None = None,
+        *,
+        header: _Header | None = None,
+    ) -> None:
         self.fd = fd
         self.capacity = capacity
         self.timeout_s = timeout_s
         self.alive = alive  # whether the consumer can still make room (checked while waiting)
-        # Unmapped with the writer (a forked child's goes with the child): the array holds the map.
-        header = mmap.mmap(fd, HEADER_NBYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._words = (ctypes.c_uint64 * (HEADER_NBYTES // 8)).from_buffer(header)
+        self._header = header if header is not None else _Header(fd)
+        self._words = self._header.words
+
+    def watching(self, alive: Callable[[], bool]) -> RingWriter:
+        """This writer, giving up a wait for room once ``alive()`` is false (same mapping)."""
+        return RingWriter(self.fd, self.capacity, self.timeout_s, alive, header=self._header)
+
+    def close(self) -> None:
+        """Unmap the header (the ring's owner closes it; a forked child's copy goes with the child)."""
+        self._header.close()
 
     def consumed(self) -> int:
         return int(self._words[CONSUMED_AT // 8])
