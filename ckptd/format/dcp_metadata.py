@@ -232,12 +232,17 @@ def _checksums(md: Metadata, where: Path | str) -> _Table:
     algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
     fn = checksum_for(version, algorithm)
     if fn is None:
-        # Loading it without checksums would also load one whose table a flipped bit made unknown.
-        raise UnsupportedFormatError(
-            f"{where}: its checksum table ({CHECKSUMS_ATTR}) has version {version!r:.40} / algorithm "
-            f"{algorithm!r:.40}, which this ckptd does not know: written by a newer ckptd (upgrade ckptd "
-            "to load it), or damaged (load an earlier checkpoint)"
+        # A newer ckptd's table (or one a flipped bit made unknown): the checkpoint still loads,
+        # without checksums. Refusing it would make a resume after a downgrade skip every newer
+        # checkpoint, and the next commit leave them on an abandoned branch for retention to remove.
+        log.warning(
+            "%s: checksum table of unknown version %s / algorithm %r: loaded without checksums (written "
+            "by a newer ckptd?); `ckptd verify` with that ckptd checks it",
+            where,
+            str(version)[:40],
+            str(algorithm)[:40],
         )
+        return _Table()
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
         files = {str(k): int(v) for k, v in raw.get("files", {}).items()}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, StorageError, UnsafePickleError
 from .archive import decode_problem
 from .checksum import Checksum, checksum_name
 from .layout import COMMON_PT, COMMON_PT_MAX_NBYTES, METADATA_JSON
@@ -119,30 +119,34 @@ class DataFiles:
             data = f.read(length)
         except OSError as exc:
             where = f"{what} (bytes [{offset}, {offset + length}) of {self.directory / relative_path})"
-            damage = media_error(exc, where)
-            if damage is None:
+            error = read_error(exc, where)
+            if error is None:
                 raise
-            raise damage from exc
+            raise error from exc
         if len(data) != length:
             raise CorruptCheckpointError(f"short read of {what} from {self.directory / relative_path}")
         return data
 
 
-# What a disk answers for bytes it cannot return (a bad sector; bit rot a checksumming filesystem
-# such as btrfs or ZFS found): damage to fall back past, as a checksum mismatch is.
-MEDIA_ERRNOS = frozenset({errno.EIO, errno.EUCLEAN})
-
-
-def media_error(exc: OSError, what: str) -> CorruptCheckpointError | None:
-    """The CorruptCheckpointError for ``exc`` raised reading ``what`` (naming item, file and byte
-    range) when it says the bytes are lost; None for other errors."""
-    if exc.errno not in MEDIA_ERRNOS:
-        return None
-    return CorruptCheckpointError(
-        f"{what}: the disk could not return its bytes ({os.strerror(exc.errno or 0)}, "
-        f"{errno.errorcode.get(exc.errno or 0, '?')}): the checkpoint is damaged. Load an earlier checkpoint; "
-        "check the disk (dmesg, the filesystem's scrub)"
-    )
+def read_error(exc: OSError, what: str) -> CkptdError | None:
+    """The error for ``exc`` raised reading ``what`` (naming item, file and byte range), or None
+    for errors that are not about the bytes (a bad descriptor...). EUCLEAN (a filesystem found its
+    structures damaged) is damage, which a resume falls back past, as past a checksum mismatch.
+    EIO is not: on NFS, Lustre or a FUSE mount it is what a server or network fault gives, and
+    taking the newest checkpoint for damaged then would resume an older step, after which the
+    next commit leaves the newer ones on an abandoned branch for retention to remove."""
+    name = f"{os.strerror(exc.errno or 0)}, {errno.errorcode.get(exc.errno or 0, '?')}"
+    if exc.errno == errno.EUCLEAN:
+        return CorruptCheckpointError(
+            f"{what}: the filesystem could not return its bytes ({name}): the checkpoint is damaged. Load "
+            "an earlier checkpoint; check the disk (dmesg, the filesystem's scrub)"
+        )
+    if exc.errno == errno.EIO:
+        return StorageError(
+            f"{what}: reading it failed ({name}). A network filesystem's fault: load again once it is "
+            "back. A damaged disk (dmesg tells): load an earlier checkpoint (load(step=N))"
+        )
+    return None
 
 
 def check_checksum(data: Any, recorded: int | None, checksum: Checksum | None, what: str) -> None:

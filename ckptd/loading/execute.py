@@ -47,7 +47,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.checksum import Checksum, unpack_blocks
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
-from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes, media_error
+from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes, read_error
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
@@ -586,10 +586,10 @@ def execute(
                 try:
                     ex.run_item(entry)
                 except OSError as exc:
-                    damage = media_error(exc, ex.item_what(entry))
-                    if damage is None:
+                    error = read_error(exc, ex.item_what(entry))
+                    if error is None:
                         raise
-                    raise damage from exc
+                    raise error from exc
         finally:
             if ex.helper is not None:
                 ex.helper.shutdown(wait=True)
