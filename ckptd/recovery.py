@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
 from .errors import CheckpointNotFoundError, CheckpointRemovedError, CkptdError, CorruptCheckpointError, StorageError
+from .format.commitrecord import COMMIT_RECORD
 from .format.lease import ReadLease
 from .format.rootlayout import TRACKER_FILE
 from .s3catalog import scan_any
+from .storage.s3client import S3Client
 from .storage.s3view import s3_checkpoint_view
 from .storage.url import Location, S3Location, parse_location
 
@@ -78,14 +80,19 @@ def structural_problem(path: Location, *, node_local: bool = False) -> str | Non
     if isinstance(path, S3Location):
         try:
             with s3_checkpoint_view(path) as view:
-                return _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
+                problem = _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
         except (StorageError, CheckpointRemovedError):
             # The store failed to answer, or retention removed the checkpoint meanwhile: neither is
             # damage. Taken for damage, an outage resumed from an older step, and the next commit
             # made the newest ones an abandoned branch, which retention then removed.
             raise
         except CkptdError as exc:
-            return str(exc).rstrip(".")
+            problem = str(exc).rstrip(".")
+        # Only committed checkpoints are checked: one whose commit object is gone now was retired
+        # (its commit object goes first) while or before the view opened it.
+        if problem is not None and S3Client(path).head(COMMIT_RECORD) is None:
+            raise CheckpointRemovedError(f"{path} was removed while it was checked (by retention or `ckptd gc`)")
+        return problem
     with ReadLease.acquire(path) as lease:
         try:
             report = verify_checkpoint(path, read_items=False, data_files=not node_local)

@@ -509,3 +509,31 @@ def test_a_full_tmpdir_while_loading_from_s3_says_where_and_what_to_do(s3_bucket
     monkeypatch.setattr(s3view.os, "pwrite", full)
     with pytest.raises(StorageError, match=r"tmpdir/ckpt/__0_0\..*No space left on device; .*\$TMPDIR"):
         ckptd.load({"w": torch.zeros(1024)}, location)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_retired_while_a_resume_checks_it_is_a_removal_not_damage(s3_bucket, monkeypatch, runtime_dir):
+    """Retention retires a step by its commit object first: a structural check that opened it after
+    that found "not a checkpoint" (or a half-removed one) and took the step for damaged, so the
+    resume fell back past it instead of scanning again."""
+    import ckptd.recovery as recovery
+    from ckptd.format.layout import DCP_METADATA
+
+    root = f"s3://{s3_bucket}/retired-while-checked"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            for step in (1, 2):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=60)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    client = S3Client(parse_location(root))
+    view = recovery.s3_checkpoint_view
+
+    def retired_first(location, *args, **kwargs):
+        if location.name == "iter_0000002":
+            client.delete([f"iter_0000002/{COMMIT_RECORD}", f"iter_0000002/{DCP_METADATA}"])
+        return view(location, *args, **kwargs)
+
+    monkeypatch.setattr(recovery, "s3_checkpoint_view", retired_first)
+    with pytest.raises(ckptd.CheckpointRemovedError, match="iter_0000002 was removed while it was checked"):
+        recovery.resolve_latest(root)  # before: iter_0000001, "iter_0000002 ... is damaged"
