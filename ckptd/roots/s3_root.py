@@ -316,18 +316,27 @@ class S3Root:
                 "could not remove the aborted save %s (`ckptd gc` removes it later): %s", self.display(name), exc
             )
 
-    def _retire(self, name: str, keep_attempt: str | None = None, only_attempt: str | None = None) -> None:
+    def _retire(
+        self, name: str, keep_attempt: str | None = None, only_attempt: str | None = None, *, racing: bool = False
+    ) -> None:
         """Remove a committed step: its commit object first (invisible from then on), then its other
         objects: but the data objects of ``keep_attempt`` (a save about to replace it), and with
         ``only_attempt`` (the retired commit's) only that attempt's data objects (a re-save of the
-        step may be uploading its own meanwhile)."""
+        step may be uploading its own meanwhile). ``racing``: another process (the job, for
+        ``ckptd gc``) may commit the step again meanwhile; the metadata objects, named alike by
+        every commit of the step, then go only as old as the retired commit object (the store's
+        clock), so a new commit's stay. The job's own retention and commits run one at a time on
+        its commit thread and take them all: a store's clocks may differ by a little across its
+        gateways, and a metadata object left behind would fail the next commit's create."""
         record_key = f"{name}/{COMMIT_RECORD}"
-        record = next((i for i in self.client.list_objects(name) if i.key == record_key), None)  # as listings date it
+        written_by = math.inf
+        if racing:
+            record = next(
+                (i for i in self.client.list_objects(name) if i.key == record_key), None
+            )  # listings date to the ms
+            if record is not None and record.last_modified_unix_s:
+                written_by = record.last_modified_unix_s
         self.client.delete([record_key])
-        # The metadata objects (named alike by every commit of the step) only as old as the retired
-        # commit (the store's clock): ``ckptd gc`` retires a step while the job may commit it
-        # again after a rollback, whose new commit object and metadata stay.
-        written_by = record.last_modified_unix_s if record is not None and record.last_modified_unix_s else math.inf
         doomed = [
             i.key
             for i in self.client.list_objects(name)
@@ -351,17 +360,19 @@ class S3Root:
             return f"{self.display(entry.name)} was committed again since the scan"
         return None
 
-    def remove_entry(self, entry: CheckpointEntry, *, written_before_unix_s: float = math.inf) -> bool:
+    def remove_entry(
+        self, entry: CheckpointEntry, *, written_before_unix_s: float = math.inf, racing: bool = False
+    ) -> bool:
         """Retention and gc: remove a committed or partial step and its unfinished uploads; False
         when there was nothing (a store that lists emptied "directories", as SeaweedFS does). Of a
         partial step, only what was written (uploads: begun) before ``written_before_unix_s``,
         never a commit object: a save of the step may have begun since ``ckptd gc`` found it
-        abandoned."""
+        abandoned. ``racing``: see :meth:`_retire` (``ckptd gc``)."""
         only = None
         if entry.state is EntryState.COMMITTED:
             record = read_s3_commit_record(self.client, entry.name)
             only = record.attempt if record is not None and record.attempt else None  # DAMAGED: every attempt
-            self._retire(entry.name, only_attempt=only)
+            self._retire(entry.name, only_attempt=only, racing=racing)
             found = True
         else:
             keys = [
@@ -471,7 +482,7 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
             plan.kept.append((removal.entry, f"{changed}; a later collection decides"))
             continue
         try:
-            root.remove_entry(removal.entry, written_before_unix_s=cutoff)
+            root.remove_entry(removal.entry, written_before_unix_s=cutoff, racing=True)
         except CkptdError as exc:
             done.append((removal, str(exc)))
         else:
