@@ -79,11 +79,18 @@ class S3SaveTarget:
                 self.client.create(name, data, if_unknown="if it was, this save's removal leaves it")
                 self.created.append(name)
         except FileExistsError as exc:
+            if not self.created and self.client.head(DCP_METADATA) is None:
+                # common.pt without .metadata: a save writing the prefix, or a failed one's
+                raise CheckpointExistsError(
+                    f"{self.location} holds a {COMMON_PT} but no checkpoint: another save is writing this prefix, "
+                    f"or one that failed left it (its create's answer lost). If no save runs, delete "
+                    f"{self.location.url(COMMON_PT)} and save again"
+                ) from None
             raise CheckpointExistsError(f"{self.location} was written by another save meanwhile ({exc})") from None
         except StorageError as exc:
             raise SaveFailedError(
                 f"rank 0 could not write the metadata of {self.location}: {exc}. Nothing was committed and this "
-                "save's objects were removed; fix the storage and save again"
+                "save's data objects and the metadata it wrote were removed; fix the storage and save again"
             ) from exc
 
     def remove_partial(self, rank: int, world_size: int, token: str) -> None:

@@ -266,3 +266,28 @@ def test_a_synchronous_save_that_loses_the_race_leaves_the_winners_metadata(s3_b
     assert {n: client.get(n, 1 << 20)[0] for n in winner} == winner
     assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.full((8,), 7.0))
     assert len([i for i in client.list_objects("") if i.key.endswith(".distcp")]) == 1  # the loser's removed
+
+
+@pytest.mark.timeout(60)
+def test_a_synchronous_save_whose_common_pt_lost_its_response_says_what_to_do(s3_bucket, monkeypatch):
+    """The store wrote ``common.pt`` but the answer was lost: the save fails (two saves' common.pt
+    can be equal byte for byte, so it is not read back), and so does a retry, saying the prefix
+    holds a common.pt without a checkpoint and what to do."""
+    from ckptd.s3save import S3SaveTarget
+
+    url = f"s3://{s3_bucket}/sync-common/ckpt"
+    init = S3SaveTarget.__init__
+
+    def faulty(self: S3SaveTarget, location: Any) -> None:
+        init(self, location)
+        _fault(monkeypatch, self.client, COMMON_PT, then="retry")
+
+    monkeypatch.setattr(S3SaveTarget, "__init__", faulty)
+    with pytest.raises(CheckpointExistsError, match="holds a common.pt but no checkpoint"):
+        ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
+    monkeypatch.setattr(S3SaveTarget, "__init__", init)
+    with pytest.raises(CheckpointExistsError, match=r"If no save runs, delete s3://.*/sync-common/ckpt/common.pt"):
+        ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
+    S3Client(parse_location(url)).delete([COMMON_PT])
+    ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
+    assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.arange(8.0))
