@@ -168,6 +168,10 @@ class StagingRing:
         self.release(block)
 
     def release(self, block: int) -> None:
+        """The daemon wrote the save of control ``block`` out (its WRITE_DONE)."""
+        if not 0 <= block < BLOCKS:
+            log.warning("rank %d: the node daemon released control block %d, which no ring has", self.rank, block)
+            return
         if block not in self._free_blocks:
             self._free_blocks.append(block)
 

@@ -283,3 +283,25 @@ def test_the_pieces_of_a_split_item_keep_its_watch_only_while_they_are_views_of_
     strided = split_large_items([replace(item, payload=item.payload.t(), watch=watched)], 1 << 18)
     assert len(views) > 1 and all(p.watch is watched for p in views)
     assert len(strided) > 1 and all(p.watch is None for p in strided)
+
+
+def test_a_release_of_a_control_block_no_ring_has_is_ignored(prefix, caplog):
+    """A WRITE_DONE naming a block out of range went into the free list, and a later save's claim
+    of it failed with a bare error."""
+    from ckptd.format.items import PlannedItem
+    from ckptd.format.records import BYTES, ItemRecord
+    from ckptd.staging.rankside import place
+    from ckptd.staging.ring import BLOCKS
+
+    ring = StagingRing.create(prefix, 0, capacity=1 << 20, timeout_s=30)
+    try:
+        ring.release(BLOCKS + 7)
+        ring.release(-1)
+        assert "released control block 39, which no ring has" in caplog.text
+        blocks = []
+        for _ in range(BLOCKS):
+            placements, _ = place([PlannedItem(ItemRecord(fqn="o", kind=BYTES, rank=0), b"x")])
+            blocks.append(ring.claim(placements)[0])
+        assert sorted(blocks) == list(range(BLOCKS)) and not ring.has_free_block()
+    finally:
+        ring.close(unlink=True)
