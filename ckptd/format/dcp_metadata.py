@@ -34,7 +34,7 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .checksum import BLOCK_NBYTES, Checksum, block_count, checksum_for
+from .checksum import BLOCK_NBYTES, TABLE_VERSION, Checksum, block_count, checksum_for
 from .dcp_pickle import CHECKSUMS_ATTR, metadata_pickle
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DATA_FILE_PATTERN, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
@@ -232,17 +232,24 @@ def _checksums(md: Metadata, where: Path | str) -> _Table:
     algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
     fn = checksum_for(version, algorithm)
     if fn is None:
-        # A newer ckptd's table (or one a flipped bit made unknown): the checkpoint still loads,
-        # without checksums. Refusing it would make a resume after a downgrade skip every newer
-        # checkpoint, and the next commit leave them on an abandoned branch for retention to remove.
-        log.warning(
-            "%s: checksum table of unknown version %s / algorithm %r: loaded without checksums (written "
-            "by a newer ckptd?); `ckptd verify` with that ckptd checks it",
-            where,
-            str(version)[:40],
-            str(algorithm)[:40],
+        if type(version) is int and version > TABLE_VERSION:
+            # A newer ckptd's table: the checkpoint still loads, without checksums. Refusing it
+            # would make a resume after a downgrade skip every newer checkpoint, and the next
+            # commit leave them on an abandoned branch for retention to remove.
+            log.warning(
+                "%s: checksum table of version %d, newer than this ckptd's %d: loaded without checksums; "
+                "`ckptd verify` of a ckptd that knows it checks them",
+                where,
+                version,
+                TABLE_VERSION,
+            )
+            return _Table()
+        # Any other pair this ckptd does not know (a version it knows with another algorithm, a
+        # version that is no int) is a flipped bit: loaded without checksums, bit rot would pass.
+        raise CorruptCheckpointError(
+            f"{where}: the checksum table ({CHECKSUMS_ATTR}) names version {str(version)[:40]!r} / algorithm "
+            f"{str(algorithm)[:40]!r}, which no ckptd writes; the file is damaged. Load an earlier checkpoint."
         )
-        return _Table()
     try:
         items = {(str(k[0]), tuple(int(x) for x in k[1])): int(v) for k, v in raw["items"].items()}
         files = {str(k): int(v) for k, v in raw.get("files", {}).items()}

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import ckptd
 from ckptd.control.protocol import PROTOCOL_VERSION, Codec, MsgType, Written
 from ckptd.errors import CorruptCheckpointError
+from ckptd.format.checksum import TABLE_VERSION
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR, build_metadata, read_index, records_from_index, write_metadata
 from ckptd.format.items import PlannedItem, plan_object, write_data_file
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
@@ -155,12 +156,25 @@ def test_checksum_table_of_a_newer_version_is_loaded_without_checksums(tmp_path,
     next commit leave them to retention)."""
     ref = make_checkpoint(tmp_path / "c")
     md = read_index(tmp_path / "c").raw
-    setattr(md, CHECKSUMS_ATTR, {"version": 2, "algorithm": "xxh3", "items": {}})
+    setattr(md, CHECKSUMS_ATTR, {"version": TABLE_VERSION + 1, "algorithm": "xxh3", "items": {}})
     write_metadata(tmp_path / "c", md, fsync=False)
     index = read_index(tmp_path / "c")
     assert index.common_crc is None and all(r.crc is None for r in records_from_index(index))
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "c")["layer.bias"], ref["layer.bias"])
-    assert "checksum table of unknown version 2 / algorithm 'xxh3': loaded without checksums" in caplog.text
+    assert f"checksum table of version {TABLE_VERSION + 1}, newer than this ckptd's" in caplog.text
+
+
+@pytest.mark.parametrize("version, algorithm", [(TABLE_VERSION, "crc32s"), ("2", "crc32c"), (0, "crc32c")])
+def test_a_checksum_table_no_ckptd_writes_is_damage(tmp_path, version, algorithm):
+    """A flipped bit in the table's algorithm, or one that makes its version another type or an
+    older version no ckptd wrote, loaded the checkpoint without any checksum (bit rot passed)."""
+    make_checkpoint(tmp_path / "c")
+    md = read_index(tmp_path / "c").raw
+    table = getattr(md, CHECKSUMS_ATTR)
+    setattr(md, CHECKSUMS_ATTR, {**table, "version": version, "algorithm": algorithm})
+    write_metadata(tmp_path / "c", md, fsync=False)
+    with pytest.raises(CorruptCheckpointError, match="which no ckptd writes; the file is damaged"):
+        read_index(tmp_path / "c")
 
 
 def test_torch_dcp_loads_a_checkpoint_with_checksums(tmp_path):
