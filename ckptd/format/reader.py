@@ -119,33 +119,57 @@ class DataFiles:
             data = f.read(length)
         except OSError as exc:
             where = f"{what} (bytes [{offset}, {offset + length}) of {self.directory / relative_path})"
-            error = read_error(exc, where)
-            if error is None:
-                raise
-            raise error from exc
+            raise read_error(exc, where, f.fileno()) from exc
         if len(data) != length:
             raise CorruptCheckpointError(f"short read of {what} from {self.directory / relative_path}")
         return data
 
 
-def read_error(exc: OSError, what: str) -> CkptdError | None:
-    """The error for ``exc`` raised reading ``what`` (naming item, file and byte range), or None
-    for errors that are not about the bytes (a bad descriptor...). EUCLEAN (a filesystem found its
-    structures damaged) is damage, which a resume falls back past, as past a checksum mismatch.
-    EIO is not: on NFS, Lustre or a FUSE mount it is what a server or network fault gives, and
-    taking the newest checkpoint for damaged then would resume an older step, after which the
-    next commit leaves the newer ones on an abandoned branch for retention to remove."""
-    name = f"{os.strerror(exc.errno or 0)}, {errno.errorcode.get(exc.errno or 0, '?')}"
-    if exc.errno == errno.EUCLEAN:
+# Filesystems whose EIO is as often a server's or the network's fault as a disk's.
+_NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p", "gpfs", "beegfs", "afs"}
+)
+# What a local filesystem answers for bytes it cannot return: a bad sector or its own checksum
+# failing (btrfs: EIO; ZFS: EBADE, its ECKSUM), or its structures damaged (EUCLEAN).
+_DAMAGE_ERRNOS = frozenset({errno.EIO, errno.EUCLEAN, errno.EBADE})
+
+
+def read_error(exc: OSError, what: str, fd: int) -> CkptdError:
+    """The error for ``exc`` raised reading ``what`` (naming item, file and byte range) through
+    ``fd``. On a local disk an I/O error is damage (CorruptCheckpointError), which a resume falls
+    back past as past a checksum mismatch. On a network filesystem or a FUSE mount, or for any
+    other error, it is a StorageError, which stops the resume instead: taking the newest
+    checkpoint for damaged there would resume an older step, after which the next commit leaves
+    the newer ones on an abandoned branch for retention to remove."""
+    name = f"{exc.strerror or exc}, {errno.errorcode.get(exc.errno or 0, '?')}"
+    fstype = filesystem_type(fd)
+    local = fstype is not None and fstype not in _NETWORK_FILESYSTEMS and not fstype.startswith("fuse")
+    if exc.errno in _DAMAGE_ERRNOS and local:
         return CorruptCheckpointError(
-            f"{what}: the filesystem could not return its bytes ({name}): the checkpoint is damaged. Load "
-            "an earlier checkpoint; check the disk (dmesg, the filesystem's scrub)"
+            f"{what}: the disk could not return its bytes ({name}, on {fstype}): the checkpoint is damaged. "
+            "Load an earlier checkpoint; check the disk (dmesg, the filesystem's scrub)"
         )
-    if exc.errno == errno.EIO:
-        return StorageError(
-            f"{what}: reading it failed ({name}). A network filesystem's fault: load again once it is "
-            "back. A damaged disk (dmesg tells): load an earlier checkpoint (load(step=N))"
-        )
+    return StorageError(
+        f"{what}: reading it failed ({name}, on {fstype or 'a filesystem /proc/self/mountinfo does not name'}). "
+        "A network filesystem's fault: load again once it is back. A damaged disk (dmesg tells): load an "
+        "earlier checkpoint (load(step=N))"
+    )
+
+
+def filesystem_type(fd: int) -> str | None:
+    """The type of the filesystem ``fd`` is on (``/proc/self/mountinfo``), None when unknown."""
+    try:
+        dev = os.fstat(fd).st_dev
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(dev)}:{os.minor(dev)}".encode()
+    for line in lines:
+        fields, _, rest = line.partition(b" - ")
+        parts = fields.split()
+        if len(parts) > 2 and parts[2] == want and rest:
+            return rest.split()[0].decode(errors="replace")
     return None
 
 

@@ -586,10 +586,8 @@ def execute(
                 try:
                     ex.run_item(entry)
                 except OSError as exc:
-                    error = read_error(exc, ex.item_what(entry))
-                    if error is None:
-                        raise
-                    raise error from exc
+                    fd = files.fileno_and_size(entry.item.relative_path)[0]
+                    raise read_error(exc, ex.item_what(entry), fd) from exc
         finally:
             if ex.helper is not None:
                 ex.helper.shutdown(wait=True)

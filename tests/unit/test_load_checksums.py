@@ -346,16 +346,21 @@ def test_a_chunk_outside_its_tensor_is_damage_even_where_shapes_may_differ(tmp_p
         ckptd.load({"w": ST.from_rank_offsets("w", torch.zeros(11), allow_shape_mismatch=True)}, tmp_path / "c")
 
 
-@pytest.mark.parametrize("code", ["EUCLEAN", "EIO"])
-def test_a_read_error_names_the_item_and_only_a_damaged_filesystem_is_fallen_back_past(
-    tmp_path, monkeypatch, caplog, code
+@pytest.mark.parametrize(
+    "code, fstype",
+    [("EIO", "local"), ("EBADE", "local"), ("EUCLEAN", "local"), ("EIO", "nfs4"), ("EIO", "fuse.gcsfuse")],
+)
+def test_a_read_error_names_the_item_and_only_a_local_disks_is_fallen_back_past(
+    tmp_path, monkeypatch, caplog, code, fstype
 ):
-    """An I/O error reading a data file was a bare OSError naming no file. EUCLEAN (the filesystem
-    found its structures damaged) is damage, which a resume falls back past; EIO is an error that
-    stops it (on NFS, Lustre or FUSE a server fault gives it: falling back would resume an older
-    step, and the next commit would leave the newer ones to retention)."""
+    """An I/O error reading a data file was a bare OSError naming no file. On a local disk (a bad
+    sector; btrfs's or ZFS's own checksum failing) it is damage, which a resume falls back past; on
+    a network filesystem or a FUSE mount it is a StorageError that stops the resume (a server's
+    fault there: falling back would resume an older step, and the next commit would leave the newer
+    ones to retention)."""
     import errno
 
+    import ckptd.format.reader as reader
     import ckptd.loading.execute as execute
     from ckptd.errors import StorageError
 
@@ -374,11 +379,13 @@ def test_a_read_error_names_the_item_and_only_a_damaged_filesystem_is_fallen_bac
 
     for name in real:
         monkeypatch.setattr(execute.os, name, failing(name))
-    error = CorruptCheckpointError if code == "EUCLEAN" else StorageError
+    if fstype != "local":  # the checkpoint on such a mount
+        monkeypatch.setattr(reader, "filesystem_type", lambda fd: fstype)
+    error = CorruptCheckpointError if fstype == "local" else StorageError
     with pytest.raises(error, match=rf"tensor '.*' chunk at offsets .* of .*iter_0000002.*{code}"):
         ckptd.load(request(), root / step_dir_name(2))
     damaged: dict[str, str] = {}
-    if code == "EIO":
+    if fstype != "local":
         with pytest.raises(StorageError, match="load again once it is back"):
             load_latest(root, request(), damaged, 0, {})
         assert not damaged
