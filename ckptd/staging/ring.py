@@ -113,12 +113,14 @@ class _Header:
 
     def __init__(self, fd: int) -> None:
         self._map = mmap.mmap(fd, HEADER_NBYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.words = (ctypes.c_uint64 * (HEADER_NBYTES // 8)).from_buffer(self._map)
+        # Writers read this attribute at each access, never keep it: close() can then unmap.
+        self.words: Any = (ctypes.c_uint64 * (HEADER_NBYTES // 8)).from_buffer(self._map)
 
     def close(self) -> None:
-        # The words export the map's buffer: they go first. A writer that still holds them (one
-        # a thread still uses) keeps the page mapped until it is gone.
-        del self.words
+        """Unmap (idempotent). A writer used after it raises (TypeError), never touches freed
+        memory: a word being read or written meanwhile keeps the map exported, and so mapped."""
+        words, self.words = self.words, None
+        del words  # the export of the map's buffer goes with the last reference
         with contextlib.suppress(BufferError):
             self._map.close()
 
@@ -145,7 +147,6 @@ class RingWriter:
         self.timeout_s = timeout_s
         self.alive = alive  # whether the consumer can still make room (checked while waiting)
         self._header = header if header is not None else _Header(fd)
-        self._words = self._header.words
 
     def watching(self, alive: Callable[[], bool]) -> RingWriter:
         """This writer, giving up a wait for room once ``alive()`` is false (same mapping)."""
@@ -156,7 +157,7 @@ class RingWriter:
         self._header.close()
 
     def consumed(self) -> int:
-        return int(self._words[CONSUMED_AT // 8])
+        return int(self._header.words[CONSUMED_AT // 8])
 
     def has_room(self, v_end: int) -> bool:
         return self.consumed() >= v_end - self.capacity
@@ -187,7 +188,7 @@ class RingWriter:
             view, v = view[done:], v + done
 
     def publish(self, block: int, value: int) -> None:
-        self._words[(block_offset(block) + SEAL_NBYTES) // 8] = value
+        self._header.words[(block_offset(block) + SEAL_NBYTES) // 8] = value
 
     def seal(self, block: int, seal: bytes) -> None:
         os.pwrite(self.fd, seal, block_offset(block))
