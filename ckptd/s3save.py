@@ -79,7 +79,14 @@ class S3SaveTarget:
                 self.client.create(name, data, if_unknown="if it was, this save's removal leaves it")
                 self.created.append(name)
         except FileExistsError as exc:
-            if not self.created and self.client.head(DCP_METADATA) is None:
+            try:
+                orphan = not self.created and self.client.head(DCP_METADATA) is None
+            except StorageError as error:
+                raise SaveFailedError(
+                    f"{self.location} holds a {COMMON_PT} already, and the store did not say whether a checkpoint "
+                    f"is there ({error}); nothing was committed; check the store and save again"
+                ) from error
+            if orphan:
                 # common.pt without .metadata: a save writing the prefix, or a failed one's
                 raise CheckpointExistsError(
                     f"{self.location} holds a {COMMON_PT} but no checkpoint: another save is writing this prefix, "
