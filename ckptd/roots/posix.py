@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..catalog import EntryState, RootCatalog, read_tracker, scan_root
-from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
@@ -166,9 +166,16 @@ def publish_step(
             rootd.fsync()
         # Always the step just committed, also after a rollback: it is what a restart resumes.
         atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(name), opener, fsync)
-    except BaseException:
+    except BaseException as exc:
         if tracker_step(rootd.path) != step:
-            _undo_rename(rootd, name, tmp, fsync)
+            if not _undo_rename(rootd, name, tmp, fsync):
+                # In place and complete: the next coordinator start names it latest. Its ranks
+                # must not be told it aborted (a resume would load it after all).
+                raise StorageError(
+                    f"{rootd.path / name} is complete and in place, but the tracker {TRACKER_FILE} could not name it "
+                    f"({exc}) and it could not be taken back either: the next daemon start makes it latest "
+                    "(Checkpointer.latest() tells); fix the storage of the root"
+                ) from exc
             if replaced:
                 _undo_rename(rootd, doomed, name, fsync)
             raise
@@ -276,21 +283,21 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     return None
 
 
-def _undo_rename(rootd: Dir, name: str, tmp_name: str, fsync: bool) -> None:
+def _undo_rename(rootd: Dir, name: str, tmp_name: str, fsync: bool) -> bool:
     """Take a checkpoint whose tracker update failed back to its tmp name: it is not committed
-    until ``latest`` can name it, and its ranks are told it aborted (the caller re-raises)."""
+    until ``latest`` can name it, and its ranks are told it aborted (the caller re-raises).
+    False when it stays in place (the rename back failed)."""
     try:
         rootd.rename(name, tmp_name)
-        if fsync:
-            rootd.fsync()
     except OSError as exc:
-        log.error(
-            "the tracker update of %s failed and %s could not be renamed back (%s); it is "
-            "complete but not named by the tracker",
-            rootd.path / name,
-            rootd.path / name,
-            exc,
-        )
+        log.error("the tracker update of %s failed, and renaming it back failed too (%s)", rootd.path / name, exc)
+        return False
+    if fsync:
+        try:
+            rootd.fsync()
+        except OSError as exc:  # a crash before the root is durable may find it in place: a restart names it latest
+            log.error("renamed %s back to %s, but the root's fsync failed (%s)", rootd.path / name, tmp_name, exc)
+    return True
 
 
 def remove_partial_files(tmpd: Dir) -> None:

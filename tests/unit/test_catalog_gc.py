@@ -290,3 +290,46 @@ def test_a_commit_record_listing_thousands_of_files_is_read(tmp_path):
     (root / step_dir_name(100) / COMMIT_RECORD).write_bytes(raw)
     assert read_commit_record(root / step_dir_name(100)) == rec
     assert scan_root(root).committed[0].commit_seq == 7
+
+
+@pytest.mark.parametrize("undone", [True, False])
+def test_a_commit_whose_tracker_fails_is_taken_back_or_said_to_be_in_place(tmp_path, monkeypatch, undone):
+    """The tracker's write fails after the rename: the checkpoint is renamed back and the commit
+    fails (its ranks are told it aborted). When the rename back fails too it stays complete in
+    place, and the next start names it latest: the error said only the tracker's failure, so its
+    ranks were told it aborted although a resume would load it."""
+    import errno
+    import os
+
+    from ckptd.errors import StorageError
+    from ckptd.format.durable import default_opener
+    from ckptd.roots.posix import publish_step
+
+    root = make_root(tmp_path / "r", [10], latest=10)
+    make_checkpoint(root / "iter_0000020.abc-1.tmp")
+
+    def opener(path, flags, mode=0o644):  # the tracker's temporary file cannot be written
+        if os.path.basename(path).startswith("latest"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return default_opener(path, flags, mode)
+
+    rename = Dir.rename
+    if not undone:
+
+        def failing_back(self, old, new):
+            if old == "iter_0000020":
+                raise OSError(errno.EIO, os.strerror(errno.EIO), old)
+            return rename(self, old, new)
+
+        monkeypatch.setattr(Dir, "rename", failing_back)
+    error = OSError if undone else StorageError
+    with Dir.open(root) as rootd, pytest.raises(error) as err:
+        publish_step(
+            rootd, 20, "iter_0000020.abc-1.tmp", replaced=False, fsync=False, opener=opener, megatron_tracker=False
+        )
+    assert (root / "latest").read_text() == "iter_0000010\n"
+    if undone:
+        assert not (root / "iter_0000020").exists() and (root / "iter_0000020.abc-1.tmp").is_dir()
+        return
+    assert "is complete and in place" in str(err.value) and "next daemon start makes it latest" in str(err.value)
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000020"
