@@ -241,13 +241,15 @@ class SaveIntake:
         """A write finished: free its block, tell the rank, report to the coordinator."""
         job: WriteJob = done.job
         req = job.request
-        self.rings.write_done(req.rank, job.generation, job.block)
         if isinstance(done.error, NotWritten):
             log.info("%s", done.error)
         else:
             result: WriteResult = done.result if done.error is None else WriteResult()
             self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
+        # Reported first: freeing the block starts the ring's next write, which fails once the
+        # daemon stops (its writers shut down), and a durable file's WRITTEN was lost with it.
         self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
+        self.rings.write_done(req.rank, job.generation, job.block)
 
     def in_flight(self, alive: Callable[[bytes], bool]) -> list[AttemptInFlight]:
         """The attempts this node holds undecided (ckptd.daemon.intakestate.IntakeState.in_flight)."""
