@@ -104,7 +104,9 @@ class Completions:
         self._q: queue.Queue[Completion] = queue.Queue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
-
+        # A full pipe holds wake-ups enough: a write never blocks a worker, nor the main thread
+        # inside a signal handler (which would then wait for itself to drain the pipe).
+        os.set_blocking(self._w, False)
         self._signalled = False
 
     @property

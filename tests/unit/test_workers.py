@@ -51,3 +51,18 @@ def test_each_kind_of_job_finishes_as_its_own_type_with_its_exception():
     (cleanup,) = [d for d in done if isinstance(d, CleanupFinished)]
     assert isinstance(cleanup.error, OSError) and cleanup.reason == "OSError: [Errno 5] I/O error"
     assert workers.in_flight == 4  # the loop calls finished() per completion it handles
+
+
+@pytest.mark.timeout(30)  # before: blocked for good
+def test_wake_ups_never_block_once_the_pipe_is_full():
+    """A signal handler's wake-up into a full pipe blocked the main thread inside the handler, which
+    only the main thread's own loop would have drained."""
+    completions = Completions()
+    try:
+        for _ in range(100_000):  # far more than a pipe holds (64 KiB)
+            completions.post_signal()
+        assert completions.signalled()
+        completions.post(CleanupFinished(step=1, attempt="a"))
+        assert [type(c) for c in completions.drain()] == [CleanupFinished]
+    finally:
+        completions.close()
