@@ -12,13 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from ckptd.control.protocol import Save, Written
+from ckptd.staging.ring import block_offset
 
 ATTEMPT = "0123456789ab-1"
 _RANK_0_OF_1 = {"step": 1, "attempt": ATTEMPT, "rank": 0, "world_size": 1}
 
 
 def a_save(**changes: Any) -> Save:
-    """A valid SAVE of step 1 by rank 0 of 1 from ring ``"g"``'s block 0, with ``changes``."""
+    """A valid SAVE of step 1 by rank 0 of 1 from ring ``"g"``'s block 0 (its seal in the block it
+    names, unless ``changes`` say otherwise), with ``changes``."""
     fields: dict[str, Any] = {
         **_RANK_0_OF_1,
         "generation": "g",
@@ -30,9 +32,12 @@ def a_save(**changes: Any) -> Save:
         "ring_start": 0,
         "snapshot_pid": 0,
         "seal": b"",
-        "seal_offset": 0,
+        "seal_offset": None,  # its block's
     }
-    return Save(**{**fields, **changes})
+    fields.update(changes)
+    if fields["seal_offset"] is None:
+        fields["seal_offset"] = block_offset(fields["block"])
+    return Save(**fields)
 
 
 def a_written(**changes: Any) -> Written:

@@ -43,7 +43,7 @@ from ..errors import AttemptInUseError, ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
-from ..staging.ring import ALIGN, Placement
+from ..staging.ring import ALIGN, BLOCKS, Placement, block_offset
 from .intakestate import (
     Action,
     Ended,
@@ -107,6 +107,12 @@ class SaveIntake:
             )
         if not 0 <= msg.ring_start < MAX_RING_OFFSET or msg.ring_start % ALIGN:
             raise StagingError(f"rank {msg.rank}: ring start {msg.ring_start} is not an aligned offset")
+        if not 0 <= msg.block < BLOCKS or msg.seal_offset != block_offset(msg.block):
+            # Its progress and seal are read there: another save's block would be followed instead.
+            raise StagingError(
+                f"rank {msg.rank}: the SAVE of step {msg.step} names control block {msg.block} but its seal "
+                f"at header offset {msg.seal_offset}"
+            )
         records, placements, held = self._items(msg, ring)
         check_snapshot_child(msg.rank, msg.snapshot_pid, rank_pid, ring.registered_s)
         producer = SnapshotWait.open(

@@ -56,6 +56,7 @@ from ckptd.daemon.metrics import prometheus_text
 from ckptd.daemon.snapshot import boottime_s
 from ckptd.format.records import BYTES, ItemRecord
 from ckptd.staging.rankside import StagingRing
+from ckptd.staging.ring import block_offset
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
 from tests.messages import a_save
@@ -346,6 +347,9 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
             assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         reply = ask(RegisterLayout(rank=0, generation=own.generation, layout="l1", items=[item], held=[]))
         assert reply == LayoutOk(layout="l1")
+        # Its progress and seal are read in the block the seal names: another save's would be followed.
+        reply = ask(a_save(step=5, generation=own.generation, block=2, seal_offset=block_offset(3), seal=b"s" * 16))
+        assert isinstance(reply, ErrorReply) and "names control block 2 but its seal at header offset" in reply.reason
         for pid, why in (
             (1, "is not a child of the rank's process"),
             (old_child.pid, "is older than the rank's staging ring"),
