@@ -160,7 +160,12 @@ def publish_step(
         if rootd.lstat(doomed) is not None:
             rootd.remove_tree(doomed)  # an earlier interrupted removal of the same step
         rootd.rename(name, doomed)
-    rootd.rename(tmp, name)
+    try:
+        rootd.rename(tmp, name)
+    except BaseException:
+        if replaced:  # the replaced checkpoint goes back (a tracker, Megatron-LM's too, may name it)
+            _undo_rename(rootd, doomed, name, fsync)
+        raise
     try:
         if fsync:
             rootd.fsync()

@@ -333,3 +333,36 @@ def test_a_commit_whose_tracker_fails_is_taken_back_or_said_to_be_in_place(tmp_p
         return
     assert "is complete and in place" in str(err.value) and "next daemon start makes it latest" in str(err.value)
     assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000020"
+
+
+def test_a_replacing_commit_whose_rename_fails_puts_the_replaced_checkpoint_back(tmp_path, monkeypatch):
+    """A re-save of step 20 after a rollback moves the old iter_0000020 aside, then renames the new
+    one into place: when that rename failed, the old one stayed at its .deleting name for gc to
+    remove, although a tracker (Megatron-LM's, after a rollback) may name it."""
+    import errno
+    import os
+
+    from ckptd.format.durable import default_opener
+    from ckptd.roots.posix import publish_step
+
+    root = make_root(tmp_path / "r", [10, 20], latest=10)
+    make_checkpoint(root / "iter_0000020.abc-1.tmp")
+    rename = Dir.rename
+
+    def failing(self, old, new):
+        if old == "iter_0000020.abc-1.tmp":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), old)
+        return rename(self, old, new)
+
+    monkeypatch.setattr(Dir, "rename", failing)
+    with Dir.open(root) as rootd, pytest.raises(OSError):
+        publish_step(
+            rootd,
+            20,
+            "iter_0000020.abc-1.tmp",
+            replaced=True,
+            fsync=False,
+            opener=default_opener,
+            megatron_tracker=False,
+        )
+    assert (root / "iter_0000020" / "metadata.json").is_file() and not list(root.glob("*.deleting"))
