@@ -33,7 +33,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import DaemonError
+from ..errors import DaemonError, StorageError
 from ..format.rootlayout import node_lock_name
 from ..staging.segment import SHM_DIR
 from ..storage.url import Location, S3Location
@@ -102,7 +102,16 @@ class RootLock:
         possible; raises RootBusyError when another daemon holds it."""
         flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT
         for mode in (os.O_RDONLY, os.O_RDWR):
-            fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
+            try:
+                fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
+            except OSError as exc:
+                owner = _owner(self.name, dir_fd)
+                raise StorageError(
+                    f"cannot open the lock file {self.root / self.name} of {self.where} ({exc.strerror}, "
+                    f"{errno.errorcode.get(exc.errno or 0, '?')}{owner}): the node daemon takes it before it "
+                    "writes there. Give this user write access to the root, or remove a lock file another "
+                    "user's job left (it is only a lock)"
+                ) from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -169,3 +178,12 @@ def _still_named(fd: int, name: str, dir_fd: int) -> bool:
         return False
     st = os.fstat(fd)
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _owner(name: str, dir_fd: int) -> str:
+    """``; owned by uid N`` for an existing file another user owns, else ``""``."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return ""
+    return f"; owned by uid {st.st_uid}" if st.st_uid != os.geteuid() else ""

@@ -53,3 +53,15 @@ def test_a_lock_taken_on_a_file_removed_meanwhile_is_told_apart(tmp_path: Path):
     finally:
         os.close(fd)
         os.close(dir_fd)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_clear_error(tmp_path):
+    """A lock file the daemon cannot open (here a link planted at its name; another user's file, or
+    a read-only root, alike) failed the daemon with a bare OSError naming the file relative to the
+    root."""
+    from ckptd.errors import StorageError
+
+    lock = RootLock(tmp_path, 0, "job")
+    (tmp_path / lock.name).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StorageError, match=rf"cannot open the lock file {tmp_path / lock.name} of .*write access"):
+        lock.acquire(runtime_dir=tmp_path, job="job")
