@@ -8,8 +8,9 @@ request is performed, then the client raises what it would have raised."""
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -222,23 +223,33 @@ def test_a_create_only_write_that_cannot_be_read_back_fails_saying_so(s3_bucket,
     _committed_and_latest(root, 20, _attempt(20))
 
 
+@contextlib.contextmanager
+def _synchronous_saves_lose_the_answer_to(monkeypatch: pytest.MonkeyPatch, key: str) -> Iterator[None]:
+    """While in the block, each ckptd.save to S3 has its write of ``key`` applied by the store, its
+    answer lost, and obstore's retry refused by the precondition."""
+    from ckptd.s3save import S3SaveTarget
+
+    init = S3SaveTarget.__init__
+
+    def faulty(self: S3SaveTarget, location: Any) -> None:
+        init(self, location)
+        _fault(monkeypatch, self.client, key, then="retry")
+
+    monkeypatch.setattr(S3SaveTarget, "__init__", faulty)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(S3SaveTarget, "__init__", init)
+
+
 @pytest.mark.timeout(60)
 def test_a_synchronous_save_whose_metadata_json_write_lost_its_response_succeeds(s3_bucket, monkeypatch):
     """ckptd.save to S3: the store wrote ``metadata.json``, the client timed out. The save reported
     "Nothing was committed" for a complete checkpoint (and its retry, by the precondition, said
     another save had written the prefix)."""
-    from ckptd.s3save import S3SaveTarget
-
     url = f"s3://{s3_bucket}/sync-lost/ckpt"
-    init = S3SaveTarget.__init__
-
-    def faulty(self: S3SaveTarget, location: Any) -> None:
-        init(self, location)
-        _fault(monkeypatch, self.client, METADATA_JSON, then="retry")
-
-    monkeypatch.setattr(S3SaveTarget, "__init__", faulty)
-    ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
-    monkeypatch.setattr(S3SaveTarget, "__init__", init)
+    with _synchronous_saves_lose_the_answer_to(monkeypatch, METADATA_JSON):
+        ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
     assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.arange(8.0))
 
 
@@ -273,19 +284,12 @@ def test_a_synchronous_save_whose_common_pt_lost_its_response_says_what_to_do(s3
     """The store wrote ``common.pt`` but the answer was lost: the save fails (two saves' common.pt
     can be equal byte for byte, so it is not read back), and so does a retry, saying the prefix
     holds a common.pt without a checkpoint and what to do."""
-    from ckptd.s3save import S3SaveTarget
-
     url = f"s3://{s3_bucket}/sync-common/ckpt"
-    init = S3SaveTarget.__init__
-
-    def faulty(self: S3SaveTarget, location: Any) -> None:
-        init(self, location)
-        _fault(monkeypatch, self.client, COMMON_PT, then="retry")
-
-    monkeypatch.setattr(S3SaveTarget, "__init__", faulty)
-    with pytest.raises(CheckpointExistsError, match="holds a common.pt but no checkpoint"):
+    with (
+        _synchronous_saves_lose_the_answer_to(monkeypatch, COMMON_PT),
+        pytest.raises(CheckpointExistsError, match="holds a common.pt but no checkpoint"),
+    ):
         ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
-    monkeypatch.setattr(S3SaveTarget, "__init__", init)
     with pytest.raises(CheckpointExistsError, match=r"If no save runs, delete s3://.*/sync-common/ckpt/common.pt"):
         ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
     S3Client(parse_location(url)).delete([COMMON_PT])

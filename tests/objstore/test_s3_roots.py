@@ -35,6 +35,22 @@ def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
 
 
+def _abandon_step_20(ckpt: ckptd.Checkpointer) -> None:
+    """Commit steps 10 and 20 (values 10 and 20), roll back to 10 and commit 11: step 20 is on an
+    abandoned branch."""
+    for step in (10, 20):
+        ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+    ckpt.load(_sd(torch.zeros(64), -1), step=10)
+    ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+
+
+def _resumes(ckpt: ckptd.Checkpointer, value: float) -> None:
+    """A resume loads 64 values ``value``."""
+    w = torch.zeros(64)
+    ckpt.load(_sd(w, -1))
+    assert torch.equal(w, torch.full((64,), value))
+
+
 @pytest.mark.timeout(180)
 def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
     root = f"s3://{s3_bucket}/runs/job1"
@@ -255,9 +271,7 @@ def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(
             results = apply_s3_gc(S3Root(location), plan, grace_s=3600.0)
             assert [r.entry.step for r, err in results] == [10]
             assert ckpt.latest() == 20
-            w = torch.zeros(64)
-            ckpt.load(_sd(w, -1))
-            assert torch.equal(w, torch.full((64,), 20.5))
+            _resumes(ckpt, 20.5)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
 
@@ -276,10 +290,7 @@ def test_retiring_a_step_leaves_the_data_objects_of_a_re_save_in_flight(s3_bucke
     client = S3Client(location)
     try:
         with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
-            for step in (10, 20):
-                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
-            ckpt.load(_sd(torch.zeros(64), -1), step=10)
-            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+            _abandon_step_20(ckpt)
         old = read_s3_commit_record(client, "iter_0000020")
         assert old is not None
         in_flight = "iter_0000020/__0_0.fedcba987654-1.distcp"  # another attempt's data object
@@ -384,9 +395,7 @@ def test_gc_of_an_abandoned_partial_step_leaves_what_a_new_save_of_it_wrote(s3_b
             assert [(r.entry.name, err) for r, err in results] == [("iter_0000040", None)]
             assert {i.key for i in client.list_objects("iter_0000040")} == {in_flight}
             assert ckpt.latest() == 30
-            w = torch.zeros(64)
-            ckpt.load(_sd(w, -1))
-            assert torch.equal(w, torch.full((64,), 30.0))
+            _resumes(ckpt, 30.0)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
 
@@ -405,10 +414,7 @@ def test_retiring_a_step_leaves_a_commit_of_it_that_lands_meanwhile(s3_bucket, r
     client = S3Client(location)
     try:
         with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
-            for step in (10, 20):
-                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
-            ckpt.load(_sd(torch.zeros(64), -1), step=10)
-            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=120)
+            _abandon_step_20(ckpt)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
     plan = plan_gc(scan_s3_root(location), keep=1, grace_s=3600.0)
