@@ -73,19 +73,25 @@ def stop_daemons(pid_paths: Iterable[Path], timeout_s: float = 30.0, *, job: str
     signalled: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
+        unnamed = False  # a daemon holds a pid file's lock but has not written its pid yet
         for path in pid_paths:
-            pid = live_pid(path)
-            if pid and pid not in signalled:
+            if not daemon_alive(path):
+                continue
+            pid = daemon_pid(path)
+            if pid is None:
+                unnamed = True
+            elif pid not in signalled:
                 signal_process(pid, signal.SIGTERM)
                 signalled.append(pid)
         running = [pid for pid in signalled if not exited(pid)]
         running += [pid for pid in (daemon_processes(job) if job else []) if pid not in running]
-        if not running:
+        if not running and not unnamed:
             return signalled
         if time.monotonic() > deadline:
             for pid in running:
                 signal_process(pid, signal.SIGKILL)
-            raise DaemonsDidNotStop(f"daemon processes {running} still ran {timeout_s:.0f} s after SIGTERM")
+            held = " (and a pid file held by a process that never wrote its pid)" if unnamed else ""
+            raise DaemonsDidNotStop(f"daemon processes {running}{held} still ran {timeout_s:.0f} s after SIGTERM")
         time.sleep(POLL_INTERVAL_S)
 
 
