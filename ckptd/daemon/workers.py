@@ -108,6 +108,7 @@ class Completions:
         # inside a signal handler (which would then wait for itself to drain the pipe).
         os.set_blocking(self._w, False)
         self._signalled = False
+        self._closed = False  # a signal after close() must not write into a reused descriptor number
 
     @property
     def fd(self) -> int:
@@ -116,6 +117,8 @@ class Completions:
     def post_signal(self) -> None:
         """Async-signal-safe wake-up (no locks): for signal handlers."""
         self._signalled = True
+        if self._closed:
+            return
         try:
             os.write(self._w, b"s")
         except BlockingIOError:
@@ -145,6 +148,9 @@ class Completions:
                 return out
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True  # first: a signal handler runs on this thread, between two statements
         os.close(self._r)
         os.close(self._w)
 

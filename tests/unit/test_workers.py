@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 
 import pytest
@@ -66,3 +67,22 @@ def test_wake_ups_never_block_once_the_pipe_is_full():
         assert [type(c) for c in completions.drain()] == [CleanupFinished]
     finally:
         completions.close()
+
+
+def test_a_signal_after_close_writes_into_no_descriptor():
+    """The daemon's SIGTERM handler wakes the loop through the pipe; one arriving during the last
+    clean-up, after close(), wrote into whatever file had reused the descriptor number."""
+    completions = Completions()
+    write_end = completions._w
+    completions.close()
+    r, w = os.pipe()  # takes the numbers the pipe had
+    try:
+        assert write_end in (r, w)
+        completions.post_signal()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing was written into the new pipe
+        completions.close()  # twice: harmless
+    finally:
+        os.close(r)
+        os.close(w)
