@@ -179,8 +179,14 @@ def attach_ring(name: str, capacity: int) -> tuple[ShmSegment, RingMap]:
     try:
         fd = os.open(segment.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            if not os.path.samestat(os.fstat(fd), os.stat(segment.path, follow_symlinks=False)):
-                raise StagingError(f"{segment.path} changed while it was being mapped")
+            # The very file checked and mapped above, still of its size: another one (replaced
+            # meanwhile, or shorter) would fault (SIGBUS) in a writer thread, and end the daemon.
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != segment.identity or st.st_size != HEADER_NBYTES + capacity:
+                raise StagingError(
+                    f"{segment.path} was replaced or resized while it was being mapped: the rank's staging ring "
+                    "is not the file it registered; its next save registers a new ring"
+                )
             return segment, RingMap(fd, capacity)
         finally:
             os.close(fd)

@@ -75,6 +75,7 @@ class ShmSegment:
         self.nbytes = nbytes
         self._mm: mmap.mmap | None = mm
         self._fd = fd  # kept by the creator, for pwrite and fallocate
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file checked and mapped
         self.reserved = False
         self._base: torch.Tensor | None = None
 
@@ -191,7 +192,9 @@ class ShmSegment:
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name, nbytes, mm)
+        segment = cls(name, nbytes, mm)
+        segment.identity = (st.st_dev, st.st_ino)
+        return segment
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """The bytes ``[offset, offset + nbytes)`` without a copy (release it before :meth:`close`)."""

@@ -305,3 +305,30 @@ def test_a_release_of_a_control_block_no_ring_has_is_ignored(prefix, caplog):
         assert sorted(blocks) == list(range(BLOCKS)) and not ring.has_free_block()
     finally:
         ring.close(unlink=True)
+
+
+def test_a_ring_replaced_between_its_check_and_its_mapping_is_refused(prefix, monkeypatch):
+    """The daemon checks a rank's ring file, then maps it again by name for the writers: a file put
+    in its place in between (shorter: a writer's read faults, SIGBUS, and ends the daemon) was
+    mapped unchecked."""
+    from ckptd.daemon.rings import attach_ring
+
+    ring = StagingRing.create(prefix, 0, capacity=1 << 20, timeout_s=30)
+    name = ring.names[0]
+    attach = ShmSegment.attach
+
+    def replaced_meanwhile(name_: str, nbytes: int) -> ShmSegment:
+        segment = attach(name_, nbytes)
+        path = SHM_DIR / name_
+        path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        return segment
+
+    monkeypatch.setattr(ShmSegment, "attach", replaced_meanwhile)
+    try:
+        with pytest.raises(StagingError, match="was replaced or resized while it was being mapped"):
+            attach_ring(name, ring.capacity)
+    finally:
+        ring.close(unlink=True)
