@@ -470,8 +470,9 @@ def convert_legacy(
     """Convert the legacy checkpoint ``src`` (root or iteration dir) into torch_dist at ``dst``.
 
     ``rules`` come before :data:`DEFAULT_RULES` (first match wins). ``glu`` (default: the
-    checkpoint's ``args.swiglu`` / ``args.gated_linear_unit``) stores ``linear_fc1`` TP shards
-    ``[gate_r; up_r]`` as ``[gate; up]``, as Megatron-Core's torch_dist does. ``stack_layers``
+    checkpoint's ``args.swiglu`` / ``args.gated_linear_unit``) stores ``linear_fc1`` (legacy name:
+    ``dense_h_to_4h``) TP shards ``[gate_r; up_r]`` as ``[gate; up]``, as Megatron-Core's
+    torch_dist does. ``stack_layers``
     names layers as Megatron-Core's default does (``decoder.layers.<name>`` with the layer number
     as a leading axis) instead of ``decoder.layers.<i>.<name>``.
 
@@ -499,7 +500,8 @@ def convert_legacy(
         glu = bool(get("swiglu") or get("gated_linear_unit"))
     if glu:
         # Grouped experts are named `...experts.experts.linear_fc1.weight` by then (.experts).
-        rules = list(rules) + [SplitRule(r"\.linear_fc1\.(weight|bias)$", 0, glu=True)]
+        # Megatron-LM's own name of the same tensor, `...mlp.dense_h_to_4h`, holds [gate_r; up_r] too.
+        rules = list(rules) + [SplitRule(r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$", 0, glu=True)]
     num_experts = get("num_experts")
     root = Path(dst)
     for marker in (METADATA_JSON, DCP_METADATA):

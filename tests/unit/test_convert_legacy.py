@@ -304,3 +304,32 @@ def test_progress_draws_only_on_tty(tmp_path):
             assert "\r" in text and "100%" in text and "mp_rank_00_001" in text and text.endswith("\n")
         else:
             assert text == ""
+
+
+def test_a_swiglu_dense_h_to_4h_of_legacy_names_is_stored_as_gate_then_up(tmp_path):
+    """Megatron-LM's own names (``language_model.encoder.layers.N.mlp.dense_h_to_4h``) hold
+    ``[gate_r; up_r]`` per TP rank under SwiGLU, as ``linear_fc1`` does: they were stacked rank by
+    rank, ``[g_0; u_0; g_1; u_1]``, so a load at another TP size or the consolidated file had gate
+    and up rows interleaved, silently."""
+    g = torch.Generator().manual_seed(3)
+    fc1, fc2 = torch.randn(2 * F, H, generator=g), torch.randn(H, F, generator=g)
+    gate, up = fc1.chunk(2, 0)
+    it = tmp_path / "legacy" / "iter_0000100"
+    for t in range(2):
+        model = {
+            "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight": torch.cat(
+                [gate.chunk(2, 0)[t], up.chunk(2, 0)[t]]
+            ).clone(),
+            "language_model.encoder.layers.0.mlp.dense_4h_to_h.weight": fc2.chunk(2, 1)[t].clone(),
+        }
+        args = argparse.Namespace(
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=1, num_layers=1, swiglu=True
+        )
+        (it / f"mp_rank_{t:02d}").mkdir(parents=True)
+        torch.save({"args": args, "iteration": 100, "model": model}, it / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("100")
+    convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+    plain = ckptd.load_plain_tensors(tmp_path / "dist")
+    (fc1_key,) = [k for k in plain if k.endswith("dense_h_to_4h.weight")]
+    (fc2_key,) = [k for k in plain if k.endswith("dense_4h_to_h.weight")]
+    assert torch.equal(plain[fc1_key], fc1) and torch.equal(plain[fc2_key], fc2)
