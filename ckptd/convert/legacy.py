@@ -36,10 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    CheckpointExistsError,
-    ShardingError,
-)
+from ..errors import CheckpointExistsError, OutputInsideCheckpointError, ShardingError
 from ..format.durable import ATOMIC_TMP_SUFFIX
 from ..format.finalize import write_checkpoint
 from ..format.items import PlannedItem, serialize_object
@@ -504,6 +501,15 @@ def convert_legacy(
         rules = list(rules) + [SplitRule(r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$", 0, glu=True)]
     num_experts = get("num_experts")
     root = Path(dst)
+    for source in {Path(src).resolve(), tree.directory.resolve()}:
+        target = root.resolve()
+        if target == source or source in target.parents:
+            # Its files next to the rank directories would make the legacy checkpoint look like
+            # a torch_dist one to Megatron-LM's format detection and to ckptd.
+            raise OutputInsideCheckpointError(
+                f"{dst} is inside the legacy checkpoint {src} being converted (as {target}); write the "
+                "torch_dist checkpoint elsewhere"
+            )
     for marker in (METADATA_JSON, DCP_METADATA):
         if (root / marker).exists():
             raise CheckpointExistsError(f"{root} already holds a checkpoint ({marker} exists)")

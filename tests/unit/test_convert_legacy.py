@@ -333,3 +333,17 @@ def test_a_swiglu_dense_h_to_4h_of_legacy_names_is_stored_as_gate_then_up(tmp_pa
     (fc1_key,) = [k for k in plain if k.endswith("dense_h_to_4h.weight")]
     (fc2_key,) = [k for k in plain if k.endswith("dense_4h_to_h.weight")]
     assert torch.equal(plain[fc1_key], fc1) and torch.equal(plain[fc2_key], fc2)
+
+
+def test_to_dist_refuses_an_output_inside_the_legacy_checkpoint(tmp_path):
+    """Written into the iteration directory next to its mp_rank_* directories, the output made the
+    legacy checkpoint look like a torch_dist one."""
+    from ckptd.errors import OutputInsideCheckpointError
+
+    write_legacy_tree(tmp_path / "legacy", reference(experts=False), tp=2, pp=1, ep=1)
+    (tmp_path / "link").symlink_to(tmp_path / "legacy")
+    for dst in (tmp_path / "legacy" / "iter_0000100", tmp_path / "legacy", tmp_path / "link" / "iter_0000100" / "out"):
+        with pytest.raises(OutputInsideCheckpointError, match="inside the legacy checkpoint"):
+            convert_legacy(tmp_path / "legacy", dst, allow_unsafe_pickle=True, fsync=False)
+    assert sorted(p.name for p in (tmp_path / "legacy" / "iter_0000100").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
