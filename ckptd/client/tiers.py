@@ -159,9 +159,12 @@ class Levels:
         named by its full path or URL, which ``damaged`` records when a load finds it damaged: the
         other level's copy of the same commit stays a candidate."""
         resume = self.resume(damaged, collective=True, group=group)
-        if resume.choice is None:
+        if resume.commit is not None:  # the oldest of the commits the ranks found (they differed)
+            path: Location = join(self.root, step_dir_name(resume.commit.step))
+        elif resume.choice is None:
             raise NoCheckpointYetError(f"{self.root} and its mirror {self.mirror} hold no committed checkpoint yet")
-        path = resume.choice.entry.path
+        else:
+            path = resume.choice.entry.path
         return Candidate(
             str(path),
             path,
@@ -256,6 +259,16 @@ class Levels:
         if level == MIRROR:
             return Resume(cast(S3Location, self.mirror), mine.mirror_choice)
         if self.node_local:
+            return Resume(self.root, None, commit)
+        if mine.find is not None and commit is not None and commit != mine.find.commit:
+            log.warning(
+                "the ranks found different latest commits in %s (%s): resuming from the oldest of them, step %d, "
+                "which every rank holds (the mirror's latest copy is of step %s)",
+                self.root,
+                ", ".join(sorted({f"step {f.commit.step}" for f in finds if f.commit is not None})),
+                commit.step,
+                "none" if mine.mirrored is None else mine.mirrored.step,
+            )
             return Resume(self.root, None, commit)
         return Resume(self.root, mine.local_choice)
 

@@ -201,8 +201,9 @@ def resume_from(
     commit the mirror's latest copies: :data:`LOCAL` or :data:`MIRROR` (:func:`resume_level`), and
     the commit of that level (LOCAL: the one to load; MIRROR: ``mirrored``).
 
-    A shared local root (``node_local`` False): ``rank``'s own find, and the mirror when the ranks
-    found different commits. Node-local disks: node 0's root is the commit authority (its daemon
+    A shared local root (``node_local`` False): ``rank``'s own find; when the ranks found different
+    commits, the oldest of them (there for every rank), and the mirror when one found none.
+    Node-local disks: node 0's root is the commit authority (its daemon
     commits), so every rank resumes from rank 0's find; a node whose disk lags behind (its daemon
     died before it renamed the last commit into place) or holds nothing (a replaced node) reads
     what it lacks from the mirror's copy of that commit, instead of rolling every rank back to an
@@ -210,6 +211,12 @@ def resume_from(
     """
     mine = found[0] if node_local else found[rank]
     same = node_local or len({f.commit for f in found}) == 1
+    if not same and all(f.commit is not None for f in found):
+        # A shared root the ranks read at different moments (a commit finishing meanwhile, a
+        # filesystem's cache): the oldest commit they found is there for every one of them, and
+        # the mirror wins only where it is newer. Taking the mirror whatever its age rolled a job
+        # back, silently, to a copy hours old.
+        mine, same = min(found, key=lambda f: f.commit.seq if f.commit is not None else 0), True
     level = resume_level(
         mine.commit,
         mirrored,

@@ -197,6 +197,43 @@ def test_every_rank_resumes_from_the_mirrors_copy_when_one_ranks_local_file_is_d
     assert results == [(30, w[0:4].tolist()), (30, w[4:8].tolist())]
 
 
+def _stale_rank_1(rank: int, world_size: int, root: str, mirror: str, env: dict[str, str]) -> tuple[int, list]:
+    """:func:`_resume_rank`, with rank 1 reading the local root's `latest` as it was a commit ago
+    (a filesystem's cache, or the previous launch's commit finishing meanwhile)."""
+    if rank == 1:
+        import ckptd.client.tiers as tiers
+        from ckptd.recovery import LatestChoice
+        from ckptd.s3catalog import scan_any
+
+        real = tiers.resolve_resumable
+
+        def stale(where: Any, **kwargs: Any) -> Any:
+            if isinstance(where, Path):
+                entry = next(e for e in scan_any(where, usage=False).entries if e.step == 20)
+                return LatestChoice(entry)
+            return real(where, **kwargs)
+
+        tiers.resolve_resumable = stale
+    return _resume_rank(rank, world_size, root, mirror, env)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_found_different_local_commits_resume_the_oldest_not_an_older_mirror_copy(
+    s3_env, s3_bucket, tmp_path
+):
+    """Rank 0 finds step 30, rank 1 (a stale view) step 20; the mirror's latest copy is of step 10,
+    hours behind. Every rank read the mirror's step 10 whenever the ranks disagreed, silently; they
+    resume step 20 now, which both hold."""
+    from tools.harness.ranks import run_ranks
+
+    root = make_root(tmp_path / "local", [10, 20, 30], latest=30)
+    stamp_commits(root, [10, 20, 30])
+    url = f"s3://{s3_bucket}/m"
+    mirror_step(root, _commit(root, 10), _store(url))
+    results = run_ranks(_stale_rank_1, 2, str(root), url, s3_env.env(), timeout_s=90)
+    assert [step for step, _ in results] == [20, 20]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("copied", [40, 20], ids=["its-latest", "the-marked-step"])
 def test_a_local_root_restored_from_before_a_rollback_resumes_the_mirrors_later_commit(

@@ -31,8 +31,12 @@ def test_node_local_disks_resume_from_node_0s_commit_even_where_a_node_lags_behi
     assert resume_from([find(ref(30)), find(ref(20))], ref(10), node_local=True) == (LOCAL, ref(30))
     # a replaced node 1 (an empty disk) reads node 0's commit as well
     assert resume_from([find(ref(30)), find(None)], None, node_local=True) == (LOCAL, ref(30))
-    # the same finds on a shared root mean ranks that disagree: every rank reads the mirror (as before)
-    assert resume_from([find(ref(30)), find(ref(20))], ref(10), node_local=False, rank=1) == (MIRROR, ref(10))
+    # the same finds on a shared root mean ranks that read it at different moments: the oldest
+    # commit they found (there for all), unless the mirror's copy is newer. Before, every rank read
+    # the mirror, whatever its age: a mirror hours behind rolled the job back, silently.
+    assert resume_from([find(ref(30)), find(ref(20))], ref(10), node_local=False, rank=1) == (LOCAL, ref(20))
+    assert resume_from([find(ref(30)), find(ref(20))], ref(25), node_local=False, rank=1) == (MIRROR, ref(25))
+    assert resume_from([find(ref(30)), find(None)], ref(10), node_local=False, rank=1) == (MIRROR, ref(10))
     assert resume_from([find(ref(30)), find(ref(30))], ref(10), node_local=False, rank=1) == (LOCAL, ref(30))
 
 
