@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -179,8 +180,18 @@ class CkptdConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise CkptdError(f"config metrics_port={self.metrics_port}: a TCP port (1-65535), or 0 for no metrics")
         for f in fields(self):
-            if f.name.endswith("_s") and getattr(self, f.name) < 0:
-                raise CkptdError(f"config {f.name}={getattr(self, f.name)}: must be >= 0")
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not (math.isfinite(value) and value >= 0):
+                # NaN compares false with everything: a timeout of NaN never, or always, expires.
+                raise CkptdError(f"config {f.name}={value}: must be a finite number of seconds >= 0")
+        for name in _POSITIVE_S:
+            if getattr(self, name) <= 0:
+                raise CkptdError(f"config {name}={getattr(self, name)}: must be > 0 (a wait of 0 s never succeeds)")
+        if self.max_message_nbytes < _MIN_MESSAGE_NBYTES:
+            raise CkptdError(
+                f"config max_message_nbytes={self.max_message_nbytes}: a SAVE of even a few items needs more; "
+                f"use at least {_MIN_MESSAGE_NBYTES} (default {64 << 20})"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CkptdConfig:
@@ -227,20 +238,26 @@ def _warn_deprecated(old: str, *, stacklevel: int, env: bool = False) -> None:
     warnings.warn(f"ckptd config {name} is deprecated; use {now} (same meaning)", FutureWarning, stacklevel=stacklevel)
 
 
+# Waits that must be able to succeed: a request, the daemon's start, the heartbeat's period and
+# the coordinator's silence allowance.
+_POSITIVE_S = ("request_timeout_s", "daemon_start_timeout_s", "heartbeat_s", "coordinator_timeout_s")
+_MIN_MESSAGE_NBYTES = 64 << 10
+
+
 def parse_budget(budget: str) -> tuple[float, int]:
     """``staging_budget`` as ``(fraction of a save, 0)`` or ``(0, bytes per node)``."""
     text = budget.strip().upper().replace(" ", "")
     try:
         if text.endswith("X"):
             fraction = float(text[:-1])
-            if fraction > 0:
+            if 0 < fraction < math.inf:
                 return fraction, 0
         else:
             digits = text.rstrip("KMGTIB")
             value = float(digits) * _UNITS[text[len(digits) :]]
-            if value >= 1:
+            if 1 <= value < math.inf:
                 return 0.0, int(value)
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):
         pass
     raise CkptdError(
         f'config staging_budget={budget!r}: use a multiple of one save ("1.25x", or '

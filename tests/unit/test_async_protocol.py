@@ -379,6 +379,19 @@ def test_config_env_overrides_in_one_place():
     assert parse_budget("512 MiB") == (0, 512 << 20) and parse_budget("100000") == (0, 100000)
     with pytest.raises(CkptdError, match="on_full='drop'"):
         CkptdConfig(on_full="drop")
+    # Values that passed and failed later, obscurely: NaN (compares false with everything: every
+    # write reported FAILED at the first tick), infinity, waits of 0 s, an overflowing budget.
+    for bad, why in (
+        ({"CKPTD_COMMIT_TIMEOUT_S": "nan"}, "commit_timeout_s=nan: must be a finite number"),
+        ({"CKPTD_MTBF_S": "inf"}, "mtbf_s=inf: must be a finite number"),
+        ({"CKPTD_REQUEST_TIMEOUT_S": "0"}, "request_timeout_s=0.0: must be > 0"),
+        ({"CKPTD_HEARTBEAT_S": "0"}, "heartbeat_s=0.0: must be > 0"),
+        ({"CKPTD_MAX_MESSAGE_NBYTES": "0"}, "max_message_nbytes=0: .* use at least"),
+        ({"CKPTD_STAGING_BUDGET": "infx"}, "staging_budget='infx'"),
+        ({"CKPTD_STAGING_BUDGET": "1e400GiB"}, "staging_budget='1e400GiB'"),
+    ):
+        with pytest.raises(CkptdError, match=why):
+            CkptdConfig.from_env(bad)
     with pytest.raises(CkptdError, match="unknown config fields"):
         CkptdConfig.from_env({}, pool_size=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
