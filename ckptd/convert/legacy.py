@@ -86,6 +86,10 @@ class SplitRule:
         if not sep or not pattern:
             raise ShardingError(f"split rule {text!r} is not REGEX=AXIS|replicated|glu:AXIS")
         try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ShardingError(f"split rule {text!r}: {pattern!r} is not a regular expression ({exc})") from None
+        try:
             if spec == "replicated":
                 return cls(pattern, None)
             if spec.startswith("glu:"):

@@ -204,6 +204,8 @@ def test_legacy_bad_inputs(tmp_path):
         torch.save(sd, tp2 / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
     with pytest.raises(ShardingError, match=r"extra\.weight.*no split rule"):
         convert_legacy(tp2, tmp_path / "out1", fsync=False)
+    with pytest.raises(ShardingError, match=r"'\[=0' is not a regular expression"):  # was a traceback, late
+        SplitRule.parse("[=0=0")
     convert_legacy(tp2, tmp_path / "out2", rules=[SplitRule.parse(r"extra\.weight$=0")], fsync=False)
     assert torch.equal(
         ckptd.load_plain_tensors(tmp_path / "out2")["decoder.layers.0.extra.weight"],
