@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         if args.node is not None or args.nnodes is not None:
             nnodes = args.nnodes if args.nnodes is not None else env.nnodes
             node = args.node if args.node is not None else 0
+            if nnodes < 1 or not 0 <= node < nnodes:
+                raise CkptdError(f"--node {node} --nnodes {nnodes}: give at least 1 node and a node id 0..nnodes-1")
             env = replace(env, node=node, local_world_size=1, world_size=nnodes, rank=node, local_rank=0)
         given = args.coordinator_connect or args.coordinator_bind
         if given and not config.coordinator_port:

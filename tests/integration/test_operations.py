@@ -87,6 +87,10 @@ def test_stats_status_metrics_and_stop(single):
     job = info["job"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptd-{job}-")]
     assert ckptd_cli(env, "daemon", "stop", "--root", str(root)).returncode == 0  # nothing to stop
+    # A node the job cannot have is a usage error, not a daemon that fails later (a traceback in its log).
+    for node, nnodes in (("3", "1"), ("0", "0"), ("-1", "2")):
+        run = ckptd_cli(env, "daemon", "--root", str(root), "--node", node, "--nnodes", nnodes)
+        assert run.returncode == 2 and f"--node {node} --nnodes {nnodes}: give at least 1 node" in run.stderr
 
 
 @pytest.mark.timeout(120)
