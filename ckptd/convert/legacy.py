@@ -45,13 +45,7 @@ from ..format.records import TENSOR, ItemRecord, dtype_name, object_record
 from ..mapping import ShardedObject
 from . import experts as moe
 from . import mcore
-from .legacy_tree import (
-    LegacyTree,
-    RankFile,
-    discover,
-    model_chunks,
-    read_rank_file,
-)
+from .legacy_tree import LegacyTree, RankFile, check_same_entries, discover, model_chunks, read_rank_file
 
 log = logging.getLogger("ckptd.convert")
 
@@ -249,6 +243,7 @@ class _Converter:
         per_rank = [model_chunks(sd) for sd in sds]
         items: list[PlannedItem] = []
         label = files[0].path.parent.name
+        check_same_entries(per_rank, files)  # written from TP rank 0's keys
         for v, chunk0 in enumerate(per_rank[0]):
             experts = _count(_EXPERT, list(chunk0))
             te_experts = moe.te_local_experts(chunk0)

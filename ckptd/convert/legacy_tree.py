@@ -184,3 +184,18 @@ def model_chunks(sd: dict) -> list[dict[str, Any]]:
         _flatten("", sd[n], flat)
         out.append(flat)
     return out
+
+
+def check_same_entries(per_rank: list[list[dict[str, Any]]], files: list[RankFile]) -> None:
+    """Raise ShardingError unless every TP rank's model chunks (``per_rank``, read from ``files``)
+    hold the entries TP rank 0's do: a conversion writes TP rank 0's keys, and a tensor only
+    another rank holds would be left out of the checkpoint, silently."""
+    first = per_rank[0]
+    for r, chunks in enumerate(per_rank[1:], start=1):
+        extra = sorted({k for v, c in enumerate(chunks) for k in c if v >= len(first) or k not in first[v]})
+        if len(chunks) != len(first) or extra:
+            raise ShardingError(
+                f"{files[r].path} holds {len(chunks)} model chunk(s) and entries TP rank 0's file {files[0].path} "
+                f"({len(first)} chunk(s)) lacks: {extra[:5]}; the TP ranks of one pipeline stage must hold the "
+                "same entries. Is the checkpoint complete and from one run?"
+            )

@@ -349,3 +349,15 @@ def test_to_dist_refuses_an_output_inside_the_legacy_checkpoint(tmp_path):
             convert_legacy(tmp_path / "legacy", dst, allow_unsafe_pickle=True, fsync=False)
     assert sorted(p.name for p in (tmp_path / "legacy" / "iter_0000100").iterdir()) == ["mp_rank_00", "mp_rank_01"]
     convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+
+
+def test_a_tensor_only_another_tp_rank_holds_is_never_dropped(tmp_path):
+    """The conversion writes TP rank 0's keys: a tensor that only TP rank 1's file held was left
+    out of the checkpoint, silently."""
+    it = write_legacy_tree(tmp_path / "legacy", reference(experts=False), tp=2, pp=1, ep=1, numpy_rng=False)
+    path = it / "mp_rank_01" / "model_optim_rng.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["model"]["decoder.layers.0.only_on_rank_1.weight"] = torch.ones(2)
+    torch.save(sd, path)
+    with pytest.raises(ShardingError, match=r"mp_rank_01.* lacks: \['decoder.layers.0.only_on_rank_1.weight'\]"):
+        convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
