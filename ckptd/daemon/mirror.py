@@ -47,6 +47,7 @@ from ..roots.mirror_nodes import (
     withdraw_stale_request,
 )
 from ..roots.s3_root import S3Root
+from ..s3catalog import read_s3_commit_record
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,27 @@ class MirrorUploader:
             self._wake.wait(self.retry_after_s)
             self._wake.clear()
 
+    def _copied_already(self, commit: CommitRef) -> bool:
+        """The mirror holds ``commit``'s copy committed, and only its ``latest`` does not name it
+        (its update failed, or could not be read just now): name it, instead of uploading every
+        file again to a commit that then refuses the step as committed (every retry, until the
+        next local commit)."""
+        name = step_dir_name(commit.step)
+        try:
+            if CommitRef.copied_by(read_s3_commit_record(self.mirror.client, name)) != commit:
+                return False
+            self.mirror.name_latest(name)
+        except (CkptdError, OSError) as exc:
+            self._fail(commit, f"naming the committed copy {self.mirror.display(name)} latest failed: {exc}")
+            return True
+        log.info("mirror %s: named its committed copy of step %d latest", self.mirror.display(), commit.step)
+        self._mark_mirrored(commit)
+        with self._lock:
+            self._uploading = self._failed = self._failed_node = None
+            self._error = ""
+            self._mirrored = commit
+        return True
+
     def _pass(self) -> None:
         try:
             local = local_latest(self.root)
@@ -194,6 +216,8 @@ class MirrorUploader:
             self._due = commit is not None
             self._uploading = commit
         if commit is None or self._stop.is_set():
+            return
+        if self._copied_already(commit):
             return
         t0 = time.monotonic()
         try:

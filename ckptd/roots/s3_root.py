@@ -218,6 +218,11 @@ class S3Root:
     ) -> None:
         self.client.create(key, data, if_unknown=if_unknown)
 
+    def name_latest(self, name: str) -> None:
+        """Point ``latest`` at the committed ``name`` (compare-and-swap): a mirror whose copy of
+        the local latest committed but whose tracker update failed (ckptd.daemon.mirror)."""
+        self._point_tracker(name)
+
     def _point_tracker(self, name: str) -> None:
         """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""
         for _ in range(_TRACKER_TRIES):

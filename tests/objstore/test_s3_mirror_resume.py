@@ -371,3 +371,25 @@ def test_a_node_local_round_whose_directory_a_re_save_replaced_meanwhile_commits
     _nothing_committed(store)
     assert store.client.head(REQUEST_KEY) is None
     assert read_s3_commit_record(store.client, step_dir_name(30)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_committed_copy_whose_tracker_update_failed_is_named_latest_not_uploaded_again(s3_bucket, tmp_path):
+    """The mirror committed its copy of the local latest, but moving its ``latest`` failed (or could
+    not be read just now): every pass uploaded every file again, and the commit then refused the
+    step as committed already, until the next local commit."""
+    from ckptd.daemon.mirror import MirrorUploader
+    from ckptd.format.rootlayout import TRACKER_FILE, tracker_bytes
+
+    root = make_root(tmp_path / "local", [10, 20], latest=20)
+    stamp_commits(root, [10, 20])
+    store = _store(f"s3://{s3_bucket}/named")
+    for step in (10, 20):
+        mirror_step(root, _commit(root, step), store)
+    store.client.put(TRACKER_FILE, tracker_bytes(step_dir_name(10)))  # the tracker update of 20 "failed"
+    objects = sorted(i.key for i in store.client.list_objects(""))
+    uploader = MirrorUploader(root, store)
+    uploader._pass()
+    assert store.client.get(TRACKER_FILE, 100)[0] == tracker_bytes(step_dir_name(20))
+    assert sorted(i.key for i in store.client.list_objects("")) == objects  # nothing uploaded again
+    assert uploader.status()["mirrored_step"] == 20 and uploader.status()["error"] is None
