@@ -44,7 +44,7 @@ from ..roots.mirror import (
     orders_disagree,
     resume_from,
 )
-from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record
+from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record, read_s3_tracker
 from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, UnsupportedLocationError, join, parse_location
@@ -439,6 +439,13 @@ class Levels:
         deadline = time.monotonic() + timeout_s
         client = S3Client(self.mirror)
         while (why := self._not_mirrored(step, self.root, self.mirror, client)) is not None:
+            overtaken = _overtaken(step, self.root, client)
+            if overtaken is not None:
+                raise CheckpointNotFoundError(
+                    f"step {step} will never be copied to the mirror {self.mirror}: the mirror copies only the newest "
+                    f"local commit, and step {overtaken.step} (committed after it) was copied first; wait for step "
+                    f"{overtaken.step} instead"
+                )
             if time.monotonic() >= deadline:
                 raise SaveTimeoutError(
                     f"step {step} was not copied to the mirror {self.mirror} within {timeout_s:.0f} s ({why}); the "
@@ -509,6 +516,17 @@ def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef, lates
         if copy is not None and copy.source == commit.source() and copy.seq <= latest_copy_seq:
             return True
     return False
+
+
+def _overtaken(step: int, root: Path, client: S3Client) -> CommitRef | None:
+    """The local commit the mirror's latest copy copies, when it was committed after ``root``'s
+    commit of ``step`` and the mirror holds no copy of ``step`` (it never will); else None."""
+    local = _local_commit(root, step)
+    if local is None or read_s3_commit_record(client, step_dir_name(step)) is not None:
+        return None
+    name = read_s3_tracker(client)[1]
+    latest = None if name is None else CommitRef.copied_by(read_s3_commit_record(client, name))
+    return latest if latest is not None and latest.seq > local.seq else None
 
 
 def _local_commit(root: Path, step: int) -> CommitRef | None:

@@ -393,3 +393,20 @@ def test_a_committed_copy_whose_tracker_update_failed_is_named_latest_not_upload
     assert store.client.get(TRACKER_FILE, 100)[0] == tracker_bytes(step_dir_name(20))
     assert sorted(i.key for i in store.client.list_objects("")) == objects  # nothing uploaded again
     assert uploader.status()["mirrored_step"] == 20 and uploader.status()["error"] is None
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_a_step_a_newer_one_overtook_in_the_mirror_says_so_at_once(s3_bucket, tmp_path):
+    """Step 20 committed locally, then step 30 before the mirror got to 20: the mirror copies only
+    the newest local commit, so it never copies 20. wait_mirrored(20) waited out its whole timeout
+    (600 s by default), saying the mirror had no commit of it yet."""
+    root = make_root(tmp_path / "local", [10, 20, 30], latest=30)
+    stamp_commits(root, [10, 20, 30])
+    store = _store(f"s3://{s3_bucket}/overtaken")
+    mirror_step(root, _commit(root, 30), store)
+    levels = Levels(root, store.location)
+    t0 = time.monotonic()
+    with pytest.raises(ckptd.CheckpointNotFoundError, match="step 20 will never be copied .* wait for step 30"):
+        levels.wait_mirrored(20, timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    levels.wait_mirrored(30, timeout_s=10)
