@@ -19,12 +19,13 @@ step again).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptdError, CopyRoundError
+from ..errors import CkptdError, CopyRoundError, CorruptCheckpointError
 from ..format.rootlayout import step_dir_name
 from ..roots.copyround import REQUEST_KEY, CopyRequest, copier_due, should_answer
 from ..roots.mirror import (
@@ -240,7 +241,7 @@ class MirrorUploader:
             return
         except (CkptdError, OSError) as exc:
             self._round_failed()
-            self._fail(commit, str(exc))
+            self._fail(commit, str(exc), permanent=isinstance(exc, CorruptCheckpointError))
             return
         seconds = time.monotonic() - t0
         log.info("mirrored %s to %s in %.1f s", outcome.name, self.mirror.display(outcome.name), seconds)
@@ -280,15 +281,23 @@ class MirrorUploader:
         for _, step, mirror_attempt, nnodes in due:
             sweep_round(self.mirror, step, mirror_attempt, nnodes)
 
-    def _fail(self, commit: CommitRef | None, error: str, node: int | None = None) -> None:
-        log.warning("mirror %s: %s (retrying in %.0f s)", self.mirror.display(), error, self.retry_after_s)
+    def _fail(self, commit: CommitRef | None, error: str, node: int | None = None, *, permanent: bool = False) -> None:
+        """``permanent``: the commit can never be copied (its local files are damaged): not retried
+        (each retry uploaded everything up to the damage again), until a newer local commit."""
+        then = (
+            "not retrying it: a newer local commit is copied"
+            if permanent
+            else f"retrying in {self.retry_after_s:.0f} s"
+        )
+        log.warning("mirror %s: %s (%s)", self.mirror.display(), error, then)
         with self._lock:
             self._uploading = None
             self._due = False
             self._error = error
             self._failed_node = node
             if commit is not None:
-                self._failed = FailedUpload(commit=commit, retry_at_s=time.monotonic() + self.retry_after_s)
+                retry_at_s = math.inf if permanent else time.monotonic() + self.retry_after_s
+                self._failed = FailedUpload(commit=commit, retry_at_s=retry_at_s)
 
     # --- node k >= 1 ------------------------------------------------------------------------------
     def _answer_requests(self) -> None:

@@ -105,6 +105,8 @@ def test_a_local_bit_flip_is_never_copied_to_the_mirror(s3_bucket, runtime_dir, 
             status = wait_until(lambda: ckpt.status()["mirror"]["error"], 60, "the mirror to report the flip")
             assert "iter_0000007" in status and "no longer matches its recorded checksum" in status, status
             assert ckpt.status()["mirror"]["failed_step"] == 7
+            # It can never succeed: not retried (each retry uploaded everything up to the damage again).
+            assert "not retrying it: a newer local commit is copied" in ckpt.endpoints.log_path.read_text()
     finally:
         stop_root_daemons(local, runtime_dir, timeout_s=60)
     location = parse_location(mirror)
