@@ -519,14 +519,18 @@ def _mirror_copies_local(root: Path, mirror: S3Location, local: CommitRef, lates
 
 
 def _overtaken(step: int, root: Path, client: S3Client) -> CommitRef | None:
-    """The local commit the mirror's latest copy copies, when it was committed after ``root``'s
-    commit of ``step`` and the mirror holds no copy of ``step`` (it never will); else None."""
+    """The local commit the mirror's latest copy copies, when ``root`` holds it, committed after
+    its commit of ``step``, and the mirror holds no copy of ``step`` (it never will); else None."""
     local = _local_commit(root, step)
     if local is None or read_s3_commit_record(client, step_dir_name(step)) is not None:
         return None
     name = read_s3_tracker(client)[1]
     latest = None if name is None else CommitRef.copied_by(read_s3_commit_record(client, name))
-    return latest if latest is not None and latest.seq > local.seq else None
+    # Seqs of one commit order only: the local root holds the commit the mirror's latest copies (a
+    # replaced disk numbers its commits from 1 again, and its step would be copied next).
+    if latest is None or latest.seq <= local.seq or _local_commit(root, latest.step) != latest:
+        return None
+    return latest
 
 
 def _local_commit(root: Path, step: int) -> CommitRef | None:

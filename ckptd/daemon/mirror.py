@@ -48,7 +48,7 @@ from ..roots.mirror_nodes import (
     withdraw_stale_request,
 )
 from ..roots.s3_root import S3Root
-from ..s3catalog import read_s3_commit_record
+from ..s3catalog import read_s3_commit_record, read_s3_tracker
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,23 @@ class MirrorUploader:
         next local commit)."""
         name = step_dir_name(commit.step)
         try:
-            if CommitRef.copied_by(read_s3_commit_record(self.mirror.client, name)) != commit:
+            copy = read_s3_commit_record(self.mirror.client, name)
+            if CommitRef.copied_by(copy) != commit or copy is None:
                 return False
+            named = read_s3_tracker(self.mirror.client)[1]
+            current = None if named is None else read_s3_commit_record(self.mirror.client, named)
+            if current is not None and current.seq >= copy.seq:
+                # The mirror's latest was committed after this copy: the local root is behind it
+                # (restored from before a rollback, or its newest steps removed). Moving `latest`
+                # back would make a resume take the abandoned branch.
+                self._fail(
+                    commit,
+                    f"the local latest, step {commit.step}, was copied to {self.mirror.display(name)} before the "
+                    f"mirror's latest, {named}: the local root is behind the mirror (restored from a backup, or its "
+                    "newest steps removed); a resume takes the mirror's",
+                    permanent=True,
+                )
+                return True
             self.mirror.name_latest(name)
         except (CkptdError, OSError) as exc:
             self._fail(commit, f"naming the committed copy {self.mirror.display(name)} latest failed: {exc}")
@@ -241,7 +256,9 @@ class MirrorUploader:
             return
         except (CkptdError, OSError) as exc:
             self._round_failed()
-            self._fail(commit, str(exc), permanent=isinstance(exc, CorruptCheckpointError))
+            # Local damage (mirror_step's CorruptCheckpointError; a round's errors are its nodes')
+            damaged = isinstance(exc, CorruptCheckpointError) and not self.coordinated
+            self._fail(commit, str(exc), permanent=damaged)
             return
         seconds = time.monotonic() - t0
         log.info("mirrored %s to %s in %.1f s", outcome.name, self.mirror.display(outcome.name), seconds)

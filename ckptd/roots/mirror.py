@@ -216,7 +216,7 @@ def resume_from(
         # filesystem's cache): the oldest commit they found is there for every one of them, and
         # the mirror wins only where it is newer. Taking the mirror whatever its age rolled a job
         # back, silently, to a copy hours old.
-        mine, same = min(found, key=lambda f: f.commit.seq if f.commit is not None else 0), True
+        mine, same = min(found, key=lambda f: (f.commit.seq, f.commit.step) if f.commit is not None else (0, 0)), True
     level = resume_level(
         mine.commit,
         mirrored,
@@ -257,8 +257,9 @@ def new_mirror_attempt(commit: CommitRef) -> str:
 
 def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
     """Copy the committed local ``iter_<step>`` of ``commit`` into ``mirror`` and commit it there
-    (steps 2-3 of the module docstring). Raises CkptdError (StorageError, CorruptCheckpointError)
-    naming the file or object; nothing of a failed copy stays in the mirror.
+    (steps 2-3 of the module docstring). Raises CkptdError naming the file or object:
+    CorruptCheckpointError when the local files are damaged (no retry can succeed), StorageError
+    for the store; nothing of a failed copy stays in the mirror.
 
     Every file is read through the lease's directory fd: a re-save of the step after a rollback
     renames its commit over this one whatever the lease (ckptd.roots.posix.publish_step), and a
@@ -272,7 +273,10 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
             try:
                 renamed, data_files = _upload_data(lease, records, checksum, name, attempt, mirror)
                 check_still_leased(lease, commit)
-                outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+                try:
+                    outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+                except CorruptCheckpointError as exc:  # an uploaded object missing or resized: the store's doing
+                    raise StorageError(f"committing the copy of step {commit.step} failed: {exc}") from exc
             except BaseException:
                 mirror.abort(commit.step, attempt)
                 raise

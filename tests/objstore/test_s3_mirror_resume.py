@@ -250,6 +250,15 @@ def test_a_local_root_restored_from_before_a_rollback_resumes_the_mirrors_later_
     after = _copy(history.after, tmp_path / "after")
     mirror_step(after, _commit(after, 30), store)
     levels = Levels(stale, store.location)
+    if copied == 40:
+        # The daemon's mirror pass, which its start runs before load(): the mirror holds a copy of the
+        # local latest, but its own latest was committed after it. Naming that copy latest (as after
+        # a failed tracker update) moved the mirror back, and the resume took the abandoned branch.
+        from ckptd.daemon.mirror import MirrorUploader
+
+        uploader = MirrorUploader(stale, store)
+        uploader._pass()
+        assert "the local root is behind the mirror" in uploader.status()["error"]
     resume = levels.resume({})
     assert resume.root == store.location and resume.step == 30
     step, w = _resumed(levels)
@@ -410,3 +419,34 @@ def test_waiting_for_a_step_a_newer_one_overtook_in_the_mirror_says_so_at_once(s
         levels.wait_mirrored(20, timeout_s=60)
     assert time.monotonic() - t0 < 30
     levels.wait_mirrored(30, timeout_s=10)
+    # A replaced disk numbers its commits from 1 again: its step 40 (seq 1) is not "overtaken" by the
+    # old disk's step 30 (seq 3) the mirror copied; the mirror copies it next.
+    new_disk = make_root(tmp_path / "new-disk", [40], latest=40)
+    stamp_commits(new_disk, [40])
+    with pytest.raises(SaveTimeoutError, match="the mirror has no commit of step 40 yet"):
+        Levels(new_disk, store.location).wait_mirrored(40, timeout_s=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_the_store_fails_to_keep_is_retried_only_local_damage_is_not(s3_bucket, tmp_path, monkeypatch):
+    """The store losing an uploaded object (found when the copy commits) is the store's doing: the
+    copy is retried. Only damage in the local files stops retries until a newer commit (a
+    CorruptCheckpointError from either side counted as such, and a job's last step was then never
+    mirrored)."""
+    import math
+
+    from ckptd.daemon.mirror import MirrorUploader
+    from ckptd.errors import CorruptCheckpointError
+
+    root = make_root(tmp_path / "local", [10], latest=10)
+    stamp_commits(root, [10])
+    store = _store(f"s3://{s3_bucket}/lost-object")
+
+    def lost(*_args: Any, **_kwargs: Any) -> Any:
+        raise CorruptCheckpointError("data object __0_0.x.distcp of the copy is missing")
+
+    monkeypatch.setattr(S3Root, "commit", lost)
+    uploader = MirrorUploader(root, store)
+    uploader._pass()
+    assert "committing the copy of step 10 failed" in uploader.status()["error"]
+    assert uploader._failed is not None and uploader._failed.retry_at_s < math.inf
