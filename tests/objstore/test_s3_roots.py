@@ -35,6 +35,16 @@ def _sd(w: torch.Tensor, step: int) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
 
 
+def _commit_steps_1_and_2(root: str, runtime_dir: Path) -> None:
+    """A Checkpointer on ``root`` commits steps 1 and 2 (values 1 and 2); its daemon is stopped."""
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            for step in (1, 2):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=60)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
 def _abandon_step_20(ckpt: ckptd.Checkpointer) -> None:
     """Commit steps 10 and 20 (values 10 and 20), roll back to 10 and commit 11: step 20 is on an
     abandoned branch."""
@@ -346,12 +356,7 @@ def test_a_store_outage_while_the_latest_is_checked_is_an_error_not_damage(s3_bu
     from ckptd.recovery import resolve_latest
 
     root = f"s3://{s3_bucket}/outage"
-    try:
-        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
-            for step in (1, 2):
-                ckpt.save(_sd(torch.full((1024,), float(step)), step), step=step).wait(timeout_s=60)
-    finally:
-        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    _commit_steps_1_and_2(root, runtime_dir)
     get = S3Client.get
 
     def failing_get(self, name, *args, **kwargs):
@@ -526,12 +531,7 @@ def test_a_checkpoint_retired_while_a_resume_checks_it_is_a_removal_not_damage(s
     from ckptd.format.layout import DCP_METADATA
 
     root = f"s3://{s3_bucket}/retired-while-checked"
-    try:
-        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
-            for step in (1, 2):
-                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=60)
-    finally:
-        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    _commit_steps_1_and_2(root, runtime_dir)
     client = S3Client(parse_location(root))
     view = recovery.s3_checkpoint_view
 
