@@ -17,6 +17,7 @@ Key = tuple[int, str]  # (step, attempt)
 
 class Phase(str, enum.Enum):
     COLLECTING = "collecting"
+    READY = "ready"  # every rank wrote; committed once the attempts collected before it are decided
     COMMITTING = "committing"
     COMMITTED = "committed"
     ABORTED = "aborted"

@@ -178,6 +178,7 @@ class CommitState:
             self._on_commit_ended(event, now)
         elif isinstance(event, Tick):
             self._on_tick(now)
+        self._start_ready()
         out, self._out = self._out, []
         return out
 
@@ -242,7 +243,7 @@ class CommitState:
         for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
             if other.adopted and not other.reporters:
                 continue  # a leftover of a crashed coordinator: it times out on its own
-            if other.phase is Phase.COMMITTING:
+            if other.phase in (Phase.READY, Phase.COMMITTING):
                 self._abort(
                     st,
                     f"step {step}: {who} saved attempt {attempt} while attempt "
@@ -301,7 +302,7 @@ class CommitState:
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
-            self._start_commit(st)
+            st.phase = Phase.READY  # committed by _start_ready, in the order the attempts began
 
     def _checked_records(self, st: AttemptState, msg: Written) -> list[ItemRecord] | None:
         """The records of ``msg`` once checked against the attempt; None for an identical repeat.
@@ -399,6 +400,19 @@ class CommitState:
         for warning in st.warnings:
             log.warning("step %d attempt %s: %s", st.step, st.attempt, warning)
         return True
+
+    def _start_ready(self) -> None:
+        """Commit the attempts every rank wrote, in the order their collection began, each once
+        none begun before it is still collecting (it commits, or aborts, within
+        ``commit_timeout_s``). Reports can arrive out of that order (a node cut off resends what
+        it wrote meanwhile all at once): a step committed after a higher one is a rollback to
+        the commit order, and retention then removed the higher step, which had committed."""
+        waiting = sorted(self.attempts.values(), key=lambda a: a.started_s)
+        for st in waiting:
+            if st.phase is Phase.READY:
+                self._start_commit(st)
+            elif st.phase is Phase.COLLECTING and (st.reporters or not st.adopted):
+                return  # (a crashed coordinator's leftover nobody reports on holds nothing up)
 
     def _start_commit(self, st: AttemptState) -> None:
         st.phase = Phase.COMMITTING

@@ -110,6 +110,31 @@ def committed_step(c: Coordinator, step: int, attempt: str = A) -> None:
 
 
 # --- the way to a commit -----------------------------------------------------------------------------
+def test_attempts_commit_in_the_order_they_began_whatever_order_their_last_reports_arrive_in():
+    """Node 1, cut off for a while, resent the reports of steps 2-4 all at once, step 4's first: it
+    committed first, step 2 then committed as a rollback to the commit order, and retention
+    removed step 4, which its ranks had been told was committed (the crash matrix's netns,
+    node-local run, a partition of 2 s)."""
+    c = Coordinator()
+    for step in (2, 3, 4):
+        assert c.report(N0, written(step, 0)) == []
+        c.now += 1.0
+    assert c.report(N1, written(4, 1)) == []  # complete, but steps 2 and 3 began first
+    assert c.state.status()["steps"][f"4/{A}"]["phase"] == "ready"
+    (commit,) = c.report(N1, written(2, 1))
+    assert isinstance(commit, Commit) and commit.step == 2
+    three, four = c.report(N1, written(3, 1))
+    assert isinstance(three, Commit) and isinstance(four, Commit) and (three.step, four.step) == (3, 4)
+    # An attempt still collecting holds the later ones up until it is decided: here, its timeout.
+    c.report(N0, written(5, 0))
+    c.now += 1.0
+    c.report(N0, written(6, 0))
+    assert c.report(N1, written(6, 1)) == []
+    actions = c.tick(CFG.commit_timeout_s)
+    assert [a.step for a in actions if isinstance(a, Commit)] == [6]
+    assert isinstance(outcomes(actions)[N1], StepAborted)
+
+
 def test_every_rank_written_commits_once_and_announces_to_every_node():
     c = Coordinator()
     c.state.handle(NodeSeen(identity=b"node2"), c.now)  # a node that pinged, but writes nothing
