@@ -455,7 +455,7 @@ class CommitState:
     def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
         """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the
         ranks resolve it as SKIPPED (ckptd.control.protocol.StepAborted)."""
-        if st.phase is not Phase.COLLECTING:
+        if st.phase not in (Phase.COLLECTING, Phase.READY):  # READY: not handed to the commit thread yet
             log.warning(
                 "step %d attempt %s: ignoring failure while %s: %s", st.step, st.attempt, st.phase.value, reason
             )

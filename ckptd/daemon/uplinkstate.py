@@ -526,10 +526,22 @@ class UplinkState:
                 elif instance is not None and instance != u.late_sent_to:
                     # not told yet, or told a predecessor of the instance answering now
                     self._out.append(Send(msg=replace(u.late, coordinator_instance=instance), key=key))
-            if u.open and u.lost is None and u.unsent and instance is not None:
-                retry, u.unsent = u.unsent, []
-                for msg in retry:
-                    self._send(key, u, msg)
+        if instance is not None:
+            self._retry_unsent()
+
+    def _retry_unsent(self) -> None:
+        """Send the reports the socket refused, after every report of the attempts reported before
+        them (again: those went into a connection that may have been lost with the link): the
+        coordinator commits attempts in the order their collection begins, so this node's reports
+        reach it in the order they were made, never its newest step's first."""
+        keys = [k for k, u in self.unacked.items() if u.open and u.lost is None and u.unsent]
+        if not keys:
+            return
+        for key, u in list(self.unacked.items()):
+            if u.open and u.lost is None and u.reports:
+                self._send_all(key, u)
+            if key == keys[-1]:
+                return
 
     def _resend_overdue(self, now: float) -> None:
         """Bound the wait for a verdict that got lost while the coordinator stays reachable (no

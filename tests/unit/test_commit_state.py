@@ -133,6 +133,15 @@ def test_attempts_commit_in_the_order_they_began_whatever_order_their_last_repor
     actions = c.tick(CFG.commit_timeout_s)
     assert [a.step for a in actions if isinstance(a, Commit)] == [6]
     assert isinstance(outcomes(actions)[N1], StepAborted)
+    # A node that gave up on an attempt waiting its turn (it lost the coordinator, and told its
+    # ranks it aborted) aborts it everywhere: it was not handed to the commit thread yet.
+    c.report(N0, written(7, 0))
+    c.now += 1.0
+    c.report(N0, written(8, 0))
+    assert c.report(N1, written(8, 1)) == []
+    aborted = only_outcome(c.report(N1, failed(8, -1, "node 1 lost its coordinator")))
+    assert isinstance(aborted, StepAborted) and "node 1 lost its coordinator" in aborted.reason
+    assert [a.step for a in c.report(N1, written(7, 1)) if isinstance(a, Commit)] == [7]
 
 
 def test_every_rank_written_commits_once_and_announces_to_every_node():

@@ -127,6 +127,22 @@ def test_a_report_goes_out_at_once_and_its_verdict_reaches_the_ranks_that_wait()
     assert len(node.delivered) == 1  # a repeated verdict is told once
 
 
+def test_after_a_cut_the_reports_go_out_again_in_the_order_they_were_made():
+    """Step 3's report went into the link before the cut (lost with it), step 4's was refused:
+    at the next tick step 4's alone went out, before the resend of step 3 the coordinator's next
+    answer brings. The coordinator commits attempts in the order their collection begins, so it
+    took step 4 for the older save."""
+    node = Node()
+    node.pong()
+    three = saving(node, K3)
+    node.take()
+    node.reachable = False
+    four = saving(node, K4)
+    node.reachable = True
+    node.at(0.25)  # the socket takes sends again; the coordinator has not answered yet
+    assert node.take() == [to(three), to(four)]
+
+
 def test_a_report_the_coordinator_could_not_take_is_retried_every_tick_until_it_goes_out():
     node = Node()
     node.reachable = False
