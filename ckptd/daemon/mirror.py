@@ -210,11 +210,7 @@ class MirrorUploader:
             self._fail(commit, f"naming the committed copy {self.mirror.display(name)} latest failed: {exc}")
             return True
         log.info("mirror %s: named its committed copy of step %d latest", self.mirror.display(), commit.step)
-        self._mark_mirrored(commit)
-        with self._lock:
-            self._uploading = self._failed = self._failed_node = None
-            self._error = ""
-            self._mirrored = commit
+        self._succeeded(commit)
         return True
 
     def _pass(self) -> None:
@@ -262,16 +258,19 @@ class MirrorUploader:
             return
         seconds = time.monotonic() - t0
         log.info("mirrored %s to %s in %.1f s", outcome.name, self.mirror.display(outcome.name), seconds)
-        self._mark_mirrored(commit)
-        with self._lock:
-            self._uploading = None
-            self._failed = None
-            self._failed_node = None
-            self._error = ""
-            self._mirrored = commit
-            self._last = {"step": commit.step, "seconds": round(seconds, 3), "unix_s": time.time()}
+        self._succeeded(commit, {"step": commit.step, "seconds": round(seconds, 3), "unix_s": time.time()})
         self._round = None
         self._wake.set()  # a newer step may have committed meanwhile
+
+    def _succeeded(self, commit: CommitRef, upload: dict[str, Any] | None = None) -> None:
+        """The mirror's latest copies ``commit`` now (``upload``: what this pass uploaded)."""
+        self._mark_mirrored(commit)
+        with self._lock:
+            self._uploading = self._failed = self._failed_node = None
+            self._error = ""
+            self._mirrored = commit
+            if upload is not None:
+                self._last = upload
 
     def _mark_mirrored(self, commit: CommitRef) -> None:
         """Name in the local root the step the mirror's latest copies (MIRRORED_FILE: retention

@@ -141,7 +141,7 @@ class S3Root:
             self.client.delete([f"{name}/{n}" for n in METADATA_OBJECTS])  # an aborted attempt's leftovers
         meta = metadata_pickle(records, self.display(name), crc32c(common), protocol=pickle.HIGHEST_PROTOCOL)
         for obj_name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
-            self._create(f"{name}/{obj_name}", data)
+            self.client.create(f"{name}/{obj_name}", data, if_unknown="if it was, the attempt's removal removes it")
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
         record = CommitRecord(
             seq=1 + max((e.commit_seq for e in cat.committed), default=0),
@@ -152,7 +152,7 @@ class S3Root:
             source=source,
         )
         try:
-            self._create(  # the commit point
+            self.client.create(  # the commit point
                 f"{name}/{COMMIT_RECORD}",
                 record.to_bytes(),
                 if_unknown=f"if it was, {name} is committed though this save fails, and the next coordinator "
@@ -212,11 +212,6 @@ class S3Root:
                     f"writer reported {nbytes}; the step is not committed"
                 )
         return {file_name: {"nbytes": nbytes} for file_name, (_, nbytes) in data_files.items()}
-
-    def _create(
-        self, key: str, data: bytes, *, if_unknown: str = "if it was, the attempt's removal removes it"
-    ) -> None:
-        self.client.create(key, data, if_unknown=if_unknown)
 
     def name_latest(self, name: str) -> None:
         """Point ``latest`` at the committed ``name`` (compare-and-swap): a mirror whose copy of
@@ -336,9 +331,9 @@ class S3Root:
         record_key = f"{name}/{COMMIT_RECORD}"
         written_by = math.inf
         if racing:
-            record = next(
-                (i for i in self.client.list_objects(name) if i.key == record_key), None
-            )  # listings date to the ms
+            # Dated as a listing dates it (to the millisecond; a HEAD's date is to the second).
+            listed = self.client.list_objects(name)
+            record = next((i for i in listed if i.key == record_key), None)
             if record is not None and record.last_modified_unix_s:
                 written_by = record.last_modified_unix_s
         self.client.delete([record_key])

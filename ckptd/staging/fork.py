@@ -118,8 +118,10 @@ class SharedMappings:
 
     def holds(self, address: int, nbytes: int) -> bool:
         """Whether any of ``[address, address + nbytes)`` is mapped shared."""
+        # The last range starting at or before the span's last byte is the only one that can
+        # reach into it (the process's mappings do not overlap).
         i = bisect.bisect_right(self.starts, address + max(nbytes, 1) - 1)
-        return any(hi > address for _, hi in self.ranges[max(0, i - 1) : i])
+        return i > 0 and self.ranges[i - 1][1] > address
 
 
 def fork_snapshot(
