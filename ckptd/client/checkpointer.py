@@ -182,7 +182,8 @@ class Checkpointer(RootReader):
 
         Returns once the bytes are in shared memory and the daemon acknowledged the request.
         Raises at once for local problems (bad state dict, step already committed, daemon
-        unreachable); failures found later surface on the handle. ``content_metadata`` is stored
+        unreachable); failures found later surface on the handle. On an ``s3://`` root, a step
+        committed already fails its handle instead (save() asks the store nothing). ``content_metadata`` is stored
         as :func:`ckptd.save` stores it (Megatron-Core's ``content_metadata``).
         """
         with gc_paused():  # its per-item temporaries must not set off full collections
@@ -204,9 +205,7 @@ class Checkpointer(RootReader):
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
-        # Node-local disks: only node 0's knows what is committed (another node's may hold a step
-        # of a history node 0 no longer has); the coordinator refuses a committed step anyway.
-        if (self.env.node == 0 or not self._levels.node_local) and committed_at(self.root, step):
+        if self._asks_committed() and committed_at(self.root, step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
@@ -271,6 +270,16 @@ class Checkpointer(RootReader):
             finally:  # its agreement is a collective: every rank joins it, also one whose wait raised
                 self._policy.after_save(step, self.stats())
         return handle
+
+    def _asks_committed(self) -> bool:
+        """Whether save() asks the root if the step is committed, to raise at once. The coordinator
+        refuses a committed step anyway (the handle fails), so the question is only asked where it
+        is a local read: not of an ``s3://`` root, where it was a round trip to the store inside
+        every save's stall, and a hung store hung save() itself; nor of a node-local disk but node
+        0's (another node's may hold a step of a history node 0 no longer has)."""
+        if isinstance(self.root, S3Location):
+            return False
+        return self.env.node == 0 or not self._levels.node_local
 
     def _send_save(self, msg: Save, producer: Producer, ring: StagingRing, claim: Claim) -> None:
         """Send the SAVE and wait for its SAVE_ACK; when none comes, tell the producer whether the

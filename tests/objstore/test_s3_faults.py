@@ -87,7 +87,7 @@ def test_the_store_killed_and_restarted_mid_upload(own_server, runtime_dir):
 def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stays_responsive(
     own_server, monkeypatch, runtime_dir
 ):
-    """The store stops answering (SIGSTOP: connections open, no reply) while a save uploads. The
+    """The store stops answering (SIGSTOP: connections open, no reply) as a save starts. Its
     upload fails at its request timeout and the save aborts with that error. The coordinator asks
     the store about the step off its loop: when it asked on the loop, it went silent for as long as
     the store hung, and the node declared it lost (the ranks were told the coordinator failed)."""
@@ -104,11 +104,13 @@ def test_a_hung_store_fails_the_save_with_its_own_error_and_the_coordinator_stay
     assert server.proc is not None
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
-            w = torch.randn(16 << 20)  # 64 MiB: still uploading when the store hangs
+            w = torch.randn(16 << 20)
             ckpt.save(_sd(w, 1), step=1).wait(timeout_s=120)
-            h = ckpt.save(_sd(w + 1, 2), step=2)
+            # The store hangs before the save starts: stopped after it, a fast machine had
+            # uploaded and committed all of step 2 before the signal landed.
             os.kill(server.proc.pid, signal.SIGSTOP)
             try:
+                h = ckpt.save(_sd(w + 1, 2), step=2)  # returns at once: nothing here waits on the store
                 with pytest.raises(SaveFailedError) as err:
                     h.wait(timeout_s=60)
             finally:

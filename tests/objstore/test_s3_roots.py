@@ -17,7 +17,7 @@ import torch
 import ckptd
 from ckptd import ShardedTensor, commands
 from ckptd.client.settle import DaemonsInFlight
-from ckptd.errors import CheckpointExistsError, StorageError
+from ckptd.errors import CheckpointExistsError, SaveFailedError, StorageError
 from ckptd.format.commitrecord import COMMIT_RECORD
 from ckptd.roots.s3_root import S3Root
 from ckptd.s3catalog import read_s3_commit_record
@@ -76,8 +76,11 @@ def test_a_checkpointer_on_s3_commits_loads_and_resumes(s3_bucket, runtime_dir):
                 w.add_(1.0)  # training goes on while the daemon uploads
                 assert h.wait(timeout_s=120) == parse_location(f"{root}/iter_{step:07d}")
             assert ckpt.latest() == 30
-            with pytest.raises(CheckpointExistsError):
-                ckpt.save(_sd(w, 30), step=30)
+            # save() asks the store nothing (a round trip in every stall): the coordinator refuses.
+            refused = ckpt.save(_sd(w, 30), step=30)
+            with pytest.raises(SaveFailedError, match="step 30 is committed already"):
+                refused.wait(timeout_s=60)
+            assert ckpt.latest() == 30
         client = S3Client(parse_location(root))
         steps = sorted(d for d in client.list_dir("")[0] if d.startswith("iter_") and list(client.list_objects(d)))
         assert steps == ["iter_0000020", "iter_0000030"]  # keep_last=2 (SeaweedFS lists emptied "directories")
