@@ -17,9 +17,7 @@ from ..control.protocol import StepAborted, StepCommitted, WriteDone
 from ..errors import CkptdError, SaveFailedError, SaveSkippedError, SaveTimeoutError
 from ..format.commitrecord import read_commit_record
 from ..format.safefs import is_real_dir
-from ..s3catalog import read_s3_commit_record, s3_abandoned_commit
 from ..statedict.holdings import PlainWriters
-from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location
 from .handle import SaveFuture, SaveHandle, SaveStatus
 
@@ -142,8 +140,15 @@ def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = ""
     after the commit's rename (the point of no return: the next coordinator makes that checkpoint
     latest), so the committed directory ``path`` is looked at before anything is said about the
     outcome; one its commit record names another attempt of (a branch a rollback abandoned) is not
-    this save's."""
-    if _in_place(path, step, attempt):
+    this save's. An ``s3://`` step is not looked at: this runs inside save() and done(), where a
+    round trip to the store per pending save (each up to the store's request timeout) is no place."""
+    looked = _in_place(path, step, attempt)
+    if looked is None:
+        return (
+            f"{reason} before confirming step {step}; whether its checkpoint {path} committed is not "
+            "known here: the next daemon makes it latest if it did (Checkpointer.latest() tells)"
+        )
+    if looked:
         return (
             f"{reason} before confirming step {step}, but its checkpoint {path} is complete: the "
             "commit had renamed it into place, and the next daemon makes it latest "
@@ -156,27 +161,23 @@ def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = ""
     )
 
 
-def _in_place(path: Location, step: int, attempt: str) -> bool:
-    """The step's checkpoint is complete where it commits (on S3: its commit object exists), and
-    its commit record (if any) names ``attempt`` on the current branch (an abandoned commit of
-    the step may carry the same attempt id: a repeated ``CKPTD_RUN_ID``)."""
+def _in_place(path: Location, step: int, attempt: str) -> bool | None:
+    """Whether the step's checkpoint directory is complete, and its commit record (if any) names
+    ``attempt`` on the current branch (an abandoned commit of the step may carry the same attempt
+    id: a repeated ``CKPTD_RUN_ID``). None: not known (an ``s3://`` step, or the root could not be
+    read: every pending save is failed all the same)."""
     if isinstance(path, S3Location):
-        try:
-            client = S3Client(path.parent)
-            record = read_s3_commit_record(client, path.name)
-            return (
-                record is not None
-                and (not attempt or record.attempt == attempt)
-                and not s3_abandoned_commit(client, step, record.seq)
-            )
-        except CkptdError:  # the store is unreachable too: say what is known, not in place
+        return None
+    try:
+        if not (is_real_dir(path) and is_checkpoint_dir(path)):
             return False
-    if not (is_real_dir(path) and is_checkpoint_dir(path)):
-        return False
-    local = read_commit_record(path)
-    if local is None:
-        return True
-    return (not attempt or local.attempt == attempt) and not abandoned_commit(path.parent, step, local.seq)
+        local = read_commit_record(path)
+        if local is None:
+            return True
+        return (not attempt or local.attempt == attempt) and not abandoned_commit(path.parent, step, local.seq)
+    except (OSError, CkptdError) as exc:
+        log.warning("could not look whether %s is in place: %s", path, exc)
+        return None
 
 
 def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:

@@ -77,6 +77,28 @@ def test_a_step_committed_by_another_attempt_is_not_called_this_saves(tmp_path):
     assert "is not in place now" in daemon_lost_reason("died", 2, path, "0123456789ab-1")
 
 
+def test_a_step_the_rank_cannot_look_at_is_said_unknown_without_asking_the_store(tmp_path, monkeypatch):
+    """Losing the daemon fails every pending save inside save() or done(): an ``s3://`` step is not
+    looked at (a GET per pending save, each up to the store's request timeout, used to run there),
+    and a directory the rank cannot read (ESTALE on NFS) no longer raises out of the loop, which
+    left the later saves pending and the ring not quiesced."""
+    import errno
+
+    from ckptd.client import pending
+    from ckptd.storage.url import parse_location
+
+    monkeypatch.setattr(pending, "read_commit_record", None)  # any look at a store or root would fail
+    reason = pending.daemon_lost_reason("died", 2, parse_location("s3://bucket/run/iter_0000002"), "0123456789ab-1")
+    assert "whether its checkpoint s3://bucket/run/iter_0000002 committed is not known here" in reason, reason
+
+    def stale(path):
+        raise OSError(errno.ESTALE, "Stale file handle", str(path))
+
+    monkeypatch.setattr(pending, "is_real_dir", stale)
+    reason = pending.daemon_lost_reason("died", 2, tmp_path / "iter_0000002", "0123456789ab-1")
+    assert "committed is not known here" in reason, reason
+
+
 @pytest.mark.timeout(120)
 def test_the_ring_of_a_lost_daemon_is_dropped_even_when_stopping_its_producers_fails(tmp_path, monkeypatch):
     """Losing the daemon fails the pending saves, stops the ring's producers and drops the ring. A
