@@ -187,11 +187,37 @@ class Checkpointer(RootReader):
         as :func:`ckptd.save` stores it (Megatron-Core's ``content_metadata``).
         """
         with gc_paused():  # its per-item temporaries must not set off full collections
-            sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
-            tries = self._tries.count(step)
-            return self._session.known_to_daemon(
-                lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
-            )
+            if self._policy is None:
+                return self._save_known(sharded_state_dict, step, content_metadata)
+            try:
+                handle = self._save_known(sharded_state_dict, step, content_metadata)
+            except Exception:
+                # Every rank saves at the same steps and agrees on the next one after each save (a
+                # collective): a rank whose save raised (a full /dev/shm, a lost daemon...) joins
+                # the agreement too, else the ranks' next collectives, training's own, mismatch.
+                self._policy.after_save(step, self.stats())
+                raise
+            if self._stats.committed == 0 and self._policy.persist_floor_s is None:
+                self._measure_first_commit(handle, self._policy)
+            self._policy.after_save(step, self.stats())
+            return handle
+
+    def _save_known(self, sharded_state_dict: dict[str, Any], step: int, content_metadata: dict | None) -> SaveHandle:
+        sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
+        tries = self._tries.count(step)
+        return self._session.known_to_daemon(
+            lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
+        )
+
+    @staticmethod
+    def _measure_first_commit(handle: SaveHandle, policy: AutoInterval) -> None:
+        """policy="auto": wait once for the first save's outcome, whose commit latency the interval
+        needs. A failure stays on the handle (its wait() or the next save() raises it); a save that
+        failed or did not commit in the wait leaves the time it took as the latency's lower bound,
+        so a failing store does not make every step a save, nor every save a wait."""
+        t0 = time.monotonic()
+        handle.future.wait(None)
+        policy.persist_floor_s = time.monotonic() - t0 if handle.finished_s is None else handle.finished_s
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
@@ -263,12 +289,6 @@ class Checkpointer(RootReader):
         self._pending.add(handle)
         self._plain.sent(step, plan.plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
-        if self._policy is not None:
-            try:
-                if self._stats.committed == 0:
-                    handle.wait()  # policy="auto" measures one commit latency before it can plan
-            finally:  # its agreement is a collective: every rank joins it, also one whose wait raised
-                self._policy.after_save(step, self.stats())
         return handle
 
     def _asks_committed(self) -> bool:

@@ -9,8 +9,12 @@ After each save the interval is recomputed with :func:`ckptd.tune.recommend` fro
 measured stall (mean over recent saves), persist/commit latency (mean of committed saves) and
 step time (median of recent steps), the configured MTBF and restart time. Every rank must save at
 the same steps, so the new interval is agreed on with one ``all_reduce(MAX)`` over the default
-process group (the longest any rank asks for). The first save's commit latency is not known yet
-when it returns, so that save is waited for once (a one-time stall of one persist).
+process group (the longest any rank asks for), also by a rank whose save raised. The first save's
+commit latency is not known yet when it returns, so that save is waited for once (a one-time stall
+of one persist, up to the handle's default wait); a failure stays on its handle. Until a save
+commits, the time that wait took stands for the commit latency (a lower bound). A rank that died
+holds the others in the agreement until the process group's timeout, as it would hold any of
+training's collectives.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class AutoInterval:
         self.last_call_s: float | None = None
         self.next_step: int | None = None
         self.interval_steps: int | None = None
+        # The first save's outcome waited for (Checkpointer.save): how long it took. The commit
+        # latency's lower bound until a save commits (a failing store's saves commit none).
+        self.persist_floor_s: float | None = None
         self.inputs: TuneInputs | None = None  # what the current interval was computed from
         self.recommendation: Recommendation | None = None
 
@@ -77,7 +84,7 @@ class AutoInterval:
     def after_save(self, step: int, stats: dict[str, Any]) -> None:
         """Recompute and agree on the next save step (every rank calls this at the same step)."""
         stall = (stats.get("stall_s") or {}).get("mean")
-        commit = (stats.get("commit_latency_s") or {}).get("mean")
+        commit = (stats.get("commit_latency_s") or {}).get("mean") or self.persist_floor_s
         if stall is None or commit is None or not self.step_times_s:
             interval = 1  # no step time measured yet (saved on the first due()): measure one more
         else:
