@@ -19,7 +19,7 @@ from ckptd.client import admin
 from ckptd.client.handle import SaveFuture
 from ckptd.control.endpoints import JobEnv
 from ckptd.control.protocol import Pong, Status, StatusReply
-from ckptd.errors import DaemonLostError, RequestNotTaken
+from ckptd.errors import DaemonError, DaemonLostError, RequestNotTaken
 from ckptd.tune import recommend
 from tests.cli import ckptd_cli
 from tools.harness.ports import free_port
@@ -159,3 +159,42 @@ def test_due_needs_policy_auto(single):
         ckpt.due(0)
     with pytest.raises(ckptd.CkptdError, match="mtbf_s"):
         ckptd.Checkpointer(root, config=cfg.replace(policy="auto"), env=JobEnv())
+
+
+_HOLD_RANK_0 = """
+import sys, ckptd
+with ckptd.Checkpointer(sys.argv[1]) as ckpt:
+    print("connected", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_launch_on_the_same_machine_is_refused_while_the_first_runs(single):
+    """The same job launched twice on one machine reaches one daemon (the job id is the root's),
+    where the root's lock cannot tell the launches apart: its commits would roll back and remove
+    the first launch's checkpoints. A HELLO of a rank another running process holds is refused;
+    once that process is gone the rank connects."""
+    import subprocess
+    import sys
+
+    root, runtime, env = single
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime)
+    first = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_RANK_0, str(root)],
+        env={**env, "PYTHONPATH": os.getcwd()},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "connected\n"
+        with pytest.raises(DaemonError, match=rf"is saved by another process that still runs \(pid {first.pid}\)"):
+            ckptd.Checkpointer(root, config=cfg, env=JobEnv())
+    finally:
+        assert first.stdin is not None
+        first.stdin.close()
+        first.wait(60)
+    assert first.returncode == 0
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, step=1).wait(60)
