@@ -11,13 +11,14 @@ tools.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.commitrecord import commit_seq, read_commit_record
+from .format.commitrecord import commit_seq, read_commit_record_checked
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
     MEGATRON_TRACKER,
@@ -32,6 +33,8 @@ from .format.rootlayout import (
 )
 from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
 from .storage.url import Location
+
+log = logging.getLogger(__name__)
 
 
 class EntryState(str, enum.Enum):
@@ -77,6 +80,10 @@ class CheckpointEntry:
     is_latest: bool = False
     commit_seq: int = 0  # committed ones: their place in commit order (ckptd.format.commitrecord)
     committed_unix_s: float = 0.0  # committed ones with a commit record: when they were committed
+    # Why its commit record, which is there, cannot be read (damaged, an I/O error): its place in
+    # commit order is unknown. Nothing moves the tracker past it, takes it for abandoned or
+    # retires it on a guess (it sorts as seq 0 otherwise).
+    record_problem: str | None = None
 
     @property
     def commit_order(self) -> tuple[int, int]:
@@ -131,7 +138,11 @@ class RootCatalog:
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
-        return [e for e in self.committed if left_behind(e.step, e.commit_seq, named.step, named.commit_seq)]
+        return [
+            e
+            for e in self.committed
+            if e.record_problem is None and left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
+        ]
 
     def latest(self) -> CheckpointEntry | None:
         """The entry the tracker names, when it names a committed checkpoint."""
@@ -149,7 +160,12 @@ class RootCatalog:
         if latest is None or self.tracker_problem is not None:
             return None
         for e in self.committed:
-            if e.step == step and e is not latest and left_behind(step, e.commit_seq, latest.step, latest.commit_seq):
+            if (
+                e.step == step
+                and e is not latest
+                and e.record_problem is None
+                and left_behind(step, e.commit_seq, latest.step, latest.commit_seq)
+            ):
                 return e
         return None
 
@@ -273,7 +289,13 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
         # The tracker's target's record even when its markers are gone: it tells which branch the
         # job trains on (RootCatalog.off_branch), which a fallback past it must keep to.
         named = state is EntryState.INCOMPLETE and name == cat.latest_name
-        record = read_commit_record(path) if state is EntryState.COMMITTED or named else None
+        record, record_problem = None, None
+        if state is EntryState.COMMITTED or named:
+            try:
+                record = read_commit_record_checked(path)
+            except CorruptCheckpointError as exc:
+                log.warning("%s; its place in commit order is unknown: it is neither retired nor passed over", exc)
+                record_problem = str(exc)
         cat.node_local = cat.node_local or (record is not None and record.objects is not None)
         cat.entries.append(
             CheckpointEntry(
@@ -285,6 +307,7 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
                 is_latest=name == cat.latest_name,
                 commit_seq=0 if record is None else record.seq,
                 committed_unix_s=0.0 if record is None else record.committed_unix_s,
+                record_problem=record_problem,
             )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))

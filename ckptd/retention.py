@@ -74,7 +74,12 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
     off_branch = {e.name for e in cat.off_branch()}
-    order = cat.branch_first
+    # A checkpoint whose commit record cannot be read has no known place in commit order: it is
+    # neither counted among the last ones nor retired (it would sort as the oldest commit).
+    order = [e for e in cat.branch_first if e.record_problem is None or e.is_latest]
+    for e in cat.branch_first:
+        if e.record_problem is not None and not e.is_latest:
+            plan.kept.append((e, f"{e.record_problem}: its place in commit order is unknown; remove it by hand"))
     for rank, e in enumerate(order):
         if e.is_latest:
             plan.kept.append((e, "named by the tracker"))

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 
 # A commit object that exists but cannot be read (damaged): the step IS committed (its commit
-# object was written last), ordered before every readable commit, as a POSIX commit without a
-# readable record; it is never taken for an abandoned attempt and removed.
+# object was written last), of no known place in commit order (CheckpointEntry.record_problem),
+# as a POSIX commit with an unreadable record; it is never taken for an abandoned attempt and removed.
 DAMAGED = CommitRecord(seq=0, step=-1, attempt="", committed_unix_s=0.0)
 
 
@@ -103,6 +103,7 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 used,
                 is_latest=name == cat.latest_name,
                 commit_seq=record.seq if record is not None else 0,
+                record_problem=f"{client.url(name)}/{COMMIT_RECORD} is damaged" if record is DAMAGED else None,
             )
         )
     for info in objects:

@@ -64,20 +64,39 @@ def read_commit_record(directory: str | os.PathLike, *, dir_fd: int | None = Non
     logged, and the checkpoint then counts as committed before every recorded commit). ``dir_fd``:
     the directory open already (a lease's: the record of exactly the directory leased, never of
     one renamed over its path since)."""
+    try:
+        return read_commit_record_checked(directory, dir_fd=dir_fd)
+    except CorruptCheckpointError as exc:
+        log.warning("%s; ordering it before every recorded commit", exc)
+        return None
+
+
+def read_commit_record_checked(directory: str | os.PathLike, *, dir_fd: int | None = None) -> CommitRecord | None:
+    """:func:`read_commit_record`, but a record that is there and cannot be read or parsed raises
+    CorruptCheckpointError: its checkpoint's place in commit order is unknown, which decisions
+    that would move the tracker past it, take it for abandoned or retire it must not guess."""
     path = Path(directory)
     try:
         raw = read_regular(path, COMMIT_RECORD, "commit record", COMMIT_RECORD_MAX_NBYTES, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
-    except (OSError, CorruptCheckpointError) as exc:
-        log.warning("%s: %s; ordering it before every recorded commit", path / COMMIT_RECORD, exc)
-        return None
-    return parse_commit_record(raw, path / COMMIT_RECORD)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path / COMMIT_RECORD} cannot be read ({exc})") from None
+    return parse_commit_record_checked(raw, path / COMMIT_RECORD)
 
 
 def parse_commit_record(raw: bytes, where: object) -> CommitRecord | None:
     """A commit record's bytes read from ``where`` (named in the log); None when damaged (logged:
     the checkpoint then counts as committed before every recorded commit)."""
+    try:
+        return parse_commit_record_checked(raw, where)
+    except CorruptCheckpointError as exc:
+        log.warning("%s; ordering it before every recorded commit", exc)
+        return None
+
+
+def parse_commit_record_checked(raw: bytes, where: object) -> CommitRecord:
+    """:func:`parse_commit_record`; a damaged record raises CorruptCheckpointError."""
     try:
         obj = json.loads(raw)
         rec = CommitRecord(
@@ -99,8 +118,7 @@ def parse_commit_record(raw: bytes, where: object) -> CommitRecord | None:
         ):
             raise ValueError("unexpected field types")
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        log.warning("%s is damaged (%s); ordering it before every recorded commit", where, exc)
-        return None
+        raise CorruptCheckpointError(f"{where} is damaged ({exc})") from None
     return rec
 
 

@@ -275,10 +275,15 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     if cat.tracker_exists and (cat.tracker_problem is not None or cat.latest() is None):
         return None  # an unreadable tracker, or one naming no checkpoint: resolve_latest falls back
     current = cat.latest()
+    if current is not None and current.record_problem is not None:
+        # Its place in commit order is unknown, so no checkpoint is known to be committed after
+        # it: taking its seq for 0 moved the tracker back to an older step, whose next commit
+        # then left the tracked one on an "abandoned branch" for retention to remove.
+        return None
     for entry in cat.newest_first:
         if current is not None and entry.commit_order <= current.commit_order:
             return None
-        if entry.step < 0 or structural_problem(entry.path) is not None:
+        if entry.step < 0 or entry.record_problem is not None or structural_problem(entry.path) is not None:
             continue
         with Dir.open(root) as rootd:
             atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(entry.name), default_opener, fsync)

@@ -422,8 +422,12 @@ class S3Root:
         cat = self.scan(usage=False)
         finished = None
         current = cat.latest()
-        if not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)):
-            newest = next(iter(cat.newest_first), None)
+        # A tracked commit whose record is damaged has no known place in commit order: none is
+        # known to be newer (ckptd.roots.posix.finish_interrupted_commit).
+        if not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)) and (
+            current is None or current.record_problem is None
+        ):
+            newest = next((e for e in cat.newest_first if e.record_problem is None), None)
             if newest is not None and (current is None or newest.commit_order > current.commit_order):
                 self._point_tracker(newest.name)
                 finished = newest.name

@@ -295,3 +295,18 @@ def test_a_synchronous_save_whose_common_pt_lost_its_response_says_what_to_do(s3
     S3Client(parse_location(url)).delete([COMMON_PT])
     ckptd.save({"w": torch.arange(8.0)}, parse_location(url))
     assert torch.equal(ckptd.load({"w": torch.zeros(8)}, parse_location(url))["w"], torch.arange(8.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_commit_object_of_the_latest_step_keeps_it_latest(s3_bucket):
+    """The tracked step's commit object rots: its place in commit order is unknown. A coordinator
+    start took it for the oldest commit and named the step before it latest (as if a crash had
+    interrupted that one's commit); the rotten step then stood on an "abandoned branch"."""
+    root = _root(s3_bucket)
+    _coordinator_commit(root, 10, _attempt(10))
+    _coordinator_commit(root, 20, _attempt(20))
+    root.client.put(f"iter_0000020/{COMMIT_RECORD}", b'{"seq": 2, "st\xffep')
+    assert root.recover(nnodes=1).finished is None
+    assert read_s3_tracker(root.client)[1] == "iter_0000020"
+    cat = root.scan(usage=False)
+    assert cat.abandoned(20) is None and "is damaged" in (cat.latest().record_problem or "")

@@ -202,6 +202,32 @@ def test_a_restarted_coordinator_finishes_the_last_commit_not_the_highest_step(t
     assert (root / "latest").read_text() == "iter_0000031\n"
 
 
+def test_a_commit_record_that_cannot_be_read_is_never_guessed_oldest(tmp_path):
+    """The tracked checkpoint's commit record rots: its place in commit order is unknown. It used to
+    count as the oldest commit, so a coordinator start moved the tracker back to step 20 (taken for
+    a commit a crash interrupted), step 30 then stood on an "abandoned branch" (a save of it
+    replaced it) and retention retired it first."""
+    root = make_root(tmp_path / "r", [10, 20, 30], latest=30)
+    stamp_commits(root, [10, 20, 30])
+    (root / "iter_0000030" / "ckptd_commit.json").write_bytes(b'{"seq": 3, "st\xffep')
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
+    assert (root / "latest").read_text() == "iter_0000030\n"
+    cat = scan_root(root)
+    assert "iter_0000030/ckptd_commit.json is damaged" in (cat.latest().record_problem or "")
+    assert cat.abandoned(30) is None and committed_once(root, 30)
+    plan = plan_gc(cat, keep=1)
+    assert [r.entry.step for r in plan.remove] == [10]  # 20: the last commit known in order; 30: tracked
+    # Another checkpoint's damaged record: neither counted among the last commits nor retired, nor
+    # taken for abandoned although the tracker names a lower step committed after it (as it seemed).
+    (root / "latest").write_text("iter_0000020\n")
+    cat = scan_root(root)
+    assert cat.abandoned(30) is None and not cat.off_branch()
+    plan = plan_gc(cat, keep=1)
+    assert [r.entry.step for r in plan.remove] == [10]
+    assert any(e.step == 30 and "place in commit order is unknown" in why for e, why in plan.kept)
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
+
+
 def test_the_last_check_before_a_commit_names_what_is_wrong_with_each_data_file(tmp_path):
     """A data file its node reported written must be in the attempt's directory, a regular file of
     the reported size; a missing one says what a node-local disk per node would cause."""
