@@ -29,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import socket
 import time
 from pathlib import Path
@@ -100,7 +101,9 @@ class RootLock:
     def _lock(self, dir_fd: int) -> tuple[int, bool]:
         """``(fd, writable)`` holding the exclusive lock; ``(-1, False)`` where locking is not
         possible; raises RootBusyError when another daemon holds it."""
-        flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT
+        # O_NONBLOCK: a FIFO planted at the lock's name would block the open (and the daemon's
+        # start) for good; it is refused below as not a regular file.
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT | os.O_NONBLOCK
         for mode in (os.O_RDONLY, os.O_RDWR):
             try:
                 fd = os.open(self.name, mode | flags, 0o600, dir_fd=dir_fd)
@@ -112,6 +115,12 @@ class RootLock:
                     "writes there. Give this user write access to the root, or remove a lock file another "
                     "user's job left (it is only a lock)"
                 ) from exc
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise StorageError(
+                    f"the lock file {self.root / self.name} of {self.where} is not a regular file: the node "
+                    "daemon takes it before it writes there. Remove it (it is only a lock)"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

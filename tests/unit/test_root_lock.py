@@ -65,3 +65,15 @@ def test_a_lock_file_that_cannot_be_opened_is_a_clear_error(tmp_path):
     (tmp_path / lock.name).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(StorageError, match=rf"cannot open the lock file {tmp_path / lock.name} of .*write access"):
         lock.acquire(runtime_dir=tmp_path, job="job")
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_at_the_lock_name_is_refused_not_waited_on(tmp_path):
+    """A FIFO planted at the lock's name blocked the daemon's open for good (its pid lock held,
+    later starts exited as busy, the ranks saw only a start timeout)."""
+    from ckptd.errors import StorageError
+
+    lock = RootLock(tmp_path, 0, "job")
+    os.mkfifo(tmp_path / lock.name)
+    with pytest.raises(StorageError, match=rf"lock file {tmp_path / lock.name} of .* is not a regular file"):
+        lock.acquire(runtime_dir=tmp_path, job="job")
