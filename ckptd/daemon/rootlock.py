@@ -29,8 +29,8 @@ import fcntl
 import json
 import logging
 import os
-import stat
 import socket
+import stat
 import time
 from pathlib import Path
 
