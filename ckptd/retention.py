@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker
+from .catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, scan_root
 from .errors import CkptdError
 from .format.commitrecord import read_commit_record
 from .format.lease import try_exclusive
@@ -57,10 +57,32 @@ class GcPlan:
     remove: list[Removal] = field(default_factory=list)
     kept: list[tuple[CheckpointEntry, str]] = field(default_factory=list)  # (entry, why kept)
     refused: str | None = None  # why committed checkpoints are not collected at all
+    keep: int = 1
+    grace_s: float = DEFAULT_GRACE_S
+    tracker_name: str | None = None  # what the tracker named when the plan was made
+    # Once the tracker moved during the collection: the committed removals a fresh plan makes
+    # too, by (name, commit seq). None while the scan's plan stands.
+    confirmed: set[tuple[str, int]] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(r.entry.usage.nbytes for r in self.remove)
+
+    def stale(self, removal: Removal, tracker_now: str | None, rescan: Callable[[], RootCatalog]) -> str | None:
+        """Why ``removal`` is no longer this collection's to make, or None. The tracker moving
+        since the scan may be a rollback (the job loaded an older step and committed after it):
+        what the last ``keep`` commits are changed, and the scan's plan would remove the step
+        rolled back to while keeping those rolled back from. Then the root is scanned and planned
+        again (once per move), and only a removal the fresh plan makes too goes ahead."""
+        if removal.entry.state is not EntryState.COMMITTED:
+            return None
+        if tracker_now != self.tracker_name:
+            fresh = plan_gc(rescan(), self.keep, self.grace_s)
+            self.confirmed = {(r.entry.name, r.entry.commit_seq) for r in fresh.remove}
+            self.tracker_name = tracker_now
+        if self.confirmed is None or (removal.entry.name, removal.entry.commit_seq) in self.confirmed:
+            return None
+        return f"the tracker moved since the scan (now {tracker_now}), and a fresh plan keeps it"
 
 
 def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
@@ -70,7 +92,7 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
     if grace_s < 0:
         raise CkptdError(f"gc: grace_s must be >= 0, got {grace_s}")
     now = time.time() if now is None else now
-    plan = GcPlan(cat.root)
+    plan = GcPlan(cat.root, keep=keep, grace_s=grace_s, tracker_name=cat.latest_name)
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
     off_branch = {e.name for e in cat.off_branch()}
@@ -212,6 +234,10 @@ def apply_gc(plan: GcPlan) -> list[tuple[Removal, str | None]]:
     """
     done: list[tuple[Removal, str | None]] = []
     for removal in list(plan.remove):
+        stale = plan.stale(removal, read_tracker(plan.root)[1], lambda: scan_root(plan.root, usage=False))
+        if stale is not None:
+            _postpone(plan, removal, f"{stale}; a later collection decides")
+            continue
         try:
             remove_entry(removal.entry)
         except CheckpointInUse:

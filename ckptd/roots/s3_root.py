@@ -479,8 +479,9 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
     done: list[tuple[Removal, str | None]] = []
     cutoff = time.time() - grace_s
     for removal in list(plan.remove):
-        changed = root.changed_since_scan(removal.entry)
-        if changed is not None:  # the job committed the step again since the scan: not this plan's
+        changed = plan.stale(removal, read_s3_tracker(root.client)[1], lambda: root.scan(usage=False))
+        changed = changed or root.changed_since_scan(removal.entry)
+        if changed is not None:  # a rollback moved the tracker, or the job committed the step again
             log.info("gc: kept %s for now: %s; a later collection decides", root.display(removal.entry.name), changed)
             plan.remove.remove(removal)
             plan.kept.append((removal.entry, f"{changed}; a later collection decides"))

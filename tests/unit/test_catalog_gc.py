@@ -228,6 +228,29 @@ def test_a_commit_record_that_cannot_be_read_is_never_guessed_oldest(tmp_path):
     assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
 
 
+@pytest.mark.parametrize("moved", ["rollback", "forward"])
+def test_a_collection_whose_tracker_moves_removes_only_what_a_fresh_plan_would(tmp_path, moved):
+    """``ckptd gc --keep 2`` scanned 10, 20, 30 and planned to remove 10; meanwhile the job rolled
+    back to 10 and committed 11. The scan's plan removed 10 (now second on the branch the job
+    trains on) and kept 20 and 30 (abandoned). A tracker that moved forward changes nothing."""
+    root = make_root(tmp_path / "r", [10, 20, 30], latest=30)
+    stamp_commits(root, [10, 20, 30])
+    plan = plan_gc(scan_root(root), keep=2)
+    assert [r.entry.step for r in plan.remove] == [10]
+    step = 11 if moved == "rollback" else 40
+    make_checkpoint(root / step_dir_name(step), step=step)
+    stamp_commits(root, [10, 20, 30, step])
+    (root / "latest").write_text(f"{step_dir_name(step)}\n")
+    results = apply_gc(plan)
+    if moved == "rollback":
+        assert results == [] and (root / "iter_0000010").is_dir()
+        assert any(e.step == 10 and "the tracker moved since the scan" in why for e, why in plan.kept)
+        assert [r.entry.step for r in plan_gc(scan_root(root), keep=2).remove] == [20, 30]
+    else:
+        assert [(r.entry.step, err) for r, err in results] == [(10, None)]
+        assert not (root / "iter_0000010").exists()
+
+
 def test_the_last_check_before_a_commit_names_what_is_wrong_with_each_data_file(tmp_path):
     """A data file its node reported written must be in the attempt's directory, a regular file of
     the reported size; a missing one says what a node-local disk per node would cause."""
