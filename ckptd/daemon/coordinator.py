@@ -86,6 +86,10 @@ class Coordinator:
         )
         # reports waiting for the root's answer to the first of them, by attempt
         self.asking: dict[Key, list[tuple[bytes, Written | Failed]]] = {}
+        self.asked: dict[Key, tuple[Question, float]] = {}  # the question asked, and when (monotonic)
+        # Answers still to come of questions given up on (see tick), by attempt: the asking thread
+        # answers in order, so the next answers of an attempt are those.
+        self.late: dict[Key, int] = {}
         log.info("coordinator of %s listening on %s", store.display(), self.address)
 
     @property
@@ -135,22 +139,37 @@ class Coordinator:
             self._handle(ReportIn(identity=identity, msg=msg))
             return
         self.asking[key] = [(identity, msg)]
+        self.asked[key] = (question, time.monotonic())
         self.workers.ask(question, lambda: answer(self.store, question))
 
     def _on_answer(self, done: RootAnswered) -> None:
         question: Question = done.question
         key = (question.step, question.attempt)
+        if self.late.get(key):
+            self.late[key] -= 1  # decided without it already
+            if not self.late[key]:
+                del self.late[key]
+            return
+        if isinstance(done.result, RootFacts):
+            self._decide(question, done.result)
+        else:
+            self._decide_unknown(question, done.reason)
+
+    def _decide_unknown(self, question: Question, why: str) -> None:
+        log.warning(
+            "step %d attempt %s: %s could not be asked about the step (%s); deciding without it "
+            "(the commit checks again)",
+            question.step,
+            question.attempt,
+            self.store.display(),
+            why,
+        )
+        self._decide(question, question.unknown())
+
+    def _decide(self, question: Question, facts: RootFacts) -> None:
+        key = (question.step, question.attempt)
+        self.asked.pop(key, None)
         waiting = self.asking.pop(key, [])
-        if done.error is not None:
-            log.warning(
-                "step %d attempt %s: %s could not be asked about the step (%s); deciding without it "
-                "(the commit checks again)",
-                question.step,
-                question.attempt,
-                self.store.display(),
-                done.reason,
-            )
-        facts = done.result if isinstance(done.result, RootFacts) else question.unknown()
         for n, (identity, msg) in enumerate(waiting):
             if n == 0 and self._question(msg) == question:
                 if not facts.holds_commit:
@@ -201,8 +220,20 @@ class Coordinator:
             self._handle(CommitEnded(step=done.step, attempt=done.attempt, outcome=outcome, error=error))
 
     def tick(self, now: float) -> None:
+        self._stop_asking(now)
         for action in self.state.handle(Tick(), now):
             self._execute(action)
+
+    def _stop_asking(self, now: float) -> None:
+        """Decide without the root's answer once a question has waited ``coordinator_timeout_s``
+        (a hung disk or store): its attempt's reports, FAILED ones included, were held until the
+        answer came, and no step was ever aborted while the root hung. Deciding without it is
+        what a failed question does (the commit refuses a committed step all the same)."""
+        bound_s = self.config.coordinator_timeout_s
+        for key, (question, asked_s) in list(self.asked.items()):
+            if now - asked_s > bound_s:
+                self.late[key] = self.late.get(key, 0) + 1
+                self._decide_unknown(question, f"no answer within coordinator_timeout_s={bound_s:g}")
 
     def rejected(self) -> dict[str, int]:
         """Rejections on the coordinator's port, by kind."""

@@ -155,3 +155,36 @@ def test_a_policy_skip_is_announced_as_a_skip_and_remembered_for_late_saves(tmp_
         link.expect((5, ATTEMPT), b"rank0-late")
         assert not link.expects((5, ATTEMPT), b"rank0-late") and link.verdict((5, ATTEMPT)) == by_step[5]
         assert link.verdict((7, ATTEMPT)) is None and not link.busy
+
+
+@pytest.mark.timeout(60)
+def test_a_root_that_does_not_answer_the_coordinators_question_delays_a_verdict_only_so_long(tmp_path: Path):
+    """A new attempt's first report waits for the root's answer (is the step committed already?).
+    A root that hangs (a hard-mounted NFS) held that report, and every later one of the attempt,
+    FAILED ones included, for as long as it hung: no step aborted. The coordinator decides
+    without the answer after coordinator_timeout_s, and ignores the answer that comes late."""
+    import threading
+
+    cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=0.4, heartbeat_s=0.05)
+    with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, coordinator):
+        release = threading.Event()
+        asked: list[int] = []
+
+        def hangs(step: int) -> bool:
+            asked.append(step)
+            release.wait(20)
+            return False
+
+        coordinator.store.committed_once = hangs  # type: ignore[method-assign]
+        try:
+            link.expect((3, ATTEMPT), b"rank0")
+            link.report(
+                Failed(step=3, attempt=ATTEMPT, rank=0, world_size=2, node=0, reason="the disk is full"), (3, ATTEMPT)
+            )
+            spin(lambda: delivered)
+            assert asked == [3] and len(delivered) == 1, (asked, delivered)
+            assert isinstance(delivered[0], StepAborted) and "the disk is full" in delivered[0].reason
+        finally:
+            release.set()
+        spin(lambda: not coordinator.late)  # the late answer came and was dropped
+        assert not coordinator.asking and not coordinator.asked and len(delivered) == 1
