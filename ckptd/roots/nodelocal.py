@@ -96,8 +96,10 @@ def finish_on_node(
         # The coordinator decided: an iter_<step> here is one it replaced (a branch a rollback
         # abandoned), as it did on its own disk.
         replaced = rootd.lstat(name) is not None
-        publish_step(rootd, step, tmp, replaced=replaced, fsync=fsync, opener=opener, megatron_tracker=megatron_tracker)
+        untracked = publish_step(
+            rootd, step, tmp, replaced=replaced, fsync=fsync, opener=opener, megatron_tracker=megatron_tracker
+        )
     if keep_last > 0:
         apply_retention(root, keep_last)
     log.info("step %d committed on this node's disk as %s (attempt %s)", step, root / name, attempt)
-    return CommitOutcome(name=name)
+    return CommitOutcome(name=name, warnings=() if untracked is None else (untracked,))

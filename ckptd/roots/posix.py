@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..catalog import EntryState, RootCatalog, read_tracker, scan_root
-from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
@@ -130,7 +130,7 @@ def commit_step(
             written[COMMIT_RECORD] = record.to_bytes()
             atomic_write_bytes(tmpd.entry(COMMIT_RECORD), written[COMMIT_RECORD], opener, fsync)
             check_data_files(tmpd, {n: v for n, v in data_files.items() if n not in elsewhere})
-        publish_step(
+        untracked = publish_step(
             rootd,
             step,
             tmp,
@@ -142,6 +142,8 @@ def commit_step(
     warnings = rollback_warnings(cat, step, name, replaced is not None)
     for text in warnings:
         log.warning("%s", text)
+    if untracked is not None:
+        warnings += (untracked,)
     if keep_last > 0:
         apply_retention(root, keep_last)
     return CommitOutcome(name=name, warnings=warnings, files=written if node_local else {})
@@ -149,11 +151,14 @@ def commit_step(
 
 def publish_step(
     rootd: Dir, step: int, tmp: str, *, replaced: bool, fsync: bool, opener: Opener, megatron_tracker: bool
-) -> None:
+) -> str | None:
     """Steps 2 (from the rename) and 3 of :func:`commit_step` for the complete attempt directory
     ``tmp`` of ``rootd``: rename it to ``iter_<step>`` (a ``replaced`` committed one goes to
     ``*.deleting`` first and is removed after), fsync the root, point the trackers at it; the
-    rename is undone when ``latest`` cannot name it (re-raised)."""
+    rename is undone when ``latest`` cannot name it (re-raised). Returns a warning when it could
+    not be undone either: the checkpoint is committed (the rename is the point of no return, and
+    the next coordinator start names it latest), so its ranks are told so, with the warning; told
+    it aborted, node-local peers removed their files of it, and a resume loaded it all the same."""
     name = step_dir_name(step)
     doomed = deleting_name(name)
     if replaced:
@@ -174,13 +179,16 @@ def publish_step(
     except BaseException as exc:
         if tracker_step(rootd.path) != step:
             if not _undo_rename(rootd, name, tmp, fsync):
-                # In place and complete: the next coordinator start names it latest. Its ranks
-                # must not be told it aborted (a resume would load it after all).
-                raise StorageError(
-                    f"{rootd.path / name} is complete and in place, but the tracker {TRACKER_FILE} could not name it "
-                    f"({exc}) and it could not be taken back either: the next daemon start makes it latest "
-                    "(Checkpointer.latest() tells); fix the storage of the root"
-                ) from exc
+                if not isinstance(exc, Exception):
+                    raise
+                warning = (
+                    f"{rootd.path / name} is committed, complete and in place, but the tracker {TRACKER_FILE} "
+                    f"could not name it ({exc}) and it could not be taken back either: until the next commit or "
+                    "daemon start (which makes it latest), latest() names the step before; fix the storage "
+                    "of the root"
+                )
+                log.error("%s", warning)
+                return warning
             if replaced:
                 _undo_rename(rootd, doomed, name, fsync)
             raise
@@ -195,6 +203,7 @@ def publish_step(
             rootd.remove_tree(doomed)
         except OSError as exc:
             log.warning("could not remove %s (`ckptd gc` removes it later): %s", rootd.path / doomed, exc)
+    return None
 
 
 def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
@@ -332,6 +341,8 @@ def apply_retention(root: Path, keep_last: int) -> None:
                 log.warning("retention could not remove %s: %s", removal.entry.path, err)
     except (OSError, CkptdError) as exc:
         log.warning("retention in %s failed: %s", root, exc)
+    except Exception:  # the commit is made (latest names it): retention failing must not undo that
+        log.exception("retention in %s failed", root)
 
 
 def remove_tmp(root: Path, step: int, attempt: str) -> None:
