@@ -165,7 +165,9 @@ def test_a_root_that_does_not_answer_the_coordinators_question_delays_a_verdict_
     without the answer after coordinator_timeout_s, and ignores the answer that comes late."""
     import threading
 
-    cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=0.4, heartbeat_s=0.05)
+    # 2 s: a loaded machine that starves this process a moment must not make the node take the
+    # coordinator for lost (its own verdict would arrive instead).
+    cfg = CkptdConfig(commit_timeout_s=30, coordinator_timeout_s=2.0, heartbeat_s=0.05)
     with _node_and_coordinator(tmp_path, cfg) as (link, delivered, spin, coordinator):
         release = threading.Event()
         asked: list[int] = []
