@@ -221,6 +221,30 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir, capsys, monkeypa
         stop_root_daemons(root, runtime_dir, timeout_s=60)
 
 
+@pytest.mark.timeout(180)
+def test_a_resave_of_a_committed_step_under_a_repeated_attempt_id_changes_nothing(s3_bucket, runtime_dir):
+    """A data object's key names its attempt, and attempt ids repeat (a second Checkpointer of a
+    launch with a fixed CKPTD_RUN_ID): a re-save of a committed step under the same id would
+    upload over the committed object. save() asks the store nothing, so the daemon's writer
+    refuses it before uploading anything; the commit is untouched."""
+    root = f"s3://{s3_bucket}/runs/repeated"
+    cfg = _config(runtime_dir, run_id="fixed-launch")
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            first = ckpt.save(_sd(w, 3), step=3)
+            first.wait(timeout_s=120)
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            again = ckpt.save(_sd(w + 1, 3), step=3)
+            assert again.attempt == first.attempt
+            with pytest.raises(SaveFailedError, match="step 3 is committed already"):
+                again.wait(timeout_s=120)
+            assert ckpt.latest() == 3
+        assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000003")["w"], w)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
 def _sync_save_ranks(rank: int, world_size: int, url: str, env: dict) -> list[float]:
     os.environ.update(env)
     w = torch.arange(64.0) + 100 * rank
