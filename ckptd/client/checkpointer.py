@@ -118,6 +118,12 @@ log = logging.getLogger(__name__)
 CLOSE_MARGIN_S = STOP_MARGIN_S + BYE_LINGER_S + KILL_REAP_S
 
 
+# policy="auto": how long save() waits for the first save's outcome, at most. Below the default
+# timeouts of NCCL's and gloo's collectives (600 s, 1,800 s): ranks whose save raised went into
+# the interval's agreement at once, and wait there for this one.
+FIRST_COMMIT_WAIT_S = 300.0
+
+
 class Checkpointer(RootReader):
     """Asynchronous saves into ``root`` through this node's ckptd daemon (see the module docstring),
     and loads from it (:class:`~ckptd.client.reader.RootReader`).
@@ -197,9 +203,11 @@ class Checkpointer(RootReader):
                 # the agreement too, else the ranks' next collectives, training's own, mismatch.
                 self._policy.after_save(step, self.stats())
                 raise
-            if self._stats.committed == 0 and self._policy.persist_floor_s is None:
-                self._measure_first_commit(handle, self._policy)
-            self._policy.after_save(step, self.stats())
+            try:
+                if self._stats.committed == 0 and self._policy.persist_floor_s is None:
+                    self._measure_first_commit(handle, self._policy)
+            finally:  # a wait that raised (a lazy snapshot's copy timed out) joins the agreement too
+                self._policy.after_save(step, self.stats())
             return handle
 
     def _save_known(self, sharded_state_dict: dict[str, Any], step: int, content_metadata: dict | None) -> SaveHandle:
@@ -216,8 +224,10 @@ class Checkpointer(RootReader):
         failed or did not commit in the wait leaves the time it took as the latency's lower bound,
         so a failing store does not make every step a save, nor every save a wait."""
         t0 = time.monotonic()
-        handle.future.wait(None)
-        policy.persist_floor_s = time.monotonic() - t0 if handle.finished_s is None else handle.finished_s
+        try:
+            handle.future.wait(FIRST_COMMIT_WAIT_S)
+        finally:
+            policy.persist_floor_s = time.monotonic() - t0 if handle.finished_s is None else handle.finished_s
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()

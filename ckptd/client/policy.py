@@ -11,7 +11,7 @@ step time (median of recent steps), the configured MTBF and restart time. Every 
 the same steps, so the new interval is agreed on with one ``all_reduce(MAX)`` over the default
 process group (the longest any rank asks for), also by a rank whose save raised. The first save's
 commit latency is not known yet when it returns, so that save is waited for once (a one-time stall
-of one persist, up to the handle's default wait); a failure stays on its handle. Until a save
+of one persist, at most ``FIRST_COMMIT_WAIT_S``); a failure stays on its handle. Until a save
 commits, the time that wait took stands for the commit latency (a lower bound). A rank that died
 holds the others in the agreement until the process group's timeout, as it would hold any of
 training's collectives.

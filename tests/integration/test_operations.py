@@ -117,6 +117,17 @@ def test_policy_auto_agrees_on_the_interval_whatever_the_save_did(single, monkey
         assert h.wait(60) == root / "iter_0000000"
         ckpt.save(state, step=1).wait(60)  # no second wait inside save(): the floor is set
         assert len(agreed) == 3
+        ckpt._policy.persist_floor_s = None  # as if no save had been measured yet ...
+        ckpt._stats.committed = 0
+
+        def copy_timed_out(self, timeout_s):  # ... and its wait raised (a lazy copy that timed out)
+            raise ckptd.CkptdError("the snapshot of step 2 did not finish (simulated)")
+
+        with monkeypatch.context() as patched, pytest.raises(ckptd.CkptdError, match="simulated"):
+            patched.setattr(SaveFuture, "wait", copy_timed_out)
+            ckpt.save(state, step=2)
+        assert len(agreed) == 4 and ckpt._policy.persist_floor_s is not None
+        ckpt.wait_all(60)
 
 
 @pytest.mark.timeout(120)
