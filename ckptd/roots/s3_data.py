@@ -28,8 +28,8 @@ from ..format.direct import buffer_address
 from ..format.items import PlannedItem, write_data_file
 from ..format.records import ItemRecord
 from ..format.tensorzip import RawTensor
-from ..storage.objwriter import PART_NBYTES, ObjectSink
 from ..s3catalog import read_s3_commit_record
+from ..storage.objwriter import PART_NBYTES, ObjectSink
 from ..storage.s3client import S3Client
 
 log = logging.getLogger(__name__)
