@@ -251,6 +251,25 @@ def test_a_collection_whose_tracker_moves_removes_only_what_a_fresh_plan_would(t
         assert not (root / "iter_0000010").exists()
 
 
+def test_a_removal_checks_under_the_lock_that_the_step_is_what_was_scanned(tmp_path):
+    """The last check, right before the rename (a collection's plan may be checked against a
+    fresh scan before that, but the job commits meanwhile): a step named latest since the scan,
+    or committed again (another seq), is not removed."""
+    from ckptd.retention import CheckpointChanged, remove_entry
+
+    root = make_root(tmp_path / "r", [10, 20], latest=20)
+    stamp_commits(root, [10, 20])
+    entry = next(e for e in scan_root(root).entries if e.step == 10)
+    (root / "latest").write_text("iter_0000010\n")
+    with pytest.raises(CheckpointChanged, match="is named latest now"):
+        remove_entry(entry)
+    (root / "latest").write_text("iter_0000020\n")
+    stamp_commits(root, [20, 10])  # 10 committed again (after a rollback), with another seq
+    with pytest.raises(CheckpointChanged, match="committed again since the scan"):
+        remove_entry(entry)
+    assert (root / "iter_0000010").is_dir()
+
+
 def test_the_last_check_before_a_commit_names_what_is_wrong_with_each_data_file(tmp_path):
     """A data file its node reported written must be in the attempt's directory, a regular file of
     the reported size; a missing one says what a node-local disk per node would cause."""
