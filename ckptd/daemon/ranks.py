@@ -123,7 +123,7 @@ class RankServer:
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
         elif isinstance(msg, RegisterRing):
-            self.client(identity, msg.rank)
+            self._refuse_second_writer(identity, self.client(identity, msg.rank))
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.channel.send(RingOk(generation=msg.generation), identity)
         elif isinstance(msg, RegisterLayout):
@@ -199,7 +199,6 @@ class RankServer:
             raise ProtocolError(f"HELLO from uid {uid}; this daemon serves uid {os.getuid()} only")
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
-        self._refuse_second_launch(identity, msg.rank, pid)
         client = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
         if msg.coordinator:
             self.hooks.follow_coordinator(msg.coordinator, self._newest_launch(identity, client))
@@ -207,21 +206,25 @@ class RankServer:
         self.served_a_rank = True
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
-    def _refuse_second_launch(self, identity: bytes, rank: int, pid: int) -> None:
-        """Refuse a HELLO of ``rank`` while another process that said HELLO as that rank still runs:
-        the same job launched twice on this machine reaches this daemon (its job id is the
-        root's), where the root's lock cannot tell the launches apart, and each launch's commits
-        would roll back and remove the other's checkpoints. A rank restarted after a crash finds
-        its predecessor gone (a process that exited, or a zombie, does not count); the same
-        process saying HELLO again (a second Checkpointer, a HELLO after the daemon forgot it) is
-        the same rank."""
-        for other, c in self.clients.items():
-            if other != identity and c.rank == rank and c.pid != pid and self._connected(other):
+    def _refuse_second_writer(self, identity: bytes, client: Client) -> None:
+        """Refuse a staging ring (no ring, no save) of a rank whose number another process that
+        still runs saves as (its ring is live): the same job launched twice on this machine
+        reaches this daemon (its job id is the root's), where the root's lock cannot tell the
+        launches apart, and each launch's commits would roll back and remove the other's
+        checkpoints. A process that only loads (an evaluation's Checkpointer, rank 0 by default)
+        registers no ring and is never refused; a rank restarted after a crash finds its
+        predecessor gone (a process that exited, or a zombie, does not count); the same process
+        (a second Checkpointer) is the same rank."""
+        for ring in self.rings.rings.values():
+            if ring.rank != client.rank or ring.retired or ring.owner == identity:
+                continue
+            other = self.clients.get(ring.owner)
+            if other is not None and other.pid != client.pid and self._connected(ring.owner):
                 raise ProtocolError(
-                    f"rank {rank} of {self.ep.root} (node {self.ep.node}) is saved by another process that "
-                    f"still runs (pid {c.pid}): two launches saving into one root roll back and remove "
-                    "each other's checkpoints. Stop the other launch or wait for it to exit, or give "
-                    "this one its own root"
+                    f"rank {client.rank} of {self.ep.root} (node {self.ep.node}) is saved by another process "
+                    f"that still runs (pid {other.pid}): two launches saving into one root roll back and "
+                    "remove each other's checkpoints. Stop the other launch or wait for it to exit, or "
+                    "give this one its own root"
                 )
 
     def _newest_launch(self, identity: bytes, new: Client) -> bool:

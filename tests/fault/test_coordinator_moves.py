@@ -107,9 +107,7 @@ def test_a_coordinator_port_another_process_holds_is_refused_clearly_and_a_newer
             assert f"has the coordinator at tcp://127.0.0.1:{first}, still runs" in log
 
 
-# Node 1 of two, two ranks a node: the newer launch's rank 2, then the earlier launch's rank 3 (the
-# earlier launch's rank 2 would be refused outright while the newer one's runs: test_operations).
-_NODE_1 = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+_NODE_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1"}
 _NEWER_LAUNCH = textwrap.dedent(
     """
     import sys
@@ -144,8 +142,6 @@ def test_a_hello_from_a_process_older_than_the_followed_launch_does_not_take_the
         for name, value in env.items():
             if name in _NODE_1 or name.startswith("MASTER_"):
                 monkeypatch.setenv(name, value)
-        monkeypatch.setenv("RANK", "3")
-        monkeypatch.setenv("LOCAL_RANK", "1")
         config = ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), coordinator_port=older_port)
         with ckptd.Checkpointer(root, config=config) as older:  # this process started before the other
             status = older.status()

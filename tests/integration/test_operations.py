@@ -173,19 +173,22 @@ def test_due_needs_policy_auto(single):
 
 
 _HOLD_RANK_0 = """
-import sys, ckptd
+import sys, torch, ckptd
 with ckptd.Checkpointer(sys.argv[1]) as ckpt:
-    print("connected", flush=True)
+    state = {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.ones(8))}
+    ckpt.save(state, step=1).wait(60)  # it saves: its staging ring is registered
+    print("saved", flush=True)
     sys.stdin.read()  # until the test closes our stdin
 """
 
 
 @pytest.mark.timeout(120)
-def test_a_second_launch_on_the_same_machine_is_refused_while_the_first_runs(single):
+def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(single):
     """The same job launched twice on one machine reaches one daemon (the job id is the root's),
     where the root's lock cannot tell the launches apart: its commits would roll back and remove
-    the first launch's checkpoints. A HELLO of a rank another running process holds is refused;
-    once that process is gone the rank connects."""
+    the first launch's checkpoints. A staging ring (so a save) of a rank another running process
+    saves as is refused; a process of that rank that only loads (an evaluation) is not. Once the
+    other process is gone the rank saves."""
     import subprocess
     import sys
 
@@ -198,14 +201,18 @@ def test_a_second_launch_on_the_same_machine_is_refused_while_the_first_runs(sin
         stdout=subprocess.PIPE,
         text=True,
     )
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}
     try:
-        assert first.stdout is not None and first.stdout.readline() == "connected\n"
-        with pytest.raises(DaemonError, match=rf"is saved by another process that still runs \(pid {first.pid}\)"):
-            ckptd.Checkpointer(root, config=cfg, env=JobEnv())
+        assert first.stdout is not None and first.stdout.readline() == "saved\n"
+        with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as second:
+            second.load(state)  # loading is fine
+            assert torch.equal(state["w"].data, torch.ones(8))
+            with pytest.raises(DaemonError, match=rf"is saved by another process that still runs \(pid {first.pid}\)"):
+                second.save(state, step=2)
     finally:
         assert first.stdin is not None
         first.stdin.close()
         first.wait(60)
     assert first.returncode == 0
     with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
-        ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, step=1).wait(60)
+        ckpt.save(state, step=2).wait(60)
