@@ -71,4 +71,6 @@ class NodeLocalCommits:
             )
             log.warning("%s", warning)
             warnings.append(warning)
+        elif isinstance(done.result, CommitOutcome):
+            warnings += [w for w in done.result.warnings if w not in warnings]  # e.g. this disk's tracker failed
         return replace(verdict, local_files={}, warnings=warnings)

@@ -99,7 +99,7 @@ def finish_on_node(
         untracked = publish_step(
             rootd, step, tmp, replaced=replaced, fsync=fsync, opener=opener, megatron_tracker=megatron_tracker
         )
-    if keep_last > 0:
+    if keep_last > 0 and untracked is None:  # (retention is by the tracker's branch: see commit_step)
         apply_retention(root, keep_last)
     log.info("step %d committed on this node's disk as %s (attempt %s)", step, root / name, attempt)
     return CommitOutcome(name=name, warnings=() if untracked is None else (untracked,))

@@ -144,7 +144,7 @@ def commit_step(
         log.warning("%s", text)
     if untracked is not None:
         warnings += (untracked,)
-    if keep_last > 0:
+    elif keep_last > 0:  # not while latest names the step before: it is by the tracker's branch
         apply_retention(root, keep_last)
     return CommitOutcome(name=name, warnings=warnings, files=written if node_local else {})
 

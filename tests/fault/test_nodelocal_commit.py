@@ -168,3 +168,59 @@ def test_commit_files_too_large_for_a_message_stay_home_and_the_node_says_so(nod
         completions.close()
     assert told.local_files == {} and "but not on this node's disk" in told.warnings[-1]
     assert tmp_dir(disk1, STEP, A).is_dir() and not (disk1 / "iter_0000005").exists()
+
+
+def test_what_this_nodes_part_of_a_commit_noticed_reaches_its_ranks(tmp_path):
+    """This node's disk took the commit, but its tracker could not name it (nor the directory be
+    renamed back): the commit stands, and its ranks are told so with the warning, which used to be
+    dropped (only the coordinator's warnings and a failure's went on)."""
+    from ckptd.roots.base import CommitOutcome
+
+    verdict = StepCommitted(step=STEP, attempt=A, name="iter_0000005", warnings=["from the coordinator"])
+    untracked = "the tracker latest could not name it"
+    done = NodeCommitFinished(verdict=verdict, result=CommitOutcome(name="iter_0000005", warnings=(untracked,)))
+    told = NodeLocalCommits(PosixRoot(tmp_path, node_local=True), None).done(done)  # type: ignore[arg-type]
+    assert told.warnings == ["from the coordinator", untracked] and told.local_files == {}
+
+
+def test_a_commit_the_tracker_cannot_name_leaves_retention_for_later(nodes, monkeypatch):
+    """After a rollback to step 30, node 0's commit of 31 is in place, but neither its tracker write
+    nor the rename back worked: the commit stands with a warning, and retention does not run
+    while ``latest`` still names 40. It ran, by commit order with 40 taken for the current branch:
+    ``keep_last=2`` kept 31 and 40 and removed 30, the step rolled back to (40 is the abandoned
+    one once the next start names 31 latest)."""
+    import errno
+    import os
+
+    from ckptd.format.durable import default_opener
+    from ckptd.format.safefs import Dir
+
+    (disk0, disk1), written, _ = nodes
+    store = PosixRoot(disk0, node_local=True, keep_last=2)
+    files = {f"__{r}_0.distcp": (r, written[r][1]) for r in (0, 1)}
+    records = written[0][0] + written[1][0]
+    for step in (30, 40, 31):
+        for disk in (disk0, disk1):
+            shutil.copytree(tmp_dir(disk, STEP, A), tmp_dir(disk0, step, A), dirs_exist_ok=True)
+    for step in (30, 40):
+        store.commit(step, A, records, serialize_common({"iteration": step}), files)
+    assert tracker_step(disk0) == 40
+
+    def opener(path, mode):
+        if os.path.basename(path).startswith("latest"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return default_opener(path, mode)
+
+    rename = Dir.rename
+
+    def no_way_back(self, old, new):
+        if old == "iter_0000031":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), old)
+        return rename(self, old, new)
+
+    monkeypatch.setattr(Dir, "rename", no_way_back)
+    store.opener = opener
+    outcome = store.commit(31, A, records, serialize_common({"iteration": 31}), files)
+    assert any("is committed, complete and in place" in w for w in outcome.warnings), outcome.warnings
+    assert tracker_step(disk0) == 40
+    assert all((disk0 / f"iter_{s:07d}").is_dir() for s in (30, 31, 40))
