@@ -55,6 +55,7 @@ from .loading.execute import ExecOptions, LoadStats
 from .loading.keymap import Rule
 from .loading.loader import KeysAgreement, LoadRequest, run_load
 from .loading.strict import StrictHandling, parse_strict
+from .loading.view import CheckpointView, VirtualTensor, is_legacy_grid
 from .mapping import ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
@@ -425,9 +426,21 @@ def load_tensors_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dic
 
 
 def _tensor_templates(index: CheckpointIndex) -> dict[str, ShardedTensor]:
+    """Each tensor at its global shape: a tensor Megatron-Core (0.8 to 0.13) stored in its flattened
+    grid layout at the shape it records (as Megatron-Core's own ``load_tensors_metadata`` gives
+    it), so loading the template translates the grid. At the stored shape, such a tensor came back
+    in grid order, and reshaping it to its real shape permuted its values."""
+    view = CheckpointView.of_index(index)
+
+    def shape(key: str, t: VirtualTensor) -> tuple[int, ...]:
+        real = view.grid_shapes.get(key)
+        return real if real is not None and real != t.shape and is_legacy_grid(t, real) else t.shape
+
     return {
-        key: ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.dtype, device="meta")).without_data()
-        for key, t in sorted(index.tensors.items())
+        key: ShardedTensor.from_rank_offsets(
+            key, torch.empty(shape(key, t), dtype=t.dtype, device="meta")
+        ).without_data()
+        for key, t in sorted(view.tensors.items())
     }
 
 

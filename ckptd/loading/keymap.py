@@ -211,6 +211,11 @@ def _apply_fuse(view: CheckpointView, rule: Fuse) -> int:
                 f"{missing} are not in the checkpoint (after earlier rules). The mapping does not "
                 "cover this key; fix the rule's source names."
             )
+        if len(set(keys)) != len(keys):
+            raise LoadMismatchError(
+                f"key mapping rule {rule}: fusing {keys} into '{target_pat.expand(values)}' names a "
+                "source twice; each checkpoint tensor is fused once"
+            )
         parts = [view.tensors[k] for k in keys]
         first = parts[0]
         _check_axis(rule, keys[0], first, rule.axis)

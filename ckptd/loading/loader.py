@@ -321,7 +321,9 @@ def _load_tensors(
             casts.append((path, sh, stored.dtype))
             continue
         data = sh.init_data("cpu").detach()  # parameters that require grad are filled in place too
-        direct = data.device.type == "cpu" and data.is_contiguous()
+        # A conjugate or negative view's memory holds the conjugate or the negation of its values:
+        # the stored bytes go through a buffer and copy_(), which applies the view's bit.
+        direct = data.device.type == "cpu" and data.is_contiguous() and not data.is_conj() and not data.is_neg()
         buffer = data if direct else torch.empty(data.shape, dtype=sh.dtype)
         planner.add(sh, buffer)
         pending.append((path, data, buffer))

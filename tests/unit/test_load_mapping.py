@@ -117,6 +117,7 @@ def test_key_mapping_errors(separate):
         ([Fuse("layers.*.qkv", ["layers.*.q", "model.embed"])], "different numbers of"),
         ([Fuse("x.*", ["layers.*.q", "layers.*.k"], axis=1)], "cannot fuse.*along axis 1"),
         ([Fuse("x.*", ["layers.*.q", "layers.*.k"], groups=5)], "not divisible into 5 groups"),
+        ([Fuse("x.*", ["layers.*.q", "layers.*.q"])], "names a source twice"),  # was a bare KeyError
         ([Split("layers.*.q", ["a.*", "b.*"], sizes=[5, 5])], "cover 10 of the 12 entries.*must cover"),
         ([Split("layers.*.q", ["a.*", "b.*"], axis=2)], "axis 2 does not exist"),
         ([Rename("nothing.*", "x.*")], "matched no key"),

@@ -164,6 +164,10 @@ def test_legacy_grid_flattened_layout_loads_at_any_layout(tmp_path):
     assert torch.equal(out["w"], full)
     flat = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(5), (3, 8), (0, 1, 2), flattened_range=slice(7, 12))
     assert torch.equal(ckptd.load({"f": flat}, d)["f"], full[3:6].reshape(-1)[7:12])
+    # The whole-tensor readers give it at its real shape, in its real order (as Megatron-Core's
+    # load_tensors_metadata does); they gave the grid, which a reshape to (6, 8) permuted.
+    assert ckptd.load_tensors_metadata(d)["w"].global_shape == (6, 8)
+    assert torch.equal(ckptd.load_plain_tensors(d)["w"], full)
 
 
 def test_random_layouts_all_execution_paths(tmp_path):
@@ -302,3 +306,16 @@ def test_a_regular_tensor_that_fits_the_grid_pattern_is_not_taken_for_one(tmp_pa
     ckptd.save(sd, tmp_path / "c")
     with pytest.raises(LoadMismatchError, match=r"stores global shape \(2, 2, 4\) but \(4, 4\) was requested"):
         ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))}, tmp_path / "c")
+
+
+def test_a_conjugate_or_negative_view_is_loaded_with_its_values_not_its_memory(tmp_path):
+    """A conjugate (``.conj()``) or negative view keeps the conjugate or negation of its values in
+    memory: the stored bytes were read straight into it, so it held the conjugates (as torch DCP
+    does not)."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, -2.0])
+    ckptd.save({"z": z.clone(), "x": x.clone()}, tmp_path / "c")
+    dst = {"z": torch.zeros(2, dtype=torch.complex64).conj(), "x": torch._neg_view(torch.zeros(2))}
+    assert dst["z"].is_conj() and dst["x"].is_neg()
+    ckptd.load(dst, tmp_path / "c")
+    assert torch.equal(dst["z"], z) and torch.equal(dst["x"], x)
