@@ -238,7 +238,15 @@ def _survive_daemon_kill(rank: int, world: int, env: dict, root: str, marks: str
 def test_daemon_killed_mid_write_aborts_then_recovers(job, tmp_path):
     root = job["root"]
     old_pid = daemon_pid(job["eps"][0].pid_path)
-    out = run_ranks(_survive_daemon_kill, aj.WORLD, job["env"], str(root), str(tmp_path), timeout_s=150)
+    try:
+        out = run_ranks(_survive_daemon_kill, aj.WORLD, job["env"], str(root), str(tmp_path), timeout_s=150)
+    except AssertionError as exc:  # what the daemons said: the runtime directory goes with the test
+        logs = "".join(
+            f"\n--- {ep.log_path} (last 60 lines):\n" + "\n".join(ep.log_path.read_text().splitlines()[-60:])
+            for ep in job["eps"]
+            if ep.log_path.exists()
+        )
+        raise AssertionError(f"{exc}{logs}") from None
     killed = [p.name for p in tmp_path.glob("killed*")]
     assert len(killed) == 1 and not killed[0].endswith("busy0"), killed  # writes were in flight
     assert all(o["before"] == 100 for o in out), out
