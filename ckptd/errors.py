@@ -113,6 +113,11 @@ class RequestNotTaken(DaemonError):
         """Another save is being written under this attempt id (:class:`AttemptInUseError`)."""
         return self.code == AttemptInUseError.code
 
+    @property
+    def rank_held(self) -> bool:
+        """Another running process saves as this rank (:class:`RankHeldError`)."""
+        return self.code == RankHeldError.code
+
 
 class ProtocolError(CkptdError):
     """A control-plane message was malformed, of a wrong version, too large or out of range."""
@@ -135,6 +140,14 @@ class AttemptInUseError(ProtocolError):
     ranks, it is the other save's."""
 
     code = "attempt_in_use"
+
+
+class RankHeldError(ProtocolError):
+    """Another process that still runs saves as this rank through the same daemon (the same job
+    launched twice on one machine): this one may load, but not save; and its refused save must
+    not be announced to the other ranks (an abort of the step would abort the other launch's)."""
+
+    code = "rank_held"
 
 
 class StagingError(CkptdError):

@@ -171,7 +171,7 @@ class Checkpointer(RootReader):
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
-                self._ring.ensure(0)  # a byte budget: the ring's size, so its pinning, can start now
+                self._ensure_budgeted_ring()
             # Last: a rank whose constructor failed before this and is made again would otherwise
             # count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
             incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
@@ -179,6 +179,17 @@ class Checkpointer(RootReader):
         except BaseException:
             self._session.disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
+
+    def _ensure_budgeted_ring(self) -> None:
+        """A byte budget: the ring's size is known, so it is made now, and its pinning can start.
+        Not when another running process saves as this rank: this Checkpointer may then only load
+        (an evaluation's), and its save() says why it cannot save."""
+        try:
+            self._ring.ensure(0)
+        except RequestNotTaken as exc:
+            if not exc.rank_held:
+                raise
+            log.info("rank %d: %s; this Checkpointer can load, not save", self.env.rank, exc)
 
     # --- public API -------------------------------------------------------------------------
     def save(

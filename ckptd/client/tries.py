@@ -50,11 +50,13 @@ class StepTries:
         """A failure of this rank's try of ``step`` before its SAVE went out is told to the other
         ranks under the try's attempt id (:meth:`abort_everywhere`), then raised; not a refusal as
         from an unknown client, which ``save()`` recovers from by trying again, nor one because
-        another save is being written under that attempt id (it is that save's to decide)."""
+        another save is being written under that attempt id (it is that save's to decide), nor one
+        because another running process saves as this rank (the step is that launch's: its abort
+        would abort that launch's save)."""
         try:
             yield
         except Exception as exc:
-            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use)):
+            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use or exc.rank_held)):
                 self.abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
             raise
 

@@ -50,7 +50,7 @@ from ..control.protocol import (
     Welcome,
 )
 from ..control.security import HandshakeWatch
-from ..errors import CkptdError, ProtocolError, UnknownClientError
+from ..errors import CkptdError, ProtocolError, RankHeldError, UnknownClientError
 from .intake import SaveIntake
 from .loop import serve_requests
 from .rings import RingTable
@@ -122,12 +122,30 @@ class RankServer:
             self.channel.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
-        elif isinstance(msg, RegisterRing):
-            self._refuse_second_writer(identity, self.client(identity, msg.rank))
+        elif isinstance(msg, (RegisterRing, RegisterLayout, Save, Skip, Abandon)):
+            self._on_writer_request(identity, msg)
+        elif isinstance(msg, Bye):
+            self.clients.pop(identity, None)
+            self.rings.retire_owner(identity)
+        elif isinstance(msg, InFlight):
+            self.client(identity)
+            self.channel.send(InFlightReply(attempts=self.intake.in_flight(self._connected)), identity)
+        elif isinstance(msg, Status):
+            self.channel.send(StatusReply(info=self.hooks.status()), identity)
+        elif isinstance(msg, Shutdown):
+            self.channel.send(ShutdownAck(), identity)
+            self.hooks.request_stop("SHUTDOWN requested")
+        else:
+            raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
+
+    def _on_writer_request(self, identity: bytes, msg: RegisterRing | RegisterLayout | Save | Skip | Abandon) -> None:
+        """The requests that save or decide saves: refused from a process of a rank that another
+        running process saves as (:meth:`_refuse_second_writer`)."""
+        self._refuse_second_writer(identity, self.client(identity, getattr(msg, "rank", None)))
+        if isinstance(msg, RegisterRing):
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.channel.send(RingOk(generation=msg.generation), identity)
         elif isinstance(msg, RegisterLayout):
-            self.client(identity, msg.rank)
             self.intake.register_layout(identity, msg)
             self.channel.send(LayoutOk(layout=msg.layout), identity)
         elif isinstance(msg, Save):
@@ -141,7 +159,6 @@ class RankServer:
             if decided is not None:  # another rank skipped or failed the step before this SAVE came
                 self.channel.send(decided, identity)
         elif isinstance(msg, Skip):
-            self.client(identity, msg.rank)
             self.uplink.report(
                 Failed(
                     step=msg.step,
@@ -155,14 +172,7 @@ class RankServer:
                 (msg.step, msg.attempt),
             )
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
-        elif isinstance(msg, Bye):
-            self.clients.pop(identity, None)
-            self.rings.retire_owner(identity)
-        elif isinstance(msg, InFlight):
-            self.client(identity)
-            self.channel.send(InFlightReply(attempts=self.intake.in_flight(self._connected)), identity)
-        elif isinstance(msg, Abandon):
-            self.client(identity)
+        else:  # Abandon
             if any(
                 (a.step, a.attempt, a.live) == (msg.step, msg.attempt, True)
                 for a in self.intake.in_flight(self._connected)
@@ -172,13 +182,6 @@ class RankServer:
                 )
             self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off))
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
-        elif isinstance(msg, Status):
-            self.channel.send(StatusReply(info=self.hooks.status()), identity)
-        elif isinstance(msg, Shutdown):
-            self.channel.send(ShutdownAck(), identity)
-            self.hooks.request_stop("SHUTDOWN requested")
-        else:
-            raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
         root = self.ep.root
@@ -220,7 +223,7 @@ class RankServer:
                 continue
             other = self.clients.get(ring.owner)
             if other is not None and other.pid != client.pid and self._connected(ring.owner):
-                raise ProtocolError(
+                raise RankHeldError(
                     f"rank {client.rank} of {self.ep.root} (node {self.ep.node}) is saved by another process "
                     f"that still runs (pid {other.pid}): two launches saving into one root roll back and "
                     "remove each other's checkpoints. Stop the other launch or wait for it to exit, or "

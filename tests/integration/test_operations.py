@@ -175,10 +175,10 @@ def test_due_needs_policy_auto(single):
 _HOLD_RANK_0 = """
 import sys, torch, ckptd
 with ckptd.Checkpointer(sys.argv[1]) as ckpt:
-    state = {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.ones(8))}
-    ckpt.save(state, step=1).wait(60)  # it saves: its staging ring is registered
-    print("saved", flush=True)
-    sys.stdin.read()  # until the test closes our stdin
+    for line in sys.stdin:  # "save <step>" saves and prints where it committed; end of input: exit
+        step = int(line.split()[1])
+        state = {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.full((8,), float(step)))}
+        print(ckpt.save(state, step=step).wait(60), flush=True)
 """
 
 
@@ -186,8 +186,10 @@ with ckptd.Checkpointer(sys.argv[1]) as ckpt:
 def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(single):
     """The same job launched twice on one machine reaches one daemon (the job id is the root's),
     where the root's lock cannot tell the launches apart: its commits would roll back and remove
-    the first launch's checkpoints. A staging ring (so a save) of a rank another running process
-    saves as is refused; a process of that rank that only loads (an evaluation) is not. Once the
+    the first launch's checkpoints. Every request that saves (a staging ring, a save, a skip) of
+    a rank another running process saves as is refused, and the refused save is not announced to
+    the other ranks (its abort of the step aborted the first launch's save of it). A process of
+    that rank that only loads (an evaluation), with a byte budget too, is not refused. Once the
     other process is gone the rank saves."""
     import subprocess
     import sys
@@ -201,18 +203,25 @@ def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(si
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert first.stdin is not None and first.stdout is not None
+
+    def first_saves(step: int) -> str:
+        first.stdin.write(f"save {step}\n")
+        first.stdin.flush()
+        return first.stdout.readline().strip()
+
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}
     try:
-        assert first.stdout is not None and first.stdout.readline() == "saved\n"
-        with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as second:
+        assert first_saves(1).endswith("iter_0000001")
+        with ckptd.Checkpointer(root, config=cfg.replace(staging_budget="1MiB"), env=JobEnv()) as second:
             second.load(state)  # loading is fine
             assert torch.equal(state["w"].data, torch.ones(8))
             with pytest.raises(DaemonError, match=rf"is saved by another process that still runs \(pid {first.pid}\)"):
                 second.save(state, step=2)
+            assert first_saves(2).endswith("iter_0000002")  # not aborted by the refused save of step 2
     finally:
-        assert first.stdin is not None
         first.stdin.close()
         first.wait(60)
     assert first.returncode == 0
     with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
-        ckpt.save(state, step=2).wait(60)
+        ckpt.save(state, step=3).wait(60)
