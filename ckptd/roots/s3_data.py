@@ -28,7 +28,7 @@ from ..format.direct import buffer_address
 from ..format.items import PlannedItem, write_data_file
 from ..format.records import ItemRecord
 from ..format.tensorzip import RawTensor
-from ..s3catalog import read_s3_commit_record
+from ..s3catalog import read_s3_commit_record, s3_abandoned_commit
 from ..storage.objwriter import PART_NBYTES, ObjectSink
 from ..storage.s3client import S3Client
 
@@ -42,11 +42,11 @@ def s3_data_file_name(attempt: str, rank: int) -> str:
 class S3DataTarget:
     part_nbytes = PART_NBYTES
 
-    def __init__(self, client: S3Client, step_name: str, name: str, attempt: str | None = None) -> None:
+    def __init__(self, client: S3Client, step_name: str, name: str, attempt: tuple[int, str] | None = None) -> None:
         self.client = client
         self.name = name
         self.step_name = step_name
-        self.attempt = attempt  # a root's save attempt (None: ckptd.save's own object, no commit record)
+        self.attempt = attempt  # (step, attempt) of a root's save (None: ckptd.save's own object)
         self.key = f"{step_name}/{name}"
         self._sink: ObjectSink | None = None
 
@@ -62,15 +62,22 @@ class S3DataTarget:
         """Upload ``items``; ``written(i)`` runs (on this thread or the uploader's) once item ``i``
         and every item before it may be overwritten, and never after this returns or raises.
         Refuses (CheckpointExistsError, nothing uploaded) when the step is committed by this very
-        attempt: an attempt id repeats (a second Checkpointer of a launch with a fixed
-        ``CKPTD_RUN_ID``), so the key is a committed object's, which the upload would replace.
-        Asked here, on the writer's thread: save() asks the store nothing."""
-        record = None if self.attempt is None else read_s3_commit_record(self.client, self.step_name)
-        if record is not None and record.attempt == self.attempt:
-            raise CheckpointExistsError(
-                f"{self.client.url(self.step_name)} is committed already, by attempt {self.attempt}, which this "
-                "save repeats (a fixed CKPTD_RUN_ID?); nothing was uploaded: save under a new step"
-            )
+        attempt on the root's current branch: an attempt id repeats (a second Checkpointer of a
+        launch with a fixed ``CKPTD_RUN_ID``), so the key is a committed object's, which the upload
+        would replace. (A commit a rollback abandoned is replaced by the new save's commit, which
+        retires it first.) Asked here, on the writer's thread: save() asks the store nothing."""
+        if self.attempt is not None:
+            step, attempt = self.attempt
+            record = read_s3_commit_record(self.client, self.step_name)
+            if (
+                record is not None
+                and record.attempt == attempt
+                and not s3_abandoned_commit(self.client, step, record.seq)
+            ):
+                raise CheckpointExistsError(
+                    f"{self.client.url(self.step_name)} is committed already, by attempt {attempt}, which this "
+                    "save repeats (a fixed CKPTD_RUN_ID?); nothing was uploaded: save under a new step"
+                )
         freeing = _InOrder(written)
         sink = self._sink = ObjectSink(
             self.client,

@@ -104,7 +104,7 @@ class S3Root:
         return s3_data_file_name(attempt, rank)
 
     def data_target(self, step: int, attempt: str, rank: int) -> S3DataTarget:
-        return S3DataTarget(self.client, step_dir_name(step), s3_data_file_name(attempt, rank), attempt)
+        return S3DataTarget(self.client, step_dir_name(step), s3_data_file_name(attempt, rank), (step, attempt))
 
     # --- committing -------------------------------------------------------------------------------
     def commit(

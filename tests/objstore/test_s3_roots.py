@@ -226,7 +226,8 @@ def test_a_resave_of_a_committed_step_under_a_repeated_attempt_id_changes_nothin
     """A data object's key names its attempt, and attempt ids repeat (a second Checkpointer of a
     launch with a fixed CKPTD_RUN_ID): a re-save of a committed step under the same id would
     upload over the committed object. save() asks the store nothing, so the daemon's writer
-    refuses it before uploading anything; the commit is untouched."""
+    refuses it before uploading anything; the commit is untouched. A commit a rollback abandoned
+    is replaced as ever, also under its own attempt id."""
     root = f"s3://{s3_bucket}/runs/repeated"
     cfg = _config(runtime_dir, run_id="fixed-launch")
     w = torch.arange(1 << 16, dtype=torch.float32)
@@ -234,13 +235,22 @@ def test_a_resave_of_a_committed_step_under_a_repeated_attempt_id_changes_nothin
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
             first = ckpt.save(_sd(w, 3), step=3)
             first.wait(timeout_s=120)
+            fourth = ckpt.save(_sd(w + 4, 4), step=4)
+            fourth.wait(timeout_s=120)
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
             again = ckpt.save(_sd(w + 1, 3), step=3)
             assert again.attempt == first.attempt
             with pytest.raises(SaveFailedError, match="step 3 is committed already"):
                 again.wait(timeout_s=120)
-            assert ckpt.latest() == 3
+            assert ckpt.latest() == 4
+            ckpt.save(_sd(w + 2, 2), step=2).wait(timeout_s=120)  # a rollback: 3 and 4 are abandoned
         assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000003")["w"], w)
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            resaved = ckpt.save(_sd(w + 5, 4), step=4)
+            assert resaved.attempt == fourth.attempt
+            resaved.wait(timeout_s=120)
+            assert ckpt.latest() == 4
+        assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000004")["w"], w + 5)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
 
