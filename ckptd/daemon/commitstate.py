@@ -137,17 +137,22 @@ class CommitState:
         retention or a rollback retired it since (collecting it anew would abort, or on S3 commit
         again, an attempt that committed). A report of a new save is collected anew (and aborted
         while the step is committed). A node's FAILED of rank -1 (its local abort, a relaunch's
-        abandon) never retires a remembered commit: it is answered with it."""
+        abandon) never retires a remembered commit: it is answered with it. A rank's FAILED is a
+        new save's whatever the root says (:meth:`_new_save_of_committed`)."""
         if not isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted):
             return False
-        if isinstance(msg, Failed) and msg.rank < 0:
+        if isinstance(msg, Failed):
             return False
         return self.counted.counted(msg) is None
 
     def _new_save_of_committed(self, msg: Written | Failed, facts: RootFacts) -> bool:
-        """Whether ``msg`` is a new save's report of an attempt whose commit is remembered."""
+        """Whether ``msg`` is a new save's report of an attempt whose commit is remembered. A rank's
+        FAILED always is: a commit counted a WRITTEN of every rank (answered from memory, a refused
+        re-save under a repeated attempt id was told COMMITTED)."""
         if not isinstance(self.finished.get((msg.step, msg.attempt)), StepCommitted):
             return False
+        if isinstance(msg, Failed) and msg.rank >= 0:
+            return True
         counted = self.counted.counted(msg)
         if counted is not None:
             return not counted

@@ -298,6 +298,25 @@ def test_a_new_save_that_repeats_the_attempt_id_of_a_step_still_committed_is_abo
     assert isinstance(c.state.finished[(3, A)], StepCommitted)  # nothing told to the other nodes
 
 
+def test_a_ranks_failure_under_a_remembered_commits_attempt_id_is_never_told_committed():
+    """A re-save under a repeated attempt id fails at its writer (the step is committed by that
+    attempt: its upload would replace the committed object). Its commit is remembered, but its
+    counted reports are forgotten: the FAILED was taken for a resend, the root asked whether it
+    still holds that commit, and the rank told COMMITTED although nothing of its save was written.
+    A commit counted a WRITTEN of every rank, so a rank's FAILED is always a new save's."""
+    c = Coordinator()
+    c.report(N0, written(3, 0, report_id=11))
+    c.report(N1, written(3, 1, report_id=12))
+    c.commit_ended(3)
+    from ckptd.daemon.countedreports import CountedReports
+
+    c.state.counted = CountedReports(c.state.counted.window_s)  # the commit left the counted reports' memory
+    actions = c.report(N0, failed(3, 0, "writing its data file failed: committed already"))
+    assert "holds_commit" not in c.asked
+    assert [type(a) for a in actions] == [Send] and actions[0].identity == N0  # type: ignore[union-attr]
+    assert isinstance(actions[0].msg, StepAborted) and "step 3 is committed already" in actions[0].msg.reason  # type: ignore[union-attr]
+
+
 def test_a_step_committed_already_is_not_saved_again():
     c = Coordinator()
     c.committed.add(3)
