@@ -33,6 +33,7 @@ class RootFacts:
 
     holds_commit: bool = True
     committed_once: bool = False
+    known: bool = True  # False: the root could not be asked (the fields above are guesses)
 
 
 @dataclass(frozen=True, kw_only=True)

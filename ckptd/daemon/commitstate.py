@@ -232,11 +232,16 @@ class CommitState:
         already, or another attempt of it is in flight)."""
         step, attempt = msg.step, msg.attempt
         refused = f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)"
-        if facts.committed_once and (
-            isinstance(self.finished.get((step, attempt)), StepCommitted) or (step, attempt) in self.counted
-        ):
+        remembered = isinstance(self.finished.get((step, attempt)), StepCommitted) or (step, attempt) in self.counted
+        if remembered and (facts.committed_once or not facts.known):
             # The attempt id of that very commit (a relaunch repeated it): the reporter alone is
-            # told. An abort of the attempt would go to every node, which takes it for the commit's.
+            # told. An abort of the attempt would go to every node, which takes it for the commit's
+            # (and removes its files); so also when the root could not say whether it still stands.
+            if not facts.known:
+                refused = (
+                    f"step {step} attempt {attempt} committed before, and the root could not be asked whether "
+                    f"that commit still stands; {who} saved it again under that attempt id (save under a new step)"
+                )
             log.warning("step %d attempt %s: %s", step, attempt, refused)
             self._out.append(Send(identity=identity, msg=StepAborted(step=step, attempt=attempt, reason=refused)))
             return None

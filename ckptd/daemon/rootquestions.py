@@ -30,7 +30,7 @@ class Question:
     def unknown(self) -> RootFacts:
         """The facts when the root could not answer: a remembered commit stands, and the step is
         taken as not committed (the commit itself refuses a committed step)."""
-        return RootFacts()
+        return RootFacts(known=False)
 
 
 def answer(store: RootStore, q: Question) -> RootFacts:

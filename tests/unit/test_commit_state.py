@@ -315,6 +315,15 @@ def test_a_ranks_failure_under_a_remembered_commits_attempt_id_is_never_told_com
     assert "holds_commit" not in c.asked
     assert [type(a) for a in actions] == [Send] and actions[0].identity == N0  # type: ignore[union-attr]
     assert isinstance(actions[0].msg, StepAborted) and "step 3 is committed already" in actions[0].msg.reason  # type: ignore[union-attr]
+    # The root could not be asked (a hung store fails the writer and the question alike): the
+    # reporter alone is told, as above. An attempt collected, it was aborted on every node, which
+    # took the abort for the commit's (node-local peers removed files of it).
+    unknown = RootFacts(known=False)
+    msg = replace(failed(3, 1, "the store did not answer"), coordinator_instance=INSTANCE)
+    actions = c.state.handle(ReportIn(identity=N1, msg=msg, facts=unknown), c.now)
+    assert [type(a) for a in actions] == [Send] and actions[0].identity == N1  # type: ignore[union-attr]
+    assert "could not be asked whether that commit still stands" in actions[0].msg.reason  # type: ignore[union-attr]
+    assert isinstance(c.state.finished[(3, A)], StepCommitted) and (3, A) not in c.state.attempts
 
 
 def test_a_step_committed_already_is_not_saved_again():
