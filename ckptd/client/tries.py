@@ -52,11 +52,14 @@ class StepTries:
         from an unknown client, which ``save()`` recovers from by trying again, nor one because
         another save is being written under that attempt id (it is that save's to decide), nor one
         because another running process saves as this rank (the step is that launch's: its abort
-        would abort that launch's save)."""
+        would abort that launch's save; the try is counted, the other ranks wait out
+        ``commit_timeout_s``)."""
         try:
             yield
         except Exception as exc:
-            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use or exc.rank_held)):
+            if isinstance(exc, RequestNotTaken) and exc.rank_held:
+                self.next(step)  # counted all the same: a retry's attempt id stays the other ranks'
+            elif not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use)):
                 self.abort_everywhere(step, f"rank {self.env.rank} could not save step {step}: {exc}")
             raise
 

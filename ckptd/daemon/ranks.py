@@ -99,6 +99,7 @@ class RankServer:
         self.uplink = uplink
         self.hooks = hooks
         self.clients: dict[bytes, Client] = {}
+        self.saving: set[bytes] = set()  # connections that sent a SAVE or a layout (_refuse_second_writer)
         self.served_a_rank = False
         old_umask = os.umask(0o077)  # the socket file: owner-only
         try:
@@ -122,10 +123,24 @@ class RankServer:
             self.channel.send(Pong(nonce=msg.nonce, instance=self.hooks.instance, pid=os.getpid()), identity)
         elif isinstance(msg, Hello):
             self._on_hello(identity, msg, peer)
-        elif isinstance(msg, (RegisterRing, RegisterLayout, Save, Skip, Abandon)):
+        elif isinstance(msg, (RegisterRing, RegisterLayout, Save, Skip)):
             self._on_writer_request(identity, msg)
+        elif isinstance(msg, Abandon):
+            # Not refused from a second launch's process (its resume, while its predecessor's rank
+            # is still exiting): an attempt whose saving process still runs is never abandoned.
+            self.client(identity)
+            if any(
+                (a.step, a.attempt, a.live) == (msg.step, msg.attempt, True)
+                for a in self.intake.in_flight(self._connected)
+            ):
+                raise CkptdError(
+                    f"step {msg.step} attempt {msg.attempt} is saved by a launch still running: not aborted"
+                )
+            self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off))
+            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)
+            self.saving.discard(identity)
             self.rings.retire_owner(identity)
         elif isinstance(msg, InFlight):
             self.client(identity)
@@ -138,10 +153,12 @@ class RankServer:
         else:
             raise ProtocolError(f"a node daemon does not accept {msg.TYPE.name} from ranks")
 
-    def _on_writer_request(self, identity: bytes, msg: RegisterRing | RegisterLayout | Save | Skip | Abandon) -> None:
+    def _on_writer_request(self, identity: bytes, msg: RegisterRing | RegisterLayout | Save | Skip) -> None:
         """The requests that save or decide saves: refused from a process of a rank that another
         running process saves as (:meth:`_refuse_second_writer`)."""
-        self._refuse_second_writer(identity, self.client(identity, getattr(msg, "rank", None)))
+        self._refuse_second_writer(identity, self.client(identity, msg.rank))
+        if isinstance(msg, (RegisterLayout, Save)):
+            self.saving.add(identity)
         if isinstance(msg, RegisterRing):
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.channel.send(RingOk(generation=msg.generation), identity)
@@ -172,16 +189,6 @@ class RankServer:
                 (msg.step, msg.attempt),
             )
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
-        else:  # Abandon
-            if any(
-                (a.step, a.attempt, a.live) == (msg.step, msg.attempt, True)
-                for a in self.intake.in_flight(self._connected)
-            ):
-                raise CkptdError(
-                    f"step {msg.step} attempt {msg.attempt} is saved by a launch still running: not aborted"
-                )
-            self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off))
-            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
         root = self.ep.root
@@ -210,19 +217,22 @@ class RankServer:
         self.channel.send(Welcome(instance=self.hooks.instance, pid=os.getpid()), identity)
 
     def _refuse_second_writer(self, identity: bytes, client: Client) -> None:
-        """Refuse a staging ring (no ring, no save) of a rank whose number another process that
-        still runs saves as (its ring is live): the same job launched twice on this machine
+        """Refuse a request that saves from a process of a rank that another process which still
+        runs saves as (it sent a SAVE or its layout): the same job launched twice on this machine
         reaches this daemon (its job id is the root's), where the root's lock cannot tell the
         launches apart, and each launch's commits would roll back and remove the other's
-        checkpoints. A process that only loads (an evaluation's Checkpointer, rank 0 by default)
-        registers no ring and is never refused; a rank restarted after a crash finds its
-        predecessor gone (a process that exited, or a zombie, does not count); the same process
-        (a second Checkpointer) is the same rank."""
-        for ring in self.rings.rings.values():
-            if ring.rank != client.rank or ring.retired or ring.owner == identity:
-                continue
-            other = self.clients.get(ring.owner)
-            if other is not None and other.pid != client.pid and self._connected(ring.owner):
+        checkpoints. A process that only loads (an evaluation's Checkpointer, rank 0 by default,
+        which may hold a ring it never saves from) holds the rank for nobody; a rank restarted
+        after a crash finds its predecessor gone (a process that exited, or a zombie, does not
+        count); the same process (a second Checkpointer) is the same rank."""
+        for other_id, other in self.clients.items():
+            if (
+                other_id != identity
+                and other.rank == client.rank
+                and other.pid != client.pid
+                and other_id in self.saving
+                and self._connected(other_id)
+            ):
                 raise RankHeldError(
                     f"rank {client.rank} of {self.ep.root} (node {self.ep.node}) is saved by another process "
                     f"that still runs (pid {other.pid}): two launches saving into one root roll back and "
@@ -294,6 +304,7 @@ class RankServer:
             if not same_process(c.pid, c.start_ticks):
                 log.info("rank %d (pid %d) is gone; its ring is released once idle", c.rank, c.pid)
                 del self.clients[identity]
+                self.saving.discard(identity)
                 self.rings.retire_owner(identity)
 
     def rejected(self) -> dict[str, int]:

@@ -175,6 +175,7 @@ def test_due_needs_policy_auto(single):
 _HOLD_RANK_0 = """
 import sys, torch, ckptd
 with ckptd.Checkpointer(sys.argv[1]) as ckpt:
+    print("ready", flush=True)
     for line in sys.stdin:  # "save <step>" saves and prints where it committed; end of input: exit
         step = int(line.split()[1])
         state = {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.full((8,), float(step)))}
@@ -189,8 +190,9 @@ def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(si
     the first launch's checkpoints. Every request that saves (a staging ring, a save, a skip) of
     a rank another running process saves as is refused, and the refused save is not announced to
     the other ranks (its abort of the step aborted the first launch's save of it). A process of
-    that rank that only loads (an evaluation), with a byte budget too, is not refused. Once the
-    other process is gone the rank saves."""
+    that rank that only loads (an evaluation), with a byte budget too (its ring made before the
+    trainer's first save), is not refused, nor does it hold the rank. Once the other process is
+    gone the rank saves."""
     import subprocess
     import sys
 
@@ -212,8 +214,9 @@ def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(si
 
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}
     try:
-        assert first_saves(1).endswith("iter_0000001")
+        assert first.stdout.readline() == "ready\n"
         with ckptd.Checkpointer(root, config=cfg.replace(staging_budget="1MiB"), env=JobEnv()) as second:
+            assert first_saves(1).endswith("iter_0000001")  # second's ring holds the rank for nobody
             second.load(state)  # loading is fine
             assert torch.equal(state["w"].data, torch.ones(8))
             with pytest.raises(DaemonError, match=rf"is saved by another process that still runs \(pid {first.pid}\)"):
