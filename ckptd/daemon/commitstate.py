@@ -215,6 +215,20 @@ class CommitState:
             outcome = self.finished.get(key)
         if outcome is None:
             return False
+        if outcome is self.finished.get(key) and not facts.known and self.asks_holds_commit(msg):
+            # A resend of a report that commit counted, or a new save's under a repeated attempt id
+            # after a rollback retired it: only the root tells, and it could not be asked. Either
+            # answer may be wrong (COMMITTED to a save never committed, or an abort of a commit):
+            # nothing is said, and the node resends the report later.
+            log.warning(
+                "step %d attempt %s: whether the %s of rank %d is of its remembered commit is unknown while "
+                "the root cannot be asked; left for the node's resend",
+                msg.step,
+                msg.attempt,
+                msg.TYPE.name,
+                msg.rank,
+            )
+            return True
         if outcome is self.finished.get(key) and self._new_save_of_committed(msg, facts):
             # A new save's report (a relaunch repeated the attempt id, or the root was emptied):
             # never answered from memory, and its files are not junk; the commit's memory stays.

@@ -157,13 +157,12 @@ class RankServer:
         """The requests that save or decide saves: refused from a process of a rank that another
         running process saves as (:meth:`_refuse_second_writer`)."""
         self._refuse_second_writer(identity, self.client(identity, msg.rank))
-        if isinstance(msg, (RegisterLayout, Save)):
-            self.saving.add(identity)
         if isinstance(msg, RegisterRing):
             self.rings.register(msg.rank, msg.generation, msg.ring_nbytes, msg.names, identity)
             self.channel.send(RingOk(generation=msg.generation), identity)
         elif isinstance(msg, RegisterLayout):
             self.intake.register_layout(identity, msg)
+            self.saving.add(identity)  # (once taken: a refused one holds nothing)
             self.channel.send(LayoutOk(layout=msg.layout), identity)
         elif isinstance(msg, Save):
             client = self.client(identity, msg.rank)
@@ -171,6 +170,7 @@ class RankServer:
             if stopping is not None:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
             self.intake.take(identity, client.pid, msg)
+            self.saving.add(identity)
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
             decided = self.uplink.verdict((msg.step, msg.attempt))
             if decided is not None:  # another rank skipped or failed the step before this SAVE came
@@ -210,6 +210,9 @@ class RankServer:
         if msg.pid != pid:
             raise ProtocolError(f"HELLO says pid {msg.pid}, but the connecting process is pid {pid}")
         client = Client(msg.rank, msg.pid, start_ticks_of(msg.pid), msg.coordinator)
+        known = self.clients.get(identity)
+        if known is not None and known.rank != client.rank:
+            self.saving.discard(identity)  # it saved as another rank
         if msg.coordinator:
             self.hooks.follow_coordinator(msg.coordinator, self._newest_launch(identity, client))
         self.clients[identity] = client

@@ -326,6 +326,26 @@ def test_a_ranks_failure_under_a_remembered_commits_attempt_id_is_never_told_com
     assert isinstance(c.state.finished[(3, A)], StepCommitted) and (3, A) not in c.state.attempts
 
 
+def test_a_report_that_only_the_root_can_place_waits_while_the_root_cannot_be_asked():
+    """A WRITTEN of a remembered commit's attempt whose counted reports are forgotten: a resend of
+    that commit's (answered COMMITTED) or a new save's under the repeated attempt id after a
+    rollback retired it (collected anew). Only the root tells; while it cannot be asked the report
+    is left for the node's resend. It was answered COMMITTED, and the new save's files removed."""
+    from ckptd.daemon.countedreports import CountedReports
+
+    c = Coordinator()
+    c.report(N0, written(3, 0, report_id=11))
+    c.report(N1, written(3, 1, report_id=12))
+    c.commit_ended(3)
+    c.state.counted = CountedReports(c.state.counted.window_s)
+    msg = replace(written(3, 0, report_id=31), coordinator_instance=INSTANCE)
+    assert c.state.asks_holds_commit(msg)
+    assert c.state.handle(ReportIn(identity=N0, msg=msg, facts=RootFacts(known=False)), c.now) == []
+    assert (3, A) not in c.state.attempts
+    told = c.state.handle(ReportIn(identity=N0, msg=msg, facts=RootFacts(holds_commit=True)), c.now)
+    assert isinstance(only_outcome(told), StepCommitted)  # the root holds it: a resend
+
+
 def test_a_step_committed_already_is_not_saved_again():
     c = Coordinator()
     c.committed.add(3)
