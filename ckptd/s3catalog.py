@@ -22,6 +22,7 @@ from .catalog import (
     Target,
     abandoned_after,
     committed_once,
+    read_tracker,
     scan_root,
 )
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -29,6 +30,7 @@ from .format.commitrecord import (
     COMMIT_RECORD,
     COMMIT_RECORD_MAX_NBYTES,
     CommitRecord,
+    commit_seq,
     parse_commit_record,
     read_commit_record,
 )
@@ -188,6 +190,21 @@ def commit_record_at(root: Location, step: int) -> CommitRecord | None:
     if isinstance(root, S3Location):
         return read_s3_commit_record(S3Client(root), step_dir_name(step))
     return read_commit_record(root / step_dir_name(step))
+
+
+def tracked_seq(root: Location) -> int | None:
+    """The commit sequence number of the checkpoint ``root``'s tracker names (0: one without a
+    record); None without a tracker that names a step. A commit whose record has a higher seq is
+    complete but not named latest yet (its tracker write comes last, or failed)."""
+    if isinstance(root, S3Location):
+        client = S3Client(root)
+        name = read_s3_tracker(client)[1]
+        if name is None:
+            return None
+        record = read_s3_commit_record(client, name)
+        return 0 if record is None else record.seq
+    _, name, problem = read_tracker(root)
+    return None if name is None or problem is not None else commit_seq(root / name)
 
 
 def checkpoint_exists(path: Location) -> bool:

@@ -78,6 +78,7 @@ from ..control.protocol import (
     Status,
     StatusReply,
 )
+from ..dist import DistContext
 from ..errors import (
     CheckpointExistsError,
     CkptdError,
@@ -452,8 +453,10 @@ class Checkpointer(RootReader):
         """A load writes into the tensors a lazy save may still be copying: decide those saves
         first. A resume then settles what an earlier launch left with the node daemons
         (ckptd.client.settle)."""
-        self._session.drop_dead_daemon()
-        self._ring.fence()
+        if resume:  # a collective: a rank whose lazy copy failed here left the others in the next one
+            DistContext.current(group).agree("deciding this rank's saves before the resume", self._decide_own_saves)
+        else:  # load(step=N) may be one rank's alone
+            self._decide_own_saves()
         if resume:
             daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._session.daemon_lost)
             daemons.settle(
@@ -462,6 +465,10 @@ class Checkpointer(RootReader):
                 job_world_size=self.env.world_size,
                 group=group,
             )
+
+    def _decide_own_saves(self) -> None:
+        self._session.drop_dead_daemon()
+        self._ring.fence()
 
     def _connected_link(self) -> DaemonLink | None:
         """The link to the node daemon, connected (None: this Checkpointer is closed)."""

@@ -113,7 +113,9 @@ def load_agreed(
         copied_before = stats.bytes_copied
         try:
             if not made:
-                made.append(sharded_state_dict())
+                # Agreed: a rank whose factory raised skipped the load's collectives the others
+                # went into (strict="*_all" gathers the keys), and they paired with later ones.
+                ctx.agree("making the state dict to load", lambda: made.append(sharded_state_dict()))
             result = sync_load(made[0], candidate.target, **kwargs)
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks below
             error = exc

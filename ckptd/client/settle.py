@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 from ..control.protocol import Abandon, AttemptInFlight, InFlight, InFlightReply, SaveAck
 from ..dist import DistContext
 from ..errors import CkptdError, DaemonLostError
-from ..s3catalog import commit_record_at
+from ..s3catalog import commit_record_at, tracked_seq
 from ..storage.url import Location
 from .link import DaemonLink
 
@@ -279,16 +279,22 @@ class DaemonsInFlight:
         return None
 
     def committed(self, keys: list[Key]) -> tuple[set[Key], set[Key]]:
-        """Which of these attempts the root holds committed, and which it could not tell."""
+        """Which of these attempts the root holds committed and named latest (or a later commit),
+        and which it could not tell. A commit is complete before its tracker write (the last step
+        of a commit): a resume that stopped waiting in between loaded the step before, without a
+        word, and its save of the step just committed was refused."""
         done, unknown = set(), set()
+        tracked: int | None = None
         for step, attempt in keys:
             try:
                 record = commit_record_at(self.root, step)
+                if record is not None and record.attempt == attempt and tracked is None:
+                    tracked = tracked_seq(self.root)
             except (OSError, CkptdError) as exc:
                 log.warning("rank %d: cannot read the commit record of step %d (%s)", self.rank, step, exc)
                 unknown.add((step, attempt))
                 continue
-            if record is not None and record.attempt == attempt:
+            if record is not None and record.attempt == attempt and tracked is not None and tracked >= record.seq:
                 done.add((step, attempt))
         return done, unknown
 

@@ -136,6 +136,35 @@ def test_a_strict_all_load_failing_on_one_rank_fails_on_every_rank(tmp_path, res
     assert rank0.split(":")[0] == rank1.split(":")[0]  # the same error class on every rank
 
 
+def _resume_whose_factory_fails_on_rank_1(rank: int, world_size: int, root: str) -> str:
+    from ckptd.client.resume import load_latest
+
+    def make() -> dict:
+        if rank == 1:
+            raise ckptd.CkptdError("rank 1 could not make its state dict (simulated)")
+        return {"w": torch.zeros(4)}
+
+    try:
+        load_latest(Path(root), make, {}, rank, {"strict": "raise_all"})
+    except ckptd.CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_a_state_dict_factory_failing_on_one_rank_fails_the_resume_on_every_rank(tmp_path):
+    """A resume's state dict made by a function, once the checkpoint is chosen: a rank whose
+    function raised skipped the load's collectives (strict="*_all" gathers the keys) and went
+    into the outcome's, which paired with the others' key gather: they failed with an unrelated
+    error or hung. The function's failure is agreed on first."""
+    root = tmp_path / "root"
+    ckptd.save({"w": torch.full((4,), 10.0)}, root / "iter_0000010")
+    (root / "latest").write_text("iter_0000010")
+    rank0, rank1 = run_ranks(_resume_whose_factory_fails_on_rank_1, 2, str(root), timeout_s=90)
+    assert "simulated" in rank1, rank1
+    assert "failed on another rank: rank 1" in rank0 and "simulated" in rank0, rank0
+
+
 def _load_step_on_a_lagging_node(rank: int, world_size: int, root: str) -> tuple[str, int]:
     from ckptd.client import tiers
     from ckptd.roots.mirror import CommitRef

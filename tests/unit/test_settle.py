@@ -223,3 +223,20 @@ def test_nothing_in_flight_returns_at_once_without_a_word(caplog):
     with caplog.at_level(logging.INFO, logger="ckptd.client.settle"):
         assert settle([[]], clock, root).go
     assert clock.now == 0.0 and caplog.text == "" and root.asked == []
+
+
+def test_a_commit_counts_as_done_once_the_tracker_names_it(tmp_path):
+    """A commit writes its record and renames the checkpoint into place before its tracker write:
+    a resume that stopped waiting in between loaded the step before, without a word (and its save
+    of the step just committed was refused). Done only once the tracker names it or a later commit."""
+    from ckptd.client.settle import DaemonsInFlight
+    from tests.checkpoints import make_root, stamp_commits
+
+    root = make_root(tmp_path / "r", [10, 20], latest=10)
+    stamp_commits(root, [10, 20])  # attempt 0123456789ab-1
+    reader = DaemonsInFlight(root, 0, lambda: None, lambda _: None)
+    key = (20, "0123456789ab-1")
+    assert reader.committed([key]) == (set(), set())  # in place, latest not written yet: wait
+    (root / "latest").write_text("iter_0000020\n")
+    assert reader.committed([key]) == ({key}, set())
+    assert reader.committed([(20, "fedcba987654-1")]) == (set(), set())  # another attempt's commit
