@@ -19,6 +19,7 @@ The pieces' ``data`` are views of the local tensor, so a load fills the DTensor 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ from ..mapping import ShardedTensor
 def dtensor_pieces(key: str, dt: Any, where: str) -> list[ShardedTensor]:
     """The ShardedTensors that store this rank's part of DTensor ``dt`` under ``key``.
 
-    Empty boxes are left out; a rank outside ``dt``'s mesh holds nothing and gets ``[]``.
+    Empty boxes are left out (a tensor of no element is one empty piece, on the mesh's first
+    rank); a rank outside ``dt``'s mesh holds nothing and gets ``[]``.
     Raises ShardingError (naming ``where``) for placements that cannot be stored as they are.
     """
     mesh = dt.device_mesh
@@ -61,6 +63,13 @@ def dtensor_pieces(key: str, dt: Any, where: str) -> list[ShardedTensor]:
             f"{tuple(sum(n for _, _, n in r) for r in runs)} (a padded local tensor?)"
         )
     replica = tuple(c for c, p in zip(coordinate, placements) if p.is_replicate())
+    if math.prod(gshape) == 0:
+        # No element: every box is empty, and leaving them all out dropped the key from the
+        # checkpoint. One empty piece of the whole shape, from the mesh's first rank, stores it.
+        if any(coordinate):
+            return []
+        empty = local.new_empty(gshape)
+        return [ShardedTensor(key, empty, local.dtype, gshape, gshape, (0,) * len(gshape), axis_fragmentations=None)]
     pieces = []
     for box in _product(runs):
         sizes = tuple(n for _, _, n in box)

@@ -187,6 +187,7 @@ def _reference() -> dict[str, torch.Tensor]:
         "d": torch.arange(7, dtype=torch.int64),  # Replicate()
         "e": torch.randn(3, generator=g),  # a plain tensor, the same on every rank
         "f": torch.randn(2, 3, generator=g),  # Shard(1) over 4: 1,1,1,0 columns
+        "g": torch.zeros(0, 4),  # no element: every box is empty (it was left out of the checkpoint)
     }
 
 
@@ -199,6 +200,7 @@ def _save_placements():
         "c": ("2d", [Replicate(), Shard(0)]),
         "d": ("1d", [Replicate()]),
         "f": ("1d", [Shard(1)]),
+        "g": ("1d", [Shard(0)]),
     }
 
 
@@ -249,6 +251,7 @@ def _dtensors_save_at_4(rank: int, world: int, root: str) -> list[str]:
         "c": ("1d", [Shard(1)]),
         "d": ("2d", [Shard(0), Shard(0)]),
         "f": ("2d", [Shard(0), Shard(1)]),
+        "g": ("2d", [Shard(1), Shard(0)]),
     }
     for name in ("sync", "async/iter_0000003", "dcp"):
         path = os.path.join(root, name)
@@ -306,6 +309,7 @@ def _dtensors_load_at_2(rank: int, world: int, root: str) -> list[str]:
         "c": ("1d", [Shard(0)]),
         "d": ("1d", [Shard(0)]),
         "f": ("1d", [Shard(0)]),
+        "g": ("1d", [Replicate()]),
     }
     bad = []
     for name in ("sync", "async/iter_0000003", "dcp"):
