@@ -38,6 +38,7 @@ from .checksum import BLOCK_NBYTES, TABLE_VERSION, Checksum, block_count, checks
 from .dcp_pickle import CHECKSUMS_ATTR, metadata_pickle
 from .durable import Opener, atomic_write, default_opener
 from .layout import COMMON_PT, DATA_FILE_PATTERN, DCP_METADATA, DCP_METADATA_MAX_NBYTES, METADATA_JSON
+from .objectkey import looks_like_object_key
 from .records import BYTES, TENSOR, ItemRecord, dtype_name
 from .safefs import Dir, entry_exists, entry_path, read_regular
 
@@ -529,19 +530,7 @@ def _is_shard_key(fqn: str, path: tuple) -> bool:
     like a ShardedObject's (``{"meta": {"x/shard_0_1": 5}}``, path ``("meta", "x/shard_0_1")``) is
     therefore a value.
     """
-    if path != (fqn,):
-        return False
-    key, sep, shard = fqn.rpartition("/")
-    parts = shard.split("_")
-    if not sep or not key or len(parts) != 3 or parts[0] != "shard":
-        return False
-    try:
-        offsets = [int(p) for p in parts[1].split(".")] if parts[1] else []
-        shape = [int(p) for p in parts[2].split(".")] if parts[2] else []
-    except ValueError:
-        return False
-    # Megatron-Core's backward-compatible keys may lack the last dimension of the shape.
-    return len(offsets) in (len(shape), len(shape) + 1)
+    return path == (fqn,) and looks_like_object_key(fqn)
 
 
 def common_items(index: CheckpointIndex) -> list[StoredObject]:

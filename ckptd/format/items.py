@@ -20,6 +20,7 @@ from ..errors import ShardingError, StorageError
 from .checksum import BLOCK_NBYTES, crc32c, crc32c_combine, pack_blocks
 from .direct import DIRECT_MIN_NBYTES, buffer_address, open_data_file
 from .durable import Opener
+from .objectkey import looks_like_object_key
 from .records import (
     ItemRecord,
     dtype_from_name,
@@ -127,6 +128,12 @@ def plan_bytes(item: ByteItem, rank: int, path: tuple[str | int, ...] = ()) -> P
     """A DCP bytes item: ``torch.save(value)`` (not in a list, unlike a ShardedObject)."""
     from .pickled import serialize_pickled
 
+    if path == (item.key,) and looks_like_object_key(item.key):
+        raise ShardingError(
+            f"the value '{item.key}' (rank {rank}) has the form of a ShardedObject's key "
+            "(<key>/shard_<offsets>_<shape>): read back, it would be taken for one and not found; "
+            "rename it, or nest it in a dict"
+        )
     what = f"the value '{item.key}' (rank {rank})"
     return PlannedItem(object_record(item, rank, path), serialize_pickled(item.data, what))
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ..errors import ShardingError
 from .geometry import OverlapCheckRefused, find_overlap
+from .objectkey import object_key_parts
 from .records import BYTES, TENSOR, ItemRecord
 
 
@@ -47,13 +48,16 @@ def _check_no_overlap(fqn: str, chunks: list[ItemRecord]) -> None:
         )
 
 
-def validate_records(records: list[ItemRecord]) -> None:
+def validate_records(records: list[ItemRecord], *, objects: bool = True) -> None:
     """Raise ShardingError unless the records describe a complete, consistent checkpoint.
 
     Checks: each key has one kind, one dtype and one global shape on every rank; chunks lie in
     bounds; no two chunks overlap; chunks cover the whole tensor (no gap); ShardedObject keys are
-    stored once.
+    stored once; with ``objects`` (a save's records, all of them), every ShardedObject has one
+    global shape and all its shards (as Megatron-Core checks).
     """
+    if objects:
+        _check_object_shards(records)
     by_key: dict[str, list[ItemRecord]] = defaultdict(list)
     for r in records:
         by_key[r.fqn].append(r)
@@ -72,6 +76,36 @@ def validate_records(records: list[ItemRecord]) -> None:
                 )
             continue
         _validate_tensor(fqn, items)
+
+
+def _check_object_shards(records: list[ItemRecord]) -> None:
+    """Every ShardedObject (a save's byte item keyed ``<key>/shard_<offsets>_<shape>``, without
+    the DCP path a plain value carries) has one global shape on every rank and a main replica of
+    each of its ``prod(shape)`` shards. A shard no rank stored used to pass: the save succeeded
+    and the load of that shard found nothing."""
+    shards: dict[str, dict[tuple[int, ...], list[ItemRecord]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        parsed = object_key_parts(r.fqn) if r.kind == BYTES and not r.path else None
+        if parsed is not None and len(parsed[1]) == len(parsed[2]):
+            key, _, shape = parsed
+            shards[key][shape].append(r)
+    for key, by_shape in shards.items():
+        if len(by_shape) > 1:
+            said = "; ".join(
+                f"{shape} by ranks {sorted({r.rank for r in rs})}" for shape, rs in sorted(by_shape.items())
+            )
+            raise ShardingError(f"ShardedObject '{key}' has several global shapes: {said}; all ranks must agree")
+        ((shape, stored),) = by_shape.items()
+        expected = math.prod(shape)
+        if len(stored) != expected:
+            have = {object_key_parts(r.fqn)[1] for r in stored}  # type: ignore[index]
+            missing = next((o for o in itertools.product(*(range(n) for n in shape)) if o not in have), None)
+            raise ShardingError(
+                f"ShardedObject '{key}' of global shape {shape}: {len(stored)} of its {expected} shards are "
+                f"stored by ranks {sorted({r.rank for r in stored})}"
+                + (f" (shard {missing} by none)" if missing is not None else "")
+                + "; every shard needs a rank that holds it with replica_id 0"
+            )
 
 
 def _validate_tensor(fqn: str, items: list[ItemRecord]) -> None:

@@ -95,7 +95,8 @@ def write_legacy_tree(
                                 f"local_experts.{expert}.", f"local_experts.{expert % per_ep}."
                             )
                     model[local_key] = _tp_shard(key, full, tp, t)
-                model["decoder.layers.0.self_attention.core_attention._extra_state"] = io.BytesIO(b"te")
+                for j in range(per_stage):  # TE's, in every layer (a stacked object needs all its shards)
+                    model[f"decoder.layers.{j}.self_attention.core_attention._extra_state"] = io.BytesIO(b"te")
                 rng = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
                 if numpy_rng:
                     rng["np_rng_state"] = np.random.get_state()
@@ -226,18 +227,18 @@ def test_mcore_spec_names_keys_and_writes_extra_states_as_megatron_core_asks(tmp
     te = {k.replace("input_layernorm.weight", fused): v for k, v in local.items()}
     write_legacy_tree(tmp_path / "te", te, tp=2, pp=2, ep=1, numpy_rng=False)
     report = convert_legacy(tmp_path / "te", tmp_path / "te-dist", stack_layers=True, mcore_spec="auto", fsync=False)
-    assert report.objects == 2 and report.tensors == len(te)
+    assert report.objects == L and report.tensors == len(te)  # one extra state per layer
     plain = ckptd.load_plain_tensors(tmp_path / "te-dist")
     for i in range(L):
         assert torch.equal(
             plain["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i],
             te[f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"],
         )
-    # The tree writes an extra state in each stage's local layer 0: global layers 0 and 2 of 4.
+    # The tree writes an extra state in every layer: one stacked object of L shards.
     key = "decoder.layers.self_attention.core_attention._extra_state"
-    req = {f"x{i}": ckptd.ShardedObject(key, None, (L,), (i,)) for i in (0, 2)}
+    req = {f"x{i}": ckptd.ShardedObject(key, None, (L,), (i,)) for i in range(L)}
     out = ckptd.load(req, tmp_path / "te-dist", allow_unsafe_pickle=True)  # TE's BytesIO
-    assert [out[f"x{i}"].getvalue() for i in (0, 2)] == [b"te", b"te"]
+    assert [out[f"x{i}"].getvalue() for i in range(L)] == [b"te"] * L
 
     write_legacy_tree(tmp_path / "local", local, tp=1, pp=2, ep=1, numpy_rng=False)
     report = convert_legacy(tmp_path / "local", tmp_path / "local-dist", mcore_spec="local", fsync=False)

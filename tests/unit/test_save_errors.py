@@ -78,6 +78,9 @@ def bad_states(rank: int) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "object_pickle": (objs, {}),
         "common_pickle": ({**good_state(rank, 2), "hook": _unpicklable() if rank == 0 else None}, {}),
         "write_fails": (good_state(rank, 2), {"opener": _FailingOpener(fail=rank == 1)}),
+        # a ShardedObject of 3 shards, of which ranks 0 and 1 hold 2: the save used to succeed
+        "object_missing": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (3,), (rank,))}, {}),
+        "object_shapes": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (2 + rank,), (rank,))}, {}),
     }
 
 
@@ -90,6 +93,8 @@ EXPECTED: dict[str, tuple[type, list[str]]] = {
     "object_pickle": (ShardingError, ["'o/shard_1_2'", "rank 1", "pickled"]),
     "common_pickle": (ShardingError, ["common state", "'hook'", "pickled", "LocalNonPersistentObject"]),
     "write_fails": (SaveFailedError, ["rank 1", "could not write", "No space left"]),
+    "object_missing": (ShardingError, ["ShardedObject 'o'", "2 of its 3 shards", "shard (2,) by none", "replica_id"]),
+    "object_shapes": (ShardingError, ["ShardedObject 'o'", "several global shapes", "(2,)", "(3,)"]),
     "exists": (CheckpointExistsError, ["good", "already holds a checkpoint", "new directory"]),
 }
 
@@ -201,3 +206,12 @@ def test_failed_write_leaves_no_partial_checkpoint(good: Path):
         ckptd.save(good_state(), good.parent / "empty", opener=_FailingOpener(fail=True))
     assert list((good.parent / "empty").iterdir()) == []
     (good.parent / "empty").rmdir()
+
+
+def test_a_plain_value_under_a_sharded_object_key_is_refused(tmp_path: Path):
+    """A DCP-style value at the top level keyed like a ShardedObject's shard is read back as one
+    (and not found): the save of it used to succeed."""
+    with pytest.raises(ShardingError, match=r"'x/shard_0_1' \(rank 0\) has the form of a ShardedObject's key"):
+        ckptd.save({"w": torch.ones(2), "x/shard_0_1": 5}, tmp_path / "c")
+    ckptd.save({"w": torch.ones(2), "m": {"x/shard_0_1": 5}}, tmp_path / "d")  # nested: a path of its own
+    assert ckptd.load_common_state_dict(tmp_path / "d") == {"m": {"x/shard_0_1": 5}}
