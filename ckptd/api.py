@@ -32,6 +32,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     SaveFailedError,
+    ShardingError,
 )
 from .format.checksum import crc32c
 from .format.coverage import check_coverage, dedup_plain
@@ -167,9 +168,11 @@ def save(
             "plain": plain,
             "common_digest": digest,
             "token": S3SaveTarget.new_token() if s3 is not None and ctx.rank == 0 else "",
+            "dialect": split.dialect.value,
         }
 
     planned = ctx.agree("checkpoint planning", prepare)
+    _check_one_dialect([p["dialect"] for p in planned])
     token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
     writers = _plain_writers([p["plain"] for p in planned])
@@ -374,6 +377,21 @@ def load(
         if agreement is not None:
             agreement.join_failed(exc)
         raise
+
+
+def _check_one_dialect(dialects: list[str]) -> None:
+    """Every rank's state dict is of one style (every rank raises alike): a Megatron-style one
+    (ShardedTensor, ShardedObject...) keeps its common state in ``common.pt``, which rank 0 writes,
+    and a DCP-style one stores every value as an item. Mixed, rank 0's common state was lost when
+    rank 0 was the DCP-style one, with only a warning that the common state differed."""
+    if len(set(dialects)) > 1:
+        by = {d: [r for r, x in enumerate(dialects) if x == d] for d in sorted(set(dialects))}
+        said = "; ".join(f"ranks {ranks} {d}-style" for d, ranks in by.items())
+        raise ShardingError(
+            f"the ranks' state dicts are of different styles ({said}): a Megatron-style state dict holds a "
+            "ShardedTensor, ShardedObject or factory, a DCP-style one plain tensors or DTensors. Give every "
+            "rank the same structure"
+        )
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike | S3Location, *, allow_unsafe_pickle: bool = False) -> Any:

@@ -81,6 +81,8 @@ def bad_states(rank: int) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         # a ShardedObject of 3 shards, of which ranks 0 and 1 hold 2: the save used to succeed
         "object_missing": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (3,), (rank,))}, {}),
         "object_shapes": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (2 + rank,), (rank,))}, {}),
+        # rank 1's state dict holds a ShardedTensor, rank 0's none: rank 0's values were lost
+        "dialects": ({"step": 5, "t": torch.ones(2), **({"w": chunk("w", ones, 0, 4)} if rank else {})}, {}),
     }
 
 
@@ -95,6 +97,7 @@ EXPECTED: dict[str, tuple[type, list[str]]] = {
     "write_fails": (SaveFailedError, ["rank 1", "could not write", "No space left"]),
     "object_missing": (ShardingError, ["ShardedObject 'o'", "2 of its 3 shards", "shard (2,) by none", "replica_id"]),
     "object_shapes": (ShardingError, ["ShardedObject 'o'", "several global shapes", "(2,)", "(3,)"]),
+    "dialects": (ShardingError, ["different styles", "ranks [0] dcp-style", "ranks [1] megatron-style"]),
     "exists": (CheckpointExistsError, ["good", "already holds a checkpoint", "new directory"]),
 }
 
