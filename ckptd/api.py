@@ -57,13 +57,13 @@ from .loading.keymap import Rule
 from .loading.loader import KeysAgreement, LoadRequest, run_load
 from .loading.strict import StrictHandling, parse_strict
 from .loading.view import CheckpointView, VirtualTensor, is_legacy_grid
-from .mapping import ShardedObject, ShardedTensor
+from .mapping import ByteItem, ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
 from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
 from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
-from .statedict.split import split_state_dict
+from .statedict.split import Dialect, SplitStateDict, split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
 from .storage.nodeview import NodeLocalCheckpoint
 from .storage.url import S3Location, parse_location
@@ -168,7 +168,9 @@ def save(
             "plain": plain,
             "common_digest": digest,
             "token": S3SaveTarget.new_token() if s3 is not None and ctx.rank == 0 else "",
-            "dialect": split.dialect.value,
+            # None: a rank with no tensor or sharded entry (only plain values, or nothing) takes
+            # the others' style.
+            "dialect": split.dialect.value if split.dialect is Dialect.MEGATRON or _holds_tensors(split) else None,
         }
 
     planned = ctx.agree("checkpoint planning", prepare)
@@ -379,13 +381,18 @@ def load(
         raise
 
 
-def _check_one_dialect(dialects: list[str]) -> None:
+def _holds_tensors(split: SplitStateDict) -> bool:
+    return any(not isinstance(sh, ByteItem) for sh in split.sharded.values())
+
+
+def _check_one_dialect(dialects: list[str | None]) -> None:
     """Every rank's state dict is of one style (every rank raises alike): a Megatron-style one
     (ShardedTensor, ShardedObject...) keeps its common state in ``common.pt``, which rank 0 writes,
     and a DCP-style one stores every value as an item. Mixed, rank 0's common state was lost when
     rank 0 was the DCP-style one, with only a warning that the common state differed."""
-    if len(set(dialects)) > 1:
-        by = {d: [r for r, x in enumerate(dialects) if x == d] for d in sorted(set(dialects))}
+    styles = {d for d in dialects if d is not None}
+    if len(styles) > 1:
+        by = {d: [r for r, x in enumerate(dialects) if x == d] for d in sorted(styles)}
         said = "; ".join(f"ranks {ranks} {d}-style" for d, ranks in by.items())
         raise ShardingError(
             f"the ranks' state dicts are of different styles ({said}): a Megatron-style state dict holds a "
@@ -413,7 +420,8 @@ def load_content_metadata(
 
     ``preloaded_state_dict``: a state dict already loaded (e.g. ``ckpt.load(...)``'s result), read
     instead of the checkpoint. Otherwise only ``common.pt`` is decoded (or, for a DCP-style save,
-    the one ``content_metadata`` value).
+    its values, nested again: an empty ``content_metadata`` of a DCP-style save reads as None, and
+    tensors in one are left out).
     """
     if preloaded_state_dict is not None:
         return preloaded_state_dict.get(CONTENT_METADATA_KEY)
@@ -431,10 +439,17 @@ def load_content_metadata(
         if isinstance(common, dict) and CONTENT_METADATA_KEY in common:
             return common[CONTENT_METADATA_KEY]
         stored = index.objects.get(CONTENT_METADATA_KEY)
-        if stored is None or stored.sharded_object:
+        if stored is not None and not stored.sharded_object:
+            with DataFiles(ckpt.directory, ckpt.source) as files:
+                return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
+        prefix = CONTENT_METADATA_KEY + "."
+        if not any(k.startswith(prefix) for k in index.objects):
             return None
-        with DataFiles(ckpt.directory, ckpt.source) as files:
-            return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
+    # A DCP-style save flattens its content_metadata like the rest of the state dict (as
+    # torch DCP does): nested again from the values' DCP paths (its tensors, if any, are not).
+    common = load_common_state_dict(checkpoint_dir, allow_unsafe_pickle=allow_unsafe_pickle)
+    found = common.get(CONTENT_METADATA_KEY) if isinstance(common, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dict[str, ShardedTensor]:

@@ -131,6 +131,12 @@ def _match(
             found = stored is not None and not stored.sharded_object
         else:
             found = sh.key in view.tensors
+            if not found and math.prod(sh.global_shape) == 0:
+                # Nothing to read: a tensor of no element (an earlier ckptd left a DTensor of none out
+                # of its checkpoints, and a load of it failed on the one rank that requested it).
+                shape = sh.data.shape if sh.data is not None else sh.global_shape
+                from_common[path] = (sh, torch.empty(shape, dtype=sh.dtype))
+                found = True
         if not found and split.dialect is Dialect.DCP and FACTORY_PART not in path:
             value = common.get(path)
             if value is not _ABSENT and (

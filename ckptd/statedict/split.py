@@ -31,7 +31,6 @@ import torch
 
 from ..errors import ShardingError
 from ..mapping import ByteItem, ShardedObject, ShardedTensor, ShardedTensorFactory
-from .content import CONTENT_METADATA_KEY
 from .dtensor import dtensor_pieces
 from .kinds import Kind, adopt, classify, unplaceable_error
 from .tree import Path, dcp_fqn, path_str
@@ -308,29 +307,9 @@ def _split_dcp(state_dict: dict) -> SplitStateDict:
 
 def _dcp_leaves(x: dict, path: Path = (), dcp_path: Path = ()) -> Iterator[tuple[Path, Path, Any]]:
     """Leaves as torch DCP's ``traverse_state_dict`` visits them: dicts are walked (keys as
-    ``str``), a list only if it holds a tensor, a dict or such a list; tuples are leaves. A
-    tensor-free ``content_metadata`` at the top is one leaf (:func:`_content_leaf`)."""
+    ``str``), a list only if it holds a tensor, a dict or such a list; tuples are leaves."""
     for k, v in x.items():
-        if not path and _content_leaf(k, v):
-            yield (k,), (str(k),), v
-        else:
-            yield from _dcp_visit(v, path + (k,), dcp_path + (str(k),))
-
-
-def _content_leaf(key: Any, value: Any) -> bool:
-    """``save(..., content_metadata=...)``'s entry of a DCP-style state dict, stored as one value:
-    flattened like the rest, ``load_content_metadata`` found none (nor an empty one)."""
-    return key == CONTENT_METADATA_KEY and isinstance(value, dict) and not _holds_tensor(value)
-
-
-def _holds_tensor(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, dict):
-        return any(_holds_tensor(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_holds_tensor(v) for v in x)
-    return False
+        yield from _dcp_visit(v, path + (k,), dcp_path + (str(k),))
 
 
 def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path, Any]]:
@@ -350,20 +329,16 @@ def dcp_walk(state_dict: dict) -> tuple[list[Any], list[Any]]:
     lists (a prefix code: a list walked has a length of at least 1, a leaf's entry is a type)."""
     leaves: list[Any] = []
     shape: list[Any] = []
-    _walk_dict(state_dict, leaves, shape, top=True)
+    _walk_dict(state_dict, leaves, shape)
     return leaves, shape
 
 
-def _walk_dict(x: dict, leaves: list[Any], shape: list[Any], *, top: bool = False) -> None:
+def _walk_dict(x: dict, leaves: list[Any], shape: list[Any]) -> None:
     pairs = list(x.items())  # as _dcp_leaves walks it
     keys = tuple(k for k, _ in pairs)
     shape.append((keys, tuple(map(type, keys))))  # 1 and True are equal keys, but not the same DCP key
-    for k, v in pairs:
-        if top and _content_leaf(k, v):
-            shape.append(type(v))
-            leaves.append(v)
-        else:
-            _walk_value(v, leaves, shape)
+    for _, v in pairs:
+        _walk_value(v, leaves, shape)
 
 
 def _walk_value(v: Any, leaves: list[Any], shape: list[Any]) -> None:

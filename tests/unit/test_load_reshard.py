@@ -319,3 +319,12 @@ def test_a_conjugate_or_negative_view_is_loaded_with_its_values_not_its_memory(t
     assert dst["z"].is_conj() and dst["x"].is_neg()
     ckptd.load(dst, tmp_path / "c")
     assert torch.equal(dst["z"], z) and torch.equal(dst["x"], x)
+
+
+def test_a_requested_tensor_of_no_element_needs_nothing_stored(tmp_path):
+    """An earlier ckptd left a DTensor of no element out of its checkpoints; a load that requests
+    it (only the mesh's first rank does: the others hold no piece) failed on that rank alone, and
+    the others went on into the next collective."""
+    ckptd.save({"w": torch.ones(4)}, tmp_path / "c")
+    out = ckptd.load({"w": torch.zeros(4), "e": torch.ones(0, 4)}, tmp_path / "c", strict="raise_all")
+    assert torch.equal(out["w"], torch.ones(4)) and out["e"].shape == (0, 4)

@@ -82,6 +82,7 @@ def bad_states(rank: int) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
         "object_missing": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (3,), (rank,))}, {}),
         "object_shapes": ({**good_state(rank, 2), "o": ShardedObject("o", rank, (2 + rank,), (rank,))}, {}),
         # rank 1's state dict holds a ShardedTensor, rank 0's none: rank 0's values were lost
+        # (a rank with only plain values takes the others' style: test_a_rank_of_plain_values_...)
         "dialects": ({"step": 5, "t": torch.ones(2), **({"w": chunk("w", ones, 0, 4)} if rank else {})}, {}),
     }
 
@@ -218,3 +219,20 @@ def test_a_plain_value_under_a_sharded_object_key_is_refused(tmp_path: Path):
         ckptd.save({"w": torch.ones(2), "x/shard_0_1": 5}, tmp_path / "c")
     ckptd.save({"w": torch.ones(2), "m": {"x/shard_0_1": 5}}, tmp_path / "d")  # nested: a path of its own
     assert ckptd.load_common_state_dict(tmp_path / "d") == {"m": {"x/shard_0_1": 5}}
+
+
+def _one_rank_of_plain_values(rank: int, world: int, root: str) -> str:
+    state = {"iteration": 3}
+    if rank == 0:
+        state["w"] = ShardedTensor.from_rank_offsets("w", torch.ones(2))
+    ckptd.save(state, Path(root) / "c")
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_of_plain_values_takes_the_other_ranks_style(tmp_path: Path):
+    """A rank whose state dict holds no tensor (only plain values, or nothing) is of no style of
+    its own: the save is Megatron-style as rank 0's, not refused as mixed."""
+    assert run_ranks(_one_rank_of_plain_values, 2, str(tmp_path), timeout_s=90) == ["saved", "saved"]
+    out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, tmp_path / "c")
+    assert torch.equal(out["w"], torch.ones(2)) and out["iteration"] == 3
