@@ -36,7 +36,7 @@ from .errors import (
 )
 from .format.checksum import crc32c
 from .format.coverage import check_coverage, dedup_plain
-from .format.dcp_metadata import CheckpointIndex
+from .format.dcp_metadata import CheckpointIndex, common_items, planner_path
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
@@ -65,6 +65,7 @@ from .statedict.digest import common_digest, differing_ranks
 from .statedict.holdings import assign_writers, plain_sizes
 from .statedict.split import Dialect, SplitStateDict, split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
+from .statedict.tree import set_path
 from .storage.nodeview import NodeLocalCheckpoint
 from .storage.url import S3Location, parse_location
 
@@ -438,18 +439,19 @@ def load_content_metadata(
         )
         if isinstance(common, dict) and CONTENT_METADATA_KEY in common:
             return common[CONTENT_METADATA_KEY]
-        stored = index.objects.get(CONTENT_METADATA_KEY)
-        if stored is not None and not stored.sharded_object:
-            with DataFiles(ckpt.directory, ckpt.source) as files:
-                return read_bytes_item(files, stored, allow_unsafe_pickle, index.checksum)
-        prefix = CONTENT_METADATA_KEY + "."
-        if not any(k.startswith(prefix) for k in index.objects):
+        # A DCP-style save flattens its content_metadata like the rest of the state dict (as torch
+        # DCP does): its values are nested again from their DCP paths (its tensors, if any, are
+        # not); no other value is decoded.
+        items = [o for o in common_items(index) if planner_path(index, o.fqn)[:1] == (CONTENT_METADATA_KEY,)]
+        if not items:
             return None
-    # A DCP-style save flattens its content_metadata like the rest of the state dict (as
-    # torch DCP does): nested again from the values' DCP paths (its tensors, if any, are not).
-    common = load_common_state_dict(checkpoint_dir, allow_unsafe_pickle=allow_unsafe_pickle)
-    found = common.get(CONTENT_METADATA_KEY) if isinstance(common, dict) else None
-    return found if isinstance(found, dict) else None
+        tree: dict[str, Any] = {}
+        with DataFiles(ckpt.directory, ckpt.source) as files:
+            for obj in items:
+                value = read_bytes_item(files, obj, allow_unsafe_pickle, index.checksum)
+                set_path(tree, planner_path(index, obj.fqn), value)
+        found = tree.get(CONTENT_METADATA_KEY)
+        return found if isinstance(found, dict) else None
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dict[str, ShardedTensor]:

@@ -131,12 +131,6 @@ def _match(
             found = stored is not None and not stored.sharded_object
         else:
             found = sh.key in view.tensors
-            if not found and math.prod(sh.global_shape) == 0:
-                # Nothing to read: a tensor of no element (an earlier ckptd left a DTensor of none out
-                # of its checkpoints, and a load of it failed on the one rank that requested it).
-                shape = sh.data.shape if sh.data is not None else sh.global_shape
-                from_common[path] = (sh, torch.empty(shape, dtype=sh.dtype))
-                found = True
         if not found and split.dialect is Dialect.DCP and FACTORY_PART not in path:
             value = common.get(path)
             if value is not _ABSENT and (
@@ -151,11 +145,28 @@ def _match(
                     f"{sh.dtype} were requested{'' if cast else ' (allow_dtype_cast=False)'}; request what "
                     "is stored, or map another key to it with key_mapping=[...]"
                 )
+        if not found and isinstance(sh, ShardedTensor) and _stored_nowhere_empty(sh, view, common, path):
+            # Nothing to read: a tensor of no element that the checkpoint holds in no form (an
+            # earlier ckptd left a DTensor of none out, and a load of it failed on the one rank
+            # that requested it, while the others went on into the next collective).
+            from_common[path] = (sh, sh.without_data().init_data("cpu"))
+            found = True
         if found:
             matched += 1
         else:
             unexpected.add(_requested_key(sh))
     return unexpected, from_common, matched
+
+
+def _stored_nowhere_empty(sh: ShardedTensor, view: CheckpointView, common: _Common, path: SdPath) -> bool:
+    """A requested tensor of no element under a key the checkpoint has no tensor, value or common
+    entry of (a value or entry it has is a mismatch to report, not an empty tensor)."""
+    return (
+        math.prod(sh.global_shape) == 0
+        and sh.key not in view.tensors
+        and sh.key not in view.objects
+        and common.get(path) is _ABSENT
+    )
 
 
 def _fits(sh: ShardedTensor, value: Any, cast: bool) -> bool:

@@ -7,6 +7,7 @@ rank (tools/harness/ranks.py)."""
 
 from __future__ import annotations
 
+import fractions
 import os
 
 import pytest
@@ -58,7 +59,8 @@ def _both_ways(rank: int, world: int, root: str) -> list[str]:
     # A DCP-style state dict (plain tensors, no ShardedTensor): the metadata is flattened like the
     # rest (as DCP does), and load_content_metadata found none.
     d = os.path.join(root, "dcp_style")
-    ckptd.save({"w": w, "iteration": 6}, d, content_metadata=META)
+    # (a value load_content_metadata must not decode: weights-only refuses a Fraction)
+    ckptd.save({"w": w, "iteration": 6, "ratio": fractions.Fraction(1, 3)}, d, content_metadata=META)
     if ckptd.load_content_metadata(d) != META:
         bad.append(f"ckptd reads a DCP-style save's: {ckptd.load_content_metadata(d)!r}")
     with ckptd.Checkpointer(os.path.join(root, "async_dcp")) as ckpt:

@@ -328,3 +328,12 @@ def test_a_requested_tensor_of_no_element_needs_nothing_stored(tmp_path):
     ckptd.save({"w": torch.ones(4)}, tmp_path / "c")
     out = ckptd.load({"w": torch.zeros(4), "e": torch.ones(0, 4)}, tmp_path / "c", strict="raise_all")
     assert torch.equal(out["w"], torch.ones(4)) and out["e"].shape == (0, 4)
+    piece = ShardedTensor.from_rank_offsets("e", torch.empty(0, 4), (1, 0, 2)).without_data()  # global (0, 8)
+    assert ckptd.load({"w": torch.zeros(4), "e": piece}, tmp_path / "c")["e"].shape == (0, 4)  # its own shape
+    # What the checkpoint holds under the key is a mismatch to report, not an empty tensor.
+    ckptd.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "buf": torch.ones(3)}, tmp_path / "m")
+    with pytest.raises(LoadMismatchError, match="common state"):
+        ckptd.load({"w": torch.zeros(2), "buf": torch.empty(0)}, tmp_path / "m")
+    ckptd.save({"w": torch.ones(2), "x": 5}, tmp_path / "v")
+    with pytest.raises(LoadMismatchError, match=r"\['x'\]"):
+        ckptd.load({"x": torch.empty(0)}, tmp_path / "v", strict="raise_all")
