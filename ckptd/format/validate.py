@@ -83,26 +83,29 @@ def _check_object_shards(records: list[ItemRecord]) -> None:
     the DCP path a plain value carries) has one global shape on every rank and a main replica of
     each of its ``prod(shape)`` shards. A shard no rank stored used to pass: the save succeeded
     and the load of that shard found nothing."""
-    shards: dict[str, dict[tuple[int, ...], list[ItemRecord]]] = defaultdict(lambda: defaultdict(list))
+    # key -> global shape -> (record, its offsets)
+    shards: dict[str, dict[tuple[int, ...], list[tuple[ItemRecord, tuple[int, ...]]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for r in records:
         parsed = object_key_parts(r.fqn) if r.kind == BYTES and not r.path else None
         if parsed is not None and len(parsed[1]) == len(parsed[2]):
-            key, _, shape = parsed
-            shards[key][shape].append(r)
+            key, offsets, shape = parsed
+            shards[key][shape].append((r, offsets))
     for key, by_shape in shards.items():
         if len(by_shape) > 1:
             said = "; ".join(
-                f"{shape} by ranks {sorted({r.rank for r in rs})}" for shape, rs in sorted(by_shape.items())
+                f"{shape} by ranks {sorted({r.rank for r, _ in rs})}" for shape, rs in sorted(by_shape.items())
             )
             raise ShardingError(f"ShardedObject '{key}' has several global shapes: {said}; all ranks must agree")
         ((shape, stored),) = by_shape.items()
         expected = math.prod(shape)
         if len(stored) != expected:
-            have = {object_key_parts(r.fqn)[1] for r in stored}  # type: ignore[index]
+            have = {offsets for _, offsets in stored}
             missing = next((o for o in itertools.product(*(range(n) for n in shape)) if o not in have), None)
             raise ShardingError(
                 f"ShardedObject '{key}' of global shape {shape}: {len(stored)} of its {expected} shards are "
-                f"stored by ranks {sorted({r.rank for r in stored})}"
+                f"stored by ranks {sorted({r.rank for r, _ in stored})}"
                 + (f" (shard {missing} by none)" if missing is not None else "")
                 + "; every shard needs a rank that holds it with replica_id 0"
             )
