@@ -179,14 +179,15 @@ def save(
     token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
     writers = _plain_writers([p["plain"] for p in planned])
-    mine = planned[ctx.rank]["plain"]  # copies another rank writes are dropped
-    prepared[:] = [i for i in prepared if not (i.record.fqn in mine and writers[i.record.fqn] != ctx.rank)]
+    # Every rank decides alike which copy of an item several ranks hold is stored (a plain item's
+    # writer, a replicated DTensor chunk's lowest holder), and drops its own other copies.
+    kept, differing = dedup_plain([r for p in planned for r in p["records"]], writers)
+    kept_ids = {id(r) for r in kept}
+    prepared[:] = [i for i, r in zip(prepared, planned[ctx.rank]["records"], strict=True) if id(r) in kept_ids]
     created_root = [False]
 
     def validate() -> None:
         if ctx.rank == 0:
-            records = [r for p in planned for r in p["records"]]
-            kept, differing = dedup_plain(records, writers)
             for warning in differing:
                 log.warning("save of %s: %s", root, warning)
             check_coverage(kept, {r: p["held"] for r, p in enumerate(planned)})

@@ -8,8 +8,9 @@ rank 0 of a synchronous save, the coordinator of an asynchronous one. Two jobs:
   others hold the same; a synchronous save plans every holder's) is kept once, from the writer
   :func:`ckptd.statedict.holdings.assign_writers` picks; the other copies' bytes stay in their
   data files, unreferenced (DCP and Megatron-Core read only what ``.metadata`` references), as
-  torch DCP's ``_dedup_save_plans`` keeps one. Copies whose checksums differ are named in a
-  warning.
+  torch DCP's ``_dedup_save_plans`` keeps one. So is a chunk of a DTensor that several ranks
+  store (a DTensor on a submesh is replicated across the submeshes). Copies whose checksums
+  differ are named in a warning.
 - :func:`check_coverage`: every key some rank holds (a replica, ``replica_id != 0``, or a plain
   item it left to another rank) must be stored by some rank; otherwise the save is refused,
   naming the key and its holders, as Megatron-Core's ``validate_sharding_integrity`` refuses an
@@ -49,8 +50,9 @@ def plain_holdings(records: Iterable[ItemRecord]) -> dict[str, dict[int, int]]:
 def dedup_plain(
     records: Sequence[ItemRecord], writers: Mapping[str, int] | None = None
 ) -> tuple[list[ItemRecord], list[str]]:
-    """``records`` with each plain item kept once (its assigned writer's copy: ``writers``, or
-    :func:`~ckptd.statedict.holdings.assign_writers` of the records' holdings), and warnings
+    """``records`` with each plain item kept once (its assigned writer's copy: ``writers``, else
+    :func:`~ckptd.statedict.holdings.assign_writers` of the records' holdings), and with each
+    replicated chunk kept once (:func:`is_replicated_chunk`: the lowest rank's copy); plus warnings
     naming keys whose copies' checksums differ.
 
     Raises ShardingError when the copies of one key disagree on kind, dtype or shape (the holders
@@ -58,7 +60,12 @@ def dedup_plain(
     """
     holdings = plain_holdings(records)
     shared = {k for k, held in holdings.items() if len(held) > 1}
-    if not shared:
+    chunks: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[ItemRecord]] = defaultdict(list)
+    for r in records:
+        if is_replicated_chunk(r):
+            chunks[(r.fqn, r.offsets, r.sizes)].append(r)
+    replicated = {c: rs for c, rs in chunks.items() if len(rs) > 1}
+    if not shared and not replicated:
         return list(records), []
     copies: dict[str, list[ItemRecord]] = defaultdict(list)
     for r in records:
@@ -66,11 +73,33 @@ def dedup_plain(
             copies[r.fqn].append(r)
     for key, rs in copies.items():
         _check_same_item(key, rs)
-    if writers is None:
-        writers = assign_writers(holdings)
-    kept = [r for r in records if not (r.fqn in shared and is_plain_item(r)) or writers[r.fqn] == r.rank]
-    warnings = [w for key in sorted(copies) if (w := _differing(key, copies[key], writers[key]))]
+    for (key, _, _), rs in replicated.items():
+        _check_same_item(key, rs)
+    chosen = dict(writers or {})
+    if shared - chosen.keys():  # a DTensor's whole-tensor piece held by several ranks is no planned plain key
+        chosen = {**assign_writers({k: holdings[k] for k in shared}), **chosen}
+    dropped = {id(r) for rs in replicated.values() for r in rs if r.rank != min(c.rank for c in rs)}
+    kept = [
+        r
+        for r in records
+        if id(r) not in dropped and (not (r.fqn in shared and is_plain_item(r)) or chosen[r.fqn] == r.rank)
+    ]
+    warnings = [w for key in sorted(copies) if (w := _differing(key, copies[key], chosen[key]))]
+    warnings += [
+        w
+        for (key, offsets, _), rs in sorted(replicated.items())
+        if (w := _differing(key, rs, min(r.rank for r in rs), f"its chunk at offsets {list(offsets)}"))
+    ]
     return kept, warnings
+
+
+def is_replicated_chunk(r: ItemRecord) -> bool:
+    """Whether ``r`` is a part of a DCP-style tensor that other ranks may store too: a DTensor on a
+    submesh (``init_device_mesh(("dp", "tp"))["tp"]``, each data-parallel group's tensor-parallel
+    ranks) is replicated across the groups, but each group's ranks see only their submesh, so the
+    same chunk comes from one rank of every group. As torch DCP's ``_dedup_save_plans`` does, one
+    copy is kept; Megatron-style chunks (no path) say which copy is the main one by replica_id."""
+    return bool(r.path) and r.kind != BYTES and not is_plain_item(r)
 
 
 def _check_same_item(key: str, copies: list[ItemRecord]) -> None:
@@ -88,15 +117,16 @@ def _what(r: ItemRecord) -> str:
     return "a value" if r.kind == BYTES else f"a {r.dtype} tensor of shape {list(r.global_shape)}"
 
 
-def _differing(key: str, copies: list[ItemRecord], writer: int) -> str:
+def _differing(key: str, copies: list[ItemRecord], writer: int, what: str = "") -> str:
     crcs = {r.rank: r.crc for r in copies}
     if None in crcs.values() or len(set(crcs.values())) < 2:
         return ""
     kept = crcs[writer]
     others = sorted(r for r, c in crcs.items() if c != kept)
-    rule = "the lowest holding rank's" if copies[0].kind == BYTES else "its size-balanced writer's"
+    rule = "the lowest holding rank's" if copies[0].kind == BYTES or what else "its size-balanced writer's"
+    of = f"{what} of '{key}'" if what else f"'{key}'"
     return (
-        f"ranks {sorted(crcs)} hold different copies of '{key}'; only rank {writer}'s is stored "
+        f"ranks {sorted(crcs)} hold different copies of {of}; only rank {writer}'s is stored "
         f"({rule}); ranks {others} differ from it. Keep one value per key on every rank that "
         "holds it, or give each rank's value a key of its own"
     )

@@ -188,6 +188,10 @@ def _reference() -> dict[str, torch.Tensor]:
         "e": torch.randn(3, generator=g),  # a plain tensor, the same on every rank
         "f": torch.randn(2, 3, generator=g),  # Shard(1) over 4: 1,1,1,0 columns
         "g": torch.zeros(0, 4),  # no element: every box is empty (it was left out of the checkpoint)
+        # On the 2x2 mesh's "tp" submesh: each data-parallel group's ranks hold the whole tensor,
+        # so each chunk comes from two ranks (data-parallel replicas; it failed the save).
+        "h": torch.randn(6, 2, generator=g),
+        "i": torch.randn(5, generator=g),
     }
 
 
@@ -201,6 +205,8 @@ def _save_placements():
         "d": ("1d", [Replicate()]),
         "f": ("1d", [Shard(1)]),
         "g": ("1d", [Shard(0)]),
+        "h": ("tp", [Shard(0)]),
+        "i": ("tp", [Replicate()]),
     }
 
 
@@ -211,6 +217,7 @@ def _dtensor_state(world: int, placements: dict, full: dict[str, torch.Tensor], 
     meshes = {"1d": init_device_mesh("cpu", (world,))}
     if world == 4:
         meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        meshes["tp"] = meshes["2d"]["tp"]
     model = {}
     for k, (mesh, pl) in placements.items():
         t = torch.zeros_like(full[k]) if zero else full[k]
@@ -252,6 +259,8 @@ def _dtensors_save_at_4(rank: int, world: int, root: str) -> list[str]:
         "d": ("2d", [Shard(0), Shard(0)]),
         "f": ("2d", [Shard(0), Shard(1)]),
         "g": ("2d", [Shard(1), Shard(0)]),
+        "h": ("1d", [Shard(1)]),
+        "i": ("tp", [Shard(0)]),
     }
     for name in ("sync", "async/iter_0000003", "dcp"):
         path = os.path.join(root, name)
@@ -310,6 +319,8 @@ def _dtensors_load_at_2(rank: int, world: int, root: str) -> list[str]:
         "d": ("1d", [Shard(0)]),
         "f": ("1d", [Shard(0)]),
         "g": ("1d", [Replicate()]),
+        "h": ("1d", [Shard(0)]),
+        "i": ("1d", [Replicate()]),
     }
     bad = []
     for name in ("sync", "async/iter_0000003", "dcp"):
@@ -335,11 +346,13 @@ def test_dtensor_state_dicts_across_meshes_and_world_sizes(tmp_path: Path, runti
         req = {"model": {k: torch.zeros_like(v) for k, v in full.items()}, "step": 0, "opt": {"lr": 0, "betas": None}}
         dcp.load(req, checkpoint_id=str(tmp_path / name), no_dist=True)
         assert _check_dtensor_state(req, full, f"dcp {name}") == []
-    # Each chunk is stored once: replicas ("c" along dp, "d", the plain "e") are written by one rank.
+    # Each chunk is stored once: replicas ("c" along dp, "d", the plain "e", "h" and "i" of each
+    # data-parallel group) are written by one rank.
     from ckptd.format.dcp_metadata import read_index
 
-    index = read_index(tmp_path / "sync")
-    assert [len(index.tensors[f"model.{k}"].chunks) for k in "abcdef"] == [4, 4, 2, 1, 1, 3]
+    for name in ("sync", "async/iter_0000003"):
+        index = read_index(tmp_path / name)
+        assert [len(index.tensors[f"model.{k}"].chunks) for k in "abcdefhi"] == [4, 4, 2, 1, 1, 3, 2, 1], name
     assert ckptd.load_common_state_dict(tmp_path / "sync") == {"step": 7, "opt": {"lr": 0.1, "betas": [0.9, 0.95]}}
 
 

@@ -15,6 +15,7 @@ from ckptd import ShardedObject, ShardedTensor, ShardingError
 from ckptd.format.coverage import check_coverage, dedup_plain, settle, uniform_digest
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
 from ckptd.format.saveplan import plan_rank
+from ckptd.format.validate import validate_records
 from ckptd.statedict.holdings import VALUE, PlainWriters, assign_writers, plain_digest, spread
 from ckptd.statedict.split import split_state_dict
 
@@ -115,6 +116,38 @@ def test_dedup_keeps_the_assigned_writers_copy_and_warns_when_copies_differ():
         obj,
         ItemRecord(fqn="o/shard_0_1", kind=BYTES, rank=1),
     ]
+
+
+def _chunk(rank: int, offsets: tuple[int, ...], crc: int | None = 1, path: tuple = ("w",)) -> ItemRecord:
+    return ItemRecord(
+        fqn="w",
+        kind=TENSOR,
+        rank=rank,
+        dtype="float32",
+        global_shape=(4, 2),
+        offsets=offsets,
+        sizes=(2, 2),
+        path=path,
+        crc=crc,
+    )
+
+
+def test_dedup_keeps_one_copy_of_a_dtensor_chunk_that_ranks_of_several_submeshes_store():
+    # A DTensor on the "tp" submesh of a (dp=2, tp=2) mesh: ranks 0 and 2 store rows 0-1, 1 and 3
+    # rows 2-3. The lowest rank's copy is kept; validate_records refused the pair.
+    records = [_chunk(2, (0, 0)), _chunk(3, (2, 0)), _chunk(0, (0, 0)), _chunk(1, (2, 0))]
+    kept, warnings = dedup_plain(records)
+    assert sorted((r.rank, r.offsets) for r in kept) == [(0, (0, 0)), (1, (2, 0))] and warnings == []
+    validate_records(kept)
+    # Copies that differ are named, chunk and ranks.
+    kept, (warning,) = dedup_plain([_chunk(0, (0, 0), 1), _chunk(2, (0, 0), 2), _chunk(1, (2, 0))])
+    assert "its chunk at offsets [0, 0] of 'w'" in warning and "only rank 0's is stored" in warning
+    assert "ranks [2] differ" in warning
+    # A Megatron-style chunk (no path) is one rank's main replica: two of them stay an error.
+    megatron = [_chunk(0, (0, 0), path=()), _chunk(2, (0, 0), path=()), _chunk(1, (2, 0), path=())]
+    assert dedup_plain(megatron)[0] == megatron
+    with pytest.raises(ShardingError, match=r"ranks 0 and 2 both store the chunk at offsets \(0, 0\)"):
+        validate_records(megatron)
 
 
 def test_dedup_refuses_copies_that_are_not_the_same_item():
