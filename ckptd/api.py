@@ -56,7 +56,7 @@ from .loading.execute import ExecOptions, LoadStats
 from .loading.keymap import Rule
 from .loading.loader import KeysAgreement, LoadRequest, run_load
 from .loading.strict import StrictHandling, parse_strict
-from .loading.view import CheckpointView, VirtualTensor, is_legacy_grid
+from .loading.view import CheckpointView, VirtualTensor, completed_objects, is_legacy_grid
 from .mapping import ByteItem, ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
@@ -489,7 +489,7 @@ def load_sharded_metadata(checkpoint_dir: str | os.PathLike | S3Location) -> dic
     with opened(checkpoint_dir) as ckpt:
         index = ckpt.index()
     out: dict[str, ShardedTensor | ShardedObject] = dict(_tensor_templates(index))
-    for unique_key, stored in sorted(index.objects.items()):
+    for unique_key, stored in sorted(completed_objects(index).items()):
         if stored.sharded_object:
             obj = ShardedObject.empty_from_unique_key(unique_key)
             out[obj.unique_key] = obj

@@ -51,11 +51,12 @@ def load_sharded_objects(checkpoint_dir: Any, allow_unsafe_pickle: bool) -> dict
     """Every ShardedObject, decoded, by unique key (``common.pt`` is not read). An object outside
     torch's weights-only allow-list raises UnsafePickleError unless ``allow_unsafe_pickle``."""
     from ..loading.loader import LoadRequest, run_load
+    from ..loading.view import completed_objects
     from ..opening import opened
 
     with opened(checkpoint_dir) as ckpt:
         index = ckpt.index(allow_unsafe_pickle)
-        keys = sorted(k for k, stored in index.objects.items() if stored.sharded_object)
+        keys = sorted(k for k, stored in completed_objects(index).items() if stored.sharded_object)
         if not keys:
             return {}
         request = {k: ShardedObject.empty_from_unique_key(k) for k in keys}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def object_key_parts(fqn: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
     """``(key, offsets, global shape)`` when ``fqn`` has the form of a ShardedObject's unique key
@@ -23,3 +25,28 @@ def object_key_parts(fqn: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] |
 
 def looks_like_object_key(fqn: str) -> bool:
     return object_key_parts(fqn) is not None
+
+
+def completed_object_keys(keys: Iterable[str]) -> dict[str, str]:
+    """``{stored key: the key a load asks for}`` of the ShardedObject shards among ``keys`` that an
+    older Megatron-Core stored under a key whose shape lacks its last dimension
+    (``<key>/shard_<o0>.<o1>_<s0>``). Megatron-Core reads such a shape's last dimension as -1; here
+    it is the largest last offset among the object's shards plus one (its shards of every offset
+    along it are stored), so a load of the object at its whole shape finds them. A completed key
+    that is stored already is left out (it stays the stored object's)."""
+    keys = list(keys)
+    legacy: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+    last: dict[tuple[str, tuple[int, ...]], int] = {}
+    for fqn in keys:
+        parts = object_key_parts(fqn)
+        if parts is not None and len(parts[1]) == len(parts[2]) + 1:
+            key, offsets, shape = parts
+            legacy[fqn] = parts
+            last[(key, shape)] = max(last.get((key, shape), 0), offsets[-1] + 1)
+    taken = set(keys) if legacy else set()
+    out: dict[str, str] = {}
+    for fqn, (key, offsets, shape) in legacy.items():
+        full = f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, (*shape, last[(key, shape)])))}"
+        if full not in taken:
+            out[fqn] = full
+    return out

@@ -17,6 +17,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.dcp_metadata import CheckpointIndex, StoredChunk, StoredObject
 from ..format.geometry import Shape, find_overlap, flat_range_boxes, intersect
+from ..format.objectkey import completed_object_keys
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,15 @@ class CheckpointView:
                     "written wrong (each element is stored once); `ckptd verify` checks the whole checkpoint"
                 )
             tensors[fqn] = VirtualTensor(fqn, t.dtype, tuple(t.shape), sources)
-        return cls(tensors, dict(index.objects), grid_shapes(index))
+        return cls(tensors, completed_objects(index), grid_shapes(index))
+
+
+def completed_objects(index: CheckpointIndex) -> dict[str, StoredObject]:
+    """The checkpoint's objects by the key a load asks for: a ShardedObject shard an older
+    Megatron-Core stored under a key lacking its shape's last dimension under its whole key
+    (:func:`ckptd.format.objectkey.completed_object_keys`)."""
+    completed = completed_object_keys(k for k, o in index.objects.items() if o.sharded_object)
+    return {completed.get(k, k): o for k, o in index.objects.items()}
 
 
 def grid_shapes(index: CheckpointIndex) -> dict[str, Shape]:

@@ -216,6 +216,30 @@ def test_metadata_functions(tmp_path: Path):
     assert same_bits(loaded["x"], x) and loaded["o/shard_1_2"] == 1
 
 
+def test_object_keys_lacking_the_shapes_last_dimension_load_at_the_whole_shape(tmp_path: Path, monkeypatch):
+    # An older Megatron-Core stored ShardedObjects under keys whose shape lacks its last dimension
+    # (Megatron-Core reads it as -1): load_sharded_metadata crashed on them, a load found none.
+    def legacy_key(self):
+        offsets, shape = ".".join(map(str, self.global_offset)), ".".join(map(str, self.global_shape[:-1]))
+        return f"{self.key}/shard_{offsets}_{shape}"
+
+    c = tmp_path / "c"
+    with monkeypatch.context() as m:
+        m.setattr(ShardedObject, "unique_key", property(legacy_key))
+        ckptd.save({"rng": [ShardedObject("rng", (i, j), (2, 3), (i, j)) for i in range(2) for j in range(3)]}, c)
+    from ckptd.format.dcp_metadata import read_index
+
+    assert "rng/shard_1.2_2" in read_index(c).objects  # as that Megatron-Core stored it
+    sharded = ckptd.load_sharded_metadata(c)
+    assert sorted(sharded) == [f"rng/shard_{i}.{j}_2.3" for i in range(2) for j in range(3)]
+    assert sharded["rng/shard_1.2_2.3"].global_shape == (2, 3)
+    assert ckptd.load({"rng": ShardedObject("rng", None, (2, 3), (1, 2))}, c)["rng"] == (1, 2)
+    assert ckptd.load(dict(sharded), c)["rng/shard_0.1_2.3"] == (0, 1)
+    from ckptd.convert.consolidate import load_sharded_objects
+
+    assert load_sharded_objects(c, allow_unsafe_pickle=False)["rng/shard_1.0_2.3"] == (1, 0)
+
+
 # ------------------------------------------------------------------------ plain torch DCP
 
 
