@@ -486,6 +486,13 @@ def _check_common(
                 length=len(data),
             )
             return
+    elif is_zip_stream(data) and (problem := torch_save_problem(data)) is not None:
+        # No CRC recorded (Megatron-Core, torch DCP): a flipped bit in a tensor's bytes decodes
+        # without a word; the CRC-32s in the archive catch it.
+        report.add(
+            ERROR, "common", f"{COMMON_PT} {problem}; the file is damaged", file=COMMON_PT, offset=0, length=len(data)
+        )
+        return
     try:
         unpickle_torch(data, f"common state {path}", allow_unsafe_pickle)
     except UnsafePickleError as exc:

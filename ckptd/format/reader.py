@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 import torch
 
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, StorageError, UnsafePickleError
-from .archive import decode_problem
+from .archive import decode_problem, is_zip_stream, torch_save_problem
 from .checksum import Checksum, checksum_name
 from .layout import COMMON_PT, COMMON_PT_MAX_NBYTES, METADATA_JSON
 from .safefs import entry_exists, open_regular
@@ -278,7 +278,16 @@ def read_common_pt(
         with os.fdopen(fd, "rb") as f:
             if crc is not None and checksum is not None:
                 checksum_mismatch(_file_checksum(f, size, checksum, path), crc, checksum, f"{path} ({size} bytes)")
-            return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
+                return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
+            # No checksum recorded (Megatron-Core, torch DCP): the CRC-32s in the archive catch a
+            # flipped bit in a tensor of the common state, which decodes without a word.
+            data = f.read(size)
+            if is_zip_stream(data) and (problem := torch_save_problem(data)) is not None:
+                raise CorruptCheckpointError(
+                    f"{path} {problem}; the checkpoint's common state is damaged. Restore the file, or "
+                    "load an earlier checkpoint"
+                )
+            return unpickle_torch(data, f"common state {path}", allow_unsafe_pickle)
     if not root.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint directory {root} is gone (removed or renamed while it was being read, e.g. by "
@@ -308,12 +317,19 @@ def _file_checksum(f: BinaryIO, size: int, checksum: Checksum, path: Path) -> in
 
 def read_object_item(files: DataFiles, obj: StoredObject, what: str, checksum: Checksum | None) -> bytes:
     """The bytes of a bytes item (a ShardedObject or a DCP value), checked against the checksum
-    recorded at save time (when one was)."""
+    recorded at save time, or else against the CRC-32s of its ``torch.save`` archive."""
     raw = files.read(obj.relative_path, obj.file_offset, obj.length, what)
     where = (
         f"{what} (bytes [{obj.file_offset}, {obj.file_offset + obj.length}) of {files.directory / obj.relative_path})"
     )
     check_checksum(raw, obj.crc, checksum, where)
+    if (
+        (obj.crc is None or checksum is None)
+        and is_zip_stream(raw)
+        and (problem := torch_save_problem(raw)) is not None
+    ):
+        # No checksum recorded (torch DCP, Megatron-Core): the archive's own CRC-32s catch bit rot.
+        raise CorruptCheckpointError(f"{where} {problem}; the item is damaged: load an earlier checkpoint")
     return raw
 
 

@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -114,6 +115,55 @@ def test_corrupted_common_pt(tmp_path):
     path.unlink()
     [err] = _errors(verify_checkpoint(tmp_path / "c"))
     assert err.check == "common" and "missing" in err.message
+
+
+def _without_checksums(c) -> None:
+    """As Megatron-Core and torch DCP write .metadata: no checksums of ckptd's."""
+    md = pickle.loads((c / ".metadata").read_bytes())
+    del md.ckptd_checksums
+    (c / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _flip_in_archive_data(path, start: int = 0) -> None:
+    """Flip a bit of the first tensor's bytes in the torch.save archive at ``start`` of ``path``."""
+    import zipfile
+
+    data = path.read_bytes()
+    (entry,) = [i for i in zipfile.ZipFile(io.BytesIO(data[start:])).infolist() if "/data/" in i.filename]
+    header = start + entry.header_offset
+    name_len, extra_len = (int.from_bytes(data[header + a : header + a + 2], "little") for a in (26, 28))
+    flip_bit(path, header + 30 + name_len + extra_len + 2)
+
+
+def test_a_damaged_common_pt_without_a_recorded_checksum_is_found_by_its_archive(tmp_path):
+    # A flipped bit in a tensor of the common state (an fp16 loss scale) decoded, and verify
+    # passed it.
+    c = tmp_path / "c"
+    ckptd.save({"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "scale": torch.full((64,), 65536.0)}, c)
+    _without_checksums(c)
+    _flip_in_archive_data(c / "common.pt")
+    assert torch.load(c / "common.pt")["scale"][0] != 65536.0  # it decodes, wrong
+    for deep in (False, True):
+        [err] = _errors(verify_checkpoint(c, deep=deep))
+        assert err.check == "common" and "CRC-32" in err.message and "damaged" in err.message
+    # A load raises instead of resuming with it.
+    request = {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}
+    for load in (ckptd.load_common_state_dict, lambda c: ckptd.load(request, c)):
+        with pytest.raises(ckptd.CorruptCheckpointError, match=r"common.pt .*CRC-32.*common state is damaged"):
+            load(c)
+
+
+def test_a_damaged_object_without_a_recorded_checksum_is_refused_by_its_archive(tmp_path):
+    c = tmp_path / "c"
+    obj = ckptd.ShardedObject("o", torch.full((64,), 65536.0), (1,), (0,))
+    ckptd.save({"o": obj}, c)
+    _without_checksums(c)
+    stored = read_index(c).objects["o/shard_0_1"]
+    _flip_in_archive_data(c / stored.relative_path, stored.file_offset)
+    with pytest.raises(ckptd.CorruptCheckpointError, match=r"the item is damaged"):
+        ckptd.load({"o": ckptd.ShardedObject("o", None, (1,), (0,))}, c)
+    [err] = _errors(verify_checkpoint(c, deep=True))
+    assert "CRC-32" in err.message
 
 
 def test_missing_commit_marker_of_a_ckptd_checkpoint(tmp_path):
