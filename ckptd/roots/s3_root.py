@@ -61,13 +61,14 @@ from ..format.rootlayout import (
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
     megatron_tracker_bytes,
+    parse_step_dir,
     step_dir_name,
     tracker_bytes,
 )
 from ..format.validate import validate_records
 from ..retention import GcPlan, Removal, plan_gc
 from ..s3catalog import read_s3_commit_record, read_s3_tracker, s3_abandoned_commit, scan_s3_root
-from ..storage.s3client import S3Client
+from ..storage.s3client import S3Client, Upload
 from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
 from .posix import rollback_warnings
@@ -441,10 +442,15 @@ class S3Root:
         for e in partial:
             if self.remove_entry(e):
                 removed.append(self.display(e.name))
-        for upload in self.client.uploads(""):
+        for upload in self.leftover_uploads():
             self.client.abort_upload(upload)
             removed.append(f"an unfinished upload of {self.display(upload.key)}")
         return Recovery(finished=finished, removed=removed)
+
+    def leftover_uploads(self) -> list[Upload]:
+        """The unfinished multipart uploads of this root's step directories (a crash's). Others are
+        not ckptd's: under a bucket-level root (``s3://bucket``) they are any application's."""
+        return [u for u in self.client.uploads("") if parse_step_dir(u.key.split("/", 1)[0]) is not None]
 
     def scan(self, *, usage: bool = True) -> RootCatalog:
         return scan_s3_root(self.location, self.client, usage=usage)
@@ -492,7 +498,7 @@ def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Remova
             done.append((removal, str(exc)))
         else:
             done.append((removal, None))
-    for upload in root.client.uploads(""):
+    for upload in root.leftover_uploads():
         if upload.initiated_unix_s <= cutoff:
             root.client.abort_upload(upload)
             log.info("gc: aborted the unfinished upload of %s", root.display(upload.key))

@@ -141,12 +141,18 @@ def test_a_crashed_attempt_is_invisible_and_the_next_start_removes_it(s3_bucket,
     client.put("iter_0000005/.metadata", b"not committed")
     writer = client.writer("iter_0000005/__1_0.0123456789ab-1.distcp", 5 << 20, 1)
     writer.write(bytes(6 << 20))  # one part uploaded, never completed
-    assert client.uploads("")
+    # Another application's upload next to the steps is not ckptd's to abort (under s3://bucket,
+    # a start aborted every unfinished upload of the bucket).
+    boto = client._boto_client()
+    theirs = boto.create_multipart_upload(Bucket=s3_bucket, Key="r/datasets/shard-0042.tar")
+    assert len(client.uploads("")) == 2
     cfg = _config(runtime_dir)
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:  # starts the daemon: its coordinator cleans up
             assert ckpt.latest() is None
-            assert not list(client.list_objects("iter_0000005")) and not client.uploads("")
+            assert not list(client.list_objects("iter_0000005"))
+            assert [u.key for u in client.uploads("")] == ["datasets/shard-0042.tar"]
+            boto.abort_multipart_upload(Bucket=s3_bucket, Key=theirs["Key"], UploadId=theirs["UploadId"])
             w = torch.arange(16.0)
             ckpt.save(_sd(w, 5), step=5).wait(timeout_s=60)
             assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000005")["w"], w)
