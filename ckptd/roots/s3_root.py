@@ -93,6 +93,9 @@ class S3Root:
         self.keep_last = keep_last
         self.megatron_tracker = megatron_tracker
         self.client = client if client is not None else S3Client(location)
+        # (step, attempt) whose commit object's write failed without an answer: the store may still
+        # apply it (a request it holds), so the abort that follows leaves its objects to `ckptd gc`.
+        self._commit_unknown: set[tuple[int, str]] = set()
 
     def __repr__(self) -> str:
         return f"S3Root({self.location})"
@@ -164,6 +167,9 @@ class S3Root:
                 f"{self.display(name)} was committed by someone else meanwhile: its {COMMIT_RECORD} is not "
                 f"attempt {attempt}'s; is another job saving to {self.location}?"
             ) from None
+        except StorageError:
+            self._commit_unknown.add((step, attempt))
+            raise
         try:
             self._point_tracker(name)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the write may have been applied
@@ -295,6 +301,17 @@ class S3Root:
         """Remove the attempt's data objects and unfinished uploads; its metadata objects too when
         the step is not committed (a committed step's belong to the attempt that committed it)."""
         name = step_dir_name(step)
+        if (step, attempt) in self._commit_unknown:
+            # Removed now, a commit object the store applies later would name a checkpoint without
+            # its objects; left, the checkpoint is whole if it does (and `ckptd gc` removes them
+            # once the grace period passed if it does not).
+            log.warning(
+                "not removing the aborted save %s of attempt %s: its commit object's write got no answer "
+                "and may still be applied (`ckptd gc` removes it if it is not)",
+                self.display(name),
+                attempt,
+            )
+            return
         try:
             record = read_s3_commit_record(self.client, name)
             if record is not None and record.attempt == attempt:

@@ -223,6 +223,33 @@ def test_a_create_only_write_that_cannot_be_read_back_fails_saying_so(s3_bucket,
     _committed_and_latest(root, 20, _attempt(20))
 
 
+@pytest.mark.timeout(120)
+def test_a_commit_object_the_store_applies_after_the_abort_finds_its_checkpoint_whole(s3_bucket, monkeypatch):
+    """The commit object's write timed out on every try, and reading it back found nothing yet:
+    the store still held the request. The abort removed the attempt's objects; the store then
+    applied the write, and the next coordinator start named a step without its objects latest."""
+    root = _root(s3_bucket)
+    _coordinator_commit(root, 10, _attempt(10))
+    key = f"iter_0000020/{COMMIT_RECORD}"
+    _fault(monkeypatch, root.client, key, applied=False)
+    late = {}
+    create = root.client.create
+
+    def held(k: str, data: bytes, **kw: Any) -> None:
+        if k == key:
+            late["record"] = data  # the request the store holds
+        create(k, data, **kw)
+
+    monkeypatch.setattr(root.client, "create", held)
+    with pytest.raises(StorageError, match="injected"):
+        _coordinator_commit(root, 20, _attempt(20))
+    assert read_s3_commit_record(root.client, "iter_0000020") is None
+    root = _root(s3_bucket)  # the store applies the held write
+    root.client.put(key, late["record"], create_only=True)
+    assert root.recover(nnodes=1).finished == "iter_0000020"
+    _committed_and_latest(root, 20, _attempt(20))
+
+
 @contextlib.contextmanager
 def _synchronous_saves_lose_the_answer_to(monkeypatch: pytest.MonkeyPatch, key: str) -> Iterator[None]:
     """While in the block, each ckptd.save to S3 has its write of ``key`` applied by the store, its
