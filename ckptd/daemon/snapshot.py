@@ -164,8 +164,8 @@ class SnapshotWait:
 
     def drain(self, ring: RingMap, end: int, timeout_s: float) -> bool:
         """After a failed write, free this save's ring space as its producer goes: follow its
-        progress until it sealed, gave up or exited, then free up to ``end`` (the save's virtual
-        end).
+        progress until it sealed, gave up, exited or produced every byte up to ``end`` (the save's
+        virtual end), then free up to ``end``.
 
         A producer still running after ``timeout_s`` could still write into that space: freed, it
         is a later save's, whose checkpoint would commit this save's bytes. A snapshot child is
@@ -176,8 +176,11 @@ class SnapshotWait:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                finished = self.sealed(ring)
-                ring.set_consumed(min(self.progress(ring), end))
+                produced = self.progress(ring)
+                # Every byte produced (a lazy copy waiting for the fence to seal): only its control
+                # block is still to be written, never the space.
+                finished = self.sealed(ring) or produced >= end
+                ring.set_consumed(min(produced, end))
             except StagingError:
                 finished = True  # abandoned: it writes no more
             if finished or self.exit_watch is ExitWatch.GONE or self._wait_exit(0.002):

@@ -583,6 +583,18 @@ def test_a_rank_thread_still_copying_after_its_save_failed_freezes_the_ring(ring
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_thread_that_produced_every_byte_frees_its_space_without_its_seal(rings):
+    """A lazy copy done copying waits for the training loop's fence to seal; a drain that timed
+    out on the seal froze the ring for good, though the copy writes into no space any more."""
+    ring, dring = rings
+    wait = SnapshotWait.open(0, os.getpid(), start_block(ring, 1), block_offset(1))  # never sealed
+    before = dring.consumed()
+    ring.writer.publish(1, before + 4096)  # every byte of the save produced
+    assert wait.drain(dring, before + 4096, timeout_s=0.2)
+    assert dring.consumed() == before + 4096 and not dring.frozen
+
+
+@pytest.mark.timeout(60)
 def test_a_child_that_times_out_before_its_seal_is_killed_by_the_drain_after_it(rings):
     """The wait for the seal times out; the drain after it must still see the child running (the
     wait used to close the watch, and the drain then took the child for gone and freed its space)."""
