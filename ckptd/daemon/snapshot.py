@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..control.procid import CLOCK_TICK_S, read_stat, same_process
+from ..control.procid import CLOCK_TICK_S, read_stat, same_process, start_ticks_of
 from ..errors import StagingError
 from ..staging.ring import (
     ABANDONED,
@@ -100,6 +100,9 @@ class SnapshotWait:
     pidfd: int = -1  # with ExitWatch.PIDFD
     waited_s: float = 0.0  # time spent waiting for the producer, in total
     child: bool = False  # a snapshot child of the rank (ckptd.staging.fork), not the rank itself
+    # With ExitWatch.POLL: the producer's start time, so that a later process given its pid is
+    # neither waited on nor killed.
+    start_ticks: int | None = None
 
     @classmethod
     def open(cls, rank: int, pid: int, seal: bytes, seal_offset: int, *, child: bool = False) -> SnapshotWait:
@@ -118,7 +121,8 @@ class SnapshotWait:
         except ProcessLookupError:
             pass  # exited and reaped already (its trainer died): the seal tells whether it finished
         except (AttributeError, OSError):
-            wait.exit_watch = ExitWatch.POLL
+            wait.start_ticks = start_ticks_of(pid)
+            wait.exit_watch = ExitWatch.POLL if wait.start_ticks is not None else ExitWatch.GONE
         return wait
 
     def close(self) -> None:
@@ -212,6 +216,8 @@ class SnapshotWait:
             if self.exit_watch is ExitWatch.PIDFD:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             elif self.exit_watch is ExitWatch.POLL:
+                if not _alive(self.pid, self.start_ticks):
+                    return True  # gone, its pid maybe another process's by now
                 os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             return True  # gone already
@@ -255,13 +261,14 @@ class SnapshotWait:
         if self.exit_watch is ExitWatch.GONE:
             return True
         deadline = time.monotonic() + timeout_s
-        while _alive(self.pid):
+        while _alive(self.pid, self.start_ticks):
             if time.monotonic() > deadline:
                 return False
             time.sleep(_POLL_S)
         return True
 
 
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for its parent)."""
-    return same_process(pid, None)
+def _alive(pid: int, start_ticks: int | None) -> bool:
+    """Running (not gone, not a zombie waiting for its parent, not replaced by a later process
+    given the same pid)."""
+    return same_process(pid, start_ticks)

@@ -570,6 +570,34 @@ def test_a_child_still_copying_after_its_save_failed_is_killed_before_its_space_
 
 
 @pytest.mark.timeout(60)
+def test_without_pidfds_a_later_process_given_the_producers_pid_is_not_killed(rings):
+    """Polling /proc (no pidfd_open), a drain took whatever process had the pid for the snapshot
+    child, and SIGKILLed it."""
+    from ckptd.control.procid import start_ticks_of
+    from ckptd.daemon.snapshot import ExitWatch
+
+    ring, dring = rings
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)  # not the snapshot child: a process that got its pid later
+        os._exit(0)
+    try:
+        wait = SnapshotWait.open(2, pid, start_block(ring, 2), block_offset(2), child=True)
+        wait.close()
+        ticks = start_ticks_of(pid)
+        assert ticks is not None
+        wait.exit_watch, wait.start_ticks = ExitWatch.POLL, ticks - 1  # the child that had the pid
+        before = dring.consumed()
+        assert wait.drain(dring, before + 4096, timeout_s=0.2)  # that child is gone
+        assert dring.consumed() == before + 4096
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # the other process still runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+        reap([pid], block=True)
+
+
+@pytest.mark.timeout(60)
 def test_a_rank_thread_still_copying_after_its_save_failed_freezes_the_ring(rings):
     """The rank's own process (a lazy or device copy's thread) cannot be killed: none of the
     ring's space is freed from then on, by this save or any later one."""
