@@ -56,6 +56,6 @@ def is_ipv6(address: str) -> bool:
 def tcp_port(address: str) -> int:
     """The port of a ``tcp://HOST:PORT`` address (0: any free port); CkptdError for anything else."""
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not (address.startswith("tcp://") and sep and host and port.isdigit() and int(port) < 65536):
+    if not (address.startswith("tcp://") and sep and host and port.isascii() and port.isdigit() and int(port) < 65536):
         raise CkptdError(f"coordinator address {address!r}: use tcp://HOST:PORT")
     return int(port)

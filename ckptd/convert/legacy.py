@@ -17,10 +17,11 @@ Megatron-Core stores them (:mod:`.experts`); any other per-expert-rank tensor is
 
 The output holds the model tensors (each TP shard written as a chunk at its global offset, so
 nothing is concatenated in memory) and a common state with ``iteration``,
-``checkpoint_version``, ``args`` (as a plain dict) and a plain-data ``opt_param_scheduler``.
-Optimizer and RNG states are dropped: they are tied to the old layout's flat buffers (Megatron's
-own converters drop them too). Files are memory-mapped, so memory use stays small. A conversion
-that fails removes the files it wrote and the directories it made.
+``checkpoint_version``, ``args`` (as a plain dict), a plain-data ``opt_param_scheduler`` and
+``num_floating_point_operations_so_far``. Optimizer and RNG states are dropped: they are tied to the
+old layout's flat buffers (Megatron's own converters drop them too); the report names every
+top-level entry dropped (``ConversionReport.dropped``). Files are memory-mapped, so memory use
+stays small. A conversion that fails removes the files it wrote and the directories it made.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from ..mapping import ShardedObject
 from . import experts as moe
 from . import mcore
 from .legacy_tree import LegacyTree, RankFile, check_same_entries, discover, model_chunks, read_rank_file
+from .splitrules import BUILT_IN_RULES, DEFAULT_RULES, GLU_RULE, SplitRule
 
 log = logging.getLogger("ckptd.convert")
 
@@ -60,56 +62,6 @@ _WRITTEN = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class SplitRule:
-    """Tensors whose key matches ``pattern`` (``re.search``) are split on ``axis`` over TP ranks.
-
-    ``axis=None``: replicated (checked identical). ``glu=True``: each rank's shard is
-    ``[gate_r; up_r]`` along ``axis`` (SwiGLU ``linear_fc1``); the global tensor is
-    ``[gate; up]``.
-    """
-
-    pattern: str
-    axis: int | None
-    glu: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> SplitRule:
-        """``REGEX=AXIS``, ``REGEX=replicated`` or ``REGEX=glu:AXIS`` (command-line form)."""
-        pattern, sep, spec = text.rpartition("=")
-        if not sep or not pattern:
-            raise ShardingError(f"split rule {text!r} is not REGEX=AXIS|replicated|glu:AXIS")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ShardingError(f"split rule {text!r}: {pattern!r} is not a regular expression ({exc})") from None
-        try:
-            if spec == "replicated":
-                return cls(pattern, None)
-            if spec.startswith("glu:"):
-                return cls(pattern, int(spec[4:]), glu=True)
-            return cls(pattern, int(spec))
-        except ValueError:
-            raise ShardingError(f"split rule {text!r}: axis {spec!r} is not an integer") from None
-
-
-#: Megatron-Core GPT names first, then legacy (``language_model.*``) names.
-DEFAULT_RULES: tuple[SplitRule, ...] = (
-    SplitRule(r"(^|\.)word_embeddings\.weight$", 0),
-    SplitRule(r"(^|\.)output_layer\.weight$", 0),
-    SplitRule(r"\.linear_qkv\.(weight|bias)$", 0),
-    SplitRule(r"\.linear_q\.(weight|bias)$", 0),
-    SplitRule(r"\.linear_kv\.(weight|bias)$", 0),
-    SplitRule(r"\.linear_fc1\.(weight|bias)$", 0),
-    SplitRule(r"\.linear_proj\.weight$", 1),
-    SplitRule(r"\.linear_fc2\.weight$", 1),
-    SplitRule(r"\.query_key_value\.(weight|bias)$", 0),
-    SplitRule(r"\.dense_h_to_4h\.(weight|bias)$", 0),
-    SplitRule(r"\.self_attention\.dense\.weight$", 1),
-    SplitRule(r"\.dense_4h_to_h\.weight$", 1),
-)
-
-
 @dataclass
 class ConversionReport:
     tensors: int = 0
@@ -117,6 +69,9 @@ class ConversionReport:
     nbytes: int = 0
     objects: int = 0  # ShardedObjects (`_extra_state`) written, with mcore_spec
     skipped: list[str] = field(default_factory=list)
+    # Top-level entries of the rank files not carried over (optimizer and RNG states, a rerun
+    # state machine's: tied to the old layout or to one rank).
+    dropped: list[str] = field(default_factory=list)
     iteration: Any = None
 
 
@@ -125,8 +80,25 @@ def _count(pattern: re.Pattern[str], keys: Sequence[str]) -> int:
     return max(found) + 1 if found else 0
 
 
-def _renumber(key: str, layer_offset: int, expert_offset: int) -> str:
-    key = _LAYER.sub(lambda m: str(int(m.group(1)) + layer_offset), key, count=1)
+def _stack(key: str) -> str | None:
+    """The layer stack ``key`` is in: what precedes its layer number (``decoder.layers.``); None
+    outside one."""
+    m = _LAYER.search(key)
+    return None if m is None else key[: m.start()]
+
+
+def _count_layers(keys: Sequence[str]) -> dict[str, int]:
+    """Layers per stack: a pipeline stage can hold several (a vision tower's and a language
+    model's, a multi-token prediction block's ``mtp.layers``), each numbered on its own."""
+    found: dict[str, set[int]] = {}
+    for k in keys:
+        if (m := _LAYER.search(k)) is not None:
+            found.setdefault(k[: m.start()], set()).add(int(m.group(1)))
+    return {stack: max(layers) + 1 for stack, layers in found.items()}
+
+
+def _renumber(key: str, layer_offsets: Mapping[str, int], expert_offset: int) -> str:
+    key = _LAYER.sub(lambda m: str(int(m.group(1)) + layer_offsets.get(key[: m.start()], 0)), key, count=1)
     return _EXPERT.sub(lambda m: str(int(m.group(1)) + expert_offset), key, count=1)
 
 
@@ -157,7 +129,7 @@ class _Converter:
         self.glu = glu
         self.num_experts = num_experts  # args.num_experts: how many experts GroupedMLP's tensors hold
         self.mcore_map = mcore_map  # None: keep the legacy names, drop `_extra_state`
-        self.num_layers = 0
+        self.num_layers: dict[str, int] = {}  # per layer stack (_stack), over every pipeline stage
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.unsafe = allow_unsafe_pickle
         self.report = ConversionReport()
@@ -175,23 +147,34 @@ class _Converter:
                 return rule
         return None
 
-    def layer_offsets(self) -> dict[tuple[int, int], int]:
-        """Global first layer of (model chunk, pipeline stage), counting stage by stage."""
-        counts: dict[tuple[int, int], int] = {}
+    def layer_offsets(self) -> dict[tuple[int, int], dict[str, int]]:
+        """Global first layer of each layer stack in (model chunk, pipeline stage), counting stage
+        by stage, each stack on its own."""
+        counts: dict[tuple[int, int], dict[str, int]] = {}
         for pp in range(self.tree.pp_size):
             sd = read_rank_file(self.tree.file(0, pp, 0).path, self.unsafe)
             for v, chunk in enumerate(model_chunks(sd)):
-                counts[(v, pp)] = _count(_LAYER, list(chunk))
-        offsets, acc = {}, 0
+                counts[(v, pp)] = _count_layers(list(chunk))
+        offsets: dict[tuple[int, int], dict[str, int]] = {}
+        acc: dict[str, int] = {}
         for v in range(max(v for v, _ in counts) + 1):
             for pp in range(self.tree.pp_size):
-                offsets[(v, pp)] = acc
-                acc += counts.get((v, pp), 0)
+                offsets[(v, pp)] = dict(acc)
+                for stack, n in counts.get((v, pp), {}).items():
+                    acc[stack] = acc.get(stack, 0) + n
         self.num_layers = acc
         return offsets
 
-    def chunks_for(self, key: str, shards: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """``(payload, global offsets)`` per chunk, and validate the TP split."""
+    def _stacked_layers(self, key: str) -> int:
+        """How many layers the stack of ``key`` (a global key, before Megatron-Core naming) has."""
+        stack = _stack(key)
+        return 0 if stack is None else self.num_layers.get(stack, 0)
+
+    def chunks_for(
+        self, key: str, shards: list[torch.Tensor], glu: bool | None = None
+    ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """``(payload, global offsets)`` per chunk, and validate the TP split. ``glu``: whether the
+        MLP's fc1 ``key`` is a gated linear unit's, as its width says (:func:`.experts.mlp_glu`)."""
         t0 = shards[0]
         for r, t in enumerate(shards[1:], 1):
             if t.dtype != t0.dtype or t.shape != t0.shape:
@@ -200,6 +183,17 @@ class _Converter:
                     f"{t0.dtype} {tuple(t0.shape)}; legacy TP shards must have equal shapes"
                 )
         rule = self._rule(key)
+        if glu is not None and rule is not None and rule.axis is not None and rule.glu != glu:
+            if rule not in BUILT_IN_RULES:
+                raise ShardingError(
+                    f"'{key}' is {'' if glu else 'not '}a gated linear unit's [gate; up] (its width is "
+                    f"{'twice' if glu else 'that of'} its fc2's ffn), but the split rule '{rule.pattern}' says "
+                    f"{'it is not' if glu else 'it is'}; fix the rule"
+                )
+            log.info(
+                "'%s' is %sa gated linear unit's fc1, as its width says: split as such", key, "" if glu else "not "
+            )
+            rule = SplitRule(rule.pattern, rule.axis, glu=glu)
         n = len(shards)
         if n == 1 or rule is None or rule.axis is None:
             if n > 1 and not all(torch.equal(t0, t) for t in shards[1:]):
@@ -233,7 +227,7 @@ class _Converter:
         return out
 
     def group(
-        self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], int]
+        self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], dict[str, int]]
     ) -> tuple[list[PlannedItem], dict, int, str]:
         """The items of output rank ``index`` (pipeline stage ``pp``, expert rank ``ep``: every TP
         rank's file of it merged), TP rank 0's state dict, the input's bytes and a label."""
@@ -247,9 +241,11 @@ class _Converter:
         for v, chunk0 in enumerate(per_rank[0]):
             experts = _count(_EXPERT, list(chunk0))
             te_experts = moe.te_local_experts(chunk0)
+            glu_of: dict[str, bool] = {}
             if self.tree.tp_size > 1:
                 moe.check_glu(chunk0, self.glu, str(files[0].path))
-            layer_offset = layer_offsets.get((v, pp), 0)
+                glu_of = moe.mlp_glu(chunk0, str(files[0].path))
+            layer_offset = layer_offsets.get((v, pp), {})
             for key, value in chunk0.items():
                 if not isinstance(value, torch.Tensor):
                     if self.mcore_map is not None and mcore.is_extra_state(key) and not ep:
@@ -277,11 +273,12 @@ class _Converter:
                     self._check_as_ep0(key, v, pp, ep, shards, files)
                     continue
                 gkey = _renumber(key, layer_offset, ep * experts if is_expert else 0)
-                pieces = self.chunks_for(gkey, shards)
+                pieces = self.chunks_for(gkey, shards, glu_of.get(key))
                 gshape = self._global_shape(gkey, shards)
+                layers = self._stacked_layers(gkey)
                 if self.mcore_map is not None:
                     gkey = mcore.mcore_key(self.mcore_map, gkey)
-                items += self._emit(index, gkey, gkey, shards[0].dtype, gshape, pieces)
+                items += self._emit(index, gkey, gkey, shards[0].dtype, gshape, pieces, layers)
         return items, sds[0], group_bytes, label
 
     def _tp_shards(
@@ -326,7 +323,7 @@ class _Converter:
     def grouped(
         self,
         index: int,
-        where: tuple[int, int],
+        where: tuple[int, dict[str, int]],
         key: str,
         g: moe.GroupedKey,
         shards: list[torch.Tensor],
@@ -335,7 +332,7 @@ class _Converter:
     ) -> list[PlannedItem]:
         """A grouped-GEMM expert tensor as Megatron-Core stores it (see :mod:`.experts`): each local
         expert's TP shards at their global expert index of ``<layer>.mlp.experts.experts.linear_fc<n>``
-        (``where``: the expert rank and the layer offset of its pipeline stage)."""
+        (``where``: the expert rank and the layer offsets of its pipeline stage)."""
         ep, layer_offset = where
         if g.local is not None:
             num_local = te_experts
@@ -360,7 +357,9 @@ class _Converter:
             expert_shards = [experts[i] for experts in per_tp]
             pieces = [(p.unsqueeze(0), (expert, *o)) for p, o in self.chunks_for(gkey, expert_shards)]
             gshape = [num_local * self.tree.ep_size, *self._global_shape(gkey, expert_shards)]
-            items += self._emit(index, gkey, (gkey, expert), shards[0].dtype, gshape, pieces)
+            items += self._emit(
+                index, gkey, (gkey, expert), shards[0].dtype, gshape, pieces, self._stacked_layers(gkey)
+            )
         return items
 
     def _emit(
@@ -371,9 +370,10 @@ class _Converter:
         dtype: torch.dtype,
         gshape: list[int],
         pieces: list[tuple[torch.Tensor, tuple[int, ...]]],
+        layers: int,
     ) -> list[PlannedItem]:
         """The records of ``pieces`` (chunks of ``gkey``; ``unit``: what they complete, the tensor or
-        one expert of it), stacked over the layers with ``stack_layers``."""
+        one expert of it), stacked over the ``layers`` of its stack with ``stack_layers``."""
         if unit in self.seen:
             if self.seen[unit] != (dtype, tuple(gshape)):
                 raise ShardingError(f"'{gkey}' appears in several pipeline stages with different shapes")
@@ -389,7 +389,7 @@ class _Converter:
             # number as a prepended axis.
             gkey = f"{stacked.group(1)}.{stacked.group(3)}"
             layer = int(stacked.group(2))
-            gshape = [self.num_layers, *gshape]
+            gshape = [layers, *gshape]
             pieces = [(p.unsqueeze(0), (layer, *o)) for p, o in pieces]
         items = []
         for payload, offs in pieces:
@@ -414,13 +414,14 @@ class _Converter:
         if mcore.DROPPED_EXTRA_STATE.search(gkey):
             self.skipped.add(key)
             return []
+        layers = self._stacked_layers(gkey)
         gkey = mcore.mcore_key(self.mcore_map or (), gkey)
         stacked = _STACK.match(gkey) if self.stack_layers else None
         if stacked:
             obj = ShardedObject(
                 key=f"{stacked.group(1)}.{stacked.group(3)}",
                 data=value,
-                global_shape=(self.num_layers,),
+                global_shape=(layers,),
                 global_offset=(int(stacked.group(2)),),
             )
         else:
@@ -495,9 +496,7 @@ def convert_legacy(
     if glu is None:
         glu = bool(get("swiglu") or get("gated_linear_unit"))
     if glu:
-        # Grouped experts are named `...experts.experts.linear_fc1.weight` by then (.experts).
-        # Megatron-LM's own name of the same tensor, `...mlp.dense_h_to_4h`, holds [gate_r; up_r] too.
-        rules = list(rules) + [SplitRule(r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$", 0, glu=True)]
+        rules = list(rules) + [GLU_RULE]
     num_experts = get("num_experts")
     root = Path(dst)
     for source in {Path(src).resolve(), tree.directory.resolve()}:
@@ -543,7 +542,7 @@ def convert_legacy(
                 progress(done, conv.total, label)
 
     def common() -> dict:
-        return {
+        out = {
             "iteration": first.get("iteration"),
             "checkpoint_version": first.get("checkpoint_version"),
             "args": _plain(vars(first["args"]))
@@ -552,6 +551,12 @@ def convert_legacy(
             "opt_param_scheduler": _plain(first.get("opt_param_scheduler")),
             "converted_from": {"format": "megatron-legacy", "tp": tree.tp_size, "pp": tree.pp_size, "ep": tree.ep_size},
         }
+        if "num_floating_point_operations_so_far" in first:  # Megatron-LM's FLOP count, read on resume
+            out["num_floating_point_operations_so_far"] = _plain(first["num_floating_point_operations_so_far"])
+        conv.report.dropped = sorted(
+            str(k) for k in first if k not in out and not (k == "model" or re.fullmatch(r"model\d+", str(k)))
+        )
+        return out
 
     with _undone_on_failure(root):
         write_checkpoint(root, ranks(), common, fsync=fsync)

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ShardingError, UnsafePickleError
-from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, step_dir_name
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardingError, UnsafePickleError
+from ..format.rootlayout import MEGATRON_TRACKER, STEP_PREFIX, TRACKER_MAX_NBYTES, step_dir_name
+from ..format.safefs import read_regular
 
 FILE_NAME = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
@@ -55,8 +56,13 @@ def resolve_iteration_dir(src: str | os.PathLike) -> Path:
         return root
     tracker = root / MEGATRON_TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text != "release" and not text.isdigit():
+        try:
+            text = read_regular(root, MEGATRON_TRACKER, "Megatron-LM tracker", TRACKER_MAX_NBYTES).decode().strip()
+        except (OSError, CorruptCheckpointError, UnicodeDecodeError) as exc:
+            raise CheckpointNotFoundError(
+                f"{tracker} cannot be read ({exc}); pass the iteration directory itself"
+            ) from None
+        if text != "release" and not (text.isascii() and text.isdigit()):
             raise CheckpointNotFoundError(
                 f"{tracker} holds {text[:80]!r}, neither an iteration number nor "
                 "'release'; pass the iteration directory itself"

@@ -118,6 +118,8 @@ def write_legacy_tree(
                     },
                     "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 100},
                     "rng_state": [rng],
+                    "num_floating_point_operations_so_far": 1.5e15,
+                    "rerun_state_machine_state": {"mode": "disabled", "rank": t},
                 }
                 name = f"mp_rank_{t:02d}"
                 if pp > 1:
@@ -154,6 +156,9 @@ def test_legacy_tp2_pp2_converts_and_reshards(tmp_path):
     common = ckptd.load_common_state_dict(tmp_path / "dist")
     assert common["iteration"] == 100 and common["args"]["tensor_model_parallel_size"] == 2
     assert common["converted_from"] == {"format": "megatron-legacy", "tp": 2, "pp": 2, "ep": 1}
+    # Megatron-LM's FLOP count goes along (it restarted from 0); what is dropped is named.
+    assert common["num_floating_point_operations_so_far"] == 1.5e15
+    assert report.dropped == ["optimizer", "rerun_state_machine_state", "rng_state"]
 
     # Load at TP=4 (four ranks' requests in one process): columns and rows split differently.
     for rank in range(4):
@@ -215,6 +220,12 @@ def test_legacy_bad_inputs(tmp_path):
     (tp2 / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointNotFoundError, match="no model_optim_rng.pt"):
         convert_legacy(tp2, tmp_path / "out3", fsync=False)
+    # A tracker that is no ASCII number ("²" passes str.isdigit(), then int() raised ValueError).
+    tracker = tmp_path / "legacy" / "latest_checkpointed_iteration.txt"
+    for text in ("²", "\xff"):
+        tracker.write_bytes(text.encode("utf-8") if text == "²" else b"\xff")
+        with pytest.raises(CheckpointNotFoundError, match="latest_checkpointed_iteration.txt"):
+            convert_legacy(tmp_path / "legacy", tmp_path / "out4", fsync=False)
     with pytest.raises(CheckpointNotFoundError, match="no mp_rank"):
         convert_legacy(tmp_path, tmp_path / "out4", fsync=False)
 
@@ -362,3 +373,81 @@ def test_a_tensor_only_another_tp_rank_holds_is_never_dropped(tmp_path):
     torch.save(sd, path)
     with pytest.raises(ShardingError, match=r"mp_rank_01.* lacks: \['decoder.layers.0.only_on_rank_1.weight'\]"):
         convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+
+
+def _write_ranks(it: Path, models: dict[str, dict[str, torch.Tensor]], **args: object) -> Path:
+    """One ``model_optim_rng.pt`` per rank directory name, with ``args``."""
+    for name, model in models.items():
+        (it / name).mkdir(parents=True)
+        torch.save(
+            {"args": argparse.Namespace(**args), "iteration": 10, "model": model}, it / name / "model_optim_rng.pt"
+        )
+    return it
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_each_mlp_is_split_as_its_width_says_gated_or_not(tmp_path, swiglu):
+    """A SwiGLU language model's fc1 next to a GELU vision tower's (LLaVA), both ``linear_fc1``: the
+    args' one setting interleaved gate and up rows of one of them at TP 2, silently (and of every
+    fc1 when the args did not say ``swiglu``)."""
+    g = torch.Generator().manual_seed(5)
+    ref = {
+        "vision_model.decoder.layers.0.mlp.linear_fc1.weight": torch.randn(F, H, generator=g),
+        "vision_model.decoder.layers.0.mlp.linear_fc1.bias": torch.randn(F, generator=g),
+        "vision_model.decoder.layers.0.mlp.linear_fc2.weight": torch.randn(H, F, generator=g),
+        "language_model.decoder.layers.0.mlp.linear_fc1.weight": torch.randn(2 * F, H, generator=g),
+        "language_model.decoder.layers.0.mlp.linear_fc2.weight": torch.randn(H, F, generator=g),
+    }
+
+    def shard(key: str, t: torch.Tensor, r: int) -> torch.Tensor:
+        if key.startswith("language") and "fc1" in key:
+            gate, up = t.chunk(2, 0)
+            return torch.cat([gate.chunk(2, 0)[r], up.chunk(2, 0)[r]]).clone()
+        return t.chunk(2, 0 if "fc1" in key else 1)[r].clone()
+
+    models = {f"mp_rank_{r:02d}": {k: shard(k, v, r) for k, v in ref.items()} for r in range(2)}
+    it = _write_ranks(tmp_path / "legacy" / "iter_0000010", models, tensor_model_parallel_size=2, swiglu=swiglu)
+    convert_legacy(it, tmp_path / "dist", fsync=False)
+    plain = ckptd.load_plain_tensors(tmp_path / "dist")
+    assert {k: torch.equal(plain[k], v) for k, v in ref.items()} == dict.fromkeys(ref, True)
+    # A user's rule that contradicts the width is refused, naming the tensor.
+    with pytest.raises(ShardingError, match=r"'vision_model.*linear_fc1.weight' is not a gated linear unit"):
+        convert_legacy(it, tmp_path / "dist2", rules=[SplitRule(r"vision_model.*linear_fc1\.weight$", 0, glu=True)])
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_each_layer_stack_is_numbered_on_its_own_across_pipeline_stages(tmp_path, stack):
+    """A stage holding two layer stacks (a vision tower and a language model's layers; a
+    multi-token prediction block next to the decoder's last layers) offset every stack by the
+    largest: language layers 2-3 of stage 1 became 4-5, ``mtp.layers.0`` became 2."""
+
+    def t(v: float) -> torch.Tensor:
+        return torch.full((H,), float(v))
+
+    stages = [
+        {
+            **{f"vision_model.decoder.layers.{i}.input_layernorm.weight": t(50 + i) for i in range(4)},
+            **{f"decoder.layers.{i}.input_layernorm.weight": t(i) for i in range(2)},
+        },
+        {
+            **{f"decoder.layers.{i}.input_layernorm.weight": t(2 + i) for i in range(2)},
+            "mtp.layers.0.enorm.weight": t(9),
+        },
+    ]
+    models = {f"mp_rank_00_{p:03d}": model for p, model in enumerate(stages)}
+    it = _write_ranks(tmp_path / "legacy" / "iter_0000010", models, pipeline_model_parallel_size=2)
+    convert_legacy(it, tmp_path / "dist", fsync=False, stack_layers=stack)
+    plain = ckptd.load_plain_tensors(tmp_path / "dist")
+    expected = {
+        **{f"vision_model.decoder.layers.{i}.input_layernorm.weight": t(50 + i) for i in range(4)},
+        **{f"decoder.layers.{i}.input_layernorm.weight": t(i) for i in range(4)},
+        "mtp.layers.0.enorm.weight": t(9),
+    }
+    if stack:  # one tensor per stack, with its own number of layers
+        expected = {
+            "vision_model.decoder.layers.input_layernorm.weight": torch.stack([t(50 + i) for i in range(4)]),
+            "decoder.layers.input_layernorm.weight": torch.stack([t(i) for i in range(4)]),
+            "mtp.layers.enorm.weight": t(9).unsqueeze(0),
+        }
+    assert sorted(plain) == sorted(expected)
+    assert all(torch.equal(plain[k], v) for k, v in expected.items())
