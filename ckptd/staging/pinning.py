@@ -219,8 +219,8 @@ class RingPinner:
                 self.chunks,
                 self.pinned_s,
             )
-        except (StagingError, OSError) as exc:
-            self.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a CUDA RuntimeError too: said here, never a bare thread traceback
+            self.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (StagingError, OSError)) else str(exc)
             log.warning(
                 "rank %d: pinning the staging ring stopped after %d of %d chunks: %s; CUDA tensors "
                 "beyond them are staged through pageable memory (slow). %s",

@@ -120,6 +120,24 @@ def test_a_failed_registration_stops_pinning_and_keeps_what_was_pinned(segment):
     assert reg.live == {}
 
 
+def test_any_error_of_the_registrar_stops_pinning_with_a_warning_and_its_reason(segment, caplog):
+    """A RuntimeError (torch.cuda.set_device, cudart()) killed the thread with a bare traceback:
+    no reason recorded, no warning of ckptd's, CUDA saves then slow without a word."""
+    seg, capacity = segment
+
+    class Broken(CountingRegistrar):
+        def register(self, address: int, nbytes: int) -> None:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+
+    pinner = RingPinner(seg, HEADER_NBYTES, capacity, Broken(), chunk_nbytes=64 * 1024).start()
+    try:
+        assert not pinner.wait(0, timeout_s=10)
+        assert pinner.error == "RuntimeError: CUDA error: invalid device ordinal"
+        assert "pinning the staging ring stopped after 0 of" in caplog.text
+    finally:
+        pinner.close()
+
+
 def test_closing_stops_pinning_after_the_chunk_under_way(segment):
     seg, capacity = segment
     gate = threading.Event()
