@@ -146,6 +146,8 @@ class DeviceCopier:
                     self.copy(src, v)
                 except StagingError:
                     raise
+                except OSError as exc:  # a write of the pageable path: a full /dev/shm says so
+                    raise ring.segment.write_failed(exc, p.nbytes) from exc
                 except Exception as exc:  # name the item, as StagingRing.produce does
                     raise StagingError(
                         f"rank {ring.rank}: copying {item.record.where()} into the staging ring "

@@ -234,7 +234,7 @@ class StagingRing:
             elif p.nbytes:
                 self._write_tensor(src, v)
         except OSError as exc:
-            raise self.segment.no_room(exc, p.nbytes) from exc
+            raise self.segment.write_failed(exc, p.nbytes) from exc
         except Exception as exc:  # a tensor subclass or device may refuse; name the item
             raise StagingError(
                 f"rank {self.rank}: copying {item.record.where()} into the staging ring "

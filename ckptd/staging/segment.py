@@ -20,6 +20,7 @@ exactly one job and node, so cleaning up job ``llama`` never touches job ``llama
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -138,7 +139,7 @@ class ShmSegment:
                 done = os.pwrite(self._fd, view[:_CHUNK_NBYTES], offset)
                 view, offset = view[done:], offset + done
         except OSError as exc:
-            raise self.no_room(exc, view.nbytes) from exc
+            raise self.write_failed(exc, view.nbytes) from exc
 
     def reserve(self) -> None:
         """Allocate every page now (``posix_fallocate``), before writes through the mapping."""
@@ -153,7 +154,7 @@ class ShmSegment:
         try:
             os.posix_fallocate(self._fd, offset, nbytes)
         except OSError as exc:
-            raise self.no_room(exc, nbytes) from exc
+            raise self.write_failed(exc, nbytes) from exc
 
     def check_room(self, nbytes: int) -> None:
         """Raise StagingError, before anything is written, when ``/dev/shm`` cannot hold the pages
@@ -162,6 +163,17 @@ class ShmSegment:
         missing = max(0, min(nbytes, self.nbytes) - allocated_nbytes(self._fd))
         if missing and missing > shm_free_nbytes():
             raise self.no_room(OSError(28, os.strerror(28)), missing)
+
+    def write_failed(self, exc: OSError, nbytes: int) -> StagingError:
+        """What a failed write or allocation of ``nbytes`` raises: SharedMemoryFullError when
+        ``/dev/shm`` is full (the save fails with that reason), else the error as it is (told as
+        a full /dev/shm, an EFAULT or EIO sent users freeing space that was there)."""
+        if exc.errno in _FULL:
+            return self.no_room(exc, nbytes)
+        return StagingError(
+            f"shared-memory segment {self.path}: writing {nbytes} bytes failed: {exc}. This save fails; "
+            "training goes on and the next save retries"
+        )
 
     def no_room(self, exc: OSError, nbytes: int) -> SharedMemoryFullError:
         return SharedMemoryFullError(
@@ -228,6 +240,8 @@ class ShmSegment:
 
 
 _CHUNK_NBYTES = 64 << 20
+# Errors of a write or allocation that mean the filesystem is full (tmpfs: ENOSPC; quota: EDQUOT).
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def allocated_nbytes(fd_or_path: int | str | os.PathLike) -> int:

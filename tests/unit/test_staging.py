@@ -200,6 +200,20 @@ def test_every_producer_gives_up_with_the_mark_its_failure_calls_for():
     assert give_up_mark(None) == ABANDONED
 
 
+def test_a_failed_ring_write_is_told_as_a_full_dev_shm_only_when_it_is(tmp_path):
+    # Every OSError of a rank's write was a SharedMemoryFullError ("free /dev/shm"), an EIO too.
+    seg = ShmSegment.create(f"ckptd-test-full-{secrets.token_hex(3)}", 1 << 16)
+    try:
+        full = seg.write_failed(OSError(errno.ENOSPC, "No space left on device"), 4096)
+        other = seg.write_failed(OSError(errno.EIO, "Input/output error"), 4096)
+        assert isinstance(full, SharedMemoryFullError) and give_up_mark(full) == NO_ROOM
+        assert not isinstance(other, SharedMemoryFullError) and give_up_mark(other) == ABANDONED
+        assert "Input/output error" in str(other) and "/dev/shm has" not in str(other)
+    finally:
+        seg.close()
+        seg.unlink()
+
+
 def _mapped(address: int) -> bool:
     with open("/proc/self/maps") as f:
         return any(int(line.split("-", 1)[0], 16) == address for line in f)
