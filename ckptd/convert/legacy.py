@@ -30,7 +30,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,16 +37,16 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointExistsError, OutputInsideCheckpointError, ShardingError
-from ..format.durable import ATOMIC_TMP_SUFFIX
 from ..format.finalize import write_checkpoint
 from ..format.items import PlannedItem, serialize_object
-from ..format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
+from ..format.layout import DCP_METADATA, METADATA_JSON
 from ..format.records import TENSOR, ItemRecord, dtype_name, object_record
 from ..mapping import ShardedObject
 from . import experts as moe
 from . import mcore
 from .legacy_tree import LegacyTree, RankFile, check_same_entries, discover, model_chunks, read_rank_file
 from .splitrules import BUILT_IN_RULES, DEFAULT_RULES, GLU_RULE, SplitRule
+from .undo import undone_on_failure
 
 log = logging.getLogger("ckptd.convert")
 
@@ -55,11 +54,6 @@ Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
 _STACK = re.compile(r"^(.*?layers)\.(\d+)\.(.*)$")
-#: The files write_checkpoint creates (data files, then common.pt, .metadata, metadata.json via tmp).
-_WRITTEN = re.compile(
-    rf"(__\d+_\d+{re.escape(DATA_SUFFIX)}|{re.escape(COMMON_PT)}|{re.escape(DCP_METADATA)}"
-    rf"|{re.escape(METADATA_JSON)})({re.escape(ATOMIC_TMP_SUFFIX)})?"
-)
 
 
 @dataclass
@@ -136,6 +130,9 @@ class _Converter:
         self.total = sum(f.path.stat().st_size for f in tree.files)
         # Written tensors (a grouped expert's: with its expert index): their dtype and global shape.
         self.seen: dict[str | tuple[str, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # The pieces of the tensors outside layer stacks, as first written: a later stage's copy
+        # is compared with them (memory-mapped views, nothing copied).
+        self.outside_layers: dict[str | tuple[str, int], list[torch.Tensor]] = {}
         self.counted: set[str] = set()
         self.skipped: set[str] = set()
         self.objects: set[str] = set()
@@ -377,9 +374,21 @@ class _Converter:
         if unit in self.seen:
             if self.seen[unit] != (dtype, tuple(gshape)):
                 raise ShardingError(f"'{gkey}' appears in several pipeline stages with different shapes")
-            log.info("'%s' is held by several pipeline stages; keeping the first", gkey)
+            first = self.outside_layers.get(unit, [])
+            if len(first) == len(pieces) and not all(torch.equal(a, b) for a, (b, _) in zip(first, pieces)):
+                # Megatron keeps a tied embedding's copies in sync (the last stage's, MTP's): one
+                # that differs is no copy, and keeping either may be wrong.
+                log.warning(
+                    "'%s' is held by several pipeline stages with different values; the first stage's is "
+                    "kept. Check the source checkpoint (a tied embedding's copies should be equal)",
+                    gkey,
+                )
+            else:
+                log.info("'%s' is held by several pipeline stages; keeping the first", gkey)
             return []
         self.seen[unit] = (dtype, tuple(gshape))
+        if not layers:  # what several stages hold is outside the layers (embedding, output layer)
+            self.outside_layers[unit] = [p for p, _ in pieces]
         if gkey not in self.counted:
             self.counted.add(gkey)
             self.report.tensors += 1
@@ -558,7 +567,7 @@ def convert_legacy(
         )
         return out
 
-    with _undone_on_failure(root):
+    with undone_on_failure(root):
         write_checkpoint(root, ranks(), common, fsync=fsync)
     conv.report.iteration = first.get("iteration")
     conv.report.skipped = sorted(conv.skipped)
@@ -571,29 +580,3 @@ def convert_legacy(
         conv.report.nbytes / 2**20,
     )
     return conv.report
-
-
-@contextmanager
-def _undone_on_failure(root: Path) -> Iterator[None]:
-    """Create ``root`` (and its missing parents); if the body fails, remove what it created there: the
-    files a checkpoint write creates that were not there before, and the directories made here
-    (when empty). A failed conversion then leaves ``dst`` as it was, not a data file without
-    markers that looks like an interrupted save."""
-    made = [p for p in (root, *root.parents) if not p.exists()]
-    root.mkdir(parents=True, exist_ok=True)
-    before = set(os.listdir(root))
-    try:
-        yield
-    except BaseException:
-        for name in sorted(set(os.listdir(root)) - before):
-            if _WRITTEN.fullmatch(name):
-                try:
-                    (root / name).unlink()
-                except OSError as exc:
-                    log.warning("could not remove %s after the failed conversion: %s", root / name, exc)
-        for directory in made:  # deepest first
-            try:
-                directory.rmdir()
-            except OSError:
-                break  # not empty: something else is in it
-        raise

@@ -451,3 +451,23 @@ def test_each_layer_stack_is_numbered_on_its_own_across_pipeline_stages(tmp_path
         }
     assert sorted(plain) == sorted(expected)
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_embedding_held_by_two_stages_is_compared(tmp_path, caplog, same):
+    """The last stage's copy of a tied embedding was dropped after a check of its shape only."""
+    emb = torch.arange(12.0).reshape(3, 4)
+    stages = [
+        {"embedding.word_embeddings.weight": emb, "decoder.layers.0.input_layernorm.weight": torch.ones(4)},
+        {
+            "embedding.word_embeddings.weight": emb if same else emb + 1,
+            "decoder.layers.0.input_layernorm.weight": torch.ones(4),
+        },
+    ]
+    models = {f"mp_rank_00_{p:03d}": model for p, model in enumerate(stages)}
+    it = _write_ranks(tmp_path / "legacy" / "iter_0000010", models, pipeline_model_parallel_size=2)
+    with caplog.at_level("INFO", logger="ckptd.convert"):
+        convert_legacy(it, tmp_path / "dist", fsync=False)
+    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "dist")["embedding.word_embeddings.weight"], emb)
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "different values" in r.getMessage()]
+    assert len(warned) == (0 if same else 1)
