@@ -307,13 +307,21 @@ class Levels:
             if resume.commit is None or not resume.commit.attempt:
                 break
             target = self.node_local_commit(resume.commit)
+            # Named by its path on the disks: found damaged (a flipped bit on one node's disk) or
+            # lost with a node, the mirror's copy of the same commit stays a candidate.
+            key = str(join(self.root, target.name))
             lost = self._lost_with_a_node(target, group)
             if lost is None:
                 log.info("resuming from step %d (commit %s, node 0's latest)", target.step, target.attempt)
                 # Whether it was removed must be answered alike on every node (they hold different
                 # files): never; a node that lost its files reads them from the mirror's copy.
-                return Candidate(target.name, target, lambda: False)
-            damaged[target.name] = lost
+                return Candidate(
+                    key,
+                    target,
+                    lambda: False,
+                    fallback="the mirror's copy of the same commit, else the intact one committed last before it",
+                )
+            damaged[key] = lost
             log.warning("%s; resuming from the newest checkpoint that can be loaded", lost)
         if resume.commit is not None:  # not a Checkpointer's commit (ckptd.save): no view of it
             path: Location = join(self.root, step_dir_name(resume.commit.step))
@@ -326,7 +334,7 @@ class Levels:
                 f"{self.root} on node 0 (the commit authority with node_local) and the mirror {self.mirror} hold "
                 "no committed checkpoint"
             )
-        return Candidate(path.name, path, lambda: checkpoint_exists(path))
+        return Candidate(str(path), path, lambda: checkpoint_exists(path))
 
     def resumed_step(self, damaged: dict[str, str], group: Any = None) -> int | None:
         """Node-local disks: the step :meth:`load_resumed` loads now, agreed by every rank (a
@@ -337,7 +345,7 @@ class Levels:
             return None
         if isinstance(candidate.target, NodeLocalCheckpoint):
             return candidate.target.step
-        return committed_step(candidate.name)
+        return committed_step(candidate.target.name)
 
     def _check_nothing_elsewhere(self, group: Any) -> None:
         """Node 0's disk and the mirror hold no checkpoint: raise CorruptCheckpointError if another

@@ -274,7 +274,9 @@ def test_a_damaged_local_file_fails_and_one_of_another_size_is_read_from_the_mir
 def test_a_node_local_checkpointer_resumes_from_its_disk_and_the_mirror(saved, s3_bucket, runtime_dir, tmp_path):
     """Node 0 of a 2-node job, resumed in one process: its disk holds rank 0's files of steps 10
     and 20, the mirror's copies the rest. latest(), load() and load(step=) agree; checkpoint_dir()
-    is the node's part; a damaged local file sends the resume back to step 10."""
+    is the node's part; a damaged local file sends the resume to the mirror's copy of step 20 (it
+    went back to step 10: the damage was recorded by the step's name, which ruled out the mirror's
+    intact copy too, and with nothing older the job could not restart)."""
     url = f"s3://{s3_bucket}/m"
     for step in (STEP, 2 * STEP):
         _mirror(saved, url, step)
@@ -297,8 +299,8 @@ def test_a_node_local_checkpointer_resumes_from_its_disk_and_the_mirror(saved, s
             raw[len(raw) // 2] ^= 0x01
             data.write_bytes(raw)
             sd, z = _request()
-            out = ckpt.load({**sd, "iteration": 0})  # step 20 is damaged on this disk: step 10
-            assert torch.equal(z, saved.values[STEP]) and out["iteration"] == STEP
+            out = ckpt.load({**sd, "iteration": 0})  # step 20 is damaged on this disk: the mirror's
+            assert torch.equal(z, saved.values[2 * STEP]) and out["iteration"] == 2 * STEP
     finally:
         stop_root_daemons(node0, runtime_dir, timeout_s=60)
 
