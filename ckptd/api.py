@@ -35,12 +35,12 @@ from .errors import (
     ShardingError,
 )
 from .format.checksum import crc32c
-from .format.coverage import check_coverage, dedup_plain
+from .format.coverage import ChunkId, check_coverage, chunk_id, dedup_plain, is_replicated_chunk, replicated_chunks
 from .format.dcp_metadata import CheckpointIndex, common_items, planner_path
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
 from .format.finalize import finalize, serialize_common
-from .format.items import PlannedItem, write_data_file
+from .format.items import PlannedItem, payload_crc, write_data_file
 from .format.layout import (
     COMMON_PT,
     DCP_METADATA,
@@ -179,11 +179,12 @@ def save(
     token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
     writers = _plain_writers([p["plain"] for p in planned])
+    by_rank = _with_replicated_crcs(ctx, [p["records"] for p in planned], prepared)
     # Every rank decides alike which copy of an item several ranks hold is stored (a plain item's
     # writer, a replicated DTensor chunk's lowest holder), and drops its own other copies.
-    kept, differing = dedup_plain([r for p in planned for r in p["records"]], writers)
+    kept, differing = dedup_plain([r for records in by_rank for r in records], writers)
     kept_ids = {id(r) for r in kept}
-    prepared[:] = [i for i, r in zip(prepared, planned[ctx.rank]["records"], strict=True) if id(r) in kept_ids]
+    prepared[:] = [i for i, r in zip(prepared, by_rank[ctx.rank], strict=True) if id(r) in kept_ids]
     created_root = [False]
 
     def validate() -> None:
@@ -239,6 +240,33 @@ def save(
             _remove_partial(root, ctx, created_root[0])
         raise
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
+
+
+def _with_replicated_crcs(
+    ctx: DistContext, by_rank: list[list[ItemRecord]], prepared: list[PlannedItem]
+) -> list[list[ItemRecord]]:
+    """Every rank's planned records, those of chunks several ranks store (a DTensor on a submesh)
+    with the CRC-32C of their values (a collective, only when there are such chunks): their copies
+    are kept once only when equal (ckptd.format.coverage.dedup_plain)."""
+    several = replicated_chunks([r for records in by_rank for r in records])
+    if not several:
+        return by_rank
+
+    def mine() -> dict[ChunkId, int]:
+        return {
+            chunk_id(r): payload_crc(item.payload)
+            for item, r in zip(prepared, by_rank[ctx.rank], strict=True)
+            if is_replicated_chunk(r) and chunk_id(r) in several
+        }
+
+    crcs = ctx.agree("comparing the copies of chunks several ranks store", mine)
+    return [
+        [
+            replace(r, crc=crcs[rank][chunk_id(r)]) if is_replicated_chunk(r) and chunk_id(r) in several else r
+            for r in records
+        ]
+        for rank, records in enumerate(by_rank)
+    ]
 
 
 def _planned_record(item: PlannedItem, plain: dict[str, int], world_size: int) -> ItemRecord:

@@ -8,9 +8,9 @@ rank 0 of a synchronous save, the coordinator of an asynchronous one. Two jobs:
   others hold the same; a synchronous save plans every holder's) is kept once, from the writer
   :func:`ckptd.statedict.holdings.assign_writers` picks; the other copies' bytes stay in their
   data files, unreferenced (DCP and Megatron-Core read only what ``.metadata`` references), as
-  torch DCP's ``_dedup_save_plans`` keeps one. So is a chunk of a DTensor that several ranks
-  store (a DTensor on a submesh is replicated across the submeshes). Copies whose checksums
-  differ are named in a warning.
+  torch DCP's ``_dedup_save_plans`` keeps one. Copies whose checksums differ are named in a
+  warning. So is a chunk of a DTensor that several ranks store (a DTensor on a submesh is
+  replicated across the submeshes), but only once the checksums of its copies are equal.
 - :func:`check_coverage`: every key some rank holds (a replica, ``replica_id != 0``, or a plain
   item it left to another rank) must be stored by some rank; otherwise the save is refused,
   naming the key and its holders, as Megatron-Core's ``validate_sharding_integrity`` refuses an
@@ -47,24 +47,42 @@ def plain_holdings(records: Iterable[ItemRecord]) -> dict[str, dict[int, int]]:
     return dict(out)
 
 
+ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  # (key, offsets, sizes)
+
+
+def chunk_id(r: ItemRecord) -> ChunkId:
+    return (r.fqn, r.offsets, r.sizes)
+
+
+def replicated_chunks(records: Sequence[ItemRecord]) -> set[ChunkId]:
+    """The chunks (:func:`is_replicated_chunk`) that several ranks store."""
+    holders: dict[ChunkId, set[int]] = defaultdict(set)
+    for r in records:
+        if is_replicated_chunk(r):
+            holders[chunk_id(r)].add(r.rank)
+    return {c for c, ranks in holders.items() if len(ranks) > 1}
+
+
 def dedup_plain(
     records: Sequence[ItemRecord], writers: Mapping[str, int] | None = None
 ) -> tuple[list[ItemRecord], list[str]]:
     """``records`` with each plain item kept once (its assigned writer's copy: ``writers``, else
     :func:`~ckptd.statedict.holdings.assign_writers` of the records' holdings), and with each
     replicated chunk kept once (:func:`is_replicated_chunk`: the lowest rank's copy); plus warnings
-    naming keys whose copies' checksums differ.
+    naming plain keys whose copies' checksums differ.
 
     Raises ShardingError when the copies of one key disagree on kind, dtype or shape (the holders
-    do not hold the same thing under that key).
+    do not hold the same thing under that key), and when the copies of a replicated chunk have
+    other checksums, or any has none (different tensors under one key, which cannot be told
+    from copies without them).
     """
     holdings = plain_holdings(records)
     shared = {k for k, held in holdings.items() if len(held) > 1}
-    chunks: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[ItemRecord]] = defaultdict(list)
+    replicated: dict[ChunkId, list[ItemRecord]] = defaultdict(list)
+    several = replicated_chunks(records)
     for r in records:
-        if is_replicated_chunk(r):
-            chunks[(r.fqn, r.offsets, r.sizes)].append(r)
-    replicated = {c: rs for c, rs in chunks.items() if len(rs) > 1}
+        if is_replicated_chunk(r) and chunk_id(r) in several:
+            replicated[chunk_id(r)].append(r)
     if not shared and not replicated:
         return list(records), []
     copies: dict[str, list[ItemRecord]] = defaultdict(list)
@@ -73,23 +91,21 @@ def dedup_plain(
             copies[r.fqn].append(r)
     for key, rs in copies.items():
         _check_same_item(key, rs)
-    for (key, _, _), rs in replicated.items():
-        _check_same_item(key, rs)
+    dropped: set[int] = set()
+    for chunk, rs in replicated.items():
+        _check_same_item(chunk[0], rs)
+        _check_same_values(chunk, rs)
+        lowest = min(r.rank for r in rs)
+        dropped.update(id(r) for r in rs if r.rank != lowest)
     chosen = dict(writers or {})
     if shared - chosen.keys():  # a DTensor's whole-tensor piece held by several ranks is no planned plain key
         chosen = {**assign_writers({k: holdings[k] for k in shared}), **chosen}
-    dropped = {id(r) for rs in replicated.values() for r in rs if r.rank != min(c.rank for c in rs)}
     kept = [
         r
         for r in records
         if id(r) not in dropped and (not (r.fqn in shared and is_plain_item(r)) or chosen[r.fqn] == r.rank)
     ]
     warnings = [w for key in sorted(copies) if (w := _differing(key, copies[key], chosen[key]))]
-    warnings += [
-        w
-        for (key, offsets, _), rs in sorted(replicated.items())
-        if (w := _differing(key, rs, min(r.rank for r in rs), f"its chunk at offsets {list(offsets)}"))
-    ]
     return kept, warnings
 
 
@@ -98,8 +114,34 @@ def is_replicated_chunk(r: ItemRecord) -> bool:
     submesh (``init_device_mesh(("dp", "tp"))["tp"]``, each data-parallel group's tensor-parallel
     ranks) is replicated across the groups, but each group's ranks see only their submesh, so the
     same chunk comes from one rank of every group. As torch DCP's ``_dedup_save_plans`` does, one
-    copy is kept; Megatron-style chunks (no path) say which copy is the main one by replica_id."""
+    copy is kept, once their checksums show they are copies; Megatron-style chunks (no path) say
+    which copy is the main one by replica_id."""
     return bool(r.path) and r.kind != BYTES and not is_plain_item(r)
+
+
+def _check_same_values(chunk: ChunkId, copies: list[ItemRecord]) -> None:
+    """The copies of a replicated chunk hold the same bytes: two pipeline stages whose layers are
+    numbered alike (``layers.0`` on both) hold different tensors under one key, which are no copies."""
+    key, offsets, _ = chunk
+    unknown = sorted(r.rank for r in copies if r.crc is None)
+    if unknown:
+        raise ShardingError(
+            f"tensor '{key}': ranks {sorted(r.rank for r in copies)} each store its chunk at offsets "
+            f"{list(offsets)}, and without checksums (ranks {unknown}) copies of one tensor cannot be told "
+            "from different tensors under one key: turn checksums on, or give each rank's tensor a key of "
+            "its own (replica_id != 0 for the copies of a ShardedTensor)"
+        )
+    by_crc: dict[int | None, list[int]] = defaultdict(list)
+    for r in copies:
+        by_crc[r.crc].append(r.rank)
+    if len(by_crc) > 1:
+        said = "; ".join(f"ranks {_ranks(sorted(ranks))}" for ranks in sorted(by_crc.values()))
+        raise ShardingError(
+            f"tensor '{key}': its chunk at offsets {list(offsets)} is stored by several ranks with different "
+            f"values ({said} agree): a key names one tensor. Copies of it (data-parallel replicas of a "
+            "DTensor on a submesh) must be equal; different tensors (a pipeline stage's layers numbered "
+            "from 0 on every stage) need keys of their own"
+        )
 
 
 def _check_same_item(key: str, copies: list[ItemRecord]) -> None:
@@ -117,16 +159,15 @@ def _what(r: ItemRecord) -> str:
     return "a value" if r.kind == BYTES else f"a {r.dtype} tensor of shape {list(r.global_shape)}"
 
 
-def _differing(key: str, copies: list[ItemRecord], writer: int, what: str = "") -> str:
+def _differing(key: str, copies: list[ItemRecord], writer: int) -> str:
     crcs = {r.rank: r.crc for r in copies}
     if None in crcs.values() or len(set(crcs.values())) < 2:
         return ""
     kept = crcs[writer]
     others = sorted(r for r, c in crcs.items() if c != kept)
-    rule = "the lowest holding rank's" if copies[0].kind == BYTES or what else "its size-balanced writer's"
-    of = f"{what} of '{key}'" if what else f"'{key}'"
+    rule = "the lowest holding rank's" if copies[0].kind == BYTES else "its size-balanced writer's"
     return (
-        f"ranks {sorted(crcs)} hold different copies of {of}; only rank {writer}'s is stored "
+        f"ranks {sorted(crcs)} hold different copies of '{key}'; only rank {writer}'s is stored "
         f"({rule}); ranks {others} differ from it. Keep one value per key on every rank that "
         "holds it, or give each rank's value a key of its own"
     )

@@ -244,6 +244,18 @@ class ItemSink:
         return self._start, length, crc, pack_blocks(blocks) if len(blocks) > 1 else b""
 
 
+def payload_crc(payload: Any) -> int:
+    """CRC-32C of a payload's values: a value's bytes, or a tensor's elements as stored
+    (contiguous, conjugate and negative bits resolved, on the CPU)."""
+    import torch
+
+    if not isinstance(payload, torch.Tensor):
+        return crc32c(payload)
+    t = payload.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    n = t.numel() * t.element_size()
+    return crc32c(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else b"")
+
+
 @contextlib.contextmanager
 def _zip_crc32_omitted(omit: bool) -> Iterator[None]:
     """While active, ``torch.save`` *in this thread* writes its zip entries without a CRC-32.

@@ -281,13 +281,13 @@ def read_common_pt(
                 return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
             # No checksum recorded (Megatron-Core, torch DCP): the CRC-32s in the archive catch a
             # flipped bit in a tensor of the common state, which decodes without a word.
-            data = f.read(size)
-            if is_zip_stream(data) and (problem := torch_save_problem(data)) is not None:
+            if is_zip_stream(f.read(4)) and (problem := decode_problem(f, check_crcs=True)) is not None:
                 raise CorruptCheckpointError(
                     f"{path} {problem}; the checkpoint's common state is damaged. Restore the file, or "
                     "load an earlier checkpoint"
                 )
-            return unpickle_torch(data, f"common state {path}", allow_unsafe_pickle)
+            f.seek(0)  # streamed, checked and decoded alike: never read whole into memory
+            return unpickle_torch(f, f"common state {path}", allow_unsafe_pickle)
     if not root.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint directory {root} is gone (removed or renamed while it was being read, e.g. by "

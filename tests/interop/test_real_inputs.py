@@ -305,6 +305,24 @@ def _dtensors_save_at_4(rank: int, world: int, root: str) -> list[str]:
                 bad.append(f"wrong error for {pattern}: {exc}")
     if os.path.exists(os.path.join(root, "refused")):
         bad.append("a refused save left files")
+    # Two pipeline stages (the 2x2 mesh's "dp" groups standing in) whose layers are numbered from 0
+    # on each: one key, different tensors. Copies of a chunk are kept once only when equal.
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh2d.get_coordinate()[0]
+    local = {"layers.0.w": distribute_tensor(torch.full((4, 2), float(stage)), mesh2d["tp"], [Shard(0)])}
+    try:
+        ckptd.save(local, os.path.join(root, "stages"))
+        bad.append("saved two stages' different layers.0.w as one")
+    except ckptd.ShardingError as exc:
+        if "is stored by several ranks with different values" not in str(exc):
+            bad.append(f"wrong error for two stages' layers.0.w: {exc}")
+    with ckptd.Checkpointer(os.path.join(root, "stages_async")) as ckpt:
+        try:
+            ckpt.save(local, step=1).wait(timeout_s=60)
+            bad.append("a Checkpointer saved two stages' different layers.0.w as one")
+        except ckptd.SaveFailedError as exc:
+            if "is stored by several ranks with different values" not in str(exc):
+                bad.append(f"wrong async error for two stages' layers.0.w: {exc}")
     return bad
 
 
