@@ -126,13 +126,14 @@ _DENSE_FC1 = re.compile(r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$")
 _FC2_OF = {"linear_fc1": "linear_fc2", "dense_h_to_4h": "dense_4h_to_h"}
 
 
-def mlp_glu(chunk: dict[str, object], where: str) -> dict[str, bool]:
+def mlp_glu(chunk: dict[str, object]) -> dict[str, bool | None]:
     """``{fc1 key: whether it is a gated linear unit's [gate; up]}`` for each MLP's fc1 (weight or
     bias; not a grouped module's, see :func:`check_glu`) whose fc2 weight is in ``chunk``: its
-    width (rows) is twice its fc2's ffn width (columns) for GLU, as wide otherwise, per TP rank.
-    Decided per MLP: one model can hold both (a SwiGLU language model's and a GELU vision tower's
-    ``linear_fc1``), and args that do not say ``swiglu`` split a GLU wrong otherwise."""
-    out: dict[str, bool] = {}
+    width (rows) is twice its fc2's ffn width (columns) for GLU, as wide otherwise, per TP rank
+    (None: neither). Decided per MLP: one model can hold both (a SwiGLU language model's and a
+    GELU vision tower's ``linear_fc1``), and args that do not say ``swiglu`` split a GLU wrong
+    otherwise."""
+    out: dict[str, bool | None] = {}
     for key, value in chunk.items():
         m = _DENSE_FC1.search(key)
         if m is None or grouped_key(key) is not None or not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -142,11 +143,5 @@ def mlp_glu(chunk: dict[str, object], where: str) -> dict[str, bool]:
         if not isinstance(other, torch.Tensor) or other.dim() != 2 or other.shape[1] == 0:
             continue
         width, ffn = value.shape[0], other.shape[1]
-        if width not in (ffn, 2 * ffn):
-            raise ShardingError(
-                f"{where}: '{key}' is {width} wide for an ffn of {ffn} ('{fc2}'): neither an MLP's fc1 "
-                "(as wide) nor a gated linear unit's [gate; up] (twice as wide), so how it is split over "
-                "tensor-parallel ranks is unknown; give a split rule for it (--split 'REGEX=AXIS')"
-            )
-        out[key] = width == 2 * ffn
+        out[key] = None if width not in (ffn, 2 * ffn) else width == 2 * ffn
     return out

@@ -54,6 +54,7 @@ Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
 _STACK = re.compile(r"^(.*?layers)\.(\d+)\.(.*)$")
+_MTP = re.compile(r"(^|\.)mtp\.layers$")
 
 
 @dataclass
@@ -162,16 +163,23 @@ class _Converter:
         self.num_layers = acc
         return offsets
 
+    def _stacked(self, gkey: str) -> re.Match[str] | None:
+        """``gkey`` as a layer of a stack written stacked (``stack_layers``). Megatron-Core never
+        stacks a multi-token prediction block's ``mtp.layers.<i>``: they keep their numbers."""
+        stacked = _STACK.match(gkey) if self.stack_layers else None
+        return None if stacked is None or _MTP.search(stacked.group(1)) else stacked
+
     def _stacked_layers(self, key: str) -> int:
         """How many layers the stack of ``key`` (a global key, before Megatron-Core naming) has."""
         stack = _stack(key)
         return 0 if stack is None else self.num_layers.get(stack, 0)
 
     def chunks_for(
-        self, key: str, shards: list[torch.Tensor], glu: bool | None = None
+        self, key: str, shards: list[torch.Tensor], fc1: tuple[bool | None] | None = None
     ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """``(payload, global offsets)`` per chunk, and validate the TP split. ``glu``: whether the
-        MLP's fc1 ``key`` is a gated linear unit's, as its width says (:func:`.experts.mlp_glu`)."""
+        """``(payload, global offsets)`` per chunk, and validate the TP split. ``fc1``: for an
+        MLP's fc1 ``key``, whether it is a gated linear unit's, as its width says (None: neither;
+        :func:`.experts.mlp_glu`)."""
         t0 = shards[0]
         for r, t in enumerate(shards[1:], 1):
             if t.dtype != t0.dtype or t.shape != t0.shape:
@@ -180,6 +188,13 @@ class _Converter:
                     f"{t0.dtype} {tuple(t0.shape)}; legacy TP shards must have equal shapes"
                 )
         rule = self._rule(key)
+        glu = None if fc1 is None else fc1[0]
+        if fc1 is not None and glu is None and len(shards) > 1 and (rule is None or rule in BUILT_IN_RULES):
+            raise ShardingError(
+                f"'{key}' is an MLP's fc1 whose width is neither its fc2's ffn (an MLP's) nor twice it (a gated "
+                "linear unit's [gate; up]), so how it is split over tensor-parallel ranks is unknown; give a "
+                "split rule for it (--split 'REGEX=AXIS' or 'REGEX=glu:AXIS')"
+            )
         if glu is not None and rule is not None and rule.axis is not None and rule.glu != glu:
             if rule not in BUILT_IN_RULES:
                 raise ShardingError(
@@ -238,10 +253,10 @@ class _Converter:
         for v, chunk0 in enumerate(per_rank[0]):
             experts = _count(_EXPERT, list(chunk0))
             te_experts = moe.te_local_experts(chunk0)
-            glu_of: dict[str, bool] = {}
+            glu_of: dict[str, bool | None] = {}
             if self.tree.tp_size > 1:
                 moe.check_glu(chunk0, self.glu, str(files[0].path))
-                glu_of = moe.mlp_glu(chunk0, str(files[0].path))
+                glu_of = moe.mlp_glu(chunk0)
             layer_offset = layer_offsets.get((v, pp), {})
             for key, value in chunk0.items():
                 if not isinstance(value, torch.Tensor):
@@ -270,7 +285,7 @@ class _Converter:
                     self._check_as_ep0(key, v, pp, ep, shards, files)
                     continue
                 gkey = _renumber(key, layer_offset, ep * experts if is_expert else 0)
-                pieces = self.chunks_for(gkey, shards, glu_of.get(key))
+                pieces = self.chunks_for(gkey, shards, (glu_of[key],) if key in glu_of else None)
                 gshape = self._global_shape(gkey, shards)
                 layers = self._stacked_layers(gkey)
                 if self.mcore_map is not None:
@@ -392,7 +407,7 @@ class _Converter:
         if gkey not in self.counted:
             self.counted.add(gkey)
             self.report.tensors += 1
-        stacked = _STACK.match(gkey) if self.stack_layers else None
+        stacked = self._stacked(gkey)
         if stacked:
             # Megatron-Core's default torch_dist naming: one tensor per layer type with the layer
             # number as a prepended axis.
@@ -425,7 +440,7 @@ class _Converter:
             return []
         layers = self._stacked_layers(gkey)
         gkey = mcore.mcore_key(self.mcore_map or (), gkey)
-        stacked = _STACK.match(gkey) if self.stack_layers else None
+        stacked = self._stacked(gkey)
         if stacked:
             obj = ShardedObject(
                 key=f"{stacked.group(1)}.{stacked.group(3)}",

@@ -443,11 +443,11 @@ def test_each_layer_stack_is_numbered_on_its_own_across_pipeline_stages(tmp_path
         **{f"decoder.layers.{i}.input_layernorm.weight": t(i) for i in range(4)},
         "mtp.layers.0.enorm.weight": t(9),
     }
-    if stack:  # one tensor per stack, with its own number of layers
+    if stack:  # one tensor per stack, with its own number of layers; MTP's never stacked (Megatron-Core)
         expected = {
             "vision_model.decoder.layers.input_layernorm.weight": torch.stack([t(50 + i) for i in range(4)]),
             "decoder.layers.input_layernorm.weight": torch.stack([t(i) for i in range(4)]),
-            "mtp.layers.enorm.weight": t(9).unsqueeze(0),
+            "mtp.layers.0.enorm.weight": t(9),
         }
     assert sorted(plain) == sorted(expected)
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
@@ -471,3 +471,19 @@ def test_a_tied_embedding_held_by_two_stages_is_compared(tmp_path, caplog, same)
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "dist")["embedding.word_embeddings.weight"], emb)
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "different values" in r.getMessage()]
     assert len(warned) == (0 if same else 1)
+
+
+def test_an_fc1_of_neither_width_needs_a_rule_and_follows_one(tmp_path):
+    fc1, fc2 = torch.randn(3 * F, H), torch.randn(H, F)
+    models = {
+        f"mp_rank_{r:02d}": {
+            "decoder.layers.0.mlp.linear_fc1.weight": fc1.chunk(2, 0)[r].clone(),
+            "decoder.layers.0.mlp.linear_fc2.weight": fc2.chunk(2, 1)[r].clone(),
+        }
+        for r in range(2)
+    }
+    it = _write_ranks(tmp_path / "legacy" / "iter_0000010", models, tensor_model_parallel_size=2)
+    with pytest.raises(ShardingError, match=r"'decoder.layers.0.mlp.linear_fc1.weight' is an MLP's fc1 whose width"):
+        convert_legacy(it, tmp_path / "dist", fsync=False)
+    convert_legacy(it, tmp_path / "dist", rules=[SplitRule.parse(r"linear_fc1\.weight$=0")], fsync=False)
+    assert torch.equal(ckptd.load_plain_tensors(tmp_path / "dist")["decoder.layers.0.mlp.linear_fc1.weight"], fc1)
