@@ -31,6 +31,8 @@ from ..format.rootlayout import ATTEMPT_PATTERN
 # tracker; nobody trains for a billion steps, and a step near 2**64 would pin `latest` (and so
 # retention) forever.
 MAX_STEP = 10**9 - 1
+# Ranks of one job: far above any job's (the largest train on about 10^5 ranks).
+MAX_WORLD_SIZE = 1 << 20
 _ATTEMPT = re.compile(ATTEMPT_PATTERN)
 _TAG_NCHARS = 12
 
@@ -84,6 +86,15 @@ def incarnation_for(run_id: str, world_size: int, environ: Mapping[str, str] | N
         parts.append(f"TORCHELASTIC_RESTART_COUNT={env['TORCHELASTIC_RESTART_COUNT']}")
     source = ", ".join(parts)
     return Incarnation(tag=_tag(source), source=source, weak=weak)
+
+
+def check_world(world_size: int, rank: int | None) -> None:
+    """Refuse a world size outside 0..MAX_WORLD_SIZE (0: a node's own report, rank -1) and a rank
+    outside it (ProtocolError, for messages): the coordinator counts a world's ranks."""
+    if not 0 <= world_size <= MAX_WORLD_SIZE:
+        raise ProtocolError(f"world size {world_size} is outside 0..{MAX_WORLD_SIZE}")
+    if rank is not None and not (rank == -1 or 0 <= rank < world_size):
+        raise ProtocolError(f"rank {rank} is outside the world size {world_size}")
 
 
 def check_step(step: int) -> None:

@@ -76,7 +76,7 @@ import msgspec
 
 from ..errors import ProtocolError
 from ..format.records import ItemRecord
-from .attempt import check_attempt, check_step
+from .attempt import check_attempt, check_step, check_world
 
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
@@ -505,9 +505,9 @@ REGISTRY: dict[int, type[Message]] = {
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
     """The map around every message's fields (``f``: left encoded until the type is known)."""
 
-    v: Any
-    t: Any
-    job: Any
+    v: int
+    t: int
+    job: str
     f: msgspec.Raw
 
 
@@ -521,6 +521,25 @@ _DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
 _NAMES: dict[type[Message], frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in REGISTRY.values()}
 
 
+# A reason or warning put on the wire (a refusal, an abort's reason, a commit's warnings) can be
+# built from a peer's strings (a key, a root); cut, it always fits a message.
+MAX_TEXT_CHARS = 16384
+MAX_WARNINGS = 64
+
+
+def bounded_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with the number left out said."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def bounded_warnings(warnings: list[str]) -> list[str]:
+    """At most :data:`MAX_WARNINGS` warnings, each :func:`bounded_text`, the rest counted."""
+    kept = [bounded_text(w) for w in warnings[:MAX_WARNINGS]]
+    if len(warnings) > MAX_WARNINGS:
+        kept.append(f"... and {len(warnings) - MAX_WARNINGS} more warnings (the coordinator's log has them all)")
+    return kept
+
+
 def _check_ids(msg: Message) -> None:
     """Steps and attempt ids in range (they name directories), also those an IN_FLIGHT_REPLY
     lists: ProtocolError otherwise."""
@@ -531,6 +550,9 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
+            world_size = getattr(named, "world_size", None)
+            if world_size is not None:
+                check_world(world_size, getattr(named, "rank", None))
     except ProtocolError as exc:
         raise ProtocolError(f"{msg.TYPE.name}: {exc}") from None
 
@@ -572,7 +594,7 @@ class Codec:
             env = _ENVELOPE.decode(body)
         except msgspec.ValidationError as exc:  # a DecodeError too: caught first
             raise ProtocolError(f"message is not a {{v, t, job, f}} map: {exc}") from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # nested past the decoder's depth
             raise ProtocolError(f"undecodable message body: {exc}") from None
         if env.v != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -581,7 +603,7 @@ class Codec:
             )
         if env.job != self.job:
             raise ProtocolError(f"message for job {env.job!r}, this is job {self.job!r}")
-        cls = REGISTRY.get(env.t) if type(env.t) is int else None
+        cls = REGISTRY.get(env.t)
         if cls is None:
             raise ProtocolError(f"unknown message type {env.t!r}")
         names = _NAMES[cls]
@@ -591,7 +613,7 @@ class Codec:
             if got != names:
                 raise ProtocolError(f"{cls.TYPE.name}: fields {sorted(got)}, expected {sorted(names)}")
             msg = _DECODERS[cls].decode(env.f)
-        except msgspec.DecodeError as exc:  # ValidationError is one
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is one
             raise ProtocolError(f"{cls.TYPE.name}: {exc}") from None
         _check_ids(msg)
         return msg

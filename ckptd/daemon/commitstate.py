@@ -51,7 +51,7 @@ from typing import Any
 
 from ..config import CkptdConfig
 from ..control.itemchecks import check_record
-from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
+from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written, bounded_text, bounded_warnings
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
@@ -467,7 +467,7 @@ class CommitState:
                 while len(self.commit_files) > COMMIT_FILES_MEMORY:
                     self.commit_files.popitem(last=False)
             committed = StepCommitted(
-                step=st.step, attempt=st.attempt, name=name, warnings=warnings, plain_digest=uniform
+                step=st.step, attempt=st.attempt, name=name, warnings=bounded_warnings(warnings), plain_digest=uniform
             )
             self.counted.remember(st.key, st.report_ids, committed, now)
             self._finish(st, committed)
@@ -487,7 +487,7 @@ class CommitState:
         st.phase = Phase.ABORTED
         log.warning("step %d attempt %s aborted: %s", st.step, st.attempt, reason)
         self._out.append(Remove(step=st.step, attempt=st.attempt))
-        self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason, skipped=skipped))
+        self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=bounded_text(reason), skipped=skipped))
 
     def _remember(self, key: Key, outcome: Message) -> None:
         self.finished[key] = outcome
@@ -510,10 +510,11 @@ class CommitState:
     def _on_tick(self, now: float) -> None:
         for st in list(self.attempts.values()):
             if st.phase is Phase.COLLECTING and now - st.started_s > self.config.commit_timeout_s:
-                missing = sorted(set(range(st.world_size)) - set(st.records))
+                missing = [r for r in range(st.world_size) if r not in st.records]
+                named = f"{missing[:16]}" if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
                 self._abort(
                     st,
-                    f"ranks {missing} did not report within {self.config.commit_timeout_s:g} s "
+                    f"ranks {named} did not report within {self.config.commit_timeout_s:g} s "
                     "(CKPTD_COMMIT_TIMEOUT_S): their trainer or node daemon may have died, or "
                     "their storage is too slow (raise the timeout if so)",
                 )

@@ -33,11 +33,13 @@ from ..control.itemchecks import check_save_items
 from ..control.protocol import (
     MAX_RING_OFFSET,
     AttemptInFlight,
+    Failed,
     Message,
     RegisterLayout,
     Save,
     SaveItem,
     WriteDone,
+    Written,
 )
 from ..errors import AttemptInUseError, ProtocolError, StagingError
 from ..format.records import ItemRecord
@@ -181,7 +183,29 @@ class SaveIntake:
             )
             self.send_to_rank(done, job.identity)
         elif isinstance(action, Report):
-            self.uplink.report(action.msg, action.key)
+            msg = self._sendable(action.msg) if isinstance(action.msg, Written) else action.msg
+            self.uplink.report(msg, action.key)
+
+    def _sendable(self, msg: Written) -> Written | Failed:
+        """``msg``, or a FAILED saying why when it exceeds the message limit (the records of a
+        layout with very many items, or rank 0's common state): kept as the node's report, every
+        send of it failed, the save's ring stayed held, and the other attempts' resends stopped."""
+        estimate = len(msg.common or b"") + sum(len(r.fqn) + 160 for r in msg.records)
+        codec = self.uplink.channel.codec
+        if estimate < codec.max_nbytes // 2:
+            return msg
+        try:
+            codec.encode(msg)
+        except ProtocolError as exc:
+            return Failed(
+                step=msg.step,
+                attempt=msg.attempt,
+                rank=msg.rank,
+                world_size=msg.world_size,
+                node=msg.node,
+                reason=f"rank {msg.rank}'s report of its {len(msg.records)} items cannot be sent: {exc}",
+            )
+        return msg
 
     def _drain(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for a save whose attempt aborted before its write started:
@@ -254,8 +278,10 @@ class SaveIntake:
             self.metrics.write_finished(req.step, job.nbytes, result.write_s, result.queue_s, ok=done.error is None)
         # Reported first: freeing the block starts the ring's next write, which fails once the
         # daemon stops (its writers shut down), and a durable file's WRITTEN was lost with it.
-        self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
-        self.rings.write_done(req.rank, job.generation, job.block)
+        try:
+            self._handle(Ended(job=job, result=done.result, error=done.error, reason=done.reason))
+        finally:  # the ring's next saves are not held up by a report that failed
+            self.rings.write_done(req.rank, job.generation, job.block)
 
     def in_flight(self, alive: Callable[[bytes], bool]) -> list[AttemptInFlight]:
         """The attempts this node holds undecided (ckptd.daemon.intakestate.IntakeState.in_flight)."""

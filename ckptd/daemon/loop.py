@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from ..control.channel import Channel
-from ..control.protocol import ErrorReply, Message
+from ..control.protocol import ErrorReply, Message, bounded_text
 from ..errors import CkptdError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def serve_requests(channel: Channel, handle: RequestHandler) -> None:
         except (CkptdError, OSError) as exc:
             log.warning("%s: %s from %r failed: %s", channel.name, msg.TYPE.name, identity, exc)
             refusal = ErrorReply(
-                reason=str(exc),
+                reason=bounded_text(str(exc)),
                 step=step,
                 code=getattr(exc, "code", ""),
                 request=int(msg.TYPE),
@@ -72,7 +72,9 @@ def serve_requests(channel: Channel, handle: RequestHandler) -> None:
             log.exception("%s: %s from %r could not be handled", channel.name, msg.TYPE.name, identity)
             channel.send(
                 ErrorReply(
-                    reason=f"the {channel.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}",
+                    reason=bounded_text(
+                        f"the {channel.name} could not handle {msg.TYPE.name}: {type(exc).__name__}: {exc}"
+                    ),
                     step=step,
                     request=int(msg.TYPE),
                     refused_attempt=attempt,

@@ -48,6 +48,7 @@ from ..control.protocol import (
     Status,
     StatusReply,
     Welcome,
+    bounded_text,
 )
 from ..control.security import HandshakeWatch
 from ..errors import CkptdError, ProtocolError, RankHeldError, UnknownClientError
@@ -55,6 +56,9 @@ from .intake import SaveIntake
 from .loop import serve_requests
 from .rings import RingTable
 from .uplink import CoordinatorLink
+
+# A root path longer than Linux's PATH_MAX is refused before it is resolved.
+MAX_ROOT_CHARS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +196,14 @@ class RankServer:
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str | None) -> None:
         root = self.ep.root
+        if len(msg.root) > MAX_ROOT_CHARS:  # resolving it costs time on the daemon's loop
+            raise ProtocolError(f"HELLO names a root of {len(msg.root)} characters; this daemon serves {root}")
         try:
             asked = canonical_root(msg.root)
         except CkptdError as exc:
-            raise ProtocolError(f"HELLO names the root {msg.root!r}: {exc}") from None
+            raise ProtocolError(f"HELLO names the root {msg.root[:200]!r}: {bounded_text(str(exc), 1000)}") from None
         if str(asked) != str(root):
-            raise ProtocolError(f"this daemon serves {root}, not {msg.root}")
+            raise ProtocolError(f"this daemon serves {root}, not {msg.root[:200]}")
         # The kernel's credentials of the connection (SO_PEERCRED): a process speaks for itself only.
         pid, uid = peer_pid(peer), peer_uid(peer)
         if pid is None or uid is None:

@@ -254,6 +254,15 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
             "attempt id as a path": peer.body(
                 peer.envelope(int(MsgType.SAVE), {**save, "step": 1, "attempt": "../../x-1"})
             ),
+            # 3,000 nested arrays (6 KiB): the decoder's RecursionError left the daemon's loop.
+            "nested past the decoder's depth": [
+                b"\x84"
+                + msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.PING), "job": peer.codec.job})[1:]
+                + msgpack.packb("f")
+                + b"\x91" * 3000
+                + b"\x01"
+            ],
+            "world size 2**40": peer.body(peer.envelope(int(MsgType.SAVE), {**save, "step": 1, "world_size": 2**40})),
         }
         for frames in rejected.values():
             peer.sock.send_multipart(frames)
@@ -269,6 +278,9 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         ), reply
         reply = peer.ask(peer.codec.encode(Hello(rank=0, pid=os.getpid(), root="/elsewhere")))
         assert "serves" in str(reply), reply
+        # A root far beyond PATH_MAX was resolved on the daemon's loop (minutes for megabytes).
+        reply = peer.ask(peer.codec.encode(Hello(rank=0, pid=os.getpid(), root="/x" * 40000)))
+        assert isinstance(reply, ErrorReply) and "HELLO names a root of 80000 characters" in reply.reason, reply
         status = peer.ask(peer.codec.encode(Status()))
         assert isinstance(status, StatusReply)
         assert status.info["rejected"]["malformed"] - before >= len(rejected)
@@ -298,6 +310,8 @@ def test_bad_messages_from_an_authenticated_peer_are_rejected_and_logged(job, tm
         "is outside 0..999999999",
         "attempt id '../../x-1'",
         "HELLO says pid",
+        "maximum recursion depth",
+        "world size 1099511627776 is outside",
     ):
         assert why in log, f"no log line says {why!r}"
     with pytest.raises(ckptd.CkptdError, match="step must be an int in 0..999999999"):

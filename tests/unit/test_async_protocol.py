@@ -119,7 +119,19 @@ def test_every_message_type_round_trips():
         (_frames({"v": PROTOCOL_VERSION - 1, "t": 1, "job": "job1", "f": {"nonce": 1}}), "protocol version"),
         (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job2", "f": {"nonce": 1}}), "for job 'job2'"),
         (_frames({"v": PROTOCOL_VERSION, "t": 999, "job": "job1", "f": {}}), "unknown message type"),
-        (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "unknown message type"),
+        (_frames({"v": PROTOCOL_VERSION, "t": "PING", "job": "job1", "f": {}}), "Expected `int`, got `str` - at `$.t`"),
+        # Nested past the decoder's depth: a RecursionError escaped the daemon's loop (2 KiB did it).
+        ([b"\x91" * 3000 + b"\x01"], "not a {v, t, job, f} map"),
+        (
+            [
+                _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.STATUS_REPLY), "job": "job1", "f": {"info": {}}})[0][
+                    :-1
+                ]
+                + b"\x81\xa1k" * 3000
+                + b"\x01"
+            ],
+            "undecodable message body: maximum recursion depth",
+        ),
         (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {}}), "fields [], expected ['nonce']"),
         (_frames({"v": PROTOCOL_VERSION, "t": 1, "job": "job1", "f": {"nonce": 1, "x": 2}}), "fields"),
         (
@@ -133,6 +145,17 @@ def test_every_message_type_round_trips():
         (
             _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(items=[1, 2])}),
             "SAVE: Expected `object`, got `int` - at `$.items[0]`",
+        ),
+        # World sizes are bounded (a coordinator counted 10^12 ranks on its loop), ranks inside them.
+        (
+            _frames(
+                {"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(world_size=2**40)}
+            ),
+            "SAVE: world size 1099511627776 is outside 0..1048576",
+        ),
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(rank=2)}),
+            "SAVE: rank 2 is outside the world size 1",
         ),
         # Steps are bounded: a step of 2**64 - 1 would pin `latest` forever.
         (

@@ -101,7 +101,12 @@ def test_record_wire_format_keeps_crc_and_reads_old_records():
 
     def through_the_wire(*records: object) -> list[ItemRecord]:
         body = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "t": int(MsgType.WRITTEN), "job": "job", "f": asdict(a_written(rank=3))},
+            {
+                "v": PROTOCOL_VERSION,
+                "t": int(MsgType.WRITTEN),
+                "job": "job",
+                "f": asdict(a_written(rank=3, world_size=4)),
+            },
             use_bin_type=True,
         )
         envelope = msgpack.unpackb(body)
@@ -110,7 +115,9 @@ def test_record_wire_format_keeps_crc_and_reads_old_records():
         assert isinstance(msg, Written)
         return msg.records
 
-    assert codec.decode(codec.encode(a_written(rank=3, records=[rec]))) == a_written(rank=3, records=[rec])
+    assert codec.decode(codec.encode(a_written(rank=3, world_size=4, records=[rec]))) == a_written(
+        rank=3, world_size=4, records=[rec]
+    )
     old = {k: v for k, v in asdict(rec).items() if k != "crc"}  # a record from before checksums
     assert through_the_wire(old) == [replace(rec, crc=None)]
     assert through_the_wire(asdict(rec.stored_at("f", 1, 2)))[0].crc is None

@@ -464,6 +464,10 @@ def test_the_commit_timeout_counts_from_the_first_report_and_names_the_missing_r
     actions = c.tick(0.5)
     assert "ranks [1, 2] did not report within 10 s (CKPTD_COMMIT_TIMEOUT_S)" in only_outcome(actions).reason
     assert c.tick(100) == []  # aborted once
+    # A large world names 16 missing ranks and counts the others (it named every one: megabytes).
+    c.report(N0, written(4, 0, world=100_000))
+    reason = only_outcome(c.tick(CFG.commit_timeout_s + 101)).reason
+    assert f"ranks {list(range(1, 17))} and 99983 more did not report" in reason and len(reason) < 1000
 
 
 def test_a_commit_in_progress_never_times_out():

@@ -254,3 +254,31 @@ def test_an_abandon_the_coordinator_decided_is_never_told_to_a_later_instance():
     sent = [a.msg for a in node.uplink.handle(UplinkTick(), node.now + 3) if isinstance(a, Upstream)]
     assert not [m for m in sent if isinstance(m, Failed)], sent
     assert j.key not in node.uplink.unacked
+
+
+def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
+    """A WRITTEN over the message limit (a layout's many records, rank 0's common state) could not
+    be sent, ever: the node kept resending it, and its write's ring block stayed held."""
+    from types import SimpleNamespace
+
+    from ckptd.control.protocol import Codec
+    from ckptd.daemon.intake import SaveIntake
+
+    records = [ItemRecord(fqn=f"layer.{i}.weight", kind="tensor", rank=1, dtype="float32") for i in range(200)]
+    big = Written(
+        step=5,
+        attempt="0123456789ab-1",
+        rank=1,
+        world_size=2,
+        node=0,
+        records=records,
+        common=None,
+        common_digest="",
+        file_nbytes=0,
+    )
+    fake = SimpleNamespace(uplink=SimpleNamespace(channel=SimpleNamespace(codec=Codec("job", max_nbytes=4096))))
+    failed = SaveIntake._sendable(fake, big)  # type: ignore[arg-type]
+    assert isinstance(failed, Failed) and (failed.step, failed.attempt, failed.rank) == (5, "0123456789ab-1", 1)
+    assert "rank 1's report of its 200 items cannot be sent" in failed.reason and "exceeds the limit" in failed.reason
+    fake.uplink.channel.codec = Codec("job")
+    assert SaveIntake._sendable(fake, big) is big  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,8 @@ from ckptd.control.protocol import (
 )
 from ckptd.control.requests import RequestClient, answer
 from ckptd.control.security import ZapHandler
-from ckptd.errors import DaemonError, DaemonLostError, ProtocolError, RequestNotTaken, UnknownClientError
+from ckptd.daemon.loop import serve_requests
+from ckptd.errors import CkptdError, DaemonError, DaemonLostError, ProtocolError, RequestNotTaken, UnknownClientError
 from tests.messages import ATTEMPT, a_save
 
 # ------------------------------------------------------------------------------ answer(), pure
@@ -90,7 +91,7 @@ class FakeServer:
     """A CurveZMQ ROUTER on ipc:// that answers each request with ``replies[request type]``
     (a list of messages, possibly empty: no answer)."""
 
-    def __init__(self, path: Path, replies: dict[type[Message], list[Message]]) -> None:
+    def __init__(self, path: Path, replies: dict[type[Message], list[Message]] | Callable[..., None]) -> None:
         self.keys = derive_keys(secrets.token_bytes(32))
         self.codec = Codec("job1")
         self.address = f"ipc://{path}"
@@ -113,7 +114,9 @@ class FakeServer:
             events = dict(poller.poll(20))
             if self.zap.sock in events:
                 self.zap.on_readable()
-            if self.server.sock in events:
+            if self.server.sock in events and callable(self.replies):  # a daemon's request handler
+                serve_requests(self.server, self.replies)
+            elif self.server.sock in events:
                 identity, msg, _ = self.server.recv()
                 for reply in self.replies[type(msg)]:
                     self.server.send(reply, identity)
@@ -136,7 +139,7 @@ class FakeServer:
 def serve(tmp_path: Path) -> Iterator:
     servers: list[FakeServer] = []
 
-    def start(replies: dict[type[Message], list[Message]]) -> FakeServer:
+    def start(replies: dict[type[Message], list[Message]] | Callable[..., None]) -> FakeServer:
         servers.append(FakeServer(tmp_path / f"s{len(servers)}.sock", replies))
         return servers[-1]
 
@@ -152,6 +155,21 @@ def test_an_error_reply_is_raised_with_its_reason_and_code(serve):
     with pytest.raises(RequestNotTaken, match="the test daemon refused STATUS: the daemon is shutting down") as info:
         server.client().request(Status(), StatusReply, timeout_s=600)
     assert info.value.code == "busy"
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_built_from_a_huge_request_is_cut_to_fit(serve):
+    """A refusal quoting a request's strings (a 9 MiB root, four times as long in repr) exceeded
+    the message limit: its encoding raised out of the daemon's request loop."""
+
+    def refuse(identity: bytes, msg: Message, peer: str | None) -> None:
+        raise CkptdError("bad root " + "x" * (80 << 20))
+
+    server = serve(refuse)
+    with pytest.raises(RequestNotTaken) as info:
+        server.client().request(Status(), StatusReply, timeout_s=30)
+    text = str(info.value)  # (never matched whole: a failure would print 80 MiB)
+    assert len(text) < 20000 and text.endswith("x... (83869705 more characters)")
 
 
 @pytest.mark.timeout(60)
