@@ -135,10 +135,14 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def dtype_itemsize(name: str) -> int:
-    """Bytes per element of the dtype ``name`` names (torch imported only for a name missing
-    from :data:`_ITEMSIZE`); ProtocolError for an unknown name."""
+    """Bytes per element of the dtype ``name`` names; ProtocolError for an unknown name. Never
+    imports torch (the node daemon checks every record's dtype with it: a peer's unknown name made
+    it import torch, 220 MiB): :data:`_ITEMSIZE` is every dtype the installed torch stores (a test
+    compares them)."""
     itemsize = _ITEMSIZE.get(name)
-    return itemsize if itemsize is not None else dtype_from_name(name).itemsize
+    if itemsize is None:
+        raise ProtocolError(f"unknown dtype name {name[:64]!r}")
+    return itemsize
 
 
 def check_dtype_name(name: str) -> None:
