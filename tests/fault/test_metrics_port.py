@@ -86,7 +86,9 @@ def test_idle_connections_cannot_exhaust_the_daemon(tmp_path, monkeypatch, many_
         pid = job.daemon_pid
         _set_fd_limit(pid, COMMON_FD_LIMIT)
         url = f"http://127.0.0.1:{port}/metrics"
-        assert _sample(_scrape(url), "ckptd_steps_committed_total") == 1
+        # The page shows the status as the daemon's loop last refreshed it (a tick after the commit
+        # under load): waited for, not asserted at once.
+        wait_until(lambda: _sample(_scrape(url), "ckptd_steps_committed_total") == 1, 30, "the commit on the page")
         daemon = psutil.Process(pid)
         fds, threads = daemon.num_fds(), daemon.num_threads()
         idle: list[socket.socket] = []
