@@ -88,12 +88,13 @@ def incarnation_for(run_id: str, world_size: int, environ: Mapping[str, str] | N
     return Incarnation(tag=_tag(source), source=source, weak=weak)
 
 
-def check_world(world_size: int, rank: int | None) -> None:
-    """Refuse a world size outside 0..MAX_WORLD_SIZE (0: a node's own report, rank -1) and a rank
-    outside it (ProtocolError, for messages): the coordinator counts a world's ranks."""
+def check_world(world_size: int, rank: int | None, *, node_report: bool = False) -> None:
+    """Refuse a world size outside 0..MAX_WORLD_SIZE and a rank outside it (ProtocolError, for
+    messages): the coordinator counts a world's ranks. ``node_report``: a node daemon's own FAILED
+    may say rank -1 (the node itself), world size 0."""
     if not 0 <= world_size <= MAX_WORLD_SIZE:
         raise ProtocolError(f"world size {world_size} is outside 0..{MAX_WORLD_SIZE}")
-    if rank is not None and not (rank == -1 or 0 <= rank < world_size):
+    if rank is not None and not ((node_report and rank == -1) or 0 <= rank < world_size):
         raise ProtocolError(f"rank {rank} is outside the world size {world_size}")
 
 

@@ -76,7 +76,7 @@ import msgspec
 
 from ..errors import ProtocolError
 from ..format.records import ItemRecord
-from .attempt import check_attempt, check_step, check_world
+from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 
 # 12: WRITTEN and FAILED name the coordinator instance they are addressed to (a coordinator of 11
 # would count a report meant for its predecessor). 13: STEP_COMMITTED carries a node-local commit's
@@ -550,9 +550,11 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
-            world_size = getattr(named, "world_size", None)
+            world_size, rank = getattr(named, "world_size", None), getattr(named, "rank", None)
             if world_size is not None:
-                check_world(world_size, getattr(named, "rank", None))
+                check_world(world_size, rank, node_report=isinstance(named, Failed))
+            elif rank is not None:  # a HELLO, a ring's registration: any rank a world can have
+                check_world(MAX_WORLD_SIZE, rank)
     except ProtocolError as exc:
         raise ProtocolError(f"{msg.TYPE.name}: {exc}") from None
 

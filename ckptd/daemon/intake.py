@@ -190,7 +190,11 @@ class SaveIntake:
         """``msg``, or a FAILED saying why when it exceeds the message limit (the records of a
         layout with very many items, or rank 0's common state): kept as the node's report, every
         send of it failed, the save's ring stayed held, and the other attempts' resends stopped."""
-        estimate = len(msg.common or b"") + sum(len(r.fqn) + 160 for r in msg.records)
+        estimate = (
+            len(msg.common or b"")
+            + sum(len(r.fqn) + sum(len(str(p)) + 4 for p in r.path) + len(r.block_crcs) + 160 for r in msg.records)
+            + sum(len(k) + 8 for k in msg.held)
+        )
         codec = self.uplink.channel.codec
         if estimate < codec.max_nbytes // 2:
             return msg

@@ -126,10 +126,10 @@ def _check_same_values(chunk: ChunkId, copies: list[ItemRecord]) -> None:
     unknown = sorted(r.rank for r in copies if r.crc is None)
     if unknown:
         raise ShardingError(
-            f"tensor '{key}': ranks {sorted(r.rank for r in copies)} each store its chunk at offsets "
-            f"{list(offsets)}, and without checksums (ranks {unknown}) copies of one tensor cannot be told "
-            "from different tensors under one key: turn checksums on, or give each rank's tensor a key of "
-            "its own (replica_id != 0 for the copies of a ShardedTensor)"
+            f"tensor '{key}': ranks {_ranks(sorted(r.rank for r in copies))} each store its chunk at offsets "
+            f"{list(offsets)}, and without checksums (ranks {_ranks(unknown)}) copies of one tensor (a DTensor "
+            "on a submesh) cannot be told from different tensors under one key: turn checksums on "
+            "(CkptdConfig(checksums=True), the default), or give each rank's tensor a key of its own"
         )
     by_crc: dict[int | None, list[int]] = defaultdict(list)
     for r in copies:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -137,11 +138,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 def dtype_itemsize(name: str) -> int:
     """Bytes per element of the dtype ``name`` names; ProtocolError for an unknown name. Never
     imports torch (the node daemon checks every record's dtype with it: a peer's unknown name made
-    it import torch, 220 MiB): :data:`_ITEMSIZE` is every dtype the installed torch stores (a test
-    compares them)."""
+    it import torch, 220 MiB): :data:`_ITEMSIZE` is every dtype torch 2.13 stores (a test compares
+    them), and a process that imported torch already (a rank) looks a newer torch's up in it."""
     itemsize = _ITEMSIZE.get(name)
     if itemsize is None:
-        raise ProtocolError(f"unknown dtype name {name[:64]!r}")
+        if "torch" not in sys.modules:
+            raise ProtocolError(f"unknown dtype name {name[:64]!r}")
+        return dtype_from_name(name).itemsize
     return itemsize
 
 

@@ -157,6 +157,11 @@ def test_every_message_type_round_trips():
             _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(rank=2)}),
             "SAVE: rank 2 is outside the world size 1",
         ),
+        # Rank -1 is a node daemon's own FAILED only: a SKIP as rank -1 was sent on as the node's.
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(rank=-1)}),
+            "SAVE: rank -1 is outside the world size 1",
+        ),
         # Steps are bounded: a step of 2**64 - 1 would pin `latest` forever.
         (
             _frames({"v": PROTOCOL_VERSION, "t": int(MsgType.SAVE), "job": "job1", "f": _save_fields(step=2**64 - 1)}),

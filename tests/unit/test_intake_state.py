@@ -280,5 +280,19 @@ def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
     failed = SaveIntake._sendable(fake, big)  # type: ignore[arg-type]
     assert isinstance(failed, Failed) and (failed.step, failed.attempt, failed.rank) == (5, "0123456789ab-1", 1)
     assert "rank 1's report of its 200 items cannot be sent" in failed.reason and "exceeds the limit" in failed.reason
+    # The keys a rank holds without storing them count too (a rank of replicas: no record at all).
+    held = Written(
+        step=5,
+        attempt="0123456789ab-1",
+        rank=1,
+        world_size=2,
+        node=0,
+        records=[],
+        common=None,
+        common_digest="",
+        file_nbytes=0,
+        held=[f"model.layer.{i}.weight" for i in range(400)],
+    )
+    assert isinstance(SaveIntake._sendable(fake, held), Failed)  # type: ignore[arg-type]
     fake.uplink.channel.codec = Codec("job")
     assert SaveIntake._sendable(fake, big) is big  # type: ignore[arg-type]
