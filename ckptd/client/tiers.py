@@ -31,7 +31,7 @@ from ..catalog import abandoned_commit, read_mirrored
 from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, NoCheckpointYetError, SaveTimeoutError
-from ..format.commitrecord import read_commit_record
+from ..format.commitrecord import CommitRecord, read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import (
@@ -222,6 +222,15 @@ class Levels:
             source = None if record is None else record.source
         mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
         holds = mirrored is not None and _local_holds(self.root, mirrored)
+        replaced = (
+            None if holds or mirrored is None or record is None else _replaced_locally(self.root, mirrored, record)
+        )
+        if replaced is not None:
+            # The mirror's latest copy is of a commit of its step that a later local commit of the
+            # step replaced (a rollback saved the step again, and that commit is damaged or lost
+            # now): resuming the copy would resume the branch the rollback abandoned.
+            mirror_choice = mirrored = record = None
+            mirror_unloadable = replaced
         # Proof that both seqs are of this root's commit order (resume_level), asked only where
         # the step and the commit order disagree: one or two small GETs.
         copied = (
@@ -416,10 +425,15 @@ class Levels:
     def resumed_location(self, damaged: dict[str, str]) -> Location | None:
         """The directory a resume reads (None: no checkpoint yet): :meth:`resume`'s choice in a
         shared root, which is the mirror's copy where the local one is damaged; on node-local disks,
-        :meth:`step_location` of the step it resumes."""
+        :meth:`step_location` of the commit it resumes, or the mirror's copy it reads instead."""
         if self.node_local:
-            step = self.resumed_step(damaged)
-            return None if step is None else self.step_location(step)
+            try:
+                candidate = self.candidate(damaged)
+            except NoCheckpointYetError:
+                return None
+            if isinstance(candidate.target, NodeLocalCheckpoint):
+                return self.step_location(candidate.target.step)
+            return cast(Location, candidate.target)  # the mirror's copy (the disks' is damaged), or a ckptd.save's
         choice = self.resume(damaged).choice
         return None if choice is None else choice.entry.path
 
@@ -544,6 +558,22 @@ def _overtaken(step: int, root: Path, client: S3Client) -> CommitRef | None:
 def _local_commit(root: Path, step: int) -> CommitRef | None:
     """The commit ``iter_<step>`` of ``root`` records (None: none, or no record)."""
     return CommitRef.of_record(read_commit_record(root / step_dir_name(step)))
+
+
+def _replaced_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> str | None:
+    """Why the mirror's copy (``copy``, of the local commit ``mirrored``) is of a commit the local
+    ``root`` replaced: its commit of the step is another one, committed after the copy was (so
+    after the copied commit: the step was saved again after a rollback); None when it is not."""
+    local = read_commit_record(root / step_dir_name(mirrored.step)) if committed_at(root, mirrored.step) else None
+    if local is None or not mirrored.attempt or local.attempt == mirrored.attempt:
+        return None
+    if local.committed_unix_s <= copy.committed_unix_s:
+        return None
+    return (
+        f"the mirror's latest copy, step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}), is of a "
+        f"commit the local root replaced since: its step {mirrored.step} is commit {local.attempt} (seq {local.seq}), "
+        "committed after the copy (the step was saved again after a rollback), and cannot be loaded"
+    )
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:

@@ -164,6 +164,35 @@ def test_a_damaged_local_latest_resumes_from_the_mirrors_intact_copy_of_the_same
     assert out["iteration"] == 30 and torch.equal(w, _value(30))
 
 
+@pytest.mark.timeout(180)
+def test_a_damaged_re_save_after_a_rollback_does_not_resume_the_mirrors_copy_of_the_abandoned_commit(
+    s3_bucket, tmp_path, monkeypatch
+):
+    """The mirror copied step 30 (commit A); the job rolled back to 20 and saved 30 again (commit B),
+    after 25, and B is now damaged. The local root resumes step 25: the mirror's step 30 is A, of the
+    branch the rollback abandoned (it was resumed, with its values, as the newer step)."""
+    store = _store(f"s3://{s3_bucket}/m")
+    root = tmp_path / "local"
+    clear_torchrun_env(monkeypatch)
+    with private_runtime_dir(tmp_path / "logs") as rt:
+        cfg = _config(rt)
+        try:
+            with ckptd.Checkpointer(root, config=cfg) as ckpt:
+                for step in (10, 20, 30):
+                    ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=60)
+            mirror_step(root, _commit(root, 30), store)  # the copy of A
+            with ckptd.Checkpointer(root, config=cfg) as ckpt:
+                ckpt.load(_sd(torch.zeros(N), -1), step=20)  # the rollback
+                ckpt.save(_sd(_value(25), 25), step=25).wait(timeout_s=60)
+                ckpt.save(_sd(_value(30, resaved=True), 30), step=30).wait(timeout_s=60)
+        finally:
+            stop_root_daemons(root, rt, timeout_s=60)
+    data = root / step_dir_name(30) / data_file_name(0)
+    flip_bit(data, data.stat().st_size // 2)
+    step, w = _resumed(Levels(root, store.location))
+    assert step == 25 and torch.equal(w, _value(25))
+
+
 def _resume_rank(rank: int, world_size: int, root: str, mirror: str, env: dict[str, str]) -> tuple[int, list]:
     """One rank of a 2-rank job on a shared root with a mirror: ``Checkpointer.load()``'s resume
     (the ranks agree over gloo); the step and this rank's rows of ``layer.weight``."""

@@ -301,6 +301,7 @@ def test_a_node_local_checkpointer_resumes_from_its_disk_and_the_mirror(saved, s
             sd, z = _request()
             out = ckpt.load({**sd, "iteration": 0})  # step 20 is damaged on this disk: the mirror's
             assert torch.equal(z, saved.values[2 * STEP]) and out["iteration"] == 2 * STEP
+            assert ckpt.checkpoint_dir() == parse_location(url).child(step_dir_name(2 * STEP))  # what it read
     finally:
         stop_root_daemons(node0, runtime_dir, timeout_s=60)
 
