@@ -31,7 +31,7 @@ from ..catalog import abandoned_commit, read_mirrored
 from ..config import CkptdConfig
 from ..dist import DistContext
 from ..errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError, NoCheckpointYetError, SaveTimeoutError
-from ..format.commitrecord import CommitRecord, read_commit_record
+from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import (
@@ -48,6 +48,7 @@ from ..s3catalog import checkpoint_exists, committed_at, read_s3_commit_record, 
 from ..storage.nodeview import NodeLocalCheckpoint
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, UnsupportedLocationError, join, parse_location
+from .abandoned import past_abandoned_copies
 from .resume import Candidate, load_agreed, load_latest
 
 log = logging.getLogger(__name__)
@@ -216,21 +217,11 @@ class Levels:
             mirror_choice = resolve_resumable(self.mirror, damaged=damaged, log_fallback=False)
         except CorruptCheckpointError as exc:
             mirror_choice, mirror_unloadable = None, str(exc)
-        source = record = None
-        if mirror_choice is not None:
-            record = read_s3_commit_record(S3Client(self.mirror), mirror_choice.entry.name)
-            source = None if record is None else record.source
-        mirrored = _ref(mirror_choice, None if source is None else (str(source["attempt"]), int(source["seq"])))
-        holds = mirrored is not None and _local_holds(self.root, mirrored)
-        replaced = (
-            None if holds or mirrored is None or record is None else _replaced_locally(self.root, mirrored, record)
+        mirror_choice, record, mirrored, replaced = past_abandoned_copies(
+            self.root, self.mirror, mirror_choice, damaged
         )
-        if replaced is not None:
-            # The mirror's latest copy is of a commit of its step that a later local commit of the
-            # step replaced (a rollback saved the step again, and that commit is damaged or lost
-            # now): resuming the copy would resume the branch the rollback abandoned.
-            mirror_choice = mirrored = record = None
-            mirror_unloadable = replaced
+        mirror_unloadable = replaced or mirror_unloadable
+        holds = mirrored is not None and _local_holds(self.root, mirrored)
         # Proof that both seqs are of this root's commit order (resume_level), asked only where
         # the step and the commit order disagree: one or two small GETs.
         copied = (
@@ -558,22 +549,6 @@ def _overtaken(step: int, root: Path, client: S3Client) -> CommitRef | None:
 def _local_commit(root: Path, step: int) -> CommitRef | None:
     """The commit ``iter_<step>`` of ``root`` records (None: none, or no record)."""
     return CommitRef.of_record(read_commit_record(root / step_dir_name(step)))
-
-
-def _replaced_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> str | None:
-    """Why the mirror's copy (``copy``, of the local commit ``mirrored``) is of a commit the local
-    ``root`` replaced: its commit of the step is another one, committed after the copy was (so
-    after the copied commit: the step was saved again after a rollback); None when it is not."""
-    local = read_commit_record(root / step_dir_name(mirrored.step)) if committed_at(root, mirrored.step) else None
-    if local is None or not mirrored.attempt or local.attempt == mirrored.attempt:
-        return None
-    if local.committed_unix_s <= copy.committed_unix_s:
-        return None
-    return (
-        f"the mirror's latest copy, step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}), is of a "
-        f"commit the local root replaced since: its step {mirrored.step} is commit {local.attempt} (seq {local.seq}), "
-        "committed after the copy (the step was saved again after a rollback), and cannot be loaded"
-    )
 
 
 def _local_holds(root: Path, commit: CommitRef) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -93,17 +92,23 @@ def _storable(dtype: torch.dtype) -> bool:
         return not torch.empty(0, dtype=dtype, device="meta").is_quantized
 
 
-@functools.cache
-def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    """Canonical names of every dtype ckptd saves and the dtypes they name, derived from the
-    installed torch (imported here, on first use); records and the wire carry these names."""
+def storable_dtypes() -> dict[str, torch.dtype]:
+    """Every dtype of the installed torch a torch_dist checkpoint can hold, by canonical name."""
     import torch
 
-    by_name = {
+    return {
         str(dt).removeprefix("torch."): dt
         for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
         if _storable(dt)
     }
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """Canonical names of every dtype ckptd saves and the dtypes they name: the storable ones
+    (imported here, on first use) that this ckptd's daemons know (:data:`_ITEMSIZE`); records and
+    the wire carry these names."""
+    by_name = {name: dt for name, dt in storable_dtypes().items() if name in _ITEMSIZE}
     return by_name, {dt: name for name, dt in by_name.items()}
 
 
@@ -119,11 +124,16 @@ def dtype_name(dtype: torch.dtype, key: str = "") -> str:
     name = names.get(dtype)
     if name is None:
         what = f"tensor '{key}'" if key else "a tensor"
+        newer = str(dtype).removeprefix("torch.") in storable_dtypes()
         raise ShardingError(
-            f"{what} has dtype {dtype}, which the torch_dist format cannot store (torch DCP "
-            "saves only dtypes of whole bytes per element, not sub-byte, bits or quantized "
-            "dtypes); convert it (e.g. to uint8 holding its packed bytes) before saving. "
-            f"Storable dtypes: {', '.join(sorted(by_name))}"
+            f"{what} has dtype {dtype}, "
+            + (
+                "which this ckptd does not know yet (a torch newer than it): upgrade ckptd, or convert it"
+                if newer
+                else "which the torch_dist format cannot store (torch DCP saves only dtypes of whole bytes "
+                "per element, not sub-byte, bits or quantized dtypes); convert it"
+            )
+            + f" (e.g. to uint8 holding its packed bytes) before saving. Storable dtypes: {', '.join(sorted(by_name))}"
         )
     return name
 
@@ -139,12 +149,11 @@ def dtype_itemsize(name: str) -> int:
     """Bytes per element of the dtype ``name`` names; ProtocolError for an unknown name. Never
     imports torch (the node daemon checks every record's dtype with it: a peer's unknown name made
     it import torch, 220 MiB): :data:`_ITEMSIZE` is every dtype torch 2.13 stores (a test compares
-    them), and a process that imported torch already (a rank) looks a newer torch's up in it."""
+    them); a newer torch's dtype is refused by name where a rank plans its save (:func:`dtype_name`),
+    not here by chance, depending on whether the process imported torch for something else."""
     itemsize = _ITEMSIZE.get(name)
     if itemsize is None:
-        if "torch" not in sys.modules:
-            raise ProtocolError(f"unknown dtype name {name[:64]!r}")
-        return dtype_from_name(name).itemsize
+        raise ProtocolError(f"unknown dtype name {name[:64]!r}")
     return itemsize
 
 

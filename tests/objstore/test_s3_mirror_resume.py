@@ -180,6 +180,7 @@ def test_a_damaged_re_save_after_a_rollback_does_not_resume_the_mirrors_copy_of_
             with ckptd.Checkpointer(root, config=cfg) as ckpt:
                 for step in (10, 20, 30):
                     ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=60)
+            mirror_step(root, _commit(root, 20), store)
             mirror_step(root, _commit(root, 30), store)  # the copy of A
             with ckptd.Checkpointer(root, config=cfg) as ckpt:
                 ckpt.load(_sd(torch.zeros(N), -1), step=20)  # the rollback
@@ -191,6 +192,13 @@ def test_a_damaged_re_save_after_a_rollback_does_not_resume_the_mirrors_copy_of_
     flip_bit(data, data.stat().st_size // 2)
     step, w = _resumed(Levels(root, store.location))
     assert step == 25 and torch.equal(w, _value(25))
+    # Only the abandoned copy is passed over, not the mirror: with the local 25 and 20 damaged too,
+    # the mirror's copy of 20 is resumed (the mirror level was dropped: the local 10 was).
+    for step in (25, 20):
+        data = root / step_dir_name(step) / data_file_name(0)
+        flip_bit(data, data.stat().st_size // 2)
+    step, w = _resumed(Levels(root, store.location))
+    assert step == 20 and torch.equal(w, _value(20))
 
 
 def _resume_rank(rank: int, world_size: int, root: str, mirror: str, env: dict[str, str]) -> tuple[int, list]:

@@ -31,7 +31,15 @@ from torch.distributed.checkpoint.metadata import (
 from ckptd.format.checksum import ALGORITHM, BLOCK_NBYTES, TABLE_VERSION, block_count
 from ckptd.format.dcp_metadata import build_metadata, read_index
 from ckptd.format.dcp_pickle import CHECKSUMS_ATTR, DCP_VERSION, metadata_pickle
-from ckptd.format.records import _ITEMSIZE, BYTES, TENSOR, ItemRecord, dtype_from_name, supported_dtypes
+from ckptd.format.records import (
+    _ITEMSIZE,
+    BYTES,
+    TENSOR,
+    ItemRecord,
+    dtype_from_name,
+    storable_dtypes,
+    supported_dtypes,
+)
 
 
 def _reference(records: list[ItemRecord], checkpoint_id: str | None, common_crc: int | None) -> Metadata:
@@ -234,7 +242,7 @@ def test_build_metadata_and_read_index_see_the_same_checkpoint(tmp_path):
 def test_the_static_dtype_table_is_torchs():
     """The node daemon sizes items from a table it has without torch; it must be the table ckptd
     derives from the installed torch (a new torch dtype: add it to records._ITEMSIZE)."""
-    assert {str(d).removeprefix("torch."): d.itemsize for d in supported_dtypes()} == _ITEMSIZE
+    assert {name: d.itemsize for name, d in storable_dtypes().items()} == _ITEMSIZE
 
 
 def test_the_daemons_modules_import_no_torch():
@@ -258,3 +266,21 @@ def test_the_daemons_modules_import_no_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_a_dtype_newer_than_the_table_is_refused_where_the_rank_plans_its_save(tmp_path, monkeypatch):
+    """A torch newer than this ckptd (a storable dtype its daemons do not know): refused by name at
+    planning, on every process alike (the daemon refused it only until something imported torch)."""
+    import ckptd
+    from ckptd.format import records
+
+    monkeypatch.setattr(records, "_ITEMSIZE", {k: v for k, v in records._ITEMSIZE.items() if k != "uint16"})
+    records._torch_dtypes.cache_clear()
+    try:
+        with pytest.raises(ckptd.ShardingError, match=r"dtype torch.uint16, which this ckptd does not know yet"):
+            ckptd.save(
+                {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=torch.uint16))}, tmp_path / "c"
+            )
+    finally:
+        monkeypatch.undo()
+        records._torch_dtypes.cache_clear()
