@@ -50,7 +50,8 @@ class RootReader:
     def checkpoint_dir(self, step: int | None = None) -> Location:
         """Directory of ``step`` in the local root, else in the mirror when only it has the step;
         default: the one :meth:`load` resumes (the mirror's copy where the local one is damaged;
-        ``node_local``: README, Two tiers)."""
+        ``node_local``: README, Two tiers; then, without ``step``, a collective: every rank calls
+        it, as :meth:`latest`)."""
         where = self._levels.step_location(step) if step is not None else self._levels.resumed_location(self._damaged)
         if where is None:
             raise NoCheckpointYetError(f"{self.root} has no committed checkpoint yet")
