@@ -11,17 +11,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..catalog import abandoned_commit
 from ..errors import CorruptCheckpointError
 from ..format.commitrecord import CommitRecord, read_commit_record
 from ..format.rootlayout import step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import CommitRef
-from ..s3catalog import committed_at, read_s3_commit_record
+from ..s3catalog import read_s3_commit_record
 from ..storage.s3client import S3Client
 from ..storage.url import S3Location
 
 # How many of the mirror's newest copies a resume passes over as copies of abandoned commits
-# (each costs a GET or two); past them the mirror level is not used.
+# (each costs a scan of the mirror); past them the mirror level is not used.
 MAX_ABANDONED_COPIES = 8
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,9 @@ def past_abandoned_copies(
     root: Path, mirror: S3Location, choice: LatestChoice | None, damaged: dict[str, str]
 ) -> tuple[LatestChoice | None, CommitRecord | None, CommitRef | None, str | None]:
     """The mirror's resolved ``choice``, or the copy before it while it is of a commit ``root``
-    replaced (:func:`replaced_locally`): ``(choice, its commit record, the local commit it copies,
-    why the mirror has none)``."""
-    for _ in range(MAX_ABANDONED_COPIES + 1):
+    abandoned (:func:`abandoned_locally`): ``(choice, its commit record, the local commit it
+    copies, why the mirror has none)``."""
+    for _ in range(MAX_ABANDONED_COPIES):
         if choice is None:
             return None, None, None, None
         record = read_s3_commit_record(S3Client(mirror), choice.entry.name)
@@ -43,16 +44,16 @@ def past_abandoned_copies(
             if source is None or choice.step is None
             else CommitRef(step=choice.step, attempt=str(source["attempt"]), seq=int(source["seq"]))
         )
-        replaced = None if mirrored is None or record is None else replaced_locally(root, mirrored, record)
-        if replaced is None:
+        abandoned = None if mirrored is None or record is None else abandoned_locally(root, mirrored, record)
+        if abandoned is None:
             return choice, record, mirrored or _plain(choice), None
-        log.info("%s", replaced)
-        damaged = {**damaged, str(choice.entry.path): replaced}
+        log.info("%s", abandoned)
+        damaged = {**damaged, str(choice.entry.path): abandoned}
         try:
             choice = resolve_resumable(mirror, damaged=damaged, log_fallback=False)
         except CorruptCheckpointError as exc:
             return None, None, None, str(exc)
-    return None, None, None, f"the mirror's newest {MAX_ABANDONED_COPIES} copies are of commits {root} replaced"
+    return None, None, None, f"the mirror's newest {MAX_ABANDONED_COPIES} copies are of commits {root} abandoned"
 
 
 def _plain(choice: LatestChoice) -> CommitRef | None:
@@ -60,20 +61,35 @@ def _plain(choice: LatestChoice) -> CommitRef | None:
     return None if choice.step is None else CommitRef(step=choice.step, attempt="", seq=0)
 
 
-def replaced_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> str | None:
+def abandoned_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> str | None:
     """Why the mirror's copy (``copy``, of the local commit ``mirrored``) is of a commit the local
-    ``root`` replaced: its commit of the step is a later one in both the commit order (a higher
-    seq) and time (committed after the copy was made: a replaced disk's seqs start at 1 again, so
-    the order alone could be another history's; the times are the coordinator's and its mirror
-    thread's clocks), i.e. the step was saved again after a rollback; None when it is not (also
-    when the local record cannot be read: nothing is known of it)."""
-    local = read_commit_record(root / step_dir_name(mirrored.step)) if committed_at(root, mirrored.step) else None
-    if local is None or not mirrored.attempt or local.seq <= mirrored.seq:
+    ``root`` abandoned since, or None:
+
+    - its commit of the step is another one, committed after the copy was made: the step was
+      saved again after a rollback (by time: a replaced disk numbers its commits from 1 again, so
+      its order says nothing of the copied disk's; the times are node 0's clocks, the
+      coordinator's and its mirror thread's). A fresh disk that saves the step it resumed from
+      the copy again looks the same: its resume then goes back a step further, never to another
+      branch;
+    - its tracker names a lower step committed after the copied commit (:func:`abandoned_commit`:
+      the job rolled back past the copied step).
+    """
+    if not mirrored.attempt:
         return None
-    if local.committed_unix_s <= copy.committed_unix_s:
-        return None
-    return (
-        f"the mirror's copy of step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}) is of a "
-        f"commit the local root replaced since: its step {mirrored.step} is commit {local.attempt} (seq {local.seq}), "
-        "committed after the copy (the step was saved again after a rollback), and cannot be loaded"
-    )
+    local = read_commit_record(root / step_dir_name(mirrored.step))  # None: no such commit, or unreadable
+    if (
+        local is not None
+        and (local.attempt, local.seq) != (mirrored.attempt, mirrored.seq)
+        and local.committed_unix_s > copy.committed_unix_s
+    ):
+        return (
+            f"the mirror's copy of step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}) is of a "
+            f"commit the local root replaced since: its step {mirrored.step} is commit {local.attempt} "
+            f"(seq {local.seq}), committed after the copy (the step was saved again after a rollback)"
+        )
+    if abandoned_commit(root, mirrored.step, mirrored.seq):
+        return (
+            f"the mirror's copy of step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}) is of a "
+            "commit the local root abandoned: its latest is a lower step committed after it (a rollback)"
+        )
+    return None

@@ -467,7 +467,7 @@ def records_from_index(index: CheckpointIndex) -> list[ItemRecord]:
             fqn=t.fqn,
             kind=TENSOR,
             rank=-1,
-            dtype=dtype_name(t.dtype, t.fqn),
+            dtype=dtype_name(t.dtype, t.fqn, stored=True),
             global_shape=t.shape,
             offsets=c.offsets,
             sizes=c.sizes,

@@ -105,26 +105,27 @@ def storable_dtypes() -> dict[str, torch.dtype]:
 
 @functools.cache
 def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    """Canonical names of every dtype ckptd saves and the dtypes they name: the storable ones
-    (imported here, on first use) that this ckptd's daemons know (:data:`_ITEMSIZE`); records and
-    the wire carry these names."""
-    by_name = {name: dt for name, dt in storable_dtypes().items() if name in _ITEMSIZE}
+    """Canonical names of every storable dtype (imported here, on first use) and the dtypes they
+    name; records and the wire carry these names."""
+    by_name = storable_dtypes()
     return by_name, {dt: name for name, dt in by_name.items()}
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
-    """Every dtype ckptd saves (the dtypes torch DCP saves), sorted by name."""
+    """Every dtype ckptd saves (the dtypes torch DCP saves that its daemons know), sorted by name."""
     by_name, _ = _torch_dtypes()
-    return tuple(by_name[name] for name in sorted(by_name))
+    return tuple(by_name[name] for name in sorted(by_name) if name in _ITEMSIZE)
 
 
-def dtype_name(dtype: torch.dtype, key: str = "") -> str:
-    """The canonical name of a storable ``dtype``; a ShardingError naming ``key`` otherwise."""
+def dtype_name(dtype: torch.dtype, key: str = "", *, stored: bool = False) -> str:
+    """The canonical name of a storable ``dtype``; a ShardingError naming ``key`` otherwise, also
+    for one this ckptd's daemons do not know (:data:`_ITEMSIZE`: a torch newer than ckptd) unless
+    ``stored`` (a checkpoint holds it already: read, never refused for it)."""
     by_name, names = _torch_dtypes()
     name = names.get(dtype)
-    if name is None:
+    if name is None or (name not in _ITEMSIZE and not stored):
         what = f"tensor '{key}'" if key else "a tensor"
-        newer = str(dtype).removeprefix("torch.") in storable_dtypes()
+        newer = name is not None
         raise ShardingError(
             f"{what} has dtype {dtype}, "
             + (
@@ -133,7 +134,8 @@ def dtype_name(dtype: torch.dtype, key: str = "") -> str:
                 else "which the torch_dist format cannot store (torch DCP saves only dtypes of whole bytes "
                 "per element, not sub-byte, bits or quantized dtypes); convert it"
             )
-            + f" (e.g. to uint8 holding its packed bytes) before saving. Storable dtypes: {', '.join(sorted(by_name))}"
+            + " (e.g. to uint8 holding its packed bytes) before saving. Storable dtypes: "
+            + ", ".join(sorted(_ITEMSIZE))
         )
     return name
 

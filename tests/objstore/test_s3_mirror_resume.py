@@ -201,6 +201,23 @@ def test_a_damaged_re_save_after_a_rollback_does_not_resume_the_mirrors_copy_of_
     assert step == 20 and torch.equal(w, _value(20))
 
 
+@pytest.mark.timeout(180)
+def test_a_mirror_copy_above_the_rollback_point_is_not_resumed_when_the_new_branch_is_damaged(
+    history, s3_bucket, tmp_path
+):
+    """The mirror copied step 40 before the rollback to 20 (25 and 30 saved since). With the new
+    branch's 30 and 25 damaged, the local 20 is resumed: the mirror's 40 is of the abandoned branch
+    (it was resumed: the local root holds that commit and the mirror's seq was the higher)."""
+    store = _store(f"s3://{s3_bucket}/m")
+    mirror_step(_copy(history.before, tmp_path / "before"), _commit(history.before, 40), store)
+    local = _copy(history.after, tmp_path / "local")
+    for step in (30, 25):
+        data = local / step_dir_name(step) / data_file_name(0)
+        flip_bit(data, data.stat().st_size // 2)
+    step, w = _resumed(Levels(local, store.location))
+    assert step == 20 and torch.equal(w, _value(20))
+
+
 def _resume_rank(rank: int, world_size: int, root: str, mirror: str, env: dict[str, str]) -> tuple[int, list]:
     """One rank of a 2-rank job on a shared root with a mirror: ``Checkpointer.load()``'s resume
     (the ranks agree over gloo); the step and this rank's rows of ``layer.weight``."""

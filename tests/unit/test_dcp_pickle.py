@@ -270,17 +270,21 @@ def test_the_daemons_modules_import_no_torch():
 
 def test_a_dtype_newer_than_the_table_is_refused_where_the_rank_plans_its_save(tmp_path, monkeypatch):
     """A torch newer than this ckptd (a storable dtype its daemons do not know): refused by name at
-    planning, on every process alike (the daemon refused it only until something imported torch)."""
+    planning, on every process alike (the daemon refused it only until something imported torch);
+    a checkpoint that holds it (another writer's) is read as any other."""
     import ckptd
     from ckptd.format import records
+    from ckptd.recovery import structural_problem
 
+    w = torch.tensor([0, 1, 2, 65535], dtype=torch.uint16)
+    ckptd.save({"w": ckptd.ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "old")
     monkeypatch.setattr(records, "_ITEMSIZE", {k: v for k, v in records._ITEMSIZE.items() if k != "uint16"})
     records._torch_dtypes.cache_clear()
     try:
         with pytest.raises(ckptd.ShardingError, match=r"dtype torch.uint16, which this ckptd does not know yet"):
-            ckptd.save(
-                {"w": ckptd.ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=torch.uint16))}, tmp_path / "c"
-            )
+            ckptd.save({"w": ckptd.ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+        assert structural_problem(tmp_path / "old") is None  # never taken for damaged (a resume fell back past it)
+        assert torch.equal(ckptd.load_plain_tensors(tmp_path / "old")["w"], w)
     finally:
         monkeypatch.undo()
         records._torch_dtypes.cache_clear()
