@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..catalog import abandoned_commit
+from ..catalog import abandoned_commit, read_tracker
 from ..errors import CorruptCheckpointError
-from ..format.commitrecord import CommitRecord, read_commit_record
-from ..format.rootlayout import step_dir_name
+from ..format.commitrecord import CommitRecord, read_commit_record_checked
+from ..format.rootlayout import parse_step_dir, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
 from ..roots.mirror import CommitRef
 from ..s3catalog import read_s3_commit_record
@@ -71,12 +71,12 @@ def abandoned_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> st
       coordinator's and its mirror thread's). A fresh disk that saves the step it resumed from
       the copy again looks the same: its resume then goes back a step further, never to another
       branch;
-    - its tracker names a lower step committed after the copied commit (:func:`abandoned_commit`:
-      the job rolled back past the copied step).
+    - its tracker names a lower step committed after the copied commit (:func:`abandoned_commit`),
+      or after the copy was made (a replaced disk): the job rolled back below the copied step.
     """
     if not mirrored.attempt:
         return None
-    local = read_commit_record(root / step_dir_name(mirrored.step))  # None: no such commit, or unreadable
+    local = _record(root / step_dir_name(mirrored.step))
     if (
         local is not None
         and (local.attempt, local.seq) != (mirrored.attempt, mirrored.seq)
@@ -87,9 +87,31 @@ def abandoned_locally(root: Path, mirrored: CommitRef, copy: CommitRecord) -> st
             f"commit the local root replaced since: its step {mirrored.step} is commit {local.attempt} "
             f"(seq {local.seq}), committed after the copy (the step was saved again after a rollback)"
         )
-    if abandoned_commit(root, mirrored.step, mirrored.seq):
+    if abandoned_commit(root, mirrored.step, mirrored.seq) or _lower_step_since(root, mirrored.step, copy):
         return (
             f"the mirror's copy of step {mirrored.step} (commit {mirrored.attempt}, seq {mirrored.seq}) is of a "
             "commit the local root abandoned: its latest is a lower step committed after it (a rollback)"
         )
     return None
+
+
+def _lower_step_since(root: Path, step: int, copy: CommitRecord) -> bool:
+    """Whether ``root``'s tracker names a step below ``step`` committed after the mirror's
+    ``copy`` of it was made: the job rolled back below the copied step since. By time, since a
+    replaced disk's commit order is not the copied disk's (:func:`abandoned_commit` compares
+    orders: a disk that rolled back after the copy of its own commit)."""
+    _, name, problem = read_tracker(root)
+    parsed = None if problem or name is None else parse_step_dir(name)
+    if name is None or parsed is None or parsed.partial or parsed.deleting or parsed.step >= step:
+        return False
+    latest = _record(root / name)
+    return latest is not None and latest.committed_unix_s > copy.committed_unix_s
+
+
+def _record(directory: Path) -> CommitRecord | None:
+    """``directory``'s commit record; None without one, or one that cannot be read (nothing is
+    known of it: the resume's own look at the root says what is wrong there, once)."""
+    try:
+        return read_commit_record_checked(directory)
+    except CorruptCheckpointError:
+        return None
