@@ -16,9 +16,12 @@ Order of calls (every rank):
 Layout of the stored entries (Megatron-Core's naming): tensor state ``s`` of the parameter with
 checkpoint key ``k`` is ``<prefix>.state.<s>.<k>``, sharded like the parameter; 0-d tensors
 (Adam's ``step``) are replicated scalars; Python values are ShardedObjects. Scalars are written
-once, by the rank holding the parameter's first element in its main replica. Parameter-group
-hyper-parameters (without the ids) are common state. A tied parameter is one optimizer
-parameter, so it gets one sharding (the first model key wrapping it) and is stored once.
+once, by the rank holding the parameter's first element in its main replica. Each parameter
+key's group hyper-parameters are ``<prefix>.group.<k>``, a ShardedObject written once like a
+scalar: a group resumes with those of its parameters, on every rank and at any grouping order
+(the groups' list, ``param_groups``, is rank 0's common state, read for checkpoints without
+them). A tied parameter is one optimizer parameter, so it gets one sharding (the first model key
+wrapping it) and is stored once.
 
 Several optimizer parameters of one rank may be shards of one key at different offsets
 (Megatron-Core's local experts: one key, a prepended expert axis). Each stores its state as the
@@ -143,7 +146,7 @@ def _same_value(a: Any, b: Any) -> bool:
         )
     try:
         return bool(a == b)
-    except (TypeError, ValueError):  # an element-wise == (an array): compare what is stored
+    except (TypeError, ValueError, RuntimeError):  # element-wise == (an array, tensors in a list): compare bytes
         return pickle.dumps(a) == pickle.dumps(b)
 
 
@@ -252,7 +255,26 @@ def sharded_optimizer_state(
             name: _shard_value(_state_key(prefix, name, sh), name, value, sh) for name, value in entries.items()
         }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    # Each parameter key's group hyper-parameters, stored once per key like a scalar: a group's
+    # list (``param_groups``, rank 0's common state) gave every rank rank 0's groups (pipeline
+    # stages have their own), matched by position only.
+    group_of = {pid: i for i, g in enumerate(sd["param_groups"]) for pid in g["params"]}
+    by_key = {
+        label: ShardedObject(
+            _group_key(prefix, sh), _hyperparams(groups[group_of[pid]]), (1,), (0,), _scalar_replica(sh)
+        )
+        for label, sh, pid in zip(labels, shardings, ids)
+    }
+    return {"state": state, "param_groups": groups, "groups": by_key}
+
+
+def _group_key(prefix: str, sh: ShardedTensor) -> str:
+    return f"{prefix}.group.{sh.key}"
+
+
+def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyper-parameters, without what names its parameters (ids, ``param_names``)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def _stored_state_names(checkpoint_dir: Any, prefix: str) -> dict[str, dict[str, Any]]:
@@ -262,6 +284,8 @@ def _stored_state_names(checkpoint_dir: Any, prefix: str) -> dict[str, dict[str,
     head = f"{prefix}.state."
     out: dict[str, dict[str, Any]] = {}
     for entry in load_sharded_metadata(checkpoint_dir).values():
+        if entry.key.startswith(f"{prefix}.group.") and isinstance(entry, ShardedObject):
+            out.setdefault(entry.key[len(f"{prefix}.group.") :], {})[_GROUP] = entry
         if not entry.key.startswith(head):
             continue
         name, _, param_key = entry.key[len(head) :].partition(".")
@@ -270,18 +294,28 @@ def _stored_state_names(checkpoint_dir: Any, prefix: str) -> dict[str, dict[str,
     return out
 
 
+# The name under which _stored_state_names lists a key's group hyper-parameters (no state name
+# has a slash: they are attribute-like, and the stored key's segments are dotted).
+_GROUP = "/group"
+
+
 def optimizer_load_template(
     optimizer: torch.optim.Optimizer,
     shardings: Sequence[ShardedTensor],
     checkpoint_dir: Any,
     *,
     prefix: str = "optimizer",
+    allow_missing: bool = False,
 ) -> dict[str, Any]:
     """The load request for the optimizer state stored in ``checkpoint_dir`` at this layout.
 
     Entries come from the checkpoint's metadata (so a fresh optimizer without state can resume);
     existing state tensors of matching shape and dtype are loaded in place. Each parameter gets
     entries of its own (shards of one key too: the key's shard at its offset, a scalar each).
+    LoadMismatchError when a parameter's key is not in the checkpoint's optimizer at all (a key
+    renamed, a tied parameter keyed by its other name, no optimizer saved under ``prefix``): it
+    would resume without its state. ``allow_missing``: such parameters start without state (new
+    parameters of a fine-tuning).
     """
     params = _params(optimizer)
     if len(params) != len(shardings):
@@ -289,11 +323,17 @@ def optimizer_load_template(
     _check_unique(shardings)
     labels = _state_labels(shardings)
     stored = _stored_state_names(checkpoint_dir, prefix)
+    if not allow_missing:
+        _check_all_saved(shardings, stored, prefix)
     state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, ShardedObject] = {}
     for p, sh, label in zip(params, shardings, labels):
         have = optimizer.state.get(p, {})
         entries: dict[str, Any] = {}
         for name, meta in stored.get(sh.key, {}).items():
+            if name == _GROUP:
+                groups[label] = ShardedObject(_group_key(prefix, sh), None, (1,), (0,), 1)
+                continue
             key = _state_key(prefix, name, sh)
             if isinstance(meta, ShardedObject):
                 entries[name] = ShardedObject(key, None, (1,), (0,), 1)
@@ -311,7 +351,7 @@ def optimizer_load_template(
                 data = cur if ok else torch.empty(_local_shape(sh), dtype=meta.dtype)
                 entries[name] = replace(sh, key=key, data=data, dtype=meta.dtype)
         state[label] = entries
-    return {"state": state}
+    return {"state": state, "groups": groups} if groups else {"state": state}
 
 
 def restore_optimizer_state(
@@ -323,23 +363,33 @@ def restore_optimizer_state(
 ) -> None:
     """Load ``loaded`` (the optimizer part of ``ckptd.load``'s result) into ``optimizer``.
 
-    Parameter ids come from the live optimizer; hyper-parameters from the checkpoint's
-    ``param_groups`` when ``restore_hyperparams`` and the group count matches.
+    Parameter ids come from the live optimizer. Hyper-parameters (``restore_hyperparams``): each
+    group gets those its parameters' keys were saved with (checkpoints of ckptd before: the saved
+    ``param_groups`` by position, rank 0's); LoadMismatchError when the parameters of one live
+    group were saved in groups of different hyper-parameters.
     """
     live = optimizer.state_dict()
     ids = _ordered_ids(live)
     if len(ids) != len(shardings):
         raise ShardingError(f"the optimizer has {len(ids)} parameters but {len(shardings)} shardings were given")
     _check_unique(shardings)
+    labels = _state_labels(shardings)
     stored_state = loaded.get("state", {})
+    saved_by_key = loaded.get("groups")
     new_state = {}
-    for pid, label in zip(ids, _state_labels(shardings)):
+    for pid, label in zip(ids, labels):
         entry = stored_state.get(label)
         if entry:
             new_state[pid] = dict(entry)
     groups = live["param_groups"]
     saved_groups = loaded.get("param_groups")
-    if restore_hyperparams and saved_groups is not None:
+    if restore_hyperparams and saved_by_key:
+        label_of = dict(zip(ids, labels))
+        groups = [
+            _restored_group(i, g, [saved_by_key.get(label_of[pid]) for pid in g["params"]])
+            for i, g in enumerate(groups)
+        ]
+    elif restore_hyperparams and saved_groups is not None:
         if len(saved_groups) != len(groups):
             raise LoadMismatchError(
                 f"the checkpoint has {len(saved_groups)} optimizer parameter groups but the "
@@ -347,6 +397,43 @@ def restore_optimizer_state(
             )
         groups = [{**saved, "params": g["params"]} for saved, g in zip(saved_groups, groups)]
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def _check_all_saved(shardings: Sequence[ShardedTensor], stored: dict[str, dict[str, Any]], prefix: str) -> None:
+    """Raise LoadMismatchError naming the parameters whose keys the checkpoint's optimizer did not
+    hold: they would resume without state. Known from the per-key groups (every saved parameter
+    has one, with or without state); of a checkpoint without them (an earlier ckptd's), only one
+    without any optimizer state under ``prefix`` is told."""
+    if any(_GROUP in entries for entries in stored.values()):
+        missing = [sh.key for sh in shardings if _GROUP not in stored.get(sh.key, {})]
+    elif not stored:
+        missing = [sh.key for sh in shardings]
+    else:
+        return
+    if missing:
+        named = ", ".join(f"'{k}'" for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise LoadMismatchError(
+            f"the checkpoint holds no optimizer state of {named} under '{prefix}': their keys are not the saved "
+            "optimizer's (renamed, a tied parameter keyed by another of its names, another prefix, or no "
+            "optimizer saved), so they would resume without state. Load under the keys saved, or pass "
+            "allow_missing=True for parameters that start fresh"
+        )
+
+
+def _restored_group(index: int, live: dict[str, Any], saved: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Live group ``index`` with the hyper-parameters its parameters' keys were saved with."""
+    known = [s for s in saved if s is not None]
+    if not known:
+        return live  # parameters the checkpoint knows nothing of keep theirs
+    first = known[0]
+    for other in known[1:]:
+        if set(other) != set(first) or not all(_same_value(first[k], other[k]) for k in first):
+            raise LoadMismatchError(
+                f"the parameters of optimizer group {index} were saved in groups of different hyper-parameters "
+                f"({_show(first)} and {_show(other)}); group them as saved, or pass restore_hyperparams=False "
+                "to keep the live ones"
+            )
+    return {**live, **first, "params": live["params"]}
 
 
 def state_names(optimizer: torch.optim.Optimizer) -> Iterable[str]:
