@@ -19,8 +19,8 @@ checkpoint key ``k`` is ``<prefix>.state.<s>.<k>``, sharded like the parameter; 
 once, by the rank holding the parameter's first element in its main replica. Each parameter
 key's group hyper-parameters are ``<prefix>.group.<k>``, a ShardedObject written once like a
 scalar: a group resumes with those of its parameters, on every rank and at any grouping order
-(the groups' list, ``param_groups``, is rank 0's common state, read for checkpoints without
-them). A tied parameter is one optimizer parameter, so it gets one sharding (the first model key
+(checkpoints of earlier ckptd have a ``param_groups`` list instead, rank 0's common state,
+restored by position). A tied parameter is one optimizer parameter, so it gets one sharding (the first model key
 wrapping it) and is stored once.
 
 Several optimizer parameters of one rank may be shards of one key at different offsets
@@ -259,13 +259,49 @@ def sharded_optimizer_state(
     # list (``param_groups``, rank 0's common state) gave every rank rank 0's groups (pipeline
     # stages have their own), matched by position only.
     group_of = {pid: i for i, g in enumerate(sd["param_groups"]) for pid in g["params"]}
+    hyper = [_hyperparams(groups[group_of[pid]]) for pid in ids]
+    _check_shared_groups(shardings, hyper)
     by_key = {
-        label: ShardedObject(
-            _group_key(prefix, sh), _hyperparams(groups[group_of[pid]]), (1,), (0,), _scalar_replica(sh)
-        )
-        for label, sh, pid in zip(labels, shardings, ids)
+        label: ShardedObject(_group_key(prefix, sh), h, (1,), (0,), _scalar_replica(sh))
+        for label, sh, h in zip(labels, shardings, hyper)
     }
-    return {"state": state, "param_groups": groups, "groups": by_key}
+    # (No ``param_groups`` list: restored by position, it is what gave every rank rank 0's groups.)
+    return {"state": state, "groups": by_key}
+
+
+def _check_shared_groups(shardings: Sequence[ShardedTensor], hyper: Sequence[dict[str, Any]]) -> None:
+    """Shards of one key on this rank must be in groups of the same hyper-parameters: the key
+    stores one set, and a resumed shard would get another's."""
+    first: dict[str, int] = {}
+    for i, sh in enumerate(shardings):
+        j = first.setdefault(sh.key, i)
+        if j != i and not _same_hyper(hyper[j], hyper[i]):
+            raise ShardingError(
+                f"parameters #{j} and #{i}, shards of '{sh.key}' that rank {DistContext.current().rank} holds, are "
+                f"in optimizer groups of different hyper-parameters ({_show(hyper[j])} and {_show(hyper[i])}): "
+                "the key stores one set. Put its shards in one group, or give them keys of their own"
+            )
+
+
+def _same_hyper(a: Any, b: Any) -> bool:
+    """Hyper-parameters equal as values: a list and a tuple of the same values (a config's
+    ``betas`` and torch's default), NaN and NaN, tensors by their elements."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_hyper(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_hyper(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if (
+            not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+            or a.shape != b.shape
+            or a.dtype != b.dtype
+        ):
+            return False
+        x, y = a.detach().cpu(), b.detach().cpu()
+        return torch.equal(x, y) or bool(x.is_floating_point() and torch.all((x == y) | (x.isnan() & y.isnan())))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return _same_value(a, b)
 
 
 def _group_key(prefix: str, sh: ShardedTensor) -> str:
@@ -324,7 +360,7 @@ def optimizer_load_template(
     labels = _state_labels(shardings)
     stored = _stored_state_names(checkpoint_dir, prefix)
     if not allow_missing:
-        _check_all_saved(shardings, stored, prefix)
+        _check_all_saved(shardings, stored, prefix, checkpoint_dir)
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, ShardedObject] = {}
     for p, sh, label in zip(params, shardings, labels):
@@ -399,17 +435,42 @@ def restore_optimizer_state(
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
 
 
-def _check_all_saved(shardings: Sequence[ShardedTensor], stored: dict[str, dict[str, Any]], prefix: str) -> None:
+def _holds_param_groups(checkpoint_dir: Any) -> bool:
+    """Whether the checkpoint's common state holds an optimizer's ``param_groups`` (an earlier
+    ckptd's optimizer state; True when the common state cannot be read: nothing is refused on a
+    guess)."""
+    from .api import load_common_state_dict
+    from .errors import CkptdError
+
+    try:
+        common = load_common_state_dict(checkpoint_dir)
+    except CkptdError:
+        return True
+    todo, seen = [common], 0
+    while todo and seen < 10_000:
+        node = todo.pop()
+        seen += 1
+        if isinstance(node, dict):
+            if "param_groups" in node:
+                return True
+            todo.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+    return False
+
+
+def _check_all_saved(
+    shardings: Sequence[ShardedTensor], stored: dict[str, dict[str, Any]], prefix: str, checkpoint_dir: Any
+) -> None:
     """Raise LoadMismatchError naming the parameters whose keys the checkpoint's optimizer did not
     hold: they would resume without state. Known from the per-key groups (every saved parameter
-    has one, with or without state); of a checkpoint without them (an earlier ckptd's), only one
-    without any optimizer state under ``prefix`` is told."""
-    if any(_GROUP in entries for entries in stored.values()):
-        missing = [sh.key for sh in shardings if _GROUP not in stored.get(sh.key, {})]
-    elif not stored:
-        missing = [sh.key for sh in shardings]
-    else:
-        return
+    has one, with or without state); nothing is told of a checkpoint without them (an earlier
+    ckptd's)."""
+    if stored and not any(_GROUP in entries for entries in stored.values()):
+        return  # an earlier ckptd's: "held without state" and "not held" look alike there
+    if not stored and _holds_param_groups(checkpoint_dir):
+        return  # an earlier ckptd's optimizer without any state (SGD, or saved before a step)
+    missing = sorted({sh.key for sh in shardings if _GROUP not in stored.get(sh.key, {})})
     if missing:
         named = ", ".join(f"'{k}'" for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise LoadMismatchError(
@@ -427,7 +488,7 @@ def _restored_group(index: int, live: dict[str, Any], saved: list[dict[str, Any]
         return live  # parameters the checkpoint knows nothing of keep theirs
     first = known[0]
     for other in known[1:]:
-        if set(other) != set(first) or not all(_same_value(first[k], other[k]) for k in first):
+        if not _same_hyper(first, other):
             raise LoadMismatchError(
                 f"the parameters of optimizer group {index} were saved in groups of different hyper-parameters "
                 f"({_show(first)} and {_show(other)}); group them as saved, or pass restore_hyperparams=False "

@@ -170,7 +170,11 @@ def test_optimizer_resumes_at_other_layouts(tmp_path):
     assert not any(k.startswith("optimizer.") and "head" in k for k in keys)  # tied: stored once
     assert keys["optimizer.state.step.fc.weight"].global_shape == ()
     assert keys["optimizer.state.exp_avg.proj.weight"].global_shape == (4, 6)
-    assert ckptd.load_common_state_dict(tmp_path / "dp2flat")["optimizer"]["param_groups"][0]["lr"] == LR
+    # Group hyper-parameters are stored per key (a ShardedObject each), not as rank 0's list.
+    groups = {k: o for k, o in ckptd.load_sharded_metadata(tmp_path / "dp2flat").items() if ".group." in k}
+    assert "optimizer.group.fc.weight/shard_0_1" in groups and "param_groups" not in str(
+        ckptd.load_common_state_dict(tmp_path / "dp2flat")
+    )
     results = run_ranks(_resume, 2, str(tmp_path), timeout_s=100)
     assert sorted(results[0]) == ["dp2flat->full", "dp2flat->tp2", "tp2->dp2flat", "tp2->full"]
     assert sorted(results[1]) == ["dp2flat->tp2", "tp2->dp2flat"]

@@ -433,13 +433,15 @@ def test_gc_of_an_abandoned_partial_step_leaves_what_a_new_save_of_it_wrote(s3_b
             ckpt.save(_sd(torch.full((64,), 10.0), 10), step=10).wait(timeout_s=120)
             for step in (30, 40):  # after the daemon's start, which removes such leftovers
                 client.put(f"iter_00000{step}/__0_0.deadbeef0000-1.distcp", b"x" * 64)
-            time.sleep(2.0)
-            plan = plan_gc(scan_s3_root(location), keep=10, grace_s=1.0)
+            # The store's times have whole seconds: the grace leaves the in-flight object below 3 s
+            # of margin under load (with 1 s, a slow gc took it for older than its grace).
+            time.sleep(6.0)
+            plan = plan_gc(scan_s3_root(location), keep=10, grace_s=4.0)
             assert {r.entry.name for r in plan.remove} == {"iter_0000030", "iter_0000040"}
             ckpt.save(_sd(torch.full((64,), 30.0), 30), step=30).wait(timeout_s=120)
             in_flight = "iter_0000040/__0_0.0123456789ab-1.distcp"  # a save of step 40 uploading
             client.put(in_flight, b"y" * 64)
-            results = apply_s3_gc(S3Root(location), plan, grace_s=1.0)
+            results = apply_s3_gc(S3Root(location), plan, grace_s=4.0)
             assert [(r.entry.name, err) for r, err in results] == [("iter_0000040", None)]
             assert {i.key for i in client.list_objects("iter_0000040")} == {in_flight}
             assert ckpt.latest() == 30

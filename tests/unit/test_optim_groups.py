@@ -69,7 +69,7 @@ def test_a_parameter_whose_key_the_saved_optimizer_did_not_hold_is_refused_not_r
     restore_optimizer_state(opt, loaded["optimizer"], sh)
     assert new not in opt.state and float(opt.state[ps["a"]]["step"]) == 1.0
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 0.7]  # the new group keeps its own
-    with pytest.raises(LoadMismatchError, match=r"no optimizer state of 'a', 'c', 'b', 'd'"):
+    with pytest.raises(LoadMismatchError, match=r"no optimizer state of 'a', 'b', 'c', 'd'"):
         optimizer_load_template(opt, sh, tmp_path / "model_only")
 
 
@@ -102,3 +102,40 @@ def test_each_pipeline_stage_gets_its_own_groups_hyperparameters(tmp_path):
         {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)},
         {"lr": 4e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
     ]
+
+
+def test_an_earlier_ckptds_optimizer_without_state_is_restored_as_before(tmp_path):
+    """A checkpoint of an earlier ckptd (no per-key groups: a ``param_groups`` list) whose optimizer
+    held no state (SGD without momentum) is not taken for one without an optimizer."""
+    ps, msd = _params()
+    opt = torch.optim.SGD(list(ps.values()), lr=0.3)
+    sd = sharded_optimizer_state(opt, param_shardings(opt, msd))
+    del sd["groups"]
+    sd["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
+    ckptd.save({"model": msd, "optimizer": sd}, tmp_path / "c")
+    ps, msd = _params()
+    opt = torch.optim.SGD(list(ps.values()), lr=0.9)
+    sh = param_shardings(opt, msd)
+    loaded = ckptd.load({"model": msd, "optimizer": optimizer_load_template(opt, sh, tmp_path / "c")}, tmp_path / "c")
+    restore_optimizer_state(opt, loaded["optimizer"], sh)
+    assert opt.param_groups[0]["lr"] == 0.3
+
+
+def test_hyperparameters_equal_as_values_are_one_group():
+    from ckptd.optim import _same_hyper
+
+    assert _same_hyper({"betas": [0.9, 0.95], "lr": float("nan")}, {"betas": (0.9, 0.95), "lr": float("nan")})
+    assert _same_hyper((torch.tensor([0.9, 0.99]),), (torch.tensor([0.9, 0.99]),))
+    assert not _same_hyper({"lr": 0.1}, {"lr": 0.2}) and not _same_hyper({"lr": 0.1}, {"lr": 0.1, "wd": 0})
+
+
+def test_shards_of_one_key_in_groups_of_different_hyperparameters_are_refused_at_save():
+    """Two local experts of one key with their own learning rates: the key stores one set, and the
+    second resumed with the first's, silently."""
+    from ckptd import ShardingError
+
+    e0, e1 = torch.nn.Parameter(torch.ones(1, 4)), torch.nn.Parameter(torch.ones(1, 4))
+    shardings = [ShardedTensor.from_rank_offsets("exp", e.data, (0, i, 2)) for i, e in enumerate((e0, e1))]
+    opt = torch.optim.AdamW([{"params": [e0], "lr": 0.1}, {"params": [e1], "lr": 0.5}])
+    with pytest.raises(ShardingError, match=r"shards of 'exp' .* groups of different hyper-parameters"):
+        sharded_optimizer_state(opt, shardings)
