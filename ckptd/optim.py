@@ -233,7 +233,7 @@ def _ordered_ids(state_dict: dict) -> list[Any]:
 def sharded_optimizer_state(
     optimizer: OptimizerLike, shardings: Sequence[ShardedTensor], *, prefix: str = "optimizer"
 ) -> dict[str, Any]:
-    """``{"state": {param_key: {name: sharded entry}}, "param_groups": [hyper-parameters]}``.
+    """``{"state": {param_key: {name: sharded entry}}, "groups": {param_key: hyper-parameters}}``.
 
     ``shardings[i]`` describes optimizer parameter ``i`` (state-dict order); the optimizer's
     tensors are referenced, not copied. Where this rank holds several shards of one key, their
@@ -351,7 +351,8 @@ def optimizer_load_template(
     LoadMismatchError when a parameter's key is not in the checkpoint's optimizer at all (a key
     renamed, a tied parameter keyed by its other name, no optimizer saved under ``prefix``): it
     would resume without its state. ``allow_missing``: such parameters start without state (new
-    parameters of a fine-tuning).
+    parameters of a fine-tuning); a template of no entry at all (every key new) is left out of
+    ``ckptd.load``'s result, as any empty part of a request: pass ``loaded.get(key, {})`` on.
     """
     params = _params(optimizer)
     if len(params) != len(shardings):
@@ -436,27 +437,34 @@ def restore_optimizer_state(
 
 
 def _holds_param_groups(checkpoint_dir: Any) -> bool:
-    """Whether the checkpoint's common state holds an optimizer's ``param_groups`` (an earlier
-    ckptd's optimizer state; True when the common state cannot be read: nothing is refused on a
-    guess)."""
-    from .api import load_common_state_dict
+    """Whether the checkpoint's common state names an optimizer's ``param_groups`` (an earlier
+    ckptd's optimizer state): looked for among the strings of ``common.pt``'s pickle, which is
+    never run (it may hold objects a weights-only load refuses, a Megatron-LM ``args``), and among
+    the keys of its values. True when the checkpoint cannot be read (nothing is refused on a
+    guess: the load says what is wrong)."""
+    import io
+    import pickletools
+    import zipfile
+
     from .errors import CkptdError
+    from .format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
+    from .format.safefs import read_regular
+    from .opening import opened
 
     try:
-        common = load_common_state_dict(checkpoint_dir)
-    except CkptdError:
-        return True
-    todo, seen = [common], 0
-    while todo and seen < 10_000:
-        node = todo.pop()
-        seen += 1
-        if isinstance(node, dict):
-            if "param_groups" in node:
+        with opened(checkpoint_dir) as ckpt:
+            if any("param_groups" in fqn for fqn in ckpt.index().objects):
                 return True
-            todo.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            todo.extend(node)
-    return False
+            try:
+                raw = read_regular(ckpt.directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
+            except FileNotFoundError:
+                return False
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            (pkl,) = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            ops = pickletools.genops(zf.read(pkl))
+            return any(isinstance(arg, str) and arg == "param_groups" for _, arg, _ in ops)
+    except (CkptdError, OSError, ValueError, zipfile.BadZipFile):
+        return True
 
 
 def _check_all_saved(

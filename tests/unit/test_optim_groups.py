@@ -71,6 +71,13 @@ def test_a_parameter_whose_key_the_saved_optimizer_did_not_hold_is_refused_not_r
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 0.7]  # the new group keeps its own
     with pytest.raises(LoadMismatchError, match=r"no optimizer state of 'a', 'b', 'c', 'd'"):
         optimizer_load_template(opt, sh, tmp_path / "model_only")
+    # Also where the common state holds what a weights-only load refuses (Megatron-LM's args): its
+    # pickle is searched, never run (it was taken for one holding an optimizer).
+    import argparse
+
+    ckptd.save({"model": _params()[1], "args": argparse.Namespace(lr=0.1)}, tmp_path / "megatron_model_only")
+    with pytest.raises(LoadMismatchError, match=r"no optimizer state of 'a', 'b', 'c', 'd'"):
+        optimizer_load_template(opt, sh, tmp_path / "megatron_model_only")
 
 
 def _stage(rank: int, world: int, root: str) -> dict:
@@ -112,7 +119,8 @@ def test_an_earlier_ckptds_optimizer_without_state_is_restored_as_before(tmp_pat
     sd = sharded_optimizer_state(opt, param_shardings(opt, msd))
     del sd["groups"]
     sd["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
-    ckptd.save({"model": msd, "optimizer": sd}, tmp_path / "c")
+    # A large value first in the common state (it hid the groups from a bounded walk of it).
+    ckptd.save({"data": {"consumed": list(range(20000))}, "model": msd, "optimizer": sd}, tmp_path / "c")
     ps, msd = _params()
     opt = torch.optim.SGD(list(ps.values()), lr=0.9)
     sh = param_shardings(opt, msd)
