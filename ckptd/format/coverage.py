@@ -56,11 +56,16 @@ def chunk_id(r: ItemRecord) -> ChunkId:
 
 def replicated_chunks(records: Sequence[ItemRecord]) -> set[ChunkId]:
     """The chunks (:func:`is_replicated_chunk`) that several ranks store."""
-    holders: dict[ChunkId, set[int]] = defaultdict(set)
+    return set(_replicated_copies(records))
+
+
+def _replicated_copies(records: Sequence[ItemRecord]) -> dict[ChunkId, list[ItemRecord]]:
+    """The records of each chunk (:func:`is_replicated_chunk`) that several ranks store."""
+    copies: dict[ChunkId, list[ItemRecord]] = defaultdict(list)
     for r in records:
         if is_replicated_chunk(r):
-            holders[chunk_id(r)].add(r.rank)
-    return {c for c, ranks in holders.items() if len(ranks) > 1}
+            copies[chunk_id(r)].append(r)
+    return {c: rs for c, rs in copies.items() if len({r.rank for r in rs}) > 1}
 
 
 def dedup_plain(
@@ -78,11 +83,7 @@ def dedup_plain(
     """
     holdings = plain_holdings(records)
     shared = {k for k, held in holdings.items() if len(held) > 1}
-    replicated: dict[ChunkId, list[ItemRecord]] = defaultdict(list)
-    several = replicated_chunks(records)
-    for r in records:
-        if is_replicated_chunk(r) and chunk_id(r) in several:
-            replicated[chunk_id(r)].append(r)
+    replicated = _replicated_copies(records)
     if not shared and not replicated:
         return list(records), []
     copies: dict[str, list[ItemRecord]] = defaultdict(list)
