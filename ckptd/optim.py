@@ -20,8 +20,8 @@ once, by the rank holding the parameter's first element in its main replica. Eac
 key's group hyper-parameters are ``<prefix>.group.<k>``, a ShardedObject written once like a
 scalar: a group resumes with those of its parameters, on every rank and at any grouping order
 (checkpoints of earlier ckptd have a ``param_groups`` list instead, rank 0's common state,
-restored by position). A tied parameter is one optimizer parameter, so it gets one sharding (the first model key
-wrapping it) and is stored once.
+restored by position). A tied parameter is one optimizer parameter, so it gets one sharding
+(the first model key wrapping it) and is stored once.
 
 Several optimizer parameters of one rank may be shards of one key at different offsets
 (Megatron-Core's local experts: one key, a prepended expert axis). Each stores its state as the
@@ -447,6 +447,7 @@ def _holds_param_groups(checkpoint_dir: Any) -> bool:
     import zipfile
 
     from .errors import CkptdError
+    from .format.archive import decode_problem
     from .format.layout import COMMON_PT, COMMON_PT_MAX_NBYTES
     from .format.safefs import read_regular
     from .opening import opened
@@ -459,8 +460,10 @@ def _holds_param_groups(checkpoint_dir: Any) -> bool:
                 raw = read_regular(ckpt.directory, COMMON_PT, "common state", COMMON_PT_MAX_NBYTES)
             except FileNotFoundError:
                 return False
+        if decode_problem(io.BytesIO(raw)) is not None:
+            return True  # not a well-formed archive (a compressed record would inflate unbounded)
         with zipfile.ZipFile(io.BytesIO(raw)) as zf:
-            (pkl,) = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            (pkl,) = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             ops = pickletools.genops(zf.read(pkl))
             return any(isinstance(arg, str) and arg == "param_groups" for _, arg, _ in ops)
     except (CkptdError, OSError, ValueError, zipfile.BadZipFile):
