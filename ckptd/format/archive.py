@@ -134,6 +134,8 @@ def _record_start(f: BinaryIO, info: zipfile.ZipInfo, size: int) -> int | str:
     """Where the bytes of a stored record start in ``f`` (its local header read by hand, see the
     module docstring), or what is wrong: no local header there, or bytes beyond ``size``."""
     name, at = info.filename, info.header_offset
+    if not 0 <= at < size:  # a flipped bit in the central directory (zipfile subtracts its prefix)
+        return f"record {name} has its local header at offset {at}, outside the archive's {size} bytes"
     f.seek(at)
     head = f.read(_LOCAL_HEADER_NBYTES)
     if len(head) != _LOCAL_HEADER_NBYTES or head[:4] != _LOCAL_HEADER:

@@ -302,6 +302,9 @@ _SETTINGS = {
 # test's own open of the FIFO blocked forever).
 @example(mutations=[("replace", "common.pt", "fifo"), ("deep nesting", "common.pt", 100)])
 @example(mutations=[("replace", "metadata.json", "link out"), ("json document", [1])])
+# A flipped bit in common.pt's central directory (a record's header offset -1), read without a
+# recorded checksum: the archive check's seek raised ValueError.
+@example(mutations=[("flip", "common.pt", [0.9609375], 0), ("truncate", ".metadata", 0.0)])
 def test_damaged_checkpoints_raise_only_ckptd_errors(pristine, mutations):
     _fuzz(pristine, mutations)
     assert (pristine / "outside" / "file").read_bytes() == b"not part of any checkpoint"
