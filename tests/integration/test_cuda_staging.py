@@ -330,6 +330,55 @@ def test_dtensor_state_dict_on_a_cuda_mesh(tmp_path, runtime_dir):
     assert run_ranks(_dtensor_on_cuda_mesh, 1, str(tmp_path / "run"), str(runtime_dir), timeout_s=240) == [True]
 
 
+def _submesh_round_trip(rank: int, root: str, runtime: str, device: str) -> list[str]:
+    """DDP + TP: DTensors on the "tp" submesh of a (dp=2, tp=1) mesh, so both ranks hold each
+    chunk whole; saved by ckptd.save (which compares the copies' CRC-32Cs, copying each replicated
+    chunk to the host) and by a Checkpointer, loaded back onto the device."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    tp = init_device_mesh(device, (2, 1), mesh_dim_names=("dp", "tp"))["tp"]
+    gen = torch.Generator(device=device).manual_seed(3)  # the same values on both data-parallel ranks
+    ref = {"w": torch.randn(96, 32, device=device, generator=gen), "b": torch.randn(17, device=device, generator=gen)}
+
+    def state(zero: bool) -> dict:
+        w, b = (torch.zeros_like(ref[k]) if zero else ref[k].clone() for k in ("w", "b"))
+        model = {"w": DTensor.from_local(w, tp, [Shard(0)]), "b": DTensor.from_local(b, tp, [Replicate()])}
+        return {"model": model, "step": 0 if zero else 9}
+
+    bad = []
+    ckptd.save(state(False), f"{root}/sync")
+    with ckptd.Checkpointer(f"{root}/async", config=_config(runtime)) as ckpt:
+        ckpt.save(state(False), step=9).wait(timeout_s=120)
+    for path in (f"{root}/sync", f"{root}/async/iter_0000009"):
+        want = state(True)
+        ckptd.load(want, path)
+        for k, v in ref.items():
+            got = want["model"][k].to_local()
+            if got.device.type != device or not torch.equal(got, v):
+                bad.append(f"rank {rank}: {k} from {path}")
+        if want["step"] != 9:
+            bad.append(f"rank {rank}: step from {path}")
+        meta = FileSystemReader(path).read_metadata().state_dict_metadata
+        bad += [
+            f"{path}: {len(meta[k].chunks)} chunks of {k}" for k in ("model.w", "model.b") if len(meta[k].chunks) != 1
+        ]
+    return bad
+
+
+def _submesh_on_cuda(rank: int, world: int, root: str, runtime: str) -> list[str]:
+    return _submesh_round_trip(rank, root, runtime, "cuda")
+
+
+@pytest.mark.timeout(300)
+def test_dtensors_on_a_cuda_submesh_are_kept_once_and_load_bit_exact(tmp_path, runtime_dir):
+    # Two ranks on the one GPU, over gloo (NCCL refuses two ranks on one device).
+    assert run_ranks(_submesh_on_cuda, 2, str(tmp_path / "run"), str(runtime_dir), timeout_s=240) == [[], []]
+
+
 def _megatron_gpt_on_cuda(rank: int, world: int, root: str, runtime: str) -> list[str]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
