@@ -5,6 +5,11 @@ loop rewrites) and ``ckptd bench train`` (:mod:`.train`: a GPT-like model with A
 CUDA). A *workload* says what one step does and what a save saves; a *saver* checkpoints it:
 
 - ``none``: no checkpointing (the baseline);
+- ``d2h``: no checkpoint either: at each save point a plain copy of the saved tensors into warm
+  pinned buffers (CUDA; warm host buffers on CPU), issued back to back, then one synchronisation.
+  Its stall is the floor of any snapshot that holds the bytes on the host when it returns, met
+  where the save is (after the GPU work training queued before it), which a copy timed after a
+  synchronisation (``d2h_floor_s``) is not;
 - ``ckptd``: ``Checkpointer.save`` with the default settings; ``ckptd_copy``: ``snapshot="copy"``;
   ``ckptd_lazy``: ``snapshot="lazy"``, fenced before each update (``attach(optimizer)`` where the
   workload has an optimizer, else ``before_update()``); each also as ``<mode>_prepared``, with
@@ -63,6 +68,23 @@ class Workload(Protocol):
         """The optimizer step: rewrites the saved state in place."""
 
 
+def tensors_of(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict, by path (ShardedTensors: their data)."""
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    data = getattr(obj, "data", None)
+    if isinstance(data, torch.Tensor) and hasattr(obj, "key"):
+        return {path: data}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensors_of(v, f"{path}.{k}" if path else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(tensors_of(v, f"{path}.{i}"))
+    return out
+
+
 def sync(w: Workload) -> None:
     if w.cuda:
         torch.cuda.synchronize()
@@ -90,6 +112,23 @@ class Saver:
 
     def close(self) -> None:
         pass
+
+
+class CopySaver(Saver):
+    """The in-loop device-to-host floor (``d2h`` in the module docstring)."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.cuda = workload.cuda
+        src = tensors_of(workload.state(0))
+        self.buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=self.cuda) for k, v in src.items()}
+        for k, v in src.items():  # warm: every page touched (and registered) before the loop
+            self.buffers[k].copy_(v)
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        for k, v in tensors_of(state).items():
+            self.buffers[k].copy_(v, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 class CkptdSaver(Saver):
@@ -134,6 +173,9 @@ class CkptdSaver(Saver):
             self.pin_s = ring.pinner.pinned_s
             self.pin_error = ring.pinner.error
         self.device_snapshots = self.ckpt._ring.device_snapshots_taken
+        # Per save, in order: how long it waited for ring space (the daemon still draining an
+        # earlier save: backpressure) or for the ring's pinning, within its stall.
+        self.ring_waits = [rec["queue_wait_s"] for rec in self.ckpt.stats()["recent"]]
         self.ckpt.close()
 
 
@@ -201,6 +243,8 @@ class DcpSaver(Saver):
 def make_saver(r: Rank, workload: Workload, mode: str) -> Saver:
     if mode == "none":
         return Saver()
+    if mode == "d2h":
+        return CopySaver(workload)
     if mode in CKPTD_MODES:
         return CkptdSaver(r, workload, CKPTD_MODES[mode], prepare=mode.endswith("_prepared"))
     return DcpSaver(r, workload, mode)
@@ -259,6 +303,13 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
             res["stall_s_in_pinning_max"] = r.max(max(in_pinning, default=0.0))
         if not r.max(float(not steady)):  # every rank has a steady save (a collective: all call it)
             res["stall_s_median"] = r.max(sorted(steady)[len(steady) // 2])
+        waits = getattr(saver, "ring_waits", None)
+        if waits is not None and len(waits) == len(stalls):
+            res["ring_wait_s"] = [round(r.max(w), 4) for w in waits]
+            # The steady saves' stalls less their waits for ring space: the snapshot's own cost.
+            own = [s - w for s, w, p in zip(rest, waits[1:] or waits, pinning, strict=True) if not p]
+            if not r.max(float(not own)):
+                res["stall_s_own_median"] = r.max(sorted(own)[len(own) // 2])
         res["stall_s_max"] = r.max(max(rest))
         # What a save blocks training for: save() and the fence waits before the next save (an
         # async stager's staging, a lazy save's copies), the only fair "first save" of DCP's
@@ -326,10 +377,17 @@ def run_modes(
             res["pin_error"] = pin_errors[0]
         if any(x.get("stager_closes_ignored") for x in loops):
             res["stager_kept_open"] = True  # the installed torch would have broken its reuse
-        for key in ("stalls_s", "blocked_s", "device_snapshots", "saves_in_pinning"):
+        for key in ("stalls_s", "blocked_s", "ring_wait_s", "device_snapshots", "saves_in_pinning"):
             if key in loops[0]:
                 res[key] = [x[key] for x in loops]  # per run
-        for key in ("first_stall_s", "first_blocked_s", "stall_s_median", "stall_s_max", "stall_s_in_pinning_max"):
+        for key in (
+            "first_stall_s",
+            "first_blocked_s",
+            "stall_s_median",
+            "stall_s_own_median",
+            "stall_s_max",
+            "stall_s_in_pinning_max",
+        ):
             values = [x[key] for x in loops if key in x]  # a run may have had no steady save
             if values:
                 res[key] = max(values) if key.endswith("max") else _mean(values)

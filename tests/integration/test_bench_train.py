@@ -19,6 +19,7 @@ def test_bench_train_tiny_on_cpu_reports_every_mode_and_cleans_up(tmp_path, caps
         [
             "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2",
             "--every", "3,1", "--saves", "2", "--dir", str(tmp_path), "--json",
+            "--modes", "none,d2h,dcp_best,ckptd,ckptd_lazy",
         ]
     )  # fmt: skip
     data = json.loads(capsys.readouterr().out)
@@ -33,6 +34,9 @@ def test_bench_train_tiny_on_cpu_reports_every_mode_and_cleans_up(tmp_path, caps
             assert "error" not in x, (every, mode, x)
             assert x["stall_s_median"] > 0 and x["first_stall_s"] > 0 and "overhead" in x, (every, mode)
         assert iv["ckptd_lazy"]["fence_s"] >= 0
+        assert iv["d2h"]["stall_s_median"] >= 0 and "error" not in iv["d2h"]
+        assert all(len(w) == 2 and min(w) >= 0 for w in iv["ckptd"]["ring_wait_s"]), iv["ckptd"]["ring_wait_s"]
+        assert 0 < iv["ckptd"]["stall_s_own_median"] <= iv["ckptd"]["stall_s_median"] + 1e-9
         assert iv["dcp_best_kind"] == "dcp_async_pinned" and iv["dcp_failed"] == {}, iv["dcp_failed"]
     assert {m: v["bit_exact"] for m, v in main_["bit_exact"].items()} == {
         "dcp_best": True,
