@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check of ckptd in one run (about 6-7 minutes on one H100), ending with one table:
+# Every GPU check of ckptd in one run (5.2 minutes on one H200, 6-7 on an H100), ending with one table:
 #   the CUDA tests (tests/integration/test_cuda_staging.py, test_daemon_no_gpu.py) and
 #   `ckptd bench train --device cuda` (the GPT-like loop: ckptd defaults and lazy+attach against
-#   no checkpointing and DCP's best working configuration; stalls, fence wait, device-to-host
-#   floor, ring pinning time, daemon memory, bit-exact checks, the issue's targets).
+#   no checkpointing and DCP's best working configuration; stalls, fence wait, the device-to-host
+#   floor after a synchronisation and in the loop (mode d2h), ring pinning time, daemon memory,
+#   bit-exact checks, the issue's targets).
 #
 #   tools/gpu_check.sh [WHEELS_DIR]
 #
@@ -17,15 +18,16 @@
 #     -d WHEELS_DIR pyzmq crc32c msgspec megatron-core==0.16.1
 # Without a needed one it stops with the list of what is missing. Outputs (the JSON of the
 # benchmark, the test log) go to $OUT when set, else to a temporary directory.
-# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 3 --dir /dev/shm --modes none,dcp_best,
+# Knobs: GPU_CHECK_TRAIN_ARGS (default "--every 25,3 --saves 3 --dir /dev/shm --modes none,d2h,dcp_best,
 # ckptd,ckptd_lazy,ckptd_lazy_prepared": checkpoints on a tmpfs, as the issue measured; 3 saves so
 # that one comes after the ring's pinning), GPU_CHECK_TESTS (the pytest node ids to run; default
 # both files), GPU_CHECK_TEST_TIMEOUT_S (180), GPU_CHECK_TRAIN_TIMEOUT_S (360); GPU_CHECK_QUICK=1
 # (about 3.5 minutes, for a short device lease: no spawned multi-rank tests, a save every 25 steps
 # only; an H200 ran about that, with 2 saves, in 199 s). Measured: the tests
 # some 130 s on an H100 (the multi-rank ones are spawned interpreters, see tools/harness/ranks.py);
-# the benchmark 243 s there with 2 saves and 4 modes, 132 s on an H200 with every 25 only, 2 saves
-# and 5 modes (its progress lines say where a run stopped by the timeout got to).
+# the benchmark 243 s there with 2 saves and 4 modes; on an H200 the 19 tests 95 s and the
+# benchmark 200 s with both intervals, 3 saves and 5 modes (d2h adds some 15 s; its progress lines
+# say where a run stopped by the timeout got to).
 set -uo pipefail
 
 PY="${PYTHON:-python3}"
@@ -33,7 +35,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="${1:-}"
 OUTDIR="${OUT:-$(mktemp -d /tmp/ckptd-gpu-check.XXXXXX)}"
 SITE="$(mktemp -d /tmp/ckptd-site.XXXXXX)"
-MODES="none,dcp_best,ckptd,ckptd_lazy,ckptd_lazy_prepared"
+MODES="none,d2h,dcp_best,ckptd,ckptd_lazy,ckptd_lazy_prepared"
 TESTS="tests/integration/test_cuda_staging.py tests/integration/test_daemon_no_gpu.py"
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then  # about 3.5 minutes: a short device lease
     DEFAULT_TRAIN="--every 25 --saves 3 --dir /dev/shm --modes $MODES"
