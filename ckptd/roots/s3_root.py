@@ -376,6 +376,10 @@ class S3Root:
         record = read_s3_commit_record(self.client, entry.name)
         if record is not None and record.seq != entry.commit_seq:
             return f"{self.display(entry.name)} was committed again since the scan"
+        if record is None and entry.record_problem is None:
+            # Retired since: a re-save of the step retires the commit it replaces before it
+            # writes its own metadata, and its data objects are in the store already.
+            return f"{self.display(entry.name)} was retired since the scan (a save of the step may be replacing it)"
         return None
 
     def remove_entry(
@@ -389,6 +393,11 @@ class S3Root:
         only = None
         if entry.state is EntryState.COMMITTED:
             record = read_s3_commit_record(self.client, entry.name)
+            if racing and record is None and entry.record_problem is None:
+                # Retired since the scan, by a re-save of the step (see changed_since_scan):
+                # retiring "every attempt" now would take the re-save's data objects.
+                log.info("gc: %s was retired since the scan; left to the save replacing it", self.display(entry.name))
+                return False
             only = record.attempt if record is not None and record.attempt else None  # DAMAGED: every attempt
             self._retire(entry.name, only_attempt=only, racing=racing)
             found = True

@@ -357,6 +357,35 @@ def test_retiring_a_step_leaves_the_data_objects_of_a_re_save_in_flight(s3_bucke
         stop_root_daemons(root, runtime_dir, timeout_s=60)
 
 
+@pytest.mark.timeout(180)
+def test_gc_after_a_re_save_retired_the_abandoned_step_leaves_the_re_save_s_objects(s3_bucket, runtime_dir):
+    """gc plans to remove the abandoned step 20; a re-save of step 20 then retires that commit (its
+    data objects uploaded, its metadata and commit object not yet written) before gc carries out
+    its plan. gc took the vanished commit object for "unchanged" and retired every attempt's data
+    objects, the re-save's too: the re-save then committed a step without its data."""
+    from ckptd.retention import plan_gc
+    from ckptd.roots.s3_root import apply_s3_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = f"s3://{s3_bucket}/runs/retired-since"
+    location = parse_location(root)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            _abandon_step_20(ckpt)
+        plan = plan_gc(scan_s3_root(location), keep=1, grace_s=3600.0)
+        assert 20 in {r.entry.step for r in plan.remove}
+        new = "iter_0000020/__0_0.fedcba987654-1.distcp"  # the re-save's data object
+        client.put(new, b"x" * 64)
+        S3Root(location)._retire("iter_0000020", keep_attempt="fedcba987654-1")  # as its commit does first
+        results = apply_s3_gc(S3Root(location), plan, grace_s=3600.0)
+        assert 20 not in {r.entry.step for r, _ in results}
+        assert any(e.step == 20 and "retired since the scan" in why for e, why in plan.kept), plan.kept
+        assert {i.key for i in client.list_objects("iter_0000020")} == {new}
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 def test_a_checkpoint_removed_from_the_store_while_it_is_loaded_is_a_removal(s3_bucket, monkeypatch, how):
