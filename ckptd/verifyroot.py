@@ -57,13 +57,16 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
     elif (latest := cat.latest()) is not None:
         chosen = [latest.path]
     elif not cat.tracker_exists and cat.committed:
-        chosen = [cat.committed[-1].path]
+        # What a resume would load: the last committed (commit order: after a rollback a lower
+        # step is newer than the abandoned higher ones), not the highest step.
+        newest = cat.branch_first[0]
+        chosen = [newest.path]
         findings.append(
             Finding(
                 NOTE,
                 "tracker",
                 f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
-                f"newest committed checkpoint {cat.committed[-1].name}",
+                f"newest committed checkpoint {newest.name}",
             )
         )
     else:

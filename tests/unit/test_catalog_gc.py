@@ -440,3 +440,15 @@ def test_a_replacing_commit_whose_rename_fails_puts_the_replaced_checkpoint_back
             megatron_tracker=False,
         )
     assert (root / "iter_0000020" / "metadata.json").is_file() and not list(root.glob("*.deleting"))
+
+
+def test_verify_without_a_tracker_checks_the_checkpoint_a_resume_would_load(tmp_path):
+    """No tracker after a rollback (committed 20, 30, 40, then 31): ``ckptd verify ROOT`` checked
+    the highest step, the abandoned 40, and called it the newest committed checkpoint."""
+    from ckptd.verifyroot import select_for_verify
+
+    root = make_root(tmp_path / "r", [20, 30, 31, 40], latest=None)
+    stamp_commits(root, [20, 30, 40, 31])
+    chosen, findings = select_for_verify(scan_root(root), all_checkpoints=False)
+    assert chosen == [root / "iter_0000031"]
+    assert "newest committed checkpoint iter_0000031" in findings[0].message
