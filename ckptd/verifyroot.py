@@ -3,13 +3,18 @@ ROOT``); each checkpoint is verified by :func:`ckptd.verify.verify_checkpoint`."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .catalog import EntryState, RootCatalog
+from .errors import CheckpointNotFoundError, CheckpointRemovedError
+from .format.commitrecord import COMMIT_RECORD
+from .format.lease import ReadLease
 from .format.rootlayout import TRACKER_FILE
-from .verify import ERROR, NOTE, Finding, VerifyReport, verify_checkpoint
+from .storage.url import Location, S3Location
+from .verify import ERROR, NOTE, WARNING, Finding, VerifyReport, verify_checkpoint
 
 
 @dataclass
@@ -65,8 +70,7 @@ def select_for_verify(cat: RootCatalog, all_checkpoints: bool) -> tuple[list[Pat
             Finding(
                 NOTE,
                 "tracker",
-                f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the "
-                f"newest committed checkpoint {newest.name}",
+                f"no '{TRACKER_FILE}' tracker in {cat.root}; verifying the newest committed checkpoint {newest.name}",
             )
         )
     else:
@@ -91,11 +95,46 @@ def verify_root(
     chosen, findings = select_for_verify(cat, all_checkpoints)
     out = RootVerifyReport(str(cat.root), findings=findings)
     for path in chosen:
-        if progress_for is None:
-            out.reports.append(verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle))
-        else:
+
+        def verify(path: Any = path) -> VerifyReport:
+            if progress_for is None:
+                return verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle)
             with progress_for(path) as bar:
-                out.reports.append(
-                    verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle, progress=bar)
+                return verify_checkpoint(path, deep=deep, allow_unsafe_pickle=allow_unsafe_pickle, progress=bar)
+
+        report = verify_unless_removed(path, verify)
+        if report is None:
+            out.findings.append(
+                Finding(
+                    WARNING,
+                    "file",
+                    f"{path} was removed (by retention or `ckptd gc`) before or while it was verified; "
+                    "nothing of it was judged. Run verify again for what the root holds now",
                 )
+            )
+        else:
+            out.reports.append(report)
     return out
+
+
+def verify_unless_removed(path: Location, verify: Callable[[], VerifyReport]) -> VerifyReport | None:
+    """``verify()`` of the checkpoint at ``path``, or None when retention or ``ckptd gc`` removed
+    it meanwhile: its files going one by one would read as damage. A directory is verified under a
+    load's lease, which postpones its removal (ckptd.format.lease); a checkpoint in an object store
+    (no lease) whose report finds errors is taken for removed when its commit object is gone, the
+    first object a removal deletes, and was there before."""
+    if isinstance(path, S3Location):
+        from .storage.s3client import S3Client
+
+        client = S3Client(path)
+        had_record = client.head(COMMIT_RECORD) is not None  # a checkpoint another tool wrote has none
+        report = verify()
+        if report.errors and had_record and client.head(COMMIT_RECORD) is None:
+            return None
+        return report
+    try:
+        with ReadLease.acquire(path) as lease:
+            report = verify()
+            return None if lease.gone() else report
+    except (CheckpointRemovedError, CheckpointNotFoundError):
+        return None

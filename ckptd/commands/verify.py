@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CheckpointRemovedError
 from ..progress import Progress
 from ..s3catalog import scan_any
 from ..storage.url import Location
@@ -98,7 +99,7 @@ def _bar(path: Location) -> Progress:
 def run(args: argparse.Namespace) -> int:
     target = resolve(args.path)
     from ..verify import verify_checkpoint  # torch: imported by the command that needs it
-    from ..verifyroot import verify_root
+    from ..verifyroot import verify_root, verify_unless_removed
 
     result: VerifyReport | RootVerifyReport
     if target.is_root:
@@ -113,10 +114,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.all_checkpoints:
             raise UsageError(f"--all needs a checkpoint root; {target.path} is one checkpoint")
-        with _bar(target.path) as bar:
-            result = verify_checkpoint(
-                target.path, deep=args.deep, allow_unsafe_pickle=args.allow_unsafe_pickle, progress=bar
+
+        def verify() -> VerifyReport:
+            with _bar(target.path) as bar:
+                return verify_checkpoint(
+                    target.path, deep=args.deep, allow_unsafe_pickle=args.allow_unsafe_pickle, progress=bar
+                )
+
+        checked = verify_unless_removed(target.path, verify)
+        if checked is None:
+            raise CheckpointRemovedError(
+                f"{target.path} was removed (by retention or `ckptd gc`) before or while it was verified; "
+                "nothing of it was judged"
             )
+        result = checked
         reports, root_findings = [result], []
     if args.json:
         emit_json(result.to_dict())

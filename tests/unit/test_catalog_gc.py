@@ -452,3 +452,35 @@ def test_verify_without_a_tracker_checks_the_checkpoint_a_resume_would_load(tmp_
     chosen, findings = select_for_verify(scan_root(root), all_checkpoints=False)
     assert chosen == [root / "iter_0000031"]
     assert "newest committed checkpoint iter_0000031" in findings[0].message
+
+
+def test_verify_holds_a_load_s_lease_so_a_collection_meanwhile_removes_nothing_it_reads(tmp_path):
+    """``ckptd verify ROOT --all`` while ``ckptd gc`` runs: gc removed the checkpoint being
+    verified file by file, and verify reported the missing files as damage (exit 1). Verify holds
+    a load's lease now, so the removal waits for a later collection; one removed before verify
+    reached it is a warning, not damage."""
+    import contextlib
+
+    from ckptd.verifyroot import verify_root
+
+    root = make_root(tmp_path / "r", [10, 20], latest=20)
+
+    @contextlib.contextmanager
+    def collect_meanwhile(path):
+        if path.name == "iter_0000010":
+            plan = plan_gc(scan_root(root), keep=1)
+            assert [r.entry.step for r in plan.remove] == [10]
+            apply_gc(plan)
+            assert any(e.step == 10 for e, _ in plan.kept)  # postponed: a load holds it
+        yield None
+
+    out = verify_root(scan_root(root), all_checkpoints=True, progress_for=collect_meanwhile)
+    assert out.status == "OK" and len(out.reports) == 2, out.to_dict()
+    assert (root / "iter_0000010").is_dir()
+    # Removed after the scan, before verify reached it.
+    cat = scan_root(root)
+    apply_gc(plan_gc(scan_root(root), keep=1))
+    assert not (root / "iter_0000010").exists()
+    out = verify_root(cat, all_checkpoints=True)
+    assert out.status == "OK" and [r.checkpoint for r in out.reports] == [str(root / "iter_0000020")]
+    assert any("was removed" in f.message and f.severity == "warning" for f in out.findings), out.findings
