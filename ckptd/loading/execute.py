@@ -38,6 +38,7 @@ import logging
 import math
 import mmap
 import os
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..format.archive import is_zip_stream, torch_save_problem
 from ..format.checksum import Checksum, unpack_blocks
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
 from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes, read_error
@@ -290,6 +292,12 @@ class _Executor:
                 self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-load-crc")
             crc = _RunningCrc(checksum, item.file_offset, self.helper)
             crc.add(item.file_offset, self._span(fd, item.file_offset, layout.data_offset, probed))
+        elif layout.record_crc32 is not None and _covers_whole(entry):
+            # No checksum of ckptd's (torch DCP, Megatron-Core, checksums=False): the CRC-32 the
+            # archive records for the elements, computed as they are read.
+            if self.helper is None and layout.nbytes > _CRC_BLOCK_NBYTES:
+                self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-load-crc")
+            crc = _RunningCrc(zlib.crc32, layout.data_offset, self.helper)
         self._crc = crc
         try:
             for op in entry.copies:
@@ -300,6 +308,7 @@ class _Executor:
             if crc is not None:
                 crc.settle()  # no checksum may still read the destination once the item is done
         if checksum is None or recorded is None:
+            self._check_archive_crc(fd, entry, layout, crc, probed)
             return
         if crc is not None:
             end = item.file_offset + item.length
@@ -319,6 +328,29 @@ class _Executor:
             self._verify_by_reading(fd, entry, checksum, recorded, probed)
         else:
             self.stats.items_unverified += 1
+
+    def _check_archive_crc(
+        self, fd: int, entry: ItemReads, layout: RawLayout, crc: _RunningCrc | None, probed: list[tuple[int, bytes]]
+    ) -> None:
+        """An item without a checksum of ckptd's: its elements against the CRC-32 its ``torch.save``
+        archive records, when the load read all of them (or ``verify_partial``: read again whole);
+        else it counts as unverified, as an item read in part without block checksums does."""
+        want = layout.record_crc32
+        if want is None or (crc is None and not self.opts.verify_partial):
+            self.stats.items_unverified += 1
+            return
+        end = layout.data_offset + layout.nbytes
+        if crc is None or not crc.ok or crc.pos != end:  # read in part, or not in file order
+            crc = _RunningCrc(zlib.crc32, layout.data_offset)
+            for off, piece in self._blocks(fd, layout.data_offset, end, probed):
+                crc.add(off, piece)
+        if crc.value != want:
+            raise CorruptCheckpointError(
+                f"{self.item_what(entry)}: its elements' CRC-32 is {crc.value:08x} but its torch.save "
+                f"archive records {want:08x}; the item is damaged (bit rot, or a torn write). Load an "
+                "earlier checkpoint"
+            )
+        self.stats.items_verified += 1
 
     def item_what(self, entry: ItemReads) -> str:
         item = entry.item
@@ -380,6 +412,12 @@ class _Executor:
         self.stats.bytes_read += len(data)
         if self.checksum is not None and item.crc is not None:
             check_checksum(data, item.crc, self.checksum, self.item_what(entry))
+            self.stats.items_verified += 1
+        elif is_zip_stream(data):  # no checksum of ckptd's: the archive's CRC-32s
+            if (problem := torch_save_problem(data)) is not None:
+                raise CorruptCheckpointError(
+                    f"{self.item_what(entry)} {problem}; the item is damaged: load an earlier checkpoint"
+                )
             self.stats.items_verified += 1
         source = load_tensor_bytes(data, entry.what, item.relative_path)
         del data

@@ -56,11 +56,15 @@ class RawLayout:
     """Where the elements of one stored item are: ``nbytes`` at absolute file offset ``data_offset``;
     ``relied_on``: the ``(offset, nbytes)`` file ranges this was found through (the zip's
     directory, local headers and ``data.pkl``), which a load must check as it checks the elements
-    it reads (a flipped bit there moves every element)."""
+    it reads (a flipped bit there moves every element); ``record_crc32``: see the field."""
 
     data_offset: int
     nbytes: int
     relied_on: tuple[tuple[int, int], ...] = ()
+    # The CRC-32 the archive records for the storage record, when that record is exactly the
+    # elements and a CRC is recorded (what a load without a checksum of ckptd's checks a whole
+    # item against).
+    record_crc32: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class _Entry:
     csize: int
     usize: int
     local_offset: int
+    crc32: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,7 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
         if cd[p : p + 4] != _CENTRAL:
             raise _Unusual("bad central directory entry")
         (flags, method) = struct.unpack_from("<HH", cd, p + 8)
-        csize, usize = struct.unpack_from("<II", cd, p + 20)
+        crc32, csize, usize = struct.unpack_from("<III", cd, p + 16)
         nlen, elen, clen = struct.unpack_from("<HHH", cd, p + 28)
         local = struct.unpack_from("<I", cd, p + 42)[0]
         name = cd[p + 46 : p + 46 + nlen].decode("utf-8", "replace")
@@ -259,7 +264,7 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
         if wanted:
             vals = _zip64_values(extra, wanted)
             usize, csize, local = vals.get("usize", usize), vals.get("csize", csize), vals.get("local", local)
-        entries[name] = _Entry(method, flags, csize, usize, local)
+        entries[name] = _Entry(method, flags, csize, usize, local, crc32)
         p += 46 + nlen + elen + clen
     return entries
 
@@ -329,7 +334,10 @@ def locate(read: Reader, item_offset: int, item_length: int, dtype: torch.dtype,
         if start + numel * esize > item_length or d_off + d_n > item_length:
             raise _Unusual("storage outside the item")
         relied_on = tuple((item_offset + rel, n) for rel, n in win.relied_on if n > 0)
-        return RawLayout(item_offset + start, numel * esize, relied_on)
+        # A CRC-32 of 0 is none recorded (torch's compute_crc32=False), as zipfile and
+        # ckptd.format.archive take it.
+        recorded = data.crc32 if start == d_off and d_n == numel * esize and data.crc32 else None
+        return RawLayout(item_offset + start, numel * esize, relied_on, recorded)
     except (
         _Unusual,
         struct.error,

@@ -84,3 +84,54 @@ def test_checksums_are_invisible_to_megatron_core_and_dcp(tmp_path: Path):
     assert report.ok, report.findings
     assert report.items_without_checksum == report.items == 4 and report.items_decoded == 4
     assert any(f.severity == NOTE and "no recorded checksum" in f.message for f in report.findings)
+
+
+@pytest.mark.parametrize("writer", ["torch DCP", "ckptd, checksums=False"])
+def test_bit_rot_in_a_tensor_without_a_recorded_checksum_fails_the_load(tmp_path: Path, writer: str):
+    """A checkpoint without ckptd's checksums (torch DCP's, Megatron-Core's, ``checksums=False``):
+    a flipped bit in a tensor's elements loaded without a word (its common state and bytes items
+    were checked against their archives' CRC-32s, its tensors were not). A whole item is checked
+    against the CRC-32 its ``torch.save`` archive records; one read in part counts as unverified,
+    or with ``verify_partial`` is read whole and checked."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptd
+    from ckptd import ShardedTensor
+    from ckptd.errors import CorruptCheckpointError
+    from ckptd.format.dcp_metadata import read_index
+    from ckptd.loading.execute import LoadStats
+    from ckptd.loading.rawitem import locate
+
+    full = torch.arange(300 * 70, dtype=torch.float32).reshape(300, 70)
+    d = tmp_path / "c"
+    if writer == "torch DCP":
+        dcp.save({"w": full.clone()}, checkpoint_id=str(d))
+    else:
+        ckptd.save({"w": full.clone()}, d, checksums=False)
+    stats = LoadStats()
+    whole = torch.zeros(300, 70)
+    ckptd.load({"w": whole}, d, stats=stats)
+    assert torch.equal(whole, full) and stats.items_verified == 1
+    chunk = read_index(d).tensors["w"].chunks[0]
+    path = d / chunk.relative_path
+    with open(path, "r+b") as f:
+        layout = locate(
+            lambda off, n: os.pread(f.fileno(), n, off), chunk.file_offset, chunk.length, torch.float32, (300, 70)
+        )
+        assert layout is not None and layout.record_crc32 is not None
+        at = layout.data_offset + (123 * 70 + 4) * 4 + 3  # an exponent bit of w[123, 4]
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
+    with pytest.raises(CorruptCheckpointError, match=r"CRC-32 .* torch.save archive records"):
+        ckptd.load({"w": torch.zeros(300, 70)}, d)
+
+    def half() -> dict:  # rows 0-149: the item read in part
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(150, 70), (0, 0, 2))}
+
+    stats = LoadStats()
+    ckptd.load(half(), d, stats=stats)
+    assert stats.items_unverified == 1 and stats.items_verified == 0
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        ckptd.load(half(), d, verify_partial=True)
