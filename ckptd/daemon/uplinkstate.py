@@ -227,7 +227,10 @@ class UplinkState:
         self.unacked: dict[StepKey, Unacked] = {}
         self.verdicts: OrderedDict[StepKey, Message] = OrderedDict()  # of recently aborted attempts
         self.coordinator_instance: str | None = None
-        self.last_pong_s = now
+        self.last_pong_s = now  # the coordinator's last answer, or (nothing waiting) the last tick
+        # Its last answer, whatever waited: the silence a connection may have been replaced in,
+        # losing a report sent into it while nothing else was waiting (see _on_pong).
+        self.last_answer_s = now
         self.last_ping_s = 0.0
         self.relinked = False  # connected to another address since the last answer (see Retarget)
         self._out: list[Action] = []
@@ -310,7 +313,7 @@ class UplinkState:
                 u.late_sent_to = None
             # A fresh silence allowance: node 0's daemon listens at the new address once one of its
             # own ranks says HELLO, which may come a little after this node's.
-            self.last_pong_s = now
+            self.last_pong_s = self.last_answer_s = now
             self.last_ping_s = now - self.config.heartbeat_s  # ping at this tick
             self._on_tick(now)
         elif isinstance(event, Tick):
@@ -369,8 +372,8 @@ class UplinkState:
             u.unsent.append(entry)
 
     def _on_pong(self, instance: str, now: float) -> None:
-        silent_s = now - self.last_pong_s
-        self.last_pong_s = now
+        silent_s = now - self.last_answer_s
+        self.last_pong_s = self.last_answer_s = now
         if self.coordinator_instance != instance:
             if self.coordinator_instance is not None:
                 log.warning("coordinator restarted (%s -> %s)", self.coordinator_instance, instance)

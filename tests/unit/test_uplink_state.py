@@ -338,6 +338,23 @@ def test_after_a_silence_long_enough_to_lose_the_connection_every_waiting_report
     assert node.take() == [to(msg3), to(msg4)]  # to the same instance: it still decides them
 
 
+def test_a_report_made_late_in_a_silence_that_began_while_the_node_was_idle_is_resent_when_it_ends():
+    """No answer since t=100 while nothing waited; at t=108 a report goes into the connection
+    (the socket still takes it), which is replaced a little later, losing it. The next answer came
+    3 s after the report, so the silence was taken for short and nothing was resent: the attempt
+    waited for the coordinator's commit timeout (600 s by default) and aborted."""
+    node = Node()
+    node.pong()
+    node.reachable = False  # pings go unanswered; the socket is no longer "refusing"
+    node.at(LINK_TIMEOUT_S)
+    node.reachable = True
+    msg = saving(node)
+    assert node.take() == [to(msg)]  # into the connection that is about to be replaced
+    node.at(LINK_TIMEOUT_S / 2 - 0.5)  # shorter than a replaced connection's silence
+    node.pong()
+    assert node.take() == [to(msg)]
+
+
 def test_a_coordinator_that_moved_is_pinged_at_once_and_every_waiting_report_resent_when_it_answers():
     """A later launch has the coordinator at another address (ckptd.daemon.node): the old
     connection's contents are lost, so even the same instance answering there at once gets every
