@@ -212,6 +212,7 @@ class _Executor:
         self._scratch: torch.Tensor | None = None
         self._use_mmap = opts.use_mmap
         self._crc: _RunningCrc | None = None  # the item being read and checked, if any
+        self._entry: ItemReads | None = None  # the item being read (for errors)
         self.helper: ThreadPoolExecutor | None = None  # checksums blocks while the next is read
 
     # --- reading -------------------------------------------------------------------------
@@ -220,7 +221,11 @@ class _Executor:
         self.stats.bytes_read += n
         data = os.pread(fd, n, offset)
         if len(data) != n:
-            raise CorruptCheckpointError(f"short read at offset {offset} ({len(data)} of {n} bytes)")
+            where = self.item_what(self._entry) if self._entry is not None else "a data file"
+            raise CorruptCheckpointError(
+                f"{where}: the file ended early (read {len(data)} of {n} bytes at offset {offset}): it was "
+                "truncated or replaced while it was read. Load an earlier checkpoint"
+            )
         return data
 
     def _preadv(self, fd: int, buffers: list[memoryview], offset: int, what: str) -> None:
@@ -259,6 +264,7 @@ class _Executor:
     # --- one item ------------------------------------------------------------------------
     def run_item(self, entry: ItemReads) -> None:
         item = entry.item
+        self._entry = entry
         fd, size = self.files.fileno_and_size(item.relative_path)
         if item.file_offset >= 0 and item.length >= 0 and item.file_offset + item.length <= size:
             self.files.ensure(item.relative_path, item.file_offset, item.length)

@@ -305,8 +305,10 @@ def _raise_unexpected(view: CheckpointView, split: SplitStateDict, unexpected: s
         raise missing_key_error(sh.unique_key, sorted(view.objects), "ShardedObject")
     if isinstance(sh, ByteItem):
         values = sorted(k for k, o in view.objects.items() if not o.sharded_object)
-        raise missing_key_error(sh.key, values, "value")
-    raise missing_key_error(sh.key, sorted(view.tensors))
+        raise missing_key_error(sh.key, values, "value", "a tensor" if sh.key in view.tensors else None)
+    stored = view.objects.get(sh.key)
+    other = None if stored is None else "a ShardedObject" if stored.sharded_object else "a value"
+    raise missing_key_error(sh.key, sorted(view.tensors), stored_as=other)
 
 
 def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,15 @@ class ReadPlan:
         return sum(math.prod(op.sizes) * op.dst.element_size() for e in self.items.values() for op in e.copies)
 
 
-def missing_key_error(key: str, known: list[str], what: str = "tensor") -> LoadMismatchError:
+def missing_key_error(
+    key: str, known: list[str], what: str = "tensor", stored_as: str | None = None
+) -> LoadMismatchError:
+    """``stored_as``: what the checkpoint holds under ``key`` instead ("a value", "a tensor")."""
+    if stored_as is not None:
+        return LoadMismatchError(
+            f"{what} '{key}' was requested, but the checkpoint stores {stored_as} under that key; "
+            f"request {stored_as} there (as it was saved), or map another key to it with key_mapping=[...]"
+        )
     close = difflib.get_close_matches(key, known, n=3)
     hint = f" Did you mean {close}?" if close else f" The checkpoint has {len(known)} such keys."
     return LoadMismatchError(

@@ -228,3 +228,35 @@ def test_a_plain_tensor_kept_in_common_state_with_another_shape_is_a_mismatch(tm
     assert torch.equal(
         ckptd.load({"w": torch.zeros(4), "scale": torch.zeros(3)}, tmp_path / "ck")["scale"], torch.ones(3)
     )
+
+
+def test_a_key_stored_as_another_kind_is_named_as_such(tmp_path: Path):
+    """A tensor requested where a value was saved (or the reverse) was "not in the checkpoint"."""
+    d = tmp_path / "c"
+    ckptd.save({"a": torch.arange(6.0).reshape(2, 3), "step": 5}, d)
+    with pytest.raises(LoadMismatchError, match="tensor 'step' was requested, but the checkpoint stores a value"):
+        ckptd.load({"step": torch.zeros(1)}, d)
+    with pytest.raises(LoadMismatchError, match="value 'a' was requested, but the checkpoint stores a tensor"):
+        ckptd.load({"a": 3}, d)
+
+
+def test_a_data_file_that_ends_early_while_it_is_read_names_the_item_and_file(tmp_path: Path, monkeypatch):
+    """A file truncated after the load checked its size (a flaky network mount): the error said
+    "short read at offset N" and named neither the file nor the item."""
+    import ckptd.loading.execute as execute
+
+    d = tmp_path / "c"
+    ckptd.save({"a": torch.arange(1 << 16, dtype=torch.float32)}, d)
+    real = os.pread
+
+    class Shrinking:
+        @staticmethod
+        def pread(fd: int, n: int, offset: int) -> bytes:
+            return real(fd, n, offset)[: n // 2]
+
+        def __getattr__(self, name: str):
+            return getattr(os, name)
+
+    monkeypatch.setattr(execute, "os", Shrinking())
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'a' chunk .*__0_0\.distcp\): the file ended early"):
+        ckptd.load({"a": torch.zeros(1 << 16)}, d)
