@@ -260,3 +260,27 @@ def test_a_data_file_that_ends_early_while_it_is_read_names_the_item_and_file(tm
     monkeypatch.setattr(execute, "os", Shrinking())
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'a' chunk .*__0_0\.distcp\): the file ended early"):
         ckptd.load({"a": torch.zeros(1 << 16)}, d)
+
+
+def test_a_factory_whose_piece_a_lenient_strict_mode_skipped_is_left_out(tmp_path: Path, caplog):
+    """strict='log_unexpected' and a ShardedTensorFactory one of whose pieces the checkpoint lacks:
+    its merge_fn got the unfilled template for that piece (a TypeError naming nothing, or a
+    template object in the result from a tolerant merge_fn)."""
+    from ckptd import ShardedTensorFactory
+
+    d = tmp_path / "c"
+    ckptd.save(
+        {"a": ST.from_rank_offsets("a", torch.ones(2)), "b": ST.from_rank_offsets("b", torch.full((3,), 2.0))}, d
+    )
+
+    def factory(second: str) -> ShardedTensorFactory:
+        def build(key, t, replica_id, flattened_range):
+            return {"x": ST.from_rank_offsets("a", torch.zeros(2)), "y": ST.from_rank_offsets(second, torch.zeros(3))}
+
+        return ShardedTensorFactory("f", torch.zeros(5), build, lambda sub: torch.cat([sub["x"], sub["y"]]))
+
+    assert torch.equal(ckptd.load({"f": factory("b")}, d)["f"], torch.tensor([1.0, 1, 2, 2, 2]))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        out = ckptd.load({"f": factory("zz")}, d, strict="log_unexpected")
+    assert "f" not in out
+    assert "the factory 'f' was not loaded: the checkpoint lacks its piece(s) ['zz']" in caplog.text
