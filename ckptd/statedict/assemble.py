@@ -31,10 +31,12 @@ def assemble(split: SplitStateDict, request: dict, common: Any, loaded: dict[Pat
         for path, (factory, built) in split.factories.items():
             skipped: list[str] = []
 
-            def fill(sub_path: Path, leaf: Any, _prefix: Path = path + (FACTORY_PART,)) -> Any:
+            def fill(
+                sub_path: Path, leaf: Any, _prefix: Path = path + (FACTORY_PART,), _skipped: list[str] = skipped
+            ) -> Any:
                 got = loaded.get(_prefix + sub_path, leaf)
                 if got is leaf and isinstance(leaf, (ShardedTensor, ShardedObject)):
-                    skipped.append(getattr(leaf, "key", "?"))
+                    _skipped.append(getattr(leaf, "key", "?"))
                 return got
 
             pieces = map_leaves(built, fill) if isinstance(built, (dict, list)) else fill((), built)
