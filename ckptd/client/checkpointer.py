@@ -61,6 +61,7 @@ Not thread-safe: use a Checkpointer from one thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -105,7 +106,7 @@ from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped,
 from .pending import PendingSaves, wait_for_all
 from .policy import AutoInterval
 from .rankring import RankRing
-from .reader import RootReader
+from .reader import RootReader, forget_damage
 from .saveplanner import SavePlanner
 from .session import BYE_LINGER_S, DaemonSession
 from .settle import DaemonsInFlight
@@ -160,7 +161,12 @@ class Checkpointer(RootReader):
         self._ring = RankRing(
             self.env.rank, self.env.local_world_size, self.endpoints.shm_prefix, self.config, self._link
         )
-        self._pending = PendingSaves(self.env.rank, self._plain)  # handles in flight, failures not observed yet
+        # Handles in flight, failures not observed yet. Told of commits through the damage table
+        # alone: a reference back to this Checkpointer would make a dropped one wait for a cyclic
+        # collection (see the link above).
+        self._pending = PendingSaves(
+            self.env.rank, self._plain, committed=functools.partial(forget_damage, self._damaged, self.root)
+        )
         self._session = DaemonSession(self.env.rank, self._link, self._ring, self._pending)
         self._stats = SaveStats()
         self._policy = (
@@ -253,7 +259,7 @@ class Checkpointer(RootReader):
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
-        if self._asks_committed() and committed_at(self.root, step):
+        if self._asks_committed() and committed_at(self.root, step) and not self._replaces_damaged(step):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from ..catalog import abandoned_commit, is_checkpoint_dir
 from ..control.protocol import StepAborted, StepCommitted, WriteDone
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 class PendingSaves:
     """This rank's handles in flight, by step, and the failures not observed yet."""
 
-    def __init__(self, rank: int, plain: PlainWriters) -> None:
+    def __init__(self, rank: int, plain: PlainWriters, committed: Callable[[str], None] | None = None) -> None:
         self.rank = rank
         self._plain = plain  # told which steps committed or failed (ckptd.statedict.holdings)
+        self._on_committed = committed  # told the name of each step directory committed
         self._by_step: dict[int, SaveHandle] = {}
         self._unobserved: list[SaveHandle] = []
 
@@ -74,6 +76,8 @@ class PendingSaves:
     def _committed(self, h: SaveHandle, msg: StepCommitted) -> None:
         del self._by_step[msg.step]
         self._plain.committed(msg.step, msg.plain_digest)
+        if self._on_committed is not None:
+            self._on_committed(msg.name)
         for warning in msg.warnings:
             log.warning("rank %d: %s", self.rank, warning)
         h.warnings = list(msg.warnings)

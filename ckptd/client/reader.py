@@ -7,7 +7,8 @@ ranks that each look while a commit lands never load different steps, and never 
 the others wait in. Before choosing, a Checkpointer's resume waits for the saves an earlier launch
 left with its node daemons that can still commit, and aborts those that cannot
 (:mod:`ckptd.client.settle`). The decisions are :class:`~ckptd.client.tiers.Levels`'; this class
-only keeps what a Checkpointer's loads found damaged, so later resumes skip it.
+only keeps what a Checkpointer's loads found damaged, so later resumes skip it, and a save of
+such a step may replace it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import load as sync_load
-from ..errors import NoCheckpointYetError
-from ..storage.url import Location
+from ..errors import CkptdError, NoCheckpointYetError
+from ..format.rootlayout import step_dir_name
+from ..recovery import structural_problem
+from ..storage.url import Location, S3Location, join
 from .tiers import Levels
 
 
@@ -99,3 +102,27 @@ class RootReader:
         a newer one overtook before its copy started is never mirrored); SaveTimeoutError after
         ``timeout_s``."""
         self._levels.wait_mirrored(step, timeout_s)
+
+    def _replaces_damaged(self, step: int) -> bool:
+        """Whether a save of ``step``, committed already in a directory root, goes to the
+        coordinator anyway: a resume of this Checkpointer fell back past it as damaged, or it is
+        structurally damaged now (a data file lost). Refused here, a job that resumed from the step
+        before and saves every N steps could never get past it. The coordinator reads all of it
+        again and replaces it only if it is damaged (ckptd.roots.posix.damaged_commit)."""
+        if isinstance(self.root, S3Location) or self._levels.node_local:
+            return False
+        name = step_dir_name(step)
+        path = join(self.root, name)
+        if name in self._damaged or str(path) in self._damaged:
+            return True
+        try:
+            return structural_problem(path) is not None
+        except CkptdError:  # removed meanwhile: the coordinator decides
+            return True
+
+
+def forget_damage(damaged: dict[str, str], root: Location, name: str) -> None:
+    """A save committed ``name`` anew (replacing a damaged one): what a load found in the old one
+    (``damaged``, by name or by path) is no longer true of the checkpoint under that name."""
+    damaged.pop(name, None)
+    damaged.pop(str(join(root, name)), None)

@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..catalog import EntryState, RootCatalog, read_tracker, scan_root
+from ..catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, scan_root
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
@@ -64,7 +64,7 @@ from ..format.rootlayout import (
     tracker_bytes,
 )
 from ..format.safefs import Dir, is_real_dir
-from ..recovery import structural_problem
+from ..recovery import found_damaged, structural_problem
 from ..retention import apply_gc, plan_gc
 from .base import CommitOutcome
 
@@ -108,8 +108,11 @@ def commit_step(
     cat = scan_root(root, usage=False)
     with Dir.open(root) as rootd:
         replaced = None
+        damage = None
         if rootd.lstat(name) is not None:
             replaced = cat.abandoned(step)
+            if replaced is None and not node_local:
+                replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
                 raise CheckpointExistsError(
                     f"{final} already exists; a step is committed once. Save under a "
@@ -139,7 +142,7 @@ def commit_step(
             opener=opener,
             megatron_tracker=megatron_tracker,
         )
-    warnings = rollback_warnings(cat, step, name, replaced is not None)
+    warnings = rollback_warnings(cat, step, name, replaced is not None, damage)
     for text in warnings:
         log.warning("%s", text)
     if untracked is not None:
@@ -206,11 +209,25 @@ def publish_step(
     return None
 
 
-def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) -> tuple[str, ...]:
+def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointEntry | None, str | None]:
+    """The committed ``name`` a save of its step may replace because it is damaged (a resume fell
+    back past it, and the job saves that step again: refused, the job could never get past it),
+    with the damage found reading all of it; ``(None, None)`` when it is intact (or not committed)."""
+    existing = next((e for e in cat.committed if e.name == name), None)
+    if existing is None:
+        return None, None
+    damage = found_damaged(path)
+    return (existing, damage) if damage is not None else (None, None)
+
+
+def rollback_warnings(
+    cat: RootCatalog, step: int, name: str, replaced: bool, damage: str | None = None
+) -> tuple[str, ...]:
     """What to tell the ranks when the job went back: ``step`` is older than the step committed
     before it (the tracker's; without one, any committed step). Said once, at the rollback: the
     saves that follow it on the new branch are not older than their predecessor. And when the
-    commit replaced a checkpoint of a branch an earlier rollback abandoned."""
+    commit replaced a checkpoint of a branch an earlier rollback abandoned, or (``damage``) one
+    found damaged."""
     out: list[str] = []
     newer = sorted(e.step for e in cat.committed if e.step > step)
     previous = cat.latest()
@@ -222,7 +239,9 @@ def rollback_warnings(cat: RootCatalog, step: int, name: str, replaced: bool) ->
             "newer checkpoints count as older commits for retention (keep_last keeps the last commits: "
             "a small keep_last retires them at once), and a save of one of their steps replaces it"
         )
-    if replaced:
+    if damage is not None:
+        out.append(f"{name} was damaged ({damage}); this save replaced it")
+    elif replaced:
         out.append(f"{name} of a branch abandoned by an earlier rollback was replaced by this save")
     return tuple(out)
 

@@ -9,12 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..catalog import RootCatalog, abandoned_commit, committed_once, scan_root
+from ..errors import CkptdError
 from ..format.commitrecord import read_commit_record
 from ..format.direct import open_data_file
 from ..format.durable import Opener, default_opener
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
+from ..recovery import found_damaged
 from .base import CommitOutcome, Recovery
 from .nodelocal import finish_on_node, travelling_files
 from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
@@ -115,7 +117,16 @@ class PosixRoot:
         return not abandoned_commit(self.location, step, record.seq)
 
     def committed_once(self, step: int) -> bool:
-        return committed_once(self.location, step)
+        """Committed, on the current branch, and intact: a damaged commit (read whole, as the
+        commit reads it again before it replaces it) may be saved again (ckptd.roots.posix.damaged_commit)."""
+        if not committed_once(self.location, step):
+            return False
+        if self.node_local:
+            return True
+        try:
+            return found_damaged(self.location / step_dir_name(step)) is None
+        except CkptdError:  # removed meanwhile: not committed; the commit decides again
+            return False
 
     def recover(self, *, nnodes: int) -> Recovery:
         """Finish a commit a crash interrupted after its rename; then remove every attempt's

@@ -54,7 +54,7 @@ from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, 
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.dcp_pickle import metadata_pickle
-from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
+from ..format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
 from ..format.records import ItemRecord
 from ..format.rootlayout import (
     MEGATRON_TRACKER,
@@ -66,6 +66,7 @@ from ..format.rootlayout import (
     tracker_bytes,
 )
 from ..format.validate import validate_records
+from ..recovery import structural_problem
 from ..retention import GcPlan, Removal, plan_gc
 from ..s3catalog import read_s3_commit_record, read_s3_tracker, s3_abandoned_commit, scan_s3_root
 from ..storage.s3client import S3Client, Upload
@@ -128,10 +129,15 @@ class S3Root:
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None
+        damage = None
         if any(e.name == name for e in cat.committed):
             replaced = cat.abandoned(step)
             if replaced is None and source is not None:
                 replaced = self._copy_of_another_commit(cat, name, source)
+            if replaced is None and source is None:
+                # Damaged (an object lost): a job that resumed from the step before saves it again.
+                damage = self._damage(name)
+                replaced = next(e for e in cat.committed if e.name == name) if damage is not None else None
             if replaced is None:
                 raise CheckpointExistsError(
                     f"{self.display(name)} is committed already; a step is committed once. Save under "
@@ -184,7 +190,7 @@ class S3Root:
                 self.client.put(MEGATRON_TRACKER, megatron_tracker_bytes(step))
             except StorageError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
                 log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
-        warnings = rollback_warnings(cat, step, name, replaced is not None)
+        warnings = rollback_warnings(cat, step, name, replaced is not None, damage)
         for text in warnings:
             log.warning("%s", text)
         if self.keep_last > 0:
@@ -437,9 +443,33 @@ class S3Root:
         return not s3_abandoned_commit(self.client, step, record.seq)
 
     def committed_once(self, step: int) -> bool:
+        """Committed, on the current branch, and structurally intact (see :meth:`commit`)."""
         if read_s3_commit_record(self.client, step_dir_name(step)) is None:
             return False
-        return self.scan(usage=False).abandoned(step) is None
+        if self.scan(usage=False).abandoned(step) is not None:
+            return False
+        try:
+            return self._damage(step_dir_name(step)) is None
+        except CkptdError:  # removed meanwhile, or the store did not answer: the commit decides again
+            return False
+
+    def _damage(self, name: str) -> str | None:
+        """What is wrong with the committed ``name``: its small objects and metadata, or a data
+        object its commit record lists that is missing or of another size (one LIST); its data
+        objects' bytes are not read (a store keeps its own checksums)."""
+        problem = structural_problem(self.location.child(name))
+        if problem is not None:
+            return problem
+        record = read_s3_commit_record(self.client, name)
+        if record is None or not record.objects:
+            return None
+        _, found = self.client.list_dir(name)
+        sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in found}
+        for obj, info in sorted(record.objects.items()):
+            if obj.endswith(DATA_SUFFIX) and sizes.get(obj) != info.get("nbytes"):
+                have = "is missing" if obj not in sizes else f"has {sizes[obj]} bytes, {info.get('nbytes')} committed"
+                return f"data object {self.display(name, obj)} {have}"
+        return None
 
     def recover(self, *, nnodes: int) -> Recovery:
         """Name the last commit in the tracker if a crash came between its commit object and the

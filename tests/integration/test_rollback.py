@@ -164,3 +164,44 @@ def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(
         w = torch.zeros(64)
         ckpt.load(_sd(w, -1))
         assert torch.equal(w, _value(20, 1))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("damage", ["bit rot", "lost data file", "intact"])
+def test_a_resume_past_a_damaged_latest_can_save_its_step_again(tmp_path, single_process, runtime_dir, damage):
+    """Saves every 10 steps; step 20, the latest, is damaged; a restart resumes step 10 and trains
+    on to step 20, whose save was refused ("committed already"): the job crashed there at every
+    restart. A save of a step whose commit is damaged replaces it now (the coordinator reads all of
+    the old one first); an intact one is still refused."""
+    from ckptd.errors import CheckpointExistsError
+    from ckptd.format.dcp_metadata import read_index
+    from tests.checkpoints import flip_bit
+
+    root = tmp_path / "run"
+    cfg = _config(runtime_dir, keep_last=5)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        for step in (10, 20):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+    chunk = read_index(root / step_dir_name(20)).tensors["w"].chunks[0]
+    if damage == "bit rot":
+        flip_bit(root / step_dir_name(20) / chunk.relative_path, chunk.file_offset + chunk.length - 100)
+    elif damage == "lost data file":
+        (root / step_dir_name(20) / chunk.relative_path).unlink()
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1))
+        if damage == "intact":
+            assert torch.equal(w, _value(20, 0))
+            with pytest.raises(CheckpointExistsError, match="committed already"):
+                ckpt.save(_sd(_value(20, 1), 20), step=20)
+            return
+        assert torch.equal(w, _value(10, 0))  # fell back past the damaged 20
+        handle = ckpt.save(_sd(_value(20, 1), 20), step=20)
+        handle.wait(timeout_s=60)
+        assert any("was damaged" in text and "this save replaced it" in text for text in handle.warnings)
+        assert ckpt.latest() == 20
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1))
+        assert torch.equal(w, _value(20, 1))
+    assert _steps(root) == [10, 20]

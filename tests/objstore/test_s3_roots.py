@@ -617,3 +617,27 @@ def test_a_checkpoint_retired_while_a_resume_checks_it_is_a_removal_not_damage(s
     monkeypatch.setattr(recovery, "s3_checkpoint_view", retired_first)
     with pytest.raises(ckptd.CheckpointRemovedError, match="iter_0000002 was removed while it was checked"):
         recovery.resolve_latest(root)  # before: iter_0000001, "iter_0000002 ... is damaged"
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_past_a_step_that_lost_an_object_can_save_that_step_again(s3_bucket, runtime_dir):
+    """Step 20 lost a data object; a restart resumes step 10 and trains on to step 20, whose save
+    the coordinator refused ("committed already"): the job could never get past it. A commit of a
+    step whose objects are not all there replaces it."""
+    root = f"s3://{s3_bucket}/runs/lost-object"
+    location = parse_location(root)
+    client = S3Client(location)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            for step in (10, 20):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+        client.delete([i.key for i in client.list_objects("iter_0000020") if i.key.endswith(".distcp")])
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            _resumes(ckpt, 10.0)
+            handle = ckpt.save(_sd(torch.full((64,), 20.5), 20), step=20)
+            handle.wait(timeout_s=120)
+            assert any("was damaged" in text for text in handle.warnings), handle.warnings
+            assert ckpt.latest() == 20
+            _resumes(ckpt, 20.5)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
