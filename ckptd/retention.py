@@ -85,8 +85,18 @@ class GcPlan:
         return f"the tracker moved since the scan (now {tracker_now}), and a fresh plan keeps it"
 
 
-def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
-    """Decide what a collection removes (see the module docstring); touches nothing."""
+def plan_gc(
+    cat: RootCatalog,
+    keep: int,
+    grace_s: float = DEFAULT_GRACE_S,
+    now: float | None = None,
+    intact: Callable[[CheckpointEntry], bool] | None = None,
+) -> GcPlan:
+    """Decide what a collection removes (see the module docstring); touches nothing.
+
+    ``intact`` (``ckptd gc``): whether a committed checkpoint is loadable; the newest one that is
+    (branch first) is kept whatever ``keep`` says, so a damaged latest never leaves the root with
+    no loadable checkpoint. Asked newest first, until one is."""
     if keep < 1:
         raise CkptdError(f"gc: keep must be >= 1, got {keep}")
     if grace_s < 0:
@@ -116,6 +126,14 @@ def plan_gc(cat: RootCatalog, keep: int, grace_s: float = DEFAULT_GRACE_S, now: 
         else:
             where = "on a branch a rollback abandoned, " if e.name in off_branch else ""
             plan.remove.append(Removal(e, f"{where}committed before the {keep} last committed"))
+    if intact is not None and plan.remove:
+        doomed = {id(r.entry): r for r in plan.remove}
+        for damaged, e in enumerate(order):
+            if intact(e):
+                if id(e) in doomed:
+                    plan.remove.remove(doomed[id(e)])
+                    plan.kept.append((e, f"the newest loadable checkpoint ({damaged} newer ones kept are damaged)"))
+                break
     newest_commit_s = max((e.committed_unix_s for e in cat.committed), default=0.0)
     # Node-local: the lowest step this disk keeps a commit of. A .tmp at or above it may hold this
     # node's files of a step committed on node 0 that it could not finish (ckptd.roots.nodelocal):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..catalog import CheckpointEntry
+from ..errors import CkptdError
 from ..retention import DEFAULT_GRACE_S, Removal, apply_gc, plan_gc
 from ..s3catalog import scan_any
 from ..storage.url import S3Location
@@ -52,6 +54,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _loadable(entry: CheckpointEntry) -> bool:
+    """Whether a committed checkpoint's files are all there and well formed (no data is read: bit
+    rot is what ``ckptd verify`` finds)."""
+    from ..recovery import structural_problem  # torch: imported by the command that needs it
+
+    try:
+        return structural_problem(entry.path) is None
+    except CkptdError:  # removed meanwhile, or the store did not answer: not known loadable
+        return False
+
+
 @guarded("gc")
 def run(args: argparse.Namespace) -> int:
     if args.keep < 1:
@@ -64,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             f"{target.path} is a single checkpoint; gc works on a checkpoint root "
             "(the directory holding iter_* checkpoints and the 'latest' tracker)"
         )
-    plan = plan_gc(scan_any(target.path), args.keep, args.grace_s)
+    plan = plan_gc(scan_any(target.path), args.keep, args.grace_s, intact=_loadable)
     if args.dry_run:
         results: list[tuple[Removal, str | None]] = [(r, None) for r in plan.remove]
     elif isinstance(target.path, S3Location):

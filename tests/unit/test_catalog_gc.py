@@ -484,3 +484,25 @@ def test_verify_holds_a_load_s_lease_so_a_collection_meanwhile_removes_nothing_i
     out = verify_root(cat, all_checkpoints=True)
     assert out.status == "OK" and [r.checkpoint for r in out.reports] == [str(root / "iter_0000020")]
     assert any("was removed" in f.message and f.severity == "warning" for f in out.findings), out.findings
+
+
+def test_gc_keeps_the_newest_loadable_checkpoint_when_the_newer_ones_kept_are_damaged(tmp_path):
+    """The tracker names 40, which lost a data file; ``ckptd gc --keep 1`` kept the broken 40 and
+    removed 20 and 30, the only loadable checkpoints."""
+    from ckptd.recovery import structural_problem
+
+    root = make_root(tmp_path / "r", [20, 30, 40], latest=40)
+    stamp_commits(root, [20, 30, 40])
+    for f in (root / "iter_0000040").glob("*.distcp"):
+        f.unlink()
+    plan = plan_gc(scan_root(root), keep=1, intact=lambda e: structural_problem(e.path) is None)
+    assert [r.entry.step for r in plan.remove] == [20]
+    assert any(e.step == 30 and "newest loadable" in why for e, why in plan.kept), plan.kept
+    # Intact: nothing more is asked than the latest, and keep decides as before.
+    asked = []
+    plan = plan_gc(
+        scan_root(make_root(tmp_path / "ok", [20, 30], latest=30)),
+        keep=1,
+        intact=lambda e: asked.append(e.step) or True,
+    )
+    assert [r.entry.step for r in plan.remove] == [20] and asked == [30]
