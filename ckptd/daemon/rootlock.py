@@ -13,10 +13,11 @@ is the same job's, and a relaunch with the same runtime directory connects to it
 
 On NFS, ``flock`` is emulated with POSIX locks and held across machines (NFSv4, or v3 with lockd);
 where the filesystem cannot lock at all, the daemon logs that a second job is not detected and
-goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine
-(``/dev/shm/.ckptd-<job>-n<node>.lock``), which keeps a second job on the same machine from
-removing the first one's rings and saves; two jobs on one ``s3://`` root on different machines
-are not detected. That file is one per job and node, so its daemon removes it when it exits (while
+goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine,
+named by the root's URL (``/dev/shm/.ckptd-s3-<digest>-n<node>.lock``), which keeps a second job
+on the same machine from removing the first one's rings and saves, whatever job id each has; two
+jobs on one ``s3://`` root on different machines are not detected. That file is one per root and
+node, so its daemon removes it when it exits (while
 still holding the lock; a daemon that locked the removed file meanwhile sees that the name no longer
 leads to it, and takes the lock again on the new one); the file in a POSIX root stays.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -55,7 +57,9 @@ class RootLock:
         self.node = node
         self.where = str(root)
         if isinstance(root, S3Location):
-            self.root, self.name = SHM_DIR, f".ckptd-{job}-n{node}.lock"
+            # Named by the root, not the job: two jobs on one root and machine must meet here.
+            digest = hashlib.sha256(str(root).encode()).hexdigest()[:20]
+            self.root, self.name = SHM_DIR, f".ckptd-s3-{digest}-n{node}.lock"
         else:
             self.root, self.name = root, node_lock_name(node)
         self.removed_on_release = isinstance(root, S3Location)

@@ -31,6 +31,23 @@ def test_the_machine_lock_of_an_s3_root_is_removed_when_its_daemon_lets_go(tmp_p
     assert not path.exists()
 
 
+def test_two_jobs_on_one_s3_root_and_machine_meet_at_its_lock_whatever_their_job_ids(tmp_path):
+    """The machine lock of an s3:// root was named by the job id: a second job with another id
+    started, removed the first one's saves in flight as a crash's leftovers, and each job's
+    retention retired the other's checkpoints."""
+    prefix = f"run-{secrets.token_hex(4)}"
+    first = RootLock(S3Location(bucket="b", prefix=prefix), 0, "job-a")
+    first.acquire(runtime_dir=tmp_path, job="job-a")
+    try:
+        with pytest.raises(RootBusyError, match="another ckptd daemon"):
+            RootLock(S3Location(bucket="b", prefix=prefix), 0, "job-b").acquire(runtime_dir=tmp_path, job="job-b")
+        other = RootLock(S3Location(bucket="b", prefix=prefix + "-other"), 0, "job-b")  # another root: free
+        other.acquire(runtime_dir=tmp_path, job="job-b")
+        other.release()
+    finally:
+        first.release()
+
+
 def test_the_lock_file_of_a_posix_root_stays(tmp_path):
     lock = RootLock(tmp_path, 0, "job")
     lock.acquire(runtime_dir=tmp_path, job="job")
