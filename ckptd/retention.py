@@ -37,7 +37,7 @@ from .catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, sca
 from .errors import CkptdError
 from .format.commitrecord import read_commit_record
 from .format.lease import try_exclusive
-from .format.rootlayout import deleting_name
+from .format.rootlayout import TRACKER_FILE, deleting_name
 from .format.safefs import Dir
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,14 @@ def plan_gc(
     plan = GcPlan(cat.root, keep=keep, grace_s=grace_s, tracker_name=cat.latest_name)
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
+    elif not cat.tracker_exists and not cat.node_local and any(e.commit_seq for e in cat.committed):
+        # ckptd committed here, and every commit names its step in the tracker: without one (a
+        # crash between a commit and its tracker, or it was removed) the branch the job trains on
+        # is unknown, and commit order alone would keep an abandoned branch over it.
+        plan.refused = (
+            f"{cat.root} has checkpoints committed by ckptd but no '{TRACKER_FILE}' tracker; committed "
+            "checkpoints are left alone until the next commit or daemon start names the latest"
+        )
     off_branch = {e.name for e in cat.off_branch()}
     # A checkpoint whose commit record cannot be read has no known place in commit order: it is
     # neither counted among the last ones nor retired (it would sort as the oldest commit).

@@ -506,3 +506,13 @@ def test_gc_keeps_the_newest_loadable_checkpoint_when_the_newer_ones_kept_are_da
         intact=lambda e: asked.append(e.step) or True,
     )
     assert [r.entry.step for r in plan.remove] == [20] and asked == [30]
+
+
+def test_gc_of_a_ckptd_root_that_lost_its_tracker_removes_nothing_committed(tmp_path):
+    """Committed 20, 30, 40, then (a rollback) 31; the tracker is gone. gc went by commit order and
+    removed 20, on the branch the job trains on, keeping the abandoned 40. A root ckptd committed
+    to always has one: without it nothing committed is removed (as with an untrusted tracker)."""
+    root = make_root(tmp_path / "r", [20, 30, 31, 40], latest=None)
+    stamp_commits(root, [20, 30, 40, 31])
+    plan = plan_gc(scan_root(root), keep=3)
+    assert plan.remove == [] and "no 'latest' tracker" in plan.refused
