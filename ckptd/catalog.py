@@ -346,6 +346,24 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
     return cat
 
 
+def tracker_set_back(cat: RootCatalog) -> str | None:
+    """Why the tracker is taken to have been set back on purpose (a rollback by hand: Megatron-LM
+    users rewrite it), or None: it names a commit two or more commits before the newest. A commit a
+    crash interrupted between its rename and its tracker leaves the tracker one commit behind,
+    which a coordinator start moves forward (ckptd.roots.posix.finish_interrupted_commit)."""
+    current = cat.latest()
+    ordered = [e for e in cat.newest_first if e.record_problem is None and e.step >= 0]
+    if current is None or current.record_problem is not None or not ordered or ordered[0] is current:
+        return None
+    behind = next((i for i, e in enumerate(ordered) if e is current), None)
+    if behind is None or behind == 1:
+        return None
+    return (
+        f"the tracker names {current.name}, {behind} commits before the newest ({ordered[0].name}): taken "
+        "for a rollback by hand, not for an interrupted commit, and left as it is"
+    )
+
+
 def committed_once(root: str | os.PathLike, step: int) -> bool:
     """``iter_<step>`` of ``root`` is committed and may not be saved again: it exists and is not a
     checkpoint of a branch a rollback abandoned (:meth:`RootCatalog.abandoned`), which a new save

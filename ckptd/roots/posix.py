@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, scan_root
+from ..catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, scan_root, tracker_set_back
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
@@ -307,6 +307,9 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
         # Its place in commit order is unknown, so no checkpoint is known to be committed after
         # it: taking its seq for 0 moved the tracker back to an older step, whose next commit
         # then left the tracked one on an "abandoned branch" for retention to remove.
+        return None
+    if (set_back := tracker_set_back(cat)) is not None:
+        log.warning("%s: %s", root, set_back)
         return None
     for entry in cat.newest_first:
         if current is not None and entry.commit_order <= current.commit_order:

@@ -49,7 +49,7 @@ import pickle
 import time
 from collections.abc import Mapping
 
-from ..catalog import CheckpointEntry, EntryState, RootCatalog
+from ..catalog import CheckpointEntry, EntryState, RootCatalog, tracker_set_back
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
@@ -481,7 +481,10 @@ class S3Root:
         current = cat.latest()
         # A tracked commit whose record is damaged has no known place in commit order: none is
         # known to be newer (ckptd.roots.posix.finish_interrupted_commit).
-        if not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)) and (
+        set_back = tracker_set_back(cat)
+        if set_back is not None:
+            log.warning("%s: %s", self.location, set_back)
+        elif not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)) and (
             current is None or current.record_problem is None
         ):
             newest = next((e for e in cat.newest_first if e.record_problem is None), None)

@@ -516,3 +516,15 @@ def test_gc_of_a_ckptd_root_that_lost_its_tracker_removes_nothing_committed(tmp_
     stamp_commits(root, [20, 30, 40, 31])
     plan = plan_gc(scan_root(root), keep=3)
     assert plan.remove == [] and "no 'latest' tracker" in plan.refused
+
+
+def test_a_coordinator_start_leaves_a_tracker_set_back_by_hand(tmp_path):
+    """An operator rolls back by rewriting the tracker (Megatron-LM users do): 40 -> 20. The next
+    daemon start took it for an interrupted commit and named 40 again, so the job resumed 40. A
+    tracker one commit behind the newest is still taken for an interrupted commit."""
+    root = make_root(tmp_path / "r", [20, 30, 40], latest=20)
+    stamp_commits(root, [20, 30, 40])
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) is None
+    assert (root / "latest").read_text() == "iter_0000020\n"
+    (root / "latest").write_text("iter_0000030\n")  # one behind: the commit of 40 was interrupted
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000040"
