@@ -225,6 +225,8 @@ def _check_unchanged(rootd: Dir, fd: int | None, entry: CheckpointEntry) -> None
         raise CheckpointChanged(f"{rootd.path / name} is named latest now")
     record = read_commit_record(rootd.path / name)
     if entry.state is EntryState.COMMITTED and (record.seq if record is not None else 0) != entry.commit_seq:
+        if record is None and entry.commit_seq:  # unreadable now (damage, an I/O error), or gone
+            raise CheckpointChanged(f"{rootd.path / name}: its commit record cannot be read any more")
         raise CheckpointChanged(f"{rootd.path / name} was committed again since the scan")
     st, locked = rootd.lstat(name), os.fstat(fd)
     if st is None or (st.st_dev, st.st_ino) != (locked.st_dev, locked.st_ino):
