@@ -528,3 +528,13 @@ def test_a_coordinator_start_leaves_a_tracker_set_back_by_hand(tmp_path):
     assert (root / "latest").read_text() == "iter_0000020\n"
     (root / "latest").write_text("iter_0000030\n")  # one behind: the commit of 40 was interrupted
     assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000040"
+
+
+def test_a_removal_postponed_for_an_unreadable_commit_record_says_so(tmp_path):
+    root = make_root(tmp_path / "r", [10, 20], latest=20)
+    stamp_commits(root, [10, 20])
+    plan = plan_gc(scan_root(root), keep=1)
+    (root / "iter_0000010" / "ckptd_commit.json").write_text("{not json")
+    apply_gc(plan)
+    assert (root / "iter_0000010").is_dir()
+    assert any(e.step == 10 and "cannot be read any more" in why for e, why in plan.kept), plan.kept
