@@ -62,23 +62,6 @@ class LatestChoice:
         return self.entry.step if self.entry.step >= 0 else None
 
 
-def found_damaged(path: Path) -> str | None:
-    """Why the committed checkpoint directory ``path`` is damaged, reading every byte of it (its
-    items against their checksums, as ``ckptd verify`` does), or None when it is intact: what a
-    commit of a step committed already asks before it replaces the step (a resume fell back past
-    it; a flipped bit is no structural problem). Raises as :func:`structural_problem` does."""
-    from .verify import verify_checkpoint
-
-    with ReadLease.acquire(path) as lease:
-        try:
-            report = verify_checkpoint(path)
-        except FileNotFoundError:
-            report = None
-        if report is None or lease.gone():
-            raise CheckpointNotFoundError(f"{path} was removed while it was checked (by retention or `ckptd gc`)")
-    return _report_problem(report, None, None)
-
-
 def structural_problem(path: Location, *, node_local: bool = False) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its

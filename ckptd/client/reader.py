@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import load as sync_load
-from ..errors import CkptdError, NoCheckpointYetError
+from ..errors import CheckpointExistsError, CkptdError, NoCheckpointYetError
 from ..format.rootlayout import step_dir_name
 from ..recovery import structural_problem
 from ..storage.url import Location, S3Location, join
@@ -105,20 +105,28 @@ class RootReader:
 
     def _replaces_damaged(self, step: int) -> bool:
         """Whether a save of ``step``, committed already in a directory root, goes to the
-        coordinator anyway: a resume of this Checkpointer fell back past it as damaged, or it is
-        structurally damaged now (a data file lost). Refused here, a job that resumed from the step
-        before and saves every N steps could never get past it. The coordinator reads all of it
-        again and replaces it only if it is damaged (ckptd.roots.posix.damaged_commit)."""
+        coordinator anyway: the commit is structurally damaged (a data file lost or cut short),
+        which a resume fell back past. Refused, a job that resumed from the step before and saves
+        every N steps could never get past it; the coordinator checks again and replaces it only if
+        it is damaged (ckptd.roots.posix.damaged_commit). One a load of this Checkpointer found
+        damaged in intact files (bit rot) is refused here, saying what to do."""
         if isinstance(self.root, S3Location) or self._levels.node_local:
             return False
         name = step_dir_name(step)
         path = join(self.root, name)
-        if name in self._damaged or str(path) in self._damaged:
-            return True
         try:
-            return structural_problem(path) is not None
-        except CkptdError:  # removed meanwhile: the coordinator decides
-            return True
+            if structural_problem(path) is not None:
+                return True
+        except (CkptdError, OSError):  # removed or unreadable meanwhile: refused as committed
+            return False
+        found = self._damaged.get(name) or self._damaged.get(str(path))
+        if found is not None:
+            raise CheckpointExistsError(
+                f"{path} is committed already, and a load found it damaged ({found}); a save of step {step} "
+                f"cannot replace it while its files are all there: move it away (e.g. rename it to {name}.damaged) "
+                "and save again"
+            )
+        return False
 
 
 def forget_damage(damaged: dict[str, str], root: Location, name: str) -> None:

@@ -64,7 +64,7 @@ from ..format.rootlayout import (
     tracker_bytes,
 )
 from ..format.safefs import Dir, is_real_dir
-from ..recovery import found_damaged, structural_problem
+from ..recovery import structural_problem
 from ..retention import apply_gc, plan_gc
 from .base import CommitOutcome
 
@@ -212,11 +212,14 @@ def publish_step(
 def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointEntry | None, str | None]:
     """The committed ``name`` a save of its step may replace because it is damaged (a resume fell
     back past it, and the job saves that step again: refused, the job could never get past it),
-    with the damage found reading all of it; ``(None, None)`` when it is intact (or not committed)."""
+    with the damage; ``(None, None)`` when it is not (or not committed). The structural check (a
+    data file lost or cut short, metadata unreadable: a few file reads whatever its size); bit rot
+    in intact files is not looked for here (it would take reading all of it): the rank refuses
+    such a save itself, saying to move the damaged checkpoint away."""
     existing = next((e for e in cat.committed if e.name == name), None)
     if existing is None:
         return None, None
-    damage = found_damaged(path)
+    damage = structural_problem(path)
     return (existing, damage) if damage is not None else (None, None)
 
 

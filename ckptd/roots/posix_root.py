@@ -16,7 +16,7 @@ from ..format.durable import Opener, default_opener
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
-from ..recovery import found_damaged
+from ..recovery import structural_problem
 from .base import CommitOutcome, Recovery
 from .nodelocal import finish_on_node, travelling_files
 from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
@@ -117,14 +117,14 @@ class PosixRoot:
         return not abandoned_commit(self.location, step, record.seq)
 
     def committed_once(self, step: int) -> bool:
-        """Committed, on the current branch, and intact: a damaged commit (read whole, as the
-        commit reads it again before it replaces it) may be saved again (ckptd.roots.posix.damaged_commit)."""
+        """Committed, on the current branch, and structurally intact: a damaged commit may be
+        saved again (ckptd.roots.posix.damaged_commit, which the commit asks again)."""
         if not committed_once(self.location, step):
             return False
         if self.node_local:
             return True
         try:
-            return found_damaged(self.location / step_dir_name(step)) is None
+            return structural_problem(self.location / step_dir_name(step)) is None
         except CkptdError:  # removed meanwhile: not committed; the commit decides again
             return False
 

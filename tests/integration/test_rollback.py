@@ -170,9 +170,10 @@ def test_gc_planned_before_a_re_save_of_an_abandoned_step_leaves_the_new_commit(
 @pytest.mark.parametrize("damage", ["bit rot", "lost data file", "intact"])
 def test_a_resume_past_a_damaged_latest_can_save_its_step_again(tmp_path, single_process, runtime_dir, damage):
     """Saves every 10 steps; step 20, the latest, is damaged; a restart resumes step 10 and trains
-    on to step 20, whose save was refused ("committed already"): the job crashed there at every
-    restart. A save of a step whose commit is damaged replaces it now (the coordinator reads all of
-    the old one first); an intact one is still refused."""
+    on to step 20, whose save was refused ("committed already") with no word of the damage: the job
+    crashed there at every restart. A save of a step whose commit lost a file replaces it now (the
+    coordinator checks the old one first); one damaged in intact files (bit rot) is refused saying
+    to move it away; an intact one is refused as before."""
     from ckptd.errors import CheckpointExistsError
     from ckptd.format.dcp_metadata import read_index
     from tests.checkpoints import flip_bit
@@ -196,9 +197,14 @@ def test_a_resume_past_a_damaged_latest_can_save_its_step_again(tmp_path, single
                 ckpt.save(_sd(_value(20, 1), 20), step=20)
             return
         assert torch.equal(w, _value(10, 0))  # fell back past the damaged 20
+        if damage == "bit rot":
+            with pytest.raises(CheckpointExistsError, match=r"a load found it damaged .*move it away"):
+                ckpt.save(_sd(_value(20, 1), 20), step=20)
+            (root / step_dir_name(20)).rename(root / f"{step_dir_name(20)}.damaged")
         handle = ckpt.save(_sd(_value(20, 1), 20), step=20)
         handle.wait(timeout_s=60)
-        assert any("was damaged" in text and "this save replaced it" in text for text in handle.warnings)
+        replaced = any("was damaged" in text and "this save replaced it" in text for text in handle.warnings)
+        assert replaced == (damage == "lost data file"), handle.warnings
         assert ckpt.latest() == 20
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
         w = torch.zeros(64)
