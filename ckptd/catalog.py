@@ -92,6 +92,18 @@ class CheckpointEntry:
         return (self.commit_seq, self.step)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WentBack:
+    """A job's load of an older step than its root's newest (a rollback: ``ckpt.load(sd,
+    step=30)`` with 40 committed): the ``step`` it went back to, and the newest commit's sequence
+    number then (``seq``). Its saves of the steps it left (above ``step``, committed at or before
+    ``seq``) replace them (:meth:`RootCatalog.superseded`), as its first save at a step the old
+    branch lacks would have abandoned them."""
+
+    step: int
+    seq: int
+
+
 @dataclass
 class RootCatalog:
     """Every step directory of a root, in step order, plus what the tracker says."""
@@ -166,6 +178,19 @@ class RootCatalog:
                 and e.record_problem is None
                 and left_behind(step, e.commit_seq, latest.step, latest.commit_seq)
             ):
+                return e
+        return None
+
+    def superseded(self, step: int, went_back: WentBack | None) -> CheckpointEntry | None:
+        """The committed ``iter_<step>`` a save of that step replaces: one a rollback abandoned
+        (:meth:`abandoned`), or, from a job that went back (``went_back``), one of a step above
+        the one it went back to that was committed before it did. None when there is none (the
+        save is refused: a step is committed once)."""
+        found = self.abandoned(step)
+        if found is not None or went_back is None or step <= went_back.step:
+            return found
+        for e in self.committed:
+            if e.step == step and e.record_problem is None and e.commit_seq <= went_back.seq:
                 return e
         return None
 
@@ -364,13 +389,13 @@ def tracker_set_back(cat: RootCatalog) -> str | None:
     )
 
 
-def committed_once(root: str | os.PathLike, step: int) -> bool:
+def committed_once(root: str | os.PathLike, step: int, went_back: WentBack | None = None) -> bool:
     """``iter_<step>`` of ``root`` is committed and may not be saved again: it exists and is not a
-    checkpoint of a branch a rollback abandoned (:meth:`RootCatalog.abandoned`), which a new save
-    of the step replaces."""
+    checkpoint a new save of the step replaces (:meth:`RootCatalog.superseded`: of a branch a
+    rollback abandoned, or one the saving job went back from)."""
     if not os.path.lexists(Path(root) / step_dir_name(step)):
         return False
-    return scan_root(root, usage=False).abandoned(step) is None
+    return scan_root(root, usage=False).superseded(step, went_back) is None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from .catalog import (
     EntryState,
     RootCatalog,
     Target,
+    WentBack,
     abandoned_after,
     committed_once,
     read_tracker,
@@ -175,14 +176,14 @@ def s3_abandoned_commit(client: S3Client, step: int, seq: int) -> bool:
     return abandoned_after(None if problem else name, step, seq, latest_seq)
 
 
-def committed_at(root: Location, step: int) -> bool:
+def committed_at(root: Location, step: int, went_back: WentBack | None = None) -> bool:
     """:func:`~ckptd.catalog.committed_once` of a directory or an ``s3://`` root."""
     if not isinstance(root, S3Location):
-        return committed_once(root, step)
+        return committed_once(root, step, went_back)
     client = S3Client(root)
     if read_s3_commit_record(client, step_dir_name(step)) is None:
         return False
-    return scan_s3_root(root, client, usage=False).abandoned(step) is None
+    return scan_s3_root(root, client, usage=False).superseded(step, went_back) is None
 
 
 def commit_record_at(root: Location, step: int) -> CommitRecord | None:

@@ -259,7 +259,11 @@ class Checkpointer(RootReader):
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
-        if self._asks_committed() and committed_at(self.root, step) and not self._replaces_damaged(step):
+        if (
+            self._asks_committed()
+            and committed_at(self.root, step, self._went_back)
+            and not self._replaces_damaged(step)
+        ):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
         with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
@@ -310,6 +314,8 @@ class Checkpointer(RootReader):
             seal_offset=snap.seal_offset,
             plain_digest=plan.plain,
             held=held,
+            went_back_to=-1 if self._went_back is None else self._went_back.step,
+            went_back_seq=0 if self._went_back is None else self._went_back.seq,
         )
         self._send_save(msg, producer, ring, claim)
         queue_wait_s += producer.after_ack()

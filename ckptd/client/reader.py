@@ -17,9 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import load as sync_load
+from ..catalog import WentBack
 from ..errors import CheckpointExistsError, CkptdError, NoCheckpointYetError
 from ..format.rootlayout import step_dir_name
 from ..recovery import structural_problem
+from ..s3catalog import scan_any
 from ..storage.url import Location, S3Location, join
 from .tiers import Levels
 
@@ -32,6 +34,9 @@ class RootReader:
         self._levels = levels
         self._rank = rank
         self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
+        # An explicit load of an older step than the root's newest (a rollback): the commits of
+        # the steps it left, which this Checkpointer's saves of those steps replace.
+        self._went_back: WentBack | None = None
 
     def latest(self) -> int | None:
         """The newest committed step, as the root's ``latest`` tracker names it (None: none yet).
@@ -72,12 +77,26 @@ class RootReader:
         writes into their tensors."""
         if step is not None:
             self._before_load(kwargs.get("process_group"), resume=False)
-            return sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
+            out = sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
+            self._went_back = self._going_back_to(step)
+            return out
         return self._load_resumed(sharded_state_dict, kwargs)
 
     def _load_resumed(self, sharded_state_dict: Any, kwargs: dict[str, Any]) -> Any:
         self._before_load(kwargs.get("process_group"), resume=True)
-        return self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
+        out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
+        self._went_back = None  # the latest: nothing newer is left behind
+        return out
+
+    def _going_back_to(self, step: int) -> WentBack | None:
+        """The rollback a load of ``step`` makes, when the root holds commits of higher steps (not
+        on node-local disks, where the other nodes' copies of a replaced step would stay)."""
+        if self._levels.node_local:
+            return None
+        committed = scan_any(self.root, usage=False).committed
+        if not any(e.step > step for e in committed):
+            return None
+        return WentBack(step=step, seq=max(e.commit_seq for e in committed))
 
     def resume(self, sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], **kwargs: Any) -> Any | None:
         """:meth:`load` of the latest intact committed checkpoint, or None on every rank alike when

@@ -87,7 +87,10 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 # aborts those that can never commit). 18: HELLO names the coordinator address the rank's launch
 # expects (a node daemon left by an earlier launch follows a coordinator that moved);
 # WRITTEN names the save it reports (a resend is answered from memory once committed).
-PROTOCOL_VERSION = 18
+# 19: SAVE and WRITTEN say whether the job went back to an older step (``went_back_to``).
+PROTOCOL_VERSION = 19
+# Commit sequence numbers (ckptd.format.commitrecord) a message may name.
+MAX_COMMIT_SEQ = (1 << 63) - 1
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -251,6 +254,11 @@ class Save(Message):
     seal_offset: int
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
+    # The rank's job went back to an older step than its root's newest (ckptd.catalog.WentBack):
+    # that step (-1: it did not) and the newest commit's sequence number then. A save of a step it
+    # left replaces that step's commit; the coordinator takes it from every rank's WRITTEN alike.
+    went_back_to: int = -1
+    went_back_seq: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -366,6 +374,8 @@ class Written(Message):
     file_nbytes: int
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
+    went_back_to: int = -1  # the SAVE's (see Save)
+    went_back_seq: int = 0
     coordinator_instance: str = ""
     # Which save of the rank this reports: its SAVE's seal (random per save), as a number. A
     # coordinator answers from memory a report it counted for a commit (a node's resend after a lost
@@ -550,6 +560,11 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
+            went_back_to = getattr(named, "went_back_to", -1)
+            if went_back_to != -1:
+                check_step(went_back_to)
+            if not 0 <= getattr(named, "went_back_seq", 0) <= MAX_COMMIT_SEQ:
+                raise ProtocolError(f"commit sequence number {named.went_back_seq} is outside 0..{MAX_COMMIT_SEQ}")
             world_size, rank = getattr(named, "world_size", None), getattr(named, "rank", None)
             if world_size is not None:
                 check_world(world_size, rank, node_report=isinstance(named, Failed))

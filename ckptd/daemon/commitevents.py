@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..catalog import WentBack
 from ..control.protocol import Failed, Message, Written
 from ..format.records import ItemRecord
 from ..roots.base import CommitOutcome
@@ -91,6 +92,7 @@ class Commit:
     common: bytes
     files: dict[str, tuple[int, int]]  # data file name -> (rank, bytes its writer reported)
     elsewhere: frozenset[str] = frozenset()  # node-local root: files on other nodes' disks (unchecked)
+    went_back: WentBack | None = None  # every rank's job went back to this step (Save.went_back_to)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +119,7 @@ class AttemptState:
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
     plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
     held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
+    went_back: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> its WRITTEN's (Save)
     report_ids: set[int] = field(default_factory=set)  # of the WRITTENs taken (identical repeats too)
     warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING

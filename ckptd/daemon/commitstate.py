@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from ..catalog import WentBack
 from ..config import CkptdConfig
 from ..control.itemchecks import check_record
 from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written, bounded_text, bounded_warnings
@@ -323,6 +324,7 @@ class CommitState:
         st.digests[msg.rank] = msg.common_digest
         st.plain[msg.rank] = msg.plain_digest
         st.held[msg.rank] = msg.held
+        st.went_back[msg.rank] = (msg.went_back_to, msg.went_back_seq)
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
@@ -450,7 +452,15 @@ class CommitState:
         )
         log.info("step %d attempt %s: all %d ranks wrote; committing", st.step, st.attempt, st.world_size)
         self._out.append(
-            Commit(step=st.step, attempt=st.attempt, records=records, common=common, files=files, elsewhere=elsewhere)
+            Commit(
+                step=st.step,
+                attempt=st.attempt,
+                records=records,
+                common=common,
+                files=files,
+                elsewhere=elsewhere,
+                went_back=agreed_went_back(st.went_back.values()),
+            )
         )
 
     def _on_commit_ended(self, event: CommitEnded, now: float) -> None:
@@ -547,3 +557,14 @@ def _common_warnings(st: AttemptState) -> list[str]:
     )
     log.warning("%s", text)
     return [text]
+
+
+def agreed_went_back(reported: Iterable[tuple[int, int]]) -> WentBack | None:
+    """The step the job went back to, when every rank's report says the same (Save.went_back_to);
+    None when one did not go back or they differ (then nothing the job left is replaced: its
+    save of such a step is refused, as a step is committed once)."""
+    values = set(reported)
+    if len(values) != 1:
+        return None
+    step, seq = values.pop()
+    return None if step < 0 else WentBack(step=step, seq=seq)

@@ -42,7 +42,7 @@ from .commitevents import (
     Send,
     Tick,
 )
-from .commitstate import CommitState
+from .commitstate import CommitState, agreed_went_back
 from .loop import serve_requests
 from .rootquestions import Question, answer
 from .workers import CleanupFinished, CommitFinished, RootAnswered, WorkerPools
@@ -122,6 +122,7 @@ class Coordinator:
             holds_commit=self.state.asks_holds_commit(msg),
             committed_once_if_held=self.state.may_start(msg, True),
             committed_once_if_not=self.state.may_start(msg, False),
+            went_back=agreed_went_back([(msg.went_back_to, msg.went_back_seq)]) if isinstance(msg, Written) else None,
         )
         return question if question.asks else None
 
@@ -200,7 +201,9 @@ class Coordinator:
         def run() -> CommitOutcome:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
-                    return self.store.commit(c.step, c.attempt, c.records, c.common, c.files, elsewhere=c.elsewhere)
+                    return self.store.commit(
+                        c.step, c.attempt, c.records, c.common, c.files, elsewhere=c.elsewhere, went_back=c.went_back
+                    )
             except OSError as exc:
                 self.store.abort(c.step, c.attempt)
                 raise StorageError.from_oserror(exc, self.store.display(tmp_dir_name(c.step, c.attempt))) from exc

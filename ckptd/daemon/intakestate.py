@@ -62,6 +62,7 @@ class WriteJob:
     plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
     held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
     report_id: int = 0  # which save of the rank this is: its seal, as a number (Written.report_id)
+    went_back: tuple[int, int] = (-1, 0)  # the SAVE's went_back_to and went_back_seq
 
     @property
     def key(self) -> StepKey:
@@ -272,6 +273,8 @@ class IntakeState:
             plain_digest=job.plain_digest,
             held=list(job.held),
             report_id=job.report_id,
+            went_back_to=job.went_back[0],
+            went_back_seq=job.went_back[1],
         )
 
     def _failed(self, job: WriteJob, reason: str) -> Failed:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..catalog import RootCatalog
+from ..catalog import RootCatalog, WentBack
 from ..format.items import PlannedItem
 from ..format.records import ItemRecord
 from ..storage.url import Location
@@ -115,10 +115,13 @@ class RootStore(Protocol):
         data_files: Mapping[str, tuple[int, int]],
         *,
         elsewhere: frozenset[str] = frozenset(),
+        went_back: WentBack | None = None,
     ) -> CommitOutcome:
         """Commit the attempt (see the module docstring, step 2). ``data_files``: each rank's
         data file name -> ``(rank, bytes its writer reported)``; ``elsewhere``: those on other
-        nodes' disks, which a node-local root cannot check (ckptd.roots.nodelocal)."""
+        nodes' disks, which a node-local root cannot check (ckptd.roots.nodelocal); ``went_back``:
+        the job went back to an older step (a commit of a step it left replaces it:
+        :meth:`ckptd.catalog.RootCatalog.superseded`)."""
         ...
 
     def abort(self, step: int, attempt: str) -> None:
@@ -132,9 +135,10 @@ class RootStore(Protocol):
         launch with a fixed ``CKPTD_RUN_ID`` names its saves as the first did)."""
         ...
 
-    def committed_once(self, step: int) -> bool:
+    def committed_once(self, step: int, went_back: WentBack | None = None) -> bool:
         """``iter_<step>`` is committed and may not be saved again (a checkpoint of a branch a
-        rollback abandoned may: a new save of the step replaces it)."""
+        rollback abandoned, or one a job that ``went_back`` left, may: a new save of the step
+        replaces it)."""
         ...
 
     def recover(self, *, nnodes: int) -> Recovery: ...

@@ -45,7 +45,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..catalog import CheckpointEntry, EntryState, RootCatalog, read_tracker, scan_root, tracker_set_back
+from ..catalog import (
+    CheckpointEntry,
+    EntryState,
+    RootCatalog,
+    WentBack,
+    read_tracker,
+    scan_root,
+    tracker_set_back,
+)
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.durable import Opener, atomic_write_bytes, default_opener
@@ -91,6 +99,7 @@ def commit_step(
     opener: Opener = default_opener,
     elsewhere: frozenset[str] = frozenset(),
     node_local: bool = False,
+    went_back: WentBack | None = None,
 ) -> CommitOutcome:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring).
 
@@ -110,7 +119,7 @@ def commit_step(
         replaced = None
         damage = None
         if rootd.lstat(name) is not None:
-            replaced = cat.abandoned(step)
+            replaced = cat.superseded(step, went_back)
             if replaced is None and not node_local:
                 replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
@@ -142,7 +151,7 @@ def commit_step(
             opener=opener,
             megatron_tracker=megatron_tracker,
         )
-    warnings = rollback_warnings(cat, step, name, replaced is not None, damage)
+    warnings = rollback_warnings(cat, step, name, replaced is not None, damage, went_back)
     for text in warnings:
         log.warning("%s", text)
     if untracked is not None:
@@ -224,7 +233,12 @@ def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointE
 
 
 def rollback_warnings(
-    cat: RootCatalog, step: int, name: str, replaced: bool, damage: str | None = None
+    cat: RootCatalog,
+    step: int,
+    name: str,
+    replaced: bool,
+    damage: str | None = None,
+    went_back: WentBack | None = None,
 ) -> tuple[str, ...]:
     """What to tell the ranks when the job went back: ``step`` is older than the step committed
     before it (the tracker's; without one, any committed step). Said once, at the rollback: the
@@ -244,6 +258,10 @@ def rollback_warnings(
         )
     if damage is not None:
         out.append(f"{name} was damaged ({damage}); this save replaced it")
+    elif replaced and cat.abandoned(step) is None and went_back is not None:
+        out.append(
+            f"{name} of the branch the job left when it went back to step {went_back.step} was replaced by this save"
+        )
     elif replaced:
         out.append(f"{name} of a branch abandoned by an earlier rollback was replaced by this save")
     return tuple(out)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ..catalog import RootCatalog, abandoned_commit, committed_once, scan_root
+from ..catalog import RootCatalog, WentBack, abandoned_commit, committed_once, scan_root
 from ..errors import CkptdError
 from ..format.commitrecord import read_commit_record
 from ..format.direct import open_data_file
@@ -73,6 +73,7 @@ class PosixRoot:
         data_files: Mapping[str, tuple[int, int]],
         *,
         elsewhere: frozenset[str] = frozenset(),
+        went_back: WentBack | None = None,
     ) -> CommitOutcome:
         outcome = commit_step(
             self.location,
@@ -87,6 +88,8 @@ class PosixRoot:
             opener=self.opener,
             elsewhere=elsewhere,
             node_local=self.node_local,
+            # Node-local disks: the other nodes' copies of a step replaced that way are not.
+            went_back=None if self.node_local else went_back,
         )
         if not self.node_local:
             return outcome
@@ -116,10 +119,11 @@ class PosixRoot:
             return False
         return not abandoned_commit(self.location, step, record.seq)
 
-    def committed_once(self, step: int) -> bool:
-        """Committed, on the current branch, and structurally intact: a damaged commit may be
-        saved again (ckptd.roots.posix.damaged_commit, which the commit asks again)."""
-        if not committed_once(self.location, step):
+    def committed_once(self, step: int, went_back: WentBack | None = None) -> bool:
+        """Committed, on the current branch, not one a job that ``went_back`` left, and
+        structurally intact: a damaged commit may be saved again (ckptd.roots.posix.damaged_commit,
+        which the commit asks again)."""
+        if not committed_once(self.location, step, None if self.node_local else went_back):
             return False
         if self.node_local:
             return True

@@ -49,7 +49,7 @@ import pickle
 import time
 from collections.abc import Mapping
 
-from ..catalog import CheckpointEntry, EntryState, RootCatalog, tracker_set_back
+from ..catalog import CheckpointEntry, EntryState, RootCatalog, WentBack, tracker_set_back
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
@@ -122,16 +122,17 @@ class S3Root:
         *,
         source: dict[str, int | str] | None = None,
         elsewhere: frozenset[str] = frozenset(),
+        went_back: WentBack | None = None,
     ) -> CommitOutcome:
         """``source``: the local commit a mirror's copy is of (ckptd.roots.mirror), recorded in
         the commit record. ``elsewhere`` is ignored: every node's objects are in the store, and
-        all are checked."""
+        all are checked. ``went_back``: see :meth:`RootStore.commit`."""
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None
         damage = None
         if any(e.name == name for e in cat.committed):
-            replaced = cat.abandoned(step)
+            replaced = cat.superseded(step, went_back if source is None else None)
             if replaced is None and source is not None:
                 replaced = self._copy_of_another_commit(cat, name, source)
             if replaced is None and source is None:
@@ -190,7 +191,7 @@ class S3Root:
                 self.client.put(MEGATRON_TRACKER, megatron_tracker_bytes(step))
             except StorageError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
                 log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
-        warnings = rollback_warnings(cat, step, name, replaced is not None, damage)
+        warnings = rollback_warnings(cat, step, name, replaced is not None, damage, went_back)
         for text in warnings:
             log.warning("%s", text)
         if self.keep_last > 0:
@@ -442,11 +443,12 @@ class S3Root:
             return False
         return not s3_abandoned_commit(self.client, step, record.seq)
 
-    def committed_once(self, step: int) -> bool:
-        """Committed, on the current branch, and structurally intact (see :meth:`commit`)."""
+    def committed_once(self, step: int, went_back: WentBack | None = None) -> bool:
+        """Committed, on the current branch, not one a job that ``went_back`` left, and
+        structurally intact (see :meth:`commit`)."""
         if read_s3_commit_record(self.client, step_dir_name(step)) is None:
             return False
-        if self.scan(usage=False).abandoned(step) is not None:
+        if self.scan(usage=False).superseded(step, went_back) is not None:
             return False
         try:
             return self._damage(step_dir_name(step)) is None

@@ -211,3 +211,37 @@ def test_a_resume_past_a_damaged_latest_can_save_its_step_again(tmp_path, single
         ckpt.load(_sd(w, -1))
         assert torch.equal(w, _value(20, 1))
     assert _steps(root) == [10, 20]
+
+
+@pytest.mark.timeout(180)
+def test_a_rollback_saves_again_at_the_steps_it_left(tmp_path, single_process, runtime_dir):
+    """Saves every 10 steps; a loss spike: go back to step 20 and train on, saving every 10 steps
+    as before. The save of step 30 was refused ("committed already": the old 30 is an ancestor of
+    the latest, 40), so a rollback worked only if its first save fell on a step the old branch
+    lacked. A job that went back replaces the steps it left, committed before it went back."""
+    root = tmp_path / "run"
+    cfg = _config(runtime_dir, keep_last=10)
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
+        w = torch.zeros(64)
+        ckpt.load(_sd(w, -1), step=20)
+        assert torch.equal(w, _value(20, 0))
+        with pytest.raises(ckptd.CheckpointExistsError, match="committed already"):
+            ckpt.save(_sd(_value(20, 1), 20), step=20)  # the step it went back to is not left
+        first = ckpt.save(_sd(_value(30, 1), 30), step=30)
+        first.wait(timeout_s=30)
+        assert any("went back to step 20 was replaced" in t for t in first.warnings), first.warnings
+        assert any("older than committed steps (40)" in t for t in first.warnings), first.warnings
+        assert ckpt.latest() == 30
+        second = ckpt.save(_sd(_value(40, 1), 40), step=40)
+        second.wait(timeout_s=30)
+        assert ckpt.latest() == 40
+        with pytest.raises(ckptd.CheckpointExistsError, match="committed already"):
+            ckpt.save(_sd(_value(30, 2), 30), step=30)  # the new branch's 30: committed once
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        w = torch.zeros(64)
+        assert ckpt.load(_sd(w, -1))["iteration"] == 40 and torch.equal(w, _value(40, 1))
+        ckpt.load(_sd(w, -1), step=30)
+        assert torch.equal(w, _value(30, 1))
+    assert _steps(root) == [10, 20, 30, 40]

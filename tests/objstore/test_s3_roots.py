@@ -641,3 +641,22 @@ def test_a_resume_past_a_step_that_lost_an_object_can_save_that_step_again(s3_bu
             _resumes(ckpt, 20.5)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_rollback_on_s3_saves_again_at_the_steps_it_left(s3_bucket, runtime_dir):
+    """Go back to step 10 and save step 20 again, as the saves every 10 steps before did: the
+    coordinator refused it (the old 20 was an ancestor of the latest, 30)."""
+    root = f"s3://{s3_bucket}/runs/went-back"
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=10)) as ckpt:
+            for step in (10, 20, 30):
+                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=120)
+            ckpt.load(_sd(torch.zeros(64), -1), step=10)
+            again = ckpt.save(_sd(torch.full((64,), 20.5), 20), step=20)
+            again.wait(timeout_s=120)
+            assert any("went back to step 10 was replaced" in t for t in again.warnings), again.warnings
+            assert ckpt.latest() == 20
+            _resumes(ckpt, 20.5)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)

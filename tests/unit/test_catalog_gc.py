@@ -538,3 +538,17 @@ def test_a_removal_postponed_for_an_unreadable_commit_record_says_so(tmp_path):
     apply_gc(plan)
     assert (root / "iter_0000010").is_dir()
     assert any(e.step == 10 and "cannot be read any more" in why for e, why in plan.kept), plan.kept
+
+
+def test_a_job_that_went_back_replaces_only_the_steps_it_left_committed_before_it_did(tmp_path):
+    from ckptd.catalog import WentBack
+
+    root = make_root(tmp_path / "r", [10, 20, 30, 40], latest=40)
+    stamp_commits(root, [10, 20, 30, 40])
+    cat = scan_root(root)
+    back = WentBack(step=20, seq=4)
+    assert cat.superseded(30, back).step == 30 and cat.superseded(40, back).step == 40
+    assert cat.superseded(20, back) is None and cat.superseded(10, back) is None  # not left
+    assert cat.superseded(40, WentBack(step=20, seq=3)) is None  # committed after it went back
+    assert cat.superseded(30, None) is None  # a step is committed once
+    assert not committed_once(root, 30, back) and committed_once(root, 30)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from ckptd.catalog import WentBack
 from ckptd.config import CkptdConfig
 from ckptd.control.protocol import Failed, StepAborted, StepCommitted, Written
 from ckptd.daemon.commitevents import Action, Commit, CommitEnded, NodeSeen, Remove, ReportIn, RootFacts, Send, Tick
@@ -600,3 +601,21 @@ def test_on_a_node_local_root_a_nodes_own_abort_of_an_unknown_attempt_is_not_ans
     c.state.local_node = 0
     assert c.report(N1, failed(3, -1, "the coordinator restarted")) == []
     assert (3, A) not in c.state.finished
+
+
+@pytest.mark.parametrize(
+    "reported, expected",
+    [
+        (((20, 7), (20, 7)), WentBack(step=20, seq=7)),
+        (((20, 7), (-1, 0)), None),  # one rank did not go back
+        (((20, 7), (20, 6)), None),  # they disagree: nothing is replaced
+        (((-1, 0), (-1, 0)), None),
+    ],
+)
+def test_a_commit_replaces_the_steps_a_job_left_only_when_every_rank_went_back_alike(reported, expected):
+    c = Coordinator()
+    actions = []
+    for rank, (to, seq) in enumerate(reported):
+        actions = c.report(N0 if rank == 0 else N1, written(30, rank, went_back_to=to, went_back_seq=seq))
+    commits = [a for a in actions if isinstance(a, Commit)]
+    assert len(commits) == 1 and commits[0].went_back == expected
