@@ -172,7 +172,7 @@ def test_a_root_that_does_not_answer_the_coordinators_question_delays_a_verdict_
         release = threading.Event()
         asked: list[int] = []
 
-        def hangs(step: int) -> bool:
+        def hangs(step: int, went_back: object = None) -> bool:
             asked.append(step)
             release.wait(20)
             return False
