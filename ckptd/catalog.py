@@ -371,22 +371,32 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
     return cat
 
 
-def tracker_set_back(cat: RootCatalog) -> str | None:
+def tracker_set_back(cat: RootCatalog, tracker_written_unix_s: float | None) -> str | None:
     """Why the tracker is taken to have been set back on purpose (a rollback by hand: Megatron-LM
-    users rewrite it), or None: it names a commit two or more commits before the newest. A commit a
-    crash interrupted between its rename and its tracker leaves the tracker one commit behind,
-    which a coordinator start moves forward (ckptd.roots.posix.finish_interrupted_commit)."""
+    users rewrite it), or None: it names a commit two or more commits before the newest, and was
+    written after the newest was committed (``tracker_written_unix_s``: its modification time;
+    None: unknown). A commit a crash interrupted between its rename and its tracker leaves the
+    tracker one commit behind (two, after an earlier commit whose tracker could not be written
+    either), written before that commit; a coordinator start moves it forward
+    (ckptd.roots.posix.finish_interrupted_commit)."""
     current = cat.latest()
     ordered = [e for e in cat.newest_first if e.record_problem is None and e.step >= 0]
     if current is None or current.record_problem is not None or not ordered or ordered[0] is current:
         return None
     behind = next((i for i, e in enumerate(ordered) if e is current), None)
-    if behind is None or behind == 1:
+    if behind is None or behind == 1 or tracker_written_unix_s is None:
+        return None
+    if tracker_written_unix_s <= ordered[0].committed_unix_s + _CLOCK_SLACK_S:
         return None
     return (
         f"the tracker names {current.name}, {behind} commits before the newest ({ordered[0].name}): taken "
         "for a rollback by hand, not for an interrupted commit, and left as it is"
     )
+
+
+# Between a file's modification time (the file system's clock) and a commit record's time (the
+# committing daemon's): what tells a tracker written after a commit from one written before it.
+_CLOCK_SLACK_S = 1.0
 
 
 def committed_once(root: str | os.PathLike, step: int, went_back: WentBack | None = None) -> bool:

@@ -62,7 +62,7 @@ class LatestChoice:
         return self.entry.step if self.entry.step >= 0 else None
 
 
-def structural_problem(path: Location, *, node_local: bool = False) -> str | None:
+def structural_problem(path: Location, *, node_local: bool = False, damage_only: bool = False) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
     data objects; no data is read). Imports torch and DCP's metadata classes (to read
@@ -74,13 +74,16 @@ def structural_problem(path: Location, *, node_local: bool = False) -> str | Non
 
     ``node_local``: the directory is on one node's own disk (config ``node_local``), which holds
     only that node's data files; they are not checked (ckptd.storage.nodeview decides per file
-    whether it is read there or from the mirror)."""
+    whether it is read there or from the mirror). ``damage_only``: what ckptd cannot load but is
+    not damaged (a backend, a DCP extension ckptd does not read) is no problem."""
     from .verify import verify_checkpoint
 
     if isinstance(path, S3Location):
         try:
             with s3_checkpoint_view(path) as view:
-                problem = _report_problem(verify_checkpoint(view.directory, read_items=False), view.directory, path)
+                problem = _report_problem(
+                    verify_checkpoint(view.directory, read_items=False), view.directory, path, damage_only
+                )
         except (StorageError, CheckpointRemovedError):
             # The store failed to answer, or retention removed the checkpoint meanwhile: neither is
             # damage. Taken for damage, an outage resumed from an older step, and the next commit
@@ -100,13 +103,16 @@ def structural_problem(path: Location, *, node_local: bool = False) -> str | Non
             report = None
         if report is None or lease.gone():
             raise CheckpointNotFoundError(f"{path} was removed while it was checked (by retention or `ckptd gc`)")
-    return _report_problem(report, None, None)
+    return _report_problem(report, None, None, damage_only)
 
 
-def _report_problem(report: VerifyReport, view: Path | None, location: S3Location | None) -> str | None:
-    if report.ok:
+def _report_problem(
+    report: VerifyReport, view: Path | None, location: S3Location | None, damage_only: bool = False
+) -> str | None:
+    # unsupported: not damaged, but ckptd cannot load it
+    errors = report.errors + ([] if damage_only else report.unsupported)
+    if not errors:
         return None
-    errors = report.errors + report.unsupported  # unsupported: not damaged, but ckptd cannot load it
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     text = f"{errors[0].message.rstrip('.')}{more}"
     return text.replace(str(view), str(location)) if view is not None else text

@@ -14,11 +14,13 @@ such a step may replace it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
 from ..catalog import WentBack
-from ..errors import CheckpointExistsError, CkptdError, NoCheckpointYetError
+from ..errors import CheckpointExistsError, NoCheckpointYetError
+from ..format.commitrecord import read_commit_record
 from ..format.rootlayout import step_dir_name
 from ..recovery import structural_problem
 from ..s3catalog import scan_any
@@ -133,10 +135,12 @@ class RootReader:
             return False
         name = step_dir_name(step)
         path = join(self.root, name)
+        if not isinstance(path, Path) or read_commit_record(path) is None:
+            return False  # not ckptd's commit: never replaced (ckptd.roots.posix.damaged_commit)
         try:
-            if structural_problem(path) is not None:
+            if structural_problem(path, damage_only=True) is not None:
                 return True
-        except (CkptdError, OSError):  # removed or unreadable meanwhile: refused as committed
+        except Exception:  # noqa: BLE001 - removed or unreadable meanwhile: refused as committed
             return False
         found = self._damaged.get(name) or self._damaged.get(str(path))
         if found is not None:

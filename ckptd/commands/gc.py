@@ -61,7 +61,7 @@ def _loadable(entry: CheckpointEntry) -> bool:
 
     try:
         return structural_problem(entry.path) is None
-    except CkptdError:  # removed meanwhile, or the store did not answer: not known loadable
+    except (CkptdError, OSError):  # removed meanwhile, or the storage did not answer: not known loadable
         return False
 
 

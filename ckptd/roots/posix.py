@@ -55,9 +55,10 @@ from ..catalog import (
     tracker_set_back,
 )
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
-from ..format.commitrecord import COMMIT_RECORD, CommitRecord
+from ..format.commitrecord import COMMIT_RECORD, CommitRecord, read_commit_record
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
+from ..format.layout import DCP_METADATA, METADATA_JSON
 from ..format.records import ItemRecord
 from ..format.rootlayout import (
     MEGATRON_TRACKER,
@@ -221,14 +222,19 @@ def publish_step(
 def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointEntry | None, str | None]:
     """The committed ``name`` a save of its step may replace because it is damaged (a resume fell
     back past it, and the job saves that step again: refused, the job could never get past it),
-    with the damage; ``(None, None)`` when it is not (or not committed). The structural check (a
-    data file lost or cut short, metadata unreadable: a few file reads whatever its size); bit rot
-    in intact files is not looked for here (it would take reading all of it): the rank refuses
-    such a save itself, saying to move the damaged checkpoint away."""
-    existing = next((e for e in cat.committed if e.name == name), None)
-    if existing is None:
+    with the damage; ``(None, None)`` when it is not. Only a commit of ckptd's (its commit record
+    is there): a checkpoint another tool wrote, which ckptd may merely be unable to read, is never
+    replaced. The structural check (a data file lost or cut short, metadata or markers gone: a few
+    file reads whatever its size); bit rot in intact files is not looked for here (it would take
+    reading all of it): the rank refuses such a save itself, saying to move it away."""
+    existing = next(
+        (e for e in cat.entries if e.name == name and e.state in (EntryState.COMMITTED, EntryState.INCOMPLETE)), None
+    )
+    if existing is None or read_commit_record(path) is None:
         return None, None
-    damage = structural_problem(path)
+    if existing.state is EntryState.INCOMPLETE:
+        return existing, f"its checkpoint markers ({METADATA_JSON}, {DCP_METADATA}) are gone"
+    damage = structural_problem(path, damage_only=True)
     return (existing, damage) if damage is not None else (None, None)
 
 
@@ -329,7 +335,11 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
         # it: taking its seq for 0 moved the tracker back to an older step, whose next commit
         # then left the tracked one on an "abandoned branch" for retention to remove.
         return None
-    if (set_back := tracker_set_back(cat)) is not None:
+    try:
+        written_s: float | None = os.lstat(root / TRACKER_FILE).st_mtime
+    except OSError:
+        written_s = None
+    if (set_back := tracker_set_back(cat, written_s)) is not None:
         log.warning("%s: %s", root, set_back)
         return None
     for entry in cat.newest_first:

@@ -459,11 +459,13 @@ class S3Root:
         """What is wrong with the committed ``name``: its small objects and metadata, or a data
         object its commit record lists that is missing or of another size (one LIST); its data
         objects' bytes are not read (a store keeps its own checksums)."""
-        problem = structural_problem(self.location.child(name))
+        record = read_s3_commit_record(self.client, name)
+        if record is None:
+            return None  # not ckptd's commit: never replaced (ckptd.roots.posix.damaged_commit)
+        problem = structural_problem(self.location.child(name), damage_only=True)
         if problem is not None:
             return problem
-        record = read_s3_commit_record(self.client, name)
-        if record is None or not record.objects:
+        if not record.objects:
             return None
         _, found = self.client.list_dir(name)
         sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in found}
@@ -483,7 +485,8 @@ class S3Root:
         current = cat.latest()
         # A tracked commit whose record is damaged has no known place in commit order: none is
         # known to be newer (ckptd.roots.posix.finish_interrupted_commit).
-        set_back = tracker_set_back(cat)
+        tracker = self.client.head(TRACKER_FILE) if cat.tracker_exists else None
+        set_back = tracker_set_back(cat, tracker.last_modified_unix_s if tracker is not None else None)
         if set_back is not None:
             log.warning("%s: %s", self.location, set_back)
         elif not (cat.tracker_exists and (cat.tracker_problem is not None or current is None)) and (

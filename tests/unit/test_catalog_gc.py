@@ -1,5 +1,6 @@
 """Scanning a checkpoint root and garbage-collecting it (library level, real directories)."""
 
+import os
 import time
 
 import pytest
@@ -528,6 +529,11 @@ def test_a_coordinator_start_leaves_a_tracker_set_back_by_hand(tmp_path):
     assert (root / "latest").read_text() == "iter_0000020\n"
     (root / "latest").write_text("iter_0000030\n")  # one behind: the commit of 40 was interrupted
     assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000040"
+    # Two behind but written before the newest commit (30's tracker write had failed and could not
+    # be taken back, then 40's commit was interrupted): an interrupted commit, finished.
+    (root / "latest").write_text("iter_0000020\n")
+    os.utime(root / "latest", (1.0e9 + 1.5, 1.0e9 + 1.5))  # after 20's commit, before 30's and 40's
+    assert finish_interrupted_commit(root, fsync=False, megatron_tracker=False) == "iter_0000040"
 
 
 def test_a_removal_postponed_for_an_unreadable_commit_record_says_so(tmp_path):
@@ -552,3 +558,26 @@ def test_a_job_that_went_back_replaces_only_the_steps_it_left_committed_before_i
     assert cat.superseded(40, WentBack(step=20, seq=3)) is None  # committed after it went back
     assert cat.superseded(30, None) is None  # a step is committed once
     assert not committed_once(root, 30, back) and committed_once(root, 30)
+
+
+@pytest.mark.parametrize("damage", ["intact", "lost data file", "lost markers", "another tool's, damaged"])
+def test_only_a_commit_of_ckptd_s_that_lost_files_is_replaced_by_a_save_of_its_step(tmp_path, damage):
+    """The coordinator's check before a save replaces a committed step (ckptd.roots.posix.damaged_commit):
+    a checkpoint another tool wrote (no commit record), which ckptd may merely be unable to read,
+    is never replaced; one that lost its markers (no longer "committed" to a scan) is."""
+    from ckptd.roots.posix import damaged_commit
+
+    root = make_root(tmp_path / "r", [10, 20], latest=20)
+    if damage != "another tool's, damaged":
+        stamp_commits(root, [10, 20])
+    step_dir = root / "iter_0000020"
+    if damage in ("lost data file", "another tool's, damaged"):
+        next(step_dir.glob("*.distcp")).unlink()
+    elif damage == "lost markers":
+        (step_dir / "metadata.json").unlink()
+        (step_dir / ".metadata").unlink()
+    entry, why = damaged_commit(scan_root(root), "iter_0000020", step_dir)
+    if damage in ("intact", "another tool's, damaged"):
+        assert (entry, why) == (None, None)
+    else:
+        assert entry is not None and entry.step == 20 and why, why
