@@ -94,14 +94,16 @@ class CheckpointEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class WentBack:
-    """A job's load of an older step than its root's newest (a rollback: ``ckpt.load(sd,
-    step=30)`` with 40 committed): the ``step`` it went back to, and the newest commit's sequence
-    number then (``seq``). Its saves of the steps it left (above ``step``, committed at or before
-    ``seq``) replace them (:meth:`RootCatalog.superseded`), as its first save at a step the old
-    branch lacks would have abandoned them."""
+    """The step a job last loaded (``ckpt.load(sd, step=30)``, or a resume) and when
+    (``before_unix_s``, the rank's clock). Its saves of steps above it that were committed before
+    it loaded (a branch it left: 40, after going back to 30 with 40 committed) replace them
+    (:meth:`RootCatalog.superseded`), as its first save at a step the old branch lacks would have
+    abandoned them; what it committed since stays committed once. A commit made within the clocks'
+    difference after the load could be taken for one before: only a job saving one step twice
+    that fast would notice."""
 
     step: int
-    seq: int
+    before_unix_s: float
 
 
 @dataclass
@@ -190,7 +192,7 @@ class RootCatalog:
         if found is not None or went_back is None or step <= went_back.step:
             return found
         for e in self.committed:
-            if e.step == step and e.record_problem is None and e.commit_seq <= went_back.seq:
+            if e.step == step and e.record_problem is None and left_by(went_back, step, e.committed_unix_s):
                 return e
         return None
 
@@ -397,6 +399,12 @@ def tracker_set_back(cat: RootCatalog, tracker_written_unix_s: float | None) -> 
 # Between a file's modification time (the file system's clock) and a commit record's time (the
 # committing daemon's): what tells a tracker written after a commit from one written before it.
 _CLOCK_SLACK_S = 1.0
+
+
+def left_by(went_back: WentBack | None, step: int, committed_unix_s: float) -> bool:
+    """Whether a commit of ``step`` made at ``committed_unix_s`` is one a job that ``went_back``
+    left: above the step it loaded, committed before it loaded (:class:`WentBack`)."""
+    return went_back is not None and step > went_back.step and committed_unix_s < went_back.before_unix_s
 
 
 def committed_once(root: str | os.PathLike, step: int, went_back: WentBack | None = None) -> bool:

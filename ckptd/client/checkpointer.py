@@ -261,7 +261,10 @@ class Checkpointer(RootReader):
         final = join(self.root, step_dir_name(step))
         if (
             self._asks_committed()
-            and committed_at(self.root, step, self._went_back)
+            # Above the step last loaded the coordinator decides, from every rank's load time
+            # (a rank that loaded before an in-flight commit landed would refuse alone here).
+            and not (self._went_back is not None and step > self._went_back.step)
+            and committed_at(self.root, step)
             and not self._replaces_damaged(step)
         ):
             raise CheckpointExistsError(f"{final} is committed already; save under a new step")
@@ -315,7 +318,7 @@ class Checkpointer(RootReader):
             plain_digest=plan.plain,
             held=held,
             went_back_to=-1 if self._went_back is None else self._went_back.step,
-            went_back_seq=0 if self._went_back is None else self._went_back.seq,
+            went_back_unix_s=0.0 if self._went_back is None else self._went_back.before_unix_s,
         )
         self._send_save(msg, producer, ring, claim)
         queue_wait_s += producer.after_ack()

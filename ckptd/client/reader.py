@@ -13,18 +13,19 @@ such a step may replace it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..api import load as sync_load
 from ..catalog import WentBack
-from ..errors import CheckpointExistsError, NoCheckpointYetError
+from ..errors import NoCheckpointYetError
 from ..format.commitrecord import read_commit_record
-from ..format.rootlayout import step_dir_name
+from ..format.rootlayout import committed_step, step_dir_name
 from ..recovery import structural_problem
-from ..s3catalog import scan_any
-from ..storage.url import Location, S3Location, join
+from ..storage.url import Location, S3Location, join, parse_location
+from .resume import Candidate
 from .tiers import Levels
 
 
@@ -36,8 +37,8 @@ class RootReader:
         self._levels = levels
         self._rank = rank
         self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
-        # An explicit load of an older step than the root's newest (a rollback): the commits of
-        # the steps it left, which this Checkpointer's saves of those steps replace.
+        # The step this Checkpointer last loaded, and when: the commits above it made before, a
+        # branch the job left, which its saves of those steps replace.
         self._went_back: WentBack | None = None
 
     def latest(self) -> int | None:
@@ -86,19 +87,18 @@ class RootReader:
 
     def _load_resumed(self, sharded_state_dict: Any, kwargs: dict[str, Any]) -> Any:
         self._before_load(kwargs.get("process_group"), resume=True)
-        out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs)
-        self._went_back = None  # the latest: nothing newer is left behind
+        loaded: list[Candidate] = []
+        out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs, loaded)
+        # Below the newest commit when it fell back past damaged ones, or when the tracker was set
+        # back by hand: the steps above it are a branch the job left, as after load(step=N).
+        step = committed_step(parse_location(loaded[-1].target).name) if loaded else None
+        self._went_back = None if step is None else self._going_back_to(step)
         return out
 
     def _going_back_to(self, step: int) -> WentBack | None:
-        """The rollback a load of ``step`` makes, when the root holds commits of higher steps (not
-        on node-local disks, where the other nodes' copies of a replaced step would stay)."""
-        if self._levels.node_local:
-            return None
-        committed = scan_any(self.root, usage=False).committed
-        if not any(e.step > step for e in committed):
-            return None
-        return WentBack(step=step, seq=max(e.commit_seq for e in committed))
+        """What a load of ``step`` now tells this Checkpointer's saves (ckptd.catalog.WentBack);
+        None on node-local disks, where the other nodes' copies of a replaced step would stay."""
+        return None if self._levels.node_local else WentBack(step=step, before_unix_s=time.time())
 
     def resume(self, sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], **kwargs: Any) -> Any | None:
         """:meth:`load` of the latest intact committed checkpoint, or None on every rank alike when
@@ -126,30 +126,19 @@ class RootReader:
 
     def _replaces_damaged(self, step: int) -> bool:
         """Whether a save of ``step``, committed already in a directory root, goes to the
-        coordinator anyway: the commit is structurally damaged (a data file lost or cut short),
-        which a resume fell back past. Refused, a job that resumed from the step before and saves
-        every N steps could never get past it; the coordinator checks again and replaces it only if
-        it is damaged (ckptd.roots.posix.damaged_commit). One a load of this Checkpointer found
-        damaged in intact files (bit rot) is refused here, saying what to do."""
+        coordinator anyway: the commit is ckptd's and structurally damaged (a data file lost or
+        cut short). The coordinator checks again and replaces it only then
+        (ckptd.roots.posix.damaged_commit). (A step above the one this Checkpointer last loaded
+        always goes: see :class:`ckptd.catalog.WentBack`.)"""
         if isinstance(self.root, S3Location) or self._levels.node_local:
             return False
-        name = step_dir_name(step)
-        path = join(self.root, name)
+        path = join(self.root, step_dir_name(step))
         if not isinstance(path, Path) or read_commit_record(path) is None:
-            return False  # not ckptd's commit: never replaced (ckptd.roots.posix.damaged_commit)
+            return False  # not ckptd's commit: never replaced
         try:
-            if structural_problem(path, damage_only=True) is not None:
-                return True
+            return structural_problem(path, damage_only=True) is not None
         except Exception:  # noqa: BLE001 - removed or unreadable meanwhile: refused as committed
             return False
-        found = self._damaged.get(name) or self._damaged.get(str(path))
-        if found is not None:
-            raise CheckpointExistsError(
-                f"{path} is committed already, and a load found it damaged ({found}); a save of step {step} "
-                f"cannot replace it while its files are all there: move it away (e.g. rename it to {name}.damaged) "
-                "and save again"
-            )
-        return False
 
 
 def forget_damage(damaged: dict[str, str], root: Location, name: str) -> None:

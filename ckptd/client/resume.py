@@ -63,7 +63,12 @@ class Candidate:
 
 
 def load_latest(
-    root: Location, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
+    root: Location,
+    sharded_state_dict: Any,
+    damaged: dict[str, str],
+    rank: int,
+    kwargs: dict[str, Any],
+    loaded: list[Candidate] | None = None,
 ) -> Any:
     """Steps 1-4 above; ``damaged`` (checkpoint name -> what a load found) is updated in place.
 
@@ -84,11 +89,16 @@ def load_latest(
         path = join(root, name)
         return Candidate(name, path, lambda: checkpoint_exists(path))
 
-    return load_agreed(choose, sharded_state_dict, damaged, rank, kwargs)
+    return load_agreed(choose, sharded_state_dict, damaged, rank, kwargs, loaded)
 
 
 def load_agreed(
-    choose: Callable[[], Candidate], sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]
+    choose: Callable[[], Candidate],
+    sharded_state_dict: Any,
+    damaged: dict[str, str],
+    rank: int,
+    kwargs: dict[str, Any],
+    loaded: list[Candidate] | None = None,
 ) -> Any:
     """Steps 2-4 above for the checkpoint ``choose()`` names (step 1), again after each one found
     damaged or removed; ``choose`` is called on every rank alike (it may be a collective).
@@ -125,6 +135,8 @@ def load_agreed(
         gathered = ctx.all_gather((None if error is None else (type(error).__name__, str(error)), wrote))
         failed = [(r, o) for r, (o, _) in enumerate(gathered) if o is not None]
         if not failed:
+            if loaded is not None:
+                loaded.append(candidate)  # what was resumed (the caller's record of it)
             return result
         kinds = {error_class(o[0]) for _, o in failed}
         detail = "; ".join(f"rank {r}: {o[1]}" for r, o in failed)

@@ -145,14 +145,23 @@ class Levels:
             world_size=world_size,
         )
 
-    def load_resumed(self, sharded_state_dict: Any, damaged: dict[str, str], rank: int, kwargs: dict[str, Any]) -> Any:
-        """:meth:`ckptd.Checkpointer.load` without ``step`` (steps 1-3 above), on every rank."""
+    def load_resumed(
+        self,
+        sharded_state_dict: Any,
+        damaged: dict[str, str],
+        rank: int,
+        kwargs: dict[str, Any],
+        loaded: list[Candidate] | None = None,
+    ) -> Any:
+        """:meth:`ckptd.Checkpointer.load` without ``step`` (steps 1-3 above), on every rank;
+        ``loaded`` gets the checkpoint resumed."""
         group = kwargs.get("process_group")
+        args = (sharded_state_dict, damaged, rank, kwargs, loaded)
         if self.node_local:
-            return load_agreed(lambda: self.candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
+            return load_agreed(lambda: self.candidate(damaged, group), *args)
         if self.mirror is None:  # the root is the only level: load_latest's choice is the whole decision
-            return load_latest(self.root, sharded_state_dict, damaged, rank, kwargs)
-        return load_agreed(lambda: self.shared_candidate(damaged, group), sharded_state_dict, damaged, rank, kwargs)
+            return load_latest(self.root, *args)
+        return load_agreed(lambda: self.shared_candidate(damaged, group), *args)
 
     def shared_candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
         """A shared root with a mirror: the checkpoint every rank loads now, of the level

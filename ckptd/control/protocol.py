@@ -89,8 +89,8 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 # WRITTEN names the save it reports (a resend is answered from memory once committed).
 # 19: SAVE and WRITTEN say whether the job went back to an older step (``went_back_to``).
 PROTOCOL_VERSION = 19
-# Commit sequence numbers (ckptd.format.commitrecord) a message may name.
-MAX_COMMIT_SEQ = (1 << 63) - 1
+# Times a message may name (seconds since the epoch; NaN fails the bound).
+MAX_UNIX_S = 1e11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
 # buffers a whole frame before anyone looks at it, during a handshake too: sockets refuse frames
 # above this (ckptd.control.channel), which bounds what a stranger's connection can make the
@@ -254,11 +254,11 @@ class Save(Message):
     seal_offset: int
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
-    # The rank's job went back to an older step than its root's newest (ckptd.catalog.WentBack):
-    # that step (-1: it did not) and the newest commit's sequence number then. A save of a step it
-    # left replaces that step's commit; the coordinator takes it from every rank's WRITTEN alike.
+    # The step the rank's job last loaded (-1: none) and when (ckptd.catalog.WentBack): a save of a
+    # step above it committed before that replaces the commit; the coordinator takes it from every
+    # rank's WRITTEN alike.
     went_back_to: int = -1
-    went_back_seq: int = 0
+    went_back_unix_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -375,7 +375,7 @@ class Written(Message):
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
     went_back_to: int = -1  # the SAVE's (see Save)
-    went_back_seq: int = 0
+    went_back_unix_s: float = 0.0
     coordinator_instance: str = ""
     # Which save of the rank this reports: its SAVE's seal (random per save), as a number. A
     # coordinator answers from memory a report it counted for a commit (a node's resend after a lost
@@ -563,8 +563,8 @@ def _check_ids(msg: Message) -> None:
             went_back_to = getattr(named, "went_back_to", -1)
             if went_back_to != -1:
                 check_step(went_back_to)
-            if not 0 <= getattr(named, "went_back_seq", 0) <= MAX_COMMIT_SEQ:
-                raise ProtocolError(f"commit sequence number {named.went_back_seq} is outside 0..{MAX_COMMIT_SEQ}")
+            if not 0.0 <= getattr(named, "went_back_unix_s", 0.0) <= MAX_UNIX_S:
+                raise ProtocolError(f"time {named.went_back_unix_s} is outside 0..{MAX_UNIX_S:g}")
             world_size, rank = getattr(named, "world_size", None), getattr(named, "rank", None)
             if world_size is not None:
                 check_world(world_size, rank, node_report=isinstance(named, Failed))

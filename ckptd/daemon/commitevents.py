@@ -119,7 +119,7 @@ class AttemptState:
     digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its common state
     plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
     held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
-    went_back: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> its WRITTEN's (Save)
+    went_back: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> its WRITTEN's (Save)
     report_ids: set[int] = field(default_factory=set)  # of the WRITTENs taken (identical repeats too)
     warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING

@@ -263,7 +263,9 @@ class CommitState:
         st = self.attempts[(step, attempt)] = AttemptState(step, attempt, msg.world_size, now)
         st.reporters.add(identity)
         if facts.committed_once:
-            self._abort(st, refused)
+            # A rank's failure says why it did not write; that the step is committed is said to
+            # the ranks that did (a FAILED is asked the question without the job's went_back).
+            self._abort(st, refused if isinstance(msg, Written) else f"{who}: {msg.reason}")
             return None
         for other in [o for o in self.attempts.values() if o.step == step and o is not st]:
             if other.adopted and not other.reporters:
@@ -324,7 +326,7 @@ class CommitState:
         st.digests[msg.rank] = msg.common_digest
         st.plain[msg.rank] = msg.plain_digest
         st.held[msg.rank] = msg.held
-        st.went_back[msg.rank] = (msg.went_back_to, msg.went_back_seq)
+        st.went_back[msg.rank] = (msg.went_back_to, msg.went_back_unix_s)
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
@@ -559,12 +561,12 @@ def _common_warnings(st: AttemptState) -> list[str]:
     return [text]
 
 
-def agreed_went_back(reported: Iterable[tuple[int, int]]) -> WentBack | None:
-    """The step the job went back to, when every rank's report says the same (Save.went_back_to);
-    None when one did not go back or they differ (then nothing the job left is replaced: its
-    save of such a step is refused, as a step is committed once)."""
-    values = set(reported)
-    if len(values) != 1:
+def agreed_went_back(reported: Iterable[tuple[int, float]]) -> WentBack | None:
+    """The step the job last loaded, when every rank's report names the same (Save.went_back_to),
+    as of the earliest rank's load; None when one loaded none or they differ (then nothing above
+    it is replaced: a save of such a step is refused, as a step is committed once)."""
+    values = list(reported)
+    steps = {step for step, _ in values}
+    if len(steps) != 1 or min(steps) < 0:
         return None
-    step, seq = values.pop()
-    return None if step < 0 else WentBack(step=step, seq=seq)
+    return WentBack(step=steps.pop(), before_unix_s=min(t for _, t in values))

@@ -122,7 +122,9 @@ class Coordinator:
             holds_commit=self.state.asks_holds_commit(msg),
             committed_once_if_held=self.state.may_start(msg, True),
             committed_once_if_not=self.state.may_start(msg, False),
-            went_back=agreed_went_back([(msg.went_back_to, msg.went_back_seq)]) if isinstance(msg, Written) else None,
+            went_back=agreed_went_back([(msg.went_back_to, msg.went_back_unix_s)])
+            if isinstance(msg, Written)
+            else None,
         )
         return question if question.asks else None
 

@@ -139,7 +139,7 @@ class SaveIntake:
             plain_digest=msg.plain_digest,
             held=tuple(held),
             report_id=int.from_bytes(msg.seal[:8], "little"),
-            went_back=(msg.went_back_to, msg.went_back_seq),
+            went_back=(msg.went_back_to, msg.went_back_unix_s),
         )
         self._handle(Taken(job=job))
         ring.queue_write(lambda: self._ready(job, ring, producer))

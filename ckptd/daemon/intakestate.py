@@ -62,7 +62,7 @@ class WriteJob:
     plain_digest: str = ""  # of the rank's plain keys (ckptd.statedict.holdings)
     held: tuple[str, ...] = ()  # keys the rank holds without storing them (ckptd.format.coverage)
     report_id: int = 0  # which save of the rank this is: its seal, as a number (Written.report_id)
-    went_back: tuple[int, int] = (-1, 0)  # the SAVE's went_back_to and went_back_seq
+    went_back: tuple[int, float] = (-1, 0.0)  # the SAVE's went_back_to and went_back_unix_s
 
     @property
     def key(self) -> StepKey:
@@ -274,7 +274,7 @@ class IntakeState:
             held=list(job.held),
             report_id=job.report_id,
             went_back_to=job.went_back[0],
-            went_back_seq=job.went_back[1],
+            went_back_unix_s=job.went_back[1],
         )
 
     def _failed(self, job: WriteJob, reason: str) -> Failed:

@@ -23,7 +23,7 @@ class Question:
     holds_commit: bool  # ask whether iter_<step> is still committed by this (remembered) attempt
     committed_once_if_held: bool  # then ask whether the step is committed already, if it holds ...
     committed_once_if_not: bool  # ... or if it does not (or was not asked)
-    went_back: WentBack | None = None  # the report's: a step its job left is not "committed once"
+    went_back: WentBack | None = None  # the report's: a step its job left is neither held nor committed once
 
     @property
     def asks(self) -> bool:
@@ -37,6 +37,6 @@ class Question:
 
 def answer(store: RootStore, q: Question) -> RootFacts:
     """Ask ``store`` (on a worker thread)."""
-    holds = store.holds_commit(q.step, q.attempt) if q.holds_commit else True
+    holds = store.holds_commit(q.step, q.attempt, q.went_back) if q.holds_commit else True
     starts = q.committed_once_if_held if holds else q.committed_once_if_not
     return RootFacts(holds_commit=holds, committed_once=starts and store.committed_once(q.step, q.went_back))

@@ -128,11 +128,12 @@ class RootStore(Protocol):
         """Remove what the attempt wrote (it never commits); retried, never raises."""
         ...
 
-    def holds_commit(self, step: int, attempt: str) -> bool:
+    def holds_commit(self, step: int, attempt: str, went_back: WentBack | None = None) -> bool:
         """``iter_<step>`` is committed by exactly that attempt (its commit record says so) on the
-        current branch: a checkpoint a rollback abandoned is not held, so a remembered verdict of
-        it never answers for a new save that repeats its attempt id (a second Checkpointer of a
-        launch with a fixed ``CKPTD_RUN_ID`` names its saves as the first did)."""
+        current branch: a checkpoint a rollback abandoned, or one the reporting job left
+        (``went_back``), is not held, so a remembered verdict of it never answers for a new save
+        that repeats its attempt id (a second Checkpointer of a launch with a fixed
+        ``CKPTD_RUN_ID`` names its saves as the first did)."""
         ...
 
     def committed_once(self, step: int, went_back: WentBack | None = None) -> bool:

@@ -265,9 +265,7 @@ def rollback_warnings(
     if damage is not None:
         out.append(f"{name} was damaged ({damage}); this save replaced it")
     elif replaced and cat.abandoned(step) is None and went_back is not None:
-        out.append(
-            f"{name} of the branch the job left when it went back to step {went_back.step} was replaced by this save"
-        )
+        out.append(f"{name}, committed before the job loaded step {went_back.step}, was replaced by this save")
     elif replaced:
         out.append(f"{name} of a branch abandoned by an earlier rollback was replaced by this save")
     return tuple(out)

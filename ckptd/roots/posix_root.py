@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ..catalog import RootCatalog, WentBack, abandoned_commit, committed_once, scan_root
+from ..catalog import RootCatalog, WentBack, abandoned_commit, committed_once, left_by, scan_root
 from ..errors import CkptdError
 from ..format.commitrecord import read_commit_record
 from ..format.direct import open_data_file
@@ -113,9 +113,11 @@ class PosixRoot:
     def abort(self, step: int, attempt: str) -> None:
         remove_tmp(self.location, step, attempt)
 
-    def holds_commit(self, step: int, attempt: str) -> bool:
+    def holds_commit(self, step: int, attempt: str, went_back: WentBack | None = None) -> bool:
         record = read_commit_record(self.location / step_dir_name(step))
         if record is None or record.step != step or record.attempt != attempt:
+            return False
+        if not self.node_local and left_by(went_back, step, record.committed_unix_s):
             return False
         return not abandoned_commit(self.location, step, record.seq)
 

@@ -49,7 +49,7 @@ import pickle
 import time
 from collections.abc import Mapping
 
-from ..catalog import CheckpointEntry, EntryState, RootCatalog, WentBack, tracker_set_back
+from ..catalog import CheckpointEntry, EntryState, RootCatalog, WentBack, left_by, tracker_set_back
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
@@ -437,9 +437,11 @@ class S3Root:
             log.warning("retention in %s failed: %s", self.location, exc)
 
     # --- state ------------------------------------------------------------------------------------
-    def holds_commit(self, step: int, attempt: str) -> bool:
+    def holds_commit(self, step: int, attempt: str, went_back: WentBack | None = None) -> bool:
         record = read_s3_commit_record(self.client, step_dir_name(step))
         if record is None or record.step != step or record.attempt != attempt:  # DAMAGED: step -1
+            return False
+        if left_by(went_back, step, record.committed_unix_s):
             return False
         return not s3_abandoned_commit(self.client, step, record.seq)
 

@@ -550,14 +550,19 @@ def test_a_job_that_went_back_replaces_only_the_steps_it_left_committed_before_i
     from ckptd.catalog import WentBack
 
     root = make_root(tmp_path / "r", [10, 20, 30, 40], latest=40)
-    stamp_commits(root, [10, 20, 30, 40])
+    stamp_commits(root, [10, 20, 30, 40])  # committed at 1e9 + 1 ... 1e9 + 4
     cat = scan_root(root)
-    back = WentBack(step=20, seq=4)
+    back = WentBack(step=20, before_unix_s=1.0e9 + 10)
     assert cat.superseded(30, back).step == 30 and cat.superseded(40, back).step == 40
     assert cat.superseded(20, back) is None and cat.superseded(10, back) is None  # not left
-    assert cat.superseded(40, WentBack(step=20, seq=3)) is None  # committed after it went back
+    assert cat.superseded(40, WentBack(step=20, before_unix_s=1.0e9 + 3.5)) is None  # committed after it loaded
     assert cat.superseded(30, None) is None  # a step is committed once
     assert not committed_once(root, 30, back) and committed_once(root, 30)
+    # A remembered verdict of the left commit does not answer for the new save of its step.
+    from ckptd.roots.posix_root import PosixRoot
+
+    store = PosixRoot(root, fsync=False)
+    assert store.holds_commit(30, "0123456789ab-1") and not store.holds_commit(30, "0123456789ab-1", back)
 
 
 @pytest.mark.parametrize("damage", ["intact", "lost data file", "lost markers", "another tool's, damaged"])

@@ -606,16 +606,16 @@ def test_on_a_node_local_root_a_nodes_own_abort_of_an_unknown_attempt_is_not_ans
 @pytest.mark.parametrize(
     "reported, expected",
     [
-        (((20, 7), (20, 7)), WentBack(step=20, seq=7)),
-        (((20, 7), (-1, 0)), None),  # one rank did not go back
-        (((20, 7), (20, 6)), None),  # they disagree: nothing is replaced
-        (((-1, 0), (-1, 0)), None),
+        (((20, 7.5), (20, 7.0)), WentBack(step=20, before_unix_s=7.0)),  # as of the earliest load
+        (((20, 7.0), (-1, 0.0)), None),  # one rank loaded nothing
+        (((20, 7.0), (10, 7.0)), None),  # they loaded different steps: nothing is replaced
+        (((-1, 0.0), (-1, 0.0)), None),
     ],
 )
-def test_a_commit_replaces_the_steps_a_job_left_only_when_every_rank_went_back_alike(reported, expected):
+def test_a_commit_replaces_the_steps_a_job_left_only_when_every_rank_loaded_the_same_step(reported, expected):
     c = Coordinator()
     actions = []
-    for rank, (to, seq) in enumerate(reported):
-        actions = c.report(N0 if rank == 0 else N1, written(30, rank, went_back_to=to, went_back_seq=seq))
+    for rank, (to, at) in enumerate(reported):
+        actions = c.report(N0 if rank == 0 else N1, written(30, rank, went_back_to=to, went_back_unix_s=at))
     commits = [a for a in actions if isinstance(a, Commit)]
     assert len(commits) == 1 and commits[0].went_back == expected
