@@ -189,12 +189,27 @@ class RootCatalog:
         the one it went back to that was committed before it did. None when there is none (the
         save is refused: a step is committed once)."""
         found = self.abandoned(step)
-        if found is not None or went_back is None or step <= went_back.step:
+        if found is not None or went_back is None or step <= went_back.step or self.left_between(step, went_back):
             return found
         for e in self.committed:
             if e.step == step and e.record_problem is None and left_by(went_back, step, e.committed_unix_s):
                 return e
         return None
+
+    def left_between(self, step: int, went_back: WentBack) -> list[str]:
+        """Commits a job that ``went_back`` left between the step it loaded and ``step``: its save
+        of ``step`` does not replace that step's commit while they are there. The new commit
+        abandons the left steps above it (a lower step committed after them), not those below,
+        which would then pass for the new branch's ancestors (retention keeping them over the step
+        it went back to, a fallback resuming them): saved again first (each replaced in turn), or
+        removed by hand, they are not."""
+        return [
+            e.name
+            for e in self.committed
+            if went_back.step < e.step < step
+            and e.record_problem is None
+            and left_by(went_back, e.step, e.committed_unix_s)
+        ]
 
 
 def is_checkpoint_dir(path: Path) -> bool:

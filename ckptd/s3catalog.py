@@ -106,6 +106,7 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 used,
                 is_latest=name == cat.latest_name,
                 commit_seq=record.seq if record is not None else 0,
+                committed_unix_s=record.committed_unix_s if record is not None else 0.0,
                 record_problem=f"{client.url(name)}/{COMMIT_RECORD} is damaged" if record is DAMAGED else None,
             )
         )

@@ -472,6 +472,10 @@ class Checkpointer(RootReader):
             DistContext.current(group).agree("deciding this rank's saves before the resume", self._decide_own_saves)
         else:  # load(step=N) may be one rank's alone
             self._decide_own_saves()
+            # The step loaded is what the saves after it continue from (ckptd.catalog.WentBack): a
+            # save of this job still in flight would commit after the load, above it, and pass for
+            # the new branch's. Its failure, or a timeout, is raised here (the next call).
+            self.wait_all(self.config.commit_timeout_s)
         if resume:
             daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._session.daemon_lost)
             daemons.settle(

@@ -91,8 +91,10 @@ class RootReader:
         out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs, loaded)
         # Below the newest commit when it fell back past damaged ones, or when the tracker was set
         # back by hand: the steps above it are a branch the job left, as after load(step=N).
-        step = committed_step(parse_location(loaded[-1].target).name) if loaded else None
-        self._went_back = None if step is None else self._going_back_to(step)
+        self._went_back = None
+        if loaded and not self._levels.node_local:  # a directory or an s3:// checkpoint here
+            step = committed_step(parse_location(loaded[-1].target).name)
+            self._went_back = None if step is None else self._going_back_to(step)
         return out
 
     def _going_back_to(self, step: int) -> WentBack | None:

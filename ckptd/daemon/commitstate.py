@@ -247,6 +247,12 @@ class CommitState:
         already, or another attempt of it is in flight)."""
         step, attempt = msg.step, msg.attempt
         refused = f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)"
+        if isinstance(msg, Written) and 0 <= msg.went_back_to < step:
+            refused = (
+                f"step {step} is committed already; {who} saved it again as attempt {attempt} after loading step "
+                f"{msg.went_back_to}: a step committed since that load, or one with a step the job left below it "
+                f"(between {msg.went_back_to} and {step}), which is saved again first (save under a new step)"
+            )
         remembered = isinstance(self.finished.get((step, attempt)), StepCommitted) or (step, attempt) in self.counted
         if remembered and (facts.committed_once or not facts.known):
             # The attempt id of that very commit (a relaunch repeated it): the reporter alone is

@@ -124,10 +124,7 @@ def commit_step(
             if replaced is None and not node_local:
                 replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
-                raise CheckpointExistsError(
-                    f"{final} already exists; a step is committed once. Save under a "
-                    "new step, or delete the old checkpoint first."
-                )
+                raise CheckpointExistsError(f"{final} already exists; {committed_once_advice(cat, step, went_back)}")
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
         record = CommitRecord(
@@ -217,6 +214,18 @@ def publish_step(
         except OSError as exc:
             log.warning("could not remove %s (`ckptd gc` removes it later): %s", rootd.path / doomed, exc)
     return None
+
+
+def committed_once_advice(cat: RootCatalog, step: int, went_back: WentBack | None) -> str:
+    """What to do about a save of ``step`` that a committed one refuses."""
+    between = [] if went_back is None or step <= went_back.step else cat.left_between(step, went_back)
+    if between and went_back is not None:
+        shown = ", ".join(between[:5]) + (f" and {len(between) - 5} more" if len(between) > 5 else "")
+        return (
+            f"the job loaded step {went_back.step} (it went back), but {shown} of the branch it left lie "
+            f"between: save those steps first (each replaces its commit), or remove them, then save {step}"
+        )
+    return "a step is committed once. Save under a new step, or delete the old checkpoint first."
 
 
 def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointEntry | None, str | None]:

@@ -72,7 +72,7 @@ from ..s3catalog import read_s3_commit_record, read_s3_tracker, s3_abandoned_com
 from ..storage.s3client import S3Client, Upload
 from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
-from .posix import rollback_warnings
+from .posix import committed_once_advice, rollback_warnings
 from .s3_data import S3DataTarget, s3_data_file_name
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class S3Root:
                 replaced = next(e for e in cat.committed if e.name == name) if damage is not None else None
             if replaced is None:
                 raise CheckpointExistsError(
-                    f"{self.display(name)} is committed already; a step is committed once. Save under "
-                    "a new step, or delete the old checkpoint first."
+                    f"{self.display(name)} is committed already; {committed_once_advice(cat, step, went_back)}"
                 )
         validate_records(records)
         objects = self._check_data_objects(name, data_files)

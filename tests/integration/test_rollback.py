@@ -224,6 +224,10 @@ def test_a_rollback_saves_again_at_the_steps_it_left(tmp_path, single_process, r
         assert torch.equal(w, _value(20, 0))
         with pytest.raises(ckptd.CheckpointExistsError, match="committed already"):
             ckpt.save(_sd(_value(20, 1), 20), step=20)  # the step it went back to is not left
+        # 40 first: the left 30 lies between, and would pass for the new 40's ancestor.
+        early = ckpt.save(_sd(_value(40, 1), 40), step=40)
+        with pytest.raises(ckptd.SaveFailedError, match=r"after loading step 20: .* left below it"):
+            early.wait(timeout_s=30)
         first = ckpt.save(_sd(_value(30, 1), 30), step=30)
         first.wait(timeout_s=30)
         assert any("committed before the job loaded step 20, was replaced" in t for t in first.warnings), first.warnings

@@ -662,5 +662,10 @@ def test_a_rollback_on_s3_saves_again_at_the_steps_it_left(s3_bucket, runtime_di
             )
             assert ckpt.latest() == 20
             _resumes(ckpt, 20.5)
+            # Committed after the resume: once (the store's commit times were read as 0: every
+            # step above the one loaded passed for one the job had left, and was replaced).
+            twice = ckpt.save(_sd(torch.full((64,), 20.75), 20), step=20)
+            with pytest.raises(SaveFailedError, match="committed already"):
+                twice.wait(timeout_s=120)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)

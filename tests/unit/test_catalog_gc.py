@@ -553,7 +553,9 @@ def test_a_job_that_went_back_replaces_only_the_steps_it_left_committed_before_i
     stamp_commits(root, [10, 20, 30, 40])  # committed at 1e9 + 1 ... 1e9 + 4
     cat = scan_root(root)
     back = WentBack(step=20, before_unix_s=1.0e9 + 10)
-    assert cat.superseded(30, back).step == 30 and cat.superseded(40, back).step == 40
+    assert cat.superseded(30, back).step == 30
+    # Not 40 while the left 30 lies between: the new 40 would leave it passing for its ancestor.
+    assert cat.superseded(40, back) is None and cat.left_between(40, back) == ["iter_0000030"]
     assert cat.superseded(20, back) is None and cat.superseded(10, back) is None  # not left
     assert cat.superseded(40, WentBack(step=20, before_unix_s=1.0e9 + 3.5)) is None  # committed after it loaded
     assert cat.superseded(30, None) is None  # a step is committed once
