@@ -119,6 +119,8 @@ def _read_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> str | None:
         f = zf.open(info)
     except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
         return f"record {name} has no valid local header at offset {info.header_offset} ({exc})"
+    except (NotImplementedError, RuntimeError) as exc:  # flags torch never writes: patched data, encryption
+        return f"record {name} has a local header torch never writes ({exc})"
     try:
         with f:
             while f.read(_READ_NBYTES):

@@ -305,6 +305,22 @@ _SETTINGS = {
 # A flipped bit in common.pt's central directory (a record's header offset -1), read without a
 # recorded checksum: the archive check's seek raised ValueError.
 @example(mutations=[("flip", "common.pt", [0.9609375], 0), ("truncate", ".metadata", 0.0)])
+# A flag zipfile refuses with NotImplementedError (bit 5) or RuntimeError (bit 0: encrypted) in
+# common.pt's local header, checked against its archive's CRC-32s (no checksum table to go by).
+@example(
+    mutations=[
+        ("flip", "metadata.json", [0.0], 0),
+        ("flip", ".metadata", [0.0], 0),
+        ("flip", "common.pt", [0.7702843493395239], 5),
+    ]
+)
+@example(
+    mutations=[
+        ("flip", "metadata.json", [0.0], 0),
+        ("flip", ".metadata", [0.0], 0),
+        ("flip", "common.pt", [0.7702843493395239], 0),
+    ]
+)
 def test_damaged_checkpoints_raise_only_ckptd_errors(pristine, mutations):
     _fuzz(pristine, mutations)
     assert (pristine / "outside" / "file").read_bytes() == b"not part of any checkpoint"
