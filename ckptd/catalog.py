@@ -192,7 +192,7 @@ class RootCatalog:
         if found is not None or went_back is None or step <= went_back.step or self.left_between(step, went_back):
             return found
         for e in self.committed:
-            if e.step == step and e.record_problem is None and left_by(went_back, step, e.committed_unix_s):
+            if e.step == step and _left_commit(e, went_back):
                 return e
         return None
 
@@ -203,13 +203,7 @@ class RootCatalog:
         which would then pass for the new branch's ancestors (retention keeping them over the step
         it went back to, a fallback resuming them): saved again first (each replaced in turn), or
         removed by hand, they are not."""
-        return [
-            e.name
-            for e in self.committed
-            if went_back.step < e.step < step
-            and e.record_problem is None
-            and left_by(went_back, e.step, e.committed_unix_s)
-        ]
+        return [e.name for e in self.committed if went_back.step < e.step < step and _left_commit(e, went_back)]
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -420,6 +414,14 @@ def left_by(went_back: WentBack | None, step: int, committed_unix_s: float) -> b
     """Whether a commit of ``step`` made at ``committed_unix_s`` is one a job that ``went_back``
     left: above the step it loaded, committed before it loaded (:class:`WentBack`)."""
     return went_back is not None and step > went_back.step and committed_unix_s < went_back.before_unix_s
+
+
+def _left_commit(e: CheckpointEntry, went_back: WentBack) -> bool:
+    """:func:`left_by` of a commit of ckptd's (its record readable): a checkpoint another tool
+    wrote (no record, no commit time) is never taken for one a job left, so never replaced (a
+    resume that passed over one ckptd cannot read, a Megatron-Core zarr step, would otherwise
+    have let the job's save of its step delete it)."""
+    return e.commit_seq > 0 and e.record_problem is None and left_by(went_back, e.step, e.committed_unix_s)
 
 
 def committed_once(root: str | os.PathLike, step: int, went_back: WentBack | None = None) -> bool:

@@ -103,7 +103,7 @@ from .handle import SaveFuture, SaveHandle, SaveStatus
 from .incarnation import launch_incarnation
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped, weakly
-from .pending import PendingSaves, wait_for_all
+from .pending import PendingSaves, settle_above, wait_for_all
 from .policy import AutoInterval
 from .rankring import RankRing
 from .reader import RootReader, forget_damage
@@ -472,10 +472,6 @@ class Checkpointer(RootReader):
             DistContext.current(group).agree("deciding this rank's saves before the resume", self._decide_own_saves)
         else:  # load(step=N) may be one rank's alone
             self._decide_own_saves()
-            # The step loaded is what the saves after it continue from (ckptd.catalog.WentBack): a
-            # save of this job still in flight would commit after the load, above it, and pass for
-            # the new branch's. Its failure, or a timeout, is raised here (the next call).
-            self.wait_all(self.config.commit_timeout_s)
         if resume:
             daemons = DaemonsInFlight(self.root, self.env.rank, self._connected_link, self._session.daemon_lost)
             daemons.settle(
@@ -484,6 +480,12 @@ class Checkpointer(RootReader):
                 job_world_size=self.env.world_size,
                 group=group,
             )
+
+    def await_saves_above(self, step: int) -> None:
+        """Before ``load(step=step)``: this Checkpointer's saves of higher steps in flight land
+        first, for at most ``coordinator_timeout_s`` (see :func:`ckptd.client.pending.settle_above`)."""
+        if not self._levels.node_local:
+            settle_above(self._pending.handles(), step, self.config.coordinator_timeout_s)
 
     def _decide_own_saves(self) -> None:
         self._session.drop_dead_daemon()

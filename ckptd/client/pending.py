@@ -9,6 +9,7 @@ step never resolve its handle.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -204,3 +205,16 @@ def wait_for_all(handles: list[SaveHandle], timeout_s: float | None) -> None:
         raise first
     if timed_out is not None:
         raise timed_out
+
+
+def settle_above(handles: list[SaveHandle], step: int, timeout_s: float) -> None:
+    """Wait, ``timeout_s`` in all, for those of ``handles`` saving a step above ``step``: before a
+    load of ``step`` (ckptd.catalog.WentBack: one committed after the load passes for the new
+    branch's, and its step is refused when saved again). Their failures stay for the next call,
+    as any save's; one still pending then is left to it (a lazy save of ranks that do not reach
+    their fence while this rank loads would hold it)."""
+    deadline = time.monotonic() + timeout_s
+    for h in handles:
+        if h.step > step:
+            with contextlib.suppress(CkptdError):
+                h.wait(max(0.0, deadline - time.monotonic()))

@@ -80,6 +80,7 @@ class RootReader:
         writes into their tensors."""
         if step is not None:
             self._before_load(kwargs.get("process_group"), resume=False)
+            self.await_saves_above(step)
             out = sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
             self._went_back = self._going_back_to(step)
             return out
@@ -114,6 +115,10 @@ class RootReader:
             return self._load_resumed(sharded_state_dict, kwargs)
         except NoCheckpointYetError:
             return None
+
+    def await_saves_above(self, step: int) -> None:
+        """Before a load of ``step``: nothing without saves; a Checkpointer waits (briefly) for its
+        saves of higher steps in flight."""
 
     def _before_load(self, group: Any, *, resume: bool) -> None:
         """Before a load (a ``resume`` chooses its checkpoint after it, as a collective on

@@ -2,7 +2,7 @@
 
 A trainer that crashed right after ``save()`` returned leaves its step with the node daemons, which
 go on writing and committing it. A relaunch that resumed at once would load the step before it,
-and its own save of the landed step would be refused (``CheckpointExistsError``). A trainer that
+and its own save of the landed step would be refused ("committed already"). A trainer that
 crashed inside ``save()`` on some ranks leaves an attempt that can never commit; the coordinator
 aborts it after ``commit_timeout_s``, and until then a relaunch's save of that step is refused as a
 second attempt of it. So before a resume chooses its checkpoint, the ranks ask their node daemons
@@ -220,7 +220,7 @@ def _say(move: SettleMove, said: bool, timeout_s: float) -> None:
             logging.WARNING if timeout_s > 0 else logging.INFO,
             "step(s) %s, handed to the node daemons by an earlier launch, still undecided after %.0f s "
             "(resume_wait_s); resuming from the latest committed checkpoint. If one commits later, this "
-            "launch's save of that step is refused (CheckpointExistsError): raise CKPTD_RESUME_WAIT_S, or "
+            'launch\'s save of that step is refused ("committed already"): raise CKPTD_RESUME_WAIT_S, or '
             "see the daemons' logs",
             _steps(move.waiting),
             timeout_s,

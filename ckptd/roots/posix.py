@@ -121,7 +121,8 @@ def commit_step(
         damage = None
         if rootd.lstat(name) is not None:
             replaced = cat.superseded(step, went_back)
-            if replaced is None and not node_local:
+            between = went_back is not None and step > went_back.step and bool(cat.left_between(step, went_back))
+            if replaced is None and not node_local and not between:
                 replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
                 raise CheckpointExistsError(f"{final} already exists; {committed_once_advice(cat, step, went_back)}")

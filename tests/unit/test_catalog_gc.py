@@ -588,3 +588,31 @@ def test_only_a_commit_of_ckptd_s_that_lost_files_is_replaced_by_a_save_of_its_s
         assert (entry, why) == (None, None)
     else:
         assert entry is not None and entry.step == 20 and why, why
+
+
+def test_a_checkpoint_another_tool_wrote_is_never_taken_for_one_a_job_left(tmp_path):
+    """A resume passed over a step ckptd cannot read (an intact Megatron-Core zarr checkpoint, no
+    commit record): the job's save of that step replaced it (deleted it)."""
+    from ckptd.catalog import WentBack
+
+    root = make_root(tmp_path / "r", [100, 200], latest=None)  # no commit records: not ckptd's
+    back = WentBack(step=100, before_unix_s=time.time())
+    assert scan_root(root).superseded(200, back) is None and committed_once(root, 200, back)
+
+
+def test_a_load_of_an_older_step_first_lets_the_saves_above_it_land_for_a_while():
+    from ckptd.client.pending import settle_above
+
+    waited = []
+
+    class Handle:
+        def __init__(self, step: int, fails: bool = False) -> None:
+            self.step, self.fails = step, fails
+
+        def wait(self, timeout_s: float) -> None:
+            waited.append((self.step, timeout_s > 0))
+            if self.fails:
+                raise CkptdError("the disk is full")  # left for the next call, as any save's failure
+
+    settle_above([Handle(10), Handle(30, fails=True), Handle(40)], 20, 5.0)  # type: ignore[list-item]
+    assert waited == [(30, True), (40, True)]
