@@ -89,7 +89,8 @@ from ..errors import (
 from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
-from ..s3catalog import committed_at
+from ..roots.posix import committed_once_advice
+from ..s3catalog import committed_at, scan_any
 from ..staging.children import KILL_REAP_S
 from ..staging.devsnap import tensor_nbytes_by_device
 from ..staging.lazy import STOP_MARGIN_S
@@ -259,15 +260,14 @@ class Checkpointer(RootReader):
         if step in self._pending:
             raise CkptdError(f"step {step} is already being saved; wait for its handle first")
         final = join(self.root, step_dir_name(step))
+        # A commit after this rank's load is after the earliest rank's too, which the coordinator
+        # goes by: refused here as there (ckptd.catalog.WentBack).
         if (
             self._asks_committed()
-            # Above the step last loaded the coordinator decides, from every rank's load time
-            # (a rank that loaded before an in-flight commit landed would refuse alone here).
-            and not (self._went_back is not None and step > self._went_back.step)
-            and committed_at(self.root, step)
+            and committed_at(self.root, step, self._went_back)
             and not self._replaces_damaged(step)
         ):
-            raise CheckpointExistsError(f"{final} is committed already; save under a new step")
+            raise CheckpointExistsError(f"{final} is committed already; {self._refusal_advice(step)}")
         with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
             plan = self._planner.plan(expand_stateful(sharded_state_dict))
@@ -327,6 +327,12 @@ class Checkpointer(RootReader):
         self._plain.sent(step, plan.plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
         return handle
+
+    def _refusal_advice(self, step: int) -> str:
+        """What to do about a save of ``step`` that a commit refuses (scanned only then)."""
+        if self._went_back is None or step <= self._went_back.step:
+            return "save under a new step"
+        return committed_once_advice(scan_any(self.root, usage=False), step, self._went_back)
 
     def _asks_committed(self) -> bool:
         """Whether save() asks the root if the step is committed, to raise at once. The coordinator

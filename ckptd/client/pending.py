@@ -215,6 +215,6 @@ def settle_above(handles: list[SaveHandle], step: int, timeout_s: float) -> None
     their fence while this rank loads would hold it)."""
     deadline = time.monotonic() + timeout_s
     for h in handles:
-        if h.step > step:
+        if h.step > step:  # the future's wait: the handle's would mark a failure observed
             with contextlib.suppress(CkptdError):
-                h.wait(max(0.0, deadline - time.monotonic()))
+                h.future.wait(max(0.0, deadline - time.monotonic()))

@@ -16,10 +16,9 @@ from ..format.durable import Opener, default_opener
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
-from ..recovery import structural_problem
 from .base import CommitOutcome, Recovery
 from .nodelocal import finish_on_node, travelling_files
-from .posix import commit_step, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
+from .posix import commit_step, damaged_commit, finish_interrupted_commit, remove_all_tmp, remove_tmp, tmp_attempts
 from .posix_data import PosixDataTarget
 
 log = logging.getLogger(__name__)
@@ -125,13 +124,17 @@ class PosixRoot:
         """Committed, on the current branch, not one a job that ``went_back`` left, and
         structurally intact: a damaged commit may be saved again (ckptd.roots.posix.damaged_commit,
         which the commit asks again)."""
-        if not committed_once(self.location, step, None if self.node_local else went_back):
+        went_back = None if self.node_local else went_back
+        if not committed_once(self.location, step, went_back):
             return False
         if self.node_local:
             return True
+        cat = scan_root(self.location, usage=False)
+        if went_back is not None and step > went_back.step and cat.left_between(step, went_back):
+            return True  # not replaced, damaged or not (see commit_step)
         try:
-            return structural_problem(self.location / step_dir_name(step)) is None
-        except CkptdError:  # removed meanwhile: not committed; the commit decides again
+            return damaged_commit(cat, step_dir_name(step), self.location / step_dir_name(step))[0] is None
+        except (CkptdError, OSError):  # removed or unreadable meanwhile: the commit decides again
             return False
 
     def recover(self, *, nnodes: int) -> Recovery:
