@@ -487,7 +487,7 @@ class Checkpointer(RootReader):
                 group=group,
             )
 
-    def await_saves_above(self, step: int) -> None:
+    def _await_saves_above(self, step: int) -> None:
         """Before ``load(step=step)``: this Checkpointer's saves of higher steps in flight land
         first, for at most ``coordinator_timeout_s`` (see :func:`ckptd.client.pending.settle_above`)."""
         if not self._levels.node_local:

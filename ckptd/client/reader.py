@@ -80,7 +80,7 @@ class RootReader:
         writes into their tensors."""
         if step is not None:
             self._before_load(kwargs.get("process_group"), resume=False)
-            self.await_saves_above(step)
+            self._await_saves_above(step)
             out = sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
             self._went_back = self._going_back_to(step)
             return out
@@ -116,7 +116,7 @@ class RootReader:
         except NoCheckpointYetError:
             return None
 
-    def await_saves_above(self, step: int) -> None:
+    def _await_saves_above(self, step: int) -> None:
         """Before a load of ``step``: nothing without saves; a Checkpointer waits (briefly) for its
         saves of higher steps in flight."""
 
