@@ -135,8 +135,8 @@ class RootReader:
         """Whether a save of ``step``, committed already in a directory root, goes to the
         coordinator anyway: the commit is ckptd's and structurally damaged (a data file lost or
         cut short). The coordinator checks again and replaces it only then
-        (ckptd.roots.posix.damaged_commit). (A step above the one this Checkpointer last loaded
-        always goes: see :class:`ckptd.catalog.WentBack`.)"""
+        (ckptd.roots.posix.damaged_commit). (One above the step this Checkpointer last loaded,
+        committed before that load, goes anyway: see :class:`ckptd.catalog.WentBack`.)"""
         if isinstance(self.root, S3Location) or self._levels.node_local:
             return False
         path = join(self.root, step_dir_name(step))
