@@ -105,13 +105,20 @@ def plan_gc(
     plan = GcPlan(cat.root, keep=keep, grace_s=grace_s, tracker_name=cat.latest_name)
     if cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
-    elif not cat.tracker_exists and not cat.node_local and any(e.commit_seq for e in cat.committed):
+    elif (
+        not cat.tracker_exists
+        and cat.megatron_latest_name is None
+        and not cat.node_local
+        and (newest := next((e for e in cat.newest_first if e.commit_seq), None)) is not None
+    ):
         # ckptd committed here, and every commit names its step in the tracker: without one (a
         # crash between a commit and its tracker, or it was removed) the branch the job trains on
         # is unknown, and commit order alone would keep an abandoned branch over it.
         plan.refused = (
             f"{cat.root} has checkpoints committed by ckptd but no '{TRACKER_FILE}' tracker; committed "
-            "checkpoints are left alone until the next commit or daemon start names the latest"
+            "checkpoints are left alone until the next commit or daemon start names the latest, or until "
+            f"you write the name of the checkpoint to resume from into {TRACKER_FILE} (the newest commit is "
+            f"{newest.name})"
         )
     off_branch = {e.name for e in cat.off_branch()}
     # A checkpoint whose commit record cannot be read has no known place in commit order: it is
@@ -130,7 +137,7 @@ def plan_gc(
         elif e.name == cat.mirrored_name:
             plan.kept.append((e, "the mirror's latest checkpoint copies it; kept until a newer step is mirrored"))
         elif plan.refused is not None:
-            plan.kept.append((e, "tracker cannot be trusted"))
+            plan.kept.append((e, "the tracker is missing or cannot be trusted"))
         else:
             where = "on a branch a rollback abandoned, " if e.name in off_branch else ""
             plan.remove.append(Removal(e, f"{where}committed before the {keep} last committed"))

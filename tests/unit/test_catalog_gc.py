@@ -517,6 +517,11 @@ def test_gc_of_a_ckptd_root_that_lost_its_tracker_removes_nothing_committed(tmp_
     stamp_commits(root, [20, 30, 40, 31])
     plan = plan_gc(scan_root(root), keep=3)
     assert plan.remove == [] and "no 'latest' tracker" in plan.refused
+    assert "the newest commit is iter_0000031" in plan.refused  # what to write into it
+    # Megatron-LM's tracker names the branch instead (as in a root without ckptd's): gc goes by it.
+    (root / "latest_checkpointed_iteration.txt").write_text("31")
+    plan = plan_gc(scan_root(root), keep=3)
+    assert plan.refused is None and 31 not in [r.entry.step for r in plan.remove]
 
 
 def test_a_coordinator_start_leaves_a_tracker_set_back_by_hand(tmp_path):
