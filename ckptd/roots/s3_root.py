@@ -236,6 +236,12 @@ class S3Root:
         """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""
         for _ in range(_TRACKER_TRIES):
             exists, _current, _problem, etag = read_s3_tracker(self.client)
+            if exists and etag is None:
+                # The read failed (a timeout, throttling) or found it damaged: its ETag from a HEAD,
+                # whose failure fails the move. A PUT without a precondition would overwrite
+                # whatever another writer put there meanwhile.
+                info = self.client.head(TRACKER_FILE)
+                exists, etag = info is not None, None if info is None else info.etag
             try:
                 if exists and etag is not None:
                     self.client.put(TRACKER_FILE, tracker_bytes(name), if_match=etag)

@@ -31,9 +31,13 @@ from .url import S3Location
 
 log = logging.getLogger(__name__)
 
-# A refusal of the credentials in an error's text: the store's error codes, or HTTP status 403 as a
-# number of its own (not the digits of a duration such as "in 1.394114031s", or of a port).
-_DENIED = re.compile(r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|(?<![\d.:])403(?![\d.])")
+# A refusal of the credentials in an error's text: the store's error codes, or HTTP status 403 said
+# as a status (not the digits of a duration such as "in 1.394114031s", of a port, or of a key in the
+# request's URL: rank 403's data object, part number 403).
+_DENIED = re.compile(
+    r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch"
+    r"|status(?: code)?:? 403\b|\b403 Forbidden|HTTP/\S+ 403\b|\(403\)"
+)
 
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
 # errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES,
@@ -388,7 +392,14 @@ class S3Client:
                     )
                 if not page.get("IsTruncated"):
                     return out
-                kwargs.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+                markers = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+                if all(kwargs.get(k) == v for k, v in markers.items()):
+                    # A store that ignores the markers sends the same page again, for ever.
+                    raise StorageError(
+                        f"the store listed the same page of unfinished uploads again (markers {markers}); "
+                        "it does not page this listing: abort the uploads under it by hand"
+                    )
+                kwargs.update(markers)
         except Exception as exc:  # noqa: BLE001 - botocore's ClientError and connection errors
             raise self._error(exc, prefix, "list the multipart uploads of") from None
 

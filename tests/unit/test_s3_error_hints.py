@@ -33,6 +33,13 @@ def client(monkeypatch: pytest.MonkeyPatch) -> S3Client:
         ),
         ("Error performing GET http://10.0.0.1:4031/b/k - Server returned non-2xx status code: 503", HEALTH),
         ("Server returned non-2xx status code: 403 Forbidden", CREDENTIALS),
+        # 403 in the URL (rank 403's data object, a part number), the store answering 503
+        (
+            "Error performing PUT http://10.0.0.1:9000/b/run-403/iter_0000001/__403_0.abc-1.distcp?partNumber=403 "
+            "- Server returned non-2xx status code: 503 Service Unavailable",
+            HEALTH,
+        ),
+        ("An error occurred (403) when calling the HeadObject operation: Forbidden", CREDENTIALS),
         ("<Code>SignatureDoesNotMatch</Code>", CREDENTIALS),
         ("An error occurred (AccessDenied) when calling the PutObject operation", CREDENTIALS),
     ],

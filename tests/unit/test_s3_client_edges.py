@@ -1,0 +1,58 @@
+"""Object-store edge cases without a store (fakes of the client's calls): moving ``latest`` after
+a failed read, and a store that does not page its listing of unfinished uploads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckptd.errors import StorageError
+from ckptd.roots.s3_root import S3Root
+from ckptd.storage.s3client import ObjectInfo, S3Client
+from ckptd.storage.url import S3Location
+
+
+class TrackerStore:
+    """``latest`` exists (ETag "e1"), but reading it fails once (a timeout)."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[str, bytes, bool, str | None]] = []
+        self.reads = 0
+
+    def url(self, key: str) -> str:
+        return f"s3://b/r/{key}"
+
+    def get(self, key: str, max_nbytes: int, what: str = "object") -> Any:
+        self.reads += 1
+        raise StorageError("the store did not answer in time")
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return ObjectInfo(key=key, size=13, etag="e1", last_modified_unix_s=1.0)
+
+    def put(self, key: str, data: bytes, *, if_match: str | None = None, create_only: bool = False) -> None:
+        self.puts.append((key, data, create_only, if_match))
+
+
+def test_moving_latest_after_a_failed_read_still_compares_and_swaps():
+    """A read of ``latest`` that failed for a passing reason made its move a PUT without any
+    precondition: whatever another writer put there meanwhile was overwritten."""
+    store = TrackerStore()
+    S3Root(S3Location(bucket="b", prefix="r"), client=store)._point_tracker("iter_0000100")  # type: ignore[arg-type]
+    assert store.puts == [("latest", b"iter_0000100\n", False, "e1")]
+
+
+def test_a_store_that_does_not_page_its_unfinished_uploads_is_an_error_not_a_loop(monkeypatch):
+    class Boto:
+        calls = 0
+
+        def list_multipart_uploads(self, **kwargs: Any) -> dict:
+            Boto.calls += 1
+            assert Boto.calls < 5, "the listing went on with the same markers"
+            return {"Uploads": [], "IsTruncated": True, "NextKeyMarker": "k", "NextUploadIdMarker": "u"}
+
+    client = S3Client.__new__(S3Client)
+    client.location = S3Location(bucket="b", prefix="r")
+    monkeypatch.setattr(client, "_boto_client", lambda: Boto())
+    with pytest.raises(StorageError, match="listed the same page of unfinished uploads again"):
+        client.uploads("")
