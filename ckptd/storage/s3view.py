@@ -76,6 +76,9 @@ class S3RangeSource:
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ckptd-s3-fetch")
         self._ahead: list[tuple[str, int]] = []  # pieces the reader will want, in order
         self._next = 0
+        # Fetches submitted and maybe not done yet: what counts against the window (pruned as
+        # they end; counting over every piece fetched was quadratic in a checkpoint's pieces).
+        self._running: list[Future[None]] = []
         self.fetched_nbytes = 0
 
     def _grid(self, relative_path: str, offset: int, length: int) -> Iterator[tuple[str, int]]:
@@ -111,20 +114,24 @@ class S3RangeSource:
     def _top_up(self) -> None:
         with self._lock:
             while self._next < len(self._ahead):
-                in_flight = sum(1 for f in self._pieces.values() if not f.done())
-                if in_flight * PIECE_NBYTES >= WINDOW_NBYTES:
+                self._running = [f for f in self._running if not f.done()]
+                if len(self._running) * PIECE_NBYTES >= WINDOW_NBYTES:
                     return
                 piece = self._ahead[self._next]
                 self._next += 1
                 if piece not in self._pieces:
-                    self._pieces[piece] = self._pool.submit(self._fetch, *piece)
+                    self._submit(piece)
 
     def _start(self, piece: tuple[str, int]) -> Future[None]:
         with self._lock:
             f = self._pieces.get(piece)
-            if f is None:
-                f = self._pieces[piece] = self._pool.submit(self._fetch, *piece)
-            return f
+            return f if f is not None else self._submit(piece)
+
+    def _submit(self, piece: tuple[str, int]) -> Future[None]:
+        """Fetch ``piece`` on the pool (the caller holds the lock)."""
+        f = self._pieces[piece] = self._pool.submit(self._fetch, *piece)
+        self._running.append(f)
+        return f
 
     def _fetch(self, relative_path: str, index: int) -> None:
         obj = self.objects[relative_path]
