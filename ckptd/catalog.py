@@ -196,13 +196,15 @@ class RootCatalog:
                 return e
         return None
 
-    def left_between(self, step: int, went_back: WentBack) -> list[str]:
+    def left_between(self, step: int, went_back: WentBack | None) -> list[str]:
         """Commits a job that ``went_back`` left between the step it loaded and ``step``: its save
         of ``step`` does not replace that step's commit while they are there. The new commit
         abandons the left steps above it (a lower step committed after them), not those below,
         which would then pass for the new branch's ancestors (retention keeping them over the step
         it went back to, a fallback resuming them): saved again first (each replaced in turn), or
         removed by hand, they are not."""
+        if went_back is None:
+            return []
         return [e.name for e in self.committed if went_back.step < e.step < step and _left_commit(e, went_back)]
 
 

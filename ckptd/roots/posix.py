@@ -121,8 +121,7 @@ def commit_step(
         damage = None
         if rootd.lstat(name) is not None:
             replaced = cat.superseded(step, went_back)
-            between = went_back is not None and step > went_back.step and bool(cat.left_between(step, went_back))
-            if replaced is None and not node_local and not between:
+            if replaced is None and not node_local and not cat.left_between(step, went_back):
                 replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
                 raise CheckpointExistsError(f"{final} already exists; {committed_once_advice(cat, step, went_back)}")
@@ -219,7 +218,7 @@ def publish_step(
 
 def committed_once_advice(cat: RootCatalog, step: int, went_back: WentBack | None) -> str:
     """What to do about a save of ``step`` that a committed one refuses."""
-    between = [] if went_back is None or step <= went_back.step else cat.left_between(step, went_back)
+    between = cat.left_between(step, went_back)
     if between and went_back is not None:
         shown = ", ".join(between[:5]) + (f" and {len(between) - 5} more" if len(between) > 5 else "")
         return (

@@ -124,13 +124,14 @@ class PosixRoot:
         """Committed, on the current branch, not one a job that ``went_back`` left, and
         structurally intact: a damaged commit may be saved again (ckptd.roots.posix.damaged_commit,
         which the commit asks again)."""
-        went_back = None if self.node_local else went_back
-        if not committed_once(self.location, step, went_back):
-            return False
         if self.node_local:
-            return True
-        cat = scan_root(self.location, usage=False)
-        if went_back is not None and step > went_back.step and cat.left_between(step, went_back):
+            return committed_once(self.location, step)
+        if not os.path.lexists(self.location / step_dir_name(step)):
+            return False
+        cat = scan_root(self.location, usage=False)  # one scan for every rule below
+        if cat.superseded(step, went_back) is not None:
+            return False
+        if cat.left_between(step, went_back):
             return True  # not replaced, damaged or not (see commit_step)
         try:
             return damaged_commit(cat, step_dir_name(step), self.location / step_dir_name(step))[0] is None

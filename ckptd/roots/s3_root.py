@@ -135,8 +135,7 @@ class S3Root:
             replaced = cat.superseded(step, went_back if source is None else None)
             if replaced is None and source is not None:
                 replaced = self._copy_of_another_commit(cat, name, source)
-            between = went_back is not None and step > went_back.step and bool(cat.left_between(step, went_back))
-            if replaced is None and source is None and not between:
+            if replaced is None and source is None and not cat.left_between(step, went_back):
                 # Damaged (an object lost): a job that resumed from the step before saves it again.
                 damage = self._damage(name)
                 replaced = next(e for e in cat.committed if e.name == name) if damage is not None else None
@@ -459,7 +458,7 @@ class S3Root:
         cat = self.scan(usage=False)
         if cat.superseded(step, went_back) is not None:
             return False
-        if went_back is not None and step > went_back.step and cat.left_between(step, went_back):
+        if cat.left_between(step, went_back):
             return True  # not replaced, damaged or not (see commit)
         try:
             return self._damage(step_dir_name(step)) is None
