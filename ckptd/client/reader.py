@@ -88,6 +88,10 @@ class RootReader:
 
     def _load_resumed(self, sharded_state_dict: Any, kwargs: dict[str, Any]) -> Any:
         self._before_load(kwargs.get("process_group"), resume=True)
+        # A resume in the middle of a run (after a loss spike): this Checkpointer's saves in flight
+        # land first, so that it resumes the newest commit; one landing after the load would be a
+        # step of a branch the job left, and the job's own save of it refused.
+        self._await_saves_above(-1)
         loaded: list[Candidate] = []
         out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs, loaded)
         # Below the newest commit when it fell back past damaged ones, or when the tracker was set

@@ -117,13 +117,18 @@ class S3Settings:
 
 
 def _botocore_session(profile: str | None) -> Any:
+    """botocore's session of ``profile``, checked: a profile that does not exist is otherwise
+    found out by whichever later call reads it, as botocore's own error."""
     import botocore.session
 
     try:
-        return botocore.session.Session(profile=profile)
+        session = botocore.session.Session(profile=profile)
+        session.get_scoped_config()
+        return session
     except Exception as exc:  # noqa: BLE001 - botocore raises its own ProfileNotFound etc.
         raise StorageError(
-            f"AWS profile {profile!r} cannot be used ({type(exc).__name__}: {exc}); check AWS_PROFILE"
+            f"AWS profile {profile!r} cannot be used ({type(exc).__name__}: {exc}); check AWS_PROFILE "
+            "and the profiles of ~/.aws/config and ~/.aws/credentials"
         ) from None
 
 
@@ -235,28 +240,34 @@ class S3Client:
             raise StorageError(f"{self.url(key)}: read {len(data)} bytes of {size}; the object changed while read")
         return data, result.meta.get("e_tag")
 
-    def get_ranges(self, key: str, starts: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
-        """The byte ranges ``[start, start + length)`` of ``key`` (parallel ranged GETs, nearby
-        ranges coalesced)."""
+    def get_range(self, key: str, start: int, length: int, etag: str | None = None) -> tuple[memoryview, str | None]:
+        """Bytes ``[start, start + length)`` of ``key`` (``length`` > 0) and the ETag of the object
+        they were read from. ``etag``: only from the object of that ETag (``If-Match``): a
+        StorageError when it was replaced since, so that a reader never mixes two versions."""
         import obstore
 
-        if not starts:
-            return []
+        options: dict[str, Any] = {"range": (start, start + length)}
+        if etag is not None:
+            options["if_match"] = etag
         try:
-            got = obstore.get_ranges(self._store, key, starts=list(starts), lengths=list(lengths))
+            result = obstore.get(self._store, key, options=cast(Any, options))
+            view = memoryview(result.bytes())
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"data object {self.url(key)} is missing; the checkpoint is incomplete"
             ) from None
         except Exception as exc:  # noqa: BLE001
+            if etag is not None and type(exc).__name__ == "PreconditionError":
+                raise StorageError(
+                    f"{self.url(key)} was replaced while it was read (its ETag is no longer {etag}); "
+                    "a checkpoint must not be overwritten while it is loaded: load it again"
+                ) from None
             raise self._error(exc, key, "read") from None
-        out = [memoryview(b) for b in got]
-        for view, length, start in zip(out, lengths, starts):
-            if len(view) != length:
-                raise CorruptCheckpointError(
-                    f"data object {self.url(key)} is truncated: bytes [{start}, {start + length}) are not all there"
-                )
-        return out
+        if len(view) != length:
+            raise CorruptCheckpointError(
+                f"data object {self.url(key)} is truncated: bytes [{start}, {start + length}) are not all there"
+            )
+        return view, result.meta.get("e_tag")
 
     def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under the "directory" ``prefix`` (paged; keys relative to the client's prefix)."""

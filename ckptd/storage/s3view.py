@@ -62,6 +62,7 @@ class SparseObject:
     key: str
     size: int
     path: Path
+    etag: str | None = None  # as listed when the view was opened; None: the first read's
 
 
 class S3RangeSource:
@@ -79,6 +80,9 @@ class S3RangeSource:
         # Fetches submitted and maybe not done yet: what counts against the window (pruned as
         # they end; counting over every piece fetched was quadratic in a checkpoint's pieces).
         self._running: list[Future[None]] = []
+        # Every piece of an object is read from one version of it, the first one read (or listed):
+        # pieces of a DCP checkpoint overwritten in place while it loads would be a mix of both.
+        self._etags: dict[str, str] = {rel: o.etag for rel, o in objects.items() if o.etag is not None}
         self.fetched_nbytes = 0
 
     def _grid(self, relative_path: str, offset: int, length: int) -> Iterator[tuple[str, int]]:
@@ -137,7 +141,17 @@ class S3RangeSource:
         obj = self.objects[relative_path]
         start = index * PIECE_NBYTES
         length = min(PIECE_NBYTES, obj.size - start)
-        (data,) = self.client.get_ranges(obj.key, [start], [length])
+        with self._lock:
+            pinned = self._etags.get(relative_path)
+        data, etag = self.client.get_range(obj.key, start, length, pinned)
+        if pinned is None and etag is not None:
+            with self._lock:
+                pinned = self._etags.setdefault(relative_path, etag)
+            if pinned != etag:  # pieces read at once before any pinned the object
+                raise StorageError(
+                    f"{self.client.url(obj.key)} was replaced while it was read (ETag {pinned}, then "
+                    f"{etag}); a checkpoint must not be overwritten while it is loaded: load it again"
+                )
         try:
             fd = os.open(obj.path, os.O_WRONLY | os.O_CLOEXEC)
             try:
@@ -238,22 +252,22 @@ def _materialize(
         sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
     else:
         _, infos = client.list_dir("")
-        sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
-    objects = {}
-    for name, size in sizes.items():
-        objects[name] = sparse_object(location, tmp, name, name, size)
-    return objects
+        listed = {i.key.rsplit("/", 1)[-1]: i for i in infos if i.key.endswith(DATA_SUFFIX)}
+        return {name: sparse_object(location, tmp, name, name, i.size, i.etag) for name, i in listed.items()}
+    return {name: sparse_object(location, tmp, name, name, size) for name, size in sizes.items()}
 
 
-def sparse_object(location: S3Location, tmp: Path, name: str, key: str, size: int) -> SparseObject:
+def sparse_object(
+    location: S3Location, tmp: Path, name: str, key: str, size: int, etag: str | None = None
+) -> SparseObject:
     """The sparse file ``tmp/name`` of ``size`` bytes that object ``key`` (relative to the
-    checkpoint's prefix) is fetched into."""
+    checkpoint's prefix; ``etag``: of the version listed, if known) is fetched into."""
     if "/" in name or name in (".", ".."):
         raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
     path = tmp / name
     with open(path, "wb") as f:
         f.truncate(size)
-    return SparseObject(key, size, path)
+    return SparseObject(key, size, path, etag)
 
 
 def download_small_files(

@@ -243,3 +243,22 @@ def test_a_rollback_saves_again_at_the_steps_it_left(tmp_path, single_process, r
         ckpt.load(_sd(w, -1), step=30)
         assert torch.equal(w, _value(30, 1))
     assert _steps(root) == [10, 20, 30, 40]
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_in_the_middle_of_a_run_resumes_the_save_in_flight(tmp_path, single_process, runtime_dir):
+    """A resume while this Checkpointer's save of 20 was still being written loaded 10; 20 then
+    committed above the step loaded, so the job's own save of 20 was refused as committed after
+    its load. It lets its saves in flight land first now, and resumes 20."""
+    root = tmp_path / "run"
+    cfg = ckptd.CkptdConfig.from_env(
+        {}, runtime_dir=str(runtime_dir), idle_exit_s=5.0, heartbeat_s=0.2, debug_write_delay_s=1.5
+    )
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        ckpt.save(_sd(_value(10, 0), 10), step=10).wait(timeout_s=30)
+        h = ckpt.save(_sd(_value(20, 0), 20), step=20)
+        w = torch.zeros(64)
+        out = ckpt.resume(_sd(w, -1))
+        assert h.done() and out["iteration"] == 20 and torch.equal(w, _value(20, 0))
+        ckpt.save(_sd(_value(30, 0), 30), step=30).wait(timeout_s=30)
+        assert ckpt.latest() == 30

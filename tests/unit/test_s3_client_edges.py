@@ -90,3 +90,15 @@ def test_the_prefetch_window_is_kept_in_work_linear_in_the_pieces(tmp_path):
     source._pool = Pool()  # type: ignore[assignment]
     source.prefetch([("x", 0, pieces * PIECE_NBYTES)])
     assert len(source._pieces) == pieces and asked < 10 * pieces, asked
+
+
+def test_a_profile_that_does_not_exist_is_a_clear_error(tmp_path, monkeypatch):
+    """AWS_PROFILE naming no profile escaped as botocore's ProfileNotFound, from whichever call
+    first read the configuration."""
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(StorageError, match="AWS profile 'no-such-profile' cannot be used.*check AWS_PROFILE"):
+        S3Client(S3Location(bucket="bucket", prefix="ckpt"))
