@@ -265,8 +265,15 @@ def sparse_object(
     if "/" in name or name in (".", ".."):
         raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
     path = tmp / name
-    with open(path, "wb") as f:
-        f.truncate(size)
+    try:
+        with open(path, "wb") as f:
+            f.truncate(size)
+    except (OSError, OverflowError) as exc:  # EFBIG: a size no file of $TMPDIR's filesystem can have
+        raise CorruptCheckpointError(
+            f"{location}: data object {name!r} is recorded with {size} bytes, a size no local view of it "
+            f"can have ({exc}); its record is damaged, or $TMPDIR ({tempfile.gettempdir()}) is on a "
+            "filesystem too small for it: point TMPDIR at another one"
+        ) from None
     return SparseObject(key, size, path, etag)
 
 

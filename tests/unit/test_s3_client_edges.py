@@ -102,3 +102,14 @@ def test_a_profile_that_does_not_exist_is_a_clear_error(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(StorageError, match="AWS profile 'no-such-profile' cannot be used.*check AWS_PROFILE"):
         S3Client(S3Location(bucket="bucket", prefix="ckpt"))
+
+
+def test_a_data_object_recorded_with_an_impossible_size_names_the_object(tmp_path):
+    """A commit record giving a data object more bytes than a file can have raised the OS error
+    of the view's temporary file, naming neither the object nor the checkpoint."""
+    from ckptd.errors import CorruptCheckpointError
+    from ckptd.storage.s3view import sparse_object
+
+    location = S3Location(bucket="bucket", prefix="ckpt/iter_0000010")
+    with pytest.raises(CorruptCheckpointError, match=r"s3://bucket/ckpt/iter_0000010: data object '__0_0.distcp'"):
+        sparse_object(location, tmp_path, "__0_0.distcp", "__0_0.distcp", 1 << 62)
