@@ -400,6 +400,9 @@ def render(res: dict[str, Any]) -> str:
                 f"{'/'.join(str(n) for n in x.get('device_snapshots', [])) or '-':>10}"
                 f"{_f(x.get('stall_s_in_pinning_max')):>8}{_f(x.get('stall_s_own_median')):>9}"
             )
+        for mode, x in iv.items():
+            if isinstance(x, dict) and "first_phases_s" in x:
+                lines.append(f"  ({_NAMES.get(mode, mode)}: {_phases(x)})")
         if any(x.get("stall_s_in_pinning_max") for x in iv.values() if isinstance(x, dict)):
             lines.append(
                 "  (in pin: the longest stall of a later save that began while the ring was being pinned, not a"
@@ -436,6 +439,16 @@ def render(res: dict[str, Any]) -> str:
                 f"  target {t['name']}: {t['value']:.3g} (<= {t['limit']:.3g}) {'ok' if t['ok'] else 'MISSED'}"
             )
     return "\n".join(lines)
+
+
+def _phases(x: dict[str, Any]) -> str:
+    """Where a mode's first save's stall went, and its steady saves' (medians), in ms."""
+
+    def ms(p: dict[str, float]) -> str:
+        return f"plan {1000 * p['plan_s']:.1f}, copy {1000 * p['copy_s']:.1f}, daemon {1000 * p['handoff_s']:.1f} ms"
+
+    steady = x.get("steady_phases_s")
+    return f"1st save {ms(x['first_phases_s'])}" + (f"; steady {ms(steady)}" if steady else "")
 
 
 def _rank_entry(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:

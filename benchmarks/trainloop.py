@@ -46,6 +46,7 @@ import torch
 
 from .harness import Rank, checkpointer, dcp_failure, dcp_stager, kept_stager
 
+STALL_PHASES = ("plan_s", "copy_s", "handoff_s")
 CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
 # The same with Checkpointer.prepare(state) before the loop (the ring sized and pinned ahead).
 CKPTD_MODES = {**CKPTD_SNAPSHOTS, **{f"{m}_prepared": v for m, v in CKPTD_SNAPSHOTS.items()}}
@@ -175,7 +176,11 @@ class CkptdSaver(Saver):
         self.device_snapshots = self.ckpt._ring.device_snapshots_taken
         # Per save, in order: how long it waited for ring space (the daemon still draining an
         # earlier save: backpressure) or for the ring's pinning, within its stall.
-        self.ring_waits = [rec["queue_wait_s"] for rec in self.ckpt.stats()["recent"]]
+        recent = self.ckpt.stats()["recent"]
+        self.ring_waits = [rec["queue_wait_s"] for rec in recent]
+        # Where each save's stall went (ckptd.client.stats): planning, the snapshot's start, the
+        # daemon's round trip.
+        self.phases = [{k: rec[k] for k in STALL_PHASES} for rec in recent]
         self.ckpt.close()
 
 
@@ -311,6 +316,13 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
             if not r.max(float(not own)):
                 res["stall_s_own_median"] = r.max(sorted(own)[len(own) // 2])
         res["stall_s_max"] = r.max(max(rest))
+        phases = getattr(saver, "phases", None)
+        if phases is not None and len(phases) == len(stalls):
+            # The first save's, and the steady saves' medians (the slowest rank's of each).
+            res["first_phases_s"] = {k: r.max(phases[0][k]) for k in STALL_PHASES}
+            later = [p for p, pin in zip(phases[1:], pinning, strict=False) if not pin]
+            if not r.max(float(not later)):
+                res["steady_phases_s"] = {k: r.max(sorted(p[k] for p in later)[len(later) // 2]) for k in STALL_PHASES}
         # What a save blocks training for: save() and the fence waits before the next save (an
         # async stager's staging, a lazy save's copies), the only fair "first save" of DCP's
         # pinned async stager, whose save() returns before it staged anything.
@@ -380,6 +392,10 @@ def run_modes(
         for key in ("stalls_s", "blocked_s", "ring_wait_s", "device_snapshots", "saves_in_pinning"):
             if key in loops[0]:
                 res[key] = [x[key] for x in loops]  # per run
+        for key in ("first_phases_s", "steady_phases_s"):
+            runs_of = [x[key] for x in loops if key in x]
+            if runs_of:
+                res[key] = {k: _mean([p[k] for p in runs_of]) for k in STALL_PHASES}
         for key in (
             "first_stall_s",
             "first_blocked_s",

@@ -124,7 +124,6 @@ CLOSE_MARGIN_S = STOP_MARGIN_S + BYE_LINGER_S + KILL_REAP_S
 # policy="auto": how long save() waits for the first save's outcome, at most. Below the default
 # timeouts of NCCL's and gloo's collectives (600 s, 1,800 s): ranks whose save raised went into
 # the interval's agreement at once, and wait there for this one.
-FIRST_COMMIT_WAIT_S = 300.0
 
 
 class Checkpointer(RootReader):
@@ -224,7 +223,7 @@ class Checkpointer(RootReader):
                 raise
             try:
                 if self._stats.committed == 0 and self._policy.persist_floor_s is None:
-                    self._measure_first_commit(handle, self._policy)
+                    self._policy.measure_first_commit(handle.future)
             finally:  # a wait that raised (a lazy snapshot's copy timed out) joins the agreement too
                 self._policy.after_save(step, self.stats())
             return handle
@@ -235,18 +234,6 @@ class Checkpointer(RootReader):
         return self._session.known_to_daemon(
             lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
         )
-
-    @staticmethod
-    def _measure_first_commit(handle: SaveHandle, policy: AutoInterval) -> None:
-        """policy="auto": wait once for the first save's outcome, whose commit latency the interval
-        needs. A failure stays on the handle (its wait() or the next save() raises it); a save that
-        failed or did not commit in the wait leaves the time it took as the latency's lower bound,
-        so a failing store does not make every step a save, nor every save a wait."""
-        t0 = time.monotonic()
-        try:
-            handle.future.wait(FIRST_COMMIT_WAIT_S)
-        finally:
-            policy.persist_floor_s = time.monotonic() - t0 if handle.finished_s is None else handle.finished_s
 
     def _save(self, sharded_state_dict: dict[str, Any], step: int) -> SaveHandle:
         self._check_open()
@@ -270,7 +257,9 @@ class Checkpointer(RootReader):
             raise CheckpointExistsError(f"{final} is committed already; {self._refusal_advice(step)}")
         with self._tries.announcing_failure(step):
             # A top-level Stateful is saved as what its state_dict() returns now (ckptd.statedict.stateful).
+            t_plan = time.perf_counter()
             plan = self._planner.plan(expand_stateful(sharded_state_dict))
+            plan_s = time.perf_counter() - t_plan
             items, placements, nbytes = plan.items, plan.placements, plan.nbytes
             self._session.ensure_connected()
             ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
@@ -289,6 +278,7 @@ class Checkpointer(RootReader):
             queue_wait_s = time.perf_counter() - t_slot
             # Before the fork: while the child runs, every page the trainer writes is copied.
             wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
+            t_copy = time.perf_counter()
             try:
                 producer, waited_s = self._ring.start(
                     ring, claim, self._link.daemon_pid, lambda s: self._session.idle(ring, s)
@@ -297,6 +287,7 @@ class Checkpointer(RootReader):
                 ring.unclaim(block, start, placements)  # nothing was sent, no child copies into it
                 self._layout.forget()
                 raise
+        copy_s = time.perf_counter() - t_copy - waited_s
         queue_wait_s += waited_s
         attempt = self._tries.next(step)
         snap = producer.snapshot
@@ -320,9 +311,16 @@ class Checkpointer(RootReader):
             went_back_to=-1 if self._went_back is None else self._went_back.step,
             went_back_unix_s=0.0 if self._went_back is None else self._went_back.before_unix_s,
         )
+        t_send = time.perf_counter()
         self._send_save(msg, producer, ring, claim)
-        queue_wait_s += producer.after_ack()
-        handle = self._new_handle(step, attempt, final, t0, nbytes, queue_wait_s)
+        t_ack = time.perf_counter()
+        handoff_s = t_ack - t_send
+        waited_s = producer.after_ack()  # the rest of an inline copy, issued once the daemon took the save
+        copy_s += time.perf_counter() - t_ack - waited_s
+        queue_wait_s += waited_s
+        stall_s = time.perf_counter() - t0
+        record = SaveRecord(step, nbytes, stall_s, queue_wait_s, plan_s=plan_s, copy_s=copy_s, handoff_s=handoff_s)
+        handle = self._new_handle(record, attempt, final)
         self._pending.add(handle)
         self._plain.sent(step, plan.plain)
         log.debug("rank %d: step %d staged in %.3f s", self.env.rank, step, handle.stall_s)
@@ -568,14 +566,11 @@ class Checkpointer(RootReader):
         if self._closed:
             raise CkptdError("this Checkpointer is closed")
 
-    def _new_handle(
-        self, step: int, attempt: str, path: Location, t0: float, nbytes: int, queue_wait_s: float
-    ) -> SaveHandle:
-        record = SaveRecord(step, nbytes, time.perf_counter() - t0, queue_wait_s)
+    def _new_handle(self, record: SaveRecord, attempt: str, path: Location) -> SaveHandle:
         self._stats.add(record)
         # The handle resolves through its future, which this Checkpointer drives while it is waited for.
         return SaveHandle(
-            SaveFuture(step, record, self._stats, self._session.pump_quietly, self._wait_for), path, attempt
+            SaveFuture(record.step, record, self._stats, self._session.pump_quietly, self._wait_for), path, attempt
         )
 
     def _skip(self, step: int, t0: float, nbytes: int) -> SaveHandle:
@@ -586,7 +581,8 @@ class Checkpointer(RootReader):
         log.warning("step %d skipped: %s", step, reason)
         attempt = self._tries.next(step)
         self._tries.tell_others(step, attempt, reason, skipped=True)
-        handle = self._new_handle(step, attempt, join(self.root, step_dir_name(step)), t0, 0, 0.0)
+        record = SaveRecord(step, 0, time.perf_counter() - t0, 0.0)
+        handle = self._new_handle(record, attempt, join(self.root, step_dir_name(step)))
         handle.future.set_result(SaveStatus.SKIPPED, SaveSkippedError(f"step {step} was skipped: {reason}"))
         return handle
 

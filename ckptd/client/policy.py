@@ -45,6 +45,10 @@ def agree_max(value: int) -> int:
     return int(t.item())
 
 
+# How long the first save's outcome is waited for (AutoInterval.measure_first_commit).
+FIRST_COMMIT_WAIT_S = 300.0
+
+
 class AutoInterval:
     def __init__(
         self, mtbf_s: float, restart_s: float, world_size: int, agree: Callable[[int], int] = agree_max
@@ -73,6 +77,17 @@ class AutoInterval:
         self.persist_floor_s: float | None = None
         self.inputs: TuneInputs | None = None  # what the current interval was computed from
         self.recommendation: Recommendation | None = None
+
+    def measure_first_commit(self, future: Any) -> None:
+        """Wait once for the first save's outcome (its SaveFuture), whose commit latency the
+        interval needs. A failure stays on the handle (its wait() or the next save() raises it); a
+        save that failed or did not commit in the wait leaves the time it took as the latency's
+        lower bound, so a failing store does not make every step a save, nor every save a wait."""
+        t0 = time.monotonic()
+        try:
+            future.wait(FIRST_COMMIT_WAIT_S)
+        finally:
+            self.persist_floor_s = time.monotonic() - t0 if future.finished_s is None else future.finished_s
 
     def due(self, step: int) -> bool:
         now = time.monotonic()

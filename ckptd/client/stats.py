@@ -1,7 +1,8 @@
 """Per-save measurements a rank keeps, and their summary (:meth:`Checkpointer.stats`).
 
 For every save the rank knows: how long ``save()`` blocked training (``stall_s``, of which
-``queue_wait_s`` waiting for staging ring space), how many bytes it staged, how long the
+``queue_wait_s`` waiting for staging ring space, ``plan_s`` planning, ``copy_s`` starting the
+snapshot and ``handoff_s`` the daemon's round trip), how many bytes it staged, how long the
 daemon took to write and fsync its data file (``persist_s``) and how long after ``save()``
 returned the outcome arrived (``commit_latency_s``). Those are the inputs of save-frequency
 tuning (:mod:`ckptd.tune`).
@@ -22,6 +23,13 @@ class SaveRecord:
     nbytes: int
     stall_s: float
     queue_wait_s: float
+    # Where the rest of the stall went: planning (the state dict taken apart, or the last plan
+    # reused), the snapshot's start (the copy into the ring, a fork, a device snapshot, a lazy
+    # snapshot's version record), and the SAVE's round trip to the node daemon (which checks its
+    # item list: the whole list at a first save, only its id after).
+    plan_s: float = 0.0
+    copy_s: float = 0.0
+    handoff_s: float = 0.0
     persist_s: float | None = None  # daemon write + fsync of this rank's file (WRITE_DONE)
     write_queue_s: float | None = None  # the write's wait for a daemon writer thread
     snapshot_s: float | None = None  # then its wait for the snapshot child's copy (fork snapshots)
@@ -76,6 +84,9 @@ class SaveStats:
             "staged_nbytes": self.staged_nbytes,
             "stall_s": col("stall_s"),
             "queue_wait_s": col("queue_wait_s"),
+            "plan_s": col("plan_s"),
+            "copy_s": col("copy_s"),
+            "handoff_s": col("handoff_s"),
             "persist_s": col("persist_s"),
             "commit_latency_s": col("commit_latency_s"),
             "recent": [asdict(r) for r in recs],

@@ -41,6 +41,11 @@ def test_stats_status_metrics_and_stop(single):
         for rec in stats["recent"]:
             assert rec["status"] == "committed" and rec["nbytes"] == w.nbytes
             assert rec["stall_s"] > 0 and 0 <= rec["queue_wait_s"] <= rec["stall_s"]
+            # Where the stall went: parts of it, each measured (planning and the daemon's round trip
+            # take time at every save).
+            parts = [rec[k] for k in ("queue_wait_s", "plan_s", "copy_s", "handoff_s")]
+            assert rec["plan_s"] > 0 and rec["handoff_s"] > 0 and rec["copy_s"] >= 0
+            assert sum(parts) <= rec["stall_s"]
             # The daemon starts writing before save() returns, so persist may exceed the latency.
             assert rec["persist_s"] > 0 and rec["commit_latency_s"] > 0
         assert stats["stall_s"]["max"] == max(r["stall_s"] for r in stats["recent"])
