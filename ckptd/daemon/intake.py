@@ -220,7 +220,7 @@ class SaveIntake:
 
         def run() -> WriteResult:
             try:
-                producer.drain(ring.map, job.request.ring_end, timeout_s)
+                producer.drain(ring.map, job.request.ring_end, timeout_s, job.request.item_starts)
             finally:
                 producer.close()
             raise NotWritten(f"{job!r}: the attempt was aborted before its write started; nothing written")

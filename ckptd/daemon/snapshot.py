@@ -15,13 +15,14 @@ process.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import os
 import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..control.procid import CLOCK_TICK_S, read_stat, same_process, start_ticks_of
@@ -166,10 +167,12 @@ class SnapshotWait:
         self._until(ring, lambda: self.sealed(ring), timeout_s)
         self.close()
 
-    def drain(self, ring: RingMap, end: int, timeout_s: float) -> bool:
+    def drain(self, ring: RingMap, end: int, timeout_s: float, starts: Sequence[int] = ()) -> bool:
         """After a failed write, free this save's ring space as its producer goes: follow its
         progress until it sealed, gave up, exited or produced every byte up to ``end`` (the save's
-        virtual end), then free up to ``end``.
+        virtual end), then free up to ``end``. ``starts``: where the save's items start (virtual,
+        in order), which frees the padding before the item being produced too (an item a few
+        bytes short of the ring's capacity needs that room before any of it is produced).
 
         A producer still running after ``timeout_s`` could still write into that space: freed, it
         is a later save's, whose checkpoint would commit this save's bytes. A snapshot child is
@@ -184,7 +187,7 @@ class SnapshotWait:
                 # Every byte produced (a lazy copy waiting for the fence to seal): only its control
                 # block is still to be written, never the space.
                 finished = self.sealed(ring) or produced >= end
-                ring.set_consumed(min(produced, end))
+                ring.set_consumed(min(free_up_to(produced, starts), end))
             except StagingError:
                 finished = True  # abandoned: it writes no more
             if finished or self.exit_watch is ExitWatch.GONE or self._wait_exit(0.002):
@@ -272,3 +275,11 @@ def _alive(pid: int, start_ticks: int | None) -> bool:
     """Running (not gone, not a zombie waiting for its parent, not replaced by a later process
     given the same pid)."""
     return same_process(pid, start_ticks)
+
+
+def free_up_to(produced: int, starts: Sequence[int]) -> int:
+    """How far a save's ring space may be freed once its producer published ``produced``: up to
+    the start of the first item not produced yet (``starts``: the items' virtual starts, in order),
+    the padding before it included, which no producer writes."""
+    i = bisect.bisect_left(starts, produced)
+    return max(produced, starts[i]) if i < len(starts) else produced

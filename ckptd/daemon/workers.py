@@ -25,7 +25,7 @@ from ..format.records import TENSOR, ItemRecord
 from ..format.tensorzip import RawTensor
 from ..roots.base import DataTarget
 from ..staging.ring import RingMap, span
-from .snapshot import SnapshotWait
+from .snapshot import SnapshotWait, free_up_to
 
 if TYPE_CHECKING:
     from ..staging.ring import Placement
@@ -168,6 +168,11 @@ class WriteRequest:
     ring_start: int
 
     @property
+    def item_starts(self) -> list[int]:
+        """Where each item starts in the ring (virtual offsets, in order)."""
+        return [self.ring_start + p.offset for p in self.placements]
+
+    @property
     def ring_end(self) -> int:
         """The save's virtual end: where the next save of the rank starts."""
         return self.ring_start + span(p.offset + p.nbytes for p in self.placements)
@@ -206,6 +211,7 @@ def write_rank_file(
     t0 = time.perf_counter()
     items = planned_items(ring, req)
     ends = [req.ring_start + p.offset + p.nbytes for p in req.placements]
+    starts = req.item_starts
 
     def ready(i: int) -> None:
         snapshot.wait_for(ring, ends[i], snapshot_timeout_s)
@@ -213,16 +219,22 @@ def write_rank_file(
     def produced(i: int) -> bool:
         return snapshot.progress(ring) >= ends[i]
 
+    # Each item's space is freed with the padding before the next one, which holds nothing: an item
+    # a few bytes short of the ring's capacity needs that room before any of it is produced (its
+    # producer would wait for it, this writer for the item). Likewise what lies before this save:
+    # the rank's earlier saves were written or drained (a ring's writes run in order), and their
+    # padding, or a range claimed for a save the daemon never took, holds nothing.
     def written(i: int) -> None:
-        ring.set_consumed(ends[i])
+        ring.set_consumed(free_up_to(ends[i], starts))
 
+    ring.set_consumed(free_up_to(req.ring_start, starts))
     try:
         try:
             stored = target.write(items, checksums=checksums, ready=ready, written=written, produced=produced)
             snapshot.wait(ring, snapshot_timeout_s)  # sealed: every byte written was final
         except BaseException:
             del items
-            snapshot.drain(ring, req.ring_end, snapshot_timeout_s)
+            snapshot.drain(ring, req.ring_end, snapshot_timeout_s, starts)
             raise
         ring.set_consumed(req.ring_end)
         file_nbytes = target.publish()

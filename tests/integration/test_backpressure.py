@@ -204,3 +204,23 @@ def test_a_skip_on_one_rank_is_a_skip_on_every_rank_and_fails_no_later_save(tmp_
     out4 = ckptd.load_plain_tensors(root / step_dir_name(4))
     assert torch.equal(out4["w0"], torch.full((16, 16), 10.0))
     assert torch.equal(out4["w1"], torch.full((1024, 1024), 11.0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
+def test_an_item_as_large_as_the_ring_after_padding_streams_through_it(tmp_path, runtime_dir, single_process, snapshot):
+    """An item a few bytes short of the ring's capacity, placed after the padding that aligns it
+    (behind a 12-byte item), was never split, and its producer waited for room up to the padding
+    while the daemon freed none until the item was produced: each waited for the other until
+    ``snapshot_timeout_s`` failed the save, and every save of that state did the same."""
+    small, big = torch.arange(3, dtype=torch.float32), torch.randn((1 << 20) // 4 - 4)  # 1 MiB ring
+    cfg = _config(runtime_dir, staging_budget="1MiB", snapshot=snapshot, snapshot_timeout_s=8.0)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        for step in (10, 20):  # the second save starts behind the first one's padding too
+            handle = ckpt.save(_state({"a": small, "b": big + step}, step), step=step)
+            ckpt.before_update()
+            handle.wait(timeout_s=60)
+            assert handle.status is ckptd.SaveStatus.COMMITTED
+        a, b = torch.zeros_like(small), torch.zeros_like(big)
+        ckpt.load(_state({"a": a, "b": b}, -1), step=20)
+    assert torch.equal(a, small) and torch.equal(b, big + 20)

@@ -642,3 +642,17 @@ def test_a_child_that_times_out_before_its_seal_is_killed_by_the_drain_after_it(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
         reap([pid], block=True)
+
+
+def test_a_drain_frees_the_padding_before_the_item_being_produced():
+    """Freed only up to what the producer published, the padding before the next item stayed
+    taken, and a producer waiting for room for an item a few bytes short of the ring's capacity
+    never got it: the drain waited out its timeout, then froze the ring."""
+    from ckptd.daemon.snapshot import free_up_to
+
+    starts = [4096, 4160, 8192]  # items at 4096 (12 bytes), 4160 (padding before it), 8192
+    assert free_up_to(0, starts) == 4096  # nothing produced: what lies before the save
+    assert free_up_to(4108, starts) == 4160  # the first item produced: its padding too
+    assert free_up_to(4200, starts) == 8192
+    assert free_up_to(9000, starts) == 9000  # the last item produced
+    assert free_up_to(5000, []) == 5000
