@@ -86,6 +86,7 @@ from ..errors import (
     ProtocolError,
     SaveSkippedError,
 )
+from ..format.durable import make_dirs_durably
 from ..format.items import split_large_items
 from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
@@ -144,7 +145,7 @@ class Checkpointer(RootReader):
         if isinstance(self.root, S3Location):
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs_durably(self.root)
         super().__init__(
             self.root, Levels.configured(self.root, self.config, self.env.node, self.env.world_size), self.env.rank
         )

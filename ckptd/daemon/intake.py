@@ -191,13 +191,10 @@ class SaveIntake:
         """``msg``, or a FAILED saying why when it exceeds the message limit (the records of a
         layout with very many items, or rank 0's common state): kept as the node's report, every
         send of it failed, the save's ring stayed held, and the other attempts' resends stopped."""
-        estimate = (
-            len(msg.common or b"")
-            + sum(len(r.fqn) + sum(len(str(p)) + 4 for p in r.path) + len(r.block_crcs) + 160 for r in msg.records)
-            + sum(len(k) + 8 for k in msg.held)
-        )
+        bound = 1024 + len(msg.common or b"") + sum(map(_record_nbytes_bound, msg.records))
+        bound += sum(4 * len(k) + 5 for k in msg.held)
         codec = self.uplink.channel.codec
-        if estimate < codec.max_nbytes // 2:
+        if bound < codec.max_nbytes:
             return msg
         try:
             codec.encode(msg)
@@ -297,6 +294,14 @@ class SaveIntake:
         (ckptd.daemon.intakestate, rule 4), once."""
         for action in self.state.handle(Tick(), now):
             self._execute(action)
+
+
+def _record_nbytes_bound(r: ItemRecord) -> int:
+    """At least the bytes of ``r`` encoded (msgpack): its field names, every string as UTF-8 (at
+    most 4 bytes a character), every int in 9 bytes, each with its header."""
+    texts = (r.fqn, r.kind, r.dtype, r.relative_path, *(p for p in r.path if isinstance(p, str)))
+    ints = 4 + len(r.global_shape) + len(r.offsets) + len(r.sizes) + sum(not isinstance(p, str) for p in r.path)
+    return 200 + sum(4 * len(t) + 5 for t in texts) + 9 * ints + len(r.block_crcs) + 5 * 6
 
 
 def decode_items(rank: int, items: list[SaveItem], capacity: int) -> tuple[list[ItemRecord], list[Placement]]:

@@ -34,6 +34,7 @@ from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, ensure_private_dir, load_token
 from ..control.keys import derive_keys
 from ..control.pidfile import PidLock
+from ..format.durable import make_dirs_durably
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
 from .rootlock import RootBusyError, RootLock
@@ -80,7 +81,7 @@ def run_daemon(
     root_lock = RootLock(ep.root, ep.node, ep.job)
     try:
         if isinstance(ep.root, Path):
-            ep.root.mkdir(parents=True, exist_ok=True)
+            make_dirs_durably(ep.root)
         # Before anything is cleaned up: what looks like a crash's leftovers may be another job's.
         root_lock.acquire(runtime_dir=ep.runtime_dir, job=ep.job)
         # torch/zmq imports only in a daemon that will run (seconds)

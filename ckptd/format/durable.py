@@ -53,6 +53,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def make_dirs_durably(path: Path) -> None:
+    """``mkdir -p path``, each directory it creates fsynced into its parent, so that a root made
+    for the first checkpoint survives a power loss with the checkpoint (its commit fsyncs the root
+    itself, not the root's entry in its parent)."""
+    missing = []
+    at = path
+    while not at.is_dir():
+        missing.append(at)
+        if at.parent == at:
+            break
+        at = at.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue  # made by another process meanwhile: its maker syncs it
+        fsync_dir(d.parent)
+
+
 def atomic_tmp_name(name: str) -> str:
     """The name :func:`atomic_write` writes ``name``'s new content under before renaming it."""
     return name + ATOMIC_TMP_SUFFIX

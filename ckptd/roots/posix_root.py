@@ -12,7 +12,7 @@ from ..catalog import RootCatalog, WentBack, abandoned_commit, committed_once, l
 from ..errors import CkptdError
 from ..format.commitrecord import read_commit_record
 from ..format.direct import open_data_file
-from ..format.durable import Opener, default_opener
+from ..format.durable import Opener, default_opener, make_dirs_durably
 from ..format.layout import data_file_name
 from ..format.records import ItemRecord
 from ..format.rootlayout import step_dir_name, tmp_dir
@@ -142,7 +142,7 @@ class PosixRoot:
         """Finish a commit a crash interrupted after its rename; then remove every attempt's
         directory (one node: nothing can be in flight) or adopt them (several nodes: another node
         may still be writing)."""
-        self.location.mkdir(parents=True, exist_ok=True)
+        make_dirs_durably(self.location)
         finished = finish_interrupted_commit(self.location, fsync=self.fsync, megatron_tracker=self.megatron_tracker)
         if nnodes == 1:
             return Recovery(finished=finished, removed=remove_all_tmp(self.location))

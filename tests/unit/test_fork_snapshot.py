@@ -672,6 +672,7 @@ def test_cancelling_a_snapshot_child_that_is_not_reaped_in_time_does_not_hold_sa
     proc = subprocess.Popen(["sleep", "30"])
     real_waitpid = os.waitpid
     monkeypatch.setattr(children_mod, "KILL_REAP_S", 0.2)
+
     # The child does not exit in time (a killed process in uninterruptible sleep).
     def waitpid(pid: int, flags: int) -> tuple[int, int]:
         if flags:

@@ -296,3 +296,33 @@ def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
     assert isinstance(SaveIntake._sendable(fake, held), Failed)  # type: ignore[arg-type]
     fake.uplink.channel.codec = Codec("job")
     assert SaveIntake._sendable(fake, big) is big  # type: ignore[arg-type]
+
+
+def test_the_size_bound_of_a_report_holds_for_any_record():
+    """The estimate that spares encoding a WRITTEN twice counted a record's ints and characters
+    too low (many-dimensional shapes of large sizes, names beyond ASCII): a report over the limit
+    passed it, every send of it failed, and the attempt waited for the coordinator's timeout."""
+    import msgspec
+
+    from ckptd.daemon.intake import _record_nbytes_bound
+
+    records = [
+        ItemRecord(
+            fqn="é" * 40,
+            kind="tensor",
+            rank=3,
+            dtype="bfloat16",
+            global_shape=(1 << 40,) * 10,
+            offsets=(1 << 39,) * 10,
+            sizes=(1 << 39,) * 10,
+            relative_path="__3_0.distcp",
+            file_offset=1 << 50,
+            length=1 << 50,
+            crc=0xFFFFFFFF,
+            block_crcs=b"\xff" * 64,
+            path=("model", "层" * 20, 1 << 40),
+        ),
+        ItemRecord(fqn="x", kind="bytes", rank=0),
+    ]
+    for r in records:
+        assert len(msgspec.msgpack.encode(r)) <= _record_nbytes_bound(r)

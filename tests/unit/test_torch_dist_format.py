@@ -269,3 +269,19 @@ def test_plain_dcp_checkpoint_common_state(tmp_path: Path):
     assert ckptd.load(req, tmp_path / "dcp") is req
     assert req["x"] is x_target and same_bits(x_target, x) and req["step"] == 5
     assert req["opt"]["lr"] == 0.1 and req["opt"]["betas"] == [0.9, 0.99] and req["opt"]["scale"].item() == 2.0
+
+
+def test_a_root_made_for_the_first_checkpoint_is_synced_into_its_parents(tmp_path, monkeypatch):
+    """The daemon and the Checkpointer made a new root with mkdir -p, and a commit fsyncs the root,
+    not its entry in its parent: a power loss could take the first checkpoint with the root."""
+    from ckptd.format import durable
+
+    synced: list[str] = []
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: synced.append(str(p)))
+    durable.make_dirs_durably(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir() and synced == [str(tmp_path), str(tmp_path / "a")]
+    durable.make_dirs_durably(tmp_path / "a" / "b")  # there already: nothing to sync
+    assert len(synced) == 2
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OSError):
+        durable.make_dirs_durably(tmp_path / "f" / "c")
