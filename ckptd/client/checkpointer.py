@@ -145,7 +145,7 @@ class Checkpointer(RootReader):
         if isinstance(self.root, S3Location):
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
         else:
-            make_dirs_durably(self.root)
+            make_dirs_durably(self.root, fsync=self.config.fsync)
         super().__init__(
             self.root, Levels.configured(self.root, self.config, self.env.node, self.env.world_size), self.env.rank
         )

@@ -217,7 +217,9 @@ class SaveIntake:
 
         def run() -> WriteResult:
             try:
-                producer.drain(ring.map, job.request.ring_end, timeout_s, job.request.item_starts)
+                producer.drain(
+                    ring.map, job.request.ring_end, timeout_s, job.request.item_starts, job.request.item_ends
+                )
             finally:
                 producer.close()
             raise NotWritten(f"{job!r}: the attempt was aborted before its write started; nothing written")

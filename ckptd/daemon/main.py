@@ -81,7 +81,7 @@ def run_daemon(
     root_lock = RootLock(ep.root, ep.node, ep.job)
     try:
         if isinstance(ep.root, Path):
-            make_dirs_durably(ep.root)
+            make_dirs_durably(ep.root, fsync=config.fsync)
         # Before anything is cleaned up: what looks like a crash's leftovers may be another job's.
         root_lock.acquire(runtime_dir=ep.runtime_dir, job=ep.job)
         # torch/zmq imports only in a daemon that will run (seconds)

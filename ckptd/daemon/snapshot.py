@@ -29,6 +29,7 @@ from ..control.procid import CLOCK_TICK_S, read_stat, same_process, start_ticks_
 from ..errors import StagingError
 from ..staging.ring import (
     ABANDONED,
+    ALIGN,
     BLOCKS,
     NO_ROOM,
     SEAL_NBYTES,
@@ -167,12 +168,14 @@ class SnapshotWait:
         self._until(ring, lambda: self.sealed(ring), timeout_s)
         self.close()
 
-    def drain(self, ring: RingMap, end: int, timeout_s: float, starts: Sequence[int] = ()) -> bool:
+    def drain(
+        self, ring: RingMap, end: int, timeout_s: float, starts: Sequence[int] = (), ends: Sequence[int] = ()
+    ) -> bool:
         """After a failed write, free this save's ring space as its producer goes: follow its
         progress until it sealed, gave up, exited or produced every byte up to ``end`` (the save's
-        virtual end), then free up to ``end``. ``starts``: where the save's items start (virtual,
-        in order), which frees the padding before the item being produced too (an item a few
-        bytes short of the ring's capacity needs that room before any of it is produced).
+        virtual end), then free up to ``end``. ``starts``, ``ends``: where the save's items start
+        and end (virtual, in order), which frees the padding before the item being produced too
+        (:func:`free_up_to`).
 
         A producer still running after ``timeout_s`` could still write into that space: freed, it
         is a later save's, whose checkpoint would commit this save's bytes. A snapshot child is
@@ -187,7 +190,7 @@ class SnapshotWait:
                 # Every byte produced (a lazy copy waiting for the fence to seal): only its control
                 # block is still to be written, never the space.
                 finished = self.sealed(ring) or produced >= end
-                ring.set_consumed(min(free_up_to(produced, starts), end))
+                ring.set_consumed(min(free_up_to(produced, starts, ends), end))
             except StagingError:
                 finished = True  # abandoned: it writes no more
             if finished or self.exit_watch is ExitWatch.GONE or self._wait_exit(0.002):
@@ -277,9 +280,13 @@ def _alive(pid: int, start_ticks: int | None) -> bool:
     return same_process(pid, start_ticks)
 
 
-def free_up_to(produced: int, starts: Sequence[int]) -> int:
-    """How far a save's ring space may be freed once its producer published ``produced``: up to
-    the start of the first item not produced yet (``starts``: the items' virtual starts, in order),
-    the padding before it included, which no producer writes."""
+def free_up_to(produced: int, starts: Sequence[int], ends: Sequence[int]) -> int:
+    """How far a save's ring space may be freed once its producer published ``produced`` (the
+    items' virtual ``starts`` and ``ends``, in order): up to the next item's start when only the
+    padding that aligns it lies between (an item a few bytes short of the ring's capacity needs
+    that room before any of it is produced), else up to ``produced``. A producer may publish a
+    point inside an item (a device copy lands in pieces): the rest of it is not written yet."""
     i = bisect.bisect_left(starts, produced)
-    return max(produced, starts[i]) if i < len(starts) else produced
+    if i < len(starts) and (i == 0 or produced >= ends[i - 1]) and starts[i] - produced < ALIGN:
+        return starts[i]
+    return produced

@@ -173,6 +173,11 @@ class WriteRequest:
         return [self.ring_start + p.offset for p in self.placements]
 
     @property
+    def item_ends(self) -> list[int]:
+        """Where each item ends in the ring (virtual offsets, in order)."""
+        return [self.ring_start + p.offset + p.nbytes for p in self.placements]
+
+    @property
     def ring_end(self) -> int:
         """The save's virtual end: where the next save of the rank starts."""
         return self.ring_start + span(p.offset + p.nbytes for p in self.placements)
@@ -210,8 +215,7 @@ def write_rank_file(
     """
     t0 = time.perf_counter()
     items = planned_items(ring, req)
-    ends = [req.ring_start + p.offset + p.nbytes for p in req.placements]
-    starts = req.item_starts
+    starts, ends = req.item_starts, req.item_ends
 
     def ready(i: int) -> None:
         snapshot.wait_for(ring, ends[i], snapshot_timeout_s)
@@ -221,20 +225,20 @@ def write_rank_file(
 
     # Each item's space is freed with the padding before the next one, which holds nothing: an item
     # a few bytes short of the ring's capacity needs that room before any of it is produced (its
-    # producer would wait for it, this writer for the item). Likewise what lies before this save:
-    # the rank's earlier saves were written or drained (a ring's writes run in order), and their
-    # padding, or a range claimed for a save the daemon never took, holds nothing.
+    # producer would wait for it, this writer for the item). Likewise the padding before this
+    # save's first item (the rank's earlier saves were written or drained: a ring's writes run in
+    # order).
     def written(i: int) -> None:
-        ring.set_consumed(free_up_to(ends[i], starts))
+        ring.set_consumed(free_up_to(ends[i], starts, ends))
 
-    ring.set_consumed(free_up_to(req.ring_start, starts))
+    ring.set_consumed(free_up_to(ring.consumed(), starts, ends))
     try:
         try:
             stored = target.write(items, checksums=checksums, ready=ready, written=written, produced=produced)
             snapshot.wait(ring, snapshot_timeout_s)  # sealed: every byte written was final
         except BaseException:
             del items
-            snapshot.drain(ring, req.ring_end, snapshot_timeout_s, starts)
+            snapshot.drain(ring, req.ring_end, snapshot_timeout_s, starts, ends)
             raise
         ring.set_consumed(req.ring_end)
         file_nbytes = target.publish()

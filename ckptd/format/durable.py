@@ -53,10 +53,10 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def make_dirs_durably(path: Path) -> None:
-    """``mkdir -p path``, each directory it creates fsynced into its parent, so that a root made
-    for the first checkpoint survives a power loss with the checkpoint (its commit fsyncs the root
-    itself, not the root's entry in its parent)."""
+def make_dirs_durably(path: Path, *, fsync: bool) -> None:
+    """``mkdir -p path``, with ``fsync`` each directory it creates fsynced into its parent, so that
+    a root made for the first checkpoint survives a power loss with the checkpoint (its commit
+    fsyncs the root itself, not the root's entry in its parent)."""
     missing = []
     at = path
     while not at.is_dir():
@@ -71,7 +71,8 @@ def make_dirs_durably(path: Path) -> None:
             if not d.is_dir():
                 raise
             continue  # made by another process meanwhile: its maker syncs it
-        fsync_dir(d.parent)
+        if fsync:
+            fsync_dir(d.parent)
 
 
 def atomic_tmp_name(name: str) -> str:

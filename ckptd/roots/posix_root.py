@@ -142,7 +142,7 @@ class PosixRoot:
         """Finish a commit a crash interrupted after its rename; then remove every attempt's
         directory (one node: nothing can be in flight) or adopt them (several nodes: another node
         may still be writing)."""
-        make_dirs_durably(self.location)
+        make_dirs_durably(self.location, fsync=self.fsync)
         finished = finish_interrupted_commit(self.location, fsync=self.fsync, megatron_tracker=self.megatron_tracker)
         if nnodes == 1:
             return Recovery(finished=finished, removed=remove_all_tmp(self.location))

@@ -647,15 +647,19 @@ def test_a_child_that_times_out_before_its_seal_is_killed_by_the_drain_after_it(
 def test_a_drain_frees_the_padding_before_the_item_being_produced():
     """Freed only up to what the producer published, the padding before the next item stayed
     taken, and a producer waiting for room for an item a few bytes short of the ring's capacity
-    never got it: the drain waited out its timeout, then froze the ring."""
+    never got it: the drain waited out its timeout, then froze the ring. Only padding is freed
+    ahead: a device copy publishes points inside an item, whose rest is not written yet."""
     from ckptd.daemon.snapshot import free_up_to
 
-    starts = [4096, 4160, 8192]  # items at 4096 (12 bytes), 4160 (padding before it), 8192
-    assert free_up_to(0, starts) == 4096  # nothing produced: what lies before the save
-    assert free_up_to(4108, starts) == 4160  # the first item produced: its padding too
-    assert free_up_to(4200, starts) == 8192
-    assert free_up_to(9000, starts) == 9000  # the last item produced
-    assert free_up_to(5000, []) == 5000
+    # Items [4096, 4108), [4160, 8000), [8192, 9000): 52 and 192 bytes of padding after them.
+    starts, ends = [4096, 4160, 8192], [4108, 8000, 9000]
+    assert free_up_to(4060, starts, ends) == 4096  # the padding before the save's first item
+    assert free_up_to(1000, starts, ends) == 1000  # more than padding: a range some producer may hold
+    assert free_up_to(4108, starts, ends) == 4160  # the first item produced: its padding too
+    assert free_up_to(4200, starts, ends) == 4200  # inside the second item: not past it
+    assert free_up_to(8000, starts, ends) == 8000  # 192 bytes to the next item: no padding (< 64)
+    assert free_up_to(9000, starts, ends) == 9000  # the last item produced
+    assert free_up_to(5000, [], []) == 5000
 
 
 @pytest.mark.timeout(60)

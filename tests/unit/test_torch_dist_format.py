@@ -278,10 +278,11 @@ def test_a_root_made_for_the_first_checkpoint_is_synced_into_its_parents(tmp_pat
 
     synced: list[str] = []
     monkeypatch.setattr(durable, "fsync_dir", lambda p: synced.append(str(p)))
-    durable.make_dirs_durably(tmp_path / "a" / "b")
+    durable.make_dirs_durably(tmp_path / "a" / "b", fsync=True)
     assert (tmp_path / "a" / "b").is_dir() and synced == [str(tmp_path), str(tmp_path / "a")]
-    durable.make_dirs_durably(tmp_path / "a" / "b")  # there already: nothing to sync
-    assert len(synced) == 2
+    durable.make_dirs_durably(tmp_path / "a" / "b", fsync=True)  # there already: nothing to sync
+    durable.make_dirs_durably(tmp_path / "c" / "d", fsync=False)  # fsync off: made, not synced
+    assert (tmp_path / "c" / "d").is_dir() and len(synced) == 2
     (tmp_path / "f").write_text("")
     with pytest.raises(OSError):
-        durable.make_dirs_durably(tmp_path / "f" / "c")
+        durable.make_dirs_durably(tmp_path / "f" / "c", fsync=True)
