@@ -155,23 +155,10 @@ class ForkProducer:
         # The daemon never took the save: its copy serves nothing, and a child waiting for ring room
         # that the daemon will never free would hold save() up to snapshot_timeout_s. Killed, then
         # reaped (an unreaped child's pid is not reused), before the ring range is given back.
-        # Bounded: a child killed while the kernel serves it (a page fault on a slow swap) exits
-        # only once that returns; a killed process runs none of its code again, and the children
-        # reap it later.
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.snapshot.pid, signal.SIGKILL)
-        give_up = time.monotonic() + KILL_REAP_S
-        try:
-            while os.waitpid(self.snapshot.pid, os.WNOHANG)[0] == 0:
-                if time.monotonic() > give_up:
-                    log.warning(
-                        "rank %d: killed snapshot process %d not reaped yet", self.children.rank, self.snapshot.pid
-                    )
-                    self.children.add(self.snapshot.pid, self.end)
-                    return
-                time.sleep(_POLL_S)
-        except ChildProcessError:
-            pass
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.snapshot.pid, 0)
 
     def detach(self) -> None:
         self.children.add(self.snapshot.pid, self.end)

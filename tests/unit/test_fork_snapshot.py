@@ -660,34 +660,3 @@ def test_a_drain_frees_the_padding_before_the_item_being_produced():
     assert free_up_to(8000, starts, ends) == 8000  # 192 bytes to the next item: no padding (< 64)
     assert free_up_to(9000, starts, ends) == 9000  # the last item produced
     assert free_up_to(5000, [], []) == 5000
-
-
-@pytest.mark.timeout(60)
-def test_cancelling_a_snapshot_child_that_is_not_reaped_in_time_does_not_hold_save(monkeypatch):
-    """cancel() killed the child of a save the daemon never took and waited for it without a
-    bound: a child killed while the kernel served it (a page fault on a slow swap) held save()."""
-    import subprocess
-    import time
-
-    from ckptd.staging import children as children_mod
-    from ckptd.staging.children import ForkProducer, SnapshotChildren
-    from ckptd.staging.producer import Snapshot
-
-    proc = subprocess.Popen(["sleep", "30"])
-    real_waitpid = os.waitpid
-    monkeypatch.setattr(children_mod, "KILL_REAP_S", 0.2)
-
-    # The child does not exit in time (a killed process in uninterruptible sleep).
-    def waitpid(pid: int, flags: int) -> tuple[int, int]:
-        if flags:
-            return 0, 0
-        time.sleep(8)  # a blocking wait returns once the kernel lets the child go
-        return real_waitpid(pid, flags)
-
-    monkeypatch.setattr(children_mod.os, "waitpid", waitpid)
-    kids = SnapshotChildren(0)
-    t0 = time.monotonic()
-    ForkProducer(kids, Snapshot(pid=proc.pid, seal=b"s" * 16, seal_offset=0), end=4096).cancel()
-    assert time.monotonic() - t0 < 5 and kids.pids == [proc.pid]  # the children reap it later
-    monkeypatch.undo()
-    assert proc.wait(timeout=5) == -9
