@@ -62,7 +62,6 @@ class SparseObject:
     key: str
     size: int
     path: Path
-    etag: str | None = None  # as listed when the view was opened; None: the first read's
 
 
 class S3RangeSource:
@@ -80,9 +79,10 @@ class S3RangeSource:
         # Fetches submitted and maybe not done yet: what counts against the window (pruned as
         # they end; counting over every piece fetched was quadratic in a checkpoint's pieces).
         self._running: list[Future[None]] = []
-        # Every piece of an object is read from one version of it, the first one read (or listed):
-        # pieces of a DCP checkpoint overwritten in place while it loads would be a mix of both.
-        self._etags: dict[str, str] = {rel: o.etag for rel, o in objects.items() if o.etag is not None}
+        # Every piece of an object is read from one version of it, the first one read: pieces of a
+        # DCP checkpoint overwritten in place while it loads would be a mix of both. (Not the ETag
+        # a listing gives: some S3-compatible stores list another form of it than GET compares.)
+        self._etags: dict[str, str] = {}
         self.fetched_nbytes = 0
 
     def _grid(self, relative_path: str, offset: int, length: int) -> Iterator[tuple[str, int]]:
@@ -252,16 +252,13 @@ def _materialize(
         sizes = {name: info["nbytes"] for name, info in committed.items() if name.endswith(DATA_SUFFIX)}
     else:
         _, infos = client.list_dir("")
-        listed = {i.key.rsplit("/", 1)[-1]: i for i in infos if i.key.endswith(DATA_SUFFIX)}
-        return {name: sparse_object(location, tmp, name, name, i.size, i.etag) for name, i in listed.items()}
+        sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
     return {name: sparse_object(location, tmp, name, name, size) for name, size in sizes.items()}
 
 
-def sparse_object(
-    location: S3Location, tmp: Path, name: str, key: str, size: int, etag: str | None = None
-) -> SparseObject:
+def sparse_object(location: S3Location, tmp: Path, name: str, key: str, size: int) -> SparseObject:
     """The sparse file ``tmp/name`` of ``size`` bytes that object ``key`` (relative to the
-    checkpoint's prefix; ``etag``: of the version listed, if known) is fetched into."""
+    checkpoint's prefix) is fetched into."""
     if "/" in name or name in (".", ".."):
         raise CorruptCheckpointError(f"{location}: a data object named {name!r} cannot be a checkpoint file")
     path = tmp / name
@@ -274,7 +271,7 @@ def sparse_object(
             f"can have ({exc}); its record is damaged, or $TMPDIR ({tempfile.gettempdir()}) is on a "
             "filesystem too small for it: point TMPDIR at another one"
         ) from None
-    return SparseObject(key, size, path, etag)
+    return SparseObject(key, size, path)
 
 
 def download_small_files(
