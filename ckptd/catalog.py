@@ -148,14 +148,21 @@ class RootCatalog:
 
     def off_branch(self) -> list[CheckpointEntry]:
         """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
-        target (:func:`left_behind`), whether or not that target is loadable; none without one."""
+        target (:func:`left_behind`), whether or not that target is loadable; none without one.
+        On a node-local disk also those of an earlier numbering: a lower step with a higher commit
+        sequence number than the tracker's target (node 0's disk was replaced, and its commits are
+        numbered from 1 again; node-local disks never go back, so one numbering cannot hold that)."""
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
         return [
             e
             for e in self.committed
-            if e.record_problem is None and left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
+            if e.record_problem is None
+            and (
+                left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
+                or (self.node_local and e.step < named.step and e.commit_seq > named.commit_seq)
+            )
         ]
 
     def latest(self) -> CheckpointEntry | None:

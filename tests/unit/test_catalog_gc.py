@@ -626,3 +626,36 @@ def test_a_load_of_an_older_step_first_lets_the_saves_above_it_land_for_a_while(
 
     settle_above([Handle(10), Handle(30, fails=True), Handle(40)], 20, 5.0)  # type: ignore[list-item]
     assert waited == [(30, True), (40, True)]
+
+
+def test_retention_on_a_node_local_disk_keeps_the_new_numbering_after_node_0_was_replaced():
+    """Node 0's disk was replaced: its commits are numbered from 1 again, and retention on node 1
+    ranked the old disk's commits (seq 48-50) above the new ones, removing 110 (seq 1), which the
+    job trains on, and keeping 80-100, of which node 0 holds no files."""
+    from pathlib import Path
+
+    from ckptd.catalog import CheckpointEntry, DirUsage, RootCatalog
+
+    def entry(step: int, seq: int, latest: bool = False) -> CheckpointEntry:
+        name = step_dir_name(step)
+        return CheckpointEntry(
+            name=name,
+            path=Path("/node1") / name,
+            step=step,
+            state=EntryState.COMMITTED,
+            usage=DirUsage(0, 0, 0.0),
+            is_latest=latest,
+            commit_seq=seq,
+            committed_unix_s=1000.0 + seq,
+        )
+
+    entries = [entry(80, 48), entry(90, 49), entry(100, 50), entry(110, 1), entry(120, 2, latest=True)]
+    cat = RootCatalog(Path("/node1"), entries=entries, tracker_exists=True, latest_name=step_dir_name(120))
+    cat.node_local = True
+    plan = plan_gc(cat, keep=2)
+    assert sorted(r.entry.step for r in plan.remove) == [80, 90, 100]
+    assert sorted(e.step for e, _ in plan.kept) == [110, 120]
+    # On a shared root one numbering holds every commit: a lower step committed after the
+    # tracker's target is no earlier numbering (a commit the tracker has not caught up with).
+    cat.node_local = False
+    assert 110 in {r.entry.step for r in plan_gc(cat, keep=2).remove}
