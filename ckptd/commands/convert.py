@@ -180,6 +180,6 @@ def run(args: argparse.Namespace) -> int:
         + f" ({report.chunks} chunks, {report.nbytes / 2**20:.1f} MiB, "
         f"iteration {report.iteration}) into {args.dst}"
         + (f"; skipped non-tensor entries: {report.skipped}" if report.skipped else "")
-        + (f"; dropped top-level entries: {report.dropped}" if report.dropped else "")
+        + (f"; not converted: {report.dropped}" if report.dropped else "")
     )
     return EXIT_OK

@@ -20,7 +20,10 @@ nothing is concatenated in memory) and a common state with ``iteration``,
 ``checkpoint_version``, ``args`` (as a plain dict), a plain-data ``opt_param_scheduler`` and
 ``num_floating_point_operations_so_far``. Optimizer and RNG states are dropped: they are tied to the
 old layout's flat buffers (Megatron's own converters drop them too); the report names every
-top-level entry dropped (``ConversionReport.dropped``). Files are memory-mapped, so memory use
+top-level entry dropped, and every other file of the rank directories (a distributed optimizer's
+``distrib_optim.pt``), which is not read (``ConversionReport.dropped``). A checkpoint of
+``checkpoint_version`` < 2.0 at TP > 1 is refused (its ranks' fused query/key/value tensors do not
+join into a global one). Files are memory-mapped, so memory use
 stays small. A conversion that fails removes the files it wrote and the directories it made.
 """
 
@@ -65,9 +68,33 @@ class ConversionReport:
     objects: int = 0  # ShardedObjects (`_extra_state`) written, with mcore_spec
     skipped: list[str] = field(default_factory=list)
     # Top-level entries of the rank files not carried over (optimizer and RNG states, a rerun
-    # state machine's: tied to the old layout or to one rank).
+    # state machine's: tied to the old layout or to one rank), then the other files of the rank
+    # directories (a distributed optimizer's distrib_optim.pt).
     dropped: list[str] = field(default_factory=list)
     iteration: Any = None
+
+
+def _check_qkv_layout(sd: Mapping[str, Any], tree: LegacyTree) -> None:
+    """Refuse a checkpoint whose rank files hold their attention heads in the layout of
+    ``checkpoint_version`` < 2.0 at TP > 1: each rank's fused query/key/value tensor is
+    ``[3, heads, dim]`` of its own heads, which Megatron-LM reorders after loading by the heads per
+    partition; laid end to end, the ranks' tensors are no global tensor of any layout."""
+    version = sd.get("checkpoint_version")
+    if tree.tp_size > 1 and isinstance(version, (int, float)) and version < 2.0:
+        raise ShardingError(
+            f"{tree.directory}: checkpoint_version {version} at tensor-parallel size {tree.tp_size}: its fused "
+            "query/key/value tensors are in a per-rank layout that cannot be joined across ranks. Load it once "
+            f"with Megatron-LM at TP={tree.tp_size} and save it again (a version >= 2.0), then convert that"
+        )
+
+
+def _other_files(tree: LegacyTree) -> list[str]:
+    """The files of the rank directories besides their rank files, not converted (the distributed
+    optimizer's ``distrib_optim.pt``, with its Adam moments and main parameters), by name."""
+    names: set[str] = set()
+    for f in tree.files:
+        names.update(p.name for p in f.path.parent.iterdir() if p != f.path)
+    return [f"{name} (files of the rank directories)" for name in sorted(names)]
 
 
 def _count(pattern: re.Pattern[str], keys: Sequence[str]) -> int:
@@ -559,6 +586,7 @@ def convert_legacy(
         for index, (pp, ep) in enumerate(groups):
             items, sd0, group_bytes, label = conv.group(index, pp, ep, offsets)
             if index == 0:
+                _check_qkv_layout(sd0, tree)
                 first.update(sd0)
             yield items
             done += group_bytes
@@ -579,7 +607,7 @@ def convert_legacy(
             out["num_floating_point_operations_so_far"] = _plain(first["num_floating_point_operations_so_far"])
         conv.report.dropped = sorted(
             str(k) for k in first if k not in out and not (k == "model" or re.fullmatch(r"model\d+", str(k)))
-        )
+        ) + _other_files(tree)
         return out
 
     with undone_on_failure(root):

@@ -487,3 +487,33 @@ def test_an_fc1_of_neither_width_needs_a_rule_and_follows_one(tmp_path):
         convert_legacy(it, tmp_path / "dist", fsync=False)
     convert_legacy(it, tmp_path / "dist", rules=[SplitRule.parse(r"linear_fc1\.weight$=0")], fsync=False)
     assert torch.equal(ckptd.load_plain_tensors(tmp_path / "dist")["decoder.layers.0.mlp.linear_fc1.weight"], fc1)
+
+
+def test_the_files_a_conversion_does_not_read_are_named(tmp_path):
+    """A distributed optimizer's distrib_optim.pt (the Adam moments) was left behind unsaid: the
+    report named only the rank files' top-level entries, whose "optimizer" is its param groups."""
+    it = write_legacy_tree(tmp_path / "legacy", reference(experts=False), tp=2, pp=1, ep=1)
+    for rank_dir in it.iterdir():
+        (rank_dir / "distrib_optim.pt").write_bytes(b"moments")
+    report = convert_legacy(tmp_path / "legacy", tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+    assert "distrib_optim.pt (files of the rank directories)" in report.dropped
+
+
+def test_a_per_rank_qkv_layout_at_tp_above_one_is_refused(tmp_path):
+    """checkpoint_version < 2.0 holds each rank's fused query/key/value heads in a per-rank order
+    Megatron-LM fixes after loading by the heads per partition: joined across ranks, the tensor
+    was silently wrong at any other TP."""
+    qkv = torch.randn(12, H)
+    it = tmp_path / "legacy" / "iter_0000010"
+    for t in range(2):
+        (it / f"mp_rank_{t:02d}").mkdir(parents=True)
+        sd = {
+            "args": argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
+            "checkpoint_version": 1.0,
+            "iteration": 10,
+            "model": {"decoder.layers.0.self_attention.linear_qkv.weight": qkv[6 * t : 6 * t + 6]},
+        }
+        torch.save(sd, it / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    with pytest.raises(ShardingError, match="checkpoint_version 1.0 at tensor-parallel size 2"):
+        convert_legacy(it, tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
+    assert not (tmp_path / "dist").exists()
