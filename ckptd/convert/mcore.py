@@ -25,6 +25,8 @@ from ..errors import ShardingError
 SPECS = ("local", "te")
 EXTRA_STATE = "_extra_state"
 _LAYER_PREFIX = re.compile(r"^(.*?layers\.\d+\.)(.*)$")
+_MTP_LAYER = re.compile(r"(^|\.)mtp\.layers\.\d+\.$")
+_MTP_INNER = "transformer_layer."
 _MLA = re.compile(r"\.self_attention\.linear_kv_down_proj\.")
 _LOCAL_MAP = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -95,6 +97,10 @@ def mcore_key(mapping: tuple[tuple[str, str], ...], key: str) -> str:
     if not m:
         return key
     prefix, rest = m.groups()
+    if _MTP_LAYER.search(prefix) and rest.startswith(_MTP_INNER):
+        # A multi-token-prediction layer holds a transformer layer, whose own sharded_state_dict
+        # renames its keys under that layer's prefix.
+        prefix, rest = prefix + _MTP_INNER, rest[len(_MTP_INNER) :]
     for old, new in mapping:
         if rest.startswith(old):
             return prefix + new + rest[len(old) :]

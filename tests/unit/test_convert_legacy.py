@@ -517,3 +517,25 @@ def test_a_per_rank_qkv_layout_at_tp_above_one_is_refused(tmp_path):
     with pytest.raises(ShardingError, match="checkpoint_version 1.0 at tensor-parallel size 2"):
         convert_legacy(it, tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
     assert not (tmp_path / "dist").exists()
+
+
+def test_mcore_spec_names_the_norms_of_a_multi_token_prediction_layer_as_its_transformer_layer_does():
+    """An MTP layer's transformer layer renames its norms under its own prefix (Megatron-Core's
+    TransformerLayer.sharded_state_dict, called with ``mtp.layers.N.transformer_layer.``): they
+    kept their names, the conversion said nothing, and the load found no such keys."""
+    from ckptd.convert.mcore import key_map, mcore_key
+
+    local = key_map("local", [])
+    assert (
+        mcore_key(local, "mtp.layers.0.transformer_layer.input_layernorm.weight")
+        == "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert (
+        mcore_key(local, "mtp.layers.1.transformer_layer.pre_mlp_layernorm.bias")
+        == "mtp.layers.1.transformer_layer.mlp.linear_fc1.layer_norm_bias"
+    )
+    assert mcore_key(local, "mtp.layers.0.enorm.weight") == "mtp.layers.0.enorm.weight"  # the MTP layer's own
+    assert (
+        mcore_key(local, "decoder.layers.2.input_layernorm.weight")
+        == "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"
+    )
