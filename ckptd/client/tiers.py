@@ -40,7 +40,6 @@ from ..roots.mirror import (
     LocalFind,
     copies_commit,
     local_latest,
-    newer_commit,
     orders_disagree,
     resume_from,
 )
@@ -565,11 +564,14 @@ def _local_holds(root: Path, commit: CommitRef) -> bool:
 
 
 def _step_commit(root: Path, mirror: S3Location, step: int) -> CommitRef | None:
-    """The newest commit of ``step`` this node's disk or the mirror's copy records."""
+    """The commit of ``step`` node 0's disk (``root``) holds, else the one the mirror's copy
+    records. Every commit is made on node 0's disk first, and a later commit of a step replaces the
+    one there: a copy of another commit of the step is of an older one, or of an earlier numbering
+    (a replaced disk numbers its commits from 1 again, so commit numbers cannot tell)."""
     name = step_dir_name(step)
     record = read_commit_record(root / name) if committed_at(root, step) else None
-    local = None if record is None else CommitRef(step=step, attempt=record.attempt, seq=record.seq)
+    if record is not None:
+        return CommitRef(step=step, attempt=record.attempt, seq=record.seq)
     copy = read_s3_commit_record(S3Client(mirror), name)
     source = None if copy is None else copy.source
-    mirrored = None if source is None else CommitRef(step=step, attempt=str(source["attempt"]), seq=int(source["seq"]))
-    return newer_commit(local, mirrored)
+    return None if source is None else CommitRef(step=step, attempt=str(source["attempt"]), seq=int(source["seq"]))

@@ -227,14 +227,6 @@ def resume_from(
     return level, (mine.commit if level == LOCAL else mirrored)
 
 
-def newer_commit(a: CommitRef | None, b: CommitRef | None) -> CommitRef | None:
-    """The later of two commits of one root (its commit order: ``seq``), e.g. of one step as a
-    node's disk and the mirror's copy record them (a re-save after a rollback commits a step again)."""
-    if a is None or b is None:
-        return a if b is None else b
-    return a if a.seq >= b.seq else b
-
-
 def local_latest(root: Path) -> CommitRef | None:
     """The commit the local root's tracker names; None when there is none, no tracker to trust,
     or the checkpoint is not a Checkpointer's commit (no commit record: ``ckptd.save``, DCP)."""

@@ -394,3 +394,22 @@ def test_commits_on_other_disks_after_node_0s_disk_was_lost_uncopied_are_an_erro
             error
         )
         assert "cannot be loaded" in error and "move" in error, error
+
+
+def test_load_of_a_step_takes_node_0s_commit_over_a_copy_of_a_replaced_disks(saved, s3_bucket, tmp_path):
+    """Node 0's disk was replaced: its commits are numbered from 1 again, and the mirror's copy of
+    step 20 from the old disk (a higher commit number) was taken over the new disk's own commit
+    of 20 by ``load(step=20)``: the job loaded a commit of another history."""
+    from ckptd.client.tiers import _step_commit
+
+    step, old = 2 * STEP, saved.commits[2 * STEP]
+    mirror = _mirror(saved, f"s3://{s3_bucket}/mirror", step=step)
+    node0 = tmp_path / "node0"
+    directory = _node_root(saved, node0, [0, 1], step=step)
+    renumbered = CommitRecord(seq=1, step=step, attempt="fedcba987654-1", committed_unix_s=time.time())
+    (directory / COMMIT_RECORD).write_bytes(renumbered.to_bytes())
+    assert old.seq > 1
+    assert _step_commit(node0, mirror, step) == CommitRef(step=step, attempt="fedcba987654-1", seq=1)
+    # Without the step on node 0's disk, the mirror's copy is the one.
+    shutil.rmtree(directory)
+    assert _step_commit(node0, mirror, step) == old

@@ -11,7 +11,7 @@ import ckptd
 from ckptd import ShardedTensor
 from ckptd.errors import CorruptCheckpointError
 from ckptd.recovery import resolve_resumable
-from ckptd.roots.mirror import LOCAL, MIRROR, CommitRef, LocalFind, newer_commit, resume_from
+from ckptd.roots.mirror import LOCAL, MIRROR, CommitRef, LocalFind, resume_from
 from ckptd.storage.nodeview import data_file_rank
 
 
@@ -50,13 +50,6 @@ def test_node_local_disks_resume_from_the_mirror_only_where_node_0_lacks_its_cop
     assert resume_from([find(rollback, holds=True), find(ref(30))], ref(30), node_local=True) == (LOCAL, rollback)
     # nothing anywhere on node 0 nor in the mirror: nothing to resume (the caller says so)
     assert resume_from([find(None), find(ref(30))], None, node_local=True) == (LOCAL, None)
-
-
-def test_the_newer_commit_of_a_step_is_the_later_one_in_commit_order():
-    first, again = ref(20, seq=3, attempt="x"), ref(20, seq=7, attempt="y")  # a re-save after a rollback
-    assert newer_commit(first, again) == again and newer_commit(again, first) == again
-    assert newer_commit(None, first) == first and newer_commit(first, None) == first
-    assert newer_commit(None, None) is None
 
 
 def test_a_data_file_is_matched_to_its_rank_on_a_disk_and_in_a_mirror():
