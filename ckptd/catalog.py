@@ -149,9 +149,10 @@ class RootCatalog:
     def off_branch(self) -> list[CheckpointEntry]:
         """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
         target (:func:`left_behind`), whether or not that target is loadable; none without one.
-        On a node-local disk also those of an earlier numbering: a lower step with a higher commit
-        sequence number than the tracker's target (node 0's disk was replaced, and its commits are
-        numbered from 1 again; node-local disks never go back, so one numbering cannot hold that)."""
+        On a node-local disk also those of an earlier numbering: node 0's disk was replaced, and
+        its commits are numbered from 1 again, so the old disk's have higher numbers than the new
+        one's but were committed before them (one numbering has its commit times in its order; a
+        commit the tracker has not caught up with has both a higher number and a later time)."""
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
@@ -161,7 +162,11 @@ class RootCatalog:
             if e.record_problem is None
             and (
                 left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
-                or (self.node_local and e.step < named.step and e.commit_seq > named.commit_seq)
+                or (
+                    self.node_local
+                    and e.commit_seq > named.commit_seq
+                    and e.committed_unix_s + _RENUMBERED_SLACK_S < named.committed_unix_s
+                )
             )
         ]
 
@@ -413,6 +418,11 @@ def tracker_set_back(cat: RootCatalog, tracker_written_unix_s: float | None) -> 
         "for a rollback by hand, not for an interrupted commit, and left as it is"
     )
 
+
+# A commit numbered above the tracker's target but made this much before it is of an earlier
+# numbering (RootCatalog.off_branch): a replaced disk's first commit comes a relaunch after the old
+# disk's last; within one numbering only a clock stepped back that far could do that.
+_RENUMBERED_SLACK_S = 60.0
 
 # Between a file's modification time (the file system's clock) and a commit record's time (the
 # committing daemon's): what tells a tracker written after a commit from one written before it.

@@ -74,17 +74,25 @@ class ConversionReport:
     iteration: Any = None
 
 
+_FUSED_QKV = (".query_key_value.weight", ".query_key_value.bias", ".key_value.weight", ".key_value.bias")
+
+
 def _check_qkv_layout(sd: Mapping[str, Any], tree: LegacyTree) -> None:
-    """Refuse a checkpoint whose rank files hold their attention heads in the layout of
-    ``checkpoint_version`` < 2.0 at TP > 1: each rank's fused query/key/value tensor is
-    ``[3, heads, dim]`` of its own heads, which Megatron-LM reorders after loading by the heads per
-    partition; laid end to end, the ranks' tensors are no global tensor of any layout."""
-    version = sd.get("checkpoint_version")
-    if tree.tp_size > 1 and isinstance(version, (int, float)) and version < 2.0:
+    """Refuse fused query/key/value tensors in the head order of ``checkpoint_version`` < 2.0 (a
+    missing version is 0, as Megatron-LM reads it): each rank's is ``[3, heads, dim]`` of its own
+    heads, which Megatron-LM reorders after every load by the heads per partition of the loading
+    layout. Joined across ranks they are no global tensor of any head order; and a tensor-parallel
+    size other than the saved one, which a torch_dist checkpoint allows, reorders wrongly."""
+    version = sd.get("checkpoint_version") or 0
+    if not isinstance(version, (int, float)) or version >= 2.0:
+        return
+    fused = next((k for chunk in model_chunks(dict(sd)) for k in chunk if k.endswith(_FUSED_QKV)), None)
+    if fused is not None:
         raise ShardingError(
-            f"{tree.directory}: checkpoint_version {version} at tensor-parallel size {tree.tp_size}: its fused "
-            "query/key/value tensors are in a per-rank layout that cannot be joined across ranks. Load it once "
-            f"with Megatron-LM at TP={tree.tp_size} and save it again (a version >= 2.0), then convert that"
+            f"{tree.directory}: '{fused}' is in the query/key/value head order of checkpoint_version {version} "
+            f"(saved at tensor-parallel size {tree.tp_size}), which Megatron-LM fixes after loading for the "
+            "loading layout only: load it once with Megatron-LM at the layout it was saved with and save it "
+            "again (checkpoint_version >= 2.0), then convert that"
         )
 
 

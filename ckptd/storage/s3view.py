@@ -81,7 +81,7 @@ class S3RangeSource:
         self._running: list[Future[None]] = []
         # Every piece of an object is read from one version of it, the first one read: pieces of a
         # DCP checkpoint overwritten in place while it loads would be a mix of both. (Not the ETag
-        # a listing gives: some S3-compatible stores list another form of it than GET compares.)
+        # a listing gives: some S3-compatible stores list another form of it than GET returns.)
         self._etags: dict[str, str] = {}
         self.fetched_nbytes = 0
 
@@ -141,13 +141,11 @@ class S3RangeSource:
         obj = self.objects[relative_path]
         start = index * PIECE_NBYTES
         length = min(PIECE_NBYTES, obj.size - start)
-        with self._lock:
-            pinned = self._etags.get(relative_path)
-        data, etag = self.client.get_range(obj.key, start, length, pinned)
-        if pinned is None and etag is not None:
+        data, etag = self.client.get_range(obj.key, start, length)
+        if etag is not None:  # compared here: some stores ignore If-Match, or refuse their own ETag in it
             with self._lock:
                 pinned = self._etags.setdefault(relative_path, etag)
-            if pinned != etag:  # pieces read at once before any pinned the object
+            if pinned != etag:
                 raise StorageError(
                     f"{self.client.url(obj.key)} was replaced while it was read (ETag {pinned}, then "
                     f"{etag}); a checkpoint must not be overwritten while it is loaded: load it again"

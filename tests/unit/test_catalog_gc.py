@@ -636,7 +636,7 @@ def test_retention_on_a_node_local_disk_keeps_the_new_numbering_after_node_0_was
 
     from ckptd.catalog import CheckpointEntry, DirUsage, RootCatalog
 
-    def entry(step: int, seq: int, latest: bool = False) -> CheckpointEntry:
+    def entry(step: int, seq: int, latest: bool = False, at: float | None = None) -> CheckpointEntry:
         name = step_dir_name(step)
         return CheckpointEntry(
             name=name,
@@ -646,16 +646,21 @@ def test_retention_on_a_node_local_disk_keeps_the_new_numbering_after_node_0_was
             usage=DirUsage(0, 0, 0.0),
             is_latest=latest,
             commit_seq=seq,
-            committed_unix_s=1000.0 + seq,
+            committed_unix_s=at if at is not None else 1000.0 + 60 * seq,
         )
 
-    entries = [entry(80, 48), entry(90, 49), entry(100, 50), entry(110, 1), entry(120, 2, latest=True)]
+    # The old disk's 80-100 and 130 (seq 48-53, committed before the replacement at t=1e6), the
+    # new disk's 110 and 120 (seq 1, 2).
+    old = [entry(80, 48), entry(90, 49), entry(100, 50), entry(130, 53)]
+    entries = [*old, entry(110, 1, at=1e6), entry(120, 2, latest=True, at=1e6 + 600)]
     cat = RootCatalog(Path("/node1"), entries=entries, tracker_exists=True, latest_name=step_dir_name(120))
     cat.node_local = True
     plan = plan_gc(cat, keep=2)
-    assert sorted(r.entry.step for r in plan.remove) == [80, 90, 100]
+    assert sorted(r.entry.step for r in plan.remove) == [80, 90, 100, 130]
     assert sorted(e.step for e, _ in plan.kept) == [110, 120]
-    # On a shared root one numbering holds every commit: a lower step committed after the
-    # tracker's target is no earlier numbering (a commit the tracker has not caught up with).
-    cat.node_local = False
-    assert 110 in {r.entry.step for r in plan_gc(cat, keep=2).remove}
+    # One numbering: a commit the tracker has not caught up with (a rollback's 60, renamed into
+    # place before its daemon died) has a higher number and a later time: the newest, kept.
+    entries = [entry(80, 8), entry(90, 9), entry(100, 10), entry(110, 11, latest=True), entry(60, 12)]
+    cat = RootCatalog(Path("/node1"), entries=entries, tracker_exists=True, latest_name=step_dir_name(110))
+    cat.node_local = True
+    assert sorted(e.step for e, _ in plan_gc(cat, keep=2).kept) == [60, 110]

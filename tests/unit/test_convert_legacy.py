@@ -499,22 +499,27 @@ def test_the_files_a_conversion_does_not_read_are_named(tmp_path):
     assert "distrib_optim.pt (files of the rank directories)" in report.dropped
 
 
-def test_a_per_rank_qkv_layout_at_tp_above_one_is_refused(tmp_path):
-    """checkpoint_version < 2.0 holds each rank's fused query/key/value heads in a per-rank order
-    Megatron-LM fixes after loading by the heads per partition: joined across ranks, the tensor
-    was silently wrong at any other TP."""
+@pytest.mark.parametrize("tp, version", [(2, 1.0), (1, 0), (2, None)])
+def test_a_per_rank_qkv_head_order_is_refused(tmp_path, tp, version):
+    """checkpoint_version < 2.0 (a missing one is 0) holds each rank's fused query/key/value heads
+    in a per-rank order Megatron-LM fixes after loading by the heads per partition of the loading
+    layout: joined across ranks, or loaded at another TP, the tensor was silently wrong."""
     qkv = torch.randn(12, H)
     it = tmp_path / "legacy" / "iter_0000010"
-    for t in range(2):
+    for t in range(tp):
         (it / f"mp_rank_{t:02d}").mkdir(parents=True)
         sd = {
-            "args": argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
-            "checkpoint_version": 1.0,
+            "args": argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1),
             "iteration": 10,
-            "model": {"decoder.layers.0.self_attention.linear_qkv.weight": qkv[6 * t : 6 * t + 6]},
+            "model": {"language_model.encoder.layers.0.self_attention.query_key_value.weight": qkv.chunk(tp)[t]},
         }
+        if version is not None:
+            sd["checkpoint_version"] = version
         torch.save(sd, it / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
-    with pytest.raises(ShardingError, match="checkpoint_version 1.0 at tensor-parallel size 2"):
+    with pytest.raises(
+        ShardingError,
+        match=rf"query_key_value.weight' is in the query/key/value head order of checkpoint_version {version or 0}",
+    ):
         convert_legacy(it, tmp_path / "dist", allow_unsafe_pickle=True, fsync=False)
     assert not (tmp_path / "dist").exists()
 

@@ -113,3 +113,10 @@ def test_a_data_object_recorded_with_an_impossible_size_names_the_object(tmp_pat
     location = S3Location(bucket="bucket", prefix="ckpt/iter_0000010")
     with pytest.raises(CorruptCheckpointError, match=r"s3://bucket/ckpt/iter_0000010: data object '__0_0.distcp'"):
         sparse_object(location, tmp_path, "__0_0.distcp", "__0_0.distcp", 1 << 62)
+
+
+def test_etags_of_one_object_compare_equal_whatever_a_store_puts_around_them():
+    from ckptd.storage.s3client import plain_etag
+
+    assert plain_etag('"d41d8cd98f00b204e9800998ecf8427e-3"') == "d41d8cd98f00b204e9800998ecf8427e-3"
+    assert plain_etag('W/"abc"') == plain_etag("abc") == plain_etag(' "abc" ') == "abc"
