@@ -21,9 +21,8 @@ nothing is concatenated in memory) and a common state with ``iteration``,
 ``num_floating_point_operations_so_far``. Optimizer and RNG states are dropped: they are tied to the
 old layout's flat buffers (Megatron's own converters drop them too); the report names every
 top-level entry dropped, and every other file of the rank directories (a distributed optimizer's
-``distrib_optim.pt``), which is not read (``ConversionReport.dropped``). A checkpoint of
-``checkpoint_version`` < 2.0 at TP > 1 is refused (its ranks' fused query/key/value tensors do not
-join into a global one). Files are memory-mapped, so memory use
+``distrib_optim.pt``), which is not read (``ConversionReport.dropped``). Fused query/key/value
+tensors of ``checkpoint_version`` < 2.0 are refused (:func:`_check_qkv_layout`). Files are memory-mapped, so memory use
 stays small. A conversion that fails removes the files it wrote and the directories it made.
 """
 
