@@ -93,9 +93,10 @@ class SaveIntake:
     def _data_file(self, step: int, attempt: str, rank: int) -> str:
         return self.store.display(tmp_dir_name(step, attempt), self.store.data_file_name(attempt, rank))
 
-    def take(self, identity: bytes, rank_pid: int, msg: Save) -> None:
-        """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and queue its
-        write; raises (StagingError, ProtocolError) when the request cannot be served."""
+    def take(self, identity: bytes, rank_pid: int, msg: Save) -> Callable[[], None]:
+        """Check a SAVE of the rank connected as ``identity`` (process ``rank_pid``) and take it;
+        raises (StagingError, ProtocolError) when the request cannot be served. Returns what
+        queues its write, to be called once the rank was answered, whatever happens meanwhile."""
         ring = self.rings.get(msg.rank, msg.generation, identity)
         ring.check_block(msg.block)
         if self.state.in_use(msg.rank, (msg.step, msg.attempt)):
@@ -142,7 +143,6 @@ class SaveIntake:
             went_back=(msg.went_back_to, msg.went_back_unix_s),
         )
         self._handle(Taken(job=job))
-        ring.queue_write(lambda: self._ready(job, ring, producer))
         self.metrics.save_received(msg.step)
         self.uplink.expect(job.key, identity)
         log.info(
@@ -153,6 +153,7 @@ class SaveIntake:
             len(records),
             msg.ring_start,
         )
+        return lambda: ring.queue_write(lambda: self._ready(job, ring, producer))
 
     def _handle(self, event: Taken | Ended) -> None:
         for action in self.state.handle(event, time.monotonic()):

@@ -173,12 +173,18 @@ class RankServer:
             stopping = self.hooks.stopping()
             if stopping is not None:
                 raise CkptdError(f"the node daemon is shutting down ({stopping}); retry the save")
-            self.intake.take(identity, client.pid, msg)
-            self.saving.add(identity)
-            self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
-            decided = self.uplink.verdict((msg.step, msg.attempt))
-            if decided is not None:  # another rank skipped or failed the step before this SAVE came
-                self.channel.send(decided, identity)
+            start_write = self.intake.take(identity, client.pid, msg)
+            try:
+                self.saving.add(identity)
+                self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
+                decided = self.uplink.verdict((msg.step, msg.attempt))
+                if decided is not None:  # another rank skipped or failed the step before this SAVE came
+                    self.channel.send(decided, identity)
+            finally:
+                # After the answer: a writer thread started first takes the interpreter from this
+                # one while the rank waits in save() (the answer came 1-3 ms later, a lazy save's
+                # whole stall 5.3 ms against 4.0).
+                start_write()
         elif isinstance(msg, Skip):
             self.uplink.report(
                 Failed(

@@ -326,3 +326,59 @@ def test_the_size_bound_of_a_report_holds_for_any_record():
     ]
     for r in records:
         assert len(msgspec.msgpack.encode(r)) <= _record_nbytes_bound(r)
+
+
+def test_the_daemon_answers_a_save_before_its_write_starts():
+    """The write was queued before the SAVE_ACK went out: the writer thread it starts took the
+    interpreter from the daemon's loop while the rank waited in save() for the answer (1-3 ms
+    of a lazy save's 5 ms stall). The write starts after the answer, also when sending it fails."""
+    import os
+    from types import SimpleNamespace
+
+    from ckptd.control.protocol import Save, SaveAck
+    from ckptd.daemon.ranks import Client, RankServer
+
+    events: list[str] = []
+
+    class Channel:
+        fail = False
+
+        def send(self, msg: object, identity: bytes, block: bool = True) -> None:
+            events.append(type(msg).__name__)
+            if self.fail:
+                raise OSError("the rank's connection went away")
+
+    server = RankServer.__new__(RankServer)
+    server.clients = {b"r0": Client(rank=0, pid=os.getpid(), start_ticks=0)}
+    server.saving = set()
+    server.channel = Channel()  # type: ignore[assignment]
+    server.hooks = SimpleNamespace(stopping=lambda: None)  # type: ignore[assignment]
+    server.uplink = SimpleNamespace(verdict=lambda key: None)  # type: ignore[assignment]
+    server.intake = SimpleNamespace(take=lambda *a: lambda: events.append("write queued"))  # type: ignore[assignment]
+    save = Save(
+        step=10,
+        attempt="0123456789ab-1",
+        rank=0,
+        world_size=1,
+        generation="g1",
+        block=0,
+        items=[],
+        common=None,
+        common_digest="",
+        layout="",
+        ring_start=0,
+        snapshot_pid=os.getpid(),
+        seal=b"s" * 16,
+        seal_offset=0,
+        plain_digest="",
+        held=[],
+        went_back_to=-1,
+        went_back_unix_s=0.0,
+    )
+    server._on_writer_request(b"r0", save)
+    assert events == [SaveAck.__name__, "write queued"]
+    events.clear()
+    server.channel.fail = True  # type: ignore[attr-defined]
+    with pytest.raises(OSError):
+        server._on_writer_request(b"r0", save)
+    assert events == [SaveAck.__name__, "write queued"]  # taken: written whether or not the rank heard
