@@ -150,9 +150,12 @@ class RootCatalog:
         """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
         target (:func:`left_behind`), whether or not that target is loadable; none without one.
         On a node-local disk also those of an earlier numbering: node 0's disk was replaced, and
-        its commits are numbered from 1 again, so the old disk's have higher numbers than the new
-        one's but were committed before them (one numbering has its commit times in its order; a
-        commit the tracker has not caught up with has both a higher number and a later time)."""
+        its commits are numbered from 1 again, so the old disk's below the step the job resumed
+        from have a lower step, a higher number and an earlier time than the tracker's target.
+        Both: a commit the tracker has not caught up with (a rollback's, renamed into place before
+        its daemon died) has a lower step and a higher number too, but a later time; and clocks
+        step. (An old commit of a step above the one resumed, which the job saves again once there,
+        is not told apart: until then retention counts it among the last ones.)"""
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
@@ -164,6 +167,7 @@ class RootCatalog:
                 left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
                 or (
                     self.node_local
+                    and e.step < named.step
                     and e.commit_seq > named.commit_seq
                     and e.committed_unix_s + _RENUMBERED_SLACK_S < named.committed_unix_s
                 )

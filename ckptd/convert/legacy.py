@@ -82,13 +82,20 @@ def _check_qkv_layout(sd: Mapping[str, Any], tree: LegacyTree) -> None:
     heads, which Megatron-LM reorders after every load by the heads per partition of the loading
     layout. Joined across ranks they are no global tensor of any head order; and a tensor-parallel
     size other than the saved one, which a torch_dist checkpoint allows, reorders wrongly."""
-    version = sd.get("checkpoint_version") or 0
-    if not isinstance(version, (int, float)) or version >= 2.0:
-        return
     fused = next((k for chunk in model_chunks(dict(sd)) for k in chunk if k.endswith(_FUSED_QKV)), None)
-    if fused is not None:
+    if fused is None:
+        return
+    version = sd.get("checkpoint_version")
+    try:  # Megatron-LM compares it as it is (a numpy float, a 0-d tensor); a missing one is 0
+        older = float(0 if version is None else version) < 2.0
+    except (TypeError, ValueError):
         raise ShardingError(
-            f"{tree.directory}: '{fused}' is in the query/key/value head order of checkpoint_version {version} "
+            f"{tree.directory}: checkpoint_version {version!r} is not a number; Megatron-LM could not load it either"
+        ) from None
+    if older:
+        raise ShardingError(
+            f"{tree.directory}: '{fused}' is in the query/key/value head order of checkpoint_version "
+            f"{0 if version is None else version} "
             f"(saved at tensor-parallel size {tree.tp_size}), which Megatron-LM fixes after loading for the "
             "loading layout only: load it once with Megatron-LM at the layout it was saved with and save it "
             "again (checkpoint_version >= 2.0), then convert that"

@@ -3,9 +3,9 @@
 Order of one save, all on the daemon's loop except step 3:
 
 1. :meth:`SaveIntake.take` checks a SAVE against the rank's ring (its control block, ring range,
-   records and producer), binds it to the attempt's directory ``<step>.<attempt>.tmp/`` and
-   queues the write behind the ring's earlier ones; the rank is then acknowledged and owns
-   nothing any more;
+   records and producer) and binds it to the attempt's directory ``<step>.<attempt>.tmp/``; the
+   rank is then acknowledged and owns nothing any more, and the write is queued behind the
+   ring's earlier ones (after the answer: a writer thread started first would slow it);
 2. once the ring's previous write finished, the write goes to a writer thread; if its attempt
    was aborted meanwhile (another rank skipped or failed the step), nothing is written: the
    writer only frees the save's ring space as the producer goes (:meth:`SaveIntake._drain`);
@@ -143,17 +143,25 @@ class SaveIntake:
             went_back=(msg.went_back_to, msg.went_back_unix_s),
         )
         self._handle(Taken(job=job))
-        self.metrics.save_received(msg.step)
-        self.uplink.expect(job.key, identity)
+
+        def start_write() -> None:
+            ring.queue_write(lambda: self._ready(job, ring, producer))
+
+        try:
+            self.metrics.save_received(msg.step)
+            self.uplink.expect(job.key, identity)
+        except BaseException:
+            start_write()  # taken: its block and producer are freed only by its write or drain
+            raise
         log.info(
-            "step %d attempt %s rank %d: %d items queued from ring offset %d",
+            "step %d attempt %s rank %d: %d items taken from ring offset %d",
             msg.step,
             msg.attempt,
             msg.rank,
             len(records),
             msg.ring_start,
         )
-        return lambda: ring.queue_write(lambda: self._ready(job, ring, producer))
+        return start_write
 
     def _handle(self, event: Taken | Ended) -> None:
         for action in self.state.handle(event, time.monotonic()):

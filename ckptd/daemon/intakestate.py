@@ -1,12 +1,13 @@
 """The node daemon's decisions on the saves it took, as a pure state machine.
 
 :class:`IntakeState` decides, from events and the time, what happens to each save after
-:class:`~ckptd.daemon.intake.SaveIntake` checked its SAVE and queued it behind the ring's earlier
-writes; the intake executes the actions (hands writes to writer threads, sends WRITE_DONE to the
-rank, reports to the coordinator through the uplink). Its only other input is the uplink's own
-state machine (:class:`~ckptd.daemon.uplinkstate.UplinkState`), read for the verdict on an attempt
-and for whether a rank still waits for one. Nothing here touches a socket, a thread, the clock or
-a file (tools/import_graph.py checks it), so each rule is tested in milliseconds
+:class:`~ckptd.daemon.intake.SaveIntake` checked its SAVE and took it (its write queued behind the
+ring's earlier writes once the rank was answered); the intake executes the actions (hands writes
+to writer threads, sends WRITE_DONE to the rank, reports to the coordinator through the uplink).
+Its only other input is the uplink's own state machine
+(:class:`~ckptd.daemon.uplinkstate.UplinkState`), read for the verdict on an attempt and for whether
+a rank still waits for one. Nothing here touches a socket, a thread, the clock or a file
+(tools/import_graph.py checks it), so each rule is tested in milliseconds
 (tests/unit/test_intake_state.py); the process tests keep the wiring.
 
 The rules, in the order of a save:

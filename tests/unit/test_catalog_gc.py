@@ -649,14 +649,14 @@ def test_retention_on_a_node_local_disk_keeps_the_new_numbering_after_node_0_was
             committed_unix_s=at if at is not None else 1000.0 + 60 * seq,
         )
 
-    # The old disk's 80-100 and 130 (seq 48-53, committed before the replacement at t=1e6), the
-    # new disk's 110 and 120 (seq 1, 2).
-    old = [entry(80, 48), entry(90, 49), entry(100, 50), entry(130, 53)]
+    # The old disk's 80-100 (seq 48-50, committed before the replacement at t=1e6), the new disk's
+    # 110 and 120 (seq 1, 2).
+    old = [entry(80, 48), entry(90, 49), entry(100, 50)]
     entries = [*old, entry(110, 1, at=1e6), entry(120, 2, latest=True, at=1e6 + 600)]
     cat = RootCatalog(Path("/node1"), entries=entries, tracker_exists=True, latest_name=step_dir_name(120))
     cat.node_local = True
     plan = plan_gc(cat, keep=2)
-    assert sorted(r.entry.step for r in plan.remove) == [80, 90, 100, 130]
+    assert sorted(r.entry.step for r in plan.remove) == [80, 90, 100]
     assert sorted(e.step for e, _ in plan.kept) == [110, 120]
     # One numbering: a commit the tracker has not caught up with (a rollback's 60, renamed into
     # place before its daemon died) has a higher number and a later time: the newest, kept.

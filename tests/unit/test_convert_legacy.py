@@ -499,7 +499,7 @@ def test_the_files_a_conversion_does_not_read_are_named(tmp_path):
     assert "distrib_optim.pt (files of the rank directories)" in report.dropped
 
 
-@pytest.mark.parametrize("tp, version", [(2, 1.0), (1, 0), (2, None)])
+@pytest.mark.parametrize("tp, version", [(2, 1.0), (1, 0), (2, None), (1, np.float64(1.0))])
 def test_a_per_rank_qkv_head_order_is_refused(tmp_path, tp, version):
     """checkpoint_version < 2.0 (a missing one is 0) holds each rank's fused query/key/value heads
     in a per-rank order Megatron-LM fixes after loading by the heads per partition of the loading
