@@ -88,7 +88,7 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 # expects (a node daemon left by an earlier launch follows a coordinator that moved);
 # WRITTEN names the save it reports (a resend is answered from memory once committed).
 # 19: SAVE and WRITTEN say whether the job went back to an older step (``went_back_to``).
-PROTOCOL_VERSION = 19
+PROTOCOL_VERSION = 20
 # Times a message may name (seconds since the epoch; NaN fails the bound).
 MAX_UNIX_S = 1e11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
@@ -377,6 +377,10 @@ class Written(Message):
     went_back_to: int = -1  # the SAVE's (see Save)
     went_back_unix_s: float = 0.0
     coordinator_instance: str = ""
+    # Node-local roots: the highest commit number on the node's disk when it wrote. Node 0 numbers
+    # its commit above every node's (ckptd.roots.posix.commit_step): a replaced node 0 disk would
+    # number from 1 again, below the other disks' commits of the old one. 0: none or not node-local.
+    disk_seq: int = 0
     # Which save of the rank this reports: its SAVE's seal (random per save), as a number. A
     # coordinator answers from memory a report it counted for a commit (a node's resend after a lost
     # verdict), also once retention or a rollback retired that commit; any other report of a

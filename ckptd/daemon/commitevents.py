@@ -93,6 +93,7 @@ class Commit:
     files: dict[str, tuple[int, int]]  # data file name -> (rank, bytes its writer reported)
     elsewhere: frozenset[str] = frozenset()  # node-local root: files on other nodes' disks (unchecked)
     went_back: WentBack | None = None  # every rank's job went back to this step (Save.went_back_to)
+    seq_floor: int = 0  # the commit is numbered above it (node-local: every node's disk's, Written.disk_seq)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +121,7 @@ class AttemptState:
     plain: dict[int, str] = field(default_factory=dict)  # rank -> digest of its plain keys
     held: dict[int, list[str]] = field(default_factory=dict)  # rank -> keys it holds, not stores
     went_back: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> its WRITTEN's (Save)
+    disk_seq: int = 0  # the highest Written.disk_seq: node 0 numbers the commit above it
     report_ids: set[int] = field(default_factory=set)  # of the WRITTENs taken (identical repeats too)
     warnings: list[str] = field(default_factory=list)  # what the commit noticed (plain copies)
     phase: Phase = Phase.COLLECTING

@@ -333,6 +333,7 @@ class CommitState:
         st.plain[msg.rank] = msg.plain_digest
         st.held[msg.rank] = msg.held
         st.went_back[msg.rank] = (msg.went_back_to, msg.went_back_unix_s)
+        st.disk_seq = max(st.disk_seq, msg.disk_seq)
         if msg.rank == 0:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
@@ -468,6 +469,7 @@ class CommitState:
                 files=files,
                 elsewhere=elsewhere,
                 went_back=agreed_went_back(st.went_back.values()),
+                seq_floor=st.disk_seq,
             )
         )
 

@@ -204,7 +204,14 @@ class Coordinator:
             try:
                 with gc_paused():  # ~20 objects per record (see ckptd.gcpause)
                     return self.store.commit(
-                        c.step, c.attempt, c.records, c.common, c.files, elsewhere=c.elsewhere, went_back=c.went_back
+                        c.step,
+                        c.attempt,
+                        c.records,
+                        c.common,
+                        c.files,
+                        elsewhere=c.elsewhere,
+                        went_back=c.went_back,
+                        seq_floor=c.seq_floor,
                     )
             except OSError as exc:
                 self.store.abort(c.step, c.attempt)

@@ -41,7 +41,7 @@ from ..control.protocol import (
     WriteDone,
     Written,
 )
-from ..errors import AttemptInUseError, ProtocolError, StagingError
+from ..errors import AttemptInUseError, CkptdError, ProtocolError, StagingError
 from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
@@ -252,9 +252,20 @@ class SaveIntake:
                 queue_s=started_s - queued_s,
                 write_s=write_s,
                 snapshot_s=producer.waited_s,
+                disk_seq=self._disk_seq() if cfg.node_local else 0,
             )
 
         return run
+
+    def _disk_seq(self) -> int:
+        """This node's disk's highest commit number, which node 0 numbers its commit above
+        (Written.disk_seq); 0, with a warning, when the disk cannot be read now (the commit is then
+        numbered by node 0's disk alone, as before a node reported it)."""
+        try:
+            return self.store.highest_commit_seq()
+        except (OSError, CkptdError) as exc:
+            log.warning("could not read the highest commit number of this node's disk: %s", exc)
+            return 0
 
     def _items(self, msg: Save, ring: DaemonRing) -> tuple[list[ItemRecord], list[Placement], list[str]]:
         """The SAVE's records, placements and held keys: sent, or the rank's unchanged layout it

@@ -91,6 +91,7 @@ class WriteResult:
     queue_s: float = 0.0  # waiting for a writer thread
     write_s: float = 0.0  # writing and fsyncing, minus the time spent waiting for the producer
     snapshot_s: float = 0.0  # waiting for the producer (fork child, copier) to produce items
+    disk_seq: int = 0  # node-local roots: the disk's highest commit number (Written.disk_seq)
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -274,6 +275,7 @@ class IntakeState:
             plain_digest=job.plain_digest,
             held=list(job.held),
             report_id=job.report_id,
+            disk_seq=result.disk_seq,
             went_back_to=job.went_back[0],
             went_back_unix_s=job.went_back[1],
         )

@@ -101,13 +101,17 @@ def commit_step(
     elsewhere: frozenset[str] = frozenset(),
     node_local: bool = False,
     went_back: WentBack | None = None,
+    seq_floor: int = 0,
 ) -> CommitOutcome:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring).
 
     ``data_files``: every rank's data file name -> ``(rank, bytes its writer reported)``;
     ``elsewhere``: those on other nodes' disks (a node-local root, ckptd.roots.nodelocal), which
     are not checked here; ``node_local``: the commit record lists every data file's size, and the
-    outcome carries the files written (for the other nodes: ckptd.roots.nodelocal). Every
+    outcome carries the files written (for the other nodes: ckptd.roots.nodelocal), and the commit
+    is numbered above ``seq_floor`` too (the other nodes' disks' highest number: a replaced disk
+    would number from 1 again, below their commits of the old one, which would then pass for the
+    newest). Every
     file is written relative to the root's and the step directory's fds, the step directory is
     opened without following a link (a planted link fails the commit with StorageError naming
     it), and trackers replace their entry, never write through a link.
@@ -128,7 +132,7 @@ def commit_step(
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
         record = CommitRecord(
-            seq=1 + max((e.commit_seq for e in cat.committed), default=0),
+            seq=1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0)),
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),

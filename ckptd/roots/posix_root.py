@@ -73,6 +73,7 @@ class PosixRoot:
         *,
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
+        seq_floor: int = 0,
     ) -> CommitOutcome:
         outcome = commit_step(
             self.location,
@@ -89,6 +90,7 @@ class PosixRoot:
             node_local=self.node_local,
             # Node-local disks: the other nodes' copies of a step replaced that way are not.
             went_back=None if self.node_local else went_back,
+            seq_floor=seq_floor,
         )
         if not self.node_local:
             return outcome
@@ -150,6 +152,9 @@ class PosixRoot:
 
     def scan(self, *, usage: bool = True) -> RootCatalog:
         return scan_root(self.location, usage=usage)
+
+    def highest_commit_seq(self) -> int:
+        return max((e.commit_seq for e in self.scan(usage=False).committed), default=0)
 
     def checkpoint_location(self, step: int) -> Path:
         return self.location / step_dir_name(step)

@@ -123,10 +123,11 @@ class S3Root:
         source: dict[str, int | str] | None = None,
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
+        seq_floor: int = 0,
     ) -> CommitOutcome:
         """``source``: the local commit a mirror's copy is of (ckptd.roots.mirror), recorded in
         the commit record. ``elsewhere`` is ignored: every node's objects are in the store, and
-        all are checked. ``went_back``: see :meth:`RootStore.commit`."""
+        all are checked. ``went_back``, ``seq_floor``: see :meth:`RootStore.commit`."""
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None
@@ -154,7 +155,7 @@ class S3Root:
             self.client.create(f"{name}/{obj_name}", data, if_unknown="if it was, the attempt's removal removes it")
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
         record = CommitRecord(
-            seq=1 + max((e.commit_seq for e in cat.committed), default=0),
+            seq=1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0)),
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),
@@ -528,6 +529,9 @@ class S3Root:
 
     def scan(self, *, usage: bool = True) -> RootCatalog:
         return scan_s3_root(self.location, self.client, usage=usage)
+
+    def highest_commit_seq(self) -> int:
+        return max((e.commit_seq for e in self.scan(usage=False).committed), default=0)
 
     def checkpoint_location(self, step: int) -> S3Location:
         return self.location.child(step_dir_name(step))

@@ -103,3 +103,28 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
     assert [Path(e[2]).name for e in trackers] == ["latest", MEGATRON_TRACKER]
     assert all(index[e] > root_sync for e in trackers)
     assert (root / "latest").read_text() == "iter_0000005\n"
+
+
+def test_a_node_local_commit_is_numbered_above_every_nodes_disk(tmp_path):
+    """Node 0's disk was replaced: numbered by its own commits alone, its first commit was 1, under
+    the other disks' commits of the old disk (up to 53), which then passed for the newest there
+    (retention on node 1 removed the new commits and kept the old). Node 0 numbers above the
+    highest number the nodes report (Written.disk_seq)."""
+    from ckptd.format.commitrecord import read_commit_record
+    from ckptd.roots.posix_root import PosixRoot
+
+    root = tmp_path / "node0"
+    root.mkdir()
+    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
+    with produced_save(110, items) as save:
+        stored, file_nbytes = write_rank_file(
+            PosixDataTarget(tmp_dir(root, 110, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
+        )
+    common = serialize_common({"iteration": 110})
+    data_files = {"__0_0.distcp": (0, file_nbytes)}
+    commit_step(
+        root, 110, ATTEMPT, stored, common, data_files, fsync=False, keep_last=0, megatron_tracker=False, seq_floor=53
+    )
+    record = read_commit_record(root / "iter_0000110")
+    assert record is not None and record.seq == 54
+    assert PosixRoot(root, fsync=False, keep_last=0).highest_commit_seq() == 54  # what this disk reports

@@ -619,3 +619,12 @@ def test_a_commit_replaces_the_steps_a_job_left_only_when_every_rank_loaded_the_
         actions = c.report(N0 if rank == 0 else N1, written(30, rank, went_back_to=to, went_back_unix_s=at))
     commits = [a for a in actions if isinstance(a, Commit)]
     assert len(commits) == 1 and commits[0].went_back == expected
+
+
+def test_a_commit_is_numbered_above_the_highest_number_a_node_reports_of_its_disk():
+    """Node-local disks: node 0's disk replaced numbers from 1 again; the commit carries the
+    highest number any node's disk holds (Written.disk_seq), which node 0 numbers it above."""
+    c = Coordinator()
+    assert c.report(N1, written(3, 1, disk_seq=53)) == []
+    (commit,) = c.report(N0, written(3, 0, disk_seq=2))
+    assert isinstance(commit, Commit) and commit.seq_floor == 53

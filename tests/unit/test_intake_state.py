@@ -86,11 +86,12 @@ def test_a_write_starts_when_its_ring_is_ready_unless_its_attempt_was_aborted_me
 def test_a_finished_write_frees_the_block_then_reports_written_with_its_stored_records():
     node, j = Node(), job()
     node.take(j)
-    result = WriteResult(stored=[RECORD], file_nbytes=4096, queue_s=0.1, write_s=0.5, snapshot_s=0.2)
+    result = WriteResult(stored=[RECORD], file_nbytes=4096, queue_s=0.1, write_s=0.5, snapshot_s=0.2, disk_seq=53)
     actions = node.handle(Ended(job=j, result=result))
     assert actions[0] == TellRank(job=j, result=result)
     msg = report(actions)
     assert isinstance(msg, Written) and msg.records == [RECORD] and msg.file_nbytes == 4096
+    assert msg.disk_seq == 53  # the node's disk's highest commit number (node-local roots)
     assert (msg.step, msg.attempt, msg.rank, msg.world_size, msg.common_digest) == (3, A, 1, 2, "d")
     assert node.handle(Tick()) == [] and not node.state.unfinished
 
