@@ -224,3 +224,45 @@ def test_a_commit_the_tracker_cannot_name_leaves_retention_for_later(nodes, monk
     assert any("is committed, complete and in place" in w for w in outcome.warnings), outcome.warnings
     assert tracker_step(disk0) == 40
     assert all((disk0 / f"iter_{s:07d}").is_dir() for s in (30, 31, 40))
+
+
+def test_after_node_0s_disk_is_replaced_node_1_keeps_the_new_commits(tmp_path):
+    """Node 0's disk is replaced (empty): it numbered its commits from 1 again, under node 1's
+    commits of the old disk, so node 1's retention (keep 2) kept the old disk's highest steps and
+    removed the new commits, of which node 0 holds the other half. Node 0 numbers above the highest
+    number node 1 reports of its disk (Written.disk_seq), and node 1's old steps pass for a branch
+    left behind."""
+    disk0, disk1 = tmp_path / "node0", tmp_path / "node1"
+    old0 = tmp_path / "old-node0"
+    for d in (disk0, disk1, old0):
+        d.mkdir()
+    node1 = PosixRoot(disk1, node_local=True, keep_last=2)
+
+    def commit(disk: object, step: int, attempt: str) -> None:
+        written = [
+            _write(d, r, torch.full((64,), float(step)), step=step, attempt=attempt)
+            for r, d in enumerate((disk, disk1))
+        ]
+        store = PosixRoot(disk, node_local=True, keep_last=2)  # type: ignore[arg-type]
+        records = written[0][0] + written[1][0]
+        files = {f"__{r}_0.distcp": (r, written[r][1]) for r in (0, 1)}
+        outcome = store.commit(
+            step,
+            attempt,
+            records,
+            serialize_common({"iteration": step}),
+            files,
+            elsewhere=frozenset({"__1_0.distcp"}),
+            seq_floor=node1.highest_commit_seq(),  # what node 1's WRITTEN reports
+        )
+        node1.finish_on_node(step, attempt, outcome.files)
+
+    for step in (80, 90, 100, 130):  # the old disk's history; the mirror had copied 100
+        commit(old0, step, "0123456789ab-1")
+    assert sorted(p.name for p in disk1.glob("iter_*")) == ["iter_0000100", "iter_0000130"]
+    for step in (110, 120):  # the new disk, resumed from the mirror's 100
+        commit(disk0, step, "fedcba987654-1")
+    kept = sorted(p.name for p in disk1.glob("iter_*"))
+    assert kept == ["iter_0000110", "iter_0000120"], kept  # 100 older, 130 a branch left behind
+    record = read_commit_record(disk0 / "iter_0000110")
+    assert record is not None and record.seq == 5  # above node 1's 4
