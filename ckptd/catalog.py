@@ -149,13 +149,13 @@ class RootCatalog:
     def off_branch(self) -> list[CheckpointEntry]:
         """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
         target (:func:`left_behind`), whether or not that target is loadable; none without one.
-        On a node-local disk also those of an earlier numbering: node 0's disk was replaced, and
-        its commits are numbered from 1 again, so the old disk's below the step the job resumed
-        from have a lower step, a higher number and an earlier time than the tracker's target.
-        Both: a commit the tracker has not caught up with (a rollback's, renamed into place before
-        its daemon died) has a lower step and a higher number too, but a later time; and clocks
-        step. (An old commit of a step above the one resumed, which the job saves again once there,
-        is not told apart: until then retention counts it among the last ones.)"""
+        On a node-local disk also those of an earlier numbering, left by versions whose node 0
+        numbered its commits by its own disk alone (a replaced one from 1 again; node 0 now numbers
+        above every node's disk: ckptd.roots.posix.commit_step): below the step the job resumed
+        from they have a lower step, a higher number and an earlier time than the tracker's
+        target. All three: a commit the tracker has not caught up with (a rollback's, renamed into
+        place before its daemon died) has a lower step and a higher number too, but a later time;
+        and clocks step."""
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
