@@ -75,6 +75,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from ..errors import ProtocolError
+from ..format.commitrecord import MAX_COMMIT_SEQ
 from ..format.records import ItemRecord
 from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 
@@ -564,6 +565,8 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
+            if not 0 <= getattr(named, "disk_seq", 0) <= MAX_COMMIT_SEQ:
+                raise ProtocolError(f"commit number {named.disk_seq} is outside 0..{MAX_COMMIT_SEQ}")
             went_back_to = getattr(named, "went_back_to", -1)
             if went_back_to != -1:
                 check_step(went_back_to)

@@ -24,6 +24,7 @@ SAVEs against the rings and executes its actions.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -89,6 +90,11 @@ class SaveIntake:
         self.store = store
         self.send_to_rank = send_to_rank
         self.state = IntakeState(config, uplink.state, node=ep.node, data_file=self._data_file)
+        # Node-local disks of nodes other than node 0 (whose commit reads its own disk): the disk's
+        # highest commit number, read once per attempt (every rank of the node writes one file).
+        self._reports_disk_seq = config.node_local and ep.node != 0
+        self._disk_seqs: dict[tuple[int, str], int] = {}
+        self._disk_seq_lock = threading.Lock()
 
     def _data_file(self, step: int, attempt: str, rank: int) -> str:
         return self.store.display(tmp_dir_name(step, attempt), self.store.data_file_name(attempt, rank))
@@ -252,20 +258,27 @@ class SaveIntake:
                 queue_s=started_s - queued_s,
                 write_s=write_s,
                 snapshot_s=producer.waited_s,
-                disk_seq=self._disk_seq() if cfg.node_local else 0,
+                disk_seq=self._disk_seq(job.key) if self._reports_disk_seq else 0,
             )
 
         return run
 
-    def _disk_seq(self) -> int:
-        """This node's disk's highest commit number, which node 0 numbers its commit above
-        (Written.disk_seq); 0, with a warning, when the disk cannot be read now (the commit is then
-        numbered by node 0's disk alone, as before a node reported it)."""
-        try:
-            return self.store.highest_commit_seq()
-        except (OSError, CkptdError) as exc:
-            log.warning("could not read the highest commit number of this node's disk: %s", exc)
-            return 0
+    def _disk_seq(self, key: tuple[int, str]) -> int:
+        """This node's disk's highest commit number, which node 0 numbers the commit of attempt
+        ``key`` above (Written.disk_seq), read by the attempt's first write to end (the others
+        reuse it); 0, with a warning, when the disk cannot be read now (the commit is then
+        numbered by node 0's disk alone, as before nodes reported it)."""
+        with self._disk_seq_lock:  # the node's writer threads end at once
+            if key not in self._disk_seqs:
+                try:
+                    seq = self.store.highest_commit_seq()
+                except (OSError, CkptdError) as exc:
+                    log.warning("could not read the highest commit number of this node's disk: %s", exc)
+                    seq = 0
+                if len(self._disk_seqs) >= 64:  # attempts long committed
+                    self._disk_seqs.clear()
+                self._disk_seqs[key] = seq
+            return self._disk_seqs[key]
 
     def _items(self, msg: Save, ring: DaemonRing) -> tuple[list[ItemRecord], list[Placement], list[str]]:
         """The SAVE's records, placements and held keys: sent, or the rank's unchanged layout it

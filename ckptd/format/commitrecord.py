@@ -29,6 +29,9 @@ from .safefs import read_regular
 log = logging.getLogger(__name__)
 
 COMMIT_RECORD = "ckptd_commit.json"
+# The highest commit number a record may hold: far above any job's commits, and within what every
+# number on the wire (msgpack's 64 bits) and in JSON (a double's exact integers) carries exactly.
+MAX_COMMIT_SEQ = (1 << 53) - 1
 # A record lists every data file of a node-local or S3 commit (some 50 bytes each): 64 MiB holds
 # a million. Before, a local record was read with a 4 KiB limit: beyond ~80 ranks on node-local
 # disks it was taken for damaged, and with it the commit order, rollbacks and the node view broke.
@@ -109,7 +112,7 @@ def parse_commit_record_checked(raw: bytes, where: object) -> CommitRecord:
         )
         if not (
             type(rec.seq) is int
-            and rec.seq > 0
+            and 0 < rec.seq <= MAX_COMMIT_SEQ
             and type(rec.step) is int
             and isinstance(rec.attempt, str)
             and isinstance(rec.committed_unix_s, (int, float))

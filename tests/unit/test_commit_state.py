@@ -628,3 +628,21 @@ def test_a_commit_is_numbered_above_the_highest_number_a_node_reports_of_its_dis
     assert c.report(N1, written(3, 1, disk_seq=53)) == []
     (commit,) = c.report(N0, written(3, 0, disk_seq=2))
     assert isinstance(commit, Commit) and commit.seq_floor == 53
+
+
+def test_a_commit_number_nothing_can_carry_is_refused_on_disk_and_on_the_wire():
+    """A commit record of a huge number (tampered, another tool's) raised every commit's numbering
+    past what msgpack carries: the node's WRITTEN could never be sent again."""
+    import json
+
+    from ckptd.control.protocol import Codec
+    from ckptd.errors import CorruptCheckpointError, ProtocolError
+    from ckptd.format.commitrecord import MAX_COMMIT_SEQ, parse_commit_record_checked
+
+    raw = {"seq": MAX_COMMIT_SEQ + 1, "step": 3, "attempt": A, "committed_unix_s": 1.0}
+    with pytest.raises(CorruptCheckpointError, match="is damaged"):
+        parse_commit_record_checked(json.dumps(raw).encode(), "iter_0000003/ckptd_commit.json")
+    codec = Codec("job")
+    with pytest.raises(ProtocolError, match="commit number"):
+        codec.decode(codec.encode(written(3, 1, disk_seq=MAX_COMMIT_SEQ + 1)))
+    assert codec.decode(codec.encode(written(3, 1, disk_seq=MAX_COMMIT_SEQ))).disk_seq == MAX_COMMIT_SEQ  # type: ignore[attr-defined]
