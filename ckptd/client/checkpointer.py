@@ -122,11 +122,6 @@ log = logging.getLogger(__name__)
 CLOSE_MARGIN_S = STOP_MARGIN_S + BYE_LINGER_S + KILL_REAP_S
 
 
-# policy="auto": how long save() waits for the first save's outcome, at most. Below the default
-# timeouts of NCCL's and gloo's collectives (600 s, 1,800 s): ranks whose save raised went into
-# the interval's agreement at once, and wait there for this one.
-
-
 class Checkpointer(RootReader):
     """Asynchronous saves into ``root`` through this node's ckptd daemon (see the module docstring),
     and loads from it (:class:`~ckptd.client.reader.RootReader`).
@@ -486,10 +481,12 @@ class Checkpointer(RootReader):
                 group=group,
             )
 
-    def _await_saves_above(self, step: int) -> None:
-        """Before ``load(step=step)``: this Checkpointer's saves of higher steps in flight land
-        first, for at most ``coordinator_timeout_s`` (see :func:`ckptd.client.pending.settle_above`)."""
-        if not self._levels.node_local:
+    def _await_saves_above(self, step: int, *, resume: bool = False) -> None:
+        """Before ``load(step=step)`` or a ``resume``: this Checkpointer's saves of higher steps
+        in flight land first, for at most ``coordinator_timeout_s`` (see
+        :func:`ckptd.client.pending.settle_above`). Not before ``load(step=N)`` on node-local
+        disks, which never replace a step a job left: nothing to gain there."""
+        if resume or not self._levels.node_local:
             settle_above(self._pending.handles(), step, self.config.coordinator_timeout_s)
 
     def _decide_own_saves(self) -> None:

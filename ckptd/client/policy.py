@@ -45,7 +45,9 @@ def agree_max(value: int) -> int:
     return int(t.item())
 
 
-# How long the first save's outcome is waited for (AutoInterval.measure_first_commit).
+# How long the first save's outcome is waited for (AutoInterval.measure_first_commit), at most.
+# Below the default timeouts of NCCL's and gloo's collectives (600 s, 1,800 s): ranks whose save
+# raised went into the interval's agreement at once, and wait there for this one.
 FIRST_COMMIT_WAIT_S = 300.0
 
 

@@ -91,7 +91,7 @@ class RootReader:
         # A resume in the middle of a run (after a loss spike): this Checkpointer's saves in flight
         # land first, so that it resumes the newest commit; one landing after the load would be a
         # step of a branch the job left, and the job's own save of it refused.
-        self._await_saves_above(-1)
+        self._await_saves_above(-1, resume=True)
         loaded: list[Candidate] = []
         out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs, loaded)
         # Below the newest commit when it fell back past damaged ones, or when the tracker was set
@@ -120,9 +120,9 @@ class RootReader:
         except NoCheckpointYetError:
             return None
 
-    def _await_saves_above(self, step: int) -> None:
-        """Before a load of ``step``: nothing without saves; a Checkpointer waits (briefly) for its
-        saves of higher steps in flight."""
+    def _await_saves_above(self, step: int, *, resume: bool = False) -> None:
+        """Before a load of ``step`` (or a ``resume``): nothing without saves; a Checkpointer waits
+        (briefly) for its saves of higher steps in flight."""
 
     def _before_load(self, group: Any, *, resume: bool) -> None:
         """Before a load (a ``resume`` chooses its checkpoint after it, as a collective on

@@ -156,9 +156,8 @@ class SaveIntake:
         try:
             self.metrics.save_received(msg.step)
             self.uplink.expect(job.key, identity)
-        except BaseException:
-            start_write()  # taken: its block and producer are freed only by its write or drain
-            raise
+        except Exception:  # taken: an error answer would have the rank give its ring range back
+            log.exception("step %d attempt %s rank %d: taken, but not counted", msg.step, msg.attempt, msg.rank)
         log.info(
             "step %d attempt %s rank %d: %d items taken from ring offset %d",
             msg.step,

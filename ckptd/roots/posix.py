@@ -55,7 +55,7 @@ from ..catalog import (
     tracker_set_back,
 )
 from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
-from ..format.commitrecord import COMMIT_RECORD, CommitRecord, read_commit_record
+from ..format.commitrecord import COMMIT_RECORD, MAX_COMMIT_SEQ, CommitRecord, read_commit_record
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
 from ..format.layout import DCP_METADATA, METADATA_JSON
@@ -84,6 +84,19 @@ def tracker_step(root: Path) -> int | None:
     """The step the ``latest`` tracker names, or None (no tracker, or not a step's name)."""
     _, name, _ = read_tracker(root)
     return committed_step(name or "")
+
+
+def next_commit_seq(cat: RootCatalog, seq_floor: int, where: object) -> int:
+    """The number of the next commit into the root ``cat`` lists: above every commit there and
+    above ``seq_floor``. CorruptCheckpointError when it would pass what a record may hold (a
+    record of an impossible number, which no scan would take for a commit again)."""
+    seq = 1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0))
+    if seq > MAX_COMMIT_SEQ:
+        raise CorruptCheckpointError(
+            f"{where}: the next commit number would be {seq}, beyond {MAX_COMMIT_SEQ}: a checkpoint of this root, "
+            "or of a node's disk, records an impossible commit number (tampered, or another tool's); remove it"
+        )
+    return seq
 
 
 def commit_step(
@@ -132,7 +145,7 @@ def commit_step(
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
         record = CommitRecord(
-            seq=1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0)),
+            seq=next_commit_seq(cat, seq_floor, root),
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),

@@ -72,7 +72,7 @@ from ..s3catalog import read_s3_commit_record, read_s3_tracker, s3_abandoned_com
 from ..storage.s3client import S3Client, Upload
 from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
-from .posix import committed_once_advice, rollback_warnings
+from .posix import committed_once_advice, next_commit_seq, rollback_warnings
 from .s3_data import S3DataTarget, s3_data_file_name
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class S3Root:
             self.client.create(f"{name}/{obj_name}", data, if_unknown="if it was, the attempt's removal removes it")
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
         record = CommitRecord(
-            seq=1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0)),
+            seq=next_commit_seq(cat, seq_floor, self.location),
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),

@@ -128,3 +128,34 @@ def test_a_node_local_commit_is_numbered_above_every_nodes_disk(tmp_path):
     record = read_commit_record(root / "iter_0000110")
     assert record is not None and record.seq == 54
     assert PosixRoot(root, fsync=False, keep_last=0).highest_commit_seq() == 54  # what this disk reports
+
+
+def test_a_commit_number_past_what_a_record_holds_is_refused_not_written(tmp_path):
+    """A node's disk holding the highest number a record may hold: the next commit was numbered
+    past it, a record every scan takes for damaged, and so every commit after it."""
+    import pytest
+
+    from ckptd.errors import CorruptCheckpointError
+    from ckptd.format.commitrecord import MAX_COMMIT_SEQ
+
+    root = tmp_path / "node0"
+    root.mkdir()
+    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
+    with produced_save(7, items) as save:
+        stored, file_nbytes = write_rank_file(
+            PosixDataTarget(tmp_dir(root, 7, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
+        )
+    with pytest.raises(CorruptCheckpointError, match="impossible commit number"):
+        commit_step(
+            root,
+            7,
+            ATTEMPT,
+            stored,
+            serialize_common({"iteration": 7}),
+            {"__0_0.distcp": (0, file_nbytes)},
+            fsync=False,
+            keep_last=0,
+            megatron_tracker=False,
+            seq_floor=MAX_COMMIT_SEQ,
+        )
+    assert not (root / "iter_0000007").exists()

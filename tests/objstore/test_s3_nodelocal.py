@@ -413,3 +413,23 @@ def test_load_of_a_step_takes_node_0s_commit_over_a_copy_of_a_replaced_disks(sav
     # Without the step on node 0's disk, the mirror's copy is the one.
     shutil.rmtree(directory)
     assert _step_commit(node0, mirror, step) == old
+
+
+@pytest.mark.timeout(180)
+def test_a_mid_run_resume_on_node_local_disks_resumes_the_save_in_flight(s3_bucket, runtime_dir, tmp_path):
+    """On node-local disks a resume after a loss spike did not wait for the Checkpointer's own save
+    in flight: it loaded the step before, and the job's save of the landed step was refused
+    (node-local disks never replace a step)."""
+    url = f"s3://{s3_bucket}/m"
+    root = tmp_path / "node0"
+    cfg = _config(runtime_dir, mirror=url, node_local=True, debug_write_delay_s=1.5)
+    w10, w20 = torch.full((2, ROW), 10.0), torch.full((2, ROW), 20.0)
+    try:
+        with ckptd.Checkpointer(root, config=cfg) as ckpt:
+            ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w10), "iteration": 10}, step=10).wait(timeout_s=60)
+            h = ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w20), "iteration": 20}, step=20)
+            sd, x = _request()
+            out = ckpt.resume({**sd, "iteration": 0})
+            assert h.done() and out["iteration"] == 20 and torch.equal(x, w20)
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
