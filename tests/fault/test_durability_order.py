@@ -105,6 +105,28 @@ def test_files_and_directories_are_durable_before_anything_names_them(tmp_path, 
     assert (root / "latest").read_text() == "iter_0000005\n"
 
 
+def _commit_at_floor(root: Path, step: int, seq_floor: int) -> None:
+    """Write rank 0's file of ``step`` into ``root`` and commit it there, numbered above ``seq_floor``."""
+    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
+    with produced_save(step, items) as save:
+        stored, file_nbytes = write_rank_file(
+            PosixDataTarget(tmp_dir(root, step, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
+        )
+    common, data_files = serialize_common({"iteration": step}), {"__0_0.distcp": (0, file_nbytes)}
+    commit_step(
+        root,
+        step,
+        ATTEMPT,
+        stored,
+        common,
+        data_files,
+        fsync=False,
+        keep_last=0,
+        megatron_tracker=False,
+        seq_floor=seq_floor,
+    )
+
+
 def test_a_node_local_commit_is_numbered_above_every_nodes_disk(tmp_path):
     """Node 0's disk was replaced: numbered by its own commits alone, its first commit was 1, under
     the other disks' commits of the old disk (up to 53), which then passed for the newest there
@@ -115,16 +137,7 @@ def test_a_node_local_commit_is_numbered_above_every_nodes_disk(tmp_path):
 
     root = tmp_path / "node0"
     root.mkdir()
-    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
-    with produced_save(110, items) as save:
-        stored, file_nbytes = write_rank_file(
-            PosixDataTarget(tmp_dir(root, 110, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
-        )
-    common = serialize_common({"iteration": 110})
-    data_files = {"__0_0.distcp": (0, file_nbytes)}
-    commit_step(
-        root, 110, ATTEMPT, stored, common, data_files, fsync=False, keep_last=0, megatron_tracker=False, seq_floor=53
-    )
+    _commit_at_floor(root, 110, 53)
     record = read_commit_record(root / "iter_0000110")
     assert record is not None and record.seq == 54
     assert PosixRoot(root, fsync=False, keep_last=0).highest_commit_seq() == 54  # what this disk reports
@@ -140,22 +153,6 @@ def test_a_commit_number_past_what_a_record_holds_is_refused_not_written(tmp_pat
 
     root = tmp_path / "node0"
     root.mkdir()
-    items = plan_tensor_items(ShardedTensor.from_rank_offsets("w", torch.arange(64.0)), 0)
-    with produced_save(7, items) as save:
-        stored, file_nbytes = write_rank_file(
-            PosixDataTarget(tmp_dir(root, 7, ATTEMPT), 0, open, True), save.ring, save.request, True, save.wait, 30
-        )
     with pytest.raises(CorruptCheckpointError, match="impossible commit number"):
-        commit_step(
-            root,
-            7,
-            ATTEMPT,
-            stored,
-            serialize_common({"iteration": 7}),
-            {"__0_0.distcp": (0, file_nbytes)},
-            fsync=False,
-            keep_last=0,
-            megatron_tracker=False,
-            seq_floor=MAX_COMMIT_SEQ,
-        )
+        _commit_at_floor(root, 7, MAX_COMMIT_SEQ)
     assert not (root / "iter_0000007").exists()
