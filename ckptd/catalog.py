@@ -122,8 +122,8 @@ class RootCatalog:
     # rank's data file, on whichever node it is; or, before its first commit, it holds another
     # node's lock file but not node 0's (ckptd.daemon.rootlock: a shared root holds node 0's).
     node_local: bool = False
-    # Without ckptd's tracker: the step Megatron-LM's tracker names (a root Megatron-LM wrote), as a
-    # directory name; gc keeps it (Megatron-LM resumes it). Never read when ``latest`` exists.
+    # The step Megatron-LM's tracker names, as a directory name (a root Megatron-LM wrote, also
+    # after ckptd did); gc keeps it (Megatron-LM resumes it).
     megatron_latest_name: str | None = None
 
     @property
@@ -164,7 +164,9 @@ class RootCatalog:
             for e in self.committed
             if e.record_problem is None
             and (
-                left_behind(e.step, e.commit_seq, named.step, named.commit_seq)
+                # A checkpoint without a commit record (ckptd.save's, another tool's) has no place
+                # in commit order: never taken for one a rollback left (as RootCatalog._left_commit).
+                (e.commit_seq > 0 and left_behind(e.step, e.commit_seq, named.step, named.commit_seq))
                 or (
                     self.node_local
                     and e.step < named.step
@@ -315,8 +317,8 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
         raise CheckpointNotFoundError(f"{root} is not a directory")
     cat = RootCatalog(root)
     cat.tracker_exists, cat.latest_name, cat.tracker_problem = read_tracker(root)
-    if not cat.tracker_exists:
-        cat.megatron_latest_name = read_megatron_tracker(root)
+    # Read also next to ckptd's own: a root Megatron-LM saved into after ckptd did resumes from it.
+    cat.megatron_latest_name = read_megatron_tracker(root)
     cat.mirrored_name = read_mirrored(root)
     names = sorted(os.listdir(root))
     locks = {name for name in names if is_node_lock(name)}

@@ -159,7 +159,11 @@ def plan_gc(
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:
             age_s = now - e.usage.newest_mtime
-            if cat.node_local and window_low is not None and e.step >= window_low:
+            if e.is_latest or e.name == cat.megatron_latest_name:
+                plan.kept.append((e, "named by a tracker, though it holds no commit: inspect it by hand"))
+            elif e.record_problem is not None:  # an object store's checkpoint of another tool
+                plan.kept.append((e, e.record_problem))
+            elif cat.node_local and window_low is not None and e.step >= window_low:
                 plan.kept.append(
                     (
                         e,

@@ -37,7 +37,7 @@ from .format.commitrecord import (
 )
 from .format.layout import DCP_METADATA, METADATA_JSON
 from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
-from .storage.s3client import S3Client
+from .storage.s3client import ObjectInfo, S3Client
 from .storage.url import Location, S3Location
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,18 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
             continue
         record = read_s3_commit_record(client, name)
         state = EntryState.COMMITTED if record is not None else EntryState.PARTIAL
-        used = _usage(client, name) if usage else DirUsage(0, 0, 0.0)
+        infos = list(client.list_objects(name)) if usage else []
+        used = _usage(infos)
         if usage and state is EntryState.PARTIAL and used.files == 0:
             continue  # an emptied "directory" some stores (SeaweedFS) go on listing
+        problem = f"{client.url(name)}/{COMMIT_RECORD} is damaged" if record is DAMAGED else None
+        if state is EntryState.PARTIAL and {_relative_name(i.key) for i in infos} & {METADATA_JSON, DCP_METADATA}:
+            # No attempt of a Checkpointer's: another tool's checkpoint (ckptd.save, torch DCP), or a
+            # commit that stopped between its metadata and its record. Never collected as abandoned.
+            problem = (
+                f"{client.url(name)} has checkpoint metadata but no {COMMIT_RECORD}: another tool's checkpoint "
+                "(ckptd.save, torch DCP), or a commit interrupted before its record; remove it by hand"
+            )
         cat.entries.append(
             CheckpointEntry(
                 name,
@@ -107,7 +116,7 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 is_latest=name == cat.latest_name,
                 commit_seq=record.seq if record is not None else 0,
                 committed_unix_s=record.committed_unix_s if record is not None else 0.0,
-                record_problem=f"{client.url(name)}/{COMMIT_RECORD} is damaged" if record is DAMAGED else None,
+                record_problem=problem,
             )
         )
     for info in objects:
@@ -216,7 +225,10 @@ def checkpoint_exists(path: Location) -> bool:
     return path.exists()
 
 
-def _usage(client: S3Client, name: str) -> DirUsage:
-    infos = list(client.list_objects(name))
+def _relative_name(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def _usage(infos: list[ObjectInfo]) -> DirUsage:
     newest = max((i.last_modified_unix_s for i in infos), default=0.0)
     return DirUsage(sum(i.size for i in infos), len(infos), newest)

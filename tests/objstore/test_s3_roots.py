@@ -22,7 +22,7 @@ from ckptd.format.commitrecord import COMMIT_RECORD
 from ckptd.roots.s3_root import S3Root
 from ckptd.s3catalog import read_s3_commit_record
 from ckptd.storage.s3client import S3Client
-from ckptd.storage.url import UnsupportedLocationError, parse_location
+from ckptd.storage.url import S3Location, UnsupportedLocationError, parse_location
 from tests.multiproc import without_torchrun
 from tools.harness.daemons import stop_root_daemons
 
@@ -669,3 +669,21 @@ def test_a_rollback_on_s3_saves_again_at_the_steps_it_left(s3_bucket, runtime_di
                 twice.wait(timeout_s=120)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+def test_gc_of_an_s3_root_never_removes_a_checkpoint_another_tool_wrote_there(s3_bucket, single_process):
+    """A step without a commit object is PARTIAL on an object store, and gc removed every one past
+    the grace time: also a checkpoint ckptd.save or torch DCP wrote into the root, metadata and
+    all. One with metadata is kept (remove it by hand); an attempt's leftovers without are not."""
+    from ckptd.retention import plan_gc
+    from ckptd.s3catalog import scan_s3_root
+
+    root = parse_location(f"s3://{s3_bucket}/run")
+    assert isinstance(root, S3Location)
+    ckptd.save({"w": torch.arange(8.0)}, root.child("iter_0000010"))
+    client = S3Client(root)
+    client.put("iter_0000020/__0_0.0123456789ab-1.distcp", b"x" * 64)  # a crashed attempt's object
+    plan = plan_gc(scan_s3_root(root, client), keep=1, grace_s=0.0)
+    assert [r.entry.name for r in plan.remove] == ["iter_0000020"]
+    kept = {e.name: why for e, why in plan.kept}
+    assert "another tool's checkpoint" in kept["iter_0000010"]

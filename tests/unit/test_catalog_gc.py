@@ -341,8 +341,9 @@ def test_gc_of_a_root_megatron_lm_wrote_keeps_the_step_its_tracker_names(tmp_pat
     plan = plan_gc(scan_root(root), keep=1, grace_s=600)
     assert [r.entry.step for r in plan.remove] == [10, 30]
     assert any(e.step == 20 and "Megatron-LM's tracker" in why for e, why in plan.kept)
-    (root / "latest").write_text("iter_0000040\n")  # ckptd's tracker, where it exists, decides
-    assert [r.entry.step for r in plan_gc(scan_root(root), keep=1, grace_s=600).remove] == [10, 20, 30]
+    # Next to ckptd's tracker too: Megatron-LM, saving into the root after ckptd did, resumes it.
+    (root / "latest").write_text("iter_0000040\n")
+    assert [r.entry.step for r in plan_gc(scan_root(root), keep=1, grace_s=600).remove] == [10, 30]
 
 
 def test_a_commit_record_listing_thousands_of_files_is_read(tmp_path):
@@ -664,3 +665,20 @@ def test_retention_on_a_node_local_disk_keeps_the_new_numbering_after_node_0_was
     cat = RootCatalog(Path("/node1"), entries=entries, tracker_exists=True, latest_name=step_dir_name(110))
     cat.node_local = True
     assert sorted(e.step for e, _ in plan_gc(cat, keep=2).kept) == [60, 110]
+
+
+def test_gc_keeps_a_newer_checkpoint_another_tool_saved_into_a_ckptd_root(tmp_path):
+    """ckptd committed 100 (its tracker names it); then Megatron-LM's own saver (or ckptd.save)
+    wrote 200 there, without a commit record, and Megatron-LM's tracker names 200. gc took 200 for
+    a step a rollback left (no record: number 0, below the tracker's) and removed the checkpoint
+    Megatron-LM resumes."""
+    from ckptd.format.rootlayout import MEGATRON_TRACKER
+
+    root = make_root(tmp_path / "run", [50, 100, 200], latest=100)
+    stamp_commits(root, [50, 100])  # 200 has no commit record
+    (root / MEGATRON_TRACKER).write_text("200")
+    cat = scan_root(root)
+    assert cat.megatron_latest_name == step_dir_name(200) and not cat.off_branch()
+    plan = plan_gc(cat, keep=1)
+    assert [r.entry.step for r in plan.remove] == [50]
+    assert {e.step for e, _ in plan.kept} == {100, 200}
