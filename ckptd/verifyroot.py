@@ -25,15 +25,21 @@ class RootVerifyReport:
     reports: list[VerifyReport] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
 
+    # Checkpoints chosen that were removed while verified, none of them judged.
+    removed: int = 0
+
     @property
     def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings) and all(r.ok for r in self.reports)
+        return self.status == "OK"
 
     @property
     def status(self) -> str:
-        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK."""
+        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK; or
+        UNVERIFIED when every checkpoint chosen was removed before it could be judged."""
         if any(f.severity == ERROR for f in self.findings) or any(r.errors for r in self.reports):
             return "DAMAGED"
+        if self.removed and not self.reports:
+            return "UNVERIFIED"
         return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +110,7 @@ def verify_root(
 
         report = verify_unless_removed(path, verify)
         if report is None:
+            out.removed += 1
             out.findings.append(
                 Finding(
                     WARNING,

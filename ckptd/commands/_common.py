@@ -15,7 +15,7 @@ from ..errors import CheckpointNotFoundError, CkptdError
 from ..format.rootlayout import TRACKER_FILE
 from ..progress import format_bytes, format_duration
 from ..s3catalog import resolve_s3_target, scan_any
-from ..storage.url import Location, S3Location, parse_location
+from ..storage.url import Location, S3Location, UnsupportedLocationError, parse_location
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # damage found, or the operation failed
@@ -73,7 +73,7 @@ def resolve(path: str) -> Target:
         if isinstance(location, S3Location):
             return resolve_s3_target(location)
         return resolve_target(location)
-    except CheckpointNotFoundError as exc:
+    except (CheckpointNotFoundError, UnsupportedLocationError) as exc:  # a path or URL that names nothing
         raise UsageError(str(exc)) from None
 
 

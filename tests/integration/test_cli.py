@@ -249,6 +249,8 @@ def test_usage_errors_exit_2(tmp_path, capsys):
         ("gc", tmp_path / "c", "--keep", "1"),
         ("gc", tmp_path / "empty", "--keep", "0"),
         ("tune", "--stall-s", "1", "--persist-s", "1", "--mtbf-s", "0"),
+        ("verify", "gs://bucket/ckpt"),  # a scheme ckptd does not store at (it exited 1)
+        ("ls", "s3://B/ckpt"),  # no S3 bucket name
     ):
         rc, out, err = cli(capsys, *argv)
         assert rc == 2, argv

@@ -407,3 +407,19 @@ def test_a_short_read_does_not_misalign_the_blocks(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert report.ok, report.findings
     assert len(calls) > 1 and calls[0] > 1 << 20
+
+
+def test_verify_of_a_root_whose_checkpoint_went_away_meanwhile_does_not_say_ok(tmp_path):
+    """The tracker's checkpoint was removed (retention, gc) between the scan and its verification:
+    nothing was judged, and the root's report said OK (exit 0)."""
+    import shutil
+
+    from ckptd.catalog import scan_root
+    from ckptd.verifyroot import verify_root
+    from tests.checkpoints import make_root
+
+    root = make_root(tmp_path / "run", [10], latest=10)
+    cat = scan_root(root)
+    shutil.rmtree(root / "iter_0000010")
+    report = verify_root(cat)
+    assert not report.reports and report.status == "UNVERIFIED" and not report.ok
