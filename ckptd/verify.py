@@ -286,7 +286,15 @@ def _check_files(
             f"data file {extra} is not referenced by .metadata (left over by another save?)",
             file=extra,
         )
-    if elsewhere:
+    if elsewhere and elsewhere == len(by_file):
+        # Every node holds its own ranks' files: a disk with none of the commit's lost its own.
+        report.add(
+            ERROR,
+            "file",
+            f"none of the {elsewhere} data files the commit records is on this disk; a node-local root's "
+            "node holds its own ranks' files: this node's are lost (the mirror's copy holds them all)",
+        )
+    elif elsewhere:
         report.add(
             NOTE,
             "file",

@@ -140,6 +140,10 @@ def test_each_disk_verifies_and_resumes_with_its_own_files_only(nodes):
     assert [f.message for f in report.errors] == [
         f"data file __1_0.distcp has {written[1][1] + 1} bytes, its commit recorded {written[1][1]}"
     ]
+    # This node's own file lost: no data file of the commit left on the disk (it said OK, exit 0).
+    (disk1 / "iter_0000005" / "__1_0.distcp").unlink()
+    report = verify_checkpoint(disk1 / "iter_0000005")
+    assert not report.ok and "none of the 2 data files the commit records is on this disk" in report.errors[0].message
 
 
 def test_commit_files_too_large_for_a_message_stay_home_and_the_node_says_so(nodes):
