@@ -137,6 +137,11 @@ class RootCatalog:
         return sorted(self.committed, key=lambda e: e.commit_order, reverse=True)
 
     @property
+    def highest_commit_seq(self) -> int:
+        """The highest commit number of the committed checkpoints (0: none)."""
+        return max((e.commit_seq for e in self.committed), default=0)
+
+    @property
     def branch_first(self) -> list[CheckpointEntry]:
         """:attr:`newest_first` with the checkpoints of branches a rollback abandoned last: a
         fallback past a damaged latest, and retention's count of the last commits, take the

@@ -90,7 +90,7 @@ def next_commit_seq(cat: RootCatalog, seq_floor: int, where: object) -> int:
     """The number of the next commit into the root ``cat`` lists: above every commit there and
     above ``seq_floor``. CorruptCheckpointError when it would pass what a record may hold (a
     record of an impossible number, which no scan would take for a commit again)."""
-    seq = 1 + max(seq_floor, max((e.commit_seq for e in cat.committed), default=0))
+    seq = 1 + max(seq_floor, cat.highest_commit_seq)
     if seq > MAX_COMMIT_SEQ:
         raise CorruptCheckpointError(
             f"{where}: the next commit number would be {seq}, beyond {MAX_COMMIT_SEQ}: a checkpoint of this root, "

@@ -154,7 +154,7 @@ class PosixRoot:
         return scan_root(self.location, usage=usage)
 
     def highest_commit_seq(self) -> int:
-        return max((e.commit_seq for e in self.scan(usage=False).committed), default=0)
+        return self.scan(usage=False).highest_commit_seq
 
     def checkpoint_location(self, step: int) -> Path:
         return self.location / step_dir_name(step)

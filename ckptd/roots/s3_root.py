@@ -531,7 +531,7 @@ class S3Root:
         return scan_s3_root(self.location, self.client, usage=usage)
 
     def highest_commit_seq(self) -> int:
-        return max((e.commit_seq for e in self.scan(usage=False).committed), default=0)
+        return self.scan(usage=False).highest_commit_seq
 
     def checkpoint_location(self, step: int) -> S3Location:
         return self.location.child(step_dir_name(step))

@@ -29,6 +29,15 @@ def _value(step: int, branch: int) -> torch.Tensor:
     return torch.full((64,), float(step * 10 + branch))
 
 
+def _commit_then_go_back(ckpt: ckptd.Checkpointer, step: int) -> None:
+    """Commit steps 10-40 of branch 0, then load ``step`` of them (going back), checked."""
+    for s in (10, 20, 30, 40):
+        ckpt.save(_sd(_value(s, 0), s), step=s).wait(timeout_s=30)
+    w = torch.zeros(64)
+    ckpt.load(_sd(w, -1), step=step)
+    assert torch.equal(w, _value(step, 0))
+
+
 def _steps(root) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("iter_") and "." not in p.name)
 
@@ -39,12 +48,8 @@ def test_rollback_keeps_the_new_branch_and_resumes_it(tmp_path, single_process, 
     root = tmp_path / "run"
     cfg = _config(runtime_dir, keep_last)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
-        for step in (10, 20, 30, 40):
-            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
         # A loss spike: go back to step 30 and train on from there.
-        w = torch.zeros(64)
-        ckpt.load(_sd(w, -1), step=30)
-        assert torch.equal(w, _value(30, 0))
+        _commit_then_go_back(ckpt, 30)
         handles = {}
         for step in (31, 32, 33):
             handles[step] = ckpt.save(_sd(_value(step, 1), step), step=step)
@@ -217,11 +222,7 @@ def test_a_rollback_saves_again_at_the_steps_it_left(tmp_path, single_process, r
     root = tmp_path / "run"
     cfg = _config(runtime_dir, keep_last=10)
     with ckptd.Checkpointer(root, config=cfg) as ckpt:
-        for step in (10, 20, 30, 40):
-            ckpt.save(_sd(_value(step, 0), step), step=step).wait(timeout_s=30)
-        w = torch.zeros(64)
-        ckpt.load(_sd(w, -1), step=20)
-        assert torch.equal(w, _value(20, 0))
+        _commit_then_go_back(ckpt, 20)
         with pytest.raises(ckptd.CheckpointExistsError, match="committed already"):
             ckpt.save(_sd(_value(20, 1), 20), step=20)  # the step it went back to is not left
         # 40 first: the left 30 lies between, and would pass for the new 40's ancestor.
