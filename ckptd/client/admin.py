@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
+import socket
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
@@ -25,6 +28,7 @@ from ..control.requests import RequestClient
 from ..errors import DaemonError, DaemonLostError
 
 M = TypeVar("M", bound=Message)
+_JOB = re.compile(r"^[A-Za-z0-9_-]{1,40}$")  # what Endpoints.for_job accepts
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,48 @@ def local_daemons(root: str | os.PathLike, config: CkptdConfig | None = None) ->
                 ep = replace(base, node=int(m.group(1)))
                 found.append(LocalDaemon(ep.node, ep, daemon_pid(path)))
     return sorted(found, key=lambda d: d.node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OtherJobDaemon:
+    """A live daemon of the root on this machine that runs under another job id or runtime
+    directory than the one asked about (found through the root's node locks)."""
+
+    node: int
+    job: str
+    runtime_dir: str
+    pid: int | None
+
+
+def other_job_daemons(root: str | os.PathLike, config: CkptdConfig | None = None) -> list[OtherJobDaemon]:
+    """The live daemons of ``root`` on this machine that :func:`local_daemons` does not reach: the
+    job set ``CKPTD_JOB_ID`` or ``CKPTD_RUNTIME_DIR`` and this process did not. Named by the
+    holders the root's node locks record (ckptd.daemon.rootlock), alive when their pid file is held."""
+    from ..daemon.rootlock import recorded_holders
+
+    config = config if config is not None else CkptdConfig.from_env()
+    base = Endpoints.for_job(root, JobEnv(), config)
+    host = socket.gethostname()
+    found = []
+    for node, holder in sorted(recorded_holders(base.root).items()):
+        job, runtime_dir = holder.get("job"), holder.get("runtime_dir")
+        if holder.get("host") != host or not isinstance(job, str) or not isinstance(runtime_dir, str):
+            continue
+        if not _JOB.match(job) or len(runtime_dir) > 4096 or (job, runtime_dir) == (base.job, str(base.runtime_dir)):
+            continue
+        pid_path = Path(runtime_dir) / f"{job}-n{node}.pid"
+        if daemon_alive(pid_path):
+            found.append(OtherJobDaemon(node=node, job=job, runtime_dir=runtime_dir, pid=daemon_pid(pid_path)))
+    return found
+
+
+def other_job_advice(root: str | os.PathLike, daemons: list[OtherJobDaemon], command: str) -> str:
+    """What to run to reach the daemons of ``root`` that run under another job id or runtime
+    directory: ``command`` (``ckptd ...``, with ``{job}`` where the job id goes) for each job."""
+    jobs = list(dict.fromkeys((d.job, d.runtime_dir) for d in daemons))
+    nodes = ", ".join(f"node {d.node} (pid {d.pid}, job {d.job})" for d in daemons)
+    runs = "; ".join(f"CKPTD_RUNTIME_DIR={shlex.quote(r)} {command.format(job=j)}" for j, r in jobs)
+    return f"no daemon of {root} runs on this machine under this shell's job id, but {nodes} do: {runs}"
 
 
 def request(ep: Endpoints, config: CkptdConfig, msg: Message, reply_type: type[M], timeout_s: float) -> M:

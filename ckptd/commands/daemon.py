@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,9 @@ CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
 the same way and waits for them (SIGTERM to one that does not answer).
 
 exit status: 0 stopped normally (or --detach: serving / already running; stop: all stopped);
-1 error (stop: a daemon did not stop in time); 3 another daemon of this job and node is running;
-4 another job's daemon holds this node's lock in the root (one job per root)."""
+1 error (stop: a daemon did not stop in time, or the root's daemons on this machine run under
+another job id or runtime directory than this shell's: the message says what to run); 3 another
+daemon of this job and node is running; 4 another job's daemon holds this node's lock in the root (one job per root)."""
 
 
 def register(subparsers: Any) -> None:
@@ -135,10 +137,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stop(root: str, config: CkptdConfig) -> int:
-    from ..client.admin import local_daemons, stop_daemon
+    from ..client.admin import local_daemons, other_job_advice, other_job_daemons, stop_daemon
 
     daemons = local_daemons(root, config)
     if not daemons:
+        others = other_job_daemons(root, config)
+        if others:  # "none runs" would leave them running, their rings in /dev/shm
+            command = f"ckptd daemon stop --root {shlex.quote(str(root))} --job {{job}}"
+            print(f"ckptd daemon: error: {other_job_advice(root, others, command)}", file=sys.stderr)
+            return 1
         print(f"no ckptd daemon of {root} runs on this machine")
         return 0
     failed = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from ._common import EXIT_FAILURE, EXIT_OK, add_parser, emit_json, format_bytes, guarded, table
@@ -168,7 +169,7 @@ def _print_memory(mem: dict[str, Any] | None) -> None:
 
 @guarded("status")
 def run(args: argparse.Namespace) -> int:
-    from ..client.admin import daemon_status, local_daemons
+    from ..client.admin import daemon_status, local_daemons, other_job_advice, other_job_daemons
     from ..config import CkptdConfig
     from ..daemon.metrics import prometheus_text
     from ..errors import DaemonError, ProtocolError
@@ -178,10 +179,13 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(job_id=args.job)
     daemons = local_daemons(args.root, config)
     if not daemons:
+        others = other_job_daemons(args.root, config)
+        command = f"ckptd status {shlex.quote(str(args.root))} --job {{job}}"
+        advice = other_job_advice(args.root, others, command) if others else ""
         if args.json:
-            emit_json({"root": args.root, "daemons": []})
+            emit_json({"root": args.root, "daemons": [], **({"advice": advice} if advice else {})})
         else:
-            print(f"no ckptd daemon of {args.root} runs on this machine")
+            print(advice or f"no ckptd daemon of {args.root} runs on this machine")
         return EXIT_FAILURE
     replies: list[dict[str, Any]] = []
     failed = False

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from ..errors import DaemonError, StorageError
-from ..format.rootlayout import node_lock_name
+from ..format.rootlayout import LOCK_PREFIX, LOCK_SUFFIX, node_lock_name
 from ..staging.segment import SHM_DIR
 from ..storage.url import Location, S3Location
 
@@ -50,6 +50,11 @@ class RootBusyError(DaemonError):
     """Another job's daemon holds this node's lock in the checkpoint root."""
 
 
+def _s3_lock_stem(root: S3Location) -> str:
+    # Named by the root, not the job: two jobs on one root and machine must meet here.
+    return f".ckptd-s3-{hashlib.sha256(str(root).encode()).hexdigest()[:20]}-n"
+
+
 class RootLock:
     """``<root>/.ckptd-n<node>.lock``, held by a node daemon for its lifetime (see the module docstring)."""
 
@@ -57,9 +62,7 @@ class RootLock:
         self.node = node
         self.where = str(root)
         if isinstance(root, S3Location):
-            # Named by the root, not the job: two jobs on one root and machine must meet here.
-            digest = hashlib.sha256(str(root).encode()).hexdigest()[:20]
-            self.root, self.name = SHM_DIR, f".ckptd-s3-{digest}-n{node}.lock"
+            self.root, self.name = SHM_DIR, f"{_s3_lock_stem(root)}{node}.lock"
         else:
             self.root, self.name = root, node_lock_name(node)
         self.removed_on_release = isinstance(root, S3Location)
@@ -172,6 +175,38 @@ class RootLock:
             "commits, or stop it (`ckptd daemon stop --root ...` with its CKPTD_RUNTIME_DIR, or kill "
             "its pid); then start again"
         )
+
+
+def recorded_holders(root: Location) -> dict[int, dict]:
+    """What the daemons that took ``root``'s node locks recorded in them (:meth:`RootLock.acquire`),
+    by node: the last holder of each, alive or not (a lock file in a POSIX root stays). Read
+    without taking the locks: a probe while a daemon starts would make it refuse to start."""
+    if isinstance(root, S3Location):
+        where, prefix, suffix = SHM_DIR, _s3_lock_stem(root), ".lock"
+    else:
+        where, prefix, suffix = Path(root), LOCK_PREFIX, LOCK_SUFFIX
+    try:
+        dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    found: dict[int, dict] = {}
+    try:
+        for name in os.listdir(dir_fd):
+            node = name[len(prefix) : -len(suffix)]
+            if not (name.startswith(prefix) and name.endswith(suffix) and node.isdigit() and len(node) < 7):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    found[int(node)] = _read_holder(fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return found
 
 
 def _read_holder(fd: int) -> dict:

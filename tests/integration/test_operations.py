@@ -100,6 +100,30 @@ def test_stats_status_metrics_and_stop(single):
 
 
 @pytest.mark.timeout(120)
+def test_stop_and_status_name_the_daemon_of_a_job_launched_with_its_own_job_id(single):
+    """A job launched with CKPTD_JOB_ID: a shell without it derives another job id from the root.
+    `ckptd daemon stop` said no daemon runs (exit 0) and left it running; both commands now name it
+    and say what to run."""
+    root, runtime, env = single
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, job_id="trainjob7")
+    w = torch.arange(1024, dtype=torch.float32)
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, step=1).wait(60)
+    # The daemon outlives the Checkpointer (it exits when idle).
+    advice = f"CKPTD_RUNTIME_DIR={runtime} ckptd daemon stop --root {root} --job trainjob7"
+    run = ckptd_cli(env, "daemon", "stop", "--root", str(root))
+    assert run.returncode == 1 and "node 0 (pid " in run.stderr and advice in run.stderr, run.stderr
+    run = ckptd_cli(env, "status", str(root), "--json")
+    assert run.returncode == 1 and f"ckptd status {root} --job trainjob7" in json.loads(run.stdout)["advice"]
+    assert admin.local_daemons(root, cfg)  # still running: nothing was stopped
+    run = ckptd_cli({**env, "CKPTD_JOB_ID": "trainjob7"}, "daemon", "stop", "--root", str(root))
+    assert run.returncode == 0 and "stopped the daemon of node 0" in run.stdout, run.stderr
+    # Gone: the lock's record of it names a daemon no longer alive.
+    run = ckptd_cli(env, "daemon", "stop", "--root", str(root))
+    assert run.returncode == 0 and "no ckptd daemon" in run.stdout
+
+
+@pytest.mark.timeout(120)
 def test_policy_auto_agrees_on_the_interval_whatever_the_save_did(single, monkeypatch):
     """policy="auto": every rank joins the interval's agreement (a collective) after every save,
     also one whose save raised or was skipped; before, such a rank left the others in it and
