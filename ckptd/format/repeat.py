@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,8 +50,7 @@ class PlannedSave:
     common_digest: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Tensor:
+class _Tensor(NamedTuple):  # one per tensor of the state dict: cheaper to make than a dataclass
     leaf: int  # index in the walk
     signature: tuple  # dtype, shape, device, layout
     record: ItemRecord | None  # None: not stored by this rank (another rank writes it)
@@ -172,7 +171,7 @@ def _entries(
         if isinstance(sh, ShardedTensor):
             if type(leaf) is not torch.Tensor or (item is not None and item.payload is not leaf):
                 return None
-            entry = _Tensor(leaf=i, signature=_signature(leaf), record=None if item is None else item.record)
+            entry = _Tensor(i, _signature(leaf), None if item is None else item.record)
             tensors.append(entry)
         elif isinstance(sh, ByteItem):
             frozen = frozen_value(leaf)

@@ -28,7 +28,7 @@ from .items import (
     plan_tensor_items,
     tensor_payloads,
 )
-from .records import ItemRecord
+from .records import TENSOR, ItemRecord, dtype_name
 from .validate import check_local_duplicates
 
 
@@ -91,6 +91,7 @@ def plan_rank(
     fresh: dict[Any, _PlanEntry] = {}
     fresh_values: dict[Any, tuple[Any, PlannedItem]] = {}
     old = cache.entries if cache is not None else {}
+    whole_tensors = split.dcp_plain
     for path, sh in split.sharded.items():
         if isinstance(sh, ShardedTensor):
             if skip and sh.key in skip:
@@ -109,6 +110,24 @@ def plan_rank(
                     items.extend(
                         PlannedItem(r, p) for r, p in zip(hit.records, tensor_payloads(sh, hit.records, hit.starts))
                     )
+            elif whole_tensors.get(sh.key) is sh and _plain_dense(sh.data):
+                # A DCP-style plain tensor, whole by construction (ShardedTensor.whole): its one
+                # record as plan_tensor_items makes it, without checking what holds by construction.
+                shape = sh.local_shape
+                record = ItemRecord(
+                    fqn=sh.key,
+                    kind=TENSOR,
+                    rank=rank,
+                    dtype=dtype_name(sh.dtype, sh.key),
+                    global_shape=shape,
+                    offsets=sh.global_offset,
+                    sizes=shape,
+                    path=split.dcp_paths.get(sh.key, ()),
+                )
+                planned = [PlannedItem(record, sh.data)]  # type: ignore[arg-type]
+                items.append(planned[0])
+                if sig is not None:
+                    hit = _PlanEntry(sig, (record,), (0,), True)
             else:
                 _check_tensor_data(sh, path, rank)
                 dcp_path = split.dcp_paths.get(sh.key, ())
@@ -201,9 +220,13 @@ def _tensor_signature(sh: ShardedTensor) -> tuple:
     )
 
 
+def _plain_dense(data: Any) -> bool:
+    """Whether ``data`` is a ``torch.Tensor`` (no subclass) with values in dense memory."""
+    return type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided
+
+
 def _check_tensor_data(sh: ShardedTensor, path: Any, rank: int) -> None:
-    data = sh.data
-    if type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided:
+    if _plain_dense(sh.data):
         # The common case, without building the error text (a save checks every item).
         try:
             sh.validate_metadata_integrity()

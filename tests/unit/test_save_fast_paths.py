@@ -214,3 +214,53 @@ def test_unchanged_plain_values_reuse_their_serialized_bytes():
     fresh = byte_items(plan_save(split_state_dict(sd(2, lr=0.1)), 0))
     assert third == fresh  # the same bytes as without the cache
     assert byte_items(plan_save(split_state_dict(sd(2, lr=0.2)), 0, cache))[lr] != fresh[lr]
+
+
+def test_a_plain_tensor_of_a_dcp_style_state_dict_is_planned_as_the_checked_way_plans_it():
+    """Plain tensors (ShardedTensor.whole, made by the split) skip the checks of what holds by
+    construction: their records and payloads are those of the checked way, for every shape, dtype,
+    view and device; what the checked way refuses is still refused."""
+    from ckptd import ShardedTensor
+    from ckptd.errors import ShardingError
+    from ckptd.format.items import plan_tensor_items
+    from ckptd.format.saveplan import PlanCache, plan_rank
+    from ckptd.statedict.split import split_state_dict
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 5),
+        "row": base[1],
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "bf16": torch.ones(3, 2, dtype=torch.bfloat16),
+        "int8": torch.arange(7, dtype=torch.int8),
+        "bool": torch.tensor([True, False]),
+        "param": torch.nn.Parameter(torch.ones(2, 2)),  # a subclass: the checked way
+        "deep": torch.zeros(1, 1, 1, 1, 1),
+    }
+    sd = {"m": dict(tensors), "opt": [{"x": torch.ones(2)}], "step": 3}
+    split = split_state_dict(sd)
+    for rank in (0, 3):
+        for cache in (None, PlanCache()):  # a cache is one rank's
+            got = plan_rank(split, rank, cache).items
+            want = []
+            for sh in split.sharded.values():
+                if isinstance(sh, ShardedTensor):
+                    checked = ShardedTensor.from_rank_offsets(sh.key, sh.data)
+                    want += plan_tensor_items(checked, rank, split.dcp_paths[sh.key])
+            got_tensors = [i for i in got if isinstance(i.payload, torch.Tensor)]
+            assert [i.record for i in got_tensors] == [i.record for i in want]
+            for a, b in zip(got_tensors, want):
+                assert a.payload is b.payload or (a.payload.data_ptr(), a.payload.shape, a.payload.stride()) == (
+                    b.payload.data_ptr(),
+                    b.payload.shape,
+                    b.payload.stride(),
+                )
+    for bad, match in (
+        (torch.zeros(2, device="meta"), "meta tensor"),
+        (torch.zeros(2, 2).to_sparse(), "sparse"),
+        (torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "tensor 'm.bad' has dtype torch.bits8"),
+    ):
+        with pytest.raises(ShardingError, match=match):
+            plan_rank(split_state_dict({"m": {"bad": bad}}), 0, PlanCache())
