@@ -171,14 +171,17 @@ class Checkpointer(RootReader):
             else None
         )
         self._closed = False
+        # Agreed by the first save, prepare() or resume(): only Checkpointers that save take part.
+        self._tries = StepTries(
+            self.env,
+            functools.partial(launch_incarnation, self.config, self.env, self.endpoints.job),
+            self._link,
+            self._session.ensure_connected,
+        )
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
                 self._ensure_budgeted_ring()
-            # Last: a rank whose constructor failed before this and is made again would otherwise
-            # count one more Checkpointer of the launch than the others (ckptd.client.incarnation).
-            incarnation = launch_incarnation(self.config, self.env, self.endpoints.job)
-            self._tries = StepTries(self.env, incarnation, self._link, self._session.ensure_connected)
         except BaseException:
             self._session.disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
@@ -226,6 +229,7 @@ class Checkpointer(RootReader):
 
     def _save_known(self, sharded_state_dict: dict[str, Any], step: int, content_metadata: dict | None) -> SaveHandle:
         sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
+        self._tries.agree()
         tries = self._tries.count(step)
         return self._session.known_to_daemon(
             lambda: self._save(sharded_state_dict, step), again=lambda: self._tries.restore(step, tries)
@@ -386,6 +390,7 @@ class Checkpointer(RootReader):
         background, but plans nothing.
         """
         self._check_open()
+        self._tries.agree()  # here, not in the first save's stall (a round trip to the store)
         self._session.known_to_daemon(lambda: self._prepare(sharded_state_dict, wait))
 
     def _prepare(self, sharded_state_dict: dict[str, Any], wait: bool) -> None:
@@ -468,6 +473,8 @@ class Checkpointer(RootReader):
         """A load writes into the tensors a lazy save may still be copying: decide those saves
         first. A resume then settles what an earlier launch left with the node daemons
         (ckptd.client.settle)."""
+        if resume:  # every rank resumes: the agreement here, not in the first save's stall
+            self._tries.agree()
         if resume:  # a collective: a rank whose lazy copy failed here left the others in the next one
             DistContext.current(group).agree("deciding this rank's saves before the resume", self._decide_own_saves)
         else:  # load(step=N) may be one rank's alone

@@ -8,8 +8,10 @@ A store, though, lives exactly as long as one launch: the default process group'
 ``init_process_group`` ran), or torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``)
 that the workers' process group will use. Through it the ranks agree on a random tag:
 
-1. each rank counts its Checkpointers of this job in this launch (``store.add``): the ``n``-th
-   Checkpointer of every rank belongs to the same agreement;
+1. each rank counts its Checkpointers of this job in this launch (``store.add``), in the order of
+   their first ``save()``, ``prepare()`` or ``resume()``: the ``n``-th Checkpointer of every rank
+   belongs to the same agreement (one that only reads, such as one rank's that asks ``latest()``,
+   is not counted: it would leave that rank's saving Checkpointer one ahead of the others);
 2. each rank offers a random tag for ``n`` (``store.compare_set``): the first offer wins, every
    rank reads the winner, nobody waits for another rank.
 

@@ -23,14 +23,31 @@ log = logging.getLogger(__name__)
 
 
 class StepTries:
-    """The tries of each step by one Checkpointer; ``connect`` (re)connects its ``link``."""
+    """The tries of each step by one Checkpointer; ``connect`` (re)connects its ``link``.
+    ``incarnation`` gives the launch's incarnation (ckptd.client.incarnation), asked once, by the
+    first :meth:`agree`: a Checkpointer that never saves (one rank's, reading ``latest()``) takes
+    no part in the ranks' agreement, so their saving Checkpointers still agree."""
 
-    def __init__(self, env: JobEnv, incarnation: Incarnation, link: DaemonLink, connect: Callable[[], None]) -> None:
+    def __init__(
+        self, env: JobEnv, incarnation: Callable[[], Incarnation], link: DaemonLink, connect: Callable[[], None]
+    ) -> None:
         self.env = env
-        self.incarnation = incarnation
+        self._agree = incarnation
+        self._incarnation: Incarnation | None = None
         self.link = link
         self.connect = connect
         self._tries: dict[int, int] = {}  # step -> tries of it so far
+
+    def agree(self) -> Incarnation:
+        """The launch's incarnation, agreed on the first call (CkptdError when it cannot be: the
+        next call asks again)."""
+        if self._incarnation is None:
+            self._incarnation = self._agree()
+        return self._incarnation
+
+    @property
+    def incarnation(self) -> Incarnation:
+        return self.agree()
 
     def count(self, step: int) -> int:
         return self._tries.get(step, 0)

@@ -58,3 +58,27 @@ def test_ranks_of_a_torchrun_launch_without_a_run_id_agree_on_a_fresh_incarnatio
         assert len({tag for tag, _, _ in launch}) == 1
         assert all("torch.distributed store" in source for _, source, _ in launch)
     assert first[0][0] != second[0][0]
+
+
+def _launch_after_one_rank_peeked(rank: int, world_size: int, root: str, runtime: str) -> tuple[str, str]:
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, idle_exit_s=2.0, commit_timeout_s=30.0)
+    if rank == 0:  # rank 0 alone asks for the latest step first, with a Checkpointer of its own
+        with ckptd.Checkpointer(root, config=cfg) as peek:
+            assert peek.latest() is None
+    with ckptd.Checkpointer(root, config=cfg) as ckpt:
+        h = ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), (0, rank, world_size))}, step=1)
+        h.wait(timeout_s=60)  # committed: the reading Checkpointer took no part in the agreement
+        return ckpt._tries.incarnation.tag, h.attempt
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpointer_that_only_reads_on_one_rank_leaves_the_ranks_agreeing(tmp_path, runtime_dir):
+    """Each rank's n-th Checkpointer agreed with the others' n-th: one rank's extra Checkpointer,
+    made only to read, put that rank's saving one in another agreement, and no save of the launch
+    committed ("ranks disagree on the save attempt")."""
+    from tools.harness.ranks import run_ranks
+
+    results = run_ranks(
+        _launch_after_one_rank_peeked, 2, str(tmp_path / "a"), str(runtime_dir), env={"TORCHELASTIC_RUN_ID": "none"}
+    )
+    assert len(set(results)) == 1
