@@ -35,7 +35,7 @@ from .validate import check_local_duplicates
 class _PlanEntry(NamedTuple):
     """What one ShardedTensor's last save planned."""
 
-    signature: tuple  # :func:`_tensor_signature`
+    signature: tuple  # :func:`_tensor_signature` and the DCP path
     records: tuple[ItemRecord, ...]  # checked
     starts: tuple[int, ...]  # the flat start of each record's piece
     direct: bool  # its single item's payload is ``data`` itself
@@ -101,7 +101,9 @@ def plan_rank(
             if not is_main_replica(sh.replica_id):
                 held.append(sh.key)
             first = len(items)
-            sig = _tensor_signature(sh) if cache is not None and type(sh.data) is torch.Tensor else None
+            dcp_path = split.dcp_paths.get(sh.key, ())
+            # With the DCP path: {"a": [t]} and {"a": {0: t}} have one state-dict path, not one DCP path.
+            sig = (_tensor_signature(sh), dcp_path) if cache is not None and type(sh.data) is torch.Tensor else None
             hit = old.get(path) if sig is not None else None
             if hit is not None and hit.signature == sig:
                 if hit.direct:
@@ -122,7 +124,7 @@ def plan_rank(
                     global_shape=shape,
                     offsets=sh.global_offset,
                     sizes=shape,
-                    path=split.dcp_paths.get(sh.key, ()),
+                    path=dcp_path,
                 )
                 planned = [PlannedItem(record, sh.data)]  # type: ignore[arg-type]
                 items.append(planned[0])
@@ -130,7 +132,6 @@ def plan_rank(
                     hit = _PlanEntry(sig, (record,), (0,), True)
             else:
                 _check_tensor_data(sh, path, rank)
-                dcp_path = split.dcp_paths.get(sh.key, ())
                 planned = plan_tensor_items(sh, rank, dcp_path) if is_main_replica(sh.replica_id) else []
                 items.extend(planned)
                 if sig is not None:
@@ -155,8 +156,9 @@ def plan_rank(
                 frozen = frozen_value(sh.data) if cache is not None else None
                 prev = cache.values.get(path) if cache is not None and frozen is not None else None
                 item = prev[1] if prev is not None and prev[0] == frozen else None
-                if item is None or item.record.fqn != sh.key:
-                    item = plan_bytes(sh, rank, split.dcp_paths.get(sh.key, ()))
+                dcp_path = split.dcp_paths.get(sh.key, ())
+                if item is None or item.record.fqn != sh.key or item.record.path != dcp_path:
+                    item = plan_bytes(sh, rank, dcp_path)
                 if frozen is not None:
                     fresh_values[path] = (frozen, item)
                 items.append(item)

@@ -264,3 +264,19 @@ def test_a_plain_tensor_of_a_dcp_style_state_dict_is_planned_as_the_checked_way_
     ):
         with pytest.raises(ShardingError, match=match):
             plan_rank(split_state_dict({"m": {"bad": bad}}), 0, PlanCache())
+
+
+def test_the_plan_cache_never_reuses_a_record_of_another_dcp_path():
+    """{"a": [t, 5]} and {"a": {0: t, 1: 5}} have the same state-dict paths and keys but not the
+    same DCP paths (planner_data: ("a", 0) against ("a", "0")): the cached records of the first
+    were reused for the second, and .metadata gave its values back as a list."""
+    from ckptd.format.saveplan import PlanCache, plan_rank
+    from ckptd.statedict.split import split_state_dict
+
+    t = torch.ones(2)
+    for first, second in (({"a": [t, 5]}, {"a": {0: t, 1: 5}}), ({"a": {0: t, 1: 5}}, {"a": [t, 5]})):
+        cache = PlanCache()
+        plan_rank(split_state_dict(first), 0, cache)
+        cached = plan_rank(split_state_dict(second), 0, cache)
+        fresh = plan_rank(split_state_dict(second), 0, PlanCache())
+        assert [i.record for i in cached.items] == [i.record for i in fresh.items]
