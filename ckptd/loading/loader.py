@@ -201,8 +201,20 @@ def _matched(index: CheckpointIndex, req: LoadRequest) -> _Matched:
         apply_key_mapping(view, list(req.key_mapping))
     split = split_state_dict(req.sharded_state_dict)
     common = _Common(req, index)
+    if split.dialect is Dialect.MEGATRON and req.with_common:
+        _plain_tensors_from_items(view, split, common)
     unexpected, from_common, matched = _match(view, split, common, req.allow_dtype_cast)
     return _Matched(view, split, common, unexpected, from_common, matched)
+
+
+def _plain_tensors_from_items(view: CheckpointView, split: SplitStateDict, common: _Common) -> None:
+    """A Megatron-style request's plain tensors that the checkpoint stores as tensor items under
+    their DCP keys and not in ``common.pt`` (a DCP-style save) are loaded as those items, in place,
+    as their plain values are from bytes items (:func:`_megatron_common`); they were left out."""
+    for path, value in split.plain.items():
+        key = dcp_fqn(path)
+        if type(value) in (torch.Tensor, torch.nn.Parameter) and key in view.tensors and common.get(path) is _ABSENT:
+            split.sharded[path] = ShardedTensor.whole(key, value)
 
 
 @dataclass

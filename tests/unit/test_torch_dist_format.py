@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import ckptd
 from ckptd import LocalNonPersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from ckptd.errors import LoadMismatchError
 from tests.interop.reference import assert_compact, same_bits
 
 ST = ShardedTensor
@@ -263,6 +264,20 @@ def test_plain_dcp_checkpoint_common_state(tmp_path: Path):
     )
     assert same_bits(out["x"], x) and out["scale"].item() == 2.0 and out["opt"]["lr"] == 0.1
     assert math.isclose(out["opt"]["betas"][1], 0.99) and "step" not in out
+    # ... and the plain tensors it names, from their tensor items (they were left out, in every
+    # strict mode); one of another shape is a mismatch.
+    for strict in ("assume_ok_unexpected", "raise_all"):
+        b = torch.zeros(())
+        out = ckptd.load(
+            {"x": ST.from_rank_offsets("x", torch.empty(3, 2)), "opt": {"scale": b, "lr": None}},
+            tmp_path / "dcp",
+            strict=strict,
+        )
+        assert out["opt"]["scale"] is b and b.item() == 2.0 and out["opt"]["lr"] == 0.1
+    with pytest.raises(LoadMismatchError, match="opt.scale"):
+        ckptd.load(
+            {"x": ST.from_rank_offsets("x", torch.empty(3, 2)), "opt": {"scale": torch.zeros(2)}}, tmp_path / "dcp"
+        )
     # A DCP-style request is filled in place, as torch DCP's load does.
     req = {"x": torch.zeros(3, 2), "step": 0, "opt": {"lr": 0.0, "betas": [], "scale": torch.tensor(0.0)}}
     x_target = req["x"]
