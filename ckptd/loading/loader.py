@@ -345,6 +345,12 @@ def _load_tensors(
         if not isinstance(sh, ShardedTensor):
             continue
         sh.validate_metadata_integrity()
+        if sh.data is not None and sh.data.device.type == "meta":
+            # copy_() into it does nothing: the load would return the request without its values.
+            raise LoadMismatchError(
+                f"tensor '{sh.key}' at '{path_str(path)}' is a meta tensor, which holds no values to load "
+                "into: materialize it first (e.g. module.to_empty(device=...)), then load"
+            )
         stored = planner.resolve(sh)
         if sh.data is None:
             checks.check(sh, stored.dtype)

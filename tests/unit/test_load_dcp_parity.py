@@ -92,3 +92,14 @@ def test_a_dcp_style_shape_mismatch_says_what_such_a_request_can_do(tmp_path):
     assert "ckptd.load_plain_tensors" in msg and "stored shape is (6,)" in msg
     with pytest.raises(LoadMismatchError, match="or set allow_shape_mismatch=True"):
         ckptd.load({"w": ST.from_rank_offsets("w", torch.empty(5))}, tmp_path / "c")
+
+
+def test_a_meta_tensor_to_load_into_is_refused(tmp_path):
+    """copy_() into a meta tensor does nothing: the load returned the request without its values."""
+    ckptd.save({"w": torch.arange(3.0), "v": torch.ones(2)}, tmp_path / "c")
+    for req in (
+        {"w": torch.empty(3, device="meta")},
+        {"w": ShardedTensor.from_rank_offsets("w", torch.empty(3, device="meta"))},
+    ):
+        with pytest.raises(LoadMismatchError, match="tensor 'w' at 'w' is a meta tensor.*to_empty"):
+            ckptd.load(req, tmp_path / "c")
