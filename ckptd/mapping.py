@@ -272,8 +272,8 @@ class ShardedObject:
             return cls(
                 key,
                 None,
-                tuple(int(s) for s in shape.split(".")),
-                tuple(int(s) for s in offsets.split(".")),
+                tuple(int(s) for s in shape.split(".")) if shape else (),  # a 0-d object: shard__
+                tuple(int(s) for s in offsets.split(".")) if offsets else (),
                 replica_id,
             )
         except ValueError as exc:

@@ -301,3 +301,13 @@ def test_a_root_made_for_the_first_checkpoint_is_synced_into_its_parents(tmp_pat
     (tmp_path / "f").write_text("")
     with pytest.raises(OSError):
         durable.make_dirs_durably(tmp_path / "f" / "c", fsync=True)
+
+
+def test_a_zero_dimensional_sharded_object_is_described_by_load_sharded_metadata(tmp_path: Path):
+    """Its key is ``o/shard__`` (no offsets, no shape): it saved and loaded, but
+    load_sharded_metadata raised parsing it back."""
+    sd = {"o": ShardedObject("o", {"a": 1}, (), ()), "w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    ckptd.save(sd, tmp_path / "c")
+    meta = ckptd.load_sharded_metadata(tmp_path / "c")
+    assert (meta["o/shard__"].global_shape, meta["o/shard__"].global_offset) == ((), ())
+    assert ShardedObject.empty_from_unique_key("o/shard__").unique_key == "o/shard__"
