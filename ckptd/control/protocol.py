@@ -89,7 +89,9 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 # expects (a node daemon left by an earlier launch follows a coordinator that moved);
 # WRITTEN names the save it reports (a resend is answered from memory once committed).
 # 19: SAVE and WRITTEN say whether the job went back to an older step (``went_back_to``).
-PROTOCOL_VERSION = 20
+# 20: WRITTEN carries its node-local disk's highest commit number (``disk_seq``). 21: item records
+# say whether other ranks may store copies of their chunk that must be equal (``replicated``).
+PROTOCOL_VERSION = 21
 # Times a message may name (seconds since the epoch; NaN fails the bound).
 MAX_UNIX_S = 1e11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq

@@ -32,8 +32,9 @@ _NAMED = 5  # keys named in an error; the rest are counted
 def is_plain_item(r: ItemRecord) -> bool:
     """Whether ``r`` is a whole plain item of a DCP-style save (a value, or a tensor stored as
     one chunk covering it), which any set of ranks may hold. DCP-style records carry their
-    state-dict path; Megatron-style ones (ShardedObjects, common state) do not."""
-    if not r.path:
+    state-dict path; Megatron-style ones (ShardedObjects, common state) do not. A DTensor's chunk
+    covering the tensor is none (``replicated``): its copies must be equal."""
+    if not r.path or r.replicated:
         return False
     return r.kind == BYTES or (not any(r.offsets) and r.sizes == r.global_shape)
 

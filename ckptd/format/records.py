@@ -189,6 +189,10 @@ class ItemRecord:
     # The state-dict path the key was flattened from (DCP's ``planner_data``), for DCP-style state
     # dicts; empty: the key itself.
     path: tuple[str | int, ...] = ()
+    # A chunk of a DTensor: other ranks may store copies of it (a DTensor on a submesh is held by
+    # every group of the mesh), which must be equal; also when the chunk is the whole tensor, which
+    # a plain tensor's record looks like (ckptd.format.coverage).
+    replicated: bool = False
 
     @property
     def nbytes(self) -> int:

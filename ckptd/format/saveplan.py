@@ -133,6 +133,8 @@ def plan_rank(
             else:
                 _check_tensor_data(sh, path, rank)
                 planned = plan_tensor_items(sh, rank, dcp_path) if is_main_replica(sh.replica_id) else []
+                if path in split.dtensors:
+                    planned = [replace(i, record=replace(i.record, replicated=True)) for i in planned]
                 items.extend(planned)
                 if sig is not None:
                     hit = _PlanEntry(
