@@ -42,8 +42,8 @@ LOCK_PREFIX, LOCK_SUFFIX = ".ckptd-n", ".lock"
 # after them (ckptd.control.attempt).
 ATTEMPT_PATTERN = r"[0-9a-f]{12}-[1-9][0-9]{0,8}"
 _STEP_DIR = re.compile(
-    rf"^{STEP_PREFIX}(\d+)(?:(?:\.({ATTEMPT_PATTERN}))?"
-    rf"({re.escape(TMP_SUFFIX)}|{re.escape(DELETING_SUFFIX)}))?$"
+    rf"{STEP_PREFIX}(\d+)(?:(?:\.({ATTEMPT_PATTERN}))?({re.escape(TMP_SUFFIX)}|{re.escape(DELETING_SUFFIX)}))?",
+    re.ASCII,
 )
 
 
@@ -64,9 +64,14 @@ class StepDirName(NamedTuple):
 
 
 def parse_step_dir(name: str) -> StepDirName | None:
-    """``name`` as a step directory of a root, or None when it is not one."""
-    m = _STEP_DIR.match(name)
-    return None if m is None else StepDirName(int(m.group(1)), m.group(2), m.group(3) or "")
+    """``name`` as a step directory of a root, or None when it is not one: only the names ckptd
+    and Megatron-LM give (``iter_`` and the step in at least 7 ASCII digits, no other leading
+    zero); ``iter_100``, ``iter_١٠٠`` or a name ending in a newline is none (a hand-made name taken
+    for step 100 could be loaded by a resume, or removed by retention)."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None or m.group(1) != f"{int(m.group(1)):07d}":
+        return None
+    return StepDirName(int(m.group(1)), m.group(2), m.group(3) or "")
 
 
 def committed_step(name: str) -> int | None:

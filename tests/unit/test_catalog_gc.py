@@ -682,3 +682,18 @@ def test_gc_keeps_a_newer_checkpoint_another_tool_saved_into_a_ckptd_root(tmp_pa
     plan = plan_gc(cat, keep=1)
     assert [r.entry.step for r in plan.remove] == [50]
     assert {e.step for e, _ in plan.kept} == {100, 200}
+
+
+def test_only_the_names_ckptd_and_megatron_give_are_steps(tmp_path):
+    """A hand-made iter_100 (or iter_ and non-ASCII digits, or a name ending in a newline) passed
+    for step 100: a resume could load it, and retention removed it."""
+    root = make_root(tmp_path / "r", [10, 20], latest=20)
+    for name in ("iter_100", "iter_\u0661\u0660\u0660\u0660\u0660\u0660\u0660", "iter_0000100\n", "iter_00000100"):
+        make_checkpoint(root / name, step=100)
+    cat = scan_root(root)
+    assert sorted(e.step for e in cat.entries) == [10, 20]
+    plan = plan_gc(cat, keep=1)
+    assert [r.entry.step for r in plan.remove] == [10]
+    assert apply_gc(plan) == [(plan.remove[0], None)]
+    odd = {"iter_100", "iter_\u0661\u0660\u0660\u0660\u0660\u0660\u0660", "iter_0000100\n", "iter_00000100"}
+    assert odd | {"iter_0000020"} == {n for n in os.listdir(root) if n.startswith("iter_")}
