@@ -606,7 +606,7 @@ class Checkpointer(RootReader):
             if remaining <= 0:
                 return
             if not self._link.connected:
-                self._pending.fail_future(future, "the node daemon connection was lost")
+                self._session.drop_dead_daemon()  # a request lost the daemon: its saves resolve now
                 return
             try:
                 self._link.pump(min(remaining, 0.2))

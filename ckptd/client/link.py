@@ -65,6 +65,9 @@ class DaemonLink:
         self.requests: RequestClient | None = None
         self.instance: str | None = None
         self.daemon_pid: int | None = None
+        # Why a request found the daemon gone and closed the socket ('' since the last connect):
+        # the session drops that daemon's ring and saves with it (ckptd.client.session).
+        self.lost = ""
 
     @classmethod
     def for_job(
@@ -136,10 +139,11 @@ class DaemonLink:
         welcome = self._hello()
         if welcome.instance != self.instance:
             self.close_socket()
-            raise DaemonLostError(
+            self.lost = (
                 f"the node daemon of {self.ep.root} node {self.ep.node} was replaced "
                 f"({self.instance} -> {welcome.instance}); see {self.ep.log_path}"
             )
+            raise DaemonLostError(self.lost)
         log.warning(
             "rank %d: said HELLO again to daemon %s, which had forgotten this rank", self.env.rank, self.instance
         )
@@ -187,6 +191,7 @@ class DaemonLink:
 
     def _open_socket(self) -> None:
         self.close_socket()
+        self.lost = ""
         ident = f"r{self.env.rank}-{os.getpid()}-{time.monotonic_ns() % 10**9}".encode()
         sock = make_socket(self.ctx, zmq.DEALER, self.codec, self.keys, server=False, identity=ident)
         sock.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
@@ -269,11 +274,12 @@ class DaemonLink:
 
     def _check_alive(self) -> None:
         if not self.alive():
-            pid = self.daemon_pid
             self.close_socket()
-            raise DaemonLostError(
-                f"the node daemon (pid {pid}) of {self.ep.root} node {self.ep.node} died; see {self.ep.log_path}"
+            self.lost = (
+                f"the node daemon (pid {self.daemon_pid}) of {self.ep.root} node {self.ep.node} died; "
+                f"see {self.ep.log_path}"
             )
+            raise DaemonLostError(self.lost)
 
 
 def weakly(method: Callable[..., None]) -> Callable[..., None]:

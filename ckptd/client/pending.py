@@ -21,7 +21,7 @@ from ..format.commitrecord import read_commit_record
 from ..format.safefs import is_real_dir
 from ..statedict.holdings import PlainWriters
 from ..storage.url import Location, S3Location
-from .handle import SaveFuture, SaveHandle, SaveStatus
+from .handle import SaveHandle, SaveStatus
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,6 @@ class PendingSaves:
         h.future.set_result(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} {what}: {reason}"))
         self._unobserved.append(h)
         log.warning("rank %d: step %d aborted: %s", self.rank, h.step, reason)
-
-    def fail_future(self, future: SaveFuture, reason: str) -> None:
-        """Abort the pending save that resolves ``future``."""
-        h = self._by_step.get(future.step)
-        if h is not None and h.future is future:
-            self.fail(h, reason)
 
     def fail_all(self, reason: str) -> None:
         for h in list(self._by_step.values()):

@@ -53,11 +53,15 @@ class DaemonSession:
 
     def drop_dead_daemon(self) -> bool:
         """Whether the link is connected to a live daemon; one found dead is dropped, with its ring
-        and the saves in flight (nobody frees ring space any more: a copier stops waiting)."""
+        and the saves in flight (nobody frees ring space any more: a copier stops waiting). So is
+        one a request lost: a request that finds the daemon gone closes the link's socket and
+        raises wherever it was made (``status()``, a ring's registration, a SKIP...), so a closed
+        link with a ring or saves left is a daemon lost that nobody dropped yet; its ring would
+        be named in every SAVE to the next daemon (refused) and its saves would never resolve."""
         if self.link.connected and self.link.alive():
             return True
-        if self.link.connected:
-            self.daemon_lost(f"the node daemon (pid {self.link.daemon_pid}) died")
+        if self.link.connected or self.ring.current is not None or self.pending:
+            self.daemon_lost(self.link.lost or f"the node daemon (pid {self.link.daemon_pid}) died")
         return False
 
     def daemon_lost(self, reason: str) -> None:
@@ -120,6 +124,7 @@ class DaemonSession:
         """Take the notifications that arrived (never blocks); a lost daemon fails the saves."""
         self.ring.children.reap()
         if not self.link.connected:
+            self.drop_dead_daemon()  # one a request lost (see there)
             return
         try:
             self.link.pump(0.0)
@@ -128,13 +133,14 @@ class DaemonSession:
 
     def disconnect(self) -> None:
         """Say BYE (the daemon then owns the ring and frees it), fail what is pending, drop the
-        ring, close the socket: every step runs, whatever one raises."""
+        ring, close the socket: every step runs, whatever one raises. A daemon that died, or that
+        a request lost, is dropped as such first: no BYE, its saves fail as its loss fails them."""
         owned_by_daemon = False
         with contextlib.ExitStack() as teardown:  # last in, first run
             teardown.callback(self.link.close, linger_ms=_BYE_LINGER_MS)  # the BYE leaves first
             teardown.callback(self.pending.fail_all, "the Checkpointer was closed before the step committed")
             teardown.callback(lambda: self.ring.drop(unlink=not owned_by_daemon))
-            if self.link.connected:
+            if self.drop_dead_daemon():
                 try:
                     self.link.send(Bye())
                     owned_by_daemon = True
