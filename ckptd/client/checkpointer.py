@@ -514,7 +514,8 @@ class Checkpointer(RootReader):
         ``wait`` and saves were still pending then. Snapshot producers still copying into the
         staging ring at that deadline are stopped and their saves fail. An auto-started daemon
         exits by itself once no rank is connected and nothing is in flight for ``idle_exit_s``.
-        Raises the first failure of a save nobody waited for.
+        Raises the first failure of a save nobody waited for; one still pending when it disconnects
+        is no failure (the daemon still commits it): its handle resolves unconfirmed.
         """
         if self._closed:
             return

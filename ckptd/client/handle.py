@@ -15,7 +15,10 @@ from .stats import SaveRecord, SaveStats
 class SaveStatus(str, enum.Enum):
     PENDING = "pending"  # handed to the daemon, not committed yet
     COMMITTED = "committed"  # durable, and named by the tracker unless a newer step is
-    ABORTED = "aborted"  # failed somewhere (reason in ``error``); nothing of it is visible
+    # Failed somewhere (reason in ``error``): nothing of it is visible. Or, when the error says
+    # "was not confirmed", its outcome never reached this rank (its daemon was lost, or the
+    # Checkpointer closed first): it may commit all the same, as the error says.
+    ABORTED = "aborted"
     SKIPPED = "skipped"  # the on_full="skip" policy dropped the step, on this rank or another
 
 

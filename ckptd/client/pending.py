@@ -97,17 +97,25 @@ class PendingSaves:
         )
 
     def fail(self, h: SaveHandle, reason: str, *, unconfirmed: bool = False) -> None:
-        """Abort ``h``; ``unconfirmed``: nobody can say it did not commit (its daemon was lost)."""
+        """Abort ``h``, a failure the next call raises unless a wait() saw it; ``unconfirmed``:
+        nobody can say it did not commit (its daemon was lost)."""
+        self._abort(h, reason, unconfirmed=unconfirmed)
+        self._unobserved.append(h)
+
+    def _abort(self, h: SaveHandle, reason: str, *, unconfirmed: bool) -> None:
         self._by_step.pop(h.step, None)
         self._plain.failed(h.step)  # the next saves write every plain item they hold
         what = "was not confirmed" if unconfirmed else "was not committed"
         h.future.set_result(SaveStatus.ABORTED, SaveFailedError(f"step {h.step} {what}: {reason}"))
-        self._unobserved.append(h)
-        log.warning("rank %d: step %d aborted: %s", self.rank, h.step, reason)
+        log.warning("rank %d: step %d %s: %s", self.rank, h.step, what, reason)
 
-    def fail_all(self, reason: str) -> None:
+    def closed(self) -> None:
+        """The Checkpointer closes with these saves pending. The daemon took each (a handle is
+        pending only once its SAVE_ACK came) and decides it without this rank: it commits unless
+        it fails there. So each resolves as unconfirmed (ABORTED, the error saying how to learn
+        the outcome), no failure: no later call raises it, only its own ``wait()``."""
         for h in list(self._by_step.values()):
-            self.fail(h, reason)
+            self._abort(h, closed_reason(h.step, h.path), unconfirmed=True)
 
     def daemon_lost(self, reason: str) -> None:
         """The node daemon was lost (``reason``): fail every pending save with what is known of it."""
@@ -157,6 +165,16 @@ def daemon_lost_reason(reason: str, step: int, path: Location, attempt: str = ""
         f"{reason} before confirming step {step}; its checkpoint {path} is not in place now, so it "
         "did not commit unless the job's coordinator on another node still completes it "
         "(Checkpointer.latest() tells)"
+    )
+
+
+def closed_reason(step: int, path: Location) -> str:
+    """Why a save of ``step`` still pending when its Checkpointer closed resolves unconfirmed."""
+    return (
+        f"the Checkpointer was closed before step {step} committed; the node daemon had taken the "
+        "save and still commits it unless it fails there (or close() stopped its snapshot producer at "
+        f"its timeout, logged). Whether {path} committed: `ckptd ls` of the root, "
+        "Checkpointer.latest(), or the step the next resume() loads"
     )
 
 

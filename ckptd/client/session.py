@@ -132,13 +132,14 @@ class DaemonSession:
             self.daemon_lost(str(exc))
 
     def disconnect(self) -> None:
-        """Say BYE (the daemon then owns the ring and frees it), fail what is pending, drop the
-        ring, close the socket: every step runs, whatever one raises. A daemon that died, or that
-        a request lost, is dropped as such first: no BYE, its saves fail as its loss fails them."""
+        """Say BYE (the daemon then owns the ring and frees it), resolve what is pending as
+        unconfirmed (the daemon still commits it: :meth:`PendingSaves.closed`), drop the ring,
+        close the socket: every step runs, whatever one raises. A daemon that died, or that a
+        request lost, is dropped as such first: no BYE, its saves fail as its loss fails them."""
         owned_by_daemon = False
         with contextlib.ExitStack() as teardown:  # last in, first run
             teardown.callback(self.link.close, linger_ms=_BYE_LINGER_MS)  # the BYE leaves first
-            teardown.callback(self.pending.fail_all, "the Checkpointer was closed before the step committed")
+            teardown.callback(self.pending.closed)  # the daemon took them: they still commit
             teardown.callback(lambda: self.ring.drop(unlink=not owned_by_daemon))
             if self.drop_dead_daemon():
                 try:

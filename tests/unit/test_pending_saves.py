@@ -113,6 +113,21 @@ def test_a_lost_daemon_fails_every_pending_save_as_unconfirmed(tmp_path):
     assert all(str(h.error).startswith(f"step {h.step} was not confirmed: the node daemon (pid 9) died") for h in hs)
 
 
+def test_saves_pending_at_close_resolve_unconfirmed_and_are_never_raised_later():
+    """The daemon took them and still commits them: no failure for the next call to raise."""
+    o = Owner()
+    hs = [o.handle(s, "a-1") for s in (1, 2)]
+    o.pending.closed()
+    assert all(h.status is SaveStatus.ABORTED for h in hs) and not o.pending
+    o.pending.raise_unobserved()
+    for h in hs:
+        with pytest.raises(
+            SaveFailedError, match=f"step {h.step} was not confirmed: the Checkpointer was closed"
+        ) as err:
+            h.wait()
+        assert "still commits it" in str(err.value) and str(h.path) in str(err.value)
+
+
 def test_a_wait_that_times_out_says_so():
     o = Owner()
     h = o.handle(9, "a-1")
