@@ -108,6 +108,8 @@ def run_daemon(
                 )
             if recovered.removed:
                 log.warning("removed uncommitted saves left by a crash: %s", recovered.removed)
+            for why in recovered.kept:
+                log.warning("%s", why)
             # With several nodes other nodes may be writing these right now: adopted as steps in flight.
             adopt = recovered.adopted
         daemon = NodeDaemon(

@@ -168,6 +168,8 @@ class MirrorUploader:
             recovered = self.mirror.recover(nnodes=1)  # nothing of this job commits here but this thread
             if recovered.removed:
                 log.warning("mirror: removed what an interrupted upload left: %s", recovered.removed)
+            for why in recovered.kept:
+                log.warning("mirror: %s", why)
         except CkptdError as exc:
             log.warning("mirror %s: could not remove what earlier uploads left (%s)", self.mirror.display(), exc)
         while not self._stop.is_set():

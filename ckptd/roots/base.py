@@ -53,11 +53,14 @@ class CommitOutcome:
 @dataclass(frozen=True, kw_only=True)
 class Recovery:
     """What a coordinator's start found: a commit it finished (the tracker now names it), what it
-    removed, and attempts it adopted (other nodes may still be writing them)."""
+    removed, attempts it adopted (other nodes may still be writing them), and what it kept."""
 
     finished: str | None = None
     removed: list[str] = field(default_factory=list)
     adopted: list[tuple[int, str]] = field(default_factory=list)
+    # Why objects of uncommitted steps were kept: not provably a Checkpointer's (another tool's
+    # checkpoint in the root), never removed.
+    kept: list[str] = field(default_factory=list)
 
 
 class DataTarget(Protocol):

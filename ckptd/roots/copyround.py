@@ -33,13 +33,13 @@ from ..format.records import BYTES, TENSOR, ItemRecord
 from ..format.rootlayout import ATTEMPT_PATTERN, step_dir_name
 from .mirror import CommitRef
 from .s3_data import s3_data_file_name
+from .s3_names import MANIFEST
 
 REQUEST_KEY = "ckptd_copy_request.json"
 FORMAT_VERSION = 1
 # Far above a real request: about 60 bytes per stored item (a job of 10,000 ranks with 100 items
 # each writes ~60 MB); a larger object is refused before its bytes are read.
 RECORD_MAX_NBYTES = 1 << 30
-_MANIFEST = re.compile(r"^ckptd_copy\.([0-9A-Za-z-]+)\.node(\d+)\.json$")
 # A mirror attempt names object keys: new_mirror_attempt's "<attempt>-m<8 hex>" (no dots, no slashes).
 _MIRROR_ATTEMPT = re.compile(rf"^(?:{ATTEMPT_PATTERN}|x)-m[0-9a-f]{{8}}$")
 _MAX_NODES = 1 << 20
@@ -248,7 +248,7 @@ def manifest_name(mirror_attempt: str, node: int) -> str:
 
 def manifest_node(name: str, mirror_attempt: str) -> int | None:
     """The node whose manifest for round ``mirror_attempt`` the object ``name`` is, else None."""
-    m = _MANIFEST.match(name)
+    m = MANIFEST.match(name)
     return int(m.group(2)) if m is not None and m.group(1) == mirror_attempt else None
 
 

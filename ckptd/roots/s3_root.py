@@ -35,7 +35,8 @@ names the step, is taken back only when ``latest`` provably names another, and i
 fails, the next coordinator start names it latest) when ``latest`` cannot be read.
 
 A crashed attempt has no commit object, so it is invisible; the next coordinator start (or
-``ckptd gc``) removes its objects and the root's unfinished multipart uploads. Loads cannot lease
+``ckptd gc``) removes its objects and the root's unfinished multipart uploads (a start: only
+those a Checkpointer's save names so, never another tool's checkpoint). Loads cannot lease
 a checkpoint against retention here (object stores have no locks): a load whose objects vanish
 fails with CheckpointRemovedError and ``Checkpointer.load()`` retries on the new latest.
 """
@@ -74,10 +75,10 @@ from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
 from .posix import committed_once_advice, next_commit_seq, rollback_warnings
 from .s3_data import S3DataTarget, s3_data_file_name
+from .s3_names import METADATA_OBJECTS, attempt_of, ckptd_named, foreign_checkpoint, leaf, retired, why_kept
 
 log = logging.getLogger(__name__)
 
-METADATA_OBJECTS = (COMMON_PT, DCP_METADATA, METADATA_JSON)
 _TRACKER_TRIES = 5
 
 
@@ -335,12 +336,13 @@ class S3Root:
                 log.info("not removing %s: attempt %s committed it", self.display(name), attempt)
                 return
             _, found = self.client.list_dir(name)
-            mine = [i.key for i in found if _attempt_of(i.key) == attempt]
-            if record is None:
+            mine = [i.key for i in found if attempt_of(i.key) == attempt]
+            if record is None and not foreign_checkpoint(i.key for i in found):
+                # Never another tool's checkpoint of the step, only an attempt's leftovers.
                 mine += [f"{name}/{n}" for n in METADATA_OBJECTS]
             self.client.delete(mine)
             for upload in self.client.uploads(name):
-                if _attempt_of(upload.key) == attempt:
+                if attempt_of(upload.key) == attempt:
                     self.client.abort_upload(upload)
         except (StorageError, CorruptCheckpointError) as exc:
             log.warning(
@@ -371,8 +373,8 @@ class S3Root:
         doomed = [
             i.key
             for i in self.client.list_objects(name)
-            if _retired(i.key, keep_attempt, only_attempt)
-            and (_attempt_of(i.key) is not None or i.last_modified_unix_s <= written_by)
+            if retired(i.key, keep_attempt, only_attempt)
+            and (attempt_of(i.key) is not None or i.last_modified_unix_s <= written_by)
         ]
         self.client.delete(doomed)
 
@@ -424,7 +426,7 @@ class S3Root:
             found = bool(keys)
         for upload in self.client.uploads(entry.name):
             begun_before = entry.state is EntryState.COMMITTED or upload.initiated_unix_s < written_before_unix_s
-            if _retired(upload.key, None, only) and begun_before:
+            if retired(upload.key, None, only) and begun_before:
                 self.client.abort_upload(upload)
                 found = True
         return found
@@ -488,9 +490,10 @@ class S3Root:
 
     def recover(self, *, nnodes: int) -> Recovery:
         """Name the last commit in the tracker if a crash came between its commit object and the
-        tracker; then, with one node, remove every uncommitted attempt's objects and the root's
-        unfinished uploads (nothing can be in flight), or with several nodes adopt them (another
-        node may still be writing)."""
+        tracker; then, with one node, remove every uncommitted attempt's objects and unfinished
+        uploads (nothing can be in flight), or with several nodes adopt them (another node may
+        still be writing). Only what a Checkpointer names so (ckptd.roots.s3_names): a checkpoint
+        another tool wrote into the root (ckptd.save, torch DCP) is kept, and named in ``kept``."""
         cat = self.scan(usage=False)
         finished = None
         current = cat.latest()
@@ -507,20 +510,28 @@ class S3Root:
             if newest is not None and (current is None or newest.commit_order > current.commit_order):
                 self._point_tracker(newest.name)
                 finished = newest.name
-        partial = [e for e in cat.entries if e.state is EntryState.PARTIAL]
+        partial = [
+            (e, [i.key for i in self.client.list_objects(e.name) if leaf(i.key) != COMMIT_RECORD])
+            for e in cat.entries
+            if e.state is EntryState.PARTIAL
+        ]
+        kept = [why for e, keys in partial if (why := why_kept(self.display(e.name), keys)) is not None]
         if nnodes > 1:
-            adopted = sorted(
-                {(e.step, a) for e in partial for i in self.client.list_objects(e.name) if (a := _attempt_of(i.key))}
-            )
-            return Recovery(finished=finished, adopted=adopted)
+            adopted = sorted({(e.step, a) for e, keys in partial for k in keys if (a := attempt_of(k))})
+            return Recovery(finished=finished, adopted=adopted, kept=kept)
         removed = []
-        for e in partial:
-            if self.remove_entry(e):
-                removed.append(self.display(e.name))
+        for e, keys in partial:
+            theirs = foreign_checkpoint(keys)
+            doomed = [k for k in keys if ckptd_named(k) and not (theirs and leaf(k) in METADATA_OBJECTS)]
+            self.client.delete(doomed)
+            if doomed:
+                whole = len(doomed) == len(keys)
+                removed.append(self.display(e.name) if whole else f"the attempts' objects of {self.display(e.name)}")
         for upload in self.leftover_uploads():
-            self.client.abort_upload(upload)
-            removed.append(f"an unfinished upload of {self.display(upload.key)}")
-        return Recovery(finished=finished, removed=removed)
+            if attempt_of(upload.key) is not None:  # another tool's save may still be uploading its own
+                self.client.abort_upload(upload)
+                removed.append(f"an unfinished upload of {self.display(upload.key)}")
+        return Recovery(finished=finished, removed=removed, kept=kept)
 
     def leftover_uploads(self) -> list[Upload]:
         """The unfinished multipart uploads of this root's step directories (a crash's). Others are
@@ -535,24 +546,6 @@ class S3Root:
 
     def checkpoint_location(self, step: int) -> S3Location:
         return self.location.child(step_dir_name(step))
-
-
-def _retired(key: str, keep_attempt: str | None, only_attempt: str | None) -> bool:
-    """Whether retiring a step removes object ``key`` (see :meth:`S3Root._retire`): the metadata
-    objects always (an attempt writes them only at its commit), data objects by their attempt."""
-    attempt = _attempt_of(key)
-    if attempt is None:
-        return True
-    return attempt != keep_attempt and (only_attempt is None or attempt == only_attempt)
-
-
-def _attempt_of(key: str) -> str | None:
-    """The attempt a data object's key names (``.../__<rank>_0.<attempt>.distcp``), else None."""
-    leaf = key.rsplit("/", 1)[-1]
-    parts = leaf.split(".")
-    if len(parts) == 3 and parts[0].startswith("__") and parts[2] == "distcp":
-        return parts[1]
-    return None
 
 
 def apply_s3_gc(root: S3Root, plan: GcPlan, grace_s: float) -> list[tuple[Removal, str | None]]:

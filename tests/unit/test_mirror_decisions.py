@@ -125,6 +125,7 @@ def test_an_unexpected_error_in_a_mirror_pass_is_reported_and_the_thread_goes_on
     from types import SimpleNamespace
 
     from ckptd.daemon import mirror as mirror_mod
+    from ckptd.roots.base import Recovery
     from tools.harness.waiting import wait_until
 
     calls = []
@@ -134,7 +135,7 @@ def test_an_unexpected_error_in_a_mirror_pass_is_reported_and_the_thread_goes_on
         raise ValueError("a bug")
 
     monkeypatch.setattr(mirror_mod, "local_latest", broken)
-    store = SimpleNamespace(display=lambda *a: "s3://bucket/m", recover=lambda nnodes: SimpleNamespace(removed=[]))
+    store = SimpleNamespace(display=lambda *a: "s3://bucket/m", recover=lambda nnodes: Recovery())
     uploader = mirror_mod.MirrorUploader(tmp_path, store, retry_after_s=0.05)  # type: ignore[arg-type]
     uploader.start()
     try:
