@@ -9,7 +9,9 @@ Other tools name theirs otherwise: torch DCP ``__0_0.distcp``, ``ckptd.save``
 checkpoint metadata is a crashed ckptd attempt's leftovers only when its names prove it: a data
 object of an attempt and nothing ckptd does not write. Anything else (an object another tool
 named, or metadata without any attempt's data object) is another tool's checkpoint, or too
-doubtful to tell: a coordinator's start never removes it, nor an attempt's abort its metadata.
+doubtful to tell: a coordinator's start never removes it. A commit of the step, whose own data
+objects are there, refuses metadata next to an object another tool named (and an abort keeps
+that metadata); metadata with nothing else of another tool is replaced as an earlier attempt's.
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ def why_kept(step_url: str, keys: Iterable[str]) -> str | None:
     ``keys`` (no Checkpointer's save names them so), or None when it keeps none."""
     names = [leaf(k) for k in keys]
     theirs = foreign_checkpoint(names)
+    kept = "ckptd never removes it"
     if theirs and not all(ckptd_named(n) for n in theirs):
         what = f"checkpoint metadata next to objects no Checkpointer's save wrote ({', '.join(theirs[:3])})"
+        kept = "ckptd never removes nor replaces it (a save of its step fails)"
     elif theirs:
         what = f"{' and '.join(theirs)} but no data object of a Checkpointer's save"
     elif others := sorted(n for n in names if not ckptd_named(n)):
@@ -88,6 +92,6 @@ def why_kept(step_url: str, keys: Iterable[str]) -> str | None:
         return None
     return (
         f"{step_url} holds {what}, without a commit object ({COMMIT_RECORD}): another tool's checkpoint "
-        "(ckptd.save, torch DCP), or one ckptd cannot tell for its own. Kept: ckptd never removes it; "
-        "remove it by hand if it is not wanted"
+        f"(ckptd.save, torch DCP), or one ckptd cannot tell for its own. Kept: {kept}; remove it by hand if "
+        "it is not wanted"
     )

@@ -16,7 +16,8 @@ Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a t
 2. a committed ``iter_<step>`` of a branch a rollback abandoned is retired first (its commit
    object deleted, then the rest); any other committed one fails the commit;
 3. write ``common.pt``, ``.metadata`` and ``metadata.json`` create-only (leftovers of an aborted
-   attempt of the step, never committed, are removed first);
+   attempt of the step, never committed, are removed first; a checkpoint another tool wrote there,
+   which ckptd.roots.s3_names tells apart, fails the commit instead);
 4. write ``ckptd_commit.json`` create-only: the commit point. It records the commit's place in
    the root's commit order and every object's size (and the metadata objects' CRC-32C), which
    readers check. Two coordinators can never both commit a step (the second create fails);
@@ -146,14 +147,31 @@ class S3Root:
                     f"{self.display(name)} is committed already; {committed_once_advice(cat, step, went_back)}"
                 )
         validate_records(records)
-        objects = self._check_data_objects(name, data_files)
+        objects, listed = self._check_data_objects(name, data_files)
         if replaced is not None:
             self._retire(name, keep_attempt=attempt)
         else:
-            self.client.delete([f"{name}/{n}" for n in METADATA_OBJECTS])  # an aborted attempt's leftovers
+            theirs = foreign_checkpoint(listed)
+            if theirs:  # as a directory root refuses a step directory that exists
+                shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+                raise CheckpointExistsError(
+                    f"{self.display(name)} holds a checkpoint ckptd did not commit: no {COMMIT_RECORD}, and objects "
+                    f"no Checkpointer's save wrote ({shown}), so another tool's (ckptd.save, torch DCP). ckptd never "
+                    f"replaces it: save under another step, or move or delete {self.display(name)} first"
+                )
+            # An aborted or crashed attempt's metadata objects, only those listed: another writer's
+            # created since then fails the create-only writes below instead of being replaced.
+            self.client.delete([f"{name}/{n}" for n in METADATA_OBJECTS if n in listed])
         meta = metadata_pickle(records, self.display(name), crc32c(common), protocol=pickle.HIGHEST_PROTOCOL)
         for obj_name, data in ((COMMON_PT, common), (DCP_METADATA, meta), (METADATA_JSON, backend_metadata_bytes())):
-            self.client.create(f"{name}/{obj_name}", data, if_unknown="if it was, the attempt's removal removes it")
+            try:
+                self.client.create(f"{name}/{obj_name}", data, if_unknown="if it was, the attempt's removal removes it")
+            except FileExistsError:
+                raise CheckpointExistsError(
+                    f"{self.display(name, obj_name)} was created by another writer while attempt {attempt} committed "
+                    f"the step (another tool or job saving to {self.location}?); nothing of it was replaced: save "
+                    "under another step"
+                ) from None
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
         record = CommitRecord(
             seq=next_commit_seq(cat, seq_floor, self.location),
@@ -210,8 +228,11 @@ class S3Root:
             return None
         return next((e for e in cat.committed if e.name == name), None)
 
-    def _check_data_objects(self, name: str, data_files: Mapping[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
-        """Every rank's data object exists with the size its writer reported (one LIST)."""
+    def _check_data_objects(
+        self, name: str, data_files: Mapping[str, tuple[int, int]]
+    ) -> tuple[dict[str, dict[str, int]], set[str]]:
+        """Every rank's data object exists with the size its writer reported (one LIST); returns
+        them as the commit record lists them, and the names of the step's objects."""
         _, found = self.client.list_dir(name)
         sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in found}
         for file_name, (rank, nbytes) in sorted(data_files.items(), key=lambda kv: kv[1][0]):
@@ -226,7 +247,7 @@ class S3Root:
                     f"rank {rank}'s data object {self.display(name, file_name)} has {size} bytes, its "
                     f"writer reported {nbytes}; the step is not committed"
                 )
-        return {file_name: {"nbytes": nbytes} for file_name, (_, nbytes) in data_files.items()}
+        return {file_name: {"nbytes": nbytes} for file_name, (_, nbytes) in data_files.items()}, set(sizes)
 
     def name_latest(self, name: str) -> None:
         """Point ``latest`` at the committed ``name`` (compare-and-swap): a mirror whose copy of
@@ -338,7 +359,7 @@ class S3Root:
             _, found = self.client.list_dir(name)
             mine = [i.key for i in found if attempt_of(i.key) == attempt]
             if record is None and not foreign_checkpoint(i.key for i in found):
-                # Never another tool's checkpoint of the step, only an attempt's leftovers.
+                # Never another tool's checkpoint of the step (the commit refused to replace it).
                 mine += [f"{name}/{n}" for n in METADATA_OBJECTS]
             self.client.delete(mine)
             for upload in self.client.uploads(name):

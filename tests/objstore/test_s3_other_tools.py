@@ -1,18 +1,23 @@
 """Checkpoints another tool wrote into an ``s3://`` root (``ckptd.save``, torch DCP): a step with
 metadata but no ``ckptd_commit.json``. A Checkpointer's start never removes one (it removed every
 uncommitted step's objects, and with several nodes adopted ``ckptd.save``'s data object as an
-attempt, whose abort removed the metadata); a crashed Checkpointer attempt's leftovers are still
-removed."""
+attempt, whose abort removed the metadata), and a Checkpointer's save of that step fails instead
+of replacing its metadata; a crashed Checkpointer attempt's leftovers are still removed or replaced."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptd
+from ckptd.errors import CheckpointExistsError, SaveFailedError
+from ckptd.format.finalize import serialize_common
+from ckptd.format.records import BYTES, ItemRecord
 from ckptd.roots.s3_root import S3Root
+from ckptd.s3catalog import read_s3_commit_record
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import S3Location, parse_location
 from tests.objstore.test_s3_roots import _config, _sd
@@ -106,3 +111,64 @@ def test_recovery_names_what_it_keeps_and_several_nodes_adopt_only_attempts(s3_b
         **theirs,
         "iter_0000011": {k: v for k, v in theirs["iter_0000011"].items() if CRASHED not in k},
     }
+
+
+def _commit(root: S3Root, step: int, attempt: str) -> None:
+    """What the coordinator's commit thread does with one rank's save of ``step`` (its data object
+    uploaded): commit, and abort a commit that failed."""
+    name, file_name = f"iter_{step:07d}", f"__0_0.{attempt}.distcp"
+    buf = io.BytesIO()
+    torch.save(f"value of step {step}", buf)
+    data = buf.getvalue()
+    root.client.put(f"{name}/{file_name}", data)
+    record = ItemRecord(fqn="v", kind=BYTES, rank=0, relative_path=file_name, file_offset=0, length=len(data))
+    try:
+        root.commit(step, attempt, [record], serialize_common({"iteration": step}), {file_name: (0, len(data))})
+    except BaseException:
+        root.abort(step, attempt)
+        raise
+
+
+def test_an_s3_commit_refuses_another_tools_checkpoint_of_its_step_and_replaces_its_own_leftovers(
+    s3_bucket, single_process
+):
+    loc = _root(s3_bucket)
+    root = S3Root(loc)
+    ckptd.save({"w": torch.arange(8.0)}, loc.child("iter_0000010"))
+    theirs = _objects(root.client, "iter_0000010")
+    with pytest.raises(CheckpointExistsError, match=r"iter_0000010 holds a checkpoint ckptd did not commit") as err:
+        _commit(root, 10, "fedcba987654-1")
+    assert "__0_0." in str(err.value) and "save under another step, or move or delete" in str(err.value)
+    assert _objects(root.client, "iter_0000010") == theirs  # the refused attempt's data object removed
+    assert torch.equal(ckptd.load_plain_tensors(f"{loc}/iter_0000010")["w"], torch.arange(8.0))
+    _crashed_commit(root.client, "iter_0000005")
+    _commit(root, 5, "fedcba987654-1")  # a crashed commit's metadata objects are replaced
+    record = read_s3_commit_record(root.client, "iter_0000005")
+    assert record is not None and record.attempt == "fedcba987654-1"
+    for name in (".metadata", "common.pt"):
+        assert root.client.get(f"iter_0000005/{name}", 1 << 20)[0] != b"a crashed commit's"  # type: ignore[index]
+
+
+@pytest.mark.timeout(180)
+def test_a_save_of_a_step_holding_another_tools_checkpoint_fails_and_keeps_it(s3_bucket, runtime_dir):
+    """A directory root refuses the save (the step directory exists); on S3 the commit deleted the
+    step's ``.metadata``, ``common.pt`` and ``metadata.json`` and wrote its own: the other tool's
+    data object stayed, named by nothing."""
+    loc = _root(s3_bucket)
+    root = str(loc)
+    client = S3Client(loc)
+    try:
+        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
+            ckpt.save(_sd(torch.full((64,), 1.0), 1), step=1).wait(timeout_s=60)
+            ckptd.save({"other": torch.arange(8.0)}, loc.child("iter_0000010"))  # while the job runs
+            theirs = _objects(client, "iter_0000010")
+            refused = ckpt.save(_sd(torch.full((64,), 10.0), 10), step=10)
+            with pytest.raises(SaveFailedError, match=r"step 10 was not committed.*iter_0000010 holds a checkpoint"):
+                refused.wait(timeout_s=60)
+            assert _objects(client, "iter_0000010") == theirs
+            assert ckpt.latest() == 1
+            ckpt.save(_sd(torch.full((64,), 11.0), 11), step=11).wait(timeout_s=60)
+            assert ckpt.latest() == 11
+    finally:
+        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    assert torch.equal(ckptd.load_plain_tensors(f"{root}/iter_0000010")["other"], torch.arange(8.0))

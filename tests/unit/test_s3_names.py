@@ -37,7 +37,7 @@ def test_what_recovery_keeps_is_named_with_what_to_do():
     assert why_kept("s3://b/r/s", [f"s/__0_0.{ATTEMPT}.distcp"]) is None
     why = why_kept("s3://b/r/s", ["s/__0_0.distcp", "s/.metadata"])
     assert why is not None and why.startswith("s3://b/r/s holds checkpoint metadata next to objects")
-    assert "__0_0.distcp" in why and "remove it by hand" in why
+    assert "__0_0.distcp" in why and "remove it by hand" in why and "a save of its step fails" in why
     alone = why_kept("s3://b/r/s", ["s/metadata.json"])
     assert alone is not None and "metadata.json but no data object of a Checkpointer's save" in alone
     left = why_kept("s3://b/r/s", ["s/__0_0.distcp"])
