@@ -176,7 +176,8 @@ class CopyRoundError(CkptdError):
 
 class StorageError(CkptdError):
     """Writing checkpoint files failed: a full disk, missing permissions, a read-only or failing
-    filesystem. Nothing of the save became visible; earlier checkpoints are untouched."""
+    filesystem. Nothing of the save became visible; earlier checkpoints are untouched. Or reading
+    them failed in a way that says nothing of their bytes (:meth:`reading`): never taken for damage."""
 
     @classmethod
     def from_oserror(cls, exc: OSError, path: str | os.PathLike) -> StorageError:
@@ -188,6 +189,38 @@ class StorageError(CkptdError):
         hint = _STORAGE_HINTS.get(exc.errno or 0, "check the storage (dmesg, the filesystem's health)")
         return cls(f"{where}: {exc.strerror or exc} ({name}); {hint}")
 
+    @classmethod
+    def reading(cls, exc: OSError, path: str | os.PathLike, what: str) -> StorageError:
+        """``reading <what> <path> failed: <strerror> (<ERRNO>); ...; <what to do>`` for the OSError
+        of opening or reading ``path``. The storage did not answer (a network filesystem's ESTALE or
+        EIO, too many open files, a permission): that says nothing of the file's bytes, so it is
+        not damage, which a resume falls back past and a save of the step replaces (a fallback
+        from an intact newest checkpoint leaves it on an abandoned branch for retention)."""
+        where = exc.filename if exc.filename is not None else path
+        name = errno.errorcode.get(exc.errno or 0, "unknown errno")
+        hint = _READ_HINTS.get(
+            exc.errno or 0,
+            "retry once the storage answers again (a network filesystem: its server and mount); if it goes "
+            "on failing, check the filesystem (dmesg), and if the disk is damaged load an earlier step "
+            "explicitly (load(step=N))",
+        )
+        return cls(
+            f"reading {what} {where} failed: {exc.strerror or exc} ({name}); not taken for damage (the file "
+            f"may be intact): {hint}"
+        )
+
+
+# What to do when reading a checkpoint's file failed (StorageError.reading).
+_READ_HINTS = {
+    errno.EACCES: f"permission denied for uid {os.getuid()}: make the checkpoint readable for this user, then retry",
+    errno.EPERM: f"operation not permitted for uid {os.getuid()}: make the checkpoint readable for this user, "
+    "then retry",
+    errno.EMFILE: "this process has too many files open: raise its limit (ulimit -n) or close files, then retry",
+    errno.ENFILE: "the system's table of open files is full: retry once files are closed",
+    errno.ESTALE: "a network filesystem's stale file handle (the server restarted, or the file was replaced "
+    "on another client): retry",
+    errno.ENOMEM: "out of memory: retry once memory is free",
+}
 
 _STORAGE_HINTS = {
     errno.ENOSPC: "the filesystem is full: free space on it or keep fewer checkpoints "

@@ -16,7 +16,9 @@
    the training a damaged root still records.
 
 ``*.tmp`` and ``*.deleting`` directories are never candidates. The structural check reads a few
-small files, never the tensor data; ``ckptd verify`` checks every byte against its checksum.
+small files, never the tensor data; ``ckptd verify`` checks every byte against its checksum. A file
+the check cannot read (the storage failed: ESTALE, EIO on a network filesystem, EMFILE, EACCES) is
+not damage: :class:`~ckptd.errors.StorageError` is raised, and nothing is resumed past it.
 """
 
 from __future__ import annotations
@@ -75,7 +77,13 @@ def structural_problem(path: Location, *, node_local: bool = False, damage_only:
     ``node_local``: the directory is on one node's own disk (config ``node_local``), which holds
     only that node's data files; they are not checked (ckptd.storage.nodeview decides per file
     whether it is read there or from the mirror). ``damage_only``: what ckptd cannot load but is
-    not damaged (a backend, a DCP extension ckptd does not read) is no problem."""
+    not damaged (a backend, a DCP extension ckptd does not read) is no problem.
+
+    A file the storage fails to return (a network filesystem's ESTALE or EIO, EMFILE, EACCES: an
+    unreadable finding of :func:`ckptd.verify.verify_checkpoint`) raises StorageError naming it,
+    unless damage was found as well: nothing is known of its bytes, and taken for damage an intact
+    newest checkpoint was resumed past (its steps then left on an abandoned branch for retention
+    to remove) or replaced by a save of its step."""
     from .verify import verify_checkpoint
 
     if isinstance(path, S3Location):
@@ -111,10 +119,16 @@ def _report_problem(
 ) -> str | None:
     # unsupported: not damaged, but ckptd cannot load it
     errors = report.errors + ([] if damage_only else report.unsupported)
-    if not errors:
+    if errors:
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        text = f"{errors[0].message.rstrip('.')}{more}"
+    elif report.unreadable:
+        first, n = report.unreadable[0].message, len(report.unreadable)
+        more = f" (and {n - 1} more files could not be read)" if n > 1 else ""
+        text = f"checking {report.checkpoint} failed: {first}{more}"
+        raise StorageError(text.replace(str(view), str(location)) if view is not None else text)
+    else:
         return None
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    text = f"{errors[0].message.rstrip('.')}{more}"
     return text.replace(str(view), str(location)) if view is not None else text
 
 

@@ -23,7 +23,10 @@ reports every problem it can see:
 7. ``common.pt`` matches its recorded checksum and decodes weights-only.
 
 Items are read in bounded blocks (a deep check reads one whole item at a time). Nothing is
-written. Findings carry the file, item, byte offset and length involved.
+written. Findings carry the file, item, byte offset and length involved. A file the storage fails
+to open or read (a network filesystem's ESTALE or EIO, EMFILE, EACCES) is *unreadable*, not
+damaged: nothing is known of its bytes (an item's read error on a local disk, EIO among them, is
+damage, as for a load: :func:`ckptd.format.reader.read_error`).
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
 
 from .errors import (
     CheckpointNotFoundError,
     CkptdError,
+    CorruptCheckpointError,
+    StorageError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -54,90 +58,17 @@ from .format.layout import (
     METADATA_JSON,
     read_backend_metadata,
 )
-from .format.reader import load_object_bytes, load_tensor_bytes, unpickle_torch
+from .format.reader import load_object_bytes, load_tensor_bytes, read_error, unpickle_torch
 from .format.records import TENSOR, ItemRecord, dtype_from_name
 from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
 from .storage.s3view import s3_checkpoint_view
 from .storage.url import S3Location, parse_location
+from .verifyreport import ERROR, NOTE, UNREADABLE, UNSUPPORTED, WARNING, Finding, ProgressSink, VerifyReport
 
-ERROR = "error"
-# The checkpoint uses a feature ckptd cannot read (a DCP stream transform): not damage, but not
-# verified either, and not loadable by ckptd.
-UNSUPPORTED = "unsupported"
-WARNING = "warning"
-NOTE = "note"
+__all__ = ["ERROR", "NOTE", "UNREADABLE", "UNSUPPORTED", "WARNING", "Finding", "ProgressSink", "VerifyReport"]
 
 _BLOCK_BYTES = 16 << 20
-
-
-class ProgressSink(Protocol):
-    """Receives verification progress (e.g. :class:`ckptd.progress.Progress`)."""
-
-    def set_total(self, total: int) -> None: ...
-
-    def advance(self, n: int) -> None: ...
-
-
-@dataclass
-class Finding:
-    """One result of a check: an error (damage), unsupported, a warning, or a note."""
-
-    severity: str
-    check: str  # backend, metadata, coverage, file, range, checksum, decode, common, tracker
-    message: str
-    file: str | None = None
-    item: str | None = None
-    offset: int | None = None
-    length: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-@dataclass
-class VerifyReport:
-    """Everything :func:`verify_checkpoint` found in one checkpoint directory."""
-
-    checkpoint: str
-    deep: bool
-    findings: list[Finding] = field(default_factory=list)
-    tensors: int = 0
-    objects: int = 0
-    items: int = 0
-    data_files: int = 0
-    bytes_read: int = 0
-    items_checksummed: int = 0
-    items_without_checksum: int = 0
-    items_decoded: int = 0
-
-    @property
-    def ok(self) -> bool:
-        """Sound and fully checked: no error and nothing ckptd cannot read."""
-        return not any(f.severity in (ERROR, UNSUPPORTED) for f in self.findings)
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == ERROR]
-
-    @property
-    def unsupported(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == UNSUPPORTED]
-
-    @property
-    def status(self) -> str:
-        """``DAMAGED`` (any error), else ``UNSUPPORTED`` (a feature ckptd cannot read), else ``OK``."""
-        return "DAMAGED" if self.errors else "UNSUPPORTED" if self.unsupported else "OK"
-
-    def add(self, severity: str, check: str, message: str, **where: Any) -> None:
-        self.findings.append(Finding(severity, check, message, **where))
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "findings"}
-        d["ok"] = self.ok
-        d["status"] = self.status
-        d["findings"] = [f.to_dict() for f in self.findings]
-        return d
 
 
 def _item_name(r: ItemRecord) -> str:
@@ -150,6 +81,8 @@ def _check_backend(directory: Path, report: VerifyReport) -> bool:
         return False
     try:
         read_backend_metadata(directory)
+    except StorageError as exc:
+        report.add(UNREADABLE, "backend", str(exc), file=METADATA_JSON)
     except CkptdError as exc:
         report.add(ERROR, "backend", str(exc), file=METADATA_JSON)
     return True
@@ -230,8 +163,12 @@ def _check_files(
                 file=rel,
             )
             continue
-        except (CkptdError, OSError) as exc:
+        except CkptdError as exc:  # a link, a FIFO: reported, never followed
             report.add(ERROR, "file", f"{exc} ({len(items)} items are stored in it)", file=rel)
+            continue
+        except OSError as exc:
+            unreadable = StorageError.reading(exc, directory / rel, "data file")
+            report.add(UNREADABLE, "file", f"{unreadable} ({len(items)} items are stored in it)", file=rel)
             continue
         size = sizes[rel]
         if rel in committed and committed[rel] != size:
@@ -278,7 +215,11 @@ def _check_files(
                     length=r.length,
                 )
             prev = r
-    on_disk = {n for n in os.listdir(directory) if n.endswith(DATA_SUFFIX)}
+    try:
+        on_disk = {n for n in os.listdir(directory) if n.endswith(DATA_SUFFIX)}
+    except OSError as exc:
+        report.add(UNREADABLE, "file", str(StorageError.reading(exc, directory, "checkpoint directory")))
+        on_disk = set()
     for extra in sorted(on_disk - set(by_file)):
         report.add(
             WARNING,
@@ -425,9 +366,25 @@ def _check_items(
             try:
                 if r.relative_path not in fds:
                     fds[r.relative_path] = open_regular(directory, r.relative_path, "data file")[0]
-                crc, blocks, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch, checksum)
-            except (CkptdError, OSError) as exc:
+            except (CkptdError, FileNotFoundError) as exc:  # replaced or removed since it was checked
                 report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
+                continue
+            except OSError as exc:
+                unreadable = StorageError.reading(exc, directory / r.relative_path, "data file")
+                report.add(UNREADABLE, "range", f"{unreadable} (reading {_item_name(r)})", **where)
+                continue
+            try:
+                crc, blocks, data = _read_item(fds[r.relative_path], r, deep, progress, prefetch, checksum)
+            except OSError as exc:
+                what = f"{_item_name(r)} (bytes [{r.file_offset}, {r.file_offset + r.length}) of {r.relative_path})"
+                if exc.errno is None:  # the file ended early: cut short since it was checked
+                    report.add(ERROR, "range", f"reading {what} failed: {exc}", **where)
+                    continue
+                # As for a load: a local disk's EIO is damage, a network filesystem's is not.
+                problem = read_error(exc, what, fds[r.relative_path])
+                report.add(
+                    ERROR if isinstance(problem, CorruptCheckpointError) else UNREADABLE, "range", str(problem), **where
+                )
                 continue
             report.bytes_read += r.length
             if r.crc is None:
@@ -475,8 +432,11 @@ def _check_common(
                 ERROR, "common", f"{COMMON_PT} is missing; every ckptd/Megatron-Core checkpoint has one", file=COMMON_PT
             )
         return
-    except (CkptdError, OSError) as exc:  # a link, a FIFO, oversized: reported, never followed
+    except CkptdError as exc:  # a link, a FIFO, oversized: reported, never followed
         report.add(ERROR, "common", str(exc), file=COMMON_PT)
+        return
+    except OSError as exc:
+        report.add(UNREADABLE, "common", str(StorageError.reading(exc, path, "common state")), file=COMMON_PT)
         return
     report.bytes_read += len(data)
     recorded = index.common_crc if index is not None else None
@@ -526,7 +486,8 @@ def verify_checkpoint(
     its node's data files, and a load reads the others (and any it cannot trust) from the mirror.
 
     Raises CheckpointNotFoundError only when ``checkpoint_dir`` is not a directory; every kind of
-    damage is returned as an error :class:`Finding` (``report.ok`` is False).
+    damage is returned as an error :class:`Finding`, a file the storage failed to return as an
+    unreadable one (``report.ok`` is False).
     """
     location = parse_location(checkpoint_dir)
     if isinstance(location, S3Location):
@@ -543,6 +504,13 @@ def verify_checkpoint(
         report.add(UNSUPPORTED, "metadata", str(exc), file=DCP_METADATA)
     except CkptdError as exc:
         report.add(ERROR, "metadata", str(exc), file=DCP_METADATA)
+    except OSError as exc:  # not FileNotFoundError: read_index says what a missing one means
+        report.add(
+            UNREADABLE,
+            "metadata",
+            str(StorageError.reading(exc, directory / DCP_METADATA, "DCP metadata")),
+            file=DCP_METADATA,
+        )
     if not has_marker:
         _check_marker_absence(directory, index, report)
     records: list[ItemRecord] | None = None

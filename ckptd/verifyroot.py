@@ -34,10 +34,13 @@ class RootVerifyReport:
 
     @property
     def status(self) -> str:
-        """The worst status of the tracker and the checkpoints: DAMAGED, UNSUPPORTED, OK; or
-        UNVERIFIED when every checkpoint chosen was removed before it could be judged."""
+        """The worst status of the tracker and the checkpoints: DAMAGED, UNREADABLE (a file the
+        storage failed to return), UNSUPPORTED, OK; or UNVERIFIED when every checkpoint chosen was
+        removed before it could be judged."""
         if any(f.severity == ERROR for f in self.findings) or any(r.errors for r in self.reports):
             return "DAMAGED"
+        if any(r.unreadable for r in self.reports):
+            return "UNREADABLE"
         if self.removed and not self.reports:
             return "UNVERIFIED"
         return "UNSUPPORTED" if any(r.unsupported for r in self.reports) else "OK"

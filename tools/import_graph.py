@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.s3catalog",
             "ckptd.recovery",
             "ckptd.retention",
+            "ckptd.verifyreport",
             "ckptd.verify",
             "ckptd.verifyroot",
             "ckptd.describe",

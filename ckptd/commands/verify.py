@@ -42,12 +42,15 @@ Verify a checkpoint end to end, without loading it into a model:
 Given a checkpoint root, verifies the checkpoint its 'latest' tracker names (or, with --all,
 every committed one) and checks the tracker. Progress is drawn on stderr when it is a terminal.
 
-Status: OK; DAMAGED; or UNSUPPORTED when the checkpoint uses a feature ckptd does not read (a
-torch DCP stream transform such as ZStandard compression): it is not damaged, but ckptd can
-neither verify nor load it (torch.distributed.checkpoint.load can).
+Status: OK; DAMAGED; UNREADABLE when a file could not be read and no damage was found (the
+storage failed to return it: a network filesystem's ESTALE or EIO, too many open files, a
+permission; nothing is known of its bytes: run verify again once the storage answers); or
+UNSUPPORTED when the checkpoint uses a feature ckptd does not read (a torch DCP stream transform
+such as ZStandard compression): it is not damaged, but ckptd can neither verify nor load it
+(torch.distributed.checkpoint.load can).
 
-exit status: 0 sound (warnings and notes allowed); 1 damage found; 2 usage error;
-3 unsupported (and no damage found)."""
+exit status: 0 sound (warnings and notes allowed); 1 damage found, or a file unreadable;
+2 usage error; 3 unsupported (and no damage found)."""
 
 
 def register(subparsers: Any) -> None:
@@ -138,9 +141,11 @@ def run(args: argparse.Namespace) -> int:
             print(_summary(r))
         if target.is_root and len(reports) > 1:
             bad = sum(bool(r.errors) for r in reports)
+            unreadable = sum(r.status == "UNREADABLE" for r in reports)
             unsupported = sum(r.status == "UNSUPPORTED" for r in reports)
             print(
                 f"{len(reports)} checkpoints verified, {bad} damaged"
+                + (f", {unreadable} unreadable" if unreadable else "")
                 + (f", {unsupported} unsupported" if unsupported else "")
             )
     return {"OK": EXIT_OK, "UNSUPPORTED": EXIT_UNSUPPORTED}.get(result.status, EXIT_FAILURE)

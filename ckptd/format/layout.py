@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from ..errors import CheckpointNotFoundError, StorageError, UnsupportedFormatError
 from .rootlayout import parse_step_dir
 from .safefs import entry_exists, read_regular
 
@@ -80,8 +80,10 @@ def read_backend_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         raise CheckpointNotFoundError(f"{root} is not a checkpoint: {METADATA_JSON} is missing.{hint}")
     try:
         meta = json.loads(read_regular(root, METADATA_JSON, "backend marker", METADATA_JSON_MAX_NBYTES))
-    except (OSError, ValueError, RecursionError) as exc:
+    except (FileNotFoundError, ValueError, RecursionError) as exc:
         raise UnsupportedFormatError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
+    except OSError as exc:  # the storage failed to answer: nothing is known of the file
+        raise StorageError.reading(exc, path, "backend marker") from exc
     return check_backend_metadata(meta, path)
 
 

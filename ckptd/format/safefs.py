@@ -274,6 +274,18 @@ def open_regular(
                     "checkpoint directory and never follows a link out of it. Replace the link by "
                     "the file itself if you trust where it points."
                 ) from None
+            # A socket (ENXIO) or a device without a driver (ENODEV, ENXIO) cannot even be opened:
+            # what it is, not an I/O error, says the checkpoint is damaged.
+            if exc.errno in (errno.ENXIO, errno.ENODEV):
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                except OSError:
+                    st = None
+                if st is not None and not stat.S_ISREG(st.st_mode):
+                    raise CorruptCheckpointError(
+                        f"{what} {path} is a {_kind(st.st_mode)}, not a regular file; the checkpoint is "
+                        "damaged (or was tampered with). Replace it by the real file or load another checkpoint."
+                    ) from None
             raise OSError(exc.errno, exc.strerror, path) from None
     finally:
         if own_dir:

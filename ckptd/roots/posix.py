@@ -252,7 +252,9 @@ def damaged_commit(cat: RootCatalog, name: str, path: Path) -> tuple[CheckpointE
     is there): a checkpoint another tool wrote, which ckptd may merely be unable to read, is never
     replaced. The structural check (a data file lost or cut short, metadata or markers gone: a few
     file reads whatever its size); bit rot in intact files is not looked for here (it would take
-    reading all of it): the rank refuses such a save itself, saying to move it away."""
+    reading all of it): the rank refuses such a save itself, saying to move it away. A file the
+    check cannot read raises StorageError (ckptd.recovery.structural_problem): the save fails, and
+    a commit that may be intact is never replaced on a guess."""
     existing = next(
         (e for e in cat.entries if e.name == name and e.state in (EntryState.COMMITTED, EntryState.INCOMPLETE)), None
     )
@@ -348,7 +350,9 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     resumes from it and its step number is not left blocked. Only when the tracker is absent or
     names a sound checkpoint committed before it (commit order, not step order: a rollback commits
     lower steps after higher ones); the candidate must be a real directory (not a link) and pass
-    the structural check. Returns the name now tracked.
+    the structural check. Returns the name now tracked. A candidate the check cannot read raises
+    StorageError (the daemon does not start): passed over, the job would resume the step before it,
+    and its next commit would leave the candidate on an abandoned branch for retention.
     """
     cat = scan_root(root, usage=False)
     if cat.tracker_exists and (cat.tracker_problem is not None or cat.latest() is None):

@@ -9,6 +9,7 @@ checkpoint is ever returned or copied.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,12 @@ def _fifo(ckpt: Path, name: str) -> None:
     os.mkfifo(ckpt / name)
 
 
+def _socket(ckpt: Path, name: str) -> None:
+    """A socket, which cannot even be opened (ENXIO): what it is, not an I/O error, is the damage."""
+    (ckpt / name).unlink()
+    os.mknod(ckpt / name, 0o600 | stat.S_IFSOCK)
+
+
 def _dev_zero(ckpt: Path, name: str) -> None:
     (ckpt / name).unlink()
     (ckpt / name).symlink_to("/dev/zero")
@@ -67,6 +74,8 @@ CASES: dict[str, tuple[str, Callable[[Path, Path], None]]] = {
     ".metadata is a FIFO": (".metadata", lambda c, o: _fifo(c, ".metadata")),
     "common.pt is a FIFO": ("common.pt", lambda c, o: _fifo(c, "common.pt")),
     "metadata.json is a FIFO": ("metadata.json", lambda c, o: _fifo(c, "metadata.json")),
+    "data file is a socket": ("__0_0.distcp", lambda c, o: _socket(c, "__0_0.distcp")),
+    "common.pt is a socket": ("common.pt", lambda c, o: _socket(c, "common.pt")),
     ".metadata -> /dev/zero": (".metadata", lambda c, o: _dev_zero(c, ".metadata")),
 }
 # The operations that read each file (the others succeed without touching it).

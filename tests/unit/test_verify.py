@@ -423,3 +423,24 @@ def test_verify_of_a_root_whose_checkpoint_went_away_meanwhile_does_not_say_ok(t
     shutil.rmtree(root / "iter_0000010")
     report = verify_root(cat)
     assert not report.reports and report.status == "UNVERIFIED" and not report.ok
+
+
+def test_an_item_the_storage_fails_to_return_is_unreadable_not_damaged(tmp_path, monkeypatch):
+    """A stale NFS file handle while reading an item: ``ckptd verify`` said DAMAGED (a load says
+    StorageError for it, and never falls back past it: ckptd.format.reader.read_error)."""
+    import errno
+
+    make_checkpoint(tmp_path / "c")
+    real = os.pread
+
+    def stale(fd, n, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("__0_0.distcp"):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", stale)
+    report = verify_checkpoint(tmp_path / "c")
+    monkeypatch.undo()
+    assert report.status == "UNREADABLE" and not report.ok and not _errors(report), report.findings
+    unreadable = [f for f in report.findings if f.severity == "unreadable"]
+    assert unreadable and all(f.file == "__0_0.distcp" and "ESTALE" in f.message for f in unreadable), unreadable
