@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .format.commitrecord import commit_seq, read_commit_record_checked
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
@@ -78,12 +78,17 @@ class CheckpointEntry:
     state: EntryState
     usage: DirUsage
     is_latest: bool = False
-    commit_seq: int = 0  # committed ones: their place in commit order (ckptd.format.commitrecord)
-    committed_unix_s: float = 0.0  # committed ones with a commit record: when they were committed
+    # Its commit record's: its place in commit order (ckptd.format.commitrecord); also of one whose
+    # markers are gone (incomplete), whose number the next commit's must pass all the same.
+    commit_seq: int = 0
+    committed_unix_s: float = 0.0  # ones with a commit record: when they were committed
     # Why its commit record, which is there, cannot be read (damaged, an I/O error): its place in
-    # commit order is unknown. Nothing moves the tracker past it, takes it for abandoned or
-    # retires it on a guess (it sorts as seq 0 otherwise).
+    # commit order is unknown. Nothing moves the tracker past it, takes it for abandoned, retires
+    # it or numbers a commit after it on a guess (it sorts as seq 0 otherwise).
     record_problem: str | None = None
+    # record_problem is the storage failing to return it (StorageError): the record may be intact,
+    # and read next time.
+    record_unreadable: bool = False
 
     @property
     def commit_order(self) -> tuple[int, int]:
@@ -138,8 +143,23 @@ class RootCatalog:
 
     @property
     def highest_commit_seq(self) -> int:
-        """The highest commit number of the committed checkpoints (0: none)."""
-        return max((e.commit_seq for e in self.committed), default=0)
+        """The highest commit number the root's commit records hold (0: none), also those of
+        checkpoints whose markers are gone (restored, one would pass for the newest commit)."""
+        return max((e.commit_seq for e in self.entries), default=0)
+
+    def unknown_commit_number(self) -> CheckpointEntry | None:
+        """A checkpoint whose commit record is there but cannot be read: its number, which may be
+        the highest, is unknown, and so is the next commit's (:func:`ckptd.roots.posix.next_commit_seq`
+        refuses to guess: a commit that repeated a number ordered the two by step, and after a
+        rollback the step the job left passed for the newest)."""
+        return next(
+            (
+                e
+                for e in self.entries
+                if e.record_problem is not None and e.state in (EntryState.COMMITTED, EntryState.INCOMPLETE)
+            ),
+            None,
+        )
 
     @property
     def branch_first(self) -> list[CheckpointEntry]:
@@ -347,16 +367,16 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
             state = EntryState.DELETING
         else:
             state = EntryState.COMMITTED if is_checkpoint_dir(path) else EntryState.INCOMPLETE
-        # The tracker's target's record even when its markers are gone: it tells which branch the
-        # job trains on (RootCatalog.off_branch), which a fallback past it must keep to.
-        named = state is EntryState.INCOMPLETE and name == cat.latest_name
-        record, record_problem = None, None
-        if state is EntryState.COMMITTED or named:
+        # The record of one whose markers are gone too: the tracker's target's tells which branch
+        # the job trains on (RootCatalog.off_branch), which a fallback past it must keep to; and
+        # the next commit is numbered above each (RootCatalog.highest_commit_seq).
+        record, record_problem, unreadable = None, None, False
+        if state in (EntryState.COMMITTED, EntryState.INCOMPLETE):
             try:
                 record = read_commit_record_checked(path)
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, StorageError) as exc:
                 log.warning("%s; its place in commit order is unknown: it is neither retired nor passed over", exc)
-                record_problem = str(exc)
+                record_problem, unreadable = str(exc), isinstance(exc, StorageError)
         cat.node_local = cat.node_local or (record is not None and record.objects is not None)
         cat.entries.append(
             CheckpointEntry(
@@ -369,6 +389,7 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
                 commit_seq=0 if record is None else record.seq,
                 committed_unix_s=0.0 if record is None else record.committed_unix_s,
                 record_problem=record_problem,
+                record_unreadable=unreadable,
             )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from ..catalog import abandoned_commit, read_tracker
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StorageError
 from ..format.commitrecord import CommitRecord, read_commit_record_checked
 from ..format.rootlayout import parse_step_dir, step_dir_name
 from ..recovery import LatestChoice, resolve_resumable
@@ -113,5 +113,5 @@ def _record(directory: Path) -> CommitRecord | None:
     known of it: the resume's own look at the root says what is wrong there, once)."""
     try:
         return read_commit_record_checked(directory)
-    except CorruptCheckpointError:
+    except (CorruptCheckpointError, StorageError):
         return None

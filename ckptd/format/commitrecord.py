@@ -6,9 +6,11 @@ checkpoint it commits, before the rename that commits it::
 
     {"seq": 5, "step": 31, "attempt": "0123456789ab-1", "committed_unix_s": 1764150000.0}
 
-``seq`` is one more than the highest ``seq`` of the root's committed checkpoints. Which
-checkpoint is newest (the ``latest`` tracker after a crash, ``resolve_latest``'s fallback), which
-ones retention keeps and which ones belong to an abandoned branch are decided by it; checkpoints
+``seq`` is one more than the highest ``seq`` of the root's checkpoints (also of those whose markers
+are gone: a number is never given twice), and no commit is numbered while a record cannot be read
+(:func:`ckptd.roots.posix.next_commit_seq`). Which checkpoint is newest (the ``latest`` tracker
+after a crash, ``resolve_latest``'s fallback), which ones retention keeps and which ones belong to
+an abandoned branch are decided by it; checkpoints
 without a record (written by ``ckptd.save``, torch DCP, Megatron-Core or ckptd before 0.2) count
 as ``seq`` 0, older than any recorded commit, and among themselves by step. The wall-clock time
 is for people only: clocks are stepped, sequence numbers are not. torch DCP and Megatron-Core
@@ -23,7 +25,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StorageError
 from .safefs import read_regular
 
 log = logging.getLogger(__name__)
@@ -69,22 +71,23 @@ def read_commit_record(directory: str | os.PathLike, *, dir_fd: int | None = Non
     one renamed over its path since)."""
     try:
         return read_commit_record_checked(directory, dir_fd=dir_fd)
-    except CorruptCheckpointError as exc:
+    except (CorruptCheckpointError, StorageError) as exc:
         log.warning("%s; ordering it before every recorded commit", exc)
         return None
 
 
 def read_commit_record_checked(directory: str | os.PathLike, *, dir_fd: int | None = None) -> CommitRecord | None:
-    """:func:`read_commit_record`, but a record that is there and cannot be read or parsed raises
-    CorruptCheckpointError: its checkpoint's place in commit order is unknown, which decisions
-    that would move the tracker past it, take it for abandoned or retire it must not guess."""
+    """:func:`read_commit_record`, but a record that is there and cannot be parsed raises
+    CorruptCheckpointError, and one the storage fails to return (an I/O error) StorageError: its
+    checkpoint's place in commit order is unknown, which decisions that would move the tracker past
+    it, take it for abandoned, retire it or number a commit after it must not guess."""
     path = Path(directory)
     try:
         raw = read_regular(path, COMMIT_RECORD, "commit record", COMMIT_RECORD_MAX_NBYTES, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CorruptCheckpointError(f"{path / COMMIT_RECORD} cannot be read ({exc})") from None
+        raise StorageError.reading(exc, path / COMMIT_RECORD, "commit record") from None
     return parse_commit_record_checked(raw, path / COMMIT_RECORD)
 
 

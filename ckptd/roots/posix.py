@@ -54,7 +54,7 @@ from ..catalog import (
     scan_root,
     tracker_set_back,
 )
-from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
 from ..format.commitrecord import COMMIT_RECORD, MAX_COMMIT_SEQ, CommitRecord, read_commit_record
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
@@ -89,7 +89,27 @@ def tracker_step(root: Path) -> int | None:
 def next_commit_seq(cat: RootCatalog, seq_floor: int, where: object) -> int:
     """The number of the next commit into the root ``cat`` lists: above every commit there and
     above ``seq_floor``. CorruptCheckpointError when it would pass what a record may hold (a
-    record of an impossible number, which no scan would take for a commit again)."""
+    record of an impossible number, which no scan would take for a commit again).
+
+    A commit record that is there but cannot be read fails the commit (nothing of it is visible
+    yet): its number may be the highest, and a commit that repeated it was ordered by step against
+    it, so that after a rollback the step the job left passed for the newest commit (retention then
+    removed the step it went back to, and a daemon start pointed the tracker at the left one).
+    StorageError when the storage failed to return it (the next save tries again), else
+    CorruptCheckpointError (until it is restored, or its checkpoint moved out of the root)."""
+    unknown = cat.unknown_commit_number()
+    if unknown is not None:
+        why = (
+            f"{where}: the commit record of {unknown.name} cannot be read ({unknown.record_problem}), so the "
+            "number of this commit is unknown: one that repeated its number would be ordered against it by "
+            "step, and after a rollback the step left behind would pass for the newest commit. The save fails"
+        )
+        if unknown.record_unreadable:
+            raise StorageError(f"{why}; the next save tries again (check the filesystem if it goes on failing)")
+        raise CorruptCheckpointError(
+            f"{why}, and so does every save into this root until {unknown.path}/{COMMIT_RECORD} is restored "
+            f"from a backup, or {unknown.name} is moved out of the root (ckptd never removes it)"
+        )
     seq = 1 + max(seq_floor, cat.highest_commit_seq)
     if seq > MAX_COMMIT_SEQ:
         raise CorruptCheckpointError(
