@@ -92,6 +92,8 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 # 20: WRITTEN carries its node-local disk's highest commit number (``disk_seq``). 21: item records
 # say whether other ranks may store copies of their chunk that must be equal (``replicated``).
 PROTOCOL_VERSION = 21
+# Written.report_id: 8 bytes of a SAVE's seal, as a number.
+MAX_REPORT_ID = (1 << 64) - 1
 # Times a message may name (seconds since the epoch; NaN fails the bound).
 MAX_UNIX_S = 1e11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
@@ -559,7 +561,8 @@ def bounded_warnings(warnings: list[str]) -> list[str]:
 
 def _check_ids(msg: Message) -> None:
     """Steps and attempt ids in range (they name directories), also those an IN_FLIGHT_REPLY
-    lists: ProtocolError otherwise."""
+    lists, and the numbers kept in fixed-width arrays (a WRITTEN's report id): ProtocolError
+    otherwise."""
     try:
         for named in (msg, *(msg.attempts if isinstance(msg, InFlightReply) else ())):
             step = getattr(named, "step", None)
@@ -567,6 +570,10 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
+            if not 0 <= getattr(named, "report_id", 0) <= MAX_REPORT_ID:
+                # Kept as an unsigned 64-bit number (ckptd.daemon.countedreports): one outside
+                # failed the commit that counted it after it was on disk, and nobody was told.
+                raise ProtocolError(f"report id {named.report_id} is outside 0..{MAX_REPORT_ID}")
             if not 0 <= getattr(named, "disk_seq", 0) <= MAX_COMMIT_SEQ:
                 raise ProtocolError(f"commit number {named.disk_seq} is outside 0..{MAX_COMMIT_SEQ}")
             went_back_to = getattr(named, "went_back_to", -1)

@@ -82,6 +82,7 @@ def test_every_message_type_round_trips():
         a_written(
             step=100, rank=3, world_size=4, node=1, records=[ItemRecord(fqn="w", kind=BYTES, rank=3)], file_nbytes=4096
         ),
+        a_written(report_id=2**64 - 1),  # a seal's 8 bytes, all set
         Failed(step=100, attempt="fedcba987654-12", rank=-1, world_size=0, node=1, reason="lost the coordinator"),
         StepAborted(step=10**9 - 1, attempt=ATTEMPT, reason="why"),
         StepAborted(step=7, attempt=ATTEMPT, reason="rank 1 skipped it", skipped=True),
@@ -177,6 +178,19 @@ def test_every_message_type_round_trips():
                 }
             ),
             "STEP_ABORTED: step -1 is outside",
+        ),
+        # A report id is kept as an unsigned 64-bit number: a negative one let a commit land on disk
+        # and then failed before its verdict went out (the attempt hung forever, nobody told).
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.WRITTEN),
+                    "job": "job1",
+                    "f": {**dataclasses.asdict(a_written()), "report_id": -1},
+                }
+            ),
+            "WRITTEN: report id -1 is outside 0..18446744073709551615",
         ),
         # Attempt ids name directories: nothing but <12 hex>-<n> passes.
         (
