@@ -540,25 +540,6 @@ _DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
 _NAMES: dict[type[Message], frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in REGISTRY.values()}
 
 
-# A reason or warning put on the wire (a refusal, an abort's reason, a commit's warnings) can be
-# built from a peer's strings (a key, a root); cut, it always fits a message.
-MAX_TEXT_CHARS = 16384
-MAX_WARNINGS = 64
-
-
-def bounded_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
-    """``text``, cut to ``limit`` characters with the number left out said."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-def bounded_warnings(warnings: list[str]) -> list[str]:
-    """At most :data:`MAX_WARNINGS` warnings, each :func:`bounded_text`, the rest counted."""
-    kept = [bounded_text(w) for w in warnings[:MAX_WARNINGS]]
-    if len(warnings) > MAX_WARNINGS:
-        kept.append(f"... and {len(warnings) - MAX_WARNINGS} more warnings (the coordinator's log has them all)")
-    return kept
-
-
 def _check_ids(msg: Message) -> None:
     """Steps and attempt ids in range (they name directories), also those an IN_FLIGHT_REPLY
     lists, and the numbers kept in fixed-width arrays (a WRITTEN's report id): ProtocolError

@@ -52,7 +52,8 @@ from typing import Any
 from ..catalog import WentBack
 from ..config import CkptdConfig
 from ..control.itemchecks import check_record
-from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written, bounded_text, bounded_warnings
+from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
+from ..control.wiretext import bounded_text, bounded_warnings
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
@@ -402,7 +403,7 @@ class CommitState:
                 # A node's local abort (it lost its coordinator), or a relaunch's abandon, of an
                 # attempt this coordinator never saw: record the outcome, so reports of it are
                 # answered, and clean up.
-                outcome = StepAborted(step=msg.step, attempt=msg.attempt, reason=f"{who}: {msg.reason}")
+                outcome = StepAborted(step=msg.step, attempt=msg.attempt, reason=bounded_text(f"{who}: {msg.reason}"))
                 self._remember(key, outcome)
                 self._finished_reply(identity, msg, facts)
                 if msg.handed_off:  # a relaunch's abandon: the other nodes holding its parts learn it now
@@ -494,7 +495,8 @@ class CommitState:
             log.info("step %d committed as %s (attempt %s)", st.step, name, st.attempt)
         else:
             st.phase = Phase.ABORTED
-            self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=f"commit failed: {event.error}"))
+            reason = bounded_text(f"commit failed: {event.error}")
+            self._finish(st, StepAborted(step=st.step, attempt=st.attempt, reason=reason))
 
     def _abort(self, st: AttemptState, reason: str, *, skipped: bool = False) -> None:
         """End a collecting attempt everywhere; ``skipped``: a rank skipped it by policy, so the

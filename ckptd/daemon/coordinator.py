@@ -43,6 +43,7 @@ from .commitevents import (
     Tick,
 )
 from .commitstate import CommitState, agreed_went_back
+from .guard import InternalErrors
 from .loop import serve_requests
 from .rootquestions import Question, answer
 from .workers import CleanupFinished, CommitFinished, RootAnswered, WorkerPools
@@ -63,9 +64,11 @@ class Coordinator:
         instance: str,
         adopt: list[Key] | None = None,
         *,
+        internal: InternalErrors,
         node: int = 0,
     ) -> None:
         self.store = store
+        self.internal = internal  # the daemon's count of internal errors (ckptd.daemon.guard)
         self.root = store.location
         self.config = config
         self.workers = workers
@@ -187,8 +190,31 @@ class Coordinator:
                 self._report(identity, msg)
 
     def _handle(self, event: Event) -> None:
-        for action in self.state.handle(event, time.monotonic()):
-            self._execute(action)
+        self._execute_each(self.state.handle(event, time.monotonic()))
+
+    def _execute_each(self, actions: list[Action]) -> None:
+        """Execute ``actions`` in order, each on its own: the state machine moved on whatever one's
+        fate, so one that fails (a bug, an exhausted resource) is logged and counted as an internal
+        error (ckptd.daemon.guard) and the others still run. (A failed send ended the loop: the
+        Commit after it was lost, and its attempt stayed committing for ever.) A Commit that could
+        not be started ends as a failed commit: its attempt aborts."""
+        for action in actions:
+            try:
+                self._execute(action)
+            except Exception as exc:  # noqa: BLE001 - logged with its traceback and counted
+                self.internal.record(f"coordinator's {type(action).__name__}", exc)
+                if isinstance(action, Commit):
+                    error = f"it could not be started: {type(exc).__name__}: {exc}"
+                    self._execute_each([Remove(step=action.step, attempt=action.attempt)])  # (as a failed one's)
+                    self._handle(CommitEnded(step=action.step, attempt=action.attempt, error=error))
+                elif isinstance(action, Send):
+                    log.error(
+                        "step %s attempt %s: the coordinator could not send %s (the INTERNAL ERROR above); a "
+                        "node that got no verdict resends its reports",
+                        getattr(action.msg, "step", "?"),
+                        getattr(action.msg, "attempt", "?"),
+                        action.msg.TYPE.name,
+                    )
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, Send):
@@ -233,8 +259,7 @@ class Coordinator:
 
     def tick(self, now: float) -> None:
         self._stop_asking(now)
-        for action in self.state.handle(Tick(), now):
-            self._execute(action)
+        self._execute_each(self.state.handle(Tick(), now))
 
     def _stop_asking(self, now: float) -> None:
         """Decide without the root's answer once a question has waited ``coordinator_timeout_s``

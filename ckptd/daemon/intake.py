@@ -23,6 +23,7 @@ SAVEs against the rings and executes its actions.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ from ..format.records import ItemRecord
 from ..format.rootlayout import tmp_dir_name
 from ..roots.base import RootStore
 from ..staging.ring import ALIGN, BLOCKS, Placement, block_offset
+from .guard import InternalErrors
 from .intakestate import (
     Action,
     Ended,
@@ -81,8 +83,11 @@ class SaveIntake:
         uplink: CoordinatorLink,
         store: RootStore,
         send_to_rank: Callable[[Message, bytes], None],
+        *,
+        internal: InternalErrors,
     ) -> None:
         self.config = config
+        self.internal = internal  # the daemon's count of internal errors (ckptd.daemon.guard)
         self.rings = rings
         self.workers = workers
         self.metrics = metrics
@@ -169,8 +174,14 @@ class SaveIntake:
         return start_write
 
     def _handle(self, event: Taken | Ended) -> None:
-        for action in self.state.handle(event, time.monotonic()):
-            self._execute(action)
+        self._execute_each(self.state.handle(event, time.monotonic()))
+
+    def _execute_each(self, actions: list[Action]) -> None:
+        """Execute ``actions`` in order, each on its own: one that fails (a bug, an exhausted
+        resource) is logged and counted as an internal error (ckptd.daemon.guard) and the others
+        still run (a rank's WRITE_DONE that could not be sent must not lose its report)."""
+        for action in actions:
+            self.internal.run(f"save intake's {type(action).__name__}", functools.partial(self._execute, action))
 
     def _ready(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> None:
         """The ring's earlier writes are done: write ``job`` (or drain it, if its attempt was
@@ -180,7 +191,7 @@ class SaveIntake:
                 run = self._drain(job, ring, producer) if action.drain else self._writer(job, ring, producer)
                 self.workers.write(job, run)
             else:
-                self._execute(action)
+                self._execute_each([action])
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, StartWrite):  # only Ready starts a write (_ready)
@@ -326,8 +337,7 @@ class SaveIntake:
     def tick(self, now: float) -> None:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken
         (ckptd.daemon.intakestate, rule 4), once."""
-        for action in self.state.handle(Tick(), now):
-            self._execute(action)
+        self._execute_each(self.state.handle(Tick(), now))
 
 
 def _record_nbytes_bound(r: ItemRecord) -> int:

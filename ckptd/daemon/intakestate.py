@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..config import CkptdConfig
 from ..control.protocol import AttemptInFlight, Failed, StepAborted, Written
+from ..control.wiretext import bounded_text
 from ..errors import CkptdError
 from ..format.records import ItemRecord
 from .uplinkstate import StepKey, UplinkState
@@ -283,5 +284,10 @@ class IntakeState:
     def _failed(self, job: WriteJob, reason: str) -> Failed:
         req = job.request
         return Failed(
-            step=req.step, attempt=job.attempt, rank=req.rank, world_size=job.world_size, node=self.node, reason=reason
+            step=req.step,
+            attempt=job.attempt,
+            rank=req.rank,
+            world_size=job.world_size,
+            node=self.node,
+            reason=bounded_text(reason),  # (an OS error's text, a file name: it must fit the message)
         )

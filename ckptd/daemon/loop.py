@@ -16,7 +16,8 @@ from typing import Any
 import zmq
 
 from ..control.channel import Channel
-from ..control.protocol import ErrorReply, Message, bounded_text
+from ..control.protocol import ErrorReply, Message
+from ..control.wiretext import bounded_text
 from ..errors import CkptdError
 
 log = logging.getLogger(__name__)

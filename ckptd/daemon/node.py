@@ -109,6 +109,7 @@ class NodeDaemon:
                 self.workers,
                 self.instance,
                 adopt or [],
+                internal=self.internal,
                 node=ep.node,
             )
             if coordinator
@@ -135,6 +136,7 @@ class NodeDaemon:
             self._deliver,
             store=store,
             workers=self.workers,
+            internal=self.internal,
             node_local=self.node_local,
         )
         self.intake = SaveIntake(
@@ -146,6 +148,7 @@ class NodeDaemon:
             self.uplink,
             store,
             lambda msg, identity: self.ranks.send(msg, identity),
+            internal=self.internal,
         )
         hooks = DaemonHooks(
             self.instance, self._status_now, self.request_stop, self._stopping, self._follow_coordinator
@@ -259,8 +262,8 @@ class NodeDaemon:
     def _deliver(self, key: StepKey, identities: set[bytes], outcome: Message) -> None:
         """A step resolved: count it and tell its ranks."""
         self.metrics.resolved(key[0], committed=isinstance(outcome, StepCommitted))
-        for identity in identities:
-            self.ranks.send(outcome, identity)
+        for identity in identities:  # each on its own: one rank's failed send must not cost the others theirs
+            self.internal.run("delivery of a verdict", functools.partial(self.ranks.send, outcome, identity))
 
     def _tick(self, now: float) -> None:
         """The periodic chores; each one's error is logged and counted, never fatal (see

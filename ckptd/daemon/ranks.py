@@ -48,9 +48,9 @@ from ..control.protocol import (
     Status,
     StatusReply,
     Welcome,
-    bounded_text,
 )
 from ..control.security import HandshakeWatch
+from ..control.wiretext import bounded_text
 from ..errors import CkptdError, ProtocolError, RankHeldError, UnknownClientError
 from .intake import SaveIntake
 from .loop import serve_requests
@@ -193,7 +193,7 @@ class RankServer:
                     rank=msg.rank,
                     world_size=msg.world_size,
                     node=self.ep.node,
-                    reason=f"skipped the save: {msg.reason}",
+                    reason=bounded_text(f"skipped the save: {msg.reason}"),  # (it must fit a message with more fields)
                     skipped=msg.skipped,
                 ),
                 (msg.step, msg.attempt),

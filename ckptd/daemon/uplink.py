@@ -40,6 +40,7 @@ from ..control.netaddr import is_ipv6
 from ..control.protocol import Codec, ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
 from ..roots.base import RootStore
 from . import uplinkstate as us
+from .guard import InternalErrors
 from .nodelocal import NodeLocalCommits
 from .uplinkstate import StepKey, UplinkState
 from .workers import RootChecked, WorkerPools
@@ -64,6 +65,7 @@ class CoordinatorLink:
         *,
         store: RootStore,
         workers: WorkerPools,
+        internal: InternalErrors,
         node_local: NodeLocalCommits | None = None,
     ) -> None:
         self.address = address
@@ -72,6 +74,7 @@ class CoordinatorLink:
         self.deliver = deliver  # tells a resolved step's ranks its outcome
         self.store = store  # asked whether an attempt committed when the coordinator was lost
         self.workers = workers
+        self.internal = internal  # the daemon's count of internal errors (ckptd.daemon.guard)
         self.node_local = node_local  # this node's part of node-local commits (ckptd.daemon.nodelocal)
         sock = make_socket(ctx, zmq.DEALER, codec, keys, server=False, identity=identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a coordinator we are not connected to
@@ -163,17 +166,35 @@ class CoordinatorLink:
         self._handle(us.Tick(), now)
 
     def _handle(self, event: us.Event, now: float | None = None) -> None:
+        """Feed ``event`` to the state and execute its actions in order, each on its own: one that
+        fails (a bug, an exhausted resource) is logged and counted as an internal error
+        (ckptd.daemon.guard) and the others still run; the state moved on whatever its fate.
+        (A send that raised ended the loop, losing the verdicts and sends after it, every resend
+        again; raised from on_readable, it ended the daemon.)"""
         now = time.monotonic() if now is None else now
         for action in self.state.handle(event, now):
-            if isinstance(action, us.Send):
+            self.internal.run(
+                f"coordinator link's {type(action).__name__}", functools.partial(self._execute, action, now)
+            )
+
+    def _execute(self, action: us.Action, now: float) -> None:
+        if isinstance(action, us.Send):
+            try:
                 ok = self.channel.send(action.msg, block=False)
-                # Feeding back a send's result only updates the table: it never sends.
-                self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok), now)
-            elif isinstance(action, us.AskRoot):
-                step, attempt = action.key
-                self.workers.check(step, attempt, functools.partial(self.store.holds_commit, step, attempt))
-            else:
-                self.deliver(action.key, set(action.identities), action.outcome)
+            except Exception:
+                # Fed back as gone: a message that cannot be encoded never will be, and one the
+                # socket never took is retried at every tick, each retry sending every report made
+                # before it too. The resend timer tries again; the coordinator's commit timeout
+                # decides the attempt otherwise.
+                self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=True), now)
+                raise
+            # Feeding back a send's result only updates the table: it never sends.
+            self.state.handle(us.Sent(key=action.key, msg=action.msg, ok=ok), now)
+        elif isinstance(action, us.AskRoot):
+            step, attempt = action.key
+            self.workers.check(step, attempt, functools.partial(self.store.holds_commit, step, attempt))
+        else:
+            self.deliver(action.key, set(action.identities), action.outcome)
 
     def status(self) -> dict[str, Any]:
         """The coordinator as this node knows it: its instance, and how long it has not answered

@@ -60,6 +60,7 @@ from typing import Any
 
 from ..config import CkptdConfig
 from ..control.protocol import Failed, Message, Ping, StepAborted, StepCommitted, Written
+from ..control.wiretext import bounded_text
 from ..format.rootlayout import step_dir_name
 
 log = logging.getLogger(__name__)
@@ -453,7 +454,7 @@ class UplinkState:
             rank=-1,
             world_size=0,
             node=self.node,
-            reason=reason,
+            reason=bounded_text(reason),  # (a rank's ABANDON's, a root's error: it must fit the message)
             handed_off=handed_off or [],
         )
         late.late_until = now + self.config.commit_timeout_s

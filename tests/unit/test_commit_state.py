@@ -6,6 +6,7 @@ link on real sockets)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -646,3 +647,32 @@ def test_a_commit_number_nothing_can_carry_is_refused_on_disk_and_on_the_wire():
     with pytest.raises(ProtocolError, match="commit number"):
         codec.decode(codec.encode(written(3, 1, disk_seq=MAX_COMMIT_SEQ + 1)))
     assert codec.decode(codec.encode(written(3, 1, disk_seq=MAX_COMMIT_SEQ))).disk_seq == MAX_COMMIT_SEQ  # type: ignore[attr-defined]
+
+
+# --- what the verdicts carry ------------------------------------------------------------------------
+def test_a_verdicts_text_fits_the_smallest_message_limit_whatever_its_characters():
+    """Warnings and reasons were cut to 16,384 characters each, 64 warnings: up to 4 MiB of UTF-8,
+    and a file name's undecodable byte could not be encoded at all. The STEP_COMMITTED then failed
+    to send (from the loop that also held the next Commit), every time a node resent its report.
+    Now each text is bounded in bytes, the warnings together too, and what cannot be encoded is
+    escaped."""
+    from ckptd.config import _MIN_MESSAGE_NBYTES
+    from ckptd.control.protocol import Codec
+
+    codec = Codec("job", max_nbytes=_MIN_MESSAGE_NBYTES)
+    c = Coordinator()
+    c.report(N0, written(3, 0))
+    c.report(N1, written(3, 1))
+    undecodable = os.fsdecode(b"\xff")  # a file name's byte that is no UTF-8: a lone surrogate
+    warnings = [f"could not remove iter_0000001/{undecodable}.tmp", *(f"{i}: {'𝄞' * 5000}" for i in range(100))]
+    outcome = CommitOutcome(name="iter_0000003", warnings=warnings)
+    committed = only_outcome(c.state.handle(CommitEnded(step=3, attempt=A, outcome=outcome), c.now))
+    assert isinstance(committed, StepCommitted)
+    assert codec.decode(codec.encode(committed)) == committed
+    assert ascii(committed.warnings[0]) == ascii("could not remove iter_0000001/\\udcff.tmp")
+    assert committed.warnings[1].startswith("0: 𝄞") and committed.warnings[1].endswith(" more bytes)")
+    assert committed.warnings[-1].startswith("... and 99 more warnings")
+    c.report(N0, written(4, 0))
+    aborted = only_outcome(c.report(N1, failed(4, 1, "no room for " + "𝄞" * 20000)))
+    assert isinstance(aborted, StepAborted) and aborted.reason.startswith("rank 1 (node 1): no room for 𝄞")
+    assert codec.decode(codec.encode(aborted)) == aborted
