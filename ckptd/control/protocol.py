@@ -94,6 +94,10 @@ from .attempt import MAX_WORLD_SIZE, check_attempt, check_step, check_world
 PROTOCOL_VERSION = 21
 # Written.report_id: 8 bytes of a SAVE's seal, as a number.
 MAX_REPORT_ID = (1 << 64) - 1
+# A daemon's instance (``<pid>-<8 hex>``), as a PONG or WELCOME names it and a report is addressed
+# to it: bounded, so that a node can tell before it addresses a report that it fits the message
+# limit (ckptd.daemon.intake.sendable).
+MAX_INSTANCE_NBYTES = 64
 # Times a message may name (seconds since the epoch; NaN fails the bound).
 MAX_UNIX_S = 1e11
 # A message's body travels in frames of at most this many bytes (the last one shorter). libzmq
@@ -542,8 +546,8 @@ _NAMES: dict[type[Message], frozenset[str]] = {cls: frozenset(f.name for f in fi
 
 def _check_ids(msg: Message) -> None:
     """Steps and attempt ids in range (they name directories), also those an IN_FLIGHT_REPLY
-    lists, and the numbers kept in fixed-width arrays (a WRITTEN's report id): ProtocolError
-    otherwise."""
+    lists, the numbers kept in fixed-width arrays (a WRITTEN's report id) and the length of
+    daemon instances: ProtocolError otherwise."""
     try:
         for named in (msg, *(msg.attempts if isinstance(msg, InFlightReply) else ())):
             step = getattr(named, "step", None)
@@ -551,6 +555,9 @@ def _check_ids(msg: Message) -> None:
                 check_step(step)
             if hasattr(named, "attempt"):
                 check_attempt(named.attempt)
+            for instance in (getattr(named, "instance", ""), getattr(named, "coordinator_instance", "")):
+                if len(instance.encode("utf-8", "replace")) > MAX_INSTANCE_NBYTES:
+                    raise ProtocolError(f"instance {instance[:80]!r} is longer than {MAX_INSTANCE_NBYTES} bytes")
             if not 0 <= getattr(named, "report_id", 0) <= MAX_REPORT_ID:
                 # Kept as an unsigned 64-bit number (ckptd.daemon.countedreports): one outside
                 # failed the commit that counted it after it was on disk, and nobody was told.

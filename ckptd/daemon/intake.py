@@ -28,13 +28,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..config import CkptdConfig
 from ..control.endpoints import Endpoints
 from ..control.itemchecks import check_save_items
 from ..control.protocol import (
+    MAX_INSTANCE_NBYTES,
     MAX_RING_OFFSET,
     AttemptInFlight,
+    Codec,
     Failed,
     Message,
     RegisterLayout,
@@ -209,30 +212,8 @@ class SaveIntake:
             )
             self.send_to_rank(done, job.identity)
         elif isinstance(action, Report):
-            msg = self._sendable(action.msg) if isinstance(action.msg, Written) else action.msg
+            msg = sendable(action.msg, self.uplink.channel.codec) if isinstance(action.msg, Written) else action.msg
             self.uplink.report(msg, action.key)
-
-    def _sendable(self, msg: Written) -> Written | Failed:
-        """``msg``, or a FAILED saying why when it exceeds the message limit (the records of a
-        layout with very many items, or rank 0's common state): kept as the node's report, every
-        send of it failed, the save's ring stayed held, and the other attempts' resends stopped."""
-        bound = 1024 + len(msg.common or b"") + sum(map(_record_nbytes_bound, msg.records))
-        bound += sum(4 * len(k) + 5 for k in msg.held)
-        codec = self.uplink.channel.codec
-        if bound < codec.max_nbytes:
-            return msg
-        try:
-            codec.encode(msg)
-        except ProtocolError as exc:
-            return Failed(
-                step=msg.step,
-                attempt=msg.attempt,
-                rank=msg.rank,
-                world_size=msg.world_size,
-                node=msg.node,
-                reason=f"rank {msg.rank}'s report of its {len(msg.records)} items cannot be sent: {exc}",
-            )
-        return msg
 
     def _drain(self, job: WriteJob, ring: DaemonRing, producer: SnapshotWait) -> Callable[[], WriteResult]:
         """The writer thread's work for a save whose attempt aborted before its write started:
@@ -338,6 +319,31 @@ class SaveIntake:
         """Report as FAILED each write not finished ``commit_timeout_s`` after its SAVE was taken
         (ckptd.daemon.intakestate, rule 4), once."""
         self._execute_each(self.state.handle(Tick(), now))
+
+
+def sendable(msg: Written, codec: Codec) -> Written | Failed:
+    """``msg``, or a FAILED saying why when it exceeds ``codec``'s message limit (the records of a
+    layout with very many items, or rank 0's common state): kept as the node's report, every
+    send of it failed, the save's ring stayed held, and the other attempts' resends stopped.
+    Judged as sent: addressed to a coordinator instance (ckptd.daemon.uplinkstate), of the longest
+    a PONG can name (one that fitted only without it failed every send)."""
+    addressed = replace(msg, coordinator_instance="i" * MAX_INSTANCE_NBYTES)
+    texts = (msg.common_digest, msg.plain_digest, codec.job, msg.attempt, *msg.held)
+    bound = 1024 + MAX_INSTANCE_NBYTES + len(msg.common or b"") + sum(4 * len(t) + 5 for t in texts)
+    if bound + sum(map(_record_nbytes_bound, msg.records)) < codec.max_nbytes:
+        return msg
+    try:
+        codec.encode(addressed)
+    except ProtocolError as exc:
+        return Failed(
+            step=msg.step,
+            attempt=msg.attempt,
+            rank=msg.rank,
+            world_size=msg.world_size,
+            node=msg.node,
+            reason=f"rank {msg.rank}'s report of its {len(msg.records)} items cannot be sent: {exc}",
+        )
+    return msg
 
 
 def _record_nbytes_bound(r: ItemRecord) -> int:

@@ -192,6 +192,11 @@ def test_every_message_type_round_trips():
             ),
             "WRITTEN: report id -1 is outside 0..18446744073709551615",
         ),
+        # A node judges whether its report fits before it addresses it to the coordinator's instance.
+        (
+            _frames({"v": PROTOCOL_VERSION, "t": 2, "job": "job1", "f": {"nonce": 1, "instance": "9" * 65, "pid": 1}}),
+            "PONG: instance '99999",
+        ),
         # Attempt ids name directories: nothing but <12 hex>-<n> passes.
         (
             _frames(

@@ -260,10 +260,8 @@ def test_an_abandon_the_coordinator_decided_is_never_told_to_a_later_instance():
 def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
     """A WRITTEN over the message limit (a layout's many records, rank 0's common state) could not
     be sent, ever: the node kept resending it, and its write's ring block stayed held."""
-    from types import SimpleNamespace
-
     from ckptd.control.protocol import Codec
-    from ckptd.daemon.intake import SaveIntake
+    from ckptd.daemon.intake import sendable
 
     records = [ItemRecord(fqn=f"layer.{i}.weight", kind="tensor", rank=1, dtype="float32") for i in range(200)]
     big = Written(
@@ -277,8 +275,8 @@ def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
         common_digest="",
         file_nbytes=0,
     )
-    fake = SimpleNamespace(uplink=SimpleNamespace(channel=SimpleNamespace(codec=Codec("job", max_nbytes=4096))))
-    failed = SaveIntake._sendable(fake, big)  # type: ignore[arg-type]
+    small = Codec("job", max_nbytes=4096)
+    failed = sendable(big, small)
     assert isinstance(failed, Failed) and (failed.step, failed.attempt, failed.rank) == (5, "0123456789ab-1", 1)
     assert "rank 1's report of its 200 items cannot be sent" in failed.reason and "exceeds the limit" in failed.reason
     # The keys a rank holds without storing them count too (a rank of replicas: no record at all).
@@ -294,9 +292,56 @@ def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
         file_nbytes=0,
         held=[f"model.layer.{i}.weight" for i in range(400)],
     )
-    assert isinstance(SaveIntake._sendable(fake, held), Failed)  # type: ignore[arg-type]
-    fake.uplink.channel.codec = Codec("job")
-    assert SaveIntake._sendable(fake, big) is big  # type: ignore[arg-type]
+    assert isinstance(sendable(held, small), Failed)
+    assert sendable(big, Codec("job")) is big
+
+
+@pytest.mark.parametrize("digests", [("", ""), ("d" * 300, "𝄞" * 300)], ids=["no digests", "long digests"])
+def test_a_written_judged_sendable_fits_the_limit_as_sent_to_the_coordinator(digests):
+    """The judgement left out what the sent WRITTEN carries besides: the coordinator instance the
+    node's link addresses it to, and the rank's digests. A report within a few bytes of the limit
+    passed, and every send of it failed (raising out of the link's batch of sends, and out of the
+    node daemon's socket handler). Every size around the limit is judged as sent."""
+    from dataclasses import replace
+
+    from ckptd.control.protocol import MAX_INSTANCE_NBYTES, Codec
+    from ckptd.daemon.intake import sendable
+    from ckptd.errors import ProtocolError
+
+    codec = Codec("job" * 5, max_nbytes=64 << 10)
+    common_digest, plain_digest = digests
+
+    def written(common_nbytes: int) -> Written:
+        return Written(
+            step=5,
+            attempt=A,
+            rank=0,
+            world_size=2,
+            node=0,
+            records=[RECORD],
+            common=b"c" * common_nbytes,
+            common_digest=common_digest,
+            plain_digest=plain_digest,
+            file_nbytes=16,
+        )
+
+    def nbytes(msg: Written) -> int:
+        return len(Codec(codec.job).encode(msg)[0])
+
+    at_limit = codec.max_nbytes - nbytes(written(0))  # the unaddressed WRITTEN is exactly at the limit
+    kinds = set()
+    for common_nbytes in range(at_limit - 2 * MAX_INSTANCE_NBYTES, at_limit + 3):
+        msg = written(common_nbytes)
+        judged = sendable(msg, codec)
+        addressed = replace(judged, coordinator_instance="9" * MAX_INSTANCE_NBYTES)  # the longest a PONG names
+        try:
+            codec.encode(addressed)
+        except ProtocolError as exc:
+            raise AssertionError(f"{nbytes(msg)} bytes unaddressed: judged sendable, but as sent: {exc}") from None
+        kinds.add(type(judged))
+    assert kinds == {Written, Failed}
+    # A rank's digest alone can take it over the limit (its SAVE was within it).
+    assert isinstance(sendable(replace(written(0), plain_digest="𝄞" * (16 << 10)), codec), Failed)
 
 
 def test_the_size_bound_of_a_report_holds_for_any_record():
