@@ -33,7 +33,9 @@ while the root still holds the commit (else it starts a new attempt).
 Once every rank reported, one copy of each plain item several ranks wrote is kept, and a commit
 that would not store every key some rank holds aborts, naming the key (ckptd.format.coverage).
 Two attempts of one step collecting at the same time mean that its ranks disagree on the attempt:
-both abort, naming ranks and attempts. A relaunch's abandon (a FAILED of a node carrying
+both abort, naming ranks and attempts. A rank's FAILED of an attempt not known here (a write that
+outlived its attempt's abort by a predecessor, reported as the step's retry collects) aborts that
+attempt alone. A relaunch's abandon (a FAILED of a node carrying
 ``handed_off``: ckptd.client.settle) aborts a collecting attempt on every node, but keeps one whose
 reports and the ranks found handed off make up its world (a node daemon that reported died since).
 Attempts adopted at start (``<step>.<attempt>.tmp`` left by a crashed coordinator) are collected
@@ -284,6 +286,21 @@ class CommitState:
                     f"{other.attempt} of that step is being committed",
                 )
                 return None
+            if isinstance(msg, Failed) and (step, attempt) not in self.finished and (step, attempt) not in self.counted:
+                # A failure of an attempt this coordinator has no record of: most likely a write
+                # that outlived the abort of that attempt by a predecessor (reported FAILED, as a
+                # late write is: ckptd.daemon.intakestate) while the step's retry collects. It ends
+                # only its own attempt (aborted by the caller); ranks that really disagree leave the
+                # other one to its timeout, as when the FAILED comes first.
+                log.warning(
+                    "step %d attempt %s: %s failed an attempt not known here while attempt %s of the step "
+                    "collects; only the failed one aborts",
+                    step,
+                    attempt,
+                    who,
+                    other.attempt,
+                )
+                return st
             reason = (
                 f"step {step}: ranks disagree on the save attempt: {other.describe()}, but {who} "
                 f"saved attempt {attempt}. Every rank of one launch must derive the same attempt "

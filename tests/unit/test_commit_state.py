@@ -450,6 +450,25 @@ def test_ranks_that_disagree_on_the_attempt_abort_both_attempts_naming_them():
     assert "rank 1 (node 1) saved attempt " + B in reason and "CKPTD_RUN_ID" in reason
 
 
+def test_a_late_failure_of_an_attempt_not_known_here_aborts_only_that_attempt():
+    """A restarted coordinator (no record of attempt A: its abort removed its directory, so nothing
+    was adopted) collects the retry B of step 7 when a write of A that outlived the abort is
+    reported FAILED (as a late write is). Both were aborted as ranks that disagree on the attempt:
+    the retry, which every rank saves, failed for nothing."""
+    c = Coordinator()
+    assert c.report(N0, written(7, 0, attempt=B)) == []
+    late = "its data file was written after the attempt had been decided (late write)"
+    actions = c.report(N1, failed(7, 1, late, attempt=A))
+    assert {a.attempt for a in actions if isinstance(a, Remove)} == {A}
+    aborted = only_outcome(actions)
+    assert aborted.attempt == A and late in aborted.reason and "disagree" not in aborted.reason
+    (commit,) = c.report(N1, written(7, 1, attempt=B))
+    assert isinstance(commit, Commit) and commit.attempt == B
+    assert isinstance(only_outcome(c.commit_ended(7, B)), StepCommitted)
+    # A repeat of the late FAILED is answered with A's abort, and still leaves B alone.
+    assert only_outcome(c.report(N1, failed(7, 1, late, attempt=A))) == aborted
+
+
 def test_an_attempt_started_while_another_of_its_step_commits_aborts_alone():
     c = Coordinator()
     c.report(N0, written(3, 0))
