@@ -55,10 +55,10 @@ import torch
 import zmq
 
 from ckptd.control.channel import Channel, make_socket
+from ckptd.control.codec import Codec
 from ckptd.control.keys import derive_keys
 from ckptd.control.netaddr import tcp_address
 from ckptd.control.protocol import (
-    Codec,
     Message,
     Ping,
     Pong,

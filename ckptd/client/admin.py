@@ -20,10 +20,11 @@ import zmq
 
 from ..config import CkptdConfig
 from ..control.channel import Channel, make_socket
+from ..control.codec import Codec
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Codec, Message, Shutdown, ShutdownAck, Status, StatusReply
+from ..control.protocol import Message, Shutdown, ShutdownAck, Status, StatusReply
 from ..control.requests import RequestClient
 from ..errors import DaemonError, DaemonLostError
 

@@ -28,10 +28,11 @@ import zmq
 
 from ..config import CkptdConfig
 from ..control.channel import Channel, make_socket
+from ..control.codec import Codec
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import CurveKeys, derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.protocol import Bye, Codec, Hello, Message, Save, SaveAck, Skip, Welcome
+from ..control.protocol import Bye, Hello, Message, Save, SaveAck, Skip, Welcome
 from ..control.requests import RequestClient
 from ..errors import CkptdError, DaemonError, DaemonLostError, RequestNotTaken
 

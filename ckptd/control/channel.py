@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 import zmq
 
 from ..errors import ProtocolError
+from .codec import Codec
 from .keys import CurveKeys
-from .protocol import FRAME_NBYTES, Codec, Message
+from .protocol import FRAME_NBYTES, Message
 from .security import make_client_secure, make_server_secure
 
 log = logging.getLogger(__name__)

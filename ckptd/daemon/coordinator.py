@@ -21,9 +21,10 @@ import zmq
 
 from ..config import CkptdConfig
 from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
+from ..control.codec import Codec
 from ..control.keys import CurveKeys
 from ..control.netaddr import is_ipv6
-from ..control.protocol import Codec, Failed, Message, Ping, Pong, Status, StatusReply, Written
+from ..control.protocol import Failed, Message, Ping, Pong, Status, StatusReply, Written
 from ..control.security import HandshakeWatch
 from ..errors import CkptdError, ProtocolError, StorageError
 from ..format.rootlayout import step_dir_name, tmp_dir_name

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import CkptdConfig
+from ..control.codec import Codec
 from ..control.endpoints import Endpoints
 from ..control.itemchecks import check_save_items
 from ..control.protocol import (
     MAX_INSTANCE_NBYTES,
     MAX_RING_OFFSET,
     AttemptInFlight,
-    Codec,
     Failed,
     Message,
     RegisterLayout,

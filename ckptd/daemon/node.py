@@ -37,9 +37,10 @@ from typing import Any
 import zmq
 
 from ..config import CkptdConfig
+from ..control.codec import Codec
 from ..control.endpoints import Endpoints
 from ..control.keys import CurveKeys
-from ..control.protocol import Codec, Message, StepCommitted
+from ..control.protocol import Message, StepCommitted
 from ..control.security import ZapHandler
 from ..roots.base import RootStore
 from ..roots.posix_root import PosixRoot

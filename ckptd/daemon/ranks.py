@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from ..control.channel import Channel, make_socket, peer_pid, peer_uid
+from ..control.codec import Codec
 from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
 from ..control.netaddr import tcp_port
@@ -28,7 +29,6 @@ from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
     Abandon,
     Bye,
-    Codec,
     Failed,
     Hello,
     InFlight,

@@ -35,9 +35,10 @@ import zmq
 
 from ..config import CkptdConfig
 from ..control.channel import Channel, link_timeout_s, make_socket, replace_dead_links
+from ..control.codec import Codec
 from ..control.keys import CurveKeys
 from ..control.netaddr import is_ipv6
-from ..control.protocol import Codec, ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
+from ..control.protocol import ErrorReply, Failed, Message, Pong, StepAborted, StepCommitted, Written
 from ..roots.base import RootStore
 from . import uplinkstate as us
 from .guard import InternalErrors

@@ -19,9 +19,10 @@ import pytest
 import zmq
 
 import ckptd
+from ckptd.control.codec import Codec
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import derive_keys
-from ckptd.control.protocol import Codec, Failed, StepAborted, StepCommitted, Written
+from ckptd.control.protocol import Failed, StepAborted, StepCommitted, Written
 from ckptd.control.security import make_client_secure
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.format.rootlayout import step_dir_name

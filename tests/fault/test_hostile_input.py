@@ -31,12 +31,12 @@ import zmq
 
 import ckptd
 from ckptd.client import admin
+from ckptd.control.codec import Codec
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import CurveKeys, derive_keys
 from ckptd.control.protocol import (
     PROTOCOL_VERSION,
     Bye,
-    Codec,
     ErrorReply,
     Hello,
     LayoutOk,

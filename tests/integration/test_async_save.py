@@ -19,10 +19,11 @@ import zmq
 
 import ckptd
 from ckptd.config import CkptdConfig
+from ckptd.control.codec import Codec
 from ckptd.control.endpoints import load_token
 from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import daemon_pid
-from ckptd.control.protocol import Codec, Ping, Pong, Status, StatusReply
+from ckptd.control.protocol import Ping, Pong, Status, StatusReply
 from ckptd.control.security import make_client_secure
 from ckptd.format.rootlayout import step_dir_name
 from tests.integration import async_job as aj

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from ckptd.config import CkptdConfig, parse_budget
+from ckptd.control.codec import Codec
 from ckptd.control.itemchecks import check_record
 from ckptd.control.protocol import (
     FRAME_NBYTES,
@@ -18,7 +19,6 @@ from ckptd.control.protocol import (
     REGISTRY,
     Abandon,
     AttemptInFlight,
-    Codec,
     Failed,
     Hello,
     InFlight,

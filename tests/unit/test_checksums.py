@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptd
-from ckptd.control.protocol import PROTOCOL_VERSION, Codec, MsgType, Written
+from ckptd.control.codec import Codec
+from ckptd.control.protocol import PROTOCOL_VERSION, MsgType, Written
 from ckptd.errors import CorruptCheckpointError
 from ckptd.format.checksum import TABLE_VERSION
 from ckptd.format.dcp_metadata import CHECKSUMS_ATTR, build_metadata, read_index, records_from_index, write_metadata

@@ -655,7 +655,7 @@ def test_a_commit_number_nothing_can_carry_is_refused_on_disk_and_on_the_wire():
     past what msgpack carries: the node's WRITTEN could never be sent again."""
     import json
 
-    from ckptd.control.protocol import Codec
+    from ckptd.control.codec import Codec
     from ckptd.errors import CorruptCheckpointError, ProtocolError
     from ckptd.format.commitrecord import MAX_COMMIT_SEQ, parse_commit_record_checked
 
@@ -676,7 +676,7 @@ def test_a_verdicts_text_fits_the_smallest_message_limit_whatever_its_characters
     Now each text is bounded in bytes, the warnings together too, and what cannot be encoded is
     escaped."""
     from ckptd.config import _MIN_MESSAGE_NBYTES
-    from ckptd.control.protocol import Codec
+    from ckptd.control.codec import Codec
 
     codec = Codec("job", max_nbytes=_MIN_MESSAGE_NBYTES)
     c = Coordinator()

@@ -260,7 +260,7 @@ def test_an_abandon_the_coordinator_decided_is_never_told_to_a_later_instance():
 def test_a_written_too_large_for_a_message_is_reported_as_a_failure_saying_so():
     """A WRITTEN over the message limit (a layout's many records, rank 0's common state) could not
     be sent, ever: the node kept resending it, and its write's ring block stayed held."""
-    from ckptd.control.protocol import Codec
+    from ckptd.control.codec import Codec
     from ckptd.daemon.intake import sendable
 
     records = [ItemRecord(fqn=f"layer.{i}.weight", kind="tensor", rank=1, dtype="float32") for i in range(200)]
@@ -304,7 +304,8 @@ def test_a_written_judged_sendable_fits_the_limit_as_sent_to_the_coordinator(dig
     node daemon's socket handler). Every size around the limit is judged as sent."""
     from dataclasses import replace
 
-    from ckptd.control.protocol import MAX_INSTANCE_NBYTES, Codec
+    from ckptd.control.codec import Codec
+    from ckptd.control.protocol import MAX_INSTANCE_NBYTES
     from ckptd.daemon.intake import sendable
     from ckptd.errors import ProtocolError
 

@@ -15,10 +15,11 @@ import zmq
 from ckptd.client.link import DaemonLink, RequestNotTaken
 from ckptd.config import CkptdConfig
 from ckptd.control.channel import Channel, make_socket
+from ckptd.control.codec import Codec
 from ckptd.control.endpoints import Endpoints, JobEnv
 from ckptd.control.keys import derive_keys
 from ckptd.control.pidfile import PidLock
-from ckptd.control.protocol import Codec, ErrorReply, SaveAck
+from ckptd.control.protocol import ErrorReply, SaveAck
 from ckptd.control.security import ZapHandler
 from tests.messages import ATTEMPT, a_save
 

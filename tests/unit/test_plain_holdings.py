@@ -206,7 +206,7 @@ def test_a_save_of_10000_replicas_sends_their_keys_once():
     """A data-parallel rank holding 10,000 replicas sends their keys (not records) with its
     layout, and nothing more while the layout stays the same."""
     from ckptd.client.layout import LayoutCache
-    from ckptd.control.protocol import Codec
+    from ckptd.control.codec import Codec
     from ckptd.staging.rankside import place
     from tests.messages import a_save
 

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from ckptd.control.channel import Channel, make_socket
+from ckptd.control.codec import Codec
 from ckptd.control.keys import derive_keys
 from ckptd.control.protocol import (
-    Codec,
     ErrorReply,
     Message,
     MsgType,

@@ -16,7 +16,8 @@ import msgpack
 import pytest
 import torch
 
-from ckptd.control.protocol import PROTOCOL_VERSION, Codec, SaveItem, StatusReply
+from ckptd.control.codec import Codec
+from ckptd.control.protocol import PROTOCOL_VERSION, SaveItem, StatusReply
 from ckptd.format import items as items_mod
 from ckptd.format.records import TENSOR, ItemRecord
 from ckptd.gcpause import gc_paused

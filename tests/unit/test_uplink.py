@@ -16,8 +16,9 @@ import pytest
 import zmq
 
 from ckptd.config import CkptdConfig
+from ckptd.control.codec import Codec
 from ckptd.control.keys import derive_keys
-from ckptd.control.protocol import Codec, Failed, Message, StepAborted, StepCommitted, Written
+from ckptd.control.protocol import Failed, Message, StepAborted, StepCommitted, Written
 from ckptd.control.security import ZapHandler
 from ckptd.daemon.coordinator import Coordinator
 from ckptd.daemon.guard import InternalErrors
