@@ -469,10 +469,7 @@ class Abandon(Message):
     node), which does unless the ranks that reported it make up the rest of its world (a node
     daemon that reported them died since); either way every node learns the verdict, so that the
     relaunch's own save of the step is not refused as a second attempt of it. Sent by a resume's
-    rank 0 (ckptd.client.settle); and with no rank ``handed_off`` by a rank whose node daemon died
-    holding its save of the attempt, to the next daemon (ckptd.client.session): then it is the
-    node's own abort, which ends the attempt unless its commit began.
-    """
+    rank 0 (ckptd.client.settle)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ABANDON
     step: int
