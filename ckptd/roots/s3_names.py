@@ -62,6 +62,18 @@ def foreign_checkpoint(keys: Iterable[str]) -> list[str]:
     return metadata
 
 
+def removable(keys: Iterable[str]) -> list[str]:
+    """The objects of an uncommitted step that an attempt's removal (a start's, an abort's) may
+    delete: what a Checkpointer's save names so, its metadata objects only next to a data object
+    of an attempt and nothing another tool named (``ckptd.save`` writes ``common.pt`` before
+    ``.metadata``: one caught in between holds no checkpoint metadata yet, and its ``common.pt``
+    is its own)."""
+    keys = list(keys)
+    theirs = any(not ckptd_named(k) for k in keys)
+    ours = any(attempt_of(k) is not None for k in keys)
+    return [k for k in keys if ckptd_named(k) and (leaf(k) not in METADATA_OBJECTS or (ours and not theirs))]
+
+
 def retired(key: str, keep_attempt: str | None, only_attempt: str | None) -> bool:
     """Whether retiring a step removes object ``key`` (see ckptd.roots.s3_root.S3Root._retire):
     the metadata objects always (an attempt writes them only at its commit), data objects by

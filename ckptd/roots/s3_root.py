@@ -76,7 +76,16 @@ from ..storage.url import S3Location
 from .base import CommitOutcome, Recovery
 from .posix import committed_once_advice, next_commit_seq, rollback_warnings
 from .s3_data import S3DataTarget, s3_data_file_name
-from .s3_names import METADATA_OBJECTS, attempt_of, ckptd_named, foreign_checkpoint, leaf, retired, why_kept
+from .s3_names import (
+    METADATA_OBJECTS,
+    attempt_of,
+    ckptd_named,
+    foreign_checkpoint,
+    leaf,
+    removable,
+    retired,
+    why_kept,
+)
 
 log = logging.getLogger(__name__)
 
@@ -358,8 +367,9 @@ class S3Root:
                 return
             _, found = self.client.list_dir(name)
             mine = [i.key for i in found if attempt_of(i.key) == attempt]
-            if record is None and not foreign_checkpoint(i.key for i in found):
-                # Never another tool's checkpoint of the step (the commit refused to replace it).
+            if record is None and all(ckptd_named(i.key) for i in found):
+                # Never next to an object another tool named: the metadata may be its checkpoint's
+                # (the commit refused to replace it), or one it is writing (ckptd.roots.s3_names).
                 mine += [f"{name}/{n}" for n in METADATA_OBJECTS]
             self.client.delete(mine)
             for upload in self.client.uploads(name):
@@ -542,8 +552,7 @@ class S3Root:
             return Recovery(finished=finished, adopted=adopted, kept=kept)
         removed = []
         for e, keys in partial:
-            theirs = foreign_checkpoint(keys)
-            doomed = [k for k in keys if ckptd_named(k) and not (theirs and leaf(k) in METADATA_OBJECTS)]
+            doomed = removable(keys)
             self.client.delete(doomed)
             if doomed:
                 whole = len(doomed) == len(keys)

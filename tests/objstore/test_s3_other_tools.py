@@ -111,6 +111,13 @@ def test_recovery_names_what_it_keeps_and_several_nodes_adopt_only_attempts(s3_b
         **theirs,
         "iter_0000011": {k: v for k, v in theirs["iter_0000011"].items() if CRASHED not in k},
     }
+    # A ckptd.save caught between its common.pt and its .metadata (it writes them in that order).
+    client.put("iter_0000013/__0_0.54a477811d26.distcp", b"x" * 100)
+    client.put("iter_0000013/common.pt", b"its common state")
+    saving = _objects(client, "iter_0000013")
+    S3Root(loc).recover(nnodes=1)
+    S3Root(loc).abort(13, CRASHED)
+    assert _objects(client, "iter_0000013") == saving
 
 
 def _commit(root: S3Root, step: int, attempt: str) -> None:

@@ -4,7 +4,7 @@ object ``__0_0.<12 hex>.distcp``, torch DCP ``__0_0.distcp``) never is."""
 
 from __future__ import annotations
 
-from ckptd.roots.s3_names import attempt_of, ckptd_named, foreign_checkpoint, why_kept
+from ckptd.roots.s3_names import attempt_of, ckptd_named, foreign_checkpoint, removable, why_kept
 
 ATTEMPT = "0123456789ab-1"
 
@@ -42,3 +42,14 @@ def test_what_recovery_keeps_is_named_with_what_to_do():
     assert alone is not None and "metadata.json but no data object of a Checkpointer's save" in alone
     left = why_kept("s3://b/r/s", ["s/__0_0.distcp"])
     assert left is not None and "left to their writer" in left
+
+
+def test_an_attempts_removal_takes_metadata_only_next_to_its_data_and_nothing_of_another_tool():
+    """ckptd.save writes common.pt before .metadata: a start caught in between (no checkpoint
+    metadata yet) removed its common.pt, and the save then completed without it."""
+    data = f"s/__0_0.{ATTEMPT}.distcp"
+    assert removable([data, "s/common.pt", "s/.metadata"]) == [data, "s/common.pt", "s/.metadata"]
+    assert removable(["s/__0_0.54a477811d26.distcp", "s/common.pt"]) == []  # ckptd.save, before its .metadata
+    assert removable([data, "s/__0_0.54a477811d26.distcp", "s/common.pt"]) == [data]
+    assert removable(["s/common.pt"]) == []  # no attempt's data beside it: not provably ckptd's
+    assert removable(["s/__0_0.distcp", "s/.metadata"]) == []  # torch DCP
