@@ -31,6 +31,7 @@ damage, as for a load: :func:`ckptd.format.reader.read_error`).
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -69,6 +70,9 @@ from .verifyreport import ERROR, NOTE, UNREADABLE, UNSUPPORTED, WARNING, Finding
 __all__ = ["ERROR", "NOTE", "UNREADABLE", "UNSUPPORTED", "WARNING", "Finding", "ProgressSink", "VerifyReport"]
 
 _BLOCK_BYTES = 16 << 20
+# Opening a data file fails so because of the name the checkpoint's metadata gives it (too long,
+# through a file, invalid): damage of the metadata, which no retry mends.
+_BAD_NAME_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EINVAL})
 
 
 def _item_name(r: ItemRecord) -> str:
@@ -167,6 +171,9 @@ def _check_files(
             report.add(ERROR, "file", f"{exc} ({len(items)} items are stored in it)", file=rel)
             continue
         except OSError as exc:
+            if exc.errno in _BAD_NAME_ERRNOS:  # the name is the metadata's: damage, not the storage
+                report.add(ERROR, "file", f"data file {rel!r} cannot be opened: {exc.strerror}", file=rel)
+                continue
             unreadable = StorageError.reading(exc, directory / rel, "data file")
             report.add(UNREADABLE, "file", f"{unreadable} ({len(items)} items are stored in it)", file=rel)
             continue
@@ -370,6 +377,10 @@ def _check_items(
                 report.add(ERROR, "range", f"reading {_item_name(r)} from {r.relative_path} failed: {exc}", **where)
                 continue
             except OSError as exc:
+                if exc.errno in _BAD_NAME_ERRNOS:
+                    named = f"reading {_item_name(r)} from {r.relative_path!r}: {exc.strerror}"
+                    report.add(ERROR, "range", named, **where)
+                    continue
                 unreadable = StorageError.reading(exc, directory / r.relative_path, "data file")
                 report.add(UNREADABLE, "range", f"{unreadable} (reading {_item_name(r)})", **where)
                 continue

@@ -444,3 +444,21 @@ def test_an_item_the_storage_fails_to_return_is_unreadable_not_damaged(tmp_path,
     assert report.status == "UNREADABLE" and not report.ok and not _errors(report), report.findings
     unreadable = [f for f in report.findings if f.severity == "unreadable"]
     assert unreadable and all(f.file == "__0_0.distcp" and "ESTALE" in f.message for f in unreadable), unreadable
+
+
+@pytest.mark.parametrize("name", ["__0_0" + "x" * 300 + ".distcp", "__0_0.distcp/inside"])
+def test_a_data_file_name_no_file_can_have_is_damage_not_a_storage_failure(tmp_path, name):
+    """.metadata naming a data file too long for the filesystem, or one inside a file: opening it
+    fails with ENAMETOOLONG or ENOTDIR, which was taken for the storage failing (UNREADABLE), so a
+    resume stopped at it instead of falling back past a damaged checkpoint."""
+    from ckptd.recovery import structural_problem
+
+    ck = tmp_path / "ck"
+    dcp.save({"w": torch.arange(10.0)}, checkpoint_id=str(ck), no_dist=True)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    for k, v in list(md.storage_data.items()):
+        md.storage_data[k] = _StorageInfo(relative_path=name, offset=v.offset, length=v.length)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    report = verify_checkpoint(ck)
+    assert report.status == "DAMAGED", [f.message for f in report.findings]
+    assert structural_problem(ck) is not None
