@@ -105,7 +105,10 @@ def next_commit_seq(cat: RootCatalog, seq_floor: int, where: object) -> int:
             "step, and after a rollback the step left behind would pass for the newest commit. The save fails"
         )
         if unknown.record_unreadable:
-            raise StorageError(f"{why}; the next save tries again (check the filesystem if it goes on failing)")
+            raise StorageError(
+                f"{why}; the next save tries again, and each fails so until the record can be read (make it "
+                "readable for this user, or mend the filesystem)"
+            )
         raise CorruptCheckpointError(
             f"{why}, and so does every save into this root until {unknown.path}/{COMMIT_RECORD} is restored "
             f"from a backup, or {unknown.name} is moved out of the root (ckptd never removes it)"
