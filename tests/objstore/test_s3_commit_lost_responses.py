@@ -9,7 +9,6 @@ request is performed, then the client raises what it would have raised."""
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,15 +19,14 @@ import ckptd
 from ckptd.errors import CheckpointExistsError, StorageError
 from ckptd.format.checksum import crc32c
 from ckptd.format.commitrecord import COMMIT_RECORD, CommitRecord
-from ckptd.format.finalize import serialize_common
 from ckptd.format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON
-from ckptd.format.records import BYTES, ItemRecord
 from ckptd.format.rootlayout import TRACKER_FILE
 from ckptd.roots.base import CommitOutcome
 from ckptd.roots.s3_root import S3Root
 from ckptd.s3catalog import read_s3_commit_record, read_s3_tracker
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import parse_location
+from tests.objstore.commits import commit_one_rank
 
 Put = Callable[..., str | None]
 
@@ -41,21 +39,10 @@ def _attempt(step: int, n: int = 1) -> str:
     return f"0123456789ab-{step * 10 + n}"
 
 
-def _save(root: S3Root, step: int, attempt: str) -> CommitOutcome:
-    """What the coordinator commits for one rank's save of ``step`` (its data object uploaded)."""
-    name, file_name = f"iter_{step:07d}", f"__0_0.{attempt}.distcp"
-    buf = io.BytesIO()
-    torch.save(f"value of step {step}", buf)
-    data = buf.getvalue()
-    root.client.put(f"{name}/{file_name}", data)
-    record = ItemRecord(fqn="v", kind=BYTES, rank=0, relative_path=file_name, file_offset=0, length=len(data))
-    return root.commit(step, attempt, [record], serialize_common({"iteration": step}), {file_name: (0, len(data))})
-
-
 def _coordinator_commit(root: S3Root, step: int, attempt: str) -> CommitOutcome:
     """root.commit as the coordinator's commit thread runs it: a failed commit is aborted."""
     try:
-        return _save(root, step, attempt)
+        return commit_one_rank(root, step, attempt)
     except BaseException:
         root.abort(step, attempt)
         raise
@@ -215,7 +202,7 @@ def test_a_create_only_write_that_cannot_be_read_back_fails_saying_so(s3_bucket,
     hits = _fault(monkeypatch, root.client, key)
     _unreadable(monkeypatch, root.client, key, hits)
     with pytest.raises(StorageError, match="whether the store wrote it is unknown") as failed:
-        _save(root, 20, _attempt(20))
+        commit_one_rank(root, 20, _attempt(20))
     assert root.client.url(key) in str(failed.value) and "next coordinator start" in str(failed.value)
     root = _root(s3_bucket)  # a client without the faults: the store answers again
     root.abort(20, _attempt(20))  # the coordinator's abort: the commit object is this attempt's

@@ -6,7 +6,6 @@ of replacing its metadata; a crashed Checkpointer attempt's leftovers are still 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,11 @@ import torch
 
 import ckptd
 from ckptd.errors import CheckpointExistsError, SaveFailedError
-from ckptd.format.finalize import serialize_common
-from ckptd.format.records import BYTES, ItemRecord
 from ckptd.roots.s3_root import S3Root
 from ckptd.s3catalog import read_s3_commit_record
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import S3Location, parse_location
+from tests.objstore.commits import commit_one_rank
 from tests.objstore.test_s3_roots import _config, _sd
 from tools.harness.daemons import stop_root_daemons
 
@@ -121,16 +119,9 @@ def test_recovery_names_what_it_keeps_and_several_nodes_adopt_only_attempts(s3_b
 
 
 def _commit(root: S3Root, step: int, attempt: str) -> None:
-    """What the coordinator's commit thread does with one rank's save of ``step`` (its data object
-    uploaded): commit, and abort a commit that failed."""
-    name, file_name = f"iter_{step:07d}", f"__0_0.{attempt}.distcp"
-    buf = io.BytesIO()
-    torch.save(f"value of step {step}", buf)
-    data = buf.getvalue()
-    root.client.put(f"{name}/{file_name}", data)
-    record = ItemRecord(fqn="v", kind=BYTES, rank=0, relative_path=file_name, file_offset=0, length=len(data))
+    """Commit a one-rank save of ``step``, and abort a commit that failed (the coordinator's way)."""
     try:
-        root.commit(step, attempt, [record], serialize_common({"iteration": step}), {file_name: (0, len(data))})
+        commit_one_rank(root, step, attempt)
     except BaseException:
         root.abort(step, attempt)
         raise
