@@ -117,10 +117,13 @@ class PendingSaves:
         for h in list(self._by_step.values()):
             self._abort(h, closed_reason(h.step, h.path), unconfirmed=True)
 
-    def daemon_lost(self, reason: str) -> None:
-        """The node daemon was lost (``reason``): fail every pending save with what is known of it."""
-        for h in list(self._by_step.values()):
+    def daemon_lost(self, reason: str) -> list[tuple[int, str]]:
+        """The node daemon was lost (``reason``): fail every pending save with what is known of it.
+        Returns the (step, attempt) of each, oldest step first."""
+        lost = sorted(self._by_step.values(), key=lambda h: h.step)
+        for h in lost:
             self.fail(h, daemon_lost_reason(reason, h.step, h.path, h.attempt), unconfirmed=True)
+        return [(h.step, h.attempt) for h in lost]
 
     def _skipped_elsewhere(self, h: SaveHandle, reason: str) -> None:
         """Another rank skipped this step by policy (on_full="skip"): the step is aborted on every

@@ -11,19 +11,25 @@ training thread:
 - :meth:`known_to_daemon` around a request the daemon may refuse as from an unknown client (it
   took this rank for gone): HELLO again, then the request once more;
 - :meth:`pump_quietly` / :meth:`idle` to take the daemon's notifications (:meth:`on_notify`);
-- :meth:`daemon_lost` when a request finds the daemon gone;
+- :meth:`daemon_lost` when a request finds the daemon gone: its pending saves fail, and once
+  connected to the next daemon the rank asks it to abort their attempts on every rank (an
+  ``ABANDON`` naming this rank: ckptd.daemon.commitstate aborts such an attempt unless this rank's
+  report of it was counted, the dead daemon having written and reported it). Nobody else can tell
+  those saves will never be written, and the coordinator commits attempts in the order they
+  began: every later step's commit waited for them until ``commit_timeout_s``;
 - :meth:`disconnect` last (BYE: the daemon frees the ring).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..control.protocol import Bye, Message, StepAborted, StepCommitted, WriteDone
-from ..errors import DaemonError
+from ..control.protocol import Abandon, Bye, Message, SaveAck, StepAborted, StepCommitted, WriteDone
+from ..errors import CkptdError, DaemonError
 from ..staging.rankside import StagingRing
 from .link import DaemonLink, DaemonLostError, RequestNotTaken
 from .pending import PendingSaves
@@ -41,6 +47,8 @@ class DaemonSession:
         self.link = link
         self.ring = ring
         self.pending = pending
+        # The attempts of the saves a lost daemon held, to abort through the next one (oldest first).
+        self.lost: list[tuple[int, str]] = []
 
     def ensure_connected(self) -> None:
         """Connected to a live node daemon (started if none runs), or raise why not."""
@@ -50,6 +58,35 @@ class DaemonSession:
         self.link.connect()
         if old is not None and old != self.link.instance:
             log.warning("rank %d: node daemon restarted (%s -> %s)", self.rank, old, self.link.instance)
+        self._abandon_lost()
+
+    def _abandon_lost(self) -> None:
+        """Ask the daemon just connected to abort the attempts whose saves its predecessor died
+        holding (see the module docstring), oldest first: an attempt every rank wrote that only
+        waited for an older one then commits before its own abort arrives, which a commit ignores.
+        Best effort: one that cannot be asked waits out ``commit_timeout_s`` as before."""
+        lost, self.lost = self.lost, []
+        for step, attempt in lost:
+            reason = (
+                f"the node daemon of rank {self.rank} died holding its save of step {step} before it reported "
+                "it (its next daemon asked to abort it, so later steps need not wait for it)"
+            )
+            request = Abandon(step=step, attempt=attempt, reason=reason, handed_off=[], abandoning_rank=self.rank)
+            try:
+                self.link.request(request, SaveAck, match=functools.partial(_acks, step, attempt))
+            except CkptdError as exc:
+                log.warning(
+                    "rank %d: could not ask the node daemon to abort step %d attempt %s, whose save its "
+                    "predecessor died holding (%s); the other ranks' saves of it fail after commit_timeout_s",
+                    self.rank,
+                    step,
+                    attempt,
+                    exc,
+                )
+                return
+            log.info(
+                "rank %d: asked to abort step %d attempt %s (its node daemon died with it)", self.rank, step, attempt
+            )
 
     def drop_dead_daemon(self) -> bool:
         """Whether the link is connected to a live daemon; one found dead is dropped, with its ring
@@ -69,7 +106,7 @@ class DaemonSession:
         with contextlib.ExitStack() as teardown:  # the ring is dropped whatever quiesce() raises
             teardown.callback(self.ring.drop, unlink=True)
             self.link.close_socket()
-            self.pending.daemon_lost(reason)
+            self.lost += self.pending.daemon_lost(reason)
             self.ring.quiesce(daemon_gone=True)
 
     def known_to_daemon(self, act: Callable[[], Any], again: Callable[[], None] = lambda: None) -> Any:
@@ -147,3 +184,7 @@ class DaemonSession:
                     owned_by_daemon = True
                 except DaemonError:
                     pass
+
+
+def _acks(step: int, attempt: str, ack: SaveAck) -> bool:
+    return (ack.step, ack.attempt) == (step, attempt)

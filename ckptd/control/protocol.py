@@ -406,7 +406,9 @@ class Failed(Message):
 
     ``handed_off``: of a relaunch's :class:`Abandon` (``rank`` -1): the ranks whose saves of the
     attempt it found at the node daemons. The coordinator keeps an attempt whose reports and these
-    ranks make up its world (they report once written), and aborts it on every node otherwise."""
+    ranks make up its world (they report once written), and aborts it on every node otherwise.
+    ``abandoned_by``: of an :class:`Abandon` a rank sent for a save its dead node daemon held: that
+    rank, whose counted report keeps the attempt; -1 otherwise."""
 
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
@@ -418,6 +420,7 @@ class Failed(Message):
     skipped: bool = False
     coordinator_instance: str = ""
     handed_off: list[int] = field(default_factory=list)
+    abandoned_by: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,13 +472,18 @@ class Abandon(Message):
     node), which does unless the ranks that reported it make up the rest of its world (a node
     daemon that reported them died since); either way every node learns the verdict, so that the
     relaunch's own save of the step is not refused as a second attempt of it. Sent by a resume's
-    rank 0 (ckptd.client.settle)."""
+    rank 0 (ckptd.client.settle; ``abandoning_rank`` -1); and, with no rank ``handed_off``, by a rank
+    whose node daemon died holding its save of the attempt, to the next daemon
+    (ckptd.client.session; ``abandoning_rank`` that rank): the attempt ends unless its commit began
+    or that rank's report of it was counted (the dead daemon wrote and reported it: it commits).
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.ABANDON
     step: int
     attempt: str
     reason: str
     handed_off: list[int]
+    abandoning_rank: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)

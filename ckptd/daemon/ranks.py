@@ -140,7 +140,7 @@ class RankServer:
                 raise CkptdError(
                     f"step {msg.step} attempt {msg.attempt} is saved by a launch still running: not aborted"
                 )
-            self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off))
+            self.uplink.abandon((msg.step, msg.attempt), msg.reason, tuple(msg.handed_off), msg.abandoning_rank)
             self.channel.send(SaveAck(step=msg.step, attempt=msg.attempt), identity)
         elif isinstance(msg, Bye):
             self.clients.pop(identity, None)

@@ -115,10 +115,11 @@ class CoordinatorLink:
         (addressed to the coordinator instance answering then)."""
         self._handle(us.Report(key=key, msg=msg))
 
-    def abandon(self, key: StepKey, reason: str, handed_off: tuple[int, ...]) -> None:
+    def abandon(self, key: StepKey, reason: str, handed_off: tuple[int, ...], abandoning_rank: int = -1) -> None:
         """Ask the coordinator to abort attempt ``key`` of an earlier launch (a resume found it
-        unable to commit, with only the ranks ``handed_off``: ckptd.client.settle)."""
-        self._handle(us.Abandon(key=key, reason=reason, handed_off=handed_off))
+        unable to commit, with only the ranks ``handed_off``: ckptd.client.settle), or one whose
+        save the node's previous daemon died holding (``abandoning_rank``: ckptd.client.session)."""
+        self._handle(us.Abandon(key=key, reason=reason, handed_off=handed_off, abandoning_rank=abandoning_rank))
 
     def abort_pending(self, reason: str) -> None:
         """Abort locally every attempt whose reports went out (those still writing report when done)."""

@@ -139,6 +139,7 @@ class Abandon:
     key: StepKey
     reason: str
     handed_off: tuple[int, ...]
+    abandoning_rank: int = -1  # a rank whose previous node daemon died holding its save of it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,7 +301,9 @@ class UplinkState:
             self._abort_pending(event.reason, now)
         elif isinstance(event, Abandon):
             if event.key not in self.verdicts:
-                self._tell_late(event.key, event.reason, now, handed_off=list(event.handed_off))
+                self._tell_late(
+                    event.key, event.reason, now, handed_off=list(event.handed_off), by=event.abandoning_rank
+                )
         elif isinstance(event, Retarget):
             log.warning("the coordinator moved: %s -> %s", self.address, event.address)
             self.address, self.relinked = event.address, True
@@ -442,10 +445,13 @@ class UplinkState:
         self._resolve(key, StepAborted(step=step, attempt=attempt, reason=reason))
         self._tell_late(key, reason, now)
 
-    def _tell_late(self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None) -> None:
+    def _tell_late(
+        self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None, by: int = -1
+    ) -> None:
         """Tell the coordinator (once one is reachable, and any instance answering later within
         ``commit_timeout_s``, until it decided an abandon) in a FAILED of rank -1 that this node
-        aborted attempt ``key``, or with ``handed_off`` that a relaunch asks it to."""
+        aborted attempt ``key``, or with ``handed_off`` that a relaunch asks it to, or that rank
+        ``by`` asks it to (its previous node daemon died holding its save)."""
         step, attempt = key
         late = self.unacked.setdefault(key, Unacked(open=False))
         late.late = Failed(
@@ -456,6 +462,7 @@ class UplinkState:
             node=self.node,
             reason=bounded_text(reason),  # (a rank's ABANDON's, a root's error: it must fit the message)
             handed_off=handed_off or [],
+            abandoned_by=by,
         )
         late.late_until = now + self.config.commit_timeout_s
         late.late_sent_to = None

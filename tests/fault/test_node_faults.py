@@ -6,6 +6,8 @@
 - an unreachable coordinator (node 0's daemon is stopped, so node 1's daemon points nowhere): the
   save of node 1 fails on its handle within the coordinator timeout, saying so; once node 0 comes
   back (its rank's next save restarts it), saves commit again.
+- node 1's daemon killed mid-save: its rank's next save has the next daemon abort the lost step,
+  so the step after it commits without waiting out the commit timeout.
 
 Earlier checkpoints load bit-exact throughout.
 """
@@ -153,3 +155,69 @@ def test_slow_node_and_unreachable_coordinator(tmp_path, runtime_dir):
     ]
     assert {p.name.split(".")[0] for p in root.glob("*.tmp")} <= {"iter_0000002", "iter_0000004"}
     assert not [p for p in root.rglob("*.part") if ".tmp" not in str(p.parent)]
+
+
+# The commit timeout the test must not wait for: a later step committing sooner shows the abort.
+DEAD_DAEMON_COMMIT_TIMEOUT_S = 60.0
+
+
+def _dead_node_daemon(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:
+    fault_file = as_node_rank(rank, env, faults)
+    out: dict = {}
+    ckpt = ckptd.Checkpointer(root)
+    try:
+        ckpt.save(_sd(rank, 1), step=1).wait(timeout_s=60)
+        # --- node 1's daemon dies while it writes rank 1's save of step 2
+        if rank == 1:
+            fault_file.write_text("hang __*\n")
+        dist.barrier()
+        h2 = ckpt.save(_sd(rank, 2), step=2)
+        if rank == 1:
+            pid = ckpt.status()["pid"]
+            log_path = ckpt.endpoints.log_path
+            wait_until(lambda: "injected fault: the open of" in log_path.read_text(), 30, "the write to hang")
+            os.kill(pid, signal.SIGKILL)
+            wait_for_exit(pid, 30, "node 1's daemon to exit")
+            fault_file.unlink()
+            out["lost"] = _failure(h2, 30)  # the rank finds its daemon gone
+        dist.barrier()
+        # --- the next step: rank 1's save starts node 1's next daemon, which it asks to abort step 2
+        t0 = time.monotonic()
+        h3 = ckpt.save(_sd(rank, 3), step=3)
+        if rank == 0:
+            out["aborted"] = _failure(h2, DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+        h3.wait(timeout_s=DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+        out["committed_s"] = time.monotonic() - t0
+        assert ckpt.latest() == 3
+        for step in (1, 3):
+            _check(ckpt, rank, step)
+    finally:
+        ckpt.close(wait=False)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_node_daemon_that_died_mid_save_holds_no_later_commit(tmp_path, runtime_dir):
+    """Node 1's daemon is SIGKILLed while it writes rank 1's save of step 2. Rank 1's save fails
+    locally (its daemon is gone), and nobody told the coordinator: step 2 stayed collecting until
+    commit_timeout_s, and step 3, written by every rank, waited behind it (attempts commit in the
+    order they began). Rank 1's next save asks its next daemon to abort step 2: step 3 commits at
+    once, and rank 0's save of step 2 fails saying why."""
+    root = tmp_path / "ckpts"
+    env = {
+        "CKPTD_RUNTIME_DIR": str(runtime_dir),
+        "CKPTD_COORDINATOR_PORT": str(free_port()),
+        "CKPTD_HEARTBEAT_S": "0.1",
+        "CKPTD_COMMIT_TIMEOUT_S": str(DEAD_DAEMON_COMMIT_TIMEOUT_S),
+        "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
+        "CKPTD_IDLE_EXIT_S": "60",
+    }
+    out = run_ranks(_dead_node_daemon, 2, env, str(root), str(tmp_path), timeout_s=150)
+    stop_daemons(runtime_dir.glob("*.pid"))
+    assert out[1]["lost"].startswith("step 2 was not confirmed: "), out[1]
+    assert "node daemon of rank 1 died holding its save of step 2" in out[0]["aborted"], out[0]
+    assert max(o["committed_s"] for o in out) < DEAD_DAEMON_COMMIT_TIMEOUT_S / 3
+    assert sorted(p.name for p in root.glob("iter_*") if not p.name.endswith(".tmp")) == [
+        "iter_0000001",
+        "iter_0000003",
+    ]

@@ -192,6 +192,28 @@ def test_every_message_type_round_trips():
             ),
             "WRITTEN: report id -1 is outside 0..18446744073709551615",
         ),
+        (
+            _frames(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": int(MsgType.FAILED),
+                    "job": "job1",
+                    "f": {
+                        "step": 1,
+                        "attempt": ATTEMPT,
+                        "rank": -1,
+                        "world_size": 0,
+                        "node": 1,
+                        "reason": "",
+                        "skipped": False,
+                        "coordinator_instance": "",
+                        "handed_off": [],
+                        "abandoned_by": -2,
+                    },
+                }
+            ),
+            "FAILED: abandoning rank -2 is outside",
+        ),
         # A node judges whether its report fits before it addresses it to the coordinator's instance.
         (
             _frames({"v": PROTOCOL_VERSION, "t": 2, "job": "job1", "f": {"nonce": 1, "instance": "9" * 65, "pid": 1}}),

@@ -695,3 +695,21 @@ def test_a_verdicts_text_fits_the_smallest_message_limit_whatever_its_characters
     aborted = only_outcome(c.report(N1, failed(4, 1, "no room for " + "𝄞" * 20000)))
     assert isinstance(aborted, StepAborted) and aborted.reason.startswith("rank 1 (node 1): no room for 𝄞")
     assert codec.decode(codec.encode(aborted)) == aborted
+
+
+def test_a_ranks_abandon_for_its_dead_daemon_keeps_an_attempt_that_daemon_reported():
+    """A rank whose node daemon died asks its next daemon to abort the attempts the dead one held
+    (a FAILED of the node naming the rank): so later steps need not wait out commit_timeout_s. One
+    the dead daemon had written and reported commits once the others are written; one it had
+    not aborts at once."""
+    c = Coordinator()
+    assert c.report(N1, written(5, 1)) == []  # rank 1's daemon wrote and reported step 5, then died
+    abandon = failed(5, -1, "the node daemon of rank 1 died holding its save of step 5", abandoned_by=1)
+    assert c.report(N1, abandon) == []
+    assert any(isinstance(a, Commit) for a in c.report(N0, written(5, 0)))
+    # Not reported before it died: aborted at once, on every rank that reported.
+    c = Coordinator()
+    assert c.report(N0, written(6, 0)) == []
+    out = c.report(N1, failed(6, -1, "the node daemon of rank 1 died holding its save of step 6", abandoned_by=1))
+    aborted = [a for a in out if isinstance(a, Send) and isinstance(a.msg, StepAborted)]
+    assert {a.identity for a in aborted} >= {N0} and "died holding its save of step 6" in aborted[0].msg.reason
