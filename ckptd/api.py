@@ -146,12 +146,17 @@ def save(
     sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata)
     ctx = DistContext.current(process_group)
     location = parse_location(checkpoint_dir)
-    s3 = S3SaveTarget(location) if isinstance(location, S3Location) else None
     root = Path(str(location))  # a directory's path; for object storage only named in messages
     prepared: list[PlannedItem] = []
     common: list[bytes] = []
+    targets: list[S3SaveTarget] = []
 
     def prepare() -> dict:
+        # Inside the collective: a rank that cannot reach the store (no credentials) fails every
+        # rank, instead of leaving them waiting for it in the first collective.
+        s3 = S3SaveTarget(location) if isinstance(location, S3Location) else None
+        if s3 is not None:
+            targets.append(s3)
         split = split_state_dict(expand_stateful(sharded_state_dict))
         if ctx.rank == 0:
             if s3 is not None:
@@ -175,6 +180,7 @@ def save(
         }
 
     planned = ctx.agree("checkpoint planning", prepare)
+    s3 = targets[0] if targets else None
     _check_one_dialect([p["dialect"] for p in planned])
     token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))

@@ -283,6 +283,36 @@ def test_a_synchronous_save_to_s3_on_two_ranks(s3_bucket, s3_env):
     assert ckptd.load_common_state_dict(url)["epoch"] == 7
 
 
+def _sync_save_one_rank_without_credentials(rank: int, world_size: int, url: str, env: dict) -> str:
+    os.environ.update(env)
+    if rank == 1:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+            os.environ.pop(name, None)
+        os.environ.update(
+            AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+            AWS_CONFIG_FILE="/nonexistent",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), (0, rank, world_size))}
+    try:
+        ckptd.save(sd, url)
+    except ckptd.CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_synchronous_save_to_s3_fails_on_every_rank_when_one_has_no_credentials(s3_bucket, s3_env):
+    """The rank without credentials raised before the first collective, and the others waited for
+    it there (a caller that catches the error and goes on: until the process group's timeout)."""
+    from tools.harness.ranks import run_ranks
+
+    url = f"s3://{s3_bucket}/sync/nocreds"
+    results = run_ranks(_sync_save_one_rank_without_credentials, 2, url, s3_env.env(), timeout_s=60)
+    assert all(r.startswith("StorageError") and "credentials" in r for r in results), results
+    assert not list(S3Client(parse_location(url)).list_objects(""))
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torch_dcp_reads_a_committed_step_from_the_object_store(s3_bucket, runtime_dir):
