@@ -38,7 +38,7 @@ from .format.checksum import crc32c
 from .format.coverage import ChunkId, check_coverage, chunk_id, dedup_plain, is_replicated_chunk, replicated_chunks
 from .format.dcp_metadata import CheckpointIndex, common_items, planner_path
 from .format.direct import open_data_file
-from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir
+from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir, make_dirs_durably
 from .format.finalize import finalize, serialize_common
 from .format.items import PlannedItem, payload_crc, write_data_file
 from .format.layout import (
@@ -201,7 +201,7 @@ def save(
             validate_records(kept)
             if s3 is None:
                 created_root[0] = not root.exists()
-                root.mkdir(parents=True, exist_ok=True)
+                make_dirs_durably(root, fsync=fsync)  # each new parent's entry too, not only root's
 
     ctx.agree("checkpoint validation", validate)
 
@@ -228,13 +228,20 @@ def save(
             records = [r for recs in stored_by_rank for r in recs]
             try:
                 finalize(root, records, common[0], opener or default_opener, fsync)
-                if fsync:
-                    fsync_dir(root.parent if root.parent != root else root)
             except OSError as exc:
                 raise SaveFailedError(
                     f"rank 0 could not write the metadata of {root}: {exc}. Nothing was "
                     "committed and this save's files were removed; fix the storage and save again"
                 ) from exc
+            if fsync:
+                try:
+                    fsync_dir(root.parent if root.parent != root else root)
+                except OSError as exc:  # metadata.json is in place: the checkpoint stays, and loads
+                    raise SaveFailedError(
+                        f"{root} is complete and loads, but its entry in {root.parent} could not be made "
+                        f"durable ({exc}): a power loss may lose it; fix the storage (a save into it again "
+                        "is refused: it holds a checkpoint)"
+                    ) from exc
 
     try:
         stored_by_rank = ctx.agree("writing data files", write)

@@ -311,3 +311,27 @@ def test_a_zero_dimensional_sharded_object_is_described_by_load_sharded_metadata
     meta = ckptd.load_sharded_metadata(tmp_path / "c")
     assert (meta["o/shard__"].global_shape, meta["o/shard__"].global_offset) == ((), ())
     assert ShardedObject.empty_from_unique_key("o/shard__").unique_key == "o/shard__"
+
+
+def test_a_synchronous_save_makes_its_new_directories_durable_and_says_what_a_late_fsync_left(tmp_path, monkeypatch):
+    """ckptd.save made a new run1/step100 with mkdir -p and fsynced only run1 (not the entry of
+    run1 in its parent); and a failed fsync of that entry, with metadata.json in place, said
+    "Nothing was committed and this save's files were removed" of a checkpoint that stays and loads."""
+    from ckptd import api
+    from ckptd.format import durable
+
+    synced: list[str] = []
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: synced.append(str(p)))
+    monkeypatch.setattr(api, "fsync_dir", lambda p: synced.append(str(p)))
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    ckptd.save(sd, tmp_path / "run1" / "step100")
+    assert str(tmp_path) in synced and str(tmp_path / "run1") in synced
+
+    def failing(path: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(api, "fsync_dir", failing)
+    with pytest.raises(ckptd.SaveFailedError, match="is complete and loads, but its entry"):
+        ckptd.save(sd, tmp_path / "run2")
+    out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, tmp_path / "run2")
+    assert torch.equal(out["w"], torch.ones(2))
