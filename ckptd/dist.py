@@ -58,8 +58,12 @@ class DistContext:
             if error is not None:
                 raise error
             detail = "; ".join(f"rank {r}: {p[1]}: {p[2]}" for r, p in failures)
-            exc_cls = error_class(failures[0][1][1])
-            raise exc_cls(f"{step} failed on another rank: {detail}")
+            message = f"{step} failed on another rank: {detail}"
+            try:
+                other = error_class(failures[0][1][1])(message)
+            except TypeError:  # a class that takes more than its message (CopyRoundError: a node)
+                other = CkptdError(message)
+            raise other
         return [p[1] for p in gathered]
 
 
