@@ -90,10 +90,10 @@ def recommend(inp: TuneInputs) -> Recommendation:
     interval = daly
     bound = interval < inp.persist_s
     interval = max(interval, inp.persist_s)
+    if interval <= 0:  # before rounding to steps, which would make it one step of nothing measured
+        raise CkptdError("tune: stall and persist times are both 0; measure a save first")
     steps = None
     if inp.step_s is not None:
         steps = max(1, math.ceil(interval / inp.step_s))
         interval = steps * inp.step_s
-    if interval <= 0:
-        raise CkptdError("tune: stall and persist times are both 0; measure a save first")
     return Recommendation(interval, steps, young, daly, bound, overhead_fraction(interval, inp))

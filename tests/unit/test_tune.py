@@ -92,3 +92,9 @@ def test_bad_inputs_are_clear_errors(bad):
 def test_nothing_measured_is_an_error():
     with pytest.raises(CkptdError, match="measure a save first"):
         recommend(TuneInputs(stall_s=0.0, persist_s=0.0, mtbf_s=100.0))
+
+
+def test_nothing_measured_is_refused_also_with_a_step_time():
+    """Stall and persist 0 with a step time: it recommended a save at every step."""
+    with pytest.raises(CkptdError, match="measure a save first"):
+        recommend(TuneInputs(stall_s=0.0, persist_s=0.0, mtbf_s=1000.0, step_s=0.5))
