@@ -60,6 +60,15 @@ class ReadPlan:
         entry = self.items.get(item.key)
         if entry is None:
             entry = self.items[item.key] = ItemReads(item, dtype, what)
+        elif entry.item != item or entry.dtype != dtype:
+            # Another stored item at the same place (a flipped bit in a file name or an offset):
+            # read once, as the first, whose checksum passed, it gave the second the first's values.
+            raise CorruptCheckpointError(
+                f"{entry.what} (chunk at {entry.item.offsets}) and {what} (chunk at {item.offsets}) are stored at "
+                f"the same place, byte {item.file_offset} of "
+                f"{item.relative_path!r:.200}: the checkpoint's .metadata is damaged; load an earlier checkpoint "
+                "(`ckptd verify` checks the whole checkpoint)"
+            )
         entry.copies.append(op)
 
     @property

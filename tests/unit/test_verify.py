@@ -462,3 +462,19 @@ def test_a_data_file_name_no_file_can_have_is_damage_not_a_storage_failure(tmp_p
     report = verify_checkpoint(ck)
     assert report.status == "DAMAGED", [f.message for f in report.findings]
     assert structural_problem(ck) is not None
+
+
+def test_two_items_at_one_place_of_a_file_are_damage_for_a_load_too(tmp_path):
+    """b's storage entry moved onto a's (a flipped bit in its offset): a load read the place once,
+    as a, whose checksum passed, and gave b a's values."""
+    ck = tmp_path / "ck"
+    ckptd.save({"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0)}, ck)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    at = {k.fqn: v for k, v in md.storage_data.items()}
+    for k, v in list(md.storage_data.items()):
+        if k.fqn == "b":
+            md.storage_data[k] = dataclasses.replace(v, offset=at["a"].offset)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ckptd.CorruptCheckpointError, match="stored at the same place, byte"):
+        ckptd.load({"a": torch.zeros(1000), "b": torch.zeros(1000)}, ck)
+    assert verify_checkpoint(ck).status == "DAMAGED"
