@@ -7,6 +7,7 @@ Megatron-Core ckptd writes the same object. Reading uses an allow-list unpickler
 
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import math
@@ -122,11 +123,17 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def _load_newobj(self) -> None:
         pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
-        self._fresh[id(self.stack[-1])] = self.stack[-1]
+        self._mark_fresh(self.stack[-1])
 
     def _load_newobj_ex(self) -> None:
         pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
-        self._fresh[id(self.stack[-1])] = self.stack[-1]
+        self._mark_fresh(self.stack[-1])
+
+    def _mark_fresh(self, obj: object) -> None:
+        # An enum's __new__ returns its shared member, which a BUILD would change for the whole
+        # process (a later dcp.save then wrote .metadata no process could load).
+        if not isinstance(obj, enum.Enum):
+            self._fresh[id(obj)] = obj
 
     def _load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None  # stack: ..., target, state

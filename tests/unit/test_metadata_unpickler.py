@@ -66,6 +66,21 @@ HOSTILE = {
             slots=False,
         ),
     ),
+    # NEWOBJ of an enum class: its __new__ returns the shared member, which was taken for an
+    # object the pickle had made, so the BUILD after it was allowed.
+    "shared enum member, through NEWOBJ": (
+        WriteItemType.TENSOR,
+        "_value_",
+        _build(
+            _global("torch.distributed.checkpoint.planner", "WriteItemType")
+            + pickle.BININT1
+            + bytes([WriteItemType.TENSOR.value])
+            + pickle.TUPLE1
+            + pickle.NEWOBJ,
+            {"_value_": pickle.BININT1 + b"\x07"},
+            slots=False,
+        ),
+    ),
 }
 
 
