@@ -140,6 +140,11 @@ class DirectFile:
         return n
 
     def _buffered(self, view: memoryview) -> None:
+        if view.nbytes >= _FLUSH_NBYTES:  # written from where it is: a copy would cost its size in memory
+            self._flush_pending()
+            _pwrite_all(self._fd, view, self._pos, self.name)
+            self._pos += view.nbytes
+            return
         if not self._pending:
             self._pending_at = self._pos
         self._pending += view

@@ -124,3 +124,28 @@ def test_direct_and_buffered_files_load_the_same(tmp_path):
     for name, rec in (("a.distcp", direct[0]), ("b.distcp", buffered[0])):
         blob = (tmp_path / name).read_bytes()[rec.file_offset : rec.file_offset + rec.length]
         assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)
+
+
+def test_a_large_piece_written_buffered_is_not_copied_first():
+    """Where O_DIRECT is refused (tmpfs), each item was appended to a buffer before its pwrite:
+    the daemon held a copy of every item being written (1 GiB more to write a 1 GiB item)."""
+    import tracemalloc
+
+    # Off by one byte from an aligned allocation, after 4 bytes: no O_DIRECT request can be
+    # aligned on both sides, so the piece goes the buffered way also where O_DIRECT is accepted.
+    data = torch.arange(16 << 20, dtype=torch.uint8)[1:]
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        path = os.path.join(d, "f")
+        tracemalloc.start()
+        try:
+            with DirectFile(path) as f:
+                f.write(b"head")
+                f.write(data.numpy())
+                f.write(b"tail")
+                assert f.direct_nbytes == 0
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        with open(path, "rb") as got:
+            assert got.read() == b"head" + data.numpy().tobytes() + b"tail"
+    assert peak < 4 << 20, peak
