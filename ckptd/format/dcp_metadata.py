@@ -312,7 +312,7 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CorruptCheckpointError(f"{path} does not hold a DCP Metadata object")
     try:
-        return index_metadata(md, path)
+        return index_metadata(md, path, pickle_nbytes=len(raw_bytes))
     except CkptdError:
         raise
     except Exception as exc:  # a well-formed pickle of ill-formed values (types, nesting)
@@ -355,7 +355,25 @@ def _refuse_transforms(where: Path | str, what: str, info: _StorageInfo) -> None
         )
 
 
-def index_metadata(md: Metadata, where: Path | str = DCP_METADATA) -> CheckpointIndex:
+# A chunk's entries take over 100 bytes of a .metadata (its chunk, index and storage records); a
+# pickle can repeat one by reference in 2 bytes, and each became a record of some 600 bytes here.
+_MIN_PICKLE_NBYTES_PER_CHUNK = 16
+
+
+def index_metadata(
+    md: Metadata, where: Path | str = DCP_METADATA, *, pickle_nbytes: int | None = None
+) -> CheckpointIndex:
+    """The checkpoint ``md`` describes; ``pickle_nbytes``, the size of the file it was read from,
+    bounds how many chunks it may list (CorruptCheckpointError beyond, before any is indexed)."""
+    if pickle_nbytes is not None:
+        chunks = sum(
+            len(e.chunks) if isinstance(e, TensorStorageMetadata) else 1 for e in md.state_dict_metadata.values()
+        )
+        if chunks > pickle_nbytes // _MIN_PICKLE_NBYTES_PER_CHUNK:
+            raise CorruptCheckpointError(
+                f"{where}: lists {chunks} chunks in {pickle_nbytes} bytes, which cannot hold so many (each takes "
+                "over 100 bytes of a real .metadata); the file is damaged or hostile. Load an earlier checkpoint."
+            )
     table = _checksums(md, where)
     storage = md.storage_data or {}
     if not isinstance(storage, dict):
