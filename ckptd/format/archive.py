@@ -165,6 +165,10 @@ def _allocates(qualname: str) -> bool:
     )
 
 
+# Allow-listed rebuild functions that allocate what their third argument says.
+_CALLS_ON_SIZES = frozenset({"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_qtensor"})
+
+
 @functools.cache
 def _storage_itemsize(qualname: str) -> int | None:
     """Bytes per element of a storage class a torch.save pickle names (``torch.FloatStorage``: 4;
@@ -278,6 +282,14 @@ class _AllocationScan(pickle.Unpickler):
         return object.__new__(_Stand)
 
     def called(self, qualname: str, args: tuple) -> None:
+        if qualname in _CALLS_ON_SIZES and len(args) > 2:
+            # _rebuild_from_type_v2(torch.FloatTensor, type, (n,), state) calls FloatTensor(n)
+            # itself; _rebuild_qtensor(storage, offset, size, ...) allocates size.
+            inner = getattr(args[0], "qualname", "") if qualname.endswith("_v2") else "torch.Tensor"
+            sizes_arg = args[2] if isinstance(args[2], (tuple, list)) else (args[2],)
+            if _allocates(inner):
+                self.called(inner, tuple(sizes_arg))
+            return
         if _allocates(qualname):
             sizes = _ints(args)
             if any(n < 0 for n in sizes) or math.prod(sizes) > self._size:

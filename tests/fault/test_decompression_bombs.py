@@ -73,6 +73,16 @@ BOMBS = {
     "legacy": (saved({"iteration": 1}, _use_new_zipfile_serialization=False), "legacy format"),
     "bytearray": (saved({"iteration": 1, "x": _Call(bytearray, 1 << 62)}), "calls builtins.bytearray"),
     "storage": (saved({"iteration": 1, "x": _Call(torch.FloatStorage, 1 << 60)}), "calls torch.FloatStorage"),
+    # torch's rebuild of a tensor subclass calls the legacy constructor itself (weights-only allowed).
+    "rebuild from type": (
+        saved(
+            {
+                "iteration": 1,
+                "x": _Call(torch._tensor._rebuild_from_type_v2, torch.FloatTensor, torch.Tensor, (3 << 30,), {}),
+            }
+        ),
+        "calls torch.FloatTensor",
+    ),
     "short record": (short_record(saved(torch.arange(1000, dtype=torch.float32))), "declares storage '0' of 1000"),
 }
 
