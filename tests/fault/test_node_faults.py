@@ -36,6 +36,18 @@ COMMIT_TIMEOUT_S = 4.0
 COORDINATOR_TIMEOUT_S = 2.0
 
 
+def _env(runtime_dir: Path, commit_timeout_s: float) -> dict[str, str]:
+    """Two nodes on this machine, quick to notice a silent coordinator."""
+    return {
+        "CKPTD_RUNTIME_DIR": str(runtime_dir),
+        "CKPTD_COORDINATOR_PORT": str(free_port()),
+        "CKPTD_HEARTBEAT_S": "0.1",
+        "CKPTD_COMMIT_TIMEOUT_S": str(commit_timeout_s),
+        "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
+        "CKPTD_IDLE_EXIT_S": "60",
+    }
+
+
 def as_node_rank(rank: int, env: dict[str, str], faults: str) -> Path:
     """This process is rank ``rank``, alone on node ``rank``, whose daemon reads its disk faults
     from the file returned (under ``faults``)."""
@@ -127,14 +139,7 @@ def _node_faults(rank: int, world: int, env: dict[str, str], root: str, faults: 
 @pytest.mark.timeout(180)
 def test_slow_node_and_unreachable_coordinator(tmp_path, runtime_dir):
     root = tmp_path / "ckpts"
-    env = {
-        "CKPTD_RUNTIME_DIR": str(runtime_dir),
-        "CKPTD_COORDINATOR_PORT": str(free_port()),
-        "CKPTD_HEARTBEAT_S": "0.1",
-        "CKPTD_COMMIT_TIMEOUT_S": str(COMMIT_TIMEOUT_S),
-        "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
-        "CKPTD_IDLE_EXIT_S": "60",
-    }
+    env = _env(runtime_dir, COMMIT_TIMEOUT_S)
     out = run_ranks(_node_faults, 2, env, str(root), str(tmp_path), timeout_s=150)
     stop_daemons(runtime_dir.glob("*.pid"))  # no daemon changes the root while it is looked at
     # Whichever clock ends first: the coordinator's (from rank 0's report) or node 1's (from rank 1's
@@ -204,14 +209,7 @@ def test_a_node_daemon_that_died_mid_save_holds_no_later_commit(tmp_path, runtim
     order they began). Rank 1's next save asks its next daemon to abort step 2: step 3 commits at
     once, and rank 0's save of step 2 fails saying why."""
     root = tmp_path / "ckpts"
-    env = {
-        "CKPTD_RUNTIME_DIR": str(runtime_dir),
-        "CKPTD_COORDINATOR_PORT": str(free_port()),
-        "CKPTD_HEARTBEAT_S": "0.1",
-        "CKPTD_COMMIT_TIMEOUT_S": str(DEAD_DAEMON_COMMIT_TIMEOUT_S),
-        "CKPTD_COORDINATOR_TIMEOUT_S": str(COORDINATOR_TIMEOUT_S),
-        "CKPTD_IDLE_EXIT_S": "60",
-    }
+    env = _env(runtime_dir, DEAD_DAEMON_COMMIT_TIMEOUT_S)
     out = run_ranks(_dead_node_daemon, 2, env, str(root), str(tmp_path), timeout_s=150)
     stop_daemons(runtime_dir.glob("*.pid"))
     assert out[1]["lost"].startswith("step 2 was not confirmed: "), out[1]

@@ -38,6 +38,18 @@ def _build(target: bytes, attrs: dict[str, bytes], slots: bool) -> bytes:
     return pickle.PROTO + b"\x04" + target + state + pickle.BUILD + pickle.STOP
 
 
+def _enum_member_built(make: bytes) -> bytes:
+    """WriteItemType.TENSOR, got by ``make`` (REDUCE or NEWOBJ of the class with its value), BUILT."""
+    target = (
+        _global("torch.distributed.checkpoint.planner", "WriteItemType")
+        + pickle.BININT1
+        + bytes([WriteItemType.TENSOR.value])
+        + pickle.TUPLE1
+        + make
+    )
+    return _build(target, {"_value_": pickle.BININT1 + b"\x07"}, slots=False)
+
+
 HOSTILE = {
     "class PurePosixPath, slot state": (
         pathlib.PurePosixPath,
@@ -53,34 +65,10 @@ HOSTILE = {
             slots=True,
         ),
     ),
-    "shared enum member": (
-        WriteItemType.TENSOR,
-        "_value_",
-        _build(
-            _global("torch.distributed.checkpoint.planner", "WriteItemType")
-            + pickle.BININT1
-            + bytes([WriteItemType.TENSOR.value])
-            + pickle.TUPLE1
-            + pickle.REDUCE,
-            {"_value_": pickle.BININT1 + b"\x07"},
-            slots=False,
-        ),
-    ),
+    "shared enum member": (WriteItemType.TENSOR, "_value_", _enum_member_built(pickle.REDUCE)),
     # NEWOBJ of an enum class: its __new__ returns the shared member, which was taken for an
     # object the pickle had made, so the BUILD after it was allowed.
-    "shared enum member, through NEWOBJ": (
-        WriteItemType.TENSOR,
-        "_value_",
-        _build(
-            _global("torch.distributed.checkpoint.planner", "WriteItemType")
-            + pickle.BININT1
-            + bytes([WriteItemType.TENSOR.value])
-            + pickle.TUPLE1
-            + pickle.NEWOBJ,
-            {"_value_": pickle.BININT1 + b"\x07"},
-            slots=False,
-        ),
-    ),
+    "shared enum member, through NEWOBJ": (WriteItemType.TENSOR, "_value_", _enum_member_built(pickle.NEWOBJ)),
 }
 
 
