@@ -165,8 +165,10 @@ def _allocates(qualname: str) -> bool:
     )
 
 
-# Allow-listed rebuild functions that allocate what their third argument says.
-_CALLS_ON_SIZES = frozenset({"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_qtensor"})
+# An allow-listed rebuild function that calls the constructor it is given with its third argument.
+# (_rebuild_qtensor allocates its size too, but in elements of a quantized dtype, half or a quarter
+# of a byte for quint4x2 and quint2x4: not bounded here, it would refuse genuine ones.)
+_CALLS_ON_SIZES = frozenset({"torch._tensor._rebuild_from_type_v2"})
 
 
 @functools.cache
@@ -283,9 +285,8 @@ class _AllocationScan(pickle.Unpickler):
 
     def called(self, qualname: str, args: tuple) -> None:
         if qualname in _CALLS_ON_SIZES and len(args) > 2:
-            # _rebuild_from_type_v2(torch.FloatTensor, type, (n,), state) calls FloatTensor(n)
-            # itself; _rebuild_qtensor(storage, offset, size, ...) allocates size.
-            inner = getattr(args[0], "qualname", "") if qualname.endswith("_v2") else "torch.Tensor"
+            # _rebuild_from_type_v2(torch.FloatTensor, type, (n,), state) calls FloatTensor(n) itself.
+            inner = getattr(args[0], "qualname", "")
             sizes_arg = args[2] if isinstance(args[2], (tuple, list)) else (args[2],)
             if _allocates(inner):
                 self.called(inner, tuple(sizes_arg))

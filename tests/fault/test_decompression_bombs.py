@@ -165,6 +165,9 @@ def test_ordinary_common_state_passes_the_check():
         "view": torch.arange(10.0)[2:5],
         "size": torch.Size([2, 3]),
         "bf16": torch.ones(3, dtype=torch.bfloat16),
+        # two elements a byte: more elements than the stream has bytes (a size check in elements refused it)
+        "q4": torch.quantize_per_tensor(torch.rand(100_000), 0.1, 0, torch.quint4x2),
+        "subclass": torch.nn.Parameter(torch.ones(4)),
     }
     data = saved(state)
     assert decode_problem(io.BytesIO(data)) is None
