@@ -33,6 +33,7 @@ from .errors import (
     CheckpointNotFoundError,
     SaveFailedError,
     ShardingError,
+    StorageError,
 )
 from .format.checksum import crc32c
 from .format.coverage import ChunkId, check_coverage, chunk_id, dedup_plain, is_replicated_chunk, replicated_chunks
@@ -201,7 +202,10 @@ def save(
             validate_records(kept)
             if s3 is None:
                 created_root[0] = not root.exists()
-                make_dirs_durably(root, fsync=fsync)  # each new parent's entry too, not only root's
+                try:
+                    make_dirs_durably(root, fsync=fsync)  # each new parent's entry too, not only root's
+                except OSError as exc:
+                    raise StorageError.from_oserror(exc, root) from exc
 
     ctx.agree("checkpoint validation", validate)
 

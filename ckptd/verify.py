@@ -71,8 +71,9 @@ __all__ = ["ERROR", "NOTE", "UNREADABLE", "UNSUPPORTED", "WARNING", "Finding", "
 
 _BLOCK_BYTES = 16 << 20
 # Opening a data file fails so because of the name the checkpoint's metadata gives it (too long,
-# through a file, invalid): damage of the metadata, which no retry mends.
-_BAD_NAME_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EINVAL})
+# through a file): damage of the metadata, which no retry mends. (Not EINVAL: a network
+# filesystem's failing open may say that too.)
+_BAD_NAME_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR})
 
 
 def _item_name(r: ItemRecord) -> str:

@@ -75,7 +75,7 @@ def _check_ids(msg: Message) -> None:
                 check_step(went_back_to)
             if not 0.0 <= getattr(named, "went_back_unix_s", 0.0) <= MAX_UNIX_S:
                 raise ProtocolError(f"time {named.went_back_unix_s} is outside 0..{MAX_UNIX_S:g}")
-            for by in (getattr(named, "abandoning_rank", -1), getattr(named, "abandoned_by", -1)):
+            for by in (getattr(named, "abandoning_rank", -1), *getattr(named, "abandoned_by", ())):
                 if not -1 <= by < MAX_WORLD_SIZE:
                     raise ProtocolError(f"abandoning rank {by} is outside -1..{MAX_WORLD_SIZE - 1}")
             world_size, rank = getattr(named, "world_size", None), getattr(named, "rank", None)

@@ -407,8 +407,9 @@ class Failed(Message):
     ``handed_off``: of a relaunch's :class:`Abandon` (``rank`` -1): the ranks whose saves of the
     attempt it found at the node daemons. The coordinator keeps an attempt whose reports and these
     ranks make up its world (they report once written), and aborts it on every node otherwise.
-    ``abandoned_by``: of an :class:`Abandon` a rank sent for a save its dead node daemon held: that
-    rank, whose counted report keeps the attempt; -1 otherwise."""
+    ``abandoned_by``: of the :class:`Abandon` ranks sent for the saves their dead node daemon held:
+    those ranks (every one of the node that asked so far). The attempt is kept when every one's
+    report was counted (the dead daemon wrote and reported them); [] otherwise."""
 
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     step: int
@@ -420,7 +421,7 @@ class Failed(Message):
     skipped: bool = False
     coordinator_instance: str = ""
     handed_off: list[int] = field(default_factory=list)
-    abandoned_by: int = -1
+    abandoned_by: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

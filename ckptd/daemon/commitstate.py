@@ -429,9 +429,9 @@ class CommitState:
             st = self._new_attempt(identity, msg, facts, who, now)
             if st is None:
                 return
-        if msg.abandoned_by >= 0 and msg.abandoned_by in st.records:
-            # That rank's dead node daemon wrote and reported its save (the rank could not know).
-            log.info("step %d attempt %s: rank %d's report is counted: not abandoned", *key, msg.abandoned_by)
+        if msg.abandoned_by and set(msg.abandoned_by) <= set(st.records):
+            # Their dead node daemon wrote and reported their saves (the ranks could not know).
+            log.info("step %d attempt %s: ranks %s' reports are counted: not abandoned", *key, msg.abandoned_by)
             return
         st.reporters.add(identity)
         if msg.handed_off and st.world_size > 0 and set(st.records) | set(msg.handed_off) >= set(range(st.world_size)):

@@ -300,10 +300,7 @@ class UplinkState:
         elif isinstance(event, AbortAll):
             self._abort_pending(event.reason, now)
         elif isinstance(event, Abandon):
-            if event.key not in self.verdicts:
-                self._tell_late(
-                    event.key, event.reason, now, handed_off=list(event.handed_off), by=event.abandoning_rank
-                )
+            self._on_abandon(event, now)
         elif isinstance(event, Retarget):
             log.warning("the coordinator moved: %s -> %s", self.address, event.address)
             self.address, self.relinked = event.address, True
@@ -445,13 +442,28 @@ class UplinkState:
         self._resolve(key, StepAborted(step=step, attempt=attempt, reason=reason))
         self._tell_late(key, reason, now)
 
+    def _on_abandon(self, event: Abandon, now: float) -> None:
+        """A relaunch's abandon, or a rank's for its save the node's previous daemon died holding:
+        one FAILED tells the coordinator, naming every rank of the node that asked so far (it
+        keeps the attempt only when each one's report was counted)."""
+        if event.key in self.verdicts:
+            return
+        by = [] if event.abandoning_rank < 0 else [event.abandoning_rank]
+        prior = self.unacked.get(event.key)
+        late = None if prior is None else prior.late
+        if by and late is not None:
+            if not late.abandoned_by:
+                return  # an abort asked already (a relaunch's) stands
+            by = sorted(set(late.abandoned_by) | set(by))
+        self._tell_late(event.key, event.reason, now, handed_off=list(event.handed_off), by=by)
+
     def _tell_late(
-        self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None, by: int = -1
+        self, key: StepKey, reason: str, now: float, handed_off: list[int] | None = None, by: list[int] | None = None
     ) -> None:
         """Tell the coordinator (once one is reachable, and any instance answering later within
         ``commit_timeout_s``, until it decided an abandon) in a FAILED of rank -1 that this node
-        aborted attempt ``key``, or with ``handed_off`` that a relaunch asks it to, or that rank
-        ``by`` asks it to (its previous node daemon died holding its save)."""
+        aborted attempt ``key``, or with ``handed_off`` that a relaunch asks it to, or that ranks
+        ``by`` ask it to (their previous node daemon died holding their saves)."""
         step, attempt = key
         late = self.unacked.setdefault(key, Unacked(open=False))
         late.late = Failed(
@@ -462,7 +474,7 @@ class UplinkState:
             node=self.node,
             reason=bounded_text(reason),  # (a rank's ABANDON's, a root's error: it must fit the message)
             handed_off=handed_off or [],
-            abandoned_by=by,
+            abandoned_by=by or [],
         )
         late.late_until = now + self.config.commit_timeout_s
         late.late_sent_to = None

@@ -208,7 +208,7 @@ def test_every_message_type_round_trips():
                         "skipped": False,
                         "coordinator_instance": "",
                         "handed_off": [],
-                        "abandoned_by": -2,
+                        "abandoned_by": [-2],
                     },
                 }
             ),

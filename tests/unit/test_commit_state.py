@@ -704,12 +704,12 @@ def test_a_ranks_abandon_for_its_dead_daemon_keeps_an_attempt_that_daemon_report
     not aborts at once."""
     c = Coordinator()
     assert c.report(N1, written(5, 1)) == []  # rank 1's daemon wrote and reported step 5, then died
-    abandon = failed(5, -1, "the node daemon of rank 1 died holding its save of step 5", abandoned_by=1)
+    abandon = failed(5, -1, "the node daemon of rank 1 died holding its save of step 5", abandoned_by=[1])
     assert c.report(N1, abandon) == []
     assert any(isinstance(a, Commit) for a in c.report(N0, written(5, 0)))
     # Not reported before it died: aborted at once, on every rank that reported.
     c = Coordinator()
     assert c.report(N0, written(6, 0)) == []
-    out = c.report(N1, failed(6, -1, "the node daemon of rank 1 died holding its save of step 6", abandoned_by=1))
+    out = c.report(N1, failed(6, -1, "the node daemon of rank 1 died holding its save of step 6", abandoned_by=[1]))
     aborted = [a for a in out if isinstance(a, Send) and isinstance(a.msg, StepAborted)]
     assert {a.identity for a in aborted} >= {N0} and "died holding its save of step 6" in aborted[0].msg.reason

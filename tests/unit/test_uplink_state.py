@@ -13,6 +13,7 @@ from ckptd.config import CkptdConfig
 from ckptd.control.protocol import Failed, Message, Ping, StepAborted, StepCommitted, Written
 from ckptd.daemon.uplinkstate import (
     VERDICT_MEMORY,
+    Abandon,
     AbortAll,
     AskRoot,
     Deliver,
@@ -533,3 +534,24 @@ def test_a_verdict_that_comes_while_the_root_is_asked_decides_and_the_answer_is_
     node.handle(Verdict(key=K3, outcome=verdict))
     node.handle(RootAnswer(key=K3, holds_commit=False))
     assert node.delivered == [(K3, frozenset({b"rank0"}), verdict)] and not node.state.unacked
+
+
+def test_the_abandons_of_a_nodes_ranks_for_their_dead_daemon_go_out_together():
+    """Ranks 12 and 8 of a node whose daemon died ask its next daemon to abandon their saves of one
+    attempt before a tick: the FAILED that went out named rank 8 alone, and the coordinator, which
+    had counted rank 8's report, kept an attempt rank 12's save will never join."""
+    node = Node()
+    node.pong("c1")
+    for rank in (12, 8):
+        node.handle(Abandon(key=K3, reason=f"rank {rank}'s daemon died", handed_off=(), abandoning_rank=rank))
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and late.abandoned_by == [8, 12] and late.rank == -1
+    # A relaunch's abandon asked first stands: a rank's after it does not replace it.
+    node = Node()
+    node.pong("c1")
+    node.handle(Abandon(key=K4, reason="relaunch", handed_off=(0,)))
+    node.handle(Abandon(key=K4, reason="rank 3's daemon died", handed_off=(), abandoning_rank=3))
+    node.at(0.25)
+    (late,) = node.take()
+    assert isinstance(late, Failed) and (late.handed_off, late.abandoned_by) == ([0], [])
