@@ -327,13 +327,12 @@ def sendable(msg: Written, codec: Codec) -> Written | Failed:
     send of it failed, the save's ring stayed held, and the other attempts' resends stopped.
     Judged as sent: addressed to a coordinator instance (ckptd.daemon.uplinkstate), of the longest
     a PONG can name (one that fitted only without it failed every send)."""
-    addressed = replace(msg, coordinator_instance="i" * MAX_INSTANCE_NBYTES)
     texts = (msg.common_digest, msg.plain_digest, codec.job, msg.attempt, *msg.held)
     bound = 1024 + MAX_INSTANCE_NBYTES + len(msg.common or b"") + sum(4 * len(t) + 5 for t in texts)
     if bound + sum(map(_record_nbytes_bound, msg.records)) < codec.max_nbytes:
         return msg
     try:
-        codec.encode(addressed)
+        codec.encode(replace(msg, coordinator_instance="i" * MAX_INSTANCE_NBYTES))  # as the link sends it
     except ProtocolError as exc:
         return Failed(
             step=msg.step,
