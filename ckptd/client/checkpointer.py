@@ -350,6 +350,9 @@ class Checkpointer(RootReader):
         except DaemonLostError as exc:
             producer.cancel()  # nobody reads the ring any more: nothing is written into it
             self._session.daemon_lost(str(exc))
+            # The daemon may have died with the SAVE unread or untold: the next one is asked to
+            # abort this attempt, else the other ranks' saves of it hold every later commit.
+            self._session.lost.append((msg.step, msg.attempt))
             raise
         except (RequestNotTaken, ProtocolError) as exc:
             producer.cancel()

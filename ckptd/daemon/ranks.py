@@ -132,7 +132,9 @@ class RankServer:
         elif isinstance(msg, Abandon):
             # Not refused from a second launch's process (its resume, while its predecessor's rank
             # is still exiting): an attempt whose saving process still runs is never abandoned.
-            self.client(identity)
+            # A rank asks for its own saves only: the coordinator keeps an attempt whose abandoning
+            # ranks' reports it counted, so one named for another rank would decide for that rank.
+            self.client(identity, None if msg.abandoning_rank < 0 else msg.abandoning_rank)
             if any(
                 (a.step, a.attempt, a.live) == (msg.step, msg.attempt, True)
                 for a in self.intake.in_flight(self._connected)

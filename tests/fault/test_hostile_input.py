@@ -36,6 +36,7 @@ from ckptd.control.endpoints import load_token
 from ckptd.control.keys import CurveKeys, derive_keys
 from ckptd.control.protocol import (
     PROTOCOL_VERSION,
+    Abandon,
     Bye,
     ErrorReply,
     Hello,
@@ -59,7 +60,7 @@ from ckptd.staging.rankside import StagingRing
 from ckptd.staging.ring import block_offset
 from ckptd.staging.segment import SHM_DIR, list_segments
 from tests.fault.single_job import single_job
-from tests.messages import a_save
+from tests.messages import ATTEMPT, a_save
 from tools.harness.waiting import wait_until
 
 LIMIT = 256 << 10  # the daemon's message size limit in this module
@@ -339,6 +340,8 @@ def test_a_connection_saves_only_from_its_own_pools_and_waits_only_on_its_own_ch
         reply = ask(a_save(step=5, generation=victim.generation))
         assert isinstance(reply, ErrorReply) and "registered by another connection" in reply.reason, reply
         reply = ask(RegisterRing(rank=1, generation=own.generation, ring_nbytes=own.capacity, names=own.names))
+        assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
+        reply = ask(Abandon(step=5, attempt=ATTEMPT, reason="r", handed_off=[], abandoning_rank=1))
         assert isinstance(reply, ErrorReply) and "said HELLO as rank 0, not rank 1" in reply.reason, reply
         # Its own ring of rank 0 does not retire the Checkpointer's ring of rank 0.
         assert isinstance(

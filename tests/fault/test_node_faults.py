@@ -6,8 +6,8 @@
 - an unreachable coordinator (node 0's daemon is stopped, so node 1's daemon points nowhere): the
   save of node 1 fails on its handle within the coordinator timeout, saying so; once node 0 comes
   back (its rank's next save restarts it), saves commit again.
-- node 1's daemon killed mid-save: its rank's next save has the next daemon abort the lost step,
-  so the step after it commits without waiting out the commit timeout.
+- node 1's daemon killed mid-save, or before it answered a SAVE: its rank's next save has the next
+  daemon abort the lost step, so the step after it commits without waiting out the commit timeout.
 
 Earlier checkpoints load bit-exact throughout.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -219,3 +220,53 @@ def test_a_node_daemon_that_died_mid_save_holds_no_later_commit(tmp_path, runtim
         "iter_0000001",
         "iter_0000003",
     ]
+
+
+def _daemon_lost_before_ack(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:
+    as_node_rank(rank, env, faults)
+    out: dict = {}
+    ckpt = ckptd.Checkpointer(root)
+    try:
+        ckpt.save(_sd(rank, 1), step=1).wait(timeout_s=60)
+        dist.barrier()
+        if rank == 1:
+            # --- node 1's daemon never reads rank 1's SAVE of step 2: it dies with it unanswered
+            pid = ckpt.status()["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            killer = threading.Timer(2.0, os.kill, (pid, signal.SIGKILL))
+            killer.start()
+            with pytest.raises(ckptd.DaemonError) as err:
+                ckpt.save(_sd(rank, 2), step=2)
+            killer.join()
+            out["lost"] = str(err.value)
+            h2 = None
+        else:
+            h2 = ckpt.save(_sd(rank, 2), step=2)
+        dist.barrier()
+        # --- rank 1's next save asks node 1's next daemon to abort step 2, which it never handed off
+        t0 = time.monotonic()
+        h3 = ckpt.save(_sd(rank, 3), step=3)
+        if h2 is not None:
+            out["aborted"] = _failure(h2, DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+        h3.wait(timeout_s=DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+        out["committed_s"] = time.monotonic() - t0
+        assert ckpt.latest() == 3
+        for step in (1, 3):
+            _check(ckpt, rank, step)
+    finally:
+        ckpt.close(wait=False)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_node_daemon_that_died_before_answering_a_save_holds_no_later_commit(tmp_path, runtime_dir):
+    """Node 1's daemon dies with rank 1's SAVE of step 2 unanswered: save() raises, and no handle
+    remembers the attempt. Rank 0's save of step 2 waited out commit_timeout_s, and step 3 behind
+    it; the attempt is now asked to be aborted by node 1's next daemon, as a held save's is."""
+    root = tmp_path / "ckpts"
+    env = _env(runtime_dir, DEAD_DAEMON_COMMIT_TIMEOUT_S)
+    out = run_ranks(_daemon_lost_before_ack, 2, env, str(root), str(tmp_path), timeout_s=150)
+    stop_daemons(runtime_dir.glob("*.pid"))
+    assert "died" in out[1]["lost"], out[1]
+    assert "node daemon of rank 1 died holding its save of step 2" in out[0]["aborted"], out[0]
+    assert max(o["committed_s"] for o in out) < DEAD_DAEMON_COMMIT_TIMEOUT_S / 3
