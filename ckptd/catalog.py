@@ -27,6 +27,7 @@ from .format.rootlayout import (
     TRACKER_FILE,
     TRACKER_MAX_NBYTES,
     is_node_lock,
+    megatron_tracker_name,
     node_lock_name,
     parse_step_dir,
     step_dir_name,
@@ -291,12 +292,9 @@ def read_megatron_tracker(root: Path) -> str | None:
     ``iter_<step>`` of the number it holds, or ``release``; None when absent or not such text."""
     try:
         raw = read_regular(root, MEGATRON_TRACKER, "Megatron-LM tracker", TRACKER_MAX_NBYTES)
-        text = raw.decode("ascii").strip()
-    except (FileNotFoundError, OSError, CorruptCheckpointError, UnicodeDecodeError):
+    except (OSError, CorruptCheckpointError):
         return None
-    if text == "release":
-        return text
-    return step_dir_name(int(text)) if text.isdigit() and len(text) <= 9 else None  # steps < 10^9
+    return megatron_tracker_name(raw)
 
 
 def left_behind(step: int, seq: int, latest_step: int, latest_seq: int) -> bool:

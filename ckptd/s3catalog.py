@@ -4,8 +4,9 @@
 A step "directory" ``iter_<step>/`` is COMMITTED when its commit object ``ckptd_commit.json``
 exists (ckptd.roots.s3_root writes it last, create-only: it is the commit point), else PARTIAL
 (an attempt in flight, or one a crash abandoned): readers trust a step only through its commit
-object. The listing is one LIST of the root's "directories" and one GET of each step's commit
-object (``usage``: one LIST of each step's objects for sizes and ages). A listing that fails
+object. The listing is one LIST of the root's "directories", one GET of ``latest`` (and of
+Megatron-LM's tracker when it is there) and one GET of each step's commit object (``usage``: one
+LIST of each step's objects for sizes and ages). A listing that fails
 (throttling included, after the client's retries) raises StorageError: it is never read as an
 empty root.
 """
@@ -36,7 +37,15 @@ from .format.commitrecord import (
     read_commit_record,
 )
 from .format.layout import DCP_METADATA, METADATA_JSON
-from .format.rootlayout import TRACKER_FILE, TRACKER_MAX_NBYTES, is_node_lock, parse_step_dir, step_dir_name
+from .format.rootlayout import (
+    MEGATRON_TRACKER,
+    TRACKER_FILE,
+    TRACKER_MAX_NBYTES,
+    is_node_lock,
+    megatron_tracker_name,
+    parse_step_dir,
+    step_dir_name,
+)
 from .storage.s3client import ObjectInfo, S3Client
 from .storage.url import Location, S3Location
 
@@ -82,11 +91,26 @@ def read_s3_tracker(client: S3Client) -> tuple[bool, str | None, str | None, str
     return True, name, None, etag
 
 
+def read_s3_megatron_tracker(client: S3Client) -> str | None:
+    """:func:`~ckptd.catalog.read_megatron_tracker` of an ``s3://`` root: the directory Megatron-LM's
+    tracker names, None when absent or not such text. A store that does not answer raises
+    StorageError: taken for no tracker, retention could remove the checkpoint it names."""
+    try:
+        got = client.get(MEGATRON_TRACKER, TRACKER_MAX_NBYTES, "Megatron-LM tracker")
+    except CorruptCheckpointError:  # larger than any tracker: not one
+        return None
+    return None if got is None else megatron_tracker_name(got[0])
+
+
 def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage: bool = True) -> RootCatalog:
     client = client if client is not None else S3Client(location)
     cat = RootCatalog(location)  # type: ignore[arg-type]
     cat.tracker_exists, cat.latest_name, cat.tracker_problem, _ = read_s3_tracker(client)
     dirs, objects = client.list_dir("")
+    if any(info.key == MEGATRON_TRACKER for info in objects):
+        # Retention and gc keep what it names: Megatron-LM resumes from it (it lags `latest` when
+        # its update failed at a commit, or a crash came before it).
+        cat.megatron_latest_name = read_s3_megatron_tracker(client)
     for name in sorted(dirs):
         parsed = parse_step_dir(name)
         if parsed is None or parsed.suffix:

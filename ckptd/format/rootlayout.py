@@ -126,3 +126,15 @@ def tracker_bytes(checkpoint_name: str) -> bytes:
 def megatron_tracker_bytes(step: int) -> bytes:
     """What Megatron-LM's tracker holds when it names ``step``."""
     return f"{step}\n".encode()
+
+
+def megatron_tracker_name(raw: bytes) -> str | None:
+    """The directory Megatron-LM's tracker holding ``raw`` names: the ``iter_<step>`` of the
+    number it holds, or ``release``; None when it is not such text."""
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None
+    if text == "release":
+        return text
+    return step_dir_name(int(text)) if text.isdigit() and len(text) <= 9 else None  # steps < 10^9

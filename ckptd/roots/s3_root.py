@@ -25,7 +25,8 @@ Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a t
    absent) to the step just committed; if that fails the commit object is deleted again and the
    commit fails (a step counts as committed once the tracker can name it); then Megatron-LM's
    tracker;
-6. retention: the ``keep_last`` last commits stay; a removal deletes the commit object first (the
+6. retention: the ``keep_last`` last commits stay, and the one Megatron-LM's tracker names (an
+   older one when its update failed); a removal deletes the commit object first (the
    step is invisible from then on), then the rest.
 
 A write that failed at the client may still have been applied by the store (its response lost,
