@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from ..format.commitrecord import COMMIT_RECORD
 from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON
-from ..format.rootlayout import ATTEMPT_PATTERN
+from ..format.rootlayout import ATTEMPT_PATTERN, parse_step_dir
 
 METADATA_OBJECTS = (COMMON_PT, DCP_METADATA, METADATA_JSON)
 _DATA_OBJECT = re.compile(rf"^__\d+_0\.({ATTEMPT_PATTERN}(?:-m[0-9a-f]{{8}})?|x-m[0-9a-f]{{8}})\.distcp$")
@@ -38,6 +38,14 @@ def attempt_of(key: str) -> str | None:
     else None (another tool's object: ``ckptd.save``'s token is no attempt)."""
     m = _DATA_OBJECT.match(leaf(key))
     return None if m is None else m.group(1)
+
+
+def step_attempt_of(key: str) -> tuple[int, str] | None:
+    """The step and attempt a Checkpointer's data object's key (relative to the root:
+    ``iter_<step>/__<rank>_0.<attempt>.distcp``) names, else None."""
+    parsed = parse_step_dir(key.split("/", 1)[0])
+    attempt = attempt_of(key)
+    return None if parsed is None or parsed.suffix or attempt is None else (parsed.step, attempt)
 
 
 def ckptd_named(key: str) -> bool:

@@ -38,7 +38,8 @@ fails, the next coordinator start names it latest) when ``latest`` cannot be rea
 
 A crashed attempt has no commit object, so it is invisible; the next coordinator start (or
 ``ckptd gc``) removes its objects and the root's unfinished multipart uploads (a start: only
-those a Checkpointer's save names so, never another tool's checkpoint). Loads cannot lease
+those a Checkpointer's save names so, never another tool's checkpoint; with several nodes, after
+``commit_timeout_s`` unless it commits: see :meth:`S3Root.recover`). Loads cannot lease
 a checkpoint against retention here (object stores have no locks): a load whose objects vanish
 fails with CheckpointRemovedError and ``Checkpointer.load()`` retries on the new latest.
 """
@@ -85,6 +86,7 @@ from .s3_names import (
     leaf,
     removable,
     retired,
+    step_attempt_of,
     why_kept,
 )
 
@@ -523,9 +525,11 @@ class S3Root:
     def recover(self, *, nnodes: int) -> Recovery:
         """Name the last commit in the tracker if a crash came between its commit object and the
         tracker; then, with one node, remove every uncommitted attempt's objects and unfinished
-        uploads (nothing can be in flight), or with several nodes adopt them (another node may
-        still be writing). Only what a Checkpointer names so (ckptd.roots.s3_names): a checkpoint
-        another tool wrote into the root (ckptd.save, torch DCP) is kept, and named in ``kept``."""
+        uploads (nothing can be in flight), or with several nodes adopt the attempts of
+        uncommitted steps, found by their objects or their unfinished uploads (another node may
+        still be writing them; each is aborted after commit_timeout_s unless it commits). Only
+        what a Checkpointer names so (ckptd.roots.s3_names): a checkpoint another tool wrote into
+        the root (ckptd.save, torch DCP) is kept, and named in ``kept``."""
         cat = self.scan(usage=False)
         finished = None
         current = cat.latest()
@@ -549,8 +553,13 @@ class S3Root:
         ]
         kept = [why for e, keys in partial if (why := why_kept(self.display(e.name), keys)) is not None]
         if nnodes > 1:
-            adopted = sorted({(e.step, a) for e, keys in partial for k in keys if (a := attempt_of(k))})
-            return Recovery(finished=finished, adopted=adopted, kept=kept)
+            adopted = {(e.step, a) for e, keys in partial for k in keys if (a := attempt_of(k))}
+            # Also one known only by its unfinished uploads (a job killed while every rank was
+            # uploading): its abort aborts them, which a store otherwise keeps (and bills) for ever.
+            committed = {e.step for e in cat.entries if e.state is EntryState.COMMITTED}
+            uploading = (step_attempt_of(u.key) for u in self.leftover_uploads())
+            adopted.update(key for key in uploading if key is not None and key[0] not in committed)
+            return Recovery(finished=finished, adopted=sorted(adopted), kept=kept)
         removed = []
         for e, keys in partial:
             doomed = removable(keys)
