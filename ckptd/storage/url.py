@@ -17,6 +17,9 @@ from ..errors import CkptdError
 # S3 bucket names: 3-63 characters of lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+# A first path component that is a URL scheme and its colon: what ``Path("s3://b/p")`` leaves of
+# the URL ("s3:/b/p": pathlib folds the double slash), so never taken for a local directory.
+_LOST_SLASHES = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:")
 
 
 class UnsupportedLocationError(CkptdError):
@@ -58,15 +61,23 @@ Location = Path | S3Location
 
 def parse_location(where: str | os.PathLike | S3Location) -> Location:
     """A local path, or an :class:`S3Location` for ``s3://bucket/prefix``; any other URL
-    (``gs://``, ``http://``, ...) raises UnsupportedLocationError naming what is supported."""
+    (``gs://``, ``http://``, ...) raises UnsupportedLocationError naming what is supported.
+
+    A relative path whose first component is a URL scheme and its colon (``s3:/ckpt/run1``: a
+    ``Path("s3://ckpt/run1")``, which lost a slash) is refused too: it would otherwise become a
+    local directory named ``s3:``. A local directory whose name ends in a colon is still reached
+    by an absolute path."""
     if isinstance(where, S3Location):
         return where
     if isinstance(where, Path):
+        _refuse_lost_slashes(where, where.parts)
         return where
     text = os.fspath(where)
     m = _SCHEME.match(text)
     if m is None:
-        return Path(text)
+        path = Path(text)
+        _refuse_lost_slashes(where, path.parts)
+        return path
     scheme = m.group(1).lower()
     if scheme == "file":
         return Path(urlsplit(text).path)
@@ -83,6 +94,16 @@ def parse_location(where: str | os.PathLike | S3Location) -> Location:
     if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
         raise UnsupportedLocationError(f"{text!r}: the prefix may not hold empty, '.' or '..' components")
     return S3Location(bucket=bucket, prefix=prefix)
+
+
+def _refuse_lost_slashes(where: str | os.PathLike, parts: tuple[str, ...]) -> None:
+    if parts and _LOST_SLASHES.fullmatch(parts[0]):
+        raise UnsupportedLocationError(
+            f"{os.fspath(where)!r} begins with {parts[0]!r}: a {parts[0][:-1]}:// URL that lost a slash "
+            "(pathlib.Path folds 's3://bucket/prefix' into 's3:/bucket/prefix'), so it is not made a local "
+            f"directory named {parts[0]!r}; pass a URL as a str ('s3://bucket/prefix'), and a local directory "
+            "whose name ends in ':' as an absolute path"
+        )
 
 
 def join(location: Location, *parts: str) -> Location:
