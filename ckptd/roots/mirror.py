@@ -430,7 +430,7 @@ def copy_checked(
     fd, size = open_regular(directory, rel, "data file", dir_fd=dir_fd)
     crcs: list[int] = []
     try:
-        with FileIO(fd, "rb", closefd=False) as f, ObjectSink(mirror.client, key) as sink:
+        with FileIO(fd, "rb", closefd=False) as f, ObjectSink(mirror.client, key, object_nbytes=size) as sink:
             pos = 0
             for item in items:
                 end = item.file_offset + item.length

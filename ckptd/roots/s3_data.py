@@ -25,11 +25,11 @@ from typing import Any
 
 from ..errors import CheckpointExistsError
 from ..format.direct import buffer_address
-from ..format.items import PlannedItem, write_data_file
+from ..format.items import PlannedItem, data_file_max_nbytes, write_data_file
 from ..format.records import ItemRecord
 from ..format.tensorzip import RawTensor
 from ..s3catalog import read_s3_commit_record, s3_abandoned_commit
-from ..storage.objwriter import PART_NBYTES, ObjectSink
+from ..storage.objwriter import MAX_PARTS, PART_NBYTES, ObjectSink
 from ..storage.s3client import S3Client
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ def s3_data_file_name(attempt: str, rank: int) -> str:
 
 
 class S3DataTarget:
-    part_nbytes = PART_NBYTES
+    part_nbytes = PART_NBYTES  # larger for an object of more than max_parts of them
+    max_parts = MAX_PARTS
 
     def __init__(self, client: S3Client, step_name: str, name: str, attempt: tuple[int, str] | None = None) -> None:
         self.client = client
@@ -85,6 +86,8 @@ class S3DataTarget:
             self.part_nbytes,
             lendable=_Payloads(items).cover,
             on_release=lambda: freeing.advance(sink.released),
+            object_nbytes=data_file_max_nbytes(items),
+            max_parts=self.max_parts,
         )
 
         def before(i: int) -> None:

@@ -1,7 +1,9 @@
 """A data object uploaded as it is written: the sink of ``ckptd.format.items.write_data_file`` on
 object storage.
 
-Writes are cut into parts of ``part_nbytes`` (the last one shorter); every full part is handed to
+Writes are cut into parts of ``part_nbytes`` (the last one shorter), more for an object too large
+for :data:`MAX_PARTS` of them (:func:`part_nbytes_for`, from the size the writer states up front;
+a write past the last part allowed fails before it is uploaded); every full part is handed to
 obstore's multipart writer, which uploads it while later writes go on, at most ``max_concurrency``
 parts in flight (a write waits for room). obstore keeps a *reference* to each buffer it is given
 until that buffer's part was uploaded (measured: a writer handed torch.save's own buffers uploaded
@@ -40,12 +42,37 @@ log = logging.getLogger(__name__)
 
 # S3's smallest part is 5 MiB (except the last); larger parts mean fewer requests.
 PART_NBYTES = 32 << 20
+# S3's limits of one multipart upload: 10,000 parts of at most 5 GiB. A store answers part 10,001
+# with an error that reads like any failed request, after 10,000 parts were uploaded.
+MAX_PARTS = 10_000
+MAX_PART_NBYTES = 5 << 30
+# A part size grown for a large object is a whole number of these.
+PART_UNIT_NBYTES = 1 << 20
 MAX_CONCURRENCY = 8
 # Writes smaller than this are copied even where they could be lent: a few bytes of archive
 # headers are cheaper to copy than to track.
 LEND_MIN_NBYTES = 64 << 10
 # Copies of small writes go into buffers of this size (or the rest of the part, if less).
 COPY_NBYTES = 1 << 20
+
+
+def part_nbytes_for(
+    object_nbytes: int | None, url: str, *, base_nbytes: int = PART_NBYTES, max_parts: int = MAX_PARTS
+) -> int:
+    """The part size of an upload of ``object_nbytes`` (None: not known) to ``url``: ``base_nbytes``,
+    or the least whole number of :data:`PART_UNIT_NBYTES` that keeps it within ``max_parts`` parts.
+    An object too large for ``max_parts`` parts of :data:`MAX_PART_NBYTES` is a StorageError."""
+    if object_nbytes is None or object_nbytes <= base_nbytes * max_parts:
+        return base_nbytes
+    least = -(-object_nbytes // max_parts)
+    part_nbytes = -(-least // PART_UNIT_NBYTES) * PART_UNIT_NBYTES
+    if part_nbytes > MAX_PART_NBYTES:
+        raise StorageError(
+            f"{url}: an object of {object_nbytes} bytes is more than a multipart upload holds ({max_parts} parts "
+            f"of at most {MAX_PART_NBYTES} bytes); nothing was uploaded: save less per rank (more ranks, or "
+            "fewer or smaller tensors) or to a local root"
+        )
+    return part_nbytes
 
 
 class ObjectSink:
@@ -57,11 +84,20 @@ class ObjectSink:
         max_concurrency: int = MAX_CONCURRENCY,
         lendable: Callable[[memoryview], bool] | None = None,
         on_release: Callable[[], None] | None = None,
+        *,
+        object_nbytes: int | None = None,
+        max_parts: int = MAX_PARTS,
     ) -> None:
+        """Parts of ``part_nbytes``, or larger ones where ``object_nbytes`` (the object's size or a
+        bound of it; None: not known) needs more than ``max_parts`` of them (:func:`part_nbytes_for`);
+        a write past ``max_parts`` parts raises StorageError."""
         self.client = client
         self.key = key
         self._pos = 0
-        self._part_nbytes = part_nbytes
+        self._object_nbytes = object_nbytes
+        self._max_parts = max_parts
+        self.part_nbytes = part_nbytes_for(object_nbytes, client.url(key), base_nbytes=part_nbytes, max_parts=max_parts)
+        self._parts = 0  # handed to the uploader
         self._lendable = lendable
         self._on_release = on_release
         # The part being assembled: (piece, lent) in order, then the copy buffer's unsealed bytes.
@@ -74,7 +110,7 @@ class ObjectSink:
         self.lent = 0
         self._back: set[int] = set()  # lent pieces let go out of order
         self._released = 0
-        self._writer: Any = client.writer(key, part_nbytes, max_concurrency)
+        self._writer: Any = client.writer(key, self.part_nbytes, max_concurrency)
         self._writer.__enter__()
         self.closed = False
         self.completed = False  # the object exists
@@ -90,24 +126,35 @@ class ObjectSink:
         lend = self._lendable is not None and view.nbytes >= LEND_MIN_NBYTES and self._lendable(view)
         done = 0
         while done < view.nbytes:
-            n = min(view.nbytes - done, self._part_nbytes - self._filled)
+            if self._filled == 0 and self._parts == self._max_parts:
+                raise self._too_large(self._pos + done, view.nbytes - done)
+            n = min(view.nbytes - done, self.part_nbytes - self._filled)
             if lend:
                 self._lend(view[done : done + n])
             else:
                 self._copy_in(view[done : done + n])
             self._filled += n
             done += n
-            if self._filled == self._part_nbytes:
+            if self._filled == self.part_nbytes:
                 self._hand_over()
         self._pos += view.nbytes
         return view.nbytes
+
+    def _too_large(self, at: int, more_nbytes: int) -> StorageError:
+        sized = "an object of unknown size" if self._object_nbytes is None else f"at most {self._object_nbytes} bytes"
+        return StorageError(
+            f"{self.client.url(self.key)}: {more_nbytes} more bytes after {at} would need part "
+            f"{self._max_parts + 1} of its multipart upload, and a multipart upload has at most {self._max_parts} "
+            f"parts; the upload is aborted before that part (its parts of {self.part_nbytes} bytes were sized for "
+            f"{sized}: report this as a bug)"
+        )
 
     def _copy_in(self, chunk: memoryview) -> None:
         n = chunk.nbytes
         if self._copy is None or len(self._copy) - self._copy_at < n:
             self._seal_copy()
             # A fresh buffer: obstore may hold the last one's bytes, which are never written again.
-            self._copy = bytearray(max(n, min(COPY_NBYTES, self._part_nbytes - self._filled)))
+            self._copy = bytearray(max(n, min(COPY_NBYTES, self.part_nbytes - self._filled)))
             self._copy_from = self._copy_at = 0
         self._copy[self._copy_at : self._copy_at + n] = chunk
         self._copy_at += n
@@ -146,7 +193,7 @@ class ObjectSink:
         if not any(lent for _, lent in self._pieces):
             return
         self._seal_copy()
-        buf = bytearray(self._part_nbytes)  # also the copy buffer of the rest of this part
+        buf = bytearray(self.part_nbytes)  # also the copy buffer of the rest of this part
         at = 0
         for piece, _ in self._pieces:
             buf[at : at + piece.nbytes] = piece
@@ -159,6 +206,7 @@ class ObjectSink:
         self._seal_copy()
         pieces, self._pieces = self._pieces, []
         self._copy, self._filled = None, 0
+        self._parts += 1
         failure: Exception | None = None
         try:
             for i in range(len(pieces)):

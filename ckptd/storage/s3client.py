@@ -41,7 +41,7 @@ _DENIED = re.compile(
 
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
 # errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES,
-# CKPTD_S3_RETRY_TIMEOUT_S and CKPTD_S3_REQUEST_TIMEOUT_S (one request, a 32 MiB part included: a
+# CKPTD_S3_RETRY_TIMEOUT_S and CKPTD_S3_REQUEST_TIMEOUT_S (one request, a part of 32 MiB or more included: a
 # connection the network dropped silently fails after it) override the defaults (a save's deadline
 # is commit_timeout_s anyway).
 RETRIES = 6

@@ -2,7 +2,8 @@
 real server: the daemon lends ring views to the uploader without a copy, so ring space may be
 reused only once the uploader let go of it. A producer that overwrites an item's ring space the
 moment it is freed must not change a byte of the object; an abort returns only once nothing is
-lent any more; a ring smaller than one part does not stall the save."""
+lent any more; a ring smaller than one part does not stall the save. A data object larger than its
+parts' limit allows gets larger parts, and a write past the limit fails before its part is sent."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import os
 import threading
 import time
 
+import boto3
 import pytest
 import torch
 
 import ckptd
 from ckptd import ShardedTensor
-from ckptd.errors import StagingError
+from ckptd.errors import StagingError, StorageError
 from ckptd.format.checksum import crc32c
 from ckptd.format.items import PlannedItem
 from ckptd.format.records import BYTES, TENSOR, ItemRecord
@@ -155,3 +157,30 @@ def test_a_ring_smaller_than_a_part_streams_a_save_to_s3(s3_bucket, runtime_dir)
         assert torch.equal(x, w)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_object_too_large_for_its_parts_limit_gets_larger_parts(s3_bucket, s3_env):
+    """S3 takes 10,000 parts; here 4 parts of 1 MiB for an object of 32 MiB: its parts grow to hold it."""
+    ring = mmap.mmap(-1, 64 * MIB)
+    items, _ = _ring_items(ring)
+    target = S3DataTarget(_client(s3_bucket), "iter_0000001", "__0_0.c.distcp")
+    target.part_nbytes, target.max_parts = MIB, 4
+    target.write(items, checksums=True, ready=lambda _i: None, written=lambda _i: None)
+    assert target.publish() > 32 * MIB
+    first = boto3.client("s3", endpoint_url=s3_env.endpoint).head_object(
+        Bucket=s3_bucket, Key=f"ring/{target.key}", PartNumber=1
+    )
+    # The items' 32.2 MiB and their archives' bound of overhead, in 4 parts: 8.1 MiB, up to a whole MiB.
+    assert first["PartsCount"] == 4 and first["ContentLength"] == 9 * MIB
+
+
+@pytest.mark.timeout(120)
+def test_a_write_past_the_last_part_allowed_fails_before_that_part_is_sent(s3_bucket):
+    client = _client(s3_bucket)
+    sink = ObjectSink(client, "big", MIB, max_parts=2)
+    sink.write(b"z" * (2 * MIB))  # the two parts allowed
+    with pytest.raises(StorageError, match=r"big: 1 more bytes after 2097152 would need part 3.*at most 2 parts"):
+        sink.write(b"z")
+    sink.abort()
+    assert client.head("big") is None and client.uploads("") == []
