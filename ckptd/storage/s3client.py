@@ -39,6 +39,12 @@ _DENIED = re.compile(
     r"|status(?: code)?:? 403\b|\b403 Forbidden|HTTP/\S+ 403\b|\(403\)"
 )
 
+# The store's error code in the XML body of its answer: obstore puts the body on the lines after
+# the first of its error's text (then a debug dump of the request), so codes are searched for in
+# the whole text, up to _ERROR_SCAN_CHARS of it.
+_CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
+_ERROR_SCAN_CHARS = 8000
+
 # obstore's own retries (exponential backoff with jitter) of 5xx, 429/SlowDown and connection
 # errors; a request still failing after them fails the operation. CKPTD_S3_RETRIES,
 # CKPTD_S3_RETRY_TIMEOUT_S and CKPTD_S3_REQUEST_TIMEOUT_S (one request, a part of 32 MiB or more included: a
@@ -198,9 +204,11 @@ class S3Client:
         return self.location.url(key)
 
     def check_access(self) -> None:
-        """One cheap request (a HEAD), so that a wrong endpoint, bucket or credentials fail at once
-        with a clear StorageError instead of at the first save."""
-        self.head(".ckptd-access-check")
+        """One cheap request, so that a wrong endpoint, bucket or credentials fail at once with a
+        clear StorageError instead of at the first save: the listing of a "directory" nothing is
+        in. (Not a HEAD: AWS S3 and MinIO answer a HEAD in a missing bucket with a bodiless 404, which
+        reads as a missing object; a listing's answer says NoSuchBucket.)"""
+        self.list_dir(".ckptd-access-check")
 
     # --- reading --------------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo | None:
@@ -222,7 +230,9 @@ class S3Client:
 
         try:
             result = obstore.get(self._store, key)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise self._error(exc, key, "read") from None
             return None
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, key, "read") from None
@@ -248,7 +258,9 @@ class S3Client:
         try:
             result = obstore.get(self._store, key, options={"range": (start, start + length)})
             view = memoryview(result.bytes())
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise self._error(exc, key, "read") from None
             raise CorruptCheckpointError(
                 f"data object {self.url(key)} is missing; the checkpoint is incomplete"
             ) from None
@@ -418,20 +430,29 @@ class S3Client:
     def _error(self, exc: BaseException, key: str, verb: str) -> StorageError:
         """A StorageError naming the object and what to do (the exception's text never holds
         credentials: obstore and botocore do not put them in messages)."""
-        text = str(exc).splitlines()[0][:400] if str(exc) else type(exc).__name__
+        full = str(exc)[:_ERROR_SCAN_CHARS]
+        text = full.splitlines()[0][:400] if full.strip() else type(exc).__name__
+        code = _CODE.search(full)
+        if code is not None and code.group(1) not in text:
+            text = f"{text} ({code.group(1)})"
         name = type(exc).__name__
-        if name in ("PermissionDeniedError", "UnauthenticatedError") or _DENIED.search(text):
+        if name in ("PermissionDeniedError", "UnauthenticatedError") or _DENIED.search(full):
             hint = (
                 "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the "
                 "bucket's permissions"
             )
-        elif "NoSuchBucket" in text:
+        elif "NoSuchBucket" in full:
             hint = f"create the bucket {self.location.bucket!r} first"
         else:
             hint = (
                 "check the endpoint (AWS_ENDPOINT_URL), the network and the store's health; the operation was retried"
             )
         return StorageError(f"could not {verb} {self.url(key)}: {name}: {text}; {hint}")
+
+
+def _no_bucket(exc: BaseException) -> bool:
+    """Whether obstore's "not found" is the bucket's (a GET's answer says so; a HEAD's has no body)."""
+    return "NoSuchBucket" in str(exc)[:_ERROR_SCAN_CHARS]
 
 
 def plain_etag(etag: str) -> str:

@@ -177,6 +177,17 @@ def test_wrong_credentials_fail_at_once_with_a_clear_error(s3_bucket, monkeypatc
     assert "not-the-secret" not in str(err.value)
 
 
+def test_a_missing_bucket_fails_at_once_saying_to_create_it(s3_env, runtime_dir):
+    """A HEAD of a key in a missing bucket is a bodiless 404 (AWS S3, MinIO, SeaweedFS): it read as
+    a missing object, and the Checkpointer started as if the bucket were there."""
+    bucket = f"missing-{os.urandom(6).hex()}"
+    with pytest.raises(StorageError, match=f"NoSuchBucket.*create the bucket '{bucket}' first"):
+        ckptd.Checkpointer(f"s3://{bucket}/run", config=_config(runtime_dir))
+    client = S3Client(S3Location(bucket=bucket, prefix="run"))
+    with pytest.raises(StorageError, match="create the bucket"):
+        client.get("latest", 100)  # a read says so too, instead of "no such object"
+
+
 @pytest.mark.timeout(180)
 def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir, capsys, monkeypatch):
     """Each command's logic runs in this process (``ckptd.commands.main``, what ``python -m

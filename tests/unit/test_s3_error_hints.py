@@ -46,3 +46,28 @@ def client(monkeypatch: pytest.MonkeyPatch) -> S3Client:
 )
 def test_the_hint_follows_what_the_store_said(client: S3Client, text: str, hint: str) -> None:
     assert hint in str(client._error(OSError(text), "k", "upload"))
+
+
+# obstore's text of an answer with an XML body: the body on the lines after the first, then a dump.
+_ANSWERED = (
+    "Generic S3 error: Error performing list request: Error performing GET http://127.0.0.1:9/b?list-type=2 "
+    'in 3.5ms - Server returned non-2xx status code: {status}: <?xml version="1.0" encoding="UTF-8"?>\n'
+    "<Error><Code>{code}</Code><Message>...</Message><RequestId>X</RequestId></Error>\n\nDebug source:\n"
+    'Generic {{\n    store: "S3",\n    source: ListRequest {{\n        uri: Some(http://127.0.0.1:9/b),\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "hint"),
+    [
+        ("404 Not Found", "NoSuchBucket", "create the bucket 'b' first"),
+        ("403 Forbidden", "AccessDenied", CREDENTIALS),
+        ("400 Bad Request", "InvalidAccessKeyId", CREDENTIALS),
+        ("503 Service Unavailable", "SlowDown", HEALTH),
+    ],
+)
+def test_the_stores_error_code_counts_where_it_stands_in_the_text(client: S3Client, status, code, hint):
+    """obstore puts the answer's body, and with it the error code, past the first line of its text,
+    which alone was read: a missing bucket was reported as a network problem."""
+    message = str(client._error(OSError(_ANSWERED.format(status=status, code=code)), "k", "list"))
+    assert hint in message and f"({code})" in message and "Debug source" not in message
