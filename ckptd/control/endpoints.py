@@ -116,13 +116,24 @@ def default_runtime_dir() -> Path:
     return runtime_dir_for(os.environ)
 
 
-def open_private_dir(path: Path) -> int:
+_RUNTIME_DIR_HINT = "set CKPTD_RUNTIME_DIR to a directory of your own (created with mode 0700)"
+
+
+def open_private_dir(
+    path: Path,
+    *,
+    what: str = "runtime directory",
+    holds: str = "the job's sockets and token",
+    hint: str = _RUNTIME_DIR_HINT,
+    refuse_open_mode: bool = False,
+) -> int:
     """Create ``path`` (mode 0700) if needed and open it without following a link; the caller
     closes the fd. Refused with DaemonError: a link (an attacker's ``/tmp/ckptd-<uid>`` pointing
     elsewhere), something else than a directory, or a directory owned by another user. A
     directory of this user that is group- or world-accessible is made 0700 (through the fd: the
-    verified directory, never a link's target)."""
-    hint = "set CKPTD_RUNTIME_DIR to a directory of your own (created with mode 0700)"
+    verified directory, never a link's target), or refused with ``refuse_open_mode`` (where a file
+    another user put in it meanwhile would be taken for one of ours). ``what``, ``holds`` and
+    ``hint`` word the errors: what the directory is, what it holds, what to do."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
@@ -133,21 +144,24 @@ def open_private_dir(path: Path) -> int:
     except OSError as exc:
         if os.path.islink(path):
             raise DaemonError(
-                f"runtime directory {path} is a symbolic link (to {os.readlink(path)!r}), "
-                f"which someone else may have planted to receive the job's sockets and "
-                f"token; ckptd never follows it: remove it, or {hint}"
+                f"{what} {path} is a symbolic link (to {os.readlink(path)!r}), "
+                f"which someone else may have planted to receive {holds}; "
+                f"ckptd never follows it: remove it, or {hint}"
             ) from None
-        raise DaemonError(
-            f"runtime directory {path} cannot be opened as a directory ({exc.strerror}); {hint}"
-        ) from None
+        raise DaemonError(f"{what} {path} cannot be opened as a directory ({exc.strerror}); {hint}") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
             raise DaemonError(
-                f"runtime directory {path} is owned by uid {st.st_uid}, not by you (uid "
-                f"{os.getuid()}); its sockets and token could be anyone's: {hint}"
+                f"{what} {path} is owned by uid {st.st_uid}, not by you (uid "
+                f"{os.getuid()}); {holds} could be anyone's: {hint}"
             )
         if stat.S_IMODE(st.st_mode) & 0o077:
+            if refuse_open_mode:
+                raise DaemonError(
+                    f"{what} {path} has mode {stat.S_IMODE(st.st_mode):#o}, not 0700: other users may "
+                    f"have put files of theirs among {holds}, or read them: {hint}"
+                )
             os.fchmod(fd, 0o700)
     except BaseException:
         os.close(fd)

@@ -18,6 +18,9 @@ Fallbacks are made under an ``flock`` of ``/tmp`` itself (waited for at most
 :data:`LOCK_WAIT_S`), so that ranks starting together agree on one. Should another user hold that
 lock, the wait ends and the processes making a fallback in that very moment may each keep their
 own; every later process takes the first by name.
+
+The same rules (:func:`private_dir_in`) place the user's directory of the machine locks of
+``s3://`` roots, ``/dev/shm/.ckptd-<uid>`` (ckptd.daemon.rootlock).
 """
 
 from __future__ import annotations
@@ -46,19 +49,33 @@ def runtime_dir_for(environ: Mapping[str, str], tmp: Path = TMP, uid: int | None
     xdg = environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return Path(xdg) / "ckptd"
-    canonical = tmp / f"ckptd-{uid}"
-    if _is_own_dir(canonical, uid):
-        return canonical
-    found = _fallbacks(tmp, uid)
-    if found:
-        return found[0]
+    return private_dir_in(tmp, f"ckptd-{uid}", uid)
+
+
+def private_dir_in(parent: Path, name: str, uid: int) -> Path:
+    """``parent/name``, a directory of ``uid`` in the world-writable sticky ``parent``, created
+    (mode 0700) if absent; where someone else took that name, this user's fallback
+    ``parent/name-<random>`` (points 2 and 3 of the module docstring)."""
+    found = find_private_dir(parent, name, uid)
+    if found is not None:
+        return found
+    canonical = parent / name
     try:
         os.mkdir(canonical, 0o700)
         return canonical
     except FileExistsError:
         if _is_own_dir(canonical, uid):  # another process of this user made it just now
             return canonical
-    return _make_fallback(tmp, uid, canonical)
+    return _make_fallback(parent, name, uid)
+
+
+def find_private_dir(parent: Path, name: str, uid: int) -> Path | None:
+    """What :func:`private_dir_in` answers, without making anything: None while it would."""
+    canonical = parent / name
+    if _is_own_dir(canonical, uid):
+        return canonical
+    found = _fallbacks(parent, name, uid)
+    return found[0] if found else None
 
 
 def _is_own_dir(path: Path, uid: int) -> bool:
@@ -69,9 +86,9 @@ def _is_own_dir(path: Path, uid: int) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == uid
 
 
-def _fallbacks(tmp: Path, uid: int) -> list[Path]:
-    """This user's fallback directories under ``tmp``, in name order."""
-    prefix = f"ckptd-{uid}-"
+def _fallbacks(tmp: Path, name: str, uid: int) -> list[Path]:
+    """This user's fallback directories for ``name`` under ``tmp``, in name order."""
+    prefix = f"{name}-"
     try:
         names = sorted(n for n in os.listdir(tmp) if n.startswith(prefix))
     except OSError:
@@ -79,13 +96,14 @@ def _fallbacks(tmp: Path, uid: int) -> list[Path]:
     return [tmp / n for n in names if _is_own_dir(tmp / n, uid)]
 
 
-def _make_fallback(tmp: Path, uid: int, squatted: Path) -> Path:
+def _make_fallback(tmp: Path, name: str, uid: int) -> Path:
+    squatted = tmp / name
     fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         locked = _lock(fd, tmp)
-        found = _fallbacks(tmp, uid)  # made by another process of this user while we waited
+        found = _fallbacks(tmp, name, uid)  # made by another process of this user while we waited
         if not found:
-            made = Path(tempfile.mkdtemp(prefix=f"ckptd-{uid}-", dir=tmp))
+            made = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
             log.warning(
                 "%s is not a directory of uid %d (someone else created it first); using %s, which "
                 "every later ckptd process of this user finds again",
@@ -95,7 +113,7 @@ def _make_fallback(tmp: Path, uid: int, squatted: Path) -> Path:
             )
             # Without the lock (another user holds it) processes racing here may each have made
             # one: the first by name is everyone's from now on; an empty loser is removed.
-            found = [made] if locked else _fallbacks(tmp, uid)
+            found = [made] if locked else _fallbacks(tmp, name, uid)
             if found[0] != made:
                 _remove_empty(made)
         return found[0]

@@ -13,13 +13,18 @@ is the same job's, and a relaunch with the same runtime directory connects to it
 
 On NFS, ``flock`` is emulated with POSIX locks and held across machines (NFSv4, or v3 with lockd);
 where the filesystem cannot lock at all, the daemon logs that a second job is not detected and
-goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine,
-named by the root's URL (``/dev/shm/.ckptd-s3-<digest>-n<node>.lock``), which keeps a second job
-on the same machine from removing the first one's rings and saves, whatever job id each has; two
-jobs on one ``s3://`` root on different machines are not detected. That file is one per root and
-node, so its daemon removes it when it exits (while
-still holding the lock; a daemon that locked the removed file meanwhile sees that the name no longer
-leads to it, and takes the lock again on the new one); the file in a POSIX root stays.
+goes on. Object storage has no locks: for an ``s3://`` root the lock is a file of the machine
+and user, ``.ckptd-s3-<digest of the URL>-n<node>.lock``, which keeps a second job of the user on
+the same machine from removing the first one's rings and saves, whatever job id each has; two jobs
+on one ``s3://`` root on different machines, or of different users, are not detected. It lies in
+the user's own ``/dev/shm/.ckptd-<uid>`` (0700, or refused), found as the default runtime directory
+is (:func:`ckptd.control.rundir.private_dir_in`: where another user took that name first, a
+``/dev/shm/.ckptd-<uid>-<random>`` of the user's). In ``/dev/shm`` itself anyone could create the
+lock first (the URL is on every daemon's command line) and hold it, or make it unreadable: no
+daemon of the root would start, and the sticky ``/dev/shm`` kept its victim from removing it. That
+file is one per root and node, so its daemon removes it when it exits (while still holding the
+lock; a daemon that locked the removed file meanwhile sees that the name no longer leads to it,
+and takes the lock again on the new one); the file in a POSIX root stays.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import stat
 import time
 from pathlib import Path
 
+from ..control.endpoints import open_private_dir
+from ..control.rundir import find_private_dir, private_dir_in
 from ..errors import DaemonError, StorageError
 from ..format.rootlayout import LOCK_PREFIX, LOCK_SUFFIX, node_lock_name
 from ..staging.segment import SHM_DIR
@@ -55,14 +62,41 @@ def _s3_lock_stem(root: S3Location) -> str:
     return f".ckptd-s3-{hashlib.sha256(str(root).encode()).hexdigest()[:20]}-n"
 
 
-class RootLock:
-    """``<root>/.ckptd-n<node>.lock``, held by a node daemon for its lifetime (see the module docstring)."""
+def _s3_lock_dir_name() -> str:
+    return f".ckptd-{os.getuid()}"
 
-    def __init__(self, root: Location, node: int, job: str) -> None:
+
+def open_s3_lock_dir(shm: Path = SHM_DIR) -> tuple[int, Path]:
+    """``(fd, path)`` of this user's directory for the machine locks of ``s3://`` roots (see the
+    module docstring), made if needed; DaemonError if it is not a private directory of this user.
+    ``shm`` is for tests."""
+    path = private_dir_in(shm, _s3_lock_dir_name(), os.getuid())
+    hint = (
+        f"make it private again (chmod 700 {path}), or remove it while no ckptd daemon of yours on "
+        "an s3:// root runs on this machine (its only content is their lock files)"
+    )
+    fd = open_private_dir(
+        path,
+        what="the directory of ckptd's machine locks of s3:// roots",
+        holds="the locks that keep two of your jobs off one root",
+        hint=hint,
+        refuse_open_mode=True,
+    )
+    return fd, path
+
+
+class RootLock:
+    """``<root>/.ckptd-n<node>.lock``, held by a node daemon for its lifetime (see the module
+    docstring). ``shm`` (where an ``s3://`` root's lock directory goes) is for tests."""
+
+    def __init__(self, root: Location, node: int, job: str, *, shm: Path = SHM_DIR) -> None:
         self.node = node
         self.where = str(root)
+        self.shm = shm
+        self.root: Path
         if isinstance(root, S3Location):
-            self.root, self.name = SHM_DIR, f"{_s3_lock_stem(root)}{node}.lock"
+            # The user's lock directory: which one is known once acquire() made or found it.
+            self.root, self.name = shm / _s3_lock_dir_name(), f"{_s3_lock_stem(root)}{node}.lock"
         else:
             self.root, self.name = root, node_lock_name(node)
         self.removed_on_release = isinstance(root, S3Location)
@@ -77,7 +111,10 @@ class RootLock:
         root open for writing (a filesystem with a file open for writing cannot be remounted
         read-only); only where ``flock`` is emulated with POSIX locks, which need a file open for
         writing (NFS: EBADF on a read-only descriptor), is it taken on a read-write one."""
-        dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if self.removed_on_release:
+            dir_fd, self.root = open_s3_lock_dir(self.shm)
+        else:
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fd, writable = self._lock(dir_fd)
             if fd < 0:
@@ -177,12 +214,16 @@ class RootLock:
         )
 
 
-def recorded_holders(root: Location) -> dict[int, dict]:
+def recorded_holders(root: Location, shm: Path = SHM_DIR) -> dict[int, dict]:
     """What the daemons that took ``root``'s node locks recorded in them (:meth:`RootLock.acquire`),
-    by node: the last holder of each, alive or not (a lock file in a POSIX root stays). Read
-    without taking the locks: a probe while a daemon starts would make it refuse to start."""
+    by node: the last holder of each, alive or not (a lock file in a POSIX root stays; those of an
+    ``s3://`` root are this user's). Read without taking the locks: a probe while a daemon starts
+    would make it refuse to start. ``shm`` is for tests."""
     if isinstance(root, S3Location):
-        where, prefix, suffix = SHM_DIR, _s3_lock_stem(root), ".lock"
+        lock_dir = find_private_dir(shm, _s3_lock_dir_name(), os.getuid())
+        if lock_dir is None:
+            return {}
+        where, prefix, suffix = lock_dir, _s3_lock_stem(root), ".lock"
     else:
         where, prefix, suffix = Path(root), LOCK_PREFIX, LOCK_SUFFIX
     try:
