@@ -9,7 +9,10 @@
 - :func:`daemon_pid` reads the pid written in the file (a hint for signals and messages only:
   liveness is the lock's).
 
-The lock is released by the kernel when the daemon dies, however it dies.
+The lock is released by the kernel when the daemon dies, however it dies. A daemon that exits
+removes its pid file first, while still holding the lock; a starting daemon that opened that file
+just before then checks, once it holds the lock, that the path still names the file it locked,
+and takes the lock again on the file the path names if not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from ..format.safefs import still_named
 from .endpoints import check_daemon_file
 
 _LOCK_RETRY_INTERVAL_S = 0.02
@@ -35,21 +39,22 @@ class PidLock:
     def acquire(self, retry_s: float = 1.0) -> bool:
         """Take the lock (retrying for ``retry_s``) and write this process's pid into the file;
         False when another process holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         deadline = time.monotonic() + retry_s
         while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                # A client's liveness probe holds the lock for microseconds; a daemon for good.
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(_LOCK_RETRY_INTERVAL_S)
+                held = _lock_by(fd, deadline)
+                if held and still_named(fd, self.path):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            if not held:
+                return False
+            # The daemon that held it removed the file on release, after this one opened it: a
+            # lock on that file is one nobody finds (no daemon_alive(), no `daemon stop`), while
+            # the root's lock would refuse every other daemon of the job. Lock the file named now.
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         os.fsync(fd)
@@ -62,6 +67,21 @@ class PidLock:
             self.path.unlink(missing_ok=True)  # while still locked: nobody reuses a stale file
             os.close(self.fd)
             self.fd = None
+
+
+def _lock_by(fd: int, deadline: float) -> bool:
+    """Take the exclusive lock of ``fd``, retrying until ``deadline`` (monotonic); False then."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        # A client's liveness probe holds the lock for microseconds; a daemon for good.
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_LOCK_RETRY_INTERVAL_S)
 
 
 def daemon_alive(pid_path: Path) -> bool:

@@ -45,6 +45,7 @@ from ..control.endpoints import open_private_dir
 from ..control.rundir import find_private_dir, private_dir_in
 from ..errors import DaemonError, StorageError
 from ..format.rootlayout import LOCK_PREFIX, LOCK_SUFFIX, node_lock_name
+from ..format.safefs import still_named
 from ..staging.segment import SHM_DIR
 from ..storage.url import Location, S3Location
 
@@ -182,7 +183,7 @@ class RootLock:
                     self.where,
                 )
                 return -1, False
-            if self.removed_on_release and not _still_named(fd, self.name, dir_fd):
+            if self.removed_on_release and not still_named(fd, self.name, dir_fd):
                 os.close(fd)  # locked a file its holder removed on release: lock the new one
                 return self._lock(dir_fd)
             return fd, mode == os.O_RDWR
@@ -257,16 +258,6 @@ def _read_holder(fd: int) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
-
-
-def _still_named(fd: int, name: str, dir_fd: int) -> bool:
-    """Whether ``name`` in ``dir_fd`` is still the file open as ``fd``."""
-    try:
-        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    st = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _owner(name: str, dir_fd: int) -> str:

@@ -101,6 +101,18 @@ def same_file(fd: int, other_fd: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def still_named(fd: int, name: str | os.PathLike, dir_fd: int | None = None) -> bool:
+    """Whether ``name`` (in ``dir_fd``, or a path) still leads to the file open as ``fd``, not
+    through a link: False once it was removed, or replaced by another file. A lock taken on a file
+    that its last holder removed on release locks nothing anyone else can find."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    st = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 class Dir:
     """An open directory: entries are created, renamed and removed relative to its fd.
 

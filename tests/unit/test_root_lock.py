@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.daemon.rootlock import RootBusyError, RootLock, _still_named, recorded_holders
+from ckptd.daemon.rootlock import RootBusyError, RootLock, recorded_holders
 from ckptd.errors import DaemonError
+from ckptd.format.safefs import still_named
 from ckptd.staging.segment import SHM_DIR
 from ckptd.storage.url import S3Location
 
@@ -69,11 +70,11 @@ def test_a_lock_taken_on_a_file_removed_meanwhile_is_told_apart(tmp_path: Path):
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fd = os.open(tmp_path / "l", os.O_RDONLY)
     try:
-        assert _still_named(fd, "l", dir_fd)
+        assert still_named(fd, "l", dir_fd)
         os.unlink(tmp_path / "l")
-        assert not _still_named(fd, "l", dir_fd)
+        assert not still_named(fd, "l", dir_fd)
         (tmp_path / "l").write_bytes(b"")
-        assert not _still_named(fd, "l", dir_fd)
+        assert not still_named(fd, "l", dir_fd)
     finally:
         os.close(fd)
         os.close(dir_fd)
