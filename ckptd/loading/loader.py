@@ -46,7 +46,7 @@ from ..format.reader import (
 )
 from ..mapping import ByteItem, ShardedObject, ShardedTensor
 from ..statedict.assemble import assemble
-from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_state_dict
+from ..statedict.split import FACTORY_PART, Dialect, SplitStateDict, split_dcp_v2_3, split_state_dict
 from ..statedict.tree import Path as SdPath
 from ..statedict.tree import dcp_fqn, get_path, path_str, set_path
 from .execute import ExecOptions, LoadStats, execute
@@ -200,11 +200,28 @@ def _matched(index: CheckpointIndex, req: LoadRequest) -> _Matched:
     if req.key_mapping:
         apply_key_mapping(view, list(req.key_mapping))
     split = split_state_dict(req.sharded_state_dict)
+    if split.dialect is Dialect.DCP:
+        split = _as_flattened_when_saved(view, split, req.sharded_state_dict)
     common = _Common(req, index)
     if split.dialect is Dialect.MEGATRON and req.with_common:
         _plain_tensors_from_items(view, split, common)
     unexpected, from_common, matched = _match(view, split, common, req.allow_dtype_cast)
     return _Matched(view, split, common, unexpected, from_common, matched)
+
+
+def _as_flattened_when_saved(view: CheckpointView, split: SplitStateDict, request: dict) -> SplitStateDict:
+    """The request flattened as the checkpoint's torch flattened it when it saved, decided as
+    ``dcp.load`` decides it (``DefaultLoadPlanner.create_local_plan``): torch <= 2.3 stored a dict
+    or list holding no tensor as one bytes item (``train`` for ``{"step": 7, "epoch": 7}``), so
+    when a stored key this request does not have is one of the keys the request has flattened that
+    way, the request is read that way, each such container loaded whole from its item (it replaces
+    the request's, as ``dcp.load`` puts it back). Otherwise ``train.step`` would not match ``train``,
+    and a non-raising strict mode would leave the request's values as they were."""
+    unrequested = (set(view.tensors) | set(view.objects)) - set(split.dcp_paths)
+    if not unrequested:
+        return split
+    old = split_dcp_v2_3(request)
+    return old if unrequested & set(old.dcp_paths) else split
 
 
 def _plain_tensors_from_items(view: CheckpointView, split: SplitStateDict, common: _Common) -> None:

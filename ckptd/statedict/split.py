@@ -285,9 +285,17 @@ def _add_dtensor(out: SplitStateDict, path: Path, key: str, dt: Any) -> None:
 # --- DCP-style --------------------------------------------------------------------------------
 
 
-def _split_dcp(state_dict: dict) -> SplitStateDict:
+def split_dcp_v2_3(state_dict: dict) -> SplitStateDict:
+    """A DCP-style request taken apart as torch <= 2.3's ``flatten_state_dict`` flattened it (its
+    ``traverse_state_dict_v_2_3``): a dict or list holding no tensor, at any depth, is one leaf
+    (one bytes item), not walked. ``dcp.load`` reads a checkpoint of that torch so (see
+    :mod:`ckptd.loading.loader` for when); tensors have the same keys both ways."""
+    return _split_dcp(state_dict, v2_3=True)
+
+
+def _split_dcp(state_dict: dict, v2_3: bool = False) -> SplitStateDict:
     out = SplitStateDict(Dialect.DCP, common={})
-    for path, dcp_path, leaf in _dcp_leaves(state_dict):
+    for path, dcp_path, leaf in _dcp_leaves(state_dict, v2_3=v2_3):
         key = dcp_fqn(dcp_path)
         if key in out.dcp_paths:
             raise ShardingError(
@@ -305,21 +313,33 @@ def _split_dcp(state_dict: dict) -> SplitStateDict:
     return out
 
 
-def _dcp_leaves(x: dict, path: Path = (), dcp_path: Path = ()) -> Iterator[tuple[Path, Path, Any]]:
+def _dcp_leaves(x: dict, path: Path = (), dcp_path: Path = (), v2_3: bool = False) -> Iterator[tuple[Path, Path, Any]]:
     """Leaves as torch DCP's ``traverse_state_dict`` visits them: dicts are walked (keys as
-    ``str``), a list only if it holds a tensor, a dict or such a list; tuples are leaves."""
+    ``str``), a list only if it holds a tensor, a dict or such a list; tuples are leaves. With
+    ``v2_3``, as torch <= 2.3's did: a dict or list holding no tensor at any depth is a leaf."""
     for k, v in x.items():
-        yield from _dcp_visit(v, path + (k,), dcp_path + (str(k),))
+        yield from _dcp_visit(v, path + (k,), dcp_path + (str(k),), v2_3)
 
 
-def _dcp_visit(v: Any, path: Path, dcp_path: Path) -> Iterator[tuple[Path, Path, Any]]:
-    if isinstance(v, dict):
-        yield from _dcp_leaves(v, path, dcp_path)
-    elif isinstance(v, list) and not _dcp_terminal(v):
+def _dcp_visit(v: Any, path: Path, dcp_path: Path, v2_3: bool) -> Iterator[tuple[Path, Path, Any]]:
+    if v2_3 and isinstance(v, (dict, list)) and _v2_3_terminal(v):
+        yield path, dcp_path, v
+    elif isinstance(v, dict):
+        yield from _dcp_leaves(v, path, dcp_path, v2_3)
+    elif isinstance(v, list) and (v2_3 or not _dcp_terminal(v)):
         for i, e in enumerate(v):
-            yield from _dcp_visit(e, path + (i,), dcp_path + (i,))
+            yield from _dcp_visit(e, path + (i,), dcp_path + (i,), v2_3)
     else:
         yield path, dcp_path, v
+
+
+def _v2_3_terminal(v: dict | list) -> bool:
+    """torch <= 2.3's ``_is_terminal``: no tensor and no container holding one, at any depth (an
+    empty dict or list is terminal too)."""
+    entries = v.values() if isinstance(v, dict) else v
+    return not any(
+        isinstance(e, torch.Tensor) or (isinstance(e, (dict, list)) and not _v2_3_terminal(e)) for e in entries
+    )
 
 
 def dcp_walk(state_dict: dict) -> tuple[list[Any], list[Any]]:

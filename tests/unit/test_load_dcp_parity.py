@@ -103,3 +103,74 @@ def test_a_meta_tensor_to_load_into_is_refused(tmp_path):
     ):
         with pytest.raises(LoadMismatchError, match="tensor 'w' at 'w' is a meta tensor.*to_empty"):
             ckptd.load(req, tmp_path / "c")
+
+
+def _saved_by_torch_2_3(state_dict: dict, directory: Path) -> None:
+    """dcp.save as torch <= 2.3 flattened: torch itself switches its flattening with this flag
+    (DefaultLoadPlanner sets it to re-flatten a request for such a checkpoint)."""
+    from torch.distributed.checkpoint import _version
+
+    _version._derived_version = "2_3"
+    try:
+        dcp.save(state_dict, checkpoint_id=str(directory), no_dist=True)
+    finally:
+        _version._derived_version = None
+
+
+def _same(a: object, b: object, where: str = "") -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, where
+
+
+def test_a_checkpoint_of_torch_2_3_loads_its_containers_of_values_as_dcp_load_does(tmp_path):
+    """torch <= 2.3 stored a dict or list holding no tensor as one bytes item (``train``, not
+    ``train.step``); dcp.load re-flattens the request that way. ckptd raised LoadMismatchError for
+    ``train.step``, and a non-raising strict mode left the step counter and the lr as they were."""
+
+    def state(n: int) -> dict:
+        return {
+            "model": {
+                "w": torch.full((2, 3), float(n)),
+                "blocks": [{"b": torch.full((2,), n + 0.5), "cfg": {"act": f"gelu{n}", "sizes": [n, n + 1]}}],
+            },
+            "train": {"step": n, "epoch": n, "history": [n, n + 1], "ratio": n / 3},
+            "optim": {
+                "state": {"0": {"step": torch.tensor(float(n)), "exp_avg": torch.full((2, 3), 2.0 * n)}},
+                "param_groups": [{"lr": 0.1 * n, "betas": (0.9, 0.99), "params": ["0"]}],
+            },
+            "mixed": [torch.full((1,), float(n)), {"k": n}, [n, "x"]],
+            "step": n,
+        }
+
+    _saved_by_torch_2_3(state(7), tmp_path / "c")
+    stored = set(dcp.FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata)
+    assert {"train", "optim.param_groups", "model.blocks.0.cfg", "mixed.1"} <= stored  # what 2.3 did
+    theirs = state(0)
+    dcp.load(theirs, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    _same(theirs, state(7))  # the simulation is torch's: dcp.load reads it whole
+    for strict in ("assume_ok_unexpected", "log_unexpected", "raise_all"):
+        mine = state(0)
+        w = mine["model"]["w"]
+        assert ckptd.load(mine, tmp_path / "c", strict=strict) is mine  # before: LoadMismatchError / left as 0
+        _same(mine, theirs)
+        assert mine["model"]["w"] is w  # tensors in place, containers of values replaced, as dcp.load
+    # Part of it, as dcp.load allows: still read the 2.3 way.
+    part = {"train": {"step": 0, "epoch": 0, "history": [], "ratio": 0.0}, "model": {"w": torch.zeros(2, 3)}}
+    ckptd.load(part, tmp_path / "c")
+    _same(part["train"], state(7)["train"])
+    # A checkpoint of today's flattening is not read the 2.3 way.
+    ckptd.save(state(5), tmp_path / "now")
+    mine = state(0)
+    ckptd.load(mine, tmp_path / "now")
+    _same(mine, state(5))
