@@ -311,6 +311,7 @@ def run_load(index: CheckpointIndex, req: LoadRequest) -> Any:
             mismatch.missing = m.missing(requested)
         report(mode, mismatch, where)
     _check_something_matched(view, split, m.matched, where)
+    _check_destinations(split, unexpected)
     for path in [p for p, sh in split.sharded.items() if p in from_common or _requested_key(sh) in unexpected]:
         del split.sharded[path]
 
@@ -338,6 +339,45 @@ def _raise_unexpected(view: CheckpointView, split: SplitStateDict, unexpected: s
     stored = view.objects.get(sh.key)
     other = None if stored is None else "a ShardedObject" if stored.sharded_object else "a value"
     raise missing_key_error(sh.key, sorted(view.tensors), stored_as=other)
+
+
+def _check_destinations(split: SplitStateDict, unexpected: set[str]) -> None:
+    """Before anything is written: a tensor to load into whose elements share memory cannot hold
+    the stored values (the last copy into a shared element wins; torch's ``copy_`` raises for an
+    ``expand()`` only, naming no key, and only after the tensors before it were filled)."""
+    for path, sh in split.sharded.items():
+        if not isinstance(sh, ShardedTensor) or sh.data is None or sh.key in unexpected:
+            continue
+        if _overlaps_itself(tuple(sh.data.shape), sh.data.stride()):
+            raise LoadMismatchError(
+                f"tensor '{sh.key}' at '{path_str(path)}': the tensor to load into has elements that share "
+                f"memory (shape {tuple(sh.data.shape)}, stride {sh.data.stride()}: made by expand(), "
+                "as_strided() or the like), which cannot hold the stored values. Nothing was loaded. Pass a "
+                "tensor that owns its memory (e.g. .clone() or torch.empty(...) of that shape)"
+            )
+
+
+def _overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether two elements of a strided tensor are at one offset. Every layout views and slices
+    make (permuted, stepped, channels-last) passes the first test: with its dimensions ordered by
+    stride, each stride is past the span of the smaller ones. Only what fails it (an expanded
+    dimension, an as_strided() layout) has its offsets counted."""
+    dims = sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1)
+    if any(n == 0 for n in shape) or not dims:
+        return False
+    span = 1
+    for st, n in dims:
+        if st < span:
+            break
+        span += st * (n - 1)
+    else:
+        return False
+    if dims[0][0] == 0:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).flatten()
+    return int(offsets.unique().numel()) < offsets.numel()
 
 
 def _fill(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:

@@ -174,3 +174,30 @@ def test_a_checkpoint_of_torch_2_3_loads_its_containers_of_values_as_dcp_load_do
     mine = state(0)
     ckptd.load(mine, tmp_path / "now")
     _same(mine, state(5))
+
+
+def test_a_tensor_whose_elements_share_memory_is_refused_before_anything_is_written(tmp_path):
+    """Into ``torch.zeros(1, 8).expand(6, 8)``: torch's copy_ raised a RuntimeError naming no key,
+    after the tensors before it were filled; an as_strided() overlap loaded silently, later values
+    over earlier ones."""
+    w = torch.randn(6, 8)
+    ckptd.save({"a": torch.arange(4.0), "w": w}, tmp_path / "c")
+    for shared in (torch.zeros(1, 8).expand(6, 8), torch.zeros(20).as_strided((6, 8), (1, 1))):
+        a = torch.zeros(4)
+        with pytest.raises(LoadMismatchError, match=r"tensor 'w' at 'w'.*share memory.*owns its memory"):
+            ckptd.load({"a": a, "w": shared}, tmp_path / "c")
+        assert not a.any() and not shared.any()  # nothing written
+        with pytest.raises(LoadMismatchError, match="tensor 'w' at 'w'.*share memory"):
+            ckptd.load({"w": ShardedTensor.from_rank_offsets("w", shared)}, tmp_path / "c")
+    # Views that do not overlap still load in place: permuted, stepped, channels-last, an odd
+    # as_strided() layout whose offsets are all distinct.
+    base = torch.zeros(8, 6)
+    out = ckptd.load({"w": base.t()}, tmp_path / "c")
+    assert torch.equal(base.t(), w) and out["w"].data_ptr() == base.data_ptr()
+    wide = torch.zeros(6, 16)
+    ckptd.load({"w": wide[:, ::2]}, tmp_path / "c")
+    assert torch.equal(wide[:, ::2], w) and not wide[:, 1::2].any()
+    odd = torch.zeros(64).as_strided((3, 2), (2, 3))  # offsets 0 3 2 5 4 7: distinct, not dense
+    ckptd.save({"o": torch.arange(6.0).reshape(3, 2)}, tmp_path / "o")
+    ckptd.load({"o": odd}, tmp_path / "o")
+    assert torch.equal(odd, torch.arange(6.0).reshape(3, 2))
