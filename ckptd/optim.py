@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import pickle
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -400,11 +400,15 @@ def restore_optimizer_state(
 ) -> None:
     """Load ``loaded`` (the optimizer part of ``ckptd.load``'s result) into ``optimizer``.
 
+    LoadMismatchError for a non-empty ``loaded`` with none of that part's keys (``state``,
+    ``groups``, ``param_groups``): the whole load result, which would wipe every parameter's state.
+
     Parameter ids come from the live optimizer. Hyper-parameters (``restore_hyperparams``): each
     group gets those its parameters' keys were saved with (checkpoints of ckptd before: the saved
     ``param_groups`` by position, rank 0's); LoadMismatchError when the parameters of one live
     group were saved in groups of different hyper-parameters.
     """
+    _check_optimizer_part(loaded)
     live = optimizer.state_dict()
     ids = _ordered_ids(live)
     if len(ids) != len(shardings):
@@ -434,6 +438,32 @@ def restore_optimizer_state(
             )
         groups = [{**saved, "params": g["params"]} for saved, g in zip(saved_groups, groups)]
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+# What restore_optimizer_state reads of its ``loaded``: the per-parameter state, the per-key group
+# hyper-parameters, and the group list of checkpoints of earlier ckptd.
+_OPTIMIZER_PARTS = ("state", "groups", "param_groups")
+
+
+def _check_optimizer_part(loaded: Any) -> None:
+    """Refuse a ``loaded`` that is not the optimizer's part of a load result (the whole result,
+    ``{"model": ..., "optimizer": ...}``): read as one, it holds no parameter's state, and the
+    restore would wipe every parameter's. ``{}`` stays valid: a template of only new keys is left
+    out of the result (``loaded.get(key, {})``)."""
+    if not isinstance(loaded, Mapping):
+        raise LoadMismatchError(
+            f"restore_optimizer_state got a {type(loaded).__name__}, not a dict: pass the optimizer's part of "
+            'ckptd.load\'s result (loaded["optimizer"], or loaded.get("optimizer", {}))'
+        )
+    if loaded and not any(part in loaded for part in _OPTIMIZER_PARTS):
+        keys = sorted(repr(k) for k in loaded)
+        named = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        raise LoadMismatchError(
+            f"restore_optimizer_state got a dict with the keys {named} and none of an optimizer's part of a "
+            f"load result ({', '.join(repr(p) for p in _OPTIMIZER_PARTS)}): restoring it would drop every "
+            "parameter's state (moments, step). Pass the optimizer's part of ckptd.load's result "
+            '(loaded["optimizer"], or loaded.get("optimizer", {}) where every key is new), not the whole result'
+        )
 
 
 def _holds_param_groups(checkpoint_dir: Any) -> bool:
