@@ -8,7 +8,8 @@ one parallel layout (TP/PP/DP, N-D or flattened distributed-optimizer shards) re
 Order of calls (every rank):
 
 - save: ``shardings = param_shardings(optimizer, model_sharded_sd)`` (or build them yourself,
-  e.g. flattened ones for a distributed optimizer), then put
+  e.g. flattened ones for a distributed optimizer; not for a parameter a ShardedTensorFactory
+  wraps, whose state only the factory shards right: see :func:`_factory_error`), then put
   ``sharded_optimizer_state(optimizer, shardings)`` into the sharded state dict passed to save;
 - load: ``template = optimizer_load_template(optimizer, shardings, ckpt_dir)``, pass it (inside
   your request) to ``ckptd.load``, then ``restore_optimizer_state(optimizer, loaded, shardings)``.
@@ -45,7 +46,8 @@ import torch
 from .dist import DistContext
 from .errors import LoadMismatchError, ShardingError
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
-from .statedict.tree import iter_leaves
+from .statedict.kinds import Kind, adopt, classify
+from .statedict.tree import iter_leaves, path_str
 
 OptimizerLike = Any  # torch.optim.Optimizer or its state_dict()
 
@@ -62,15 +64,23 @@ def param_shardings(optimizer: torch.optim.Optimizer, model_sharded_state_dict: 
     """The model ShardedTensor wrapping each optimizer parameter, in optimizer (state-dict) order.
 
     The model's sharded state dict must wrap the parameters themselves (or views sharing their
-    memory, e.g. ``state_dict(keep_vars=True)``). Tied parameters: the first key wins.
+    memory, e.g. ``state_dict(keep_vars=True)``), in ckptd's or Megatron-Core's ShardedTensors
+    (returned as ckptd's). Tied parameters: the first key wins. A parameter only a
+    ShardedTensorFactory wraps is refused (see :func:`_factory_error`).
     """
     by_tensor: dict[tuple, ShardedTensor] = {}
-    for _, leaf in iter_leaves(model_sharded_state_dict):
-        if isinstance(leaf, ShardedTensor) and leaf.data is not None:
-            by_tensor.setdefault(_ident(leaf.data), leaf)
+    by_factory: dict[tuple, tuple[str, Any]] = {}
+    for path, leaf in iter_leaves(model_sharded_state_dict):
+        kind = classify(leaf)
+        if kind is Kind.SHARDED_TENSOR and leaf.data is not None:
+            by_tensor.setdefault(_ident(leaf.data), adopt(leaf, kind, lambda tree: tree))
+        elif kind is Kind.FACTORY and isinstance(leaf.data, torch.Tensor):
+            by_factory.setdefault(_ident(leaf.data), (path_str(path), leaf))
     out = []
     for i, p in enumerate(_params(optimizer)):
         sh = by_tensor.get(_ident(p))
+        if sh is None and _ident(p) in by_factory:
+            raise _factory_error(i, p, *by_factory[_ident(p)])
         if sh is None:
             raise ShardingError(
                 f"optimizer parameter #{i} ({p.dtype}, shape {tuple(p.shape)}) is not wrapped by any "
@@ -80,6 +90,22 @@ def param_shardings(optimizer: torch.optim.Optimizer, model_sharded_state_dict: 
         out.append(sh)
     _check_unique(out)
     return out
+
+
+def _factory_error(index: int, param: torch.Tensor, path: str, factory: Any) -> ShardingError:
+    """A parameter a ShardedTensorFactory wraps: its shard is the pieces the factory builds (a
+    gated linear unit's fc1 at TP > 1 holds ``[gate_r; up_r]``, rows of two halves of the global
+    tensor), which no one ShardedTensor describes, and so no one sharding of its state does."""
+    return ShardingError(
+        f"optimizer parameter #{index} ({param.dtype}, shape {tuple(param.shape)}) is wrapped by the "
+        f"ShardedTensorFactory '{factory.key}' at '{path}' of the model's sharded state dict, and by no "
+        "ShardedTensor: its shard is stored as the pieces the factory builds (e.g. a gated linear unit's fc1 "
+        "at tensor-parallel size > 1 holds [gate_r; up_r], rows of both halves of the global tensor), which "
+        "no single sharding describes. A sharding made by hand (its rows at this rank's offset) would store "
+        "its optimizer state in this rank's row order, which loads back only at the same tensor-parallel "
+        "size. Build the state of such parameters through their factory instead (Megatron-Core's optimizer "
+        "sharded_state_dict(model_sharded_state_dict) does; see the README, 'Optimizer state')"
+    )
 
 
 def _check_unique(shardings: Sequence[ShardedTensor]) -> None:
