@@ -85,7 +85,8 @@ def register(subparsers: Any) -> None:
     to_dist.add_argument(
         "--stack-layers",
         action="store_true",
-        help="Megatron-Core default naming: decoder.layers.<name> with a layer axis",
+        help="Megatron-Core default naming: decoder.layers.<name> with a layer axis (every layer "
+        "must hold each tensor of its stack in one shape)",
     )
     to_dist.add_argument(
         "--mcore-spec",

@@ -45,7 +45,7 @@ from ..format.layout import DCP_METADATA, METADATA_JSON
 from ..format.records import TENSOR, ItemRecord, dtype_name, object_record
 from ..mapping import ShardedObject
 from . import experts as moe
-from . import mcore
+from . import mcore, stacking
 from .legacy_tree import LegacyTree, RankFile, check_same_entries, discover, model_chunks, read_rank_file
 from .splitrules import BUILT_IN_RULES, DEFAULT_RULES, GLU_RULE, SplitRule
 from .undo import undone_on_failure
@@ -53,10 +53,7 @@ from .undo import undone_on_failure
 log = logging.getLogger("ckptd.convert")
 
 Progress = Callable[[int, int, str], None]  # (done bytes, total bytes, label)
-_LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")
-_STACK = re.compile(r"^(.*?layers)\.(\d+)\.(.*)$")
-_MTP = re.compile(r"(^|\.)mtp\.layers$")
 
 
 @dataclass
@@ -116,25 +113,8 @@ def _count(pattern: re.Pattern[str], keys: Sequence[str]) -> int:
     return max(found) + 1 if found else 0
 
 
-def _stack(key: str) -> str | None:
-    """The layer stack ``key`` is in: what precedes its layer number (``decoder.layers.``); None
-    outside one."""
-    m = _LAYER.search(key)
-    return None if m is None else key[: m.start()]
-
-
-def _count_layers(keys: Sequence[str]) -> dict[str, int]:
-    """Layers per stack: a pipeline stage can hold several (a vision tower's and a language
-    model's, a multi-token prediction block's ``mtp.layers``), each numbered on its own."""
-    found: dict[str, set[int]] = {}
-    for k in keys:
-        if (m := _LAYER.search(k)) is not None:
-            found.setdefault(k[: m.start()], set()).add(int(m.group(1)))
-    return {stack: max(layers) + 1 for stack, layers in found.items()}
-
-
 def _renumber(key: str, layer_offsets: Mapping[str, int], expert_offset: int) -> str:
-    key = _LAYER.sub(lambda m: str(int(m.group(1)) + layer_offsets.get(key[: m.start()], 0)), key, count=1)
+    key = stacking.LAYER.sub(lambda m: str(int(m.group(1)) + layer_offsets.get(key[: m.start()], 0)), key, count=1)
     return _EXPERT.sub(lambda m: str(int(m.group(1)) + expert_offset), key, count=1)
 
 
@@ -188,12 +168,16 @@ class _Converter:
 
     def layer_offsets(self) -> dict[tuple[int, int], dict[str, int]]:
         """Global first layer of each layer stack in (model chunk, pipeline stage), counting stage
-        by stage, each stack on its own."""
+        by stage, each stack on its own. With ``stack_layers``, ShardingError unless every layer
+        of a stack holds each of its keys alike (:func:`.stacking.check_uniform_layers`): known
+        here, before anything is written."""
         counts: dict[tuple[int, int], dict[str, int]] = {}
+        chunks: dict[tuple[int, int], dict[str, Any]] = {}
         for pp in range(self.tree.pp_size):
             sd = read_rank_file(self.tree.file(0, pp, 0).path, self.unsafe)
             for v, chunk in enumerate(model_chunks(sd)):
-                counts[(v, pp)] = _count_layers(list(chunk))
+                counts[(v, pp)] = stacking.count_layers(list(chunk))
+                chunks[(v, pp)] = chunk
         offsets: dict[tuple[int, int], dict[str, int]] = {}
         acc: dict[str, int] = {}
         for v in range(max(v for v, _ in counts) + 1):
@@ -202,17 +186,17 @@ class _Converter:
                 for stack, n in counts.get((v, pp), {}).items():
                     acc[stack] = acc.get(stack, 0) + n
         self.num_layers = acc
+        if self.stack_layers:
+            stacking.check_uniform_layers(((chunks[at], offsets[at]) for at in chunks), acc, str(self.tree.directory))
         return offsets
 
     def _stacked(self, gkey: str) -> re.Match[str] | None:
-        """``gkey`` as a layer of a stack written stacked (``stack_layers``). Megatron-Core never
-        stacks a multi-token prediction block's ``mtp.layers.<i>``: they keep their numbers."""
-        stacked = _STACK.match(gkey) if self.stack_layers else None
-        return None if stacked is None or _MTP.search(stacked.group(1)) else stacked
+        """``gkey`` as a layer of a stack written stacked (``stack_layers``, :func:`.stacking.stacked`)."""
+        return stacking.stacked(gkey) if self.stack_layers else None
 
     def _stacked_layers(self, key: str) -> int:
         """How many layers the stack of ``key`` (a global key, before Megatron-Core naming) has."""
-        stack = _stack(key)
+        stack = stacking.stack_of(key)
         return 0 if stack is None else self.num_layers.get(stack, 0)
 
     def chunks_for(
@@ -509,7 +493,7 @@ def _mcore_map(tree: LegacyTree, spec: str, allow_unsafe_pickle: bool) -> tuple[
         mcore.check_convertible(keys, str(path))
         stages.append((keys, str(path)))
     if spec == "auto":
-        with_layers = [(keys, where) for keys, where in stages if any(_LAYER.search(k) for k in keys)]
+        with_layers = [(keys, where) for keys, where in stages if any(stacking.LAYER.search(k) for k in keys)]
         spec = mcore.detect_spec(*with_layers[0]) if with_layers else mcore.detect_spec([], str(tree.directory))
     log.info("naming as a Megatron-Core GPTModel with the %s layer spec", spec)
     return mcore.key_map(spec, [k for keys, _ in stages for k in keys])
@@ -536,7 +520,8 @@ def convert_legacy(
     ``dense_h_to_4h``) TP shards ``[gate_r; up_r]`` as ``[gate; up]``, as Megatron-Core's
     torch_dist does. ``stack_layers``
     names layers as Megatron-Core's default does (``decoder.layers.<name>`` with the layer number
-    as a leading axis) instead of ``decoder.layers.<i>.<name>``.
+    as a leading axis) instead of ``decoder.layers.<i>.<name>``; layers that differ (a tensor some
+    lack, or hold in another shape) raise ShardingError before anything is written.
 
     ``mcore_spec`` (``"local"``, ``"te"`` or ``"auto"``: from the keys) names the layer spec of the
     Megatron-Core GPTModel that wrote the checkpoint; the output then holds what that model's

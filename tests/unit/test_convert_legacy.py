@@ -453,6 +453,39 @@ def test_each_layer_stack_is_numbered_on_its_own_across_pipeline_stages(tmp_path
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("uneven", ["lacking", "shapes"])
+def test_stacking_layers_that_differ_is_refused_before_anything_is_written(tmp_path, uneven):
+    """MoE layers after dense first layers (a router only some layers hold), or feed-forward widths
+    that vary by layer: every data file was written, then the checkpoint failed to finalize with an
+    error about replicas or global shapes that did not say the layers differ."""
+    g = torch.Generator().manual_seed(3)
+
+    def layer(i: int, local: int) -> dict[str, torch.Tensor]:
+        ffn = 2 * F if uneven == "shapes" and i == 3 else F
+        out = {f"decoder.layers.{local}.mlp.linear_fc2.weight": torch.randn(H, ffn, generator=g)}
+        if uneven == "lacking" and i >= 2:
+            out[f"decoder.layers.{local}.mlp.router.weight"] = torch.randn(NE, H, generator=g)
+        return out
+
+    # Two pipeline stages of two layers each: stage 1's local layers 0-1 are global layers 2-3.
+    models = {f"mp_rank_00_{p:03d}": {**layer(2 * p, 0), **layer(2 * p + 1, 1)} for p in (0, 1)}
+    it = _write_ranks(tmp_path / "legacy" / "iter_0000010", models, pipeline_model_parallel_size=2)
+    labels: list[str] = []
+    expected = {
+        "lacking": r"'decoder.layers.mlp.router.weight' cannot be stacked over the 4 layers of "
+        r"'decoder.layers'.*: layers 0-1 lack it",
+        "shapes": r"'decoder.layers.mlp.linear_fc2.weight' cannot be stacked .*: its layers differ in dtype or "
+        rf"shape: torch.float32 \({H}, {F}\) in layers 0-2; torch.float32 \({H}, {2 * F}\) in layer 3",
+    }[uneven]
+    with pytest.raises(ShardingError, match=expected + r".*Convert without --stack-layers"):
+        convert_legacy(it, tmp_path / "dist", stack_layers=True, progress=lambda *a: labels.append(a[2]), fsync=False)
+    assert labels == ["start"]  # refused before the first stage was written
+    assert not (tmp_path / "dist").exists()
+    # Layer by layer, it converts.
+    convert_legacy(it, tmp_path / "dist", fsync=False)
+    assert len(ckptd.load_plain_tensors(tmp_path / "dist")) == (6 if uneven == "lacking" else 4)
+
+
 @pytest.mark.parametrize("same", [True, False])
 def test_a_tied_embedding_held_by_two_stages_is_compared(tmp_path, caplog, same):
     """The last stage's copy of a tied embedding was dropped after a check of its shape only."""
