@@ -24,7 +24,7 @@ PACKAGE = "ckptd"
 
 # Lowest first. Each entry: (layer name, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("ckptd.errors", "ckptd.config", "ckptd.progress", "ckptd.dist", "ckptd.gcpause")),
+    ("base", ("ckptd.errors", "ckptd.config", "ckptd.progress", "ckptd.dist", "ckptd.gcpause", "ckptd.procid")),
     ("vocabulary", ("ckptd.mapping",)),
     ("statedict", ("ckptd.statedict",)),
     ("format", ("ckptd.format",)),

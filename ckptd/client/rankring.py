@@ -171,7 +171,8 @@ class RankRing:
             return snap, 0.0
         lazy = self.lazy if self.saves_lazily() else None
         if lazy is not None:
-            return lazy.start(ring, claim, self.owned.of(self.optimizers) if self.optimizers else None), 0.0
+            owned = self.owned.of(self.optimizers) if self.optimizers else None
+            return lazy.start(ring, claim, owned, daemon_pid), 0.0
         waited_s = 0.0
         if self.config.snapshot == "auto" and daemon_pid:
             child, waited_s = self.children.fork(ring, claim, daemon_pid, idle)

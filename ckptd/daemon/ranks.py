@@ -25,7 +25,6 @@ from ..control.codec import Codec
 from ..control.endpoints import Endpoints, canonical_root
 from ..control.keys import CurveKeys
 from ..control.netaddr import tcp_port
-from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import (
     Abandon,
     Bye,
@@ -52,6 +51,7 @@ from ..control.protocol import (
 from ..control.security import HandshakeWatch
 from ..control.wiretext import bounded_text
 from ..errors import CkptdError, ProtocolError, RankHeldError, UnknownClientError
+from ..procid import same_process, start_ticks_of
 from .intake import SaveIntake
 from .loop import serve_requests
 from .rings import RingTable
@@ -69,7 +69,7 @@ class Client:
 
     rank: int
     pid: int
-    start_ticks: int | None  # the process's start (ckptd.control.procid): a reused pid is not it
+    start_ticks: int | None  # the process's start (ckptd.procid): a reused pid is not it
     coordinator: str = ""  # where its launch has the coordinator (Hello.coordinator)
 
 

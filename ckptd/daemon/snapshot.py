@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..control.procid import CLOCK_TICK_S, read_stat, same_process, start_ticks_of
 from ..errors import StagingError
+from ..procid import CLOCK_TICK_S, read_stat, same_process, start_ticks_of
 from ..staging.ring import (
     ABANDONED,
     ALIGN,
@@ -59,7 +59,7 @@ def check_snapshot_child(rank: int, pid: int, parent_pid: int, not_before_s: flo
     finished."""
     if pid == parent_pid:
         return
-    # Start ticks since boot (ckptd.control.procid), not psutil's create_time(): that adds the
+    # Start ticks since boot (ckptd.procid), not psutil's create_time(): that adds the
     # boot time of /proc/stat in whole seconds, which can be off by up to a second against the
     # ring's registration and moves when the wall clock is stepped.
     try:

@@ -41,6 +41,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,7 +51,7 @@ from ..errors import StagingError
 from ..format.items import PlannedItem
 from .devcopy import DeviceCopier
 from .owned import copy_unowned
-from .producer import Claim, Snapshot, start_block
+from .producer import Claim, Snapshot, process_alive, start_block
 from .rankside import Placement, StagingRing
 from .ring import block_offset, give_up_mark, span
 
@@ -71,6 +72,8 @@ class _Job:
     versions: list[tuple[int, int]]  # of each item at save() (see _versions)
     seal: bytes
     step: int
+    daemon_pid: int | None = None  # the node daemon that frees ring space for it (None: not known)
+    daemon_alive: Callable[[], bool] | None = None  # whether that daemon still runs (process_alive)
     ready: dict[Any, Any] | None = None  # CUDA: per device, an event on its current stream at save()
     enqueued: threading.Event = field(default_factory=threading.Event)  # every copy issued
     copied: threading.Event = field(default_factory=threading.Event)  # every copy landed (or failed)
@@ -98,13 +101,16 @@ class LazyCopier:
         self._stopping = threading.Event()  # closing: a copy waiting for ring space gives up
         self._daemon_gone = threading.Event()  # no daemon frees ring space: such a wait gives up too
 
-    def start(self, ring: StagingRing, claim: Claim, owned: set[int] | None = None) -> LazyProducer:
+    def start(
+        self, ring: StagingRing, claim: Claim, owned: set[int] | None = None, daemon_pid: int | None = None
+    ) -> LazyProducer:
         """Prepare the production of one save; its producer, whose snapshot the SAVE announces (its
         pid is this process: the daemon fails the save if it dies before sealing). The copier
         thread starts on it at :meth:`go` (after the SAVE's round trip: a copier running meanwhile
         would compete with ``save()`` for the interpreter, and the stall is what matters here).
         ``owned``: with an optimizer attached, the storages it owns; the other small tensors are
-        copied now (:mod:`ckptd.staging.owned`)."""
+        copied now (:mod:`ckptd.staging.owned`). ``daemon_pid``: the node daemon that frees ring
+        space; the copy gives up as soon as it is gone."""
         seal = start_block(ring, claim.block)
         items = [_copied_if_unversioned(i) for i in claim.items]
         if owned is not None:
@@ -118,6 +124,8 @@ class LazyCopier:
             [_versions(i) for i in items],
             seal,
             claim.step,
+            daemon_pid,
+            process_alive(daemon_pid) if daemon_pid else None,
         )
         devices = {i.payload.device for i in items if isinstance(i.payload, torch.Tensor) and i.payload.is_cuda}
         if devices:
@@ -165,7 +173,7 @@ class LazyCopier:
                 job.ring.order_after_copies()
             changed = next((i.record.where() for i, v in zip(job.items, job.versions) if _versions(i) != v), "")
             if changed and not job.torn:
-                job.torn = f"{changed} was modified before the snapshot was fenced"
+                job.torn = f"{changed} was modified before the snapshot was fenced; {_FENCE_ADVICE}"
             job.fenced.set()
             self._pending.remove(job)
         return True
@@ -256,7 +264,7 @@ class LazyCopier:
             try:
                 self._copy(job)
             except Exception as exc:  # noqa: BLE001 - the save fails on its handle via the daemon
-                job.torn = job.torn or f"the copy failed: {type(exc).__name__}: {exc}"
+                job.torn = job.torn or _copy_failed(job, exc)
                 job.failure = exc
             finally:
                 job.enqueued.set()
@@ -275,9 +283,17 @@ class LazyCopier:
         (the daemon writes as it goes). CUDA copies are issued first (the fence waits only for
         that) and published once they landed, in order (ckptd.staging.devcopy)."""
         ring = job.ring
-        # A wait for ring space gives up at once when the Checkpointer closes or the daemon is gone.
-        # ... and so does the copy itself, before its next item (it would read the trainer's tensors after close()).
-        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, self._gives_up, self._gives_up)
+        # A wait for ring space gives up at once when the Checkpointer closes or the daemon is gone:
+        # its process is watched too, as the training thread learns of its death only after a
+        # fence, which waits for this copy. The copy itself stops before its next item only on the
+        # events (closing: it would read the trainer's tensors after close()), a check per item
+        # that costs no system call.
+        alive = job.daemon_alive
+
+        def gives_up() -> bool:
+            return self._gives_up() or (alive is not None and not alive())
+
+        copier = DeviceCopier(ring, job.block, self.timeout_s, job.ready, gives_up, self._gives_up)
         try:
             copier.produce(job.start, job.items, job.placements)
             copier.flush()
@@ -292,16 +308,11 @@ class LazyCopier:
         """Seal once the training thread fenced the snapshot unchanged; otherwise abandon it."""
         writer = job.ring.writer
         if not job.fenced.wait(self.timeout_s):
-            job.torn = job.torn or f"it was not fenced within {self.timeout_s:g} s (no before_update())"
-        if job.torn:
-            log.warning(
-                "rank %d: the lazy snapshot of step %d is abandoned: %s; call "
-                "Checkpointer.before_update() (or attach(optimizer)) before changing saved "
-                "tensors",
-                self.rank,
-                job.step,
-                job.torn,
+            job.torn = job.torn or (
+                f"it was not fenced within {self.timeout_s:g} s (no before_update()); {_FENCE_ADVICE}"
             )
+        if job.torn:
+            log.warning("rank %d: the lazy snapshot of step %d is abandoned: %s", self.rank, job.step, job.torn)
             writer.publish(job.block, give_up_mark(job.failure))
             return
         writer.seal(job.block, job.seal)
@@ -325,6 +336,20 @@ class LazyProducer:
 
     def detach(self) -> None:
         self.copier.go()
+
+
+_FENCE_ADVICE = "call Checkpointer.before_update() (or attach(optimizer)) before changing saved tensors"
+
+
+def _copy_failed(job: _Job, exc: Exception) -> str:
+    """Why a save whose copy raised ``exc`` is abandoned: its node daemon died (nothing frees ring
+    space any more, so the copy gave up), or the copy's own error."""
+    if job.daemon_alive is not None and not job.daemon_alive():
+        return (
+            f"its node daemon (pid {job.daemon_pid}) died before it was copied, so nothing frees ring space; "
+            "the save fails as not confirmed, and the next save() starts a new daemon"
+        )
+    return f"the copy failed: {type(exc).__name__}: {exc}"
 
 
 def _copied_if_unversioned(item: PlannedItem) -> PlannedItem:

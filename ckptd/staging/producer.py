@@ -32,13 +32,13 @@ it is produced and fails a save that is never sealed (ckptd.daemon.snapshot).
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..format.items import PlannedItem
+from ..procid import same_process, start_ticks_of
 from .rankside import Placement, StagingRing
 from .ring import PROGRESS_NBYTES, SEAL_NBYTES, block_offset, span
 
@@ -93,17 +93,14 @@ class Producer(Protocol):
 
 
 def process_alive(pid: int) -> Callable[[], bool]:
-    """Whether process ``pid`` still runs (the node daemon: a wait for ring space only it frees
-    ends when it is gone, instead of at ``snapshot_timeout_s``)."""
+    """Whether process ``pid``, as it is now, still runs (the node daemon: a wait for ring space
+    only it frees ends when it is gone, instead of at ``snapshot_timeout_s``). By its start time
+    too (ckptd.procid): a zombie nobody reaped yet is gone (a daemon's parent is whatever reaps
+    orphans, which may take its time or never do it), and so is a later process given its pid."""
+    start_ticks = start_ticks_of(pid)
 
     def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another user's process of that pid: not ours to judge
-            return True
-        return True
+        return same_process(pid, start_ticks)
 
     return alive
 

@@ -5,6 +5,9 @@ its copy was complete fails the save instead. Real daemon, real files, one proce
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,6 +132,42 @@ def test_the_default_snapshot_is_lazy_while_an_optimizer_is_attached(tmp_path, s
             w.add_(1.0)  # a fork snapshot has its copy-on-write view of save() time
         h3.wait(timeout_s=60)
         assert same_bits(_load(ckpt, {"w": saved}, 3)["w"], saved)
+
+
+@pytest.mark.timeout(150)
+def test_the_fence_returns_at_once_when_the_node_daemon_dies_while_the_copier_waits_for_room(
+    tmp_path, single_process, runtime_dir, caplog
+):
+    """The node daemon is SIGKILLed while the lazy copier waits for ring space (a save 4x the ring,
+    the daemon's writes delayed): the optimizer step's fence returned only after snapshot_timeout_s
+    (the copier learned of the death only from the training thread, after that fence), and the
+    save was said abandoned because "the node daemon is not persisting". Now the copier watches
+    the daemon's process: the fence returns within a few seconds, the save fails as not confirmed,
+    and the next save starts a new daemon."""
+    timeout_s = 60.0  # far above what the fence may take: a bound on a hang, not a speed
+    model = torch.nn.Linear(1024, 2048)  # 8 MiB of parameters: a 2 MiB ring
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = _config(runtime_dir, staging_budget="0.25x", debug_write_delay_s=2.0, snapshot_timeout_s=timeout_s)
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        ckpt.attach(opt)
+        h1 = ckpt.save({"model": model.state_dict()}, step=1)  # the copier fills the ring, then waits
+        pid = ckpt.status()["pid"]
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)  # before its first write (2 s late): no room is ever freed
+        model(torch.randn(4, 1024)).sum().backward()
+        t0 = time.monotonic()
+        opt.step()  # the attach() pre-hook fences the lazy save
+        assert time.monotonic() - t0 < timeout_s / 4
+        with pytest.raises(SaveFailedError, match="step 1 was not confirmed"):
+            h1.wait(timeout_s=30)
+        assert time.monotonic() - t0 < timeout_s / 4
+        assert f"its node daemon (pid {pid}) died before it was copied" in caplog.text
+        assert "not persisting" not in caplog.text
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save({"model": model.state_dict()}, step=2).wait(timeout_s=60)  # a new daemon
+        assert ckpt.status()["pid"] != pid
+        out = ckpt.load({"model": {k: torch.zeros_like(v) for k, v in expected.items()}}, step=2)
+        assert all(same_bits(out["model"][k], v) for k, v in expected.items())
 
 
 @pytest.mark.timeout(120)

@@ -30,7 +30,7 @@ from ckptd.staging.devcopy import InlineProducer
 from ckptd.staging.devsnap import DeviceSnapshotProducer
 from ckptd.staging.fork import child_copies, fork_snapshot, fork_started, reap
 from ckptd.staging.lazy import LazyCopier
-from ckptd.staging.producer import Claim, Producer, start_block
+from ckptd.staging.producer import Claim, Producer, process_alive, start_block
 from ckptd.staging.rankside import StagingRing, bytes_view, place
 from ckptd.staging.ring import ABANDONED, SEAL_NBYTES, block_offset, span
 from ckptd.staging.segment import unlink_segments
@@ -370,13 +370,15 @@ def test_a_cancelled_fork_producer_has_stopped_writing_when_cancel_returns(rings
     assert len(children) == 0
 
 
-def _oversized_lazy_save(ring: StagingRing, copier: LazyCopier) -> tuple[Producer, Claim]:
+def _oversized_lazy_save(
+    ring: StagingRing, copier: LazyCopier, daemon_pid: int | None = None
+) -> tuple[Producer, Claim]:
     """A lazy save of 12 MiB claimed in the 8 MiB ring (it streams: the daemon must free room)."""
     items = _items([torch.randn(1 << 20) for _ in range(3)], b"x")
     placements, _ = place(items)
     block, start = ring.claim(placements)
     claim = Claim(step=1, block=block, start=start, items=items, placements=placements)
-    return copier.start(ring, claim), claim
+    return copier.start(ring, claim, daemon_pid=daemon_pid), claim
 
 
 @pytest.mark.timeout(60)
@@ -406,6 +408,32 @@ def test_a_lazy_copy_waiting_for_room_gives_up_at_once_when_the_daemon_is_gone(r
     copier.wait_all(daemon_gone=True)
     assert not copier._handed and not copier._daemon_gone.is_set()
     assert copier.stop(time.monotonic() + 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_lazy_copy_waiting_for_room_gives_up_when_its_daemon_process_dies(rings):
+    """The node daemon dies while the lazy copier waits for room only it frees: the copier watched
+    no process (it gave up only once the training thread, after its fence, had dropped the daemon),
+    so the fence waited out snapshot_timeout_s. Now it gives up as the daemon's process is gone: a
+    zombie nobody reaped yet is gone too (the parent of a detached daemon reaps it when it will)."""
+    ring, dring = rings
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        copier = LazyCopier(0, timeout_s=45.0)
+        producer, claim = _oversized_lazy_save(ring, copier, daemon_pid=daemon.pid)
+        producer.after_ack()  # the copier fills the ring, then waits for room nobody frees
+        time.sleep(0.2)
+        daemon.kill()  # not reaped: a zombie
+        t0 = time.monotonic()
+        copier.fence()
+        assert time.monotonic() - t0 < 10  # not snapshot_timeout_s (45 s)
+        assert not process_alive(daemon.pid)()
+        copier.wait_all()
+        assert dring.progress(claim.block) == ABANDONED
+        assert copier.stop(time.monotonic() + 5)
+    finally:
+        daemon.kill()
+        daemon.wait()
 
 
 @pytest.mark.timeout(60)
@@ -578,8 +606,8 @@ def test_a_child_still_copying_after_its_save_failed_is_killed_before_its_space_
 def test_without_pidfds_a_later_process_given_the_producers_pid_is_not_killed(rings):
     """Polling /proc (no pidfd_open), a drain took whatever process had the pid for the snapshot
     child, and SIGKILLed it."""
-    from ckptd.control.procid import start_ticks_of
     from ckptd.daemon.snapshot import ExitWatch
+    from ckptd.procid import start_ticks_of
 
     ring, dring = rings
     pid = os.fork()
