@@ -87,7 +87,7 @@ from ..errors import (
     SaveSkippedError,
 )
 from ..format.durable import make_dirs_durably
-from ..format.items import split_large_items
+from ..format.items import largest_object
 from ..format.rootlayout import step_dir_name
 from ..gcpause import gc_paused
 from ..roots.posix import committed_once_advice
@@ -96,7 +96,7 @@ from ..staging.children import KILL_REAP_S
 from ..staging.devsnap import tensor_nbytes_by_device
 from ..staging.lazy import STOP_MARGIN_S
 from ..staging.producer import Claim, Producer
-from ..staging.rankside import StagingRing, place
+from ..staging.rankside import StagingRing
 from ..statedict.content import with_content_metadata
 from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
@@ -262,10 +262,7 @@ class Checkpointer(RootReader):
             plan_s = time.perf_counter() - t_plan
             items, placements, nbytes = plan.items, plan.placements, plan.nbytes
             self._session.ensure_connected()
-            ring = self._ring.ensure(nbytes, pin=False)  # pinned from _ring.start (see RankRing.ensure)
-            if any(p.nbytes > ring.capacity for p in placements):
-                items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
-                placements, nbytes = place(items)
+            ring, items, placements, nbytes = self._ring.ring_for(items, placements, nbytes)
             t_slot = time.perf_counter()
             skip = self.config.on_full == "skip" and ring.must_skip(placements)
         if skip:  # its SKIP takes this try's attempt id itself
@@ -400,7 +397,7 @@ class Checkpointer(RootReader):
         plan = self._planner.plan(expand_stateful(sharded_state_dict))
         device = next((d for d in tensor_nbytes_by_device(plan.items) if d.type == "cuda"), None)
         self._session.ensure_connected()
-        ring = self._ring.ensure(plan.nbytes, device=device)
+        ring = self._ring.ensure(plan.nbytes, device=device, holds=largest_object(plan.items))
         # Items larger than the ring are split by each save (on the GPU, for CUDA tensors).
         if all(p.nbytes <= ring.capacity for p in plan.placements):
             self._layout.register(

@@ -24,6 +24,7 @@ import torch
 from ..config import CkptdConfig, parse_budget
 from ..control.protocol import RegisterRing, RingOk
 from ..errors import DaemonError, StagingError
+from ..format.items import PlannedItem, largest_object, split_large_items
 from ..staging.children import SnapshotChildren
 from ..staging.devcopy import InlineProducer
 from ..staging.devsnap import (
@@ -37,7 +38,7 @@ from ..staging.lazy import STOP_MARGIN_S, LazyCopier
 from ..staging.owned import OwnedStorages
 from ..staging.pinning import cuda_registrar
 from ..staging.producer import Claim, Producer
-from ..staging.rankside import StagingRing
+from ..staging.rankside import Placement, StagingRing, place
 from ..staging.ring import BLOCKS, capacity_for
 from .link import DaemonLink
 
@@ -65,33 +66,97 @@ class RankRing:
         self.device_snapshots: list[DeviceSnapshotProducer] = []  # their threads may still write
         self.device_snapshots_taken = 0  # saves made device snapshots so far
 
-    def ensure(self, nbytes: int, *, pin: bool = True, device: Any = None) -> StagingRing:
+    def ensure(
+        self, nbytes: int, *, pin: bool = True, device: Any = None, holds: PlannedItem | None = None
+    ) -> StagingRing:
         """The ring, created (and registered with the daemon, which owns it from then on) once the
         size of a save is known (``prepare()``, ``load()``, a byte budget, else the first save),
         sized by the staging budget from that save's ``nbytes``; later saves of any size stream
-        through it. In a process that uses CUDA, a background thread pins it (ckptd.staging.pinning):
-        from here with ``pin`` (for DMA from ``device``), else from :meth:`start`, after the save's
-        device snapshot was taken (pinning holds the CUDA driver: a ``cudaHostRegister`` under
-        way delays the snapshot's allocation until it returns)."""
+        through it. ``holds``: an object (which cannot be split) the ring must hold whole; a ring
+        too small for it is replaced by a larger one (:meth:`_capacity`, :meth:`_retire`). In a
+        process that uses CUDA, a background thread pins it (ckptd.staging.pinning): from here
+        with ``pin`` (for DMA from ``device``), else from :meth:`start`, after the save's device
+        snapshot was taken (pinning holds the CUDA driver: a ``cudaHostRegister`` under way
+        delays the snapshot's allocation until it returns)."""
         ring = self.current
-        if ring is None:
-            fraction, node_nbytes = parse_budget(self.config.staging_budget)
-            capacity = capacity_for(fraction, node_nbytes, nbytes, self.local_world_size)
-            ring = StagingRing.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
-            try:
-                self.link.request(
-                    RegisterRing(
-                        rank=self.rank, generation=ring.generation, ring_nbytes=ring.capacity, names=ring.names
-                    ),
-                    RingOk,
-                )
-            except BaseException:
-                ring.close(unlink=True)  # the daemon never took it over
-                raise
-            self.current = ring
+        if ring is not None and holds is not None and len(holds.payload) > ring.capacity:
+            capacity = self._capacity(nbytes, holds, grow=True)  # raises before the ring is retired
+            self._retire(ring, holds, capacity)
+            ring = self._register(capacity)
+        elif ring is None:
+            ring = self._register(self._capacity(nbytes, holds))
         if pin:
             self.pin(ring, device)
         return ring
+
+    def _register(self, capacity: int) -> StagingRing:
+        """Create a ring of ``capacity`` data bytes and register it with the daemon, which owns it
+        from then on (and retires this rank's earlier ring)."""
+        ring = StagingRing.create(self.shm_prefix, self.rank, capacity, self.config.snapshot_timeout_s)
+        try:
+            self.link.request(
+                RegisterRing(rank=self.rank, generation=ring.generation, ring_nbytes=ring.capacity, names=ring.names),
+                RingOk,
+            )
+        except BaseException:
+            ring.close(unlink=True)  # the daemon never took it over
+            raise
+        self.current = ring
+        return ring
+
+    def ring_for(
+        self, items: list[PlannedItem], placements: list[Placement], nbytes: int
+    ) -> tuple[StagingRing, list[PlannedItem], list[Placement], int]:
+        """The ring a save of ``items`` (laid out at ``placements``, ``nbytes`` in all) streams
+        through (not pinned here: :meth:`start`), and the items, placements and bytes it is
+        stored as there: a tensor larger than the ring as several chunks (split_large_items);
+        an object larger than the ring makes a larger ring (:meth:`ensure`)."""
+        ring = self.current
+        if ring is None or any(p.nbytes > ring.capacity for p in placements):
+            ring = self.ensure(nbytes, pin=False, holds=largest_object(items))
+            if any(p.nbytes > ring.capacity for p in placements):
+                items = split_large_items(items, ring.capacity)  # streams through a ring smaller than it
+                placements, nbytes = place(items)
+        return ring, items, placements, nbytes
+
+    def _capacity(self, nbytes: int, holds: PlannedItem | None, *, grow: bool = False) -> int:
+        """Data bytes of a new ring for saves of ``nbytes``: the staging budget's, or where an
+        object to hold (``holds``) is larger, or the ring it replaces was too small for it
+        (``grow``), at least twice that object (a value that keeps growing, say a history, then
+        makes a new ring now and then, not at every save). A byte budget is a bound on the node's
+        shared memory: an object larger than a rank's part of it raises StagingError instead."""
+        fraction, node_nbytes = parse_budget(self.config.staging_budget)
+        capacity = capacity_for(fraction, node_nbytes, nbytes, self.local_world_size)
+        need = 0 if holds is None else len(holds.payload)
+        if need <= capacity and not grow:
+            return capacity
+        if not fraction:
+            raise StagingError(
+                f"rank {self.rank}: {holds.record.where() if holds else 'an object'} takes {need} bytes, more than "
+                f"its staging ring's {capacity} (staging_budget={self.config.staging_budget} for the node's "
+                f"{self.local_world_size} rank(s)), and an object (a plain value or ShardedObject) cannot be "
+                f"split. Make the Checkpointer with CKPTD_STAGING_BUDGET of at least "
+                f"{need * self.local_world_size} bytes, or a multiple of the save (e.g. 0.25x: the ring then "
+                "grows to hold such an object), or save the object smaller (e.g. as a tensor)"
+            )
+        return max(capacity, capacity_for(2.0, 0, need, 1))
+
+    def _retire(self, ring: StagingRing, holds: PlannedItem, capacity: int) -> None:
+        """Replace ``ring``, too small for the object ``holds``: once nothing of this process
+        writes into it any more (the lazy copier's and device snapshots' saves in it copied: this
+        waits for the daemon to make their room), unmap it. The daemon retires it when the next
+        ring is registered, writes the saves still in it and then unlinks it (as on a
+        re-registration: DaemonSession.register_again); a fork child has its own mapping."""
+        log.info(
+            "rank %d: %s takes %d bytes, more than the staging ring's %d; a ring of %d bytes replaces it",
+            self.rank,
+            holds.record.where(),
+            len(holds.payload),
+            ring.capacity,
+            capacity,
+        )
+        self.quiesce()
+        self.drop(unlink=False)
 
     def pin(self, ring: StagingRing, device: Any = None) -> None:
         """Start pinning ``ring`` in the background for DMA from ``device`` (default: the current

@@ -465,6 +465,15 @@ class _OSErrorKeeper:
         return getattr(self._f, name)
 
 
+def largest_object(items: list[PlannedItem]) -> PlannedItem | None:
+    """The largest item that is not a tensor (a plain value's or a ShardedObject's bytes, which
+    :func:`split_large_items` cannot split), or None: a staging ring must hold it whole."""
+    import torch
+
+    objects = [i for i in items if not isinstance(i.payload, torch.Tensor)]
+    return max(objects, key=lambda i: len(i.payload), default=None)
+
+
 def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[PlannedItem]:
     """``items`` with every tensor item larger than ``max_nbytes`` stored as several chunks.
 
@@ -472,7 +481,8 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
     item is stored as the N-D boxes of consecutive flat ranges of ``max_nbytes // 2`` bytes (half,
     so that the daemon writes one while the next is copied): more chunks of the same tensor,
     which torch DCP, Megatron-Core and ckptd load like any other chunking. Objects cannot be
-    split: one larger than ``max_nbytes`` raises StagingError.
+    split: one larger than ``max_nbytes`` raises StagingError (a Checkpointer makes its ring hold
+    the largest one first: ckptd.client.rankring).
     """
     import torch
 
@@ -486,7 +496,7 @@ def split_large_items(items: list[PlannedItem], max_nbytes: int) -> list[Planned
             if len(payload) > max_nbytes:
                 raise StagingError(
                     f"{item.record.where()} takes {len(payload)} bytes, more than the staging "
-                    f"ring's {max_nbytes}; raise CKPTD_STAGING_BUDGET"
+                    f"ring's {max_nbytes}, and an object cannot be split"
                 )
             out.append(item)
             continue

@@ -10,6 +10,7 @@ ring never takes more /dev/shm than the budget, whatever the number of saves.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import ckptd
 from ckptd import ShardedTensor
+from ckptd.errors import StagingError
 from ckptd.format.dcp_metadata import read_index
 from ckptd.format.rootlayout import step_dir_name
 from ckptd.staging.ring import HEADER_NBYTES
@@ -106,3 +108,55 @@ def test_a_quarter_budget_streams_every_save_and_commits_bit_exact(tmp_path, sna
 def test_a_node_budget_in_bytes_is_shared_by_its_ranks(tmp_path, runtime_dir):
     _, out = _run(tmp_path, runtime_dir, "auto", "6MiB")
     assert [o["ring_nbytes"] for o in out] == [3 << 20, 3 << 20]
+
+
+def _budget_config(runtime_dir: Path, **kw) -> ckptd.CkptdConfig:
+    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2, **kw)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("snapshot", ["auto", "copy", "lazy"])
+def test_an_object_grown_past_the_ring_gets_a_larger_ring_and_commits_bit_exact(
+    tmp_path, single_process, runtime_dir, snapshot
+):
+    """A plain value (a history list) grows past the 1 MiB ring sized by the first save: it cannot
+    be split, and every later save failed with "raise CKPTD_STAGING_BUDGET", which a fractional
+    budget never helped (the ring was sized once). Now the save makes a larger ring while the
+    previous save still streams through the old one (its writes delayed): both commit bit-exact,
+    and the old ring is released once written."""
+    cfg = _budget_config(runtime_dir, snapshot=snapshot, staging_budget="0.25x", debug_write_delay_s=1.0)
+    w = {1: torch.randn(ROWS, COLS), 2: torch.randn(ROWS, COLS)}  # 4 MiB: a 1 MiB ring, streamed through
+    saved = {step: t.clone() for step, t in w.items()}
+    hist = {1: list(range(10)), 2: list(range(300_000))}  # the second one pickles to 1.3 MiB
+    with ckptd.Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        h1 = ckpt.save({"w": w[1], "hist": hist[1]}, step=1)
+        ckpt.before_update()  # (lazy saves) the optimizer step: the copy is done before w changes
+        first = ckpt.status()["rings"]
+        assert len(first) == 1 and first[0]["ring_nbytes"] < len(pickle.dumps(hist[2]))  # a quarter of step 1
+        h2 = ckpt.save({"w": w[2], "hist": hist[2]}, step=2)  # step 1 is still being written
+        ckpt.before_update()
+        for t in w.values():
+            t.fill_(float("nan"))  # training overwrites right after
+        h1.wait(timeout_s=60)
+        h2.wait(timeout_s=60)
+        rings = ckpt.status()["rings"]
+        assert len(rings) == 1 and rings[0]["generation"] != first[0]["generation"]  # the old one released
+        assert rings[0]["ring_nbytes"] >= 2 * len(pickle.dumps(hist[2]))
+        for step in (1, 2):
+            out = ckpt.load({"w": torch.zeros(ROWS, COLS), "hist": None}, step=step)
+            assert torch.equal(out["w"], saved[step]) and out["hist"] == hist[step], step
+
+
+@pytest.mark.timeout(120)
+def test_an_object_larger_than_a_byte_budgets_ring_is_named_with_the_budget_that_holds_it(
+    tmp_path, single_process, runtime_dir
+):
+    """A byte budget bounds the node's shared memory, so its ring does not grow: a save with an
+    object larger than it fails, naming the object, its size and the budget that holds it (it
+    said "raise CKPTD_STAGING_BUDGET", with no size); the next save without it commits."""
+    with ckptd.Checkpointer(tmp_path / "run", config=_budget_config(runtime_dir, staging_budget="1MiB")) as ckpt:
+        with pytest.raises(StagingError) as err:
+            ckpt.save({"w": torch.ones(16), "hist": list(range(300_000))}, step=1)
+        message = str(err.value)
+        assert "'hist' (rank 0) takes " in message and "CKPTD_STAGING_BUDGET of at least" in message, message
+        ckpt.save({"w": torch.ones(16), "hist": [1]}, step=2).wait(timeout_s=60)
