@@ -65,6 +65,16 @@ HOSTILE = {
             slots=True,
         ),
     ),
+    # Megatron-Core's subclass is read as DCP's Metadata: that class is as safe from a BUILD.
+    "class MCoreMetadata (read as Metadata), slot state": (
+        Metadata,
+        "__eq__",
+        _build(
+            _global("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+            {"__eq__": _global("builtins", "set")},
+            slots=True,
+        ),
+    ),
     "shared enum member": (WriteItemType.TENSOR, "_value_", _enum_member_built(pickle.REDUCE)),
     # NEWOBJ of an enum class: its __new__ returns the shared member, which was taken for an
     # object the pickle had made, so the BUILD after it was allowed.
