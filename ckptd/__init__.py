@@ -26,6 +26,7 @@ from .errors import (
     SaveSkippedError,
     SaveTimeoutError,
     ShardingError,
+    UnknownClassError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -133,6 +134,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LoadMismatchError",
     "NodeFilesMissingError",
+    "UnknownClassError",
     "UnsafePickleError",
     "UnsupportedFormatError",
 ]

@@ -63,6 +63,14 @@ class UnsafePickleError(CkptdError):
     """Loading would need to unpickle arbitrary objects, which is off unless explicitly allowed."""
 
 
+class UnknownClassError(UnsafePickleError, UnsupportedFormatError):
+    """A checkpoint's ``.metadata`` names a class ckptd does not know, outside the standard library
+    and not a damaged spelling of one it knows: most likely a newer torch or Megatron-Core's. That
+    is no damage: ``ckptd verify`` says UNSUPPORTED, and a resume raises it rather than fall back
+    past the checkpoint (as a file the storage fails to return, :meth:`StorageError.reading`).
+    Upgrade ckptd, or pass ``allow_unsafe_pickle=True`` if the checkpoint is trusted."""
+
+
 class CheckpointExistsError(CkptdError):
     """The target directory already holds a checkpoint; ckptd never overwrites one."""
 

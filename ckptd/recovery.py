@@ -18,7 +18,9 @@
 ``*.tmp`` and ``*.deleting`` directories are never candidates. The structural check reads a few
 small files, never the tensor data; ``ckptd verify`` checks every byte against its checksum. A file
 the check cannot read (the storage failed: ESTALE, EIO on a network filesystem, EMFILE, EACCES) is
-not damage: :class:`~ckptd.errors.StorageError` is raised, and nothing is resumed past it.
+not damage: :class:`~ckptd.errors.StorageError` is raised, and nothing is resumed past it. Nor is a
+``.metadata`` naming a class ckptd does not know (a newer torch's or Megatron-Core's):
+:class:`~ckptd.errors.UnknownClassError` is raised.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .catalog import CheckpointEntry, EntryState, RootCatalog
-from .errors import CheckpointNotFoundError, CheckpointRemovedError, CkptdError, CorruptCheckpointError, StorageError
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointRemovedError,
+    CkptdError,
+    CorruptCheckpointError,
+    StorageError,
+    UnknownClassError,
+)
 from .format.commitrecord import COMMIT_RECORD
 from .format.lease import ReadLease
 from .format.rootlayout import TRACKER_FILE
@@ -64,7 +73,9 @@ class LatestChoice:
         return self.entry.step if self.entry.step >= 0 else None
 
 
-def structural_problem(path: Location, *, node_local: bool = False, damage_only: bool = False) -> str | None:
+def structural_problem(
+    path: Location, *, node_local: bool = False, damage_only: bool = False, allow_unsafe_pickle: bool = False
+) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
     ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
     data objects; no data is read). Imports torch and DCP's metadata classes (to read
@@ -83,19 +94,21 @@ def structural_problem(path: Location, *, node_local: bool = False, damage_only:
     unreadable finding of :func:`ckptd.verify.verify_checkpoint`) raises StorageError naming it,
     unless damage was found as well: nothing is known of its bytes, and taken for damage an intact
     newest checkpoint was resumed past (its steps then left on an abandoned branch for retention
-    to remove) or replaced by a save of its step."""
+    to remove) or replaced by a save of its step. So does a ``.metadata`` that names a class ckptd
+    does not know raise UnknownClassError (``damage_only``: no problem), unless
+    ``allow_unsafe_pickle`` (the caller trusts the checkpoint) lets it be unpickled."""
     from .verify import verify_checkpoint
 
     if isinstance(path, S3Location):
         try:
             with s3_checkpoint_view(path) as view:
-                problem = _report_problem(
-                    verify_checkpoint(view.directory, read_items=False), view.directory, path, damage_only
-                )
-        except (StorageError, CheckpointRemovedError):
-            # The store failed to answer, or retention removed the checkpoint meanwhile: neither is
-            # damage. Taken for damage, an outage resumed from an older step, and the next commit
-            # made the newest ones an abandoned branch, which retention then removed.
+                checked = verify_checkpoint(view.directory, read_items=False, allow_unsafe_pickle=allow_unsafe_pickle)
+                problem = _report_problem(checked, view.directory, path, damage_only)
+        except (StorageError, CheckpointRemovedError, UnknownClassError):
+            # The store failed to answer, retention removed the checkpoint meanwhile, or it names a
+            # class ckptd does not know: none is damage. Taken for damage, an outage resumed from an
+            # older step, and the next commit made the newest ones an abandoned branch, which
+            # retention then removed.
             raise
         except CkptdError as exc:
             problem = str(exc).rstrip(".")
@@ -106,7 +119,9 @@ def structural_problem(path: Location, *, node_local: bool = False, damage_only:
         return problem
     with ReadLease.acquire(path) as lease:
         try:
-            report = verify_checkpoint(path, read_items=False, data_files=not node_local)
+            report = verify_checkpoint(
+                path, read_items=False, data_files=not node_local, allow_unsafe_pickle=allow_unsafe_pickle
+            )
         except FileNotFoundError:
             report = None
         if report is None or lease.gone():
@@ -118,7 +133,8 @@ def _report_problem(
     report: VerifyReport, view: Path | None, location: S3Location | None, damage_only: bool = False
 ) -> str | None:
     # unsupported: not damaged, but ckptd cannot load it
-    errors = report.errors + ([] if damage_only else report.unsupported)
+    unsupported = [f for f in report.unsupported if f not in report.unknown_classes]
+    errors = report.errors + ([] if damage_only else unsupported)
     if errors:
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         text = f"{errors[0].message.rstrip('.')}{more}"
@@ -127,6 +143,15 @@ def _report_problem(
         more = f" (and {n - 1} more files could not be read)" if n > 1 else ""
         text = f"checking {report.checkpoint} failed: {first}{more}"
         raise StorageError(text.replace(str(view), str(location)) if view is not None else text)
+    elif report.unknown_classes and not damage_only:
+        # Not damage, and not judged: resumed past, an intact newest checkpoint (another writer's,
+        # a newer version's) was left for an older one, and a save of its step replaced it.
+        where = location if location is not None else report.checkpoint
+        text = (
+            f"{report.unknown_classes[0].message} A resume never falls back past a checkpoint it cannot "
+            f"judge: to resume from an earlier one instead, move {where} out of the root."
+        )
+        raise UnknownClassError(text.replace(str(view), str(location)) if view is not None else text)
     else:
         return None
     return text.replace(str(view), str(location)) if view is not None else text
@@ -138,6 +163,7 @@ def resolve_latest(
     damaged: Mapping[str, str] | None = None,
     node_local: bool = False,
     log_fallback: bool = True,
+    allow_unsafe_pickle: bool = False,
 ) -> LatestChoice | None:
     """The checkpoint of ``root`` to resume from (see the module docstring).
 
@@ -147,14 +173,16 @@ def resolve_latest(
     full path or URL (that root's copy only: the mirror's copy of a commit stays a candidate when
     the local one is damaged). ``node_local``: ``root`` is one node's own disk (see
     :func:`structural_problem`). ``log_fallback`` False: the fallback's WARNING is left to the
-    caller (``fallback_reason``), which may resume from another root instead."""
+    caller (``fallback_reason``), which may resume from another root instead.
+    ``allow_unsafe_pickle``: the structural check unpickles any class ``.metadata`` names (the
+    load that follows will, and its caller trusts the root)."""
     location = parse_location(root)
     cat = _without_damaged(scan_any(location, usage=False), damaged or {})
     tracker = location.url(TRACKER_FILE) if isinstance(location, S3Location) else location / TRACKER_FILE
     named = cat.latest()
     problem: str | None = None
     if named is not None:
-        problem = structural_problem(named.path, node_local=node_local)
+        problem = structural_problem(named.path, node_local=node_local, allow_unsafe_pickle=allow_unsafe_pickle)
         if problem is None:
             return LatestChoice(named)
         why = f"tracker {tracker} names {named.name}, which is damaged: {problem}"
@@ -170,7 +198,7 @@ def resolve_latest(
     skipped: list[tuple[str, str]] = [] if named is None or problem is None else [(named.name, problem)]
     rejected: list[str] = []
     for entry in candidates:
-        problem = structural_problem(entry.path, node_local=node_local)
+        problem = structural_problem(entry.path, node_local=node_local, allow_unsafe_pickle=allow_unsafe_pickle)
         if problem is None:
             msg = f"{why}; resuming from the newest valid committed checkpoint {entry.name} instead"
             if entry.name in off_branch:
@@ -228,13 +256,15 @@ def resolve_resumable(
     damaged: Mapping[str, str] | None = None,
     node_local: bool = False,
     log_fallback: bool = True,
+    allow_unsafe_pickle: bool = False,
 ) -> LatestChoice | None:
     """:func:`resolve_latest`, again (a fresh scan, ``_RESOLVE_TRIES`` in all) when it found nothing
     loadable or a checkpoint it was checking is gone: retention may have removed it meanwhile,
     after a newer one committed, which a fresh scan sees."""
+    kwargs = {"node_local": node_local, "log_fallback": log_fallback, "allow_unsafe_pickle": allow_unsafe_pickle}
     for _ in range(_RESOLVE_TRIES - 1):
         try:
-            return resolve_latest(root, damaged=damaged, node_local=node_local, log_fallback=log_fallback)
+            return resolve_latest(root, damaged=damaged, **kwargs)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             log.info("resolving the latest checkpoint again (%s)", exc)
-    return resolve_latest(root, damaged=damaged, node_local=node_local, log_fallback=log_fallback)
+    return resolve_latest(root, damaged=damaged, **kwargs)

@@ -5,7 +5,8 @@ reports every problem it can see:
 
 1. ``metadata.json`` names a supported backend (absent: a plain torch DCP checkpoint, which is
    only fine when no ckptd checksums and no ``common.pt`` say otherwise).
-2. ``.metadata`` decodes (allow-list unpickler) into a chunk index.
+2. ``.metadata`` decodes (allow-list unpickler) into a chunk index; a class it names that ckptd
+   does not know (UnknownClassError) is unsupported, not damage.
 3. Global coverage: per tensor one dtype and shape, chunks in bounds, no overlap, no gap
    (:func:`ckptd.format.validate.validate_records`); ShardedObject keys stored once.
 4. Every data file named by ``.metadata`` exists, lies inside the checkpoint and is long enough
@@ -44,6 +45,7 @@ from .errors import (
     CkptdError,
     CorruptCheckpointError,
     StorageError,
+    UnknownClassError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -65,7 +67,17 @@ from .format.safefs import entry_exists, open_regular, read_regular
 from .format.validate import validate_records
 from .storage.s3view import s3_checkpoint_view
 from .storage.url import S3Location, parse_location
-from .verifyreport import ERROR, NOTE, UNREADABLE, UNSUPPORTED, WARNING, Finding, ProgressSink, VerifyReport
+from .verifyreport import (
+    ERROR,
+    NOTE,
+    UNKNOWN_CLASS,
+    UNREADABLE,
+    UNSUPPORTED,
+    WARNING,
+    Finding,
+    ProgressSink,
+    VerifyReport,
+)
 
 __all__ = ["ERROR", "NOTE", "UNREADABLE", "UNSUPPORTED", "WARNING", "Finding", "ProgressSink", "VerifyReport"]
 
@@ -512,6 +524,8 @@ def verify_checkpoint(
     index: CheckpointIndex | None = None
     try:
         index = read_index(directory, allow_unsafe_pickle)
+    except UnknownClassError as exc:  # not damage: not judged either (ckptd.recovery raises it)
+        report.add(UNSUPPORTED, UNKNOWN_CLASS, str(exc), file=DCP_METADATA)
     except UnsupportedFormatError as exc:
         report.add(UNSUPPORTED, "metadata", str(exc), file=DCP_METADATA)
     except CkptdError as exc:

@@ -13,6 +13,10 @@ UNSUPPORTED = "unsupported"
 # A file could not be opened or read (StorageError.reading): neither damaged nor verified. A
 # resume's check raises it (ckptd.recovery.structural_problem), never falls back past it.
 UNREADABLE = "unreadable"
+# The check of an UNSUPPORTED finding that `.metadata` names a class ckptd does not know
+# (UnknownClassError, most likely a newer torch's or Megatron-Core's): a resume's check raises it,
+# as an unreadable file, rather than fall back past a checkpoint that may be intact.
+UNKNOWN_CLASS = "class"
 WARNING = "warning"
 NOTE = "note"
 
@@ -30,7 +34,7 @@ class Finding:
     """One result of a check: an error (damage), unsupported, unreadable, a warning, or a note."""
 
     severity: str
-    check: str  # backend, metadata, coverage, file, range, checksum, decode, common, tracker
+    check: str  # backend, metadata, class, coverage, file, range, checksum, decode, common, tracker
     message: str
     file: str | None = None
     item: str | None = None
@@ -71,13 +75,18 @@ class VerifyReport:
         return [f for f in self.findings if f.severity == UNSUPPORTED]
 
     @property
+    def unknown_classes(self) -> list[Finding]:
+        """The unsupported findings of classes ckptd does not know (:data:`UNKNOWN_CLASS`)."""
+        return [f for f in self.unsupported if f.check == UNKNOWN_CLASS]
+
+    @property
     def unreadable(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == UNREADABLE]
 
     @property
     def status(self) -> str:
         """``DAMAGED`` (any error), else ``UNREADABLE`` (a file the storage failed to return: not
-        judged), else ``UNSUPPORTED`` (a feature ckptd cannot read), else ``OK``."""
+        judged), else ``UNSUPPORTED`` (a feature or class ckptd cannot read), else ``OK``."""
         if self.errors:
             return "DAMAGED"
         return "UNREADABLE" if self.unreadable else "UNSUPPORTED" if self.unsupported else "OK"

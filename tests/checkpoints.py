@@ -8,7 +8,12 @@ is left out.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -107,3 +112,39 @@ def stamp_commits(root: str | os.PathLike, steps_in_commit_order: list[int]) -> 
     for seq, step in enumerate(steps_in_commit_order, start=1):
         rec = CommitRecord(seq=seq, step=step, attempt="0123456789ab-1", committed_unix_s=1.0e9 + seq)
         (Path(root) / step_dir_name(step) / COMMIT_RECORD).write_bytes(rec.to_bytes())
+
+
+# The class a newer writer's .metadata could name: a Metadata subclass under a module ckptd never saw.
+FUTURE_MODULE, FUTURE_CLASS = "future_writer.checkpoint", "MetadataV9"
+
+
+@contextlib.contextmanager
+def future_writer_importable() -> Iterator[type]:
+    """While inside: ``future_writer.checkpoint.MetadataV9`` (a subclass of DCP's Metadata) can be
+    imported, as where the writer that pickles it is installed."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    cls = type(FUTURE_CLASS, (Metadata,), {"__module__": FUTURE_MODULE})
+    package, module = types.ModuleType("future_writer"), types.ModuleType(FUTURE_MODULE)
+    setattr(module, FUTURE_CLASS, cls)
+    saved = {name: sys.modules.get(name) for name in ("future_writer", FUTURE_MODULE)}
+    sys.modules.update({"future_writer": package, FUTURE_MODULE: module})
+    try:
+        yield cls
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def rewrite_as_future_class(directory: str | os.PathLike) -> None:
+    """Rewrite ``directory``'s ``.metadata`` as a newer writer would: the same object, pickled as
+    :data:`FUTURE_CLASS` of :data:`FUTURE_MODULE`, a module this process cannot import."""
+    path = Path(directory) / ".metadata"
+    md = pickle.loads(path.read_bytes())
+    with future_writer_importable() as cls:
+        renamed = cls.__new__(cls)
+        renamed.__dict__.update(vars(md))
+        path.write_bytes(pickle.dumps(renamed))

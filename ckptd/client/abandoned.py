@@ -29,7 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def past_abandoned_copies(
-    root: Path, mirror: S3Location, choice: LatestChoice | None, damaged: dict[str, str]
+    root: Path,
+    mirror: S3Location,
+    choice: LatestChoice | None,
+    damaged: dict[str, str],
+    *,
+    allow_unsafe_pickle: bool = False,
 ) -> tuple[LatestChoice | None, CommitRecord | None, CommitRef | None, str | None]:
     """The mirror's resolved ``choice``, or the copy before it while it is of a commit ``root``
     abandoned (:func:`abandoned_locally`): ``(choice, its commit record, the local commit it
@@ -50,7 +55,9 @@ def past_abandoned_copies(
         log.info("%s", abandoned)
         damaged = {**damaged, str(choice.entry.path): abandoned}
         try:
-            choice = resolve_resumable(mirror, damaged=damaged, log_fallback=False)
+            choice = resolve_resumable(
+                mirror, damaged=damaged, log_fallback=False, allow_unsafe_pickle=allow_unsafe_pickle
+            )
         except CorruptCheckpointError as exc:
             return None, None, None, str(exc)
     return None, None, None, f"the mirror's newest {MAX_ABANDONED_COPIES} copies are of commits {root} abandoned"

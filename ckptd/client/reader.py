@@ -47,7 +47,8 @@ class RootReader:
         When the tracker is missing, unreadable or names a missing, incomplete or damaged
         checkpoint (also one a load of this Checkpointer found damaged), this is the newest valid
         committed step instead, and a warning is logged (see :func:`ckptd.recovery.resolve_latest`,
-        which raises CorruptCheckpointError when checkpoints exist but none is loadable). With a
+        which raises CorruptCheckpointError when checkpoints exist but none is loadable, and
+        StorageError or UnknownClassError for one it cannot judge rather than pass it over). With a
         mirror, the mirror's latest copy when the local root lacks it. What this rank reads now:
         ranks that read while the previous launch's daemon finishes a commit can read different
         steps (resume with :meth:`resume`, on every rank). With ``node_local``, the step

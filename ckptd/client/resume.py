@@ -79,7 +79,8 @@ def load_latest(
     ctx = DistContext.current(kwargs.get("process_group"))
 
     def resolved() -> str | None:
-        choice = resolve_resumable(root, damaged=damaged)
+        # The load that follows unpickles what .metadata names if the caller allows it: so may the check.
+        choice = resolve_resumable(root, damaged=damaged, allow_unsafe_pickle=bool(kwargs.get("allow_unsafe_pickle")))
         return None if choice is None else choice.entry.name
 
     def choose() -> Candidate:

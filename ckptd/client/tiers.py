@@ -155,19 +155,22 @@ class Levels:
         """:meth:`ckptd.Checkpointer.load` without ``step`` (steps 1-3 above), on every rank;
         ``loaded`` gets the checkpoint resumed."""
         group = kwargs.get("process_group")
+        unsafe = bool(kwargs.get("allow_unsafe_pickle"))  # the load unpickles what .metadata names: so may the check
         args = (sharded_state_dict, damaged, rank, kwargs, loaded)
         if self.node_local:
-            return load_agreed(lambda: self.candidate(damaged, group), *args)
+            return load_agreed(lambda: self.candidate(damaged, group, allow_unsafe_pickle=unsafe), *args)
         if self.mirror is None:  # the root is the only level: load_latest's choice is the whole decision
             return load_latest(self.root, *args)
-        return load_agreed(lambda: self.shared_candidate(damaged, group), *args)
+        return load_agreed(lambda: self.shared_candidate(damaged, group, allow_unsafe_pickle=unsafe), *args)
 
-    def shared_candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
+    def shared_candidate(
+        self, damaged: dict[str, str], group: Any = None, *, allow_unsafe_pickle: bool = False
+    ) -> Candidate:
         """A shared root with a mirror: the checkpoint every rank loads now, of the level
         :meth:`resume` chooses (a collective: every rank calls it, as ``load_agreed`` does). It is
         named by its full path or URL, which ``damaged`` records when a load finds it damaged: the
         other level's copy of the same commit stays a candidate."""
-        resume = self.resume(damaged, collective=True, group=group)
+        resume = self.resume(damaged, collective=True, group=group, allow_unsafe_pickle=allow_unsafe_pickle)
         if resume.commit is not None:  # the oldest of the commits the ranks found (they differed)
             path: Location = join(self.root, step_dir_name(resume.commit.step))
         elif resume.choice is None:
@@ -182,13 +185,16 @@ class Levels:
             "the intact one committed last before it",
         )
 
-    def resume(self, damaged: dict[str, str], *, collective: bool = False, group: Any = None) -> Resume:
+    def resume(
+        self, damaged: dict[str, str], *, collective: bool = False, group: Any = None, allow_unsafe_pickle: bool = False
+    ) -> Resume:
         """The level to resume from and its latest intact checkpoint (steps 1-2 above);
         ``collective``: every rank calls it, and every rank gets rank 0's decision (ranks that
         looked at the root at different moments, while a commit moved the tracker, would otherwise
         load different steps). Node-local disks: rank 0 alone looks, at its node's disk and the
         mirror; a shared root with a mirror: every rank looks and rank 0 decides from what they all
-        found (the mirror's copy when the ranks see different commits)."""
+        found (the mirror's copy when the ranks see different commits). ``allow_unsafe_pickle``:
+        the structural checks unpickle any class (ckptd.recovery.resolve_latest)."""
         ctx = DistContext.current(group)
         if self.node_local and collective and ctx.world_size == 1 < self.world_size:
             raise CkptdError(
@@ -198,35 +204,44 @@ class Levels:
                 "Checkpointer.latest() or load()"
             )
         if not collective or ctx.world_size == 1:
-            return self._decide([self._look(damaged)])
+            return self._decide([self._look(damaged, allow_unsafe_pickle)])
         if self.node_local or self.mirror is None:
             decided = ctx.agree(
                 "choosing the checkpoint to resume from",
-                lambda: self._decide([self._look(damaged)]) if ctx.rank == 0 else None,
+                lambda: self._decide([self._look(damaged, allow_unsafe_pickle)]) if ctx.rank == 0 else None,
             )
             return cast(Resume, decided[0])
-        return self._decide(ctx.agree("looking for the checkpoint to resume from", lambda: self._look(damaged)))
+        return self._decide(
+            ctx.agree("looking for the checkpoint to resume from", lambda: self._look(damaged, allow_unsafe_pickle))
+        )
 
-    def _look(self, damaged: dict[str, str]) -> Look:
+    def _look(self, damaged: dict[str, str], allow_unsafe_pickle: bool = False) -> Look:
         """What this rank finds in the levels (:class:`Look`)."""
+        unsafe = allow_unsafe_pickle
         if self.mirror is None or not isinstance(self.root, Path):  # no mirror without a local root
-            return Look(resolve_resumable(self.root, damaged=damaged, node_local=self.node_local))
+            return Look(
+                resolve_resumable(self.root, damaged=damaged, node_local=self.node_local, allow_unsafe_pickle=unsafe)
+            )
         # Nothing is said of a level's fallback here: which level the job resumes from is decided
         # from both (_decide, which says it), and a local fallback the mirror overrides is none.
         # A level where checkpoints exist but none loads leaves the other one to resume from.
         unloadable = mirror_unloadable = None
         try:
-            local_choice = resolve_resumable(self.root, damaged=damaged, node_local=self.node_local, log_fallback=False)
+            local_choice = resolve_resumable(
+                self.root, damaged=damaged, node_local=self.node_local, log_fallback=False, allow_unsafe_pickle=unsafe
+            )
         except CorruptCheckpointError as exc:
             local_choice, unloadable = None, str(exc)
         local_record = None if local_choice is None else read_commit_record(local_choice.entry.path)
         local = _ref(local_choice, None if local_record is None else (local_record.attempt, local_record.seq))
         try:
-            mirror_choice = resolve_resumable(self.mirror, damaged=damaged, log_fallback=False)
+            mirror_choice = resolve_resumable(
+                self.mirror, damaged=damaged, log_fallback=False, allow_unsafe_pickle=unsafe
+            )
         except CorruptCheckpointError as exc:
             mirror_choice, mirror_unloadable = None, str(exc)
         mirror_choice, record, mirrored, replaced = past_abandoned_copies(
-            self.root, self.mirror, mirror_choice, damaged
+            self.root, self.mirror, mirror_choice, damaged, allow_unsafe_pickle=unsafe
         )
         mirror_unloadable = replaced or mirror_unloadable
         holds = mirrored is not None and _local_holds(self.root, mirrored)
@@ -306,12 +321,12 @@ class Levels:
         if choice is not None and choice.fallback_reason is not None:
             log.warning("%s", choice.fallback_reason)
 
-    def candidate(self, damaged: dict[str, str], group: Any = None) -> Candidate:
+    def candidate(self, damaged: dict[str, str], group: Any = None, *, allow_unsafe_pickle: bool = False) -> Candidate:
         """Node-local disks: the checkpoint every rank loads now (:meth:`resume` with every rank,
         as :func:`ckptd.client.resume.load_agreed` asks for it). Raises NoCheckpointYetError
         when neither node 0's disk nor the mirror holds one."""
         while True:
-            resume = self.resume(damaged, collective=True, group=group)
+            resume = self.resume(damaged, collective=True, group=group, allow_unsafe_pickle=allow_unsafe_pickle)
             if resume.commit is None or not resume.commit.attempt:
                 break
             target = self.node_local_commit(resume.commit)

@@ -46,8 +46,10 @@ Status: OK; DAMAGED; UNREADABLE when a file could not be read and no damage was 
 storage failed to return it: a network filesystem's ESTALE or EIO, too many open files, a
 permission; nothing is known of its bytes: run verify again once the storage answers); or
 UNSUPPORTED when the checkpoint uses a feature ckptd does not read (a torch DCP stream transform
-such as ZStandard compression): it is not damaged, but ckptd can neither verify nor load it
-(torch.distributed.checkpoint.load can).
+such as ZStandard compression: torch.distributed.checkpoint.load reads it) or its .metadata names
+a class ckptd does not know (a newer torch's or Megatron-Core's: upgrade ckptd, or pass
+--allow-unsafe-pickle if the checkpoint is trusted): it is not damaged, but ckptd can neither
+verify nor load it.
 
 exit status: 0 sound (warnings and notes allowed); 1 damage found, or a file unreadable;
 2 usage error; 3 unsupported (and no damage found)."""
@@ -69,7 +71,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--allow-unsafe-pickle",
         action="store_true",
-        help="decode objects/common.pt with arbitrary pickles (only for trusted checkpoints)",
+        help="decode .metadata, objects and common.pt with arbitrary pickles (only for trusted checkpoints)",
     )
     p.set_defaults(func=run)
 

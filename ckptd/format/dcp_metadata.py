@@ -200,7 +200,7 @@ def read_index(directory: str | os.PathLike, allow_unsafe_pickle: bool = False) 
             "checkpoint (an interrupted save leaves no .metadata). Load an earlier checkpoint."
         ) from None
     try:
-        md = unpickle_metadata(raw_bytes, allow_unsafe_pickle)
+        md = unpickle_metadata(raw_bytes, allow_unsafe_pickle, path)
     except UnsafePickleError:
         raise
     except Exception as exc:

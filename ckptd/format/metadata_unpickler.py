@@ -2,14 +2,20 @@
 cannot run code unless the caller explicitly allows unsafe pickles.
 
 The allow-list holds the classes torch DCP's ``Metadata`` is made of, and the subclasses of them
-Megatron-Core pickles, which are read as the DCP classes they extend (:data:`STAND_INS`).
+Megatron-Core pickles, which are read as the DCP classes they extend (:data:`STAND_INS`). A class
+it refuses is damage (UnsafePickleError) when its name is no Python name, is of the standard
+library (``posix.system``) or is what bit rot makes of a name it admits (:func:`_damage`); any
+other is a class ckptd does not know, most likely a newer torch's or Megatron-Core's
+(UnknownClassError): not damage.
 """
 
 from __future__ import annotations
 
 import enum
 import io
+import os
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any, BinaryIO, ClassVar
 
@@ -17,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ..errors import UnsafePickleError
+from ..errors import UnknownClassError, UnsafePickleError
 from .layout import DCP_METADATA
 
 _ALLOWED_CLASSES = {
@@ -82,8 +88,9 @@ class MetadataUnpickler(pickle._Unpickler):
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
     stack: list[Any]  # pickle's Python unpickler keeps its stack here while it loads
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, where: str | os.PathLike = DCP_METADATA) -> None:
         super().__init__(file)
+        self._where = where
         # Objects NEWOBJ created here, kept alive so that no other object can reuse their id.
         self._fresh: dict[int, object] = {}
 
@@ -93,14 +100,21 @@ class MetadataUnpickler(pickle._Unpickler):
             return stand_in
         if (module, name) in _ALLOWED_CLASSES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUMS):
             return getattr(torch, name)
-        raise UnsafePickleError(
-            f"{DCP_METADATA} references {module}.{name}, which is not part of the DCP metadata "
-            "format; refusing to unpickle it. If you trust this checkpoint, pass "
-            "allow_unsafe_pickle=True."
+        damage = _damage(module, name)
+        if damage is not None:
+            raise UnsafePickleError(
+                f"{self._where} references {module:.200}.{name:.200}, which is not part of the DCP metadata "
+                f"format ({damage}); refusing to unpickle it: the file is damaged or hostile. Load an "
+                "earlier checkpoint."
+            )
+        raise UnknownClassError(
+            f"{self._where} names the class {module:.200}.{name:.200}, which this ckptd does not know (it is not "
+            "part of the DCP metadata format ckptd reads: most likely a newer torch's or Megatron-Core's). "
+            "The checkpoint is not known to be damaged, and it is not loaded: upgrade ckptd to a version "
+            "that reads it, or, if you trust this checkpoint, pass allow_unsafe_pickle=True "
+            "(--allow-unsafe-pickle), which unpickles whatever it names."
         )
 
     def _load_newobj(self) -> None:
@@ -126,7 +140,7 @@ class MetadataUnpickler(pickle._Unpickler):
                 else f"a {type(target).__name__} it did not create"
             )
             raise UnsafePickleError(
-                f"{DCP_METADATA} tries to set attributes of {what}; DCP metadata never does "
+                f"{self._where} tries to set attributes of {what}; DCP metadata never does "
                 "this, and it would change that object for the whole process. Refusing to "
                 "unpickle it: the file is damaged or hostile."
             )
@@ -141,13 +155,62 @@ class _UnsafeUnpickler(pickle.Unpickler):
     """``allow_unsafe_pickle``: any global, but Megatron-Core's subclasses read as DCP's all the
     same (a process without Megatron-Core 0.15 or older cannot import them; 0.16's are empty)."""
 
+    def __init__(self, file: BinaryIO, where: str | os.PathLike) -> None:
+        super().__init__(file)
+        self._where = where
+
     def find_class(self, module: str, name: str) -> Any:
         stand_in = STAND_INS.get((module, name))
-        return stand_in if stand_in is not None else super().find_class(module, name)
+        if stand_in is not None:
+            return stand_in
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as exc:
+            if _damage(module, name) is not None:
+                raise  # a damaged name: the caller reports the file damaged
+            raise UnknownClassError(
+                f"{self._where} names the class {module:.200}.{name:.200}, which cannot be imported here ({exc}). "
+                "The checkpoint is not known to be damaged: install the library that defines the class "
+                "(the torch or Megatron-Core version that wrote the checkpoint), or upgrade ckptd."
+            ) from exc
 
 
-def unpickle_metadata(raw: bytes, allow_unsafe_pickle: bool) -> object:
-    """The object a ``.metadata`` pickle holds; UnsafePickleError for what the allow-list refuses."""
+def unpickle_metadata(raw: bytes, allow_unsafe_pickle: bool, where: str | os.PathLike = DCP_METADATA) -> object:
+    """The object a ``.metadata`` pickle (the file ``where``) holds: UnsafePickleError for a class
+    the allow-list refuses as damaged or hostile, UnknownClassError for one ckptd does not know
+    (with ``allow_unsafe_pickle``: one that cannot be imported)."""
     if allow_unsafe_pickle:
-        return _UnsafeUnpickler(io.BytesIO(raw)).load()
-    return MetadataUnpickler(io.BytesIO(raw)).load()
+        return _UnsafeUnpickler(io.BytesIO(raw), where).load()
+    return MetadataUnpickler(io.BytesIO(raw), where).load()
+
+
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+def _damage(module: str, name: str) -> str | None:
+    """Why the global ``module.name`` the allow-list refused cannot be another writer's class (the
+    file is damaged or hostile), or None: a class ckptd does not know. An unknown class is no
+    damage (taken for damage, a resume fell back past an intact checkpoint, and a save of its step
+    replaced it), but bit rot in a name ckptd knows stays damage: a flipped bit changes one byte of
+    the name and keeps its length, or, in a memo reference, puts another of the file's strings in
+    the module's or the name's place (a class name, a field name, another module)."""
+    if not all(part.isidentifier() for part in module.split(".")) or not name.isidentifier():
+        return "not a Python name"
+    if module != module.lower():
+        return "no module's name"
+    if module.split(".")[0] in sys.stdlib_module_names:
+        return "a standard-library object, which no DCP metadata holds"
+    known = {(m, n) for m, n in _ALLOWED_CLASSES | set(STAND_INS)}
+    known |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, _TORCH_ENUMS)}
+    modules, names = {m for m, _ in known}, {n for _, n in known}
+    if module in names:
+        return f"the name {module} in a module's place"
+    # A known name in another known module, or in a one-word one (a field's name); not in any other
+    # module: a class can move to another package's.
+    if name in names and (module in modules or "." not in module):
+        return f"the name {name} under a module it is not of"
+    qualified = f"{module}.{name}"
+    for k in sorted(f"{m}.{n}" for m, n in known):
+        if len(k) == len(qualified) and sum(a != b for a, b in zip(k, qualified)) == 1:
+            return f"one byte off {k}"
+    return None

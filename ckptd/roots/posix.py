@@ -54,7 +54,7 @@ from ..catalog import (
     scan_root,
     tracker_set_back,
 )
-from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, StorageError, UnknownClassError
 from ..format.commitrecord import COMMIT_RECORD, MAX_COMMIT_SEQ, CommitRecord, read_commit_record
 from ..format.durable import Opener, atomic_write_bytes, default_opener
 from ..format.finalize import finalize
@@ -375,7 +375,10 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     lower steps after higher ones); the candidate must be a real directory (not a link) and pass
     the structural check. Returns the name now tracked. A candidate the check cannot read raises
     StorageError (the daemon does not start): passed over, the job would resume the step before it,
-    and its next commit would leave the candidate on an abandoned branch for retention.
+    and its next commit would leave the candidate on an abandoned branch for retention. One whose
+    ``.metadata`` names a class ckptd does not know (another writer's, a newer version's) is not
+    known to be damaged either: the trackers are left as they are (the job's resume raises
+    UnknownClassError, naming it), and the daemon starts.
     """
     cat = scan_root(root, usage=False)
     if cat.tracker_exists and (cat.tracker_problem is not None or cat.latest() is None):
@@ -396,7 +399,19 @@ def finish_interrupted_commit(root: Path, *, fsync: bool, megatron_tracker: bool
     for entry in cat.newest_first:
         if current is not None and entry.commit_order <= current.commit_order:
             return None
-        if entry.step < 0 or entry.record_problem is not None or structural_problem(entry.path) is not None:
+        if entry.step < 0 or entry.record_problem is not None:
+            continue
+        try:
+            problem = structural_problem(entry.path)
+        except UnknownClassError as exc:
+            log.warning(
+                "%s: %s may be the last commit, but cannot be judged; the trackers are left as they are: %s",
+                root,
+                entry.name,
+                exc,
+            )
+            return None
+        if problem is not None:
             continue
         with Dir.open(root) as rootd:
             atomic_write_bytes(rootd.entry(TRACKER_FILE), tracker_bytes(entry.name), default_opener, fsync)

@@ -3,7 +3,9 @@
 links in place of files. Whatever the damage, load, load_common_state_dict, verify (deep),
 inspect and resolve_latest raise only CkptdError subclasses, every case ends (the test has a
 timeout; a FIFO must not block), and the CLI (in process here; as real processes in the last
-test) exits 0 or 1 with a one-line message, never a traceback.
+test) exits 0 or 1 with a one-line message, never a traceback (``verify`` also 3: a flip can make
+a name in ``.metadata`` one no class of ckptd's has, which is a class ckptd does not know, not
+damage; of the 12,544 single-bit flips of a 1.5 KB ``.metadata`` one does).
 
 The default run takes ~150 examples; ``-m slow`` runs 3,000.
 """
@@ -222,7 +224,7 @@ def _cli(*argv: str) -> int:
     args = build_parser().parse_args([str(a) for a in argv])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = args.func(args)  # anything but a CkptdError (or OSError) escapes and fails the test
-    assert rc in (0, 1), (argv, rc)
+    assert rc in ((0, 1, 3) if argv[0] == "verify" else (0, 1)), (argv, rc)
     return rc
 
 

@@ -17,11 +17,20 @@ import torch
 import ckptd
 from ckptd import LoadMismatchError, ShardedTensor
 from ckptd.client.resume import load_latest
-from ckptd.errors import CorruptCheckpointError
-from ckptd.format.rootlayout import TRACKER_FILE, step_dir_name, tracker_bytes
+from ckptd.errors import CorruptCheckpointError, UnknownClassError
+from ckptd.format.rootlayout import MEGATRON_TRACKER, TRACKER_FILE, step_dir_name, tracker_bytes
 from ckptd.recovery import resolve_latest
-from tests.checkpoints import make_checkpoint, make_root, stamp_commits
-from tests.fault.single_job import loads_bit_exact, single_job, state_dict
+from tests.checkpoints import (
+    FUTURE_CLASS,
+    FUTURE_MODULE,
+    future_writer_importable,
+    make_checkpoint,
+    make_root,
+    rewrite_as_future_class,
+    stamp_commits,
+)
+from tests.cli import offline_cli
+from tests.fault.single_job import loads_bit_exact, single_job, state_dict, values
 from tools.harness.ranks import run_ranks
 
 
@@ -191,3 +200,35 @@ def test_checkpointer_latest_and_load_fall_back_then_the_next_commit_repairs_the
             assert job.ckpt.latest() == 3
         assert caplog.text == ""
         assert (job.root / "latest").read_text().strip() == "iter_0000003"
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_naming_an_unknown_class_is_neither_resumed_past_nor_rolled_back_from(tmp_path, monkeypatch):
+    """Step 10's ``.metadata`` names a class of a newer writer; step 5 is intact; Megatron-LM's
+    tracker names 10 and there is no ``latest``. The daemon's start took 10 for damaged and wrote
+    both trackers back to 5 ("a crash had interrupted its commit"), and the resume loaded 5."""
+    root = tmp_path / "ckpts"
+    for step in (5, 10):
+        ckptd.save(state_dict(step), root / step_dir_name(step))
+    (root / MEGATRON_TRACKER).write_text("10")
+    rewrite_as_future_class(root / "iter_0000010")
+    written = (root / "iter_0000010" / ".metadata").read_bytes()
+    run = offline_cli("verify", str(root / "iter_0000010"))
+    assert run.returncode == 3 and ": UNSUPPORTED" in run.stdout and "DAMAGED" not in run.stdout, run.stdout
+    assert f"{FUTURE_MODULE}.{FUTURE_CLASS}" in run.stdout
+    with single_job(tmp_path, monkeypatch, root=root) as job:
+        assert job.ckpt.status()["pid"] == job.daemon_pid  # the daemon started (as coordinator)
+        assert not (root / TRACKER_FILE).exists() and (root / MEGATRON_TRACKER).read_text() == "10"
+        assert "iter_0000010 may be the last commit, but cannot be judged" in job.daemon_log()
+        named = rf"iter_0000010/\.metadata names the class {FUTURE_MODULE}\.{FUTURE_CLASS}.*upgrade ckptd"
+        with pytest.raises(UnknownClassError, match=named + r".*allow_unsafe_pickle=True.*never falls back"):
+            job.ckpt.resume(state_dict(-1, torch.zeros(64, 48)))
+        with pytest.raises(UnknownClassError, match=named):
+            job.ckpt.latest()
+        # Trusted, with the writer's library installed, the resume loads it.
+        with future_writer_importable():
+            out = job.ckpt.resume(state_dict(-1, torch.zeros(64, 48)), allow_unsafe_pickle=True)
+        assert torch.equal(out["w"], values(10)) and out["iteration"] == 10
+        job.committed(11)
+        assert (root / TRACKER_FILE).read_text().strip() == "iter_0000011"
+    assert (root / "iter_0000010" / ".metadata").read_bytes() == written
