@@ -18,17 +18,17 @@ Extra memory is thus bounded by one slab (plus whole fallback items), whatever t
 
 **Checksums.** An item whose CRC-32C was recorded at save time is checked as it is read when the
 plan reads all of it (one copy covering the whole chunk: every same-layout load, and any load
-onto a coarser layout): the bytes are checksummed in file order as they arrive, in blocks of
-``_CRC_BLOCK_NBYTES`` read and checksummed while still in the CPU cache, plus the item's few
-header bytes. A plan that reads only part of an item (a finer layout) checks the 4 MiB blocks
-holding the elements it read (ckptd.format.checksum: block checksums), reading those blocks again
-after the copy (from the page cache, mostly); an item of one block is read again whole. A
-checkpoint without block checksums (ckptd before them) has its items read in part checked when
-they are at most 64 KiB (locating their elements read them whole already) or with
-``ExecOptions.verify_partial`` (a resume asks for it: the whole item is read again and checked),
-else not (``LoadStats.items_unverified``; ``ckptd verify`` checks every byte). A mismatch raises
-CorruptCheckpointError naming key, chunk, file and byte range, after the destination may already
-hold the damaged bytes.
+onto a coarser layout): the bytes are checksummed in file order as they arrive
+(:class:`.itemcrc.RunningCrc`), in blocks of ``_CRC_BLOCK_NBYTES`` read and checksummed while still
+in the CPU cache, plus the item's few header bytes. A plan that reads only part of an item (a finer
+layout) checks the 4 MiB blocks holding the elements it read (ckptd.format.checksum: block
+checksums), reading those blocks again after the copy (from the page cache, mostly); an item of
+one block is read again whole. A checkpoint without block checksums (ckptd before them) has its
+items read in part checked when they are at most 64 KiB (locating their elements read them whole
+already) or with ``ExecOptions.verify_partial`` (a resume asks for it: the whole item is read again
+and checked), else not (``LoadStats.items_unverified``; ``ckptd verify`` checks every byte). A
+mismatch raises CorruptCheckpointError naming key, chunk, file and byte range, after the
+destination may already hold the damaged bytes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import mmap
 import os
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,7 @@ from ..format.archive import is_zip_stream, torch_save_problem
 from ..format.checksum import Checksum, unpack_blocks
 from ..format.geometry import Shape, count_runs, enumerate_runs, run_length, strides
 from ..format.reader import DataFiles, RangeSource, check_checksum, checksum_mismatch, load_tensor_bytes, read_error
+from .itemcrc import RunningCrc, covers_whole, touched_blocks
 from .plan import CopyOp, ItemReads, ReadPlan
 from .rawitem import SMALL_ITEM_NBYTES, RawLayout, locate
 
@@ -123,84 +124,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-class _RunningCrc:
-    """The checksum of one item's bytes, fed in file order; ``ok`` turns False for good if a piece
-    arrives out of order (the caller then checks the item by reading it again).
-
-    :meth:`add_later` checksums a piece on ``helper`` (one thread: pieces are checksummed in the
-    order they were added) while the caller reads the next one; CRC-32C releases the GIL, so the
-    two overlap. Same-layout load of 512 MiB in 64 MiB tensors, warm page cache, 2-core CI
-    machine, best of 30 interleaved runs: 136 ms without checksums, 156 ms with the helper, 185 ms
-    checksumming each block on the loading thread; with the other core busy with other work the
-    helper gains nothing (medians 322 ms against 301 ms). :attr:`value` waits for the pieces still
-    being checksummed.
-    """
-
-    def __init__(self, checksum: Checksum, start: int, helper: ThreadPoolExecutor | None = None) -> None:
-        self.checksum = checksum
-        self.pos = start
-        self.crc = 0
-        self.ok = True
-        self._helper = helper
-        self._last: Future[None] | None = None
-
-    def add(self, offset: int, data: memoryview | bytes) -> None:
-        if self._advance(offset, len(data)):
-            self.settle()
-            self.crc = self.checksum(data, self.crc)
-
-    def add_later(self, offset: int, data: memoryview) -> None:
-        """As :meth:`add`, computed on the helper thread; ``data`` must stay unchanged until
-        :attr:`value` returned."""
-        if self._helper is None:
-            self.add(offset, data)
-        elif self._advance(offset, len(data)):
-            self._last = self._helper.submit(self._fold, data)
-
-    def _fold(self, data: memoryview) -> None:
-        self.crc = self.checksum(data, self.crc)
-
-    def _advance(self, offset: int, nbytes: int) -> bool:
-        if not self.ok or offset != self.pos:
-            self.ok = False
-            return False
-        self.pos += nbytes
-        return True
-
-    def settle(self) -> None:
-        """Wait for the pieces still being checksummed (raises what checksumming raised)."""
-        if self._last is not None:
-            last, self._last = self._last, None
-            last.result()
-
-    @property
-    def value(self) -> int:
-        self.settle()
-        return self.crc
-
-
-def _covers_whole(entry: ItemReads) -> bool:
-    """Whether the plan reads every element of the item, in one copy."""
-    if len(entry.copies) != 1:
-        return False
-    op, shape = entry.copies[0], tuple(entry.item.shape)
-    return (
-        op.elem_offset == 0 and tuple(op.array_shape) == shape and tuple(op.sizes) == shape and not any(op.src_origin)
-    )
-
-
-def _spans(entry: ItemReads, layout: RawLayout) -> Iterator[tuple[int, int]]:
-    """File bytes ``[lo, hi)`` from the first to the last element of each copy of ``entry``."""
-    esize = entry.dtype.itemsize
-    for op in entry.copies:
-        if any(n == 0 for n in op.sizes):
-            continue
-        st = strides(op.array_shape)
-        first = op.elem_offset + sum(o * s for o, s in zip(op.src_origin, st))
-        last = op.elem_offset + sum((o + n - 1) * s for o, n, s in zip(op.src_origin, op.sizes, st))
-        yield layout.data_offset + first * esize, layout.data_offset + (last + 1) * esize
-
-
 class _Executor:
     def __init__(self, files: DataFiles, opts: ExecOptions, stats: LoadStats, checksum: Checksum | None) -> None:
         self.files = files
@@ -211,7 +134,7 @@ class _Executor:
         self._sink = memoryview(bytearray(opts.gap_fill_bytes))
         self._scratch: torch.Tensor | None = None
         self._use_mmap = opts.use_mmap
-        self._crc: _RunningCrc | None = None  # the item being read and checked, if any
+        self._crc: RunningCrc | None = None  # the item being read and checked, if any
         self._entry: ItemReads | None = None  # the item being read (for errors)
         self.helper: ThreadPoolExecutor | None = None  # checksums blocks while the next is read
 
@@ -293,17 +216,17 @@ class _Executor:
         self.stats.raw_items += 1
         checksum, recorded = self.checksum, item.crc
         crc = None
-        if checksum is not None and recorded is not None and _covers_whole(entry):
+        if checksum is not None and recorded is not None and covers_whole(entry):
             if self.helper is None and layout.nbytes > _CRC_BLOCK_NBYTES:
                 self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-load-crc")
-            crc = _RunningCrc(checksum, item.file_offset, self.helper)
+            crc = RunningCrc(checksum, item.file_offset, self.helper)
             crc.add(item.file_offset, self._span(fd, item.file_offset, layout.data_offset, probed))
-        elif layout.record_crc32 is not None and _covers_whole(entry):
+        elif layout.record_crc32 is not None and covers_whole(entry):
             # No checksum of ckptd's (torch DCP, Megatron-Core, checksums=False): the CRC-32 the
             # archive records for the elements, computed as they are read.
             if self.helper is None and layout.nbytes > _CRC_BLOCK_NBYTES:
                 self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-load-crc")
-            crc = _RunningCrc(zlib.crc32, layout.data_offset, self.helper)
+            crc = RunningCrc(zlib.crc32, layout.data_offset, self.helper)
         self._crc = crc
         try:
             for op in entry.copies:
@@ -336,7 +259,7 @@ class _Executor:
             self.stats.items_unverified += 1
 
     def _check_archive_crc(
-        self, fd: int, entry: ItemReads, layout: RawLayout, crc: _RunningCrc | None, probed: list[tuple[int, bytes]]
+        self, fd: int, entry: ItemReads, layout: RawLayout, crc: RunningCrc | None, probed: list[tuple[int, bytes]]
     ) -> None:
         """An item without a checksum of ckptd's: its elements against the CRC-32 its ``torch.save``
         archive records, when the load read all of them (or ``verify_partial``: read again whole);
@@ -347,7 +270,7 @@ class _Executor:
             return
         end = layout.data_offset + layout.nbytes
         if crc is None or not crc.ok or crc.pos != end:  # read in part, or not in file order
-            crc = _RunningCrc(zlib.crc32, layout.data_offset)
+            crc = RunningCrc(zlib.crc32, layout.data_offset)
             for off, piece in self._blocks(fd, layout.data_offset, end, probed):
                 crc.add(off, piece)
         if crc.value != want:
@@ -384,24 +307,19 @@ class _Executor:
         """Check an item's recorded checksum over all of its bytes: those ``probed`` already, the
         rest read block by block."""
         item = entry.item
-        crc = _RunningCrc(checksum, item.file_offset)
+        crc = RunningCrc(checksum, item.file_offset)
         for off, piece in self._blocks(fd, item.file_offset, item.file_offset + item.length, probed):
             crc.add(off, piece)
         checksum_mismatch(crc.value, recorded, checksum, self.item_what(entry))
         self.stats.items_verified += 1
 
     def _verify_blocks(self, fd: int, entry: ItemReads, layout: RawLayout, checksum: Checksum) -> None:
-        """Check the blocks of an item read in part that hold the elements the plan read, and
-        those holding the headers the elements were found through (``layout.relied_on``: a flipped
-        offset there shifts every element read, out of blocks that are intact), each read again
-        (the page cache has them, mostly) against its recorded block checksum."""
+        """Check the blocks of an item read in part holding what the plan read (:func:`.itemcrc.touched_blocks`),
+        each read again (the page cache has them, mostly) against its recorded block checksum."""
         item = entry.item
         crcs = unpack_blocks(item.block_crcs)
         size = item.block_nbytes
-        touched: set[int] = set()
-        for lo, hi in [*_spans(entry, layout), *((off, off + n) for off, n in layout.relied_on)]:
-            touched.update(range((lo - item.file_offset) // size, (hi - 1 - item.file_offset) // size + 1))
-        for k in sorted(touched):
+        for k in touched_blocks(entry, layout):
             start = item.file_offset + k * size
             end = min(item.file_offset + item.length, start + size)
             buf = byte_view(self._scratch_bytes(end - start))
@@ -501,7 +419,7 @@ class _Executor:
         if group:
             self._read_group(fd, group, offset, what, crc)
 
-    def _read_group(self, fd: int, group: list[memoryview], offset: int, what: str, crc: _RunningCrc) -> None:
+    def _read_group(self, fd: int, group: list[memoryview], offset: int, what: str, crc: RunningCrc) -> None:
         self._preadv(fd, group, offset, what)
         for piece in group:
             crc.add_later(offset, piece)  # the destination's bytes: unchanged until the item is done
