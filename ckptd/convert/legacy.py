@@ -8,9 +8,9 @@ A legacy checkpoint is one ``torch.save`` file per model-parallel rank::
 each holding ``{"args", "checkpoint_version", "iteration", "model" | "model0".., "optimizer",
 "opt_param_scheduler", "rng_state"}`` with the rank's *local* tensors. Nothing in them says how a
 tensor was split over tensor-parallel ranks, so :class:`SplitRule` s (regex -> axis) say it;
-tensors no rule names must be identical on every TP rank (replicated). Pipeline stages number
-their layers locally: the converter counts each stage's layers (and each expert rank's local
-experts) and renumbers keys globally, as torch_dist checkpoints name them. Two-number rank
+tensors no rule names must be identical on every TP rank (replicated): :mod:`.tpshards`. Pipeline
+stages number their layers locally: the converter counts each stage's layers (and each expert
+rank's local experts) and renumbers keys globally, as torch_dist checkpoints name them. Two-number rank
 directories are TP x PP or TP x EP as the files' ``args`` say (never guessed). Expert ranks' tensors
 outside their experts module must equal expert rank 0's; grouped-GEMM experts are written as
 Megatron-Core stores them (:mod:`.experts`); any other per-expert-rank tensor is refused.
@@ -47,7 +47,8 @@ from ..mapping import ShardedObject
 from . import experts as moe
 from . import mcore, stacking
 from .legacy_tree import LegacyTree, RankFile, check_same_entries, discover, model_chunks, read_rank_file
-from .splitrules import BUILT_IN_RULES, DEFAULT_RULES, GLU_RULE, SplitRule
+from .splitrules import DEFAULT_RULES, GLU_RULE, SplitRule
+from .tpshards import global_shape, tp_chunks
 from .undo import undone_on_failure
 
 log = logging.getLogger("ckptd.convert")
@@ -199,70 +200,6 @@ class _Converter:
         stack = stacking.stack_of(key)
         return 0 if stack is None else self.num_layers.get(stack, 0)
 
-    def chunks_for(
-        self, key: str, shards: list[torch.Tensor], fc1: tuple[bool | None] | None = None
-    ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """``(payload, global offsets)`` per chunk, and validate the TP split. ``fc1``: for an
-        MLP's fc1 ``key``, whether it is a gated linear unit's, as its width says (None: neither;
-        :func:`.experts.mlp_glu`)."""
-        t0 = shards[0]
-        for r, t in enumerate(shards[1:], 1):
-            if t.dtype != t0.dtype or t.shape != t0.shape:
-                raise ShardingError(
-                    f"'{key}': TP rank {r} holds {t.dtype} {tuple(t.shape)} but rank 0 holds "
-                    f"{t0.dtype} {tuple(t0.shape)}; legacy TP shards must have equal shapes"
-                )
-        rule = self._rule(key)
-        glu = None if fc1 is None else fc1[0]
-        if fc1 is not None and glu is None and len(shards) > 1 and (rule is None or rule in BUILT_IN_RULES):
-            raise ShardingError(
-                f"'{key}' is an MLP's fc1 whose width is neither its fc2's ffn (an MLP's) nor twice it (a gated "
-                "linear unit's [gate; up]), so how it is split over tensor-parallel ranks is unknown; give a "
-                "split rule for it (--split 'REGEX=AXIS' or 'REGEX=glu:AXIS')"
-            )
-        if glu is not None and rule is not None and rule.axis is not None and rule.glu != glu:
-            if rule not in BUILT_IN_RULES:
-                raise ShardingError(
-                    f"'{key}' is {'' if glu else 'not '}a gated linear unit's [gate; up] (its width is "
-                    f"{'twice' if glu else 'that of'} its fc2's ffn), but the split rule '{rule.pattern}' says "
-                    f"{'it is not' if glu else 'it is'}; fix the rule"
-                )
-            log.info(
-                "'%s' is %sa gated linear unit's fc1, as its width says: split as such", key, "" if glu else "not "
-            )
-            rule = SplitRule(rule.pattern, rule.axis, glu=glu)
-        n = len(shards)
-        if n == 1 or rule is None or rule.axis is None:
-            if n > 1 and not all(torch.equal(t0, t) for t in shards[1:]):
-                raise ShardingError(
-                    f"'{key}' differs across tensor-parallel ranks, but "
-                    + ("its split rule says replicated" if rule else "no split rule matches it")
-                    + "; add a rule (SplitRule / --split 'REGEX=AXIS') saying along which axis it "
-                    "is split"
-                )
-            return [(t0, (0,) * t0.dim())]
-        axis = rule.axis
-        if not 0 <= axis < t0.dim():
-            raise ShardingError(f"'{key}' has shape {tuple(t0.shape)}; split rule axis {axis} does not exist")
-        local = t0.shape[axis]
-        out = []
-        if rule.glu:
-            if local % 2:
-                raise ShardingError(f"'{key}': a GLU shard needs an even extent on axis {axis}, got {local}")
-            half = local // 2
-            for r, t in enumerate(shards):
-                for part, base in ((0, 0), (1, n * half)):
-                    piece = t.narrow(axis, part * half, half)
-                    offs = [0] * t0.dim()
-                    offs[axis] = base + r * half
-                    out.append((piece, tuple(offs)))
-            return out
-        for r, t in enumerate(shards):
-            offs = [0] * t0.dim()
-            offs[axis] = r * local
-            out.append((t, tuple(offs)))
-        return out
-
     def group(
         self, index: int, pp: int, ep: int, layer_offsets: dict[tuple[int, int], dict[str, int]]
     ) -> tuple[list[PlannedItem], dict, int, str]:
@@ -310,8 +247,8 @@ class _Converter:
                     self._check_as_ep0(key, v, pp, ep, shards, files)
                     continue
                 gkey = _renumber(key, layer_offset, ep * experts if is_expert else 0)
-                pieces = self.chunks_for(gkey, shards, (glu_of[key],) if key in glu_of else None)
-                gshape = self._global_shape(gkey, shards)
+                pieces = tp_chunks(gkey, shards, self._rule(gkey), (glu_of[key],) if key in glu_of else None)
+                gshape = global_shape(shards, self._rule(gkey))
                 layers = self._stacked_layers(gkey)
                 if self.mcore_map is not None:
                     gkey = mcore.mcore_key(self.mcore_map, gkey)
@@ -328,13 +265,6 @@ class _Converter:
                 raise ShardingError(f"'{key}' is in TP rank 0's file but not in {files[r].path}")
             shards.append(t)
         return shards
-
-    def _global_shape(self, key: str, shards: list[torch.Tensor]) -> list[int]:
-        gshape = list(shards[0].shape)
-        rule = self._rule(key)
-        if len(shards) > 1 and rule is not None and rule.axis is not None:
-            gshape[rule.axis] *= len(shards)
-        return gshape
 
     def _check_as_ep0(
         self, key: str, v: int, pp: int, ep: int, shards: list[torch.Tensor], files: list[RankFile]
@@ -392,8 +322,8 @@ class _Converter:
         for i in range(len(per_tp[0])):
             expert = ep * num_local + (g.local if g.local is not None else i)
             expert_shards = [experts[i] for experts in per_tp]
-            pieces = [(p.unsqueeze(0), (expert, *o)) for p, o in self.chunks_for(gkey, expert_shards)]
-            gshape = [num_local * self.tree.ep_size, *self._global_shape(gkey, expert_shards)]
+            pieces = [(p.unsqueeze(0), (expert, *o)) for p, o in tp_chunks(gkey, expert_shards, self._rule(gkey))]
+            gshape = [num_local * self.tree.ep_size, *global_shape(expert_shards, self._rule(gkey))]
             items += self._emit(
                 index, gkey, (gkey, expert), shards[0].dtype, gshape, pieces, self._stacked_layers(gkey)
             )
