@@ -23,8 +23,8 @@ Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a t
    readers check. Two coordinators can never both commit a step (the second create fails);
 5. move ``latest`` by compare-and-swap (``If-Match`` of the ETag read, ``If-None-Match: *`` when
    absent) to the step just committed; if that fails the commit object is deleted again and the
-   commit fails (a step counts as committed once the tracker can name it); then Megatron-LM's
-   tracker;
+   commit fails (a step counts as committed once the tracker can name it: ckptd.roots.s3_tracker);
+   then Megatron-LM's tracker;
 6. retention: the ``keep_last`` last commits stay, and the one Megatron-LM's tracker names (an
    older one when its update failed); a removal deletes the commit object first (the
    step is invisible from then on), then the rest.
@@ -32,9 +32,7 @@ Order of :meth:`S3Root.commit` (the coordinator's commit thread, one step at a t
 A write that failed at the client may still have been applied by the store (its response lost,
 the retry then refused by the precondition, or the last try timed out). So a failed create-only
 write (steps 3 and 4) is read back and counts as done when the object holds exactly the bytes
-written, and a failed tracker update (step 5) is read back too: the commit stands when ``latest``
-names the step, is taken back only when ``latest`` provably names another, and is kept (the save
-fails, the next coordinator start names it latest) when ``latest`` cannot be read.
+written, and a failed tracker update (step 5) is read back too (ckptd.roots.s3_tracker).
 
 A crashed attempt has no commit object, so it is invisible; the next coordinator start (or
 ``ckptd gc``) removes its objects and the root's unfinished multipart uploads (a start: only
@@ -46,7 +44,6 @@ fails with CheckpointRemovedError and ``Checkpointer.load()`` retries on the new
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import pickle
@@ -63,11 +60,9 @@ from ..format.records import ItemRecord
 from ..format.rootlayout import (
     MEGATRON_TRACKER,
     TRACKER_FILE,
-    TRACKER_MAX_NBYTES,
     megatron_tracker_bytes,
     parse_step_dir,
     step_dir_name,
-    tracker_bytes,
 )
 from ..format.validate import validate_records
 from ..recovery import structural_problem
@@ -89,10 +84,9 @@ from .s3_names import (
     step_attempt_of,
     why_kept,
 )
+from .s3_tracker import point_tracker, point_tracker_at_commit
 
 log = logging.getLogger(__name__)
-
-_TRACKER_TRIES = 5
 
 
 class S3Root:
@@ -208,15 +202,7 @@ class S3Root:
         except StorageError:
             self._commit_unknown.add((step, attempt))
             raise
-        try:
-            self._point_tracker(name)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the write may have been applied
-            self._settle_tracker(name, exc)  # returns when the tracker names the step all the same
-        except BaseException:
-            with contextlib.suppress(StorageError):  # unreadable: keep the commit (see _settle_tracker)
-                if not self._tracker_names(name):
-                    self._uncommit(name)
-            raise
+        point_tracker_at_commit(self.client, self.location, name)
         if self.megatron_tracker and step > 0:
             try:
                 self.client.put(MEGATRON_TRACKER, megatron_tracker_bytes(step))
@@ -264,84 +250,7 @@ class S3Root:
     def name_latest(self, name: str) -> None:
         """Point ``latest`` at the committed ``name`` (compare-and-swap): a mirror whose copy of
         the local latest committed but whose tracker update failed (ckptd.daemon.mirror)."""
-        self._point_tracker(name)
-
-    def _point_tracker(self, name: str) -> None:
-        """``latest`` := ``name`` by compare-and-swap (another writer in between: read again)."""
-        for _ in range(_TRACKER_TRIES):
-            exists, _current, _problem, etag = read_s3_tracker(self.client)
-            if exists and etag is None:
-                # The read failed (a timeout, throttling) or found it damaged: its ETag from a HEAD,
-                # whose failure fails the move. A PUT without a precondition would overwrite
-                # whatever another writer put there meanwhile.
-                info = self.client.head(TRACKER_FILE)
-                exists, etag = info is not None, None if info is None else info.etag
-            try:
-                if exists and etag is not None:
-                    self.client.put(TRACKER_FILE, tracker_bytes(name), if_match=etag)
-                else:
-                    self.client.put(TRACKER_FILE, tracker_bytes(name), create_only=not exists)
-                return
-            except FileExistsError:
-                continue
-        raise StorageError(
-            f"{self.display(TRACKER_FILE)} changed {_TRACKER_TRIES} times while it was being moved to "
-            f"{name}: another process writes this root's tracker (two jobs on one root?)"
-        )
-
-    def _settle_tracker(self, name: str, error: Exception) -> None:
-        """After moving ``latest`` to ``name`` failed with ``error``: return when the tracker names
-        ``name`` all the same (committed), else take the commit back and raise.
-
-        The failed request may have been applied (its response lost, or the last retry timed out
-        after the store wrote it). Removing the commit object then leaves ``latest`` naming a
-        removed step, which the coordinator's abort then empties: recovery finds no commit to name
-        and retention refuses. So the tracker is read back, and the commit is taken back only when
-        it provably names something else. A tracker naming ``name`` names this commit: its commit
-        object was created by this call (a replaced commit of the step was retired before)."""
-        try:
-            named = self._tracker_names(name)
-        except StorageError as unread:
-            log.error(
-                "kept the commit of %s although moving %s to it failed: the tracker cannot be read back",
-                self.display(name),
-                self.display(TRACKER_FILE),
-            )
-            raise StorageError(
-                f"moving {self.display(TRACKER_FILE)} to {name} failed ({error}) and reading it back failed "
-                f"too ({unread}), so whether {name} is latest is unknown. Its commit object is kept (removing "
-                "it could leave the tracker naming a removed step): the step is committed though this save "
-                "fails, and the next coordinator start names it latest if it is the newest commit; check the "
-                "store (AWS_ENDPOINT_URL, the network)"
-            ) from error
-        if not named:
-            self._uncommit(name)
-            raise error
-        log.warning(
-            "committed %s: %s names it, though its update reported: %s", self.display(name), TRACKER_FILE, error
-        )
-
-    def _tracker_names(self, name: str) -> bool:
-        """Whether ``latest`` names ``name`` now; StorageError when it cannot be read."""
-        try:
-            got = self.client.get(TRACKER_FILE, TRACKER_MAX_NBYTES, "tracker")
-        except CorruptCheckpointError:  # oversized: not a name this root wrote
-            return False
-        return got is not None and got[0].strip() == name.encode()
-
-    def _uncommit(self, name: str) -> None:
-        """Take back a commit whose tracker could not be written and provably does not name it:
-        the step is not committed until the tracker can name it, and its ranks are told it
-        aborted. Never with the tracker naming it (see :meth:`_settle_tracker`)."""
-        try:
-            self.client.delete([f"{name}/{COMMIT_RECORD}"])
-        except StorageError as exc:
-            log.error(
-                "the tracker update of %s failed and its commit object could not be removed (%s); it is "
-                "complete but not named by the tracker (the next coordinator start names it)",
-                self.display(name),
-                exc,
-            )
+        point_tracker(self.client, self.location, name)
 
     # --- removing -----------------------------------------------------------------------------------
     def abort(self, step: int, attempt: str) -> None:
@@ -544,7 +453,7 @@ class S3Root:
         ):
             newest = next((e for e in cat.newest_first if e.record_problem is None), None)
             if newest is not None and (current is None or newest.commit_order > current.commit_order):
-                self._point_tracker(newest.name)
+                point_tracker(self.client, self.location, newest.name)
                 finished = newest.name
         partial = [
             (e, [i.key for i in self.client.list_objects(e.name) if leaf(i.key) != COMMIT_RECORD])

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ckptd.errors import StorageError
-from ckptd.roots.s3_root import S3Root
+from ckptd.roots.s3_tracker import point_tracker
 from ckptd.storage.s3client import ObjectInfo, S3Client
 from ckptd.storage.url import S3Location
 
@@ -38,7 +38,7 @@ def test_moving_latest_after_a_failed_read_still_compares_and_swaps():
     """A read of ``latest`` that failed for a passing reason made its move a PUT without any
     precondition: whatever another writer put there meanwhile was overwritten."""
     store = TrackerStore()
-    S3Root(S3Location(bucket="b", prefix="r"), client=store)._point_tracker("iter_0000100")  # type: ignore[arg-type]
+    point_tracker(store, S3Location(bucket="b", prefix="r"), "iter_0000100")  # type: ignore[arg-type]
     assert store.puts == [("latest", b"iter_0000100\n", False, "e1")]
 
 
