@@ -43,7 +43,8 @@ Order of one :meth:`Checkpointer.save` on a rank:
    the last SAVE or ``prepare()`` sent one, the item list and the keys it holds without storing
    them (else only the layout's id: :mod:`ckptd.client.layout`), and wait for its ``SAVE_ACK``;
    tell the producer whether the daemon took the save (``after_ack``: an inline producer copies
-   now), never took it (``cancel``; a fork child is killed) or may have (``detach``); return the
+   now), never took it (``cancel``; a fork child is killed) or may have (``detach``; see
+   :mod:`ckptd.client.handoff`); return the
    :class:`SaveHandle`, which resolves through its future as the daemon's notifications arrive
    (:mod:`ckptd.client.pending`). The daemon writes each item once it is produced and publishes
    the file once the producer sealed the save; outcomes of other attempts of the step never
@@ -75,7 +76,6 @@ from ..control.protocol import (
     LayoutOk,
     Message,
     RegisterLayout,
-    Save,
     Status,
     StatusReply,
 )
@@ -83,7 +83,6 @@ from ..dist import DistContext
 from ..errors import (
     CheckpointExistsError,
     CkptdError,
-    ProtocolError,
     SaveSkippedError,
 )
 from ..format.durable import make_dirs_durably
@@ -95,13 +94,13 @@ from ..s3catalog import committed_at, scan_any
 from ..staging.children import KILL_REAP_S
 from ..staging.devsnap import tensor_nbytes_by_device
 from ..staging.lazy import STOP_MARGIN_S
-from ..staging.producer import Claim, Producer
-from ..staging.rankside import StagingRing
+from ..staging.producer import Claim
 from ..statedict.content import with_content_metadata
 from ..statedict.stateful import expand_stateful
 from ..storage.s3client import S3Client
 from ..storage.url import Location, S3Location, join, parse_location
 from .handle import SaveFuture, SaveHandle, SaveStatus
+from .handoff import SaveHandoff
 from .incarnation import launch_incarnation
 from .layout import LayoutCache
 from .link import DaemonLink, DaemonLostError, RequestNotTaken, abandon_dropped, weakly
@@ -178,6 +177,7 @@ class Checkpointer(RootReader):
             self._link,
             self._session.ensure_connected,
         )
+        self._handoff = SaveHandoff(self.env, self._link, self._session, self._layout, self._tries)
         try:
             self._link.connect()
             if parse_budget(self.config.staging_budget)[1]:
@@ -274,7 +274,7 @@ class Checkpointer(RootReader):
             claim = Claim(step=step, block=block, start=start, items=items, placements=placements)
             queue_wait_s = time.perf_counter() - t_slot
             # Before the fork: while the child runs, every page the trainer writes is copied.
-            wire, layout, held = self._layout.items_for(ring.generation, items, placements, plan.held)
+            wire = self._layout.items_for(ring.generation, items, placements, plan.held)
             t_copy = time.perf_counter()
             try:
                 producer, waited_s = self._ring.start(
@@ -287,29 +287,9 @@ class Checkpointer(RootReader):
         copy_s = time.perf_counter() - t_copy - waited_s
         queue_wait_s += waited_s
         attempt = self._tries.next(step)
-        snap = producer.snapshot
-        msg = Save(
-            step=step,
-            attempt=attempt,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
-            generation=ring.generation,
-            block=block,
-            items=wire,
-            common=plan.common,
-            common_digest=plan.common_digest,
-            layout=layout,
-            ring_start=start,
-            snapshot_pid=snap.pid,
-            seal=snap.seal,
-            seal_offset=snap.seal_offset,
-            plain_digest=plan.plain,
-            held=held,
-            went_back_to=-1 if self._went_back is None else self._went_back.step,
-            went_back_unix_s=0.0 if self._went_back is None else self._went_back.before_unix_s,
-        )
+        msg = self._handoff.message(attempt, ring, claim, producer, plan, wire, self._went_back)
         t_send = time.perf_counter()
-        self._send_save(msg, producer, ring, claim)
+        self._handoff.send(msg, producer, ring, claim)
         t_ack = time.perf_counter()
         handoff_s = t_ack - t_send
         waited_s = producer.after_ack()  # the rest of an inline copy, issued once the daemon took the save
@@ -338,42 +318,6 @@ class Checkpointer(RootReader):
         if isinstance(self.root, S3Location):
             return False
         return self.env.node == 0 or not self._levels.node_local
-
-    def _send_save(self, msg: Save, producer: Producer, ring: StagingRing, claim: Claim) -> None:
-        """Send the SAVE and wait for its SAVE_ACK; when none comes, tell the producer whether the
-        daemon never took the save (cancel: the range is given back) or may still write it (detach)."""
-        try:
-            self._link.announce(msg)
-        except DaemonLostError as exc:
-            producer.cancel()  # nobody reads the ring any more: nothing is written into it
-            self._session.daemon_lost(str(exc))
-            # The daemon may have died with the SAVE unread or untold: the next one is asked to
-            # abort this attempt, else the other ranks' saves of it hold every later commit.
-            self._session.lost.append((msg.step, msg.attempt))
-            raise
-        except (RequestNotTaken, ProtocolError) as exc:
-            producer.cancel()
-            ring.unclaim(claim.block, claim.start, claim.placements)  # not sent, or refused: never taken
-            self._layout.forget()
-            # An unknown client: save() tries again; an attempt in use: it is another save's.
-            if not (isinstance(exc, RequestNotTaken) and (exc.unknown_client or exc.attempt_in_use)):
-                self._tries.tell_others(
-                    msg.step, msg.attempt, f"rank {self.env.rank} could not save step {msg.step}: {exc}"
-                )
-            raise
-        except BaseException:
-            # No answer (timeout, interrupt): the daemon may still write this save, so its control
-            # block stays taken until the daemon's WRITE_DONE for it.
-            producer.detach()
-            self._layout.forget()
-            log.warning(
-                "rank %d: no answer to the SAVE of step %d; its staging block %d stays reserved "
-                "until the daemon frees it",
-                self.env.rank,
-                msg.step,
-                claim.block,
-            )
-            raise
 
     def prepare(self, sharded_state_dict: dict[str, Any], *, wait: bool = True) -> None:
         """Create this rank's staging ring now, sized for saves of ``sharded_state_dict`` as its
