@@ -7,7 +7,8 @@ Order of a multi-rank :func:`save` (every rank calls it; collectives over torch.
 2. (all ranks) gather records, the keys each rank holds without storing them (replicas) and the
    plain items each holds (DCP-style plain tensors and values); every rank assigns each plain
    item held by several ranks to one writer (:func:`ckptd.statedict.holdings.assign_writers`) and
-   drops its other copies; rank 0 validates global coverage; everyone agrees or raises.
+   drops its other copies (:mod:`ckptd.saveexchange`); rank 0 validates global coverage; everyone
+   agrees or raises.
 3. (all ranks) write ``__<rank>_0.distcp`` and fsync it.
 4. (rank 0) gather stored records, write ``common.pt``, ``.metadata``, ``metadata.json`` (last).
 
@@ -21,7 +22,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +32,14 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     SaveFailedError,
-    ShardingError,
     StorageError,
 )
-from .format.checksum import crc32c
-from .format.coverage import ChunkId, check_coverage, chunk_id, dedup_plain, is_replicated_chunk, replicated_chunks
+from .format.coverage import check_coverage, dedup_plain
 from .format.dcp_metadata import CheckpointIndex, common_items, planner_path
 from .format.direct import open_data_file
 from .format.durable import Opener, atomic_tmp_name, default_opener, fsync_dir, make_dirs_durably
 from .format.finalize import finalize, serialize_common
-from .format.items import PlannedItem, payload_crc, write_data_file
+from .format.items import PlannedItem, write_data_file
 from .format.layout import (
     COMMON_PT,
     DCP_METADATA,
@@ -50,7 +48,7 @@ from .format.layout import (
     read_backend_metadata,
 )
 from .format.reader import DataFiles, read_bytes_item, read_common, read_common_pt
-from .format.records import BYTES, ItemRecord
+from .format.records import ItemRecord
 from .format.saveplan import plan_rank
 from .format.validate import validate_records
 from .loading.execute import ExecOptions, LoadStats
@@ -58,13 +56,21 @@ from .loading.keymap import Rule
 from .loading.loader import KeysAgreement, LoadRequest, run_load
 from .loading.strict import StrictHandling, parse_strict
 from .loading.view import CheckpointView, VirtualTensor, completed_objects, is_legacy_grid
-from .mapping import ByteItem, ShardedObject, ShardedTensor
+from .mapping import ShardedObject, ShardedTensor
 from .opening import OpenedCheckpoint, opened
 from .s3save import S3SaveTarget
+from .saveexchange import (
+    check_one_dialect,
+    plain_writers,
+    planned_record,
+    reported_dialect,
+    warn_differing_common,
+    with_replicated_crcs,
+)
 from .statedict.content import CONTENT_METADATA_KEY, with_content_metadata
-from .statedict.digest import common_digest, differing_ranks
-from .statedict.holdings import assign_writers, plain_sizes
-from .statedict.split import Dialect, SplitStateDict, split_state_dict
+from .statedict.digest import common_digest
+from .statedict.holdings import plain_sizes
+from .statedict.split import split_state_dict
 from .statedict.stateful import expand_stateful, load_stateful
 from .statedict.tree import set_path
 from .storage.nodeview import NodeLocalCheckpoint
@@ -170,23 +176,21 @@ def save(
         digest = common_digest(split.common) if ctx.world_size > 1 else None
         plain = plain_sizes(split)
         return {
-            "records": [_planned_record(i, plain, ctx.world_size) for i in plan.items],
+            "records": [planned_record(i, plain, ctx.world_size) for i in plan.items],
             "held": plan.held,
             "plain": plain,
             "common_digest": digest,
             "token": S3SaveTarget.new_token() if s3 is not None and ctx.rank == 0 else "",
-            # None: a rank with no tensor or sharded entry (only plain values, or nothing) takes
-            # the others' style.
-            "dialect": split.dialect.value if split.dialect is Dialect.MEGATRON or _holds_tensors(split) else None,
+            "dialect": reported_dialect(split),
         }
 
     planned = ctx.agree("checkpoint planning", prepare)
     s3 = targets[0] if targets else None
-    _check_one_dialect([p["dialect"] for p in planned])
+    check_one_dialect([p["dialect"] for p in planned])
     token = planned[0]["token"]  # names this save's data objects (object storage)
     warn_differing_common([p["common_digest"] for p in planned], ctx.rank, str(root))
-    writers = _plain_writers([p["plain"] for p in planned])
-    by_rank = _with_replicated_crcs(ctx, [p["records"] for p in planned], prepared)
+    writers = plain_writers([p["plain"] for p in planned])
+    by_rank = with_replicated_crcs(ctx, [p["records"] for p in planned], prepared)
     # Every rank decides alike which copy of an item several ranks hold is stored (a plain item's
     # writer, a replicated DTensor chunk's lowest holder), and drops its own other copies.
     kept, differing = dedup_plain([r for records in by_rank for r in records], writers)
@@ -257,73 +261,6 @@ def save(
             _remove_partial(root, ctx, created_root[0])
         raise
     log.info("saved checkpoint %s (rank %d, %d items)", root, ctx.rank, len(prepared))
-
-
-def _with_replicated_crcs(
-    ctx: DistContext, by_rank: list[list[ItemRecord]], prepared: list[PlannedItem]
-) -> list[list[ItemRecord]]:
-    """Every rank's planned records, those of chunks several ranks store (a DTensor on a submesh)
-    with the CRC-32C of their values (a collective, only when there are such chunks): their copies
-    are kept once only when equal (ckptd.format.coverage.dedup_plain)."""
-    several = replicated_chunks([r for records in by_rank for r in records])
-    if not several:
-        return by_rank
-
-    def mine() -> dict[ChunkId, int]:
-        return {
-            chunk_id(r): payload_crc(item.payload)
-            for item, r in zip(prepared, by_rank[ctx.rank], strict=True)
-            if is_replicated_chunk(r) and chunk_id(r) in several
-        }
-
-    crcs = ctx.agree("comparing the copies of chunks several ranks store", mine)
-    return [
-        [
-            replace(r, crc=crcs[rank][chunk_id(r)]) if is_replicated_chunk(r) and chunk_id(r) in several else r
-            for r in records
-        ]
-        for rank, records in enumerate(by_rank)
-    ]
-
-
-def _planned_record(item: PlannedItem, plain: dict[str, int], world_size: int) -> ItemRecord:
-    """A planned record for the planning exchange; a plain value held by several ranks may
-    differ between them, so its bytes' CRC-32C goes along (rank 0 warns about differing copies)."""
-    record = item.record
-    if world_size > 1 and record.kind == BYTES and record.fqn in plain and isinstance(item.payload, bytes):
-        record = replace(record, crc=crc32c(item.payload))
-    return record
-
-
-def _plain_writers(plains: list[dict[str, int]]) -> dict[str, int]:
-    """Who writes each plain item, from every rank's plain items (key -> bytes or VALUE)."""
-    holdings: dict[str, dict[int, int]] = {}
-    for rank, plain in enumerate(plains):
-        for key, nbytes in plain.items():
-            holdings.setdefault(key, {})[rank] = nbytes
-    return assign_writers(holdings)
-
-
-def warn_differing_common(digests: list[str | None], rank: int, where: str) -> None:
-    """Log (on rank 0 and on each differing rank) when a rank's common state differs from rank 0's,
-    which is the one saved."""
-    differing = differing_ranks(digests)
-    if not differing:
-        return
-    if rank == 0:
-        log.warning(
-            "save of %s: the common state of ranks %s differs from rank 0's; only rank 0's "
-            "is saved (keep per-rank values in ShardedObjects)",
-            where,
-            differing,
-        )
-    elif rank in differing:
-        log.warning(
-            "save of %s: this rank's (%d) common state differs from rank 0's, which is the one "
-            "saved; keep per-rank values in ShardedObjects",
-            where,
-            rank,
-        )
 
 
 def load(
@@ -426,26 +363,6 @@ def load(
         if agreement is not None:
             agreement.join_failed(exc)
         raise
-
-
-def _holds_tensors(split: SplitStateDict) -> bool:
-    return any(not isinstance(sh, ByteItem) for sh in split.sharded.values())
-
-
-def _check_one_dialect(dialects: list[str | None]) -> None:
-    """Every rank's state dict is of one style (every rank raises alike): a Megatron-style one
-    (ShardedTensor, ShardedObject...) keeps its common state in ``common.pt``, which rank 0 writes,
-    and a DCP-style one stores every value as an item. Mixed, rank 0's common state was lost when
-    rank 0 was the DCP-style one, with only a warning that the common state differed."""
-    styles = {d for d in dialects if d is not None}
-    if len(styles) > 1:
-        by = {d: [r for r, x in enumerate(dialects) if x == d] for d in sorted(styles)}
-        said = "; ".join(f"ranks {ranks} {d}-style" for d, ranks in by.items())
-        raise ShardingError(
-            f"the ranks' state dicts are of different styles ({said}): a Megatron-style state dict holds a "
-            "ShardedTensor, ShardedObject or factory, a DCP-style one plain tensors or DTensors. Give every "
-            "rank the same structure"
-        )
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike | S3Location, *, allow_unsafe_pickle: bool = False) -> Any:

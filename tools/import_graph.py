@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("roots", ("ckptd.roots",)),
-    ("sync api", ("ckptd.opening", "ckptd.s3save", "ckptd.api", "ckptd.optim")),
+    ("sync api", ("ckptd.opening", "ckptd.s3save", "ckptd.saveexchange", "ckptd.api", "ckptd.optim")),
     ("staging", ("ckptd.staging",)),
     ("control", ("ckptd.control",)),
     ("daemon", ("ckptd.daemon",)),
