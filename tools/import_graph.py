@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Decisions as pure functions of events and time (``handle(event, now) -> actions``).
 PURE = (
     "ckptd.daemon.commitstate",
+    "ckptd.daemon.reportcheck",
     "ckptd.daemon.countedreports",
     "ckptd.daemon.uplinkstate",
     "ckptd.daemon.intakestate",

@@ -15,6 +15,8 @@ Each attempt of a step (ckptd.control.attempt)::
         |                                              |
         +--(FAILED / SKIP / bad records / timeout)-----+--(commit error)-----> ABORTED
 
+A WRITTEN whose records contradict its attempt or itself is bad (ckptd.daemon.reportcheck).
+
 Only reports addressed to this coordinator instance count (``coordinator_instance``: the node
 learnt it from a ``PONG``); one addressed to another instance is dropped and counted
 (:attr:`CommitState.misaddressed`): it was sent to a predecessor that is gone, and its node takes
@@ -53,13 +55,11 @@ from typing import Any
 
 from ..catalog import WentBack
 from ..config import CkptdConfig
-from ..control.itemchecks import check_record
 from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
 from ..control.wiretext import bounded_text, bounded_warnings
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
-from ..format.records import ItemRecord
 from ..statedict.digest import differing_ranks
 from .commitevents import (
     Action,
@@ -77,6 +77,7 @@ from .commitevents import (
     Tick,
 )
 from .countedreports import CountedReports
+from .reportcheck import checked_records
 
 log = logging.getLogger(__name__)
 
@@ -336,14 +337,15 @@ class CommitState:
             )
             return
         try:
-            records = self._checked_records(st, msg)
+            records = checked_records(st, msg, self.data_file_name)
         except ProtocolError as exc:
             self._abort(st, f"{who}: {exc}")
             return
         if msg.report_id:
             st.report_ids.add(msg.report_id)
-        if records is None:
-            return  # a repeated WRITTEN, identical to the one counted
+        if records is None:  # a repeated WRITTEN, identical to the one counted
+            self.duplicates += 1
+            return
         st.records[msg.rank] = records
         st.file_nbytes[msg.rank] = msg.file_nbytes
         st.nodes[msg.rank] = msg.node
@@ -356,52 +358,6 @@ class CommitState:
             st.common = msg.common
         if len(st.records) == st.world_size and self._settle(st):
             st.phase = Phase.READY  # committed by _start_ready, in the order the attempts began
-
-    def _checked_records(self, st: AttemptState, msg: Written) -> list[ItemRecord] | None:
-        """The records of ``msg`` once checked against the attempt; None for an identical repeat.
-        Raises ProtocolError (the attempt aborts) for a report that contradicts the attempt or
-        itself."""
-        if msg.world_size != st.world_size:
-            raise ProtocolError(
-                f"world size {msg.world_size}, other ranks of attempt {msg.attempt} "
-                f"said {st.world_size}; every rank of the job must use one "
-                "Checkpointer setup"
-            )
-        if not 0 <= msg.rank < st.world_size:
-            raise ProtocolError(f"rank {msg.rank} outside world size {st.world_size}")
-        for rec in msg.records:
-            check_record(rec)
-        records = msg.records
-        if msg.rank in st.records:
-            if (
-                records == st.records[msg.rank]
-                and msg.file_nbytes == st.file_nbytes[msg.rank]
-                and (msg.rank != 0 or msg.common == st.common)
-            ):
-                self.duplicates += 1
-                log.warning(
-                    "step %d attempt %s: ignored a repeated WRITTEN of rank %d (node %d)",
-                    msg.step,
-                    msg.attempt,
-                    msg.rank,
-                    msg.node,
-                )
-                return None
-            raise ProtocolError(f"rank {msg.rank} reported attempt {msg.attempt} of step {msg.step} twice, differently")
-        name = self.data_file_name(msg.attempt, msg.rank)
-        for r in records:
-            if r.rank != msg.rank:
-                raise ProtocolError(f"rank {msg.rank} sent records of rank {r.rank}")
-            if r.relative_path != name:
-                raise ProtocolError(
-                    f"rank {msg.rank} sent a record stored in {r.relative_path!r}, not in its data file {name}"
-                )
-        end = max((r.file_offset + r.length for r in records), default=0)
-        if msg.file_nbytes < end:
-            raise ProtocolError(
-                f"rank {msg.rank}'s data file {name} has {msg.file_nbytes} bytes, but its records address {end}"
-            )
-        return records
 
     def _on_failed(self, identity: bytes, msg: Failed, facts: RootFacts, now: float) -> None:
         key = (msg.step, msg.attempt)
