@@ -126,14 +126,15 @@ def test_ranks_agree_on_a_random_incarnation_through_the_launch_store():
 
     import torch.distributed as dist
 
-    from ckptd.client.incarnation import agreed_incarnation
+    from ckptd.client.incarnation import LaunchRound, agreed_incarnation
 
     def launch() -> list[str]:
         server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
         clients = [dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=10)) for _ in range(3)]
-        first = [agreed_incarnation(c, "job1", r).tag for r, c in enumerate(clients)]
+        world = LaunchRound(world_size=3)
+        first = [agreed_incarnation(c, "job1", r, world).tag for r, c in enumerate(clients)]
         # A second Checkpointer of the job in the same launch: a new agreement, not the first's.
-        second = [agreed_incarnation(c, "job1", r).tag for r, c in enumerate(clients)]
+        second = [agreed_incarnation(c, "job1", r, world).tag for r, c in enumerate(clients)]
         assert len(set(first)) == 1 and len(set(second)) == 1 and first != second
         return first
 
@@ -147,13 +148,60 @@ def test_a_store_that_fails_one_rank_is_an_error_never_an_incarnation_of_its_own
 
     import torch.distributed as dist
 
-    from ckptd.client.incarnation import agreed_incarnation
+    from ckptd.client.incarnation import LaunchRound, agreed_incarnation
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
     client = dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=10))
-    client.set("ckptd/job1/incarnation/1", "not twelve hex digits")
+    world = LaunchRound(world_size=2)
+    client.set("ckptd/job1/world2/incarnation/1", "not twelve hex digits")
     with pytest.raises(CkptdError, match="not 12 hex digits.*Set CKPTD_RUN_ID"):
-        agreed_incarnation(client, "job1", 0)
+        agreed_incarnation(client, "job1", 0, world)
     del server  # the store goes: the next agreement fails
     with pytest.raises(CkptdError, match="rank 0 could not agree.*Set CKPTD_RUN_ID"):
-        agreed_incarnation(client, "job1", 0)
+        agreed_incarnation(client, "job1", 0, world)
+
+
+def _torchrun_rank(rank: int, world_size: int, per_node: int) -> JobEnv:
+    return JobEnv(
+        rank=rank, local_rank=rank % per_node, world_size=world_size, local_world_size=per_node, node=rank // per_node
+    )
+
+
+def test_the_round_is_told_by_the_world_size_and_a_lone_torchruns_restart_count():
+    """torchrun's agent store outlives its rounds of workers: ranks agree per round. A one-node
+    torchrun raises its restart count every round; several nodes' agents count each their own (a
+    membership change raises none, a failure only the failed node's), so there the count would
+    split the ranks of one round, and only the world size tells rounds apart (README, Launch)."""
+    from ckptd.client.incarnation import LaunchRound
+
+    one_node = [LaunchRound.of(_torchrun_rank(r, 2, 2), {"TORCHELASTIC_RESTART_COUNT": "1"}) for r in range(2)]
+    assert one_node[0] == one_node[1] == LaunchRound(world_size=2, restart_count="1")
+    assert one_node[0].key != LaunchRound.of(_torchrun_rank(0, 2, 2), {"TORCHELASTIC_RESTART_COUNT": "0"}).key
+    assert str(one_node[0]) == "world size 2, torchrun restart 1"
+    # Two nodes whose agents counted differently: one round all the same.
+    nodes = [LaunchRound.of(_torchrun_rank(r, 4, 2), {"TORCHELASTIC_RESTART_COUNT": str(r // 2)}) for r in range(4)]
+    assert len(set(nodes)) == 1 and nodes[0] == LaunchRound(world_size=4) and str(nodes[0]) == "world size 4"
+    assert LaunchRound.of(_torchrun_rank(0, 6, 2), {}).key != nodes[0].key  # a node joined
+    assert LaunchRound.of(_torchrun_rank(0, 2, 2), {}).key == "world2"  # no torchrun: the world size
+
+
+def test_a_rank_behind_the_others_in_counting_agrees_with_its_own_round():
+    """Keyed by the job alone, a rank that died in round 0 before its first save (or a rank new to
+    the job) counted one Checkpointer behind the others in round 1 and read round 0's tag: its
+    attempts were the dead round's (a real TCPStore, the ranks' calls in the order that did it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptd.client.incarnation import LaunchRound, agreed_incarnation
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    store = dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=10))
+    round0, round1 = (LaunchRound(world_size=2, restart_count=str(n)) for n in (0, 1))
+    dead = agreed_incarnation(store, "job1", 0, round0).tag  # rank 1 died before its first save
+    late = agreed_incarnation(store, "job1", 1, round1).tag  # round 1: rank 1 first, rank 0 after
+    assert agreed_incarnation(store, "job1", 0, round1).tag == late != dead
+    # A node joins (no agent counts a restart): the new rank and the old ones agree afresh.
+    grown = LaunchRound(world_size=3)
+    tags = {agreed_incarnation(store, "job1", r, grown).tag for r in (2, 0, 1)}
+    assert len(tags) == 1 and not tags & {dead, late}
