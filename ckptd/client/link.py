@@ -9,8 +9,11 @@ Order of use (by the Checkpointer, on the training thread only; not thread-safe)
 2. :meth:`request`: send one request and wait for its reply; notifications arriving meanwhile
    (``WRITE_DONE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
 3. :meth:`pump`: deliver notifications without a request (``handle.done()``/``wait()``);
-4. every wait polls in short intervals and checks that the daemon still holds its lock: a dead
-   daemon raises :class:`DaemonLostError` at once instead of a timeout.
+4. every wait polls in short intervals and checks that the daemon process it handshook with
+   still runs (its pid and start time: ckptd.control.procid): a dead daemon raises
+   :class:`DaemonLostError` at once instead of a timeout. Not its pid file: one removed under a
+   live daemon (its runtime directory deleted at a logout or by a ``/tmp`` cleaner; the daemon
+   puts it back, ckptd.daemon.runfiles) must not make a working connection look dead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..control.codec import Codec
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import CurveKeys, derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
+from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import Bye, Hello, Message, Save, SaveAck, Skip, Welcome
 from ..control.requests import RequestClient
 from ..errors import CkptdError, DaemonError, DaemonLostError, RequestNotTaken
@@ -66,6 +70,7 @@ class DaemonLink:
         self.requests: RequestClient | None = None
         self.instance: str | None = None
         self.daemon_pid: int | None = None
+        self.daemon_start_ticks: int | None = None  # its process's start (None: /proc does not show it)
         # Why a request found the daemon gone and closed the socket ('' since the last connect):
         # the session drops that daemon's ring and saves with it (ckptd.client.session).
         self.lost = ""
@@ -120,10 +125,11 @@ class DaemonLink:
         self._open_socket()
         # Forget the previous daemon's pid: while it is set, a slow WELCOME from its successor
         # would make alive() report the new daemon as dead.
-        self.daemon_pid = None
+        self.daemon_pid = self.daemon_start_ticks = None
         welcome = self._hello()
         self.instance = welcome.instance
         self.daemon_pid = welcome.pid
+        self.daemon_start_ticks = start_ticks_of(welcome.pid)
         log.info("rank %d connected to daemon %s (pid %d)", self.env.rank, welcome.instance, welcome.pid)
         return welcome
 
@@ -234,7 +240,11 @@ class DaemonLink:
 
     # --- talking -------------------------------------------------------------------------------
     def alive(self) -> bool:
-        """The daemon we handshook with still runs (holds the lock, same pid)."""
+        """The daemon we handshook with still runs: its process (pid and start time), whatever
+        became of its pid file. Before the handshake, or where /proc does not show the daemon's
+        process: a daemon holds the pid file's lock, and it is the one we handshook with."""
+        if self.daemon_pid is not None and self.daemon_start_ticks is not None:
+            return same_process(self.daemon_pid, self.daemon_start_ticks)
         if not daemon_alive(self.ep.pid_path):
             return False
         pid = daemon_pid(self.ep.pid_path)

@@ -14,7 +14,8 @@ trainer finds the daemon that still persists its last saves). Per job and node:
 ``runtime_dir`` (default: ckptd.control.rundir) is created with mode 0700 and must be a directory
 (not a link) owned by the current user; the token file must be a private regular file of this
 user, and a client refuses a daemon whose pid file or socket another user owns
-(:func:`check_daemon_file`).
+(:func:`check_daemon_file`). A daemon puts back its files when they vanish under it
+(ckptd.daemon.runfiles).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def open_private_dir(
     holds: str = "the job's sockets and token",
     hint: str = _RUNTIME_DIR_HINT,
     refuse_open_mode: bool = False,
+    parents: bool = True,
 ) -> int:
     """Create ``path`` (mode 0700) if needed and open it without following a link; the caller
     closes the fd. Refused with DaemonError: a link (an attacker's ``/tmp/ckptd-<uid>`` pointing
@@ -133,8 +135,10 @@ def open_private_dir(
     directory of this user that is group- or world-accessible is made 0700 (through the fd: the
     verified directory, never a link's target), or refused with ``refuse_open_mode`` (where a file
     another user put in it meanwhile would be taken for one of ours). ``what``, ``holds`` and
-    ``hint`` word the errors: what the directory is, what it holds, what to do."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ``hint`` word the errors: what the directory is, what it holds, what to do. Missing parents
+    are made too unless ``parents`` is False (then FileNotFoundError)."""
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -321,7 +325,7 @@ def check_token(token: bytes, source: str) -> bytes:
     return token
 
 
-def _read_token_file(dir_fd: int, path: Path) -> bytes:
+def read_token_file(dir_fd: int, path: Path) -> bytes:
     """The token in ``path``: a regular file (not a link, not a FIFO) of this user, mode 0600 or
     stricter, read through the one fd whose status was checked."""
     try:
@@ -360,8 +364,9 @@ def _read_token_file(dir_fd: int, path: Path) -> bytes:
     return check_token(token, f"file {path}")
 
 
-def _create_token_file(dir_fd: int, path: Path) -> bytes | None:
-    """Create ``path`` with a new random token; None if another process created it first.
+def create_token_file(dir_fd: int, path: Path, token: bytes) -> bytes | None:
+    """Create ``path`` (in the directory ``dir_fd``) holding ``token``; None if another process
+    created it first.
 
     Written completely under a private name (``O_EXCL | O_NOFOLLOW``, 0600), then linked: readers
     never see a partial token, and of several racing creators exactly one link succeeds. The
@@ -370,7 +375,7 @@ def _create_token_file(dir_fd: int, path: Path) -> bytes | None:
     tmp = f"{path.name}.{os.getpid()}.{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
-        os.write(fd, secrets.token_hex(32).encode())
+        os.write(fd, token)
         os.fsync(fd)
         try:
             os.link(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
@@ -395,10 +400,10 @@ def load_token(ep: Endpoints, config: CkptdConfig) -> bytes:
         if config.job_token:
             return check_token(config.job_token.encode(), "CKPTD_JOB_TOKEN")
         try:
-            return _read_token_file(dir_fd, ep.token_path)
+            return read_token_file(dir_fd, ep.token_path)
         except FileNotFoundError:
             pass
-        created = _create_token_file(dir_fd, ep.token_path)
-        return created if created is not None else _read_token_file(dir_fd, ep.token_path)
+        created = create_token_file(dir_fd, ep.token_path, secrets.token_hex(32).encode())
+        return created if created is not None else read_token_file(dir_fd, ep.token_path)
     finally:
         os.close(dir_fd)

@@ -38,6 +38,7 @@ from ..format.durable import make_dirs_durably
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
 from .rootlock import RootBusyError, RootLock
+from .runfiles import RuntimeFiles
 from .store import daemon_store
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def run_daemon(
         log.info("a daemon for %s node %d is running already", ep.root, ep.node)
         return EXIT_BUSY
     daemon = None
+    runfiles: RuntimeFiles | None = None
     root_lock = RootLock(ep.root, ep.node, ep.job)
     try:
         if isinstance(ep.root, Path):
@@ -93,7 +95,9 @@ def run_daemon(
         # umask still narrows it, so a checkpoint is never more open than both allow.
         inherited = os.umask(0o077)
         os.umask(inherited | (0o777 & ~dir_mode_for(config.file_mode)))
-        keys = derive_keys(load_token(ep, config))
+        token = load_token(ep, config)
+        keys = derive_keys(token)
+        runfiles = RuntimeFiles(ep, lock, None if config.job_token else token)
         stale = remove_orphans(ep.shm_prefix)
         if stale:
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])
@@ -113,7 +117,15 @@ def run_daemon(
             # With several nodes other nodes may be writing these right now: adopted as steps in flight.
             adopt = recovered.adopted
         daemon = NodeDaemon(
-            ep, config, keys, store, coordinator=coordinator, exit_when_idle=exit_when_idle, adopt=adopt, nnodes=nnodes
+            ep,
+            config,
+            keys,
+            store,
+            coordinator=coordinator,
+            exit_when_idle=exit_when_idle,
+            runfiles=runfiles,
+            adopt=adopt,
+            nnodes=nnodes,
         )
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -146,6 +158,8 @@ def run_daemon(
             remove_orphans(ep.shm_prefix)
         root_lock.release()
         lock.release()
+        if runfiles is not None:  # after the lock: a pid file it made again is never left unlocked
+            runfiles.close()
         log.info("daemon exited")
 
 

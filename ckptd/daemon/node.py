@@ -15,9 +15,11 @@ Single-threaded around one event loop (ckptd.daemon.loop); what it is made of, e
 - the ZAP handler that admits only holders of the job's keys (ckptd.control.security).
 
 Everything keeps working when the ranks die after their SAVE was acknowledged: the bytes are in
-rings the daemon owns. The periodic chores of the loop's tick never end the daemon: their errors
-are logged and counted (ckptd.daemon.guard); the Prometheus endpoint runs on a thread of its own,
-bounded in connections and time (ckptd.daemon.metrics_http), and only reads a copy of the status.
+rings the daemon owns. Its files in the runtime directory (pid file, socket, token, log) are put
+back when they vanish under it (ckptd.daemon.runfiles). The periodic chores of the loop's tick
+never end the daemon: their errors are logged and counted (ckptd.daemon.guard); the Prometheus
+endpoint runs on a thread of its own, bounded in connections and time (ckptd.daemon.metrics_http),
+and only reads a copy of the status.
 Stopping (a signal, ``SHUTDOWN``, or idleness of an auto-started daemon) lets work in flight
 finish for ``shutdown_grace_s``, then aborts what is left.
 """
@@ -54,6 +56,7 @@ from .metrics_http import MetricsServer, http_url
 from .nodelocal import NodeLocalCommits
 from .ranks import DaemonHooks, RankServer
 from .rings import RingTable
+from .runfiles import RuntimeFiles
 from .store import daemon_mirror
 from .uplink import CoordinatorLink, StepKey
 from .workers import (
@@ -79,10 +82,12 @@ class NodeDaemon:
         *,
         coordinator: bool,
         exit_when_idle: bool,
+        runfiles: RuntimeFiles,
         adopt: list[StepKey] | None = None,
         nnodes: int = 1,
     ) -> None:
         self.ep = ep
+        self.runfiles = runfiles
         self.store = store
         self.config = config
         self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -155,6 +160,7 @@ class NodeDaemon:
             self.instance, self._status_now, self.request_stop, self._stopping, self._follow_coordinator
         )
         self.ranks = RankServer(self.ctx, codec, keys, ep, self.rings, self.intake, self.uplink, hooks)
+        runfiles.watch_socket(self.ranks.rebind)
         self.loop = EventLoop()
         self.loop.add(self.zap.sock, self.zap.on_readable)
         self.loop.add(self.ranks.watch.sock, self.ranks.watch.on_readable)
@@ -279,6 +285,7 @@ class NodeDaemon:
             self.last_check_s = now
             chore("rank liveness check", self.ranks.forget_dead)
             chore("memory sample", self._sample_memory)
+            chore("runtime files check", self.runfiles.check)
         if self.metrics_server is not None:
             chore("status for the metrics", self._refresh_status_cache)
 

@@ -115,6 +115,15 @@ class RankServer:
         finally:
             os.umask(old_umask)
 
+    def rebind(self) -> None:
+        """Bind the socket again at its path, whose file was removed (ckptd.daemon.runfiles): a
+        second listener, so that the connections made through the first stay (unbinding it would
+        drop them). Made owner-only by chmod, not by the umask: the writer threads create files
+        meanwhile, with the daemon's umask."""
+        self.ep.socket_path.unlink(missing_ok=True)
+        self.channel.sock.bind(self.ep.ipc_address)
+        os.chmod(self.ep.socket_path, 0o600)
+
     def send(self, msg: Message, identity: bytes) -> None:
         """Send to a rank without blocking (a rank that is gone misses it)."""
         self.channel.send(msg, identity, block=False)
