@@ -34,6 +34,7 @@ from ..config import CkptdConfig
 from ..control.endpoints import Endpoints, ensure_private_dir, load_token
 from ..control.keys import derive_keys
 from ..control.pidfile import PidLock
+from ..errors import CkptdError
 from ..format.durable import make_dirs_durably
 from ..format.safefs import dir_mode_for
 from ..staging.segment import remove_orphans
@@ -144,6 +145,10 @@ def run_daemon(
         log.error("%s", exc)
         ready(f"error: {exc}")
         return EXIT_ROOT_BUSY
+    except CkptdError as exc:  # says what and what to do: no traceback
+        log.error("daemon failed: %s", exc)
+        ready(f"error: {exc}")
+        return EXIT_ERROR
     except Exception as exc:
         log.exception("daemon failed")
         ready(f"error: {type(exc).__name__}: {exc}")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
+from ..errors import StorageError
 from .safefs import AtPath, Dir, create_fd, located
 
 ATOMIC_TMP_SUFFIX = ".tmp"
@@ -56,10 +57,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def make_dirs_durably(path: Path, *, fsync: bool) -> None:
     """``mkdir -p path``, with ``fsync`` each directory it creates fsynced into its parent, so that
     a root made for the first checkpoint survives a power loss with the checkpoint (its commit
-    fsyncs the root itself, not the root's entry in its parent)."""
+    fsyncs the root itself, not the root's entry in its parent). A checkpoint root ``path`` that
+    is, or lies under, something else than a directory (a file) is a StorageError saying so."""
     missing = []
     at = path
     while not at.is_dir():
+        if os.path.lexists(at) and not at.is_dir():  # again: another rank may have made it just now
+            raise _not_a_directory(at, path)
         missing.append(at)
         if at.parent == at:
             break
@@ -69,10 +73,23 @@ def make_dirs_durably(path: Path, *, fsync: bool) -> None:
             d.mkdir()
         except FileExistsError:
             if not d.is_dir():
-                raise
+                raise _not_a_directory(d, path) from None
             continue  # made by another process meanwhile: its maker syncs it
         if fsync:
             fsync_dir(d.parent)
+
+
+def _not_a_directory(at: Path, root: Path) -> StorageError:
+    kind = f"a symbolic link to {os.readlink(at)!r}" if at.is_symlink() else "a file"
+    if at == root:
+        return StorageError(
+            f"the checkpoint root {root} is {kind}, not a directory: give the path of a directory "
+            "(a missing one is created), or move that file away"
+        )
+    return StorageError(
+        f"{at} is {kind}, not a directory, so the checkpoint root {root} cannot be made under it: "
+        "choose another root, or move that file away"
+    )
 
 
 def atomic_tmp_name(name: str) -> str:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import ckptd
 from ckptd import LocalNonPersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from ckptd.errors import LoadMismatchError
+from ckptd.errors import LoadMismatchError, StorageError
 from tests.interop.reference import assert_compact, same_bits
 
 ST = ShardedTensor
@@ -298,9 +298,11 @@ def test_a_root_made_for_the_first_checkpoint_is_synced_into_its_parents(tmp_pat
     durable.make_dirs_durably(tmp_path / "a" / "b", fsync=True)  # there already: nothing to sync
     durable.make_dirs_durably(tmp_path / "c" / "d", fsync=False)  # fsync off: made, not synced
     assert (tmp_path / "c" / "d").is_dir() and len(synced) == 2
-    (tmp_path / "f").write_text("")
-    with pytest.raises(OSError):
+    (tmp_path / "f").write_text("")  # a file where a directory goes: said so, not a raw OSError
+    with pytest.raises(StorageError, match=f"{tmp_path / 'f'} is a file, not a directory, so the checkpoint root"):
         durable.make_dirs_durably(tmp_path / "f" / "c", fsync=True)
+    with pytest.raises(StorageError, match=f"the checkpoint root {tmp_path / 'f'} is a file, not a directory"):
+        durable.make_dirs_durably(tmp_path / "f", fsync=True)
 
 
 def test_a_zero_dimensional_sharded_object_is_described_by_load_sharded_metadata(tmp_path: Path):
