@@ -21,7 +21,7 @@ import zmq
 from ..config import CkptdConfig
 from ..control.channel import Channel, make_socket
 from ..control.codec import Codec
-from ..control.endpoints import Endpoints, JobEnv, load_token
+from ..control.endpoints import Endpoints, JobEnv, load_token, runtime_dir_exists
 from ..control.keys import derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
 from ..control.protocol import Message, Shutdown, ShutdownAck, Status, StatusReply
@@ -40,12 +40,13 @@ class LocalDaemon:
 
 
 def local_daemons(root: str | os.PathLike, config: CkptdConfig | None = None) -> list[LocalDaemon]:
-    """The live daemons of ``root``'s job on this machine, by node id (a held pid-file lock = live)."""
+    """The live daemons of ``root``'s job on this machine, by node id (a held pid-file lock = live).
+    A runtime directory that cannot be one is a DaemonError (ckptd.control.endpoints.runtime_dir_exists)."""
     config = config if config is not None else CkptdConfig.from_env()
     base = Endpoints.for_job(root, JobEnv(), config)
     pattern = re.compile(rf"^{re.escape(base.job)}-n(\d+)\.pid$")
     found = []
-    if base.runtime_dir.is_dir():
+    if runtime_dir_exists(base.runtime_dir, configured=bool(config.runtime_dir)):
         for path in sorted(base.runtime_dir.iterdir()):
             m = pattern.match(path.name)
             if m and daemon_alive(path):

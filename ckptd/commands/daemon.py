@@ -24,8 +24,9 @@ CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
 the same way and waits for them (SIGTERM to one that does not answer).
 
 exit status: 0 stopped normally (or --detach: serving / already running; stop: all stopped);
-1 error (stop: a daemon did not stop in time, or the root's daemons on this machine run under
-another job id or runtime directory than this shell's: the message says what to run); 3 another
+1 error (the runtime directory cannot be used: the message says why; stop: a daemon did not stop
+in time, or the root's daemons on this machine run under another job id or runtime directory than
+this shell's: the message says what to run); 3 another
 daemon of this job and node is running; 4 another job's daemon holds this node's lock in the root (one job per root)."""
 
 
@@ -99,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
         if args.job:
             config = config.replace(job_id=args.job)
         if args.action == "stop":
-            return _stop(args.root, config)
+            try:
+                return _stop(args.root, config)
+            except CkptdError as exc:  # the runtime directory cannot be looked into
+                print(f"ckptd daemon: error: {exc}", file=sys.stderr)
+                return 1
         env = JobEnv.detect()
         if args.node is not None or args.nnodes is not None:
             nnodes = args.nnodes if args.nnodes is not None else env.nnodes
@@ -123,17 +128,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptd daemon: error: {exc}", file=sys.stderr)
         return 2
     coordinator = ep.node == 0 if args.coordinator is None else args.coordinator
-    if args.detach:
-        return detach_and_run(
-            ep,
-            config,
-            coordinator=coordinator,
-            exit_when_idle=args.exit_when_idle,
-            nnodes=env.nnodes,
-            timeout_s=config.daemon_start_timeout_s,
-        )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
-    return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle, nnodes=env.nnodes)
+    try:
+        if args.detach:
+            return detach_and_run(
+                ep,
+                config,
+                coordinator=coordinator,
+                exit_when_idle=args.exit_when_idle,
+                nnodes=env.nnodes,
+                timeout_s=config.daemon_start_timeout_s,
+            )
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+        return run_daemon(ep, config, coordinator=coordinator, exit_when_idle=args.exit_when_idle, nnodes=env.nnodes)
+    except CkptdError as exc:  # before the daemon ran: its runtime directory cannot be used
+        print(f"ckptd daemon: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _stop(root: str, config: CkptdConfig) -> int:

@@ -117,53 +117,77 @@ def default_runtime_dir() -> Path:
     return runtime_dir_for(os.environ)
 
 
-_RUNTIME_DIR_HINT = "set CKPTD_RUNTIME_DIR to a directory of your own (created with mode 0700)"
+def _runtime_dir_named(path: Path, configured: bool) -> tuple[str, str]:
+    """How a message names the runtime directory ``path`` (where its path came from), and what
+    to do about it."""
+    own = "a directory of your own (mode 0700)"
+    if configured:
+        return f"runtime directory {path} (CKPTD_RUNTIME_DIR)", f"set CKPTD_RUNTIME_DIR to {own}, or unset it"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and path == Path(xdg) / "ckptd":
+        return (
+            f"runtime directory {path} ($XDG_RUNTIME_DIR/ckptd)",
+            f"set XDG_RUNTIME_DIR to your session's (/run/user/{os.getuid()}), or CKPTD_RUNTIME_DIR to {own}",
+        )
+    return f"runtime directory {path}", f"set CKPTD_RUNTIME_DIR to {own}"
 
 
 def open_private_dir(
     path: Path,
     *,
-    what: str = "runtime directory",
+    what: str | None = None,
     holds: str = "the job's sockets and token",
-    hint: str = _RUNTIME_DIR_HINT,
+    hint: str | None = None,
     refuse_open_mode: bool = False,
     parents: bool = True,
+    configured: bool = False,
 ) -> int:
     """Create ``path`` (mode 0700) if needed and open it without following a link; the caller
     closes the fd. Refused with DaemonError: a link (an attacker's ``/tmp/ckptd-<uid>`` pointing
     elsewhere), something else than a directory, or a directory owned by another user. A
     directory of this user that is group- or world-accessible is made 0700 (through the fd: the
     verified directory, never a link's target), or refused with ``refuse_open_mode`` (where a file
-    another user put in it meanwhile would be taken for one of ours). ``what``, ``holds`` and
-    ``hint`` word the errors: what the directory is, what it holds, what to do. Missing parents
-    are made too unless ``parents`` is False (then FileNotFoundError)."""
-    if parents:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    another user put in it meanwhile would be taken for one of ours). Missing parents are made
+    too unless ``parents`` is False (then FileNotFoundError). The errors name the directory as
+    ``what`` (default: the runtime directory, and ``configured``: ``CKPTD_RUNTIME_DIR``'s), what it
+    ``holds`` and what to do (``hint``)."""
+    named, default_hint = _runtime_dir_named(path, configured)
+    named = named if what is None else f"{what} {path}"
+    hint = default_hint if hint is None else hint
+    try:
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except (NotADirectoryError, FileExistsError) as exc:  # a parent is a file
+        raise DaemonError(f"{named} cannot be made: {exc.filename} is not a directory; {hint}") from None
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except NotADirectoryError:
+        raise DaemonError(f"{named} cannot be made: {path.parent} is not a directory; {hint}") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if os.path.islink(path):
             raise DaemonError(
-                f"{what} {path} is a symbolic link (to {os.readlink(path)!r}), "
+                f"{named} is a symbolic link (to {os.readlink(path)!r}), "
                 f"which someone else may have planted to receive {holds}; "
                 f"ckptd never follows it: remove it, or {hint}"
             ) from None
-        raise DaemonError(f"{what} {path} cannot be opened as a directory ({exc.strerror}); {hint}") from None
+        if exc.errno == errno.ENOTDIR:
+            raise DaemonError(f"{named} is not a directory; {hint}") from None
+        raise DaemonError(f"{named} cannot be opened as a directory ({exc.strerror}); {hint}") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
             raise DaemonError(
-                f"{what} {path} is owned by uid {st.st_uid}, not by you (uid "
+                f"{named} is owned by uid {st.st_uid}, not by you (uid "
                 f"{os.getuid()}); {holds} could be anyone's: {hint}"
             )
         if stat.S_IMODE(st.st_mode) & 0o077:
             if refuse_open_mode:
                 raise DaemonError(
-                    f"{what} {path} has mode {stat.S_IMODE(st.st_mode):#o}, not 0700: other users may "
+                    f"{named} has mode {stat.S_IMODE(st.st_mode):#o}, not 0700: other users may "
                     f"have put files of theirs among {holds}, or read them: {hint}"
                 )
             os.fchmod(fd, 0o700)
@@ -173,10 +197,26 @@ def open_private_dir(
     return fd
 
 
-def ensure_private_dir(path: Path) -> Path:
+def ensure_private_dir(path: Path, *, configured: bool = False) -> Path:
     """Create ``path`` if needed and check it (see :func:`open_private_dir`); returns ``path``."""
-    os.close(open_private_dir(path))
+    os.close(open_private_dir(path, configured=configured))
     return path
+
+
+def runtime_dir_exists(path: Path, *, configured: bool) -> bool:
+    """Whether the runtime directory ``path`` is there, for a tool that only looks for daemons in it
+    (never makes it): False when it is missing. A path that cannot be one (a file, or under one)
+    is a DaemonError saying so: not "no daemon runs"."""
+    named, hint = _runtime_dir_named(path, configured)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except NotADirectoryError:
+        raise DaemonError(f"{named} cannot be there: a directory above it is a file; {hint}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise DaemonError(f"{named} is not a directory; {hint}")
+    return True
 
 
 def check_daemon_file(path: Path) -> None:
@@ -395,7 +435,7 @@ def load_token(ep: Endpoints, config: CkptdConfig) -> bytes:
     A token must carry at least 16 random bytes (:func:`check_token`); a token file is adopted
     only if it is a private regular file of this user.
     """
-    dir_fd = open_private_dir(ep.runtime_dir)
+    dir_fd = open_private_dir(ep.runtime_dir, configured=bool(config.runtime_dir))
     try:
         if config.job_token:
             return check_token(config.job_token.encode(), "CKPTD_JOB_TOKEN")

@@ -73,7 +73,7 @@ def run_daemon(
     ready: Callable[[str], None] = lambda _msg: None,
 ) -> int:
     """Run a node daemon in this process until it is stopped; returns the exit status."""
-    ensure_private_dir(ep.runtime_dir)
+    ensure_private_dir(ep.runtime_dir, configured=bool(config.runtime_dir))
     lock = PidLock(ep.pid_path)
     if not lock.acquire():
         ready("busy")
@@ -188,7 +188,7 @@ def detach_and_run(
     The parent's exit status tells the launching rank whether a daemon is up, without racing on
     sockets: the child reports over a pipe after binding its sockets.
     """
-    ensure_private_dir(ep.runtime_dir)
+    ensure_private_dir(ep.runtime_dir, configured=bool(config.runtime_dir))
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
