@@ -159,12 +159,16 @@ def open_private_dir(
             path.parent.mkdir(parents=True, exist_ok=True)
     except (NotADirectoryError, FileExistsError) as exc:  # a parent is a file
         raise DaemonError(f"{named} cannot be made: {exc.filename} is not a directory; {hint}") from None
+    except OSError as exc:  # a parent is another user's (EACCES), a read-only filesystem...
+        raise DaemonError(f"{named} cannot be made: {exc.filename}: {exc.strerror}; {hint}") from None
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     except NotADirectoryError:
         raise DaemonError(f"{named} cannot be made: {path.parent} is not a directory; {hint}") from None
+    except PermissionError as exc:  # its parent is another user's
+        raise DaemonError(f"{named} cannot be made in {path.parent} ({exc.strerror}); {hint}") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -205,8 +209,9 @@ def ensure_private_dir(path: Path, *, configured: bool = False) -> Path:
 
 def runtime_dir_exists(path: Path, *, configured: bool) -> bool:
     """Whether the runtime directory ``path`` is there, for a tool that only looks for daemons in it
-    (never makes it): False when it is missing. A path that cannot be one (a file, or under one)
-    is a DaemonError saying so: not "no daemon runs"."""
+    (never makes it): False when it is missing. A path that cannot be one (a file, or under one;
+    a link; another user's directory, or one in a directory only another user may enter) is a
+    DaemonError saying so: not "no daemon runs"."""
     named, hint = _runtime_dir_named(path, configured)
     try:
         st = os.lstat(path)
@@ -214,8 +219,19 @@ def runtime_dir_exists(path: Path, *, configured: bool) -> bool:
         return False
     except NotADirectoryError:
         raise DaemonError(f"{named} cannot be there: a directory above it is a file; {hint}") from None
+    except OSError as exc:  # EACCES: a directory above it is another user's
+        raise DaemonError(
+            f"{named} cannot be reached ({exc.strerror}): a directory above it is not yours to enter; {hint}"
+        ) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise DaemonError(f"{named} is a symbolic link (to {os.readlink(path)!r}); ckptd never follows it: {hint}")
     if not stat.S_ISDIR(st.st_mode):
         raise DaemonError(f"{named} is not a directory; {hint}")
+    if st.st_uid != os.getuid():
+        raise DaemonError(
+            f"{named} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); its sockets and "
+            f"token could be anyone's: {hint}"
+        )
     return True
 
 
