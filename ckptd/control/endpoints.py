@@ -12,10 +12,10 @@ trainer finds the daemon that still persists its last saves). Per job and node:
 - ``/dev/shm/ckptd-<job>-n<node>-*``: the staging segments of the node's ranks.
 
 ``runtime_dir`` (default: ckptd.control.rundir) is created with mode 0700 and must be a directory
-(not a link) owned by the current user; the token file must be a private regular file of this
-user, and a client refuses a daemon whose pid file or socket another user owns
-(:func:`check_daemon_file`). A daemon puts back its files when they vanish under it
-(ckptd.daemon.runfiles).
+(not a link) owned by the current user, and owner-only when configured (:func:`open_private_dir`);
+the token file must be a private regular file of this user, and a client refuses a daemon whose
+pid file or socket another user owns (:func:`check_daemon_file`). A daemon puts back its files
+when they vanish under it (ckptd.daemon.runfiles).
 """
 
 from __future__ import annotations
@@ -145,9 +145,12 @@ def open_private_dir(
     """Create ``path`` (mode 0700) if needed and open it without following a link; the caller
     closes the fd. Refused with DaemonError: a link (an attacker's ``/tmp/ckptd-<uid>`` pointing
     elsewhere), something else than a directory, or a directory owned by another user. A
-    directory of this user that is group- or world-accessible is made 0700 (through the fd: the
-    verified directory, never a link's target), or refused with ``refuse_open_mode`` (where a file
-    another user put in it meanwhile would be taken for one of ours). Missing parents are made
+    default directory of this user (ckptd's own, ckptd.control.rundir) that is group- or
+    world-accessible is made 0700 (through the fd: the verified directory, never a link's target);
+    one ``configured`` (``CKPTD_RUNTIME_DIR``: it may be shared on purpose, as ``/tmp`` is: made
+    0700, it would lock out every other user) is refused instead, and so is one with
+    ``refuse_open_mode`` (where a file another user put in it meanwhile would be taken for one of
+    ours). Missing parents are made
     too unless ``parents`` is False (then FileNotFoundError). The errors name the directory as
     ``what`` (default: the runtime directory, and ``configured``: ``CKPTD_RUNTIME_DIR``'s), what it
     ``holds`` and what to do (``hint``)."""
@@ -188,12 +191,19 @@ def open_private_dir(
                 f"{named} is owned by uid {st.st_uid}, not by you (uid "
                 f"{os.getuid()}); {holds} could be anyone's: {hint}"
             )
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            if refuse_open_mode:
-                raise DaemonError(
-                    f"{named} has mode {stat.S_IMODE(st.st_mode):#o}, not 0700: other users may "
-                    f"have put files of theirs among {holds}, or read them: {hint}"
-                )
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077 and configured:
+            raise DaemonError(
+                f"{named} has mode {mode:#o}: other users may reach {holds} there, and ckptd does not "
+                f"change the mode of a directory you chose (it may be shared, as /tmp is): chmod 700 "
+                f"{path} if it is yours alone, or {hint} (a missing one is created 0700)"
+            )
+        if mode & 0o077 and refuse_open_mode:
+            raise DaemonError(
+                f"{named} has mode {mode:#o}, not 0700: other users may have put files of theirs among "
+                f"{holds}, or read them: {hint}"
+            )
+        if mode & 0o077:
             os.fchmod(fd, 0o700)
     except BaseException:
         os.close(fd)

@@ -98,7 +98,7 @@ def run_daemon(
         os.umask(inherited | (0o777 & ~dir_mode_for(config.file_mode)))
         token = load_token(ep, config)
         keys = derive_keys(token)
-        runfiles = RuntimeFiles(ep, lock, None if config.job_token else token)
+        runfiles = RuntimeFiles(ep, lock, None if config.job_token else token, configured=bool(config.runtime_dir))
         stale = remove_orphans(ep.shm_prefix)
         if stale:
             log.warning("removed %d shared-memory segments left by a crashed daemon: %s", len(stale), stale[:4])

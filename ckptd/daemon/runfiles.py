@@ -65,11 +65,13 @@ class RuntimeFiles:
     """The daemon's files in its runtime directory, put back when they vanish (module docstring).
 
     ``lock``: the pid file's lock the daemon holds; ``token``: the job token when it came from the
-    token file (None: ``CKPTD_JOB_TOKEN``, nothing to put back).
+    token file (None: ``CKPTD_JOB_TOKEN``, nothing to put back); ``configured``: the directory is
+    ``CKPTD_RUNTIME_DIR`` (checked as such: ckptd.control.endpoints.open_private_dir).
     """
 
-    def __init__(self, ep: Endpoints, lock: PidLock, token: bytes | None) -> None:
+    def __init__(self, ep: Endpoints, lock: PidLock, token: bytes | None, *, configured: bool) -> None:
         self.ep = ep
+        self.configured = configured
         self.lock = lock
         self.token = token
         self.restored_fd: int | None = None  # the pid file this daemon made again, locked
@@ -124,7 +126,7 @@ class RuntimeFiles:
         path = self.ep.runtime_dir
         existed = os.path.lexists(path)
         try:
-            fd = open_private_dir(path, parents=False)
+            fd = open_private_dir(path, parents=False, configured=self.configured)
         except FileNotFoundError:
             self._trouble(
                 f"the runtime directory {path} was removed with its parent {path.parent}, which "

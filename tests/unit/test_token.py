@@ -146,3 +146,26 @@ def test_a_linked_runtime_dir_is_never_followed(tmp_path, monkeypatch):
     with pytest.raises(DaemonError, match="is a symbolic link.*CKPTD_RUNTIME_DIR"):
         load_token(ep, cfg)
     assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and list(victim.iterdir()) == []
+
+
+def test_a_configured_runtime_dir_others_may_enter_is_refused_not_chmodded(tmp_path, monkeypatch):
+    """CKPTD_RUNTIME_DIR naming a directory others may enter (here one as /tmp is, mode 1777) was
+    made 0700, locking every other user out of it; it is refused now, and left as it is. A default
+    directory, ckptd's own, is still made 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    ep, cfg = _ep(tmp_path, shared)
+    with pytest.raises(DaemonError, match=rf"{shared} \(CKPTD_RUNTIME_DIR\) has mode 0o1777: .*chmod 700 {shared}"):
+        load_token(ep, cfg)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and list(shared.iterdir()) == []
+    os.chmod(shared, 0o750)  # a group may enter
+    with pytest.raises(DaemonError, match=r"has mode 0o750"):
+        load_token(ep, cfg)
+    xdg = tmp_path / "xdg"
+    (xdg / "ckptd").mkdir(parents=True)
+    os.chmod(xdg / "ckptd", 0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    cfg = CkptdConfig.from_env({})
+    load_token(Endpoints.for_job(tmp_path / "root", JobEnv(), cfg), cfg)
+    assert stat.S_IMODE((xdg / "ckptd").stat().st_mode) == 0o700
