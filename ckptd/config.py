@@ -219,6 +219,13 @@ class CkptdConfig:
     def replace(self, **changes: Any) -> CkptdConfig:
         return dataclasses.replace(self, **changes)
 
+    def daemon_stop_bound_s(self, *, mirror: bool) -> float:
+        """The longest an orderly stop of a node daemon with this config takes, but its process's
+        exit: its work in flight gets ``shutdown_grace_s`` (then it is aborted), and its close
+        waits up to ``request_timeout_s`` for a ``mirror`` upload and up to ``shutdown_grace_s``
+        again for its writer and commit threads (ckptd.daemon.node)."""
+        return 2 * self.shutdown_grace_s + (self.request_timeout_s if mirror else 0.0)
+
     def to_env(self) -> dict[str, str]:
         """``CKPTD_*`` variables that make :meth:`from_env` rebuild this config elsewhere."""
         out = {}

@@ -26,9 +26,11 @@ from ..control.keys import derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
 from ..control.protocol import Message, Shutdown, ShutdownAck, Status, StatusReply
 from ..control.requests import RequestClient
-from ..errors import DaemonError, DaemonLostError
+from ..errors import DaemonError, DaemonLostError, ProtocolError
 
 M = TypeVar("M", bound=Message)
+# Beyond a daemon's orderly stop: the process's exit (its rings unmapped, the interpreter's end).
+STOP_EXIT_MARGIN_S = 10.0
 _JOB = re.compile(r"^[A-Za-z0-9_-]{1,40}$")  # what Endpoints.for_job accepts
 
 
@@ -131,10 +133,26 @@ def daemon_status(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: 
     return request(d.endpoints, config, Status(), StatusReply, timeout_s).info
 
 
-def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: float = 60.0) -> bool:
+def stop_bound_s(d: LocalDaemon, config: CkptdConfig) -> float:
+    """How long the daemon may take to stop in order, and exit: the bound its STATUS reports, from
+    its own settings (the job's, which may differ from this process's ``config``); from ``config``
+    when it does not say."""
+    try:
+        bound = daemon_status(d, config).get("stop_bound_s")
+    except (DaemonError, ProtocolError):
+        bound = None
+    if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not 0 <= bound < 10**7:
+        bound = config.daemon_stop_bound_s(mirror=bool(config.mirror))
+    return float(bound) + STOP_EXIT_MARGIN_S
+
+
+def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: float | None = None) -> bool:
     """Ask the daemon to shut down in order (in-flight saves get ``shutdown_grace_s`` to commit)
-    and wait until it is gone; SIGTERM if it does not answer. True when it stopped in time."""
+    and wait until it is gone (``timeout_s``, by default :func:`stop_bound_s`); SIGTERM if it does
+    not answer. True when it stopped in time."""
     config = config if config is not None else CkptdConfig.from_env()
+    if timeout_s is None:
+        timeout_s = stop_bound_s(d, config)
     try:
         request(d.endpoints, config, Shutdown(), ShutdownAck, min(timeout_s, 5.0))
     except DaemonError:  # not answered, or refused: ask as the signal does
@@ -151,6 +169,6 @@ def stop_daemon(d: LocalDaemon, config: CkptdConfig | None = None, timeout_s: fl
     return True
 
 
-def stop_all(root: str | os.PathLike, config: CkptdConfig | None = None, timeout_s: float = 60.0) -> list[int]:
+def stop_all(root: str | os.PathLike, config: CkptdConfig | None = None, timeout_s: float | None = None) -> list[int]:
     """Stop every daemon of ``root``'s job on this machine; returns the nodes that did not stop."""
     return [d.node for d in local_daemons(root, config) if not stop_daemon(d, config, timeout_s)]

@@ -21,7 +21,9 @@ variables (see ckptd.config); SIGTERM stops it in order (in-flight saves get
 CKPTD_SHUTDOWN_GRACE_S to commit; shared memory and socket files are removed).
 
 `ckptd daemon stop --root R` asks every daemon of the root's job on this machine to shut down
-the same way and waits for them (SIGTERM to one that does not answer).
+the same way and waits for them (SIGTERM to one that does not answer), as long as each may take
+with its own settings: twice its CKPTD_SHUTDOWN_GRACE_S (its work in flight, then its writer
+threads), its CKPTD_REQUEST_TIMEOUT_S with a mirror (an upload), and 10 s to exit.
 
 exit status: 0 stopped normally (or --detach: serving / already running; stop: all stopped);
 1 error (the runtime directory cannot be used: the message says why; stop: a daemon did not stop
@@ -159,7 +161,7 @@ def _stop(root: str, config: CkptdConfig) -> int:
         return 0
     failed = []
     for d in daemons:
-        if stop_daemon(d, config, timeout_s=config.shutdown_grace_s + 10):
+        if stop_daemon(d, config):  # as long as that daemon's own settings let it take
             print(f"stopped the daemon of node {d.node} (pid {d.pid})")
         else:
             failed.append(d.node)

@@ -21,7 +21,9 @@ never end the daemon: their errors are logged and counted (ckptd.daemon.guard); 
 endpoint runs on a thread of its own, bounded in connections and time (ckptd.daemon.metrics_http),
 and only reads a copy of the status.
 Stopping (a signal, ``SHUTDOWN``, or idleness of an auto-started daemon) lets work in flight
-finish for ``shutdown_grace_s``, then aborts what is left.
+finish for ``shutdown_grace_s``, then aborts what is left; closing then waits for the worker threads
+(``shutdown_grace_s`` again) and a mirror upload (``request_timeout_s``): ``stop_bound_s`` in
+the status.
 """
 
 from __future__ import annotations
@@ -413,6 +415,8 @@ class NodeDaemon:
             "coordinator": coordinator,
             "mirror": self.mirror.status() if self.mirror is not None else None,
             "stopping": self.stopping_since is not None,
+            # What `ckptd daemon stop` waits for (with this daemon's settings, not the shell's).
+            "stop_bound_s": self.config.daemon_stop_bound_s(mirror=self.mirror is not None),
             "metrics": self.metrics.snapshot(),
             "memory": self.memory.report(),
             # The daemon saves and commits without torch (README: Daemon memory); True once

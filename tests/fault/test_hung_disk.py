@@ -77,3 +77,43 @@ def test_a_daemon_stopped_while_a_write_hangs_exits_within_its_grace_and_frees_e
         # Its pid file stays (its lock went with the process): the next daemon takes it over.
         job.committed(3)
         assert job.daemon_pid != pid
+
+
+@pytest.mark.timeout(120)
+def test_ckptd_daemon_stop_waits_as_long_as_the_daemons_own_settings_let_it_stop(tmp_path, monkeypatch):
+    """A daemon stopping with a write hung takes its shutdown grace twice (its work in flight, then
+    its writer thread) and exits. ``ckptd daemon stop`` waited the grace of its own shell plus
+    10 s, and reported "did not stop" (exit 1) for a daemon stopping normally; it now waits for the
+    bound that daemon reports from its own settings."""
+    import os
+    import time
+    from pathlib import Path
+
+    from ckptd.control.pidfile import daemon_alive
+    from tests.cli import ckptd_cli
+
+    grace_s = 7.0  # the stop takes ~2 x 7 s: past the 0.5 + 10 s the shell's own setting gave
+    with single_job(tmp_path, monkeypatch, shutdown_grace_s=grace_s) as job:
+        job.committed(1)
+        pid = job.daemon_pid
+        job.fault("hang __*")
+        try:
+            h = job.ckpt.save(state_dict(2), step=2)
+            wait_until(lambda: "injected fault: the open of" in job.daemon_log(), 30, "the write to hang")
+            env = {**os.environ, "CKPTD_RUNTIME_DIR": str(job.runtime), "CKPTD_SHUTDOWN_GRACE_S": "0.5"}
+            started = time.monotonic()
+            run = ckptd_cli(env, "daemon", "stop", "--root", str(job.root), timeout_s=90)
+            took_s = time.monotonic() - started
+            assert run.returncode == 0 and f"stopped the daemon of node 0 (pid {pid})" in run.stdout, (
+                took_s,
+                run.stdout,
+                run.stderr,
+            )
+            assert took_s > 2 * grace_s - 1 and not daemon_alive(job.ckpt.endpoints.pid_path)
+            wait_until(lambda: not Path(f"/proc/{pid}").exists(), 30, "the daemon to be gone")
+            assert f"did not stop within {grace_s:.0f} s" in job.daemon_log()
+            with pytest.raises(ckptd.SaveFailedError):
+                h.wait(timeout_s=30)
+        finally:
+            job.fault("")
+        job.committed(3)  # a new daemon takes over the pid file the stuck one's exit left

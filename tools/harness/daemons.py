@@ -32,7 +32,9 @@ from ckptd.control.pidfile import daemon_alive, daemon_pid
 from ckptd.staging.segment import list_segments
 from tools.harness.waiting import POLL_INTERVAL_S, exited
 
-STOP_MARGIN_S = 10.0  # on top of the daemon's shutdown grace, as `ckptd daemon stop` waits
+# On top of the daemon's shutdown grace: a test's daemon finishes its work within one grace (ckptd
+# daemon stop allows the two a stuck write may take: ckptd.client.admin.stop_bound_s).
+STOP_MARGIN_S = 10.0
 
 
 class DaemonsDidNotStop(AssertionError):
@@ -100,7 +102,7 @@ def stop_root_daemons(
 ) -> list[int]:
     """Stop every daemon of ``root``'s job on this machine (its runtime directory ``runtime_dir``, or
     the configured one) and wait until each exited; their pids. ``timeout_s`` defaults to the
-    configured shutdown grace plus a margin, as ``ckptd daemon stop`` waits."""
+    configured shutdown grace plus a margin (:data:`STOP_MARGIN_S`)."""
     overrides: dict[str, Any] = {} if runtime_dir is None else {"runtime_dir": str(runtime_dir)}
     config = CkptdConfig.from_env(None, **overrides)
     pid_paths = [d.endpoints.pid_path for d in local_daemons(root, config)]
@@ -119,7 +121,7 @@ def runtime_dir_jobs(runtime_dir: Path) -> list[str]:
 
 def stop_runtime_dir(runtime_dir: Path, keep_logs: Path, timeout_s: float | None = None) -> list[str]:
     """Stop every daemon with a pid file in ``runtime_dir`` (:func:`stop_daemons`; ``timeout_s``
-    defaults to the default shutdown grace plus a margin, as ``ckptd daemon stop`` waits), copy the
+    defaults to the default shutdown grace plus a margin, :data:`STOP_MARGIN_S`), copy the
     daemons' logs into ``keep_logs``, and return what was left behind: daemons that had to be
     SIGKILLed, and staging segments in /dev/shm of the directory's jobs. The directory stays."""
     problems: list[str] = []
