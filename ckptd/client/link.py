@@ -10,7 +10,7 @@ Order of use (by the Checkpointer, on the training thread only; not thread-safe)
    (``WRITE_DONE``, ``STEP_COMMITTED``, ``STEP_ABORTED``) go to the ``on_notify`` callback;
 3. :meth:`pump`: deliver notifications without a request (``handle.done()``/``wait()``);
 4. every wait polls in short intervals and checks that the daemon process it handshook with
-   still runs (its pid and start time: ckptd.control.procid): a dead daemon raises
+   still runs (its pid and start time: ckptd.procid): a dead daemon raises
    :class:`DaemonLostError` at once instead of a timeout. Not its pid file: one removed under a
    live daemon (its runtime directory deleted at a logout or by a ``/tmp`` cleaner; the daemon
    puts it back, ckptd.daemon.runfiles) must not make a working connection look dead.
@@ -35,10 +35,10 @@ from ..control.codec import Codec
 from ..control.endpoints import Endpoints, JobEnv, load_token
 from ..control.keys import CurveKeys, derive_keys
 from ..control.pidfile import daemon_alive, daemon_pid
-from ..control.procid import same_process, start_ticks_of
 from ..control.protocol import Bye, Hello, Message, Save, SaveAck, Skip, Welcome
 from ..control.requests import RequestClient
 from ..errors import CkptdError, DaemonError, DaemonLostError, RequestNotTaken
+from ..procid import same_process, start_ticks_of
 
 __all__ = ["DaemonLink", "DaemonLostError", "RequestNotTaken"]
 
