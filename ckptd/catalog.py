@@ -33,6 +33,7 @@ from .format.rootlayout import (
     step_dir_name,
 )
 from .format.safefs import entry_exists, is_real_dir, is_regular_file, read_regular
+from .lineage import Link, WentBack, ancestry, copy_parent, left_behind, left_by, off_lineage, parent_of
 from .storage.url import Location
 
 log = logging.getLogger(__name__)
@@ -90,26 +91,16 @@ class CheckpointEntry:
     # record_problem is the storage failing to return it (StorageError): the record may be intact,
     # and read next time.
     record_unreadable: bool = False
+    # Its record's: the commit it descends from (ckptd.lineage; None: not recorded), and for a
+    # mirror's copy the local commit it copies (its seq in the local root).
+    parent_seq: int | None = None
+    source_seq: int | None = None
 
     @property
     def commit_order(self) -> tuple[int, int]:
         """Sort key of committed checkpoints, oldest commit first: the commit record's sequence
         number, then (for checkpoints without one) the step."""
         return (self.commit_seq, self.step)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WentBack:
-    """The step a job last loaded (``ckpt.load(sd, step=30)``, or a resume) and when
-    (``before_unix_s``, the rank's clock). Its saves of steps above it that were committed before
-    it loaded (a branch it left: 40, after going back to 30 with 40 committed) replace them
-    (:meth:`RootCatalog.superseded`), as its first save at a step the old branch lacks would have
-    abandoned them; what it committed since stays committed once. A commit made within the clocks'
-    difference after the load could be taken for one before: only a job saving one step twice
-    that fast would notice."""
-
-    step: int
-    before_unix_s: float
 
 
 @dataclass
@@ -174,8 +165,11 @@ class RootCatalog:
 
     def off_branch(self) -> list[CheckpointEntry]:
         """The committed checkpoints on branches a rollback abandoned, seen from the tracker's
-        target (:func:`left_behind`), whether or not that target is loadable; none without one.
-        On a node-local disk also those of an earlier numbering, left by versions whose node 0
+        target, whether or not that target is loadable; none without one. Those committed before
+        it that are not its ancestors, by the parent links of their commit records
+        (:func:`ckptd.lineage.off_lineage`; where the links end, by the older rule: a higher step
+        committed before, :func:`~ckptd.lineage.left_behind`). On a node-local disk also those of
+        an earlier numbering, left by versions whose node 0
         numbered its commits by its own disk alone (a replaced one from 1 again; node 0 now numbers
         above every node's disk: ckptd.roots.posix.commit_step): below the step the job resumed
         from they have a lower step, a higher number and an earlier time than the tracker's
@@ -185,14 +179,13 @@ class RootCatalog:
         named = next((e for e in self.entries if e.name == self.latest_name and e.commit_seq), None)
         if named is None:
             return []
+        left = {e.name for e in off_lineage(named, self._linked())}
         return [
             e
             for e in self.committed
             if e.record_problem is None
             and (
-                # A checkpoint without a commit record (ckptd.save's, another tool's) has no place
-                # in commit order: never taken for one a rollback left (as RootCatalog._left_commit).
-                (e.commit_seq > 0 and left_behind(e.step, e.commit_seq, named.step, named.commit_seq))
+                e.name in left
                 or (
                     self.node_local
                     and e.step < named.step
@@ -200,6 +193,53 @@ class RootCatalog:
                     and e.committed_unix_s + _RENUMBERED_SLACK_S < named.committed_unix_s
                 )
             )
+        ]
+
+    def parent_of(self, step: int, went_back: WentBack | None, *, agreed: bool) -> CheckpointEntry | None:
+        """The commit a new commit of ``step`` descends from (:func:`ckptd.lineage.parent_of`),
+        among the committed checkpoints with readable records but ``iter_<step>`` (one the commit
+        replaces)."""
+        name = step_dir_name(step)
+        recorded = [e for e in self.committed if e.commit_seq > 0 and e.record_problem is None and e.name != name]
+        seq = parent_of(recorded, step, went_back, agreed=agreed)
+        return next((e for e in recorded if e.commit_seq == seq), None)
+
+    def copy_parent(self, source_chain: frozenset[int], step: int) -> CheckpointEntry | None:
+        """A mirror's copy that a new copy of a local commit of ``step`` descends from
+        (:func:`ckptd.lineage.copy_parent`; ``source_chain``: that commit's known ancestors in the
+        local root, and itself)."""
+        copies = [e for e in self.committed if e.source_seq is not None and e.record_problem is None and e.commit_seq]
+        seq = copy_parent(((e.commit_seq, e.source_seq or 0, e.step) for e in copies), source_chain, step)
+        return next((e for e in copies if e.commit_seq == seq), None)
+
+    def left_by_commit(self, step: int, seq: int, parent: CheckpointEntry | None) -> list[CheckpointEntry]:
+        """The committed checkpoints on the tracker's branch that a new commit of ``step``
+        (number ``seq``, descending from ``parent``) leaves on a branch a rollback abandoned."""
+        if parent is None:
+            return []
+        name = step_dir_name(step)
+        new = Link(commit_seq=seq, step=step, parent_seq=parent.commit_seq)
+        before = {e.name for e in self.off_branch()}
+        left = off_lineage(new, [e for e in self._linked() if e.name != name])
+        return [e for e in left if e.state is EntryState.COMMITTED and e.name not in before]
+
+    def chain_of(self, seq: int) -> frozenset[int]:
+        """The commit numbered ``seq`` and its known ancestors (:func:`ckptd.lineage.ancestry`);
+        empty when no such commit is here."""
+        linked = self._linked()
+        entry = next((e for e in linked if e.commit_seq == seq), None)
+        return frozenset() if entry is None else ancestry(entry, linked).chain
+
+    def _linked(self) -> list[CheckpointEntry]:
+        """The links of a lineage: checkpoints whose commit records are read, also those whose
+        markers are gone. One without a record (ckptd.save's, another tool's) has no place in
+        commit order: never taken for one a rollback left (as :func:`_left_commit`)."""
+        return [
+            e
+            for e in self.entries
+            if e.commit_seq > 0
+            and e.record_problem is None
+            and e.state in (EntryState.COMMITTED, EntryState.INCOMPLETE)
         ]
 
     def latest(self) -> CheckpointEntry | None:
@@ -213,7 +253,10 @@ class RootCatalog:
         """The committed ``iter_<step>`` when a rollback abandoned it: the tracker names a
         checkpoint of a lower step that was committed after it (the job resumed from an earlier
         step and saved again). None when there is no such checkpoint, when it is on the current
-        branch, or when the tracker cannot be trusted (nothing is taken for abandoned then)."""
+        branch, or when the tracker cannot be trusted (nothing is taken for abandoned then). Only
+        steps above the tracker's (a save of one the new branch reaches again replaces it): for
+        them the parent links say what this rule says (ckptd.lineage), and a save of a lower step
+        of a left branch is a step committed once."""
         latest = self.latest()
         if latest is None or self.tracker_problem is not None:
             return None
@@ -295,12 +338,6 @@ def read_megatron_tracker(root: Path) -> str | None:
     except (OSError, CorruptCheckpointError):
         return None
     return megatron_tracker_name(raw)
-
-
-def left_behind(step: int, seq: int, latest_step: int, latest_seq: int) -> bool:
-    """The rollback rule: a commit of ``step`` (commit sequence number ``seq``) is on an abandoned
-    branch when the tracker's checkpoint is of a lower step and was committed after it."""
-    return step > latest_step and seq < latest_seq
 
 
 def abandoned_after(latest_name: str | None, step: int, seq: int, latest_seq: Callable[[str], int]) -> bool:
@@ -388,6 +425,8 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
                 committed_unix_s=0.0 if record is None else record.committed_unix_s,
                 record_problem=record_problem,
                 record_unreadable=unreadable,
+                parent_seq=None if record is None else record.parent_seq,
+                source_seq=None if record is None or record.source is None else int(record.source["seq"]),
             )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))
@@ -457,12 +496,6 @@ _RENUMBERED_SLACK_S = 60.0
 # Between a file's modification time (the file system's clock) and a commit record's time (the
 # committing daemon's): what tells a tracker written after a commit from one written before it.
 _CLOCK_SLACK_S = 1.0
-
-
-def left_by(went_back: WentBack | None, step: int, committed_unix_s: float) -> bool:
-    """Whether a commit of ``step`` made at ``committed_unix_s`` is one a job that ``went_back``
-    left: above the step it loaded, committed before it loaded (:class:`WentBack`)."""
-    return went_back is not None and step > went_back.step and committed_unix_s < went_back.before_unix_s
 
 
 def _left_commit(e: CheckpointEntry, went_back: WentBack) -> bool:

@@ -204,8 +204,8 @@ def resolve_latest(
             if entry.name in off_branch:
                 msg = (
                     f"{why}, and no checkpoint of its branch is loadable; resuming from {entry.name}, on a "
-                    f"branch a rollback abandoned (it was committed before {cat.latest_name}, a lower step): "
-                    "load another step explicitly if that is not what this job should continue from"
+                    f"branch a rollback abandoned (committed before {cat.latest_name}, which does not descend "
+                    "from it): load another step explicitly if that is not what this job should continue from"
                 )
             if rejected:
                 msg += f" (skipped damaged newer ones: {'; '.join(rejected)})"

@@ -141,6 +141,8 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 commit_seq=record.seq if record is not None else 0,
                 committed_unix_s=record.committed_unix_s if record is not None else 0.0,
                 record_problem=problem,
+                parent_seq=None if record is None else record.parent_seq,
+                source_seq=None if record is None or record.source is None else int(record.source["seq"]),
             )
         )
     for info in objects:

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "checkpoints",
         (
+            "ckptd.lineage",
             "ckptd.catalog",
             "ckptd.s3catalog",
             "ckptd.recovery",

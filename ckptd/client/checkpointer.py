@@ -251,7 +251,7 @@ class Checkpointer(RootReader):
         # goes by: refused here as there (ckptd.catalog.WentBack).
         if (
             self._asks_committed()
-            and committed_at(self.root, step, self._went_back)
+            and committed_at(self.root, step, self._left_to_replace())
             and not self._replaces_damaged(step)
         ):
             raise CheckpointExistsError(f"{final} is committed already; {self._refusal_advice(step)}")
@@ -305,9 +305,10 @@ class Checkpointer(RootReader):
 
     def _refusal_advice(self, step: int) -> str:
         """What to do about a save of ``step`` that a commit refuses (scanned only then)."""
-        if self._went_back is None or step <= self._went_back.step:
+        went_back = self._left_to_replace()
+        if went_back is None or step <= went_back.step:
             return "save under a new step"
-        return committed_once_advice(scan_any(self.root, usage=False), step, self._went_back)
+        return committed_once_advice(scan_any(self.root, usage=False), step, went_back)
 
     def _asks_committed(self) -> bool:
         """Whether save() asks the root if the step is committed, to raise at once. The coordinator
@@ -435,10 +436,9 @@ class Checkpointer(RootReader):
     def _await_saves_above(self, step: int, *, resume: bool = False) -> None:
         """Before ``load(step=step)`` or a ``resume``: this Checkpointer's saves of higher steps
         in flight land first, for at most ``coordinator_timeout_s`` (see
-        :func:`ckptd.client.pending.settle_above`). Not before ``load(step=N)`` on node-local
-        disks, which never replace a step a job left: nothing to gain there."""
-        if resume or not self._levels.node_local:
-            settle_above(self._pending.handles(), step, self.config.coordinator_timeout_s)
+        :func:`ckptd.client.pending.settle_above`): one committed after the load would pass for
+        the new branch's, which the job's next commit descends from (ckptd.lineage)."""
+        settle_above(self._pending.handles(), step, self.config.coordinator_timeout_s)
 
     def _decide_own_saves(self) -> None:
         self._session.drop_dead_daemon()

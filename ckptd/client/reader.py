@@ -38,7 +38,8 @@ class RootReader:
         self._rank = rank
         self._damaged: dict[str, str] = {}  # checkpoint name -> the damage a load found in it
         # The step this Checkpointer last loaded, and when: the commits above it made before, a
-        # branch the job left, which its saves of those steps replace.
+        # branch the job left, which its saves of those steps replace (not on node-local disks:
+        # _left_to_replace), and what its next commit descends from (ckptd.lineage).
         self._went_back: WentBack | None = None
 
     def latest(self) -> int | None:
@@ -83,7 +84,7 @@ class RootReader:
             self._before_load(kwargs.get("process_group"), resume=False)
             self._await_saves_above(step)
             out = sync_load(sharded_state_dict, self._levels.step_target(step, kwargs.get("process_group")), **kwargs)
-            self._went_back = self._going_back_to(step)
+            self._loaded(step)
             return out
         return self._load_resumed(sharded_state_dict, kwargs)
 
@@ -96,17 +97,25 @@ class RootReader:
         loaded: list[Candidate] = []
         out = self._levels.load_resumed(sharded_state_dict, self._damaged, self._rank, kwargs, loaded)
         # Below the newest commit when it fell back past damaged ones, or when the tracker was set
-        # back by hand: the steps above it are a branch the job left, as after load(step=N).
+        # back by hand: the steps above it are a branch the job left, as after load(step=N). (A
+        # candidate's name ends in its directory's: a name, a path or a URL.)
+        step = committed_step(parse_location(loaded[-1].name).name) if loaded else None
         self._went_back = None
-        if loaded and not self._levels.node_local:  # a directory or an s3:// checkpoint here
-            step = committed_step(parse_location(loaded[-1].target).name)
-            self._went_back = None if step is None else self._going_back_to(step)
+        if step is not None:
+            self._loaded(step)
         return out
 
-    def _going_back_to(self, step: int) -> WentBack | None:
-        """What a load of ``step`` now tells this Checkpointer's saves (ckptd.catalog.WentBack);
-        None on node-local disks, where the other nodes' copies of a replaced step would stay."""
-        return None if self._levels.node_local else WentBack(step=step, before_unix_s=time.time())
+    def _loaded(self, step: int) -> None:
+        """A load of ``step`` (every rank loads the same: ``load(step=N)`` on each, or a resume,
+        whose checkpoint rank 0 chooses for all): what this Checkpointer's saves tell the
+        coordinator from now on (ckptd.catalog.WentBack)."""
+        self._went_back = WentBack(step=step, before_unix_s=time.time())
+
+    def _left_to_replace(self) -> WentBack | None:
+        """What this Checkpointer loaded, where its saves replace the steps it left above it
+        (ckptd.catalog.RootCatalog.superseded); None on node-local disks, where the other nodes'
+        copies of a replaced step would stay."""
+        return None if self._levels.node_local else self._went_back
 
     def resume(self, sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], **kwargs: Any) -> Any | None:
         """:meth:`load` of the latest intact committed checkpoint, or None on every rank alike when

@@ -259,7 +259,8 @@ class Save(Message):
     plain_digest: str = ""
     held: list[str] = field(default_factory=list)
     # The step the rank's job last loaded (-1: none) and when (ckptd.catalog.WentBack): a save of a
-    # step above it committed before that replaces the commit; the coordinator takes it from every
+    # step above it committed before that replaces the commit (not on node-local disks), and the
+    # commit descends from what it loaded (ckptd.lineage); the coordinator takes it from every
     # rank's WRITTEN alike.
     went_back_to: int = -1
     went_back_unix_s: float = 0.0

@@ -93,6 +93,8 @@ class Commit:
     files: dict[str, tuple[int, int]]  # data file name -> (rank, bytes its writer reported)
     elsewhere: frozenset[str] = frozenset()  # node-local root: files on other nodes' disks (unchecked)
     went_back: WentBack | None = None  # every rank's job went back to this step (Save.went_back_to)
+    # Every rank named the same step loaded, or none: the commit's parent is known (ckptd.lineage).
+    went_back_agreed: bool = True
     seq_floor: int = 0  # the commit is numbered above it (node-local: every node's disk's, Written.disk_seq)
 
 

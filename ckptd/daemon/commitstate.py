@@ -49,17 +49,17 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..catalog import WentBack
 from ..config import CkptdConfig
 from ..control.protocol import Failed, Message, StepAborted, StepCommitted, Written
 from ..control.wiretext import bounded_text, bounded_warnings
 from ..errors import ProtocolError, ShardingError
 from ..format.coverage import settle, uniform_digest
 from ..format.finalize import serialize_common
+from ..lineage import agreed_went_back, loads_agree
 from ..statedict.digest import differing_ranks
 from .commitevents import (
     Action,
@@ -251,7 +251,8 @@ class CommitState:
         already, or another attempt of it is in flight)."""
         step, attempt = msg.step, msg.attempt
         refused = f"step {step} is committed already; {who} saved it again as attempt {attempt} (save under a new step)"
-        if isinstance(msg, Written) and 0 <= msg.went_back_to < step:
+        # (Node-local disks never replace a step a job left: it loaded a step there too.)
+        if isinstance(msg, Written) and 0 <= msg.went_back_to < step and self.local_node is None:
             refused = (
                 f"step {step} is committed already; {who} saved it again as attempt {attempt} after loading step "
                 f"{msg.went_back_to}: a step committed since that load, or one with a step the job left below it "
@@ -447,6 +448,7 @@ class CommitState:
                 files=files,
                 elsewhere=elsewhere,
                 went_back=agreed_went_back(st.went_back.values()),
+                went_back_agreed=loads_agree(st.went_back.values()),
                 seq_floor=st.disk_seq,
             )
         )
@@ -546,14 +548,3 @@ def _common_warnings(st: AttemptState) -> list[str]:
     )
     log.warning("%s", text)
     return [text]
-
-
-def agreed_went_back(reported: Iterable[tuple[int, float]]) -> WentBack | None:
-    """The step the job last loaded, when every rank's report names the same (Save.went_back_to),
-    as of the earliest rank's load; None when one loaded none or they differ (then nothing above
-    it is replaced: a save of such a step is refused, as a step is committed once)."""
-    values = list(reported)
-    steps = {step for step, _ in values}
-    if len(steps) != 1 or min(steps) < 0:
-        return None
-    return WentBack(step=steps.pop(), before_unix_s=min(t for _, t in values))

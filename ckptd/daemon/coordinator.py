@@ -29,6 +29,7 @@ from ..control.security import HandshakeWatch
 from ..errors import CkptdError, ProtocolError, StorageError
 from ..format.rootlayout import step_dir_name, tmp_dir_name
 from ..gcpause import gc_paused
+from ..lineage import agreed_went_back
 from ..roots.base import CommitOutcome, RootStore
 from .commitevents import (
     Action,
@@ -43,7 +44,7 @@ from .commitevents import (
     Send,
     Tick,
 )
-from .commitstate import CommitState, agreed_went_back
+from .commitstate import CommitState
 from .guard import InternalErrors
 from .loop import serve_requests
 from .rootquestions import Question, answer
@@ -238,6 +239,7 @@ class Coordinator:
                         c.files,
                         elsewhere=c.elsewhere,
                         went_back=c.went_back,
+                        went_back_agreed=c.went_back_agreed,
                         seq_floor=c.seq_floor,
                     )
             except OSError as exc:

@@ -4,7 +4,7 @@ Step numbers do not order commits: a job that resumes from an older step (a roll
 spike) commits step 31 after step 40. So the coordinator writes ``ckptd_commit.json`` into each
 checkpoint it commits, before the rename that commits it::
 
-    {"seq": 5, "step": 31, "attempt": "0123456789ab-1", "committed_unix_s": 1764150000.0}
+    {"seq": 5, "step": 31, "attempt": "0123456789ab-1", "committed_unix_s": 1764150000.0, "parent_seq": 2}
 
 ``seq`` is one more than the highest ``seq`` of the root's checkpoints (also of those whose markers
 are gone: a number is never given twice), and no commit is numbered while a record cannot be read
@@ -13,8 +13,11 @@ after a crash, ``resolve_latest``'s fallback), which ones retention keeps and wh
 an abandoned branch are decided by it; checkpoints
 without a record (written by ``ckptd.save``, torch DCP, Megatron-Core or ckptd before 0.2) count
 as ``seq`` 0, older than any recorded commit, and among themselves by step. The wall-clock time
-is for people only: clocks are stepped, sequence numbers are not. torch DCP and Megatron-Core
-ignore the file.
+orders no commits (clocks are stepped, sequence numbers are not): it only tells what a job
+committed before and after it loaded a step (ckptd.lineage.WentBack). torch DCP and Megatron-Core
+ignore the file. ``parent_seq`` names the commit this one descends from (after a rollback to
+step 30, committed as seq 2, the first commit of the new branch names 2, not the left step 40's
+3): which commits are on the branch the job trains on (:mod:`ckptd.lineage`).
 """
 
 from __future__ import annotations
@@ -55,10 +58,14 @@ class CommitRecord:
     # A mirror's copy only (ckptd.roots.mirror): the local commit it copies, {"seq": its seq in
     # the local root, "attempt": its attempt}, so that a resume tells which level is newer.
     source: dict[str, int | str] | None = None
+    # The commit this one descends from (its seq), which a rollback does not make the one before
+    # it (ckptd.lineage: which commits are on the branch the job trains on). None (not written):
+    # not known (the first commit, records of older versions, ranks that loaded different steps).
+    parent_seq: int | None = None
 
     def to_bytes(self) -> bytes:
         fields = asdict(self)
-        for optional in ("objects", "source"):
+        for optional in ("objects", "source", "parent_seq"):
             if fields[optional] is None:
                 del fields[optional]
         return json.dumps(fields).encode()
@@ -112,6 +119,7 @@ def parse_commit_record_checked(raw: bytes, where: object) -> CommitRecord:
             committed_unix_s=obj["committed_unix_s"],
             objects=obj.get("objects"),
             source=obj.get("source"),
+            parent_seq=obj.get("parent_seq"),
         )
         if not (
             type(rec.seq) is int
@@ -121,6 +129,7 @@ def parse_commit_record_checked(raw: bytes, where: object) -> CommitRecord:
             and isinstance(rec.committed_unix_s, (int, float))
             and (rec.objects is None or _objects_ok(rec.objects))
             and (rec.source is None or _source_ok(rec.source))
+            and (rec.parent_seq is None or (type(rec.parent_seq) is int and 0 < rec.parent_seq < rec.seq))
         ):
             raise ValueError("unexpected field types")
     except (ValueError, TypeError, KeyError, RecursionError) as exc:

@@ -119,14 +119,18 @@ class RootStore(Protocol):
         *,
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
+        went_back_agreed: bool = True,
         seq_floor: int = 0,
     ) -> CommitOutcome:
         """Commit the attempt (see the module docstring, step 2). ``data_files``: each rank's
         data file name -> ``(rank, bytes its writer reported)``; ``elsewhere``: those on other
         nodes' disks, which a node-local root cannot check (ckptd.roots.nodelocal); ``went_back``:
         the job went back to an older step (a commit of a step it left replaces it:
-        :meth:`ckptd.catalog.RootCatalog.superseded`); ``seq_floor``: the commit is numbered above
-        it (node-local disks: the highest commit number any node's disk holds)."""
+        :meth:`ckptd.catalog.RootCatalog.superseded`; never on node-local disks), and the commit
+        descends from what it loaded (:func:`ckptd.lineage.parent_of`; ``went_back_agreed``
+        False: the ranks named different steps, and the commit's parent is not recorded);
+        ``seq_floor``: the commit is numbered above it (node-local disks: the highest commit
+        number any node's disk holds)."""
         ...
 
     def highest_commit_seq(self) -> int:

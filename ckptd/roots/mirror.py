@@ -242,6 +242,13 @@ def mirrored_latest(mirror: S3Root) -> CommitRef | None:
     return CommitRef.copied_by(read_s3_commit_record(mirror.client, name))
 
 
+def local_chain(root: Path, commit: CommitRef) -> frozenset[int]:
+    """``commit`` and its known ancestors in the local root (their seqs there: ckptd.lineage): the
+    mirror's copy of it descends from the newest copy of one of them, so the mirror's retention
+    and fallback keep to the branch the job trains on as the local root's do."""
+    return scan_root(root, usage=False).chain_of(commit.seq)
+
+
 def new_mirror_attempt(commit: CommitRef) -> str:
     """A fresh attempt id for one upload: data object keys are never reused, not even by a retry."""
     return f"{commit.attempt or 'x'}-m{secrets.token_hex(4)}"
@@ -266,7 +273,15 @@ def mirror_step(root: Path, commit: CommitRef, mirror: S3Root) -> CommitOutcome:
                 renamed, data_files = _upload_data(lease, records, checksum, name, attempt, mirror)
                 check_still_leased(lease, commit)
                 try:
-                    outcome = mirror.commit(commit.step, attempt, renamed, common, data_files, source=commit.source())
+                    outcome = mirror.commit(
+                        commit.step,
+                        attempt,
+                        renamed,
+                        common,
+                        data_files,
+                        source=commit.source(),
+                        source_chain=local_chain(root, commit),
+                    )
                 except CorruptCheckpointError as exc:  # an uploaded object missing or resized: the store's doing
                     raise StorageError(f"committing the copy of step {commit.step} failed: {exc}") from exc
             except BaseException:

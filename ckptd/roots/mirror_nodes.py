@@ -65,6 +65,7 @@ from .mirror import (
     check_still_leased,
     copy_checked,
     leased_commit_record,
+    local_chain,
     new_mirror_attempt,
     note_mirrored,
     read_local_commit,
@@ -116,7 +117,13 @@ def coordinate_copy(
             renamed, data_files = renamed_records(records, verdict.copies)
             check_still_leased(lease, commit)
             outcome = mirror.commit(
-                commit.step, request.mirror_attempt, renamed, common, data_files, source=commit.source()
+                commit.step,
+                request.mirror_attempt,
+                renamed,
+                common,
+                data_files,
+                source=commit.source(),
+                source_chain=local_chain(root, commit),
             )
         except BaseException:
             _withdraw(mirror.client)

@@ -42,7 +42,7 @@ import math
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..catalog import (
@@ -137,6 +137,7 @@ def commit_step(
     elsewhere: frozenset[str] = frozenset(),
     node_local: bool = False,
     went_back: WentBack | None = None,
+    went_back_agreed: bool = True,
     seq_floor: int = 0,
 ) -> CommitOutcome:
     """Commit ``<root>/<step>.<attempt>.tmp`` (see the module docstring).
@@ -147,7 +148,10 @@ def commit_step(
     outcome carries the files written (for the other nodes: ckptd.roots.nodelocal), and the commit
     is numbered above ``seq_floor`` too (the other nodes' disks' highest number: a replaced disk
     would number from 1 again, below their commits of the old one, which would then pass for the
-    newest). Every
+    newest). ``went_back``, ``went_back_agreed``: what the job's ranks last loaded, which the
+    commit descends from (its record's ``parent_seq``: ckptd.lineage), and whose left steps it
+    replaces (not on node-local disks: the other nodes' copies of a step replaced that way would
+    stay). Every
     file is written relative to the root's and the step directory's fds, the step directory is
     opened without following a link (a planted link fails the commit with StorageError naming
     it), and trackers replace their entry, never write through a link.
@@ -156,23 +160,27 @@ def commit_step(
     tmp = tmp_dir_name(step, attempt)
     final = root / name
     cat = scan_root(root, usage=False)
+    left_to_replace = None if node_local else went_back
     with Dir.open(root) as rootd:
         replaced = None
         damage = None
         if rootd.lstat(name) is not None:
-            replaced = cat.superseded(step, went_back)
+            replaced = cat.superseded(step, left_to_replace)
             if replaced is None and not node_local and not cat.left_between(step, went_back):
                 replaced, damage = damaged_commit(cat, name, final)
             if replaced is None:
-                raise CheckpointExistsError(f"{final} already exists; {committed_once_advice(cat, step, went_back)}")
+                advice = committed_once_advice(cat, step, left_to_replace)
+                raise CheckpointExistsError(f"{final} already exists; {advice}")
         if rootd.lstat(tmp) is None:
             raise CkptdError(f"{root / tmp} vanished before the commit (removed by gc or by hand?)")
+        parent = cat.parent_of(step, went_back, agreed=went_back_agreed)
         record = CommitRecord(
             seq=next_commit_seq(cat, seq_floor, root),
             step=step,
             attempt=attempt,
             committed_unix_s=time.time(),
             objects={n: {"nbytes": nbytes} for n, (_, nbytes) in data_files.items()} if node_local else None,
+            parent_seq=None if parent is None else parent.commit_seq,
         )
         with rootd.subdir(tmp) as tmpd:
             remove_partial_files(tmpd)
@@ -189,7 +197,8 @@ def commit_step(
             opener=opener,
             megatron_tracker=megatron_tracker,
         )
-    warnings = rollback_warnings(cat, step, name, replaced is not None, damage, went_back)
+    left = cat.left_by_commit(step, record.seq, parent)
+    warnings = rollback_warnings(cat, step, name, replaced is not None, damage, left_to_replace, parent, left)
     for text in warnings:
         log.warning("%s", text)
     if untracked is not None:
@@ -296,12 +305,15 @@ def rollback_warnings(
     replaced: bool,
     damage: str | None = None,
     went_back: WentBack | None = None,
+    parent: CheckpointEntry | None = None,
+    left: Sequence[CheckpointEntry] = (),
 ) -> tuple[str, ...]:
     """What to tell the ranks when the job went back: ``step`` is older than the step committed
-    before it (the tracker's; without one, any committed step). Said once, at the rollback: the
-    saves that follow it on the new branch are not older than their predecessor. And when the
-    commit replaced a checkpoint of a branch an earlier rollback abandoned, or (``damage``) one
-    found damaged."""
+    before it (the tracker's; without one, any committed step), or the commit descends from
+    ``parent``, not from the tracker's, and so leaves ``left`` on the branch the job left
+    (:meth:`RootCatalog.left_by_commit`). Said once, at the rollback: the saves that follow it on
+    the new branch leave nothing more. And when the commit replaced a checkpoint of a branch an
+    earlier rollback abandoned, or (``damage``) one found damaged."""
     out: list[str] = []
     newer = sorted(e.step for e in cat.committed if e.step > step)
     previous = cat.latest()
@@ -312,6 +324,16 @@ def rollback_warnings(
             f"step (a rollback). '{TRACKER_FILE}' now names {name}, which a restart resumes from; the "
             "newer checkpoints count as older commits for retention (keep_last keeps the last commits: "
             "a small keep_last retires them at once), and a save of one of their steps replaces it"
+        )
+    elif left and parent is not None:
+        names = sorted(e.name for e in left)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        out.append(
+            f"{name} continues from {parent.name}, which the job loaded (it went back: a rollback), so "
+            f"{shown} {'is' if len(names) == 1 else 'are'} on the branch it left: retention keeps the last "
+            "commits of this branch before "
+            "them, and a resume past a damaged latest falls back to one of them only when no checkpoint "
+            "of this branch is loadable"
         )
     if damage is not None:
         out.append(f"{name} was damaged ({damage}); this save replaced it")

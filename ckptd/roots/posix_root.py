@@ -73,6 +73,7 @@ class PosixRoot:
         *,
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
+        went_back_agreed: bool = True,
         seq_floor: int = 0,
     ) -> CommitOutcome:
         outcome = commit_step(
@@ -88,8 +89,8 @@ class PosixRoot:
             opener=self.opener,
             elsewhere=elsewhere,
             node_local=self.node_local,
-            # Node-local disks: the other nodes' copies of a step replaced that way are not.
-            went_back=None if self.node_local else went_back,
+            went_back=went_back,
+            went_back_agreed=went_back_agreed,
             seq_floor=seq_floor,
         )
         if not self.node_local:

@@ -129,13 +129,16 @@ class S3Root:
         data_files: Mapping[str, tuple[int, int]],
         *,
         source: dict[str, int | str] | None = None,
+        source_chain: frozenset[int] = frozenset(),
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
+        went_back_agreed: bool = True,
         seq_floor: int = 0,
     ) -> CommitOutcome:
         """``source``: the local commit a mirror's copy is of (ckptd.roots.mirror), recorded in
-        the commit record. ``elsewhere`` is ignored: every node's objects are in the store, and
-        all are checked. ``went_back``, ``seq_floor``: see :meth:`RootStore.commit`."""
+        the commit record; ``source_chain``: see :meth:`RootCatalog.copy_parent`. ``elsewhere`` is
+        ignored: every node's objects are in the store, and all are checked. Others: see
+        :meth:`RootStore.commit`."""
         name = step_dir_name(step)
         cat = self.scan(usage=False)
         replaced = None
@@ -179,6 +182,9 @@ class S3Root:
                     "under another step"
                 ) from None
             objects[obj_name] = {"nbytes": len(data), "crc32c": crc32c(data)}
+        parent = (
+            cat.copy_parent(source_chain, step) if source else cat.parent_of(step, went_back, agreed=went_back_agreed)
+        )
         record = CommitRecord(
             seq=next_commit_seq(cat, seq_floor, self.location),
             step=step,
@@ -186,6 +192,7 @@ class S3Root:
             committed_unix_s=time.time(),
             objects=objects,
             source=source,
+            parent_seq=None if parent is None else parent.commit_seq,
         )
         try:
             self.client.create(  # the commit point
@@ -208,7 +215,8 @@ class S3Root:
                 self.client.put(MEGATRON_TRACKER, megatron_tracker_bytes(step))
             except StorageError as exc:  # a convenience for Megatron-LM; ckptd's own tracker is written
                 log.warning("committed %s, but %s could not be updated: %s", name, MEGATRON_TRACKER, exc)
-        warnings = rollback_warnings(cat, step, name, replaced is not None, damage, went_back)
+        left = cat.left_by_commit(step, record.seq, parent)
+        warnings = rollback_warnings(cat, step, name, replaced is not None, damage, went_back, parent, left)
         for text in warnings:
             log.warning("%s", text)
         if self.keep_last > 0:
