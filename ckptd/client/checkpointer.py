@@ -440,6 +440,13 @@ class Checkpointer(RootReader):
         the new branch's, which the job's next commit descends from (ckptd.lineage)."""
         settle_above(self._pending.handles(), step, self.config.coordinator_timeout_s)
 
+    def _loaded(self, step: int) -> None:
+        """A load of ``step``: also, with ``policy="auto"``, the next save is an interval after it
+        (:meth:`ckptd.client.policy.AutoInterval.after_load`)."""
+        super()._loaded(step)
+        if self._policy is not None:
+            self._policy.after_load(step)
+
     def _decide_own_saves(self) -> None:
         self._session.drop_dead_daemon()
         self._ring.fence()

@@ -5,6 +5,9 @@ Order of calls, on every rank, once per training step::
     if ckpt.due(step):                  # measures the step time; True on the first call
         ckpt.save(state, step=step)     # after it returns the interval is recomputed
 
+After a rollback (``ckpt.load(sd, step=N)``, then training on from step N) the next save is an
+interval after N (:meth:`AutoInterval.after_load`), not at the old branch's next save step.
+
 After each save the interval is recomputed with :func:`ckptd.tune.recommend` from this rank's
 measured stall (mean over recent saves), persist/commit latency (mean of committed saves) and
 step time (median of recent steps), the configured MTBF and restart time. Every rank must save at
@@ -72,6 +75,8 @@ class AutoInterval:
         self.agree = agree
         self.step_times_s: deque[float] = deque(maxlen=50)
         self.last_call_s: float | None = None
+        self.last_step: int | None = None  # the step of the last due()
+        self.loaded_step: int | None = None  # the step of a load since the last due() (after_load)
         self.next_step: int | None = None
         self.interval_steps: int | None = None
         # The first save's outcome waited for (Checkpointer.save): how long it took. The commit
@@ -96,7 +101,25 @@ class AutoInterval:
         if self.last_call_s is not None:
             self.step_times_s.append(now - self.last_call_s)
         self.last_call_s = now
+        if self.last_step is not None and step < self.last_step and self.interval_steps is not None:
+            # The job went back (a rollback: it loaded an older step and trains on from there):
+            # the next save is an interval after the step it went back to, not after the last
+            # save of the branch it left, which lies ahead by as many steps as it went back.
+            start = self.loaded_step if self.loaded_step is not None and self.loaded_step < step else step - 1
+            self.next_step = start + self.interval_steps
+        self.last_step = step
+        self.loaded_step = None
         return self.next_step is None or step >= self.next_step
+
+    def after_load(self, step: int) -> None:
+        """A load of ``step`` (a rollback, a resume). Its effect waits for the next :meth:`due`:
+        once training goes on below the steps it was at (the steps due() is given, the same on
+        every rank, went back), the next save is an interval after ``step``. A load that does not
+        take the steps back (one rank's ``load(step=N)`` of an older step to look at it, or a job
+        that skips ahead past the steps it went back from) leaves the schedule as it was, so due()
+        stays the same on every rank. The time the load took is no training step's."""
+        self.loaded_step = step
+        self.last_call_s = None
 
     def after_save(self, step: int, stats: dict[str, Any]) -> None:
         """Recompute and agree on the next save step (every rank calls this at the same step)."""

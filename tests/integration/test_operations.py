@@ -189,6 +189,34 @@ def test_policy_auto_applies_the_young_daly_interval(single):
     )
 
 
+@pytest.mark.timeout(120)
+def test_policy_auto_saves_an_interval_after_the_step_a_rollback_went_back_to(single):
+    """Saved every 7 steps up to 40, went back to 14 (a loss spike) and trained on: due() kept
+    the branch it left's next save step, 42, so 28 steps went unsaved; it is 21 now."""
+    root, runtime, _ = single
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, policy="auto", mtbf_s=6.0, restart_s=0.5)
+
+    def state(step: int) -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((16,), float(step)))}
+
+    with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
+        ckpt._policy.agree = lambda interval: 7  # the interval the ranks agree on, fixed for the test
+
+        def train(start: int, stop: int) -> list[int]:
+            saved = []
+            for step in range(start, stop):
+                if ckpt.due(step):
+                    ckpt.save(state(step), step=step).wait(60)
+                    saved.append(step)
+            return saved
+
+        assert train(0, 41) == [0, 7, 14, 21, 28, 35]
+        w = state(-1)
+        ckpt.load(w, step=14)
+        assert float(w["w"].data[0]) == 14.0
+        assert train(15, 30) == [21, 28]  # replacing the left 21 and 28 (README: Going back)
+
+
 def test_due_needs_policy_auto(single):
     root, runtime, _ = single
     cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime)
