@@ -3,7 +3,8 @@
 :func:`resolve_latest` (used by :meth:`ckptd.Checkpointer.latest` and ``load``) decides, in order:
 
 1. the tracker names a committed checkpoint that passes a structural check (``metadata.json``,
-   a decodable ``.metadata``, every data file present and long enough, ``common.pt`` intact):
+   a decodable ``.metadata``, every data file present and long enough (on ``s3://``: every data
+   object the commit recorded listed with its size), ``common.pt`` intact):
    that one, silently (the normal case);
 2. otherwise (tracker missing, unreadable, naming a missing, incomplete or damaged directory):
    the last committed ``iter_<step>`` checkpoint (in commit order, :mod:`ckptd.format.commitrecord`:
@@ -77,9 +78,10 @@ def structural_problem(
     path: Location, *, node_local: bool = False, damage_only: bool = False, allow_unsafe_pickle: bool = False
 ) -> str | None:
     """Why ``path`` cannot be loaded as a complete checkpoint (first error found), or None. An
-    ``s3://`` checkpoint is checked through its local view (its small files and the sizes of its
-    data objects; no data is read). Imports torch and DCP's metadata classes (to read
-    ``.metadata``): a node daemon calls it only when it finishes a commit a crash interrupted.
+    ``s3://`` checkpoint is checked through its local view (its small files, and the data objects
+    its commit record names listed with their sizes, one LIST; no data is read). Imports torch and
+    DCP's metadata classes (to read ``.metadata``): a node daemon calls it only when it finishes a
+    commit a crash interrupted.
 
     A directory is checked under a load's lease (ckptd.format.lease), so retention does not remove
     it half-way through the check (whose missing files would read as damage); one removed before
@@ -101,7 +103,7 @@ def structural_problem(
 
     if isinstance(path, S3Location):
         try:
-            with s3_checkpoint_view(path) as view:
+            with s3_checkpoint_view(path, listed=True) as view:
                 checked = verify_checkpoint(view.directory, read_items=False, allow_unsafe_pickle=allow_unsafe_pickle)
                 problem = _report_problem(checked, view.directory, path, damage_only)
         except (StorageError, CheckpointRemovedError, UnknownClassError):

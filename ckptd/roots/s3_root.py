@@ -55,7 +55,7 @@ from ..errors import CheckpointExistsError, CkptdError, CorruptCheckpointError, 
 from ..format.checksum import crc32c
 from ..format.commitrecord import COMMIT_RECORD, CommitRecord
 from ..format.dcp_pickle import metadata_pickle
-from ..format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
+from ..format.layout import COMMON_PT, DCP_METADATA, METADATA_JSON, backend_metadata_bytes
 from ..format.records import ItemRecord
 from ..format.rootlayout import (
     MEGATRON_TRACKER,
@@ -421,23 +421,11 @@ class S3Root:
 
     def _damage(self, name: str) -> str | None:
         """What is wrong with the committed ``name``: its small objects and metadata, or a data
-        object its commit record lists that is missing or of another size (one LIST); its data
-        objects' bytes are not read (a store keeps its own checksums)."""
-        record = read_s3_commit_record(self.client, name)
-        if record is None:
+        object its commit record lists that is missing or of another size (the structural check
+        lists them: one LIST); its data objects' bytes are not read (a store keeps its own checksums)."""
+        if read_s3_commit_record(self.client, name) is None:
             return None  # not ckptd's commit: never replaced (ckptd.roots.posix.damaged_commit)
-        problem = structural_problem(self.location.child(name), damage_only=True)
-        if problem is not None:
-            return problem
-        if not record.objects:
-            return None
-        _, found = self.client.list_dir(name)
-        sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in found}
-        for obj, info in sorted(record.objects.items()):
-            if obj.endswith(DATA_SUFFIX) and sizes.get(obj) != info.get("nbytes"):
-                have = "is missing" if obj not in sizes else f"has {sizes[obj]} bytes, {info.get('nbytes')} committed"
-                return f"data object {self.display(name, obj)} {have}"
-        return None
+        return structural_problem(self.location.child(name), damage_only=True)
 
     def recover(self, *, nnodes: int) -> Recovery:
         """Name the last commit in the tracker if a crash came between its commit object and the

@@ -189,8 +189,14 @@ class S3View:
 
 
 @contextmanager
-def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> Iterator[S3View]:
-    """Open the checkpoint at ``location`` for reading (see the module docstring)."""
+def s3_checkpoint_view(
+    location: S3Location, client: S3Client | None = None, *, listed: bool = False
+) -> Iterator[S3View]:
+    """Open the checkpoint at ``location`` for reading (see the module docstring). ``listed``: the
+    data objects its commit record names are checked against a LIST of its prefix (one request):
+    one missing or of another size raises CorruptCheckpointError naming it. A load finds such an
+    object when it reads it; the check of a resume (ckptd.recovery.structural_problem) reads no
+    data, and without it took a checkpoint that lost an object for intact."""
     client = client if client is not None else S3Client(location)
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-s3-"))
     source = None
@@ -199,6 +205,8 @@ def s3_checkpoint_view(location: S3Location, client: S3Client | None = None) -> 
         etags: dict[str, str | None] = {}
         try:
             objects = _materialize(client, location, tmp, record, etags)
+            if listed and record is not None:
+                _check_listed(client, objects)
             source = S3RangeSource(client, objects)
             yield S3View(tmp, source, location)
         except (CorruptCheckpointError, CheckpointNotFoundError, StorageError) as exc:
@@ -253,6 +261,21 @@ def _materialize(
         _, infos = client.list_dir("")
         sizes = {i.key.rsplit("/", 1)[-1]: i.size for i in infos if i.key.endswith(DATA_SUFFIX)}
     return {name: sparse_object(location, tmp, name, name, size) for name, size in sizes.items()}
+
+
+def _check_listed(client: S3Client, objects: dict[str, SparseObject]) -> None:
+    """Raise CorruptCheckpointError naming the first of ``objects`` (the sizes the commit recorded)
+    that a listing of the checkpoint's prefix lacks or holds with another size."""
+    _, infos = client.list_dir("")
+    listed = {i.key.rsplit("/", 1)[-1]: i.size for i in infos}
+    wrong = [(obj, listed.get(obj.key)) for _, obj in sorted(objects.items()) if listed.get(obj.key) != obj.size]
+    if not wrong:
+        return
+    obj, size = wrong[0]
+    # Worded as a load's finding of a missing one (S3Client.get_range): the resume's warning quotes it.
+    what = "is missing; the checkpoint is incomplete" if size is None else f"has {size} bytes, {obj.size} committed"
+    more = f" (and {len(wrong) - 1} more data objects missing or of another size)" if len(wrong) > 1 else ""
+    raise CorruptCheckpointError(f"data object {client.url(obj.key)} {what}{more}")
 
 
 def sparse_object(location: S3Location, tmp: Path, name: str, key: str, size: int) -> SparseObject:
