@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from .format.commitrecord import commit_seq, read_commit_record_checked
+from .format.commitrecord import commit_seq, copied_commit, read_commit_record_checked
 from .format.layout import COMMON_PT, DATA_SUFFIX, DCP_METADATA, METADATA_JSON
 from .format.rootlayout import (
     MEGATRON_TRACKER,
@@ -91,10 +91,12 @@ class CheckpointEntry:
     # record_problem is the storage failing to return it (StorageError): the record may be intact,
     # and read next time.
     record_unreadable: bool = False
-    # Its record's: the commit it descends from (ckptd.lineage; None: not recorded), and for a
-    # mirror's copy the local commit it copies (its seq in the local root).
+    # Its record's: the attempt it committed, the commit it descends from (ckptd.lineage; None: not
+    # recorded), and for a mirror's copy the local commit it copies (its seq in the local root and
+    # its attempt: a local root lost and begun again numbers from 1 again).
+    attempt: str = ""
     parent_seq: int | None = None
-    source_seq: int | None = None
+    source: tuple[int, str] | None = None
 
     @property
     def commit_order(self) -> tuple[int, int]:
@@ -204,12 +206,12 @@ class RootCatalog:
         seq = parent_of(recorded, step, went_back, agreed=agreed)
         return next((e for e in recorded if e.commit_seq == seq), None)
 
-    def copy_parent(self, source_chain: frozenset[int], step: int) -> CheckpointEntry | None:
+    def copy_parent(self, source_chain: frozenset[tuple[int, str]], step: int) -> CheckpointEntry | None:
         """A mirror's copy that a new copy of a local commit of ``step`` descends from
         (:func:`ckptd.lineage.copy_parent`; ``source_chain``: that commit's known ancestors in the
-        local root, and itself)."""
-        copies = [e for e in self.committed if e.source_seq is not None and e.record_problem is None and e.commit_seq]
-        seq = copy_parent(((e.commit_seq, e.source_seq or 0, e.step) for e in copies), source_chain, step)
+        local root, and itself, as (seq, attempt))."""
+        copies = [e for e in self.committed if e.source is not None and e.record_problem is None and e.commit_seq]
+        seq = copy_parent(((e.commit_seq, e.source, e.step) for e in copies if e.source), source_chain, step)
         return next((e for e in copies if e.commit_seq == seq), None)
 
     def left_by_commit(self, step: int, seq: int, parent: CheckpointEntry | None) -> list[CheckpointEntry]:
@@ -223,12 +225,16 @@ class RootCatalog:
         left = off_lineage(new, [e for e in self._linked() if e.name != name])
         return [e for e in left if e.state is EntryState.COMMITTED and e.name not in before]
 
-    def chain_of(self, seq: int) -> frozenset[int]:
-        """The commit numbered ``seq`` and its known ancestors (:func:`ckptd.lineage.ancestry`);
-        empty when no such commit is here."""
+    def chain_of(self, seq: int) -> frozenset[tuple[int, str]]:
+        """The commit numbered ``seq`` and its known ancestors (:func:`ckptd.lineage.ancestry`), as
+        (seq, attempt): a mirror's copy names both of the commit it copies; empty when no such
+        commit is here."""
         linked = self._linked()
         entry = next((e for e in linked if e.commit_seq == seq), None)
-        return frozenset() if entry is None else ancestry(entry, linked).chain
+        if entry is None:
+            return frozenset()
+        chain = ancestry(entry, linked).chain
+        return frozenset((e.commit_seq, e.attempt) for e in linked if e.commit_seq in chain)
 
     def _linked(self) -> list[CheckpointEntry]:
         """The links of a lineage: checkpoints whose commit records are read, also those whose
@@ -425,8 +431,9 @@ def scan_root(root: str | os.PathLike, *, usage: bool = True) -> RootCatalog:
                 committed_unix_s=0.0 if record is None else record.committed_unix_s,
                 record_problem=record_problem,
                 record_unreadable=unreadable,
+                attempt="" if record is None else record.attempt,
                 parent_seq=None if record is None else record.parent_seq,
-                source_seq=None if record is None or record.source is None else int(record.source["seq"]),
+                source=copied_commit(record),
             )
         )
     cat.entries.sort(key=lambda e: (e.step, e.name))

@@ -173,11 +173,15 @@ def parent_of(commits: Sequence[T], step: int, went_back: WentBack | None, *, ag
     return parent.commit_seq if parent is not None and parent.step < step else None
 
 
-def copy_parent(copies: Iterable[tuple[int, int, int]], source_chain: frozenset[int], step: int) -> int | None:
+def copy_parent(
+    copies: Iterable[tuple[int, tuple[int, str], int]], source_chain: frozenset[tuple[int, str]], step: int
+) -> int | None:
     """The parent of a mirror's copy of a local commit of ``step``: the newest copy (``copies``:
-    ``(its seq in the mirror, the local seq it copies, its step)``) of one of the local commit's
-    known ancestors (``source_chain``, its :func:`ancestry` in the local root). None when the
-    mirror holds no copy of one (the mirror skips steps a newer commit overtook)."""
-    mine = [(seq, copied_step) for seq, source_seq, copied_step in copies if source_seq in source_chain]
+    ``(its seq in the mirror, (the local seq and attempt it copies), its step)``) of one of the
+    local commit's known ancestors (``source_chain``, its :func:`ancestry` in the local root, as
+    (seq, attempt): a local root lost and begun again numbers from 1 again, so a number alone
+    would take an old run's copy for an ancestor). None when the mirror holds no copy of one (the
+    mirror skips steps a newer commit overtook)."""
+    mine = [(seq, copied_step) for seq, source, copied_step in copies if source in source_chain]
     newest = max(mine, default=None)
     return newest[0] if newest is not None and newest[1] < step else None

@@ -33,6 +33,7 @@ from .format.commitrecord import (
     COMMIT_RECORD_MAX_NBYTES,
     CommitRecord,
     commit_seq,
+    copied_commit,
     parse_commit_record,
     read_commit_record,
 )
@@ -141,8 +142,9 @@ def scan_s3_root(location: S3Location, client: S3Client | None = None, *, usage:
                 commit_seq=record.seq if record is not None else 0,
                 committed_unix_s=record.committed_unix_s if record is not None else 0.0,
                 record_problem=problem,
+                attempt="" if record is None else record.attempt,
                 parent_seq=None if record is None else record.parent_seq,
-                source_seq=None if record is None or record.source is None else int(record.source["seq"]),
+                source=copied_commit(record),
             )
         )
     for info in objects:

@@ -160,3 +160,11 @@ def commit_seq(directory: str | os.PathLike) -> int:
     """The directory's commit sequence number (0: no record)."""
     rec = read_commit_record(directory)
     return 0 if rec is None else rec.seq
+
+
+def copied_commit(record: CommitRecord | None) -> tuple[int, str] | None:
+    """The local commit a mirror's copy copies, as (its seq in the local root, its attempt); None
+    for a record that is not a copy's (or no record)."""
+    if record is None or record.source is None:
+        return None
+    return int(record.source["seq"]), str(record.source["attempt"])

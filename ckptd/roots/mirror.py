@@ -242,7 +242,7 @@ def mirrored_latest(mirror: S3Root) -> CommitRef | None:
     return CommitRef.copied_by(read_s3_commit_record(mirror.client, name))
 
 
-def local_chain(root: Path, commit: CommitRef) -> frozenset[int]:
+def local_chain(root: Path, commit: CommitRef) -> frozenset[tuple[int, str]]:
     """``commit`` and its known ancestors in the local root (their seqs there: ckptd.lineage): the
     mirror's copy of it descends from the newest copy of one of them, so the mirror's retention
     and fallback keep to the branch the job trains on as the local root's do."""

@@ -129,7 +129,7 @@ class S3Root:
         data_files: Mapping[str, tuple[int, int]],
         *,
         source: dict[str, int | str] | None = None,
-        source_chain: frozenset[int] = frozenset(),
+        source_chain: frozenset[tuple[int, str]] = frozenset(),
         elsewhere: frozenset[str] = frozenset(),
         went_back: WentBack | None = None,
         went_back_agreed: bool = True,

@@ -3,6 +3,8 @@ on an ``s3://`` root and in a mirror's copies (ckptd.lineage), against a real se
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -97,3 +99,35 @@ def test_a_rollback_on_node_local_disks_records_the_step_it_went_back_to(s3_buck
     seqs = {e.step: e for e in cat.committed}
     assert seqs[50].parent_seq == seqs[30].commit_seq
     assert [e.step for e in cat.off_branch()] == [40]
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_local_root_begun_again_leaves_the_mirrors_copies_on_the_branch(s3_bucket, runtime_dir, tmp_path):
+    """The local root is lost (a scratch purge, a replaced disk) and the job resumes from the
+    mirror: the new local root numbers its commits from 1 again. The mirror's copy of that first
+    commit took the old run's copy of local seq 1 (step 10) for its parent, so every later copy
+    of the old run (50 included, the one the job resumed from) passed for a left branch:
+    retention kept step 10 over them, and a fallback resumed step 10. Copies now name the local
+    commit by number and attempt."""
+    local = tmp_path / "local"
+    mirror = f"s3://{s3_bucket}/mirror/lost"
+    cfg = _config(runtime_dir, keep_last=0, mirror=mirror, mirror_keep_last=0)
+    try:
+        with ckptd.Checkpointer(local, config=cfg) as ckpt:
+            for step in (10, 20, 30, 40, 50):
+                ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=120)
+                ckpt.wait_mirrored(step, timeout_s=120)
+    finally:
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
+    shutil.rmtree(local)
+    try:
+        with ckptd.Checkpointer(local, config=cfg) as ckpt:
+            assert ckpt.load(_sd(torch.zeros(64), -1))["iteration"] == 50
+            for step in (60, 70):
+                ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=120)
+                ckpt.wait_mirrored(step, timeout_s=120)
+    finally:
+        stop_root_daemons(local, runtime_dir, timeout_s=60)
+    cat = scan_s3_root(parse_location(mirror), usage=False)
+    assert cat.off_branch() == []
+    assert [e.name for e in cat.branch_first][:3] == ["iter_0000070", "iter_0000060", "iter_0000050"]

@@ -114,10 +114,21 @@ def test_ranks_agree_on_what_they_loaded_also_when_none_did():
 
 
 def test_a_mirror_copy_descends_from_the_newest_copy_of_an_ancestor():
-    copies = [(1, 11, 20), (2, 12, 30), (3, 13, 40)]  # (mirror seq, local seq copied, step)
-    assert copy_parent(copies, frozenset({14, 12, 11}), 50) == 2  # local 50 descends from 30, not 40
-    assert copy_parent(copies, frozenset({14, 11}), 50) == 1  # 30 was never copied: 20's copy
-    assert copy_parent(copies, frozenset({14}), 50) is None
+    a = "0123456789ab-1"
+    copies = [(1, (11, a), 20), (2, (12, a), 30), (3, (13, a), 40)]  # (mirror seq, local (seq, attempt), step)
+    assert copy_parent(copies, frozenset({(14, a), (12, a), (11, a)}), 50) == 2  # local 50 descends from 30, not 40
+    assert copy_parent(copies, frozenset({(14, a), (11, a)}), 50) == 1  # 30 was never copied: 20's copy
+    assert copy_parent(copies, frozenset({(14, a)}), 50) is None
+
+
+def test_a_lost_local_root_begun_again_does_not_take_an_old_runs_copy_for_an_ancestor():
+    """A local root lost and begun again numbers its commits from 1 again: the mirror's copy of
+    its first commit (seq 1, another attempt) descends from no copy of the old run's seq 1, which
+    would have made every later copy of the old run pass for a left branch."""
+    old, new = "0123456789ab-1", "ba9876543210-1"
+    copies = [(1, (1, old), 10), (2, (2, old), 20), (3, (3, old), 30)]
+    assert copy_parent(copies, frozenset({(1, new)}), 60) is None
+    assert copy_parent([*copies, (4, (1, new), 60)], frozenset({(2, new), (1, new)}), 70) == 4
 
 
 def test_parent_seq_round_trips_and_a_damaged_one_is_refused():
