@@ -231,8 +231,9 @@ _READ_HINTS = {
 }
 
 _STORAGE_HINTS = {
-    errno.ENOSPC: "the filesystem is full: free space on it or keep fewer checkpoints "
-    "(CKPTD_KEEP_LAST), then save again",
+    errno.ENOSPC: "the filesystem is full: free space on it, or keep fewer checkpoints (CKPTD_KEEP_LAST; "
+    "a save needs room for one checkpoint more than it keeps: retention removes the oldest only once "
+    "the new one committed), then save again",
     errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then save again",
     errno.EACCES: f"permission denied for uid {os.getuid()}: make the checkpoint root writable for the daemon's user",
     errno.EPERM: f"operation not permitted for uid {os.getuid()}: make the checkpoint root writable "

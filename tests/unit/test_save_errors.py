@@ -236,3 +236,13 @@ def test_a_rank_of_plain_values_takes_the_other_ranks_style(tmp_path: Path):
     assert run_ranks(_one_rank_of_plain_values, 2, str(tmp_path), timeout_s=90) == ["saved", "saved"]
     out = ckptd.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, tmp_path / "c")
     assert torch.equal(out["w"], torch.ones(2)) and out["iteration"] == 3
+
+
+def test_a_full_filesystem_says_a_save_needs_room_for_one_checkpoint_more_than_retention_keeps():
+    """With keep_last=1 'keep fewer checkpoints' could not be followed: retention removes the
+    oldest only once the new one committed, so a save needs room for one more than it keeps."""
+    import errno
+
+    err = ckptd.StorageError.from_oserror(OSError(errno.ENOSPC, "No space left on device"), "/r/iter_0000004.tmp/x")
+    assert "/r/iter_0000004.tmp/x" in str(err) and "(ENOSPC)" in str(err)
+    assert "room for one checkpoint more than it keeps" in str(err)
