@@ -11,7 +11,8 @@ Order of one collection (any process may run it; it needs no daemon):
    writing, so it stays younger than the grace period) and, on a node's disk of a node-local
    root, older than the node's last commit (a node that could not finish a committed step keeps
    its files in the ``.tmp``: ckptd.roots.nodelocal; and not at or above the lowest step this disk
-   keeps a commit of, for the same reason), and ``*.deleting`` leftovers.
+   keeps a commit of, for the same reason), and ``*.deleting`` leftovers. With ``keep=None``
+   (``ckptd gc`` without ``--keep``) no committed checkpoint is removed: only the leftovers are.
 2. :func:`apply_gc`: each removal first renames the directory to ``<name>.deleting`` (and fsyncs
    the root), then deletes it. A crash midway therefore never leaves a half-deleted directory
    under a committed name, and a save still writing into a ``.tmp`` that is collected by mistake
@@ -57,7 +58,7 @@ class GcPlan:
     remove: list[Removal] = field(default_factory=list)
     kept: list[tuple[CheckpointEntry, str]] = field(default_factory=list)  # (entry, why kept)
     refused: str | None = None  # why committed checkpoints are not collected at all
-    keep: int = 1
+    keep: int | None = 1  # None: no committed checkpoint is collected
     grace_s: float = DEFAULT_GRACE_S
     tracker_name: str | None = None  # what the tracker named when the plan was made
     # Once the tracker moved during the collection: the committed removals a fresh plan makes
@@ -87,23 +88,29 @@ class GcPlan:
 
 def plan_gc(
     cat: RootCatalog,
-    keep: int,
+    keep: int | None,
     grace_s: float = DEFAULT_GRACE_S,
     now: float | None = None,
     intact: Callable[[CheckpointEntry], bool] | None = None,
 ) -> GcPlan:
     """Decide what a collection removes (see the module docstring); touches nothing.
 
+    ``keep=None``: every committed checkpoint is kept, only abandoned saves and interrupted
+    removals are collected (and a tracker that cannot be trusted refuses nothing: no commit is
+    at stake).
+
     ``intact`` (``ckptd gc``): whether a committed checkpoint is loadable; the newest one that is
     (branch first) is kept whatever ``keep`` says, so a damaged latest never leaves the root with
     no loadable checkpoint. Asked newest first, until one is."""
-    if keep < 1:
-        raise CkptdError(f"gc: keep must be >= 1, got {keep}")
+    if keep is not None and keep < 1:
+        raise CkptdError(f"gc: keep must be >= 1 (or None to keep every committed checkpoint), got {keep}")
     if grace_s < 0:
         raise CkptdError(f"gc: grace_s must be >= 0, got {grace_s}")
     now = time.time() if now is None else now
     plan = GcPlan(cat.root, keep=keep, grace_s=grace_s, tracker_name=cat.latest_name)
-    if cat.tracker_problem is not None:
+    if keep is None:
+        pass  # no committed checkpoint is removed, so there is nothing to refuse
+    elif cat.tracker_problem is not None:
         plan.refused = f"{cat.tracker_problem}; committed checkpoints are left alone until the tracker is fixed"
     elif (
         not cat.tracker_exists
@@ -132,6 +139,8 @@ def plan_gc(
             plan.kept.append((e, "named by the tracker"))
         elif e.name == cat.megatron_latest_name:
             plan.kept.append((e, "named by Megatron-LM's tracker (latest_checkpointed_iteration.txt)"))
+        elif keep is None:
+            plan.kept.append((e, "committed (no retention count given: only abandoned saves are collected)"))
         elif rank < keep:
             plan.kept.append((e, f"among the {keep} last committed"))
         elif e.name == cat.mirrored_name:
@@ -154,7 +163,7 @@ def plan_gc(
     # node's files of a step committed on node 0 that it could not finish (ckptd.roots.nodelocal):
     # a load of that retained step reads them there.
     # (The keep-N commits and the tracker's: not one kept for another reason, a stalled mirror's.)
-    window = [e for rank, e in enumerate(order) if rank < keep or e.is_latest]
+    window = [e for rank, e in enumerate(order) if keep is None or rank < keep or e.is_latest]
     window_low = min((e.step for e in window), default=None)
     for e in cat.entries:
         if e.state is EntryState.PARTIAL:

@@ -1,4 +1,5 @@
-"""``ckptd gc ROOT --keep K``: remove old committed checkpoints and abandoned partial saves."""
+"""``ckptd gc ROOT [--keep K]``: remove abandoned partial saves, and with ``--keep`` old committed
+checkpoints."""
 
 from __future__ import annotations
 
@@ -24,23 +25,30 @@ from ._common import (
 
 DESCRIPTION = f"""\
 Garbage-collect a checkpoint root:
-  - keep the newest K committed checkpoints, and always the one the 'latest' tracker names;
-    remove older committed ones
+  - with --keep K: keep the newest K committed checkpoints, and always the one the 'latest'
+    tracker names; remove older committed ones. Without --keep no committed checkpoint is
+    removed: only the leftovers below are
   - remove partial saves (iter_<step>.<attempt>.tmp) whose last write is older than --grace-s
     (default {DEFAULT_GRACE_S:.0f} s): younger ones may still be in flight
   - remove directories an interrupted gc left behind (*.deleting)
+  - on an s3:// root, also abort unfinished multipart uploads older than --grace-s
 Each directory is first renamed to <name>.deleting, then deleted, so an interrupted gc never
 leaves a half-deleted checkpoint under a committed name. The tracker is never changed; when it
 is unreadable or dangling, no committed checkpoint is removed. Prints every removal.
 
-exit status: 0 ok; 1 a removal failed or the tracker cannot be trusted; 2 usage error."""
+exit status: 0 ok; 1 a removal failed, or --keep was given and the tracker cannot be trusted;
+2 usage error."""
 
 
 def register(subparsers: Any) -> None:
-    p = add_parser(subparsers, "gc", "remove old checkpoints and abandoned partial saves", DESCRIPTION)
+    p = add_parser(subparsers, "gc", "remove abandoned partial saves, and old checkpoints with --keep", DESCRIPTION)
     p.add_argument("path", metavar="ROOT", help="checkpoint root")
     p.add_argument(
-        "--keep", type=int, required=True, metavar="K", help="number of newest committed checkpoints to keep (>= 1)"
+        "--keep",
+        type=int,
+        default=None,
+        metavar="K",
+        help="number of newest committed checkpoints to keep (>= 1); without it, no committed checkpoint is removed",
     )
     p.add_argument(
         "--grace-s",
@@ -67,8 +75,11 @@ def _loadable(entry: CheckpointEntry) -> bool:
 
 @guarded("gc")
 def run(args: argparse.Namespace) -> int:
-    if args.keep < 1:
-        raise UsageError(f"--keep must be >= 1 (the tracker's checkpoint is always kept), got {args.keep}")
+    if args.keep is not None and args.keep < 1:
+        raise UsageError(
+            f"--keep must be >= 1 (the tracker's checkpoint is always kept), got {args.keep}; "
+            "leave --keep out to remove only abandoned saves and keep every committed checkpoint"
+        )
     if args.grace_s < 0:
         raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
     target = resolve(args.path)

@@ -248,6 +248,7 @@ def test_usage_errors_exit_2(tmp_path, capsys):
         ("verify", tmp_path / "c", "--all"),
         ("gc", tmp_path / "c", "--keep", "1"),
         ("gc", tmp_path / "empty", "--keep", "0"),
+        ("gc", tmp_path / "c"),
         ("tune", "--stall-s", "1", "--persist-s", "1", "--mtbf-s", "0"),
         ("verify", "gs://bucket/ckpt"),  # a scheme ckptd does not store at (it exited 1)
         ("ls", "s3://B/ckpt"),  # no S3 bucket name
@@ -278,6 +279,30 @@ def test_gc(tmp_path, capsys):
     (root / "latest").write_text("garbage/\n")
     rc, out, err = cli(capsys, "gc", root, "--keep", "1")
     assert rc == 1 and "removed 0 directories" in out and "left alone" in err
+
+
+def test_gc_without_keep_removes_only_leftovers(tmp_path, capsys):
+    """``ckptd gc ROOT`` (no --keep) cleans abandoned saves and interrupted removals and never
+    removes a committed checkpoint, also when the tracker cannot be trusted."""
+    root = make_root(tmp_path / "r", [100, 200, 300], latest=200)
+    make_partial(root, 50, age_s=7200)
+    make_partial(root, 400, age_s=1)
+    (root / "iter_0000010.deleting").mkdir()
+    rc, out, _ = cli(capsys, "gc", root)
+    assert rc == 0, out
+    assert "removed iter_0000010.deleting" in out and "removed iter_0000050.tmp" in out
+    assert "kept iter_0000100: committed" in out and "kept iter_0000300: committed" in out
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000100",
+        "iter_0000200",
+        "iter_0000300",
+        "iter_0000400.tmp",
+        "latest",
+    ]
+    (root / "latest").write_text("iter_0000999\n")  # dangling: nothing committed was at stake anyway
+    rc, out, err = cli(capsys, "gc", root, "--grace-s", "0")
+    assert rc == 0 and err == "" and "removed iter_0000400.tmp" in out and "removed 1 directory" in out
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000100", "iter_0000200", "iter_0000300", "latest"]
 
 
 def test_tune(capsys):

@@ -229,6 +229,14 @@ def test_the_command_line_on_an_s3_root(s3_bucket, runtime_dir, capsys, monkeypa
         run = process("verify", f"{root}/iter_0000003")
         assert run.returncode == 1 and f"{root}/iter_0000003: DAMAGED" in run.stdout, run.stdout
         assert f"of {data.rsplit('/', 1)[-1]} have CRC-32C" in run.stdout
+        # Without --keep, gc removes a crashed save's leftovers and no committed step.
+        stop_root_daemons(root, runtime_dir, timeout_s=60)  # its start would clean them up too
+        client.put("iter_0000005/__0_0.0123456789ab-1.distcp", b"x" * 100)
+        client.writer("iter_0000005/__1_0.0123456789ab-1.distcp", 5 << 20, 1).write(bytes(6 << 20))
+        run = cli("gc", root, "--grace-s", "0")
+        assert run.returncode == 0 and "removed iter_0000005" in run.stdout, run.stdout + run.stderr
+        assert "removed 1 directory" in run.stdout and "kept iter_0000001: committed" in run.stdout, run.stdout
+        assert not list(client.list_objects("iter_0000005")) and client.uploads("") == []
         run = cli("gc", root, "--keep", "1", "--grace-s", "0")
         assert run.returncode == 0, run.stdout + run.stderr
         assert "removed iter_0000001" in run.stdout and "removed iter_0000002" in run.stdout
