@@ -148,6 +148,11 @@ class CkptdConfig:
             raise CkptdError(f"config snapshot={self.snapshot!r}: choose one of {SNAPSHOT_MODES}")
         if self.policy not in ("manual", "auto"):
             raise CkptdError(f"config policy={self.policy!r}: choose 'manual' or 'auto'")
+        if self.policy == "auto" and self.mtbf_s <= 0:
+            raise CkptdError(
+                f"config policy='auto' needs the job's mean time between failures: set mtbf_s > 0 "
+                f"(CKPTD_MTBF_S), got {self.mtbf_s}"
+            )
         parse_budget(self.staging_budget)  # raises CkptdError naming the setting
         if not 0.0 <= self.device_snapshot_fraction <= 1.0:
             raise CkptdError(

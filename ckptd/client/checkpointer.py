@@ -135,6 +135,12 @@ class Checkpointer(RootReader):
     ) -> None:
         self.config = config if config is not None else CkptdConfig.from_env()
         self.env = env if env is not None else JobEnv.detect()
+        # Refused before anything is made (the root directory, the daemon's connection).
+        self._policy = (
+            AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
+            if self.config.policy == "auto"
+            else None
+        )
         self.root = parse_location(root)  # a directory, or s3://bucket/prefix (URLs of other schemes are refused)
         if isinstance(self.root, S3Location):
             S3Client(self.root).check_access()  # credentials, endpoint and bucket work, or a clear error now
@@ -149,7 +155,6 @@ class Checkpointer(RootReader):
         # Context.__del__ could wait forever on a socket collected in the same pass), and the
         # finalizer closes its socket within a bounded linger.
         self._link = DaemonLink.for_job(self.endpoints, self.env, self.config, weakly(self._on_notify))
-        self._finalizer = weakref.finalize(self, abandon_dropped, self._link, self.env.rank)
         self._layout = LayoutCache()
         self._planner = SavePlanner(self.env.rank, self.env.world_size, self.config.check_common)
         self._plain = self._planner.plain  # whether every rank holds this rank's plain keys (ckptd.statedict.holdings)
@@ -164,11 +169,6 @@ class Checkpointer(RootReader):
         )
         self._session = DaemonSession(self.env.rank, self._link, self._ring, self._pending)
         self._stats = SaveStats()
-        self._policy = (
-            AutoInterval(self.config.mtbf_s, self.config.restart_s, self.env.world_size)
-            if self.config.policy == "auto"
-            else None
-        )
         self._closed = False
         # Agreed by the first save, prepare() or resume(): only Checkpointers that save take part.
         self._tries = StepTries(
@@ -185,6 +185,9 @@ class Checkpointer(RootReader):
         except BaseException:
             self._session.disconnect()  # BYE (the daemon frees a ring made here), the ring, the socket
             raise
+        # Only once the constructor cannot fail: one that raised released what it opened and was
+        # never the caller's to close, so it must not be reported as dropped without close().
+        self._finalizer = weakref.finalize(self, abandon_dropped, self._link, self.env.rank)
 
     def _ensure_budgeted_ring(self) -> None:
         """A byte budget: the ring's size is known, so it is made now, and its pinning can start.

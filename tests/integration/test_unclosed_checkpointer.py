@@ -134,3 +134,48 @@ def test_a_dropped_checkpointer_with_an_attached_optimizer_is_freed_at_once(tmp_
         opt.step()  # a hook of a Checkpointer that is gone does nothing
     finally:
         gc.enable()
+
+
+_FAILING_CONSTRUCTORS = textwrap.dedent(
+    """
+    import gc, sys
+    import ckptd
+    from ckptd.control.endpoints import JobEnv
+
+    root, runtime = sys.argv[1], sys.argv[2]
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime, daemon_start_timeout_s=0.5)
+    # Local rank 1 of 2: the daemon its local rank 0 would start never appears (DaemonError).
+    env = JobEnv(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    try:
+        with ckptd.Checkpointer(root, config=cfg, env=env):
+            pass
+    except ckptd.DaemonError as exc:
+        print("connect raised:", exc, flush=True)
+    # policy='auto' on two ranks without torch.distributed: refused before anything is made.
+    try:
+        ckptd.Checkpointer(root + "-auto", config=cfg.replace(policy="auto", mtbf_s=60.0), env=env)
+    except ckptd.CkptdError as exc:
+        print("policy raised:", exc, flush=True)
+    gc.collect()
+    print("collected", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_constructor_that_raises_leaves_no_dropped_checkpointer(tmp_path, runtime_dir):
+    """A Checkpointer whose constructor raised was never the caller's to close: its connection is
+    released before the error leaves, and neither a collection nor the interpreter's exit reports
+    it as dropped without close()."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILING_CONSTRUCTORS, str(tmp_path / "root"), str(runtime_dir)],
+        env=without_torchrun(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "connect raised: no ckptd daemon" in proc.stdout, proc.stdout + proc.stderr
+    assert "policy raised: policy='auto' with several ranks" in proc.stdout, proc.stdout + proc.stderr
+    assert "collected" in proc.stdout and not (tmp_path / "root-auto").exists()
+    assert "dropped without close()" not in proc.stderr, proc.stderr

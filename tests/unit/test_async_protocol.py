@@ -458,9 +458,15 @@ def test_config_env_overrides_in_one_place():
         ({"CKPTD_MAX_MESSAGE_NBYTES": "0"}, "max_message_nbytes=0: .* use at least"),
         ({"CKPTD_STAGING_BUDGET": "infx"}, "staging_budget='infx'"),
         ({"CKPTD_STAGING_BUDGET": "1e400GiB"}, "staging_budget='1e400GiB'"),
+        # policy='auto' without a mean time between failures: refused when made, not by the
+        # Checkpointer after it created the root directory.
+        ({"CKPTD_POLICY": "auto"}, "policy='auto' needs .* set mtbf_s > 0 \\(CKPTD_MTBF_S\\), got 0.0"),
     ):
         with pytest.raises(CkptdError, match=why):
             CkptdConfig.from_env(bad)
+    with pytest.raises(CkptdError, match="set mtbf_s > 0"):
+        CkptdConfig(policy="auto")
+    assert CkptdConfig(policy="auto", mtbf_s=3600.0).mtbf_s == 3600.0
     with pytest.raises(CkptdError, match="unknown config fields"):
         CkptdConfig.from_env({}, pool_size=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
