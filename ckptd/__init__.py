@@ -26,9 +26,13 @@ from .errors import (
     SaveSkippedError,
     SaveTimeoutError,
     ShardingError,
+    SharedMemoryFullError,
+    StagingError,
+    StorageError,
     UnknownClassError,
     UnsafePickleError,
     UnsupportedFormatError,
+    UnsupportedLocationError,
 )
 
 if TYPE_CHECKING:
@@ -137,4 +141,8 @@ __all__ = [
     "UnknownClassError",
     "UnsafePickleError",
     "UnsupportedFormatError",
+    "UnsupportedLocationError",
+    "StorageError",
+    "StagingError",
+    "SharedMemoryFullError",
 ]

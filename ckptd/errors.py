@@ -182,6 +182,10 @@ class CopyRoundError(CkptdError):
         self.node = node
 
 
+class UnsupportedLocationError(CkptdError):
+    """A URL whose scheme ckptd cannot store checkpoints at, or a malformed ``s3://`` URL."""
+
+
 class StorageError(CkptdError):
     """Writing checkpoint files failed: a full disk, missing permissions, a read-only or failing
     filesystem. Nothing of the save became visible; earlier checkpoints are untouched. Or reading

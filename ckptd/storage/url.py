@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import CkptdError
+from ..errors import UnsupportedLocationError
 
 # S3 bucket names: 3-63 characters of lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
@@ -20,10 +20,6 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # A first path component that is a URL scheme and its colon: what ``Path("s3://b/p")`` leaves of
 # the URL ("s3:/b/p": pathlib folds the double slash), so never taken for a local directory.
 _LOST_SLASHES = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:")
-
-
-class UnsupportedLocationError(CkptdError):
-    """A URL whose scheme ckptd cannot store checkpoints at, or a malformed ``s3://`` URL."""
 
 
 @dataclass(frozen=True, kw_only=True)

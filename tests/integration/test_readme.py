@@ -336,3 +336,22 @@ def test_documented_signatures_match_the_code():
     }
     assert public | {"Checkpointer.Checkpointer"} <= seen | {"Checkpointer.pending"}, public - seen
     assert {"SaveHandle.done", "SaveHandle.wait"} <= seen
+
+
+def test_every_error_the_readme_names_is_a_public_name_of_ckptd():
+    """The README tells users to catch these: each is ``ckptd.<Name>`` (from ckptd.errors, so
+    ``except`` needs no deeper import), and the one ckptd raises."""
+    import ckptd
+    from ckptd import errors
+    from ckptd.storage.url import parse_location
+
+    named = set(re.findall(r"`(?:ckptd\.)?(?:errors\.)?([A-Z][A-Za-z]*Error)`", (REPO / "README.md").read_text()))
+    internal = {"ProtocolError"}  # a reply of the wrong type from the daemon: a bug, not the user's to handle
+    assert {"StorageError", "SharedMemoryFullError", "UnsupportedLocationError"} <= named
+    for name in sorted(named - internal):
+        assert name in ckptd.__all__, name
+        assert getattr(ckptd, name) is getattr(errors, name), name
+        assert issubclass(getattr(ckptd, name), ckptd.CkptdError), name
+    with pytest.raises(ckptd.UnsupportedLocationError, match="gs://"):
+        parse_location("gs://bucket/run")
+    assert issubclass(ckptd.SharedMemoryFullError, ckptd.StagingError)
