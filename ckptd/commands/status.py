@@ -15,10 +15,10 @@ staging rings, data-file writes in flight, steps awaiting the coordinator, measu
 daemon's and each rank's RSS, the /dev/shm its staging rings hold, current and peak), and what its
 sockets rejected (malformed or oversized messages, handshakes without the job's keys,
 connections dropped before authenticating). Node 0's daemon also reports its coordinator's
-steps and port. It says where the daemon really serves its Prometheus metrics (or why it does not:
-another process may hold CKPTD_METRICS_PORT), and counts the daemon's internal errors (logged with
-their traceback). --prometheus prints the Prometheus text format (the same a daemon serves on
-CKPTD_METRICS_PORT).
+steps and port. Each daemon is named with its job id and its log file. It says where the
+daemon really serves its Prometheus metrics (or why it does not: another process may hold
+CKPTD_METRICS_PORT), and counts the daemon's internal errors (logged with their traceback).
+--prometheus prints the Prometheus text format (the same a daemon serves on CKPTD_METRICS_PORT).
 
 exit status: 0 at least one daemon answered; 1 none runs, or one did not answer."""
 
@@ -41,9 +41,10 @@ def _print(info: dict[str, Any]) -> None:
     m = info.get("metrics", {})
     rate = m.get("write_bytes_per_s")
     print(
-        f"node {info['node']}: daemon pid {info['pid']} ({info['instance']}), up {m.get('uptime_s', 0):.0f}s"
-        + ("  [stopping]" if info.get("stopping") else "")
+        f"node {info['node']}: daemon pid {info['pid']} ({info['instance']}) of job {info['job']}, "
+        f"up {m.get('uptime_s', 0):.0f}s" + ("  [stopping]" if info.get("stopping") else "")
     )
+    print(f"  log: {info['log']}")
     print(
         f"  ranks connected: {sorted(c['rank'] for c in info['clients']) or 'none'}; "
         f"writes in flight: {info['jobs_in_flight']}; steps awaiting commit: {info['pending_steps'] or 'none'}"
@@ -190,11 +191,13 @@ def run(args: argparse.Namespace) -> int:
     replies: list[dict[str, Any]] = []
     failed = False
     for d in daemons:
+        # Where to look next: the daemon's log (the job id is in its name).
+        where = {"job": d.endpoints.job, "log": str(d.endpoints.log_path)}
         try:
-            replies.append(daemon_status(d, config))
+            replies.append({**daemon_status(d, config), **where})
         except (DaemonError, ProtocolError) as exc:  # not answered, refused, or answered wrongly
             failed = True
-            replies.append({"node": d.node, "pid": d.pid, "error": str(exc)})
+            replies.append({"node": d.node, "pid": d.pid, **where, "error": str(exc)})
     if args.json:
         emit_json({"root": args.root, "daemons": replies})
     elif args.prometheus:
@@ -202,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for r in replies:
             if "error" in r:
-                print(f"node {r['node']}: daemon pid {r['pid']}: {r['error']}")
+                print(f"node {r['node']}: daemon pid {r['pid']} of job {r['job']}: {r['error']}")
+                print(f"  log: {r['log']}")
             else:
                 _print(r)
     return EXIT_FAILURE if failed else EXIT_OK

@@ -69,6 +69,10 @@ def test_stats_status_metrics_and_stop(single):
 
         run = ckptd_cli(env, "status", str(root))
         assert run.returncode == 0 and "saves received 3, committed 3" in run.stdout
+        # Where its log is (README: Troubleshooting), the job id in the file's name.
+        log = os.path.join(runtime, f"{info['job']}-n0.log")
+        assert f"of job {info['job']}" in run.stdout and f"  log: {log}\n" in run.stdout, run.stdout
+        assert os.path.isfile(log) and info["log"] == log
         assert "memory: daemon RSS" in run.stdout and "rank 0 " in run.stdout, run.stdout
         # The daemon refuses what it does not serve: its ERROR reaches the caller at once (the
         # wait allowed is far beyond this test's timeout), with the daemon's reason.
