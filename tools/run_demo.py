@@ -3,13 +3,17 @@
 Runs ``tools/train_demo.py`` under torchrun three times in a fresh directory:
 
 1. an uninterrupted reference run;
-2. the same run, SIGKILLed at ``--kill-at`` (after an asynchronous save returned);
-3. ``--resume`` from the last committed checkpoint.
+2. the same run, SIGKILLed at ``--kill-at`` while the last save before it is still in flight: it
+   returned, and the daemon holds it unwritten because its disk stops answering (a hang rule in
+   the daemon's fault file, ckptd.daemon.faults) until the job is dead;
+3. ``--resume`` from the last committed checkpoint: the disk answers again, the daemon commits
+   that save without its trainer, and the resume starts from it.
 
 Then it checks that the resumed run's losses equal the reference bit for bit, and exits non-zero
-if they do not (or if any step is missing). It prints the story of the three runs; what torchrun
-and the ranks print (torchrun's report of the SIGKILL it was asked for included) goes to one log
-file per run in the work directory, shown only when a run fails.
+if they do not (or if any step is missing, or the in-flight save was not the one resumed from).
+It prints the story of the three runs; what torchrun and the ranks print (torchrun's report of
+the SIGKILL it was asked for included) goes to one log file per run in the work directory, shown
+only when a run fails.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 DEMO = Path(__file__).with_name("train_demo.py")
 
 
-def torchrun(nproc: int, log: Path, *args: str) -> int:
-    """Run train_demo.py under torchrun, its output into ``log``; the exit code."""
+def torchrun(nproc: int, log: Path, *args: str, env: dict[str, str] | None = None) -> int:
+    """Run train_demo.py under torchrun, its output into ``log``; the exit code. ``env``: more
+    variables."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,11 +46,11 @@ def torchrun(nproc: int, log: Path, *args: str) -> int:
         str(DEMO),
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     with log.open("w") as out:
         out.write("$ " + " ".join(cmd[2:]) + "\n")
         out.flush()
-        return subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, env=full_env).returncode
 
 
 def records(path: Path) -> list[dict]:
@@ -91,6 +96,8 @@ def stop_daemons(root: Path) -> None:
 
 
 def main() -> int:
+    from ckptd.format.rootlayout import step_dir_name
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=None, help="where to put checkpoints and logs (default: a temp dir)")
     ap.add_argument("--nproc", type=int, default=2)
@@ -124,20 +131,32 @@ def main() -> int:
             f"1..{args.steps}; {stalls_ms(ref)}"
         )
 
-        print(f"\n2/3 The same run, killed with SIGKILL at step {args.kill_at} (on purpose) ...", flush=True)
+        held = args.kill_at // args.save_every * args.save_every  # the last save before the kill
+        if held < args.save_every:
+            print(f"--kill-at {args.kill_at} comes before the first save (step {args.save_every})", file=sys.stderr)
+            return 2
+        faults = work / "disk-faults"  # the daemon reads it at every open (ckptd.daemon.faults)
+        print(
+            f"\n2/3 The same run, killed with SIGKILL at step {args.kill_at} (on purpose) while the save of "
+            f"step {held} is still in flight (the daemon's disk is made to stop answering until the kill) ...",
+            flush=True,
+        )
         rc = torchrun(
             args.nproc, logs[1], "--ckpt-dir", str(work / "run"), "--loss-log", str(run_log), "--kill-at",
-            str(args.kill_at), *common,
+            str(args.kill_at), "--hold-writes-at", str(held), *common, env={"CKPTD_DEBUG_FAULT_FILE": str(faults)},
         )  # fmt: skip
         killed = event(records(run_log), "killed")
         if rc == 0 or killed is None:
             return failed(f"the run was to be killed at step {args.kill_at}, but it exited with {rc}", logs[1])
+        if held not in killed["in_flight"] or (work / "run" / step_dir_name(held)).exists():
+            return failed(f"the save of step {held} was to be in flight at the kill, but it was not", logs[1])
         kept = args.keep or args.workdir
         print(
             f"    killed at step {killed['step']} as intended (torchrun reports the SIGKILL as a failure: "
-            f"{logs[1] if kept else 'see it with --keep'}); a save handed to the daemon before the kill "
-            "commits without its trainer"
+            f"{logs[1] if kept else 'see it with --keep'}); the save of step {held} had returned but was not "
+            "committed yet"
         )
+        faults.unlink()  # the disk answers again; the daemon writes the save its trainer left
 
         print("\n3/3 Resume from the last committed checkpoint ...", flush=True)
         before = len(records(run_log))
@@ -147,7 +166,12 @@ def main() -> int:
             return failed("the resumed run failed", logs[2])
         resumed = records(run_log)[before:]
         frm = (event(resumed, "start") or {}).get("resumed_from")
-        print(f"    resumed from step {frm} and trained steps {frm + 1 if frm is not None else '?'}..{args.steps}")
+        if frm != held:
+            return failed(f"the resume was to start from step {held}, but it started from {frm}", logs[2])
+        print(
+            f"    resumed from step {frm}, which the daemon committed after its trainer was killed, and "
+            f"trained steps {frm + 1}..{args.steps}"
+        )
 
         ref_losses, run_losses = dict(losses(ref)), losses(records(run_log))
         missing = sorted(set(ref_losses) - {s for s, _ in run_losses})

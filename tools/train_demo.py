@@ -106,6 +106,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL this job at that step")
+    ap.add_argument(
+        "--hold-writes-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="before the save of STEP, make the daemon's disk stop answering: a 'hang' rule in the fault "
+        "file CKPTD_DEBUG_FAULT_FILE names (a test hook), so that save is still in flight at --kill-at "
+        "until the rule is removed (tools/run_demo.py)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
     ap.add_argument(
         "--loader",
@@ -184,6 +193,11 @@ def main() -> None:
             avg = float(avg / world)
             stall_s = None
             if step % args.save_every == 0:
+                if step == args.hold_writes_at:
+                    if rank == 0:
+                        with open(os.environ["CKPTD_DEBUG_FAULT_FILE"], "w") as f:
+                            f.write("hang\n")
+                    dist.barrier()  # no rank hands this save off before the disk stops answering
                 t0 = time.perf_counter()
                 handles.append(ckpt.save(training_state(model, opt, step), step=step))
                 stall_s = time.perf_counter() - t0
@@ -192,7 +206,8 @@ def main() -> None:
             record(step=step, loss=avg.hex(), world=world, save_stall_s=stall_s)
             if args.kill_at is not None and step == args.kill_at:
                 log.warning("rank %d: --kill-at %d: SIGKILL now", rank, step)
-                record(event="killed", step=step)
+                dist.barrier()  # every rank's save() returned: what is not decided yet is the daemon's
+                record(event="killed", step=step, in_flight=[h.step for h in handles if not h.done()])
                 os.kill(os.getpid(), signal.SIGKILL)
         for h in handles:
             h.wait()

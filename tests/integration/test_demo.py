@@ -57,9 +57,12 @@ def test_demo_killed_and_resumed_matches_uninterrupted_run(tmp_path, runtime_dir
     assert "missing []; differing []" in run.stdout
     # The story, not torchrun's report of the kill it was asked for, nor warnings nobody can act on.
     assert "killed at step 8 as intended" in run.stdout and "resumed from step 6" in run.stdout
+    # The save of step 6 returned before the kill and committed only after it, without its trainer.
+    assert "the save of step 6 had returned but was not committed yet" in run.stdout
+    assert "resumed from step 6, which the daemon committed after its trainer was killed" in run.stdout
     for noise in ("Traceback", "ChildFailedError", "Warning", "WARNING", "OMP_NUM_THREADS"):
         assert noise not in run.stdout + run.stderr, (noise, run.stdout, run.stderr)
-    # The killed run committed step 6 before dying; the resumed run re-ran 7..12 from it.
+    # The killed run's daemon committed step 6; the resumed run re-ran 7..12 from it.
     assert (tmp_path / "demo" / "run" / "iter_0000012").is_dir()
     jobs = [p.stem for p in Path(runtime).glob("*.token")]  # one per checkpoint root the demo used
     assert len(jobs) == 2
