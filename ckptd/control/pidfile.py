@@ -17,16 +17,13 @@ and takes the lock again on the file the path names if not.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import time
 from pathlib import Path
 
-from ..format.safefs import still_named
+from ..format.safefs import lock_by, still_named
 from .endpoints import check_daemon_file
-
-_LOCK_RETRY_INTERVAL_S = 0.02
 
 
 class PidLock:
@@ -43,7 +40,7 @@ class PidLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                held = _lock_by(fd, deadline)
+                held = lock_by(fd, deadline)
                 if held and still_named(fd, self.path):
                     break
             except BaseException:
@@ -67,21 +64,6 @@ class PidLock:
             self.path.unlink(missing_ok=True)  # while still locked: nobody reuses a stale file
             os.close(self.fd)
             self.fd = None
-
-
-def _lock_by(fd: int, deadline: float) -> bool:
-    """Take the exclusive lock of ``fd``, retrying until ``deadline`` (monotonic); False then."""
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-        # A client's liveness probe holds the lock for microseconds; a daemon for good.
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(_LOCK_RETRY_INTERVAL_S)
 
 
 def daemon_alive(pid_path: Path) -> bool:

@@ -25,8 +25,6 @@ The same rules (:func:`private_dir_in`) place the user's directory of the machin
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import stat
@@ -34,6 +32,8 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from ..format.safefs import lock_by
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +122,11 @@ def _make_fallback(tmp: Path, name: str, uid: int) -> Path:
 
 
 def _lock(fd: int, tmp: Path) -> bool:
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                log.warning("could not lock %s to make a runtime directory (%s); going on without", tmp, exc)
-                return False
-        time.sleep(_LOCK_POLL_S)
+    try:
+        return lock_by(fd, time.monotonic() + LOCK_WAIT_S, _LOCK_POLL_S)
+    except OSError as exc:
+        log.warning("could not lock %s to make a runtime directory (%s); going on without", tmp, exc)
+        return False
 
 
 def _remove_empty(path: Path) -> None:

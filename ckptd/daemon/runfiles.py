@@ -28,8 +28,6 @@ release (ckptd.daemon.main): the file is never unlocked while it names this daem
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import time
@@ -39,6 +37,7 @@ from pathlib import Path
 from ..control.endpoints import Endpoints, create_token_file, open_private_dir, read_token_file
 from ..control.pidfile import PidLock
 from ..errors import CkptdError
+from ..format.safefs import lock_by
 
 log = logging.getLogger(__name__)
 
@@ -203,15 +202,10 @@ class RuntimeFiles:
 
     @staticmethod
     def _lock(fd: int) -> bool:
-        deadline = time.monotonic() + _PROBE_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                    return False
-            time.sleep(_PROBE_POLL_S)
+        try:
+            return lock_by(fd, time.monotonic() + _PROBE_WAIT_S, _PROBE_POLL_S)
+        except OSError:
+            return False
 
     def _check_socket(self) -> None:
         if self.rebind is None:

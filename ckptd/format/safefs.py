@@ -22,9 +22,11 @@ contain links; the rules apply to what lies inside it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import TypeGuard
 
@@ -365,3 +367,19 @@ def is_real_dir(path: str | os.PathLike) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def lock_by(fd: int, deadline: float, poll_s: float = 0.02) -> bool:
+    """Take the exclusive ``flock`` of ``fd``, retrying every ``poll_s`` until ``deadline``
+    (monotonic); False then. Raises the OSError of a failure other than the lock being held."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        # A client's liveness probe holds the lock for microseconds; a daemon for good.
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
