@@ -36,10 +36,12 @@ one where it does not):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,14 +153,35 @@ def d2h_floor_s(r: Rank, tensors: list[torch.Tensor], repeats: int = 3) -> float
     return best
 
 
-def _zeros_like_state(obj: Any) -> Any:
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor like ``t`` that equals no saved value: NaN (unequal even to itself) where the
+    dtype has it; zeros otherwise."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.full_like(t, float("nan"))
+    return torch.zeros_like(t)
+
+
+def load_template(obj: Any) -> Any:
+    """What a check loads into: ``obj``'s structure over new tensors that equal nothing saved (a
+    ShardedTensor becomes a new ShardedTensor over such data): a load that writes nothing, or only
+    part, leaves them unequal, and no template is the live state (loaded into itself)."""
     if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj)
+        return _poisoned(obj)
+    if isinstance(getattr(obj, "data", None), torch.Tensor) and hasattr(obj, "key"):
+        return dataclasses.replace(obj, data=_poisoned(obj.data))
     if isinstance(obj, dict):
-        return {k: _zeros_like_state(v) for k, v in obj.items()}
+        return {k: load_template(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_zeros_like_state(v) for v in obj]
+        return [load_template(v) for v in obj]
     return obj
+
+
+def loaded_differs(ref: dict[str, torch.Tensor], state: Any, load: Callable[[Any], Any]) -> list[str]:
+    """The keys of ``ref`` (copies of the saved tensors) that ``load`` did not give back equal:
+    it is handed :func:`load_template` of ``state`` (the saved structure) and returns what it
+    filled."""
+    got = tensors_of(load(load_template(state)))
+    return [k for k, v in ref.items() if k not in got or not torch.equal(got[k].cpu(), v)]
 
 
 def bit_exact(r: Rank, mode: str, workload: Workload) -> dict[str, Any]:
@@ -184,16 +207,19 @@ def bit_exact(r: Rank, mode: str, workload: Workload) -> dict[str, Any]:
             workload.update()
         sync(workload)
         saver.finish()
-        template = _zeros_like_state(state)
         if isinstance(saver, CkptdSaver):
-            out = saver.ckpt.load(template, step=saved_step)
+            ckpt = saver.ckpt
+            bad = loaded_differs(ref, state, lambda template: ckpt.load(template, step=saved_step))
         elif isinstance(saver, DcpSaver):
-            dcp_load(template, checkpoint_id=str(saver.dirs[-1]))
-            out = template
+            checkpoint_id = str(saver.dirs[-1])
+
+            def dcp_loaded(template: Any) -> Any:
+                dcp_load(template, checkpoint_id=checkpoint_id)
+                return template
+
+            bad = loaded_differs(ref, state, dcp_loaded)
         else:
             return {"checked": 0}
-        got = tensors_of(out)
-        bad = [k for k, v in ref.items() if k not in got or not torch.equal(got[k].cpu(), v)]
     finally:
         saver.close()
     if isinstance(saver, DcpSaver):
