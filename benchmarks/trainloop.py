@@ -37,6 +37,7 @@ of a CUDA workload ends with a device synchronisation.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -256,6 +257,42 @@ def make_saver(r: Rank, workload: Workload, mode: str) -> Saver:
 
 
 # --- the loop ------------------------------------------------------------------------------------
+def stall_figures(
+    stalls: list[float],
+    while_pinning: list[bool] | None,
+    ring_waits: list[float] | None,
+    phases: list[dict[str, float]] | None,
+) -> dict[str, Any]:
+    """One rank's figures of a run's saves: the first save's stall; the steady saves' (those after
+    the first that began with the ring pinned: a save inside the pinning waits for its chunks or a
+    device snapshot, and is counted apart) median stall, median stall less the wait for ring space
+    (the snapshot's own cost), median phases; the longest stall after the first. Medians are
+    ``statistics.median`` (of two saves, their mean). A figure without a save to take it from is
+    left out."""
+    out: dict[str, Any] = {"first_stall_s": stalls[0]}
+    rest = stalls[1:] or stalls
+    pinning = (while_pinning or [False] * len(stalls))[1:] or [False]
+    steady = [s for s, p in zip(rest, pinning, strict=True) if not p]
+    in_pinning = [s for s, p in zip(rest, pinning, strict=True) if p]
+    out["saves_in_pinning"] = len(in_pinning)
+    if in_pinning:
+        out["stall_s_in_pinning_max"] = max(in_pinning)
+    if steady:
+        out["stall_s_median"] = statistics.median(steady)
+    if ring_waits is not None and len(ring_waits) == len(stalls):
+        out["ring_wait_s"] = list(ring_waits)
+        own = [s - w for s, w, p in zip(rest, ring_waits[1:] or ring_waits, pinning, strict=True) if not p]
+        if own:
+            out["stall_s_own_median"] = statistics.median(own)
+    out["stall_s_max"] = max(rest)
+    if phases is not None and len(phases) == len(stalls):
+        out["first_phases_s"] = dict(phases[0])
+        later = [p for p, pin in zip(phases[1:], pinning, strict=False) if not pin]
+        if later:
+            out["steady_phases_s"] = {k: statistics.median(p[k] for p in later) for k in STALL_PHASES}
+    return out
+
+
 def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -> dict[str, Any]:
     """``steps`` steps saving every ``every`` (the first step included); the slowest rank's loop
     time, first and median stall, and fence wait (the time updates waited for a save)."""
@@ -296,33 +333,28 @@ def timed_loop(r: Rank, mode: str, workload: Workload, steps: int, every: int) -
             r.rm(d)
     r.rm_steps()
     if stalls:
-        res["first_stall_s"] = r.max(stalls[0])
-        rest = stalls[1:] or stalls
-        # Steady: the saves after the first that began with the ring pinned; a save inside the
-        # pinning waits for its chunks or a device snapshot, and is counted apart.
-        pinning = getattr(saver, "while_pinning", [False] * len(stalls))[1:] or [False]
-        steady = [s for s, p in zip(rest, pinning, strict=True) if not p]
-        in_pinning = [s for s, p in zip(rest, pinning, strict=True) if p]
-        res["saves_in_pinning"] = int(r.max(len(in_pinning)))
+        local = stall_figures(
+            stalls,
+            getattr(saver, "while_pinning", None),
+            getattr(saver, "ring_waits", None),
+            getattr(saver, "phases", None),
+        )
+        # The slowest rank's of each figure; every rank makes the same collectives in the same
+        # order (a figure one rank lacks is left out on all).
+        res["first_stall_s"] = r.max(local["first_stall_s"])
+        res["saves_in_pinning"] = int(r.max(local["saves_in_pinning"]))
         if res["saves_in_pinning"]:
-            res["stall_s_in_pinning_max"] = r.max(max(in_pinning, default=0.0))
-        if not r.max(float(not steady)):  # every rank has a steady save (a collective: all call it)
-            res["stall_s_median"] = r.max(sorted(steady)[len(steady) // 2])
-        waits = getattr(saver, "ring_waits", None)
-        if waits is not None and len(waits) == len(stalls):
-            res["ring_wait_s"] = [round(r.max(w), 4) for w in waits]
-            # The steady saves' stalls less their waits for ring space: the snapshot's own cost.
-            own = [s - w for s, w, p in zip(rest, waits[1:] or waits, pinning, strict=True) if not p]
-            if not r.max(float(not own)):
-                res["stall_s_own_median"] = r.max(sorted(own)[len(own) // 2])
-        res["stall_s_max"] = r.max(max(rest))
-        phases = getattr(saver, "phases", None)
-        if phases is not None and len(phases) == len(stalls):
-            # The first save's, and the steady saves' medians (the slowest rank's of each).
-            res["first_phases_s"] = {k: r.max(phases[0][k]) for k in STALL_PHASES}
-            later = [p for p, pin in zip(phases[1:], pinning, strict=False) if not pin]
-            if not r.max(float(not later)):
-                res["steady_phases_s"] = {k: r.max(sorted(p[k] for p in later)[len(later) // 2]) for k in STALL_PHASES}
+            res["stall_s_in_pinning_max"] = r.max(local.get("stall_s_in_pinning_max", 0.0))
+        for key in ("stall_s_median", "stall_s_own_median"):
+            if not r.max(float(key not in local)):
+                res[key] = r.max(local[key])
+        if "ring_wait_s" in local:
+            res["ring_wait_s"] = [round(r.max(w), 4) for w in local["ring_wait_s"]]
+        res["stall_s_max"] = r.max(local["stall_s_max"])
+        if "first_phases_s" in local:
+            res["first_phases_s"] = {k: r.max(local["first_phases_s"][k]) for k in STALL_PHASES}
+            if not r.max(float("steady_phases_s" not in local)):
+                res["steady_phases_s"] = {k: r.max(local["steady_phases_s"][k]) for k in STALL_PHASES}
         # What a save blocks training for: save() and the fence waits before the next save (an
         # async stager's staging, a lazy save's copies), the only fair "first save" of DCP's
         # pinned async stager, whose save() returns before it staged anything.
