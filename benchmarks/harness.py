@@ -229,17 +229,37 @@ def dcp_stager(kind: str, cuda: bool = False) -> Any:
     )
 
 
-def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any) -> Any:
-    """Start ``async_save`` of ``state`` by method ``kind`` (see :data:`DCP_METHODS`); its future."""
+def dcp_thread_count(writer_threads: int, local_ranks: int) -> int:
+    """DCP's write threads per rank (``FileSystemWriter(thread_count=)``) matched to ckptd's: the
+    node daemon's ``writer_threads`` shared by the node's ranks, at least 1. DCP's default is 1,
+    which on a fast filesystem leaves it slower than it can be."""
+    return max(1, writer_threads // max(1, local_ranks))
+
+
+def dcp_writer(directory: Path, thread_count: int) -> Any:
+    """DCP's FileSystemWriter of ``directory`` writing with ``thread_count`` threads per rank."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(str(directory), thread_count=thread_count)
+
+
+def dcp_async(state: dict[str, Any], directory: Path, kind: str, stager: Any, thread_count: int = 1) -> Any:
+    """Start ``async_save`` of ``state`` by method ``kind`` (see :data:`DCP_METHODS`), written with
+    ``thread_count`` threads; its future. Without a stager (``dcp_async_process_new``) async_save
+    stages through the FileSystemWriter (a BlockingAsyncStager), a new copy per call."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     process = kind in ("dcp_async_process", "dcp_async_process_new")
     ctype = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-    if stager is None:
-        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype)
-    else:
-        fut = dcp.async_save(state, checkpoint_id=str(directory), async_checkpointer_type=ctype, async_stager=stager)
+    kw: dict[str, Any] = {
+        "checkpoint_id": str(directory),
+        "storage_writer": dcp_writer(directory, thread_count),
+        "async_checkpointer_type": ctype,
+    }
+    if stager is not None:
+        kw["async_stager"] = stager
+    fut = dcp.async_save(state, **kw)
     return getattr(fut, "upload_completion", fut)
 
 

@@ -13,7 +13,9 @@ tensors of ``--tensor-mib`` per rank (see :mod:`.suite_rank` and :mod:`.suite_tr
    of the node's bytes into ``--dir`` (1 stream, ``writer_threads`` streams, 1 stream with early
    writeback), measured after every ckptd save, so both meet the same disk;
 2. saves by ckptd, DCP ``save``, DCP ``async_save`` THREAD and PROCESS with one DefaultStager
-   reused (DCP's fastest settings) and PROCESS as called (a stager per call): the first save's
+   reused (DCP's fastest settings) and PROCESS as called (a stager per call), DCP writing with
+   ``FileSystemWriter(thread_count=N)``, ``N`` = ckptd's ``writer_threads`` / ranks (at least 1):
+   the first save's
    stall, then stall per save (median, max), time until durable (ckptd: committed), persist
    GiB/s (ckptd: the daemon's write + fsync window of the node; DCP: durable - stall);
 3. ckptd saves with ``snapshot="lazy"`` (stall = planning; the fence before the update waits);
@@ -52,10 +54,10 @@ from typing import Any
 import psutil
 import torch
 
-from ckptd.config import parse_budget
+from ckptd.config import CkptdConfig, parse_budget
 from tools.harness.ports import free_port
 
-from .harness import DCP_METHODS, GIB
+from .harness import DCP_METHODS, GIB, dcp_thread_count
 from .memory import MemorySampler, daemon_pids
 from .suite_report import evaluate, render
 
@@ -80,6 +82,8 @@ class Suite:
         self.phase_file = self.runtime / "phase"
         self.sampler = MemorySampler(self.runtime, self.phase_file, shm_prefix=f"ckptd-{self.job_prefix}")
         self._env_saved: dict[str, str | None] = {}
+        # The node daemon's writer threads, which DCP's write threads per rank are matched to.
+        self.writer_threads = CkptdConfig.from_env().writer_threads
 
     # --- environment ------------------------------------------------------------------------
     def __enter__(self) -> Suite:
@@ -125,6 +129,7 @@ class Suite:
             "soak_saves": a.soak_saves,
             "ref_streams": None,
             "profile_dir": a.profile,
+            "dcp_thread_count": dcp_thread_count(self.writer_threads, ranks),
         }
         spec.update(extra)
         Path(spec["dir"]).mkdir(parents=True)
@@ -297,6 +302,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         res["machine"] = _machine(suite.dir)
         res["config"]["dir"] = str(suite.dir)
         res["config"]["shm_prefix"] = f"ckptd-{suite.job_prefix}"  # of every segment this run makes
+        res["config"]["writer_threads"] = writer_threads
+        res["config"]["dcp_thread_count"] = dcp_thread_count(writer_threads, args.ranks)
         try:
             train = args.train_saves and args.device == "cpu"  # the training loop is a CPU loop
             ckptd_parts = ["lazy"] + (["budget"] if args.budget else []) + (["soak"] if args.soak_saves else [])

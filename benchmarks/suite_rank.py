@@ -42,6 +42,7 @@ from .harness import (
     checkpointer,
     dcp_async,
     dcp_stager,
+    dcp_writer,
     make_state,
     sharded,
     start_rank,
@@ -193,6 +194,7 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
     nbytes = int(r.sum(state_nbytes(state)))
     cuda = any(v.is_cuda for v in state.values())
     stager = None if kind == "dcp_save" else dcp_stager(kind, cuda)
+    threads = int(r.spec.get("dcp_thread_count", 1))
     rows = []
     try:
         for i in range(repeats + 1):
@@ -200,12 +202,12 @@ def save_dcp(r: Rank, state: dict[str, torch.Tensor], kind: str, repeats: int) -
             r.barrier()
             t0 = time.perf_counter()
             if kind == "dcp_save":
-                dcp.save(state, checkpoint_id=str(d))
+                dcp.save(state, checkpoint_id=str(d), storage_writer=dcp_writer(d, threads))
                 stall = durable = time.perf_counter() - t0
                 stall, durable = r.max(stall), r.max(durable)
                 rows.append({"stall_s": stall, "durable_s": durable, "persist_s": durable})
             else:
-                fut = dcp_async(state, d, kind, stager)
+                fut = dcp_async(state, d, kind, stager, threads)
                 stall = time.perf_counter() - t0
                 fut.result()
                 durable = time.perf_counter() - t0

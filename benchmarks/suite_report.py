@@ -269,6 +269,14 @@ _NAMES = {
 }
 
 
+def write_threads_line(config: dict[str, Any], ranks: int) -> str:
+    """How many threads each side writes with (DCP's matched to ckptd's: see harness.dcp_thread_count)."""
+    return (
+        f"  write threads: DCP FileSystemWriter(thread_count={config['dcp_thread_count']}) per rank; "
+        f"ckptd's daemon writer_threads={config['writer_threads']} per node ({ranks} ranks on it)"
+    )
+
+
 def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -299,6 +307,8 @@ def render(res: dict[str, Any]) -> str:
         f"  machine: {m.get('cpus')} cpus, {m.get('mem_gib', 0):.0f} GiB, torch {m.get('torch')}; "
         f"dir {c.get('dir')}: {m.get('filesystem')}"
     )
+    if c.get("dcp_thread_count"):
+        lines.append(write_threads_line(c, c["ranks"]))
     if "memcpy_s" in main:
         lines.append("reference limits (same run):")
         lines.append(

@@ -13,13 +13,18 @@ run, the first save inside the timed loop (:mod:`.trainloop`, whose modes ``--mo
 ``dcp_best`` is the first of TorchTitan's pinned async stager, THREAD with a reused stager, and
 ``async_save`` as called that works on the installed torch; what failed is reported with its
 error and, where known, its cause; on torch 2.11/2.12 the reused stagers are kept open across
-saves as torch 2.13 does, and the report says so). ``--model flat`` runs ``ckptd bench all``'s
+saves as torch 2.13 does, and the report says so). As ckptd's daemon is started before the ranks,
+DCP's checkpoint process is started before the timing (one untimed ``async_save`` of a
+one-element state through the mode's own stager and executor); DCP writes with
+``FileSystemWriter(thread_count=N)``, ``N`` = ckptd's ``writer_threads`` per rank on the node
+(at least 1), and the report says both. ``--model flat`` runs ``ckptd bench all``'s
 flat loop instead (a matmul, then an in-place rewrite of a ``--state-gib`` state of 64 MiB
 tensors). For every interval of ``--every`` (e.g. one where persisting finishes between saves,
 one where it does not):
 
 - loop time of each mode (mean of two runs, A-B-C-C-B-A) and its overhead over no checkpointing;
-- the first save's stall and the median of the others; the fence wait (lazy: ``before_update()``;
+- the first save's stall and the median of the others (``statistics.median``: of two, their
+  mean); the fence wait (lazy: ``before_update()``;
   DCP's async staging: waiting for it before the next optimizer step);
 - on CUDA, the device-to-host floor: a plain copy of the same tensors into warm pinned memory
   with one synchronisation, timed after a synchronisation, and, with mode ``d2h``, the same copy
@@ -49,7 +54,17 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from .harness import GIB, MIB, STAGER_CLOSED_CAUSE, Rank, make_state, start_rank, state_nbytes
+from .harness import (
+    GIB,
+    MIB,
+    STAGER_CLOSED_CAUSE,
+    Rank,
+    dcp_thread_count,
+    make_state,
+    start_rank,
+    state_nbytes,
+)
+from .suite_report import write_threads_line
 from .trainloop import CkptdSaver, DcpSaver, Workload, make_saver, run_modes, sync, tensors_of
 
 DEFAULT_MODES = ("none", "dcp_best", "ckptd", "ckptd_lazy")
@@ -401,6 +416,8 @@ def render(res: dict[str, Any]) -> str:
         f"step {main['step_s'] * 1e3:.1f} ms"
         + (f", device-to-host floor {main['d2h_floor_s']:.3f} s" if main.get("d2h_floor_s") else "")
     ]
+    if res["config"].get("dcp_thread_count"):
+        lines.append(write_threads_line(res["config"], main["ranks"]))
     mem = res.get("memory", {})
     for every, iv in main["intervals"].items():
         lines.append(f"a save every {every} steps, {res['config']['saves']} saves per run (means of 2 runs):")
@@ -509,7 +526,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "every": args.every,
                 "saves": args.saves,
                 "modes": args.modes,
+                "dcp_thread_count": dcp_thread_count(suite.writer_threads, args.ranks),
             }
+            res["config"]["writer_threads"] = suite.writer_threads
+            res["config"]["dcp_thread_count"] = spec["dcp_thread_count"]
             Path(spec["dir"]).mkdir(parents=True)
             res["main"] = suite.run_job(args.ranks, spec, _rank_entry)
         finally:

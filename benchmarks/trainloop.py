@@ -31,7 +31,12 @@ it reuses its staging buffers; a result says ``stager_kept_open`` where that was
 
 As DCP requires, a DCP save waits for the previous one's upload before it starts. The first save
 is part of the timed loop, as in a training run (ckptd creates and pins its staging ring, DCP's
-stager allocates its buffers); the last save is waited for after the loop, untimed. The loop time
+stager allocates its buffers); the last save is waited for after the loop, untimed. What runs
+beside the trainer is started before the timing, for both: ckptd's daemon before the ranks, and
+DCP's checkpoint process (its PROCESS executor spawns it at a rank's first ``async_save``) by one
+untimed ``async_save`` of a one-element state through the mode's own stager and executor. DCP
+writes with ``FileSystemWriter(thread_count=N)``, ``N`` = ckptd's ``writer_threads`` per rank
+on the node (at least 1; :func:`.harness.dcp_thread_count`). The loop time
 of a CUDA workload ends with a device synchronisation.
 """
 
@@ -45,7 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .harness import Rank, checkpointer, dcp_failure, dcp_stager, kept_stager
+from .harness import Rank, checkpointer, dcp_failure, dcp_stager, dcp_writer, kept_stager
 
 STALL_PHASES = ("plan_s", "copy_s", "handoff_s")
 CKPTD_SNAPSHOTS = {"ckptd": "auto", "ckptd_copy": "copy", "ckptd_lazy": "lazy"}
@@ -208,18 +213,33 @@ class DcpSaver(Saver):
         self.base = Path(r.spec["dir"]) / f"dcp-{kind}"
         self.ctype = AsyncCheckpointerType.THREAD if kind == "dcp_async_thread" else AsyncCheckpointerType.PROCESS
         self.stager = dcp_stager_for(kind, workload.cuda)
+        self.thread_count = int(r.spec.get("dcp_thread_count", 1))
         self.upload: Any = None
         self.staging: Any = None
         self.dirs: list[Path] = []
+        self._warm(workload.cuda)
 
-    def save(self, state: dict[str, Any], step: int) -> None:
+    def _warm(self, cuda: bool) -> None:
+        """One untimed save of a one-element state through this saver's stager and executor, so
+        that DCP's checkpoint process (the PROCESS executor spawns it at a rank's first
+        ``async_save``, for seconds) runs before the timed loop, as ckptd's daemon does (started
+        before the ranks). The stager's buffers for the real state are still made by the first
+        timed save, as ckptd's staging ring is."""
+        d = self.base / "warm"
+        self._start({"warm": torch.zeros(1, device="cuda" if cuda else "cpu")}, d)
+        self.finish()
+        self.upload = self.staging = None
+        self.fence_s = 0.0
+        self.r.rm(d)
+
+    def _start(self, state: dict[str, Any], d: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        if self.upload is not None:
-            self.upload.result()
-        d = self.base / f"step{step}"
-        self.dirs.append(d)
-        kw: dict[str, Any] = {"checkpoint_id": str(d), "async_checkpointer_type": self.ctype}
+        kw: dict[str, Any] = {
+            "checkpoint_id": str(d),
+            "storage_writer": dcp_writer(d, self.thread_count),
+            "async_checkpointer_type": self.ctype,
+        }
         if self.stager is not None:
             kw["async_stager"] = self.stager
         with warnings.catch_warnings():
@@ -227,6 +247,13 @@ class DcpSaver(Saver):
             fut = dcp.async_save(state, **kw)
         self.upload = getattr(fut, "upload_completion", fut)
         self.staging = getattr(fut, "staging_completion", None)
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        if self.upload is not None:
+            self.upload.result()
+        d = self.base / f"step{step}"
+        self.dirs.append(d)
+        self._start(state, d)
 
     def before_update(self) -> None:
         if self.staging is not None:
