@@ -15,9 +15,10 @@ tensors of ``--tensor-mib`` per rank (see :mod:`.suite_rank` and :mod:`.suite_tr
 2. saves by ckptd, DCP ``save``, DCP ``async_save`` THREAD and PROCESS with one DefaultStager
    reused (DCP's fastest settings) and PROCESS as called (a stager per call), DCP writing with
    ``FileSystemWriter(thread_count=N)``, ``N`` = ckptd's ``writer_threads`` / ranks (at least 1):
-   the first save's
-   stall, then stall per save (median, max), time until durable (ckptd: committed), persist
-   GiB/s (ckptd: the daemon's write + fsync window of the node; DCP: durable - stall);
+   the first save's stall, then stall per save (median, max), time until durable (ckptd:
+   committed; DCP: its ``.metadata`` written), persist GiB/s = bytes / (durable - stall) for
+   every method (DCP ``save`` blocks: bytes / durable); ckptd's daemon write window (writer wait,
+   write, fsync) is held against the sequential write + fsync reference;
 3. ckptd saves with ``snapshot="lazy"`` (stall = planning; the fence before the update waits);
    ckptd saves through a staging ring of ``--budget`` of a save, loaded back and compared;
 4. ``--soak-saves`` back-to-back ckptd saves: rank, daemon and staging memory after each;

@@ -83,6 +83,13 @@ def test_bench_all_cli_reports_every_section_and_target_and_cleans_up(tmp_path):
         assert s["first_stall_s"] > 0 and s["stall_s_median"] > 0, method
         assert s["stall_s_max"] >= s["stall_s_median"], method
         assert s["durable_s_median"] >= s["stall_s_median"] and s["persist_gibps"] > 0, method
+        # One persist window for every asynchronous method: from save() returning to durable.
+        if method != "dcp_save":
+            for row in s["saves"]:
+                assert row["persist_s"] == pytest.approx(row["durable_s"] - row["stall_s"]), (method, row)
+    assert all(row["daemon_window_s"] > 0 for row in saves["ckptd"]["saves"])
+    # DCP writes with the daemon's writer threads per rank (2 / 2 ranks).
+    assert res["config"]["writer_threads"] == 2 and res["config"]["dcp_thread_count"] == 1
     refs = saves["ckptd"]["write_ref"]
     assert refs and all(v > 0 for v in refs[0].values())
     assert main_["small"]["ckptd"]["stall_s_median"] > 0 and main_["small_tensors"] == 64
@@ -116,6 +123,8 @@ def test_bench_all_cli_reports_every_section_and_target_and_cleans_up(tmp_path):
         "many small tensors (64 tensors",
         "training loop: matmul",
         "load (GiB/s",
+        "persist GiB/s = bytes / (durable - stall)",
+        "DCP FileSystemWriter(thread_count=1) per rank; ckptd's daemon writer_threads=2 per node (2 ranks",
     ):
         assert line in table, table
     assert list((tmp_path / "d").iterdir()) == []  # every checkpoint removed
