@@ -189,6 +189,8 @@ def main() -> int:
         )
         return 0
     finally:
+        # A failed or interrupted run 2 leaves the hang rule: the daemon's writes would hang its stop.
+        (work / "disk-faults").unlink(missing_ok=True)
         stop_daemons(work / "ref")
         stop_daemons(work / "run")
         if not args.keep and not args.workdir:

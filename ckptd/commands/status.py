@@ -191,10 +191,11 @@ def run(args: argparse.Namespace) -> int:
     replies: list[dict[str, Any]] = []
     failed = False
     for d in daemons:
-        # Where to look next: the daemon's log (the job id is in its name).
-        where = {"job": d.endpoints.job, "log": str(d.endpoints.log_path)}
+        # Where to look next: the daemon's log, as it says (a foreground one logs to its stderr);
+        # of one that does not answer, the file a detached daemon logs to (the job id is in its name).
+        where = {"job": d.endpoints.job, "log": f"{d.endpoints.log_path} (if it was started detached)"}
         try:
-            replies.append({**daemon_status(d, config), **where})
+            replies.append({**where, **daemon_status(d, config)})
         except (DaemonError, ProtocolError) as exc:  # not answered, refused, or answered wrongly
             failed = True
             replies.append({"node": d.node, "pid": d.pid, **where, "error": str(exc)})

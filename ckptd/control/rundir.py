@@ -123,10 +123,13 @@ def _make_fallback(tmp: Path, name: str, uid: int) -> Path:
 
 def _lock(fd: int, tmp: Path) -> bool:
     try:
-        return lock_by(fd, time.monotonic() + LOCK_WAIT_S, _LOCK_POLL_S)
+        if lock_by(fd, time.monotonic() + LOCK_WAIT_S, _LOCK_POLL_S):
+            return True
+        why = f"another process held it for {LOCK_WAIT_S:g} s"
     except OSError as exc:
-        log.warning("could not lock %s to make a runtime directory (%s); going on without", tmp, exc)
-        return False
+        why = str(exc)
+    log.warning("could not lock %s to make a runtime directory (%s); going on without", tmp, why)
+    return False
 
 
 def _remove_empty(path: Path) -> None:

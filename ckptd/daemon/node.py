@@ -74,6 +74,10 @@ from .workers import (
 log = logging.getLogger(__name__)
 
 
+# What `ckptd status` names as the log of a daemon started in the foreground (no log file).
+_FOREGROUND_LOG = "its stderr (started in the foreground)"
+
+
 class NodeDaemon:
     def __init__(
         self,
@@ -404,6 +408,8 @@ class NodeDaemon:
             "node": self.ep.node,
             "root": str(self.ep.root),
             "job": self.ep.job,
+            # Where it logs: its log file when detached, else the stderr it was started with.
+            "log": str(self.ep.log_path) if self.runfiles.log_id is not None else _FOREGROUND_LOG,
             "clients": [{"rank": c.rank, "pid": c.pid} for c in self.ranks.clients.values()],
             "rings": self.rings.summary(),
             "jobs_in_flight": self.workers.in_flight,

@@ -289,3 +289,29 @@ def test_a_second_launch_on_the_same_machine_cannot_save_while_the_first_runs(si
     assert first.returncode == 0
     with ckptd.Checkpointer(root, config=cfg, env=JobEnv()) as ckpt:
         ckpt.save(state, step=3).wait(60)
+
+
+@pytest.mark.timeout(120)
+def test_status_says_a_foreground_daemon_logs_to_its_stderr(single):
+    """`ckptd status` named the log file of every daemon, which only a detached daemon writes: a
+    daemon started in the foreground (under Slurm or systemd) logs to its stderr, and says so."""
+    import subprocess
+    import sys
+
+    from tests.cli import REPO
+    from tools.harness.waiting import wait_until
+
+    root, runtime, env = single
+    root.mkdir()
+    cfg = ckptd.CkptdConfig.from_env({}, runtime_dir=runtime)
+    with open(os.path.join(runtime, "foreground.err"), "w") as err:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.cli", "daemon", "--root", str(root)], env=env, cwd=REPO, stderr=err
+        )
+    try:
+        wait_until(lambda: admin.local_daemons(root, cfg), 60, "the foreground daemon to serve")
+        run = ckptd_cli(env, "status", str(root))
+        assert run.returncode == 0 and "  log: its stderr (started in the foreground)\n" in run.stdout, run.stdout
+    finally:
+        assert ckptd_cli(env, "daemon", "stop", "--root", str(root)).returncode == 0
+        daemon.wait(timeout=60)
