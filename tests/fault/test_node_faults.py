@@ -167,6 +167,21 @@ def test_slow_node_and_unreachable_coordinator(tmp_path, runtime_dir):
 DEAD_DAEMON_COMMIT_TIMEOUT_S = 60.0
 
 
+def _step_3_commits_at_once(ckpt: ckptd.Checkpointer, rank: int, h2: ckptd.SaveHandle | None, out: dict) -> None:
+    """Every rank saves step 3 after node 1's daemon died with step 2: rank 1's save has its next
+    daemon abort step 2, so rank 0's handle of it (``h2``) fails saying why, and step 3 commits
+    without waiting out the commit timeout (``out``: the abort's reason, the commit's time)."""
+    t0 = time.monotonic()
+    h3 = ckpt.save(_sd(rank, 3), step=3)
+    if h2 is not None:
+        out["aborted"] = _failure(h2, DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+    h3.wait(timeout_s=DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
+    out["committed_s"] = time.monotonic() - t0
+    assert ckpt.latest() == 3
+    for step in (1, 3):
+        _check(ckpt, rank, step)
+
+
 def _dead_node_daemon(rank: int, world: int, env: dict[str, str], root: str, faults: str) -> dict:
     fault_file = as_node_rank(rank, env, faults)
     out: dict = {}
@@ -188,15 +203,7 @@ def _dead_node_daemon(rank: int, world: int, env: dict[str, str], root: str, fau
             out["lost"] = _failure(h2, 30)  # the rank finds its daemon gone
         dist.barrier()
         # --- the next step: rank 1's save starts node 1's next daemon, which it asks to abort step 2
-        t0 = time.monotonic()
-        h3 = ckpt.save(_sd(rank, 3), step=3)
-        if rank == 0:
-            out["aborted"] = _failure(h2, DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
-        h3.wait(timeout_s=DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
-        out["committed_s"] = time.monotonic() - t0
-        assert ckpt.latest() == 3
-        for step in (1, 3):
-            _check(ckpt, rank, step)
+        _step_3_commits_at_once(ckpt, rank, h2 if rank == 0 else None, out)
     finally:
         ckpt.close(wait=False)
     return out
@@ -244,15 +251,7 @@ def _daemon_lost_before_ack(rank: int, world: int, env: dict[str, str], root: st
             h2 = ckpt.save(_sd(rank, 2), step=2)
         dist.barrier()
         # --- rank 1's next save asks node 1's next daemon to abort step 2, which it never handed off
-        t0 = time.monotonic()
-        h3 = ckpt.save(_sd(rank, 3), step=3)
-        if h2 is not None:
-            out["aborted"] = _failure(h2, DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
-        h3.wait(timeout_s=DEAD_DAEMON_COMMIT_TIMEOUT_S / 3)
-        out["committed_s"] = time.monotonic() - t0
-        assert ckpt.latest() == 3
-        for step in (1, 3):
-            _check(ckpt, rank, step)
+        _step_3_commits_at_once(ckpt, rank, h2, out)
     finally:
         ckpt.close(wait=False)
     return out

@@ -22,6 +22,18 @@ def _value(step: int) -> torch.Tensor:
     return torch.full((64,), float(step))
 
 
+def _go_back_to_30_and_save_50(ckpt: ckptd.Checkpointer) -> None:
+    """Save 20, 30 and 40, go back to 30 (a load), save 50: its handle says 40 is left behind."""
+    for step in (20, 30, 40):
+        ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=120)
+    w = torch.zeros(64)
+    ckpt.load(_sd(w, -1), step=30)
+    assert torch.equal(w, _value(30))
+    h = ckpt.save(_sd(_value(50), 50), step=50)
+    h.wait(timeout_s=120)
+    assert any("iter_0000040 is on the branch it left" in t for t in h.warnings), h.warnings
+
+
 @pytest.mark.timeout(240)
 def test_a_rollback_on_s3_saving_above_the_left_step_keeps_the_step_it_went_back_to(s3_bucket, runtime_dir):
     """keep_last=2: save 20, 30, 40, go back to 30, save 50: before, 40 passed for 50's parent and
@@ -31,14 +43,7 @@ def test_a_rollback_on_s3_saving_above_the_left_step_keeps_the_step_it_went_back
     assert isinstance(location, S3Location)
     try:
         with ckptd.Checkpointer(root, config=_config(runtime_dir, keep_last=2)) as ckpt:
-            for step in (20, 30, 40):
-                ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=120)
-            w = torch.zeros(64)
-            ckpt.load(_sd(w, -1), step=30)
-            assert torch.equal(w, _value(30))
-            h = ckpt.save(_sd(_value(50), 50), step=50)
-            h.wait(timeout_s=120)
-            assert any("iter_0000040 is on the branch it left" in t for t in h.warnings), h.warnings
+            _go_back_to_30_and_save_50(ckpt)
             assert ckpt.latest() == 50
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
@@ -85,14 +90,7 @@ def test_a_rollback_on_node_local_disks_records_the_step_it_went_back_to(s3_buck
     cfg = _config(runtime_dir, mirror=f"s3://{s3_bucket}/m", node_local=True)
     try:
         with ckptd.Checkpointer(root, config=cfg) as ckpt:
-            for step in (20, 30, 40):
-                ckpt.save(_sd(_value(step), step), step=step).wait(timeout_s=120)
-            w = torch.zeros(64)
-            ckpt.load(_sd(w, -1), step=30)
-            assert torch.equal(w, _value(30))
-            h = ckpt.save(_sd(_value(50), 50), step=50)
-            h.wait(timeout_s=120)
-            assert any("iter_0000040 is on the branch it left" in t for t in h.warnings), h.warnings
+            _go_back_to_30_and_save_50(ckpt)
     finally:
         stop_root_daemons(root, runtime_dir, timeout_s=60)
     cat = scan_root(root, usage=False)
