@@ -15,32 +15,20 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import ShardedTensor
 from ckptd.errors import CorruptCheckpointError, StorageError
 from ckptd.recovery import resolve_latest
 from ckptd.storage.s3client import S3Client
 from ckptd.storage.url import parse_location
 from tests.multiproc import without_torchrun
+from tests.objstore.test_s3_roots import _commit_steps_1_and_2 as commit_steps_1_and_2
+from tests.objstore.test_s3_roots import _config, _sd
 from tools.harness.daemons import stop_root_daemons
 
 
-def _config(runtime_dir: Path) -> ckptd.CkptdConfig:
-    return ckptd.CkptdConfig.from_env({}, runtime_dir=str(runtime_dir), idle_exit_s=2.0, heartbeat_s=0.2)
-
-
-def _sd(w: torch.Tensor, step: int) -> dict:
-    return {"w": ShardedTensor.from_rank_offsets("w", w), "iteration": step}
-
-
 def _commit_steps_1_and_2(root: str, runtime_dir: Path) -> str:
-    """A Checkpointer on ``root`` commits steps 1 and 2 (64 values 1 and 2; its daemon is then
-    stopped); returns the key of step 2's data object."""
-    try:
-        with ckptd.Checkpointer(root, config=_config(runtime_dir)) as ckpt:
-            for step in (1, 2):
-                ckpt.save(_sd(torch.full((64,), float(step)), step), step=step).wait(timeout_s=60)
-    finally:
-        stop_root_daemons(root, runtime_dir, timeout_s=60)
+    """Steps 1 and 2 committed on ``root`` (:func:`tests.objstore.test_s3_roots._commit_steps_1_and_2`);
+    returns the key of step 2's data object."""
+    commit_steps_1_and_2(root, runtime_dir)
     client = S3Client(parse_location(root))
     (data,) = [i.key for i in client.list_objects("iter_0000002") if i.key.endswith(".distcp")]
     return data
