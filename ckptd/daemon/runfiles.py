@@ -37,7 +37,7 @@ from pathlib import Path
 from ..control.endpoints import Endpoints, create_token_file, open_private_dir, read_token_file
 from ..control.pidfile import PidLock
 from ..errors import CkptdError
-from ..format.safefs import lock_by
+from ..format.safefs import lock_by, still_named
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class RuntimeFiles:
                 )
                 os.close(fd)
                 return False
-            if _path_id(name, dir_fd) != _file_id(os.fstat(fd)):  # replaced before we locked it: next time
+            if not still_named(fd, name, dir_fd):  # replaced before we locked it: next time
                 os.close(fd)
                 return False
             os.ftruncate(fd, 0)
@@ -246,7 +246,7 @@ class RuntimeFiles:
         if self.restored_fd is None:
             return
         try:
-            if _path_id(str(self.ep.pid_path)) == _file_id(os.fstat(self.restored_fd)):
+            if still_named(self.restored_fd, self.ep.pid_path):
                 self.ep.pid_path.unlink(missing_ok=True)
         finally:
             os.close(self.restored_fd)
